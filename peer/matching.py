@@ -105,7 +105,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment, minimize_scalar
+from scipy.optimize import linear_sum_assignment
 
 from peer.errors import InvalidArgument
 from peer.graph import NetworkGraph
@@ -150,6 +150,10 @@ class MatchOptions:
     ``shift``: power iteration runs on K + shift·I (the same leading eigenvector, since K ≥ 0);
     ``None`` = half of ‖K v₀‖/‖v₀‖ for the uniform start v₀, i.e. about λ₁/2 (module docstring);
     0 = plain power iteration as in pygmtools' ``sm``.
+    ``threads``: torch intra-op threads for the factorised solver, set for the duration of the
+    call and restored after; ``None`` = 1 while every hidden layer has ≤ 512 nodes (products of
+    that size gain nothing from a second thread, and lose 5–10x when another process holds a
+    core — measured here), else torch's current setting.
     """
 
     solver: str = "factorised"
@@ -164,6 +168,7 @@ class MatchOptions:
     dtype: str = "auto"
     dense_memory_cap: int = 2 * 2**30
     shift: float | None = None
+    threads: int | None = None
 
     def __post_init__(self):
         if self.solver not in SOLVERS:
@@ -190,6 +195,8 @@ class MatchOptions:
             raise InvalidArgument("options.few_valued", f"must be a bool, got {self.few_valued!r}")
         if self.shift is not None and (not _is_real(self.shift) or not math.isfinite(self.shift) or self.shift < 0):
             raise InvalidArgument("options.shift", f"must be None (the rule) or a finite number >= 0, got {self.shift!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, (int, np.integer)) or self.threads < 1):
+            raise InvalidArgument("options.threads", f"must be None (the rule) or a positive integer, got {self.threads!r}")
         if isinstance(self.dense_memory_cap, bool) or not isinstance(self.dense_memory_cap, (int, np.integer)) or self.dense_memory_cap <= 0:
             raise InvalidArgument("options.dense_memory_cap", f"must be a positive number of bytes, got {self.dense_memory_cap!r}")
 
@@ -243,19 +250,23 @@ def chebyshev_interpolation_bound(beta: float, degree: int) -> float:
     half-height. ATAP Thm 8.2 bounds the 1-D interpolation error by E = 4 M ρ^{−p} / (ρ − 1),
     M = exp(β b²). For the tensor interpolant, f − I_s I_t f = (f − I_s f) + I_s (f − I_t f), so the
     error is ≤ (1 + Λ_p) E with Λ_p ≤ (2/π) log(p + 1) + 1 the Lebesgue constant (ATAP Thm 15.2).
-    Every ρ > 1 gives a valid bound; the smallest found is returned.
+    Every ρ > 1 gives a valid bound; the smallest over a fine grid of ρ is returned.
     """
-    p = int(degree)
-    lebesgue = 2.0 / math.pi * math.log(p + 1) + 1.0
+    return float(_interpolation_bounds(beta, np.array([int(degree)]))[0])
 
-    def log_bound(log_rho: float) -> float:
-        rho = math.exp(log_rho)
-        b = (rho - 1.0 / rho) / 2.0
-        return math.log(1.0 + lebesgue) + math.log(4.0) + beta * b * b - p * log_rho - math.log(rho - 1.0)
 
-    upper = max(1.0, math.log(4.0 * p + 4.0))
-    res = minimize_scalar(log_bound, bounds=(1e-9, upper), method="bounded", options={"xatol": 1e-10})
-    return float(math.exp(min(res.fun, 700.0)))
+# log ρ grid for the bound: every ρ > 1 is valid; a fine grid finds one near the best.
+_LOG_RHO = np.geomspace(1e-6, 8.0, 1000)
+
+
+def _interpolation_bounds(beta: float, degrees: np.ndarray) -> np.ndarray:
+    """chebyshev_interpolation_bound for several degrees at once."""
+    p = degrees.astype(np.float64)[:, None]
+    rho = np.exp(_LOG_RHO)[None, :]
+    b = (rho - 1.0 / rho) / 2.0
+    lebesgue = 2.0 / math.pi * np.log(p + 1.0) + 1.0
+    log_b = np.log1p(lebesgue) + math.log(4.0) + beta * b * b - p * _LOG_RHO[None, :] - np.log(np.expm1(_LOG_RHO))[None, :]
+    return np.exp(np.minimum(log_b.min(axis=1), 700.0))
 
 
 @dataclass(frozen=True)
@@ -351,17 +362,21 @@ def gaussian_expansion(lo: float, hi: float, sigma: float, tol: float) -> Chebys
     if beta == 0.0:
         # every value equal: κ ≡ 1, one exact term.
         return ChebyshevExpansion(lo, hi, sigma, 0, np.ones(1), np.ones((1, 1)), 0.0, 0.0)
-    p_min = 1
-    while chebyshev_interpolation_bound(beta, p_min) > tol / 2:
-        p_min += 1
-        if p_min > MAX_CHEBYSHEV_DEGREE:
-            raise InvalidArgument(
-                "options.expansion_tol",
-                f"{tol:g} needs a Chebyshev degree above {MAX_CHEBYSHEV_DEGREE} for weights spanning [{lo:g}, {hi:g}] "
-                f"with sigma {sigma:g} (h²/σ = {beta:.3g}); raise expansion_tol or weight_sigma",
-            )
+    p_min = None
+    for start in range(1, MAX_CHEBYSHEV_DEGREE + 1, 64):
+        degrees = np.arange(start, min(start + 64, MAX_CHEBYSHEV_DEGREE + 1))
+        ok = np.flatnonzero(_interpolation_bounds(beta, degrees) <= tol / 2)
+        if ok.size:
+            p_min = int(degrees[ok[0]])
+            break
+    if p_min is None:
+        raise InvalidArgument(
+            "options.expansion_tol",
+            f"{tol:g} needs a Chebyshev degree above {MAX_CHEBYSHEV_DEGREE} for weights spanning [{lo:g}, {hi:g}] "
+            f"with sigma {sigma:g} (h²/σ = {beta:.3g}); raise expansion_tol or weight_sigma",
+        )
     best: ChebyshevExpansion | None = None
-    for p in range(p_min, min(p_min + 8, MAX_CHEBYSHEV_DEGREE) + 1):
+    for p in range(p_min, min(p_min + 6, MAX_CHEBYSHEV_DEGREE) + 1):
         interp = chebyshev_interpolation_bound(beta, p)
         lam, vec = np.linalg.eigh(_chebyshev_core(beta, p))
         weight = np.abs(lam) * np.abs(vec).sum(axis=0) ** 2
@@ -553,31 +568,42 @@ class _Stacked:
     With Φ[i, r, k] = F_r[i, k] and Ψ[j, r, l] = H_r[j, l]:
     E(V) = reshape(Φ → (nR, n′)) @ V, viewed as (n, R·n′), times reshape(Ψ → (n, R·n′))ᵀ;
     Eᵀ(U) = reshape(Φ → (nR, n′))ᵀ @ reshape(U @ reshape(Ψ → (n, R·n′)) → (nR, n′)).
-    The flops are those of 2R separate products; one large GEMM runs much closer to the
-    machine's peak than many small ones.
+    The flops are those of 2R separate products; a few large GEMMs run much closer to the
+    machine's peak than many small ones. The terms are kept in groups of ``GROUP`` so that the
+    intermediate is GROUP·n·n′, not R·n·n′.
     """
 
-    __slots__ = ("phi", "psi", "shape", "transposed")
+    GROUP = 4
+    __slots__ = ("phi", "psi", "transposed")
 
-    def __init__(self, phi: torch.Tensor, psi: torch.Tensor, transposed: bool = False):
+    def __init__(self, phi: list[torch.Tensor], psi: list[torch.Tensor], transposed: bool = False):
         self.phi, self.psi, self.transposed = phi, psi, transposed
-        self.shape = (phi.shape[0], phi.shape[2])
+
+    @classmethod
+    def from_full(cls, phi: torch.Tensor, psi: torch.Tensor) -> "_Stacked":
+        g = cls.GROUP
+        r = phi.shape[1]
+        return cls([phi[:, i : i + g].contiguous() for i in range(0, r, g)], [psi[:, i : i + g].contiguous() for i in range(0, r, g)])
 
     def t(self) -> "_Stacked":
         return _Stacked(self.phi, self.psi, not self.transposed)
 
+    def scaled(self, s: float) -> "_Stacked":
+        return _Stacked(self.phi, [p * s for p in self.psi], self.transposed)
+
     def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
-        n, r, m = self.phi.shape
-        phi = self.phi.reshape(n * r, m)
-        psi = self.psi.reshape(n, r * m)
-        if not self.transposed:
-            cost.add(n * r, m, m)
-            cost.add(n, r * m, n)
-            out += (phi @ v).reshape(n, r * m) @ psi.T
-        else:
-            cost.add(n, n, r * m)
-            cost.add(m, n * r, m)
-            out += phi.T @ (v @ psi).reshape(n * r, m)
+        for phi_g, psi_g in zip(self.phi, self.psi):
+            n, r, m = phi_g.shape
+            phi = phi_g.reshape(n * r, m)
+            psi = psi_g.reshape(n, r * m)
+            if not self.transposed:
+                cost.add(n * r, m, m)
+                cost.add(n, r * m, n)
+                out += (phi @ v).reshape(n, r * m) @ psi.T
+            else:
+                cost.add(n, n, r * m)
+                cost.add(m, n * r, m)
+                out += phi.T @ (v @ psi).reshape(n * r, m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -754,7 +780,7 @@ def _block_terms(block: _Block, dtype: torch.dtype) -> list[tuple[_Factor, _Fact
             phi = _stacked_functions(ch, wa, dtype)
             psi = _stacked_functions(ch, wb, dtype)
             psi *= torch.as_tensor(ch.eigenvalues, dtype=dtype)[None, :, None]
-            terms.append(_Stacked(phi, psi))
+            terms.append(_Stacked.from_full(phi, psi))
     return terms
 
 
@@ -780,7 +806,7 @@ def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost) -> torch.Tens
 
 def _scaled(term, s: float):
     if isinstance(term, _Stacked):
-        return _Stacked(term.phi, term.psi * s)
+        return term.scaled(s)
     return (term[0], term[1].scaled(s))
 
 
@@ -1177,6 +1203,21 @@ def match_graphs(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOpt
     options = MatchOptions() if options is None else options
     if not isinstance(options, MatchOptions):
         raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+    _check_graphs(graph_a, graph_b)
+    threads = options.threads
+    if threads is None:
+        threads = 1 if max(graph_a.sizes) <= AUTO_FLOAT64_MAX_WIDTH else torch.get_num_threads()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = _match(graph_a, graph_b, options)
+    finally:
+        torch.set_num_threads(previous)
+    result.diagnostics["threads"] = threads
+    return result
+
+
+def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) -> MatchResult:
     dense = options.solver == "dense"
     aff = Affinity(graph_a, graph_b, options, build_operator=not dense)
     diag = aff.diagnostics()

@@ -325,8 +325,10 @@ def test_block_expansion_reported_in_diagnostics(monkeypatch):
     assert [blk["block"] for blk in blocks] == ["input->0", "0->1", "1->2", "2->output"]
     assert all(blk["expansion"] == "chebyshev" and 0 < blk["error_bound"] <= 1e-6 for blk in blocks)
     assert r.diagnostics["expansion_error_bound"] <= 1e-6
-    # 2 hidden–hidden blocks × 2 directions × 2 stacked GEMMs, each block 4·R·n·m·(n + m) flops
-    assert r.diagnostics["dense_products_per_iteration"] == 8
+    # 2 hidden–hidden blocks × 2 directions × 2 stacked GEMMs per group of terms, each block
+    # 4·R·n·m·(n + m) flops
+    groups = sum(math.ceil(blk["terms"] / matching._Stacked.GROUP) for blk in blocks[1:3])
+    assert r.diagnostics["dense_products_per_iteration"] == 4 * groups
     want = sum(4 * blk["terms"] * n * m * (n + m) for blk, (n, m) in zip(blocks[1:3], [(7, 6), (5, 7)]))
     assert r.diagnostics["flops_per_iteration"] == want
     monkeypatch.setattr(matching, "SPARSE_MAX_DENSITY", 1.0)  # these small layers would be stored dense
@@ -445,7 +447,8 @@ def test_bad_inputs_are_named():
 
 @pytest.mark.parametrize("field,value", [("solver", "magic"), ("dtype", "float16"), ("activation_weight", -1.0), ("edge_weight", math.nan),
                                          ("activation_sigma", 0.0), ("weight_sigma", -2.0), ("max_iter", 0), ("tol", 0.0),
-                                         ("expansion_tol", 1e-20), ("few_valued", 1), ("dense_memory_cap", 0), ("shift", -1.0)])
+                                         ("expansion_tol", 1e-20), ("few_valued", 1), ("dense_memory_cap", 0), ("shift", -1.0),
+                                         ("threads", 0)])
 def test_bad_options_are_named(field, value):
     with pytest.raises(InvalidArgument, match=rf"options\.{field}"):
         MatchOptions(**{field: value})
