@@ -247,6 +247,12 @@ def _is_real(v) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b in float64 through torch, so that it runs on the torch threads match_graphs sets:
+    numpy's BLAS starts all its threads even for small products, and stalls when a core is busy."""
+    return (torch.as_tensor(np.asarray(a, dtype=np.float64)) @ torch.as_tensor(np.asarray(b, dtype=np.float64))).numpy()
+
+
 def gaussian_kernel(x, y, sigma: float):
     """κ(x, y) = exp(−(x − y)² / σ) elementwise (broadcasting); numpy or torch."""
     d = x - y
@@ -335,7 +341,7 @@ class ChebyshevExpansion:
                 np.multiply(s, cheb[j - 1], out=cheb[j])
                 cheb[j] *= 2.0
                 cheb[j] -= cheb[j - 2]
-            out[:, start : start + chunk] = self.eigenvectors.T @ cheb
+            out[:, start : start + chunk] = _matmul(self.eigenvectors.T, cheb)
         return out.reshape((self.terms, *x.shape))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -448,7 +454,7 @@ class _Sparse:
     ``local`` maps each non-zero to its position in ``touched``.
     """
 
-    __slots__ = ("shape", "rows", "cols", "vals", "unit", "touched", "local", "one_per_row")
+    __slots__ = ("shape", "rows", "cols", "vals", "unit", "touched", "local", "one_per_row", "full")
 
     def __init__(self, shape, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor):
         self.shape = (int(shape[0]), int(shape[1]))
@@ -457,6 +463,8 @@ class _Sparse:
         self.unit = bool(torch.all(self.vals == 1))
         self.touched, self.local = torch.unique_consecutive(self.rows, return_inverse=True)
         self.one_per_row = self.touched.shape[0] == self.rows.shape[0]
+        # every row holds exactly one non-zero (the multi-bit mechanism with m = 1, both signs)
+        self.full = self.one_per_row and self.touched.shape[0] == self.shape[0]
 
     @property
     def nnz(self) -> int:
@@ -489,6 +497,10 @@ class _Sparse:
 
     def times_t(self, m: torch.Tensor, touched_only: bool = False) -> torch.Tensor:
         """M @ Sᵀ, shape (M.shape[0], S.shape[0]), or only its columns ``touched``."""
+        if self.one_per_row and (touched_only or self.full):
+            # column c of the result is column cols[c] of M, scaled: a gather, no scatter
+            g = m.index_select(1, self.cols)
+            return g if self.unit else g * self.vals
         width = self.touched.shape[0] if touched_only else self.shape[0]
         target = self.local if touched_only else self.rows
         out = torch.zeros((m.shape[0], width), dtype=m.dtype)
@@ -542,24 +554,43 @@ class _Cost:
         self.flops += 2.0 * a * b * c
 
 
-def _apply_term(f: _Factor, h: _Factor, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
+class _RankOne:
+    """V's sums, computed once per block application, and the rank-one parts of the result
+    (c·J, w 1ᵀ, 1 wᵀ) accumulated as a scalar and two vectors, added to the output once."""
+
+    __slots__ = ("total", "col_sums", "row_sums", "scalar", "per_row", "per_col")
+
+    def __init__(self, v: torch.Tensor, n_rows: int):
+        self.total = v.sum()
+        self.col_sums = v.sum(dim=0)  # Vᵀ1
+        self.row_sums = v.sum(dim=1)  # V1
+        self.scalar = torch.zeros((), dtype=v.dtype)
+        self.per_row = torch.zeros(n_rows, dtype=v.dtype)  # out[i, j] += per_row[i]
+        self.per_col = torch.zeros(n_rows, dtype=v.dtype)  # out[i, j] += per_col[j]
+
+    def add_to(self, out: torch.Tensor) -> None:
+        out += self.per_row[:, None]
+        out += (self.per_col + self.scalar)[None, :]
+
+
+def _apply_term(f: _Factor, h: _Factor, v: torch.Tensor, ones: _RankOne, out: torch.Tensor, cost: _Cost) -> None:
     """out += F V Hᵀ for F = c_F J + R_F (n×n′), V (n′×n′), H = c_H J + R_H (n×n′).
 
     (c_F J + R_F) V (c_H J + R_H)ᵀ = c_F c_H (1ᵀV1) J + c_F 1 (R_H Vᵀ1)ᵀ + c_H (R_F V1) 1ᵀ + R_F V R_Hᵀ:
-    the J terms cost matrix-vector products only; R_F V R_Hᵀ costs no dense product when both
-    are sparse, one (restricted to the touched rows/columns) when one is sparse, two when both
-    are dense.
+    the J terms cost matrix-vector products only (accumulated in ``ones``); R_F V R_Hᵀ costs no
+    dense product when both are sparse, one (restricted to the touched rows/columns) when one
+    is sparse, two when both are dense.
     """
     if f.ones and h.ones:
-        out += f.ones * h.ones * v.sum()
+        ones.scalar += f.ones * h.ones * ones.total
     if f.ones:
-        w = h.matvec_rest(v.sum(dim=0))
+        w = h.matvec_rest(ones.col_sums)
         if w is not None:
-            out += f.ones * w[None, :]
+            ones.per_col += f.ones * w
     if h.ones:
-        w = f.matvec_rest(v.sum(dim=1))
+        w = f.matvec_rest(ones.row_sums)
         if w is not None:
-            out += h.ones * w[:, None]
+            ones.per_row += h.ones * w
     if f.sparse is None and f.dense is None or h.sparse is None and h.dense is None:
         return
     if f.sparse is not None:
@@ -814,11 +845,15 @@ def _stacked_functions(ch: ChebyshevExpansion, w: np.ndarray, dtype: torch.dtype
 
 def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost) -> torch.Tensor:
     out = torch.zeros((n_rows, n_rows), dtype=v.dtype)
+    ones = None
     for term in terms:
         if isinstance(term, _Stacked):
             term.apply(v, out, cost)
         else:
-            _apply_term(term[0], term[1], v, out, cost)
+            ones = ones or _RankOne(v, n_rows)
+            _apply_term(term[0], term[1], v, ones, out, cost)
+    if ones is not None:
+        ones.add_to(out)
     return out
 
 
@@ -1063,7 +1098,7 @@ class Affinity:
 
 def _activation_affinity(a: np.ndarray, b: np.ndarray, sigma: float) -> np.ndarray:
     """exp(−‖a_i − b_j‖²/σ) for all pairs of rows (float64)."""
-    sq = np.sum(a * a, axis=1)[:, None] + np.sum(b * b, axis=1)[None, :] - 2.0 * (a @ b.T)
+    sq = np.sum(a * a, axis=1)[:, None] + np.sum(b * b, axis=1)[None, :] - 2.0 * _matmul(a, b.T)
     return np.exp(-np.maximum(sq, 0.0) / sigma)
 
 
