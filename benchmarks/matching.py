@@ -208,6 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small widths only (a smoke run)")
     ap.add_argument("--exact-4096-iterations", type=int, default=2, help="iterations to time for exact weights at width 4096")
+    ap.add_argument("--skip-exact-4096", action="store_true", help="leave out exact weights at width 4096 (minutes per iteration here)")
+    ap.add_argument("--part", type=int, choices=(1, 2), help="run only part 1 (against dense) or part 2 (large widths)")
+    ap.add_argument("--threads", type=int, help="torch threads for the factorised solver (default: MatchOptions' rule)")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON")
     args = ap.parse_args(argv)
     if args.case:
@@ -218,6 +221,10 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     dense_cases = [(2, w) for w in ((16, 32) if args.quick else (16, 32, 48, 64, 80, 96))] + [(3, w) for w in ((32,) if args.quick else (32, 64))]
     large_widths = (256,) if args.quick else (256, 1024, 4096)
+    if args.part == 2:
+        dense_cases = []
+    if args.part == 1:
+        large_widths = ()
 
     print("Part 1: factorised vs pygmtools' dense sm (same graphs; wall = min of 3 runs; 'same perm': yes, or tie = equal objective)")
     head = f"{'layers':>6} {'width':>5} {'features':>8} | {'dense s':>8} {'dense MB':>8} {'it':>3} | {'fact s':>7} {'fact MB':>7} {'it':>3} | {'speed-up':>8} {'cpu ratio':>9} {'same perm':>9} {'recovered':>9}"
@@ -227,7 +234,7 @@ def main(argv=None) -> int:
     for layers, width in dense_cases:
         for features in ("exact", "noisy"):
             spec = {"width": width, "layers": layers, "features": features, "repeats": REPEATS}
-            fact = in_subprocess({**spec, "solver": "factorised"}, 600)
+            fact = in_subprocess({**spec, "solver": "factorised", "threads": args.threads}, 600)
             dense = in_subprocess({**spec, "solver": "dense"}, 1800)
             row = {"layers": layers, "width": width, "features": features, "factorised": fact, "dense": dense}
             if "error" not in fact and "error" not in dense:
@@ -254,8 +261,10 @@ def main(argv=None) -> int:
     iterations_1024 = {}
     for width in large_widths:
         for features in ("noisy", "mixed", "exact"):
-            spec = {"width": width, "layers": 3, "features": features, "solver": "factorised"}
+            spec = {"width": width, "layers": 3, "features": features, "solver": "factorised", "threads": args.threads}
             projected = width >= 4096 and features == "exact"
+            if projected and args.skip_exact_4096:
+                continue
             if projected:
                 spec["max_iter"] = args.exact_4096_iterations
             r = in_subprocess(spec, 3600)
@@ -281,7 +290,7 @@ def main(argv=None) -> int:
             large_rows.append(r)
 
     report = {
-        "command": "benchmarks/matching.py" + (" --quick" if args.quick else ""),
+        "command": "benchmarks/matching.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
         "seconds": time.time() - started,
         "dense_comparison": dense_rows,

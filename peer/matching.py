@@ -862,8 +862,10 @@ def _stacked_functions(ch: ChebyshevExpansion, w: np.ndarray, dtype: torch.dtype
     return groups, sums / w.size
 
 
-def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost) -> torch.Tensor:
-    out = torch.zeros((n_rows, n_rows), dtype=v.dtype)
+def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out += Σ_t F_t V H_tᵀ (a new zero matrix when ``out`` is None), returned."""
+    if out is None:
+        out = torch.zeros((n_rows, n_rows), dtype=v.dtype)
     ones = None
     for term in terms:
         if isinstance(term, _Stacked):
@@ -1018,8 +1020,8 @@ class Affinity:
         for ell, b in enumerate(self.hidden_blocks, start=1):
             if not b.terms:
                 continue
-            out[ell] += _apply_block(b.terms, v[ell - 1], self.sizes[ell], cost)
-            out[ell - 1] += _apply_block(b.terms_t, v[ell], self.sizes[ell - 1], cost)
+            _apply_block(b.terms, v[ell - 1], self.sizes[ell], cost, out=out[ell])
+            _apply_block(b.terms_t, v[ell], self.sizes[ell - 1], cost, out=out[ell - 1])
         return out
 
     def diagonal(self) -> list[np.ndarray]:
@@ -1231,12 +1233,14 @@ def _power_iteration_factorised(aff: Affinity):
         w = aff.apply(v, cost)
         if shift is None:
             shift = 0.5 * _norm(w) / _norm(v)
-        w = [x + shift * y for x, y in zip(w, v)]
+        for x, y in zip(w, v):
+            x.add_(y, alpha=shift)
         norm = _norm(w)
         if not norm > 0:
             break
-        w = [x / norm for x in w]
-        residual = _norm([x - y for x, y in zip(w, v)])
+        for x in w:
+            x.div_(norm)
+        residual = math.sqrt(sum(float(torch.dist(x, y)) ** 2 for x, y in zip(w, v)))
         v = w
         if residual < opts.tol:
             converged = True
