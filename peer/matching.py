@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -164,12 +165,13 @@ class MatchOptions:
     ``shift``: power iteration runs on K + shift·I (the same leading eigenvector, since K ≥ 0);
     ``None`` = half of ‖K v₀‖/‖v₀‖ for the uniform start v₀, i.e. about λ₁/2 (module docstring);
     0 = plain power iteration as in pygmtools' ``sm``.
-    ``threads``: torch intra-op threads for the call (a process-wide torch setting: set on entry,
-    restored on exit, so two matches running in threads of one process share it). ``None`` = 1
-    while every hidden layer has ≤ 512 nodes, and 1 for the power iteration whenever K·v runs no
-    dense products (both sides few-valued: gathers and elementwise work); else torch's current
-    setting. Small products and memory-bound work gain nothing from a second thread and lose
-    5–10x when another process holds a core (measured here).
+    ``threads``: torch intra-op threads (a process-wide torch setting: set on entry, restored on
+    exit, so two matches running in threads of one process share it). ``None`` = the products
+    run on 1 thread while every hidden layer has ≤ 512 nodes and on torch's current setting
+    above, and everything else in the power iteration (gathers, scatter-adds, elementwise work)
+    on 1: measured here, torch's ``index_add_`` is 10–300x slower on two threads, and small
+    products gain nothing from a second thread and lose 5–10x when another process holds a
+    core. A number = every part on that many threads.
     """
 
     solver: str = "factorised"
@@ -543,17 +545,33 @@ class _Factor:
 
 
 class _Cost:
-    """Counts dense matrix products and their flops (per application of K)."""
+    """Counts dense matrix products and their flops (per application of K), and runs them on
+    ``product_threads`` torch threads while everything else stays on the caller's setting:
+    on this machine torch's ``index_add_`` is 10–300x slower with two threads than with one,
+    while a large product can use both cores (switching costs ~0.4 µs)."""
 
-    __slots__ = ("products", "flops")
+    __slots__ = ("products", "flops", "product_threads")
 
-    def __init__(self):
+    def __init__(self, product_threads: int | None = None):
         self.products = 0
         self.flops = 0.0
+        self.product_threads = product_threads
 
     def add(self, a: int, b: int, c: int):
         self.products += 1
         self.flops += 2.0 * a * b * c
+
+    @contextmanager
+    def threads(self):
+        base = torch.get_num_threads()
+        if self.product_threads is None or self.product_threads == base:
+            yield
+            return
+        torch.set_num_threads(self.product_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(base)
 
 
 class _RankOne:
@@ -601,16 +619,20 @@ def _apply_term(f: _Factor, h: _Factor, v: torch.Tensor, ones: _RankOne, out: to
             part = h.sparse.times_t(m)
         else:
             cost.add(m.shape[0], m.shape[1], h.shape[0])
-            part = m @ h.dense.T
+            with cost.threads():
+                part = m @ h.dense.T
         out.index_add_(0, f.sparse.touched, part)
     elif h.sparse is not None:
         q = h.sparse.times_t(v, touched_only=True)  # the touched columns of V R_Hᵀ
         cost.add(f.shape[0], f.shape[1], q.shape[1])
-        out.index_add_(1, h.sparse.touched, f.dense @ q)
+        with cost.threads():
+            part = f.dense @ q
+        out.index_add_(1, h.sparse.touched, part)
     else:
         cost.add(f.shape[0], f.shape[1], v.shape[1])
         cost.add(f.shape[0], v.shape[1], h.shape[0])
-        out += (f.dense @ v) @ h.dense.T
+        with cost.threads():
+            out += (f.dense @ v) @ h.dense.T
 
 
 class _Stacked:
@@ -638,14 +660,15 @@ class _Stacked:
             n, r, m = phi_g.shape
             phi = phi_g.reshape(n * r, m)
             psi = psi_g.reshape(n, r * m)
-            if not self.transposed:
-                cost.add(n * r, m, m)
-                cost.add(n, r * m, n)
-                out += (phi @ v).reshape(n, r * m) @ psi.T
-            else:
-                cost.add(n, n, r * m)
-                cost.add(m, n * r, m)
-                out += phi.T @ (v @ psi).reshape(n * r, m)
+            with cost.threads():
+                if not self.transposed:
+                    cost.add(n * r, m, m)
+                    cost.add(n, r * m, n)
+                    out += (phi @ v).reshape(n, r * m) @ psi.T
+                else:
+                    cost.add(n, n, r * m)
+                    cost.add(m, n * r, m)
+                    out += phi.T @ (v @ psi).reshape(n * r, m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -959,16 +982,6 @@ class Affinity:
         self.setup_seconds = time.perf_counter() - t0
 
     @property
-    def has_dense_products(self) -> bool:
-        """Whether K·v runs dense matrix products (exact weights on either side, or indicators
-        too dense to store sparse), rather than gathers and elementwise work only."""
-        for b in self.hidden_blocks:
-            for t in b.terms:
-                if isinstance(t, _Stacked) or t[0].dense is not None or t[1].dense is not None:
-                    return True
-        return False
-
-    @property
     def is_diagonal(self) -> bool:
         """No hidden–hidden couplings: one hidden layer, or edge_weight = 0."""
         return len(self.sizes) == 1 or self.options.edge_weight == 0
@@ -1223,13 +1236,13 @@ def _discretise(layers: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
     return tuple(perms)
 
 
-def _power_iteration_factorised(aff: Affinity):
+def _power_iteration_factorised(aff: Affinity, product_threads: int):
     opts = aff.options
     v = [torch.full((n, n), 1.0 / aff.pairs, dtype=aff.dtype) for n in aff.sizes]
     shift = opts.shift
     converged, it, residual, norm, cost = False, 0, float("inf"), 0.0, _Cost()
     for it in range(1, opts.max_iter + 1):
-        cost = _Cost()
+        cost = _Cost(product_threads)
         w = aff.apply(v, cost)
         if shift is None:
             shift = 0.5 * _norm(w) / _norm(v)
@@ -1330,16 +1343,16 @@ def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) 
     elif dense:
         layers, it, converged, residual, norm, cost, shift = _power_iteration_dense(aff, kmat)
     else:
-        threads = torch.get_num_threads()
-        if options.threads is None and not aff.has_dense_products:
-            threads = 1  # gathers and elementwise work only: a second thread only waits
-        setup_threads = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        # the products on the call's threads; gathers, scatters and elementwise work on one
+        # (unless threads were given)
+        product_threads = torch.get_num_threads()
+        base = product_threads if options.threads is not None else 1
+        torch.set_num_threads(base)
         try:
-            layers, it, converged, residual, norm, cost, shift = _power_iteration_factorised(aff)
+            layers, it, converged, residual, norm, cost, shift = _power_iteration_factorised(aff, product_threads)
         finally:
-            torch.set_num_threads(setup_threads)
-        diag["threads"] = threads
+            torch.set_num_threads(product_threads)
+        diag["threads"] = {"setup": product_threads, "iteration": base, "products": product_threads}
     t_iter = time.perf_counter() - t0
     del kmat
 
