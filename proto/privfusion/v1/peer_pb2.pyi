@@ -102,18 +102,22 @@ class PoolInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture_json: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., methods: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BudgetInfo(_message.Message):
-    __slots__ = ("scope", "epsilon_limit", "epsilon_remaining", "delta_limit", "delta_remaining")
+    __slots__ = ("budget", "scope", "epsilon_limit", "delta_limit", "epsilon_spent", "epsilon_remaining", "releases")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     EPSILON_LIMIT_FIELD_NUMBER: _ClassVar[int]
-    EPSILON_REMAINING_FIELD_NUMBER: _ClassVar[int]
     DELTA_LIMIT_FIELD_NUMBER: _ClassVar[int]
-    DELTA_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    budget: str
     scope: str
     epsilon_limit: float
-    epsilon_remaining: float
     delta_limit: float
-    delta_remaining: float
-    def __init__(self, scope: _Optional[str] = ..., epsilon_limit: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., delta_limit: _Optional[float] = ..., delta_remaining: _Optional[float] = ...) -> None: ...
+    epsilon_spent: float
+    epsilon_remaining: float
+    releases: int
+    def __init__(self, budget: _Optional[str] = ..., scope: _Optional[str] = ..., epsilon_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., releases: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("name", "certificate_sha256", "protocol", "insecure", "models", "pools", "mechanisms", "budgets", "has_probe_set", "max_chunk_bytes")

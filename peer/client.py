@@ -1,0 +1,304 @@
+"""The client side of privfusion.v1: ask a pinned peer for a release and check what comes back.
+
+A :class:`PeerClient` dials one peer with mutual TLS: it presents this site's certificate and
+trusts exactly the peer's pinned certificate (``root_certificates`` = that one certificate,
+``ssl_target_name_override`` = the peer's site name, a DNS SAN of its certificate), so the
+connection fails unless the server holds the pinned key, whatever address it was dialled at.
+
+Every release is checked as it streams (:class:`peer.wire.ReleaseReader`): the receipt's
+signature against the pinned certificate before any tensor is accepted, each tensor's
+checksum against both its header and the signed receipt, the stream's order and totals, and
+that the record names this site as the counterparty. gRPC failures become :class:`PeerError`
+with the peer's status and a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import grpc
+import numpy as np
+from safetensors.numpy import save_file
+
+from coordinator_free.identity import Identity
+from coordinator_free.trust import PinnedPeer, TrustStore
+from peer import wire
+from peer.errors import InvalidArgument, NotFound, PrivFusionError
+from peer.receipts import SignedReceipt, verify_receipt
+from peer.records import ReleaseRecord
+from privfusion.v1 import peer_pb2 as pb
+from privfusion.v1 import peer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("privfusion.client")
+
+RELEASE_TIMEOUT_S = 1800.0
+INFO_TIMEOUT_S = 30.0
+
+
+class PeerError(PrivFusionError):
+    """A peer refused or failed a call; ``status`` is the gRPC status name it ended with."""
+
+    def __init__(self, status: str, message: str, details: str = ""):
+        self.status = status
+        self.details = details
+        super().__init__(message)
+
+
+def explain(error: grpc.RpcError, peer: str, address: str) -> PeerError:
+    """A clear message for each way a call can fail (status kept for callers to branch on)."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else "") or ""
+    name = code.name if code is not None else "UNKNOWN"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        low = details.lower()
+        handshake = any(s in low for s in ("socket closed", "handshake", "ssl", "certificate", "tsi"))
+        if "connection refused" in low or not handshake:
+            msg = f"peer {peer!r} at {address} is down or unreachable (no connection: {details})"
+        else:
+            msg = (f"peer {peer!r} at {address} closed the connection during the TLS handshake: it does not accept this "
+                   f"site's certificate (not pinned there, or expired), or it is not the {peer!r} you pinned ({details})")
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        msg = f"{peer!r} refused: privacy budget exhausted; nothing was released ({details})"
+    elif code == grpc.StatusCode.PERMISSION_DENIED:
+        msg = f"{peer!r} refused: not permitted ({details})"
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        msg = f"{peer!r} does not recognise this site's certificate ({details}); ask it to pin yours (`privfusion peer trust add`)"
+    elif code == grpc.StatusCode.INVALID_ARGUMENT:
+        msg = f"{peer!r} rejected the request: {details}"
+    elif code == grpc.StatusCode.NOT_FOUND:
+        msg = f"{peer!r} has no such thing: {details}"
+    elif code == grpc.StatusCode.FAILED_PRECONDITION:
+        msg = f"{peer!r} cannot serve this now: {details}"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        msg = f"{peer!r} did not answer in time ({details})"
+    elif code == grpc.StatusCode.CANCELLED:
+        msg = f"the call to {peer!r} was cancelled ({details})"
+    else:
+        msg = f"{peer!r} failed with {name}: {details}"
+    return PeerError(name, msg, details)
+
+
+def _host_of(address: str) -> str:
+    """The host part of HOST:PORT (IPv6 in brackets)."""
+    if address.startswith("[") and "]" in address:
+        return address[1:address.index("]")]
+    return address.rsplit(":", 1)[0]
+
+
+def resolve_peer(trust: TrustStore, address: str, peer: str | None) -> PinnedPeer:
+    """The pinned certificate to expect at ``address``: ``peer``'s, or the one pinned peer
+    whose certificate names that host (IP or DNS SAN)."""
+    if peer:
+        return trust.get(peer)
+    from cryptography import x509
+
+    host = _host_of(address)
+    try:
+        want: Any = ipaddress.ip_address(host)
+    except ValueError:
+        want = host.lower()
+    matches = []
+    for p in trust.peers().values():
+        sans = x509.load_pem_x509_certificate(p.cert_pem).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = [str(n).lower() for n in sans.get_values_for_type(x509.DNSName)] + list(sans.get_values_for_type(x509.IPAddress))
+        if want in names:
+            matches.append(p)
+    if len(matches) != 1:
+        found = ", ".join(m.name for m in matches) or "none"
+        raise NotFound(f"cannot tell which pinned peer serves {address} (pinned certificates naming {host!r}: {found}); give --peer NAME")
+    return matches[0]
+
+
+class PeerClient:
+    """A mutually authenticated connection to one pinned peer."""
+
+    def __init__(self, identity: Identity, address: str, peer: str | None = None, insecure: bool = False,
+                 trust: TrustStore | None = None, max_release_bytes: int = wire.MAX_RELEASE_BYTES):
+        self.identity = identity
+        self.address = address
+        self.trust = trust or TrustStore(identity.trust_dir)
+        self.insecure = insecure
+        self.max_release_bytes = max_release_bytes
+        if insecure:
+            if not peer:
+                raise InvalidArgument("peer", "is required with --insecure (there is no certificate to tell who answers)")
+            log.warning("INSECURE: talking to %s at %s without TLS; anyone on the path can read and alter everything", peer, address)
+            self.peer_name = peer
+            pinned = self.trust.peers().get(peer)
+            self.peer_cert = pinned.cert_pem if pinned else None
+            self.channel = grpc.insecure_channel(address, options=wire.grpc_options())
+        else:
+            pinned = resolve_peer(self.trust, address, peer)
+            self.peer_name = pinned.name
+            self.peer_cert = pinned.cert_pem
+            creds = grpc.ssl_channel_credentials(root_certificates=pinned.cert_pem, private_key=identity.key_pem,
+                                                 certificate_chain=identity.cert_pem)
+            self.channel = grpc.secure_channel(address, creds, options=wire.grpc_options() + [
+                ("grpc.ssl_target_name_override", pinned.name)])
+        self.stub = pb_grpc.PeerStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "PeerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def header(self) -> pb.RequestHeader:
+        return pb.RequestHeader(sender=self.identity.name, receiver=self.peer_name)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_receipt(self, receipt: SignedReceipt) -> None:
+        if self.peer_cert is None:
+            raise InvalidArgument("receipt.signature", f"cannot be checked: {self.peer_name!r} is not pinned")
+        record = verify_receipt(receipt, self.peer_cert, expected_signer=self.peer_name)
+        if record.counterparty != self.identity.name:
+            raise InvalidArgument("receipt.record.counterparty", f"is {record.counterparty!r}, not this site ({self.identity.name!r})")
+
+    def _read(self, call, expected_kind: str, model: str) -> wire.Release:
+        try:
+            release = wire.ReleaseReader(self.max_release_bytes, on_receipt=self._check_receipt).read(call)
+        except grpc.RpcError as e:
+            raise explain(e, self.peer_name, self.address) from None
+        except InvalidArgument:
+            call.cancel()
+            raise
+        if release.kind != expected_kind or release.model != model:
+            raise InvalidArgument("manifest", f"announces a {release.kind!r} release of {release.model!r}, asked for {expected_kind!r} of {model!r}")
+        if release.receipt.record.subject != model:
+            raise InvalidArgument("receipt.record.subject", f"is {release.receipt.record.subject!r}, asked for {model!r}")
+        return release
+
+    def _unary(self, method, request, timeout):
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise explain(e, self.peer_name, self.address) from None
+
+    # ------------------------------------------------------------------ calls
+
+    def info(self, timeout: float = INFO_TIMEOUT_S) -> pb.PeerInfo:
+        return self._unary(self.stub.GetPeerInfo, pb.GetPeerInfoRequest(header=self.header()), timeout)
+
+    def features(self, model: str, probe: np.ndarray, *, activation_epsilon: float, weight_epsilon: float,
+                 unit: str = "neuron", activation_clip: tuple[float, float] | None = None,
+                 weight_bound: float | None = None, timeout: float = RELEASE_TIMEOUT_S) -> wire.Release:
+        """Noisy graph features of ``model`` on our ``probe`` set (streamed to the peer)."""
+        params = pb.FeaturesParams(header=self.header(), model=model, activation_epsilon=activation_epsilon,
+                                   weight_epsilon=weight_epsilon, unit=unit)
+        if activation_clip is not None:
+            params.activation_clip_low, params.activation_clip_high = float(activation_clip[0]), float(activation_clip[1])
+        if weight_bound is not None:
+            params.weight_bound = float(weight_bound)
+        probe = np.ascontiguousarray(probe)
+        if probe.dtype not in (np.float32, np.float64):
+            probe = probe.astype(np.float64)
+
+        def requests() -> Iterator[pb.FeaturesRequest]:
+            yield pb.FeaturesRequest(params=params)
+            for m in wire.tensor_messages("probe", probe):
+                yield pb.FeaturesRequest(probe=m) if m.DESCRIPTOR.name == "TensorHeader" else pb.FeaturesRequest(chunk=m)
+
+        return self._read(self.stub.ReleaseFeatures(requests(), timeout=timeout), "features", model)
+
+    def weights(self, model: str, *, epsilon: float, delta: float,
+                permutations: Mapping[str, np.ndarray] | None = None, timeout: float = RELEASE_TIMEOUT_S) -> wire.Release:
+        """PFA-perturbed weights of ``model``; with ``permutations`` (hidden layer name → index
+        array, index[i] = j: our node i is their node j) aligned to our model."""
+        perms = [pb.Permutation(layer=k, index=np.asarray(v, dtype=np.int64).tolist()) for k, v in (permutations or {}).items()]
+        req = pb.WeightsRequest(header=self.header(), model=model, epsilon=epsilon, delta=delta, permutations=perms)
+        return self._read(self.stub.ReleaseWeights(req, timeout=timeout), "weights", model)
+
+    def merged(self, pool: str, *, method: str, epsilon: float, delta: float,
+               timeout: float = RELEASE_TIMEOUT_S) -> wire.Release:
+        """A model merged from ``pool`` by RS or LC at the target (ε, δ)."""
+        req = pb.MergeRequest(header=self.header(), pool=pool, method=method, epsilon=epsilon, delta=delta)
+        return self._read(self.stub.ReleaseMerged(req, timeout=timeout), "merged", pool)
+
+    def fuse(self, model: str, *, partner: str, partner_model: str, alpha: float, activation_epsilon: float,
+             weight_epsilon: float, weights_epsilon: float, weights_delta: float,
+             timeout: float = RELEASE_TIMEOUT_S) -> wire.Release:
+        """The peer's ``model`` fused with ``partner``'s ``partner_model`` (the peer dials the partner)."""
+        req = pb.FuseRequest(header=self.header(), model=model, partner=partner, partner_model=partner_model, alpha=alpha,
+                             activation_epsilon=activation_epsilon, weight_epsilon=weight_epsilon,
+                             weights_epsilon=weights_epsilon, weights_delta=weights_delta)
+        return self._read(self.stub.Fuse(req, timeout=timeout), "fused", model)
+
+    def ledger(self, timeout: float = INFO_TIMEOUT_S) -> list[tuple[str, ReleaseRecord, str]]:
+        """The peer's ledger entries charged to this site: (entry id, record, created at)."""
+        try:
+            return [(e.entry_id, ReleaseRecord.from_json(e.record_json), e.created_at)
+                    for e in self.stub.ListLedger(pb.LedgerRequest(header=self.header()), timeout=timeout)]
+        except grpc.RpcError as e:
+            raise explain(e, self.peer_name, self.address) from None
+
+
+# ---------------------------------------------------------------------- saving releases
+
+
+def verify_upstream(release: wire.Release, trust: TrustStore) -> list[dict]:
+    """Check the receipts a release is built on against our own pins, where we have them."""
+    out = []
+    for r in release.upstream:
+        pinned = trust.peers().get(r.signer)
+        if pinned is None:
+            out.append({"signer": r.signer, "ledger_entry_id": r.ledger_entry_id, "verified": False,
+                        "reason": f"{r.signer!r} is not pinned here"})
+            continue
+        verify_receipt(r, pinned.cert_pem)
+        out.append({"signer": r.signer, "ledger_entry_id": r.ledger_entry_id, "verified": True})
+    return out
+
+
+def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks: list[dict] | None = None) -> tuple[Path, Path]:
+    """Write ``PATH.safetensors`` and the release document ``PATH.json`` beside it.
+
+    The JSON is a model-store manifest (format 1: name, architecture, metadata) whose metadata
+    holds the release record, the signed receipt (checkable offline with the signer's
+    certificate) and the receipts it is built on, so a released model loads with
+    ``peer.store.load_model``. Both files are written atomically.
+    """
+    p = Path(path)
+    if p.suffix == ".safetensors":
+        p = p.with_suffix("")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tensors_path, doc_path = p.with_name(p.name + ".safetensors"), p.with_name(p.name + ".json")
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(release.arrays, tmp, metadata={"privfusion_release": release.receipt.ledger_entry_id})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, tensors_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    doc = {
+        "format": 1,
+        "name": p.name,
+        "architecture": release.architecture,
+        "metadata": {
+            "release": {"kind": release.kind, "model": release.model, "signer": release.receipt.signer,
+                        "ledger_entry_id": release.receipt.ledger_entry_id, "metadata": release.metadata},
+            "record": release.receipt.record.to_dict(),
+            "receipt": json.loads(release.receipt.to_json()),
+            "upstream": [json.loads(u.to_json()) for u in release.upstream],
+            "upstream_checks": upstream_checks or [],
+        },
+    }
+    tmp_doc = doc_path.with_name(f".{doc_path.name}.tmp")
+    with open(tmp_doc, "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_doc, doc_path)
+    return tensors_path, doc_path
