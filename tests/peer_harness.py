@@ -1,0 +1,160 @@
+"""Real sites for tests: identities, model stores, site.toml files, daemons on loopback.
+
+Everything is real: keys and certificates from ``coordinator_free.identity``, pinned trust
+directories, safetensors model stores, a SQLite ledger file, the gRPC server with mutual TLS.
+Daemons run in-process (``running``) or as a separate ``privfusion peer serve`` process
+(``DaemonProcess``), the latter for signals and crashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coordinator_free.identity import Identity, init_identity, load_identity
+from coordinator_free.trust import TrustStore
+from peer.models import build_model, state_arrays
+from peer.store import save_model
+
+ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [16, 12], "output_dim": 10, "activation": "relu"}
+
+OPEN_POLICY = """
+[policy]
+show_remaining = "own"
+
+[policy.model]
+total = { epsilon = 1000.0, delta = 1e-3 }
+per_counterparty = { epsilon = 1000.0, delta = 1e-3 }
+
+[policy.peers."*"]
+allow = ["features", "weights", "merge", "fuse", "ledger"]
+"""
+
+
+@dataclass
+class SiteFiles:
+    name: str
+    root: Path
+    config: Path
+    identity_dir: Path
+
+    @property
+    def identity(self) -> Identity:
+        return load_identity(self.identity_dir)
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger.sqlite"
+
+
+def model_arrays(arch=ARCH, seed=0) -> dict[str, np.ndarray]:
+    return state_arrays(build_model(arch, seed=seed))
+
+
+def make_site(root: Path, name: str, *, models: dict | None = None, policy: str = OPEN_POLICY,
+              peers: dict[str, str] | None = None, probe: np.ndarray | None = None, seed: int | None = None,
+              workers: int = 8, activation_clip=(0.0, 4.0), grace: float = 5.0, extra_site: str = "") -> SiteFiles:
+    """A site directory with an identity, a model store, site.toml (and its [policy])."""
+    d = root / name
+    d.mkdir(parents=True)
+    init_identity(d / "identity", name, ["127.0.0.1", "localhost"])
+    for model_name, (arch, arrays) in (models if models is not None else {"mlp": (ARCH, model_arrays())}).items():
+        save_model(d / "models", model_name, arch, arrays)
+    (d / "models").mkdir(exist_ok=True)
+    lines = [
+        "[site]",
+        f'name = "{name}"',
+        'listen = "127.0.0.1:0"',
+        'identity = "identity"',
+        'models = "models"',
+        'ledger = "ledger.sqlite"',
+        f"workers = {workers}",
+        f"shutdown_grace_s = {grace}",
+    ]
+    if seed is not None:
+        lines.append(f"seed = {seed}")
+    if probe is not None:
+        from safetensors.numpy import save_file
+
+        save_file({"x": np.ascontiguousarray(probe)}, str(d / "probe.safetensors"))
+        lines.append('probe = "probe.safetensors"')
+    lines.append(extra_site)
+    lines += ["", "[site.mechanisms]", f"activation_clip = [{activation_clip[0]}, {activation_clip[1]}]"]
+    for peer, address in (peers or {}).items():
+        lines += ["", f'[site.peers."{peer}"]', f'address = "{address}"']
+    (d / "site.toml").write_text("\n".join(lines) + "\n" + policy)
+    return SiteFiles(name, d, d / "site.toml", d / "identity")
+
+
+def pin(site: SiteFiles, *others: SiteFiles) -> None:
+    store = TrustStore(site.identity_dir / "trusted")
+    for o in others:
+        store.add((o.identity_dir / "site.crt").read_bytes())
+
+
+def pin_each_other(*sites: SiteFiles) -> None:
+    for s in sites:
+        pin(s, *[o for o in sites if o is not s])
+
+
+def set_peer_address(site: SiteFiles, peer: str, address: str) -> None:
+    text = site.config.read_text()
+    site.config.write_text(text.replace("[policy]", f'[site.peers."{peer}"]\naddress = "{address}"\n\n[policy]', 1))
+
+
+@contextlib.contextmanager
+def running(site: SiteFiles, insecure: bool = False):
+    """An in-process daemon for ``site``; yields (daemon, "127.0.0.1:PORT")."""
+    from peer.daemon import Daemon, open_site
+
+    daemon = Daemon(open_site(site.config, insecure=insecure))
+    port = daemon.start()
+    try:
+        yield daemon, f"127.0.0.1:{port}"
+    finally:
+        daemon.stop(grace=1.0)
+
+
+def client(site: SiteFiles, address: str, peer: str | None = None, **kw):
+    from peer.client import PeerClient
+
+    return PeerClient(site.identity, address, peer=peer, **kw)
+
+
+class DaemonProcess:
+    """``privfusion peer serve`` in its own process (for SIGTERM / SIGKILL tests)."""
+
+    def __init__(self, site: SiteFiles, log_path: Path | None = None, insecure: bool = False):
+        self.site = site
+        self.ready = site.root / f"ready-{time.monotonic_ns()}.json"
+        self.log_path = log_path or site.root / "daemon.log"
+        self.log = open(self.log_path, "ab")
+        args = [sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(site.config), "--ready-file", str(self.ready)]
+        if insecure:
+            args.append("--insecure")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=env)
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready.exists():
+                return f"127.0.0.1:{json.loads(self.ready.read_text())['port']}"
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready after {timeout}s: {self.log_path.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
