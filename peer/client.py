@@ -20,7 +20,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import grpc
 import numpy as np
@@ -119,8 +119,12 @@ class PeerClient:
     """A mutually authenticated connection to one pinned peer."""
 
     def __init__(self, identity: Identity, address: str, peer: str | None = None, insecure: bool = False,
-                 trust: TrustStore | None = None, max_release_bytes: int = wire.MAX_RELEASE_BYTES):
+                 trust: TrustStore | None = None, max_release_bytes: int = wire.MAX_RELEASE_BYTES,
+                 on_receipt: Callable[[SignedReceipt], None] | None = None):
+        """``on_receipt`` is called with each verified receipt as soon as it arrives, before any
+        tensor byte (the peer has charged its ledger by then, whatever happens next)."""
         self.identity = identity
+        self.on_receipt = on_receipt
         self.address = address
         self.trust = trust or TrustStore(identity.trust_dir)
         self.insecure = insecure
@@ -163,6 +167,8 @@ class PeerClient:
         record = verify_receipt(receipt, self.peer_cert, expected_signer=self.peer_name)
         if record.counterparty != self.identity.name:
             raise InvalidArgument("receipt.record.counterparty", f"is {record.counterparty!r}, not this site ({self.identity.name!r})")
+        if self.on_receipt is not None:
+            self.on_receipt(receipt)
 
     def _read(self, call, expected_kind: str, model: str) -> wire.Release:
         try:

@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 import tomllib
+import traceback
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,8 +376,9 @@ class JsonFormatter(logging.Formatter):
             out.update(fields)
         else:
             out["msg"] = message
-        if record.exc_info and record.levelno >= logging.ERROR:
-            out["error_type"] = record.exc_info[0].__name__ if record.exc_info[0] else None
+        if record.exc_info and record.levelno >= logging.ERROR and record.exc_info[2] is not None:
+            # where it failed (file:line function), never the message or locals: they may hold values
+            out["where"] = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(record.exc_info[2])[-6:]]
         return json.dumps(out, sort_keys=True, default=str)
 
 
