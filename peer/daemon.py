@@ -71,10 +71,9 @@ from peer.ledger import Ledger
 from peer.policy import Policy
 from peer.records import ReleaseRecord
 from peer.rng import Randomness, make_randomness
-from peer.service import MECHANISMS, ErrorInterceptor, PeerService, log_event
+from peer.service import MECHANISMS, ErrorInterceptor, PeerService, add_to_server, log_event
 from peer.store import StoredModel, list_models, load_model
 from privfusion.v1 import peer_pb2 as pb
-from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
 log = logging.getLogger("privfusion.peer")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name
@@ -412,7 +411,7 @@ class Daemon:
                                                              thread_name_prefix="peer"),
                                   interceptors=[ErrorInterceptor()], options=wire.grpc_options(),
                                   maximum_concurrent_rpcs=site.config.workers * 4)
-        pb_grpc.add_PeerServicer_to_server(self.service, self.server)
+        add_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.port: int | None = None

@@ -215,6 +215,27 @@ def graph_from_release(architecture: Mapping[str, Any], metadata: Mapping[str, A
     return graph
 
 
+# ------------------------------------------------------------------------ registration
+
+
+def add_to_server(service: "PeerService", server: grpc.Server) -> None:
+    """Register privfusion.v1.Peer like the generated ``add_PeerServicer_to_server``, except that
+    release streams go through :func:`peer.wire.serialize_frame` (chunk frames are pre-encoded
+    protobuf bytes; the wire format is the same)."""
+    descriptor = pb.DESCRIPTOR.services_by_name["Peer"]
+    handlers = {}
+    for method in descriptor.methods:
+        request = getattr(pb, method.input_type.name)
+        response = getattr(pb, method.output_type.name)
+        serialize = wire.serialize_frame if response is pb.ReleaseFrame else response.SerializeToString
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}[
+            (method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(getattr(service, method.name), request_deserializer=request.FromString,
+                                     response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+
+
 # ------------------------------------------------------------------------ the service
 
 
