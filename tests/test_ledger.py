@@ -564,3 +564,49 @@ def test_policy_other_errors():
         p.check_request("a", "fuse", 2.0)
     with pytest.raises(InvalidArgument, match="kind"):
         p.check_request("a", "nonsense", 0.1)
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def test_ledger_show_prints_entries_and_budgets(tmp_path, capsys):
+    from peer.cli import main
+
+    path = tmp_path / "show.db"
+    policy_text = EXAMPLE.replace('[policy.model.overrides."mlp-a"]\ntotal = { epsilon = 8.0, delta = 0.0 }\n', "")
+    (tmp_path / "site.toml").write_text(policy_text)
+    ledger = open_ledger(path, Policy.from_toml(tmp_path / "site.toml"))
+    ledger.charge(gaussian_record(subject="mlp-a", noise_std=8.0), "hospital-b")
+    ledger.charge(laplace_record(subject="mlp-a", epsilon=0.5), "hospital-c")
+    ledger.record_event(ledger.entries()[0].release_id, "sent")
+    ledger.close()
+    assert main(["ledger", "show", "--db", str(path), "--json", "--no-pld"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [e["counterparty"] for e in out["entries"]] == ["hospital-b", "hospital-c"]
+    budgets = {b["budget"]: b for b in out["budgets"]}
+    assert set(budgets) == {"model/mlp-a/total", "model/mlp-a/peer/hospital-b", "model/mlp-a/peer/hospital-c"}
+    assert budgets["model/mlp-a/peer/hospital-c"]["spent_epsilon_filter"] == pytest.approx(0.5)
+    assert budgets["model/mlp-a/total"]["epsilon_limit"] == 16.0
+    assert main(["ledger", "show", "--db", str(path), "--counterparty", "hospital-c", "--json", "--no-pld",
+                 "--policy", str(tmp_path / "site.toml")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [e["counterparty"] for e in out["entries"]] == ["hospital-c"]
+    assert {b["budget"] for b in out["budgets"]} == {"data/record:add-remove", "model/mlp-a/total",
+                                                     "model/mlp-a/peer/hospital-c"}
+    assert main(["ledger", "show", "--db", str(path), "--no-pld"]) == 0
+    text = capsys.readouterr().out
+    assert "model/mlp-a/peer/hospital-b" in text and "2 entries" in text
+    assert main(["ledger", "show", "--db", str(tmp_path / "none.db")]) == 2
+    assert "no ledger" in capsys.readouterr().err
+
+
+def test_logs_carry_ids_and_public_epsilon_only(tmp_path, caplog):
+    ledger = open_ledger(tmp_path / "log.db", make_policy(model_total=(1.0, 1e-6)))
+    rec = gaussian_record(noise_std=12.3456789)
+    with caplog.at_level("INFO", logger="peer.ledger"):
+        ledger.charge(rec, "b")
+        with pytest.raises(BudgetExhausted):
+            ledger.charge(gaussian_record(noise_std=0.123456789), "b")
+    text = caplog.text
+    assert rec.release_id in text and "mechanism=gaussian" in text and "refused" in text
+    assert "12.345" not in text and "0.12345" not in text and "noise_std" not in text
