@@ -610,3 +610,16 @@ def test_logs_carry_ids_and_public_epsilon_only(tmp_path, caplog):
     text = caplog.text
     assert rec.release_id in text and "mechanism=gaussian" in text and "refused" in text
     assert "12.345" not in text and "0.12345" not in text and "noise_std" not in text
+
+
+def test_a_totals_cache_that_disagrees_with_the_rows_is_detected(tmp_path):
+    path = tmp_path / "cache.db"
+    ledger = open_ledger(path, make_policy())
+    ledger.charge(gaussian_record(noise_std=30.0), "b")
+    ledger.close()
+    con = sqlite3.connect(path)
+    con.execute("UPDATE totals SET pure_epsilon = 0.5")  # the cache is the one mutable table
+    con.commit()
+    con.close()
+    with pytest.raises(FailedPrecondition, match="totals cache for model/m/total differs"):
+        open_ledger(path, make_policy())
