@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/ledger_throughput.py [--charges 400] [--dir /tmp]
 
-Runs the same number of charges (Gaussian per-neuron records, closed-form RDP, budget large
-enough never to refuse) from 1 thread, from 8 threads, and from 4 processes, each against a
+Runs the same number of charges (Gaussian per-neuron records read by peer.accounting, a
+budget large enough never to refuse) from 1 thread, from 8 threads, and from 4 processes, each against a
 fresh ledger file, and prints charges/s side by side. Each charge is one BEGIN IMMEDIATE
 transaction with an fsync of the WAL at commit, so the figure is bounded by the disk's fsync
 rate; contention adds the busy-wait of writers queued on SQLite's write lock.
@@ -19,20 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from peer.ledger import Ledger
 from peer.policy import Policy
 from peer.records import ReleaseRecord
 
 POLICY = Policy.from_mapping({"model": {"total": {"epsilon": 1e9, "delta": 1e-6}}})
-
-
-class GaussianOnly:
-    """Closed-form RDP of the Gaussian mechanism, α Δ²/(2σ²): keeps the benchmark about storage."""
-
-    def rdp_of_record(self, record, orders):
-        return np.asarray(orders, float) * record.sensitivity**2 / (2 * record.parameters["noise_std"] ** 2)
 
 
 def record(i: int) -> ReleaseRecord:
@@ -43,15 +34,15 @@ def record(i: int) -> ReleaseRecord:
 
 
 def charge_many(path: Path, n: int, tag: str) -> None:
-    ledger = Ledger(path, POLICY, accountant=GaussianOnly(), verify=False)
+    ledger = Ledger(path, POLICY, verify=False)
     for i in range(n):
         ledger.charge(record(i), tag)
     ledger.close()
 
 
 def run_threads(path: Path, total: int, workers: int) -> float:
-    Ledger(path, POLICY, accountant=GaussianOnly()).close()
-    ledger = Ledger(path, POLICY, accountant=GaussianOnly(), verify=False)
+    Ledger(path, POLICY).close()
+    ledger = Ledger(path, POLICY, verify=False)
     per = total // workers
 
     def work(w: int) -> None:
@@ -71,7 +62,7 @@ def run_threads(path: Path, total: int, workers: int) -> float:
 
 
 def run_processes(path: Path, total: int, workers: int) -> float:
-    Ledger(path, POLICY, accountant=GaussianOnly()).close()
+    Ledger(path, POLICY).close()
     ctx = multiprocessing.get_context("fork")
     per = total // workers
     procs = [ctx.Process(target=charge_many, args=(path, per, f"proc-{w}")) for w in range(workers)]
@@ -82,7 +73,7 @@ def run_processes(path: Path, total: int, workers: int) -> float:
         p.join()
     dt = time.perf_counter() - t0
     assert all(p.exitcode == 0 for p in procs)
-    Ledger(path, POLICY, accountant=GaussianOnly()).close()  # verify() at open
+    Ledger(path, POLICY).close()  # verify() at open
     return per * workers / dt
 
 
