@@ -40,6 +40,16 @@ def charge_many(path: Path, n: int, tag: str) -> None:
     ledger.close()
 
 
+def _run_all(workers: list) -> float:
+    """Start every thread or process at once and return the seconds until all have finished."""
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - t0
+
+
 def run_threads(path: Path, total: int, workers: int) -> float:
     Ledger(path, POLICY).close()
     ledger = Ledger(path, POLICY, verify=False)
@@ -49,13 +59,7 @@ def run_threads(path: Path, total: int, workers: int) -> float:
         for i in range(per):
             ledger.charge(record(i), f"peer-{w}")
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    dt = time.perf_counter() - t0
+    dt = _run_all([threading.Thread(target=work, args=(w,)) for w in range(workers)])
     ledger.verify()
     ledger.close()
     return per * workers / dt
@@ -66,12 +70,7 @@ def run_processes(path: Path, total: int, workers: int) -> float:
     ctx = multiprocessing.get_context("fork")
     per = total // workers
     procs = [ctx.Process(target=charge_many, args=(path, per, f"proc-{w}")) for w in range(workers)]
-    t0 = time.perf_counter()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    dt = time.perf_counter() - t0
+    dt = _run_all(procs)
     assert all(p.exitcode == 0 for p in procs)
     Ledger(path, POLICY).close()  # verify() at open
     return per * workers / dt
