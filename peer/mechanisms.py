@@ -525,7 +525,8 @@ def _upper_mills_shift(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     With Q(x) = ½ erfcx(x/√2) e^{−x²/2}, multiply through by e^{a²/2}.
     """
-    r = np.exp(-(b - a) * (b + a) / 2)
+    with np.errstate(over="ignore"):  # (b − a)(b + a) may overflow to inf: then r = 0, correctly
+        r = np.exp(-(b - a) * (b + a) / 2)
     return _SQRT2_OVER_PI * (1 - r) / (special.erfcx(a / _SQRT2) - r * special.erfcx(b / _SQRT2))
 
 
