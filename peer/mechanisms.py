@@ -22,7 +22,8 @@ bounds; everything else is fixed. The features themselves are the protected data
 PrivFusion's analysis): the guarantee says nothing about how a change of the training data
 propagates through the network. ``"entry"``: neighbouring releases differ in one scalar entry;
 allowed only when asked for, reported as such in every record. It is much weaker: a neuron has
-P + d + 1 entries, and group privacy over them costs that factor.
+P activation entries and d weight entries (bias included), and group privacy over them costs
+that factor.
 
 Public parameters and clipping
 ------------------------------
@@ -670,7 +671,9 @@ def default_entry_bound(fan_in: int) -> float:
 
 
 def default_clip_norm(fan_in: int) -> float:
-    """Public default L2 clip norm of one neuron's incoming vector (architecture only)."""
+    """Public default L2 clip norm of one neuron's incoming vector with its bias: the constant
+    DEFAULT_CLIP_NORM for every layer (trained rows have norm ≈ 1 whatever the fan-in, because
+    initialisation scales entries by 1/sqrt(fan_in))."""
     return DEFAULT_CLIP_NORM
 
 
