@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -380,7 +381,14 @@ def trained_digits_mlp():
 
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [64], "output_dim": 10}
     ds = load_dataset("digits")
-    model = train_classifier(arch, ds.x_train, ds.y_train, seed=0, epochs=8, batch_size=128, learning_rate=3e-3)
+    # one thread: this tiny model trains in a fraction of a second, while two threads on a
+    # shared 2-core machine spend seconds waiting for each other
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = train_classifier(arch, ds.x_train, ds.y_train, seed=0, epochs=8, batch_size=128, learning_rate=3e-3)
+    finally:
+        torch.set_num_threads(threads)
     return arch, state_arrays(model)
 
 
