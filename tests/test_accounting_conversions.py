@@ -175,3 +175,12 @@ def test_non_private_parts():
     assert composed.get_epsilon_for_delta(0.5) == math.inf
     mixed = pldm.mixture_pld([pldm.gaussian_pld(1.0, 1e-3), np_pld], [0.9, 0.1])
     assert mixed.get_delta_for_epsilon(30.0) == pytest.approx(0.1, abs=1e-9)
+
+
+def test_directional_deltas_match_dp_accounting():
+    p = pldm.subsampled_gaussian_pld(0.8, 0.1, "add-remove", 1e-3).self_compose(50)
+    eps = np.linspace(0.0, 6.0, 200)
+    for mine, theirs in zip(pldm.directional_deltas(p, eps), pldm.directions(p)):
+        np.testing.assert_allclose(mine, np.clip(theirs.get_delta_for_epsilon(eps), 0, 1), rtol=1e-9, atol=1e-15)
+    few = pldm.directional_deltas(p, eps[::40])
+    np.testing.assert_allclose(few[0], pldm.directional_deltas(p, eps)[0][::40], rtol=1e-9, atol=1e-15)

@@ -70,13 +70,40 @@ def is_non_private(pld: PLD) -> bool:
     return infinity_mass(pld) >= 1.0
 
 
+def _pmf_deltas(pmf, eps: np.ndarray) -> np.ndarray:
+    """δ(ε) = P(L = ∞) + Σ_{l > ε} p_l (1 − e^{ε − l}) of one direction's PMF, for sorted ε.
+
+    Few ε: the sum directly (no cancellation). Many ε: reverse cumulative sums of p and p·e^{l*−l}
+    (l* the largest finite loss), valid while the loss range keeps e^{l*−l} finite; otherwise
+    dp-accounting's own evaluation."""
+    dense = pmf.to_dense_pmf()
+    h = dense._discretization                     # noqa: SLF001 — dp-accounting 0.6.0 fields
+    probs = dense._probs                          # noqa: SLF001
+    inf_mass = float(dense._infinity_mass)        # noqa: SLF001
+    losses = (dense._lower_loss + np.arange(probs.size)) * h  # noqa: SLF001
+    if eps.size <= 16:
+        out = np.empty(eps.size)
+        for i, e in enumerate(eps):
+            start = int(np.searchsorted(losses, e, side="right"))
+            out[i] = inf_mass + float(np.dot(probs[start:], -np.expm1(e - losses[start:])))
+        return out
+    span = losses[-1] - losses[0] if losses.size else 0.0
+    if span > 600:
+        return np.asarray(pmf.get_delta_for_epsilon(eps), dtype=float)
+    top = losses[-1]
+    upper = np.concatenate([np.cumsum(probs[::-1])[::-1], [0.0]])
+    lower = np.concatenate([np.cumsum((probs * np.exp(top - losses))[::-1])[::-1], [0.0]])
+    start = np.searchsorted(losses, eps, side="right")
+    return inf_mass + upper[start] - np.exp(eps - top) * lower[start]
+
+
 def directional_deltas(pld: PLD, epsilon: float | Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(δ_REMOVE(ε), δ_ADD(ε)), each clamped to [0, 1]."""
+    """(δ_REMOVE(ε), δ_ADD(ε)), each clamped to [0, 1]; ε sorted ascending."""
     remove, add = directions(pld)
     eps = np.atleast_1d(np.asarray(epsilon, dtype=float))
-    d_remove = np.clip(remove.get_delta_for_epsilon(eps), 0.0, 1.0)
-    d_add = d_remove if add is remove else np.clip(add.get_delta_for_epsilon(eps), 0.0, 1.0)
-    return np.asarray(d_remove, dtype=float), np.asarray(d_add, dtype=float)
+    d_remove = np.clip(_pmf_deltas(remove, eps), 0.0, 1.0)
+    d_add = d_remove if add is remove else np.clip(_pmf_deltas(add, eps), 0.0, 1.0)
+    return d_remove, d_add
 
 
 def _log_abs_sinh(t: np.ndarray) -> np.ndarray:
