@@ -40,20 +40,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
 from peer.errors import InvalidArgument
+from peer.records import ReleaseRecord
 from peer.rng import Randomness
+
+if TYPE_CHECKING:
+    from peer.accounting import TrainingRecord
 
 # A per-example loss: (parameters, one input, one label) -> scalar tensor.
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
-
-ADJACENCIES = ("replace-one", "add-remove")
-
 
 def per_example_gradients(loss_fn: LossFn, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     """∇_θ ℓ(θ; x_i, y_i) for every i at once (torch.func vmap over grad): arrays of shape (n, *p.shape)."""
@@ -188,3 +189,93 @@ def classifier_loss(model: torch.nn.Module) -> LossFn:
         return torch.nn.functional.cross_entropy(logits, y_i.unsqueeze(0))
 
     return loss
+
+
+# --------------------------------------------------------------------------------------------
+# Classifiers and pools: the runs above, with their release records
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """One DP-SGD model and its complete mechanism description.
+
+    ``training`` is exactly the sequence of steps that ran (the accountant's TrainingRecord);
+    ``record`` is its "dpsgd" release record (level "data", ε/δ from the accountant);
+    ``dataset_size`` is the declared public n of the update's denominator."""
+
+    architecture: dict
+    arrays: dict[str, np.ndarray]
+    training: "TrainingRecord"
+    record: ReleaseRecord
+    dataset_size: int
+    init_seed: int
+
+
+def dpsgd_release_record(training: "TrainingRecord", *, delta: float, dataset_size: int, randomness: Randomness, init_seed: int, architecture: Mapping, subject: str = "") -> ReleaseRecord:
+    """The "dpsgd" release record of one run (CONTRACTS.md §2, built by the accountant: ε by PLD
+    at ``delta``, RDP and closed form in parameters), plus the public constants of this run's
+    update: the declared ``dataset_size`` n, the public ``init_seed`` and the architecture."""
+    from peer.accounting.records import dpsgd_record
+
+    record = dpsgd_record(training, delta, randomness=randomness.record_fields(), subject=subject)
+    params = record.to_dict()["parameters"]
+    params.update({
+        "dataset_size": int(dataset_size),
+        "init_seed": int(init_seed),
+        "architecture": dict(architecture),
+        "update": "theta <- theta - lr_t * (sum_{i in B_t} clip_{C_t}(grad_i) + sigma_t * C_t * z_t) / (q_t * n)",
+    })
+    return record.with_(parameters=params)
+
+
+def train_dpsgd_classifier(
+    architecture: Mapping,
+    x: np.ndarray,
+    y: np.ndarray,
+    training: "TrainingRecord",
+    *,
+    init_seed: int,
+    randomness: Randomness,
+    delta: float,
+    dataset_size: int | None = None,
+    subject: str = "",
+) -> TrainedModel:
+    """Train ``architecture`` (peer.models) on (x, y) with cross-entropy by DP-SGD, running
+    exactly ``training.steps`` from the public initialisation build_model(arch, seed=init_seed).
+    The unit of privacy is one record of (x, y) under ``training.adjacency``."""
+    from peer.models import build_model, input_tensor, validate_architecture
+
+    arch = validate_architecture(architecture)
+    model = build_model(arch, seed=init_seed)
+    xt = input_tensor(arch, x)
+    yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
+    n = len(xt) if dataset_size is None else dataset_size
+    params0 = {k: v.detach() for k, v in model.named_parameters()}
+    run = run_dpsgd(classifier_loss(model), params0, xt, yt, training.steps, randomness=randomness, dataset_size=n)
+    arrays = {k: v.numpy().astype(np.float32) for k, v in run.params.items()}
+    record = dpsgd_release_record(training, delta=delta, dataset_size=n, randomness=randomness, init_seed=init_seed, architecture=arch, subject=subject)
+    return TrainedModel(arch, arrays, training, record, int(n), int(init_seed))
+
+
+def train_pool(
+    architecture: Mapping,
+    x: np.ndarray,
+    y: np.ndarray,
+    trainings: Sequence["TrainingRecord"],
+    *,
+    init_seed: int,
+    randomness: Randomness,
+    delta: float,
+    dataset_size: int | None = None,
+) -> list[TrainedModel]:
+    """Several DP-SGD models on the same data from the same public initialisation, each with its
+    own independent noise stream (``randomness.spawn()``): the independence LC relies on."""
+    if not trainings:
+        raise InvalidArgument("trainings", "must describe at least one model")
+    adjacencies = {t.adjacency for t in trainings}
+    if len(adjacencies) > 1:
+        raise InvalidArgument("trainings", f"one pool has one unit of privacy; got adjacencies {sorted(adjacencies)}")
+    return [
+        train_dpsgd_classifier(architecture, x, y, t, init_seed=init_seed, randomness=randomness.spawn(), delta=delta, dataset_size=dataset_size)
+        for t in trainings
+    ]
