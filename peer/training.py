@@ -40,18 +40,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
+from peer.accounting import TrainingRecord
+from peer.accounting.records import dpsgd_record
 from peer.errors import InvalidArgument
+from peer.models import build_model, input_tensor, validate_architecture
 from peer.records import ReleaseRecord
 from peer.rng import Randomness
-
-if TYPE_CHECKING:
-    from peer.accounting import TrainingRecord
 
 # A per-example loss: (parameters, one input, one label) -> scalar tensor.
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
@@ -205,18 +205,16 @@ class TrainedModel:
 
     architecture: dict
     arrays: dict[str, np.ndarray]
-    training: "TrainingRecord"
+    training: TrainingRecord
     record: ReleaseRecord
     dataset_size: int
     init_seed: int
 
 
-def dpsgd_release_record(training: "TrainingRecord", *, delta: float, dataset_size: int, randomness: Randomness, init_seed: int, architecture: Mapping, subject: str = "") -> ReleaseRecord:
+def dpsgd_release_record(training: TrainingRecord, *, delta: float, dataset_size: int, randomness: Randomness, init_seed: int, architecture: Mapping, subject: str = "") -> ReleaseRecord:
     """The "dpsgd" release record of one run (CONTRACTS.md §2, built by the accountant: ε by PLD
     at ``delta``, RDP and closed form in parameters), plus the public constants of this run's
     update: the declared ``dataset_size`` n, the public ``init_seed`` and the architecture."""
-    from peer.accounting.records import dpsgd_record
-
     record = dpsgd_record(training, delta, randomness=randomness.record_fields(), subject=subject)
     params = record.to_dict()["parameters"]
     params.update({
@@ -232,7 +230,7 @@ def train_dpsgd_classifier(
     architecture: Mapping,
     x: np.ndarray,
     y: np.ndarray,
-    training: "TrainingRecord",
+    training: TrainingRecord,
     *,
     init_seed: int,
     randomness: Randomness,
@@ -243,8 +241,6 @@ def train_dpsgd_classifier(
     """Train ``architecture`` (peer.models) on (x, y) with cross-entropy by DP-SGD, running
     exactly ``training.steps`` from the public initialisation build_model(arch, seed=init_seed).
     The unit of privacy is one record of (x, y) under ``training.adjacency``."""
-    from peer.models import build_model, input_tensor, validate_architecture
-
     arch = validate_architecture(architecture)
     model = build_model(arch, seed=init_seed)
     xt = input_tensor(arch, x)
@@ -261,7 +257,7 @@ def train_pool(
     architecture: Mapping,
     x: np.ndarray,
     y: np.ndarray,
-    trainings: Sequence["TrainingRecord"],
+    trainings: Sequence[TrainingRecord],
     *,
     init_seed: int,
     randomness: Randomness,

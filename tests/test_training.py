@@ -203,3 +203,31 @@ def test_bad_steps_are_refused():
         run_dpsgd(_zero_loss, p, x, y, [], randomness=r)
     with pytest.raises(InvalidArgument, match="empty"):
         run_dpsgd(_zero_loss, p, x[:0], y[:0], [Step(1.0, 1.0, 1.0)], randomness=r)
+
+
+def test_the_record_describes_exactly_the_run():
+    """Re-running DP-SGD from nothing but the stored record (training steps, declared n, public
+    init seed, architecture, noise seed) reproduces the weights bit for bit; the record's ε is
+    the accountant's for that TrainingRecord."""
+    from peer.accounting import TrainingRecord, model_epsilon
+    from peer.training import train_dpsgd_classifier
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=40)
+    training = TrainingRecord.from_runs("add-remove", [(TrainingRecord.constant("add-remove", 1, 0.5, 1.0, 3.0, 0.5).steps[0], 4),
+                                                       (TrainingRecord.constant("add-remove", 1, 0.2, 0.5, 5.0, 0.5).steps[0], 3)])
+    model = train_dpsgd_classifier(MLP, x, y, training, init_seed=7, randomness=make_randomness(21), delta=1e-5)
+    rec = model.record
+    assert rec.mechanism == "dpsgd" and rec.level == "data" and rec.unit == "record:add-remove"
+    assert rec.randomness == "fixed-seed" and rec.seed == 21
+    replayed_steps = TrainingRecord.from_dict(rec.parameters["training"])
+    assert replayed_steps == training and replayed_steps.num_steps == 7
+    assert rec.parameters["dataset_size"] == 40 and rec.parameters["init_seed"] == 7
+    assert rec.epsilon == pytest.approx(model_epsilon(training, 1e-5).pld, rel=1e-12)
+    arch = dict(rec.parameters["architecture"])
+    init = build_model(arch, seed=rec.parameters["init_seed"])
+    again = run_dpsgd(classifier_loss(init), _params(init), input_tensor(arch, x), torch.as_tensor(y), replayed_steps.steps,
+                      randomness=make_randomness(rec.seed), dataset_size=rec.parameters["dataset_size"])
+    for k, v in again.params.items():
+        assert np.array_equal(v.numpy(), model.arrays[k])
