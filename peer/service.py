@@ -396,7 +396,7 @@ class PeerService(pb_grpc.PeerServicer):
             if not math.isfinite(bound) or bound <= 0:
                 raise InvalidArgument("weight_bound", f"must be a finite number > 0, got {bound!r}")
             bound = (-bound, bound)
-        self.site.policy_allows(caller, "features", model=p.model, epsilon=eps_x + eps_w if unit == "neuron" else max(eps_x, eps_w))
+        self.site.policy_allows(caller, "features")
 
         header = next(messages, None)
         if header is None or header.WhichOneof("part") != "probe":
@@ -425,7 +425,7 @@ class PeerService(pb_grpc.PeerServicer):
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
         perms = self._permutations(stored.architecture, request.permutations)
-        self.site.policy_allows(caller, "weights", model=request.model, epsilon=eps, delta=dlt)
+        self.site.policy_allows(caller, "weights")
         arrays, record = self.site.perturbed_weights(stored, eps, dlt)
         if perms is not None:
             from peer.fusion import permute_arrays
@@ -459,7 +459,7 @@ class PeerService(pb_grpc.PeerServicer):
         eps_w = check_epsilon(request.weight_epsilon, "weight_epsilon")
         eps = check_epsilon(request.weights_epsilon, "weights_epsilon")
         dlt = check_delta(request.weights_delta, "weights_delta")
-        self.site.policy_allows(caller, "fuse", model=request.model, epsilon=eps_x + eps_w + eps, delta=dlt)
+        self.site.policy_allows(caller, "fuse")
         probe = self.site.probe
         if probe is None:
             raise FailedPrecondition(f"{self.site.name!r} has no probe set, which Fuse needs (site.toml: probe)")
@@ -509,7 +509,7 @@ class PeerService(pb_grpc.PeerServicer):
             raise InvalidArgument("method", f"must be 'rs' (random selection) or 'lc' (linear combination), got {request.method!r}")
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
-        self.site.policy_allows(caller, "merge", model=request.pool, epsilon=eps, delta=dlt)
+        self.site.policy_allows(caller, "merge")
 
         from peer.pool import merge_pool
 
