@@ -8,7 +8,6 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from peer import wire

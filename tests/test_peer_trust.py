@@ -13,7 +13,6 @@ refusal the TLS layer makes happens before any call exists):
 """
 
 import datetime as dt
-import shutil
 
 import grpc
 import pytest
