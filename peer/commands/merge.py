@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from peer.merging import METHODS, MergedModel
 from peer.pool import load_pool, load_validation_file, merge_pool, save_merged
 from peer.rng import make_randomness
+from peer.training import torch_threads
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ def obtain_merge(request: MergeRequest, args: argparse.Namespace) -> MergedModel
 
 
 def run(args: argparse.Namespace) -> int:
+    with torch_threads(1):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     request = merge_request(args)
     merged = obtain_merge(request, args)
     weights_path, record_path = save_merged(args.out, merged)
