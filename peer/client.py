@@ -75,6 +75,10 @@ def explain(error: grpc.RpcError, peer: str, address: str) -> PeerError:
         else:
             msg = (f"peer {peer!r} at {address} closed the connection during the TLS handshake: it does not accept this "
                    f"site's certificate (not pinned there, or expired), or it is not the {peer!r} you pinned ({details})")
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent rpc limit" in details.lower():
+        msg = f"{peer!r} is busy (too many calls at once); nothing was charged, try again ({details})"
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details.lower():
+        msg = f"a message to or from {peer!r} exceeded gRPC's size limit ({details})"
     else:
         msg = _MESSAGES.get(name, "{peer!r} failed with {name}: {details}").format(peer=peer, name=name, details=details)
     return PeerError(name, msg, details)
