@@ -186,17 +186,13 @@ class PrefaultedSink:
 def fetch_prefaulted(identity_dir: str, address: str, nbytes: int, queue) -> None:
     """The same request, received into a prefaulted buffer (diagnostic)."""
     from coordinator_free.identity import load_identity
-    from peer import wire
     from peer.client import PeerClient
 
     sink = PrefaultedSink(nbytes)
     times = {}
     with PeerClient(load_identity(identity_dir), address, peer="site-a",
                     on_receipt=lambda _: times.setdefault("receipt", time.perf_counter())) as c:
-        req = c._release["ReleaseMerged"](
-            __import__("privfusion.v1.peer_pb2", fromlist=["MergeRequest"]).MergeRequest(
-                header=c.header(), pool="big", method="rs", epsilon=1000.0, delta=1e-5), timeout=1800)
-        wire.ReleaseReader(on_receipt=c._check_receipt, sink=sink).read(req)
+        c.merged("big", method="rs", epsilon=1000.0, delta=1e-5, out=sink)
         times["end"] = time.perf_counter()
     queue.put(times["end"] - times["receipt"])
 
