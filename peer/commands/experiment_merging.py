@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from peer.experiments.merging import Settings, markdown, plot_digits, plot_mean_estimation, run
-from peer.training import torch_threads
+from peer.models import torch_threads
 
 
 def run_merging(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from peer.errors import InvalidArgument
 from peer.merging import METHODS, MergedModel
 from peer.pool import load_pool, load_validation_file, merge_pool, save_merged
 from peer.rng import make_randomness
-from peer.training import torch_threads
+from peer.models import torch_threads
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from peer.errors import InvalidArgument
 from peer.models import accuracy, model_from_arrays
 from peer.pool import load_pool, load_splits, save_trained
 from peer.rng import make_randomness
-from peer.training import torch_threads, train_pool
+from peer.models import torch_threads
+from peer.training import train_pool
 
 # Three models with different (C, σ), from the least private (ε ≈ 9.6 at δ = 1e-5, T = 60,
 # replace-one) to the most private (ε ≈ 1.2).
