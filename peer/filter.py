@@ -37,7 +37,15 @@ real interaction and F_α take the same decisions, so P_real(S ∩ A′_α) = P_
 likewise under the neighbouring input. Hence for every event S,
 P_real(S) = Σ_α P_α(S ∩ A′_α) ≤ Σ_α [e^ε Q_α(S ∩ A′_α) + δ_α] = e^ε Q_real(S) + Σ_α δ_α. ∎
 
-So the guarantee is **(ε_G, δ_G)-DP with δ split evenly: δ_α = δ_G / |Λ_finite|**. The pure
+So the guarantee is **(ε_G, δ_G)-DP with δ split evenly: δ_α = δ_G / |Λ_finite|**. We do not
+rely on the unsplit version (δ_α = δ_G for every order): later work finds that "natural"
+filters over a whole privacy curve are not free in general (Regehr, Hu, Leeman, Manurangsi,
+Tholoniat, Lécuyer 2026, "Privacy Filters are Captured by Residues"; Tran, Koskela, Räisä,
+Honkela 2026, "f-DP Filters: Validity and Approximate Solutions"), while the single-order
+filter is (Haney et al. 2023 extend it to concurrent composition for RDP of a fixed order).
+The split costs log|Λ| nats beside log(1/δ_G) in the conversion: with the default 20 orders,
+ε_G = 1, δ_G = 1e-5, the filter admits 114 Gaussian releases at σ = 50 where the unsplit rule
+would admit 150 (4 vs 6 at σ = 10); at ε_G = 8, σ = 3: 17 vs 22. The pure
 track is the order "∞" of the same argument: pure ε-DP composes adaptively by summing ε
 (basic composition; the loss is bounded on every path), so its δ_∞ = 0 and it costs nothing in
 the split. A record with δ > 0 has infinite ε at order ∞.

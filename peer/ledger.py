@@ -345,6 +345,17 @@ class _Interpreted:
     lc: bool
 
 
+def _jsonable(value: Any) -> Any:
+    """Non-finite floats (an unknown limit, an infinite ε) become None for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
 def _dumps(value: Any) -> str:
     # repr-exact floats; ±inf as Infinity (read back by json.loads).
     return json.dumps(value, separators=(",", ":"))
@@ -728,13 +739,13 @@ class Ledger:
 
     def summary(self, *, counterparty: str | None = None, pld: bool = True) -> dict:
         """Everything ``privfusion ledger show`` prints, as JSON-ready data."""
-        return {
+        return _jsonable({
             "ledger": str(self.path),
             "orders": list(self.orders),
             "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
             "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
             "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
-        }
+        })
 
     # ---- consistency ----------------------------------------------------------------------------
 

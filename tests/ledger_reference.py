@@ -1,5 +1,6 @@
 """Independent references for the ledger tests: closed-form RDP of the Gaussian and Laplace
-mechanisms, dp-accounting's own RDP-to-DP conversion, and records built per CONTRACTS.md §1.
+mechanisms, the filter's rule recomputed with dp-accounting's own RDP-to-DP conversion, and
+records built per CONTRACTS.md §1. (The ledger itself reads records through peer.accounting.)
 
 Gaussian (Mironov 2017, Prop. 7): D_α = α Δ² / (2 σ²).
 Laplace with b = scale/sensitivity (Mironov 2017, Prop. 6):
@@ -12,7 +13,6 @@ import math
 
 import numpy as np
 from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
-from dp_accounting.pld import privacy_loss_distribution as pld
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 from peer.records import ReleaseRecord
@@ -47,29 +47,6 @@ def filter_spent(orders, rdp_total, pure_total, delta):
         share = delta / len(orders)
         best = min([best] + [compute_epsilon([o], [r], share)[0] for o, r in zip(orders, rdp_total)])
     return best
-
-
-class ClosedForms:
-    """An accountant for Gaussian, Laplace and composite records from closed forms only."""
-
-    def rdp_of_record(self, record: ReleaseRecord, orders) -> np.ndarray:
-        if record.mechanism == "gaussian":
-            return gaussian_rdp(orders, record.sensitivity, record.parameters["noise_std"])
-        if record.mechanism == "laplace":
-            return laplace_rdp(orders, record.sensitivity, record.parameters["scale"])
-        if record.mechanism == "composite":
-            parts = np.array([self.rdp_of_record(c, orders) for c in record.components])
-            return parts.sum(0) if record.parameters["composition"] == "sequential" else parts.max(0)
-        raise ValueError(f"no closed form for {record.mechanism}")
-
-    def pld_of_record(self, record: ReleaseRecord, value_discretization_interval: float = 1e-4):
-        if record.mechanism == "gaussian":
-            return pld.from_gaussian_mechanism(record.parameters["noise_std"], sensitivity=record.sensitivity,
-                                               value_discretization_interval=value_discretization_interval)
-        if record.mechanism == "laplace":
-            return pld.from_laplace_mechanism(record.parameters["scale"], sensitivity=record.sensitivity,
-                                              value_discretization_interval=value_discretization_interval)
-        raise ValueError(f"no PLD for {record.mechanism}")
 
 
 def gaussian_record(subject="m", noise_std=10.0, sensitivity=1.0, level="model", unit="neuron", **kw) -> ReleaseRecord:

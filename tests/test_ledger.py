@@ -19,15 +19,12 @@ from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ledger_reference import (ClosedForms, filter_admits, filter_spent, gaussian_rdp, gaussian_record,
-                              laplace_rdp, laplace_record)
+from ledger_reference import (filter_admits, filter_spent, gaussian_rdp, gaussian_record, laplace_rdp,
+                              laplace_record)
 from peer.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from peer.filter import FILTER_ORDERS, FilterBudget
 from peer.ledger import Ledger, per_neuron_record
 from peer.policy import Policy, PolicyError
-
-REF = ClosedForms()
-
 
 def make_policy(model_total=(4.0, 1e-6), per_cp=None, data=None, **extra) -> Policy:
     d = {"peers": {"*": {"allow": ["features", "weights", "merge", "fuse", "ledger"]}}}
@@ -45,7 +42,7 @@ def make_policy(model_total=(4.0, 1e-6), per_cp=None, data=None, **extra) -> Pol
 
 
 def open_ledger(path, policy, **kw) -> Ledger:
-    return Ledger(path, policy, accountant=REF, **kw)
+    return Ledger(path, policy, **kw)
 
 
 # ---- the filter's arithmetic ------------------------------------------------------------------
@@ -77,7 +74,7 @@ def test_gaussian_sequence_is_charged_then_refused_exactly_as_by_hand(tmp_path):
     for i in range(k):
         entry = ledger.charge(gaussian_record(noise_std=sigma), "b")
         assert entry.entry_id == i + 1
-        assert np.array_equal(np.asarray(entry.rdp), rho)
+        assert np.allclose(entry.rdp, rho, rtol=1e-12)
         (state,) = ledger.budget_states()
         assert state.spent_epsilon == pytest.approx(filter_spent(ledger.orders, (i + 1) * rho, math.inf, delta_g), rel=1e-12)
     with pytest.raises(BudgetExhausted, match=r"model/m/total .*limit \(ε=3, δ=1e-06\).*Nothing was released"):
@@ -238,7 +235,7 @@ def test_reopen_read_only_and_orders_are_fixed(tmp_path):
     ledger = open_ledger(path, make_policy(model_total=(2.0, 1e-6)))
     ledger.charge(gaussian_record(noise_std=10.0), "b")
     ledger.close()
-    ro = Ledger(path, accountant=REF)
+    ro = Ledger(path)
     (state,) = ro.budget_states()
     assert state.epsilon_limit == 2.0 and state.count == 1  # limits as recorded with the charge
     with pytest.raises(FailedPrecondition, match="without a policy"):
@@ -448,7 +445,7 @@ def test_random_sequences_never_exceed_the_filter(tmp_path_factory, seq, eps_g, 
     rdp, pure, last_spent = np.zeros(len(orders)), 0.0, 0.0
     for kind, x in seq:
         rec = gaussian_record(noise_std=x) if kind == "gaussian" else laplace_record(epsilon=x)
-        r = REF.rdp_of_record(per_neuron_record(rec), orders)
+        r = gaussian_rdp(orders, 1.0, x) if kind == "gaussian" else laplace_rdp(orders, 3.0, 3.0 / x)
         p = rec.epsilon if rec.delta == 0 else math.inf
         try:
             ledger.charge(rec, "b")
@@ -564,3 +561,130 @@ def test_policy_other_errors():
         p.check_request("a", "fuse", 2.0)
     with pytest.raises(InvalidArgument, match="kind"):
         p.check_request("a", "nonsense", 0.1)
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def test_ledger_show_prints_entries_and_budgets(tmp_path, capsys):
+    from peer.cli import main
+
+    path = tmp_path / "show.db"
+    policy_text = EXAMPLE.replace('[policy.model.overrides."mlp-a"]\ntotal = { epsilon = 8.0, delta = 0.0 }\n', "")
+    (tmp_path / "site.toml").write_text(policy_text)
+    ledger = open_ledger(path, Policy.from_toml(tmp_path / "site.toml"))
+    ledger.charge(gaussian_record(subject="mlp-a", noise_std=8.0), "hospital-b")
+    ledger.charge(laplace_record(subject="mlp-a", epsilon=0.5), "hospital-c")
+    ledger.record_event(ledger.entries()[0].release_id, "sent")
+    ledger.close()
+    assert main(["ledger", "show", "--db", str(path), "--json", "--no-pld"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [e["counterparty"] for e in out["entries"]] == ["hospital-b", "hospital-c"]
+    budgets = {b["budget"]: b for b in out["budgets"]}
+    assert set(budgets) == {"model/mlp-a/total", "model/mlp-a/peer/hospital-b", "model/mlp-a/peer/hospital-c"}
+    assert budgets["model/mlp-a/peer/hospital-c"]["spent_epsilon_filter"] == pytest.approx(0.5)
+    assert budgets["model/mlp-a/total"]["epsilon_limit"] == 16.0
+    assert main(["ledger", "show", "--db", str(path), "--counterparty", "hospital-c", "--json", "--no-pld",
+                 "--policy", str(tmp_path / "site.toml")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [e["counterparty"] for e in out["entries"]] == ["hospital-c"]
+    assert {b["budget"] for b in out["budgets"]} == {"data/record:add-remove", "model/mlp-a/total",
+                                                     "model/mlp-a/peer/hospital-c"}
+    assert main(["ledger", "show", "--db", str(path), "--no-pld"]) == 0
+    text = capsys.readouterr().out
+    assert "model/mlp-a/peer/hospital-b" in text and "2 entries" in text
+    assert main(["ledger", "show", "--db", str(tmp_path / "none.db")]) == 2
+    assert "no ledger" in capsys.readouterr().err
+
+
+def test_logs_carry_ids_and_public_epsilon_only(tmp_path, caplog):
+    ledger = open_ledger(tmp_path / "log.db", make_policy(model_total=(1.0, 1e-6)))
+    rec = gaussian_record(noise_std=12.3456789)
+    with caplog.at_level("INFO", logger="peer.ledger"):
+        ledger.charge(rec, "b")
+        with pytest.raises(BudgetExhausted):
+            ledger.charge(gaussian_record(noise_std=0.123456789), "b")
+    text = caplog.text
+    assert rec.release_id in text and "mechanism=gaussian" in text and "refused" in text
+    assert "12.345" not in text and "0.12345" not in text and "noise_std" not in text
+
+
+def test_a_totals_cache_that_disagrees_with_the_rows_is_detected(tmp_path):
+    path = tmp_path / "cache.db"
+    ledger = open_ledger(path, make_policy())
+    ledger.charge(gaussian_record(noise_std=30.0), "b")
+    ledger.close()
+    con = sqlite3.connect(path)
+    con.execute("UPDATE totals SET pure_epsilon = 0.5")  # the cache is the one mutable table
+    con.commit()
+    con.close()
+    with pytest.raises(FailedPrecondition, match="totals cache for model/m/total differs"):
+        open_ledger(path, make_policy())
+
+
+# ---- with the project's accountant (peer.accounting) --------------------------------------------
+
+
+def test_the_accountant_agrees_with_the_closed_forms():
+    from peer.accounting import rdp_of_record
+
+    orders = FILTER_ORDERS
+    g = gaussian_record(noise_std=7.0, sensitivity=2.0)
+    assert np.allclose(rdp_of_record(g, orders), gaussian_rdp(orders, 2.0, 7.0), rtol=1e-12)
+    lap = laplace_record(epsilon=0.7)
+    assert np.allclose(rdp_of_record(lap, orders), laplace_rdp(orders, 3.0, 3.0 / 0.7), rtol=1e-10)
+
+
+def full_batch(noise_multiplier, steps=20):
+    from peer.accounting import TrainingRecord
+
+    return TrainingRecord.constant("add-remove", steps, learning_rate=0.1, clip_norm=1.0,
+                                   noise_multiplier=noise_multiplier)
+
+
+def test_dpsgd_charge_matches_the_full_batch_closed_form(tmp_path):
+    from peer.accounting.records import dpsgd_record
+
+    ledger = open_ledger(tmp_path / "sgd.db", make_policy(data=("record:add-remove", 8.0, 1e-5)))
+    entry = ledger.charge(dpsgd_record(full_batch(6.0, steps=20), 1e-5, subject="pool/m0"), "b")
+    # Full batch, add/remove: each step is a Gaussian with noise multiplier σ: T·α/(2σ²).
+    assert np.allclose(entry.rdp, 20 * gaussian_rdp(ledger.orders, 1.0, 6.0), rtol=1e-9)
+    assert entry.budgets == ("data/record:add-remove",)
+
+
+def test_merges_from_one_pool_compose_only_when_sound(tmp_path):
+    from peer.accounting.records import dpsgd_record, lc_merge_record, rs_merge_record
+
+    ledger = open_ledger(tmp_path / "pool.db", make_policy(data=("record:add-remove", 50.0, 1e-5)))
+    pool1 = {f"pool1/m{i}": full_batch(s, steps=2) for i, s in enumerate([3.0, 6.0, 12.0])}
+    pool2 = {f"pool2/m{i}": full_batch(s, steps=2) for i, s in enumerate([4.0, 8.0])}
+    rs = lambda pool, pi: rs_merge_record(list(pool.values()), pi, 1e-5, names=list(pool), subject="pool")
+    lc = lambda pool, lam: lc_merge_record(list(pool.values()), lam, 1e-5, names=list(pool), subject="pool")
+    # RS releases (and a single model, RS with one model) sum soundly even on shared models.
+    ledger.charge(rs(pool1, [0.2, 0.3, 0.5]), "a")
+    ledger.charge(rs(pool1, [0.5, 0.5, 0.0]), "b")
+    ledger.charge(dpsgd_record(pool1["pool1/m2"], 1e-5, subject="pool1/m2"), "c")
+    # An LC merge sharing a model with an earlier release does not.
+    with pytest.raises(FailedPrecondition, match="LC merge cannot share models.*pool1/m0"):
+        ledger.charge(lc(pool1, [0.5, 0.25, 0.25]), "a")
+    ledger.charge(lc(pool2, [0.5, 0.5]), "a")  # disjoint models: independent, fine
+    with pytest.raises(FailedPrecondition, match="earlier LC merge"):
+        ledger.charge(rs(pool2, [1.0, 0.0]), "b")
+    assert [e.mechanism for e in ledger.entries()] == ["rs-merge", "rs-merge", "dpsgd", "lc-merge"]
+    with pytest.raises(InvalidArgument, match="subject"):
+        ledger.charge(dpsgd_record(full_batch(5.0, steps=2), 1e-5), "c")
+
+
+def test_ledger_show_reports_pld_beside_the_filter(tmp_path, capsys):
+    from peer.cli import main
+
+    path = tmp_path / "pld-show.db"
+    ledger = open_ledger(path, make_policy(model_total=(6.0, 1e-5)))
+    for _ in range(4):
+        ledger.charge(gaussian_record(noise_std=4.0), "b")
+    ledger.charge(laplace_record(epsilon=0.3, unit="entry"), "c")
+    ledger.close()
+    assert main(["ledger", "show", "--db", str(path), "--json"]) == 0
+    (budget,) = json.loads(capsys.readouterr().out)["budgets"]
+    assert budget["count"] == 5
+    assert 0 < budget["spent_epsilon_pld"] < budget["spent_epsilon_filter"] <= 6.0
