@@ -1,0 +1,456 @@
+"""Tests of peer.matching: the factorised affinity against the dense K and pygmtools, the
+expansion's error bound, permutation recovery on trained networks, and input checks."""
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+import pygmtools
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import linear_sum_assignment
+
+import peer.matching as matching
+from peer.data import load_dataset
+from peer.errors import InvalidArgument
+from peer.graph import HiddenLayer, extract_graph, weight_layers
+from peer.matching import (
+    Affinity,
+    MatchOptions,
+    chebyshev_interpolation_bound,
+    few_values,
+    gaussian_expansion,
+    gaussian_kernel,
+    match_graphs,
+)
+from peer.models import accuracy, build_model, model_from_arrays, state_arrays, train_classifier
+
+MLP = {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4}
+CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4}
+TIGHT = MatchOptions(expansion_tol=1e-11)
+
+
+def graphs(arch, seed_a=1, seed_b=2, probes=9):
+    rng = np.random.default_rng(0)
+    width = 64 if arch["kind"] == "cnn" else arch["input_dim"]
+    probe = rng.random((probes, width))
+    return extract_graph(arch, build_model(arch, seed=seed_a), probe), extract_graph(arch, build_model(arch, seed=seed_b), probe)
+
+
+def three_valued(w: np.ndarray, epsilon: float, rng, lo=-1.0, hi=1.0) -> np.ndarray:
+    """Output of the multi-bit mechanism (Sajadmanesh & Gatica-Perez 2021) on each node's
+    incoming weight vector: m = max(1, min(d, ⌊ε/2.18⌋)) sampled coordinates set to ±1, the
+    rest 0, then rectified — three values per layer, m non-zeros per row."""
+    n = w.shape[0]
+    x = np.clip(w.reshape(n, -1), lo, hi)
+    d = x.shape[1]
+    m = max(1, min(d, int(epsilon // 2.18)))
+    e = math.exp(epsilon / m)
+    idx = np.argsort(rng.random((n, d)), axis=1)[:, :m]
+    p = 1 / (e + 1) + (np.take_along_axis(x, idx, 1) - lo) / (hi - lo) * (e - 1) / (e + 1)
+    star = np.zeros_like(x)
+    np.put_along_axis(star, idx, np.where(rng.random(p.shape) < p, 1.0, -1.0), 1)
+    return (d * (hi - lo) / (2 * m) * (e + 1) / (e - 1) * star + (lo + hi) / 2).reshape(w.shape)
+
+
+def noisy(g, epsilon, seed):
+    rng = np.random.default_rng(seed)
+    hidden = tuple(dataclasses.replace(h, incoming=three_valued(h.incoming, epsilon, rng)) for h in g.hidden)
+    return g.with_layers(hidden, three_valued(g.output_incoming, epsilon, rng))
+
+
+def pair(arch, case):
+    ga, gb = graphs(arch)
+    if case == "exact":
+        return ga, gb
+    if case == "noisy":
+        return noisy(ga, 6.6, 1), noisy(gb, 6.6, 2)  # m = 3: rows with several non-zeros
+    if case == "mixed-a":
+        return noisy(ga, 1.0, 1), gb
+    return ga, noisy(gb, 1.0, 2)
+
+
+CASES = ["exact", "noisy", "mixed-a", "mixed-b"]
+
+
+def row_error_budget(aff: Affinity) -> np.ndarray:
+    """Per row of K, Σ_j |K̃_ij − K_ij| allowed by the expansions' error bounds (each kernel
+    value off by at most the block's bound, times the block's scale)."""
+    budget = []
+    blocks = aff.blocks
+    for ell, n in enumerate(aff.sizes):
+        b = 0.0
+        if ell == 0:
+            b += blocks[0].error_bound * blocks[0].scale * blocks[0].weights_a.shape[1] * blocks[0].weights_a.shape[2]
+        if ell == len(aff.sizes) - 1:
+            b += blocks[-1].error_bound * blocks[-1].scale * blocks[-1].weights_a.shape[0] * blocks[-1].weights_a.shape[2]
+        for hb in aff.hidden_blocks:
+            rows, cols, e = hb.weights_a.shape
+            if rows == n or cols == n:
+                b += hb.error_bound * hb.scale * e * max(rows, cols) ** 2
+        budget.append(np.full(n * n, b))
+    return np.concatenate(budget)
+
+
+# ---------------------------------------------------------------------------------------------
+# The factorised operator is the dense K
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", [MLP, CNN], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-store", "sparse-store"])
+def test_factorised_kv_equals_dense_k_times_v(arch, case, sparse, monkeypatch):
+    if sparse:
+        monkeypatch.setattr(matching, "SPARSE_MAX_DENSITY", 1.0)  # small layers: force the sparse code
+    a, b = pair(arch, case)
+    aff = Affinity(a, b, TIGHT)
+    expected_kind = {"exact": "chebyshev", "noisy": "table", "mixed-a": "table-a", "mixed-b": "table-b"}[case]
+    assert all(blk.expansion == expected_kind for blk in aff.blocks)
+    k = aff.dense()
+    assert np.array_equal(k, k.T) and k.min() >= 0
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        v = rng.standard_normal(aff.pairs)
+        got, want = aff.matvec(v), k @ v
+        # expansion error (0 for few-valued weights) plus float64 rounding
+        allowed = row_error_budget(aff) * np.abs(v).max() + 1e-12 * np.abs(k) @ np.abs(v)
+        assert np.all(np.abs(got - want) <= allowed + 1e-14)
+
+
+def test_dense_layout_is_pygmtools_build_aff_mat_restricted_to_within_layer_pairs():
+    """pygmtools' own builder on the union of all hidden nodes (edges both ways, our node and
+    edge affinities, zero across layers) gives a K whose within-layer principal submatrix is
+    ours and whose other rows and columns are zero; pygmtools.sm on it gives our vector."""
+    ga, gb = graphs({"kind": "mlp", "input_dim": 5, "hidden": [3, 4, 2], "output_dim": 3})
+    sigma = Affinity(ga, gb, TIGHT).hidden_blocks[0].sigma
+    aff = Affinity(ga, gb, dataclasses.replace(TIGHT, weight_sigma=sigma))  # one σ: one edge function
+    sizes, offs = aff.sizes, np.concatenate([[0], np.cumsum(aff.sizes)])
+    unary = [aff._unary[ell].numpy() for ell in range(len(sizes))]
+    scales = {ell: blk.scale for ell, blk in enumerate(aff.hidden_blocks, start=1)}
+
+    def union_edges(g):
+        conn, feats = [], []
+        for ell in range(1, len(sizes)):
+            w = g.hidden[ell].incoming[:, :, 0]
+            for i in range(sizes[ell]):
+                for k in range(sizes[ell - 1]):
+                    conn += [(offs[ell] + i, offs[ell - 1] + k), (offs[ell - 1] + k, offs[ell] + i)]
+                    feats += [(2 * ell, w[i, k]), (2 * ell + 1, w[i, k])]  # (layer pair and direction, weight)
+        return np.array(conn)[None], np.array(feats, dtype=float)[None]
+
+    def node_feats():
+        return np.concatenate([np.stack([np.full(n, ell), np.arange(n)], 1) for ell, n in enumerate(sizes)])[None].astype(float)
+
+    def node_aff(f1, f2):
+        out = np.zeros((1, f1.shape[1], f2.shape[1]))
+        for a_, (la, ia) in enumerate(f1[0].astype(int)):
+            for b_, (lb, ib) in enumerate(f2[0].astype(int)):
+                if la == lb:
+                    out[0, a_, b_] = unary[la][ia, ib]
+        return out
+
+    def edge_aff(f1, f2):
+        same = f1[0, :, None, 0] == f2[0, None, :, 0]
+        scale = np.array([scales[int(t) // 2] for t in f1[0, :, 0]])[:, None]
+        kern = np.exp(-((f1[0, :, None, 1] - f2[0, None, :, 1]) ** 2) / sigma)
+        return (np.where(same, kern, 0.0) * scale)[None]
+
+    c1, e1 = union_edges(ga)
+    c2, e2 = union_edges(gb)
+    n = int(offs[-1])
+    big = pygmtools.utils.build_aff_mat(node_feats(), e1, c1, node_feats(), e2, c2, np.array([n]), None, np.array([n]), None,
+                                        node_aff_fn=node_aff, edge_aff_fn=edge_aff, backend="numpy")[0]
+    within = np.concatenate([[(offs[ell] + j) * n + offs[ell] + i for j in range(sz) for i in range(sz)] for ell, sz in enumerate(sizes)])
+    ours = aff.dense()
+    assert np.allclose(big[np.ix_(within, within)], ours, rtol=1e-12, atol=1e-14)
+    rest = np.setdiff1d(np.arange(n * n), within)
+    assert not big[rest].any() and not big[:, rest].any()
+    # plain sm on the union K: the cross-layer entries are 0 after one step, then the iterates
+    # are ours step for step
+    x_big = pygmtools.sm(big, n1max=n, n2max=n, max_iter=7, backend="numpy")
+    x_ours = pygmtools.sm(ours, n1max=len(ours), n2max=1, max_iter=7, backend="numpy")
+    assert np.allclose(x_big.T.reshape(-1)[within], x_ours[:, 0], atol=1e-13)
+    assert not x_big.T.reshape(-1)[rest].any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Both solvers: same permutation, same direction
+# ---------------------------------------------------------------------------------------------
+
+
+def flat(relaxed):
+    return np.concatenate([x.T.reshape(-1) for x in relaxed])
+
+
+@pytest.mark.parametrize("arch", [MLP, CNN], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("case", CASES)
+def test_factorised_and_dense_agree(arch, case):
+    a, b = pair(arch, case)
+    opts = dataclasses.replace(TIGHT, tol=1e-10, max_iter=300)
+    fact = match_graphs(a, b, opts)
+    dense = match_graphs(a, b, dataclasses.replace(opts, solver="dense"))
+    assert (fact.solver, dense.solver) == ("factorised", "dense")
+    assert fact.converged and dense.converged and fact.iterations == dense.iterations
+    assert all(np.array_equal(p, q) for p, q in zip(fact.permutations, dense.permutations))
+    x, y = flat(fact.relaxed), flat(dense.relaxed)
+    assert np.linalg.norm(x - y) < 1e-8
+    # both are the leading eigenvector of K (an independent solver)
+    k = Affinity(a, b, opts).dense()
+    vals, vecs = np.linalg.eigh(k)
+    u = vecs[:, -1] * np.sign(vecs[:, -1].sum())
+    assert vals[-1] > abs(vals[0])  # Perron root
+    assert np.linalg.norm(x - u) < 1e-8 and np.linalg.norm(y - u) < 1e-8
+    assert fact.objective == pytest.approx(dense.objective, rel=1e-12)
+    for r in (fact, dense):
+        assert all(sorted(p.tolist()) == list(range(len(p))) for p in r.permutations)
+
+
+def test_default_tolerance_agrees_to_1e5():
+    a, b = pair(MLP, "mixed-b")
+    fact = match_graphs(a, b)
+    dense = match_graphs(a, b, MatchOptions(solver="dense"))
+    k = Affinity(a, b).dense()
+    u = np.linalg.eigh(k)[1][:, -1]
+    u *= np.sign(u.sum())
+    x = flat(fact.relaxed)
+    assert abs(x @ u) > 1 - 1e-9  # cosine to the leading eigenvector
+    assert np.linalg.norm(x - flat(dense.relaxed)) < 1e-5
+    assert all(np.array_equal(p, q) for p, q in zip(fact.permutations, dense.permutations))
+
+
+def test_objective_is_xtkx_of_the_permutations():
+    a, b = pair(MLP, "exact")
+    aff = Affinity(a, b, TIGHT)
+    k = aff.dense()
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        perms = [rng.permutation(n) for n in aff.sizes]
+        mats = []
+        for p in perms:
+            x = np.zeros((len(p), len(p)))
+            x[np.arange(len(p)), p] = 1
+            mats.append(x)
+        x = aff.from_layers(mats)
+        assert aff.objective(perms) == pytest.approx(x @ k @ x, rel=1e-10)
+
+
+def test_dense_one_step_loop_is_pygmtools_sm():
+    """The dense path runs pygmtools.sm one step at a time; with shift 0 and the same number of
+    steps it must equal one call of pygmtools.sm (plain power iteration)."""
+    a, b = pair(MLP, "exact")
+    steps = 6
+    r = match_graphs(a, b, MatchOptions(solver="dense", shift=0.0, max_iter=steps))
+    k = Affinity(a, b).dense()
+    m = len(k)
+    x = pygmtools.sm(k, n1max=m, n2max=1, max_iter=steps, backend="numpy")[:, 0]
+    assert r.iterations == steps and not r.converged
+    assert np.allclose(flat(r.relaxed), x, atol=1e-14)
+
+
+def test_shift_is_what_makes_power_iteration_converge():
+    a, b = pair({"kind": "mlp", "input_dim": 12, "hidden": [16, 16, 16], "output_dim": 4}, "exact")
+    vals = np.linalg.eigvalsh(Affinity(a, b).dense())
+    assert vals[0] < -0.8 * vals[-1]  # near-bipartite: an eigenvalue close to −λ₁
+    plain = match_graphs(a, b, MatchOptions(shift=0.0, max_iter=1000))
+    shifted = match_graphs(a, b, MatchOptions(max_iter=1000))
+    assert plain.converged and shifted.converged  # the same limit, ...
+    assert all(np.array_equal(p, q) for p, q in zip(plain.permutations, shifted.permutations))
+    assert np.linalg.norm(flat(plain.relaxed) - flat(shifted.relaxed)) < 1e-4
+    assert 4 * shifted.iterations < plain.iterations  # ... reached several times faster
+    assert shifted.diagnostics["shift"] > 0
+
+
+@pytest.mark.parametrize("solver", ["factorised", "dense"])
+def test_linear_cases_solve_the_assignment_on_the_diagonal(solver):
+    one = {"kind": "mlp", "input_dim": 12, "hidden": [7], "output_dim": 4}
+    for arch, opts in ((one, MatchOptions(solver=solver)), (MLP, MatchOptions(solver=solver, edge_weight=0.0))):
+        a, b = graphs(arch)
+        aff = Affinity(a, b, opts)
+        r = match_graphs(a, b, opts)
+        assert r.iterations == 0 and r.diagnostics["diagonal"]
+        for ell, n in enumerate(aff.sizes):
+            d = np.diag(aff.dense())[aff.offsets[ell] : aff.offsets[ell + 1]].reshape(n, n).T
+            rows, cols = linear_sum_assignment(d, maximize=True)
+            assert d[rows, r.permutations[ell]].sum() == pytest.approx(d[rows, cols].sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# The expansion and its error bound
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lo,hi,sigma,tol", [(-0.4, 0.4, 0.1, 1e-4), (-1.0, 2.0, 0.3, 1e-6), (-3.0, 3.0, 0.5, 1e-3), (0.0, 0.1, 5.0, 1e-10), (-0.2, 0.3, 0.01, 1e-5)])
+def test_expansion_error_is_within_its_bound_and_the_bound_within_tol(lo, hi, sigma, tol):
+    ex = gaussian_expansion(lo, hi, sigma, tol)
+    x = np.linspace(lo, hi, 601)
+    err = np.abs(gaussian_kernel(x[:, None], x[None, :], sigma) - ex.evaluate(x, x)).max()
+    assert err <= ex.error_bound + 1e-13  # 1e-13: float64 rounding of the evaluation
+    assert ex.error_bound <= tol
+    assert ex.terms <= ex.degree + 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(lo=st.floats(-5, 5), width=st.floats(1e-3, 10), sigma=st.floats(1e-2, 10), log_tol=st.floats(-10, -2))
+def test_expansion_bound_holds_on_random_intervals(lo, width, sigma, log_tol):
+    hi, tol = lo + width, 10.0**log_tol
+    if width * width / 4 / sigma > 400:  # needs a degree beyond what the test should spend
+        return
+    ex = gaussian_expansion(lo, hi, sigma, tol)
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(lo, hi, 201), rng.uniform(lo, hi, 200)])
+    err = np.abs(gaussian_kernel(x[:, None], x[None, :], sigma) - ex.evaluate(x, x)).max()
+    assert err <= ex.error_bound + 1e-12 and ex.error_bound <= tol
+
+
+def test_interpolation_bound_decreases_and_bounds_the_full_interpolant():
+    beta = 4.0
+    bounds = [chebyshev_interpolation_bound(beta, p) for p in range(4, 30, 5)]
+    assert all(x > y for x, y in zip(bounds, bounds[1:]))
+    # the uncompressed interpolant (every core term kept) is within the interpolation bound
+    p = 12
+    core = matching._chebyshev_core(beta, p)
+    s = np.linspace(-1, 1, 301)
+    t = np.cos(np.outer(np.arccos(s), np.arange(p + 1)))
+    err = np.abs(t @ core @ t.T - np.exp(-beta * (s[:, None] - s[None, :]) ** 2)).max()
+    assert err <= chebyshev_interpolation_bound(beta, p)
+
+
+def test_block_expansion_reported_in_diagnostics(monkeypatch):
+    a, b = pair(MLP, "exact")
+    r = match_graphs(a, b, MatchOptions(expansion_tol=1e-6))
+    blocks = r.diagnostics["blocks"]
+    assert [blk["block"] for blk in blocks] == ["input->0", "0->1", "1->2", "2->output"]
+    assert all(blk["expansion"] == "chebyshev" and 0 < blk["error_bound"] <= 1e-6 for blk in blocks)
+    assert r.diagnostics["expansion_error_bound"] <= 1e-6
+    # 2 hidden–hidden blocks × 2 directions × 2 stacked GEMMs, each block 4·R·n·m·(n + m) flops
+    assert r.diagnostics["dense_products_per_iteration"] == 8
+    want = sum(4 * blk["terms"] * n * m * (n + m) for blk, (n, m) in zip(blocks[1:3], [(7, 6), (5, 7)]))
+    assert r.diagnostics["flops_per_iteration"] == want
+    monkeypatch.setattr(matching, "SPARSE_MAX_DENSITY", 1.0)  # these small layers would be stored dense
+    noisy_r = match_graphs(*pair(MLP, "noisy"))
+    assert noisy_r.diagnostics["dense_products_per_iteration"] == 0 and noisy_r.diagnostics["expansion_error_bound"] == 0
+
+
+def test_few_values():
+    assert few_values(np.array([[2.0, 0.5], [0.5, 0.5]])).tolist() == [0.5, 2.0]
+    assert few_values(np.array([1.0, 2.0, 3.0, 3.0])).tolist()[0] == 3.0
+    assert few_values(np.array([1.0, 2.0, 3.0, 4.0])) is None
+    w = three_valued(np.random.default_rng(0).uniform(-1, 1, (50, 20, 1)), 1.0, np.random.default_rng(1))
+    vals = few_values(w)
+    assert len(vals) == 3 and vals[0] == 0.0  # the centre (x* = 0) is the most frequent value
+
+
+def test_bandwidth_rule_is_the_mean_squared_difference_of_the_given_arrays():
+    a, b = pair(MLP, "mixed-b")
+    aff = Affinity(a, b)
+    ha, hb = a.hidden[1], b.hidden[1]
+    want = np.mean([np.sum((x - y) ** 2) for x in ha.activations for y in hb.activations])
+    assert aff.activation_sigma[1] == pytest.approx(want, rel=1e-12)
+    wa, wb = ha.incoming.reshape(-1), hb.incoming.reshape(-1)
+    assert aff.blocks[1].sigma == pytest.approx(np.mean((wa[:, None] - wb[None, :]) ** 2), rel=1e-12)
+    assert aff.blocks[1].mean_kernel == pytest.approx(np.mean(gaussian_kernel(wa[:, None], wb[None, :], aff.blocks[1].sigma)), rel=1e-12)
+    assert aff.blocks[1].mean_kernel >= math.exp(-1)  # Jensen
+
+
+# ---------------------------------------------------------------------------------------------
+# Permutation recovery on trained networks
+# ---------------------------------------------------------------------------------------------
+
+
+def permuted_copy(arch, model, rng):
+    """The same function with every hidden layer's nodes permuted; returns (model, perms) with
+    B's node j = A's node perms[ℓ][j]."""
+    arrays = state_arrays(model)
+    layers = weight_layers(arch, model)
+    perms, prev = [], None
+    for name, _ in layers:
+        w = arrays[f"{name}.weight"]
+        if prev is not None:
+            w = w.reshape(w.shape[0], len(prev), -1)[:, prev].reshape(w.shape)
+        if name != layers[-1][0]:
+            p = rng.permutation(w.shape[0])
+            w = w[p]
+            arrays[f"{name}.bias"] = arrays[f"{name}.bias"][p]
+            perms.append(p)
+            prev = p
+        arrays[f"{name}.weight"] = w
+    return model_from_arrays(arch, arrays), perms
+
+
+@functools.lru_cache(maxsize=None)
+def digits():
+    return load_dataset("digits")
+
+
+@pytest.mark.parametrize(
+    "arch,epochs",
+    [({"kind": "mlp", "input_dim": 64, "hidden": [64, 64, 64], "output_dim": 10}, 5),
+     ({"kind": "cnn", "input_shape": [1, 8, 8], "channels": [8, 16], "kernel_size": 3, "pool": [2, 2], "hidden": [32], "output_dim": 10}, 5)],
+    ids=["mlp", "cnn"],
+)
+def test_exact_recovery_of_a_permuted_trained_network(arch, epochs):
+    ds = digits()
+    model = train_classifier(arch, ds.x_train, ds.y_train, seed=0, epochs=epochs)
+    copy, perms = permuted_copy(arch, model, np.random.default_rng(1))
+    assert accuracy(arch, copy, ds.x_test, ds.y_test) == accuracy(arch, model, ds.x_test, ds.y_test)
+    probe = ds.x_train[:100]
+    r = match_graphs(extract_graph(arch, model, probe), extract_graph(arch, copy, probe))
+    assert r.converged
+    for got, p in zip(r.permutations, perms):
+        assert np.array_equal(p[got], np.arange(len(p)))  # B[perm] is A again
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_are_named():
+    a, b = graphs(MLP)
+
+    def with_layer(g, ell, **kw):
+        hidden = list(g.hidden)
+        hidden[ell] = dataclasses.replace(hidden[ell], **kw)
+        return g.with_layers(tuple(hidden))
+
+    bad = b.hidden[1].incoming.copy()
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(InvalidArgument, match=r"graph_b\.hidden\[1\]\.incoming.*NaN"):
+        match_graphs(a, with_layer(b, 1, incoming=bad))
+    act = a.hidden[2].activations.copy()
+    act[1, 1] = np.inf
+    with pytest.raises(InvalidArgument, match=r"graph_a\.hidden\[2\]\.activations"):
+        match_graphs(with_layer(a, 2, activations=act), b)
+    with pytest.raises(InvalidArgument, match=r"graph_b\.hidden\[0\]\.activations.*empty"):
+        match_graphs(a, with_layer(b, 0, activations=np.zeros((6, 0))))
+    with pytest.raises(InvalidArgument, match=r"graph_b\.hidden\[1\]\.activations.*probes"):
+        match_graphs(a, with_layer(b, 1, activations=np.zeros((7, 4))))
+    other = graphs({"kind": "mlp", "input_dim": 12, "hidden": [6, 8, 5], "output_dim": 4})[1]
+    with pytest.raises(InvalidArgument, match=r"graph_b\.architecture"):
+        match_graphs(a, other)
+    with pytest.raises(InvalidArgument, match=r"graph_b\.hidden\[1\]\.incoming.*shape"):
+        match_graphs(a, with_layer(b, 1, incoming=np.zeros((7, 6, 2))))
+    with pytest.raises(InvalidArgument, match=r"graph_a\.hidden.*no hidden"):
+        match_graphs(dataclasses.replace(a, hidden=()), b)
+    with pytest.raises(InvalidArgument, match=r"graph_b\.output_incoming"):
+        match_graphs(a, b.with_layers(b.hidden, np.full_like(b.output_incoming, np.inf)))
+    with pytest.raises(InvalidArgument, match=r"graph_b"):
+        match_graphs(a, "not a graph")
+    with pytest.raises(InvalidArgument, match=r"graph_a\.sizes.*GiB"):
+        match_graphs(a, b, MatchOptions(solver="dense", dense_memory_cap=1000))
+
+
+@pytest.mark.parametrize("field,value", [("solver", "magic"), ("dtype", "float16"), ("activation_weight", -1.0), ("edge_weight", math.nan),
+                                         ("activation_sigma", 0.0), ("weight_sigma", -2.0), ("max_iter", 0), ("tol", 0.0),
+                                         ("expansion_tol", 1e-20), ("few_valued", 1), ("dense_memory_cap", 0), ("shift", -1.0)])
+def test_bad_options_are_named(field, value):
+    with pytest.raises(InvalidArgument, match=rf"options\.{field}"):
+        MatchOptions(**{field: value})
+
+
+def test_both_weights_zero_is_refused():
+    with pytest.raises(InvalidArgument, match="options.edge_weight"):
+        MatchOptions(activation_weight=0.0, edge_weight=0.0)
