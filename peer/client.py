@@ -18,13 +18,11 @@ import ipaddress
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import grpc
 import numpy as np
-from safetensors.numpy import save_file
 
 from coordinator_free.identity import Identity
 from coordinator_free.trust import PinnedPeer, TrustStore
@@ -146,6 +144,18 @@ class PeerClient:
             self.channel = grpc.secure_channel(address, creds, options=wire.grpc_options() + [
                 ("grpc.ssl_target_name_override", pinned.name)])
         self.stub = pb_grpc.PeerStub(self.channel)
+        # release streams decode chunk frames without copying them (peer.wire.decode_frame)
+        self._release = {
+            "ReleaseFeatures": self._release_call(self.channel.stream_stream, "ReleaseFeatures", pb.FeaturesRequest),
+            "ReleaseWeights": self._release_call(self.channel.unary_stream, "ReleaseWeights", pb.WeightsRequest),
+            "ReleaseMerged": self._release_call(self.channel.unary_stream, "ReleaseMerged", pb.MergeRequest),
+            "Fuse": self._release_call(self.channel.unary_stream, "Fuse", pb.FuseRequest),
+        }
+
+    @staticmethod
+    def _release_call(make, name: str, request_type):
+        return make(f"/privfusion.v1.Peer/{name}", request_serializer=request_type.SerializeToString,
+                    response_deserializer=wire.decode_frame)
 
     def close(self) -> None:
         self.channel.close()
@@ -170,9 +180,10 @@ class PeerClient:
         if self.on_receipt is not None:
             self.on_receipt(receipt)
 
-    def _read(self, call, expected_kind: str, model: str) -> wire.Release:
+    def _read(self, call, expected_kind: str, model: str, out: str | os.PathLike | None = None) -> wire.Release:
+        sink = wire.SafetensorsSink(release_paths(out)[0]) if out is not None else wire.ArraySink()
         try:
-            release = wire.ReleaseReader(self.max_release_bytes, on_receipt=self._check_receipt).read(call)
+            release = wire.ReleaseReader(self.max_release_bytes, on_receipt=self._check_receipt, sink=sink).read(call)
         except grpc.RpcError as e:
             raise explain(e, self.peer_name, self.address) from None
         except InvalidArgument:
@@ -195,9 +206,13 @@ class PeerClient:
     def info(self, timeout: float = INFO_TIMEOUT_S) -> pb.PeerInfo:
         return self._unary(self.stub.GetPeerInfo, pb.GetPeerInfoRequest(header=self.header()), timeout)
 
+    # Every release call takes ``out``: None keeps the tensors in memory (Release.arrays); a
+    # path streams them straight into OUT.safetensors as they arrive (Release.path) — for
+    # releases larger than memory should hold. Write the JSON beside with save_release.
+
     def features(self, model: str, probe: np.ndarray, *, activation_epsilon: float, weight_epsilon: float,
                  unit: str = "neuron", activation_clip: tuple[float, float] | None = None,
-                 weight_bound: float | None = None, timeout: float = RELEASE_TIMEOUT_S) -> wire.Release:
+                 weight_bound: float | None = None, timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
         """Noisy graph features of ``model`` on our ``probe`` set (streamed to the peer)."""
         params = pb.FeaturesParams(header=self.header(), model=model, activation_epsilon=activation_epsilon,
                                    weight_epsilon=weight_epsilon, unit=unit)
@@ -214,30 +229,30 @@ class PeerClient:
             for m in wire.tensor_messages("probe", probe):
                 yield pb.FeaturesRequest(probe=m) if m.DESCRIPTOR.name == "TensorHeader" else pb.FeaturesRequest(chunk=m)
 
-        return self._read(self.stub.ReleaseFeatures(requests(), timeout=timeout), "features", model)
+        return self._read(self._release["ReleaseFeatures"](requests(), timeout=timeout), "features", model, out)
 
     def weights(self, model: str, *, epsilon: float, delta: float,
-                permutations: Mapping[str, np.ndarray] | None = None, timeout: float = RELEASE_TIMEOUT_S) -> wire.Release:
+                permutations: Mapping[str, np.ndarray] | None = None, timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
         """PFA-perturbed weights of ``model``; with ``permutations`` (hidden layer name → index
         array, index[i] = j: our node i is their node j) aligned to our model."""
         perms = [pb.Permutation(layer=k, index=np.asarray(v, dtype=np.int64).tolist()) for k, v in (permutations or {}).items()]
         req = pb.WeightsRequest(header=self.header(), model=model, epsilon=epsilon, delta=delta, permutations=perms)
-        return self._read(self.stub.ReleaseWeights(req, timeout=timeout), "weights", model)
+        return self._read(self._release["ReleaseWeights"](req, timeout=timeout), "weights", model, out)
 
     def merged(self, pool: str, *, method: str, epsilon: float, delta: float,
-               timeout: float = RELEASE_TIMEOUT_S) -> wire.Release:
+               timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
         """A model merged from ``pool`` by RS or LC at the target (ε, δ)."""
         req = pb.MergeRequest(header=self.header(), pool=pool, method=method, epsilon=epsilon, delta=delta)
-        return self._read(self.stub.ReleaseMerged(req, timeout=timeout), "merged", pool)
+        return self._read(self._release["ReleaseMerged"](req, timeout=timeout), "merged", pool, out)
 
     def fuse(self, model: str, *, partner: str, partner_model: str, alpha: float, activation_epsilon: float,
              weight_epsilon: float, weights_epsilon: float, weights_delta: float,
-             timeout: float = RELEASE_TIMEOUT_S) -> wire.Release:
+             timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
         """The peer's ``model`` fused with ``partner``'s ``partner_model`` (the peer dials the partner)."""
         req = pb.FuseRequest(header=self.header(), model=model, partner=partner, partner_model=partner_model, alpha=alpha,
                              activation_epsilon=activation_epsilon, weight_epsilon=weight_epsilon,
                              weights_epsilon=weights_epsilon, weights_delta=weights_delta)
-        return self._read(self.stub.Fuse(req, timeout=timeout), "fused", model)
+        return self._read(self._release["Fuse"](req, timeout=timeout), "fused", model, out)
 
     def ledger(self, timeout: float = INFO_TIMEOUT_S) -> list[tuple[str, ReleaseRecord, str]]:
         """The peer's ledger entries charged to this site: (entry id, record, created at)."""
@@ -265,32 +280,43 @@ def verify_upstream(release: wire.Release, trust: TrustStore) -> list[dict]:
     return out
 
 
+def release_paths(path: str | os.PathLike) -> tuple[Path, Path]:
+    """OUT.safetensors and OUT.json for an output path given with or without the suffix."""
+    p = Path(path)
+    if p.suffix == ".safetensors":
+        p = p.with_suffix("")
+    return p.with_name(p.name + ".safetensors"), p.with_name(p.name + ".json")
+
+
 def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks: list[dict] | None = None) -> tuple[Path, Path]:
-    """Write ``PATH.safetensors`` and the release document ``PATH.json`` beside it.
+    """Write ``PATH.safetensors`` (unless the release was streamed there) and the release
+    document ``PATH.json`` beside it.
 
     The JSON is a model-store manifest (format 1: name, architecture, metadata) whose metadata
     holds the release record, the signed receipt (checkable offline with the signer's
     certificate) and the receipts it is built on, so a released model loads with
     ``peer.store.load_model``. Both files are written atomically.
     """
-    p = Path(path)
-    if p.suffix == ".safetensors":
-        p = p.with_suffix("")
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tensors_path, doc_path = p.with_name(p.name + ".safetensors"), p.with_name(p.name + ".json")
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(release.arrays, tmp, metadata={"privfusion_release": release.receipt.ledger_entry_id})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, tensors_path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    tensors_path, doc_path = release_paths(path)
+    tensors_path.parent.mkdir(parents=True, exist_ok=True)
+    if release.path is None:
+        sink = wire.SafetensorsSink(tensors_path)
+        sink.start([wire.TensorSpec(n, a.dtype.newbyteorder("<"), a.shape, a.nbytes, d)
+                    for (n, a), (_, d) in zip(release.arrays.items(), release.receipt.tensors)],
+                   {"privfusion_signer": release.receipt.signer, "privfusion_ledger_entry": release.receipt.ledger_entry_id,
+                    "privfusion_release": release.receipt.record.release_id})
+        try:
+            for i, a in enumerate(release.arrays.values()):
+                sink.writer(i)(0, wire.raw_bytes(a))
+            sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+    elif Path(release.path) != tensors_path:
+        os.replace(release.path, tensors_path)
     doc = {
         "format": 1,
-        "name": p.name,
+        "name": tensors_path.name[: -len(".safetensors")],
         "architecture": release.architecture,
         "metadata": {
             "release": {"kind": release.kind, "model": release.model, "signer": release.receipt.signer,

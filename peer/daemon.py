@@ -41,6 +41,7 @@ Logs are JSON lines on stderr: events, site names, record ids and public paramet
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import math
@@ -71,10 +72,9 @@ from peer.ledger import Ledger
 from peer.policy import Policy
 from peer.records import ReleaseRecord
 from peer.rng import Randomness, make_randomness
-from peer.service import MECHANISMS, ErrorInterceptor, PeerService, log_event
+from peer.service import MECHANISMS, ErrorInterceptor, PeerService, add_to_server, log_event
 from peer.store import StoredModel, list_models, load_model
 from privfusion.v1 import peer_pb2 as pb
-from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
 log = logging.getLogger("privfusion.peer")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name
@@ -195,11 +195,14 @@ class Site:
         self._pins: tuple[tuple, dict[str, PinnedPeer]] = ((), {})
         self._pins_lock = threading.Lock()
         self.models: dict[str, StoredModel] = {n: load_model(config.models, n) for n in list_models(config.models)}
-        self.pools: dict[str, dict[str, StoredModel]] = {
-            name: {n: load_model(d, n) for n in list_models(d)} for name, d in config.pools.items()}
-        for name, members in self.pools.items():
-            if not members:
-                raise FailedPrecondition(f"site.pools.{name}: {config.pools[name]} holds no models")
+        from peer.merging import check_pool
+        from peer.pool import load_pool, pool_validation
+
+        self.pools = {name: load_pool(d) for name, d in config.pools.items()}
+        for name, pool in self.pools.items():
+            check_pool(pool)
+        # the held-out split each pool was trained beside (judges RS/LC candidates; public)
+        self._validation = {name: pool_validation(pool) for name, pool in self.pools.items()}
         self.probe = self._load_probe(config.probe) if config.probe else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
@@ -258,13 +261,17 @@ class Site:
             raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
         return m
 
-    def pool(self, name: str) -> dict[str, StoredModel]:
+    def pool(self, name: str):
+        """The pool's models (``peer.merging.PoolModel``)."""
         if not name:
             raise InvalidArgument("pool", "is required")
         p = self.pools.get(name)
         if p is None:
             raise NotFound(f"pool: {self.name!r} has no pool {name!r}")
         return p
+
+    def pool_validation(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        return self._validation[name]
 
     def activation_clip(self, params: pb.FeaturesParams | None) -> tuple[float, float] | None:
         """The public activation range: the caller's, else the site's default (None: the
@@ -321,11 +328,13 @@ class Site:
                                 parameter_count=sum(int(a.size) for a in m.arrays.values()),
                                 hidden_sizes=hidden_sizes(m.architecture))
 
+        from peer.accounting import TrainingRecord
+
         pools = []
         for name, members in self.pools.items():
-            archs = {json.dumps(m.architecture, sort_keys=True) for m in members.values()}
-            pools.append(pb.PoolInfo(name=name, architecture_json=archs.pop() if len(archs) == 1 else "",
-                                     members=sorted(members), methods=["rs", "lc"]))
+            lc = all(isinstance(m.privacy, TrainingRecord) for m in members)  # LC needs full training records
+            pools.append(pb.PoolInfo(name=name, architecture_json=json.dumps(members[0].architecture, sort_keys=True),
+                                     members=[m.name for m in members], methods=["rs", "lc"] if lc else ["rs"]))
         budgets = [pb.BudgetInfo(budget=s.key.name, scope=s.key.scope, epsilon_limit=s.epsilon_limit,
                                  delta_limit=s.delta_limit, epsilon_spent=s.spent_epsilon,
                                  epsilon_remaining=s.remaining_epsilon, releases=s.count)
@@ -408,11 +417,12 @@ class Daemon:
         self.site = site
         self.service = PeerService(site)
         self.health = health.HealthServicer()
+        self.interceptor = ErrorInterceptor()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=site.config.workers,
                                                              thread_name_prefix="peer"),
-                                  interceptors=[ErrorInterceptor()], options=wire.grpc_options(),
+                                  interceptors=[self.interceptor], options=wire.grpc_options(),
                                   maximum_concurrent_rpcs=site.config.workers * 4)
-        pb_grpc.add_PeerServicer_to_server(self.service, self.server)
+        add_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.port: int | None = None
@@ -463,11 +473,15 @@ class Daemon:
         self.service.drain()
         self.health.enter_graceful_shutdown()
         log_event("stopping", site=self.site.name, grace_s=grace)
-        drained = self.service.wait_idle(grace)
-        self.server.stop(0 if drained else 0.5).wait()
-        self.site.close()
+        drained = self.service.releases.wait_idle(grace)
+        self.server.stop(0 if drained else 0.5).wait()  # cancels what is left
+        # cancelled calls still run their bookkeeping (a "send-failed" note in the ledger):
+        # the ledger is closed only after the last one, never under a call that is using it
+        settled = self.interceptor.calls.wait_idle(30)
+        if settled:
+            self.site.close()
         self._stopped.set()
-        log_event("stopped", site=self.site.name, drained=drained)
+        log_event("stopped", site=self.site.name, drained=drained, settled=settled)
 
     def wait(self) -> None:
         self._stopped.wait()
@@ -482,6 +496,7 @@ def open_site(config_path: str | os.PathLike, insecure: bool = False) -> Site:
 def serve(config_path: str | os.PathLike, insecure: bool = False, ready_file: str | None = None) -> int:
     """Run a daemon until SIGTERM/SIGINT (the ``privfusion peer serve`` command)."""
     configure_logging(os.environ.get("PRIVFUSION_LOG_LEVEL", "INFO"))
+    faulthandler.enable()  # a crash in native code leaves the Python stacks in the log
     daemon = Daemon(open_site(config_path, insecure=insecure))
     stop = threading.Event()
 

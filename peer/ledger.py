@@ -34,12 +34,12 @@ The two budgets, kept apart
   to the other without group-privacy loss — so a release in the other unit is refused.
 - **Model level** (``level="model"``: LDP releases of a model's neurons): per model M, one
   filter over all counterparties (``total``) and one per counterparty; a release about M's
-  neurons to C is charged to both. The unit is one neuron. A per-entry Laplace release is
-  converted exactly: a neuron's activation row has P entries (``shape = [n, P]``), each within
+  neurons to C is charged to both. The unit is one neuron; a per-entry guarantee is not a
+  per-neuron one, so per-entry releases are restated per neuron (``per_neuron_record``):
+  Laplace exactly — a neuron's activation row has P entries (``shape = [n, P]``) within
   ``clip = [lo, hi]``, so its L1 sensitivity is P·(hi − lo) and the per-neuron ε is
-  P·(hi − lo)/scale = P × (per-entry ε) — group privacy, which is exact for Laplace. Per-entry
-  releases of other mechanisms are refused (no sound conversion is implemented for them).
-  Composites are converted component by component.
+  P·(hi − lo)/scale = P × (per-entry ε); the Gaussian exactly, from the row's L2 clip;
+  multi-bit as P sequentially composed ε-DP coordinates. Other per-entry releases are refused.
 
 Releases from a shared pool (data level)
 ----------------------------------------
@@ -171,10 +171,16 @@ def _schema_statements() -> list[str]:
 def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
     """The model-level record in the per-neuron unit (see the module docstring).
 
-    Per-neuron records pass unchanged; per-entry Laplace records are converted exactly
-    (sensitivity P·(hi − lo), ε = P·(hi − lo)/scale); composites are converted component-wise,
-    their summary ε/δ recomputed by basic composition (sum for sequential, max for parallel).
-    Anything else per-entry raises FailedPrecondition.
+    Per-neuron records pass unchanged. Per-entry records (``peer.mechanisms``, ``unit="entry"``)
+    are restated for the neuron, whose row has P = ``shape[1]`` entries:
+    - Laplace: exactly, by L1 group privacy: sensitivity P·(hi − lo), ε = P·(hi − lo)/scale.
+    - Gaussian (the PFA unit): exactly, since the same noise covers the whole row: a replaced row
+      of the clip set moves by at most min(2·clip_norm, 2·entry_bound·√P) in L2 (what
+      ``gaussian_sensitivity`` gives per neuron); ε restated at the record's δ (analytic).
+    - multi-bit: P independent ε-DP coordinates: a sequential composite of P copies (per-neuron
+      pure ε = P·ε by basic composition; the accountant sums their RDP).
+    Composites are converted component-wise, their summary ε/δ recomputed by basic composition
+    (sum for sequential, max for parallel). Any other per-entry release raises FailedPrecondition.
     """
     if record.level != "model":
         return record
@@ -196,26 +202,75 @@ def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
         return record
     if record.unit != "entry":
         raise InvalidArgument("unit", f"a model-level release must be per 'neuron' or per 'entry', got {record.unit!r}")
-    if record.mechanism != "laplace":
+    convert = _ENTRY_TO_NEURON.get(record.mechanism)
+    if convert is None:
         raise FailedPrecondition(
             f"release {record.release_id}: a per-entry {record.mechanism!r} release has no sound per-neuron "
-            "conversion in the ledger (only Laplace does: ε scales exactly with the row length); "
-            "release it per neuron instead"
+            "conversion in the ledger; release it per neuron instead"
         )
+    return convert(record)
+
+
+def _row_length(record: ReleaseRecord) -> int:
+    try:
+        n, row = (int(v) for v in record.parameters["shape"])
+    except (KeyError, TypeError, ValueError):
+        raise InvalidArgument("parameters.shape", f"a per-entry {record.mechanism} record needs its shape [n, P]") from None
+    if n < 1 or row < 1:
+        raise InvalidArgument("parameters.shape", f"must be positive, got {[n, row]}")
+    return row
+
+
+def _check_entry_sensitivity(record: ReleaseRecord, expected: float, rule: str) -> None:
+    if record.sensitivity is None or not math.isclose(record.sensitivity, expected, rel_tol=1e-9):
+        raise InvalidArgument("sensitivity", f"a per-entry {record.mechanism} record's sensitivity must be {rule} = {expected:g}, got {record.sensitivity!r}")
+
+
+def _laplace_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
     p = record.parameters
     try:
         scale = float(p["scale"])
         lo, hi = (float(v) for v in p["clip"])
-        n, row = (int(v) for v in p["shape"])
     except (KeyError, TypeError, ValueError):
-        raise InvalidArgument("parameters", "a Laplace record needs 'scale', 'clip' [lo, hi] and 'shape' [n, P]") from None
-    if not (scale > 0 and math.isfinite(scale)) or not (hi > lo) or row < 1 or n < 1:
-        raise InvalidArgument("parameters", f"Laplace scale > 0, clip hi > lo, shape >= 1 needed; got scale={scale}, clip={[lo, hi]}, shape={[n, row]}")
-    entry_sensitivity = hi - lo
-    if record.sensitivity is None or not math.isclose(record.sensitivity, entry_sensitivity, rel_tol=1e-9):
-        raise InvalidArgument("sensitivity", f"a per-entry Laplace record's L1 sensitivity must be hi − lo = {entry_sensitivity:g}, got {record.sensitivity!r}")
-    sensitivity = row * entry_sensitivity
+        raise InvalidArgument("parameters", "a Laplace record needs 'scale' and 'clip' [lo, hi]") from None
+    if not (scale > 0 and math.isfinite(scale)) or not hi > lo:
+        raise InvalidArgument("parameters", f"Laplace needs scale > 0 and clip hi > lo, got scale={scale}, clip={[lo, hi]}")
+    row = _row_length(record)
+    _check_entry_sensitivity(record, hi - lo, "hi − lo")
+    sensitivity = row * (hi - lo)
     return record.with_(unit="neuron", sensitivity=sensitivity, epsilon=sensitivity / scale)
+
+
+def _gaussian_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
+    from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
+
+    p = record.parameters
+    try:
+        noise_std, clip_norm = float(p["noise_std"]), float(p["clip_norm"])
+        bound = p.get("entry_bound")
+        bound = None if bound is None else float(bound)
+    except (KeyError, TypeError, ValueError):
+        raise InvalidArgument("parameters", "a Gaussian record needs 'noise_std', 'clip_norm' (and 'entry_bound' or null)") from None
+    if not (noise_std > 0 and clip_norm > 0 and (bound is None or bound > 0)):
+        raise InvalidArgument("parameters", "Gaussian noise_std, clip_norm and entry_bound must be > 0")
+    row = _row_length(record)
+    entry = 2 * clip_norm if bound is None else 2 * min(bound, clip_norm)
+    _check_entry_sensitivity(record, entry, "2·min(entry_bound, clip_norm)")
+    sensitivity = min(2 * clip_norm, math.inf if bound is None else 2 * bound * math.sqrt(row))
+    epsilon = get_epsilon_gaussian(noise_std / sensitivity, record.delta) if record.delta > 0 else math.inf
+    return record.with_(unit="neuron", sensitivity=sensitivity, epsilon=epsilon,
+                        parameters={**record.parameters, "adjacency": "replace-one"})
+
+
+def _multibit_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
+    row = _row_length(record)
+    coordinate = record.with_(unit="neuron")
+    return record.with_(mechanism="composite", unit="neuron", epsilon=row * record.epsilon, sensitivity=None,
+                        sensitivity_norm="none", parameters={"composition": "sequential"},
+                        components=(coordinate,) * row)
+
+
+_ENTRY_TO_NEURON = {"laplace": _laplace_per_neuron, "gaussian": _gaussian_per_neuron, "multibit": _multibit_per_neuron}
 
 
 def pool_models(record: ReleaseRecord) -> tuple[frozenset[str], bool]:

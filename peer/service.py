@@ -58,6 +58,31 @@ def log_event(event: str, **fields: Any) -> None:
     log.info(json.dumps({"event": event, **fields}, sort_keys=True, default=str))
 
 
+class InFlight:
+    """Counts work in progress; ``wait_idle`` blocks until none is left (graceful shutdown)."""
+
+    def __init__(self):
+        self._count = 0
+        self._cv = threading.Condition()
+
+    def enter(self) -> None:
+        with self._cv:
+            self._count += 1
+
+    def exit(self) -> None:
+        with self._cv:
+            self._count -= 1
+            self._cv.notify_all()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._count == 0, timeout)
+
+
 # ------------------------------------------------------------------------ error mapping
 
 
@@ -71,7 +96,12 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
 
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Wraps every handler: domain errors → their status; anything else → INTERNAL (logged by
-    type only) — also for errors raised while a response stream is being produced."""
+    type only) — also for errors raised while a response stream is being produced. It also
+    counts calls in progress (``calls``), so that shutdown closes the ledger only after the last
+    one, cancelled or not, has finished its bookkeeping."""
+
+    def __init__(self):
+        self.calls = InFlight()
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -89,24 +119,32 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             log_event("refused", method=method, status=code.name, reason=message)
             context.abort(code, message)
 
+        calls = self.calls
+
         def unary(behavior):
             def run(request, context):
+                calls.enter()
                 try:
                     return behavior(request, context)
                 except PrivFusionError as e:
                     fail(context, e)
                 except Exception as e:  # noqa: BLE001 - the one place unexpected errors end a call
                     fail(context, e)
+                finally:
+                    calls.exit()
             return run
 
         def streaming(behavior):
             def run(request, context):
+                calls.enter()
                 try:
                     yield from behavior(request, context)
                 except PrivFusionError as e:
                     fail(context, e)
                 except Exception as e:  # noqa: BLE001
                     fail(context, e)
+                finally:
+                    calls.exit()
             return run
 
         if handler.unary_unary:
@@ -215,6 +253,27 @@ def graph_from_release(architecture: Mapping[str, Any], metadata: Mapping[str, A
     return graph
 
 
+# ------------------------------------------------------------------------ registration
+
+
+def add_to_server(service: "PeerService", server: grpc.Server) -> None:
+    """Register privfusion.v1.Peer like the generated ``add_PeerServicer_to_server``, except that
+    release streams go through :func:`peer.wire.serialize_frame` (chunk frames are pre-encoded
+    protobuf bytes; the wire format is the same)."""
+    descriptor = pb.DESCRIPTOR.services_by_name["Peer"]
+    handlers = {}
+    for method in descriptor.methods:
+        request = getattr(pb, method.input_type.name)
+        response = getattr(pb, method.output_type.name)
+        serialize = wire.serialize_frame if response is pb.ReleaseFrame else response.SerializeToString
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}[
+            (method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(getattr(service, method.name), request_deserializer=request.FromString,
+                                     response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+
+
 # ------------------------------------------------------------------------ the service
 
 
@@ -223,10 +282,9 @@ class PeerService(pb_grpc.PeerServicer):
 
     def __init__(self, site):
         self.site = site
-        self._inflight = 0
+        self.releases = InFlight()  # releases being streamed
         self._draining = False
-        self._inflight_lock = threading.Lock()
-        self._idle = threading.Condition(self._inflight_lock)
+        self._drain_lock = threading.Lock()
 
     # ------------------------------------------------------------------ identity
 
@@ -274,17 +332,17 @@ class PeerService(pb_grpc.PeerServicer):
         the budget's unit, by the ledger, inside the charge).
         """
         digests = [(name, wire.digest(a)) for name, a in tensors]
-        with self._inflight_lock:
+        with self._drain_lock:
             if self._draining:
                 raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
-            self._inflight += 1
+            self.releases.enter()
         entry_id = None
         finished = False
         started = time.perf_counter()
         try:
             entry_id = self.site.charge(record, caller, policy_kind or kind)
             log_event("charged", method=method, caller=caller, entry=entry_id, release=record.release_id,
-                      mechanism=record.mechanism, level=record.level, unit=record.unit,
+                      mechanism=record.mechanism, privacy_level=record.level, unit=record.unit,
                       epsilon=record.epsilon, delta=record.delta, model=model)
             receipt = sign_receipt(self.site.identity, entry_id, record, digests)
             yield from wire.release_frames(receipt, kind, model, architecture, metadata, tensors, upstream)
@@ -301,25 +359,12 @@ class PeerService(pb_grpc.PeerServicer):
                     self.site.release_event(record, "send-failed", "stream ended before ReleaseEnd")
                 except Exception as e:  # noqa: BLE001 - the charge stands either way; say why the note is missing
                     log_event("event-not-recorded", entry=entry_id, error_type=type(e).__name__)
-            with self._inflight_lock:
-                self._inflight -= 1
-                self._idle.notify_all()
+            self.releases.exit()
 
     def drain(self) -> None:
         """From now on refuse new releases before they are charged (graceful shutdown)."""
-        with self._inflight_lock:
+        with self._drain_lock:
             self._draining = True
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no release is being streamed (graceful shutdown)."""
-        deadline = time.monotonic() + timeout
-        with self._inflight_lock:
-            while self._inflight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
 
     def _stamp(self, record: ReleaseRecord, caller: str, subject: str, **parameters: Any) -> ReleaseRecord:
         params = dict(record.parameters)
@@ -455,7 +500,25 @@ class PeerService(pb_grpc.PeerServicer):
         tensors = [(k, fused.pop(k)) for k in sorted(fused)]
         yield from self._release(context, "Fuse", caller, record, "fused", request.model, stored.architecture,
                                  {"alpha": alpha, "partner": request.partner, "partner_model": request.partner_model},
-                                 tensors, upstream=(theirs.receipt, aligned.receipt))
+                                 tensors, upstream=(theirs.receipt, aligned.receipt), policy_kind="fuse")
+
+    def ReleaseMerged(self, request: pb.MergeRequest, context) -> Iterator[pb.ReleaseFrame]:
+        caller = self.bind_caller(context, request.header)
+        pool = self.site.pool(request.pool)
+        if request.method not in ("rs", "lc"):
+            raise InvalidArgument("method", f"must be 'rs' (random selection) or 'lc' (linear combination), got {request.method!r}")
+        eps = check_epsilon(request.epsilon, "epsilon")
+        dlt = check_delta(request.delta, "delta")
+        self.site.policy_allows(caller, "merge", model=request.pool, epsilon=eps, delta=dlt)
+
+        from peer.pool import merge_pool
+
+        merged = merge_pool(pool, request.method, eps, dlt, validation=self.site.pool_validation(request.pool),
+                            randomness=self.site.randomness(), subject=request.pool, counterparty=caller)
+        tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
+        # public: the method, π or λ, the ε each accountant reports, the validation utility
+        yield from self._release(context, "ReleaseMerged", caller, merged.record, "merged", request.pool,
+                                 merged.architecture, {"choice": merged.choice.to_dict()}, tensors, policy_kind="merge")
 
     def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:
         caller = self.bind_caller(context, request.header)

@@ -30,6 +30,11 @@ OPEN_POLICY = """
 [policy]
 show_remaining = "own"
 
+[policy.data]
+unit = "record:replace-one"
+epsilon = 1000.0
+delta = 1e-3
+
 [policy.model]
 total = { epsilon = 1000.0, delta = 1e-3 }
 per_counterparty = { epsilon = 1000.0, delta = 1e-3 }
@@ -61,7 +66,8 @@ def model_arrays(arch=ARCH, seed=0) -> dict[str, np.ndarray]:
 
 def make_site(root: Path, name: str, *, models: dict | None = None, policy: str = OPEN_POLICY,
               peers: dict[str, str] | None = None, probe: np.ndarray | None = None, seed: int | None = None,
-              workers: int = 8, activation_clip=(0.0, 4.0), grace: float = 5.0, extra_site: str = "") -> SiteFiles:
+              workers: int = 8, activation_clip=(0.0, 4.0), grace: float = 5.0, extra_site: str = "",
+              pools: dict[str, Path] | None = None) -> SiteFiles:
     """A site directory with an identity, a model store, site.toml (and its [policy])."""
     d = root / name
     d.mkdir(parents=True)
@@ -88,10 +94,30 @@ def make_site(root: Path, name: str, *, models: dict | None = None, policy: str 
         lines.append('probe = "probe.safetensors"')
     lines.append(extra_site)
     lines += ["", "[site.mechanisms]", f"activation_clip = [{activation_clip[0]}, {activation_clip[1]}]"]
+    for pool, directory in (pools or {}).items():
+        lines += ["", f'[site.pools."{pool}"]', f'models = "{directory}"']
     for peer, address in (peers or {}).items():
         lines += ["", f'[site.peers."{peer}"]', f'address = "{address}"']
     (d / "site.toml").write_text("\n".join(lines) + "\n" + policy)
     return SiteFiles(name, d, d / "site.toml", d / "identity")
+
+
+LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
+
+
+def make_pool(directory: Path, noise=(4.0, 12.0), steps: int = 3, arch=LOGREG, seed: int = 1) -> Path:
+    """A small real DP-SGD pool (full batch, replace-one) on digits, as `privfusion pool train` makes."""
+    from peer.accounting import TrainingRecord
+    from peer.pool import load_splits, save_trained
+    from peer.rng import make_randomness
+    from peer.training import train_pool
+
+    s = load_splits("digits")
+    trainings = [TrainingRecord.constant("replace-one", steps, 2.0, 1.0, sigma) for sigma in noise]
+    models = train_pool(arch, s.x_train, s.y_train, trainings, init_seed=0, randomness=make_randomness(seed), delta=1e-5)
+    for i, m in enumerate(models):
+        save_trained(directory, f"m{i}", m, data=s.description)
+    return directory
 
 
 def pin(site: SiteFiles, *others: SiteFiles) -> None:

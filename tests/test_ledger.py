@@ -171,10 +171,50 @@ def test_per_entry_laplace_is_converted_exactly_to_per_neuron(tmp_path):
     assert np.allclose(entry.rdp, laplace_rdp(ledger.orders, 15.0, rec.parameters["scale"]), rtol=1e-12)
     with pytest.raises(BudgetExhausted):  # 1.0 + 1.0 > 1.5, though 0.2 + 0.2 would fit per entry
         ledger.charge(laplace_record(epsilon=0.2, clip=(-1.0, 2.0), shape=(8, 5), unit="entry"), "b")
-    with pytest.raises(FailedPrecondition, match="per-entry 'gaussian'"):
-        ledger.charge(gaussian_record(unit="entry"), "b")
+    with pytest.raises(FailedPrecondition, match="per-entry 'smoothing'"):
+        ledger.charge(gaussian_record(unit="entry").with_(mechanism="smoothing"), "b")
     with pytest.raises(InvalidArgument, match="sensitivity"):
         ledger.charge(rec.with_(sensitivity=1.0, release_id="x" * 32), "b")
+
+
+def rr_rdp(orders, epsilon):
+    """Binary randomised response with ε (the dominating pair of ε-DP): closed-form RDP."""
+    o = np.asarray(orders, float)
+    p = 1 / (1 + math.exp(-epsilon))
+    return np.logaddexp(o * np.log(p) + (1 - o) * np.log1p(-p), o * np.log1p(-p) + (1 - o) * np.log(p)) / (o - 1)
+
+
+def test_per_entry_releases_of_the_real_mechanisms_are_restated_per_neuron(tmp_path):
+    from peer.mechanisms import gaussian_perturbation, gaussian_sensitivity, laplace_activations, multibit
+    from peer.rng import make_randomness
+
+    x = np.random.default_rng(0).normal(size=(6, 7))
+    ledger = open_ledger(tmp_path / "mech.db", make_policy(model_total=(1e3, 1e-3)))
+    orders = ledger.orders
+    # Laplace: the per-entry release at ε and the per-neuron release at 7ε add the same noise.
+    _, lap_e = laplace_activations(x, epsilon=0.3, clip=(-1.0, 1.0), unit="entry", randomness=make_randomness(1))
+    _, lap_n = laplace_activations(x, epsilon=2.1, clip=(-1.0, 1.0), unit="neuron", randomness=make_randomness(1))
+    conv = per_neuron_record(lap_e)
+    assert conv.sensitivity == pytest.approx(lap_n.sensitivity) and conv.epsilon == pytest.approx(lap_n.epsilon)
+    assert lap_e.parameters["scale"] == pytest.approx(lap_n.parameters["scale"])
+    entry = ledger.charge(lap_e.with_(subject="m"), "b")
+    assert np.allclose(entry.rdp, laplace_rdp(orders, 14.0, lap_e.parameters["scale"]), rtol=1e-10)
+    # Gaussian (PFA unit): the same σ against the neuron's L2 sensitivity from the row clip.
+    _, g_e = gaussian_perturbation(x, epsilon=1.0, delta=1e-5, clip_norm=2.0, entry_bound=0.5, unit="entry",
+                                   randomness=make_randomness(2))
+    conv = per_neuron_record(g_e)
+    delta_n = gaussian_sensitivity("neuron", clip_norm=2.0, entry_bound=0.5, length=7)
+    assert conv.sensitivity == pytest.approx(delta_n) and delta_n > g_e.sensitivity
+    assert conv.epsilon > g_e.epsilon
+    entry = ledger.charge(g_e.with_(subject="m"), "b")
+    assert np.allclose(entry.rdp, gaussian_rdp(orders, delta_n, g_e.parameters["noise_std"]), rtol=1e-10)
+    # multi-bit: 7 independent ε-DP coordinates per neuron.
+    _, mb_e = multibit(x, epsilon=0.4, bounds=(-1.0, 1.0), unit="entry", randomness=make_randomness(3))
+    conv = per_neuron_record(mb_e)
+    assert conv.mechanism == "composite" and len(conv.components) == 7 and conv.epsilon == pytest.approx(2.8)
+    entry = ledger.charge(mb_e.with_(subject="m"), "b")
+    assert np.allclose(entry.rdp, 7 * rr_rdp(orders, 0.4), rtol=1e-9)
+    assert entry.epsilon == pytest.approx(2.8) and entry.unit == "neuron"
 
 
 def test_composite_of_per_entry_components_is_converted_componentwise():

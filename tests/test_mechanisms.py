@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -321,6 +322,36 @@ def test_truncated_normal_mean_against_scipy_and_its_tails():
     far = M.truncated_normal_mean(np.array([1e4, -1e4]), np.array([1.0, 1.0]), -1, 1)
     assert far == pytest.approx([1 - 1 / (1e4 - 1), -1 + 1 / (1e4 - 1)], abs=1e-7)
     assert np.array_equal(M.truncated_normal_mean(np.array([3.0, 0.2]), 0.0, -1, 1), [1.0, 0.2])
+    # a normal far wider than the interval is nearly flat on it: the mean is near the midpoint,
+    # tilted towards μ by (interval half-width)²/3 · (midpoint − μ)/sd²
+    wide = M.truncated_normal_mean(np.array([0.3, -1.0, 5e5]), np.array([1e12, 1e9, 1e6]), -1, 1)
+    assert wide == pytest.approx([0.3 / 3e24, -1 / 3e18, 5e5 / 3e12], rel=1e-6, abs=1e-300)
+    # against a 60-digit reference over scales from 1e-3 to 1e12 (scipy is no reference for wide
+    # normals: it cancels to ~1e-7 absolute error). The result is μ + sd·shift in double
+    # precision, so its absolute accuracy is a few ulps of |μ|.
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 60
+
+    def reference(mu, sd, lo, hi):
+        mu, sd = mpmath.mpf(mu), mpmath.mpf(sd)
+        a, b = (lo - mu) / sd, (hi - mu) / sd
+        pdf = lambda t: mpmath.exp(-t ** 2 / 2) / mpmath.sqrt(2 * mpmath.pi)  # noqa: E731
+        upper_tail = lambda t: mpmath.erfc(t / mpmath.sqrt(2)) / 2  # noqa: E731
+        mass = upper_tail(a) - upper_tail(b) if a > 0 else upper_tail(-b) - upper_tail(-a)
+        return float(mu + sd * (pdf(a) - pdf(b)) / mass)
+
+    for sd in (1e-3, 0.1, 1.0, 30.0, 100.0, 1e3, 9e3, 1.01e4, 3e4, 1e8, 1e12):
+        for mu in (0.5, 3.0, -40.0, 1e-3, 0.999, -1.0, 7.0, -300.0, 1e3, -1e5, 1e7):
+            ref = reference(mu, sd, -1, 1)
+            got = M.truncated_normal_mean(np.array([mu]), np.array([sd]), -1, 1)[0]
+            assert abs(got - ref) <= 1e-6 * abs(ref) + 1e-14 * (1 + abs(mu)), (mu, sd, got, ref)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-1e200, 1e200), st.floats(0, 1e200), st.floats(-1e3, 1e3), st.floats(1e-6, 1e3))
+def test_truncated_normal_mean_is_finite_and_inside_the_interval(mu, sd, lo, width):
+    out = M.truncated_normal_mean(np.array([mu]), np.array([sd]), lo, lo + width)
+    assert np.isfinite(out[0]) and lo <= out[0] <= lo + width
 
 
 def test_filter_is_close_to_bayes_optimal_for_gaussian_weights():
@@ -350,7 +381,14 @@ def trained_digits_mlp():
 
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [64], "output_dim": 10}
     ds = load_dataset("digits")
-    model = train_classifier(arch, ds.x_train, ds.y_train, seed=0, epochs=8, batch_size=128, learning_rate=3e-3)
+    # one thread: this tiny model trains in a fraction of a second, while two threads on a
+    # shared 2-core machine spend seconds waiting for each other
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = train_classifier(arch, ds.x_train, ds.y_train, seed=0, epochs=8, batch_size=128, learning_rate=3e-3)
+    finally:
+        torch.set_num_threads(threads)
     return arch, state_arrays(model)
 
 

@@ -123,14 +123,17 @@ def test_receipts_bind_record_entry_and_tensor_digests(signer, tmp_path):
         verify_receipt(r, signer.cert_pem, expected_signer="site-o")
 
 
-def frames_of(signer, tensors, chunk_bytes=wire.MAX_CHUNK_BYTES):
+def frames_of(signer, tensors, chunk_bytes=wire.MAX_CHUNK_BYTES, decode=pb.ReleaseFrame.FromString):
+    """The frames as a receiver decodes them from the wire bytes."""
     r = sign_receipt(signer, "1", record(), [(n, wire.digest(a)) for n, a in tensors])
-    return list(wire.release_frames(r, "weights", "m", {"kind": "mlp"}, {"k": 1}, tensors, chunk_bytes=chunk_bytes))
+    return [decode(wire.serialize_frame(f))
+            for f in wire.release_frames(r, "weights", "m", {"kind": "mlp"}, {"k": 1}, tensors, chunk_bytes=chunk_bytes)]
 
 
-def test_release_stream_roundtrip_and_receipt_comes_first(signer):
+@pytest.mark.parametrize("decode", [pb.ReleaseFrame.FromString, wire.decode_frame])
+def test_release_stream_roundtrip_and_receipt_comes_first(signer, decode):
     tensors = [("w", np.random.default_rng(0).normal(size=(5, 7)).astype(np.float32)), ("b", np.zeros(0))]
-    frames = frames_of(signer, tensors, chunk_bytes=16)
+    frames = frames_of(signer, tensors, chunk_bytes=16, decode=decode)
     seen = []
     rel = wire.ReleaseReader(on_receipt=lambda r: seen.append(r)).read(iter(frames))
     assert len(seen) == 1 and frames[0].WhichOneof("frame") == "receipt"
@@ -162,7 +165,64 @@ def test_release_reader_refuses_reordered_truncated_or_swapped_streams(signer):
     for i, f in enumerate(frames):
         bad[i].CopyFrom(f)
     bad[2].tensor.name = "x"
+    with pytest.raises(InvalidArgument, match="manifest"):
+        reader.read(iter(bad))
+    # a manifest that announces other tensors than the receipt signed
+    bad = [pb.ReleaseFrame() for _ in frames]
+    for i, f in enumerate(frames):
+        bad[i].CopyFrom(f)
+    bad[1].manifest.tensors[0].sha256 = bytes(32)
     with pytest.raises(InvalidArgument, match="receipt"):
         reader.read(iter(bad))
     with pytest.raises(InvalidArgument, match="total_bytes"):
         wire.ReleaseReader(max_bytes=100).read(iter(frames))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=1, max_size=300) | st.integers(1, 1 << 21).map(lambda n: bytes(n)))
+def test_chunk_frames_are_encoded_exactly_as_protobuf_does_and_decoded_without_copy(data):
+    ours = wire.encode_chunk_frame(memoryview(data))
+    assert ours == pb.ReleaseFrame(chunk=tpb.TensorChunk(data=data)).SerializeToString()
+    frame = wire.decode_frame(ours)
+    assert isinstance(frame, wire.ChunkFrame) and frame.WhichOneof("frame") == "chunk" and bytes(frame.chunk.data) == data
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_decode_frame_agrees_with_protobuf_on_any_bytes(raw):
+    try:
+        want = pb.ReleaseFrame.FromString(raw)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError
+        with pytest.raises(Exception):
+            wire.decode_frame(raw)
+        return
+    got = wire.decode_frame(raw)
+    if isinstance(got, wire.ChunkFrame):
+        assert want.WhichOneof("frame") == "chunk" and bytes(got.data) == want.chunk.data
+    else:
+        assert got == want
+
+
+def test_other_frames_and_empty_chunks_go_through_protobuf():
+    for f in (pb.ReleaseFrame(end=pb.ReleaseEnd(tensor_count=1, total_bytes=4)), pb.ReleaseFrame(chunk=tpb.TensorChunk()),
+              pb.ReleaseFrame(tensor=tpb.TensorHeader(name="x", shape=[2]))):
+        got = wire.decode_frame(f.SerializeToString())
+        assert isinstance(got, pb.ReleaseFrame) and got == f
+
+
+def test_releases_stream_straight_into_a_safetensors_file(signer, tmp_path):
+    from safetensors import safe_open
+
+    tensors = [("w", np.random.default_rng(1).normal(size=(33, 7)).astype(np.float32)), ("e", np.zeros((0, 3))),
+               ("i", np.arange(5, dtype=np.int64))]
+    frames = frames_of(signer, tensors, chunk_bytes=100, decode=wire.decode_frame)
+    rel = wire.ReleaseReader(sink=wire.SafetensorsSink(tmp_path / "r.safetensors")).read(iter(frames))
+    assert rel.arrays == {} and rel.path == tmp_path / "r.safetensors" and rel.total_bytes == 33 * 7 * 4 + 40
+    with safe_open(str(rel.path), framework="numpy") as f:
+        assert f.metadata()["privfusion_ledger_entry"] == "1"
+        for name, a in tensors:
+            np.testing.assert_array_equal(f.get_tensor(name), a)
+    # a stream that breaks off leaves no file, not even a temporary one
+    with pytest.raises(InvalidArgument, match="truncated"):
+        wire.ReleaseReader(sink=wire.SafetensorsSink(tmp_path / "cut.safetensors")).read(iter(frames[:-2]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.safetensors"]

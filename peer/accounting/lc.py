@@ -26,6 +26,15 @@ this way.) Composing the T steps:
 LC is refused for Poisson-subsampled runs (the analysis is for full batch) and for models known
 only by (ε_i, δ_i) (no free lunch: from the final guarantees alone an LC can be no better than
 releasing every model).
+
+What this rests on. Treating combined step t as a Gaussian mechanism composed adaptively needs
+each step's clipped gradients to be determined by public values and the released history. That
+holds exactly when the gradient does not depend on the model's own state (e.g. linear losses; then
+θ_λ is one Gaussian mechanism and μ above is exact). For general losses each run's state θ_{i,t}
+is *not* released by the combination, and the bound is the merging paper's LC theorem for
+full-batch DP-GD, which this module implements as DESIGN.md states it; the accountant cannot check
+that theorem's hypotheses. The alternative with no extra assumption is the composition of all
+models (``profiles``), which is always an upper bound for θ_λ.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from peer.accounting.rdp import rdp_gaussian
 from peer.accounting.rs import check_weights
 from peer.errors import InvalidArgument
 
-DEFAULT_MAX_GROUPS = 64
+DEFAULT_MAX_GROUPS = 32
 
 NO_FREE_LUNCH = (
     "LC needs every model's per-step hyperparameters (learning_rate, clip_norm, noise_multiplier "
@@ -79,6 +88,7 @@ class LCSegments:
 
     def step_ratios(self, lam: np.ndarray) -> np.ndarray:
         """μ_s = Δ_s / s_s per segment (0 where no weighted model is active; ∞ if unnoised)."""
+        lam = _effective(lam)
         delta = self.k * (self.signal @ lam)
         std = np.sqrt((self.noise ** 2) @ (lam ** 2))
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -93,12 +103,24 @@ class LCSegments:
 
     def mu_many(self, lams: np.ndarray) -> np.ndarray:
         """μ for each row of ``lams`` (m × k), vectorised (for searches over λ)."""
-        lams = np.atleast_2d(lams)
+        lams = np.array([_effective(row) for row in np.atleast_2d(lams)])
         delta = self.k * (self.signal @ lams.T)
         var = (self.noise ** 2) @ (lams ** 2).T
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio_sq = np.where(delta == 0, 0.0, delta ** 2 / var)
         return np.sqrt(self.counts @ ratio_sq)
+
+
+def _effective(lam: np.ndarray) -> np.ndarray:
+    """λ scaled to max 1 (μ is scale-invariant) with weights below 1e-150 of the largest set to 0:
+    in float64 such a term λ_i θ_i vanishes next to the others, and squaring it would underflow
+    to a spurious zero noise."""
+    lam = np.asarray(lam, dtype=float)
+    top = lam.max()
+    if top <= 0:
+        return lam
+    lam = lam / top
+    return np.where(lam < 1e-150, 0.0, lam)
 
 
 def _check_lc_models(models: Sequence, adjacency: str | None) -> tuple[list[TrainingRecord], str]:
@@ -163,21 +185,50 @@ def lc_rdp(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float], 
     return rdp_gaussian(lc_mu(models, lam, adjacency=adjacency), check_orders(orders))
 
 
+def _split_blocks(values: np.ndarray, counts: np.ndarray, max_groups: int) -> list[tuple[int, int]]:
+    """Cut sorted ``values`` into at most ``max_groups`` consecutive blocks, greedily splitting the
+    block whose rounding-up costs most, at its best point. The cost of block [i, j] is the growth
+    of μ² when every step in it takes the block's largest value: v_j²·Σn − Σ n v²."""
+    w = counts.astype(float)
+    cum_n = np.concatenate([[0.0], np.cumsum(w)])
+    cum_s = np.concatenate([[0.0], np.cumsum(w * values ** 2)])
+
+    def cost(i, j):
+        return values[j] ** 2 * (cum_n[j + 1] - cum_n[i]) - (cum_s[j + 1] - cum_s[i])
+
+    def best_split(i, j):
+        m = np.arange(i, j)
+        left = values[m] ** 2 * (cum_n[m + 1] - cum_n[i]) - (cum_s[m + 1] - cum_s[i])
+        right = values[j] ** 2 * (cum_n[j + 1] - cum_n[m + 1]) - (cum_s[j + 1] - cum_s[m + 1])
+        k = int(np.argmin(left + right))
+        return int(m[k]), cost(i, j) - (left[k] + right[k])
+
+    blocks = [(0, values.size - 1)]
+    while len(blocks) < max_groups:
+        gains = [(best_split(i, j), b) if j > i else ((None, -1.0), b) for b, (i, j) in enumerate(blocks)]
+        (split, gain), b = max(gains, key=lambda g: g[0][1])
+        if split is None or gain <= 0:
+            break
+        i, j = blocks.pop(b)
+        blocks[b:b] = [(i, split), (split + 1, j)]
+    return blocks
+
+
 def _group_ratios(counts: np.ndarray, mu_s: np.ndarray, max_groups: int) -> tuple[list[tuple[float, int]], str | None]:
     """Steps grouped by equal μ_s (exact). If more than ``max_groups`` distinct values remain, the
-    sorted values are cut into ``max_groups`` consecutive blocks and every step takes its block's
-    largest μ: rounding μ up is sound (a Gaussian with smaller μ is a post-processing of one with
-    larger μ — add noise), and the note says by how much μ grew."""
+    sorted values are cut into ``max_groups`` consecutive blocks (``_split_blocks``) and every step
+    takes its block's largest μ: rounding μ up is sound (a Gaussian with smaller μ is a
+    post-processing of one with larger μ — add noise), and the note says by how much μ grew."""
     keep = mu_s > 0
     values, inverse = np.unique(mu_s[keep], return_inverse=True)
     totals = np.bincount(inverse, weights=counts[keep]).astype(np.int64) if values.size else np.zeros(0, np.int64)
     if values.size <= max_groups:
         return [(float(v), int(n)) for v, n in zip(values, totals)], None
-    blocks = np.array_split(np.arange(values.size), max_groups)
-    groups = [(float(values[b[-1]]), int(totals[b].sum())) for b in blocks]
+    blocks = _split_blocks(values, totals, max_groups)
+    groups = [(float(values[j]), int(totals[i:j + 1].sum())) for i, j in blocks]
     exact = math.sqrt(float(np.dot(totals, values ** 2)))
     rounded = math.sqrt(sum(n * v * v for v, n in groups))
-    return groups, (f"FFT composition rounded {values.size} distinct per-step ratios up into {max_groups} groups: "
+    return groups, (f"FFT composition rounded {values.size} distinct per-step ratios up into {len(groups)} groups: "
                     f"mu {exact:.6g} -> {rounded:.6g} (sound, conservative by {rounded / exact - 1:.2e} relative)")
 
 

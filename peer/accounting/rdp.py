@@ -200,7 +200,7 @@ def rdp_mixture(pi: Sequence[float], rdps: Sequence[np.ndarray], orders: Sequenc
 
 def _mix_finite(pi: np.ndarray, r: np.ndarray, orders: np.ndarray) -> np.ndarray:
     a1 = orders - 1.0
-    return special.logsumexp(a1[None, :] * r, b=pi[:, None], axis=0) / a1
+    return special.logsumexp(a1[None, :] * r + np.log(pi)[:, None], axis=0) / a1
 
 
 __all__ = ["ADJACENCIES", "rdp_gaussian", "rdp_laplace", "rdp_pure", "rdp_subsampled_gaussian",

@@ -160,15 +160,21 @@ def rs_most_private_epsilon(profiles: Sequence[PrivacyProfile], delta: float, ac
     singles = [p.epsilon(delta) for p in profiles]
     if accountant == "rdp":
         return min(s.rdp for s in singles)
-    hi = min(s.pld for s in singles)
-    if math.isinf(hi):
-        return math.inf
-    lo = 0.0
-    if _rs_min_t(_pld_coeffs(profiles, 0.0), delta) <= 1.0:
+    def feasible(e: float) -> bool:
+        return _rs_min_t(_pld_coeffs(profiles, e), delta) <= 1.0
+
+    if feasible(0.0):
         return 0.0
+    lo, hi = 0.0, min(s.pld for s in singles)
+    if math.isinf(hi):
+        hi = 1.0
+        while not feasible(hi):
+            lo, hi = hi, 2 * hi
+            if hi > 1e6:
+                return math.inf
     while hi - lo > 1e-7 * max(hi, 1e-9):
         mid = 0.5 * (lo + hi)
-        if _rs_min_t(_pld_coeffs(profiles, mid), delta) <= 1.0:
+        if feasible(mid):
             hi = mid
         else:
             lo = mid

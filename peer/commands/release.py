@@ -51,12 +51,13 @@ def load_permutations(path: str) -> dict[str, np.ndarray]:
 
 
 def write(release, out: str, client) -> int:
+    """Write the release document beside the tensors (already streamed to OUT.safetensors)."""
     from peer.client import save_release, verify_upstream
 
     checks = verify_upstream(release, client.trust)
     tensors, doc = save_release(release, out, checks)
     r = release.receipt.record
-    print(f"{release.kind} of {release.receipt.signer}:{release.model}: {len(release.arrays)} tensors, "
+    print(f"{release.kind} of {release.receipt.signer}:{release.model}: {len(release.receipt.tensors)} tensors, "
           f"{release.total_bytes} bytes -> {tensors}")
     print(f"record {r.release_id}: {r.mechanism}, level {r.level}, unit {r.unit}, epsilon {r.epsilon:g}, delta {r.delta:g}; "
           f"ledger entry {release.receipt.ledger_entry_id}; signature verified -> {doc}")
@@ -72,14 +73,14 @@ def _features(args) -> int:
         release = c.features(args.model, probe, activation_epsilon=args.activation_epsilon,
                              weight_epsilon=args.weight_epsilon, unit=args.unit,
                              activation_clip=tuple(args.activation_clip) if args.activation_clip else None,
-                             weight_bound=args.weight_bound)
+                             weight_bound=args.weight_bound, out=args.out)
         return write(release, args.out, c)
 
 
 def _weights(args) -> int:
     perms = load_permutations(args.permutations) if args.permutations else None
     with client_from_args(args) as c:
-        release = c.weights(args.model, epsilon=args.epsilon, delta=args.delta, permutations=perms)
+        release = c.weights(args.model, epsilon=args.epsilon, delta=args.delta, permutations=perms, out=args.out)
         return write(release, args.out, c)
 
 
@@ -87,7 +88,7 @@ def _fuse(args) -> int:
     with client_from_args(args) as c:
         release = c.fuse(args.model, partner=args.partner, partner_model=args.partner_model, alpha=args.alpha,
                          activation_epsilon=args.activation_epsilon, weight_epsilon=args.weight_epsilon,
-                         weights_epsilon=args.weights_epsilon, weights_delta=args.weights_delta)
+                         weights_epsilon=args.weights_epsilon, weights_delta=args.weights_delta, out=args.out)
         return write(release, args.out, c)
 
 

@@ -32,7 +32,7 @@ class Receipt(_message.Message):
     def __init__(self, signer: _Optional[str] = ..., ledger_entry_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorDigest, _Mapping]]] = ..., signature_algorithm: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseManifest(_message.Message):
-    __slots__ = ("kind", "model", "architecture_json", "metadata_json", "tensor_count", "total_bytes", "upstream")
+    __slots__ = ("kind", "model", "architecture_json", "metadata_json", "tensor_count", "total_bytes", "upstream", "tensors")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ReleaseManifest(_message.Message):
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model: str
     architecture_json: str
@@ -47,7 +48,8 @@ class ReleaseManifest(_message.Message):
     tensor_count: int
     total_bytes: int
     upstream: _containers.RepeatedCompositeFieldContainer[Receipt]
-    def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., architecture_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., upstream: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ...) -> None: ...
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
+    def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., architecture_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., upstream: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ...) -> None: ...
 
 class ReleaseEnd(_message.Message):
     __slots__ = ("tensor_count", "total_bytes")
