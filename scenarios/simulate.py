@@ -145,7 +145,8 @@ def _site_toml(sc: Scenario, s: SiteWorld) -> str:
              'ledger = "ledger.sqlite"', 'probe = "probe.safetensors"', "workers = 16", "shutdown_grace_s = 5",
              f"seed = {s.seed}", "", "[site.mechanisms]", f"activation_clip = [{lo!r}, {hi!r}]"]
     if sc.pool is not None:
-        lines += ["", f"[site.pools.{POOL}]", 'models = "pool"']
+        # merges judge candidates on the public set, never on the site's protected records
+        lines += ["", f"[site.pools.{POOL}]", 'models = "pool"', 'validation = "validation.npz"']
     return "\n".join(lines) + "\n\n" + _policy_toml(sc)
 
 

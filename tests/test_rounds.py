@@ -411,3 +411,69 @@ epsilon = 20.0
     assert "fused" in out.out and "hospital-b: features released" in out.err
     assert len(list((a.root / "rounds").glob("round-*.json"))) == 1
     assert len(ledger_entries(b, "hospital-a")) == 2
+
+
+# ---------------------------------------------------------------------------------- merges
+
+
+def add_pool(site, trained, data_epsilon: float) -> None:
+    """A small DP-SGD pool of the site's architecture, judged on a public validation file."""
+    from peer.accounting import TrainingRecord
+    from peer.pool import save_trained
+    from peer.rng import make_randomness
+    from peer.training import train_pool
+
+    _, probe, ds = trained
+    trainings = [TrainingRecord.constant("add-remove", 10, 1.0, 1.0, nm, 1.0) for nm in (3.0, 6.0)]
+    for i, m in enumerate(train_pool(ARCH, ds.x_train[400:500], ds.y_train[400:500], trainings, init_seed=5,
+                                     randomness=make_randomness(9), delta=1e-5)):
+        save_trained(site.root / "pool", f"m{i}", m)
+    np.savez(site.root / "validation.npz", x=ds.x_test[30:130], y=ds.y_test[30:130])
+    text = site.config.read_text().replace("[policy]\n", """[site.pools.dp]
+models = "pool"
+validation = "validation.npz"
+
+[policy]
+""", 1).replace("[policy.model]\n", f"""[policy.data]
+unit = "record:add-remove"
+epsilon = {data_epsilon}
+delta = 1e-4
+
+[policy.model]
+""", 1)
+    site.config.write_text(text)
+
+
+def test_a_peer_answers_with_a_merge_and_the_requester_aligns_it_locally(tmp_path, trained):
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
+    a, b = sites
+    add_pool(b, trained, data_epsilon=20.0)
+    with running(a) as (_, addr_a), running(b) as (_, addr_b):
+        roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
+        result = run_round(load_local_site(a.config, "mlp"), roster,
+                           config(tmp_path, method="merged", merge_epsilon=4.0, merge_delta=1e-5))
+    r = result.report
+    assert result.status == "fused", result.reason
+    peer = r["peers"]["hospital-b"]
+    assert peer["method"] == "merged" and peer["pool"] == "dp" and peer["match"]["permutations"]["0"]
+    [charge] = charges_of(r, "hospital-b")
+    assert (charge["step"], charge["mechanism"], charge["level"]) == ("merged", "rs-merge", "data")
+    assert charge["epsilon"] <= 4.0 + 1e-9
+    assert_ledger_matches_report(b, "hospital-a", [r])
+
+
+def test_auto_falls_back_to_features_and_weights_only_when_the_merge_was_not_charged(tmp_path, trained):
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
+    a, b = sites
+    add_pool(b, trained, data_epsilon=0.5)  # no merge at ε′ = 4 fits: refused before any charge
+    with running(a) as (_, addr_a), running(b) as (_, addr_b):
+        roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
+        result = run_round(load_local_site(a.config, "mlp"), roster,
+                           config(tmp_path, method="auto", merge_epsilon=4.0, merge_delta=1e-5))
+    r = result.report
+    assert result.status == "fused", result.reason
+    peer = r["peers"]["hospital-b"]
+    assert peer["method"] == "ldp" and any("falling back" in n for n in peer["notes"])
+    assert [c["step"] for c in charges_of(r, "hospital-b")] == ["features", "weights"]
+    assert_ledger_matches_report(b, "hospital-a", [r])
+    assert all(e.level == "model" for e in ledger_entries(b))
