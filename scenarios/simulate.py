@@ -139,18 +139,24 @@ def _policy_toml(sc: Scenario) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _site_toml(sc: Scenario, s: SiteWorld) -> str:
+def site_toml(sc: Scenario, s: SiteWorld, listen: str = "127.0.0.1:0", round_table: str = "",
+              fixed_seed: bool = True) -> str:
+    """A site's site.toml: where it listens, its files, its pool and policy, optionally a
+    ``[round]`` table, and — in simulations only — its fixed noise seed (reported in every
+    release record; without it every release draws CSPRNG noise)."""
     lo, hi = sc.round.activation_clip
-    lines = ["[site]", f'name = "{s.name}"', 'listen = "127.0.0.1:0"', 'identity = "identity"', 'models = "models"',
-             'ledger = "ledger.sqlite"', 'probe = "probe.safetensors"', "workers = 16", "shutdown_grace_s = 5",
-             f"seed = {s.seed}", "", "[site.mechanisms]", f"activation_clip = [{lo!r}, {hi!r}]"]
+    lines = ["[site]", f'name = "{s.name}"', f'listen = "{listen}"', 'identity = "identity"', 'models = "models"',
+             'ledger = "ledger.sqlite"', 'probe = "probe.safetensors"', "workers = 16", "shutdown_grace_s = 5"]
+    if fixed_seed:
+        lines.append(f"seed = {s.seed}")
+    lines += ["", "[site.mechanisms]", f"activation_clip = [{lo!r}, {hi!r}]"]
     if sc.pool is not None:
         # merges judge candidates on the public set, never on the site's protected records
         lines += ["", f"[site.pools.{POOL}]", 'models = "pool"', 'validation = "validation.npz"']
-    return "\n".join(lines) + "\n\n" + _policy_toml(sc)
+    return "\n".join(lines) + "\n\n" + _policy_toml(sc) + (f"\n{round_table}" if round_table else "")
 
 
-def _round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float, roster: Path) -> str:
+def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float, roster: Path) -> str:
     r = sc.round
     lines = ["[round]", f'roster = "{roster}"', f'model = "{MODEL}"', f"alpha = {s.alpha!r}", f"quorum = {r.quorum}",
              f'method = "{method}"', f'out = "rounds"', f'label = "{label}"', f"call_timeout_s = {r.call_timeout_s!r}",
@@ -162,18 +168,23 @@ def _round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: floa
     return "\n".join(lines) + "\n"
 
 
-def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
-    """Data, models, pools, identities, pins and config files of every site."""
-    import torch
-    from safetensors.numpy import save_file
+@dataclass(frozen=True)
+class ScenarioData:
+    """The scenario's data, split the same way wherever it is computed (everything follows from
+    the scenario's seed): test set, public set, and each site's protected records."""
 
-    from coordinator_free.identity import init_identity
-    from coordinator_free.trust import TrustStore
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_public: np.ndarray
+    y_public: np.ndarray
+    parts: tuple[tuple[np.ndarray, np.ndarray], ...]
+    architecture: dict
+    num_classes: int
+
+
+def split_data(sc: Scenario) -> ScenarioData:
     from peer.data import load_dataset, split_dirichlet, split_homogeneous
-    from peer.models import accuracy, model_from_arrays, state_arrays, train_classifier
-    from peer.store import save_model
 
-    torch.set_num_threads(1)
     d = sc.data
     ds = load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed)
     rng = np.random.default_rng(sc.seed)
@@ -181,44 +192,72 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
         raise InvalidArgument("data.public_size", f"{d.public_size} leaves too few of the {len(ds.y_train)} training examples for the sites")
     order = rng.permutation(len(ds.y_train))
     public, protected = order[: d.public_size], np.sort(order[d.public_size:])
-    x_pub, y_pub = ds.x_train[public], ds.y_train[public]
     x_prot, y_prot = ds.x_train[protected], ds.y_train[protected]
     if d.split == "dirichlet":
-        parts = split_dirichlet(y_prot, len(sc.sites), concentration=d.concentration, seed=sc.seed, min_per_site=d.min_per_site)
+        idx = split_dirichlet(y_prot, len(sc.sites), concentration=d.concentration, seed=sc.seed, min_per_site=d.min_per_site)
     else:
-        parts = split_homogeneous(y_prot, len(sc.sites), seed=sc.seed)
+        idx = split_homogeneous(y_prot, len(sc.sites), seed=sc.seed)
     arch = {"kind": "mlp", "input_dim": ds.input_dim, "hidden": list(sc.model.hidden), "output_dim": ds.num_classes,
             "activation": sc.model.activation}
-    plan = round_plan(sc)
-    world = World(sc, out, {}, ds.x_test, ds.y_test, x_pub, y_pub, plan)
-    (out / "sites").mkdir(parents=True, exist_ok=True)
-    for i, (spec, idx) in enumerate(zip(sc.sites, parts)):
-        seed = sc.seed * 1000 + i + 1
-        root = out / "sites" / spec.name
-        root.mkdir(parents=True, exist_ok=True)
-        x, y = x_prot[idx], y_prot[idx]
-        probe = x_pub[np.random.default_rng(seed).choice(len(x_pub), size=d.probe_size, replace=False)]
-        model = train_classifier(arch, x, y, seed=seed, epochs=sc.model.epochs, batch_size=sc.model.batch_size,
-                                 learning_rate=sc.model.learning_rate)
-        s = SiteWorld(spec.name, root, seed, sc.round.alpha if spec.alpha is None else spec.alpha, x, y,
-                      np.ascontiguousarray(probe, dtype=np.float32), arch, state_arrays(model))
-        save_model(root / "models", MODEL, arch, s.arrays, {"trained_on": int(len(y)), "seed": seed})
+    return ScenarioData(ds.x_test, ds.y_test, ds.x_train[public], ds.y_train[public],
+                        tuple((x_prot[i], y_prot[i]) for i in idx), arch, ds.num_classes)
+
+
+def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> SiteWorld:
+    """One site's files from the scenario: its records' model (``models/mlp``), its DP-SGD pool
+    (``pool/``), its public probe set and the public validation set of its merges. No identity
+    and no site.toml: those depend on where the site runs."""
+    import torch
+    from safetensors.numpy import save_file
+
+    from peer.models import state_arrays, train_classifier
+    from peer.store import save_model
+
+    index = [s.name for s in sc.sites].index(name)
+    spec = sc.sites[index]
+    seed = sc.seed * 1000 + index + 1
+    root.mkdir(parents=True, exist_ok=True)
+    x, y = data.parts[index]
+    probe = data.x_public[np.random.default_rng(seed).choice(len(data.x_public), size=sc.data.probe_size, replace=False)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small models: thread hand-offs cost more than they save
+    try:
+        model = train_classifier(data.architecture, x, y, seed=seed, epochs=sc.model.epochs,
+                                 batch_size=sc.model.batch_size, learning_rate=sc.model.learning_rate)
+        s = SiteWorld(name, root, seed, sc.round.alpha if spec.alpha is None else spec.alpha, x, y,
+                      np.ascontiguousarray(probe, dtype=np.float32), data.architecture, state_arrays(model))
+        save_model(root / "models", MODEL, data.architecture, s.arrays, {"trained_on": int(len(y)), "seed": seed})
         save_file({"x": s.probe}, str(root / "probe.safetensors"))
-        np.savez(root / "validation.npz", x=x_pub, y=y_pub)
-        own_acc = accuracy(arch, model, ds.x_test, ds.y_test)
-        counts = np.bincount(y, minlength=ds.num_classes).tolist()
+        np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
         if sc.pool is not None:
-            s.pool = _train_pool(sc, s, x_pub, y_pub, ds.x_test, ds.y_test)
+            s.pool = _train_pool(sc, s, data.x_public, data.y_public, data.x_test, data.y_test)
+    finally:
+        torch.set_num_threads(threads)
+    return s
+
+
+def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
+    """Data, models, pools, identities, pins and config files of every site."""
+    from coordinator_free.identity import init_identity
+    from coordinator_free.trust import TrustStore
+    from peer.models import accuracy, model_from_arrays
+
+    data = split_data(sc)
+    world = World(sc, out, {}, data.x_test, data.y_test, data.x_public, data.y_public, round_plan(sc))
+    for spec in sc.sites:
+        s = prepare_site(sc, data, spec.name, out / "sites" / spec.name)
         init_identity(s.identity, spec.name, ["127.0.0.1", "localhost"])
         world.sites[spec.name] = s
-        pool_text = (", pool " + ", ".join(f"ε={m['epsilon']:.3g}: {m['accuracy']:.3f}" for m in s.pool)) if s.pool else ""
-        progress(f"{spec.name}: {len(y)} records (labels {counts}), own model test accuracy {own_acc:.3f}{pool_text}")
+        own = accuracy(s.architecture, model_from_arrays(s.architecture, s.arrays), data.x_test, data.y_test)
+        counts = np.bincount(s.y, minlength=data.num_classes).tolist()
+        pool = (", pool " + ", ".join(f"ε={m['epsilon']:.3g}: {m['accuracy']:.3f}" for m in s.pool)) if s.pool else ""
+        progress(f"{spec.name}: {len(s.y)} records (labels {counts}), own model test accuracy {own:.3f}{pool}")
     for s in world.sites.values():
         store = TrustStore(s.identity / "trusted")
         for o in world.sites.values():
             if o is not s:
                 store.add((o.identity / "site.crt").read_bytes())
-        s.config.write_text(_site_toml(sc, s), encoding="utf-8")
+        s.config.write_text(site_toml(sc, s), encoding="utf-8")
     return world
 
 
@@ -377,7 +416,7 @@ def run_sites(world: World, progress: Progress) -> dict:
             files = []
             for label, method, scale in world.plan:
                 f = s.root / f"round-{label}.toml"
-                f.write_text(_round_toml(sc, s, label, method, scale, roster.resolve()), encoding="utf-8")
+                f.write_text(round_toml(sc, s, label, method, scale, roster.resolve()), encoding="utf-8")
                 files.append(f)
             rounds[s.name] = RoundProcess(s, files, on_event)
         progress(f"every site started its rounds ({', '.join(l for l, _, _ in world.plan)}) at once")
