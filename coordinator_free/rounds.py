@@ -340,6 +340,11 @@ class RoundState:
         self.event("dropped", peer, step, status=status, reason=reason, charged=charged)
         return d
 
+    def chose(self, peer: str, model: str | None, pool: str | None) -> None:
+        """What the requester will ask ``peer`` for (from its GetPeerInfo answer)."""
+        with self._lock:
+            self.peers[peer].model, self.peers[peer].pool = model, pool
+
     def note(self, peer: str, text: str) -> None:
         with self._lock:
             self.peers[peer].notes.append(text)

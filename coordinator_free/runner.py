@@ -26,7 +26,8 @@ import numpy as np
 from coordinator_free.config import Section, load_toml
 from coordinator_free.identity import Identity, load_identity
 from coordinator_free.roster import Roster, RosterSite
-from coordinator_free.rounds import (RoundConfig, RoundState, charged_status, fusion_weights, public_view)
+from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, fusion_weights,
+                                     public_view)
 from coordinator_free.trust import TrustStore
 from peer.errors import FailedPrecondition, InvalidArgument, NotFound
 from peer.graph import NetworkGraph, extract_graph
@@ -268,8 +269,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             return None
         model = choose_model(info, p.model, arch, local.model.name)
         pool = choose_pool(info, p.pool, arch, config.merge_method) if config.method != "ldp" else None
-        with state._lock:
-            state.peers[p.name].model, state.peers[p.name].pool = model, pool
+        state.chose(p.name, model, pool)
         if config.method in ("merged", "auto") and pool is not None:
             r = merged(p, c, pool)
             if r is _STOP:
@@ -290,6 +290,16 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             return None
         return ldp(p, c, model)
 
+    def guarded(p: RosterSite):
+        """A peer's failure, whatever it is, drops that peer; it never takes the round down."""
+        try:
+            return pipeline(p)
+        except Exception as e:  # noqa: BLE001 - reported in the round's record, type and message
+            step = state.current_step(p.name) or "info"
+            state.drop(p.name, step, "INTERNAL", f"{type(e).__name__}: {e}",
+                       "yes" if state.receipt_seen(p.name, step) else ("unknown" if step in CHARGED_STEPS else "n/a"))
+            return None
+
     contributions: dict[str, dict[str, np.ndarray]] = {}
     try:
         with ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix="round") as workers:
@@ -299,7 +309,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
                 state.aborted = (f"only {len(alive)} of {len(peers)} peers answered the health check; with this site "
                                  f"that is {len(alive) + 1} < quorum {config.quorum}; nothing was requested")
             else:
-                for p, arrays in zip(alive, workers.map(pipeline, alive)):
+                for p, arrays in zip(alive, workers.map(guarded, alive)):
                     if arrays is not None:
                         contributions[p.name] = arrays
     finally:
