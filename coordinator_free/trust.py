@@ -127,6 +127,17 @@ class TrustStore:
 
     def version(self) -> tuple:
         """Changes whenever a pin is added, replaced or removed (to reload TLS trust lazily)."""
-        if not self.directory.is_dir():
+        out = []
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
             return ()
-        return tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in self.directory.glob(f"*{SUFFIX}")))
+        for e in entries:
+            if not e.name.endswith(SUFFIX):
+                continue
+            try:
+                st = e.stat()
+            except FileNotFoundError:  # removed while we looked: it is not pinned any more
+                continue
+            out.append((e.name, st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(sorted(out))

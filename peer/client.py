@@ -48,6 +48,20 @@ class PeerError(PrivFusionError):
         super().__init__(message)
 
 
+# What each status means for the person asking (UNAVAILABLE is told apart below).
+_MESSAGES = {
+    "RESOURCE_EXHAUSTED": "{peer!r} refused: privacy budget exhausted; nothing was released ({details})",
+    "PERMISSION_DENIED": "{peer!r} refused: not permitted ({details})",
+    "UNAUTHENTICATED": "{peer!r} does not recognise this site's certificate ({details}); ask it to pin yours "
+                       "(`privfusion peer trust add`)",
+    "INVALID_ARGUMENT": "{peer!r} rejected the request: {details}",
+    "NOT_FOUND": "{peer!r} has no such thing: {details}",
+    "FAILED_PRECONDITION": "{peer!r} cannot serve this now: {details}",
+    "DEADLINE_EXCEEDED": "{peer!r} did not answer in time ({details})",
+    "CANCELLED": "the call to {peer!r} was cancelled ({details})",
+}
+
+
 def explain(error: grpc.RpcError, peer: str, address: str) -> PeerError:
     """A clear message for each way a call can fail (status kept for callers to branch on)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
@@ -61,24 +75,8 @@ def explain(error: grpc.RpcError, peer: str, address: str) -> PeerError:
         else:
             msg = (f"peer {peer!r} at {address} closed the connection during the TLS handshake: it does not accept this "
                    f"site's certificate (not pinned there, or expired), or it is not the {peer!r} you pinned ({details})")
-    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        msg = f"{peer!r} refused: privacy budget exhausted; nothing was released ({details})"
-    elif code == grpc.StatusCode.PERMISSION_DENIED:
-        msg = f"{peer!r} refused: not permitted ({details})"
-    elif code == grpc.StatusCode.UNAUTHENTICATED:
-        msg = f"{peer!r} does not recognise this site's certificate ({details}); ask it to pin yours (`privfusion peer trust add`)"
-    elif code == grpc.StatusCode.INVALID_ARGUMENT:
-        msg = f"{peer!r} rejected the request: {details}"
-    elif code == grpc.StatusCode.NOT_FOUND:
-        msg = f"{peer!r} has no such thing: {details}"
-    elif code == grpc.StatusCode.FAILED_PRECONDITION:
-        msg = f"{peer!r} cannot serve this now: {details}"
-    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        msg = f"{peer!r} did not answer in time ({details})"
-    elif code == grpc.StatusCode.CANCELLED:
-        msg = f"the call to {peer!r} was cancelled ({details})"
     else:
-        msg = f"{peer!r} failed with {name}: {details}"
+        msg = _MESSAGES.get(name, "{peer!r} failed with {name}: {details}").format(peer=peer, name=name, details=details)
     return PeerError(name, msg, details)
 
 

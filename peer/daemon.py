@@ -204,15 +204,19 @@ class Site:
         self._pins: tuple[tuple, dict[str, PinnedPeer]] = ((), {})
         self._pins_lock = threading.Lock()
         self.models: dict[str, StoredModel] = {n: load_model(config.models, n) for n in list_models(config.models)}
-        from peer.merging import check_pool
-        from peer.pool import load_pool, load_validation_file, pool_validation
+        self.pools: dict[str, list] = {}
+        self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if config.pools:
+            from peer.merging import check_pool
+            from peer.pool import load_pool, load_validation_file, pool_validation
 
-        self.pools = {name: load_pool(d) for name, d in config.pools.items()}
-        for name, pool in self.pools.items():
-            check_pool(pool)
-        # the held-out split each pool was trained beside (judges RS/LC candidates; public)
-        self._validation = {name: load_validation_file(config.pool_validation[name]) if name in config.pool_validation
-                            else pool_validation(pool) for name, pool in self.pools.items()}
+            self.pools = {name: load_pool(d) for name, d in config.pools.items()}
+            for pool in self.pools.values():
+                check_pool(pool)
+            # the held-out split each pool was trained beside, or the site's validation file
+            # (judges RS/LC candidates; public)
+            self._validation = {name: load_validation_file(config.pool_validation[name]) if name in config.pool_validation
+                                else pool_validation(pool) for name, pool in self.pools.items()}
         self.probe = self._load_probe(config.probe) if config.probe else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
@@ -312,7 +316,7 @@ class Site:
 
     # ---- policy and ledger --------------------------------------------------------------------
 
-    def policy_allows(self, caller: str, kind: str, **_public: Any) -> None:
+    def policy_allows(self, caller: str, kind: str) -> None:
         """PermissionDenied unless the policy lets ``caller`` ask for ``kind`` (checked before
         any work; the per-request caps are checked by the ledger in the budget's unit)."""
         if kind == "info":
@@ -522,7 +526,7 @@ def serve(config_path: str | os.PathLike, insecure: bool = False, ready_file: st
         with open(tmp, "w") as f:
             json.dump({"port": port, "pid": os.getpid()}, f)
         os.replace(tmp, ready_file)
-    while not stop.wait(0.5):
+    while not stop.wait(3600):  # the signal handler runs in this (main) thread and sets the event
         pass
     daemon.stop()
     return 0

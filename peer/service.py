@@ -24,16 +24,15 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
 
 from coordinator_free.identity import check_site_name, fingerprint
-from peer.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, PrivFusionError,
-                         Unauthenticated)
+from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
 from peer.graph import HiddenLayer, NetworkGraph, extract_graph
-from peer.models import model_from_arrays, validate_architecture
+from peer.models import validate_architecture
 from peer.receipts import sign_receipt
 from peer.records import ReleaseRecord
 from peer import wire
@@ -323,7 +322,7 @@ class PeerService(pb_grpc.PeerServicer):
 
     # ------------------------------------------------------------------ releases
 
-    def _release(self, context, method: str, caller: str, record: ReleaseRecord, kind: str, model: str,
+    def _release(self, method: str, caller: str, record: ReleaseRecord, kind: str, model: str,
                  architecture: Mapping | None, metadata: Mapping, tensors: list[tuple[str, np.ndarray]],
                  upstream=(), policy_kind: str | None = None) -> Iterator[pb.ReleaseFrame]:
         """Charge, then stream receipt → manifest → tensors → end. The charge is never undone.
@@ -396,7 +395,7 @@ class PeerService(pb_grpc.PeerServicer):
             if not math.isfinite(bound) or bound <= 0:
                 raise InvalidArgument("weight_bound", f"must be a finite number > 0, got {bound!r}")
             bound = (-bound, bound)
-        self.site.policy_allows(caller, "features", model=p.model, epsilon=eps_x + eps_w if unit == "neuron" else max(eps_x, eps_w))
+        self.site.policy_allows(caller, "features")
 
         header = next(messages, None)
         if header is None or header.WhichOneof("part") != "probe":
@@ -416,7 +415,7 @@ class PeerService(pb_grpc.PeerServicer):
                                       weight_bounds=bound, unit=unit, randomness=self.site.randomness())
         record = self._stamp(record, caller, p.model, probe_rows=int(probe.shape[0]))
         tensors, meta = graph_tensors(noisy)
-        yield from self._release(context, "ReleaseFeatures", caller, record, "features", p.model,
+        yield from self._release("ReleaseFeatures", caller, record, "features", p.model,
                                  stored.architecture, meta, tensors)
 
     def ReleaseWeights(self, request: pb.WeightsRequest, context) -> Iterator[pb.ReleaseFrame]:
@@ -425,7 +424,7 @@ class PeerService(pb_grpc.PeerServicer):
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
         perms = self._permutations(stored.architecture, request.permutations)
-        self.site.policy_allows(caller, "weights", model=request.model, epsilon=eps, delta=dlt)
+        self.site.policy_allows(caller, "weights")
         arrays, record = self.site.perturbed_weights(stored, eps, dlt)
         if perms is not None:
             from peer.fusion import permute_arrays
@@ -433,7 +432,7 @@ class PeerService(pb_grpc.PeerServicer):
             arrays = permute_arrays(stored.architecture, arrays, perms)
         record = self._stamp(record, caller, request.model, permuted=perms is not None)
         tensors = [(k, arrays.pop(k)) for k in sorted(arrays)]
-        yield from self._release(context, "ReleaseWeights", caller, record, "weights", request.model,
+        yield from self._release("ReleaseWeights", caller, record, "weights", request.model,
                                  stored.architecture, {"permuted": perms is not None}, tensors)
 
     def _permutations(self, arch, perms) -> list[np.ndarray] | None:
@@ -459,13 +458,13 @@ class PeerService(pb_grpc.PeerServicer):
         eps_w = check_epsilon(request.weight_epsilon, "weight_epsilon")
         eps = check_epsilon(request.weights_epsilon, "weights_epsilon")
         dlt = check_delta(request.weights_delta, "weights_delta")
-        self.site.policy_allows(caller, "fuse", model=request.model, epsilon=eps_x + eps_w + eps, delta=dlt)
+        self.site.policy_allows(caller, "fuse")
         probe = self.site.probe
         if probe is None:
             raise FailedPrecondition(f"{self.site.name!r} has no probe set, which Fuse needs (site.toml: probe)")
         probe = probe_input(stored.architecture, probe)
 
-        from peer.fusion import fuse_arrays, permute_arrays
+        from peer.fusion import fuse_arrays
         from peer.matching import match_graphs
         from peer.mechanisms import composite_record, perturb_graph
 
@@ -498,7 +497,7 @@ class PeerService(pb_grpc.PeerServicer):
                              upstream=[theirs.receipt.ledger_entry_id, aligned.receipt.ledger_entry_id],
                              match_objective=float(match.objective))
         tensors = [(k, fused.pop(k)) for k in sorted(fused)]
-        yield from self._release(context, "Fuse", caller, record, "fused", request.model, stored.architecture,
+        yield from self._release("Fuse", caller, record, "fused", request.model, stored.architecture,
                                  {"alpha": alpha, "partner": request.partner, "partner_model": request.partner_model},
                                  tensors, upstream=(theirs.receipt, aligned.receipt), policy_kind="fuse")
 
@@ -509,7 +508,7 @@ class PeerService(pb_grpc.PeerServicer):
             raise InvalidArgument("method", f"must be 'rs' (random selection) or 'lc' (linear combination), got {request.method!r}")
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
-        self.site.policy_allows(caller, "merge", model=request.pool, epsilon=eps, delta=dlt)
+        self.site.policy_allows(caller, "merge")
 
         from peer.pool import merge_pool
 
@@ -517,7 +516,7 @@ class PeerService(pb_grpc.PeerServicer):
                             randomness=self.site.randomness(), subject=request.pool, counterparty=caller)
         tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
         # public: the method, π or λ, the ε each accountant reports, the validation utility
-        yield from self._release(context, "ReleaseMerged", caller, merged.record, "merged", request.pool,
+        yield from self._release("ReleaseMerged", caller, merged.record, "merged", request.pool,
                                  merged.architecture, {"choice": merged.choice.to_dict()}, tensors, policy_kind="merge")
 
     def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:

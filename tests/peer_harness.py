@@ -203,7 +203,8 @@ class ForkedDaemons:
         import multiprocessing
 
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["peer.daemon", "peer.mechanisms", "peer.fusion", "peer_harness"])
+        self.ctx.set_forkserver_preload(["peer.daemon", "peer.mechanisms", "peer.fusion", "peer.matching", "peer.pool",
+                                          "peer.accounting", "peer.client", "peer_harness"])
 
     def start(self, site: SiteFiles, timeout: float = 60.0):
         ready = site.root / f"ready-{time.monotonic_ns()}.json"

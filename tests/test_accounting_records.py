@@ -102,16 +102,16 @@ def test_parallel_composite_is_the_worst_component():
 
 def test_dpsgd_record():
     training = TrainingRecord.constant("add-remove", 500, 0.1, 1.0, 1.0, 0.02)
-    r = dpsgd_record(training, 1e-5)
+    r = dpsgd_record(training, 1e-5, value_discretization_interval=1e-3)
     assert r.unit == "record:add-remove" and r.sensitivity == 1.0
-    own = model_epsilon(training, 1e-5)
+    own = model_epsilon(training, 1e-5, value_discretization_interval=1e-3)
     assert r.epsilon == pytest.approx(own.pld) and r.parameters["epsilon_rdp"] == pytest.approx(own.rdp)
-    assert record_epsilon(r, 1e-5) == pytest.approx((own.pld, own.rdp))
+    assert record_epsilon(r, 1e-5, value_discretization_interval=1e-3) == pytest.approx((own.pld, own.rdp))
     acc = rdp.RdpAccountant(list(DEFAULT_ORDERS))
     acc.compose(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.0)), 500)
     np.testing.assert_allclose(rdp_of_record(r), acc.rdp, rtol=1e-9)
     back = ReleaseRecord.from_json(r.canonical_json())
-    assert pld_of_record(back).get_epsilon_for_delta(1e-5) == pytest.approx(r.epsilon)
+    assert pld_of_record(back, 1e-3).get_epsilon_for_delta(1e-5) == pytest.approx(r.epsilon)
     with pytest.raises(InvalidArgument, match="training.adjacency"):
         rdp_of_record(r.with_(unit="record:replace-one"))
 

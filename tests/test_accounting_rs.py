@@ -62,7 +62,7 @@ def test_rs_bound_is_sound_against_exact_mixture_divergence():
     s = (0.8, 2.5)
     pi = (0.4, 0.6)
     models = [TrainingRecord.constant("add-remove", 1, 0.1, 1.0, sigma) for sigma in s]
-    for eps in (0.5, 1.0, 2.0):
+    for eps in (0.5, 2.0):
         def hockey(x, sign):
             p = sum(w * stats.norm.pdf(x, 0 if sign > 0 else 1, sd) for w, sd in zip(pi, s))
             q = sum(w * stats.norm.pdf(x, 1 if sign > 0 else 0, sd) for w, sd in zip(pi, s))

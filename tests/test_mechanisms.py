@@ -374,6 +374,22 @@ def test_filter_is_close_to_bayes_optimal_for_gaussian_weights():
     assert out_std.std() == pytest.approx(s, rel=6 * 0.5 * math.sqrt(2 / n) * (s ** 2 + sigma ** 2) / s ** 2)
 
 
+def test_filter_falls_back_to_the_mean_when_noise_swamps_the_spread():
+    # Clean spread s = 0.01 under noise σ = 10 with N = 8192 values: var(w′) − σ² has standard
+    # error ≈ σ²·sqrt(2/N) ≈ 1.6 ≫ s² = 1e-4, so the clean spread is indistinguishable from
+    # sampling noise and every output must be the constant μ (the prior mean estimate). Under
+    # the Gaussian approximation the margin is crossed with probability ≈ 1.3e-3 for a fresh
+    # seed; the seed is fixed. μ = mean(w′) is within 6σ/sqrt(N) of the clean mean
+    # (false-failure rate 2e-9).
+    g = np.random.default_rng(11)
+    sigma, n = 10.0, 8192
+    w = g.normal(0.02, 0.01, n)
+    noisy = w + g.normal(0, sigma, n)
+    out, _ = M.smoothing_filter(noisy, noise_std=sigma, entry_bound=1.0)
+    assert np.ptp(out) == 0.0
+    assert abs(out[0] - w.mean()) <= 6 * sigma / math.sqrt(n)
+
+
 @pytest.fixture(scope="module")
 def trained_digits_mlp():
     from peer.data import load_dataset

@@ -217,25 +217,20 @@ def test_refusals(method):
     with pytest.raises(InvalidArgument, match="target_epsilon"):
         go(_pool(), target=-1.0)
     # unreachable: the message names the most private reachable ε — here the most private model
-    # alone, by RDP (the PLD form of this check is slow for RS: test_rs_unreachable_by_pld)
+    # alone, by RDP (by PLD: test_unreachable_by_pld_names_the_most_private_model)
     rdp_eps = _rs_rdp_epsilon([0.0, 0.0, 1.0], DELTA)
     with pytest.raises(InvalidArgument, match=r"most private reachable is epsilon = ([0-9.]+)") as info:
         go(_pool(), target=0.9 * rdp_eps, accountant="rdp")
     assert float(info.value.rule.rsplit("= ", 1)[1]) == pytest.approx(rdp_eps, rel=1e-4)
 
 
-@pytest.mark.slow
-def test_rs_unreachable_by_pld():
-    """About a minute on 2 cores: the accountant bisects on ε for the most private mixture, and
-    each step evaluates every model's PLD in Python-heavy dp-accounting code."""
+@pytest.mark.parametrize("method", ["rs", "lc"])
+def test_unreachable_by_pld_names_the_most_private_model(method):
     with pytest.raises(InvalidArgument, match=r"most private reachable is epsilon = ([0-9.]+)") as info:
-        merge_rs(_pool(), UTIL, 0.5 * EPS[2], DELTA, randomness=make_randomness(0))
-    assert float(info.value.rule.rsplit("= ", 1)[1]) == pytest.approx(EPS[2], rel=1e-3)
-
-
-def test_lc_unreachable_by_pld_names_the_most_private_model():
-    with pytest.raises(InvalidArgument, match=r"most private reachable is epsilon = ([0-9.]+)") as info:
-        merge_lc(_pool(), lambda a: 0.0, 0.5 * EPS[2], DELTA)
+        if method == "rs":
+            merge_rs(_pool(), UTIL, 0.5 * EPS[2], DELTA, randomness=make_randomness(0))
+        else:
+            merge_lc(_pool(), lambda a: 0.0, 0.5 * EPS[2], DELTA)
     assert float(info.value.rule.rsplit("= ", 1)[1]) == pytest.approx(EPS[2], rel=1e-3)
 
 

@@ -8,7 +8,6 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from peer import wire
@@ -117,6 +116,19 @@ def test_sigkill_during_releases_never_loses_a_charge_50_times(tmp_path, forked)
     assert cut > 0 and complete > 0
 
 
+def health_of(b, a, address):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    creds = grpc.ssl_channel_credentials(root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem,
+                                         certificate_chain=b.identity.cert_pem)
+    with grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "site-a")]) as ch:
+        try:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="privfusion.v1.Peer"), timeout=5).status
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        except grpc.RpcError as e:
+            return e.code().name
+
+
 def slow_reader(b, a, address, request, pause_s, out):
     """Read a weights release, pausing ``pause_s`` after the receipt (the server's sends back up
     behind flow control meanwhile); report the frames and the final status."""
@@ -154,7 +166,10 @@ def test_sigterm_lets_in_flight_releases_finish_and_refuses_new_ones(tmp_path):
         while not a.ledger.exists() or not Ledger(a.ledger).entries():
             time.sleep(0.05)  # charged: the release is in flight
         daemon.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while health_of(b, a, address) != "NOT_SERVING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert health_of(b, a, address) == "NOT_SERVING"  # draining: still answering, not serving
         with client(b, address) as c, pytest.raises(PeerError) as e:
             c.weights("huge", epsilon=1.0, delta=1e-6)
         assert e.value.status in ("FAILED_PRECONDITION", "UNAVAILABLE")

@@ -425,3 +425,34 @@ def test_fuzzed_messages_never_crash_the_peer_or_charge_without_a_release(sites)
         ch.close()
     # every charge is a release the caller received in full (and almost every fuzzed call was refused)
     assert len(entries(a)) == len(released)
+
+
+def test_cli_asks_a_peer_and_writes_safetensors_and_the_release_document(sites, tmp_path, capsys):
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from peer.cli import main
+
+    a, b = sites
+    save_file({"x": PROBE}, str(tmp_path / "probe.safetensors"))
+    (tmp_path / "perms.json").write_text(json.dumps({"0": list(range(16))[::-1], "2": list(range(12))}))
+    common = ["--identity", str(b.identity_dir)]
+    with running(a) as (_, address):
+        common = ["--via", address] + common
+        assert main(["peer", "info", *common]) == 0
+        assert json.loads(capsys.readouterr().out)["name"] == "site-a"
+        assert main(["features", *common, "--model", "mlp", "--probe", str(tmp_path / "probe.safetensors"),
+                     "--activation-epsilon", "1", "--weight-epsilon", "1", "--out", str(tmp_path / "f")]) == 0
+        assert main(["weights", *common, "--model", "mlp", "--epsilon", "2", "--delta", "1e-6",
+                     "--permutations", str(tmp_path / "perms.json"), "--out", str(tmp_path / "w.safetensors")]) == 0
+        out = capsys.readouterr().out
+        assert "signature verified" in out
+        assert main(["peer", "ledger", *common]) == 0
+        ledger = json.loads(capsys.readouterr().out)
+        assert main(["weights", *common, "--model", "nope", "--epsilon", "2", "--delta", "1e-6", "--out", str(tmp_path / "x")]) == 2
+        assert "no model 'nope'" in capsys.readouterr().err
+    assert load_file(str(tmp_path / "f.safetensors"))["hidden.0.activations"].shape == (16, 24)
+    doc = json.loads((tmp_path / "w.json").read_text())
+    assert doc["metadata"]["record"]["parameters"]["permuted"] is True
+    assert [e["entry_id"] for e in ledger] == ["1", "2"] and not (tmp_path / "x.safetensors").exists()

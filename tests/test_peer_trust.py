@@ -13,7 +13,6 @@ refusal the TLS layer makes happens before any call exists):
 """
 
 import datetime as dt
-import shutil
 
 import grpc
 import pytest
@@ -176,3 +175,10 @@ def test_insecure_mode_is_explicit_and_loud(two_sites, caplog):
         assert e.value.status == "UNAVAILABLE"
     with pytest.raises(Exception, match="peer"):
         PeerClient(b.identity, "127.0.0.1:1", insecure=True)
+
+
+def test_a_peer_that_is_down_is_told_apart_from_a_refused_handshake(two_sites):
+    _, b = two_sites
+    with client(b, "127.0.0.1:1", peer="site-a") as c, pytest.raises(PeerError) as e:
+        c.info()
+    assert e.value.status == "UNAVAILABLE" and "down or unreachable" in str(e.value)

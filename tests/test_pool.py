@@ -101,6 +101,11 @@ def test_cli_refusals_are_one_clear_line(tmp_path, capsys):
     code, _, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "5", "--delta", "1e-5",
                         "--method", "lc", "--out", str(tmp_path / "x.safetensors"))
     assert code == 2 and "sample_rate" in err and "RS" in err and len(err.strip().splitlines()) == 1
+    # RS serves the same Poisson-subsampled pool
+    code, out, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "5", "--delta", "1e-5",
+                          "--method", "rs", "--out", str(tmp_path / "rs.safetensors"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["epsilon"]["pld"] <= 5 and (tmp_path / "rs.record.json").is_file()
     code, _, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "1e-3", "--delta", "1e-5",
                         "--method", "rs", "--accountant", "rdp", "--out", str(tmp_path / "x.safetensors"))
     assert code == 2 and "most private reachable" in err
@@ -109,4 +114,4 @@ def test_cli_refusals_are_one_clear_line(tmp_path, capsys):
     assert code == 2 and "does not exist" in err
     code, _, err = _run(capsys, "pool", "train", "--out", str(pool_dir), "--model", "noise=5")
     assert code == 2 and "clip" in err
-    assert not (tmp_path / "x.safetensors").exists()
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.record.json").exists()

@@ -88,7 +88,7 @@ class GaussianStep:
         return {name: getattr(self, name) for name in _STEP_FIELDS}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class TrainingRecord:
     """A DP-SGD run as the accountant sees it: the adjacency it was declared under and every
     step's public hyperparameters. ``to_dict`` run-length encodes repeated steps, so a run of
@@ -114,6 +114,10 @@ class TrainingRecord:
                 runs.append([s, 1])
         object.__setattr__(self, "steps", steps)
         object.__setattr__(self, "_runs", tuple((s, n) for s, n in runs))
+
+    def __repr__(self) -> str:
+        runs = ", ".join(f"{n}x{s!r}" for s, n in self._runs)
+        return f"TrainingRecord(adjacency={self.adjacency!r}, runs=[{runs}])"
 
     @classmethod
     def constant(cls, adjacency: str, steps: int, learning_rate: float, clip_norm: float,

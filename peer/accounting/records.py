@@ -32,7 +32,7 @@ from peer.accounting import pld as pldm
 from peer.accounting.conversions import DEFAULT_ORDERS, check_delta, check_orders, pld_epsilon, rdp_to_epsilon
 from peer.accounting.events import ApproxDP, TrainingRecord
 from peer.accounting.lc import DEFAULT_MAX_GROUPS, lc_epsilon, lc_mu, lc_pld_fft, lc_segments
-from peer.accounting.profiles import DEFAULT_INTERVAL, privacy_profile, privacy_profiles
+from peer.accounting.profiles import DEFAULT_INTERVAL, privacy_profile, privacy_profiles, resolve_adjacency
 from peer.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
 from peer.accounting.rs import check_weights, rs_epsilon
 from peer.errors import InvalidArgument
@@ -283,7 +283,7 @@ def rs_merge_record(models: Sequence, pi: Sequence[float], delta: float, *, name
     delta = check_delta(delta)
     models = list(models)
     eps = rs_epsilon(models, pi, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval)
-    adjacency = privacy_profiles(models[:1], adjacency)[0].adjacency if adjacency is None else adjacency
+    adjacency = resolve_adjacency(models, adjacency)
     params = {"pi": [float(p) for p in check_weights(pi, len(models))], "models": [_model_dict(m) for m in models],
               "names": _names(names, len(models)), "epsilon_rdp": _finite_or_str(eps.rdp)}
     return ReleaseRecord(mechanism="rs-merge", level="data", unit=f"record:{adjacency}", epsilon=eps.pld,

@@ -110,8 +110,8 @@ def _rs_lp(coeffs: np.ndarray, utilities: np.ndarray, bound: float) -> np.ndarra
     """argmax u·π over the simplex subject to coeffs @ π ≤ bound (rows: the two directions).
 
     Rows are scaled by 1/bound (HiGHS' feasibility tolerance is absolute, ~1e-7, while δ may be
-    1e-10), and the solution is then repaired exactly: if a row still exceeds the bound, mass
-    moves to the column with the smallest worst-row coefficient, just enough."""
+    1e-10), and the solution is then repaired exactly: if a row still exceeds the bound, the
+    solution is mixed with the most private π (``_rs_min_t``), just enough."""
     scaled = coeffs / bound
     res = optimize.linprog(-utilities, A_ub=scaled, b_ub=np.ones(coeffs.shape[0]),
                            A_eq=np.ones((1, utilities.size)), b_eq=[1.0], bounds=[(0, None)] * utilities.size,
@@ -122,19 +122,18 @@ def _rs_lp(coeffs: np.ndarray, utilities: np.ndarray, bound: float) -> np.ndarra
     load = scaled @ pi
     if np.all(load <= 1.0):
         return pi
-    j = int(np.argmin(scaled.max(axis=0)))
-    if np.any(scaled[:, j] > 1.0):
+    t_min, pi_min = _rs_min_t(coeffs, bound)
+    load_min = scaled @ pi_min
+    if np.any(load_min >= 1.0):
         return None
     over = load > 1.0
-    tau = float(np.max((load[over] - 1.0) / (load[over] - scaled[over, j])))
-    pi = (1 - tau) * pi
-    pi[j] += tau
-    return pi
+    tau = float(np.max((load[over] - 1.0) / (load[over] - load_min[over])))
+    return _clean((1 - tau) * pi + tau * pi_min)
 
 
-def _rs_min_t(coeffs: np.ndarray, delta: float) -> float:
-    """min over the simplex of max(coeffs @ π) / delta: ≤ 1 iff some π meets δ (rows scaled by
-    1/δ for the solver's absolute tolerance)."""
+def _rs_min_t(coeffs: np.ndarray, delta: float) -> tuple[float, np.ndarray]:
+    """(t, π): π minimises max(coeffs @ π) over the simplex and t is that maximum divided by
+    delta, so some π meets δ iff t ≤ 1 (rows scaled by 1/δ for the solver's absolute tolerance)."""
     coeffs = coeffs / delta
     k = coeffs.shape[1]
     c = np.zeros(k + 1)
@@ -143,7 +142,8 @@ def _rs_min_t(coeffs: np.ndarray, delta: float) -> float:
     a_eq = np.hstack([np.ones((1, k)), np.zeros((1, 1))])
     res = optimize.linprog(c, A_ub=a_ub, b_ub=np.zeros(coeffs.shape[0]), A_eq=a_eq, b_eq=[1.0],
                            bounds=[(0, None)] * k + [(None, None)], method="highs")
-    return float(res.fun)
+    pi = _clean(np.clip(res.x[:k], 0, None))
+    return float(np.max(coeffs @ pi)), pi
 
 
 def _pld_coeffs(profiles: Sequence[PrivacyProfile], epsilon: float) -> np.ndarray:
@@ -161,7 +161,7 @@ def rs_most_private_epsilon(profiles: Sequence[PrivacyProfile], delta: float, ac
     if accountant == "rdp":
         return min(s.rdp for s in singles)
     def feasible(e: float) -> bool:
-        return _rs_min_t(_pld_coeffs(profiles, e), delta) <= 1.0
+        return _rs_min_t(_pld_coeffs(profiles, e), delta)[0] <= 1.0
 
     if feasible(0.0):
         return 0.0

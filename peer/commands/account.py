@@ -30,7 +30,8 @@ from typing import Any
 
 from peer.accounting import (ApproxDP, GaussianStep, TrainingRecord, choose_lam, choose_pi, lc_epsilon,
                              privacy_profile, rs_epsilon, rs_profiles)
-from peer.accounting.conversions import check_delta, check_epsilon, json_number
+from peer.accounting.conversions import check_delta, check_epsilon
+from peer.accounting.lc import NO_FREE_LUNCH
 from peer.errors import InvalidArgument
 
 ADJACENCY_NAMES = {"replace": "replace-one", "replace-one": "replace-one", "add-remove": "add-remove"}
@@ -156,7 +157,6 @@ def account(method: str, data: Any, *, delta: float, weights: list[float] | None
     if method == "lc":
         for i, m in enumerate(models):
             if isinstance(m, ApproxDP):
-                from peer.accounting.lc import NO_FREE_LUNCH
                 raise InvalidArgument(f"models[{i}]", NO_FREE_LUNCH)
     out: dict[str, Any] = {"method": method, "adjacency": adjacency, "names": names, "delta": delta,
                            "value_discretization_interval": interval}

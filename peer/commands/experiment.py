@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-EXPERIMENT_MODULES: tuple[str, ...] = ("experiment_merging",)
+EXPERIMENT_MODULES: tuple[str, ...] = ("experiment_fusion", "experiment_merging")
 
 
 def register(subparsers) -> None:

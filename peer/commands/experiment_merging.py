@@ -15,9 +15,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from peer.experiments.merging import Settings, markdown, plot_digits, plot_mean_estimation, run
+from peer.training import torch_threads
 
 
 def run_merging(args: argparse.Namespace) -> int:
+    with torch_threads(1):
+        return _run_merging(args)
+
+
+def _run_merging(args: argparse.Namespace) -> int:
     settings = Settings.quick() if args.quick else Settings()
     settings = replace(settings, seed=args.seed, delta=args.delta)
     out = Path(args.out)

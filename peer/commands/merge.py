@@ -25,6 +25,7 @@ from peer.errors import InvalidArgument
 from peer.merging import METHODS, MergedModel
 from peer.pool import load_pool, load_validation_file, merge_pool, save_merged
 from peer.rng import make_randomness
+from peer.training import torch_threads
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ def run_via(request: MergeRequest, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    with torch_threads(1):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     request = merge_request(args)
     if args.via:
         return run_via(request, args)

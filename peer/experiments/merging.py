@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from peer.accounting import (DEFAULT_ORDERS, TrainingRecord, UnreachableTarget, choose_lam, choose_pi, lc_segments,
+from peer.accounting import (TrainingRecord, UnreachableTarget, choose_lam, choose_pi, lc_segments,
                              privacy_profiles, rdp_to_epsilon)
 from peer.accounting.conversions import pld_epsilon
 from peer.accounting.pld import compose_plds
@@ -92,6 +92,26 @@ def _targets(lo: float, hi: float, count: int) -> list[float]:
     return [float(v) for v in np.geomspace(lo, hi, count)]
 
 
+def _frontiers(profiles, segments, targets, delta, key, *, rs_utilities, rs_value, lc_utility, lc_value, lc_candidates=2000) -> dict:
+    """For each target and accountant: π chosen by ``rs_utilities`` (linear) and λ chosen by
+    ``lc_utility(λ)``, each reported with ``key`` = rs_value(π) / lc_value(λ). Unreachable
+    targets are left out of that curve."""
+    curves: dict[str, dict[str, list]] = {"rs": {a: [] for a in ACCOUNTANTS}, "lc": {a: [] for a in ACCOUNTANTS}}
+    for target in targets:
+        for acc in ACCOUNTANTS:
+            try:
+                rs = choose_pi(profiles, rs_utilities, target, delta, accountant=acc, value_discretization_interval=INTERVAL)
+                curves["rs"][acc].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
+            except UnreachableTarget:
+                pass
+            try:
+                lc = choose_lam(segments, lc_utility, target, delta, accountant=acc, value_discretization_interval=INTERVAL, max_points=lc_candidates)
+                curves["lc"][acc].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
+            except UnreachableTarget:
+                pass
+    return curves
+
+
 def _choice_row(choice, value_name: str, value: float) -> dict:
     return {"target_epsilon": choice.target_epsilon, "weights": list(choice.weights), "epsilon": choice.epsilon.to_dict(),
             "saturated": choice.saturated, value_name: value}
@@ -131,21 +151,10 @@ def mean_estimation(s: Settings) -> dict:
     profiles = privacy_profiles(trainings, value_discretization_interval=INTERVAL)
     singles = [p.epsilon(s.delta) for p in profiles]
     segments = lc_segments(trainings)
-    lo = min(e.pld for e in singles) * 1.001
-    hi = max(e.rdp for e in singles) * 1.15
-    curves: dict[str, dict[str, list]] = {"rs": {a: [] for a in ACCOUNTANTS}, "lc": {a: [] for a in ACCOUNTANTS}}
-    for target in _targets(lo, hi, s.mean_targets):
-        for acc in ACCOUNTANTS:
-            try:
-                rs = choose_pi(profiles, [-m for m in mse], target, s.delta, accountant=acc, value_discretization_interval=INTERVAL)
-                curves["rs"][acc].append(_choice_row(rs, "mse", float(np.dot(rs.weights, mse))))
-            except UnreachableTarget:
-                pass
-            try:
-                lc = choose_lam(segments, lambda lam: -lc_mse(np.asarray(lam)), target, s.delta, accountant=acc, value_discretization_interval=INTERVAL)
-                curves["lc"][acc].append(_choice_row(lc, "mse", lc_mse(np.asarray(lc.weights))))
-            except UnreachableTarget:
-                pass
+    targets = _targets(min(e.pld for e in singles) * 1.001, max(e.rdp for e in singles) * 1.15, s.mean_targets)
+    curves = _frontiers(profiles, segments, targets, s.delta, "mse",
+                        rs_utilities=[-m for m in mse], rs_value=lambda pi: float(np.dot(pi, mse)),
+                        lc_utility=lambda lam: -lc_mse(np.asarray(lam)), lc_value=lambda lam: lc_mse(np.asarray(lam)))
     return {
         "n": s.mean_n,
         "estimand": "sample mean of the protected records; MSE = E(theta - mean)^2",
@@ -196,21 +205,12 @@ def digits_logreg(s: Settings) -> dict:
     segments = lc_segments(trainings)
 
     lo = min(e.pld for e in singles) * 1.001
-    hi = max(e.rdp for e in singles) * 1.1
-    curves: dict[str, dict[str, list]] = {"rs": {a: [] for a in ACCOUNTANTS}, "lc": {a: [] for a in ACCOUNTANTS}}
-    for target in _targets(lo, hi, s.digits_targets):
-        for acc in ACCOUNTANTS:
-            try:
-                rs = choose_pi(profiles, val, target, s.delta, accountant=acc, value_discretization_interval=INTERVAL)
-                curves["rs"][acc].append(_choice_row(rs, "test_accuracy", float(np.dot(rs.weights, test))))
-            except UnreachableTarget:
-                pass
-            try:
-                lc = choose_lam(segments, lambda lam: acc_of(combine(arrays, lam), splits.x_val, splits.y_val), target, s.delta,
-                                accountant=acc, value_discretization_interval=INTERVAL, max_points=s.lc_candidates)
-                curves["lc"][acc].append(_choice_row(lc, "test_accuracy", acc_of(combine(arrays, lc.weights), splits.x_test, splits.y_test)))
-            except UnreachableTarget:
-                pass
+    targets = _targets(lo, max(e.rdp for e in singles) * 1.1, s.digits_targets)
+    curves = _frontiers(profiles, segments, targets, s.delta, "test_accuracy",
+                        rs_utilities=val, rs_value=lambda pi: float(np.dot(pi, test)),
+                        lc_utility=lambda lam: acc_of(combine(arrays, lam), splits.x_val, splits.y_val),
+                        lc_value=lambda lam: acc_of(combine(arrays, lam), splits.x_test, splits.y_test),
+                        lc_candidates=s.lc_candidates)
 
     joint = _joint_releases(profiles, arrays, lambda w: acc_of(w, splits.x_val, splits.y_val),
                             lambda w: acc_of(w, splits.x_test, splits.y_test), s)
@@ -295,67 +295,60 @@ def _savings(curves: dict, profiles, segments, delta: float) -> dict:
 # ------------------------------------------------------------------------------ figures and tables
 
 
-def plot_mean_estimation(result: dict, path, delta: float) -> None:
+STYLES = {("rs", "pld"): ("tab:blue", "-"), ("rs", "rdp"): ("tab:blue", "--"), ("lc", "pld"): ("tab:orange", "-"), ("lc", "rdp"): ("tab:orange", "--")}
+
+
+def _figure(result: dict, key: str, model_label, delta: float):
+    """A figure with the RS/LC × PLD/RDP curves of ``key`` against the target ε′ and the single
+    models as triangles at their PLD ε. Returns (plt, fig, ax)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {("rs", "pld"): ("tab:blue", "-"), ("rs", "rdp"): ("tab:blue", "--"), ("lc", "pld"): ("tab:orange", "-"), ("lc", "rdp"): ("tab:orange", "--")}
-    for (method, acc), (color, ls) in styles.items():
+    for (method, acc), (color, ls) in STYLES.items():
         rows = result["curves"][method][acc]
         if rows:
-            ax.plot([r["target_epsilon"] for r in rows], [r["mse"] for r in rows], ls, color=color, marker="o", ms=3,
+            ax.plot([r["target_epsilon"] for r in rows], [r[key] for r in rows], ls, color=color, marker="o", ms=3,
                     label=f"{method.upper()} ({acc.upper()})")
     for m in result["models"]:
-        ax.plot([m["epsilon"]["pld"]], [m["mse"]], "k^", ms=7)
-        ax.annotate(f"σ = {m['noise_multiplier']:g}", (m["epsilon"]["pld"], m["mse"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
-    ax.set_yscale("log")
+        ax.plot([m["epsilon"]["pld"]], [m[key]], "k^", ms=7)
+        ax.annotate(model_label(m), (m["epsilon"]["pld"], m[key]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel(f"target ε′ (δ′ = {delta:g})")
-    ax.set_ylabel("MSE of the released estimate")
-    ax.set_title(f"(a) Gaussian mean estimation, n = {result['n']}: RS vs LC, PLD vs RDP")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(title="▲ single models (PLD ε)", fontsize=8, title_fontsize=8)
+    return plt, fig, ax
+
+
+def _finish(plt, fig, ax, path, **legend) -> None:
+    ax.legend(title="▲ single models (PLD ε)", fontsize=8, title_fontsize=8, **legend)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
 
-def plot_digits(result: dict, path, delta: float) -> None:
-    import matplotlib
+def plot_mean_estimation(result: dict, path, delta: float) -> None:
+    plt, fig, ax = _figure(result, "mse", lambda m: f"σ = {m['noise_multiplier']:g}", delta)
+    ax.set_yscale("log")
+    ax.set_ylabel("MSE of the released estimate")
+    ax.set_title(f"(a) Gaussian mean estimation, n = {result['n']}: RS vs LC, PLD vs RDP")
+    _finish(plt, fig, ax, path)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot_digits(result: dict, path, delta: float) -> None:
     import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {("rs", "pld"): ("tab:blue", "-"), ("rs", "rdp"): ("tab:blue", "--"), ("lc", "pld"): ("tab:orange", "-"), ("lc", "rdp"): ("tab:orange", "--")}
-    for (method, acc), (color, ls) in styles.items():
-        rows = result["curves"][method][acc]
-        if rows:
-            ax.plot([r["target_epsilon"] for r in rows], [r["test_accuracy"] for r in rows], ls, color=color, marker="o", ms=3,
-                    label=f"{method.upper()} ({acc.upper()})")
+    plt, fig, ax = _figure(result, "test_accuracy", lambda m: f"C={m['clip_norm']:g}, σ={m['noise_multiplier']:g}", delta)
     for acc, ls in (("pld", "-"), ("rdp", "--")):
         xs, ys = _joint_frontier(result["joint"], acc)
         ax.step(xs, ys, ls, where="post", color="tab:gray", label=f"joint release ({acc.upper()})")
-    for i, m in enumerate(result["models"]):
-        ax.plot([m["epsilon"]["pld"]], [m["test_accuracy"]], "k^", ms=7)
-        ax.annotate(f"C={m['clip_norm']:g}, σ={m['noise_multiplier']:g}", (m["epsilon"]["pld"], m["test_accuracy"]),
-                    textcoords="offset points", xytext=(5, -12), fontsize=8)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks([t for t in (0.5, 1, 2, 3, 5, 7, 10, 15, 20, 30) if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]])
-    ax.set_xlabel(f"target ε′ (δ′ = {delta:g})")
     ax.set_ylabel("test accuracy")
     ax.set_title("(b) digits, logistic regression: accuracy vs ε")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(title="▲ single models (PLD ε)", fontsize=8, title_fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, loc="lower right")
 
 
 def _joint_frontier(joint: list[dict], acc: str) -> tuple[list[float], list[float]]:
