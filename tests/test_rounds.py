@@ -325,7 +325,9 @@ def kill_after(proc: DaemonProcess, peer: str, step: str, event: str = "received
     return hook
 
 
-def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_path, trained):
+def round_losing_a_peer(tmp_path, trained, quorum: int):
+    """hospital-a's round over b (in-process) and c (its own process, SIGKILLed once its
+    features have arrived at a); returns the result and the sites."""
     sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
     a, b, c = sites
     victim = DaemonProcess(c)
@@ -333,10 +335,16 @@ def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_pa
         addr_c = victim.wait_ready()
         with running(a) as (_, addr_a), running(b) as (_, addr_b):
             roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b, "hospital-c": addr_c})
-            result = run_round(load_local_site(a.config, "mlp"), roster, config(tmp_path, call_timeout_s=20.0),
+            result = run_round(load_local_site(a.config, "mlp"), roster,
+                               config(tmp_path, quorum=quorum, call_timeout_s=20.0),
                                on_event=kill_after(victim, "hospital-c", "features"))
     finally:
         victim.close()
+    return result, sites
+
+
+def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_path, trained):
+    result, (a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=2)
     r = result.report
     assert result.status == "fused" and r["contributors"] == ["hospital-b"]
     dropped = r["peers"]["hospital-c"]
@@ -350,17 +358,7 @@ def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_pa
 
 
 def test_quorum_lost_mid_round_aborts_and_keeps_what_was_charged(tmp_path, trained):
-    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
-    a, b, c = sites
-    victim = DaemonProcess(c)
-    try:
-        addr_c = victim.wait_ready()
-        with running(a) as (_, addr_a), running(b) as (_, addr_b):
-            roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b, "hospital-c": addr_c})
-            result = run_round(load_local_site(a.config, "mlp"), roster, config(tmp_path, quorum=3, call_timeout_s=20.0),
-                               on_event=kill_after(victim, "hospital-c", "features"))
-    finally:
-        victim.close()
+    result, (a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=3)
     assert result.status == "aborted" and "quorum 3" in result.reason
     assert result.arrays is None and not (tmp_path / "out" / "models").exists()
     # b may have released features (and weights, if it got there first); whatever it released
@@ -444,14 +442,20 @@ delta = 1e-4
     site.config.write_text(text)
 
 
-def test_a_peer_answers_with_a_merge_and_the_requester_aligns_it_locally(tmp_path, trained):
+def round_with_a_pool(tmp_path, trained, method: str, data_epsilon: float):
+    """hospital-a's round (``method``) with hospital-b, which offers a DP-SGD pool."""
     sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
     a, b = sites
-    add_pool(b, trained, data_epsilon=20.0)
+    add_pool(b, trained, data_epsilon=data_epsilon)
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
         roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
         result = run_round(load_local_site(a.config, "mlp"), roster,
-                           config(tmp_path, method="merged", merge_epsilon=4.0, merge_delta=1e-5))
+                           config(tmp_path, method=method, merge_epsilon=4.0, merge_delta=1e-5))
+    return result, b
+
+
+def test_a_peer_answers_with_a_merge_and_the_requester_aligns_it_locally(tmp_path, trained):
+    result, b = round_with_a_pool(tmp_path, trained, "merged", data_epsilon=20.0)
     r = result.report
     assert result.status == "fused", result.reason
     peer = r["peers"]["hospital-b"]
@@ -463,13 +467,8 @@ def test_a_peer_answers_with_a_merge_and_the_requester_aligns_it_locally(tmp_pat
 
 
 def test_auto_falls_back_to_features_and_weights_only_when_the_merge_was_not_charged(tmp_path, trained):
-    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
-    a, b = sites
-    add_pool(b, trained, data_epsilon=0.5)  # no merge at ε′ = 4 fits: refused before any charge
-    with running(a) as (_, addr_a), running(b) as (_, addr_b):
-        roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
-        result = run_round(load_local_site(a.config, "mlp"), roster,
-                           config(tmp_path, method="auto", merge_epsilon=4.0, merge_delta=1e-5))
+    # a data budget of 0.5 fits no merge at ε′ = 4: refused before any charge
+    result, b = round_with_a_pool(tmp_path, trained, "auto", data_epsilon=0.5)
     r = result.report
     assert result.status == "fused", result.reason
     peer = r["peers"]["hospital-b"]
