@@ -290,13 +290,19 @@ def test_rounds_run_at_every_site_at_once(tmp_path, trained):
                 assert_ledger_matches_report(s, requester.name, [results[requester.name].report])
 
 
-def test_a_dead_peer_is_dropped_at_the_health_check(tmp_path, trained):
+def round_with_a_dead_peer(tmp_path, trained, quorum: int):
+    """hospital-a's round over b and d, whose daemon is not running (nothing listens there)."""
     sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-d"])
     a, b, d = sites
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
         roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b,
                                                "hospital-d": f"127.0.0.1:{free_port()}"})
-        result = run_round(load_local_site(a.config, "mlp"), roster, config(tmp_path, health_timeout_s=1.0))
+        result = run_round(load_local_site(a.config, "mlp"), roster, config(tmp_path, quorum=quorum, health_timeout_s=1.0))
+    return result, b
+
+
+def test_a_dead_peer_is_dropped_at_the_health_check(tmp_path, trained):
+    result, _ = round_with_a_dead_peer(tmp_path, trained, quorum=2)
     assert result.status == "fused" and result.report["contributors"] == ["hospital-b"]
     dead = result.report["peers"]["hospital-d"]
     assert dead["state"] == "not-alive" and dead["drop"]["step"] == "health" and dead["charges"] == []
@@ -305,12 +311,7 @@ def test_a_dead_peer_is_dropped_at_the_health_check(tmp_path, trained):
 
 
 def test_quorum_abort_before_anything_is_requested(tmp_path, trained):
-    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-d"])
-    a, b, d = sites
-    with running(a) as (_, addr_a), running(b) as (_, addr_b):
-        roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b,
-                                               "hospital-d": f"127.0.0.1:{free_port()}"})
-        result = run_round(load_local_site(a.config, "mlp"), roster, config(tmp_path, quorum=3, health_timeout_s=1.0))
+    result, b = round_with_a_dead_peer(tmp_path, trained, quorum=3)
     assert result.status == "aborted" and "quorum 3" in result.reason and "nothing was requested" in result.reason
     assert result.arrays is None and result.model_name is None and result.report_path.exists()
     assert ledger_entries(b) == []
