@@ -86,8 +86,10 @@ REFUSALS = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "NOT_
 class RoundConfig:
     """What one round asks for (``[round]`` of site.toml or of a round file; see ``docs``).
 
-    Every ε/δ is per unit of privacy: per neuron for features and weights (model level), per
-    training record for merges (data level, in the peer's data unit).
+    Every ε/δ is per unit of privacy: per neuron for features and weights (model level; the
+    features may be asked per entry with ``[round.features] unit = "entry"``, a much weaker
+    guarantee that the peer's ledger converts to its per-neuron cost), per training record for
+    merges (data level, in the peer's data unit).
     """
 
     roster: Path
@@ -97,6 +99,7 @@ class RoundConfig:
     method: str = "ldp"
     activation_epsilon: float = 1.0
     weight_epsilon: float = 1.0
+    unit: str = "neuron"
     activation_clip: tuple[float, float] | None = None
     weight_bound: float | None = None
     weights_epsilon: float = 2.0
@@ -117,7 +120,7 @@ class RoundConfig:
         """Parse a ``[round]`` table (paths relative to ``base``); errors name key and line."""
         s.known(cls.KEYS)
         f, w, m = s.section("features"), s.section("weights"), s.section("merge")
-        f.known(["activation_epsilon", "weight_epsilon", "activation_clip", "weight_bound"])
+        f.known(["activation_epsilon", "weight_epsilon", "unit", "activation_clip", "weight_bound"])
         w.known(["epsilon", "delta"])
         m.known(["method", "epsilon", "delta"])
         positive = {"exclusive_minimum": 0.0, "maximum": 1000.0}
@@ -130,6 +133,7 @@ class RoundConfig:
             method=s.string("method", "ldp", choices=METHODS),
             activation_epsilon=f.number("activation_epsilon", 1.0, **positive),
             weight_epsilon=f.number("weight_epsilon", 1.0, **positive),
+            unit=f.string("unit", "neuron", choices=("neuron", "entry")),
             activation_clip=f.interval("activation_clip", default_clip),
             weight_bound=f.number("weight_bound", None, exclusive_minimum=0.0),
             weights_epsilon=w.number("epsilon", 2.0, **positive),

@@ -212,7 +212,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
     def ldp(p: RosterSite, c, model: str):
         f = ask(p.name, "features", lambda: c.features(
             model, probe, activation_epsilon=config.activation_epsilon, weight_epsilon=config.weight_epsilon,
-            activation_clip=clip, weight_bound=config.weight_bound, timeout=config.call_timeout_s))
+            unit=config.unit, activation_clip=clip, weight_bound=config.weight_bound, timeout=config.call_timeout_s))
         if f is _STOP:
             return None
         if isinstance(f, _Failure):

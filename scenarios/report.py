@@ -138,7 +138,8 @@ def plot_frontier(report: dict, path: Path) -> None:
         left.axhline(own, ls="--", color="k", label="mean own model")
         left.axhline(oracle, ls=":", color="C3", label="mean ORACLE (non-private)")
         left.set_xscale("log")
-        left.set_xlabel("model-level ε per neuron released per peer per round\n(features + weights, basic composition)")
+        unit = report["scenario"]["round"]["unit"]
+        left.set_xlabel(f"model-level ε per {unit} released per peer per round\n(features + weights, basic composition)")
         left.set_ylabel("test accuracy")
         left.set_title("LDP fusion: privacy–utility")
         left.legend(fontsize=7)

@@ -49,8 +49,10 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     methods = ["ldp", "merged"] # rounds each site runs, in this order
     activation_epsilon = 8.0    # ldp: per neuron
     weight_epsilon = 8.0
+    unit = "neuron"             # unit of the feature releases: "neuron" | "entry" (weaker)
     weights_epsilon = 16.0
     weights_delta = 1e-5
+    calibration = "analytic"    # Gaussian calibration of released weights (every site)
     activation_clip = [0.0, 6.0]
     merge_method = "rs"         # merged: "rs" | "lc", per training record
     merge_epsilon = 4.0
@@ -135,8 +137,10 @@ class RoundSpec:
     methods: tuple[str, ...] = ("ldp", "merged")
     activation_epsilon: float = 8.0
     weight_epsilon: float = 8.0
+    unit: str = "neuron"
     weights_epsilon: float = 16.0
     weights_delta: float = 1e-5
+    calibration: str = "analytic"
     activation_clip: tuple[float, float] = (0.0, 6.0)
     merge_method: str = "rs"
     merge_epsilon: float = 4.0
@@ -270,6 +274,8 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         methods=tuple(methods),
         activation_epsilon=r.number("activation_epsilon", RoundSpec.activation_epsilon, **eps),
         weight_epsilon=r.number("weight_epsilon", RoundSpec.weight_epsilon, **eps),
+        unit=r.string("unit", RoundSpec.unit, choices=("neuron", "entry")),
+        calibration=r.string("calibration", RoundSpec.calibration, choices=("analytic", "classical")),
         weights_epsilon=r.number("weights_epsilon", RoundSpec.weights_epsilon, **eps),
         weights_delta=r.number("weights_delta", RoundSpec.weights_delta, **dlt),
         activation_clip=r.interval("activation_clip", RoundSpec.activation_clip),

@@ -118,8 +118,9 @@ def round_plan(sc: Scenario) -> list[tuple[str, str, float]]:
 
 
 def released_epsilon(sc: Scenario, scale: float) -> float:
-    """Model-level ε per neuron one peer releases to one requester in an ldp round at ``scale``
-    (features: activations + weight features, plus weights; basic composition)."""
+    """Model-level ε (per the round's unit: neuron by default) one peer releases to one requester
+    in an ldp round at ``scale`` (features: activations + weight features, plus weights; basic
+    composition, as asked — the ledger's figures are in the report beside it)."""
     r = sc.round
     return scale * (r.activation_epsilon + r.weight_epsilon + r.weights_epsilon)
 
@@ -149,7 +150,7 @@ def site_toml(sc: Scenario, s: SiteWorld, listen: str = "127.0.0.1:0", round_tab
              'ledger = "ledger.sqlite"', 'probe = "probe.safetensors"', "workers = 16", "shutdown_grace_s = 5"]
     if fixed_seed:
         lines.append(f"seed = {s.seed}")
-    lines += ["", "[site.mechanisms]", f"activation_clip = [{lo!r}, {hi!r}]"]
+    lines += ["", "[site.mechanisms]", f"activation_clip = [{lo!r}, {hi!r}]", f'calibration = "{sc.round.calibration}"']
     if sc.pool is not None:
         # merges judge candidates on the public set, never on the site's protected records
         lines += ["", f"[site.pools.{POOL}]", 'models = "pool"', 'validation = "validation.npz"']
@@ -162,6 +163,7 @@ def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float
              f'method = "{method}"', f'out = "rounds"', f'label = "{label}"', f"call_timeout_s = {r.call_timeout_s!r}",
              f"health_timeout_s = {r.health_timeout_s!r}", "", "[round.features]",
              f"activation_epsilon = {r.activation_epsilon * scale!r}", f"weight_epsilon = {r.weight_epsilon * scale!r}",
+             f'unit = "{r.unit}"',
              f"activation_clip = [{r.activation_clip[0]!r}, {r.activation_clip[1]!r}]", "", "[round.weights]",
              f"epsilon = {r.weights_epsilon * scale!r}", f"delta = {r.weights_delta!r}", "", "[round.merge]",
              f'method = "{r.merge_method}"', f"epsilon = {r.merge_epsilon!r}", f"delta = {r.merge_delta!r}"]

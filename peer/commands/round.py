@@ -21,6 +21,7 @@ A round needs this site's daemon config (identity, model store, public probe set
     [round.features]         # per neuron, model level
     activation_epsilon = 1.0
     weight_epsilon = 1.0
+    unit = "neuron"          # or "entry" (much weaker; only when explicitly wanted)
     activation_clip = [0.0, 4.0]   # default: [site.mechanisms].activation_clip
     [round.weights]
     epsilon = 2.0
