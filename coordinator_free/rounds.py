@@ -182,6 +182,18 @@ def charged_status(status: str, receipt_seen: bool, connected: bool) -> str:
     return "unknown"
 
 
+def failure_reason(status: str, message: str, details: str, connected: bool, timeout_s: float) -> str:
+    """Why a call failed, in words that say what happened to the connection (the peer's own
+    message for refusals, which name the field or budget at fault)."""
+    if status == "UNAVAILABLE":
+        if not connected:
+            return f"could not connect: the peer is down or unreachable ({details})"
+        return f"the connection broke during the call: the peer died or the network was cut ({details})"
+    if status == "DEADLINE_EXCEEDED":
+        return f"no answer within {timeout_s:g}s: the peer is stuck or the network is cut ({details})"
+    return message
+
+
 def public_view(graph: NetworkGraph, activation_clip: tuple[float, float] | None,
                 weight_boxes: Mapping[str, tuple[float, float]]) -> NetworkGraph:
     """The requester's own graph clipped to the public bounds the peers' releases were clipped to

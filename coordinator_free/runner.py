@@ -26,8 +26,8 @@ import numpy as np
 from coordinator_free.config import Section, load_toml
 from coordinator_free.identity import Identity, load_identity
 from coordinator_free.roster import Roster, RosterSite
-from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, fusion_weights,
-                                     public_view)
+from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, failure_reason,
+                                     fusion_weights, public_view)
 from coordinator_free.trust import TrustStore
 from peer.errors import FailedPrecondition, InvalidArgument, NotFound
 from peer.graph import NetworkGraph, extract_graph
@@ -192,7 +192,9 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             result = call()
         except PeerError as e:
             seen = state.receipt_seen(name, step)
-            return _Failure(e.status, str(e), charged_status(e.status, seen, not _never_connected(e.details)))
+            connected = not _never_connected(e.details)
+            return _Failure(e.status, failure_reason(e.status, str(e), e.details, connected, config.call_timeout_s),
+                            charged_status(e.status, seen, connected))
         except InvalidArgument as e:  # the release failed our checks (signature, checksums, order)
             return _Failure("INVALID_RELEASE", str(e), "yes" if state.receipt_seen(name, step) else "unknown")
         state.delivered(name, step)
@@ -265,7 +267,8 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         try:
             info = c.info(timeout=config.call_timeout_s)
         except PeerError as e:
-            state.drop(p.name, "info", e.status, str(e), "n/a")
+            reason = failure_reason(e.status, str(e), e.details, not _never_connected(e.details), config.call_timeout_s)
+            state.drop(p.name, "info", e.status, reason, "n/a")
             return None
         model = choose_model(info, p.model, arch, local.model.name)
         pool = choose_pool(info, p.pool, arch, config.merge_method) if config.method != "ldp" else None

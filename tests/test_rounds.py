@@ -134,6 +134,15 @@ def test_charged_status(status, seen, connected, expected):
     assert charged_status(status, seen, connected) == expected
 
 
+def test_failure_reasons_say_what_happened_to_the_connection():
+    from coordinator_free.rounds import failure_reason
+
+    assert failure_reason("UNAVAILABLE", "m", "Connection refused", False, 5).startswith("could not connect")
+    assert "connection broke during the call" in failure_reason("UNAVAILABLE", "m", "Socket closed", True, 5)
+    assert failure_reason("DEADLINE_EXCEEDED", "m", "Deadline Exceeded", True, 5).startswith("no answer within 5s")
+    assert failure_reason("RESOURCE_EXHAUSTED", "budget exhausted: ...", "", True, 5) == "budget exhausted: ..."
+
+
 def test_round_state_stops_asking_once_the_quorum_is_out_of_reach():
     events = []
     st = RoundState("r", "a", [("b", "x:1"), ("c", "x:2")], quorum=3, on_event=events.append)
@@ -351,6 +360,7 @@ def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_pa
     dropped = r["peers"]["hospital-c"]
     assert dropped["state"] == "dropped" and dropped["drop"]["step"] == "weights"
     assert dropped["drop"]["status"] == "UNAVAILABLE" and dropped["drop"]["charged"] in ("no", "unknown")
+    assert dropped["drop"]["reason"].startswith(("could not connect", "the connection broke"))
     assert dropped["drop"]["at"] >= r["started_at"]
     # the features it released before dying stay charged, in its ledger file and in the report
     assert [ch["step"] for ch in charges_of(r, "hospital-c")] == ["features"]
