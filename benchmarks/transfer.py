@@ -19,7 +19,10 @@ What runs (all on loopback, each side in its own process):
   bytes arrive. Also reported: the same into a *prefaulted* buffer, the bare socket's ceiling
   (on small virtual machines page faults can cost as much as the copy itself).
 - **raw TLS**: the same over `ssl` with the sites' certificates (mutual TLS 1.3): what the
-  encryption alone costs.
+  encryption alone costs (Python's ssl module: one TLS record per read).
+- Diagnostic, for the merged release: the same request received into a buffer allocated and
+  touched before the request, which splits the client's cost into transport and page faults
+  the same way the two raw TCP variants do.
 
 Memory: high-water marks of resident memory (VmHWM, Linux) of both processes. The daemon's is
 reset when it is ready (start-up, which loads the model, is reported apart) and again when the
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -147,6 +151,52 @@ def make_sites(root: Path, size_mb: float, release: str) -> tuple[Path, Path, in
 # ------------------------------------------------------------------ the privfusion transfer
 
 
+class PrefaultedSink:
+    """Diagnostic only: receive into one buffer allocated and touched before the request, to
+    separate what the transport costs from what first-touch page faults cost (the same split
+    as raw TCP fresh / prefaulted)."""
+
+    def __init__(self, nbytes: int):
+        self.buffer = np.ones(nbytes, dtype=np.uint8)
+        self.view = memoryview(self.buffer)
+
+    def start(self, specs, metadata) -> None:
+        self.offsets, pos = [], 0
+        for spec in specs:
+            self.offsets.append(pos)
+            pos += spec.nbytes
+
+    def writer(self, index: int):
+        base = self.offsets[index]
+
+        def write(offset: int, data) -> None:
+            self.view[base + offset:base + offset + len(data)] = data
+        return write
+
+    def done(self, spec, array) -> None:
+        pass
+
+    def finish(self):
+        return self.buffer
+
+    def abort(self) -> None:
+        pass
+
+
+def fetch_prefaulted(identity_dir: str, address: str, nbytes: int, queue) -> None:
+    """The same request, received into a prefaulted buffer (diagnostic)."""
+    from coordinator_free.identity import load_identity
+    from peer.client import PeerClient
+
+    sink = PrefaultedSink(nbytes)
+    times = {}
+    with PeerClient(load_identity(identity_dir), address, peer="site-a",
+                    on_receipt=lambda _: times.setdefault("receipt", time.perf_counter())) as c:
+        c.merged("big", method="rs", epsilon=1000.0, delta=1e-5, out=sink)
+        times["end"] = time.perf_counter()
+    queue.put(times["end"] - times["receipt"])
+
+
 def fetch(identity_dir: str, address: str, out_path: str, release: str, receipt_event, queue) -> None:
     """Site B: ask for the release and write it like `privfusion merge|weights --via` does
     (streamed into OUT.safetensors as it arrives, then the JSON document beside)."""
@@ -202,6 +252,11 @@ def privfusion_round(site_a: Path, site_b: Path, workdir: Path, release: str) ->
         result = q.get(timeout=1800)
         p.join()
         streamed = vm(daemon.pid)
+        if release == "merged":
+            p = ctx.Process(target=fetch_prefaulted, args=(str(site_b / "identity"), f"127.0.0.1:{port}", result["bytes"], q))
+            p.start()
+            result["stream_prefaulted_s"] = q.get(timeout=1800)
+            p.join()
     finally:
         daemon.terminate()
         daemon.wait(60)
@@ -319,13 +374,16 @@ def run(size_mb: float = 300.0, rounds: int = 2, release: str = "merged") -> dic
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "load_average": os.getloadavg()},
         "seconds": {"privfusion_stream": stream_s, "raw_tcp": tcp_s, "raw_tcp_prefaulted": pre_s, "raw_tls": tls_s,
+                    "privfusion_stream_prefaulted": med([x.get("stream_prefaulted_s", math.nan) for x in pf]),
                     "privfusion_end_to_end": med([x["end_to_end_s"] for x in pf]),
                     "privfusion_save": med([x["save_s"] for x in pf])},
         "throughput_MBps": {"privfusion_stream": mbps(stream_s), "raw_tcp": mbps(tcp_s), "raw_tls": mbps(tls_s),
                             "raw_tcp_prefaulted": mbps(pre_s)},
         "ratio_privfusion_to_raw_tcp": tcp_s / stream_s,
         "ratio_privfusion_to_raw_tcp_prefaulted": pre_s / stream_s,
-        "identical": all(x.get("identical", True) for x in pf),
+        # the merged (RS) release is the pool model's bytes: compared with the source file;
+        # a weights release is perturbed, so there is nothing to compare it with (None)
+        "identical": all(x["identical"] for x in pf) if release == "merged" else None,
         "memory_bytes": memory,
         "memory_over_model": {k: v / nbytes for k, v in memory.items()},
         "runs": runs,
@@ -353,15 +411,18 @@ def main(argv: list[str] | None = None) -> int:
 def report(result: dict) -> str:
     s, t, mo = result["seconds"], result["throughput_MBps"], result["memory_over_model"]
     nbytes = result["model_bytes"]
+    prefaulted = s["privfusion_stream_prefaulted"]
     lines = [
         f"{result['release']} release of a {nbytes / 1e6:.1f} MB model, {result['rounds']} rounds (medians), "
         f"load average {result['machine']['load_average'][0]:.1f} on {result['machine']['cpus']} CPUs",
         f"{'transfer':<34}{'seconds':>9}{'MB/s':>9}{'vs raw TCP':>12}",
         f"{'privfusion stream (mTLS gRPC)':<34}{s['privfusion_stream']:>9.2f}{t['privfusion_stream']:>9.0f}{result['ratio_privfusion_to_raw_tcp']:>11.0%}",
+        *([f"{'  same, into a prefaulted buffer':<34}{prefaulted:>9.2f}{nbytes / prefaulted / 1e6:>9.0f}{s['raw_tcp'] / prefaulted:>11.0%}"]
+          if math.isfinite(prefaulted) else []),
         f"{'raw TCP socket (fresh buffer)':<34}{s['raw_tcp']:>9.2f}{t['raw_tcp']:>9.0f}{1:>11.0%}",
         f"{'raw TCP socket (prefaulted)':<34}{s['raw_tcp_prefaulted']:>9.2f}{t['raw_tcp_prefaulted']:>9.0f}{s['raw_tcp'] / s['raw_tcp_prefaulted']:>11.0%}",
         f"{'raw TLS socket (Python ssl)':<34}{s['raw_tls']:>9.2f}{t['raw_tls']:>9.0f}{s['raw_tcp'] / s['raw_tls']:>11.0%}",
-        f"received bytes identical to the source model: {result['identical']}; "
+        f"received bytes identical to the source model: {'not comparable (perturbed)' if result['identical'] is None else result['identical']}; "
         f"privfusion vs the prefaulted raw socket: {result['ratio_privfusion_to_raw_tcp_prefaulted']:.0%}; "
         f"end to end (request to last byte): {s['privfusion_end_to_end']:.1f}s; writing the JSON beside: {s['privfusion_save']:.2f}s",
         "peak RSS / model size:",

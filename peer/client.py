@@ -75,6 +75,10 @@ def explain(error: grpc.RpcError, peer: str, address: str) -> PeerError:
         else:
             msg = (f"peer {peer!r} at {address} closed the connection during the TLS handshake: it does not accept this "
                    f"site's certificate (not pinned there, or expired), or it is not the {peer!r} you pinned ({details})")
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent rpc limit" in details.lower():
+        msg = f"{peer!r} is busy (too many calls at once); nothing was charged, try again ({details})"
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details.lower():
+        msg = f"a message to or from {peer!r} exceeded gRPC's size limit ({details})"
     else:
         msg = _MESSAGES.get(name, "{peer!r} failed with {name}: {details}").format(peer=peer, name=name, details=details)
     return PeerError(name, msg, details)
@@ -179,7 +183,12 @@ class PeerClient:
             self.on_receipt(receipt)
 
     def _read(self, call, expected_kind: str, model: str, out: str | os.PathLike | None = None) -> wire.Release:
-        sink = wire.SafetensorsSink(release_paths(out)[0]) if out is not None else wire.ArraySink()
+        if out is None:
+            sink = wire.ArraySink()
+        elif hasattr(out, "writer"):  # a sink of one's own (peer.wire's sink protocol)
+            sink = out
+        else:
+            sink = wire.SafetensorsSink(release_paths(out)[0])
         try:
             release = wire.ReleaseReader(self.max_release_bytes, on_receipt=self._check_receipt, sink=sink).read(call)
         except grpc.RpcError as e:
@@ -206,7 +215,8 @@ class PeerClient:
 
     # Every release call takes ``out``: None keeps the tensors in memory (Release.arrays); a
     # path streams them straight into OUT.safetensors as they arrive (Release.path) — for
-    # releases larger than memory should hold. Write the JSON beside with save_release.
+    # releases larger than memory should hold; write the JSON beside with save_release. An
+    # object with the sink methods of peer.wire (start, writer, done, finish, abort) is used as is.
 
     def features(self, model: str, probe: np.ndarray, *, activation_epsilon: float, weight_epsilon: float,
                  unit: str = "neuron", activation_clip: tuple[float, float] | None = None,

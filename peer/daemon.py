@@ -487,8 +487,12 @@ class Daemon:
         self.service.drain()
         self.health.enter_graceful_shutdown()
         log_event("stopping", site=self.site.name, grace_s=grace)
+        started = time.monotonic()
         drained = self.service.releases.wait_idle(grace)
-        self.server.stop(0 if drained else 0.5).wait()  # cancels what is left
+        # A finished release has handed its last frame to gRPC, which may still be sending it:
+        # stop with what is left of the grace (at least a moment) so those bytes and the final
+        # status go out; gRPC returns as soon as no call is left and cancels any that still are.
+        self.server.stop(max(grace - (time.monotonic() - started), 1.0)).wait()
         # cancelled calls still run their bookkeeping (a "send-failed" note in the ledger):
         # the ledger is closed only after the last one, never under a call that is using it
         settled = self.interceptor.calls.wait_idle(30)
@@ -526,7 +530,9 @@ def serve(config_path: str | os.PathLike, insecure: bool = False, ready_file: st
         with open(tmp, "w") as f:
             json.dump({"port": port, "pid": os.getpid()}, f)
         os.replace(tmp, ready_file)
-    while not stop.wait(3600):  # the signal handler runs in this (main) thread and sets the event
+    # Python runs signal handlers in the main thread, but the kernel may deliver the signal to
+    # any thread (gRPC's, the workers'): a wait that never wakes up would miss it. Poll.
+    while not stop.wait(0.2):
         pass
     daemon.stop()
     return 0

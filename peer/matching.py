@@ -164,8 +164,8 @@ class MatchOptions:
     ``shift``: power iteration runs on K + shift·I (the same leading eigenvector, since K ≥ 0);
     ``None`` = half of ‖K v₀‖/‖v₀‖ for the uniform start v₀, i.e. about λ₁/2 (module docstring);
     0 = plain power iteration as in pygmtools' ``sm``.
-    ``threads``: torch intra-op threads for the factorised solver, set for the duration of the
-    call and restored after; ``None`` = 1 while every hidden layer has ≤ 512 nodes (products of
+    ``threads``: torch intra-op threads for the call (a process-wide torch setting: set on entry,
+    restored on exit, so two matches running in threads of one process share it); ``None`` = 1 while every hidden layer has ≤ 512 nodes (products of
     that size gain nothing from a second thread, and lose 5–10x when another process holds a
     core — measured here), else torch's current setting.
     """
@@ -245,6 +245,12 @@ def _is_real(v) -> bool:
 # --------------------------------------------------------------------------------------------
 # Separable expansions of the scalar Gaussian kernel
 # --------------------------------------------------------------------------------------------
+
+
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b in float64 through torch, so that it runs on the torch threads match_graphs sets:
+    numpy's BLAS starts all its threads even for small products, and stalls when a core is busy."""
+    return (torch.as_tensor(np.asarray(a, dtype=np.float64)) @ torch.as_tensor(np.asarray(b, dtype=np.float64))).numpy()
 
 
 def gaussian_kernel(x, y, sigma: float):
@@ -335,7 +341,7 @@ class ChebyshevExpansion:
                 np.multiply(s, cheb[j - 1], out=cheb[j])
                 cheb[j] *= 2.0
                 cheb[j] -= cheb[j - 2]
-            out[:, start : start + chunk] = self.eigenvectors.T @ cheb
+            out[:, start : start + chunk] = _matmul(self.eigenvectors.T, cheb)
         return out.reshape((self.terms, *x.shape))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -448,7 +454,7 @@ class _Sparse:
     ``local`` maps each non-zero to its position in ``touched``.
     """
 
-    __slots__ = ("shape", "rows", "cols", "vals", "unit", "touched", "local", "one_per_row")
+    __slots__ = ("shape", "rows", "cols", "vals", "unit", "touched", "local", "one_per_row", "full")
 
     def __init__(self, shape, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor):
         self.shape = (int(shape[0]), int(shape[1]))
@@ -457,6 +463,8 @@ class _Sparse:
         self.unit = bool(torch.all(self.vals == 1))
         self.touched, self.local = torch.unique_consecutive(self.rows, return_inverse=True)
         self.one_per_row = self.touched.shape[0] == self.rows.shape[0]
+        # every row holds exactly one non-zero (the multi-bit mechanism with m = 1, both signs)
+        self.full = self.one_per_row and self.touched.shape[0] == self.shape[0]
 
     @property
     def nnz(self) -> int:
@@ -489,6 +497,10 @@ class _Sparse:
 
     def times_t(self, m: torch.Tensor, touched_only: bool = False) -> torch.Tensor:
         """M @ Sᵀ, shape (M.shape[0], S.shape[0]), or only its columns ``touched``."""
+        if self.one_per_row and (touched_only or self.full):
+            # column c of the result is column cols[c] of M, scaled: a gather, no scatter
+            g = m.index_select(1, self.cols)
+            return g if self.unit else g * self.vals
         width = self.touched.shape[0] if touched_only else self.shape[0]
         target = self.local if touched_only else self.rows
         out = torch.zeros((m.shape[0], width), dtype=m.dtype)
@@ -542,24 +554,43 @@ class _Cost:
         self.flops += 2.0 * a * b * c
 
 
-def _apply_term(f: _Factor, h: _Factor, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
+class _RankOne:
+    """V's sums, computed once per block application, and the rank-one parts of the result
+    (c·J, w 1ᵀ, 1 wᵀ) accumulated as a scalar and two vectors, added to the output once."""
+
+    __slots__ = ("total", "col_sums", "row_sums", "scalar", "per_row", "per_col")
+
+    def __init__(self, v: torch.Tensor, n_rows: int):
+        self.total = v.sum()
+        self.col_sums = v.sum(dim=0)  # Vᵀ1
+        self.row_sums = v.sum(dim=1)  # V1
+        self.scalar = torch.zeros((), dtype=v.dtype)
+        self.per_row = torch.zeros(n_rows, dtype=v.dtype)  # out[i, j] += per_row[i]
+        self.per_col = torch.zeros(n_rows, dtype=v.dtype)  # out[i, j] += per_col[j]
+
+    def add_to(self, out: torch.Tensor) -> None:
+        out += self.per_row[:, None]
+        out += (self.per_col + self.scalar)[None, :]
+
+
+def _apply_term(f: _Factor, h: _Factor, v: torch.Tensor, ones: _RankOne, out: torch.Tensor, cost: _Cost) -> None:
     """out += F V Hᵀ for F = c_F J + R_F (n×n′), V (n′×n′), H = c_H J + R_H (n×n′).
 
     (c_F J + R_F) V (c_H J + R_H)ᵀ = c_F c_H (1ᵀV1) J + c_F 1 (R_H Vᵀ1)ᵀ + c_H (R_F V1) 1ᵀ + R_F V R_Hᵀ:
-    the J terms cost matrix-vector products only; R_F V R_Hᵀ costs no dense product when both
-    are sparse, one (restricted to the touched rows/columns) when one is sparse, two when both
-    are dense.
+    the J terms cost matrix-vector products only (accumulated in ``ones``); R_F V R_Hᵀ costs no
+    dense product when both are sparse, one (restricted to the touched rows/columns) when one
+    is sparse, two when both are dense.
     """
     if f.ones and h.ones:
-        out += f.ones * h.ones * v.sum()
+        ones.scalar += f.ones * h.ones * ones.total
     if f.ones:
-        w = h.matvec_rest(v.sum(dim=0))
+        w = h.matvec_rest(ones.col_sums)
         if w is not None:
-            out += f.ones * w[None, :]
+            ones.per_col += f.ones * w
     if h.ones:
-        w = f.matvec_rest(v.sum(dim=1))
+        w = f.matvec_rest(ones.row_sums)
         if w is not None:
-            out += h.ones * w[:, None]
+            ones.per_row += h.ones * w
     if f.sparse is None and f.dense is None or h.sparse is None and h.dense is None:
         return
     if f.sparse is not None:
@@ -597,17 +628,8 @@ class _Stacked:
     def __init__(self, phi: list[torch.Tensor], psi: list[torch.Tensor], transposed: bool = False):
         self.phi, self.psi, self.transposed = phi, psi, transposed
 
-    @classmethod
-    def from_full(cls, phi: torch.Tensor, psi: torch.Tensor) -> "_Stacked":
-        g = cls.GROUP
-        r = phi.shape[1]
-        return cls([phi[:, i : i + g].contiguous() for i in range(0, r, g)], [psi[:, i : i + g].contiguous() for i in range(0, r, g)])
-
     def t(self) -> "_Stacked":
         return _Stacked(self.phi, self.psi, not self.transposed)
-
-    def scaled(self, s: float) -> "_Stacked":
-        return _Stacked(self.phi, [p * s for p in self.psi], self.transposed)
 
     def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
         for phi_g, psi_g in zip(self.phi, self.psi):
@@ -647,6 +669,7 @@ class _Block:
     scale: float = 0.0  # w_edge / (ν · e)
     terms: list = field(default_factory=list)  # (F, H) pairs or a _Stacked, scaled by `scale`
     terms_t: list = field(default_factory=list)  # the same, transposed
+    function_means: dict = field(default_factory=dict)  # component -> float64 means of φ_r(W_a), φ_r(W_b)
 
     @property
     def error_bound(self) -> float:
@@ -695,7 +718,8 @@ def _mean_kernel(block: _Block) -> float:
         wb = block.weights_b[:, :, c]
         if block.expansion == "chebyshev":
             ch = block.chebyshev
-            total += float(np.dot(ch.eigenvalues, _function_means(ch, wa) * _function_means(ch, wb)))
+            means_a, means_b = block.function_means.get(c) or (_function_means(ch, wa), _function_means(ch, wb))
+            total += float(np.dot(ch.eigenvalues, means_a * means_b))
             continue
         va = block.values_a if block.expansion in ("table", "table-a") else None
         vb = block.values_b if block.expansion in ("table", "table-b") else None
@@ -758,8 +782,10 @@ def _table_right_factor(w: np.ndarray, values: np.ndarray, coefs: np.ndarray, dt
     return _Factor(w.shape, ones=coefs[0], dense=torch.as_tensor(dense, dtype=dtype))
 
 
-def _block_terms(block: _Block, dtype: torch.dtype) -> list[tuple[_Factor, _Factor]]:
-    """The separable terms (F_t, H_t) of one block, summed over its e components (unscaled)."""
+def _block_terms(block: _Block, dtype: torch.dtype) -> list:
+    """The separable terms of one block (unscaled), summed over its e components: (F_t, H_t)
+    pairs, or a _Stacked group of dense terms. Records the Chebyshev function means on the
+    block for κ̄."""
     terms = []
     sigma = block.sigma
     for c in range(block.weights_a.shape[2]):
@@ -795,37 +821,57 @@ def _block_terms(block: _Block, dtype: torch.dtype) -> list[tuple[_Factor, _Fact
                 terms.append((_Factor(shape, dense=torch.as_tensor(diff, dtype=dtype)), _indicator_factor(wb == vb[q], dtype)))
         else:
             ch = block.chebyshev
-            phi = _stacked_functions(ch, wa, dtype)
-            psi = _stacked_functions(ch, wb, dtype)
-            psi *= torch.as_tensor(ch.eigenvalues, dtype=dtype)[None, :, None]
-            terms.append(_Stacked.from_full(phi, psi))
+            phi, means_a = _stacked_functions(ch, wa, dtype)
+            psi, means_b = _stacked_functions(ch, wb, dtype)
+            block.function_means[c] = (means_a, means_b)
+            lam = torch.as_tensor(ch.eigenvalues, dtype=dtype)
+            for k, grp in enumerate(psi):
+                grp *= lam[k * _Stacked.GROUP : k * _Stacked.GROUP + grp.shape[1]][None, :, None]
+            terms.append(_Stacked(phi, psi))
     return terms
 
 
-def _stacked_functions(ch: ChebyshevExpansion, w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """φ_r(w) for a 2-D w (n, n′), laid out (n, R, n′), built a few rows at a time."""
+def _rescale(terms: list, s: float) -> list:
+    """The terms with every H multiplied by s (in place for stacked dense terms)."""
+    out = []
+    for t in terms:
+        if isinstance(t, _Stacked):
+            for grp in t.psi:
+                grp *= s
+            out.append(t)
+        else:
+            out.append((t[0], t[1].scaled(s)))
+    return out
+
+
+def _stacked_functions(ch: ChebyshevExpansion, w: np.ndarray, dtype: torch.dtype) -> tuple[list[torch.Tensor], np.ndarray]:
+    """φ_r(w) for a 2-D w (n, n′), as groups of _Stacked.GROUP terms laid out (n, group, n′),
+    built a few rows at a time (no full-size temporary); and the float64 mean of each φ_r(w)."""
     n, m = w.shape
-    out = torch.empty((n, ch.terms, m), dtype=dtype)
+    g = _Stacked.GROUP
+    groups = [torch.empty((n, min(g, ch.terms - r), m), dtype=dtype) for r in range(0, ch.terms, g)]
+    sums = np.zeros(ch.terms)
     rows = max(1, (1 << 20) // max(1, m))
     for i in range(0, n, rows):
-        out[i : i + rows] = ch.functions(torch.as_tensor(w[i : i + rows], dtype=dtype)).permute(1, 0, 2)
-    return out
+        vals = ch.functions(w[i : i + rows])  # (R, rows, n′), float64
+        sums += vals.sum(axis=(1, 2))
+        for k, grp in enumerate(groups):
+            grp[i : i + rows] = torch.as_tensor(vals[k * g : (k + 1) * g].transpose(1, 0, 2), dtype=dtype)
+    return groups, sums / w.size
 
 
 def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost) -> torch.Tensor:
     out = torch.zeros((n_rows, n_rows), dtype=v.dtype)
+    ones = None
     for term in terms:
         if isinstance(term, _Stacked):
             term.apply(v, out, cost)
         else:
-            _apply_term(term[0], term[1], v, out, cost)
+            ones = ones or _RankOne(v, n_rows)
+            _apply_term(term[0], term[1], v, ones, out, cost)
+    if ones is not None:
+        ones.add_to(out)
     return out
-
-
-def _scaled(term, s: float):
-    if isinstance(term, _Stacked):
-        return term.scaled(s)
-    return (term[0], term[1].scaled(s))
 
 
 def _transposed(term):
@@ -883,9 +929,12 @@ class Affinity:
             self.blocks.append(self._make_block(name, kind, np.asarray(wa, dtype=np.float64), np.asarray(wb, dtype=np.float64)))
         self.hidden_blocks = [b for b in self.blocks if b.kind == "hidden"]
 
-        # Normalisers (shared by both solvers): ν = (neighbours) · κ̄, κ̄ in float64.
+        # Normalisers (shared by both solvers): ν = (neighbours) · κ̄, κ̄ in float64. The factorised
+        # operator's terms are built first, unscaled, so that κ̄ reuses their function means.
         for b in self.blocks:
             e = b.weights_a.shape[2]
+            build = build_operator and options.edge_weight > 0
+            terms = _block_terms(b, self.dtype) if build else []
             b.mean_kernel = _mean_kernel(b)
             if not b.mean_kernel > 0:
                 raise InvalidArgument("options.weight_sigma", f"{b.sigma:g} is so small that every weight affinity of block {b.name} underflows to 0")
@@ -893,8 +942,8 @@ class Affinity:
             neighbours = {"input": n_cols, "output": n_rows, "hidden": math.sqrt(n_rows * n_cols)}[b.kind]
             b.normaliser = neighbours * b.mean_kernel
             b.scale = options.edge_weight / (b.normaliser * e)
-            if build_operator and options.edge_weight > 0:
-                b.terms = [_scaled(t, b.scale) for t in _block_terms(b, self.dtype)]
+            if build:
+                b.terms = _rescale(terms, b.scale)
                 if b.kind == "hidden":
                     b.terms_t = [_transposed(t) for t in b.terms]
         self._unary: list[torch.Tensor] | None = None
@@ -1063,7 +1112,7 @@ class Affinity:
 
 def _activation_affinity(a: np.ndarray, b: np.ndarray, sigma: float) -> np.ndarray:
     """exp(−‖a_i − b_j‖²/σ) for all pairs of rows (float64)."""
-    sq = np.sum(a * a, axis=1)[:, None] + np.sum(b * b, axis=1)[None, :] - 2.0 * (a @ b.T)
+    sq = np.sum(a * a, axis=1)[:, None] + np.sum(b * b, axis=1)[None, :] - 2.0 * _matmul(a, b.T)
     return np.exp(-np.maximum(sq, 0.0) / sigma)
 
 

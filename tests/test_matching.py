@@ -66,6 +66,8 @@ def pair(arch, case):
         return ga, gb
     if case == "noisy":
         return noisy(ga, 6.6, 1), noisy(gb, 6.6, 2)  # m = 3: rows with several non-zeros
+    if case == "noisy-m1":
+        return noisy(ga, 1.0, 1), noisy(gb, 1.0, 2)  # m = 1: exactly one non-zero per row
     if case == "mixed-a":
         return noisy(ga, 1.0, 1), gb
     return ga, noisy(gb, 1.0, 2)
@@ -99,14 +101,14 @@ def row_error_budget(aff: Affinity) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", [MLP, CNN], ids=["mlp", "cnn"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + ["noisy-m1"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-store", "sparse-store"])
 def test_factorised_kv_equals_dense_k_times_v(arch, case, sparse, monkeypatch):
     if sparse:
         monkeypatch.setattr(matching, "SPARSE_MAX_DENSITY", 1.0)  # small layers: force the sparse code
     a, b = pair(arch, case)
     aff = Affinity(a, b, TIGHT)
-    expected_kind = {"exact": "chebyshev", "noisy": "table", "mixed-a": "table-a", "mixed-b": "table-b"}[case]
+    expected_kind = {"exact": "chebyshev", "noisy": "table", "noisy-m1": "table", "mixed-a": "table-a", "mixed-b": "table-b"}[case]
     assert all(blk.expansion == expected_kind for blk in aff.blocks)
     k = aff.dense()
     assert np.array_equal(k, k.T) and k.min() >= 0

@@ -116,17 +116,20 @@ def test_sigkill_during_releases_never_loses_a_charge_50_times(tmp_path, forked)
     assert cut > 0 and complete > 0
 
 
-def health_of(b, a, address):
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+def health_channel(b, a, address):
     creds = grpc.ssl_channel_credentials(root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem,
                                          certificate_chain=b.identity.cert_pem)
-    with grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "site-a")]) as ch:
-        try:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="privfusion.v1.Peer"), timeout=5).status
-            return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-        except grpc.RpcError as e:
-            return e.code().name
+    return grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "site-a")])
+
+
+def health_of(channel):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="privfusion.v1.Peer"), timeout=5).status
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    except grpc.RpcError as e:
+        return e.code().name
 
 
 def slow_reader(b, a, address, request, pause_s, out):
@@ -161,15 +164,18 @@ def test_sigterm_lets_in_flight_releases_finish_and_refuses_new_ones(tmp_path):
         address = daemon.wait_ready()
         req = pb.WeightsRequest(header=pb.RequestHeader(sender="site-b", receiver="site-a"), model="huge", epsilon=1.0, delta=1e-6)
         out = {}
-        t = threading.Thread(target=slow_reader, args=(b, a, address, req, 2.0, out))
+        health = health_channel(b, a, address)
+        assert health_of(health) == "SERVING"
+        t = threading.Thread(target=slow_reader, args=(b, a, address, req, 4.0, out))
         t.start()
         while not a.ledger.exists() or not Ledger(a.ledger).entries():
-            time.sleep(0.05)  # charged: the release is in flight
+            time.sleep(0.05)  # charged: the release is in flight (its reader pauses 4 s)
         daemon.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while health_of(b, a, address) != "NOT_SERVING" and time.monotonic() < deadline:
+        deadline = time.monotonic() + 3
+        while health_of(health) != "NOT_SERVING" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert health_of(b, a, address) == "NOT_SERVING"  # draining: still answering, not serving
+        assert health_of(health) == "NOT_SERVING"  # draining: still answering, not serving
+        health.close()
         with client(b, address) as c, pytest.raises(PeerError) as e:
             c.weights("huge", epsilon=1.0, delta=1e-6)
         assert e.value.status in ("FAILED_PRECONDITION", "UNAVAILABLE")
@@ -192,7 +198,7 @@ def test_sigterm_after_the_grace_period_aborts_but_keeps_the_charge(tmp_path, fo
     proc, address = forked.start(a)
     req = pb.WeightsRequest(header=pb.RequestHeader(sender="site-b", receiver="site-a"), model="huge", epsilon=1.0, delta=1e-6)
     out = {}
-    t = threading.Thread(target=slow_reader, args=(b, a, address, req, 2.0, out))
+    t = threading.Thread(target=slow_reader, args=(b, a, address, req, 4.0, out))
     t.start()
     while not a.ledger.exists() or not Ledger(a.ledger).entries():
         time.sleep(0.05)

@@ -100,6 +100,12 @@ class PeerServicer:
 
     def Fuse(self, request, context):
         """"Fuse your model with peer X's and give me the result": the server acts as a client of X.
+        It asks X for noisy features of X's model on the server's own probe set and for X's
+        PFA-perturbed weights permuted to match (both charged in X's ledger to the server), matches
+        on its own *noisy* features and fuses its own PFA-perturbed weights with X's: everything the
+        caller receives is post-processing of noisy releases. The server's own features and weights
+        releases are charged to the caller as one sequential composite; X's receipts travel in the
+        manifest's `upstream`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
