@@ -165,9 +165,11 @@ class MatchOptions:
     ``None`` = half of ‖K v₀‖/‖v₀‖ for the uniform start v₀, i.e. about λ₁/2 (module docstring);
     0 = plain power iteration as in pygmtools' ``sm``.
     ``threads``: torch intra-op threads for the call (a process-wide torch setting: set on entry,
-    restored on exit, so two matches running in threads of one process share it); ``None`` = 1 while every hidden layer has ≤ 512 nodes (products of
-    that size gain nothing from a second thread, and lose 5–10x when another process holds a
-    core — measured here), else torch's current setting.
+    restored on exit, so two matches running in threads of one process share it). ``None`` = 1
+    while every hidden layer has ≤ 512 nodes, and 1 for the power iteration whenever K·v runs no
+    dense products (both sides few-valued: gathers and elementwise work); else torch's current
+    setting. Small products and memory-bound work gain nothing from a second thread and lose
+    5–10x when another process holds a core (measured here).
     """
 
     solver: str = "factorised"
@@ -955,6 +957,16 @@ class Affinity:
         self.setup_seconds = time.perf_counter() - t0
 
     @property
+    def has_dense_products(self) -> bool:
+        """Whether K·v runs dense matrix products (exact weights on either side, or indicators
+        too dense to store sparse), rather than gathers and elementwise work only."""
+        for b in self.hidden_blocks:
+            for t in b.terms:
+                if isinstance(t, _Stacked) or t[0].dense is not None or t[1].dense is not None:
+                    return True
+        return False
+
+    @property
     def is_diagonal(self) -> bool:
         """No hidden–hidden couplings: one hidden layer, or edge_weight = 0."""
         return len(self.sizes) == 1 or self.options.edge_weight == 0
@@ -1277,23 +1289,23 @@ def match_graphs(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOpt
     if not isinstance(options, MatchOptions):
         raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
     _check_graphs(graph_a, graph_b)
-    threads = options.threads
-    if threads is None:
-        threads = 1 if max(graph_a.sizes) <= AUTO_SINGLE_THREAD_MAX_WIDTH else torch.get_num_threads()
     previous = torch.get_num_threads()
+    if options.threads is not None:
+        threads = options.threads
+    else:
+        threads = 1 if max(graph_a.sizes) <= AUTO_SINGLE_THREAD_MAX_WIDTH else previous
     torch.set_num_threads(threads)
     try:
-        result = _match(graph_a, graph_b, options)
+        return _match(graph_a, graph_b, options)
     finally:
         torch.set_num_threads(previous)
-    result.diagnostics["threads"] = threads
-    return result
 
 
 def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) -> MatchResult:
     dense = options.solver == "dense"
     aff = Affinity(graph_a, graph_b, options, build_operator=not dense)
     diag = aff.diagnostics()
+    diag["threads"] = torch.get_num_threads()
     t0 = time.perf_counter()
     kmat = None
     if dense:
@@ -1314,7 +1326,16 @@ def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) 
     elif dense:
         layers, it, converged, residual, norm, cost, shift = _power_iteration_dense(aff, kmat)
     else:
-        layers, it, converged, residual, norm, cost, shift = _power_iteration_factorised(aff)
+        threads = torch.get_num_threads()
+        if options.threads is None and not aff.has_dense_products:
+            threads = 1  # gathers and elementwise work only: a second thread only waits
+        setup_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            layers, it, converged, residual, norm, cost, shift = _power_iteration_factorised(aff)
+        finally:
+            torch.set_num_threads(setup_threads)
+        diag["threads"] = threads
     t_iter = time.perf_counter() - t0
     del kmat
 
