@@ -19,6 +19,9 @@
 
     [site.pools.digits]              # a DP-SGD pool for RS/LC merges (models trained on the same data)
     models = "pool"
+    # validation = "validation.npz"  # optional: held-out (x, y) that judges RS/LC candidates (public;
+    #                                # never the pool's training records); default: the split the
+    #                                # models' metadata "data" describes
 
     [site.peers.hospital-b]          # where pinned peers listen (Fuse dials them)
     address = "10.0.0.2:50051"
@@ -114,6 +117,7 @@ class SiteConfig:
     pools: Mapping[str, Path] = field(default_factory=dict)
     peers: Mapping[str, str] = field(default_factory=dict)
     path: Path | None = None
+    pool_validation: Mapping[str, Path] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SiteConfig":
@@ -151,11 +155,16 @@ class SiteConfig:
         calibration = _get(mech, "calibration", str, "site.mechanisms", "analytic")
         if calibration not in ("analytic", "classical"):
             raise InvalidArgument("site.mechanisms.calibration", f"must be 'analytic' or 'classical', got {calibration!r}")
-        pools = {}
+        pools, pool_validation = {}, {}
         for name, t in _get(site, "pools", dict, "site", {}).items():
             if not isinstance(t, Mapping):
                 raise InvalidArgument(f"site.pools.{name}", "must be a table with `models`")
+            extra = sorted(set(t) - {"models", "validation"})
+            if extra:
+                raise InvalidArgument(f"site.pools.{name}", f"unknown keys {extra}; known: ['models', 'validation']")
             pools[name] = (base / _get(t, "models", str, f"site.pools.{name}")).resolve()
+            if "validation" in t:
+                pool_validation[name] = (base / _get(t, "validation", str, f"site.pools.{name}")).resolve()
         peers = {}
         for name, t in _get(site, "peers", dict, "site", {}).items():
             check_site_name(name, f"site.peers.{name}")
@@ -174,7 +183,7 @@ class SiteConfig:
             listen=_get(site, "listen", str, "site"),
             identity=rel("identity"), models=rel("models"), ledger=rel("ledger"), probe=rel("probe", None),
             workers=workers, shutdown_grace_s=grace, seed=seed, activation_clip=clip, calibration=calibration,
-            pools=pools, peers=peers, path=path,
+            pools=pools, peers=peers, path=path, pool_validation=pool_validation,
         )
 
 
@@ -199,13 +208,15 @@ class Site:
         self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         if config.pools:
             from peer.merging import check_pool
-            from peer.pool import load_pool, pool_validation
+            from peer.pool import load_pool, load_validation_file, pool_validation
 
             self.pools = {name: load_pool(d) for name, d in config.pools.items()}
             for pool in self.pools.values():
                 check_pool(pool)
-            # the held-out split each pool was trained beside (judges RS/LC candidates; public)
-            self._validation = {name: pool_validation(pool) for name, pool in self.pools.items()}
+            # the held-out split each pool was trained beside, or the site's validation file
+            # (judges RS/LC candidates; public)
+            self._validation = {name: load_validation_file(config.pool_validation[name]) if name in config.pool_validation
+                                else pool_validation(pool) for name, pool in self.pools.items()}
         self.probe = self._load_probe(config.probe) if config.probe else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
