@@ -595,7 +595,8 @@ def smoothing_filter(noisy: Any, *, noise_std: float, entry_bound: float, standa
     Model: every clean value w of the group lies in the public box [−c, c] (c = ``entry_bound``;
     the perturbation unit clipped to it) and the release is w′ = w + N(0, σ²) with public
     σ = ``noise_std``. Prior: w ~ N(μ, s²) truncated to [−c, c], with μ = mean(w′) and
-    s² = max(var(w′) − σ², 0) — moments of the *noisy* values (E var(w′) = var(w) + σ²). The
+    s² = max(var(w′) − σ², 0) — moments of the *noisy* values (E var(w′) = var(w) + σ²), each
+    trusted only where it clears its sampling error (below). The
     posterior of w given w′ is then N(m, v) truncated to [−c, c] with
     m = (s² w′ + σ² μ)/(s² + σ²), v = s²σ²/(s² + σ²), and the filter outputs its mean
     (:func:`truncated_normal_mean`, written with erf/erfcx — the "erf-based standardisation").
@@ -607,8 +608,10 @@ def smoothing_filter(noisy: Any, *, noise_std: float, entry_bound: float, standa
     output inside the box where the clean value lies. Weights of one layer are roughly centred
     and bell-shaped, so the fit is good. When noise dominates (s² <= 0 estimated) every value
     goes to μ: the best constant. The estimate of s² keeps a margin of ``SPREAD_MARGIN``
-    standard errors of var(w′), so that sampling noise in var(w′) is not taken for signal (a
-    false positive has probability ≈ 0.1% under the Gaussian approximation). Measured on a trained digits MLP (benchmarks/pfa_filter.py):
+    standard errors of var(w′), and μ is soft-thresholded towards the box's centre (0) by
+    ``SPREAD_MARGIN`` standard errors of mean(w′), so that sampling noise is not taken for
+    signal (a false positive has probability ≈ 0.1% under the Gaussian approximation); when
+    noise swamps a layer entirely its filtered weights are 0, not a random constant. Measured on a trained digits MLP (benchmarks/pfa_filter.py):
     the MSE to the clean weights falls 2–1000× at ε where the raw release is unusable, and
     α-fusion of a clean model with a filtered noisy one keeps far more accuracy than with the
     raw one. A lone filtered model can lose accuracy against the raw one at intermediate noise:
@@ -628,7 +631,12 @@ def smoothing_filter(noisy: Any, *, noise_std: float, entry_bound: float, standa
         raise InvalidArgument("noisy", "contains NaN or infinite values")
     sigma = _positive_finite(noise_std, "noise_std")
     c = _positive_finite(entry_bound, "entry_bound")
-    mu = float(np.clip(w.mean(), -c, c))
+    # The prior mean too is trusted only beyond SPREAD_MARGIN standard errors of mean(w′)
+    # (soft threshold towards the box's centre, 0): under heavy noise mean(w′) alone lands far
+    # from the clean mean, and a whole layer collapsed onto it would shift every weight.
+    mean = float(w.mean())
+    mean_error = math.sqrt(float(w.var()) / w.size)
+    mu = float(np.clip(math.copysign(max(abs(mean) - SPREAD_MARGIN * mean_error, 0.0), mean), -c, c))
     # The clean spread is trusted only where the noisy variance exceeds σ² by more than
     # SPREAD_MARGIN standard errors of the variance estimate (≈ var·sqrt(2/(N−1)) for N values):
     # otherwise sampling error alone would pass for signal and, when σ is large, the "posterior

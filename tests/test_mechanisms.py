@@ -374,7 +374,7 @@ def test_filter_is_close_to_bayes_optimal_for_gaussian_weights():
     assert out_std.std() == pytest.approx(s, rel=6 * 0.5 * math.sqrt(2 / n) * (s ** 2 + sigma ** 2) / s ** 2)
 
 
-def test_filter_falls_back_to_the_mean_when_noise_swamps_the_spread():
+def test_filter_falls_back_to_a_constant_when_noise_swamps_the_spread():
     # Clean spread s = 0.01 under noise σ = 10 with N = 8192 values: var(w′) − σ² has standard
     # error ≈ σ²·sqrt(2/N) ≈ 1.6 ≫ s² = 1e-4, so the clean spread is indistinguishable from
     # sampling noise and every output must be the constant μ (the prior mean estimate). Under
@@ -388,6 +388,9 @@ def test_filter_falls_back_to_the_mean_when_noise_swamps_the_spread():
     out, _ = M.smoothing_filter(noisy, noise_std=sigma, entry_bound=1.0)
     assert np.ptp(out) == 0.0
     assert abs(out[0] - w.mean()) <= 6 * sigma / math.sqrt(n)
+    # the clean mean 0.02 is far below 3 standard errors of mean(w′) (3σ/sqrt(N) ≈ 0.33): the
+    # constant is the box's centre, not mean(w′) (whose own error is ~0.11)
+    assert out[0] == 0.0
 
 
 @pytest.fixture(scope="module")
