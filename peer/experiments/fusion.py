@@ -64,8 +64,6 @@ class FusionConfig:
     activation_clip: tuple[float, float] = (0.0, 2.0)
     #: public bound multiplier: weight features are clipped to ±weight_bound_scale/sqrt(fan_in)
     weight_bound_scale: float = 2.0
-    #: public L2 clip of each neuron's incoming weight vector (+bias), as a multiple of sqrt(2)
-    clip_norm_scale: float = 2.0
     epsilons: tuple[float, ...] = EPSILONS
     alphas: tuple[float, ...] = ALPHAS
     label_skew: float = 0.8
@@ -144,8 +142,9 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
                                         activation_clip=cfg.activation_clip,
                                         weight_bounds=_weight_bounds(arch, cfg), unit=unit, randomness=randomness)
             pm = match_graphs(ga, noisy_gb)
-            noisy_b, _ = perturb_model_weights(arch, b, epsilon=eps, delta=cfg.delta,
-                                               clip_norm=_clip_norms(arch, cfg), unit=unit,
+            # PFA with the mechanisms' public defaults: each neuron's incoming vector (+bias)
+            # L2-clipped to 2, entries to ±4/sqrt(fan_in)
+            noisy_b, _ = perturb_model_weights(arch, b, epsilon=eps, delta=cfg.delta, unit=unit,
                                                randomness=randomness.spawn())
             b_pf = permute_arrays(arch, noisy_b, pm.permutations)
             sweep = _sweep(cfg.alphas, lambda al: acc(fuse_arrays(a, b_pf, al)))
@@ -183,12 +182,6 @@ def _weight_bounds(arch, cfg: FusionConfig) -> dict[str, tuple[float, float]]:
         c = cfg.weight_bound_scale / np.sqrt(fan_in)
         out[layer.name] = (-c, c)
     return out
-
-
-def _clip_norms(arch, cfg: FusionConfig) -> dict[str, float]:
-    """Public per-layer L2 clip for each neuron's incoming vector (+bias): the norm of a vector
-    whose entries all sit at the per-entry bound scale/sqrt(fan_in) is about scale."""
-    return {name: cfg.clip_norm_scale for name in _weight_bounds(arch, cfg)}
 
 
 def permutation_recovery(cfg: FusionConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
