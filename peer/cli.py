@@ -15,7 +15,7 @@ import sys
 from peer.errors import PrivFusionError
 
 # Modules in peer.commands, each with register(subparsers).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("ledger", "account", "pool", "merge", "experiment", "peer", "release", "round", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,10 +25,28 @@ expansion of the scalar Gaussian below carries over component by component (the 
 Gaussian exp(−‖w − w′‖²/σ) would be a product over c, whose separable rank is the product of the
 components' ranks).
 
-**Normalisation ("normalised per layer, then merged").** Every affinity term is divided by its
-expected value when the nodes of B are paired with those of A by a uniformly random
-permutation, so that a term neither dominates by scale alone (kernel values that sit near 1, or
-sums over many neighbours) nor vanishes:
+**Normalisation ("normalised per layer, then merged").** Two steps.
+
+*Balancing* (``MatchOptions.balance``, on by default): every unary term — the activation
+affinity N_ℓ and the fixed-layer terms U_in, U_out, each an n×n matrix over (A node, B node)
+pairs — is scaled to a doubly stochastic matrix with mean 1, diag(r)·N·diag(c), by Sinkhorn
+iterations (Sinkhorn 1967; Cour, Srinivasan & Shi, "Balanced graph matching", NIPS 2006, who
+show that bistochastic normalisation of the affinity improves spectral matching). A Gaussian
+kernel factors as exp(−‖a_i‖²/σ)·exp(−‖b_j‖²/σ)·exp(2⟨a_i, b_j⟩/σ): the first two factors are
+row and column weights that say nothing about which node corresponds to which, and under local
+DP noise the norm of each released row — hence its whole column of affinities — is mostly
+noise. For a permutation the row and column factors only multiply the objective's terms by
+r_i c_π(i), and balancing removes exactly such factors (which is also why the activation kernel
+is evaluated as exp(−(d² − row mean − column mean + mean)/σ) when balancing: the same balanced
+matrix, without the underflow of exp(−d²/σ) under heavy noise); measured on a digits MLP matched
+against its permuted copy's Laplace/multi-bit release (per-entry ε = 1, 2560 probes), it takes
+the fraction of correctly matched nodes from 0.52/0.76 to 0.93/0.85 (layers 1/2), and changes
+nothing for exact features.
+
+*Scaling*: every affinity term is then divided by its expected value when the nodes of B are
+paired with those of A by a uniformly random permutation, so that a term neither dominates by
+scale alone (kernel values that sit near 1, or sums over many neighbours) nor vanishes (after
+balancing the unary terms already have mean 1):
 
 * activation term: divided by mean_{i,j} N_ℓ[i, j];
 * an edge term that sums over the n′ neighbours on one side: divided by ν = n′ · κ̄, where κ̄ is
@@ -41,11 +59,17 @@ The merged affinity is weighted by ``MatchOptions.activation_weight`` (w_act) an
 ``MatchOptions.edge_weight`` (w_edge).
 
 **Bandwidths and what is public.** σ_act (per hidden layer) and σ_w (per layer pair) are either
-given (public parameters) or set by the public "mean squared difference" rule: the mean of
-‖a − b‖² (resp. (w − w′)²) over all pairs of A's and B's values, which has the closed form
-mean‖a‖² + mean‖b‖² − 2 ā·b̄. The rule reads only the arrays the matcher is given — for a remote
-graph these are its noisy, released features — never another site's exact values. (By Jensen's
-inequality the rule also guarantees κ̄ ≥ e⁻¹.) Biases are not used: they are not among the
+given (public parameters) or set by a rule that reads only the arrays the matcher is given — for
+a remote graph these are its noisy, released features — never another site's exact values.
+σ_w follows the "mean squared difference" rule: the mean of (w − w′)² over all pairs of A's and
+B's values (closed form mean w² + mean w′² − 2 w̄·w̄′; by Jensen's inequality κ̄ ≥ e⁻¹). σ_act
+follows the "spread" rule by default (``MatchOptions.activation_bandwidth``): the standard
+deviation, over all pairs, of the squared distances ‖a_i − b_j‖² with their row and column means
+removed, which equals 2·std⟨a_i − ā, b_j − b̄⟩. Under noise the mean squared distance is mostly
+the noise's own P·Var(noise), so the mean rule puts every kernel value near e⁻¹ and leaves the
+correspondence signal in the third decimal; the spread rule scales the kernel to the part of the
+distances that varies between pairs (the part balancing does not remove). The mean rule remains
+available as ``activation_bandwidth="mean"``. Biases are not used: they are not among the
 released weight features.
 
 Spectral matching
@@ -111,7 +135,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -121,7 +145,9 @@ from scipy.optimize import linear_sum_assignment
 
 from peer.errors import InvalidArgument
 from peer.graph import NetworkGraph
+from peer.models import torch_threads
 
+BANDWIDTH_RULES = ("spread", "mean")
 SOLVERS = ("factorised", "dense")
 DTYPES = ("auto", "float32", "float64")
 # dtype="auto" computes in float64 while every hidden layer has at most this many nodes, float32
@@ -165,6 +191,9 @@ class MatchOptions:
     ``shift``: power iteration runs on K + shift·I (the same leading eigenvector, since K ≥ 0);
     ``None`` = half of ‖K v₀‖/‖v₀‖ for the uniform start v₀, i.e. about λ₁/2 (module docstring);
     0 = plain power iteration as in pygmtools' ``sm``.
+    ``balance``: Sinkhorn-balance every unary term (module docstring); on by default.
+    ``activation_bandwidth``: the public rule for σ_act when ``activation_sigma`` is None:
+    ``"spread"`` (default) or ``"mean"`` (module docstring).
     ``threads``: torch intra-op threads (a process-wide torch setting: set on entry, restored on
     exit, so two matches running in threads of one process share it). ``None`` = the products
     run on 1 thread while every hidden layer has ≤ 512 nodes and on torch's current setting
@@ -187,10 +216,16 @@ class MatchOptions:
     dense_memory_cap: int = 2 * 2**30
     shift: float | None = None
     threads: int | None = None
+    balance: bool = True
+    activation_bandwidth: str = "spread"
 
     def __post_init__(self):
         if self.solver not in SOLVERS:
             raise InvalidArgument("options.solver", f"must be one of {SOLVERS}, got {self.solver!r}")
+        if not isinstance(self.balance, bool):
+            raise InvalidArgument("options.balance", f"must be true or false, got {self.balance!r}")
+        if self.activation_bandwidth not in BANDWIDTH_RULES:
+            raise InvalidArgument("options.activation_bandwidth", f"must be one of {BANDWIDTH_RULES}, got {self.activation_bandwidth!r}")
         if self.dtype not in DTYPES:
             raise InvalidArgument("options.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("activation_weight", "edge_weight"):
@@ -561,17 +596,9 @@ class _Cost:
         self.products += 1
         self.flops += 2.0 * a * b * c
 
-    @contextmanager
     def threads(self):
-        base = torch.get_num_threads()
-        if self.product_threads is None or self.product_threads == base:
-            yield
-            return
-        torch.set_num_threads(self.product_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(base)
+        """A context running torch on ``product_threads`` (no change when None)."""
+        return torch_threads(self.product_threads) if self.product_threads is not None else nullcontext()
 
 
 class _RankOne:
@@ -931,19 +958,39 @@ class Affinity:
         else:
             self.dtype = torch.float64 if options.dtype == "float64" else torch.float32
 
-        # Activation affinity per hidden layer, normalised by its mean.
+        # Activation affinity per hidden layer, balanced (or normalised by its mean). The row
+        # and column factors are kept: the objective applies them to exact kernel values.
         self.activation_sigma: list[float] = []
         self.activation_mean: list[float] = []
         self._activation: list[np.ndarray] = []
+        self._activation_factors: list[tuple[np.ndarray, np.ndarray]] = []
         for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden)):
-            sigma = options.activation_sigma if options.activation_sigma is not None else _mean_sq_bandwidth(ha.activations, hb.activations)
-            na = _activation_affinity(ha.activations, hb.activations, sigma)
+            if options.activation_sigma is not None:
+                sigma = options.activation_sigma
+            elif options.activation_bandwidth == "spread":
+                sigma = _spread_bandwidth(ha.activations, hb.activations)
+            else:
+                sigma = _mean_sq_bandwidth(ha.activations, hb.activations)
+            sq = _squared_distances(ha.activations, hb.activations)
+            if options.balance:
+                # Row and column factors do not change the balanced matrix, so take them out of
+                # the exponent first: exp(−(d² − row mean − column mean + mean)/σ). Under heavy
+                # noise exp(−d²/σ) itself underflows to 0 in whole rows.
+                offsets = (sq.mean(axis=1), sq.mean(axis=0), float(sq.mean()))
+            else:
+                offsets = (np.zeros(sq.shape[0]), np.zeros(sq.shape[1]), 0.0)
+            na = np.exp(-(sq - offsets[0][:, None] - offsets[1][None, :] + offsets[2]) / sigma)
             mean = float(na.mean())
-            if not mean > 0:
-                raise InvalidArgument("options.activation_sigma", f"{sigma:g} is so small that every activation affinity of hidden layer {ell} underflows to 0")
+            if not mean > 0 or not np.all(np.isfinite(na)):
+                raise InvalidArgument("options.activation_sigma", f"{sigma:g} makes the activation affinities of hidden layer {ell} underflow to 0 or overflow")
+            if options.balance:
+                r, c = sinkhorn_factors(na, f"activation affinity of hidden layer {ell}")
+            else:
+                r, c = np.full(na.shape[0], 1.0 / mean), np.ones(na.shape[1])
             self.activation_sigma.append(float(sigma))
             self.activation_mean.append(mean)
-            self._activation.append(na)
+            self._activation.append(r[:, None] * na * c[None, :])
+            self._activation_factors.append((r, c, offsets))
 
         # Weight blocks: input -> hidden 0, hidden ℓ−1 -> hidden ℓ, hidden L−1 -> output.
         L = len(self.sizes)
@@ -973,6 +1020,8 @@ class Affinity:
                 b.terms = _rescale(terms, b.scale)
                 if b.kind == "hidden":
                     b.terms_t = [_transposed(t) for t in b.terms]
+        # Balancing factors of the fixed-layer unary terms U_in, U_out (set where they are built).
+        self._fixed_factors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._unary: list[torch.Tensor] | None = None
         if build_operator:
             self._unary = self._factorised_unary()
@@ -1011,16 +1060,28 @@ class Affinity:
         opts = self.options
         cost = _Cost()
         unary = []
-        for ell, na in enumerate(self._activation):
-            d = torch.as_tensor(na * (opts.activation_weight / self.activation_mean[ell]), dtype=self.dtype)
-            unary.append(d)
+        for na in self._activation:
+            unary.append(torch.as_tensor(na * opts.activation_weight, dtype=self.dtype))
         inp, out = self.blocks[0], self.blocks[-1]
         if opts.edge_weight > 0:
             eye_in = torch.eye(inp.weights_a.shape[1], dtype=self.dtype)
-            unary[0] += _apply_block(inp.terms, eye_in, self.sizes[0], cost)
+            u_in = _apply_block(inp.terms, eye_in, self.sizes[0], cost)
+            unary[0] += torch.as_tensor(self._balanced_fixed("input", u_in.numpy().astype(np.float64)), dtype=self.dtype)
             eye_out = torch.eye(out.weights_a.shape[0], dtype=self.dtype)
-            unary[-1] += _apply_block([_transposed(t) for t in out.terms], eye_out, self.sizes[-1], cost)
+            u_out = _apply_block([_transposed(t) for t in out.terms], eye_out, self.sizes[-1], cost)
+            unary[-1] += torch.as_tensor(self._balanced_fixed("output", u_out.numpy().astype(np.float64)), dtype=self.dtype)
         return unary
+
+    def _balanced_fixed(self, which: str, u: np.ndarray) -> torch.Tensor | np.ndarray:
+        """A fixed-layer unary term (already scaled by its normaliser and edge_weight), balanced
+        when asked; records its balancing factors for the objective."""
+        if self.options.balance:
+            r, c = sinkhorn_factors(u, f"{which} weight affinity")
+            r = r * self.options.edge_weight  # balanced terms have mean 1; keep the merge weight
+        else:
+            r, c = np.ones(u.shape[0]), np.ones(u.shape[1])
+        self._fixed_factors[which] = (r, c)
+        return r[:, None] * u * c[None, :]
 
     # -- the operator ------------------------------------------------------------------------
 
@@ -1082,12 +1143,12 @@ class Affinity:
         opts = self.options
         k = np.zeros((self.pairs, self.pairs))
         for ell, n in enumerate(self.sizes):
-            d = self._activation[ell] * (opts.activation_weight / self.activation_mean[ell])
+            d = self._activation[ell] * opts.activation_weight
             if opts.edge_weight > 0:
                 if ell == 0:
-                    d = d + _exact_fixed_unary(self.blocks[0], incoming=True)
+                    d = d + self._balanced_fixed("input", _exact_fixed_unary(self.blocks[0], incoming=True))
                 if ell == len(self.sizes) - 1:
-                    d = d + _exact_fixed_unary(self.blocks[-1], incoming=False)
+                    d = d + self._balanced_fixed("output", _exact_fixed_unary(self.blocks[-1], incoming=False))
             o = self.offsets[ell]
             idx = np.arange(o, o + n * n)
             k[idx, idx] = d.T.reshape(-1)
@@ -1114,16 +1175,29 @@ class Affinity:
         total = 0.0
         for ell, perm in enumerate(permutations):
             ha, hb = self.graph_a.hidden[ell], self.graph_b.hidden[ell]
-            sq = np.sum((ha.activations - hb.activations[perm]) ** 2, axis=1)
-            total += opts.activation_weight * float(np.exp(-sq / self.activation_sigma[ell]).sum()) / self.activation_mean[ell]
+            r, c, (row, col, grand) = self._activation_factors[ell]
+            sq = np.sum((ha.activations - hb.activations[perm]) ** 2, axis=1) - row - col[perm] + grand
+            total += opts.activation_weight * float(np.sum(np.exp(-sq / self.activation_sigma[ell]) * r * c[perm]))
         if opts.edge_weight > 0:
             inp, out = self.blocks[0], self.blocks[-1]
-            total += float(gaussian_kernel(inp.weights_a, inp.weights_b[permutations[0]], inp.sigma).sum()) * inp.scale
-            total += float(gaussian_kernel(out.weights_a, out.weights_b[:, permutations[-1]], out.sigma).sum()) * out.scale
+            r, c = self._fixed_factors_for("input")
+            per_node = gaussian_kernel(inp.weights_a, inp.weights_b[permutations[0]], inp.sigma).sum(axis=(1, 2))
+            total += float(np.sum(per_node * r * c[permutations[0]])) * inp.scale
+            r, c = self._fixed_factors_for("output")
+            per_node = gaussian_kernel(out.weights_a, out.weights_b[:, permutations[-1]], out.sigma).sum(axis=(0, 2))
+            total += float(np.sum(per_node * r * c[permutations[-1]])) * out.scale
             for ell, b in enumerate(self.hidden_blocks, start=1):
                 wb = b.weights_b[permutations[ell]][:, permutations[ell - 1]]
                 total += 2.0 * float(gaussian_kernel(b.weights_a, wb, b.sigma).sum()) * b.scale
         return total
+
+    def _fixed_factors_for(self, which: str) -> tuple[np.ndarray, np.ndarray]:
+        """Balancing factors of U_in / U_out: those the solver used, else (no solver ran yet)
+        from the exact matrix."""
+        if which not in self._fixed_factors:
+            block = self.blocks[0] if which == "input" else self.blocks[-1]
+            self._balanced_fixed(which, _exact_fixed_unary(block, incoming=which == "input"))
+        return self._fixed_factors[which]
 
     def diagnostics(self) -> dict:
         return {
@@ -1137,10 +1211,42 @@ class Affinity:
         }
 
 
-def _activation_affinity(a: np.ndarray, b: np.ndarray, sigma: float) -> np.ndarray:
-    """exp(−‖a_i − b_j‖²/σ) for all pairs of rows (float64)."""
+def sinkhorn_factors(m: np.ndarray, what: str, *, tol: float = 1e-10, max_iter: int = 10_000) -> tuple[np.ndarray, np.ndarray]:
+    """Positive r, c with diag(r)·m·diag(c) doubly stochastic up to scale: every row sums to
+    the number of columns and every column to the number of rows (so the mean entry is 1, for
+    square m). Sinkhorn–Knopp iterations; they converge for every strictly positive m (Sinkhorn
+    1967). Stops when every row and column sum is within ``tol`` (relative) of its target."""
+    m = np.asarray(m, dtype=np.float64)
+    if not np.all(np.isfinite(m)) or np.any(m < 0) or not np.all(m.sum(axis=1) > 0) or not np.all(m.sum(axis=0) > 0):
+        raise InvalidArgument("options.balance", f"cannot balance the {what}: it needs finite, non-negative values with no all-zero row or column (a bandwidth too small?)")
+    n_rows, n_cols = m.shape
+    r = np.ones(n_rows)
+    c = np.ones(n_cols)
+    for _ in range(max_iter):
+        r = n_cols / (m @ c)
+        col = m.T @ r
+        c = n_rows / col
+        row = r * (m @ c)
+        if np.max(np.abs(row - n_cols)) <= tol * n_cols:
+            break
+    return r, c
+
+
+def _spread_bandwidth(a: np.ndarray, b: np.ndarray) -> float:
+    """The "spread" rule: std over all pairs of ‖a_i − b_j‖² with row and column means removed,
+    = 2·std⟨a_i − ā, b_j − b̄⟩ (one n×P×n product); the mean rule where that is 0."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    ca = a - a.mean(axis=0)
+    cb = b - b.mean(axis=0)
+    spread = 2.0 * float(np.std(_matmul(ca, cb.T)))
+    return spread if spread > 1e-300 else _mean_sq_bandwidth(a, b)
+
+
+def _squared_distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """‖a_i − b_j‖² for all pairs of rows (float64)."""
     sq = np.sum(a * a, axis=1)[:, None] + np.sum(b * b, axis=1)[None, :] - 2.0 * _matmul(a, b.T)
-    return np.exp(-np.maximum(sq, 0.0) / sigma)
+    return np.maximum(sq, 0.0)
 
 
 def _exact_fixed_unary(block: _Block, incoming: bool) -> np.ndarray:
@@ -1306,16 +1412,12 @@ def match_graphs(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOpt
     if not isinstance(options, MatchOptions):
         raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
     _check_graphs(graph_a, graph_b)
-    previous = torch.get_num_threads()
     if options.threads is not None:
         threads = options.threads
     else:
-        threads = 1 if max(graph_a.sizes) <= AUTO_SINGLE_THREAD_MAX_WIDTH else previous
-    torch.set_num_threads(threads)
-    try:
+        threads = 1 if max(graph_a.sizes) <= AUTO_SINGLE_THREAD_MAX_WIDTH else torch.get_num_threads()
+    with torch_threads(threads):
         return _match(graph_a, graph_b, options)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) -> MatchResult:
@@ -1347,11 +1449,8 @@ def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) 
         # (unless threads were given)
         product_threads = torch.get_num_threads()
         base = product_threads if options.threads is not None else 1
-        torch.set_num_threads(base)
-        try:
+        with torch_threads(base):
             layers, it, converged, residual, norm, cost, shift = _power_iteration_factorised(aff, product_threads)
-        finally:
-            torch.set_num_threads(product_threads)
         diag["threads"] = {"setup": product_threads, "iteration": base, "products": product_threads}
     t_iter = time.perf_counter() - t0
     del kmat

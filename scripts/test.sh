@@ -3,6 +3,11 @@
 # slow end-to-end tests included. Extra arguments go to pytest (e.g. -m "not slow", -k ledger).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The several-hosts test puts sites in network namespaces (ip netns, as root): install iproute2
+# when it is missing and we may (CI runs as root); elsewhere that test skips and says why.
+if ! command -v ip > /dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 > /dev/null
+fi
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 exec .venv/bin/python -m pytest --run-slow "$@"

@@ -359,12 +359,15 @@ def test_few_values():
     assert len(vals) == 3 and vals[0] == 0.0  # the centre (x* = 0) is the most frequent value
 
 
-def test_bandwidth_rule_is_the_mean_squared_difference_of_the_given_arrays():
+def test_bandwidth_rules_read_only_the_given_arrays():
     a, b = pair(MLP, "mixed-b")
-    aff = Affinity(a, b)
     ha, hb = a.hidden[1], b.hidden[1]
-    want = np.mean([np.sum((x - y) ** 2) for x in ha.activations for y in hb.activations])
-    assert aff.activation_sigma[1] == pytest.approx(want, rel=1e-12)
+    sq = np.array([[np.sum((x - y) ** 2) for y in hb.activations] for x in ha.activations])
+    aff = Affinity(a, b, MatchOptions(activation_bandwidth="mean"))
+    assert aff.activation_sigma[1] == pytest.approx(sq.mean(), rel=1e-12)
+    # the default "spread" rule: std of the squared distances with row and column means removed
+    centred = sq - sq.mean(axis=0, keepdims=True) - sq.mean(axis=1, keepdims=True) + sq.mean()
+    assert Affinity(a, b).activation_sigma[1] == pytest.approx(centred.std(), rel=1e-9)
     wa, wb = ha.incoming.reshape(-1), hb.incoming.reshape(-1)
     assert aff.blocks[1].sigma == pytest.approx(np.mean((wa[:, None] - wb[None, :]) ** 2), rel=1e-12)
     assert aff.blocks[1].mean_kernel == pytest.approx(np.mean(gaussian_kernel(wa[:, None], wb[None, :], aff.blocks[1].sigma)), rel=1e-12)
@@ -417,6 +420,60 @@ def test_exact_recovery_of_a_permuted_trained_network(arch, epochs):
     assert r.converged
     for got, p in zip(r.permutations, perms):
         assert np.array_equal(p[got], np.arange(len(p)))  # B[perm] is A again
+
+
+def shifted_probes(x):
+    """A public probe set five times larger: each image and its four one-pixel shifts."""
+    im = x.reshape(-1, 8, 8)
+    out = [im] + [np.roll(im, s, axis=a) for a in (1, 2) for s in (1, -1)]
+    return np.concatenate(out).reshape(-1, 64)
+
+
+def test_recovery_from_a_local_dp_release_is_mostly_right_and_balancing_is_what_makes_it():
+    # A trained MLP against its permuted copy's released features (Laplace activations clipped to
+    # the public [0, 2], multi-bit weights; per-entry ε = 1), many public probes. Balancing the
+    # unary affinities (MatchOptions.balance) is what lets the activations' signal through:
+    # without it the released rows' noisy norms scale whole columns of the kernel.
+    from peer.mechanisms import perturb_graph
+    from peer.rng import make_randomness
+
+    arch = {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10}
+    ds = digits()
+    model = train_classifier(arch, ds.x_train[512:], ds.y_train[512:], seed=1, epochs=20)
+    copy, perms = permuted_copy(arch, model, np.random.default_rng(0))
+    probe = shifted_probes(ds.x_train[:512])
+    released, _ = perturb_graph(extract_graph(arch, copy, probe), epsilon_x=1.0, epsilon_w=1.0,
+                                activation_clip=(0.0, 2.0), unit="entry", randomness=make_randomness(1))
+    own = extract_graph(arch, model, probe)
+
+    def fraction(options):
+        r = match_graphs(own, released, options)
+        return [float(np.mean(p[got] == np.arange(len(p)))) for got, p in zip(r.permutations, perms)]
+
+    balanced = fraction(MatchOptions())
+    unbalanced = fraction(MatchOptions(balance=False))
+    assert min(balanced) > 0.75, balanced
+    assert sum(balanced) > sum(unbalanced) + 0.3, (balanced, unbalanced)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(2, 12), st.integers(2, 12), st.integers(0, 2**31 - 1))
+def test_sinkhorn_balances_and_removes_row_and_column_factors(n_rows, n_cols, seed):
+    rng = np.random.default_rng(seed)
+    m = rng.uniform(0.01, 1.0, (n_rows, n_cols))
+    r, c = matching.sinkhorn_factors(m, "test")
+    bal = r[:, None] * m * c[None, :]
+    assert np.allclose(bal.sum(axis=1), n_cols, rtol=1e-8) and np.allclose(bal.sum(axis=0), n_rows, rtol=1e-8)
+    # the balanced matrix does not depend on row and column weights of the input
+    r0, c0 = rng.uniform(0.1, 10, n_rows), rng.uniform(0.1, 10, n_cols)
+    m2 = r0[:, None] * m * c0[None, :]
+    r2, c2 = matching.sinkhorn_factors(m2, "test")
+    assert np.allclose(r2[:, None] * m2 * c2[None, :], bal, rtol=1e-6)
+
+
+def test_sinkhorn_refuses_an_all_zero_row():
+    with pytest.raises(InvalidArgument, match="balance"):
+        matching.sinkhorn_factors(np.array([[1.0, 2.0], [0.0, 0.0]]), "test")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,363 @@
+"""Running a coordinator-free fusion round: the I/O around ``coordinator_free.rounds``.
+
+``run_round(local, roster, config)`` dials every roster peer with this site's identity (mutual
+TLS, pinned certificates), runs the steps of :mod:`coordinator_free.rounds` — health checks
+first (all peers at once), then one thread per live peer (info → merged, or features → align
+→ weights) — and fuses what arrived. It returns a :class:`RoundResult` and, unless told not to,
+writes the fused model (a ``peer.store`` entry whose metadata holds the round's record) and the
+round report (JSON: every peer's steps, the signed receipts of every charged release, every
+drop with its step, time and reason).
+
+``privfusion round --config site.toml`` is the command (``peer.commands.round``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from coordinator_free.config import Section, load_toml
+from coordinator_free.identity import Identity, load_identity
+from coordinator_free.roster import Roster, RosterSite
+from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, failure_reason,
+                                     fusion_weights, public_view)
+from coordinator_free.trust import TrustStore
+from peer.errors import FailedPrecondition, InvalidArgument, NotFound
+from peer.graph import NetworkGraph, extract_graph
+from peer.models import model_from_arrays, validate_architecture
+from peer.records import now_rfc3339
+from peer.store import StoredModel, load_model, save_model
+
+HEALTH_SERVICE = "privfusion.v1.Peer"
+
+
+@dataclass(frozen=True)
+class LocalSite:
+    """What the requester brings to its own round: who it is, its model, its public probe set."""
+
+    identity: Identity
+    trust: TrustStore
+    model: StoredModel
+    probe: np.ndarray
+    activation_clip: tuple[float, float] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.identity.name
+
+
+@dataclass
+class RoundResult:
+    round_id: str
+    status: str  # "fused" | "aborted"
+    reason: str
+    report: dict
+    arrays: dict[str, np.ndarray] | None
+    model_name: str | None = None
+    report_path: Path | None = None
+
+
+class _Failure:
+    """A failed call: its status, message and whether it was charged."""
+
+    def __init__(self, status: str, message: str, charged: str):
+        self.status, self.message, self.charged = status, message, charged
+
+
+_STOP = object()  # the quorum became unreachable: stop asking
+
+
+# ------------------------------------------------------------------------------ loading from files
+
+
+def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
+    """The requester's side of a round from its daemon's site.toml (identity, model store,
+    probe set, default activation range)."""
+    from peer.daemon import SiteConfig
+
+    cfg = SiteConfig.load(site_config)
+    if cfg.probe is None:
+        raise FailedPrecondition(f"{site_config}: a round needs this site's public probe set ([site].probe)")
+    from peer.daemon import Site
+
+    identity = load_identity(cfg.identity)
+    if identity.name != cfg.name:
+        raise FailedPrecondition(f"site.name is {cfg.name!r} but the identity in {cfg.identity} is {identity.name!r}")
+    return LocalSite(identity, TrustStore(identity.trust_dir), load_model(cfg.models, model),
+                     Site._load_probe(cfg.probe), cfg.activation_clip)
+
+
+def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float] | None = None) -> RoundConfig:
+    """The ``[round]`` table of a file (site.toml or a separate round file)."""
+    p = Path(path)
+    data, text = load_toml(p, "round file")
+    if "round" not in data:
+        raise InvalidArgument(f"round ({p})", "the file has no [round] table")
+    return RoundConfig.from_section(Section(data["round"], ("round",), text, str(p)), p.resolve().parent, default_clip)
+
+
+# ------------------------------------------------------------------------------ the round
+
+
+def _weight_boxes(arch: Mapping[str, Any], bound: float | None) -> dict[str, tuple[float, float]]:
+    """Each weight layer's public box, as the peer's multi-bit release uses it."""
+    from peer.mechanisms import default_entry_bound, weight_layer_specs
+
+    return {s.name: (-(bound or default_entry_bound(s.fan_in)), bound or default_entry_bound(s.fan_in))
+            for s in weight_layer_specs(arch)}
+
+
+def _same_architecture(json_text: str, arch: Mapping[str, Any]) -> bool:
+    try:
+        return validate_architecture(json.loads(json_text)) == validate_architecture(arch)
+    except (ValueError, InvalidArgument):
+        return False
+
+
+def choose_model(info, wanted: str | None, arch: Mapping[str, Any], own_name: str) -> str | None:
+    """The peer's model to ask for: the roster's choice, else one with our architecture
+    (preferring our model's name)."""
+    models = {m.name: m for m in info.models}
+    if wanted is not None:
+        m = models.get(wanted)
+        return wanted if m is not None and _same_architecture(m.architecture_json, arch) else None
+    fits = sorted(n for n, m in models.items() if _same_architecture(m.architecture_json, arch))
+    return own_name if own_name in fits else (fits[0] if fits else None)
+
+
+def choose_pool(info, wanted: str | None, arch: Mapping[str, Any], method: str) -> str | None:
+    pools = {p.name: p for p in info.pools}
+    fits = sorted(n for n, p in pools.items() if method in p.methods and _same_architecture(p.architecture_json, arch))
+    if wanted is not None:
+        return wanted if wanted in fits else None
+    return fits[0] if fits else None
+
+
+def _match(own: NetworkGraph, theirs: NetworkGraph) -> tuple[list[np.ndarray], dict]:
+    from peer.matching import match_graphs
+
+    result = match_graphs(own, theirs)
+    perms = [np.asarray(p, dtype=np.int64) for p in result.permutations]
+    # The permutations stay in the requester's own report: they are computed from its exact graph.
+    return perms, {"objective": float(result.objective), "solver": result.solver, "iterations": int(result.iterations),
+                   "converged": bool(result.converged),
+                   "permutations": {h.name: p.tolist() for h, p in zip(own.hidden, perms)}}
+
+
+def _never_connected(details: str) -> bool:
+    low = details.lower()
+    return "failed to connect" in low or "connection refused" in low
+
+
+def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
+              on_event: Callable[[dict], None] | None = None, write: bool = True,
+              round_id: str | None = None) -> RoundResult:
+    """Run one fusion round for ``local`` over ``roster`` (see coordinator_free.rounds)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from peer.client import PeerClient, PeerError
+    from peer.fusion import average_arrays, permute_arrays
+    from peer.service import graph_from_release
+
+    me = local.name
+    round_id = round_id or uuid.uuid4().hex
+    roster.check_pins(local.trust, me)
+    peers: list[RosterSite] = roster.peers_of(me)
+    state = RoundState(round_id, me, [(p.name, p.address) for p in peers], config.quorum, on_event)
+    started = now_rfc3339()
+    arch = validate_architecture(local.model.architecture)
+    probe = np.asarray(local.probe)
+    clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
+    own_graph = extract_graph(arch, local.model.module(), probe)
+    own_public = public_view(own_graph, clip, _weight_boxes(arch, config.weight_bound))
+    state.event("started", label=config.label, peers=[p.name for p in peers], quorum=config.quorum,
+                method=config.method, alpha=config.alpha)
+
+    clients: dict[str, Any] = {}
+    for p in peers:
+        clients[p.name] = PeerClient(local.identity, p.address, peer=p.name, trust=local.trust,
+                                     on_receipt=lambda receipt, name=p.name: state.charged(name, receipt))
+
+    def ask(name: str, step: str, call: Callable[[], Any]):
+        if not state.begin(name, step):
+            return _STOP
+        try:
+            result = call()
+        except PeerError as e:
+            seen = state.receipt_seen(name, step)
+            connected = not _never_connected(e.details)
+            return _Failure(e.status, failure_reason(e.status, str(e), e.details, connected, config.call_timeout_s),
+                            charged_status(e.status, seen, connected))
+        except InvalidArgument as e:  # the release failed our checks (signature, checksums, order)
+            return _Failure("INVALID_RELEASE", str(e), "yes" if state.receipt_seen(name, step) else "unknown")
+        state.delivered(name, step)
+        return result
+
+    def health(p: RosterSite) -> None:
+        try:
+            reply = health_pb2_grpc.HealthStub(clients[p.name].channel).Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=config.health_timeout_s)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            state.set_alive(p.name, serving, "" if serving else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+        except Exception as e:  # noqa: BLE001 - any failure to answer a health check means "not alive"
+            code = getattr(e, "code", lambda: None)()
+            state.set_alive(p.name, False, f"no health answer within {config.health_timeout_s:g}s"
+                            f" ({code.name if code is not None else type(e).__name__})")
+
+    def ldp(p: RosterSite, c, model: str):
+        f = ask(p.name, "features", lambda: c.features(
+            model, probe, activation_epsilon=config.activation_epsilon, weight_epsilon=config.weight_epsilon,
+            unit=config.unit, activation_clip=clip, weight_bound=config.weight_bound, timeout=config.call_timeout_s))
+        if f is _STOP:
+            return None
+        if isinstance(f, _Failure):
+            state.drop(p.name, "features", f.status, f.message, f.charged)
+            return None
+        if f.architecture is None or validate_architecture(f.architecture) != arch:
+            state.drop(p.name, "features", "FAILED_PRECONDITION", "the features are of another architecture", "yes")
+            return None
+        state.begin(p.name, "align")
+        try:
+            perms, match = _match(own_public, graph_from_release(arch, f.metadata, f.arrays))
+        except (InvalidArgument, ValueError) as e:
+            state.drop(p.name, "align", "ALIGNMENT_FAILED", str(e), "n/a")
+            return None
+        w = ask(p.name, "weights", lambda: c.weights(model, epsilon=config.weights_epsilon, delta=config.weights_delta,
+                                                     timeout=config.call_timeout_s))
+        if w is _STOP:
+            return None
+        if isinstance(w, _Failure):
+            state.drop(p.name, "weights", w.status, w.message, w.charged)
+            return None
+        try:
+            aligned = permute_arrays(arch, w.arrays, perms)
+            model_from_arrays(arch, aligned)
+        except InvalidArgument as e:
+            state.drop(p.name, "weights", "INVALID_RELEASE", str(e), "yes")
+            return None
+        state.contributed(p.name, "ldp", match)
+        return aligned
+
+    def merged(p: RosterSite, c, pool: str):
+        r = ask(p.name, "merged", lambda: c.merged(pool, method=config.merge_method, epsilon=config.merge_epsilon,
+                                                   delta=config.merge_delta, timeout=config.call_timeout_s))
+        if r is _STOP or isinstance(r, _Failure):
+            return r
+        try:
+            module = model_from_arrays(arch, r.arrays)
+            state.begin(p.name, "align")
+            perms, match = _match(own_graph, extract_graph(arch, module, probe))
+            aligned = permute_arrays(arch, r.arrays, perms)
+        except (InvalidArgument, ValueError) as e:
+            state.drop(p.name, "align", "ALIGNMENT_FAILED", f"the merged model cannot be aligned: {e}", "n/a")
+            return _STOP
+        state.contributed(p.name, "merged", match)
+        return aligned
+
+    def pipeline(p: RosterSite):
+        c = clients[p.name]
+        state.begin(p.name, "info")
+        try:
+            info = c.info(timeout=config.call_timeout_s)
+        except PeerError as e:
+            reason = failure_reason(e.status, str(e), e.details, not _never_connected(e.details), config.call_timeout_s)
+            state.drop(p.name, "info", e.status, reason, "n/a")
+            return None
+        model = choose_model(info, p.model, arch, local.model.name)
+        pool = choose_pool(info, p.pool, arch, config.merge_method) if config.method != "ldp" else None
+        state.chose(p.name, model, pool)
+        if config.method in ("merged", "auto") and pool is not None:
+            r = merged(p, c, pool)
+            if r is _STOP:
+                return None
+            if not isinstance(r, _Failure):
+                return r
+            if config.method == "merged" or r.charged != "no":
+                state.drop(p.name, "merged", r.status, r.message, r.charged)
+                return None
+            state.note(p.name, f"merge refused before any charge ({r.status}); falling back to features + weights")
+        elif config.method == "merged":
+            state.drop(p.name, "info", "FAILED_PRECONDITION",
+                       f"{p.name!r} offers no pool of this architecture for {config.merge_method!r} merges", "n/a")
+            return None
+        if model is None:
+            state.drop(p.name, "info", "FAILED_PRECONDITION",
+                       f"{p.name!r} offers no model {p.model or ''} of this architecture".replace("  ", " "), "n/a")
+            return None
+        return ldp(p, c, model)
+
+    def guarded(p: RosterSite):
+        """A peer's failure, whatever it is, drops that peer; it never takes the round down."""
+        try:
+            return pipeline(p)
+        except Exception as e:  # noqa: BLE001 - reported in the round's record, type and message
+            step = state.current_step(p.name) or "info"
+            state.drop(p.name, step, "INTERNAL", f"{type(e).__name__}: {e}",
+                       "yes" if state.receipt_seen(p.name, step) else ("unknown" if step in CHARGED_STEPS else "n/a"))
+            return None
+
+    contributions: dict[str, dict[str, np.ndarray]] = {}
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix="round") as workers:
+            list(workers.map(health, peers))
+            alive = [p for p in peers if state.peers[p.name].alive]
+            if len(alive) + 1 < config.quorum:
+                state.aborted = (f"only {len(alive)} of {len(peers)} peers answered the health check; with this site "
+                                 f"that is {len(alive) + 1} < quorum {config.quorum}; nothing was requested")
+            else:
+                for p, arrays in zip(alive, workers.map(guarded, alive)):
+                    if arrays is not None:
+                        contributions[p.name] = arrays
+    finally:
+        for c in clients.values():
+            c.close()
+
+    fused = None
+    if state.aborted is None and len(contributions) + 1 < config.quorum:
+        state.aborted = (f"{len(contributions)} peers contributed; with this site that is {len(contributions) + 1} "
+                         f"< quorum {config.quorum}; no model was fused (what peers released stays charged)")
+    contributors = [n for n in state.contributors() if n in contributions]
+    weights = fusion_weights(config.alpha, len(contributors))
+    if state.aborted is None:
+        fused = average_arrays([local.model.arrays] + [contributions[n] for n in contributors], weights)
+        state.event("fused", step="fuse", contributors=contributors, weights=weights)
+    else:
+        state.event("aborted", step="fuse", reason=state.aborted)
+
+    report = {
+        "round_id": round_id, "label": config.label, "site": me, "model": local.model.name,
+        "status": "fused" if fused is not None else "aborted", "reason": state.aborted or "",
+        "started_at": started, "finished_at": now_rfc3339(), "config": config.public(),
+        "roster": [p.name for p in peers], "contributors": contributors,
+        "weights": dict(zip([me] + contributors, weights)) if fused is not None else {},
+        "peers": state.peers_dict(), "charges": [vars(c) for c in state.charges()], "events": state.events,
+    }
+    result = RoundResult(round_id, report["status"], report["reason"], report, fused)
+    if write:
+        write_round(result, config.out, arch)
+    return result
+
+
+def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any]) -> None:
+    """The report as ``OUT/round-ID.json`` and the fused model in the store ``OUT/models``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if result.arrays is not None:
+        name = f"{result.report['model']}-fused-{result.round_id[:12]}"
+        save_model(out / "models", name, arch, result.arrays,
+                   metadata={"round": {k: result.report[k] for k in ("round_id", "label", "site", "contributors",
+                                                                      "weights", "charges")}})
+        result.model_name = name
+        result.report["fused_model"] = name
+    path = out / f"round-{result.round_id}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result.report, indent=2, sort_keys=True, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+    result.report_path = path

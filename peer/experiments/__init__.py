@@ -1,0 +1,1 @@
+"""Experiments that reproduce the papers' findings; the ``privfusion experiment`` commands run them."""

@@ -1,0 +1,431 @@
+"""The DP model-merging experiment: RS vs LC, PLD vs RDP (Yin, Zaheer & Li 2026, arXiv:2604.20985).
+
+(a) Gaussian mean estimation. n = 100 records x_i ∈ [0, 1] (clipped N(0.3, 0.2²), a fixed
+    public seed), two full-batch DP-GD runs θ ← θ − η(Σ_i clip_C(θ − x_i) + σ C z)/n from the
+    public θ_0 = 0 with different noise multipliers σ. The estimand is the sample mean x̄ of the
+    protected records; the error is MSE = E(θ − x̄)². Each model's output distribution is
+    estimated by Monte Carlo with the real DP-SGD code (``peer.training.run_dpsgd`` with R
+    independent replicas); the runs are independent, so for any weights
+        RS  MSE(π) = Σ_i π_i MSE_i,
+        LC  MSE(λ) = (Σ_i λ_i b_i)² + Σ_i λ_i² v_i        (b_i bias, v_i variance of model i),
+    exact functions of the per-model Monte Carlo moments. The records lie well inside [0, 1] and
+    θ stays near x̄, so clipping (C = 1) does not bind in practice; a run is then linear-Gaussian
+    with MSE ((1−η)^T (θ_0 − x̄))² + (ησC/n)² Σ_{t<T} (1−η)^{2t}, and the Monte Carlo is checked
+    against that closed form (the JSON reports both, and the largest final |θ − x_i|).
+    For each target ε′ the weights maximise −MSE under the target by PLD and by RDP.
+
+(b) Logistic regression on scikit-learn's digits: three full-batch DP-SGD models with different
+    (C, σ) from one public initialisation, trained on the protected split; π/λ chosen by
+    accuracy on the held-out validation split, accuracy reported on the test split. Frontiers
+    (test accuracy vs ε′) of RS and LC by PLD and RDP, against releasing models jointly (every
+    subset, its composition ε; the receiver may then post-process to any combination, chosen
+    on validation). The budget PLD saves at equal accuracy: for each release chosen under RDP,
+    the same release (same π or λ, hence the same accuracy) certified by PLD,
+    saving = 1 − ε_PLD/ε_RDP.
+
+Accounting: ``peer.accounting`` with value_discretization_interval 1e-3 (full-batch Gaussian
+models are one Gaussian PLD each, so the discretisation error is of that order) and
+dp-accounting's improved RDP conversion; the classical conversion (Mironov 2017, Prop. 3:
+ε = min_order r_order + log(1/δ)/(order−1)) is reported beside it, since the saving PLD shows
+depends on which conversion RDP is given.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from peer.accounting import (TrainingRecord, UnreachableTarget, choose_lam, choose_pi, lc_segments,
+                             privacy_profiles, rdp_to_epsilon)
+from peer.accounting.conversions import pld_epsilon
+from peer.accounting.pld import compose_plds
+from peer.accounting.rdp import rdp_mixture
+from peer.merging import PoolModel, combine, merge_lc, merge_rs
+from peer.models import accuracy, model_from_arrays
+from peer.pool import load_splits
+from peer.rng import make_randomness
+from peer.training import run_dpsgd, train_pool
+
+INTERVAL = 1e-3
+ACCOUNTANTS = ("pld", "rdp")
+
+
+@dataclass(frozen=True)
+class Settings:
+    delta: float = 1e-5
+    seed: int = 0
+    # (a) mean estimation
+    mean_n: int = 100
+    mean_steps: int = 10
+    mean_learning_rate: float = 0.5
+    mean_clip: float = 1.0
+    mean_noise: tuple[float, ...] = (3.0, 9.0)
+    mean_replicas: int = 20_000
+    mean_targets: int = 14
+    # (b) digits
+    digits_steps: int = 60
+    digits_learning_rate: float = 4.0
+    digits_models: tuple[tuple[float, float], ...] = ((2.0, 8.0), (1.0, 20.0), (0.5, 50.0))  # (clip_norm, noise_multiplier)
+    digits_targets: int = 10
+    lc_candidates: int = 256
+    joint_grid: int = 10
+
+    @classmethod
+    def quick(cls) -> "Settings":
+        """A reduced run for the default test suite (same code, smaller sizes)."""
+        return cls(mean_replicas=2000, mean_targets=4, digits_steps=15, digits_targets=3, lc_candidates=30, joint_grid=3)
+
+
+def classical_rdp_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
+    """Mironov 2017, Prop. 3: ε = min over orders of r_order + log(1/δ)/(order − 1)."""
+    o = np.asarray(orders, dtype=np.float64)
+    return float(np.min(np.asarray(rdp) + math.log(1 / delta) / (o - 1)))
+
+
+def _targets(lo: float, hi: float, count: int) -> list[float]:
+    return [float(v) for v in np.geomspace(lo, hi, count)]
+
+
+def _frontiers(profiles, segments, targets, delta, key, *, rs_utilities, rs_value, lc_utility, lc_value, lc_candidates=2000) -> dict:
+    """For each target and accountant: π chosen by ``rs_utilities`` (linear) and λ chosen by
+    ``lc_utility(λ)``, each reported with ``key`` = rs_value(π) / lc_value(λ). Unreachable
+    targets are left out of that curve."""
+    curves: dict[str, dict[str, list]] = {"rs": {a: [] for a in ACCOUNTANTS}, "lc": {a: [] for a in ACCOUNTANTS}}
+    for target in targets:
+        for acc in ACCOUNTANTS:
+            try:
+                rs = choose_pi(profiles, rs_utilities, target, delta, accountant=acc, value_discretization_interval=INTERVAL)
+                curves["rs"][acc].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
+            except UnreachableTarget:
+                pass
+            try:
+                lc = choose_lam(segments, lc_utility, target, delta, accountant=acc, value_discretization_interval=INTERVAL, max_points=lc_candidates)
+                curves["lc"][acc].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
+            except UnreachableTarget:
+                pass
+    return curves
+
+
+def _choice_row(choice, value_name: str, value: float) -> dict:
+    return {"target_epsilon": choice.target_epsilon, "weights": list(choice.weights), "epsilon": choice.epsilon.to_dict(),
+            "saturated": choice.saturated, value_name: value}
+
+
+# ------------------------------------------------------------------------------------ (a)
+
+
+def mean_estimation(s: Settings) -> dict:
+    rng = np.random.default_rng(s.seed)
+    data = np.clip(rng.normal(0.3, 0.2, size=(s.mean_n, 1)), 0.0, 1.0)
+    x = torch.as_tensor(data, dtype=torch.float32)
+    y = torch.zeros(s.mean_n, dtype=torch.long)
+    x_bar = float(x.double().mean())
+
+    def squared_error_loss(params, x_i, y_i):
+        return 0.5 * ((params["mean"] - x_i) ** 2).sum()
+
+    trainings = [TrainingRecord.constant("replace-one", s.mean_steps, s.mean_learning_rate, s.mean_clip, sigma) for sigma in s.mean_noise]
+    randomness = make_randomness(s.seed)
+    bias, var, mse, closed, max_dist = [], [], [], [], []
+    for t in trainings:
+        run = run_dpsgd(squared_error_loss, {"mean": torch.zeros(1)}, x, y, t.steps, randomness=randomness.spawn(), replicas=s.mean_replicas)
+        err = run.params["mean"].double().numpy()[:, 0] - x_bar
+        bias.append(float(err.mean()))
+        var.append(float(err.var()))
+        mse.append(float(np.mean(err**2)))
+        eta, sigma = s.mean_learning_rate, t.steps[0].noise_multiplier
+        closed.append(((1 - eta) ** s.mean_steps * (0.0 - x_bar)) ** 2
+                      + (eta * sigma * s.mean_clip / s.mean_n) ** 2 * sum((1 - eta) ** (2 * k) for k in range(s.mean_steps)))
+        max_dist.append(float(np.max(np.abs(run.params["mean"].numpy()[:, 0, None] - data[None, :, 0]))))
+    bias_a, var_a = np.array(bias), np.array(var)
+
+    def lc_mse(lam: np.ndarray) -> float:
+        return float((lam @ bias_a) ** 2 + (lam**2) @ var_a)
+
+    profiles = privacy_profiles(trainings, value_discretization_interval=INTERVAL)
+    singles = [p.epsilon(s.delta) for p in profiles]
+    segments = lc_segments(trainings)
+    targets = _targets(min(e.pld for e in singles) * 1.001, max(e.rdp for e in singles) * 1.15, s.mean_targets)
+    curves = _frontiers(profiles, segments, targets, s.delta, "mse",
+                        rs_utilities=[-m for m in mse], rs_value=lambda pi: float(np.dot(pi, mse)),
+                        lc_utility=lambda lam: -lc_mse(np.asarray(lam)), lc_value=lambda lam: lc_mse(np.asarray(lam)))
+    return {
+        "n": s.mean_n,
+        "estimand": "sample mean of the protected records; MSE = E(theta - mean)^2",
+        "mse_method": f"Monte Carlo over {s.mean_replicas} independent DP-GD runs per model (real training code); "
+                      "RS and LC MSE exact functions of the per-model moments",
+        "models": [{"noise_multiplier": t.steps[0].noise_multiplier, "clip_norm": s.mean_clip, "learning_rate": s.mean_learning_rate,
+                    "steps": s.mean_steps, "epsilon": e.to_dict(), "mse": m, "mse_closed_form": c, "bias": b, "variance": v,
+                    "mse_standard_error": float(np.sqrt(2.0 / s.mean_replicas) * m), "max_distance_to_a_record": d}
+                   for t, e, m, c, b, v, d in zip(trainings, singles, mse, closed, bias, var, max_dist)],
+        "curves": curves,
+        "findings": _mean_findings(curves),
+    }
+
+
+def _paired(curve_a: list[dict], curve_b: list[dict], key: str) -> list[tuple[float, float, float]]:
+    b = {round(r["target_epsilon"], 12): r[key] for r in curve_b}
+    return [(r["target_epsilon"], r[key], b[round(r["target_epsilon"], 12)]) for r in curve_a if round(r["target_epsilon"], 12) in b]
+
+
+def _mean_findings(curves: dict) -> dict:
+    lc_vs_rs = _paired(curves["lc"]["pld"], curves["rs"]["pld"], "mse")
+    pld_vs_rdp = [(t, a, b) for method in ("rs", "lc") for t, a, b in _paired(curves[method]["pld"], curves[method]["rdp"], "mse")]
+    return {
+        "lc_dominates_rs": all(lc <= rs * (1 + 1e-9) for _, lc, rs in lc_vs_rs),
+        "lc_over_rs_mse": [{"target_epsilon": t, "ratio": lc / rs} for t, lc, rs in lc_vs_rs],
+        "pld_no_worse_than_rdp": all(p <= r * (1 + 1e-9) for _, p, r in pld_vs_rdp),
+        "pld_over_rdp_mse": [{"target_epsilon": t, "ratio": p / r} for t, p, r in pld_vs_rdp],
+    }
+
+
+# ------------------------------------------------------------------------------------ (b)
+
+
+def digits_logreg(s: Settings) -> dict:
+    splits = load_splits("digits", split_seed=s.seed)
+    arch = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
+    trainings = [TrainingRecord.constant("replace-one", s.digits_steps, s.digits_learning_rate, c, sigma) for c, sigma in s.digits_models]
+    trained = train_pool(arch, splits.x_train, splits.y_train, trainings, init_seed=s.seed, randomness=make_randomness(s.seed), delta=s.delta)
+    arrays = [m.arrays for m in trained]
+
+    def acc_of(weights, x, yy):
+        return accuracy(arch, model_from_arrays(arch, weights), x, yy)
+
+    val = [acc_of(a, splits.x_val, splits.y_val) for a in arrays]
+    test = [acc_of(a, splits.x_test, splits.y_test) for a in arrays]
+    profiles = privacy_profiles(trainings, value_discretization_interval=INTERVAL)
+    singles = [p.epsilon(s.delta) for p in profiles]
+    segments = lc_segments(trainings)
+
+    lo = min(e.pld for e in singles) * 1.001
+    targets = _targets(lo, max(e.rdp for e in singles) * 1.1, s.digits_targets)
+    curves = _frontiers(profiles, segments, targets, s.delta, "test_accuracy",
+                        rs_utilities=val, rs_value=lambda pi: float(np.dot(pi, test)),
+                        lc_utility=lambda lam: acc_of(combine(arrays, lam), splits.x_val, splits.y_val),
+                        lc_value=lambda lam: acc_of(combine(arrays, lam), splits.x_test, splits.y_test),
+                        lc_candidates=s.lc_candidates)
+
+    joint = _joint_releases(profiles, arrays, lambda w: acc_of(w, splits.x_val, splits.y_val),
+                            lambda w: acc_of(w, splits.x_test, splits.y_test), s)
+    # One real release of each kind through peer.merging (records as a peer would send them).
+    pool = [PoolModel(f"dpsgd-{i}", arch, a, t, m.dataset_size) for i, (a, t, m) in enumerate(zip(arrays, trainings, trained))]
+    example_target = float(np.sqrt(lo * max(e.pld for e in singles)))
+    rs_release = merge_rs(pool, val, example_target, s.delta, randomness=make_randomness(s.seed))
+    lc_release = merge_lc(pool, lambda w: acc_of(w, splits.x_val, splits.y_val), example_target, s.delta, candidates=s.lc_candidates)
+    return {
+        "dataset": "digits",
+        "architecture": arch,
+        "split": splits.description,
+        "sizes": {"protected_train": len(splits.x_train), "validation": len(splits.x_val), "test": len(splits.x_test)},
+        "models": [{"clip_norm": c, "noise_multiplier": sigma, "learning_rate": s.digits_learning_rate, "steps": s.digits_steps,
+                    "epsilon": e.to_dict(), "validation_accuracy": v, "test_accuracy": t}
+                   for (c, sigma), e, v, t in zip(s.digits_models, singles, val, test)],
+        "curves": curves,
+        "joint": joint,
+        "pld_savings": _savings(curves, profiles, segments, s.delta),
+        "example_releases": {
+            "target_epsilon": example_target,
+            "rs": {"record": rs_release.record.to_dict(), "expected_test_accuracy": float(np.dot(rs_release.choice.weights, test))},
+            "lc": {"record": lc_release.record.to_dict(), "test_accuracy": acc_of(lc_release.arrays, splits.x_test, splits.y_test)},
+        },
+    }
+
+
+def _joint_releases(profiles, arrays, val_of, test_of, s: Settings) -> list[dict]:
+    """Release every model of a subset together: ε of the composition (PLD by FFT, RDP summed);
+    the receiver may post-process to any combination of them, chosen on validation."""
+    rows = []
+    k = len(profiles)
+    orders = profiles[0].orders
+    for size in range(1, k + 1):
+        for subset in itertools.combinations(range(k), size):
+            pld = compose_plds([profiles[i].pld for i in subset], INTERVAL)
+            rdp = np.sum([profiles[i].rdp for i in subset], axis=0)
+            best_val, best_w = -1.0, None
+            for w in _grid(size, s.joint_grid):
+                lam = np.zeros(k)
+                lam[list(subset)] = w
+                v = val_of(combine(arrays, lam))
+                if v > best_val:
+                    best_val, best_w = v, lam
+            rows.append({"models": list(subset), "epsilon": {"pld": pld_epsilon(pld, s.delta), "rdp": rdp_to_epsilon(orders, rdp, s.delta)},
+                         "post_processing_weights": best_w.tolist(), "validation_accuracy": best_val,
+                         "test_accuracy": test_of(combine(arrays, best_w))})
+    return rows
+
+
+def _grid(k: int, m: int) -> list[np.ndarray]:
+    return [np.bincount(c, minlength=k) / m for c in itertools.combinations_with_replacement(range(k), m)]
+
+
+def _savings(curves: dict, profiles, segments, delta: float) -> dict:
+    """For every release chosen under RDP: the same release certified by PLD (same weights, same
+    accuracy), saving = 1 − ε_PLD/ε_RDP; and against the classical RDP conversion."""
+    out = {}
+    orders = profiles[0].orders
+    for method in ("rs", "lc"):
+        rows = []
+        for r in curves[method]["rdp"]:
+            w = np.asarray(r["weights"])
+            if method == "lc":
+                rdp_curve = np.asarray(orders) * segments.mu(w) ** 2 / 2
+            else:
+                rdp_curve = rdp_mixture(w, [p.rdp for p in profiles], orders)
+            e_pld, e_rdp = r["epsilon"]["pld"], r["epsilon"]["rdp"]
+            e_classical = classical_rdp_epsilon(orders, rdp_curve, delta)
+            rows.append({"weights": list(w), "accuracy": r["test_accuracy"], "epsilon_pld": e_pld, "epsilon_rdp": e_rdp,
+                         "epsilon_rdp_classical": e_classical, "saving": 1 - e_pld / e_rdp, "saving_vs_classical": 1 - e_pld / e_classical})
+        savings = [r["saving"] for r in rows]
+        classical = [r["saving_vs_classical"] for r in rows]
+        out[method] = {"releases": rows,
+                       "saving_mean": float(np.mean(savings)) if rows else None,
+                       "saving_range": [float(np.min(savings)), float(np.max(savings))] if rows else None,
+                       "saving_vs_classical_mean": float(np.mean(classical)) if rows else None,
+                       "saving_vs_classical_range": [float(np.min(classical)), float(np.max(classical))] if rows else None}
+    return out
+
+
+# ------------------------------------------------------------------------------ figures and tables
+
+
+STYLES = {("rs", "pld"): ("tab:blue", "-"), ("rs", "rdp"): ("tab:blue", "--"), ("lc", "pld"): ("tab:orange", "-"), ("lc", "rdp"): ("tab:orange", "--")}
+
+
+def _figure(result: dict, key: str, model_label, delta: float):
+    """A figure with the RS/LC × PLD/RDP curves of ``key`` against the target ε′ and the single
+    models as triangles at their PLD ε. Returns (plt, fig, ax)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (method, acc), (color, ls) in STYLES.items():
+        rows = result["curves"][method][acc]
+        if rows:
+            ax.plot([r["target_epsilon"] for r in rows], [r[key] for r in rows], ls, color=color, marker="o", ms=3,
+                    label=f"{method.upper()} ({acc.upper()})")
+    for m in result["models"]:
+        ax.plot([m["epsilon"]["pld"]], [m[key]], "k^", ms=7)
+        ax.annotate(model_label(m), (m["epsilon"]["pld"], m[key]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel(f"target ε′ (δ′ = {delta:g})")
+    ax.grid(True, which="both", alpha=0.3)
+    return plt, fig, ax
+
+
+def _finish(plt, fig, ax, path, **legend) -> None:
+    ax.legend(title="▲ single models (PLD ε)", fontsize=8, title_fontsize=8, **legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def plot_mean_estimation(result: dict, path, delta: float) -> None:
+    plt, fig, ax = _figure(result, "mse", lambda m: f"σ = {m['noise_multiplier']:g}", delta)
+    ax.set_yscale("log")
+    ax.set_ylabel("MSE of the released estimate")
+    ax.set_title(f"(a) Gaussian mean estimation, n = {result['n']}: RS vs LC, PLD vs RDP")
+    _finish(plt, fig, ax, path)
+
+
+def plot_digits(result: dict, path, delta: float) -> None:
+    import matplotlib.ticker
+
+    plt, fig, ax = _figure(result, "test_accuracy", lambda m: f"C={m['clip_norm']:g}, σ={m['noise_multiplier']:g}", delta)
+    for acc, ls in (("pld", "-"), ("rdp", "--")):
+        xs, ys = _joint_frontier(result["joint"], acc)
+        ax.step(xs, ys, ls, where="post", color="tab:gray", label=f"joint release ({acc.upper()})")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks([t for t in (0.5, 1, 2, 3, 5, 7, 10, 15, 20, 30) if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]])
+    ax.set_ylabel("test accuracy")
+    ax.set_title("(b) digits, logistic regression: accuracy vs ε")
+    _finish(plt, fig, ax, path, loc="lower right")
+
+
+def _joint_frontier(joint: list[dict], acc: str) -> tuple[list[float], list[float]]:
+    """Best test accuracy of a joint release within each ε (a step function)."""
+    rows = sorted(joint, key=lambda r: r["epsilon"][acc])
+    xs, ys, best = [], [], -1.0
+    for r in rows:
+        if r["test_accuracy"] > best:
+            best = r["test_accuracy"]
+            xs.append(r["epsilon"][acc])
+            ys.append(best)
+    if xs:
+        xs.append(xs[-1] * 1.3)
+        ys.append(ys[-1])
+    return xs, ys
+
+
+def markdown(result: dict) -> str:
+    a, b = result["mean_estimation"], result["digits"]
+    lines = ["# DP model merging: RS vs LC, PLD vs RDP", "", f"δ′ = {result['settings']['delta']:g}; seed {result['settings']['seed']}.", "",
+             f"## (a) Gaussian mean estimation (n = {a['n']})", "", a["mse_method"] + ".", "",
+             "| model σ | ε (PLD) | ε (RDP) | MSE (Monte Carlo) | MSE (closed form) |", "| --- | --- | --- | --- | --- |"]
+    for m in a["models"]:
+        lines.append(f"| {m['noise_multiplier']:g} | {m['epsilon']['pld']:.3f} | {m['epsilon']['rdp']:.3f} | {m['mse']:.3e} | {m['mse_closed_form']:.3e} |")
+    lines += ["", "| target ε′ | RS MSE (PLD) | RS MSE (RDP) | LC MSE (PLD) | LC MSE (RDP) |", "| --- | --- | --- | --- | --- |"]
+    lines += _table_by_target(a["curves"], "mse", "{:.3e}")
+    f = a["findings"]
+    lines += ["", f"LC dominates RS: **{f['lc_dominates_rs']}**; PLD no worse than RDP: **{f['pld_no_worse_than_rdp']}**.", "",
+              "## (b) digits, logistic regression", "",
+              "| C | σ | ε (PLD) | ε (RDP) | validation acc. | test acc. |", "| --- | --- | --- | --- | --- | --- |"]
+    for m in b["models"]:
+        lines.append(f"| {m['clip_norm']:g} | {m['noise_multiplier']:g} | {m['epsilon']['pld']:.3f} | {m['epsilon']['rdp']:.3f} | {m['validation_accuracy']:.3f} | {m['test_accuracy']:.3f} |")
+    lines += ["", "Test accuracy at each target (RS: expected accuracy Σ π_i acc_i):", "",
+              "| target ε′ | RS (PLD) | RS (RDP) | LC (PLD) | LC (RDP) |", "| --- | --- | --- | --- | --- |"]
+    lines += _table_by_target(b["curves"], "test_accuracy", "{:.3f}")
+    lines += ["", "Joint release of a subset (composition), best post-processing chosen on validation:", "",
+              "| models | ε (PLD) | ε (RDP) | test acc. |", "| --- | --- | --- | --- |"]
+    for r in b["joint"]:
+        lines.append(f"| {r['models']} | {r['epsilon']['pld']:.3f} | {r['epsilon']['rdp']:.3f} | {r['test_accuracy']:.3f} |")
+    lines += ["", "Budget saved by PLD at equal accuracy (the same release certified by PLD instead of RDP):", "",
+              "| method | vs improved RDP conversion: mean [min, max] | vs classical RDP conversion: mean [min, max] |", "| --- | --- | --- |"]
+    for method in ("rs", "lc"):
+        sv = b["pld_savings"][method]
+        if sv["saving_mean"] is None:
+            continue
+        lines.append(f"| {method.upper()} | {100 * sv['saving_mean']:.1f}% [{100 * sv['saving_range'][0]:.1f}, {100 * sv['saving_range'][1]:.1f}] | "
+                     f"{100 * sv['saving_vs_classical_mean']:.1f}% [{100 * sv['saving_vs_classical_range'][0]:.1f}, {100 * sv['saving_vs_classical_range'][1]:.1f}] |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _table_by_target(curves: dict, key: str, fmt: str) -> list[str]:
+    targets = sorted({round(r["target_epsilon"], 9) for m in curves.values() for rows in m.values() for r in rows})
+    out = []
+    for t in targets:
+        cells = []
+        for method, acc in (("rs", "pld"), ("rs", "rdp"), ("lc", "pld"), ("lc", "rdp")):
+            row = next((r for r in curves[method][acc] if round(r["target_epsilon"], 9) == t), None)
+            cells.append("—" if row is None else fmt.format(row[key]))
+        out.append(f"| {t:.3f} | " + " | ".join(cells) + " |")
+    return out
+
+
+def run(settings: Settings) -> dict:
+    """Both parts; returns the JSON-ready result (figures and tables are written by the caller)."""
+    start = time.perf_counter()
+    a = mean_estimation(settings)
+    t_a = time.perf_counter() - start
+    b = digits_logreg(settings)
+    t_b = time.perf_counter() - start - t_a
+    return {"experiment": "merging", "settings": _jsonable(asdict(settings)), "mean_estimation": a, "digits": b,
+            "seconds": {"mean_estimation": t_a, "digits": t_b}}
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v

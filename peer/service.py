@@ -1,0 +1,527 @@
+"""The gRPC service of one site (privfusion.v1.Peer): the thin shell around the math.
+
+Every RPC does, in this order:
+
+1. **bind the caller**: the TLS client certificate's SHA-256 fingerprint is looked up in the
+   site's pinned trust store and must equal ``header.sender`` (OpenFL's habit; :func:`bind_caller`);
+2. **validate** the request (every field, before any work) and ask the site's policy whether
+   this caller may have this kind of release at these parameters;
+3. compute the release with the pure math modules (noise drawn from a fresh CSPRNG stream);
+4. **charge** the release record to the ledger (atomic check-and-charge; BudgetExhausted →
+   RESOURCE_EXHAUSTED and nothing leaves);
+5. stream the signed receipt, then the manifest, then the tensors, then the end frame.
+
+Domain errors (``peer.errors``) become gRPC status codes in exactly one place:
+:class:`ErrorInterceptor` (via :func:`status_of`). Nothing private is logged: log lines carry
+method names, site names, record ids and public parameters only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import grpc
+import numpy as np
+
+from coordinator_free.identity import check_site_name, fingerprint
+from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
+from peer.graph import HiddenLayer, NetworkGraph, extract_graph
+from peer.models import validate_architecture
+from peer.receipts import sign_receipt
+from peer.records import ReleaseRecord
+from peer import wire
+from privfusion.v1 import peer_pb2 as pb
+from privfusion.v1 import peer_pb2_grpc as pb_grpc
+from privfusion.v1 import tensor_pb2 as tpb
+
+log = logging.getLogger("privfusion.peer")
+
+#: No request may ask for more than this ε (per unit) or δ, whatever the policy says: above it
+#: a "privacy" parameter is a typo or an attack, not a choice. Policies cap far lower.
+MAX_EPSILON = 1000.0
+MAX_DELTA = 0.1
+#: Largest probe set accepted (rows) and its byte limit.
+MAX_PROBE_ROWS = 100_000
+MAX_PROBE_BYTES = 256 << 20
+MECHANISMS = ("laplace", "multibit", "gaussian", "rs-merge", "lc-merge")
+
+
+def log_event(event: str, **fields: Any) -> None:
+    """One structured log line (JSON): public facts only, never tensors, keys or raw values."""
+    log.info(json.dumps({"event": event, **fields}, sort_keys=True, default=str))
+
+
+class InFlight:
+    """Counts work in progress; ``wait_idle`` blocks until none is left (graceful shutdown)."""
+
+    def __init__(self):
+        self._count = 0
+        self._cv = threading.Condition()
+
+    def enter(self) -> None:
+        with self._cv:
+            self._count += 1
+
+    def exit(self) -> None:
+        with self._cv:
+            self._count -= 1
+            self._cv.notify_all()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._count == 0, timeout)
+
+
+# ------------------------------------------------------------------------ error mapping
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed call ends with: the single error mapping."""
+    if isinstance(error, PrivFusionError):
+        code = getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)
+        return code, str(error)
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Wraps every handler: domain errors → their status; anything else → INTERNAL (logged by
+    type only) — also for errors raised while a response stream is being produced. It also
+    counts calls in progress (``calls``), so that shutdown closes the ledger only after the last
+    one, cancelled or not, has finished its bookkeeping."""
+
+    def __init__(self):
+        self.calls = InFlight()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def fail(context, error: BaseException) -> None:
+            code, message = status_of(error)
+            if code == grpc.StatusCode.INTERNAL:
+                incident = uuid.uuid4().hex[:12]
+                log.error(json.dumps({"event": "internal-error", "method": method, "incident": incident,
+                                      "error_type": type(error).__name__}), exc_info=error)
+                message = f"internal error (incident {incident})"
+            log_event("refused", method=method, status=code.name, reason=message)
+            context.abort(code, message)
+
+        calls = self.calls
+
+        def unary(behavior):
+            def run(request, context):
+                calls.enter()
+                try:
+                    return behavior(request, context)
+                except PrivFusionError as e:
+                    fail(context, e)
+                except Exception as e:  # noqa: BLE001 - the one place unexpected errors end a call
+                    fail(context, e)
+                finally:
+                    calls.exit()
+            return run
+
+        def streaming(behavior):
+            def run(request, context):
+                calls.enter()
+                try:
+                    yield from behavior(request, context)
+                except PrivFusionError as e:
+                    fail(context, e)
+                except Exception as e:  # noqa: BLE001
+                    fail(context, e)
+                finally:
+                    calls.exit()
+            return run
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+
+
+# ------------------------------------------------------------------------ request checks
+
+
+def check_epsilon(value: float, field: str) -> float:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(field, f"must be a finite number > 0, got {value!r}")
+    if value > MAX_EPSILON:
+        raise InvalidArgument(field, f"must be at most {MAX_EPSILON:g}, got {value!r}")
+    return float(value)
+
+
+def check_delta(value: float, field: str) -> float:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= MAX_DELTA:
+        raise InvalidArgument(field, f"must be in (0, {MAX_DELTA:g}], got {value!r}")
+    return float(value)
+
+
+def check_unit(unit: str) -> str:
+    if unit in ("", "neuron"):
+        return "neuron"
+    if unit == "entry":
+        return "entry"
+    raise InvalidArgument("unit", f"must be 'neuron' (default) or 'entry', got {unit!r}")
+
+
+def probe_input(arch: Mapping[str, Any], probe: np.ndarray) -> np.ndarray:
+    """Check a probe set against the architecture's input; return it as float64 rows."""
+    a = validate_architecture(arch)
+    if probe.ndim < 2 or probe.shape[0] < 1:
+        raise InvalidArgument("probe.shape", f"must be (n, features...) with n >= 1, got {list(probe.shape)}")
+    if probe.shape[0] > MAX_PROBE_ROWS:
+        raise InvalidArgument("probe.shape", f"has {probe.shape[0]} rows, at most {MAX_PROBE_ROWS} are accepted")
+    need = a["input_dim"] if a["kind"] == "mlp" else math.prod(a["input_shape"])
+    shape_ok = (probe.ndim == 2 and probe.shape[1] == need) or (
+        a["kind"] == "cnn" and list(probe.shape[1:]) == list(a["input_shape"]))
+    if not shape_ok:
+        want = f"(n, {need})" + (f" or (n, {', '.join(map(str, a['input_shape']))})" if a["kind"] == "cnn" else "")
+        raise InvalidArgument("probe.shape", f"must be {want} for this model, got {list(probe.shape)}")
+    if not np.all(np.isfinite(probe)):
+        raise InvalidArgument("probe", "contains NaN or infinite values")
+    return np.asarray(probe, dtype=np.float64)
+
+
+def permutations_from_request(arch: Mapping[str, Any], hidden_names: Sequence[str], sizes: Sequence[int],
+                              perms: Sequence[pb.Permutation]) -> list[np.ndarray] | None:
+    """The caller's permutations in hidden-layer order (None when it sent none)."""
+    if not perms:
+        return None
+    if [p.layer for p in perms] != list(hidden_names):
+        raise InvalidArgument("permutations", f"must give one per hidden layer, in order {list(hidden_names)}; got {[p.layer for p in perms]}")
+    out = []
+    for p, n in zip(perms, sizes):
+        idx = np.asarray(p.index, dtype=np.int64)
+        if idx.shape != (n,) or not np.array_equal(np.sort(idx), np.arange(n)):
+            raise InvalidArgument(f"permutations[{p.layer}].index", f"must be a permutation of 0..{n - 1}")
+        out.append(idx)
+    return out
+
+
+# ------------------------------------------------------------------------ graph <-> tensors
+
+
+def graph_tensors(graph: NetworkGraph) -> tuple[list[tuple[str, np.ndarray]], dict]:
+    """A (noisy) graph as named tensors plus the public facts needed to rebuild it."""
+    tensors: list[tuple[str, np.ndarray]] = []
+    for h in graph.hidden:
+        tensors += [(f"hidden.{h.name}.activations", h.activations), (f"hidden.{h.name}.incoming", h.incoming),
+                    (f"hidden.{h.name}.bias", h.bias)]
+    tensors += [("output.incoming", graph.output_incoming), ("output.bias", graph.output_bias)]
+    meta = {"input_size": graph.input_size, "layers": [{"name": h.name, "kind": h.kind} for h in graph.hidden]}
+    return tensors, meta
+
+
+def graph_from_release(architecture: Mapping[str, Any], metadata: Mapping[str, Any],
+                       arrays: Mapping[str, np.ndarray]) -> NetworkGraph:
+    """Rebuild a graph sent by :func:`graph_tensors` (checks names and shapes)."""
+    try:
+        layers = [(str(l["name"]), str(l["kind"])) for l in metadata["layers"]]
+        input_size = int(metadata["input_size"])
+        hidden = tuple(HiddenLayer(name, kind, np.asarray(arrays[f"hidden.{name}.activations"]),
+                                   np.asarray(arrays[f"hidden.{name}.incoming"]), np.asarray(arrays[f"hidden.{name}.bias"]))
+                       for name, kind in layers)
+        graph = NetworkGraph(validate_architecture(architecture), input_size, hidden,
+                             np.asarray(arrays["output.incoming"]), np.asarray(arrays["output.bias"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidArgument("release", f"is not a graph release: {e}") from None
+    prev = input_size
+    for h in graph.hidden:
+        n = h.incoming.shape[0] if h.incoming.ndim == 3 else -1
+        if h.incoming.ndim != 3 or h.incoming.shape[1] != prev or h.activations.shape[0] != n or h.bias.shape != (n,):
+            raise InvalidArgument(f"tensor[hidden.{h.name}]", "shapes do not form a layered graph")
+        prev = n
+    if graph.output_incoming.ndim != 3 or graph.output_incoming.shape[1] != prev:
+        raise InvalidArgument("tensor[output.incoming]", "shape does not fit the last hidden layer")
+    return graph
+
+
+# ------------------------------------------------------------------------ registration
+
+
+def add_to_server(service: "PeerService", server: grpc.Server) -> None:
+    """Register privfusion.v1.Peer like the generated ``add_PeerServicer_to_server``, except that
+    release streams go through :func:`peer.wire.serialize_frame` (chunk frames are pre-encoded
+    protobuf bytes; the wire format is the same)."""
+    descriptor = pb.DESCRIPTOR.services_by_name["Peer"]
+    handlers = {}
+    for method in descriptor.methods:
+        request = getattr(pb, method.input_type.name)
+        response = getattr(pb, method.output_type.name)
+        serialize = wire.serialize_frame if response is pb.ReleaseFrame else response.SerializeToString
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}[
+            (method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(getattr(service, method.name), request_deserializer=request.FromString,
+                                     response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+
+
+# ------------------------------------------------------------------------ the service
+
+
+class PeerService(pb_grpc.PeerServicer):
+    """privfusion.v1.Peer for one site (``site`` is a ``peer.daemon.Site``)."""
+
+    def __init__(self, site):
+        self.site = site
+        self.releases = InFlight()  # releases being streamed
+        self._draining = False
+        self._drain_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ identity
+
+    def bind_caller(self, context: grpc.ServicerContext, header: pb.RequestHeader) -> str:
+        """The caller's site name: its TLS certificate's pin, which must be what it claims.
+
+        Order of checks, and why each gets its status:
+          - no certificate in the TLS session → UNAUTHENTICATED (only reachable if TLS did not
+            require one: the server normally refuses such a handshake before any call);
+          - a certificate whose fingerprint is not pinned (now) → UNAUTHENTICATED: e.g. a pin
+            removed while the peer's connection stays open (TLS trust is only re-read per
+            connection);
+          - ``header.sender`` ≠ the pinned name → PERMISSION_DENIED: the peer is known but
+            claims to be someone else;
+          - ``header.receiver`` ≠ this site → INVALID_ARGUMENT (a misaddressed request).
+        """
+        sender = header.sender
+        if not sender:
+            raise InvalidArgument("header.sender", "is required (the site the caller is)")
+        if self.site.insecure:
+            check_site_name(sender, "header.sender")
+            caller = sender  # nothing to bind it to: the daemon warned loudly at start
+        else:
+            pems = context.auth_context().get("x509_pem_cert") or []
+            if not pems:
+                raise Unauthenticated("the call carries no client certificate")
+            pinned = self.site.pinned_by_fingerprint(fingerprint(pems[0]))
+            if pinned is None:
+                raise Unauthenticated(f"the client certificate (SHA-256 {fingerprint(pems[0])}) is not pinned at {self.site.name!r}")
+            if sender != pinned.name:
+                raise PermissionDenied(f"header.sender: claims {sender!r}, but the TLS certificate is pinned as {pinned.name!r}")
+            caller = pinned.name
+        if header.receiver != self.site.name:
+            raise InvalidArgument("header.receiver", f"must be this site, {self.site.name!r}; got {header.receiver!r}")
+        return caller
+
+    # ------------------------------------------------------------------ releases
+
+    def _release(self, method: str, caller: str, record: ReleaseRecord, kind: str, model: str,
+                 architecture: Mapping | None, metadata: Mapping, tensors: list[tuple[str, np.ndarray]],
+                 upstream=(), policy_kind: str | None = None) -> Iterator[pb.ReleaseFrame]:
+        """Charge, then stream receipt → manifest → tensors → end. The charge is never undone.
+
+        ``policy_kind`` is the request kind the policy's per-request cap is checked for (in
+        the budget's unit, by the ledger, inside the charge).
+        """
+        digests = [(name, wire.digest(a)) for name, a in tensors]
+        with self._drain_lock:
+            if self._draining:
+                raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
+            self.releases.enter()
+        entry_id = None
+        finished = False
+        started = time.perf_counter()
+        try:
+            entry_id = self.site.charge(record, caller, policy_kind or kind)
+            log_event("charged", method=method, caller=caller, entry=entry_id, release=record.release_id,
+                      mechanism=record.mechanism, privacy_level=record.level, unit=record.unit,
+                      epsilon=record.epsilon, delta=record.delta, model=model)
+            receipt = sign_receipt(self.site.identity, entry_id, record, digests)
+            yield from wire.release_frames(receipt, kind, model, architecture, metadata, tensors, upstream)
+            finished = True
+            self.site.release_event(record, "sent")
+            log_event("released", method=method, caller=caller, entry=entry_id, release=record.release_id,
+                      bytes=sum(a.nbytes for _, a in tensors), seconds=round(time.perf_counter() - started, 3))
+        finally:
+            if entry_id is not None and not finished:
+                # the client went away or the server is stopping: the charge stands (bytes may have left)
+                log_event("aborted-after-charge", method=method, caller=caller, entry=entry_id,
+                          release=record.release_id)
+                try:
+                    self.site.release_event(record, "send-failed", "stream ended before ReleaseEnd")
+                except Exception as e:  # noqa: BLE001 - the charge stands either way; say why the note is missing
+                    log_event("event-not-recorded", entry=entry_id, error_type=type(e).__name__)
+            self.releases.exit()
+
+    def drain(self) -> None:
+        """From now on refuse new releases before they are charged (graceful shutdown)."""
+        with self._drain_lock:
+            self._draining = True
+
+    def _stamp(self, record: ReleaseRecord, caller: str, subject: str, **parameters: Any) -> ReleaseRecord:
+        params = dict(record.parameters)
+        params.update(parameters)
+        return record.with_(counterparty=caller, subject=subject, parameters=params)
+
+    # ------------------------------------------------------------------ RPCs
+
+    def GetPeerInfo(self, request: pb.GetPeerInfoRequest, context) -> pb.PeerInfo:
+        caller = self.bind_caller(context, request.header)
+        self.site.policy_allows(caller, "info")
+        return self.site.peer_info(caller)
+
+    def ReleaseFeatures(self, request_iterator: Iterable[pb.FeaturesRequest], context) -> Iterator[pb.ReleaseFrame]:
+        messages = iter(request_iterator)
+        first = next(messages, None)
+        if first is None or first.WhichOneof("part") != "params":
+            raise InvalidArgument("params", "the request stream must start with FeaturesParams")
+        p = first.params
+        caller = self.bind_caller(context, p.header)
+        stored = self.site.model(p.model, "model")
+        eps_x = check_epsilon(p.activation_epsilon, "activation_epsilon")
+        eps_w = check_epsilon(p.weight_epsilon, "weight_epsilon")
+        unit = check_unit(p.unit)
+        clip = self.site.activation_clip(p)
+        bound = None
+        if p.HasField("weight_bound"):
+            bound = p.weight_bound
+            if not math.isfinite(bound) or bound <= 0:
+                raise InvalidArgument("weight_bound", f"must be a finite number > 0, got {bound!r}")
+            bound = (-bound, bound)
+        self.site.policy_allows(caller, "features")
+
+        header = next(messages, None)
+        if header is None or header.WhichOneof("part") != "probe":
+            raise InvalidArgument("probe", "FeaturesParams must be followed by the probe tensor's header")
+        receiver = wire.TensorReceiver(header.probe, "probe", allowed=(tpb.DTYPE_FLOAT32, tpb.DTYPE_FLOAT64),
+                                       max_bytes=MAX_PROBE_BYTES)
+        for m in messages:
+            if m.WhichOneof("part") != "chunk":
+                raise InvalidArgument("chunk", f"only probe chunks may follow the probe header, got {m.WhichOneof('part')!r}")
+            receiver.add(m.chunk)
+        probe = probe_input(stored.architecture, receiver.finish())
+
+        from peer.mechanisms import perturb_graph
+
+        graph = extract_graph(stored.architecture, stored.module(), probe)
+        noisy, record = perturb_graph(graph, epsilon_x=eps_x, epsilon_w=eps_w, activation_clip=clip,
+                                      weight_bounds=bound, unit=unit, randomness=self.site.randomness())
+        record = self._stamp(record, caller, p.model, probe_rows=int(probe.shape[0]))
+        tensors, meta = graph_tensors(noisy)
+        yield from self._release("ReleaseFeatures", caller, record, "features", p.model,
+                                 stored.architecture, meta, tensors)
+
+    def ReleaseWeights(self, request: pb.WeightsRequest, context) -> Iterator[pb.ReleaseFrame]:
+        caller = self.bind_caller(context, request.header)
+        stored = self.site.model(request.model, "model")
+        eps = check_epsilon(request.epsilon, "epsilon")
+        dlt = check_delta(request.delta, "delta")
+        perms = self._permutations(stored.architecture, request.permutations)
+        self.site.policy_allows(caller, "weights")
+        arrays, record = self.site.perturbed_weights(stored, eps, dlt)
+        if perms is not None:
+            from peer.fusion import permute_arrays
+
+            arrays = permute_arrays(stored.architecture, arrays, perms)
+        record = self._stamp(record, caller, request.model, permuted=perms is not None)
+        tensors = [(k, arrays.pop(k)) for k in sorted(arrays)]
+        yield from self._release("ReleaseWeights", caller, record, "weights", request.model,
+                                 stored.architecture, {"permuted": perms is not None}, tensors)
+
+    def _permutations(self, arch, perms) -> list[np.ndarray] | None:
+        from peer.fusion import hidden_sizes, weight_layers_of
+
+        names = [l.name for l in weight_layers_of(arch)[:-1]]
+        return permutations_from_request(arch, names, hidden_sizes(arch), perms)
+
+    def Fuse(self, request: pb.FuseRequest, context) -> Iterator[pb.ReleaseFrame]:
+        caller = self.bind_caller(context, request.header)
+        stored = self.site.model(request.model, "model")
+        if not request.partner:
+            raise InvalidArgument("partner", "is required (the site whose model to fuse with)")
+        check_site_name(request.partner, "partner")
+        if request.partner == self.site.name:
+            raise InvalidArgument("partner", "must be another site")
+        if not request.partner_model:
+            raise InvalidArgument("partner_model", "is required")
+        alpha = request.alpha
+        if not math.isfinite(alpha) or not 0 <= alpha <= 1:
+            raise InvalidArgument("alpha", f"must be in [0, 1], got {alpha!r}")
+        eps_x = check_epsilon(request.activation_epsilon, "activation_epsilon")
+        eps_w = check_epsilon(request.weight_epsilon, "weight_epsilon")
+        eps = check_epsilon(request.weights_epsilon, "weights_epsilon")
+        dlt = check_delta(request.weights_delta, "weights_delta")
+        self.site.policy_allows(caller, "fuse")
+        probe = self.site.probe
+        if probe is None:
+            raise FailedPrecondition(f"{self.site.name!r} has no probe set, which Fuse needs (site.toml: probe)")
+        probe = probe_input(stored.architecture, probe)
+
+        from peer.fusion import fuse_arrays
+        from peer.matching import match_graphs
+        from peer.mechanisms import composite_record, perturb_graph
+
+        client = self.site.client_for(request.partner)
+        try:
+            theirs = client.features(request.partner_model, probe, activation_epsilon=eps_x, weight_epsilon=eps_w,
+                                     activation_clip=self.site.activation_clip(None))
+            if validate_architecture(theirs.architecture) != stored.architecture:
+                raise FailedPrecondition(f"partner_model: {request.partner}'s {request.partner_model!r} has another architecture than {request.model!r}")
+            # Match on our own *noisy* features too: everything the caller receives is then
+            # post-processing of noisy releases (ours charged to the caller below).
+            rnd = self.site.randomness()
+            own_graph = extract_graph(stored.architecture, stored.module(), probe)
+            own_noisy, own_features_record = perturb_graph(own_graph, epsilon_x=eps_x, epsilon_w=eps_w,
+                                                           activation_clip=self.site.activation_clip(None),
+                                                           randomness=rnd)
+            their_graph = graph_from_release(theirs.architecture, theirs.metadata, theirs.arrays)
+            match = match_graphs(own_noisy, their_graph)
+            perms = [np.asarray(p, dtype=np.int64) for p in match.permutations]
+            aligned = client.weights(request.partner_model, epsilon=eps, delta=dlt,
+                                     permutations=dict(zip([h.name for h in own_graph.hidden], perms)))
+        finally:
+            client.close()
+        own_weights, own_weights_record = self.site.perturbed_weights(stored, eps, dlt, randomness=rnd)
+        fused = fuse_arrays(own_weights, aligned.arrays, alpha)
+        record = composite_record([own_features_record, own_weights_record], "sequential", randomness=rnd,
+                                  parameters={"release": "fusion"})
+        record = self._stamp(record, caller, request.model, alpha=alpha, partner=request.partner,
+                             partner_model=request.partner_model,
+                             upstream=[theirs.receipt.ledger_entry_id, aligned.receipt.ledger_entry_id],
+                             match_objective=float(match.objective))
+        tensors = [(k, fused.pop(k)) for k in sorted(fused)]
+        yield from self._release("Fuse", caller, record, "fused", request.model, stored.architecture,
+                                 {"alpha": alpha, "partner": request.partner, "partner_model": request.partner_model},
+                                 tensors, upstream=(theirs.receipt, aligned.receipt), policy_kind="fuse")
+
+    def ReleaseMerged(self, request: pb.MergeRequest, context) -> Iterator[pb.ReleaseFrame]:
+        caller = self.bind_caller(context, request.header)
+        pool = self.site.pool(request.pool)
+        if request.method not in ("rs", "lc"):
+            raise InvalidArgument("method", f"must be 'rs' (random selection) or 'lc' (linear combination), got {request.method!r}")
+        eps = check_epsilon(request.epsilon, "epsilon")
+        dlt = check_delta(request.delta, "delta")
+        self.site.policy_allows(caller, "merge")
+
+        from peer.pool import merge_pool
+
+        merged = merge_pool(pool, request.method, eps, dlt, validation=self.site.pool_validation(request.pool),
+                            randomness=self.site.randomness(), subject=request.pool, counterparty=caller)
+        tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
+        # public: the method, π or λ, the ε each accountant reports, the validation utility
+        yield from self._release("ReleaseMerged", caller, merged.record, "merged", request.pool,
+                                 merged.architecture, {"choice": merged.choice.to_dict()}, tensors, policy_kind="merge")
+
+    def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:
+        caller = self.bind_caller(context, request.header)
+        self.site.policy_allows(caller, "ledger")
+        for entry_id, record, created_at in self.site.ledger_entries(caller):
+            yield pb.LedgerEntry(entry_id=entry_id, record_json=record.canonical_json(), counterparty=caller,
+                                 created_at=created_at)

@@ -1,0 +1,318 @@
+"""Scenario files of ``privfusion simulate``: what they may say, checked key by key.
+
+A scenario is one TOML file. Every key is optional except the sites; defaults are those of
+the bundled ``hospitals.toml``. A bad value is refused with the file, the line and the key
+(``coordinator_free.config``); a syntax error with tomllib's line and column.
+
+    [scenario]
+    name = "hospitals"          # used in the report
+    description = "..."
+    seed = 7                    # master seed: data split, training, probe sets and every site's
+                                # (fixed-seed, reported) noise; simulations only
+
+    [data]
+    dataset = "breast_cancer"   # "breast_cancer" | "digits" (scikit-learn's bundled sets)
+    test_fraction = 0.25        # global test split: what every accuracy is measured on
+    public_size = 80            # training examples held out as PUBLIC data: the sites' probe
+                                # sets and the merges' validation set come from it
+    probe_size = 60             # rows of each site's probe set (drawn from the public data)
+    split = "dirichlet"         # "dirichlet" (label skew) | "iid"
+    concentration = 0.5         # Dirichlet concentration (smaller = more skewed)
+    min_per_site = 20
+
+    [model]                     # every site's own model (plain training on its records)
+    hidden = [32]
+    activation = "relu"
+    epochs = 60
+    batch_size = 32
+    learning_rate = 0.003
+
+    [pool]                      # every site's DP-SGD pool for RS/LC merges (drop the table: none)
+    noise_multipliers = [2.0, 4.0, 8.0]
+    steps = 30
+    learning_rate = 1.0
+    clip_norm = 1.0
+    sample_rate = 1.0           # 1 = full batch (what LC needs)
+    adjacency = "add-remove"    # unit of privacy: "add-remove" | "replace-one"
+    delta = 1e-5
+
+    [policy]                    # every site's budgets
+    model_epsilon = 5000.0      # model level, per neuron, one model, all counterparties
+    model_epsilon_per_peer = 1700.0
+    model_delta = 1e-3
+    data_epsilon = 20.0         # data level, per training record (pool merges)
+    data_delta = 1e-4
+
+    [round]                     # what every site asks for in its rounds
+    alpha = 0.5
+    quorum = 2
+    methods = ["ldp", "merged"] # rounds each site runs, in this order
+    activation_epsilon = 8.0    # ldp: per neuron
+    weight_epsilon = 8.0
+    unit = "neuron"             # unit of the feature releases: "neuron" | "entry" (weaker)
+    weights_epsilon = 16.0
+    weights_delta = 1e-5
+    calibration = "analytic"    # Gaussian calibration of released weights (every site)
+    activation_clip = [0.0, 6.0]
+    merge_method = "rs"         # merged: "rs" | "lc", per training record
+    merge_epsilon = 4.0
+    merge_delta = 1e-5
+    frontier = [0.25, 4.0, 16.0]  # extra ldp rounds at these multiples of the ldp ε (frontier plot)
+    call_timeout_s = 60.0
+    health_timeout_s = 2.0
+
+    [sites.hospital-a]          # one table per site (at least two); optional keys:
+    alpha = 0.6                 #   this site's own α
+    [sites.hospital-b]
+    ...
+
+    [failure]                   # optional: kill one site mid-round
+    site = "hospital-c"
+    after_releases = 2          # SIGKILL its daemon (and its own round) as soon as its ledger
+                                # holds this many charges
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from coordinator_free.config import Section, parse_toml
+from coordinator_free.identity import check_site_name
+from peer.data import DATASETS
+from peer.errors import InvalidArgument, NotFound
+from peer.models import ACTIVATIONS
+
+DEFAULT_SCENARIO = "hospitals.toml"
+BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    dataset: str = "breast_cancer"
+    test_fraction: float = 0.25
+    public_size: int = 80
+    probe_size: int = 60
+    split: str = "dirichlet"
+    concentration: float = 0.5
+    min_per_site: int = 20
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    hidden: tuple[int, ...] = (32,)
+    activation: str = "relu"
+    epochs: int = 60
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    noise_multipliers: tuple[float, ...] = (2.0, 4.0, 8.0)
+    steps: int = 30
+    learning_rate: float = 1.0
+    clip_norm: float = 1.0
+    sample_rate: float = 1.0
+    adjacency: str = "add-remove"
+    delta: float = 1e-5
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    model_epsilon: float = 5000.0
+    model_epsilon_per_peer: float = 1700.0
+    model_delta: float = 1e-3
+    data_epsilon: float = 20.0
+    data_delta: float = 1e-4
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    alpha: float = 0.5
+    quorum: int = 2
+    methods: tuple[str, ...] = ("ldp", "merged")
+    activation_epsilon: float = 8.0
+    weight_epsilon: float = 8.0
+    unit: str = "neuron"
+    weights_epsilon: float = 16.0
+    weights_delta: float = 1e-5
+    calibration: str = "analytic"
+    activation_clip: tuple[float, float] = (0.0, 6.0)
+    merge_method: str = "rs"
+    merge_epsilon: float = 4.0
+    merge_delta: float = 1e-5
+    frontier: tuple[float, ...] = (0.25, 4.0, 16.0)
+    call_timeout_s: float = 60.0
+    health_timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    name: str
+    alpha: float | None = None
+
+
+@dataclass(frozen=True)
+class FailureSpec:
+    site: str
+    after_releases: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    seed: int
+    data: DataSpec
+    model: ModelSpec
+    pool: PoolSpec | None
+    policy: PolicySpec
+    round: RoundSpec
+    sites: tuple[SiteSpec, ...]
+    failure: FailureSpec | None = None
+    source: str = ""
+    text: str = field(default="", repr=False)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("text")
+        return out
+
+
+def bundled_path(name: str = DEFAULT_SCENARIO) -> Path:
+    """A scenario shipped in the ``scenarios`` package (package data)."""
+    if name not in BUNDLED:
+        raise NotFound(f"no bundled scenario {name!r}; bundled: {list(BUNDLED)}")
+    return Path(str(resources.files("scenarios").joinpath(name)))
+
+
+def load_scenario(path: str | os.PathLike | None = None) -> Scenario:
+    """Read and check a scenario file (None: the bundled default ``hospitals.toml``)."""
+    p = bundled_path() if path is None else Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise NotFound(f"scenario {str(p)!r}: {e.strerror}") from None
+    return parse_scenario(text, str(p))
+
+
+def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
+    root = Section(parse_toml(text, source, "scenario"), (), text, source)
+    root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure"])
+
+    s = root.section("scenario")
+    s.known(["name", "description", "seed"])
+    name = s.string("name", Path(source).stem)
+    description = s.string("description", "")
+    seed = s.integer("seed", 7, minimum=0)
+
+    d = root.section("data")
+    d.known([f.name for f in DataSpec.__dataclass_fields__.values()])
+    data = DataSpec(
+        dataset=d.string("dataset", DataSpec.dataset, choices=DATASETS),
+        test_fraction=d.number("test_fraction", DataSpec.test_fraction, exclusive_minimum=0.0, exclusive_maximum=1.0),
+        public_size=d.integer("public_size", DataSpec.public_size, minimum=2),
+        probe_size=d.integer("probe_size", DataSpec.probe_size, minimum=1),
+        split=d.string("split", DataSpec.split, choices=("dirichlet", "iid")),
+        concentration=d.number("concentration", DataSpec.concentration, exclusive_minimum=0.0),
+        min_per_site=d.integer("min_per_site", DataSpec.min_per_site, minimum=1),
+    )
+    if data.probe_size > data.public_size:
+        d.fail("probe_size", f"must be at most public_size ({data.public_size}): probe sets are drawn from the public data")
+
+    m = root.section("model")
+    m.known([f.name for f in ModelSpec.__dataclass_fields__.values()])
+    hidden = m.raw("hidden", list(ModelSpec.hidden))
+    if not isinstance(hidden, list) or not hidden or not all(isinstance(h, int) and not isinstance(h, bool) and 1 <= h <= 4096 for h in hidden):
+        m.fail("hidden", f"must be a non-empty array of layer widths (integers 1..4096), got {hidden!r}")
+    model = ModelSpec(
+        hidden=tuple(hidden),
+        activation=m.string("activation", ModelSpec.activation, choices=tuple(ACTIVATIONS)),
+        epochs=m.integer("epochs", ModelSpec.epochs, minimum=1, maximum=10_000),
+        batch_size=m.integer("batch_size", ModelSpec.batch_size, minimum=1),
+        learning_rate=m.number("learning_rate", ModelSpec.learning_rate, exclusive_minimum=0.0, maximum=10.0),
+    )
+
+    pool = None
+    if "pool" in root:
+        q = root.section("pool")
+        q.known([f.name for f in PoolSpec.__dataclass_fields__.values()])
+        pool = PoolSpec(
+            noise_multipliers=tuple(q.numbers("noise_multipliers", list(PoolSpec.noise_multipliers), exclusive_minimum=0.0)),
+            steps=q.integer("steps", PoolSpec.steps, minimum=1, maximum=100_000),
+            learning_rate=q.number("learning_rate", PoolSpec.learning_rate, exclusive_minimum=0.0),
+            clip_norm=q.number("clip_norm", PoolSpec.clip_norm, exclusive_minimum=0.0),
+            sample_rate=q.number("sample_rate", PoolSpec.sample_rate, exclusive_minimum=0.0, maximum=1.0),
+            adjacency=q.string("adjacency", PoolSpec.adjacency, choices=("add-remove", "replace-one")),
+            delta=q.number("delta", PoolSpec.delta, exclusive_minimum=0.0, exclusive_maximum=1.0),
+        )
+
+    pol = root.section("policy")
+    pol.known([f.name for f in PolicySpec.__dataclass_fields__.values()])
+    policy = PolicySpec(
+        model_epsilon=pol.number("model_epsilon", PolicySpec.model_epsilon, exclusive_minimum=0.0),
+        model_epsilon_per_peer=pol.number("model_epsilon_per_peer", PolicySpec.model_epsilon_per_peer, exclusive_minimum=0.0),
+        model_delta=pol.number("model_delta", PolicySpec.model_delta, minimum=0.0, exclusive_maximum=1.0),
+        data_epsilon=pol.number("data_epsilon", PolicySpec.data_epsilon, exclusive_minimum=0.0),
+        data_delta=pol.number("data_delta", PolicySpec.data_delta, minimum=0.0, exclusive_maximum=1.0),
+    )
+
+    r = root.section("round")
+    r.known([f.name for f in RoundSpec.__dataclass_fields__.values()])
+    eps = {"exclusive_minimum": 0.0, "maximum": 1000.0}
+    dlt = {"exclusive_minimum": 0.0, "maximum": 0.1}
+    methods = r.raw("methods", list(RoundSpec.methods))
+    if not isinstance(methods, list) or not methods or not all(x in ("ldp", "merged") for x in methods) or len(set(methods)) != len(methods):
+        r.fail("methods", f"must be a non-empty array of distinct methods among ['ldp', 'merged'], got {methods!r}")
+    rnd = RoundSpec(
+        alpha=r.number("alpha", RoundSpec.alpha, minimum=0.0, maximum=1.0),
+        quorum=r.integer("quorum", RoundSpec.quorum, minimum=1),
+        methods=tuple(methods),
+        activation_epsilon=r.number("activation_epsilon", RoundSpec.activation_epsilon, **eps),
+        weight_epsilon=r.number("weight_epsilon", RoundSpec.weight_epsilon, **eps),
+        unit=r.string("unit", RoundSpec.unit, choices=("neuron", "entry")),
+        calibration=r.string("calibration", RoundSpec.calibration, choices=("analytic", "classical")),
+        weights_epsilon=r.number("weights_epsilon", RoundSpec.weights_epsilon, **eps),
+        weights_delta=r.number("weights_delta", RoundSpec.weights_delta, **dlt),
+        activation_clip=r.interval("activation_clip", RoundSpec.activation_clip),
+        merge_method=r.string("merge_method", RoundSpec.merge_method, choices=("rs", "lc")),
+        merge_epsilon=r.number("merge_epsilon", RoundSpec.merge_epsilon, **eps),
+        merge_delta=r.number("merge_delta", RoundSpec.merge_delta, **dlt),
+        frontier=tuple(r.numbers("frontier", list(RoundSpec.frontier), min_length=0, exclusive_minimum=0.0)),
+        call_timeout_s=r.number("call_timeout_s", RoundSpec.call_timeout_s, exclusive_minimum=0.0, maximum=3600.0),
+        health_timeout_s=r.number("health_timeout_s", RoundSpec.health_timeout_s, exclusive_minimum=0.0, maximum=60.0),
+    )
+    if "merged" in rnd.methods and pool is None:
+        r.fail("methods", "includes 'merged' but the scenario has no [pool] table (merges come from the sites' DP-SGD pools)")
+    for scale in rnd.frontier:
+        for key in ("activation_epsilon", "weight_epsilon", "weights_epsilon"):
+            if getattr(rnd, key) * scale > 1000.0:
+                r.fail("frontier", f"scale {scale:g} takes {key} to {getattr(rnd, key) * scale:g}, above the 1000 a peer accepts")
+
+    sites = []
+    for site_name, t in root.sections("sites").items():
+        try:
+            check_site_name(site_name)
+        except InvalidArgument as e:
+            t.fail((), e.rule)
+        t.known(["alpha"])
+        sites.append(SiteSpec(site_name, t.number("alpha", None, minimum=0.0, maximum=1.0)))
+    if len(sites) < 2:
+        root.fail("sites", f"needs at least two [sites.NAME] tables, got {len(sites)}")
+    if rnd.quorum > len(sites):
+        r.fail("quorum", f"is {rnd.quorum} but the scenario has only {len(sites)} sites")
+
+    failure = None
+    if "failure" in root:
+        f = root.section("failure")
+        f.known(["site", "after_releases"])
+        victim = f.string("site")
+        if victim not in {s.name for s in sites}:
+            f.fail("site", f"must be one of the scenario's sites {[s.name for s in sites]}, got {victim!r}")
+        failure = FailureSpec(victim, f.integer("after_releases", 1, minimum=1))
+
+    return Scenario(name, description, seed, data, model, pool, policy, rnd, tuple(sites), failure, source, text)

@@ -1,0 +1,606 @@
+"""The multi-hospital simulator behind ``privfusion simulate``.
+
+Everything a real deployment does happens for real, on loopback:
+
+1. **data** — a bundled scikit-learn set, split into a global test set (every accuracy is
+   measured on it), a PUBLIC set (probe sets and the merges' validation data come from it),
+   and the protected records, divided among the sites by a Dirichlet label skew
+   (``peer.data.split_dirichlet``) or IID;
+2. **sites** — each site trains its own model on its records (plain training) and, when the
+   scenario has a ``[pool]``, a small DP-SGD pool (``peer.training.train_pool``); it gets its
+   own identity (``peer init``: key + self-signed certificate), pins every other site, and a
+   ``site.toml`` with its policy, its ledger file and its fixed noise seed (reported in every
+   release record — a simulation option, never production);
+3. **daemons** — each site's ``privfusion peer serve`` in its own process, on a free port,
+   mutual TLS with the pinned certificates; a roster of all sites is written;
+4. **rounds** — every site runs ``privfusion round`` (its own process, its own identity) for
+   each round of the plan, all sites at once; their events stream back as progress. The
+   failure scenario SIGKILLs one site (daemon and round) once its ledger holds a given number
+   of charges;
+5. **evaluation** — own, privately fused and merged-fused models on the test set, and the
+   non-private ORACLE (graph matching on exact features, computed here with every site's
+   exact model — no real site could), with the same contributors and weights;
+6. **ledgers** — after the daemons stop, every site's ledger file is opened and its entries
+   and budgets go into the report as they are; the rounds' receipts are reconciled with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from coordinator_free.roster import write_roster
+from coordinator_free.rounds import fusion_weights
+from peer.errors import FailedPrecondition, InvalidArgument
+from scenarios.schema import Scenario
+
+MODEL = "mlp"
+POOL = "dpsgd"
+
+
+def _now() -> str:
+    from peer.records import now_rfc3339
+
+    return now_rfc3339()
+
+
+@dataclass
+class SiteWorld:
+    name: str
+    root: Path
+    seed: int
+    alpha: float
+    x: np.ndarray
+    y: np.ndarray
+    probe: np.ndarray
+    architecture: dict
+    arrays: dict[str, np.ndarray]
+    pool: list[dict] = field(default_factory=list)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "site.toml"
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger.sqlite"
+
+    @property
+    def identity(self) -> Path:
+        return self.root / "identity"
+
+
+@dataclass
+class World:
+    scenario: Scenario
+    out: Path
+    sites: dict[str, SiteWorld]
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_public: np.ndarray
+    y_public: np.ndarray
+    plan: list[tuple[str, str, float]]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Progress:
+    """Progress lines on stderr (or wherever ``write`` sends them), with the elapsed time."""
+
+    def __init__(self, write: Callable[[str], None] | None = None):
+        self._write = write or (lambda s: print(s, file=sys.stderr, flush=True))
+        self._start = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> None:
+        with self._lock:
+            self._write(f"[{time.monotonic() - self._start:6.1f}s] {text}")
+
+
+# ------------------------------------------------------------------------------------- plan
+
+
+def round_plan(sc: Scenario) -> list[tuple[str, str, float]]:
+    """(label, method, ε scale) of every round each site runs, in order."""
+    plan = [(m, m, 1.0) for m in sc.round.methods]
+    if "ldp" in sc.round.methods:
+        plan += [(f"ldp-x{s:g}", "ldp", s) for s in sc.round.frontier]
+    return plan
+
+
+def released_epsilon(sc: Scenario, scale: float) -> float:
+    """Model-level ε (per the round's unit: neuron by default) one peer releases to one requester
+    in an ldp round at ``scale`` (features: activations + weight features, plus weights; basic
+    composition, as asked — the ledger's figures are in the report beside it)."""
+    r = sc.round
+    return scale * (r.activation_epsilon + r.weight_epsilon + r.weights_epsilon)
+
+
+# ------------------------------------------------------------------------------------- sites
+
+
+def _policy_toml(sc: Scenario) -> str:
+    p = sc.policy
+    lines = ["[policy]", 'show_remaining = "own"']
+    if sc.pool is not None:
+        lines += ["", "[policy.data]", f'unit = "record:{sc.pool.adjacency}"', f"epsilon = {p.data_epsilon!r}",
+                  f"delta = {p.data_delta!r}"]
+    lines += ["", "[policy.model]", f"total = {{ epsilon = {p.model_epsilon!r}, delta = {p.model_delta!r} }}",
+              f"per_counterparty = {{ epsilon = {p.model_epsilon_per_peer!r}, delta = {p.model_delta!r} }}",
+              "", '[policy.peers."*"]', 'allow = ["features", "weights", "merge", "ledger"]']
+    return "\n".join(lines) + "\n"
+
+
+def site_toml(sc: Scenario, s: SiteWorld, listen: str = "127.0.0.1:0", round_table: str = "",
+              fixed_seed: bool = True) -> str:
+    """A site's site.toml: where it listens, its files, its pool and policy, optionally a
+    ``[round]`` table, and — in simulations only — its fixed noise seed (reported in every
+    release record; without it every release draws CSPRNG noise)."""
+    lo, hi = sc.round.activation_clip
+    lines = ["[site]", f'name = "{s.name}"', f'listen = "{listen}"', 'identity = "identity"', 'models = "models"',
+             'ledger = "ledger.sqlite"', 'probe = "probe.safetensors"', "workers = 16", "shutdown_grace_s = 5"]
+    if fixed_seed:
+        lines.append(f"seed = {s.seed}")
+    lines += ["", "[site.mechanisms]", f"activation_clip = [{lo!r}, {hi!r}]", f'calibration = "{sc.round.calibration}"']
+    if sc.pool is not None:
+        # merges judge candidates on the public set, never on the site's protected records
+        lines += ["", f"[site.pools.{POOL}]", 'models = "pool"', 'validation = "validation.npz"']
+    return "\n".join(lines) + "\n\n" + _policy_toml(sc) + (f"\n{round_table}" if round_table else "")
+
+
+def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float, roster: Path) -> str:
+    r = sc.round
+    lines = ["[round]", f'roster = "{roster}"', f'model = "{MODEL}"', f"alpha = {s.alpha!r}", f"quorum = {r.quorum}",
+             f'method = "{method}"', f'out = "rounds"', f'label = "{label}"', f"call_timeout_s = {r.call_timeout_s!r}",
+             f"health_timeout_s = {r.health_timeout_s!r}", "", "[round.features]",
+             f"activation_epsilon = {r.activation_epsilon * scale!r}", f"weight_epsilon = {r.weight_epsilon * scale!r}",
+             f'unit = "{r.unit}"',
+             f"activation_clip = [{r.activation_clip[0]!r}, {r.activation_clip[1]!r}]", "", "[round.weights]",
+             f"epsilon = {r.weights_epsilon * scale!r}", f"delta = {r.weights_delta!r}", "", "[round.merge]",
+             f'method = "{r.merge_method}"', f"epsilon = {r.merge_epsilon!r}", f"delta = {r.merge_delta!r}"]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class ScenarioData:
+    """The scenario's data, split the same way wherever it is computed (everything follows from
+    the scenario's seed): test set, public set, and each site's protected records."""
+
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_public: np.ndarray
+    y_public: np.ndarray
+    parts: tuple[tuple[np.ndarray, np.ndarray], ...]
+    architecture: dict
+    num_classes: int
+
+
+def split_data(sc: Scenario) -> ScenarioData:
+    from peer.data import load_dataset, split_dirichlet, split_homogeneous
+
+    d = sc.data
+    ds = load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed)
+    rng = np.random.default_rng(sc.seed)
+    if d.public_size >= len(ds.y_train) - d.min_per_site * len(sc.sites):
+        raise InvalidArgument("data.public_size", f"{d.public_size} leaves too few of the {len(ds.y_train)} training examples for the sites")
+    order = rng.permutation(len(ds.y_train))
+    public, protected = order[: d.public_size], np.sort(order[d.public_size:])
+    x_prot, y_prot = ds.x_train[protected], ds.y_train[protected]
+    if d.split == "dirichlet":
+        idx = split_dirichlet(y_prot, len(sc.sites), concentration=d.concentration, seed=sc.seed, min_per_site=d.min_per_site)
+    else:
+        idx = split_homogeneous(y_prot, len(sc.sites), seed=sc.seed)
+    arch = {"kind": "mlp", "input_dim": ds.input_dim, "hidden": list(sc.model.hidden), "output_dim": ds.num_classes,
+            "activation": sc.model.activation}
+    return ScenarioData(ds.x_test, ds.y_test, ds.x_train[public], ds.y_train[public],
+                        tuple((x_prot[i], y_prot[i]) for i in idx), arch, ds.num_classes)
+
+
+def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> SiteWorld:
+    """One site's files from the scenario: its records' model (``models/mlp``), its DP-SGD pool
+    (``pool/``), its public probe set and the public validation set of its merges. No identity
+    and no site.toml: those depend on where the site runs."""
+    import torch
+    from safetensors.numpy import save_file
+
+    from peer.models import state_arrays, train_classifier
+    from peer.store import save_model
+
+    index = [s.name for s in sc.sites].index(name)
+    spec = sc.sites[index]
+    seed = sc.seed * 1000 + index + 1
+    root.mkdir(parents=True, exist_ok=True)
+    x, y = data.parts[index]
+    probe = data.x_public[np.random.default_rng(seed).choice(len(data.x_public), size=sc.data.probe_size, replace=False)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small models: thread hand-offs cost more than they save
+    try:
+        model = train_classifier(data.architecture, x, y, seed=seed, epochs=sc.model.epochs,
+                                 batch_size=sc.model.batch_size, learning_rate=sc.model.learning_rate)
+        s = SiteWorld(name, root, seed, sc.round.alpha if spec.alpha is None else spec.alpha, x, y,
+                      np.ascontiguousarray(probe, dtype=np.float32), data.architecture, state_arrays(model))
+        save_model(root / "models", MODEL, data.architecture, s.arrays, {"trained_on": int(len(y)), "seed": seed})
+        save_file({"x": s.probe}, str(root / "probe.safetensors"))
+        np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
+        if sc.pool is not None:
+            s.pool = _train_pool(sc, s, data.x_public, data.y_public, data.x_test, data.y_test)
+    finally:
+        torch.set_num_threads(threads)
+    return s
+
+
+def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
+    """Data, models, pools, identities, pins and config files of every site."""
+    from coordinator_free.identity import init_identity
+    from coordinator_free.trust import TrustStore
+    from peer.models import accuracy, model_from_arrays
+
+    data = split_data(sc)
+    world = World(sc, out, {}, data.x_test, data.y_test, data.x_public, data.y_public, round_plan(sc))
+    for spec in sc.sites:
+        s = prepare_site(sc, data, spec.name, out / "sites" / spec.name)
+        init_identity(s.identity, spec.name, ["127.0.0.1", "localhost"])
+        world.sites[spec.name] = s
+        own = accuracy(s.architecture, model_from_arrays(s.architecture, s.arrays), data.x_test, data.y_test)
+        counts = np.bincount(s.y, minlength=data.num_classes).tolist()
+        pool = (", pool " + ", ".join(f"ε={m['epsilon']:.3g}: {m['accuracy']:.3f}" for m in s.pool)) if s.pool else ""
+        progress(f"{spec.name}: {len(s.y)} records (labels {counts}), own model test accuracy {own:.3f}{pool}")
+    for s in world.sites.values():
+        store = TrustStore(s.identity / "trusted")
+        for o in world.sites.values():
+            if o is not s:
+                store.add((o.identity / "site.crt").read_bytes())
+        s.config.write_text(site_toml(sc, s), encoding="utf-8")
+    return world
+
+
+def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test) -> list[dict]:
+    from peer.accounting import TrainingRecord
+    from peer.models import accuracy, model_from_arrays
+    from peer.pool import save_trained
+    from peer.rng import make_randomness
+    from peer.training import train_pool
+
+    p = sc.pool
+    trainings = [TrainingRecord.constant(p.adjacency, p.steps, p.learning_rate, p.clip_norm, nm, p.sample_rate)
+                 for nm in p.noise_multipliers]
+    models = train_pool(s.architecture, s.x, s.y, trainings, init_seed=s.seed + 500_000,
+                        randomness=make_randomness(s.seed), delta=p.delta)
+    out = []
+    for nm, m in zip(p.noise_multipliers, models):
+        name = f"dpsgd-sigma{nm:g}"
+        module = model_from_arrays(s.architecture, m.arrays)
+        save_trained(s.root / "pool", name, m, accuracy=accuracy(s.architecture, module, x_val, y_val))
+        out.append({"name": name, "noise_multiplier": nm, "epsilon": m.record.epsilon, "delta": m.record.delta,
+                    "accuracy": accuracy(s.architecture, module, x_test, y_test)})
+    return out
+
+
+# ------------------------------------------------------------------------------------- processes
+
+
+def _child_env() -> dict:
+    # One BLAS/torch thread per process: eight processes share two cores.
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                PRIVFUSION_LOG_LEVEL=os.environ.get("PRIVFUSION_LOG_LEVEL", "INFO"))
+
+
+class Daemon:
+    """One site's ``privfusion peer serve`` process."""
+
+    def __init__(self, site: SiteWorld):
+        self.site = site
+        self.ready = site.root / "daemon.ready.json"
+        self.ready.unlink(missing_ok=True)
+        self.log = open(site.root / "daemon.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(site.config),
+                                      "--ready-file", str(self.ready)], stdout=self.log, stderr=self.log, env=_child_env())
+        self.address: str | None = None
+        self.killed_at: str | None = None
+
+    def wait_ready(self, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            if self.proc.poll() is not None:
+                raise FailedPrecondition(f"the daemon of {self.site.name} exited with {self.proc.returncode}; see {self.site.root / 'daemon.log'}")
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(f"the daemon of {self.site.name} was not ready after {timeout:g}s; see {self.site.root / 'daemon.log'}")
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{json.loads(self.ready.read_text())['port']}"
+        return self.address
+
+    def kill(self) -> None:
+        self.killed_at = _now()  # taken before the signal: every consequence comes after it
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def terminate(self) -> None:
+        """SIGTERM: graceful shutdown (health NOT_SERVING, in-flight releases finish)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class RoundProcess:
+    """One site's ``privfusion round`` process running the plan; its events stream to ``on_event``."""
+
+    def __init__(self, site: SiteWorld, round_files: list[Path], on_event: Callable[[dict], None]):
+        self.site = site
+        self.events: list[dict] = []
+        self.log = open(site.root / "rounds.log", "ab")
+        args = [sys.executable, "-m", "peer.cli", "round", "--config", str(site.config), "--events"]
+        for f in round_files:
+            args += ["--round", str(f)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, env=_child_env(), text=True)
+        self.killed_at: str | None = None
+        self._reader = threading.Thread(target=self._read, args=(on_event,), daemon=True)
+        self._reader.start()
+
+    def _read(self, on_event) -> None:
+        for line in self.proc.stdout:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            self.events.append(e)
+            on_event(e)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.killed_at = _now()
+            self.proc.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        self.log.close()
+        return code
+
+
+def _ledger_count(path: Path) -> int:
+    from peer.ledger import Ledger
+
+    if not path.exists():
+        return 0
+    ledger = Ledger(path, verify=False)
+    try:
+        return len(ledger.entries())
+    finally:
+        ledger.close()
+
+
+# ------------------------------------------------------------------------------------- the run
+
+
+def run_sites(world: World, progress: Progress) -> dict:
+    """Start every daemon, write the roster, run every site's rounds at once, stop the daemons.
+    Returns what happened to processes (kills, exit codes)."""
+    from peer.commands.round import QUIET, describe
+
+    sc = world.scenario
+    daemons: dict[str, Daemon] = {}
+    rounds: dict[str, RoundProcess] = {}
+    failure: dict[str, Any] = {}
+    try:
+        t0 = time.monotonic()
+        for s in world.sites.values():
+            daemons[s.name] = Daemon(s)
+        for name, d in daemons.items():
+            progress(f"{name}: daemon serving on {d.wait_ready()} (pid {d.proc.pid}, mutual TLS, ledger {d.site.ledger.name})")
+        world.timings["daemons_start_s"] = time.monotonic() - t0
+        roster = world.out / "roster.toml"
+        write_roster(roster, [(n, d.address, str((world.sites[n].identity / "site.crt").resolve())) for n, d in daemons.items()])
+
+        def on_event(e: dict) -> None:
+            if e["event"] not in QUIET:
+                progress(describe(e))
+
+        t0 = time.monotonic()
+        for s in world.sites.values():
+            files = []
+            for label, method, scale in world.plan:
+                f = s.root / f"round-{label}.toml"
+                f.write_text(round_toml(sc, s, label, method, scale, roster.resolve()), encoding="utf-8")
+                files.append(f)
+            rounds[s.name] = RoundProcess(s, files, on_event)
+        progress(f"every site started its rounds ({', '.join(l for l, _, _ in world.plan)}) at once")
+
+        if sc.failure is not None:
+            victim = sc.failure.site
+            while rounds[victim].proc.poll() is None:
+                if _ledger_count(world.sites[victim].ledger) >= sc.failure.after_releases:
+                    daemons[victim].kill()
+                    rounds[victim].kill()
+                    failure = {"site": victim, "killed_at": daemons[victim].killed_at, "signal": "SIGKILL",
+                               "trigger": f"scripted: once its ledger held {sc.failure.after_releases} charge(s)",
+                               "ledger_entries_at_kill": _ledger_count(world.sites[victim].ledger)}
+                    progress(f"FAILURE: SIGKILL {victim} (daemon and round) at {failure['killed_at']}: {failure['trigger']}")
+                    break
+                time.sleep(0.02)
+            if not failure:
+                failure = {"site": victim, "killed_at": None,
+                           "trigger": f"not reached: its ledger never held {sc.failure.after_releases} charges"}
+                progress(f"FAILURE not triggered: {failure['trigger']}")
+        codes = {n: r.wait() for n, r in rounds.items()}
+        world.timings["rounds_s"] = time.monotonic() - t0
+    finally:
+        for r in rounds.values():
+            if r.proc.poll() is None:
+                r.kill()
+                r.wait()
+        for d in daemons.values():
+            d.terminate()
+        for d in daemons.values():
+            d.stop()
+    return {"exit_codes": codes, "failure": failure,
+            "addresses": {n: d.address for n, d in daemons.items()}}
+
+
+# ------------------------------------------------------------------------------------- evaluation
+
+
+def round_reports(site: SiteWorld) -> dict[str, dict]:
+    """The round reports a site wrote, by label (a killed site may have none)."""
+    out = {}
+    for p in sorted((site.root / "rounds").glob("round-*.json")):
+        r = json.loads(p.read_text())
+        out[r["label"]] = r
+    return out
+
+
+def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> float:
+    """NON-PRIVATE baseline: the same α-fusion, aligned by graph matching on every model's EXACT
+    features on the site's probe set (the simulator holds every exact model; no site could)."""
+    from peer.fusion import average_arrays, permute_arrays
+    from peer.graph import extract_graph
+    from peer.matching import match_graphs
+    from peer.models import accuracy, model_from_arrays
+
+    arch = site.architecture
+    own = extract_graph(arch, model_from_arrays(arch, site.arrays), site.probe)
+    aligned = []
+    for name in contributors:
+        other = world.sites[name]
+        g = extract_graph(arch, model_from_arrays(arch, other.arrays), site.probe)
+        aligned.append(permute_arrays(arch, other.arrays, match_graphs(own, g).permutations))
+    fused = average_arrays([site.arrays] + aligned, fusion_weights(site.alpha, len(aligned)))
+    return accuracy(arch, model_from_arrays(arch, fused), world.x_test, world.y_test)
+
+
+def evaluate(world: World) -> dict[str, dict]:
+    from peer.models import accuracy, model_from_arrays
+    from peer.store import load_model
+
+    out = {}
+    for name, s in world.sites.items():
+        arch = s.architecture
+        reports = round_reports(s)
+        rounds = {}
+        for label, method, scale in world.plan:
+            r = reports.get(label)
+            if r is None:
+                rounds[label] = {"status": "missing", "method": method, "scale": scale, "accuracy": None,
+                                 "reason": "no round report (the site was killed before it finished this round)"}
+                continue
+            acc = None
+            if r["status"] == "fused":
+                m = load_model(s.root / "rounds" / "models", r["fused_model"])
+                acc = accuracy(arch, model_from_arrays(arch, m.arrays), world.x_test, world.y_test)
+            drops = [p["drop"] for p in r["peers"].values() if p["drop"] is not None]
+            rounds[label] = {"status": r["status"], "reason": r["reason"], "method": method, "scale": scale,
+                             "round_id": r["round_id"], "accuracy": acc, "contributors": r["contributors"],
+                             "weights": r["weights"], "dropped": drops, "started_at": r["started_at"],
+                             "finished_at": r["finished_at"],
+                             "released_epsilon_per_peer": released_epsilon(world.scenario, scale) if method == "ldp" else None,
+                             "methods": {p: v["method"] for p, v in r["peers"].items() if v["state"] == "contributed"}}
+        main = next((rounds[l] for l, m, sc in world.plan if m == "ldp" and sc == 1.0), None)
+        contributors = main["contributors"] if main and main.get("contributors") else \
+            [n for n in world.sites if n != name]
+        out[name] = {
+            "records": int(len(s.y)), "alpha": s.alpha,
+            "own_accuracy": accuracy(arch, model_from_arrays(arch, s.arrays), world.x_test, world.y_test),
+            "rounds": rounds,
+            "oracle": {"accuracy": oracle_accuracy(world, s, contributors), "contributors": contributors,
+                       "label": "ORACLE (non-private): graph matching on exact features, computed by the simulator"},
+            "pool": s.pool,
+        }
+    return out
+
+
+def read_ledger(path: Path) -> dict:
+    """A site's ledger as the file holds it: entries and budget states (the filter's ε), plus
+    each budget's basic-composition sums (Σε, Σδ over its entries).
+
+    The ledger's PLD figure is left out: composing the PLDs of a few dozen composite releases
+    takes minutes on two cores, and for these per-neuron releases it is not below the
+    filter's ε anyway (``privfusion ledger show`` computes it on demand)."""
+    from peer.ledger import Ledger
+
+    ledger = Ledger(path)  # read-only (no policy); verified at open: integrity, hash chain, totals
+    try:
+        summary = ledger.summary(pld=False)
+    finally:
+        ledger.close()
+    for b in summary["budgets"]:
+        mine = [e for e in summary["entries"] if b["budget"] in e["budgets"]]
+        b["epsilon_sum"] = float(sum(e["epsilon"] for e in mine))
+        b["delta_sum"] = float(sum(e["delta"] for e in mine))
+    return summary
+
+
+def read_ledgers(world: World) -> dict[str, dict]:
+    return {name: read_ledger(s.ledger) for name, s in world.sites.items()}
+
+
+def reconcile(world: World, evaluation: dict, ledgers: dict) -> dict[str, dict]:
+    """For each releasing site: its ledger entries against the receipts requesters reported.
+
+    Every receipt a requester got must be an entry of the releasing site's ledger. An entry no
+    surviving report holds a receipt for went to a requester that died before writing its
+    report, or whose stream broke before the receipt arrived (the charge stands)."""
+    receipts: dict[str, dict[str, dict]] = {n: {} for n in world.sites}
+    for name, s in world.sites.items():
+        for r in round_reports(s).values():
+            for c in r["charges"]:
+                receipts[c["peer"]][c["release_id"]] = {"requester": name, "round": r["label"], "step": c["step"],
+                                                        "entry_id": c["entry_id"]}
+    out = {}
+    for name in world.sites:
+        entries = {e["release_id"]: e for e in ledgers[name]["entries"]}
+        missing = sorted(set(receipts[name]) - set(entries))
+        unreported = [{"entry_id": e["entry_id"], "counterparty": e["counterparty"], "mechanism": e["mechanism"]}
+                      for rid, e in entries.items() if rid not in receipts[name]]
+        out[name] = {"ledger_entries": len(entries), "receipts_reported": len(receipts[name]),
+                     "receipts_missing_from_ledger": missing, "entries_without_reported_receipt": unreported,
+                     "consistent": not missing}
+    return out
+
+
+def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = None) -> dict:
+    """Run a scenario end to end and write its report into ``out``; returns the report."""
+    from scenarios.report import write_report
+
+    progress = progress or Progress()
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FailedPrecondition(f"--out {out} is not empty; give a new directory (a simulation never overwrites one)")
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    progress(f"scenario {sc.name!r}: {len(sc.sites)} sites, {sc.data.dataset}, split {sc.data.split}; output in {out}")
+    t0 = time.monotonic()
+    world = prepare(sc, out, progress)
+    world.timings["prepare_s"] = time.monotonic() - t0
+    processes = run_sites(world, progress)
+    t0 = time.monotonic()
+    progress("evaluating models and the non-private oracle; reading every ledger")
+    evaluation = evaluate(world)
+    ledgers = read_ledgers(world)
+    world.timings["evaluate_s"] = time.monotonic() - t0
+    world.timings["total_s"] = time.monotonic() - started
+    report = {
+        "scenario": sc.to_dict(), "plan": [{"label": l, "method": m, "scale": s} for l, m, s in world.plan],
+        "sites": evaluation, "ledgers": ledgers, "reconciliation": reconcile(world, evaluation, ledgers),
+        "failure": processes["failure"], "round_exit_codes": processes["exit_codes"],
+        "addresses": processes["addresses"], "timings": world.timings,
+        "test_examples": int(len(world.y_test)), "public_examples": int(len(world.y_public)),
+    }
+    write_report(report, out)
+    return report

@@ -1,0 +1,221 @@
+"""Real sites for tests: identities, model stores, site.toml files, daemons on loopback.
+
+Everything is real: keys and certificates from ``coordinator_free.identity``, pinned trust
+directories, safetensors model stores, a SQLite ledger file, the gRPC server with mutual TLS.
+Daemons run in-process (``running``) or as a separate ``privfusion peer serve`` process
+(``DaemonProcess``), the latter for signals and crashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coordinator_free.identity import Identity, init_identity, load_identity
+from coordinator_free.trust import TrustStore
+from peer.models import build_model, state_arrays
+from peer.store import save_model
+
+ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [16, 12], "output_dim": 10, "activation": "relu"}
+
+OPEN_POLICY = """
+[policy]
+show_remaining = "own"
+
+[policy.data]
+unit = "record:replace-one"
+epsilon = 1000.0
+delta = 1e-3
+
+[policy.model]
+total = { epsilon = 1000.0, delta = 1e-3 }
+per_counterparty = { epsilon = 1000.0, delta = 1e-3 }
+
+[policy.peers."*"]
+allow = ["features", "weights", "merge", "fuse", "ledger"]
+"""
+
+
+@dataclass
+class SiteFiles:
+    name: str
+    root: Path
+    config: Path
+    identity_dir: Path
+
+    @property
+    def identity(self) -> Identity:
+        return load_identity(self.identity_dir)
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger.sqlite"
+
+
+def model_arrays(arch=ARCH, seed=0) -> dict[str, np.ndarray]:
+    return state_arrays(build_model(arch, seed=seed))
+
+
+def make_site(root: Path, name: str, *, models: dict | None = None, policy: str = OPEN_POLICY,
+              peers: dict[str, str] | None = None, probe: np.ndarray | None = None, seed: int | None = None,
+              workers: int = 8, activation_clip=(0.0, 4.0), grace: float = 5.0, extra_site: str = "",
+              pools: dict[str, Path] | None = None) -> SiteFiles:
+    """A site directory with an identity, a model store, site.toml (and its [policy])."""
+    d = root / name
+    d.mkdir(parents=True)
+    init_identity(d / "identity", name, ["127.0.0.1", "localhost"])
+    for model_name, (arch, arrays) in (models if models is not None else {"mlp": (ARCH, model_arrays())}).items():
+        save_model(d / "models", model_name, arch, arrays)
+    (d / "models").mkdir(exist_ok=True)
+    lines = [
+        "[site]",
+        f'name = "{name}"',
+        'listen = "127.0.0.1:0"',
+        'identity = "identity"',
+        'models = "models"',
+        'ledger = "ledger.sqlite"',
+        f"workers = {workers}",
+        f"shutdown_grace_s = {grace}",
+    ]
+    if seed is not None:
+        lines.append(f"seed = {seed}")
+    if probe is not None:
+        from safetensors.numpy import save_file
+
+        save_file({"x": np.ascontiguousarray(probe)}, str(d / "probe.safetensors"))
+        lines.append('probe = "probe.safetensors"')
+    lines.append(extra_site)
+    lines += ["", "[site.mechanisms]", f"activation_clip = [{activation_clip[0]}, {activation_clip[1]}]"]
+    for pool, directory in (pools or {}).items():
+        lines += ["", f'[site.pools."{pool}"]', f'models = "{directory}"']
+    for peer, address in (peers or {}).items():
+        lines += ["", f'[site.peers."{peer}"]', f'address = "{address}"']
+    (d / "site.toml").write_text("\n".join(lines) + "\n" + policy)
+    return SiteFiles(name, d, d / "site.toml", d / "identity")
+
+
+LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
+
+
+def make_pool(directory: Path, noise=(4.0, 12.0), steps: int = 3, arch=LOGREG, seed: int = 1) -> Path:
+    """A small real DP-SGD pool (full batch, replace-one) on digits, as `privfusion pool train` makes."""
+    from peer.accounting import TrainingRecord
+    from peer.pool import load_splits, save_trained
+    from peer.rng import make_randomness
+    from peer.training import train_pool
+
+    s = load_splits("digits")
+    trainings = [TrainingRecord.constant("replace-one", steps, 2.0, 1.0, sigma) for sigma in noise]
+    models = train_pool(arch, s.x_train, s.y_train, trainings, init_seed=0, randomness=make_randomness(seed), delta=1e-5)
+    for i, m in enumerate(models):
+        save_trained(directory, f"m{i}", m, data=s.description)
+    return directory
+
+
+def pin(site: SiteFiles, *others: SiteFiles) -> None:
+    store = TrustStore(site.identity_dir / "trusted")
+    for o in others:
+        store.add((o.identity_dir / "site.crt").read_bytes())
+
+
+def pin_each_other(*sites: SiteFiles) -> None:
+    for s in sites:
+        pin(s, *[o for o in sites if o is not s])
+
+
+def set_peer_address(site: SiteFiles, peer: str, address: str) -> None:
+    text = site.config.read_text()
+    site.config.write_text(text.replace("[policy]", f'[site.peers."{peer}"]\naddress = "{address}"\n\n[policy]', 1))
+
+
+@contextlib.contextmanager
+def running(site: SiteFiles, insecure: bool = False):
+    """An in-process daemon for ``site``; yields (daemon, "127.0.0.1:PORT")."""
+    from peer.daemon import Daemon, open_site
+
+    daemon = Daemon(open_site(site.config, insecure=insecure))
+    port = daemon.start()
+    try:
+        yield daemon, f"127.0.0.1:{port}"
+    finally:
+        daemon.stop(grace=1.0)
+
+
+def client(site: SiteFiles, address: str, peer: str | None = None, **kw):
+    from peer.client import PeerClient
+
+    return PeerClient(site.identity, address, peer=peer, **kw)
+
+
+class DaemonProcess:
+    """``privfusion peer serve`` in its own process (for SIGTERM / SIGKILL tests)."""
+
+    def __init__(self, site: SiteFiles, log_path: Path | None = None, insecure: bool = False):
+        self.site = site
+        self.ready = site.root / f"ready-{time.monotonic_ns()}.json"
+        self.log_path = log_path or site.root / "daemon.log"
+        self.log = open(self.log_path, "ab")
+        args = [sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(site.config), "--ready-file", str(self.ready)]
+        if insecure:
+            args.append("--insecure")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=env)
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready.exists():
+                return f"127.0.0.1:{json.loads(self.ready.read_text())['port']}"
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready after {timeout}s: {self.log_path.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def serve_in_child(config: str, ready: str, log_path: str) -> None:
+    """Target of a forked daemon process: the real ``serve`` (the CLI's), logging to a file."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    from peer.daemon import serve
+
+    serve(config, ready_file=ready)
+
+
+class ForkedDaemons:
+    """Starts daemons by forking a server process that imported everything once (a
+    multiprocessing forkserver), so a restart costs milliseconds instead of a Python start."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["peer.daemon", "peer.mechanisms", "peer.fusion", "peer.matching", "peer.pool",
+                                          "peer.accounting", "peer.client", "peer_harness"])
+
+    def start(self, site: SiteFiles, timeout: float = 60.0):
+        ready = site.root / f"ready-{time.monotonic_ns()}.json"
+        proc = self.ctx.Process(target=serve_in_child, args=(str(site.config), str(ready), str(site.root / "daemon.log")))
+        proc.start()
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if not proc.is_alive():
+                raise RuntimeError(f"daemon exited with {proc.exitcode}: {(site.root / 'daemon.log').read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError("daemon not ready")
+            time.sleep(0.01)
+        return proc, f"127.0.0.1:{json.loads(ready.read_text())['port']}"

@@ -1,0 +1,54 @@
+"""The merging experiment: a reduced run in the default suite, the full one marked slow."""
+
+import json
+
+import pytest
+
+from peer.cli import main
+
+
+def _check(result, out_dir, mc_standard_errors):
+    a, b = result["mean_estimation"], result["digits"]
+    # (a) the paper's findings
+    assert a["findings"]["lc_dominates_rs"] and a["findings"]["pld_no_worse_than_rdp"]
+    assert any(r["ratio"] < 0.9 for r in a["findings"]["lc_over_rs_mse"])  # LC strictly better somewhere
+    for m in a["models"]:
+        # clipping never binds, so the Monte Carlo MSE must match the linear-Gaussian closed form
+        assert m["max_distance_to_a_record"] < m["clip_norm"]
+        assert abs(m["mse"] - m["mse_closed_form"]) < mc_standard_errors * m["mse_standard_error"]
+    # every chosen weighting meets its target by the accountant it was chosen for
+    for part in (a, b):
+        for method in ("rs", "lc"):
+            for acc in ("pld", "rdp"):
+                for r in part["curves"][method][acc]:
+                    assert r["epsilon"][acc] <= r["target_epsilon"] * (1 + 1e-9)
+    # (b) PLD certifies every RDP-chosen release at a smaller ε
+    for method in ("rs", "lc"):
+        sv = b["pld_savings"][method]
+        assert sv["releases"] and all(0 < r["saving"] < r["saving_vs_classical"] for r in sv["releases"])
+    for kind in ("rs", "lc"):
+        rec = b["example_releases"][kind]["record"]
+        assert rec["mechanism"] == f"{kind}-merge" and rec["epsilon"] <= b["example_releases"]["target_epsilon"]
+    for name in ("merging.json", "merging.md", "mean_estimation.png", "digits_frontier.png"):
+        data = (out_dir / name).read_bytes()
+        assert len(data) > 1000
+        if name.endswith(".png"):
+            assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out_dir / "merging.json").read_text()) == result
+
+
+def test_quick_experiment_end_to_end(tmp_path, capsys):
+    assert main(["experiment", "merging", "--quick", "--json", "--out", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # 2,000 replicas: 5 standard errors, a false-failure rate below 1e-6 per model
+    _check(result, tmp_path, 5)
+
+
+@pytest.mark.slow
+def test_full_experiment(tmp_path, capsys):
+    assert main(["experiment", "merging", "--json", "--out", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    _check(result, tmp_path, 5)
+    sv = result["digits"]["pld_savings"]
+    assert sv["rs"]["saving_mean"] > 0.05 and sv["lc"]["saving_mean"] > 0.05
+    assert sum(result["seconds"].values()) < 300

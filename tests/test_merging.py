@@ -1,0 +1,258 @@
+"""RS and LC merging: the weights meet and saturate the target (re-accounted independently, by
+closed forms written here), prefer the more useful models, θ_λ = Σ λ_i θ_i, draws follow π,
+and the refusals."""
+
+import math
+
+import numpy as np
+import pytest
+from dp_accounting.rdp import rdp_privacy_accountant
+from scipy import optimize, special, stats
+
+from peer.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
+from peer.errors import InvalidArgument
+from peer.merging import PoolModel, combine, draw_index, merge_lc, merge_rs
+from peer.models import build_model, state_arrays
+from peer.rng import make_randomness
+
+ARCH = {"kind": "mlp", "input_dim": 4, "hidden": [3], "output_dim": 2, "activation": "relu"}
+DELTA = 1e-5
+T, LR = 40, 2.0
+# (clip_norm, noise_multiplier): least private first
+HYPER = [(2.0, 6.0), (1.0, 15.0), (0.5, 40.0)]
+
+
+def _pool(hyper=HYPER, sample_rate=1.0, sizes=None):
+    pool = []
+    for i, (c, s) in enumerate(hyper):
+        training = TrainingRecord.constant("replace-one", T, LR, c, s, sample_rate)
+        pool.append(PoolModel(f"m{i}", ARCH, state_arrays(build_model(ARCH, seed=i)), training, 500 if sizes is None else sizes[i]))
+    return pool
+
+
+# ---- independent accounting (closed forms, no peer.accounting) ----
+
+def _gdp_delta(mu, eps):
+    """δ(ε) of μ-GDP (Dong, Roth & Su 2022, Cor. 2.13)."""
+    return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+
+
+def _gdp_epsilon(mu, delta):
+    return optimize.brentq(lambda e: _gdp_delta(mu, e) - delta, 0.0, 500.0, xtol=1e-12)
+
+
+def _model_mu(c_s):
+    """A full-batch run of T identical steps under replace-one: μ = sqrt(T)·2/σ."""
+    return math.sqrt(T) * 2.0 / c_s[1]
+
+
+def _lc_mu(lam, hyper=HYPER):
+    """μ of θ_λ: per step Δ = 2 Σ λ_i η C_i, s = sqrt(Σ (λ_i η σ_i C_i)²), T identical steps."""
+    sens = 2 * sum(l * LR * c for l, (c, s) in zip(lam, hyper))
+    std = math.sqrt(sum((l * LR * s * c) ** 2 for l, (c, s) in zip(lam, hyper)))
+    return math.sqrt(T) * sens / std
+
+
+def _rs_pld_delta(pi, eps):
+    """Full-batch Gaussian models are symmetric, so the RS hockey-stick bound is Σ π_i δ_i(ε)."""
+    return sum(p * _gdp_delta(_model_mu(h), eps) for p, h in zip(pi, HYPER))
+
+
+def _rs_rdp_epsilon(pi, delta):
+    orders = np.asarray(DEFAULT_ORDERS)
+    per_model = np.array([orders * _model_mu(h) ** 2 / 2 for h in HYPER])
+    with np.errstate(divide="ignore"):
+        mix = special.logsumexp((orders - 1) * per_model, axis=0, b=np.asarray(pi)[:, None]) / (orders - 1)
+    return rdp_privacy_accountant.compute_epsilon(orders, mix, delta)[0]
+
+
+EPS = [_gdp_epsilon(_model_mu(h), DELTA) for h in HYPER]
+UTIL = [0.9, 0.8, 0.6]  # the least private model is the most useful
+
+
+def test_independent_accounting_sanity():
+    assert EPS[0] > EPS[1] > EPS[2]
+
+
+# ---- RS ----
+
+def test_rs_meets_and_saturates_the_target_and_prefers_accurate_models():
+    target = 0.5 * (EPS[1] + EPS[2])
+    merged = merge_rs(_pool(), UTIL, target, DELTA, randomness=make_randomness(0))
+    pi = np.asarray(merged.choice.weights)
+    # δ of the RS bound at the target, by the closed form: within the budget, and saturating it
+    # (1e-3 relative allows for the PLD's pessimistic discretisation)
+    d = _rs_pld_delta(pi, target)
+    assert d <= DELTA * (1 + 1e-6)
+    assert d >= DELTA * (1 - 1e-3)
+    assert merged.record.epsilon <= target and merged.choice.saturated
+    # the best single feasible model is the most private one (utility 0.6): RS beats it by
+    # putting some weight on more useful models
+    assert merged.choice.utility > UTIL[2]
+    assert pi[0] + pi[1] > 0
+    # brute force over a fine grid of π: nothing feasible is more useful (to the LP's tolerance)
+    best = -1.0
+    for a in np.linspace(0, 1, 41):
+        for b in np.linspace(0, 1 - a, int(round((1 - a) * 40)) + 1):
+            p = [a, b, max(0.0, 1 - a - b)]
+            if _rs_pld_delta(p, target) <= DELTA * (1 - 1e-3):
+                best = max(best, float(np.dot(p, UTIL)))
+    assert merged.choice.utility >= best - 1e-9
+
+
+def test_rs_by_rdp_meets_the_rdp_target():
+    target = 0.5 * (EPS[0] + EPS[1])
+    merged = merge_rs(_pool(), UTIL, target, DELTA, randomness=make_randomness(0), accountant="rdp")
+    pi = merged.choice.weights
+    e = _rs_rdp_epsilon(pi, DELTA)
+    assert e <= target * (1 + 1e-9) and e >= target * (1 - 1e-3)
+    assert merged.record.parameters["epsilon_rdp"] == pytest.approx(e, rel=1e-9)
+    assert merged.record.epsilon < e  # PLD is tighter than RDP on the same π
+
+
+def test_rs_whose_best_model_is_within_the_target_takes_it():
+    merged = merge_rs(_pool(), UTIL, EPS[0] + 1.0, DELTA, randomness=make_randomness(0))
+    assert merged.choice.weights == pytest.approx((1.0, 0.0, 0.0))
+    assert all(np.array_equal(merged.arrays[k], _pool()[0].arrays[k]) for k in merged.arrays)
+
+
+def test_rs_draws_follow_pi():
+    """20,000 draws from a fixed seed against π: chi-square goodness of fit, false-failure rate 1e-6."""
+    pi = [0.5, 0.3, 0.15, 0.05]
+    r = make_randomness(123)
+    draws = np.array([draw_index(pi, r) for _ in range(20_000)])
+    observed = np.bincount(draws, minlength=4)
+    assert stats.chisquare(observed, np.asarray(pi) * len(draws)).pvalue > 1e-6
+
+
+def test_rs_returns_the_drawn_model_and_its_record_does_not_say_which():
+    pool = _pool()
+    target = _rs_rdp_epsilon([0.5, 0.5, 0.0], DELTA)  # π = (½, ½, 0) is feasible: the draws vary
+    drawn = set()
+    params = set()
+    for seed in range(6):
+        merged = merge_rs(pool, UTIL, target, DELTA, randomness=make_randomness(seed), accountant="rdp")
+        i = draw_index(merged.choice.weights, make_randomness(seed))  # the same stream draws the same index
+        assert all(np.array_equal(merged.arrays[k], pool[i].arrays[k]) for k in merged.arrays)
+        drawn.add(i)
+        assert merged.choice.weights[0] >= 0.5 - 1e-9
+        rec = merged.record.to_dict()
+        assert rec["seed"] == seed and rec["randomness"] == "fixed-seed"
+        params.add(str(sorted(rec["parameters"].items())))
+    assert len(drawn) > 1
+    assert len(params) == 1  # every draw's record is the same: it does not identify the model
+
+
+def test_rs_accepts_models_known_only_by_epsilon_delta():
+    pool = _pool()
+    pool[2] = PoolModel("approx", ARCH, pool[2].arrays, ApproxDP(1.0, 1e-6, "replace-one"))
+    merged = merge_rs(pool, UTIL, 2.0, DELTA, randomness=make_randomness(0))
+    assert merged.record.epsilon <= 2.0
+    assert merged.record.parameters["models"][2] == {"epsilon": 1.0, "delta": 1e-6, "adjacency": "replace-one"}
+
+
+# ---- LC ----
+
+def _distance_utility(reference):
+    """A smooth utility: closeness to ``reference`` (stands for 'accuracy of θ_λ')."""
+    return lambda arrays: -math.sqrt(sum(float(np.sum((arrays[k] - reference[k]) ** 2)) for k in arrays))
+
+
+def test_lc_combination_is_the_weighted_sum_meets_and_saturates():
+    pool = _pool()
+    target = 0.5 * (EPS[1] + EPS[2])
+    merged = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
+    lam = np.asarray(merged.choice.weights)
+    assert lam.sum() == pytest.approx(1.0) and np.all(lam >= 0)
+    for k in merged.arrays:
+        expected = sum(l * pool[i].arrays[k].astype(np.float64) for i, l in enumerate(lam))
+        np.testing.assert_allclose(merged.arrays[k], expected, rtol=1e-6, atol=1e-7)
+    e = _gdp_epsilon(_lc_mu(lam), DELTA)
+    assert e <= target * (1 + 1e-6) and e >= target * (1 - 1e-3)
+    assert merged.record.epsilon <= target
+    assert merged.record.mechanism == "lc-merge" and merged.record.randomness == "none"
+    assert merged.record.parameters["lam"] == pytest.approx(list(lam))
+
+
+def test_lc_prefers_the_more_useful_model():
+    """Utility = closeness to model 0 (the least private): LC puts as much weight on it as the
+    target allows; closeness to model 2 instead puts all the weight on model 2."""
+    pool = _pool()
+    target = 0.5 * (EPS[0] + EPS[1])
+    towards0 = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
+    assert int(np.argmax(towards0.choice.weights)) == 0
+    towards2 = merge_lc(pool, _distance_utility(pool[2].arrays), target, DELTA)
+    assert towards2.choice.weights == pytest.approx((0.0, 0.0, 1.0), abs=1e-9)
+
+
+def test_lc_beats_rs_on_a_gaussian_pool():
+    """Three models with equal hyperparameters: the uniform average is μ-GDP with μ = √3·μ_1, and
+    at that target LC takes it, while any RS release is one of the models."""
+    pool = _pool(hyper=[(1.0, 15.0)] * 3)
+    eps = _gdp_epsilon(_model_mu((1.0, 15.0)), DELTA)
+    centre = combine([m.arrays for m in pool], [1 / 3] * 3)
+    uniform_eps = _gdp_epsilon(math.sqrt(3) * _model_mu((1.0, 15.0)), DELTA)
+    merged = merge_lc(pool, _distance_utility(centre), uniform_eps * 1.001, DELTA)
+    assert merged.choice.weights == pytest.approx((1 / 3, 1 / 3, 1 / 3), abs=0.02)
+    rs = merge_rs(pool, [1.0, 1.0, 1.0], uniform_eps * 1.001, DELTA, randomness=make_randomness(0))
+    assert merged.choice.utility > _distance_utility(centre)(rs.arrays)
+    assert eps < uniform_eps
+
+
+@pytest.mark.parametrize("method", ["rs", "lc"])
+def test_refusals(method):
+    def go(pool, target=5.0, delta=DELTA, accountant="pld"):
+        if method == "rs":
+            return merge_rs(pool, [0.5] * len(pool), target, delta, randomness=make_randomness(0), accountant=accountant)
+        return merge_lc(pool, lambda a: 0.0, target, delta, accountant=accountant)
+
+    with pytest.raises(InvalidArgument, match="empty"):
+        go([])
+    other = dict(ARCH, hidden=[5])
+    mismatched = _pool()[:2] + [PoolModel("x", other, state_arrays(build_model(other, seed=0)), _pool()[0].privacy, 500)]
+    with pytest.raises(InvalidArgument, match="architecture"):
+        go(mismatched)
+    with pytest.raises(InvalidArgument, match="delta"):
+        go(_pool(), delta=1.5)
+    with pytest.raises(InvalidArgument, match="target_epsilon"):
+        go(_pool(), target=-1.0)
+    # unreachable: the message names the most private reachable ε — here the most private model
+    # alone, by RDP (by PLD: test_unreachable_by_pld_names_the_most_private_model)
+    rdp_eps = _rs_rdp_epsilon([0.0, 0.0, 1.0], DELTA)
+    with pytest.raises(InvalidArgument, match=r"most private reachable is epsilon = ([0-9.]+)") as info:
+        go(_pool(), target=0.9 * rdp_eps, accountant="rdp")
+    assert float(info.value.rule.rsplit("= ", 1)[1]) == pytest.approx(rdp_eps, rel=1e-4)
+
+
+@pytest.mark.parametrize("method", ["rs", "lc"])
+def test_unreachable_by_pld_names_the_most_private_model(method):
+    with pytest.raises(InvalidArgument, match=r"most private reachable is epsilon = ([0-9.]+)") as info:
+        if method == "rs":
+            merge_rs(_pool(), UTIL, 0.5 * EPS[2], DELTA, randomness=make_randomness(0))
+        else:
+            merge_lc(_pool(), lambda a: 0.0, 0.5 * EPS[2], DELTA)
+    assert float(info.value.rule.rsplit("= ", 1)[1]) == pytest.approx(EPS[2], rel=1e-3)
+
+
+def test_lc_refuses_subsampled_and_epsilon_delta_only_models():
+    with pytest.raises(InvalidArgument, match="sample_rate"):
+        merge_lc(_pool(sample_rate=0.1), lambda a: 0.0, 5.0, DELTA)
+    pool = _pool()
+    pool[1] = PoolModel("approx", ARCH, pool[1].arrays, ApproxDP(1.0, 1e-6, "replace-one"))
+    with pytest.raises(InvalidArgument, match="(?i)no free lunch"):
+        merge_lc(pool, lambda a: 0.0, 5.0, DELTA)
+    with pytest.raises(InvalidArgument, match="dataset size"):
+        merge_lc(_pool(sizes=[500, 500, 400]), lambda a: 0.0, 5.0, DELTA)
+
+
+def test_combine_checks_weights_and_shapes():
+    pool = _pool()
+    arrays = [m.arrays for m in pool]
+    with pytest.raises(InvalidArgument, match="sum to 1"):
+        combine(arrays, [0.5, 0.5, 0.5])
+    with pytest.raises(InvalidArgument, match=r"lam\[1\]"):
+        combine(arrays, [1.5, -0.5, 0.0])
+    lam = [0.2, 0.3, 0.5]
+    out = combine(arrays, lam)
+    for k in out:
+        np.testing.assert_allclose(out[k], sum(l * a[k] for l, a in zip(lam, arrays)), rtol=1e-6)

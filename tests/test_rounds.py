@@ -1,0 +1,489 @@
+"""Coordinator-free fusion rounds: the pure bookkeeping, and rounds against real daemons on
+loopback (mutual TLS, pinned certificates, SQLite ledgers), including peers that are down, die
+mid-round or refuse, quorum aborts, concurrent rounds at every site, and no double charges."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator_free.config import ConfigError, Section, key_line, parse_toml
+from coordinator_free.roster import Roster, write_roster
+from coordinator_free.rounds import (RoundConfig, RoundState, charged_status, fusion_weights, public_view)
+from coordinator_free.runner import load_local_site, load_round_config, run_round
+from peer.data import load_dataset
+from peer.errors import FailedPrecondition
+from peer.fusion import permute_arrays
+from peer.graph import extract_graph
+from peer.ledger import Ledger
+from peer.models import model_from_arrays, state_arrays, train_classifier
+from peer.store import load_model
+from peer_harness import DaemonProcess, make_site, pin_each_other, running
+
+ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [16], "output_dim": 10, "activation": "relu"}
+CLIP = (0.0, 8.0)
+
+
+def policy(per_peer: float = 5000.0, total: float = 20000.0) -> str:
+    return f"""
+[policy]
+show_remaining = "own"
+
+[policy.model]
+total = {{ epsilon = {total}, delta = 1e-3 }}
+per_counterparty = {{ epsilon = {per_peer}, delta = 1e-3 }}
+
+[policy.peers."*"]
+allow = ["features", "weights", "merge", "ledger"]
+"""
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A digits MLP (16 hidden units) and a public probe set: structured activations, so that
+    matching at a high ε recovers a known permutation."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ds = load_dataset("digits", seed=0)
+        model = train_classifier(ARCH, ds.x_train[:400], ds.y_train[:400], seed=0, epochs=20)
+    finally:
+        torch.set_num_threads(threads)
+    return state_arrays(model), np.ascontiguousarray(ds.x_test[:30]), ds
+
+
+def build(root, trained, names, perms=None, policies=None):
+    """Sites whose models are the trained model re-indexed by known permutations (site i's node
+    k is the base model's node perms[i][k]); everyone pins everyone."""
+    base, probe, _ = trained
+    rng = np.random.default_rng(1)
+    sites, truth = [], {}
+    for i, name in enumerate(names):
+        p = np.arange(16) if i == 0 else (perms or {}).get(name, rng.permutation(16))
+        truth[name] = p
+        arrays = permute_arrays(ARCH, base, [p])
+        sites.append(make_site(root, name, models={"mlp": (ARCH, arrays)}, probe=probe, seed=100 + i,
+                               policy=(policies or {}).get(name, policy()), activation_clip=CLIP))
+    pin_each_other(*sites)
+    return sites, truth
+
+
+def roster_for(root, sites, addresses) -> Roster:
+    path = write_roster(root / "roster.toml", [(s.name, addresses[s.name], str(s.identity_dir / "site.crt")) for s in sites])
+    return Roster.load(path)
+
+
+def config(root, **kw) -> RoundConfig:
+    base = dict(roster=root / "roster.toml", model="mlp", activation_epsilon=500.0, weight_epsilon=500.0,
+                weights_epsilon=200.0, weights_delta=1e-5, activation_clip=CLIP, out=root / "out",
+                health_timeout_s=2.0, call_timeout_s=60.0)
+    base.update(kw)
+    return RoundConfig(**base)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ledger_entries(site, counterparty=None):
+    with Ledger(site.ledger) as ledger:  # read-only; verified at open (hash chain, totals)
+        return ledger.entries(counterparty=counterparty)
+
+
+def charges_of(report, peer):
+    return [c for c in report["charges"] if c["peer"] == peer]
+
+
+def assert_ledger_matches_report(site, requester, reports):
+    """The peer's ledger holds exactly the releases the requester's reports list (by id)."""
+    in_ledger = sorted(e.release_id for e in ledger_entries(site, requester))
+    reported = sorted(c["release_id"] for r in reports for c in charges_of(r, site.name))
+    assert in_ledger == reported
+    assert len(set(in_ledger)) == len(in_ledger)
+
+
+# ---------------------------------------------------------------------------------- pure parts
+
+
+def test_fusion_weights_keep_alpha_and_share_the_rest():
+    assert fusion_weights(0.5, 0) == [1.0]
+    assert fusion_weights(0.5, 2) == [0.5, 0.25, 0.25]
+    w = fusion_weights(0.3, 3)
+    assert w[0] == 0.3 and np.isclose(sum(w), 1.0) and len(set(w[1:])) == 1
+    with pytest.raises(ValueError):
+        fusion_weights(1.5, 2)
+
+
+@pytest.mark.parametrize("status,seen,connected,expected", [
+    ("UNAVAILABLE", True, True, "yes"),           # the receipt arrived: the peer charged
+    ("RESOURCE_EXHAUSTED", False, True, "no"),    # refused before charging
+    ("PERMISSION_DENIED", False, True, "no"),
+    ("UNAVAILABLE", False, False, "no"),          # never connected
+    ("UNAVAILABLE", False, True, "unknown"),      # connection broke: it may have charged
+    ("DEADLINE_EXCEEDED", False, True, "unknown"),
+    ("INTERNAL", False, True, "unknown"),
+])
+def test_charged_status(status, seen, connected, expected):
+    assert charged_status(status, seen, connected) == expected
+
+
+def test_failure_reasons_say_what_happened_to_the_connection():
+    from coordinator_free.rounds import failure_reason
+
+    assert failure_reason("UNAVAILABLE", "m", "Connection refused", False, 5).startswith("could not connect")
+    assert "connection broke during the call" in failure_reason("UNAVAILABLE", "m", "Socket closed", True, 5)
+    assert failure_reason("DEADLINE_EXCEEDED", "m", "Deadline Exceeded", True, 5).startswith("no answer within 5s")
+    assert failure_reason("RESOURCE_EXHAUSTED", "budget exhausted: ...", "", True, 5) == "budget exhausted: ..."
+
+
+def test_round_state_stops_asking_once_the_quorum_is_out_of_reach():
+    events = []
+    st = RoundState("r", "a", [("b", "x:1"), ("c", "x:2")], quorum=3, on_event=events.append)
+    assert st.begin("b", "features") and st.begin("c", "features")
+    st.drop("c", "features", "UNAVAILABLE", "gone", "unknown")
+    assert not st.quorum_reachable()
+    assert not st.begin("b", "weights")
+    assert st.peers["b"].state == "not-asked"
+    assert [e["event"] for e in events][-2:] == ["dropped", "not-asked"]
+    # local steps (align) are not budget: they are never refused
+    st2 = RoundState("r", "a", [("b", "x:1")], quorum=3)
+    assert st2.begin("b", "align")
+
+
+def test_public_view_clips_own_features_to_the_public_bounds(trained):
+    base, probe, _ = trained
+    g = extract_graph(ARCH, model_from_arrays(ARCH, base), probe)
+    boxes = {"0": (-0.1, 0.1), "2": (-0.2, 0.2)}
+    v = public_view(g, (0.0, 1.0), boxes)
+    assert v.hidden[0].activations.max() <= 1.0 and g.hidden[0].activations.max() > 1.0
+    assert np.abs(v.hidden[0].incoming).max() <= 0.1 and np.abs(v.output_incoming).max() <= 0.2
+    inside = (g.hidden[0].activations >= 0) & (g.hidden[0].activations <= 1)
+    assert np.array_equal(v.hidden[0].activations[inside], g.hidden[0].activations[inside])
+
+
+# ---------------------------------------------------------------------------------- config files
+
+
+TOML = """# a comment
+[round]
+model = "mlp"
+alpha = 0.5
+
+[round.features]
+activation_epsilon = 1.0
+weights = { a = 1, b = 2 }
+
+[[round.extra]]
+x = 1
+[[round.extra]]
+x = 2
+"quoted key" = 3
+"""
+
+
+@pytest.mark.parametrize("key,line", [
+    (("round",), 2), (("round", "alpha"), 4), (("round", "features", "activation_epsilon"), 7),
+    (("round", "features", "weights", "b"), 8),  # inside an inline table: the table's line
+    (("round", "extra", 1, "x"), 13), (("round", "extra", 1, "quoted key"), 14), (("round", "extra", 0), 10),
+    (("nowhere",), None),
+])
+def test_key_line_follows_tables_arrays_and_inline_tables(key, line):
+    assert key_line(TOML, key) == line
+
+
+def test_round_config_errors_name_key_and_line(tmp_path):
+    text = '[round]\nroster = "r.toml"\nmodel = "mlp"\n\n[round.weights]\nepsilon = 2.0\ndelta = 0.5\n'
+    with pytest.raises(ConfigError) as e:
+        RoundConfig.from_section(Section(parse_toml(text, "x.toml", "round"), (), text, "x.toml").section("round"), tmp_path)
+    assert e.value.key == "round.weights.delta" and e.value.line == 7
+    assert "line 7" in str(e.value) and "x.toml" in str(e.value)
+    text = '[round]\nroster = "r.toml"\nmodel = "mlp"\nmethod = "magic"\n'
+    with pytest.raises(ConfigError, match=r"round.method \(x.toml, line 4\): must be one of"):
+        RoundConfig.from_section(Section(parse_toml(text, "x.toml", "round"), (), text, "x.toml").section("round"), tmp_path)
+    with pytest.raises(ConfigError, match=r"line 2"):
+        parse_toml("[round]\nmodel = = 1\n", "x.toml", "round")
+
+
+def test_roster_errors_and_pins(tmp_path, trained):
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
+    a, b = sites
+    path = tmp_path / "roster.toml"
+    path.write_text(f'[sites.hospital-a]\naddress = "127.0.0.1:1"\ncertificate = "{a.identity_dir}/site.crt"\n\n'
+                    f'[sites.hospital-b]\naddress = "127.0.0.1"\ncertificate = "{b.identity_dir}/site.crt"\n')
+    with pytest.raises(ConfigError) as e:
+        Roster.load(path)
+    assert e.value.key == "sites.hospital-b.address" and e.value.line == 6
+    path.write_text(f'[sites.hospital-b]\naddress = "127.0.0.1:2"\ncertificate = "{a.identity_dir}/site.crt"\n')
+    with pytest.raises(ConfigError, match="certificate of 'hospital-a', not 'hospital-b'"):
+        Roster.load(path)
+    roster = roster_for(tmp_path, sites, {"hospital-a": "127.0.0.1:1", "hospital-b": "127.0.0.1:2"})
+    roster.check_pins(_trust(a), "hospital-a")
+    _trust(a).remove("hospital-b")
+    with pytest.raises(FailedPrecondition, match="'hospital-b' is not pinned"):
+        roster.check_pins(_trust(a), "hospital-a")
+    assert [p.name for p in roster.pin_all(_trust(a), "hospital-a")] == ["hospital-b"]
+    roster.check_pins(_trust(a), "hospital-a")
+
+
+def _trust(site):
+    from coordinator_free.trust import TrustStore
+
+    return TrustStore(site.identity_dir / "trusted")
+
+
+# ---------------------------------------------------------------------------------- real daemons
+
+
+def test_three_site_round_aligns_fuses_and_charges_each_release_once(tmp_path, trained):
+    sites, truth = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
+    a, b, c = sites
+    with contextlib.ExitStack() as stack:
+        addresses = {s.name: stack.enter_context(running(s))[1] for s in sites}
+        roster = roster_for(tmp_path, sites, addresses)
+        local = load_local_site(a.config, "mlp")
+        events = []
+        first = run_round(local, roster, config(tmp_path), on_event=events.append)
+        second = run_round(local, roster, config(tmp_path, label="again"))
+    r = first.report
+    assert first.status == "fused", first.reason
+    assert sorted(r["contributors"]) == ["hospital-b", "hospital-c"]
+    assert r["weights"] == {"hospital-a": 0.5, "hospital-b": 0.25, "hospital-c": 0.25}
+    # alignment: the recovered permutation is the one the peer's model was built with
+    # (perm[i] = j: our node i is their node j; their node j is the base model's node truth[j]).
+    # Chance agreement is 1/16; the peers' noise is seeded, so this is deterministic.
+    for name in ("hospital-b", "hospital-c"):
+        perm = np.asarray(r["peers"][name]["match"]["permutations"]["0"])
+        assert np.mean(truth[name][perm] == np.arange(16)) >= 0.5, name
+    # two charged releases per peer per round, each in the peer's ledger exactly once
+    for peer in (b, c):
+        assert [ch["step"] for ch in charges_of(r, peer.name)] == ["features", "weights"]
+        assert all(ch["delivered"] for ch in charges_of(r, peer.name))
+        assert_ledger_matches_report(peer, "hospital-a", [first.report, second.report])
+        assert len(ledger_entries(peer, "hospital-a")) == 4
+    assert ledger_entries(a) == []  # the requester's own model never left it
+    stored = load_model(tmp_path / "out" / "models", first.model_name)
+    assert all(np.array_equal(stored.arrays[k], first.arrays[k]) for k in first.arrays)
+    assert first.report_path.exists() and second.status == "fused"
+    assert {e["event"] for e in events} >= {"started", "alive", "charged", "received", "contributed", "fused"}
+
+
+def test_rounds_run_at_every_site_at_once(tmp_path, trained):
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
+    with contextlib.ExitStack() as stack:
+        addresses = {s.name: stack.enter_context(running(s))[1] for s in sites}
+        roster = roster_for(tmp_path, sites, addresses)
+        results = {}
+
+        def go(site):
+            results[site.name] = run_round(load_local_site(site.config, "mlp"), roster,
+                                           config(tmp_path, out=tmp_path / f"out-{site.name}"))
+
+        threads = [threading.Thread(target=go, args=(s,)) for s in sites]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert {n: r.status for n, r in results.items()} == {s.name: "fused" for s in sites}
+    for s in sites:
+        # every other site asked s for features and weights, once each
+        assert len(ledger_entries(s)) == 4
+        for requester in sites:
+            if requester is not s:
+                assert_ledger_matches_report(s, requester.name, [results[requester.name].report])
+
+
+def round_with_a_dead_peer(tmp_path, trained, quorum: int):
+    """hospital-a's round over b and d, whose daemon is not running (nothing listens there)."""
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-d"])
+    a, b, d = sites
+    with running(a) as (_, addr_a), running(b) as (_, addr_b):
+        roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b,
+                                               "hospital-d": f"127.0.0.1:{free_port()}"})
+        result = run_round(load_local_site(a.config, "mlp"), roster, config(tmp_path, quorum=quorum, health_timeout_s=1.0))
+    return result, b
+
+
+def test_a_dead_peer_is_dropped_at_the_health_check(tmp_path, trained):
+    result, _ = round_with_a_dead_peer(tmp_path, trained, quorum=2)
+    assert result.status == "fused" and result.report["contributors"] == ["hospital-b"]
+    dead = result.report["peers"]["hospital-d"]
+    assert dead["state"] == "not-alive" and dead["drop"]["step"] == "health" and dead["charges"] == []
+    assert "no health answer" in dead["drop"]["reason"]
+    assert result.report["weights"] == {"hospital-a": 0.5, "hospital-b": 0.5}
+
+
+def test_quorum_abort_before_anything_is_requested(tmp_path, trained):
+    result, b = round_with_a_dead_peer(tmp_path, trained, quorum=3)
+    assert result.status == "aborted" and "quorum 3" in result.reason and "nothing was requested" in result.reason
+    assert result.arrays is None and result.model_name is None and result.report_path.exists()
+    assert ledger_entries(b) == []
+
+
+def kill_after(proc: DaemonProcess, peer: str, step: str, event: str = "received"):
+    """An on_event hook that SIGKILLs ``peer``'s daemon process at a scripted point."""
+    def hook(e):
+        if e["event"] == event and e.get("peer") == peer and e.get("step") == step and proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait()
+    return hook
+
+
+def round_losing_a_peer(tmp_path, trained, quorum: int):
+    """hospital-a's round over b (in-process) and c (its own process, SIGKILLed once its
+    features have arrived at a); returns the result and the sites."""
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
+    a, b, c = sites
+    victim = DaemonProcess(c)
+    try:
+        addr_c = victim.wait_ready()
+        with running(a) as (_, addr_a), running(b) as (_, addr_b):
+            roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b, "hospital-c": addr_c})
+            result = run_round(load_local_site(a.config, "mlp"), roster,
+                               config(tmp_path, quorum=quorum, call_timeout_s=20.0),
+                               on_event=kill_after(victim, "hospital-c", "features"))
+    finally:
+        victim.close()
+    return result, sites
+
+
+def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_path, trained):
+    result, (a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=2)
+    r = result.report
+    assert result.status == "fused" and r["contributors"] == ["hospital-b"]
+    dropped = r["peers"]["hospital-c"]
+    assert dropped["state"] == "dropped" and dropped["drop"]["step"] == "weights"
+    assert dropped["drop"]["status"] == "UNAVAILABLE" and dropped["drop"]["charged"] in ("no", "unknown")
+    assert dropped["drop"]["reason"].startswith(("could not connect", "the connection broke"))
+    assert dropped["drop"]["at"] >= r["started_at"]
+    # the features it released before dying stay charged, in its ledger file and in the report
+    assert [ch["step"] for ch in charges_of(r, "hospital-c")] == ["features"]
+    assert_ledger_matches_report(c, "hospital-a", [r])
+    assert_ledger_matches_report(b, "hospital-a", [r])
+
+
+def test_quorum_lost_mid_round_aborts_and_keeps_what_was_charged(tmp_path, trained):
+    result, (a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=3)
+    assert result.status == "aborted" and "quorum 3" in result.reason
+    assert result.arrays is None and not (tmp_path / "out" / "models").exists()
+    # b may have released features (and weights, if it got there first); whatever it released
+    # is in its ledger and in the report, once
+    assert_ledger_matches_report(b, "hospital-a", [result.report])
+    assert_ledger_matches_report(c, "hospital-a", [result.report])
+
+
+def test_a_refusal_drops_the_peer_and_the_earlier_release_stays_charged(tmp_path, trained):
+    # hospital-b's budget for each counterparty fits the features (ε = 1000 per neuron, pure)
+    # but not the weights on top of them
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"],
+                     policies={"hospital-b": policy(per_peer=1050.0)})
+    a, b, c = sites
+    with contextlib.ExitStack() as stack:
+        addresses = {s.name: stack.enter_context(running(s))[1] for s in sites}
+        result = run_round(load_local_site(a.config, "mlp"), roster_for(tmp_path, sites, addresses), config(tmp_path))
+    r = result.report
+    assert result.status == "fused" and r["contributors"] == ["hospital-c"]
+    drop = r["peers"]["hospital-b"]["drop"]
+    assert (drop["step"], drop["status"], drop["charged"]) == ("weights", "RESOURCE_EXHAUSTED", "no")
+    assert [ch["step"] for ch in charges_of(r, "hospital-b")] == ["features"]
+    assert_ledger_matches_report(b, "hospital-a", [r])
+
+
+def test_round_command_runs_from_site_toml(tmp_path, trained, capsys):
+    from peer.cli import main
+
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
+    a, b = sites
+    with running(a) as (_, addr_a), running(b) as (_, addr_b):
+        roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
+        a.config.write_text(a.config.read_text() + f"""
+[round]
+roster = "{tmp_path / 'roster.toml'}"
+model = "mlp"
+out = "rounds"
+[round.features]
+activation_epsilon = 50.0
+weight_epsilon = 50.0
+[round.weights]
+epsilon = 20.0
+""")
+        assert load_round_config(a.config).activation_clip is None  # the site's default applies at run time
+        code = main(["round", "--config", str(a.config)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "fused" in out.out and "hospital-b: features released" in out.err
+    assert len(list((a.root / "rounds").glob("round-*.json"))) == 1
+    assert len(ledger_entries(b, "hospital-a")) == 2
+
+
+# ---------------------------------------------------------------------------------- merges
+
+
+def add_pool(site, trained, data_epsilon: float) -> None:
+    """A small DP-SGD pool of the site's architecture, judged on a public validation file."""
+    from peer.accounting import TrainingRecord
+    from peer.pool import save_trained
+    from peer.rng import make_randomness
+    from peer.training import train_pool
+
+    _, probe, ds = trained
+    trainings = [TrainingRecord.constant("add-remove", 10, 1.0, 1.0, nm, 1.0) for nm in (3.0, 6.0)]
+    for i, m in enumerate(train_pool(ARCH, ds.x_train[400:500], ds.y_train[400:500], trainings, init_seed=5,
+                                     randomness=make_randomness(9), delta=1e-5)):
+        save_trained(site.root / "pool", f"m{i}", m)
+    np.savez(site.root / "validation.npz", x=ds.x_test[30:130], y=ds.y_test[30:130])
+    text = site.config.read_text().replace("[policy]\n", """[site.pools.dp]
+models = "pool"
+validation = "validation.npz"
+
+[policy]
+""", 1).replace("[policy.model]\n", f"""[policy.data]
+unit = "record:add-remove"
+epsilon = {data_epsilon}
+delta = 1e-4
+
+[policy.model]
+""", 1)
+    site.config.write_text(text)
+
+
+def round_with_a_pool(tmp_path, trained, method: str, data_epsilon: float):
+    """hospital-a's round (``method``) with hospital-b, which offers a DP-SGD pool."""
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
+    a, b = sites
+    add_pool(b, trained, data_epsilon=data_epsilon)
+    with running(a) as (_, addr_a), running(b) as (_, addr_b):
+        roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
+        result = run_round(load_local_site(a.config, "mlp"), roster,
+                           config(tmp_path, method=method, merge_epsilon=4.0, merge_delta=1e-5))
+    return result, b
+
+
+def test_a_peer_answers_with_a_merge_and_the_requester_aligns_it_locally(tmp_path, trained):
+    result, b = round_with_a_pool(tmp_path, trained, "merged", data_epsilon=20.0)
+    r = result.report
+    assert result.status == "fused", result.reason
+    peer = r["peers"]["hospital-b"]
+    assert peer["method"] == "merged" and peer["pool"] == "dp" and peer["match"]["permutations"]["0"]
+    [charge] = charges_of(r, "hospital-b")
+    assert (charge["step"], charge["mechanism"], charge["level"]) == ("merged", "rs-merge", "data")
+    assert charge["epsilon"] <= 4.0 + 1e-9
+    assert_ledger_matches_report(b, "hospital-a", [r])
+
+
+def test_auto_falls_back_to_features_and_weights_only_when_the_merge_was_not_charged(tmp_path, trained):
+    # a data budget of 0.5 fits no merge at ε′ = 4: refused before any charge
+    result, b = round_with_a_pool(tmp_path, trained, "auto", data_epsilon=0.5)
+    r = result.report
+    assert result.status == "fused", result.reason
+    peer = r["peers"]["hospital-b"]
+    assert peer["method"] == "ldp" and any("falling back" in n for n in peer["notes"])
+    assert [c["step"] for c in charges_of(r, "hospital-b")] == ["features", "weights"]
+    assert_ledger_matches_report(b, "hospital-a", [r])
+    assert all(e.level == "model" for e in ledger_entries(b))

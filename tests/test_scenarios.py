@@ -1,0 +1,221 @@
+"""Scenario files and the simulator: errors that name key and line, the bundled scenarios, and
+simulations end to end (every site a real daemon process) whose reports must equal the sites'
+ledger files, release by release."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator_free.config import ConfigError
+from peer.ledger import Ledger
+from scenarios.schema import BUNDLED, bundled_path, load_scenario, parse_scenario
+from scenarios.simulate import read_ledger
+
+TINY = """
+[scenario]
+name = "tiny"
+description = "three sites, small models, one round"
+seed = 3
+
+[data]
+dataset = "breast_cancer"
+public_size = 40
+probe_size = 20
+split = "dirichlet"
+concentration = 1.0
+min_per_site = 20
+
+[model]
+hidden = [8]
+epochs = 20
+
+[round]
+methods = ["ldp"]
+frontier = []
+activation_epsilon = 50.0
+weight_epsilon = 50.0
+weights_epsilon = 100.0
+call_timeout_s = 30.0
+
+[sites.site-a]
+[sites.site-b]
+alpha = 0.7
+[sites.site-c]
+"""
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_scenarios_parse(name):
+    sc = load_scenario(bundled_path(name))
+    assert len(sc.sites) >= 3 and sc.source.endswith(name)
+
+
+def test_the_default_scenario_is_package_data():
+    sc = load_scenario()
+    assert sc.name == "hospitals" and len(sc.sites) == 4 and sc.data.dataset == "breast_cancer"
+    assert sc.data.split == "dirichlet" and sc.pool is not None and sc.round.methods == ("ldp", "merged")
+
+
+def test_tiny_scenario_defaults_and_overrides():
+    sc = parse_scenario(TINY, "tiny.toml")
+    assert [s.name for s in sc.sites] == ["site-a", "site-b", "site-c"]
+    assert sc.sites[1].alpha == 0.7 and sc.sites[0].alpha is None
+    assert sc.pool is None and sc.round.quorum == 2 and sc.model.hidden == (8,)
+
+
+def _replace(old: str, new: str) -> str:
+    assert old in TINY
+    return TINY.replace(old, new, 1)
+
+
+def _line_of(text: str, fragment: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), start=1) if fragment in line)
+
+
+@pytest.mark.parametrize("text,key,fragment", [
+    (_replace('dataset = "breast_cancer"', 'dataset = "mnist"'), "data.dataset", 'dataset = "mnist"'),
+    (_replace("epochs = 20", "epochs = -1"), "model.epochs", "epochs = -1"),
+    (_replace("hidden = [8]", "hidden = [0]"), "model.hidden", "hidden = [0]"),
+    (_replace("frontier = []", "frontier = []\nalpah = 0.5"), "round.alpah", "alpah = 0.5"),
+    (_replace('methods = ["ldp"]', 'methods = ["ldp", "merged"]'), "round.methods", "methods ="),
+    (_replace("probe_size = 20", "probe_size = 400"), "data.probe_size", "probe_size = 400"),
+    (_replace("alpha = 0.7", "alpha = 1.7"), "sites.site-b.alpha", "alpha = 1.7"),
+    (_replace("[sites.site-c]", "[sites.Site_C]"), 'sites.Site_C', "[sites.Site_C]"),
+    (TINY + '\n[failure]\nsite = "nobody"\n', "failure.site", 'site = "nobody"'),
+    (_replace("activation_epsilon = 50.0", "activation_epsilon = 0"), "round.activation_epsilon", "activation_epsilon = 0"),
+    (_replace("frontier = []", "frontier = [100.0]"), "round.frontier", "frontier = [100.0]"),
+])
+def test_a_bad_value_is_refused_with_its_key_and_line(text, key, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(text, "bad.toml")
+    assert e.value.key == key
+    assert e.value.line == _line_of(text, fragment)
+    assert f"line {e.value.line}" in str(e.value) and "bad.toml" in str(e.value)
+
+
+def test_a_syntax_error_names_its_line():
+    text = _replace("seed = 3", 'seed = "3')
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(text, "bad.toml")
+    assert e.value.line == _line_of(text, 'seed = "3')
+
+
+def test_the_command_prints_key_and_line(tmp_path, capsys):
+    from peer.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(_replace("epochs = 20", "epochs = 2.5"))
+    assert main(["simulate", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"model.epochs ({bad}, line {_line_of(bad.read_text(), 'epochs = 2.5')}): must be an integer" in err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------- simulations
+
+
+def check_report_against_ledgers(out: Path, report: dict) -> None:
+    """The report's budgets are the ledgers' (entry by entry, budget by budget), every receipt a
+    requester reported is in the releasing site's ledger, and every ledger file is consistent."""
+    on_disk = json.loads((out / "report.json").read_text())
+    for name, claimed in on_disk["ledgers"].items():
+        path = out / "sites" / name / "ledger.sqlite"
+        Ledger(path).close()  # opening verifies integrity, the hash chain and the cached totals
+        fresh = json.loads(json.dumps(read_ledger(path), sort_keys=True, default=str))
+        assert json.dumps(fresh, sort_keys=True) == json.dumps(claimed, sort_keys=True), name
+        with Ledger(path) as ledger:
+            entries = ledger.entries()
+        assert [e["release_id"] for e in claimed["entries"]] == [e.release_id for e in entries]
+        assert [e["epsilon"] for e in claimed["entries"]] == [e.epsilon for e in entries]
+        for b in claimed["budgets"]:
+            assert b["epsilon_sum"] == sum(e.epsilon for e in entries if b["budget"] in e.budgets)
+        rec = on_disk["reconciliation"][name]
+        assert rec["consistent"] and rec["receipts_missing_from_ledger"] == []
+        assert rec["ledger_entries"] == len(entries)
+    md = (out / "report.md").read_text()
+    for name, claimed in on_disk["ledgers"].items():
+        for b in claimed["budgets"]:
+            assert f"| {name} | `{b['budget']}` | {b['count']} |" in md
+
+
+def test_tiny_simulation_end_to_end(tmp_path):
+    from scenarios.report import summary_table
+    from scenarios.simulate import Progress, simulate
+
+    lines = []
+    out = tmp_path / "run"
+    report = simulate(parse_scenario(TINY, "tiny.toml"), out, Progress(lines.append))
+    for f in ("report.md", "report.json", "accuracy.png", "frontier.png", "budget.png", "roster.toml"):
+        assert (out / f).is_file(), f
+    assert set(report["sites"]) == {"site-a", "site-b", "site-c"}
+    for name, s in report["sites"].items():
+        r = s["rounds"]["ldp"]
+        assert r["status"] == "fused", r
+        assert sorted(r["contributors"]) == sorted(n for n in report["sites"] if n != name)
+        assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= s["own_accuracy"] <= 1.0 and 0.0 <= s["oracle"]["accuracy"] <= 1.0
+        # every other site asked this one for features and weights
+        assert report["ledgers"][name]["entries"] and len(report["ledgers"][name]["entries"]) == 4
+    assert report["sites"]["site-b"]["rounds"]["ldp"]["weights"]["site-b"] == 0.7
+    check_report_against_ledgers(out, report)
+    # every release was fixed-seed noise (a simulation option) and says so
+    rec = json.loads(json.dumps(report["ledgers"]["site-a"]["entries"][0]))
+    assert rec["mechanism"] == "composite"
+    table = summary_table(report)
+    assert "oracle (non-private)" in table and "site-b" in table
+    assert any("daemon serving" in l for l in lines) and any("fused with" in l for l in lines)
+    assert "ORACLE (non-private)" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_default_simulation_from_the_command_line(tmp_path):
+    out = tmp_path / "hospitals"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "peer.cli", "simulate", "--out", str(out)], capture_output=True,
+                          text=True, timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hospital-a" in proc.stdout and "oracle (non-private)" in proc.stdout
+    assert "daemon serving" in proc.stderr and "fused with" in proc.stderr  # progress on stderr
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["sites"]) == 4
+    for s in report["sites"].values():
+        assert s["rounds"]["ldp"]["status"] == "fused"
+    check_report_against_ledgers(out, report)
+    print(f"default simulation: {elapsed:.1f}s wall ({report['timings']})")
+
+
+@pytest.mark.slow
+def test_failure_scenario_completes_with_the_survivors(tmp_path):
+    from scenarios.simulate import Progress, simulate
+
+    out = tmp_path / "failure"
+    report = simulate(load_scenario(bundled_path("hospitals-failure.toml")), out, Progress(lambda s: None))
+    f = report["failure"]
+    assert f["site"] == "hospital-c" and f["killed_at"] and f["ledger_entries_at_kill"] >= 3
+    survivors = [n for n in report["sites"] if n != "hospital-c"]
+    drops = []
+    for name in survivors:
+        r = report["sites"][name]["rounds"]["ldp"]
+        assert r["status"] == "fused", r
+        if "hospital-c" in r["contributors"]:
+            # it may contribute only with what reached this site whole before it died
+            [round_file] = (out / "sites" / name / "rounds").glob("round-*.json")
+            got = [c for c in json.loads(round_file.read_text())["charges"] if c["peer"] == "hospital-c"]
+            assert [c["step"] for c in got] == ["features", "weights"] and all(c["delivered"] for c in got)
+        drops += [d for d in r["dropped"] if d["peer"] == "hospital-c"]
+    assert drops, "some survivor must have dropped the killed site"
+    for d in drops:
+        assert d["step"] in ("health", "info", "features", "weights") and d["at"] >= f["killed_at"][:19]
+    md = (out / "report.md").read_text()
+    assert "**hospital-c** was killed with SIGKILL" in md and "dropped **hospital-c** at step" in md
+    check_report_against_ledgers(out, report)

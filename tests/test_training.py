@@ -1,0 +1,233 @@
+"""DP-SGD core: per-example gradients, clipping, the exact update rule, noise and sampling.
+
+Statistical tests use fixed seeds; each states its false-failure rate (the probability that a
+correct implementation fails it for a random seed)."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from peer.errors import InvalidArgument
+from peer.models import build_model, input_tensor
+from peer.rng import make_randomness
+from peer.training import classifier_loss, clipped_sum, dpsgd_step, per_example_gradients, run_dpsgd
+
+MLP = {"kind": "mlp", "input_dim": 6, "hidden": [5], "output_dim": 3}
+CNN = {"kind": "cnn", "input_shape": [1, 4, 4], "channels": [2], "kernel_size": 3, "pool": [2], "hidden": [], "output_dim": 3}
+
+
+@dataclass(frozen=True)
+class Step:
+    learning_rate: float
+    clip_norm: float
+    noise_multiplier: float
+    sample_rate: float = 1.0
+
+
+def _data(arch, n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    dim = 6 if arch["kind"] == "mlp" else 16
+    x = input_tensor(arch, rng.normal(size=(n, dim)) * 3)
+    y = torch.as_tensor(rng.integers(0, 3, size=n))
+    return x, y
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _naive_gradients(model, x, y):
+    """One backward pass per example: the reference for vmap(grad)."""
+    out = []
+    for i in range(len(x)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        out.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+    return out
+
+
+def _flat(g):
+    return torch.cat([v.reshape(-1) for v in g.values()])
+
+
+@pytest.mark.parametrize("arch", [MLP, CNN])
+def test_per_example_gradients_match_a_loop(arch):
+    model = build_model(arch, seed=1)
+    x, y = _data(arch)
+    batched = per_example_gradients(classifier_loss(model), _params(model), x, y)
+    for i, ref in enumerate(_naive_gradients(model, x, y)):
+        for k in ref:
+            torch.testing.assert_close(batched[k][i], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_bounds_each_example_and_matches_a_loop():
+    model = build_model(MLP, seed=2)
+    x, y = _data(MLP, n=20)
+    naive = _naive_gradients(model, x, y)
+    norms = torch.stack([_flat(g).norm() for g in naive])
+    clip = float(norms.median())  # half the examples are clipped, half are not
+    mask = torch.tensor([1.0, 0.0] * 10)
+    expected = {k: torch.zeros_like(v) for k, v in naive[0].items()}
+    for i, g in enumerate(naive):
+        # clip_C(g) = g · min(1, C/‖g‖), the norm over all parameters together
+        scaled = {k: v * min(1.0, clip / float(norms[i])) for k, v in g.items()}
+        assert float(_flat(scaled).norm()) <= clip * (1 + 1e-6)
+        if mask[i]:
+            expected = {k: expected[k] + scaled[k] for k in expected}
+    got = clipped_sum(per_example_gradients(classifier_loss(model), _params(model), x, y), clip, mask)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
+
+
+def test_step_follows_the_stated_rule_exactly():
+    """θ' = θ − η·(Σ clip_C(g_i) + σ·C·z)/denominator, checked with a known z."""
+    model = build_model(MLP, seed=3)
+    x, y = _data(MLP)
+    params = _params(model)
+    z = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(7)) for k, v in params.items()}
+    lr, clip, sigma, denom = 0.7, 0.3, 1.9, 37.0
+    got = dpsgd_step(classifier_loss(model), params, x, y, learning_rate=lr, clip_norm=clip, noise_multiplier=sigma, denominator=denom, noise=z)
+    summed = {k: torch.zeros_like(v) for k, v in params.items()}
+    for g in _naive_gradients(model, x, y):
+        f = min(1.0, clip / float(_flat(g).norm()))
+        summed = {k: summed[k] + f * g[k] for k in summed}
+    for k in params:
+        torch.testing.assert_close(got[k], params[k] - lr * (summed[k] + sigma * clip * z[k]) / denom, rtol=1e-5, atol=1e-6)
+
+
+def _zero_loss(params, x_i, y_i):
+    return sum((v * 0.0).sum() for v in params.values())
+
+
+def _variance_bounds(m, failure):
+    """Two-sided interval for the sample variance (known mean 0) of m draws over σ²: χ²_m/m."""
+    return stats.chi2.ppf(failure / 2, m) / m, stats.chi2.ppf(1 - failure / 2, m) / m
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.25])
+def test_added_noise_has_the_recorded_std(sample_rate):
+    """With a zero gradient only the noise moves θ: θ_T − θ_0 = −Σ_t η_t σ_t C_t z_t / (q n), so
+    its entries are N(0, Σ_t (η_t σ_t C_t / (q n))²). Sample variance of 20,000 entries against
+    χ² quantiles; false-failure rate 1e-6."""
+    m, n = 20_000, 50
+    params0 = {"w": torch.zeros(m)}
+    x, y = torch.zeros(n, 1), torch.zeros(n, dtype=torch.long)
+    steps = [Step(0.5, 2.0, 1.5, sample_rate), Step(1.0, 0.5, 3.0, sample_rate), Step(0.2, 1.0, 0.8, sample_rate)]
+    run = run_dpsgd(_zero_loss, params0, x, y, steps, randomness=make_randomness(11))
+    expected_var = sum((s.learning_rate * s.noise_multiplier * s.clip_norm / (sample_rate * n)) ** 2 for s in steps)
+    delta = run.params["w"].double().numpy()
+    lo, hi = _variance_bounds(m, 1e-6)
+    ratio = float(np.mean(delta**2)) / expected_var
+    assert lo < ratio < hi, (ratio, lo, hi)
+    # the mean is 0: |mean| < z_{1-1e-6/2}·σ/√m
+    assert abs(delta.mean()) < stats.norm.ppf(1 - 0.5e-6) * np.sqrt(expected_var / m)
+
+
+def test_poisson_batches_include_each_record_with_probability_q():
+    """ℓ_i(θ) = θ·e_i (gradient e_i, norm 1 ≤ C, so no clipping) and σ = 0: after T steps
+    θ_T − θ_0 = −η/(q n)·c where c_i counts the batches that held record i, so the counts are read
+    off the parameters themselves. Σ c_i ~ Binomial(nT, q) (two-sided binomial test) and the c_i
+    are i.i.d. Binomial(T, q) (chi-square goodness of fit on the pooled counts); each test's
+    false-failure rate is 1e-6."""
+    n, T, q, lr = 400, 60, 0.3, 1.0
+    x = torch.eye(n)
+    y = torch.zeros(n, dtype=torch.long)
+
+    def linear(params, x_i, y_i):
+        return (params["w"] * x_i).sum()
+
+    run = run_dpsgd(linear, {"w": torch.zeros(n)}, x, y, [Step(lr, 1.0, 0.0, q)] * T, randomness=make_randomness(5))
+    counts = np.rint(-run.params["w"].double().numpy() * q * n / lr).astype(int)
+    np.testing.assert_allclose(-run.params["w"].double().numpy() * q * n / lr, counts, atol=1e-3)
+    assert counts.sum() == sum(run.batch_sizes) and len(run.batch_sizes) == T
+    assert stats.binomtest(int(counts.sum()), n * T, q).pvalue > 1e-6
+    observed = np.bincount(counts, minlength=T + 1)
+    pmf = stats.binom.pmf(np.arange(T + 1), T, q)
+    # pool the tails so every expected cell count is at least 5
+    keep = pmf * n >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(pmf[keep], pmf[~keep].sum()) * n
+    assert stats.chisquare(obs, exp).pvalue > 1e-6
+
+
+def test_full_batch_uses_every_record_every_step():
+    n, T = 30, 7
+    x = torch.eye(n)
+
+    def linear(params, x_i, y_i):
+        return (params["w"] * x_i).sum()
+
+    run = run_dpsgd(linear, {"w": torch.zeros(n)}, x, torch.zeros(n, dtype=torch.long), [Step(1.0, 1.0, 0.0)] * T, randomness=make_randomness(0))
+    torch.testing.assert_close(run.params["w"], torch.full((n,), -T / n))
+    assert run.batch_sizes is None
+
+
+def test_replicas_are_independent_runs_with_the_same_noise_law():
+    """R replicas of a zero-gradient run: each replica's entries have the recorded variance
+    (χ² bound on all R·m entries, false-failure rate 1e-6) and no two replicas coincide."""
+    R, m, n = 16, 2000, 10
+    steps = [Step(1.0, 1.0, 2.0)] * 3
+    run = run_dpsgd(_zero_loss, {"w": torch.zeros(m)}, torch.zeros(n, 1), torch.zeros(n, dtype=torch.long), steps, randomness=make_randomness(3), replicas=R)
+    w = run.params["w"].double().numpy()
+    assert w.shape == (R, m)
+    lo, hi = _variance_bounds(R * m, 1e-6)
+    assert lo < float(np.mean(w**2)) / (3 * (2.0 / n) ** 2) < hi
+    assert np.abs(np.corrcoef(w)[np.triu_indices(R, 1)]).max() < 0.15  # |ρ̂| ~ 1/√2000 ≈ 0.022
+
+
+def test_fixed_seed_reproduces_and_csprng_differs():
+    model = build_model(MLP, seed=4)
+    x, y = _data(MLP)
+    steps = [Step(0.5, 1.0, 1.0, 0.5)] * 5
+    a = run_dpsgd(classifier_loss(model), _params(model), x, y, steps, randomness=make_randomness(9))
+    b = run_dpsgd(classifier_loss(model), _params(model), x, y, steps, randomness=make_randomness(9))
+    c = run_dpsgd(classifier_loss(model), _params(model), x, y, steps, randomness=make_randomness())
+    assert all(torch.equal(a.params[k], b.params[k]) for k in a.params)
+    assert not torch.equal(a.params["0.weight"], c.params["0.weight"])
+
+
+def test_bad_steps_are_refused():
+    x, y = torch.zeros(3, 1), torch.zeros(3, dtype=torch.long)
+    p = {"w": torch.zeros(2)}
+    r = make_randomness(0)
+    with pytest.raises(InvalidArgument, match="clip_norm"):
+        run_dpsgd(_zero_loss, p, x, y, [Step(1.0, 0.0, 1.0)], randomness=r)
+    with pytest.raises(InvalidArgument, match="sample_rate"):
+        run_dpsgd(_zero_loss, p, x, y, [Step(1.0, 1.0, 1.0, 1.5)], randomness=r)
+    with pytest.raises(InvalidArgument, match="noise_multiplier"):
+        run_dpsgd(_zero_loss, p, x, y, [Step(1.0, 1.0, -1.0)], randomness=r)
+    with pytest.raises(InvalidArgument, match="steps"):
+        run_dpsgd(_zero_loss, p, x, y, [], randomness=r)
+    with pytest.raises(InvalidArgument, match="empty"):
+        run_dpsgd(_zero_loss, p, x[:0], y[:0], [Step(1.0, 1.0, 1.0)], randomness=r)
+
+
+def test_the_record_describes_exactly_the_run():
+    """Re-running DP-SGD from nothing but the stored record (training steps, declared n, public
+    init seed, architecture, noise seed) reproduces the weights bit for bit; the record's ε is
+    the accountant's for that TrainingRecord."""
+    from peer.accounting import TrainingRecord, model_epsilon
+    from peer.training import train_dpsgd_classifier
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=40)
+    training = TrainingRecord.from_runs("add-remove", [(TrainingRecord.constant("add-remove", 1, 0.5, 1.0, 3.0, 0.5).steps[0], 4),
+                                                       (TrainingRecord.constant("add-remove", 1, 0.2, 0.5, 5.0, 0.5).steps[0], 3)])
+    model = train_dpsgd_classifier(MLP, x, y, training, init_seed=7, randomness=make_randomness(21), delta=1e-5)
+    rec = model.record
+    assert rec.mechanism == "dpsgd" and rec.level == "data" and rec.unit == "record:add-remove"
+    assert rec.randomness == "fixed-seed" and rec.seed == 21
+    replayed_steps = TrainingRecord.from_dict(rec.parameters["training"])
+    assert replayed_steps == training and replayed_steps.num_steps == 7
+    assert rec.parameters["dataset_size"] == 40 and rec.parameters["init_seed"] == 7
+    assert rec.epsilon == pytest.approx(model_epsilon(training, 1e-5).pld, rel=1e-12)
+    arch = dict(rec.parameters["architecture"])
+    init = build_model(arch, seed=rec.parameters["init_seed"])
+    again = run_dpsgd(classifier_loss(init), _params(init), input_tensor(arch, x), torch.as_tensor(y), replayed_steps.steps,
+                      randomness=make_randomness(rec.seed), dataset_size=rec.parameters["dataset_size"])
+    for k, v in again.params.items():
+        assert np.array_equal(v.numpy(), model.arrays[k])

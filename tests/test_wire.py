@@ -1,0 +1,228 @@
+"""Tensors and releases on the wire (peer.wire) and signed receipts (peer.receipts)."""
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from coordinator_free.identity import init_identity
+from peer import wire
+from peer.errors import InvalidArgument
+from peer.receipts import SignedReceipt, sign_receipt, verify_receipt
+from peer.records import ReleaseRecord
+from privfusion.v1 import peer_pb2 as pb
+from privfusion.v1 import tensor_pb2 as tpb
+
+
+def roundtrip(name, array, chunk_bytes=wire.MAX_CHUNK_BYTES):
+    msgs = list(wire.tensor_messages(name, array, chunk_bytes=chunk_bytes))
+    r = wire.TensorReceiver(msgs[0], "t")
+    for m in msgs[1:]:
+        r.add(m)
+    return r.finish(), msgs
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(st.sampled_from([np.float32, np.float64, np.int32, np.int64]),
+                  hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=7)),
+       st.integers(1, 64))
+def test_tensors_roundtrip_bit_for_bit(array, chunk_bytes):
+    got, msgs = roundtrip("x", array, chunk_bytes)
+    assert got.dtype == array.dtype.newbyteorder("<") and got.shape == array.shape
+    assert got.tobytes() == np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
+    assert all(len(m.data) <= chunk_bytes for m in msgs[1:])
+
+
+def test_big_endian_and_non_contiguous_arrays_travel_as_little_endian():
+    a = np.arange(12, dtype=">f8").reshape(3, 4)[:, ::2]
+    got, msgs = roundtrip("x", a)
+    np.testing.assert_array_equal(got, a)
+    assert msgs[0].sha256 == hashlib.sha256(np.ascontiguousarray(a, dtype="<f8").tobytes()).digest()
+
+
+def test_unsupported_dtype_is_refused_by_name():
+    with pytest.raises(InvalidArgument, match="dtype"):
+        list(wire.tensor_messages("x", np.zeros(3, dtype=np.complex64)))
+
+
+def header(**kw):
+    base = dict(name="p", dtype=tpb.DTYPE_FLOAT32, shape=[2, 3], nbytes=24, sha256=b"\0" * 32)
+    base.update(kw)
+    return tpb.TensorHeader(**base)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(dtype=0), "probe.dtype"),
+    (dict(dtype=99), "probe.dtype"),
+    (dict(dtype=tpb.DTYPE_INT64), "probe.dtype"),  # not in the allowed set
+    (dict(shape=[2, -3], nbytes=24), "probe.shape"),
+    (dict(nbytes=25), "probe.nbytes"),
+    (dict(shape=[1 << 20, 1 << 12], nbytes=(1 << 34)), "probe.shape"),
+    (dict(shape=[1 << 16, 1 << 10], nbytes=1 << 28), "probe.nbytes"),  # above max_bytes
+    (dict(sha256=b"short"), "probe.sha256"),
+    (dict(shape=[1] * 9, nbytes=4), "probe.shape"),
+])
+def test_bad_headers_are_refused_naming_the_field(kw, field):
+    with pytest.raises(InvalidArgument) as e:
+        wire.TensorReceiver(header(**kw), "probe", allowed=(tpb.DTYPE_FLOAT32, tpb.DTYPE_FLOAT64), max_bytes=1 << 20)
+    assert e.value.field == field
+
+
+def test_chunks_oversize_overrun_truncated_and_corrupted_are_refused():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    h, *chunks = wire.tensor_messages("p", a)
+    r = wire.TensorReceiver(h, "probe")
+    with pytest.raises(InvalidArgument, match="chunk.data.*exceeds"):
+        r.add(tpb.TensorChunk(data=b"\0" * (wire.MAX_CHUNK_BYTES + 1)))
+    with pytest.raises(InvalidArgument, match="chunk.data.*overruns"):
+        r.add(tpb.TensorChunk(data=b"\0" * 25))
+    with pytest.raises(InvalidArgument, match="chunk.data.*empty"):
+        r.add(tpb.TensorChunk(data=b""))
+    r.add(tpb.TensorChunk(data=chunks[0].data[:10]))
+    with pytest.raises(InvalidArgument, match="truncated"):
+        r.finish()
+    bad = bytearray(chunks[0].data)
+    bad[3] ^= 1
+    r = wire.TensorReceiver(h, "probe")
+    r.add(tpb.TensorChunk(data=bytes(bad)))
+    with pytest.raises(InvalidArgument) as e:
+        r.finish()
+    assert e.value.field == "probe.sha256"
+
+
+@pytest.fixture(scope="module")
+def signer(tmp_path_factory):
+    return init_identity(tmp_path_factory.mktemp("id"), "site-a")
+
+
+def record(counterparty="site-b"):
+    return ReleaseRecord(mechanism="laplace", level="model", unit="neuron", epsilon=1.0, delta=0.0, sensitivity=2.0,
+                         sensitivity_norm="l1", parameters={"scale": 2.0, "clip": [0, 1], "shape": [2, 2]},
+                         subject="m", counterparty=counterparty)
+
+
+def test_receipts_bind_record_entry_and_tensor_digests(signer, tmp_path):
+    tensors = [("a", np.ones((2, 2), np.float32)), ("b", np.arange(3.0))]
+    digests = [(n, wire.digest(a)) for n, a in tensors]
+    rec = record()
+    r = sign_receipt(signer, "17", rec, digests)
+    assert verify_receipt(r, signer.cert_pem, "site-a") == rec
+    assert verify_receipt(SignedReceipt.from_json(r.to_json()), signer.cert_pem) == rec
+    other = init_identity(tmp_path / "o", "site-o")
+    for forged in (r.__class__(r.signer, "18", r.record_json, r.tensors, r.signature),
+                   r.__class__(r.signer, r.ledger_entry_id, record("site-c").canonical_json(), r.tensors, r.signature),
+                   r.__class__(r.signer, r.ledger_entry_id, r.record_json, (digests[1], digests[0]), r.signature)):
+        with pytest.raises(InvalidArgument, match="receipt.signature"):
+            verify_receipt(forged, signer.cert_pem)
+    with pytest.raises(InvalidArgument, match="receipt.signature"):
+        verify_receipt(r, other.cert_pem)
+    with pytest.raises(InvalidArgument, match="receipt.signer"):
+        verify_receipt(r, signer.cert_pem, expected_signer="site-o")
+
+
+def frames_of(signer, tensors, chunk_bytes=wire.MAX_CHUNK_BYTES, decode=pb.ReleaseFrame.FromString):
+    """The frames as a receiver decodes them from the wire bytes."""
+    r = sign_receipt(signer, "1", record(), [(n, wire.digest(a)) for n, a in tensors])
+    return [decode(wire.serialize_frame(f))
+            for f in wire.release_frames(r, "weights", "m", {"kind": "mlp"}, {"k": 1}, tensors, chunk_bytes=chunk_bytes)]
+
+
+@pytest.mark.parametrize("decode", [pb.ReleaseFrame.FromString, wire.decode_frame])
+def test_release_stream_roundtrip_and_receipt_comes_first(signer, decode):
+    tensors = [("w", np.random.default_rng(0).normal(size=(5, 7)).astype(np.float32)), ("b", np.zeros(0))]
+    frames = frames_of(signer, tensors, chunk_bytes=16, decode=decode)
+    seen = []
+    rel = wire.ReleaseReader(on_receipt=lambda r: seen.append(r)).read(iter(frames))
+    assert len(seen) == 1 and frames[0].WhichOneof("frame") == "receipt"
+    assert rel.kind == "weights" and rel.model == "m" and rel.metadata == {"k": 1}
+    np.testing.assert_array_equal(rel.arrays["w"], tensors[0][1])
+    assert rel.arrays["b"].shape == (0,)
+    assert rel.total_bytes == tensors[0][1].nbytes
+
+
+def test_release_reader_refuses_reordered_truncated_or_swapped_streams(signer):
+    tensors = [("w", np.arange(40, dtype=np.float32)), ("v", np.arange(3, dtype=np.int64))]
+    frames = frames_of(signer, tensors, chunk_bytes=32)
+    reader = wire.ReleaseReader()
+    with pytest.raises(InvalidArgument, match="start with its receipt"):
+        reader.read(iter(frames[1:]))
+    with pytest.raises(InvalidArgument, match="truncated"):
+        reader.read(iter(frames[:-1]))
+    with pytest.raises(InvalidArgument, match="truncated"):
+        reader.read(iter(frames[:4]))
+    # a tensor whose bytes were swapped for other bytes of the same length: header checksum fails
+    bad = [pb.ReleaseFrame() for _ in frames]
+    for i, f in enumerate(frames):
+        bad[i].CopyFrom(f)
+    bad[3].chunk.data = bytes(32)
+    with pytest.raises(InvalidArgument, match="sha256"):
+        reader.read(iter(bad))
+    # a header that does not match what the receipt signed
+    bad = [pb.ReleaseFrame() for _ in frames]
+    for i, f in enumerate(frames):
+        bad[i].CopyFrom(f)
+    bad[2].tensor.name = "x"
+    with pytest.raises(InvalidArgument, match="manifest"):
+        reader.read(iter(bad))
+    # a manifest that announces other tensors than the receipt signed
+    bad = [pb.ReleaseFrame() for _ in frames]
+    for i, f in enumerate(frames):
+        bad[i].CopyFrom(f)
+    bad[1].manifest.tensors[0].sha256 = bytes(32)
+    with pytest.raises(InvalidArgument, match="receipt"):
+        reader.read(iter(bad))
+    with pytest.raises(InvalidArgument, match="total_bytes"):
+        wire.ReleaseReader(max_bytes=100).read(iter(frames))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=1, max_size=300) | st.integers(1, 1 << 21).map(lambda n: bytes(n)))
+def test_chunk_frames_are_encoded_exactly_as_protobuf_does_and_decoded_without_copy(data):
+    ours = wire.encode_chunk_frame(memoryview(data))
+    assert ours == pb.ReleaseFrame(chunk=tpb.TensorChunk(data=data)).SerializeToString()
+    frame = wire.decode_frame(ours)
+    assert isinstance(frame, wire.ChunkFrame) and frame.WhichOneof("frame") == "chunk" and bytes(frame.chunk.data) == data
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_decode_frame_agrees_with_protobuf_on_any_bytes(raw):
+    try:
+        want = pb.ReleaseFrame.FromString(raw)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError
+        with pytest.raises(Exception):
+            wire.decode_frame(raw)
+        return
+    got = wire.decode_frame(raw)
+    if isinstance(got, wire.ChunkFrame):
+        assert want.WhichOneof("frame") == "chunk" and bytes(got.data) == want.chunk.data
+    else:
+        assert got == want
+
+
+def test_other_frames_and_empty_chunks_go_through_protobuf():
+    for f in (pb.ReleaseFrame(end=pb.ReleaseEnd(tensor_count=1, total_bytes=4)), pb.ReleaseFrame(chunk=tpb.TensorChunk()),
+              pb.ReleaseFrame(tensor=tpb.TensorHeader(name="x", shape=[2]))):
+        got = wire.decode_frame(f.SerializeToString())
+        assert isinstance(got, pb.ReleaseFrame) and got == f
+
+
+def test_releases_stream_straight_into_a_safetensors_file(signer, tmp_path):
+    from safetensors import safe_open
+
+    tensors = [("w", np.random.default_rng(1).normal(size=(33, 7)).astype(np.float32)), ("e", np.zeros((0, 3))),
+               ("i", np.arange(5, dtype=np.int64))]
+    frames = frames_of(signer, tensors, chunk_bytes=100, decode=wire.decode_frame)
+    rel = wire.ReleaseReader(sink=wire.SafetensorsSink(tmp_path / "r.safetensors")).read(iter(frames))
+    assert rel.arrays == {} and rel.path == tmp_path / "r.safetensors" and rel.total_bytes == 33 * 7 * 4 + 40
+    with safe_open(str(rel.path), framework="numpy") as f:
+        assert f.metadata()["privfusion_ledger_entry"] == "1"
+        for name, a in tensors:
+            np.testing.assert_array_equal(f.get_tensor(name), a)
+    # a stream that breaks off leaves no file, not even a temporary one
+    with pytest.raises(InvalidArgument, match="truncated"):
+        wire.ReleaseReader(sink=wire.SafetensorsSink(tmp_path / "cut.safetensors")).read(iter(frames[:-2]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.safetensors"]
