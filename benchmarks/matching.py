@@ -23,8 +23,9 @@ Graphs are synthetic (training 4096-wide networks is beside the point): A is a r
 outputs); B is A with every hidden layer permuted and 10% Gaussian noise added to its weights
 and activations. Feature cases:
   exact  — both graphs' exact weights (Chebyshev expansion, error bound ≤ expansion_tol);
-  noisy  — both graphs' weight features through the multi-bit mechanism at ε = 1 (three values
-           per layer, one non-zero per row): the exact few-valued expansion on both sides;
+  noisy  — both graphs' weight features through peer.mechanisms.multibit at ε = 1, bounds
+           [−1, 1] (three values per layer, one non-zero per row): the exact few-valued
+           expansion on both sides;
   mixed  — A exact (a site's own model), B noisy (what it receives): the usual PrivFusion case.
 ``recovered`` is the fraction of nodes matched to their true counterpart.
 
@@ -59,22 +60,15 @@ REPEATS = 3  # part 1: each solver matches the same pair 3 times in its process;
 # ------------------------------------------------------------------------------------------
 
 
-def multibit_output(w: np.ndarray, epsilon: float, rng: np.random.Generator, lo: float = -1.0, hi: float = 1.0) -> np.ndarray:
-    """What the multi-bit mechanism (Sajadmanesh & Gatica-Perez 2021) releases for each node's
-    incoming weight vector: m = max(1, min(d, ⌊ε/2.18⌋)) sampled coordinates set to ±1 with
-    p = 1/(e+1) + (x−lo)/(hi−lo)·(e−1)/(e+1), e = exp(ε/m), the rest 0, then the unbiased
-    rectifier. (A benchmark fixture: it reproduces the output's structure; the mechanism with
-    its release record lives in peer.mechanisms.)"""
-    n = w.shape[0]
-    x = np.clip(w.reshape(n, -1), lo, hi)
-    d = x.shape[1]
-    m = max(1, min(d, int(epsilon // 2.18)))
-    e = math.exp(epsilon / m)
-    idx = rng.integers(0, d, size=(n, 1)) if m == 1 else np.argpartition(rng.random((n, d)), m, axis=1)[:, :m]
-    p = 1 / (e + 1) + (np.take_along_axis(x, idx, 1) - lo) / (hi - lo) * (e - 1) / (e + 1)
-    star = np.zeros_like(x)
-    np.put_along_axis(star, idx, np.where(rng.random(p.shape) < p, 1.0, -1.0), 1)
-    return (d * (hi - lo) / (2 * m) * (e + 1) / (e - 1) * star + (lo + hi) / 2).reshape(w.shape)
+def multibit_output(w: np.ndarray, epsilon: float, seed: int, bounds: tuple[float, float] = (-1.0, 1.0)) -> np.ndarray:
+    """Each node's incoming weight vector (w reshaped to (n, n_prev·e)) through the multi-bit
+    mechanism (peer.mechanisms.multibit, unit = one neuron, a fixed seed): three values per
+    layer, m = max(1, ⌊ε/2.18⌋) non-zero x* per row."""
+    from peer.mechanisms import multibit
+    from peer.rng import make_randomness
+
+    noisy, _ = multibit(w.reshape(w.shape[0], -1), epsilon=epsilon, bounds=bounds, randomness=make_randomness(seed))
+    return noisy.reshape(w.shape)
 
 
 def synthetic_pair(width: int, layers: int, features: str, seed: int = 0, inputs: int = 64, outputs: int = 10, probes: int = 128, noise: float = 0.1):
@@ -109,9 +103,8 @@ def synthetic_pair(width: int, layers: int, features: str, seed: int = 0, inputs
     graph_b = NetworkGraph(arch, inputs, tuple(hidden_b), out_b, np.zeros(outputs))
 
     def released(g, seed_):
-        r = np.random.default_rng(seed_)
-        hid = tuple(HiddenLayer(h.name, h.kind, h.activations, multibit_output(h.incoming, 1.0, r), h.bias) for h in g.hidden)
-        return g.with_layers(hid, multibit_output(g.output_incoming, 1.0, r))
+        hid = tuple(HiddenLayer(h.name, h.kind, h.activations, multibit_output(h.incoming, 1.0, seed_ + 10 * k), h.bias) for k, h in enumerate(g.hidden))
+        return g.with_layers(hid, multibit_output(g.output_incoming, 1.0, seed_ + 10 * len(g.hidden)))
 
     if features in ("noisy", "mixed"):
         graph_b = released(graph_b, seed + 1)

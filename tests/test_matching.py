@@ -49,15 +49,12 @@ def _load_benchmark():
 
 
 BENCH = _load_benchmark()
-# The multi-bit mechanism's output structure (three values per layer, m non-zeros per row), from
-# the benchmark's fixture.
-three_valued = BENCH.multibit_output
 
 
 def noisy(g, epsilon, seed):
-    rng = np.random.default_rng(seed)
-    hidden = tuple(dataclasses.replace(h, incoming=three_valued(h.incoming, epsilon, rng)) for h in g.hidden)
-    return g.with_layers(hidden, three_valued(g.output_incoming, epsilon, rng))
+    """g with its weight features released by the multi-bit mechanism (three values per layer)."""
+    hidden = tuple(dataclasses.replace(h, incoming=BENCH.multibit_output(h.incoming, epsilon, seed + k)) for k, h in enumerate(g.hidden))
+    return g.with_layers(hidden, BENCH.multibit_output(g.output_incoming, epsilon, seed + 100))
 
 
 def pair(arch, case):
@@ -354,7 +351,7 @@ def test_few_values():
     assert few_values(np.array([[2.0, 0.5], [0.5, 0.5]])).tolist() == [0.5, 2.0]
     assert few_values(np.array([1.0, 2.0, 3.0, 3.0])).tolist()[0] == 3.0
     assert few_values(np.array([1.0, 2.0, 3.0, 4.0])) is None
-    w = three_valued(np.random.default_rng(0).uniform(-1, 1, (50, 20, 1)), 1.0, np.random.default_rng(1))
+    w = BENCH.multibit_output(np.random.default_rng(0).uniform(-1, 1, (50, 20, 1)), 1.0, 1)
     vals = few_values(w)
     assert len(vals) == 3 and vals[0] == 0.0  # the centre (x* = 0) is the most frequent value
 
