@@ -11,7 +11,6 @@ import secrets
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 @dataclass(frozen=True)
@@ -35,8 +34,10 @@ class Randomness:
         child = self.generator.spawn(1)[0]
         return Randomness(child, self.source, self.seed)
 
-    def torch_generator(self) -> torch.Generator:
+    def torch_generator(self) -> "torch.Generator":
         """A torch generator seeded from this stream (consumes 63 bits of it)."""
+        import torch
+
         g = torch.Generator()
         g.manual_seed(int(self.generator.integers(0, 2**63 - 1)))
         return g

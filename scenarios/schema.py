@@ -84,7 +84,6 @@ from coordinator_free.config import Section, parse_toml
 from coordinator_free.identity import check_site_name
 from peer.data import DATASETS
 from peer.errors import InvalidArgument, NotFound
-from peer.models import ACTIVATIONS
 
 DEFAULT_SCENARIO = "hospitals.toml"
 BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml")
@@ -223,6 +222,8 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     )
     if data.probe_size > data.public_size:
         d.fail("probe_size", f"must be at most public_size ({data.public_size}): probe sets are drawn from the public data")
+
+    from peer.models import ACTIVATIONS  # torch: only once a scenario is parsed, not for --help
 
     m = root.section("model")
     m.known([f.name for f in ModelSpec.__dataclass_fields__.values()])

@@ -28,10 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from peer.accounting import (ApproxDP, GaussianStep, TrainingRecord, choose_lam, choose_pi, lc_epsilon,
-                             privacy_profile, rs_epsilon, rs_profiles)
-from peer.accounting.conversions import check_delta, check_epsilon
-from peer.accounting.lc import NO_FREE_LUNCH
 from peer.errors import InvalidArgument
 
 ADJACENCY_NAMES = {"replace": "replace-one", "replace-one": "replace-one", "add-remove": "add-remove"}
@@ -75,6 +71,7 @@ def _per_step(value: Any, steps: int, where: str) -> list:
 def parse_models(data: Any) -> tuple[str, list[str], list, list[float | None]]:
     """(adjacency, names, models, accuracies) from the M.json object; every error names the model
     index and the field."""
+    from peer.accounting import ApproxDP, GaussianStep, TrainingRecord
     if not isinstance(data, dict):
         raise InvalidArgument("models file", "must be a JSON object with 'adjacency' and 'models'")
     unknown = set(data) - {"adjacency", "models"}
@@ -152,6 +149,9 @@ def _weights(text: str, count: int) -> list[float]:
 def account(method: str, data: Any, *, delta: float, weights: list[float] | None = None,
             target_epsilon: float | None = None, accountant: str = "pld", interval: float = 1e-4) -> dict:
     """The JSON-ready result of ``privfusion account`` (pure: file contents in, dict out)."""
+    from peer.accounting import ApproxDP, choose_lam, choose_pi, lc_epsilon, privacy_profile, rs_epsilon, rs_profiles
+    from peer.accounting.lc import NO_FREE_LUNCH
+    from peer.accounting.conversions import check_delta, check_epsilon
     delta = check_delta(delta, "--delta")
     adjacency, names, models, accuracies = parse_models(data)
     if method == "lc":

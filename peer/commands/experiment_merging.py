@@ -14,16 +14,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from peer.experiments.merging import Settings, markdown, plot_digits, plot_mean_estimation, run
-from peer.models import torch_threads
 
 
 def run_merging(args: argparse.Namespace) -> int:
+    from peer.models import torch_threads
     with torch_threads(1):
         return _run_merging(args)
 
 
 def _run_merging(args: argparse.Namespace) -> int:
+    from peer.experiments.merging import Settings, markdown, plot_digits, plot_mean_estimation, run
     settings = Settings.quick() if args.quick else Settings()
     settings = replace(settings, seed=args.seed, delta=args.delta)
     out = Path(args.out)

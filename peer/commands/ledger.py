@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 from peer.errors import NotFound
-from peer.ledger import Ledger
-from peer.policy import Policy
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    from peer.ledger import Ledger
+    from peer.policy import Policy
     policy = Policy.from_toml(args.policy) if args.policy else None
     ledger = Ledger(args.db) if policy is None else _open_with_policy(args.db, policy)
     try:
@@ -67,6 +67,7 @@ def _num(x: float | None) -> str:
 
 
 def _open_with_policy(path: str, policy: Policy) -> Ledger:
+    from peer.ledger import Ledger
     if not Path(path).exists():  # showing must never create a ledger
         raise NotFound(f"no ledger at {path}")
     return Ledger(path, policy)

@@ -22,10 +22,6 @@ import sys
 from dataclasses import dataclass
 
 from peer.errors import InvalidArgument
-from peer.merging import METHODS, MergedModel
-from peer.pool import load_pool, load_validation_file, merge_pool, save_merged
-from peer.rng import make_randomness
-from peer.models import torch_threads
 
 
 @dataclass(frozen=True)
@@ -44,6 +40,8 @@ def merge_request(args: argparse.Namespace) -> MergeRequest:
 
 def obtain_merge(request: MergeRequest, args: argparse.Namespace) -> MergedModel:
     """Serve the request from the local pool ``args.pool``."""
+    from peer.pool import load_pool, load_validation_file, merge_pool
+    from peer.rng import make_randomness
     pool = load_pool(args.pool)
     validation = None if args.validation == "pool" else load_validation_file(args.validation)
     return merge_pool(pool, request.method, request.target_epsilon, request.delta, validation=validation,
@@ -80,11 +78,13 @@ def run_via(request: MergeRequest, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from peer.models import torch_threads
     with torch_threads(1):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from peer.pool import save_merged
     request = merge_request(args)
     if args.via:
         return run_via(request, args)
@@ -113,7 +113,7 @@ def register(subparsers) -> None:
     p.add_argument("--pool", required=True, help="pool directory (privfusion pool train); with --via, the peer's pool name")
     p.add_argument("--target-epsilon", type=float, required=True)
     p.add_argument("--delta", type=float, required=True)
-    p.add_argument("--method", required=True, choices=METHODS, help="rs: random selection; lc: linear combination (full-batch models only)")
+    p.add_argument("--method", required=True, choices=("rs", "lc"), help="rs: random selection; lc: linear combination (full-batch models only)")
     p.add_argument("--out", required=True, help="output weights file (FILE.safetensors; the stem names the model)")
     p.add_argument("--validation", default="pool",
                    help="data judging candidates: 'pool' (the held-out split the pool was trained beside; default) or an .npz with x and y. "

@@ -10,13 +10,7 @@ import argparse
 import json
 import sys
 
-from peer.accounting import TrainingRecord
 from peer.errors import InvalidArgument
-from peer.models import accuracy, model_from_arrays
-from peer.pool import load_pool, load_splits, save_trained
-from peer.rng import make_randomness
-from peer.models import torch_threads
-from peer.training import train_pool
 
 # Three models with different (C, σ), from the least private (ε ≈ 9.6 at δ = 1e-5, T = 60,
 # replace-one) to the most private (ε ≈ 1.2).
@@ -62,11 +56,17 @@ def _architecture(text: str, splits) -> dict:
 
 
 def train(args: argparse.Namespace) -> int:
+    from peer.models import torch_threads
     with torch_threads(1):
         return _train(args)
 
 
 def _train(args: argparse.Namespace) -> int:
+    from peer.accounting import TrainingRecord
+    from peer.models import accuracy, model_from_arrays
+    from peer.pool import load_splits, save_trained
+    from peer.rng import make_randomness
+    from peer.training import train_pool
     splits = load_splits(args.dataset, split_seed=args.split_seed, validation_fraction=args.validation_fraction)
     arch = _architecture(args.architecture, splits)
     defaults = {"lr": args.learning_rate, "steps": args.steps, "q": args.sample_rate}
@@ -93,6 +93,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def list_pool(args: argparse.Namespace) -> int:
+    from peer.pool import load_pool
     pool = load_pool(args.pool)
     rows = []
     for m in pool:
