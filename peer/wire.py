@@ -465,7 +465,8 @@ class ReleaseReader:
         specs: list[TensorSpec] = []
         current: TensorReceiver | None = None
         done = 0
-        for frame in frames:
+        stream = iter(frames)
+        for frame in stream:
             which = frame.WhichOneof("frame")
             if receipt is None:
                 if which != "receipt":
@@ -500,6 +501,11 @@ class ReleaseReader:
                     raise InvalidArgument("end.tensor_count", f"{len(specs)} tensors were announced, {done} arrived, the end frame says {end.tensor_count}")
                 if end.total_bytes != manifest.total_bytes:
                     raise InvalidArgument("end.total_bytes", f"{manifest.total_bytes} bytes arrived, {end.total_bytes} announced")
+                # read on to the stream's own end: nothing may follow ReleaseEnd, and a call's
+                # status arrives only after the sender has finished (so its ledger notes the
+                # release as sent, not cut off by a client that hung up on the last frame)
+                for extra in stream:
+                    raise InvalidArgument("frame", f"{extra.WhichOneof('frame')!r} after ReleaseEnd")
                 result = self.sink.finish()
                 arrays = result if isinstance(result, dict) else {}
                 return Release(receipt, manifest.kind, manifest.model,

@@ -218,6 +218,11 @@ def test_logs_are_structured_and_hold_nothing_private(tmp_path, forked):
     try:
         with client(b, address) as c:
             got = c.weights("big", epsilon=1.0, delta=1e-6)
+            # the client reads on to the call's status, which comes after the daemon noted the
+            # release as sent: no race with a client that returns on the end frame
+            with Ledger(a.ledger) as led:
+                [entry] = led.entries()
+                assert [e["kind"] for e in led.events(entry.release_id)] == ["sent"]
             with pytest.raises(PeerError):
                 c.weights("nope", epsilon=1.0, delta=1e-6)
     finally:

@@ -176,6 +176,9 @@ def test_release_reader_refuses_reordered_truncated_or_swapped_streams(signer):
         reader.read(iter(bad))
     with pytest.raises(InvalidArgument, match="total_bytes"):
         wire.ReleaseReader(max_bytes=100).read(iter(frames))
+    # nothing may follow the end frame (the reader reads on to the stream's end to see)
+    with pytest.raises(InvalidArgument, match="after ReleaseEnd"):
+        reader.read(iter(frames + [frames[2]]))
 
 
 @settings(max_examples=200, deadline=None)
