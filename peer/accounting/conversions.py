@@ -93,13 +93,18 @@ def check_orders(orders: Sequence[float]) -> np.ndarray:
     return arr
 
 
-def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
-    """Smallest ε over the orders by the improved conversion (dp-accounting's ``compute_epsilon``)."""
-    delta = check_delta(delta)
+def _orders_and_curve(orders: Sequence[float], rdp: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     orders = check_orders(orders)
     rdp = np.asarray(rdp, dtype=float)
     if rdp.shape != orders.shape:
         raise InvalidArgument("rdp", f"must have one value per order ({orders.size}), got shape {rdp.shape}")
+    return orders, rdp
+
+
+def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
+    """Smallest ε over the orders by the improved conversion (dp-accounting's ``compute_epsilon``)."""
+    delta = check_delta(delta)
+    orders, rdp = _orders_and_curve(orders, rdp)
     if np.all(np.isinf(rdp)):
         return math.inf
     eps, _ = rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)
@@ -109,10 +114,7 @@ def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) 
 def rdp_to_delta(orders: Sequence[float], rdp: Sequence[float], epsilon: float) -> float:
     """Smallest δ ∈ [0, 1] over the orders by the improved conversion (``compute_delta``)."""
     epsilon = check_epsilon(epsilon)
-    orders = check_orders(orders)
-    rdp = np.asarray(rdp, dtype=float)
-    if rdp.shape != orders.shape:
-        raise InvalidArgument("rdp", f"must have one value per order ({orders.size}), got shape {rdp.shape}")
+    orders, rdp = _orders_and_curve(orders, rdp)
     if np.all(np.isinf(rdp)):
         return 1.0
     delta, _ = rdp_privacy_accountant.compute_delta(orders, rdp, epsilon)

@@ -250,17 +250,23 @@ def lc_pld_fft(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[floa
     return pldm.compose_plds(parts, interval), (() if note is None else (note,))
 
 
+def _lc_bounds(models, lam, adjacency, orders, interval, max_groups):
+    """The PLD (FFT), RDP curve and μ of θ_λ, and notes: what lc_epsilon and lc_delta convert."""
+    segments, lam = _segments_and_weights(models, lam, adjacency)
+    mu = segments.mu(lam)
+    pld, notes = lc_pld_fft(segments, lam, value_discretization_interval=interval, max_groups=max_groups)
+    orders = check_orders(orders)
+    return pld, orders, rdp_gaussian(mu, orders), mu, notes
+
+
 def lc_epsilon(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float], delta: float, *,
                adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
                value_discretization_interval: float = DEFAULT_INTERVAL,
                max_groups: int = DEFAULT_MAX_GROUPS) -> Epsilons:
     """ε of θ_λ at ``delta``: ``pld`` (FFT composition), ``closed_form`` (μ-GDP), ``rdp``."""
     delta = check_delta(delta)
-    segments, lam = _segments_and_weights(models, lam, adjacency)
-    mu = segments.mu(lam)
-    pld, notes = lc_pld_fft(segments, lam, value_discretization_interval=value_discretization_interval, max_groups=max_groups)
-    orders = check_orders(orders)
-    return Epsilons(pld=pld_epsilon(pld, delta), rdp=rdp_to_epsilon(orders, rdp_gaussian(mu, orders), delta),
+    pld, orders, rdp, mu, notes = _lc_bounds(models, lam, adjacency, orders, value_discretization_interval, max_groups)
+    return Epsilons(pld=pld_epsilon(pld, delta), rdp=rdp_to_epsilon(orders, rdp, delta),
                     closed_form=gdp_epsilon(mu, delta), notes=notes)
 
 
@@ -270,11 +276,8 @@ def lc_delta(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float]
              max_groups: int = DEFAULT_MAX_GROUPS) -> Deltas:
     """δ of θ_λ at ``epsilon`` by the three accountants."""
     epsilon = check_epsilon(epsilon)
-    segments, lam = _segments_and_weights(models, lam, adjacency)
-    mu = segments.mu(lam)
-    pld, notes = lc_pld_fft(segments, lam, value_discretization_interval=value_discretization_interval, max_groups=max_groups)
-    orders = check_orders(orders)
-    return Deltas(pld=pld_delta(pld, epsilon), rdp=rdp_to_delta(orders, rdp_gaussian(mu, orders), epsilon),
+    pld, orders, rdp, mu, notes = _lc_bounds(models, lam, adjacency, orders, value_discretization_interval, max_groups)
+    return Deltas(pld=pld_delta(pld, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon),
                   closed_form=gdp_delta(mu, epsilon), notes=notes)
 
 

@@ -75,16 +75,21 @@ def rs_pld(models: Sequence[Model], pi: Sequence[float], *, adjacency: str | Non
     return pldm.mixture_pld([p.pld for p in profiles], pi)
 
 
+def _rs_bounds(models, pi, adjacency, orders, interval):
+    """The mixed PLD and the RDP bound of the RS release, with its orders."""
+    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=interval)
+    pi = check_weights(pi, len(profiles))
+    mixed = pldm.mixture_pld([p.pld for p in profiles], pi)
+    return mixed, profiles[0].orders, rdp_mixture(pi, [p.rdp for p in profiles], profiles[0].orders)
+
+
 def rs_epsilon(models: Sequence[Model], pi: Sequence[float], delta: float, *, adjacency: str | None = None,
                orders: Sequence[float] = DEFAULT_ORDERS,
                value_discretization_interval: float = DEFAULT_INTERVAL) -> Epsilons:
     """ε of releasing θ_I, I ~ Cat(π), at ``delta``: PLD bound and RDP bound (no closed form)."""
     delta = check_delta(delta)
-    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval)
-    pi = check_weights(pi, len(profiles))
-    mixed = pldm.mixture_pld([p.pld for p in profiles], pi)
-    rdp = rdp_mixture(pi, [p.rdp for p in profiles], profiles[0].orders)
-    return Epsilons(pld=pld_epsilon(mixed, delta), rdp=rdp_to_epsilon(profiles[0].orders, rdp, delta))
+    mixed, orders, rdp = _rs_bounds(models, pi, adjacency, orders, value_discretization_interval)
+    return Epsilons(pld=pld_epsilon(mixed, delta), rdp=rdp_to_epsilon(orders, rdp, delta))
 
 
 def rs_delta(models: Sequence[Model], pi: Sequence[float], epsilon: float, *, adjacency: str | None = None,
@@ -92,11 +97,8 @@ def rs_delta(models: Sequence[Model], pi: Sequence[float], epsilon: float, *, ad
              value_discretization_interval: float = DEFAULT_INTERVAL) -> Deltas:
     """δ of the RS release at ``epsilon``: max over directions of Σ π_i δ_i(ε), and by RDP."""
     epsilon = check_epsilon(epsilon)
-    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval)
-    pi = check_weights(pi, len(profiles))
-    mixed = pldm.mixture_pld([p.pld for p in profiles], pi)
-    rdp = rdp_mixture(pi, [p.rdp for p in profiles], profiles[0].orders)
-    return Deltas(pld=pld_delta(mixed, epsilon), rdp=rdp_to_delta(profiles[0].orders, rdp, epsilon))
+    mixed, orders, rdp = _rs_bounds(models, pi, adjacency, orders, value_discretization_interval)
+    return Deltas(pld=pld_delta(mixed, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon))
 
 
 __all__ = ["check_weights", "rs_profiles", "rs_rdp", "rs_pld", "rs_epsilon", "rs_delta"]
