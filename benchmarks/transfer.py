@@ -336,6 +336,17 @@ def raw_round(nbytes: int, tls: tuple[str, str, str, str, str, str] | None = Non
     return elapsed
 
 
+def interpreter_rss() -> int:
+    """Peak RSS of a bare Python that imports what the daemon imports (torch, gRPC, the
+    accountants) and holds no model: the part of the daemon's figures no model size changes."""
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child of this (large)
+    # process would report the parent's peak
+    code = ("import peer.daemon, peer.service, peer.pool, peer.merging, peer.accounting, torch; "
+            "from benchmarks.transfer import vm; print(vm()['VmHWM'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    return int(out.stdout.strip())
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -367,6 +378,7 @@ def run(size_mb: float = 300.0, rounds: int = 2, release: str = "merged") -> dic
                                                   "client_hwm")}
     # what streaming added on top of what the daemon held when the receipt went out
     memory["server_stream_increment"] = max(x["server_hwm_stream"] - x["server_rss_at_receipt"] for x in pf)
+    memory["interpreter"] = interpreter_rss()
     return {
         "release": release,
         "model_bytes": nbytes,
@@ -429,6 +441,7 @@ def report(result: dict) -> str:
         f"  daemon: idle {mo['server_rss_idle']:.2f}x (start-up peak {mo['server_hwm_startup']:.2f}x), "
         f"computing + charging {mo['server_hwm_compute']:.2f}x, streaming {mo['server_hwm_stream']:.2f}x "
         f"(+{mo['server_stream_increment']:.2f}x over the RSS when the receipt went out)",
+        f"  of which the interpreter with the daemon's imports and no model: {mo['interpreter']:.2f}x",
         f"  client: before the request {mo['client_rss_before']:.2f}x, peak {mo['client_hwm']:.2f}x",
     ]
     return "\n".join(lines)

@@ -206,9 +206,10 @@ class Site:
         self.models: dict[str, StoredModel] = {n: load_model(config.models, n) for n in list_models(config.models)}
         self.pools: dict[str, list] = {}
         self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._rs_utilities: dict[str, list[float]] = {}
         if config.pools:
             from peer.merging import check_pool
-            from peer.pool import load_pool, load_validation_file, pool_validation
+            from peer.pool import load_pool, load_validation_file, pool_validation, rs_utilities
 
             self.pools = {name: load_pool(d) for name, d in config.pools.items()}
             for pool in self.pools.values():
@@ -217,6 +218,8 @@ class Site:
             # (judges RS/LC candidates; public)
             self._validation = {name: load_validation_file(config.pool_validation[name]) if name in config.pool_validation
                                 else pool_validation(pool) for name, pool in self.pools.items()}
+            # each model's accuracy there: what RS maximises; fixed while the daemon runs
+            self._rs_utilities = {name: rs_utilities(pool, self._validation[name]) for name, pool in self.pools.items()}
         self.probe = self._load_probe(config.probe) if config.probe else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
@@ -286,6 +289,9 @@ class Site:
 
     def pool_validation(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         return self._validation[name]
+
+    def rs_utilities(self, name: str) -> list[float]:
+        return self._rs_utilities[name]
 
     def activation_clip(self, params: pb.FeaturesParams | None) -> tuple[float, float] | None:
         """The public activation range: the caller's, else the site's default (None: the

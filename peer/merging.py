@@ -146,8 +146,14 @@ def merge_rs(
     choice = choose_pi(models, utilities, float(target_epsilon), float(delta), accountant=accountant)
     drawn = pool[draw_index(choice.weights, randomness)]
     record = rs_merge_record(models, choice.weights, float(delta), names=[m.name for m in pool], randomness=randomness.record_fields(), subject=subject, counterparty=counterparty)
-    arrays = {k: np.array(v, dtype=np.float32, copy=True) for k, v in drawn.arrays.items()}
-    return MergedModel(arch, arrays, record, choice)
+    # the drawn model's own arrays, as read-only views: no copy of what may be a large model
+    return MergedModel(arch, {k: _read_only(v) for k, v in drawn.arrays.items()}, record, choice)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = np.asarray(a, dtype=np.float32).view()
+    view.flags.writeable = False
+    return view
 
 
 def _check_lc_pool(pool: Sequence[PoolModel]) -> None:

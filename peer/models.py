@@ -26,6 +26,7 @@ padding (kernel_size // 2, odd kernel sizes only) so spatial size changes only b
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
@@ -196,7 +197,11 @@ def model_from_arrays(arch: Mapping[str, Any], arrays: Mapping[str, np.ndarray])
             raise InvalidArgument(f"weights[{k}]", f"has shape {tuple(arr.shape)}, the architecture needs {tuple(ref.shape)}")
         if not np.all(np.isfinite(arr)):
             raise InvalidArgument(f"weights[{k}]", "contains NaN or infinite values")
-        state[k] = torch.as_tensor(np.asarray(arr, dtype=np.float32))
+        with warnings.catch_warnings():
+            # a read-only array (a released merge, say) is fine here: load_state_dict only
+            # reads it, copying into the module's own parameters
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            state[k] = torch.as_tensor(np.asarray(arr, dtype=np.float32))
     model.load_state_dict(state)
     return model
 

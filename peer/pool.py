@@ -152,6 +152,13 @@ def load_validation_file(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarra
     return x, y.astype(np.int64)
 
 
+def rs_utilities(pool: Sequence[PoolModel], validation: tuple[np.ndarray, np.ndarray]) -> list[float]:
+    """Each pool model's accuracy on ``validation``: the utilities RS maximises (linear in π)."""
+    arch = check_pool(pool)
+    x_val, y_val = validation
+    return [accuracy(arch, model_from_arrays(arch, m.arrays), x_val, y_val) for m in pool]
+
+
 def merge_pool(
     pool: Sequence[PoolModel],
     method: str,
@@ -159,20 +166,25 @@ def merge_pool(
     delta: float,
     *,
     validation: tuple[np.ndarray, np.ndarray] | None = None,
+    utilities: Sequence[float] | None = None,
     accountant: str = "pld",
     randomness: Randomness | None = None,
     subject: str = "",
     counterparty: str | None = None,
 ) -> MergedModel:
     """Merge a loaded pool at (target_epsilon, delta) by ``method`` ("rs" or "lc"), judging
-    candidates by accuracy on ``validation`` (default: the pool's own held-out split). RS draws
-    from ``randomness`` (a fresh CSPRNG-seeded one when None)."""
+    candidates by accuracy on ``validation`` (default: the pool's own held-out split). For RS,
+    ``utilities`` may give those accuracies already (:func:`rs_utilities`; a daemon computes
+    them once per pool). RS draws from ``randomness`` (a fresh CSPRNG-seeded one when None)."""
     if method not in METHODS:
         raise InvalidArgument("method", f"must be one of {METHODS}, got {method!r}")
     arch = check_pool(pool)
     x_val, y_val = pool_validation(pool) if validation is None else validation
     if method == "rs":
-        utilities = [accuracy(arch, model_from_arrays(arch, m.arrays), x_val, y_val) for m in pool]
+        if utilities is None:
+            utilities = rs_utilities(pool, (x_val, y_val))
+        elif len(utilities) != len(pool):
+            raise InvalidArgument("utilities", f"must give one accuracy per pool model ({len(pool)}), got {len(utilities)}")
         return merge_rs(pool, utilities, target_epsilon, delta, randomness=randomness or make_randomness(), accountant=accountant, subject=subject, counterparty=counterparty)
     return merge_lc(pool, lambda arrays: accuracy(arch, model_from_arrays(arch, arrays), x_val, y_val), target_epsilon, delta, accountant=accountant, subject=subject, counterparty=counterparty)
 

@@ -513,6 +513,7 @@ class PeerService(pb_grpc.PeerServicer):
         from peer.pool import merge_pool
 
         merged = merge_pool(pool, request.method, eps, dlt, validation=self.site.pool_validation(request.pool),
+                            utilities=self.site.rs_utilities(request.pool) if request.method == "rs" else None,
                             randomness=self.site.randomness(), subject=request.pool, counterparty=caller)
         tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
         # public: the method, π or λ, the ε each accountant reports, the validation utility
