@@ -103,3 +103,20 @@ def test_mixed_adjacencies_are_refused_or_converted_explicitly():
     with pytest.raises(InvalidArgument) as e:
         privacy_profiles([a, ApproxDP(1.0, 1e-6, "replace-one")], "add-remove")
     assert e.value.field.startswith("models[1]")
+
+
+def test_profiles_of_a_model_seen_before_are_reused_and_cannot_be_changed():
+    from peer.accounting.profiles import _derived_profile
+
+    model = TrainingRecord.constant("add-remove", 200, 0.1, 1.0, 1.1, 0.01)
+    first = privacy_profile(model)
+    # an equal record (another object) finds the same profile; other settings do not
+    assert privacy_profile(TrainingRecord.constant("add-remove", 200, 0.1, 1.0, 1.1, 0.01)) is first
+    assert privacy_profile(model, value_discretization_interval=1e-3) is not first
+    assert privacy_profile(model, "replace-one").adjacency == "replace-one"
+    with pytest.raises(ValueError):
+        first.rdp[0] = 0.0
+    # and the kept profile is the one a fresh computation gives
+    fresh = _derived_profile.__wrapped__(model, "add-remove", tuple(float(a) for a in DEFAULT_ORDERS), 1e-4)
+    assert fresh is not first
+    assert first.epsilon(1e-5) == fresh.epsilon(1e-5)

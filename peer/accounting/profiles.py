@@ -18,6 +18,7 @@ RDP = that of randomised response when δ = 0, ∞ otherwise).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from peer.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
 from peer.errors import InvalidArgument
 
 DEFAULT_INTERVAL = 1e-4
+# profiles kept for models seen before (a daemon's pools, a ledger's records): at most this many
+PROFILE_CACHE_SIZE = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,11 +138,24 @@ def privacy_profile(model: Model, adjacency: str | None = None, *, orders: Seque
         if tuple(orders) != tuple(model.orders) or model.value_discretization_interval != interval:
             raise InvalidArgument("orders", "a precomputed profile must use the same orders and value_discretization_interval")
         return model
-    if isinstance(model, ApproxDP):
-        return _approx_profile(model, adjacency, orders, interval)
-    if isinstance(model, TrainingRecord):
-        return _training_profile(model, adjacency, orders, interval)
+    if isinstance(model, (ApproxDP, TrainingRecord)):
+        return _derived_profile(model, adjacency, tuple(float(a) for a in orders), interval)
     raise InvalidArgument("model", f"must be a TrainingRecord, ApproxDP or PrivacyProfile, got {type(model).__name__}")
+
+
+@functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)
+def _derived_profile(model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple[float, ...], interval: float) -> PrivacyProfile:
+    """A model's profile, kept for the next request that names the same model: a daemon's pool
+    is fixed, and a T = 10,000-step Poisson profile takes about half a second to build (PLD
+    self-composition). Models are frozen dataclasses and so are the profiles (their RDP arrays
+    are made read-only; PLDs are never changed in place, composition makes new ones)."""
+    grid = np.asarray(orders)
+    if isinstance(model, ApproxDP):
+        profile = _approx_profile(model, adjacency, grid, interval)
+    else:
+        profile = _training_profile(model, adjacency, grid, interval)
+    profile.rdp.flags.writeable = False
+    return profile
 
 
 def privacy_profiles(models: Sequence[Model], adjacency: str | None = None, *,
