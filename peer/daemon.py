@@ -220,6 +220,15 @@ class Site:
                                 else pool_validation(pool) for name, pool in self.pools.items()}
             # each model's accuracy there: what RS maximises; fixed while the daemon runs
             self._rs_utilities = {name: rs_utilities(pool, self._validation[name]) for name, pool in self.pools.items()}
+            # and the models' privacy profiles (PLD + RDP, kept by peer.accounting for models
+            # seen before): an RS request then pays for choosing π, not for T-step compositions
+            from peer.accounting import rs_profiles
+
+            for pool in self.pools.values():
+                try:
+                    rs_profiles([m.privacy for m in pool])
+                except InvalidArgument:
+                    pass  # a pool RS cannot account (mixed adjacencies): each request says why
         self.probe = self._load_probe(config.probe) if config.probe else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)

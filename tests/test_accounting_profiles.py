@@ -120,3 +120,18 @@ def test_profiles_of_a_model_seen_before_are_reused_and_cannot_be_changed():
     fresh = _derived_profile.__wrapped__(model, "add-remove", tuple(float(a) for a in DEFAULT_ORDERS), 1e-4)
     assert fresh is not first
     assert first.epsilon(1e-5) == fresh.epsilon(1e-5)
+
+
+def test_rdp_alone_is_the_profiles_rdp_without_building_a_pld():
+    from peer.accounting.profiles import _derived_profile, model_rdp
+
+    orders = [1.5, 2.0, 3.0, 8.0, 32.0]
+    for model in (TrainingRecord.constant("add-remove", 300, 0.1, 1.0, 1.3, 0.02),
+                  TrainingRecord.constant("replace-one", 40, 0.1, 1.0, 3.0),
+                  ApproxDP(1.0, 0.0, "add-remove")):
+        before = _derived_profile.cache_info().currsize
+        rdp = model_rdp(model, orders=orders)
+        assert _derived_profile.cache_info().currsize == before  # no PLD was built for it
+        np.testing.assert_array_equal(rdp, privacy_profile(model, orders=orders).rdp)
+        with pytest.raises(ValueError):
+            rdp[0] = 0.0

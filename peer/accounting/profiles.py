@@ -93,33 +93,73 @@ def resolve_adjacency(models: Sequence[Model], adjacency: str | None) -> str:
     return found[0]
 
 
-def _training_profile(record: TrainingRecord, adjacency: str, orders: np.ndarray, interval: float) -> PrivacyProfile:
-    k = 2.0 if adjacency == "replace-one" else 1.0
+def _step_groups(record: TrainingRecord) -> Counter:
     groups: Counter = Counter()
     for step, count in record.runs:
         groups[(step.noise_multiplier, step.sample_rate)] += count
+    return groups
+
+
+def _full_batch_mu(groups: Counter, adjacency: str) -> float:
+    """μ of the full-batch steps' Gaussian composition (sensitivity 2 replace-one, 1 add-remove)."""
+    k = 2.0 if adjacency == "replace-one" else 1.0
+    return math.sqrt(sum(count * (k / sigma) ** 2 for (sigma, q), count in groups.items() if q == 1.0))
+
+
+def _training_rdp(record: TrainingRecord, adjacency: str, orders: np.ndarray) -> np.ndarray:
+    groups = _step_groups(record)
     if any(sigma == 0 for sigma, _ in groups):
-        return PrivacyProfile(adjacency, tuple(orders), np.full(orders.shape, math.inf),
-                              pldm.non_private_pld(interval), interval, math.inf)
-    mu_sq = sum(count * (k / sigma) ** 2 for (sigma, q), count in groups.items() if q == 1.0)
-    mu_full = math.sqrt(mu_sq)
-    rdp = rdp_gaussian(mu_full, orders)
-    parts = [pldm.gaussian_pld(mu_full, interval)] if mu_sq > 0 else []
+        return np.full(orders.shape, math.inf)
+    rdp = rdp_gaussian(_full_batch_mu(groups, adjacency), orders)
     for (sigma, q), count in sorted(groups.items()):
-        if q == 1.0:
-            continue
-        rdp = rdp + count * rdp_subsampled_gaussian(sigma, q, orders, adjacency)
-        parts.append(pldm.self_compose(pldm.subsampled_gaussian_pld(sigma, q, adjacency, interval), count))
+        if q != 1.0:
+            rdp = rdp + count * rdp_subsampled_gaussian(sigma, q, orders, adjacency)
+    return rdp
+
+
+def _training_profile(record: TrainingRecord, adjacency: str, orders: np.ndarray, interval: float) -> PrivacyProfile:
+    groups = _step_groups(record)
+    rdp = _derived_rdp(record, adjacency, tuple(float(a) for a in orders))
+    if any(sigma == 0 for sigma, _ in groups):
+        return PrivacyProfile(adjacency, tuple(orders), rdp, pldm.non_private_pld(interval), interval, math.inf)
+    mu_full = _full_batch_mu(groups, adjacency)
+    parts = [pldm.gaussian_pld(mu_full, interval)] if mu_full > 0 else []
+    for (sigma, q), count in sorted(groups.items()):
+        if q != 1.0:
+            parts.append(pldm.self_compose(pldm.subsampled_gaussian_pld(sigma, q, adjacency, interval), count))
     full_batch = all(q == 1.0 for _, q in groups)
     return PrivacyProfile(adjacency, tuple(orders), rdp, pldm.compose_plds(parts, interval), interval,
                           mu_full if full_batch else None)
 
 
+def _approx_rdp(model: ApproxDP, adjacency: str, orders: np.ndarray) -> np.ndarray:
+    m = model.under(adjacency)
+    return rdp_pure(m.epsilon, orders) if m.delta == 0 else np.full(orders.shape, math.inf)
+
+
 def _approx_profile(model: ApproxDP, adjacency: str, orders: np.ndarray, interval: float) -> PrivacyProfile:
     m = model.under(adjacency)
-    rdp = rdp_pure(m.epsilon, orders) if m.delta == 0 else np.full(orders.shape, math.inf)
-    return PrivacyProfile(adjacency, tuple(orders), rdp, pldm.approx_dp_pld(m.epsilon, m.delta, interval),
-                          interval, None, source="approx-dp")
+    return PrivacyProfile(adjacency, tuple(orders), _derived_rdp(model, adjacency, tuple(float(a) for a in orders)),
+                          pldm.approx_dp_pld(m.epsilon, m.delta, interval), interval, None, source="approx-dp")
+
+
+def model_rdp(model: Model, adjacency: str | None = None, *, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+    """A model's RDP curve at ``orders`` alone (read-only), without building its PLD: what an RDP
+    filter needs (the ledger uses its own orders, so a full profile would be built anew)."""
+    orders = check_orders(orders)
+    adjacency = check_adjacency(model_adjacency(model) if adjacency is None else adjacency)
+    if isinstance(model, PrivacyProfile):
+        return privacy_profile(model, adjacency, orders=orders, value_discretization_interval=model.value_discretization_interval).rdp
+    return _derived_rdp(model, adjacency, tuple(float(a) for a in orders))
+
+
+@functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)
+def _derived_rdp(model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple[float, ...]) -> np.ndarray:
+    grid = np.asarray(orders)
+    rdp = _approx_rdp(model, adjacency, grid) if isinstance(model, ApproxDP) else _training_rdp(model, adjacency, grid)
+    rdp = np.array(rdp, dtype=float)
+    rdp.flags.writeable = False
+    return rdp
 
 
 def privacy_profile(model: Model, adjacency: str | None = None, *, orders: Sequence[float] = DEFAULT_ORDERS,
@@ -151,11 +191,8 @@ def _derived_profile(model: TrainingRecord | ApproxDP, adjacency: str, orders: t
     are made read-only; PLDs are never changed in place, composition makes new ones)."""
     grid = np.asarray(orders)
     if isinstance(model, ApproxDP):
-        profile = _approx_profile(model, adjacency, grid, interval)
-    else:
-        profile = _training_profile(model, adjacency, grid, interval)
-    profile.rdp.flags.writeable = False
-    return profile
+        return _approx_profile(model, adjacency, grid, interval)
+    return _training_profile(model, adjacency, grid, interval)
 
 
 def privacy_profiles(models: Sequence[Model], adjacency: str | None = None, *,

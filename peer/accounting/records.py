@@ -32,7 +32,7 @@ from peer.accounting import pld as pldm
 from peer.accounting.conversions import DEFAULT_ORDERS, check_delta, check_orders, pld_epsilon, rdp_to_epsilon
 from peer.accounting.events import ApproxDP, TrainingRecord
 from peer.accounting.lc import DEFAULT_MAX_GROUPS, lc_epsilon, lc_mu, lc_pld_fft, lc_segments
-from peer.accounting.profiles import DEFAULT_INTERVAL, privacy_profile, privacy_profiles, resolve_adjacency
+from peer.accounting.profiles import DEFAULT_INTERVAL, model_rdp, privacy_profile, privacy_profiles, resolve_adjacency
 from peer.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
 from peer.accounting.rs import check_weights, rs_epsilon
 from peer.errors import InvalidArgument
@@ -155,13 +155,18 @@ def rdp_of_record(record: ReleaseRecord, orders: Sequence[float] = DEFAULT_ORDER
         raise InvalidArgument("parameters.composition", f"must be 'sequential' or 'parallel', got {composition!r}")
     if kind == "dpsgd":
         training, adjacency = _dpsgd_training(record)
-        return privacy_profile(training, adjacency, orders=orders).rdp
+        return model_rdp(training, adjacency, orders=orders)
     if kind == "rs-merge":
         adjacency = _data_adjacency(record)
         models = _merge_models(record, adjacency)
         pi = _weights(record, "pi", len(models))
-        profiles = privacy_profiles(models, adjacency, orders=orders)
-        return rdp_mixture(pi, [p.rdp for p in profiles], orders)
+        rdps = []
+        for i, m in enumerate(models):
+            try:
+                rdps.append(model_rdp(m, adjacency, orders=orders))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
+        return rdp_mixture(pi, rdps, orders)
     if kind == "lc-merge":
         adjacency = _data_adjacency(record)
         models = _merge_models(record, adjacency)
