@@ -57,15 +57,23 @@ def rdp_gaussian(mu: float, orders: Sequence[float]) -> np.ndarray:
     return orders * (mu * mu) / 2.0
 
 
-def rdp_laplace(epsilon: float, orders: Sequence[float]) -> np.ndarray:
-    """Mironov 2017, Prop. 6, for a Laplace mechanism with ε = sensitivity/scale."""
-    orders = check_orders(orders)
+def _edge_rdp(epsilon: float, orders: np.ndarray) -> np.ndarray | None:
+    """RDP of an ε = 0 (zeros) or ε = ∞ (infinite) mechanism; None for 0 < ε < ∞."""
     if epsilon < 0:
         raise InvalidArgument("epsilon", f"must be >= 0, got {epsilon!r}")
     if epsilon == 0:
         return np.zeros(orders.shape)
     if math.isinf(epsilon):
         return np.full(orders.shape, math.inf)
+    return None
+
+
+def rdp_laplace(epsilon: float, orders: Sequence[float]) -> np.ndarray:
+    """Mironov 2017, Prop. 6, for a Laplace mechanism with ε = sensitivity/scale."""
+    orders = check_orders(orders)
+    edge = _edge_rdp(epsilon, orders)
+    if edge is not None:
+        return edge
     a = orders
     log_terms = np.logaddexp(np.log(a / (2 * a - 1)) + (a - 1) * epsilon,
                              np.log((a - 1) / (2 * a - 1)) - a * epsilon)
@@ -75,12 +83,9 @@ def rdp_laplace(epsilon: float, orders: Sequence[float]) -> np.ndarray:
 def rdp_pure(epsilon: float, orders: Sequence[float]) -> np.ndarray:
     """RDP of an ε-DP mechanism: that of binary randomised response (tight)."""
     orders = check_orders(orders)
-    if epsilon < 0:
-        raise InvalidArgument("epsilon", f"must be >= 0, got {epsilon!r}")
-    if epsilon == 0:
-        return np.zeros(orders.shape)
-    if math.isinf(epsilon):
-        return np.full(orders.shape, math.inf)
+    edge = _edge_rdp(epsilon, orders)
+    if edge is not None:
+        return edge
     log_p = -np.logaddexp(0.0, -epsilon)      # log e^ε/(1+e^ε)
     log_1mp = -np.logaddexp(0.0, epsilon)     # log 1/(1+e^ε)
     a = orders
