@@ -132,11 +132,15 @@ def _gdp_log_delta(mu: float, epsilon: float) -> float:
     return float(la + math.log1p(-math.exp(lb - la)))
 
 
+def _check_mu(mu: float) -> None:
+    if mu < 0 or math.isnan(mu):
+        raise InvalidArgument("mu", f"must be >= 0, got {mu!r}")
+
+
 def gdp_delta(mu: float, epsilon: float) -> float:
     """δ(ε) of a μ-GDP mechanism (exact for a Gaussian mechanism with Δ/σ = μ)."""
     epsilon = check_epsilon(epsilon)
-    if mu < 0 or math.isnan(mu):
-        raise InvalidArgument("mu", f"must be >= 0, got {mu!r}")
+    _check_mu(mu)
     if mu == 0:
         return 0.0
     if math.isinf(mu):
@@ -147,8 +151,7 @@ def gdp_delta(mu: float, epsilon: float) -> float:
 def gdp_epsilon(mu: float, delta: float) -> float:
     """Smallest ε with δ(ε) ≤ delta for μ-GDP (root of the exact curve, 1e-12 relative)."""
     delta = check_delta(delta)
-    if mu < 0 or math.isnan(mu):
-        raise InvalidArgument("mu", f"must be >= 0, got {mu!r}")
+    _check_mu(mu)
     if mu == 0:
         return 0.0
     if math.isinf(mu):
