@@ -14,10 +14,12 @@ with the peer's status and a message that says what to do.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import logging
 import os
+import struct
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -28,10 +30,11 @@ from coordinator_free.identity import Identity
 from coordinator_free.trust import PinnedPeer, TrustStore
 from peer import wire
 from peer.errors import InvalidArgument, NotFound, PrivFusionError
-from peer.receipts import SignedReceipt, verify_receipt
+from peer.receipts import Manifest, SignedReceipt, receipt_digest, verify_receipt
 from peer.records import ReleaseRecord
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
+from privfusion.v1 import tensor_pb2 as tpb
 
 log = logging.getLogger("privfusion.client")
 
@@ -183,6 +186,11 @@ class PeerClient:
             self.on_receipt(receipt)
 
     def _read(self, call, expected_kind: str, model: str, out: str | os.PathLike | None = None) -> wire.Release:
+        """Read a release stream, checking as it comes: the receipt's signature and counterparty
+        (:meth:`_check_receipt`, before any tensor byte), then that the manifest is the one the
+        receipt signed (its digest: kind, model, architecture, metadata, dtypes, shapes, upstream
+        receipts; :class:`peer.wire.ReleaseReader`), then every tensor's bytes against the signed
+        SHA-256, then that the release is what was asked for."""
         if out is None:
             sink = wire.ArraySink()
         elif hasattr(out, "writer"):  # a sink of one's own (peer.wire's sink protocol)
@@ -291,7 +299,7 @@ def verify_upstream(release: wire.Release, trust: TrustStore) -> list[dict]:
 def release_paths(path: str | os.PathLike) -> tuple[Path, Path]:
     """OUT.safetensors and OUT.json for an output path given with or without the suffix."""
     p = Path(path)
-    if p.suffix == ".safetensors":
+    if p.suffix in (".safetensors", ".json"):
         p = p.with_suffix("")
     return p.with_name(p.name + ".safetensors"), p.with_name(p.name + ".json")
 
@@ -301,10 +309,14 @@ def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks
     document ``PATH.json`` beside it.
 
     The JSON is a model-store manifest (format 1: name, architecture, metadata) whose metadata
-    holds the release record, the signed receipt (checkable offline with the signer's
-    certificate) and the receipts it is built on, so a released model loads with
-    ``peer.store.load_model``. Both files are written atomically.
+    holds the release record, the signed receipt, the release manifest exactly as signed
+    (``manifest``: strings byte for byte, every tensor's dtype, shape and SHA-256) and the
+    receipts it is built on, so a released model loads with ``peer.store.load_model`` and the
+    pair can be checked offline with the signer's certificate alone (:func:`verify_saved_release`).
+    Both files are written atomically.
     """
+    if release.manifest is None:
+        raise InvalidArgument("release.manifest", "is missing: only a release read from the wire can be saved")
     tensors_path, doc_path = release_paths(path)
     tensors_path.parent.mkdir(parents=True, exist_ok=True)
     if release.path is None:
@@ -331,6 +343,7 @@ def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks
                         "ledger_entry_id": release.receipt.ledger_entry_id, "metadata": release.metadata},
             "record": release.receipt.record.to_dict(),
             "receipt": json.loads(release.receipt.to_json()),
+            "manifest": release.manifest.to_dict(),
             "upstream": [json.loads(u.to_json()) for u in release.upstream],
             "upstream_checks": upstream_checks or [],
         },
@@ -342,3 +355,109 @@ def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks
         os.fsync(f.fileno())
     os.replace(tmp_doc, doc_path)
     return tensors_path, doc_path
+
+
+# ---------------------------------------------------------------------- checking saved releases
+
+_SAFETENSORS_DTYPES = {"F32": tpb.DTYPE_FLOAT32, "F64": tpb.DTYPE_FLOAT64, "I32": tpb.DTYPE_INT32, "I64": tpb.DTYPE_INT64}
+_HASH_BLOCK = 4 << 20
+
+
+def _safetensors_index(path: Path) -> tuple[dict[str, dict], int]:
+    """The tensors of a safetensors file (name -> dtype, shape, data_offsets) and where its data
+    starts; nothing but the header is read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError("shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 << 20:
+                raise ValueError(f"declares a {n}-byte header")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise InvalidArgument("tensors", f"{path} is not a readable safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise InvalidArgument("tensors", f"{path}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def verify_saved_release(path: str | os.PathLike, trust: TrustStore) -> dict:
+    """Check a saved release (``OUT.safetensors`` + ``OUT.json``) offline, from pinned
+    certificates alone; return what was verified.
+
+    Checks, in order: the receipt's signature against the signer's pinned certificate (the
+    signed bytes of docs/wire.md, rebuilt from the saved receipt); that the saved manifest is the
+    one the receipt signed (its digest); that the document's architecture and release metadata
+    are the manifest's; that the safetensors file holds exactly the manifest's tensors, each
+    with the signed dtype and shape and whose bytes hash to the signed SHA-256; that the saved
+    upstream receipts are the ones the manifest names, each verified against its signer's pin
+    where this site has one (``upstream[i].verified``). Raises ``InvalidArgument`` naming the
+    field at fault, ``NotFound`` when the signer is not pinned.
+    """
+    tensors_path, doc_path = release_paths(path)
+    try:
+        doc = json.loads(doc_path.read_text(encoding="utf-8"))
+        meta = doc["metadata"]
+        receipt = SignedReceipt.from_json(meta["receipt"])
+        manifest = Manifest.from_dict(meta["manifest"])
+        upstream = [SignedReceipt.from_json(u) for u in meta.get("upstream", [])]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InvalidArgument("release", f"{doc_path} is not a saved PrivFusion release: {e}") from None
+    pinned = trust.peers().get(receipt.signer)
+    if pinned is None:
+        raise NotFound(f"{receipt.signer!r}, the release's signer, is not pinned in {trust.directory}")
+    record = verify_receipt(receipt, pinned.cert_pem, manifest=manifest)
+
+    arch = json.loads(manifest.architecture_json) if manifest.architecture_json else None
+    if doc.get("architecture") != arch:
+        raise InvalidArgument("architecture", f"{doc_path}: differs from the signed manifest's architecture")
+    release_meta = meta.get("release", {})
+    if (release_meta.get("kind"), release_meta.get("model"), release_meta.get("metadata")) != (
+            manifest.kind, manifest.model, json.loads(manifest.metadata_json or "{}")):
+        raise InvalidArgument("metadata.release", f"{doc_path}: kind, model or metadata differ from the signed manifest")
+
+    index, base = _safetensors_index(tensors_path)
+    if set(index) != {t.name for t in manifest.tensors} or len(index) != len(manifest.tensors):
+        raise InvalidArgument("tensors", f"{tensors_path} holds {sorted(index)}, the signed manifest {[t.name for t in manifest.tensors]}")
+    with open(tensors_path, "rb") as f:
+        for t in manifest.tensors:
+            entry = index[t.name]
+            try:
+                start, end = (int(x) for x in entry["data_offsets"])
+                dtype, shape = _SAFETENSORS_DTYPES.get(entry["dtype"]), [int(x) for x in entry["shape"]]
+            except (KeyError, TypeError, ValueError):
+                raise InvalidArgument(f"tensor[{t.name}]", f"{tensors_path}: malformed safetensors entry") from None
+            if dtype != t.dtype or shape != list(t.shape) or end - start != t.nbytes:
+                raise InvalidArgument(f"tensor[{t.name}]", f"{tensors_path}: dtype {entry['dtype']} shape {shape} "
+                                                           f"differ from the signed {tpb.DType.Name(t.dtype)} {list(t.shape)}")
+            f.seek(base + start)
+            h, left = hashlib.sha256(), t.nbytes
+            while left:
+                block = f.read(min(left, _HASH_BLOCK))
+                if not block:
+                    raise InvalidArgument(f"tensor[{t.name}]", f"{tensors_path} is truncated")
+                h.update(block)
+                left -= len(block)
+            if h.digest() != t.sha256:
+                raise InvalidArgument(f"tensor[{t.name}].sha256", f"{tensors_path}: the bytes do not match the signed checksum")
+
+    if [receipt_digest(u) for u in upstream] != list(manifest.upstream):
+        raise InvalidArgument("upstream", f"{doc_path}: the saved upstream receipts are not the ones the manifest signed")
+    checks = []
+    for i, u in enumerate(upstream):
+        pin = trust.peers().get(u.signer)
+        if pin is None:
+            checks.append({"signer": u.signer, "ledger_entry_id": u.ledger_entry_id, "verified": False,
+                           "reason": f"{u.signer!r} is not pinned here"})
+            continue
+        try:
+            verify_receipt(u, pin.cert_pem)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"upstream[{i}].{e.field}", e.rule) from None
+        checks.append({"signer": u.signer, "ledger_entry_id": u.ledger_entry_id, "verified": True})
+    return {"signer": receipt.signer, "ledger_entry_id": receipt.ledger_entry_id, "release_id": record.release_id,
+            "counterparty": record.counterparty, "kind": manifest.kind, "model": manifest.model,
+            "tensors": len(manifest.tensors), "total_bytes": manifest.total_bytes, "upstream": checks,
+            "files": [str(tensors_path), str(doc_path)]}

@@ -343,7 +343,8 @@ class PeerService(pb_grpc.PeerServicer):
             log_event("charged", method=method, caller=caller, entry=entry_id, release=record.release_id,
                       mechanism=record.mechanism, privacy_level=record.level, unit=record.unit,
                       epsilon=record.epsilon, delta=record.delta, model=model)
-            receipt = sign_receipt(self.site.identity, entry_id, record, digests)
+            receipt = sign_receipt(self.site.identity, entry_id, record,
+                                   wire.release_manifest(kind, model, architecture, metadata, tensors, upstream, digests))
             yield from wire.release_frames(receipt, kind, model, architecture, metadata, tensors, upstream)
             finished = True
             self.site.release_event(record, "sent")

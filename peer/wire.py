@@ -7,7 +7,9 @@ straight into a preallocated array and hashes as it goes, so a release of severa
 is held once on each side, never as one message.
 
 A release stream is ``Receipt, ReleaseManifest, (TensorHeader, TensorChunk*)*, ReleaseEnd``
-(:func:`release_frames` writes it, :class:`ReleaseReader` checks it frame by frame).
+(:func:`release_frames` writes it, :class:`ReleaseReader` checks it frame by frame). The
+receipt signs the manifest through its digest (:class:`peer.receipts.Manifest`); the contract,
+language-neutral, is ``docs/wire.md``.
 
 Every check raises ``InvalidArgument`` naming the field, e.g. ``probe.shape`` or
 ``chunk.data``; the service maps it to INVALID_ARGUMENT (and the client refuses a peer's
@@ -29,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from peer.errors import InvalidArgument
-from peer.receipts import SignedReceipt
+from peer.receipts import Manifest, SignedReceipt, TensorEntry, check_manifest, receipt_digest
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import tensor_pb2 as tpb
 
@@ -351,13 +353,57 @@ def serialize_frame(frame: pb.ReleaseFrame | bytes) -> bytes:
 def receipt_to_proto(r: SignedReceipt) -> pb.Receipt:
     return pb.Receipt(signer=r.signer, ledger_entry_id=r.ledger_entry_id, record_json=r.record_json,
                       tensors=[tpb.TensorDigest(name=n, sha256=d) for n, d in r.tensors],
-                      signature_algorithm=r.signature_algorithm, signature=r.signature)
+                      signature_algorithm=r.signature_algorithm, signature=r.signature,
+                      manifest_sha256=r.manifest_sha256)
 
 
 def receipt_from_proto(m: pb.Receipt) -> SignedReceipt:
     return SignedReceipt(m.signer, m.ledger_entry_id, bytes(m.record_json),
-                         tuple((t.name, bytes(t.sha256)) for t in m.tensors), bytes(m.signature),
-                         m.signature_algorithm)
+                         tuple((t.name, bytes(t.sha256)) for t in m.tensors), bytes(m.manifest_sha256),
+                         bytes(m.signature), m.signature_algorithm)
+
+
+# ------------------------------------------------------------------------------ manifests
+
+
+def _json_text(value: Mapping | None) -> str:
+    """How the sender writes architecture_json / metadata_json (the receiver never re-encodes
+    them: the signed manifest covers the strings exactly as sent)."""
+    return json.dumps(dict(value), sort_keys=True) if value is not None else ""
+
+
+def release_manifest(kind: str, model: str, architecture: Mapping | None, metadata: Mapping,
+                     tensors: Sequence[tuple[str, np.ndarray]], upstream: Sequence[SignedReceipt] = (),
+                     digests: Sequence[tuple[str, bytes]] | None = None) -> Manifest:
+    """The manifest of a release about to be sent (what its receipt signs).
+
+    ``digests`` are the tensors' SHA-256 in the same order when already computed (the service
+    hashes before it charges); otherwise they are computed here."""
+    if digests is not None and [n for n, _ in digests] != [n for n, _ in tensors]:
+        raise InvalidArgument("digests", "must list the release's tensors in stream order")
+    entries = []
+    for i, (name, array) in enumerate(tensors):
+        a = np.asarray(array)
+        sha = digests[i][1] if digests is not None else digest(a)
+        entries.append(TensorEntry(name, dtype_code(a.dtype), tuple(int(d) for d in a.shape), int(a.nbytes), bytes(sha)))
+    return Manifest(kind, model, _json_text(architecture), _json_text(metadata), tuple(entries),
+                    sum(e.nbytes for e in entries), tuple(receipt_digest(u) for u in upstream))
+
+
+def manifest_to_proto(m: Manifest, upstream: Sequence[SignedReceipt] = ()) -> pb.ReleaseManifest:
+    return pb.ReleaseManifest(
+        kind=m.kind, model=m.model, architecture_json=m.architecture_json, metadata_json=m.metadata_json,
+        tensor_count=len(m.tensors), total_bytes=m.total_bytes, upstream=[receipt_to_proto(u) for u in upstream],
+        tensors=[tpb.TensorHeader(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes, sha256=t.sha256)
+                 for t in m.tensors])
+
+
+def manifest_from_proto(m: pb.ReleaseManifest) -> Manifest:
+    """The signed view of a received manifest (strings as received; upstream by digest)."""
+    return Manifest(m.kind, m.model, m.architecture_json, m.metadata_json,
+                    tuple(TensorEntry(t.name, int(t.dtype), tuple(int(d) for d in t.shape), int(t.nbytes), bytes(t.sha256))
+                          for t in m.tensors),
+                    int(m.total_bytes), tuple(receipt_digest(receipt_from_proto(u)) for u in m.upstream))
 
 
 # ------------------------------------------------------------------------------ releases
@@ -377,6 +423,8 @@ class Release:
     total_bytes: int = 0
     #: where the tensors were written when received into a file (then ``arrays`` is empty)
     path: Path | None = None
+    #: the manifest exactly as signed (strings as received): what an offline check rebuilds
+    manifest: Manifest | None = None
 
 
 def release_frames(receipt: SignedReceipt, kind: str, model: str, architecture: Mapping | None,
@@ -386,19 +434,17 @@ def release_frames(receipt: SignedReceipt, kind: str, model: str, architecture: 
     """The frames of one release; the receipt's digests must be those of ``tensors``.
 
     Chunk frames come out already serialized (bytes, :func:`encode_chunk_frame`); the other
-    frames as messages. :func:`serialize_frame` turns either into the wire bytes."""
+    frames as messages. :func:`serialize_frame` turns either into the wire bytes. The manifest
+    sent must be the one the receipt signed (:func:`release_manifest` of the same arguments)."""
     if [n for n, _ in receipt.tensors] != [n for n, _ in tensors]:
         raise InvalidArgument("receipt.tensors", "must list the release's tensors in stream order")
-    headers = []
-    for (name, array), (_, sha) in zip(tensors, receipt.tensors):
-        a = np.asarray(array)
-        headers.append(tpb.TensorHeader(name=name, dtype=dtype_code(a.dtype), shape=list(a.shape), nbytes=a.nbytes, sha256=sha))
-    total = sum(h.nbytes for h in headers)
+    manifest = release_manifest(kind, model, architecture, metadata, tensors, upstream, digests=receipt.tensors)
+    check_manifest(receipt, manifest)
+    message = manifest_to_proto(manifest, upstream)
+    headers = message.tensors
+    total = manifest.total_bytes
     yield pb.ReleaseFrame(receipt=receipt_to_proto(receipt))
-    yield pb.ReleaseFrame(manifest=pb.ReleaseManifest(
-        kind=kind, model=model, architecture_json=json.dumps(dict(architecture), sort_keys=True) if architecture is not None else "",
-        metadata_json=json.dumps(dict(metadata), sort_keys=True), tensor_count=len(tensors), total_bytes=total,
-        upstream=[receipt_to_proto(u) for u in upstream], tensors=headers))
+    yield pb.ReleaseFrame(manifest=message)
     for (_, array), header in zip(tensors, headers):
         raw = raw_bytes(array)
         yield pb.ReleaseFrame(tensor=header)
@@ -432,6 +478,7 @@ class ReleaseReader:
         self.max_bytes = max_bytes
         self.on_receipt = on_receipt
         self.sink = sink if sink is not None else ArraySink()
+        self.manifest: Manifest | None = None
 
     def read(self, frames: Iterable[pb.ReleaseFrame]) -> Release:
         try:
@@ -456,6 +503,9 @@ class ReleaseReader:
             raise InvalidArgument("manifest.tensors", "names a tensor twice")
         if total != manifest.total_bytes:
             raise InvalidArgument("manifest.total_bytes", f"is {manifest.total_bytes}, the tensors add up to {total}")
+        # the signed manifest: kind, model, architecture, metadata, dtypes, shapes, upstream
+        self.manifest = manifest_from_proto(manifest)
+        check_manifest(receipt, self.manifest)
         self.sink.start(specs, {"privfusion_signer": receipt.signer, "privfusion_ledger_entry": receipt.ledger_entry_id,
                                 "privfusion_release": receipt.record.release_id})
         return specs
@@ -512,7 +562,7 @@ class ReleaseReader:
                                _json_object(manifest.architecture_json, "manifest.architecture_json", True),
                                _json_object(manifest.metadata_json or "{}", "manifest.metadata_json", False) or {},
                                arrays, tuple(receipt_from_proto(u) for u in manifest.upstream), manifest.total_bytes,
-                               None if isinstance(result, dict) else result)
+                               None if isinstance(result, dict) else result, self.manifest)
             else:
                 raise InvalidArgument("frame", f"unexpected {which!r} inside a release")
             if current is not None and current.complete:

@@ -1,6 +1,7 @@
 """Tensors and releases on the wire (peer.wire) and signed receipts (peer.receipts)."""
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -104,28 +105,69 @@ def record(counterparty="site-b"):
                          subject="m", counterparty=counterparty)
 
 
-def test_receipts_bind_record_entry_and_tensor_digests(signer, tmp_path):
+def manifest_of(tensors, kind="weights", model="m", arch=None, meta=None, upstream=()):
+    arch = {"kind": "mlp"} if arch is None else arch
+    meta = {"k": 1} if meta is None else meta
+    return wire.release_manifest(kind, model, arch or None, meta, tensors, upstream)
+
+
+def test_receipts_bind_record_entry_tensor_digests_and_manifest(signer, tmp_path):
     tensors = [("a", np.ones((2, 2), np.float32)), ("b", np.arange(3.0))]
-    digests = [(n, wire.digest(a)) for n, a in tensors]
     rec = record()
-    r = sign_receipt(signer, "17", rec, digests)
-    assert verify_receipt(r, signer.cert_pem, "site-a") == rec
+    m = manifest_of(tensors)
+    r = sign_receipt(signer, "17", rec, m)
+    assert verify_receipt(r, signer.cert_pem, "site-a", manifest=m) == rec
     assert verify_receipt(SignedReceipt.from_json(r.to_json()), signer.cert_pem) == rec
     other = init_identity(tmp_path / "o", "site-o")
-    for forged in (r.__class__(r.signer, "18", r.record_json, r.tensors, r.signature),
-                   r.__class__(r.signer, r.ledger_entry_id, record("site-c").canonical_json(), r.tensors, r.signature),
-                   r.__class__(r.signer, r.ledger_entry_id, r.record_json, (digests[1], digests[0]), r.signature)):
+    digests = r.tensors
+    for forged in (replace(r, ledger_entry_id="18"), replace(r, record_json=record("site-c").canonical_json()),
+                   replace(r, tensors=(digests[1], digests[0])), replace(r, manifest_sha256=bytes(32))):
         with pytest.raises(InvalidArgument, match="receipt.signature"):
             verify_receipt(forged, signer.cert_pem)
     with pytest.raises(InvalidArgument, match="receipt.signature"):
         verify_receipt(r, other.cert_pem)
     with pytest.raises(InvalidArgument, match="receipt.signer"):
         verify_receipt(r, signer.cert_pem, expected_signer="site-o")
+    # every part of the manifest is signed: another kind, model, architecture or metadata text,
+    # dtype, shape, or another upstream receipt is refused
+    for other_manifest in (manifest_of(tensors, kind="merged"), manifest_of(tensors, model="n"),
+                           manifest_of(tensors, arch={"kind": "cnn"}), manifest_of(tensors, meta={"k": 2}),
+                           manifest_of([("a", np.ones((4,), np.float32)), tensors[1]]),
+                           manifest_of(tensors, upstream=(r,))):
+        with pytest.raises(InvalidArgument, match="manifest"):
+            verify_receipt(r, signer.cert_pem, manifest=other_manifest)
+    retyped = replace(m, tensors=(replace(m.tensors[0], dtype=tpb.DTYPE_INT32),) + m.tensors[1:])
+    with pytest.raises(InvalidArgument, match="^manifest: "):
+        verify_receipt(r, signer.cert_pem, manifest=retyped)
+
+
+def test_signed_bytes_follow_the_documented_layout(signer):
+    """The layout of docs/wire.md, written out by hand for one release (an independent
+    reimplementation lives in tests/test_independent_client.py)."""
+    import struct
+
+    def s(x: str) -> bytes:
+        return struct.pack(">I", len(x.encode())) + x.encode()
+
+    def b(x: bytes) -> bytes:
+        return struct.pack(">I", len(x)) + x
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    sha = hashlib.sha256(a.astype("<f4").tobytes()).digest()
+    m = manifest_of([("w", a)], arch={}, meta={})
+    want_m = (b"privfusion.v1/manifest/2\n" + s("weights") + s("m") + s("") + s("{}") + struct.pack(">I", 1)
+              + s("w") + struct.pack(">II", 1, 2) + struct.pack(">QQ", 2, 3) + struct.pack(">Q", 24) + b(sha)
+              + struct.pack(">Q", 24) + struct.pack(">I", 0))
+    assert m.to_bytes() == want_m
+    r = sign_receipt(signer, "5", record(), m)
+    want_p = (b"privfusion.v1/receipt/2\n" + s("site-a") + s("5") + b(r.record_json) + struct.pack(">I", 1)
+              + s("w") + b(sha) + b(hashlib.sha256(want_m).digest()))
+    assert r.payload() == want_p and r.manifest_sha256 == hashlib.sha256(want_m).digest()
 
 
 def frames_of(signer, tensors, chunk_bytes=wire.MAX_CHUNK_BYTES, decode=pb.ReleaseFrame.FromString):
     """The frames as a receiver decodes them from the wire bytes."""
-    r = sign_receipt(signer, "1", record(), [(n, wire.digest(a)) for n, a in tensors])
+    r = sign_receipt(signer, "1", record(), manifest_of(tensors))
     return [decode(wire.serialize_frame(f))
             for f in wire.release_frames(r, "weights", "m", {"kind": "mlp"}, {"k": 1}, tensors, chunk_bytes=chunk_bytes)]
 
@@ -176,6 +218,19 @@ def test_release_reader_refuses_reordered_truncated_or_swapped_streams(signer):
         reader.read(iter(bad))
     with pytest.raises(InvalidArgument, match="total_bytes"):
         wire.ReleaseReader(max_bytes=100).read(iter(frames))
+    # a manifest edited anywhere the receipt's manifest digest covers: refused before any tensor
+    for edit in (lambda m: setattr(m, "metadata_json", '{"k": 2}'), lambda m: setattr(m, "kind", "merged"),
+                 lambda m: setattr(m, "architecture_json", '{"kind": "cnn"}'),
+                 lambda m: (m.tensors[0].shape.__setitem__(0, 20), m.tensors[0].shape.append(2))):
+        bad = [pb.ReleaseFrame() for _ in frames]
+        for i, f in enumerate(frames):
+            bad[i].CopyFrom(f)
+        edit(bad[1].manifest)
+        bad[2].tensor.CopyFrom(bad[1].manifest.tensors[0])
+        sink = wire.ArraySink()
+        with pytest.raises(InvalidArgument) as e:
+            wire.ReleaseReader(sink=sink).read(iter(bad))
+        assert e.value.field == "manifest" and not getattr(sink, "arrays", None)
     # nothing may follow the end frame (the reader reads on to the stream's end to see)
     with pytest.raises(InvalidArgument, match="after ReleaseEnd"):
         reader.read(iter(frames + [frames[2]]))

@@ -11,6 +11,11 @@ receipt checked against the peer's pinned certificate, and for models a manifest
     privfusion fuse --via 10.0.0.2:50051 --identity id --model mlp-b --partner hospital-c \\
         --partner-model mlp-c --alpha 0.5 --activation-epsilon 1 --weight-epsilon 1 \\
         --weights-epsilon 2 --weights-delta 1e-6 --out got/fused
+    privfusion release verify got/fused --trust id/trusted
+
+``release verify`` checks a saved release offline, from pinned certificates alone: the
+receipt's signature, the signed manifest (kind, model, architecture, metadata, every tensor's
+dtype, shape and SHA-256, upstream receipts) and the tensors' bytes (docs/wire.md).
 """
 
 from __future__ import annotations
@@ -92,7 +97,36 @@ def _fuse(args) -> int:
         return write(release, args.out, c)
 
 
+def _verify(args) -> int:
+    from coordinator_free.trust import TrustStore
+    from peer.client import verify_saved_release
+
+    if not Path(args.trust).is_dir():
+        raise InvalidArgument("--trust", f"{args.trust} is not a directory of pinned certificates")
+    report = verify_saved_release(args.file, TrustStore(args.trust))
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    print(f"{report['kind']} of {report['signer']}:{report['model']} to {report['counterparty']}: "
+          f"{report['tensors']} tensors, {report['total_bytes']} bytes; ledger entry {report['ledger_entry_id']}, "
+          f"release {report['release_id']}: signature, manifest and tensor checksums verified")
+    for c in report["upstream"]:
+        print(f"upstream receipt of {c['signer']} (entry {c['ledger_entry_id']}): "
+              + ("signature verified" if c["verified"] else f"NOT verified: {c['reason']}"))
+    return 0
+
+
 def register(subparsers) -> None:
+    p = subparsers.add_parser("release", help="check saved releases")
+    sub = p.add_subparsers(dest="release_command", metavar="ACTION")
+    sub.required = True
+    v = sub.add_parser("verify", help="check a saved release offline against pinned certificates")
+    v.add_argument("file", metavar="FILE", help="the saved release: OUT, OUT.json or OUT.safetensors")
+    v.add_argument("--trust", required=True, metavar="DIR",
+                   help="directory of pinned certificates (e.g. IDENTITY/trusted) holding the signer's")
+    v.add_argument("--json", action="store_true", help="print what was verified as JSON")
+    v.set_defaults(func=_verify)
+
     p = subparsers.add_parser("features", help="a peer's noisy graph features of a model on our probe set")
     add_client_options(p)
     p.add_argument("--model", required=True, help="the peer's model")

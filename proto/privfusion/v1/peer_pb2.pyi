@@ -16,20 +16,22 @@ class RequestHeader(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
 
 class Receipt(_message.Message):
-    __slots__ = ("signer", "ledger_entry_id", "record_json", "tensors", "signature_algorithm", "signature")
+    __slots__ = ("signer", "ledger_entry_id", "record_json", "tensors", "signature_algorithm", "signature", "manifest_sha256")
     SIGNER_FIELD_NUMBER: _ClassVar[int]
     LEDGER_ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     signer: str
     ledger_entry_id: str
     record_json: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorDigest]
     signature_algorithm: str
     signature: bytes
-    def __init__(self, signer: _Optional[str] = ..., ledger_entry_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorDigest, _Mapping]]] = ..., signature_algorithm: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    manifest_sha256: bytes
+    def __init__(self, signer: _Optional[str] = ..., ledger_entry_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorDigest, _Mapping]]] = ..., signature_algorithm: _Optional[str] = ..., signature: _Optional[bytes] = ..., manifest_sha256: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseManifest(_message.Message):
     __slots__ = ("kind", "model", "architecture_json", "metadata_json", "tensor_count", "total_bytes", "upstream", "tensors")
@@ -80,16 +82,32 @@ class GetPeerInfoRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture_json", "parameter_count", "hidden_sizes")
+    __slots__ = ("name", "architecture_json", "parameter_count", "hidden_sizes", "layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_JSON_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture_json: str
     parameter_count: int
     hidden_sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., architecture_json: _Optional[str] = ..., parameter_count: _Optional[int] = ..., hidden_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
+    def __init__(self, name: _Optional[str] = ..., architecture_json: _Optional[str] = ..., parameter_count: _Optional[int] = ..., hidden_sizes: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ...) -> None: ...
+
+class LayerInfo(_message.Message):
+    __slots__ = ("name", "kind", "weight_shape", "bias_shape", "hidden")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BIAS_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    weight_shape: _containers.RepeatedScalarFieldContainer[int]
+    bias_shape: _containers.RepeatedScalarFieldContainer[int]
+    hidden: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., weight_shape: _Optional[_Iterable[int]] = ..., bias_shape: _Optional[_Iterable[int]] = ..., hidden: _Optional[bool] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("name", "architecture_json", "members", "methods")
