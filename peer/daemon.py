@@ -350,9 +350,7 @@ class Site:
             yield str(e.entry_id), e.record, e.charged_at
 
     def peer_info(self, caller: str) -> pb.PeerInfo:
-        from peer.fusion import hidden_sizes
-
-        from peer.fusion import weight_layers_of
+        from peer.fusion import hidden_sizes, weight_layers_of
 
         def model_info(name: str, m: StoredModel) -> pb.ModelInfo:
             # the layer names and shapes are public (they follow from the architecture), so a
