@@ -171,8 +171,8 @@ class Client:
         import numpy as np
 
         raw = np.ascontiguousarray(probe, dtype="<f8").tobytes()
-        head = self.pb.FeaturesRequest(probe=dict(name="probe", dtype=2, shape=list(probe.shape), nbytes=len(raw),
-                                                  sha256=hashlib.sha256(raw).digest()))  # the WHOLE probe's digest
+        head = self.pb.FeaturesRequest(probe={"name": "probe", "dtype": 2, "shape": list(probe.shape), "nbytes": len(raw),
+                                                  "sha256": hashlib.sha256(raw).digest()})  # the WHOLE probe's digest
 
         def requests():
             yield self.pb.FeaturesRequest(params=self.pb.FeaturesParams(
@@ -180,7 +180,7 @@ class Client:
                 activation_clip_low=0.0, activation_clip_high=4.0))
             yield head
             for i in range(0, len(raw), chunk):
-                yield self.pb.FeaturesRequest(chunk=dict(data=raw[i:i + chunk]))
+                yield self.pb.FeaturesRequest(chunk={"data": raw[i:i + chunk]})
 
         return self.read(self.stub.ReleaseFeatures(requests(), timeout=120))
 

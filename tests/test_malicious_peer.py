@@ -136,7 +136,7 @@ def test_the_malicious_peer_is_otherwise_well_formed(tmp_path):
 @pytest.mark.parametrize("mode", sorted(DOCTORED))
 def test_the_client_refuses_a_doctored_release_naming_what_is_wrong(tmp_path, mode):
     field, receipt_verified = DOCTORED[mode]
-    first = sorted(model_arrays())[0]
+    first = min(model_arrays())
     seen = []
     with malicious(tmp_path) as (requester, peer):
         peer.modes["ReleaseWeights"] = mode
@@ -151,8 +151,8 @@ def round_config(tmp_path, requester, peer, **kw) -> tuple[Roster, RoundConfig]:
     path = write_roster(tmp_path / "roster.toml", [
         ("hospital-a", "127.0.0.1:1", str(requester.identity_dir / "site.crt")),
         ("evil", peer.address, str(requester.identity_dir / "trusted" / "evil.crt"))])
-    base = dict(roster=path, model="mlp", quorum=2, activation_epsilon=1.0, weight_epsilon=1.0, activation_clip=(0.0, 4.0),
-                out=tmp_path / "out", health_timeout_s=5.0, call_timeout_s=30.0)
+    base = {"roster": path, "model": "mlp", "quorum": 2, "activation_epsilon": 1.0, "weight_epsilon": 1.0,
+            "activation_clip": (0.0, 4.0), "out": tmp_path / "out", "health_timeout_s": 5.0, "call_timeout_s": 30.0}
     base.update(kw)
     return Roster.load(path), RoundConfig(**base)
 
