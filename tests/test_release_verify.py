@@ -96,3 +96,35 @@ def test_peer_info_lists_every_layer_with_its_shapes_before_any_charged_call(sav
                       for n in ("0", "2", "4")]
     assert [l.weight_shape[0] for l in m.layers if l.hidden] == list(m.hidden_sizes) == ARCH["hidden"]
     assert np.sum([np.prod(l.weight_shape) + np.prod(l.bias_shape) for l in m.layers]) == m.parameter_count
+
+
+def test_a_saved_fused_release_verifies_with_its_upstream_receipts(tmp_path):
+    """C asks B to fuse with X: the saved release names X's receipts by digest in B's signed
+    manifest; each is verified against X's pin where C has one, and reported unverified where not."""
+    probe = np.random.default_rng(5).random((16, 64))
+    x = make_site(tmp_path, "site-x", models={"mx": (ARCH, model_arrays(seed=2))}, seed=21)
+    with running(x) as (_, x_address):
+        b = make_site(tmp_path, "site-b", models={"mb": (ARCH, model_arrays(seed=1))}, seed=12, probe=probe,
+                      peers={"site-x": x_address})
+        c = make_site(tmp_path, "site-c", models={})
+        pin_each_other(b, x)
+        pin_each_other(b, c)
+        with running(b) as (_, b_address), client(c, b_address) as cl:
+            got = cl.fuse("mb", partner="site-x", partner_model="mx", alpha=0.5, activation_epsilon=4.0,
+                          weight_epsilon=4.0, weights_epsilon=8.0, weights_delta=1e-5)
+    assert got.upstream
+    save_release(got, tmp_path / "got" / "fused")
+    trust = c.identity_dir / "trusted"
+    report = verify_saved_release(tmp_path / "got" / "fused", TrustStore(trust))
+    assert report["kind"] == "fused" and [u["verified"] for u in report["upstream"]] == [False] * len(got.upstream)
+    TrustStore(trust).add((x.identity_dir / "site.crt").read_bytes())
+    report = verify_saved_release(tmp_path / "got" / "fused", TrustStore(trust))
+    assert [u["verified"] for u in report["upstream"]] == [True] * len(got.upstream)
+    # an upstream receipt swapped for another is not the one B signed
+    doc = tmp_path / "got" / "fused.json"
+    d = json.loads(doc.read_text())
+    d["metadata"]["upstream"] = d["metadata"]["upstream"][::-1]
+    doc.write_text(json.dumps(d))
+    with pytest.raises(InvalidArgument) as e:
+        verify_saved_release(doc, TrustStore(trust))
+    assert e.value.field == "upstream"
