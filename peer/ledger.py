@@ -668,7 +668,7 @@ class Ledger:
         overspent; PermissionDenied / InvalidArgument / FailedPrecondition for requests the
         policy or the ledger's rules refuse.
         """
-        also = tuple(also_counterparties)
+        also = also_counterparties if isinstance(also_counterparties, str) else tuple(also_counterparties)
         it = self.interpret(record, counterparty, also_counterparties=also)
         if kind is not None:
             for peer in (counterparty, *also):
