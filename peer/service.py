@@ -572,13 +572,18 @@ class PeerService(pb_grpc.PeerServicer):
                       epsilon=record.epsilon, delta=record.delta, model=request.model, partner=partner)
             try:
                 # 3. the one call out: what leaves is our public probe set and public parameters
-                theirs = client.features(request.partner_model, probe, activation_epsilon=eps_x, weight_epsilon=eps_w,
-                                         activation_clip=clip, weights_epsilon=eps, weights_delta=dlt,
-                                         on_behalf_of=caller)
+                try:
+                    theirs = client.features(request.partner_model, probe, activation_epsilon=eps_x, weight_epsilon=eps_w,
+                                             activation_clip=clip, weights_epsilon=eps, weights_delta=dlt,
+                                             on_behalf_of=caller)
+                except InvalidArgument as e:  # its receipt, checksums or record failed our checks
+                    raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None
                 fused, objective = self._fuse_with(stored, request, theirs, own_noisy, own_weights, alpha)
+                if not context.is_active():  # the caller left while we waited: nothing of ours was sent
+                    raise FailedPrecondition("the caller cancelled the Fuse before anything was sent")
             except BaseException as e:
                 # 4. nothing of ours left: withdraw the charge, say why
-                reason = f"Fuse: partner {partner!r} step failed before any byte was sent ({type(e).__name__})"
+                reason = f"Fuse with partner {partner!r} failed before any byte was sent ({type(e).__name__})"
                 try:
                     self.site.cancel(record, reason)
                     log_event("cancelled", method="Fuse", caller=caller, entry=entry_id, release=record.release_id,

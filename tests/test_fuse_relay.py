@@ -12,22 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from typing import ClassVar
 
 import numpy as np
 import pytest
+from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
+from privfusion.v1 import peer_pb2 as pb
 
 from peer.client import PeerError
 from peer.ledger import Ledger
 from peer.receipts import verify_receipt
 from peer.service import PeerService
-from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
-from privfusion.v1 import peer_pb2 as pb
 
 PROBE = np.random.default_rng(5).random((32, 64))
 #: one Fuse of these parameters costs ε ≈ 7.8 at δ = 1e-3 by the filter (8 by basic
 #: composition); two cost ≈ 13.5: a per-counterparty budget of 10 admits exactly one
-FUSE = dict(partner="site-x", partner_model="mx", alpha=0.5, activation_epsilon=2.0, weight_epsilon=2.0,
-            weights_epsilon=4.0, weights_delta=1e-5)
+FUSE = {"partner": "site-x", "partner_model": "mx", "alpha": 0.5, "activation_epsilon": 2.0, "weight_epsilon": 2.0,
+            "weights_epsilon": 4.0, "weights_delta": 1e-5}
 
 
 def policy(allow_x: str = '"*" = { allow = ["features", "weights", "fuse", "ledger"] }', per_cp: float = 10.0,
@@ -49,7 +50,7 @@ per_counterparty = {{ epsilon = {per_cp}, delta = 1e-3 }}
 class Recording(PeerService):
     """The real service; every request message its release handlers receive is kept."""
 
-    seen: list[tuple[str, str, object]] = []
+    seen: ClassVar[list[tuple[str, str, object]]] = []
 
     def _keep(self, method, message):
         Recording.seen.append((self.site.name, method, message))
@@ -208,17 +209,17 @@ def test_owner_per_request_cap_refuses_before_anything_is_charged_or_asked(tmp_p
 
 
 REFUSED_BEFORE_ANY_CHARGE = [
-    (dict(partner="site-c"), "INVALID_ARGUMENT", "must not be the caller"),
-    (dict(partner="site-b"), "INVALID_ARGUMENT", "must be another site"),
-    (dict(partner=""), "INVALID_ARGUMENT", "partner"),
-    (dict(partner="Not A Site"), "INVALID_ARGUMENT", "partner"),
-    (dict(partner="site-q"), "FAILED_PRECONDITION", "site-q"),  # no address known at B
-    (dict(partner_model=""), "INVALID_ARGUMENT", "partner_model"),
-    (dict(alpha=-0.1), "INVALID_ARGUMENT", "alpha"),
-    (dict(activation_epsilon=0.0), "INVALID_ARGUMENT", "activation_epsilon"),
-    (dict(weight_epsilon=float("nan")), "INVALID_ARGUMENT", "weight_epsilon"),
-    (dict(weights_epsilon=-1.0), "INVALID_ARGUMENT", "weights_epsilon"),
-    (dict(weights_delta=0.5), "INVALID_ARGUMENT", "weights_delta"),
+    ({"partner": "site-c"}, "INVALID_ARGUMENT", "must not be the caller"),
+    ({"partner": "site-b"}, "INVALID_ARGUMENT", "must be another site"),
+    ({"partner": ""}, "INVALID_ARGUMENT", "partner"),
+    ({"partner": "Not A Site"}, "INVALID_ARGUMENT", "partner"),
+    ({"partner": "site-q"}, "FAILED_PRECONDITION", "site-q"),  # no address known at B
+    ({"partner_model": ""}, "INVALID_ARGUMENT", "partner_model"),
+    ({"alpha": -0.1}, "INVALID_ARGUMENT", "alpha"),
+    ({"activation_epsilon": 0.0}, "INVALID_ARGUMENT", "activation_epsilon"),
+    ({"weight_epsilon": float("nan")}, "INVALID_ARGUMENT", "weight_epsilon"),
+    ({"weights_epsilon": -1.0}, "INVALID_ARGUMENT", "weights_epsilon"),
+    ({"weights_delta": 0.5}, "INVALID_ARGUMENT", "weights_delta"),
 ]
 
 
@@ -258,16 +259,16 @@ def exhaust_c_at_x(x_address, c):
 
 PARTNER_REFUSALS = {
     # C's own per-counterparty budget at X is what runs out (B's at X is untouched)
-    "the final caller's budget at the partner": (dict(), exhaust_c_at_x, "RESOURCE_EXHAUSTED", "model/mx/peer/site-c"),
+    "the final caller's budget at the partner": ({}, exhaust_c_at_x, "RESOURCE_EXHAUSTED", "model/mx/peer/site-c"),
     "the partner's policy refuses the final caller": (
-        dict(x_policy=policy(allow_x='"site-b" = { allow = ["features", "weights"] }')), None, "PERMISSION_DENIED", "site-c"),
+        {"x_policy": policy(allow_x='"site-b" = { allow = ["features", "weights"] }')}, None, "PERMISSION_DENIED", "site-c"),
     "the partner's policy refuses the relay": (
-        dict(x_policy=policy(allow_x='"site-c" = { allow = ["features", "weights"] }\n"site-b" = { allow = ["features"] }')),
+        {"x_policy": policy(allow_x='"site-c" = { allow = ["features", "weights"] }\n"site-b" = { allow = ["features"] }')},
         None, "PERMISSION_DENIED", "site-b"),
     "the partner's per-request cap on the weights part": (
-        dict(x_policy=policy(caps="weights = 3.0")), None, "INVALID_ARGUMENT", "cap 3 for weights"),
-    "the partner has no such model": (dict(x_models={"other": (ARCH, model_arrays(seed=2))}), None, "NOT_FOUND", "mx"),
-    "the partner is unreachable": (dict(x_address="127.0.0.1:1"), None, "UNAVAILABLE", "site-x"),
+        {"x_policy": policy(caps="weights = 3.0")}, None, "INVALID_ARGUMENT", "cap 3 for weights"),
+    "the partner has no such model": ({"x_models": {"other": (ARCH, model_arrays(seed=2))}}, None, "NOT_FOUND", "mx"),
+    "the partner is unreachable": ({"x_address": "127.0.0.1:1"}, None, "UNAVAILABLE", "site-x"),
 }
 
 
@@ -307,7 +308,7 @@ def test_a_partner_release_that_fails_the_owners_checks_cancels_the_owners_charg
 
 def test_relayed_requests_are_allowed_and_charged_for_both_sites(tmp_path):
     x_policy = policy(allow_x='"*" = { allow = ["features", "weights"] }\n"site-z" = { allow = ["ledger"] }')
-    with three_sites(tmp_path, x_policy=x_policy) as (x, b, c, b_address, x_address):
+    with three_sites(tmp_path, x_policy=x_policy) as (x, b, _c, _b_address, x_address):
         with client(b, x_address, peer="site-x") as cl:
             got = cl.weights("mx", epsilon=2.0, delta=1e-5, on_behalf_of="site-c")
             assert got.receipt.record.parameters["on_behalf_of"] == "site-c"

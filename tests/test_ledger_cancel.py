@@ -9,9 +9,15 @@ import sqlite3
 
 import numpy as np
 import pytest
-
 from ledger_reference import gaussian_rdp, gaussian_record, laplace_record
-from peer.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+
+from peer.errors import (
+    BudgetExhausted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from peer.ledger import Ledger
 from peer.policy import Policy
 
