@@ -21,7 +21,7 @@ import logging
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
@@ -171,8 +171,9 @@ class PeerClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def header(self) -> pb.RequestHeader:
-        return pb.RequestHeader(sender=self.identity.name, receiver=self.peer_name)
+    def header(self, on_behalf_of: str | None = None) -> pb.RequestHeader:
+        """Our header; ``on_behalf_of`` only when we relay a request for another site."""
+        return pb.RequestHeader(sender=self.identity.name, receiver=self.peer_name, on_behalf_of=on_behalf_of or "")
 
     # ------------------------------------------------------------------ checks
 
@@ -185,7 +186,8 @@ class PeerClient:
         if self.on_receipt is not None:
             self.on_receipt(receipt)
 
-    def _read(self, call, expected_kind: str, model: str, out: str | os.PathLike | None = None) -> wire.Release:
+    def _read(self, call, expected_kind: str, model: str, out: str | os.PathLike | None = None,
+              on_behalf_of: str | None = None) -> wire.Release:
         """Read a release stream, checking as it comes: the receipt's signature and counterparty
         (:meth:`_check_receipt`, before any tensor byte), then that the manifest is the one the
         receipt signed (its digest: kind, model, architecture, metadata, dtypes, shapes, upstream
@@ -208,6 +210,9 @@ class PeerClient:
             raise InvalidArgument("manifest", f"announces a {release.kind!r} release of {release.model!r}, asked for {expected_kind!r} of {model!r}")
         if release.receipt.record.subject != model:
             raise InvalidArgument("receipt.record.subject", f"is {release.receipt.record.subject!r}, asked for {model!r}")
+        named = release.receipt.record.parameters.get("on_behalf_of")
+        if named != on_behalf_of:
+            raise InvalidArgument("receipt.record.parameters.on_behalf_of", f"is {named!r}, asked on behalf of {on_behalf_of!r}")
         return release
 
     def _unary(self, method, request, timeout):
@@ -228,10 +233,22 @@ class PeerClient:
 
     def features(self, model: str, probe: np.ndarray, *, activation_epsilon: float, weight_epsilon: float,
                  unit: str = "neuron", activation_clip: tuple[float, float] | None = None,
-                 weight_bound: float | None = None, timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
-        """Noisy graph features of ``model`` on our ``probe`` set (streamed to the peer)."""
-        params = pb.FeaturesParams(header=self.header(), model=model, activation_epsilon=activation_epsilon,
+                 weight_bound: float | None = None, weights_epsilon: float | None = None,
+                 weights_delta: float | None = None, on_behalf_of: str | None = None,
+                 timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
+        """Noisy graph features of ``model`` on our ``probe`` set (streamed to the peer).
+
+        With ``weights_epsilon`` and ``weights_delta`` the same release also holds the model's
+        PFA-perturbed, unpermuted weights (kind "features+weights", tensors "weights.<name>";
+        ``peer.service.weights_from_release`` reads them), charged with the features as one.
+        ``on_behalf_of``: we relay this request for that site (the peer charges it too)."""
+        params = pb.FeaturesParams(header=self.header(on_behalf_of), model=model, activation_epsilon=activation_epsilon,
                                    weight_epsilon=weight_epsilon, unit=unit)
+        if (weights_epsilon is None) != (weights_delta is None):
+            raise InvalidArgument("weights_delta" if weights_epsilon is not None else "weights_epsilon",
+                                  "give both weights_epsilon and weights_delta, or neither")
+        if weights_epsilon is not None:
+            params.weights_epsilon, params.weights_delta = float(weights_epsilon), float(weights_delta)
         if activation_clip is not None:
             params.activation_clip_low, params.activation_clip_high = float(activation_clip[0]), float(activation_clip[1])
         if weight_bound is not None:
@@ -245,15 +262,15 @@ class PeerClient:
             for m in wire.tensor_messages("probe", probe):
                 yield pb.FeaturesRequest(probe=m) if m.DESCRIPTOR.name == "TensorHeader" else pb.FeaturesRequest(chunk=m)
 
-        return self._read(self._release["ReleaseFeatures"](requests(), timeout=timeout), "features", model, out)
+        kind = "features" if weights_epsilon is None else "features+weights"
+        return self._read(self._release["ReleaseFeatures"](requests(), timeout=timeout), kind, model, out, on_behalf_of)
 
-    def weights(self, model: str, *, epsilon: float, delta: float,
-                permutations: Mapping[str, np.ndarray] | None = None, timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
-        """PFA-perturbed weights of ``model``; with ``permutations`` (hidden layer name → index
-        array, index[i] = j: our node i is their node j) aligned to our model."""
-        perms = [pb.Permutation(layer=k, index=np.asarray(v, dtype=np.int64).tolist()) for k, v in (permutations or {}).items()]
-        req = pb.WeightsRequest(header=self.header(), model=model, epsilon=epsilon, delta=delta, permutations=perms)
-        return self._read(self._release["ReleaseWeights"](req, timeout=timeout), "weights", model, out)
+    def weights(self, model: str, *, epsilon: float, delta: float, on_behalf_of: str | None = None,
+                timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
+        """PFA-perturbed weights of ``model``, unpermuted: align them to our model here
+        (``peer.fusion.permute_arrays``); a match computed from our model never leaves us."""
+        req = pb.WeightsRequest(header=self.header(on_behalf_of), model=model, epsilon=epsilon, delta=delta)
+        return self._read(self._release["ReleaseWeights"](req, timeout=timeout), "weights", model, out, on_behalf_of)
 
     def merged(self, pool: str, *, method: str, epsilon: float, delta: float,
                timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:

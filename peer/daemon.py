@@ -339,8 +339,16 @@ class Site:
         if not self.policy.allows(caller, kind):
             raise PermissionDenied(f"{self.name!r}'s policy does not let {caller!r} ask for {kind}")
 
-    def charge(self, record: ReleaseRecord, caller: str, kind: str) -> str:
-        return str(self.ledger.charge(record, caller, kind=kind).entry_id)
+    def charge(self, record: ReleaseRecord, caller: str, kind: str | tuple[str, ...],
+               on_behalf_of: str | None = None) -> str:
+        """Charge ``record`` to ``caller`` (and, for a relayed release, also to the site it is
+        finally for); the entry id."""
+        also = (on_behalf_of,) if on_behalf_of else ()
+        return str(self.ledger.charge(record, caller, kind=kind, also_counterparties=also).entry_id)
+
+    def cancel(self, record: ReleaseRecord, reason: str) -> None:
+        """Withdraw the charge of a release none of whose bytes went to the transport."""
+        self.ledger.cancel(record.release_id, reason)
 
     def release_event(self, record: ReleaseRecord, event: str, detail: str = "") -> None:
         self.ledger.record_event(record.release_id, event, detail)

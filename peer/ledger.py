@@ -26,6 +26,26 @@ the process dies between the charge and the send the charge stands. Re-charging 
 (same ``release_id``, same bytes) returns the existing entry instead of charging twice, so a
 retried send of the *same* release costs nothing more.
 
+``charge(..., also_counterparties=(C,))`` is for a release made to a relay R on behalf of C
+(a Fuse partner serving the owner R for the final caller C): the record names C in
+``parameters["on_behalf_of"]`` and the release is charged, in the same transaction, to the
+model's total, to R's per-counterparty budget *and* to C's; the policy must let both ask for it.
+
+Cancelling a charge
+-------------------
+``cancel(release_id, reason)`` withdraws a charge whose release never left: a site that must
+charge before it asks another site for something (Fuse: the owner charges its own contribution
+before calling the partner) cancels when that call fails. Allowed only while no "sent" or
+"send-failed" event exists for the release — the service cancels only charges whose bytes were
+never handed to gRPC — and at most once; afterwards the release id can be neither sent nor
+charged again. Sound because nothing the release would have held was observed: the filter's
+guarantee is over what left the site, and the refusals a reserved charge caused in between
+depended only on public request parameters. Append-only: the cancellation is a row of
+``cancellations`` chained by its own hash, which also covers the cancelled charge's hash and
+the charge chain's head at the time; the totals of every budget the charge touched are
+recomputed from the remaining rows in the same transaction, and ``verify()`` sums only charges
+that are not cancelled.
+
 The two budgets, kept apart
 ---------------------------
 - **Data level** (``level="data"``: DP-SGD models, RS/LC merges; central DP on the site's
@@ -150,8 +170,18 @@ CREATE TABLE IF NOT EXISTS totals (
     pure_epsilon REAL NOT NULL,
     last_seq INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS cancellations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq INTEGER NOT NULL UNIQUE REFERENCES charges (seq),
+    release_id TEXT NOT NULL UNIQUE REFERENCES charges (release_id),
+    at TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    head_hash TEXT NOT NULL,
+    prev_hash TEXT NOT NULL,
+    hash TEXT NOT NULL
+);
 """
-_APPEND_ONLY = ("meta", "charges", "charge_budgets", "charge_models", "events")
+_APPEND_ONLY = ("meta", "charges", "charge_budgets", "charge_models", "events", "cancellations")
 
 
 def _schema_statements() -> list[str]:
@@ -416,6 +446,14 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+def _cancel_hash(prev: str, seq: int, release_id: str, charge_hash: str, head_hash: str, at: str, reason: str) -> str:
+    h = hashlib.sha256(b"cancel\n")
+    for part in (prev, str(seq), release_id, charge_hash, head_hash, at, reason):
+        h.update(part.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
 def _chain_hash(prev: str, seq: int, counterparty: str, charged_at: str, budgets: str, rdp: str, record: str) -> str:
     h = hashlib.sha256()
     for part in (prev, str(seq), counterparty, charged_at, budgets, rdp, record):
@@ -561,8 +599,31 @@ class Ledger:
             raise FailedPrecondition(f"the site's policy sets no model-level budget for {charged.subject!r}: refused")
         return tuple(out)
 
-    def interpret(self, record: ReleaseRecord, counterparty: str) -> _Interpreted:
-        """What charging ``record`` to ``counterparty`` would cost, and to which budgets (no I/O)."""
+    def _relayed_budgets(self, charged: ReleaseRecord, counterparty: str,
+                         also: tuple[str, ...]) -> tuple[tuple[BudgetKey, FilterBudget], ...]:
+        """The per-counterparty budgets of the sites a relayed release is finally for."""
+        if isinstance(also, str) or not all(isinstance(c, str) and c for c in also):
+            raise InvalidArgument("also_counterparties", f"must be a tuple of site names, got {also!r}")
+        if not also:
+            return ()
+        if len(set(also)) != len(also) or counterparty in also:
+            raise InvalidArgument("also_counterparties", f"must be distinct sites other than the counterparty {counterparty!r}, got {list(also)}")
+        named = charged.parameters.get("on_behalf_of")
+        named = (named,) if isinstance(named, str) else tuple(named or ())
+        if sorted(named) != sorted(also):
+            raise InvalidArgument("parameters.on_behalf_of", f"the record names {list(named)}; a relayed charge must name every site it is for ({list(also)})")
+        if charged.level != "model":
+            raise InvalidArgument("also_counterparties", "only model-level releases have per-counterparty budgets to charge a relayed release to")
+        per = self.policy.model_budgets(charged.subject).per_counterparty
+        if per is None:
+            return ()
+        return tuple((BudgetKey("model", "neuron", charged.subject, c), per) for c in also)
+
+    def interpret(self, record: ReleaseRecord, counterparty: str, *,
+                  also_counterparties: tuple[str, ...] = ()) -> _Interpreted:
+        """What charging ``record`` to ``counterparty`` (and, for a relayed release, to the
+        per-counterparty budgets of ``also_counterparties``) would cost, and to which budgets
+        (no I/O)."""
         if self.policy is None:
             raise FailedPrecondition(f"ledger {self.path} was opened without a policy: it cannot charge")
         if not isinstance(record, ReleaseRecord):
@@ -573,7 +634,8 @@ class Ledger:
             raise InvalidArgument("counterparty", f"the record names {record.counterparty!r}, the charge {counterparty!r}")
         charged = per_neuron_record(record)
         models, lc = pool_models(charged)
-        budgets = self._budgets_for(charged, counterparty)
+        budgets = self._budgets_for(charged, counterparty) + self._relayed_budgets(charged, counterparty,
+                                                                                  also_counterparties)
         try:
             rdp = np.asarray(self._acct().rdp_of_record(charged, self.orders), dtype=float).reshape(-1)
         except (TypeError, ValueError) as e:
@@ -592,22 +654,31 @@ class Ledger:
 
     # ---- charging -------------------------------------------------------------------------------
 
-    def charge(self, record: ReleaseRecord, counterparty: str, *, kind: str | None = None) -> LedgerEntry:
+    def charge(self, record: ReleaseRecord, counterparty: str, *, kind: str | tuple[str, ...] | None = None,
+               also_counterparties: tuple[str, ...] = ()) -> LedgerEntry:
         """Check and charge one release, atomically; the caller sends only after this returns.
 
         ``kind`` ("features", "weights", "merge", "fuse"), when given, is also checked against
-        the policy (peer permission, per-request ε cap in the budget's unit).
+        the policy (peer permission, per-request ε cap in the budget's unit). A tuple of kinds
+        is for a sequential composite whose components are releases of those kinds (features
+        and weights in one release): each component is checked against its own kind's cap.
+        ``also_counterparties``: the sites a relayed release is finally for (see the module
+        docstring); the policy checks and their per-counterparty budgets apply to them too.
         Raises BudgetExhausted (nothing written) if any budget the release touches would be
         overspent; PermissionDenied / InvalidArgument / FailedPrecondition for requests the
         policy or the ledger's rules refuse.
         """
-        it = self.interpret(record, counterparty)
+        also = also_counterparties if isinstance(also_counterparties, str) else tuple(also_counterparties)
+        it = self.interpret(record, counterparty, also_counterparties=also)
         if kind is not None:
-            self.policy.check_request(counterparty, kind, it.charged.epsilon)
+            for peer in (counterparty, *also):
+                self.policy.check_request_parts(peer, self._parts(kind, it.charged))
         record_json = record.canonical_json().decode()
         with self._write() as con:
             row = con.execute("SELECT seq, record, counterparty FROM charges WHERE release_id = ?",
                               (record.release_id,)).fetchone()
+            if row is not None and self._is_cancelled(con, row[0]):
+                raise FailedPrecondition(f"release {record.release_id} was cancelled; a cancelled release is never charged again")
             if row is not None:
                 if row[1] == record_json and row[2] == counterparty:
                     log.info("already-charged release_id=%s entry=%d", record.release_id, row[0])
@@ -655,11 +726,23 @@ class Ledger:
                  record.subject, it.charged.epsilon, it.charged.delta, ",".join(k.name for k, _ in it.budgets))
         return entry
 
+    @staticmethod
+    def _parts(kind: str | tuple[str, ...], charged: ReleaseRecord) -> list[tuple[str, float]]:
+        """(request kind, ε in the budget's unit) of every part a per-request cap applies to."""
+        if isinstance(kind, str):
+            return [(kind, charged.epsilon)]
+        kinds = tuple(kind)
+        if (charged.mechanism != "composite" or charged.parameters.get("composition") != "sequential"
+                or len(charged.components) != len(kinds)):
+            raise InvalidArgument("kind", f"{list(kinds)} names the parts of a sequential composite of {len(kinds)} releases; "
+                                  f"the record is a {charged.mechanism!r} with {len(charged.components)} components")
+        return [(k, c.epsilon) for k, c in zip(kinds, charged.components)]
+
     def _check_pool(self, con: sqlite3.Connection, it: _Interpreted) -> None:
         if not it.models:
             return
         marks = ",".join("?" * len(it.models))
-        sql = f"SELECT DISTINCT model FROM charge_models WHERE model IN ({marks})"
+        sql = f"SELECT DISTINCT model FROM charge_models WHERE model IN ({marks}) AND seq NOT IN (SELECT seq FROM cancellations)"
         if not it.lc:
             sql += " AND lc = 1"
         clash = sorted(r[0] for r in con.execute(sql, sorted(it.models)))
@@ -687,10 +770,107 @@ class Ledger:
         if kind not in EVENT_KINDS:
             raise InvalidArgument("kind", f"must be one of {list(EVENT_KINDS)}, got {kind!r}")
         with self._write() as con:
-            if con.execute("SELECT 1 FROM charges WHERE release_id = ?", (release_id,)).fetchone() is None:
+            row = con.execute("SELECT seq FROM charges WHERE release_id = ?", (release_id,)).fetchone()
+            if row is None:
                 raise NotFound(f"no charge for release {release_id}")
+            if kind != "note" and self._is_cancelled(con, row[0]):
+                raise FailedPrecondition(f"release {release_id} was cancelled: it may not be sent")
             con.execute("INSERT INTO events (release_id, at, kind, detail) VALUES (?, ?, ?, ?)",
                         (release_id, now_rfc3339(), kind, str(detail)))
+
+    # ---- cancelling -----------------------------------------------------------------------------
+
+    def cancel(self, release_id: str, reason: str) -> dict:
+        """Withdraw the charge of a release that never left (see "Cancelling a charge" above).
+
+        Refused (FailedPrecondition) once a "sent" or "send-failed" event exists for the release
+        — its bytes may have left — or when it is already cancelled; NotFound if it was never
+        charged. The caller promises what the ledger cannot see: no byte of the release was
+        handed to the transport. Returns the cancellation as :meth:`cancellations` lists it.
+        """
+        if self.policy is None:
+            raise FailedPrecondition(f"ledger {self.path} was opened without a policy: it cannot cancel")
+        if not isinstance(reason, str) or not reason.strip():
+            raise InvalidArgument("reason", "must say why the charge is cancelled")
+        with self._write() as con:
+            row = con.execute("SELECT seq, hash, budgets, counterparty FROM charges WHERE release_id = ?",
+                              (release_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no charge for release {release_id}")
+            seq, charge_hash, budgets, counterparty = row
+            if self._is_cancelled(con, seq):
+                raise FailedPrecondition(f"release {release_id} is already cancelled")
+            sent = con.execute("SELECT kind FROM events WHERE release_id = ? AND kind IN ('sent', 'send-failed') LIMIT 1",
+                               (release_id,)).fetchone()
+            if sent is not None:
+                raise FailedPrecondition(f"release {release_id} has a {sent[0]!r} event: its bytes may have left, "
+                                         "and a charge is never refunded once they may have")
+            head = con.execute("SELECT hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()[0]
+            last = con.execute("SELECT hash FROM cancellations ORDER BY id DESC LIMIT 1").fetchone()
+            prev = last[0] if last else GENESIS
+            at = now_rfc3339()
+            h = _cancel_hash(prev, seq, release_id, charge_hash, head, at, reason)
+            con.execute("INSERT INTO cancellations (seq, release_id, at, reason, head_hash, prev_hash, hash)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?)", (seq, release_id, at, reason, head, prev, h))
+            for budget in json.loads(budgets):
+                self._recompute_total(con, budget)
+        log.info("cancelled release_id=%s entry=%d counterparty=%s budgets=%s", release_id, seq, counterparty,
+                 ",".join(json.loads(budgets)))
+        return {"entry_id": seq, "release_id": release_id, "counterparty": counterparty, "at": at, "reason": reason,
+                "budgets": json.loads(budgets), "hash": h}
+
+    def cancellations(self) -> list[dict]:
+        """Every cancelled charge, in cancellation order."""
+        con = self._conn()
+        if not self._has_cancellations(con):
+            return []
+        rows = con.execute("SELECT x.seq, x.release_id, c.counterparty, x.at, x.reason, c.budgets, x.hash"
+                           " FROM cancellations x JOIN charges c ON c.seq = x.seq ORDER BY x.id")
+        return [{"entry_id": r[0], "release_id": r[1], "counterparty": r[2], "at": r[3], "reason": r[4],
+                 "budgets": json.loads(r[5]), "hash": r[6]} for r in rows]
+
+    @staticmethod
+    def _has_cancellations(con: sqlite3.Connection) -> bool:
+        # a ledger written before cancellations existed and opened read-only has no such table
+        return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'cancellations'").fetchone() is not None
+
+    def _is_cancelled(self, con: sqlite3.Connection, seq: int) -> bool:
+        return self._has_cancellations(con) and con.execute(
+            "SELECT 1 FROM cancellations WHERE seq = ?", (seq,)).fetchone() is not None
+
+    def _recompute_total(self, con: sqlite3.Connection, budget: str) -> None:
+        """Rewrite one budget's cached totals from its charges that are not cancelled, summed in
+        charge order exactly as :meth:`verify` sums them (so the cache stays bit-equal)."""
+        rows = con.execute(
+            "SELECT c.seq, c.rdp, c.pure_epsilon FROM charges c JOIN charge_budgets b ON b.seq = c.seq"
+            " WHERE b.budget = ? AND c.seq NOT IN (SELECT seq FROM cancellations) ORDER BY c.seq", (budget,)).fetchall()
+        if not rows:
+            con.execute("DELETE FROM totals WHERE budget = ?", (budget,))
+            return
+        rdp, pure = np.zeros(len(self.orders)), 0.0
+        for _, vec, p in rows:
+            rdp = rdp + np.asarray(json.loads(vec), float)
+            pure = pure + p
+        con.execute("UPDATE totals SET count = ?, rdp = ?, pure_epsilon = ?, last_seq = ? WHERE budget = ?",
+                    (len(rows), _dumps(rdp.tolist()), pure, rows[-1][0], budget))
+
+    def _verify_cancellations(self, con: sqlite3.Connection, problems: list[str]) -> set[int]:
+        """Check the cancellations' own hash chain (each link covers the cancelled charge's hash);
+        return the cancelled entries."""
+        if not self._has_cancellations(con):
+            return set()
+        prev, out = GENESIS, set()
+        for seq, release_id, at, reason, head, prev_hash, h, charge_hash, charge_release in con.execute(
+                "SELECT x.seq, x.release_id, x.at, x.reason, x.head_hash, x.prev_hash, x.hash, c.hash, c.release_id"
+                " FROM cancellations x LEFT JOIN charges c ON c.seq = x.seq ORDER BY x.id"):
+            if charge_hash is None or charge_release != release_id:
+                problems.append(f"cancellation of entry {seq} names no such charge")
+            elif prev_hash != prev or h != _cancel_hash(prev_hash, seq, release_id, charge_hash, head, at, reason):
+                problems.append(f"cancellation hash chain broken at entry {seq}")
+                break
+            prev = h
+            out.add(seq)
+        return out
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -705,9 +885,12 @@ class Ledger:
         return self._to_entry(con.execute(f"SELECT {self._ENTRY_COLS} FROM charges WHERE seq = ?", (seq,)).fetchone())
 
     def entries(self, *, counterparty: str | None = None, level: str | None = None,
-                subject: str | None = None) -> list[LedgerEntry]:
-        """Charged releases in charge order, optionally only those to one counterparty / level / model."""
+                subject: str | None = None, include_cancelled: bool = False) -> list[LedgerEntry]:
+        """Charged releases in charge order, optionally only those to one counterparty / level /
+        model; cancelled charges (see :meth:`cancel`) only with ``include_cancelled``."""
         where, args = [], []
+        if not include_cancelled and self._has_cancellations(self._conn()):
+            where.append("seq NOT IN (SELECT seq FROM cancellations)")
         for col, value in (("counterparty", counterparty), ("level", level), ("subject", subject)):
             if value is not None:
                 where.append(f"{col} = ?")
@@ -771,8 +954,9 @@ class Ledger:
 
     def _pld_epsilon(self, con: sqlite3.Connection, key: BudgetKey, delta: float) -> tuple[float | None, str]:
         records = [ReleaseRecord.from_json(r[0]) for r in con.execute(
-            "SELECT c.record FROM charges c JOIN charge_budgets b ON b.seq = c.seq WHERE b.budget = ? ORDER BY c.seq",
-            (key.name,))]
+            "SELECT c.record FROM charges c JOIN charge_budgets b ON b.seq = c.seq WHERE b.budget = ?"
+            + (" AND c.seq NOT IN (SELECT seq FROM cancellations)" if self._has_cancellations(con) else "")
+            + " ORDER BY c.seq", (key.name,))]
         note = "PLD composition of the charged releases as one fixed sequence; not the adaptive guarantee"
         if not records:
             return 0.0, note
@@ -800,6 +984,7 @@ class Ledger:
             "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
             "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
             "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
+            "cancelled": [c for c in self.cancellations() if counterparty is None or c["counterparty"] == counterparty],
         })
 
     # ---- consistency ----------------------------------------------------------------------------
@@ -812,6 +997,7 @@ class Ledger:
         check = [r[0] for r in con.execute("PRAGMA integrity_check")]
         if check != ["ok"]:
             problems.append(f"integrity_check: {check[:5]}")
+        cancelled = self._verify_cancellations(con, problems)
         prev = GENESIS
         sums: dict[str, list] = {}
         links = {}
@@ -825,6 +1011,8 @@ class Ledger:
             prev = h
             if sorted(json.loads(budgets)) != sorted(links.get(seq, [])):
                 problems.append(f"entry {seq}: budgets column and charge_budgets rows differ")
+            if seq in cancelled:
+                continue  # withdrawn before any byte left: in no budget's sums
             vec = np.asarray(json.loads(rdp), float)
             for b in json.loads(budgets):
                 s = sums.setdefault(b, [0, np.zeros(len(self.orders)), 0.0, 0])

@@ -35,6 +35,13 @@ Schema (every key optional; defaults in brackets)::
     [policy.peers."*"]                 # any other pinned peer
     allow = ["features"]
 
+Fuse and relayed releases: the site serving Fuse (the owner) checks kind ``fuse`` (its cap
+applies to its own contribution: activation + weight-feature + weights ε per neuron). Its
+partner serves one release of features and weights on behalf of the final caller: the
+partner's policy must allow ``features`` and ``weights`` for *both* the owner (the relay) and
+the final caller, each part fits its own cap, and the release is charged to the
+per-counterparty budgets of both.
+
 A budget with ``delta = 0`` is a pure ε-DP budget: only pure releases (δ = 0) fit it. The
 model-level unit is always one neuron: per-entry releases are converted by the ledger (see
 ``peer.ledger``), never charged as if they were per-neuron.
@@ -48,7 +55,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from peer.errors import InvalidArgument, PermissionDenied
 from peer.filter import FILTER_ORDERS, FilterBudget, validate_orders
@@ -239,6 +246,19 @@ class Policy:
         cap = self.caps.get(kind)
         if cap is not None and not epsilon <= cap:
             raise InvalidArgument("epsilon", f"{epsilon:g} exceeds the site's per-request cap {cap:g} for {kind}")
+
+    def check_request_parts(self, peer: str, parts: Sequence[tuple[str, float]]) -> None:
+        """:meth:`check_request` for a request made of several parts released together (e.g.
+        features and weights in one release): ``peer`` must be allowed every part's kind, and
+        each part's ε (in the budget's unit) must fit that kind's cap. All permissions are
+        checked before any cap, so a peer that may not ask learns nothing about the caps."""
+        for kind, _ in parts:
+            if kind not in KINDS:
+                raise InvalidArgument("kind", f"must be one of {list(KINDS)}, got {kind!r}")
+            if not self.allows(peer, kind):
+                raise PermissionDenied(f"the site's policy does not let peer {peer!r} ask for {kind}")
+        for kind, epsilon in parts:
+            self.check_request(peer, kind, epsilon)
 
 
 # ---- parsing helpers ------------------------------------------------------------------------

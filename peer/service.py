@@ -24,7 +24,7 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping
 
 import grpc
 import numpy as np
@@ -198,22 +198,6 @@ def probe_input(arch: Mapping[str, Any], probe: np.ndarray) -> np.ndarray:
     return np.asarray(probe, dtype=np.float64)
 
 
-def permutations_from_request(arch: Mapping[str, Any], hidden_names: Sequence[str], sizes: Sequence[int],
-                              perms: Sequence[pb.Permutation]) -> list[np.ndarray] | None:
-    """The caller's permutations in hidden-layer order (None when it sent none)."""
-    if not perms:
-        return None
-    if [p.layer for p in perms] != list(hidden_names):
-        raise InvalidArgument("permutations", f"must give one per hidden layer, in order {list(hidden_names)}; got {[p.layer for p in perms]}")
-    out = []
-    for p, n in zip(perms, sizes):
-        idx = np.asarray(p.index, dtype=np.int64)
-        if idx.shape != (n,) or not np.array_equal(np.sort(idx), np.arange(n)):
-            raise InvalidArgument(f"permutations[{p.layer}].index", f"must be a permutation of 0..{n - 1}")
-        out.append(idx)
-    return out
-
-
 # ------------------------------------------------------------------------ graph <-> tensors
 
 
@@ -226,6 +210,33 @@ def graph_tensors(graph: NetworkGraph) -> tuple[list[tuple[str, np.ndarray]], di
     tensors += [("output.incoming", graph.output_incoming), ("output.bias", graph.output_bias)]
     meta = {"input_size": graph.input_size, "layers": [{"name": h.name, "kind": h.kind} for h in graph.hidden]}
     return tensors, meta
+
+
+WEIGHTS_PREFIX = "weights."
+
+
+def weights_tensors(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """Released weights as named tensors beside a graph's (``weights.<state-dict name>``)."""
+    return [(WEIGHTS_PREFIX + k, arrays[k]) for k in sorted(arrays)]
+
+
+def weights_from_release(architecture: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights of a "features+weights" release, checked against the architecture."""
+    from peer.mechanisms import weight_layer_specs
+
+    got = {k[len(WEIGHTS_PREFIX):]: np.asarray(v) for k, v in arrays.items() if k.startswith(WEIGHTS_PREFIX)}
+    for s in weight_layer_specs(architecture):
+        w, b = got.get(f"{s.name}.weight"), got.get(f"{s.name}.bias")
+        if w is None or b is None:
+            raise InvalidArgument("release", f"holds no weights of layer {s.name!r} (tensors {WEIGHTS_PREFIX}{s.name}.weight/.bias)")
+        if w.ndim < 2 or w.shape[0] != s.units or math.prod(w.shape[1:]) != s.fan_in or b.shape != (s.units,):
+            raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", f"shapes {list(w.shape)}, {list(b.shape)} do not fit the architecture")
+        if w.dtype.kind != "f" or b.dtype.kind != "f" or not (np.all(np.isfinite(w)) and np.all(np.isfinite(b))):
+            raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", "must hold finite floating-point values")
+    expected = {f"{s.name}.{p}" for s in weight_layer_specs(architecture) for p in ("weight", "bias")}
+    if set(got) != expected:
+        raise InvalidArgument("release", f"holds unexpected weight tensors {sorted(set(got) - expected)}")
+    return got
 
 
 def graph_from_release(architecture: Mapping[str, Any], metadata: Mapping[str, Any],
@@ -324,22 +335,28 @@ class PeerService(pb_grpc.PeerServicer):
 
     def _release(self, method: str, caller: str, record: ReleaseRecord, kind: str, model: str,
                  architecture: Mapping | None, metadata: Mapping, tensors: list[tuple[str, np.ndarray]],
-                 upstream=(), policy_kind: str | None = None) -> Iterator[pb.ReleaseFrame]:
+                 upstream=(), policy_kind: str | tuple[str, ...] | None = None, on_behalf_of: str | None = None,
+                 charged_entry: str | None = None) -> Iterator[pb.ReleaseFrame]:
         """Charge, then stream receipt → manifest → tensors → end. The charge is never undone.
 
         ``policy_kind`` is the request kind the policy's per-request cap is checked for (in
-        the budget's unit, by the ledger, inside the charge).
+        the budget's unit, by the ledger, inside the charge; a tuple names the parts of a
+        sequential composite). ``on_behalf_of``: the site a relayed release is finally for
+        (charged too). ``charged_entry``: the release was charged (and admitted past the
+        drain check) by the caller of this function already — Fuse charges before it calls
+        its partner.
         """
         digests = [(name, wire.digest(a)) for name, a in tensors]
         with self._drain_lock:
-            if self._draining:
+            if self._draining and charged_entry is None:
                 raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
             self.releases.enter()
         entry_id = None
         finished = False
         started = time.perf_counter()
         try:
-            entry_id = self.site.charge(record, caller, policy_kind or kind)
+            entry_id = charged_entry if charged_entry is not None else \
+                self.site.charge(record, caller, policy_kind or kind, on_behalf_of)
             log_event("charged", method=method, caller=caller, entry=entry_id, release=record.release_id,
                       mechanism=record.mechanism, privacy_level=record.level, unit=record.unit,
                       epsilon=record.epsilon, delta=record.delta, model=model)
@@ -366,6 +383,33 @@ class PeerService(pb_grpc.PeerServicer):
         with self._drain_lock:
             self._draining = True
 
+    def _on_behalf_of(self, header: pb.RequestHeader, caller: str, method: str) -> str | None:
+        """The site a relayed request is finally for (``header.on_behalf_of``), or None.
+
+        The relay is the bound caller, whose pinned TLS identity vouches for the name: the
+        final caller cannot be authenticated here, which is why a relayed release is charged
+        to the relay's budgets as well as to the final caller's (a relay naming someone else
+        spends its own budget all the same)."""
+        final = header.on_behalf_of
+        if not final:
+            return None
+        if method not in ("ReleaseFeatures", "ReleaseWeights"):
+            raise InvalidArgument("header.on_behalf_of", f"is accepted by ReleaseFeatures and ReleaseWeights only (relayed releases), not by {method}")
+        check_site_name(final, "header.on_behalf_of")
+        if final == caller:
+            raise InvalidArgument("header.on_behalf_of", f"names the sender {caller!r}; it is for the site a relay asks on behalf of")
+        if final == self.site.name:
+            raise InvalidArgument("header.on_behalf_of", f"must not name this site ({self.site.name!r})")
+        return final
+
+    def _policy_allows(self, caller: str, on_behalf_of: str | None, *kinds: str) -> None:
+        """PermissionDenied unless the policy lets the caller (and the site it relays for) ask
+        for every kind."""
+        for who in (caller, on_behalf_of):
+            if who is not None:
+                for kind in kinds:
+                    self.site.policy_allows(who, kind)
+
     def _stamp(self, record: ReleaseRecord, caller: str, subject: str, **parameters: Any) -> ReleaseRecord:
         params = dict(record.parameters)
         params.update(parameters)
@@ -375,6 +419,7 @@ class PeerService(pb_grpc.PeerServicer):
 
     def GetPeerInfo(self, request: pb.GetPeerInfoRequest, context) -> pb.PeerInfo:
         caller = self.bind_caller(context, request.header)
+        self._on_behalf_of(request.header, caller, "GetPeerInfo")
         self.site.policy_allows(caller, "info")
         return self.site.peer_info(caller)
 
@@ -385,6 +430,7 @@ class PeerService(pb_grpc.PeerServicer):
             raise InvalidArgument("params", "the request stream must start with FeaturesParams")
         p = first.params
         caller = self.bind_caller(context, p.header)
+        final = self._on_behalf_of(p.header, caller, "ReleaseFeatures")
         stored = self.site.model(p.model, "model")
         eps_x = check_epsilon(p.activation_epsilon, "activation_epsilon")
         eps_w = check_epsilon(p.weight_epsilon, "weight_epsilon")
@@ -396,7 +442,15 @@ class PeerService(pb_grpc.PeerServicer):
             if not math.isfinite(bound) or bound <= 0:
                 raise InvalidArgument("weight_bound", f"must be a finite number > 0, got {bound!r}")
             bound = (-bound, bound)
-        self.site.policy_allows(caller, "features")
+        if p.HasField("weights_epsilon") != p.HasField("weights_delta"):
+            raise InvalidArgument("weights_delta" if p.HasField("weights_epsilon") else "weights_epsilon",
+                                  "give both weights_epsilon and weights_delta (features with weights), or neither")
+        with_weights = p.HasField("weights_epsilon")
+        if with_weights:
+            weights_eps = check_epsilon(p.weights_epsilon, "weights_epsilon")
+            weights_dlt = check_delta(p.weights_delta, "weights_delta")
+        kinds = ("features", "weights") if with_weights else ("features",)
+        self._policy_allows(caller, final, *kinds)
 
         header = next(messages, None)
         if header is None or header.WhichOneof("part") != "probe":
@@ -412,44 +466,70 @@ class PeerService(pb_grpc.PeerServicer):
         from peer.mechanisms import perturb_graph
 
         graph = extract_graph(stored.architecture, stored.module(), probe)
+        rnd = self.site.randomness()
         noisy, record = perturb_graph(graph, epsilon_x=eps_x, epsilon_w=eps_w, activation_clip=clip,
-                                      weight_bounds=bound, unit=unit, randomness=self.site.randomness())
-        record = self._stamp(record, caller, p.model, probe_rows=int(probe.shape[0]))
+                                      weight_bounds=bound, unit=unit, randomness=rnd)
         tensors, meta = graph_tensors(noisy)
-        yield from self._release("ReleaseFeatures", caller, record, "features", p.model,
-                                 stored.architecture, meta, tensors)
+        kind = "features"
+        if with_weights:
+            from peer.mechanisms import composite_record
+
+            # one release, one charge: both parts touch every neuron (sequential composition),
+            # and a refusal of either leaves nothing charged
+            arrays, weights_record = self.site.perturbed_weights(stored, weights_eps, weights_dlt, randomness=rnd)
+            record = composite_record([record, weights_record], "sequential", randomness=rnd,
+                                      parameters={"release": "features+weights"})
+            named = weights_tensors(arrays)
+            tensors += named
+            meta = {**meta, "weights": [k for k, _ in named]}
+            kind = "features+weights"
+        relayed = {"on_behalf_of": final} if final else {}
+        record = self._stamp(record, caller, p.model, probe_rows=int(probe.shape[0]), **relayed)
+        yield from self._release("ReleaseFeatures", caller, record, kind, p.model, stored.architecture, meta, tensors,
+                                 policy_kind=kinds if with_weights else "features", on_behalf_of=final)
 
     def ReleaseWeights(self, request: pb.WeightsRequest, context) -> Iterator[pb.ReleaseFrame]:
         caller = self.bind_caller(context, request.header)
+        final = self._on_behalf_of(request.header, caller, "ReleaseWeights")
         stored = self.site.model(request.model, "model")
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
-        perms = self._permutations(stored.architecture, request.permutations)
-        self.site.policy_allows(caller, "weights")
+        self._policy_allows(caller, final, "weights")
+        # Always unpermuted: a requester aligns them itself; its match never leaves it.
         arrays, record = self.site.perturbed_weights(stored, eps, dlt)
-        if perms is not None:
-            from peer.fusion import permute_arrays
-
-            arrays = permute_arrays(stored.architecture, arrays, perms)
-        record = self._stamp(record, caller, request.model, permuted=perms is not None)
+        record = self._stamp(record, caller, request.model, **({"on_behalf_of": final} if final else {}))
         tensors = [(k, arrays.pop(k)) for k in sorted(arrays)]
         yield from self._release("ReleaseWeights", caller, record, "weights", request.model,
-                                 stored.architecture, {"permuted": perms is not None}, tensors)
-
-    def _permutations(self, arch, perms) -> list[np.ndarray] | None:
-        from peer.fusion import hidden_sizes, weight_layers_of
-
-        names = [l.name for l in weight_layers_of(arch)[:-1]]
-        return permutations_from_request(arch, names, hidden_sizes(arch), perms)
+                                 stored.architecture, {}, tensors, on_behalf_of=final)
 
     def Fuse(self, request: pb.FuseRequest, context) -> Iterator[pb.ReleaseFrame]:
+        """Relay: fuse our model with the partner's, for the caller (see the .proto).
+
+        Order, so that a refused Fuse spends nothing anywhere and nothing private leaves:
+          1. bind, validate every field, check the policy allows the caller "fuse" and that we
+             can reach the partner (refusals here touch no ledger);
+          2. compute our own contribution — noisy features on our public probe set and
+             PFA-perturbed weights (one randomness stream) — and charge it to the caller as one
+             sequential composite (kind "fuse": per-request cap, budgets) BEFORE any call out;
+          3. ONE call to the partner: features + unpermuted weights of its model on our probe
+             set, on behalf of the caller (the partner checks and charges both of us);
+          4. if that fails, or the partner's release fails our checks, or matching/fusing
+             fails, CANCEL our charge (no byte of it went anywhere) and fail;
+          5. match our noisy graph with the partner's, permute its weights here (the match
+             never leaves), fuse, and stream under the charge of step 2.
+        """
         caller = self.bind_caller(context, request.header)
+        self._on_behalf_of(request.header, caller, "Fuse")
         stored = self.site.model(request.model, "model")
-        if not request.partner:
+        partner = request.partner
+        if not partner:
             raise InvalidArgument("partner", "is required (the site whose model to fuse with)")
-        check_site_name(request.partner, "partner")
-        if request.partner == self.site.name:
+        check_site_name(partner, "partner")
+        if partner == self.site.name:
             raise InvalidArgument("partner", "must be another site")
+        if partner == caller:
+            raise InvalidArgument("partner", f"must not be the caller ({caller!r}): fusing with your own model needs no "
+                                  "relay; ask for this site's features and weights and fuse locally")
         if not request.partner_model:
             raise InvalidArgument("partner_model", "is required")
         alpha = request.alpha
@@ -464,46 +544,91 @@ class PeerService(pb_grpc.PeerServicer):
         if probe is None:
             raise FailedPrecondition(f"{self.site.name!r} has no probe set, which Fuse needs (site.toml: probe)")
         probe = probe_input(stored.architecture, probe)
+        clip = self.site.activation_clip(None)
 
-        from peer.fusion import fuse_arrays
-        from peer.matching import match_graphs
         from peer.mechanisms import composite_record, perturb_graph
 
-        client = self.site.client_for(request.partner)
+        client = self.site.client_for(partner)  # unknown or unpinned partner: refused before any charge
+        admitted = False  # counted among the releases in flight (graceful shutdown waits for it)
         try:
-            theirs = client.features(request.partner_model, probe, activation_epsilon=eps_x, weight_epsilon=eps_w,
-                                     activation_clip=self.site.activation_clip(None))
-            if validate_architecture(theirs.architecture) != stored.architecture:
-                raise FailedPrecondition(f"partner_model: {request.partner}'s {request.partner_model!r} has another architecture than {request.model!r}")
-            # Match on our own *noisy* features too: everything the caller receives is then
-            # post-processing of noisy releases (ours charged to the caller below).
+            # 2. our own contribution, charged before anything is asked of the partner. We match on
+            # our *noisy* features too: everything the caller receives is then post-processing
+            # of noisy releases (ours charged here, the partner's charged by the partner).
             rnd = self.site.randomness()
             own_graph = extract_graph(stored.architecture, stored.module(), probe)
             own_noisy, own_features_record = perturb_graph(own_graph, epsilon_x=eps_x, epsilon_w=eps_w,
-                                                           activation_clip=self.site.activation_clip(None),
-                                                           randomness=rnd)
-            their_graph = graph_from_release(theirs.architecture, theirs.metadata, theirs.arrays)
-            match = match_graphs(own_noisy, their_graph)
-            perms = [np.asarray(p, dtype=np.int64) for p in match.permutations]
-            aligned = client.weights(request.partner_model, epsilon=eps, delta=dlt,
-                                     permutations=dict(zip([h.name for h in own_graph.hidden], perms)))
+                                                           activation_clip=clip, randomness=rnd)
+            own_weights, own_weights_record = self.site.perturbed_weights(stored, eps, dlt, randomness=rnd)
+            record = composite_record([own_features_record, own_weights_record], "sequential", randomness=rnd,
+                                      parameters={"release": "fusion"})
+            record = self._stamp(record, caller, request.model, alpha=alpha, partner=partner,
+                                 partner_model=request.partner_model)
+            with self._drain_lock:
+                if self._draining:
+                    raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
+                self.releases.enter()
+                admitted = True
+            entry_id = self.site.charge(record, caller, "fuse")
+            log_event("charged-before-partner", method="Fuse", caller=caller, entry=entry_id, release=record.release_id,
+                      epsilon=record.epsilon, delta=record.delta, model=request.model, partner=partner)
+            try:
+                # 3. the one call out: what leaves is our public probe set and public parameters
+                try:
+                    theirs = client.features(request.partner_model, probe, activation_epsilon=eps_x, weight_epsilon=eps_w,
+                                             activation_clip=clip, weights_epsilon=eps, weights_delta=dlt,
+                                             on_behalf_of=caller)
+                except InvalidArgument as e:  # its receipt, checksums or record failed our checks
+                    raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None
+                fused, objective = self._fuse_with(stored, request, theirs, own_noisy, own_weights, alpha)
+                if not context.is_active():  # the caller left while we waited: nothing of ours was sent
+                    raise FailedPrecondition("the caller cancelled the Fuse before anything was sent")
+            except BaseException as e:
+                # 4. nothing of ours left: withdraw the charge, say why
+                reason = f"Fuse with partner {partner!r} failed before any byte was sent ({type(e).__name__})"
+                try:
+                    self.site.cancel(record, reason)
+                    log_event("cancelled", method="Fuse", caller=caller, entry=entry_id, release=record.release_id,
+                              partner=partner, error_type=type(e).__name__)
+                except Exception as c:  # noqa: BLE001 - the charge then stands (conservative); say so
+                    log_event("cancel-failed", method="Fuse", entry=entry_id, error_type=type(c).__name__)
+                raise
+            finally:
+                client.close()
+            # 5. the caller's release, under the charge made in step 2
+            tensors = [(k, fused.pop(k)) for k in sorted(fused)]
+            yield from self._release("Fuse", caller, record, "fused", request.model, stored.architecture,
+                                     {"alpha": alpha, "partner": partner, "partner_model": request.partner_model,
+                                      "upstream": [theirs.receipt.ledger_entry_id], "match_objective": objective},
+                                     tensors, upstream=(theirs.receipt,), charged_entry=entry_id)
         finally:
-            client.close()
-        own_weights, own_weights_record = self.site.perturbed_weights(stored, eps, dlt, randomness=rnd)
-        fused = fuse_arrays(own_weights, aligned.arrays, alpha)
-        record = composite_record([own_features_record, own_weights_record], "sequential", randomness=rnd,
-                                  parameters={"release": "fusion"})
-        record = self._stamp(record, caller, request.model, alpha=alpha, partner=request.partner,
-                             partner_model=request.partner_model,
-                             upstream=[theirs.receipt.ledger_entry_id, aligned.receipt.ledger_entry_id],
-                             match_objective=float(match.objective))
-        tensors = [(k, fused.pop(k)) for k in sorted(fused)]
-        yield from self._release("Fuse", caller, record, "fused", request.model, stored.architecture,
-                                 {"alpha": alpha, "partner": request.partner, "partner_model": request.partner_model},
-                                 tensors, upstream=(theirs.receipt, aligned.receipt), policy_kind="fuse")
+            client.close()  # idempotent; also when we failed before the call
+            if admitted:
+                self.releases.exit()
+
+    @staticmethod
+    def _fuse_with(stored, request: pb.FuseRequest, theirs, own_noisy: NetworkGraph,
+                   own_weights: Mapping[str, np.ndarray], alpha: float) -> tuple[dict[str, np.ndarray], float]:
+        """Check the partner's release, match, permute its weights locally, fuse; a release that
+        fails the checks is the partner's failure (FAILED_PRECONDITION), not the caller's."""
+        from peer.fusion import fuse_arrays, permute_arrays
+        from peer.matching import match_graphs
+
+        partner = request.partner
+        try:
+            if theirs.architecture is None or validate_architecture(theirs.architecture) != stored.architecture:
+                raise FailedPrecondition(f"partner_model: {partner}'s {request.partner_model!r} has another architecture than {request.model!r}")
+            their_graph = graph_from_release(theirs.architecture, theirs.metadata, theirs.arrays)
+            their_weights = weights_from_release(stored.architecture, theirs.arrays)
+        except InvalidArgument as e:
+            raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None
+        match = match_graphs(own_noisy, their_graph)
+        perms = [np.asarray(p, dtype=np.int64) for p in match.permutations]
+        aligned = permute_arrays(stored.architecture, their_weights, perms)
+        return fuse_arrays(own_weights, aligned, alpha), float(match.objective)
 
     def ReleaseMerged(self, request: pb.MergeRequest, context) -> Iterator[pb.ReleaseFrame]:
         caller = self.bind_caller(context, request.header)
+        self._on_behalf_of(request.header, caller, "ReleaseMerged")
         pool = self.site.pool(request.pool)
         if request.method not in ("rs", "lc"):
             raise InvalidArgument("method", f"must be 'rs' (random selection) or 'lc' (linear combination), got {request.method!r}")
@@ -523,6 +648,7 @@ class PeerService(pb_grpc.PeerServicer):
 
     def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:
         caller = self.bind_caller(context, request.header)
+        self._on_behalf_of(request.header, caller, "ListLedger")
         self.site.policy_allows(caller, "ledger")
         for entry_id, record, created_at in self.site.ledger_entries(caller):
             yield pb.LedgerEntry(entry_id=entry_id, record_json=record.canonical_json(), counterparty=caller,

@@ -115,28 +115,33 @@ def test_fuse_dials_the_partner_matches_and_fuses_exactly_as_the_math_says(tmp_p
             got = cl.fuse("mb", partner="site-x", partner_model="mx", alpha=0.3, activation_epsilon=4.0, weight_epsilon=4.0,
                           weights_epsilon=8.0, weights_delta=1e-5)
     # the same computation from the two models, B's probe set and both sites' fixed-seed streams
+    # (X serves features and weights as one release: one stream, features first)
     clip = (0.0, 4.0)
-    rb, mx = make_randomness(12).spawn(), make_randomness(21)
-    rx_features, rx_weights = mx.spawn(), mx.spawn()
+    rb, rx = make_randomness(12).spawn(), make_randomness(21).spawn()
     own_noisy, _ = perturb_graph(extract_graph(ARCH, model_from_arrays(ARCH, arrays_b), PROBE), epsilon_x=4.0, epsilon_w=4.0,
                                  activation_clip=clip, randomness=rb)
     their_noisy, _ = perturb_graph(extract_graph(ARCH, model_from_arrays(ARCH, arrays_x), PROBE), epsilon_x=4.0, epsilon_w=4.0,
-                                   activation_clip=clip, randomness=rx_features)
+                                   activation_clip=clip, randomness=rx)
     perms = match_graphs(own_noisy, their_noisy).permutations
-    their_weights, _ = perturb_model_weights(ARCH, arrays_x, epsilon=8.0, delta=1e-5, randomness=rx_weights)
+    their_weights, _ = perturb_model_weights(ARCH, arrays_x, epsilon=8.0, delta=1e-5, randomness=rx)
     own_weights, _ = perturb_model_weights(ARCH, arrays_b, epsilon=8.0, delta=1e-5, randomness=rb)
     want = fuse_arrays(own_weights, permute_arrays(ARCH, their_weights, perms), 0.3)
     for k in want:
         np.testing.assert_array_equal(got.arrays[k], want[k])
-    # receipts: B's own to C, and X's two to B travel along (C does not pin X: checked where pinned)
+    # receipts: B's own to C, and X's one to B (on behalf of C) travels along (C does not pin
+    # X: checked where pinned)
     record = got.receipt.record
     assert record.counterparty == "site-c" and record.parameters["composition"] == "sequential"
     assert record.epsilon == pytest.approx(4.0 + 4.0 + 8.0)
-    assert [u.signer for u in got.upstream] == ["site-x", "site-x"]
-    assert [u.record.counterparty for u in got.upstream] == ["site-b", "site-b"]
+    [upstream] = got.upstream
+    assert upstream.signer == "site-x" and upstream.record.counterparty == "site-b"
+    assert upstream.record.parameters["on_behalf_of"] == "site-c"
+    assert upstream.record.epsilon == pytest.approx(4.0 + 4.0 + 8.0)
+    assert got.metadata["upstream"] == [upstream.ledger_entry_id]
     with Ledger(x.ledger) as led:
-        assert [(e.counterparty, e.subject) for e in led.entries()] == [("site-b", "mx"), ("site-b", "mx")]
-        assert [str(e.entry_id) for e in led.entries()] == [u.ledger_entry_id for u in got.upstream]
+        [entry] = led.entries()
+        assert (entry.counterparty, entry.subject) == ("site-b", "mx") and str(entry.entry_id) == upstream.ledger_entry_id
+        assert sorted(entry.budgets) == ["model/mx/peer/site-b", "model/mx/peer/site-c", "model/mx/total"]
     with Ledger(b.ledger) as led:
         [entry] = led.entries()
         assert entry.counterparty == "site-c" and entry.release_id == record.release_id

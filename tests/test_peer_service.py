@@ -78,21 +78,20 @@ def test_features_are_the_owners_noisy_graph_on_the_callers_probe_set(sites):
     assert str(entry.entry_id) == got.receipt.ledger_entry_id and entry.release_id == record.release_id
 
 
-def test_weights_are_permuted_after_perturbation_exactly_as_asked(sites, tmp_path):
+def test_weights_are_released_unpermuted_and_requests_cannot_carry_permutations(sites):
+    # a requester's match is computed from its own model: it must never leave it, so the
+    # request has no field for it (5 and "permutations" are reserved) and the weights come back
+    # as perturbed, to be aligned by the requester itself
+    assert "permutations" not in pb.WeightsRequest.DESCRIPTOR.fields_by_name
+    assert not hasattr(pb, "Permutation")
     a, b = sites
-    perms = {"0": np.random.default_rng(1).permutation(16), "2": np.random.default_rng(2).permutation(12)}
     with running(a) as (_, address), client(b, address) as c:
         plain = c.weights("mlp", epsilon=2.0, delta=1e-5)
-    a.ledger.unlink()
-    with running(a) as (_, address), client(b, address) as c:
-        permuted = c.weights("mlp", epsilon=2.0, delta=1e-5, permutations=perms)
     want, _ = perturb_model_weights(ARCH, model_arrays(), epsilon=2.0, delta=1e-5, randomness=make_randomness(11).spawn())
+    assert sorted(plain.arrays) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(plain.arrays[k], want[k])
-    aligned = permute_arrays(ARCH, plain.arrays, [perms["0"], perms["2"]])
-    for k in aligned:
-        np.testing.assert_array_equal(permuted.arrays[k], aligned[k])
-    assert permuted.receipt.record.parameters["permuted"] is True and permuted.metadata == {"permuted": True}
+    assert plain.metadata == {} and "permuted" not in plain.receipt.record.parameters
 
 
 def test_saved_release_loads_from_the_store_and_its_receipt_verifies_offline(sites, tmp_path):
@@ -196,11 +195,12 @@ WEIGHT_CASES = [
     (dict(delta=0.0), "INVALID_ARGUMENT", "delta"),
     (dict(delta=0.5), "INVALID_ARGUMENT", "delta"),
     (dict(delta=math.nan), "INVALID_ARGUMENT", "delta"),
-    (dict(permutations=[pb.Permutation(layer="0", index=list(range(16)))]), "INVALID_ARGUMENT", "permutations"),
-    (dict(permutations=[pb.Permutation(layer="0", index=[0] * 16), pb.Permutation(layer="2", index=list(range(12)))]),
-     "INVALID_ARGUMENT", "permutations[0].index"),
-    (dict(permutations=[pb.Permutation(layer="0", index=list(range(16))), pb.Permutation(layer="2", index=list(range(13)))]),
-     "INVALID_ARGUMENT", "permutations[2].index"),
+    (dict(header=pb.RequestHeader(sender="site-b", receiver="site-a", on_behalf_of="site-b")), "INVALID_ARGUMENT",
+     "header.on_behalf_of"),
+    (dict(header=pb.RequestHeader(sender="site-b", receiver="site-a", on_behalf_of="site-a")), "INVALID_ARGUMENT",
+     "header.on_behalf_of"),
+    (dict(header=pb.RequestHeader(sender="site-b", receiver="site-a", on_behalf_of="Not a Name!")), "INVALID_ARGUMENT",
+     "header.on_behalf_of"),
 ]
 
 
@@ -225,8 +225,8 @@ def test_malformed_requests_get_the_fitting_status_naming_the_field_and_never_to
         for kw, status, field in WEIGHT_CASES:
             req = pb.WeightsRequest(header=HEADER, model="mlp", epsilon=1.0, delta=1e-5)
             for k, v in kw.items():
-                if k == "permutations":
-                    req.permutations.extend(v)
+                if k == "header":
+                    req.header.CopyFrom(v)
                 else:
                     setattr(req, k, v)
             got, details = call_status(lambda: stub.ReleaseWeights(req, timeout=30))
@@ -350,19 +350,21 @@ def test_concurrent_gaussian_releases_stop_where_the_rdp_filter_says(tmp_path):
 names = st.one_of(st.just("mlp"), st.just(""), st.text(max_size=12))
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.5, 1.0, 1e-6, 0.0, -1.0]))
 headers = st.builds(pb.RequestHeader, sender=st.one_of(st.just("site-b"), st.text(max_size=8)),
-                    receiver=st.one_of(st.just("site-a"), st.text(max_size=8)))
+                    receiver=st.one_of(st.just("site-a"), st.text(max_size=8)),
+                    on_behalf_of=st.one_of(st.just(""), st.just("site-c"), st.just("site-b"), st.text(max_size=8)))
 tensor_headers = st.builds(tpb.TensorHeader, name=st.text(max_size=5), dtype=st.integers(0, 6),
                            shape=st.lists(st.integers(-2, 70), max_size=3), nbytes=st.integers(-1, 1 << 20),
                            sha256=st.binary(max_size=33))
 chunks = st.builds(tpb.TensorChunk, data=st.binary(max_size=512))
-feature_params = st.builds(pb.FeaturesParams, header=headers, model=names, activation_epsilon=floats,
-                           weight_epsilon=floats, unit=st.sampled_from(["", "neuron", "entry", "x"]))
+feature_params = st.one_of(
+    st.builds(pb.FeaturesParams, header=headers, model=names, activation_epsilon=floats,
+              weight_epsilon=floats, unit=st.sampled_from(["", "neuron", "entry", "x"])),
+    st.builds(pb.FeaturesParams, header=headers, model=names, activation_epsilon=floats,
+              weight_epsilon=floats, weights_epsilon=floats, weights_delta=floats))
 feature_msgs = st.lists(st.one_of(feature_params.map(lambda p: pb.FeaturesRequest(params=p)),
                                   tensor_headers.map(lambda h: pb.FeaturesRequest(probe=h)),
                                   chunks.map(lambda c: pb.FeaturesRequest(chunk=c))), max_size=5)
-perms = st.lists(st.builds(pb.Permutation, layer=st.sampled_from(["0", "2", "4", "x"]),
-                           index=st.lists(st.integers(-3, 20), max_size=17)), max_size=3)
-weights_reqs = st.builds(pb.WeightsRequest, header=headers, model=names, epsilon=floats, delta=floats, permutations=perms)
+weights_reqs = st.builds(pb.WeightsRequest, header=headers, model=names, epsilon=floats, delta=floats)
 merge_reqs = st.builds(pb.MergeRequest, header=headers, pool=names, method=st.sampled_from(["rs", "lc", "", "x"]),
                        epsilon=floats, delta=floats)
 fuse_reqs = st.builds(pb.FuseRequest, header=headers, model=names, partner=st.text(max_size=8), partner_model=names,
@@ -436,7 +438,6 @@ def test_cli_asks_a_peer_and_writes_safetensors_and_the_release_document(sites, 
 
     a, b = sites
     save_file({"x": PROBE}, str(tmp_path / "probe.safetensors"))
-    (tmp_path / "perms.json").write_text(json.dumps({"0": list(range(16))[::-1], "2": list(range(12))}))
     common = ["--identity", str(b.identity_dir)]
     with running(a) as (_, address):
         common = ["--via", address] + common
@@ -445,7 +446,7 @@ def test_cli_asks_a_peer_and_writes_safetensors_and_the_release_document(sites, 
         assert main(["features", *common, "--model", "mlp", "--probe", str(tmp_path / "probe.safetensors"),
                      "--activation-epsilon", "1", "--weight-epsilon", "1", "--out", str(tmp_path / "f")]) == 0
         assert main(["weights", *common, "--model", "mlp", "--epsilon", "2", "--delta", "1e-6",
-                     "--permutations", str(tmp_path / "perms.json"), "--out", str(tmp_path / "w.safetensors")]) == 0
+                     "--out", str(tmp_path / "w.safetensors")]) == 0
         out = capsys.readouterr().out
         assert "signature verified" in out
         assert main(["peer", "ledger", *common]) == 0
@@ -454,5 +455,5 @@ def test_cli_asks_a_peer_and_writes_safetensors_and_the_release_document(sites, 
         assert "no model 'nope'" in capsys.readouterr().err
     assert load_file(str(tmp_path / "f.safetensors"))["hidden.0.activations"].shape == (16, 24)
     doc = json.loads((tmp_path / "w.json").read_text())
-    assert doc["metadata"]["record"]["parameters"]["permuted"] is True
+    assert doc["metadata"]["record"]["mechanism"] == "composite" and doc["metadata"]["record"]["counterparty"] == "site-b"
     assert [e["entry_id"] for e in ledger] == ["1", "2"] and not (tmp_path / "x.safetensors").exists()

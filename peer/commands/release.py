@@ -7,7 +7,7 @@ receipt checked against the peer's pinned certificate, and for models a manifest
     privfusion features --via 10.0.0.2:50051 --identity id --model mlp-b --probe probe.safetensors \\
         --activation-epsilon 1 --weight-epsilon 1 --activation-clip 0 4 --out got/features-b
     privfusion weights --via 10.0.0.2:50051 --identity id --model mlp-b --epsilon 2 --delta 1e-6 \\
-        [--permutations perms.json] --out got/mlp-b-noisy
+        --out got/mlp-b-noisy
     privfusion fuse --via 10.0.0.2:50051 --identity id --model mlp-b --partner hospital-c \\
         --partner-model mlp-c --alpha 0.5 --activation-epsilon 1 --weight-epsilon 1 \\
         --weights-epsilon 2 --weights-delta 1e-6 --out got/fused
@@ -20,7 +20,6 @@ dtype, shape and SHA-256, upstream receipts) and the tensors' bytes (docs/wire.m
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -43,16 +42,6 @@ def load_probe(path: str) -> np.ndarray:
     if "x" not in tensors:
         raise InvalidArgument("--probe", f"{path} must hold the probe inputs as tensor 'x'")
     return tensors["x"]
-
-
-def load_permutations(path: str) -> dict[str, np.ndarray]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidArgument("--permutations", f"cannot read {path}: {e}") from None
-    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
-        raise InvalidArgument("--permutations", "must be a JSON object: hidden layer name -> list of indices")
-    return {str(k): np.asarray(v, dtype=np.int64) for k, v in data.items()}
 
 
 def write(release, out: str, client) -> int:
@@ -83,9 +72,8 @@ def _features(args) -> int:
 
 
 def _weights(args) -> int:
-    perms = load_permutations(args.permutations) if args.permutations else None
     with client_from_args(args) as c:
-        release = c.weights(args.model, epsilon=args.epsilon, delta=args.delta, permutations=perms, out=args.out)
+        release = c.weights(args.model, epsilon=args.epsilon, delta=args.delta, out=args.out)
         return write(release, args.out, c)
 
 
@@ -139,12 +127,11 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output path (OUT.safetensors, OUT.json)")
     p.set_defaults(func=_features)
 
-    p = subparsers.add_parser("weights", help="a peer's PFA-perturbed weights, optionally aligned to ours")
+    p = subparsers.add_parser("weights", help="a peer's PFA-perturbed weights (unpermuted: align them locally)")
     add_client_options(p)
     p.add_argument("--model", required=True)
     p.add_argument("--epsilon", type=float, required=True, help="ε of the Gaussian perturbation, per neuron")
     p.add_argument("--delta", type=float, required=True)
-    p.add_argument("--permutations", help="JSON: hidden layer name -> index list (index[i] = j: our node i is their node j)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_weights)
 

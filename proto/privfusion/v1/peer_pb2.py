@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from privfusion.v1 import tensor_pb2 as privfusion_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18privfusion/v1/peer.proto\x12\rprivfusion.v1\x1a\x1aprivfusion/v1/tensor.proto\"1\n\rRequestHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x10\n\x08receiver\x18\x02 \x01(\t\"\xbe\x01\n\x07Receipt\x12\x0e\n\x06signer\x18\x01 \x01(\t\x12\x17\n\x0fledger_entry_id\x18\x02 \x01(\t\x12\x13\n\x0brecord_json\x18\x03 \x01(\x0c\x12,\n\x07tensors\x18\x04 \x03(\x0b\x32\x1b.privfusion.v1.TensorDigest\x12\x1b\n\x13signature_algorithm\x18\x05 \x01(\t\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x17\n\x0fmanifest_sha256\x18\x07 \x01(\x0c\"\xe3\x01\n\x0fReleaseManifest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x03 \x01(\t\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12\x14\n\x0ctensor_count\x18\x05 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12(\n\x08upstream\x18\x07 \x03(\x0b\x32\x16.privfusion.v1.Receipt\x12,\n\x07tensors\x18\x08 \x03(\x0b\x32\x1b.privfusion.v1.TensorHeader\"7\n\nReleaseEnd\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\"\xfc\x01\n\x0cReleaseFrame\x12)\n\x07receipt\x18\x01 \x01(\x0b\x32\x16.privfusion.v1.ReceiptH\x00\x12\x32\n\x08manifest\x18\x02 \x01(\x0b\x32\x1e.privfusion.v1.ReleaseManifestH\x00\x12-\n\x06tensor\x18\x03 \x01(\x0b\x32\x1b.privfusion.v1.TensorHeaderH\x00\x12+\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x1a.privfusion.v1.TensorChunkH\x00\x12(\n\x03\x65nd\x18\x05 \x01(\x0b\x32\x19.privfusion.v1.ReleaseEndH\x00\x42\x07\n\x05\x66rame\"B\n\x12GetPeerInfoRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\"\x8d\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x03\x12\x14\n\x0chidden_sizes\x18\x04 \x03(\x03\x12(\n\x06layers\x18\x05 \x03(\x0b\x32\x18.privfusion.v1.LayerInfo\"a\n\tLayerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0cweight_shape\x18\x03 \x03(\x03\x12\x12\n\nbias_shape\x18\x04 \x03(\x03\x12\x0e\n\x06hidden\x18\x05 \x01(\x08\"U\n\x08PoolInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x02 \x01(\t\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x0f\n\x07methods\x18\x04 \x03(\t\"\x9b\x01\n\nBudgetInfo\x12\x0e\n\x06\x62udget\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\x12\x15\n\repsilon_limit\x18\x03 \x01(\x01\x12\x13\n\x0b\x64\x65lta_limit\x18\x04 \x01(\x01\x12\x15\n\repsilon_spent\x18\x05 \x01(\x01\x12\x19\n\x11\x65psilon_remaining\x18\x06 \x01(\x01\x12\x10\n\x08releases\x18\x07 \x01(\x03\"\x9a\x02\n\x08PeerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x65rtificate_sha256\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x10\n\x08insecure\x18\x04 \x01(\x08\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.privfusion.v1.ModelInfo\x12&\n\x05pools\x18\x06 \x03(\x0b\x32\x17.privfusion.v1.PoolInfo\x12\x12\n\nmechanisms\x18\x07 \x03(\t\x12*\n\x07\x62udgets\x18\x08 \x03(\x0b\x32\x19.privfusion.v1.BudgetInfo\x12\x15\n\rhas_probe_set\x18\t \x01(\x08\x12\x17\n\x0fmax_chunk_bytes\x18\n \x01(\x03\"\xb1\x02\n\x0e\x46\x65\x61turesParams\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x63tivation_epsilon\x18\x03 \x01(\x01\x12\x16\n\x0eweight_epsilon\x18\x04 \x01(\x01\x12\x0c\n\x04unit\x18\x05 \x01(\t\x12 \n\x13\x61\x63tivation_clip_low\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x61\x63tivation_clip_high\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cweight_bound\x18\x08 \x01(\x01H\x02\x88\x01\x01\x42\x16\n\x14_activation_clip_lowB\x17\n\x15_activation_clip_highB\x0f\n\r_weight_bound\"\xa5\x01\n\x0f\x46\x65\x61turesRequest\x12/\n\x06params\x18\x01 \x01(\x0b\x32\x1d.privfusion.v1.FeaturesParamsH\x00\x12,\n\x05probe\x18\x02 \x01(\x0b\x32\x1b.privfusion.v1.TensorHeaderH\x00\x12+\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1a.privfusion.v1.TensorChunkH\x00\x42\x06\n\x04part\"+\n\x0bPermutation\x12\r\n\x05layer\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x03(\x03\"\x9f\x01\n\x0eWeightsRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12\x30\n\x0cpermutations\x18\x05 \x03(\x0b\x32\x1a.privfusion.v1.Permutation\"z\n\x0cMergeRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\"\xe5\x01\n\x0b\x46useRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07partner\x18\x03 \x01(\t\x12\x15\n\rpartner_model\x18\x04 \x01(\t\x12\r\n\x05\x61lpha\x18\x05 \x01(\x01\x12\x1a\n\x12\x61\x63tivation_epsilon\x18\x06 \x01(\x01\x12\x16\n\x0eweight_epsilon\x18\x07 \x01(\x01\x12\x17\n\x0fweights_epsilon\x18\x08 \x01(\x01\x12\x15\n\rweights_delta\x18\t \x01(\x01\"=\n\rLedgerRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\"^\n\x0bLedgerEntry\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x13\n\x0brecord_json\x18\x02 \x01(\x0c\x12\x14\n\x0c\x63ounterparty\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\t2\xcf\x03\n\x04Peer\x12I\n\x0bGetPeerInfo\x12!.privfusion.v1.GetPeerInfoRequest\x1a\x17.privfusion.v1.PeerInfo\x12R\n\x0fReleaseFeatures\x12\x1e.privfusion.v1.FeaturesRequest\x1a\x1b.privfusion.v1.ReleaseFrame(\x01\x30\x01\x12N\n\x0eReleaseWeights\x12\x1d.privfusion.v1.WeightsRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12K\n\rReleaseMerged\x12\x1b.privfusion.v1.MergeRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12\x41\n\x04\x46use\x12\x1a.privfusion.v1.FuseRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12H\n\nListLedger\x12\x1c.privfusion.v1.LedgerRequest\x1a\x1a.privfusion.v1.LedgerEntry0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18privfusion/v1/peer.proto\x12\rprivfusion.v1\x1a\x1aprivfusion/v1/tensor.proto\"G\n\rRequestHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x10\n\x08receiver\x18\x02 \x01(\t\x12\x14\n\x0con_behalf_of\x18\x03 \x01(\t\"\xbe\x01\n\x07Receipt\x12\x0e\n\x06signer\x18\x01 \x01(\t\x12\x17\n\x0fledger_entry_id\x18\x02 \x01(\t\x12\x13\n\x0brecord_json\x18\x03 \x01(\x0c\x12,\n\x07tensors\x18\x04 \x03(\x0b\x32\x1b.privfusion.v1.TensorDigest\x12\x1b\n\x13signature_algorithm\x18\x05 \x01(\t\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x17\n\x0fmanifest_sha256\x18\x07 \x01(\x0c\"\xe3\x01\n\x0fReleaseManifest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x03 \x01(\t\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12\x14\n\x0ctensor_count\x18\x05 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12(\n\x08upstream\x18\x07 \x03(\x0b\x32\x16.privfusion.v1.Receipt\x12,\n\x07tensors\x18\x08 \x03(\x0b\x32\x1b.privfusion.v1.TensorHeader\"7\n\nReleaseEnd\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\"\xfc\x01\n\x0cReleaseFrame\x12)\n\x07receipt\x18\x01 \x01(\x0b\x32\x16.privfusion.v1.ReceiptH\x00\x12\x32\n\x08manifest\x18\x02 \x01(\x0b\x32\x1e.privfusion.v1.ReleaseManifestH\x00\x12-\n\x06tensor\x18\x03 \x01(\x0b\x32\x1b.privfusion.v1.TensorHeaderH\x00\x12+\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x1a.privfusion.v1.TensorChunkH\x00\x12(\n\x03\x65nd\x18\x05 \x01(\x0b\x32\x19.privfusion.v1.ReleaseEndH\x00\x42\x07\n\x05\x66rame\"B\n\x12GetPeerInfoRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\"\x8d\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x03\x12\x14\n\x0chidden_sizes\x18\x04 \x03(\x03\x12(\n\x06layers\x18\x05 \x03(\x0b\x32\x18.privfusion.v1.LayerInfo\"a\n\tLayerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0cweight_shape\x18\x03 \x03(\x03\x12\x12\n\nbias_shape\x18\x04 \x03(\x03\x12\x0e\n\x06hidden\x18\x05 \x01(\x08\"U\n\x08PoolInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x02 \x01(\t\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x0f\n\x07methods\x18\x04 \x03(\t\"\x9b\x01\n\nBudgetInfo\x12\x0e\n\x06\x62udget\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\x12\x15\n\repsilon_limit\x18\x03 \x01(\x01\x12\x13\n\x0b\x64\x65lta_limit\x18\x04 \x01(\x01\x12\x15\n\repsilon_spent\x18\x05 \x01(\x01\x12\x19\n\x11\x65psilon_remaining\x18\x06 \x01(\x01\x12\x10\n\x08releases\x18\x07 \x01(\x03\"\x9a\x02\n\x08PeerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x65rtificate_sha256\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x10\n\x08insecure\x18\x04 \x01(\x08\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.privfusion.v1.ModelInfo\x12&\n\x05pools\x18\x06 \x03(\x0b\x32\x17.privfusion.v1.PoolInfo\x12\x12\n\nmechanisms\x18\x07 \x03(\t\x12*\n\x07\x62udgets\x18\x08 \x03(\x0b\x32\x19.privfusion.v1.BudgetInfo\x12\x15\n\rhas_probe_set\x18\t \x01(\x08\x12\x17\n\x0fmax_chunk_bytes\x18\n \x01(\x03\"\x91\x03\n\x0e\x46\x65\x61turesParams\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x63tivation_epsilon\x18\x03 \x01(\x01\x12\x16\n\x0eweight_epsilon\x18\x04 \x01(\x01\x12\x0c\n\x04unit\x18\x05 \x01(\t\x12 \n\x13\x61\x63tivation_clip_low\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x61\x63tivation_clip_high\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cweight_bound\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fweights_epsilon\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rweights_delta\x18\n \x01(\x01H\x04\x88\x01\x01\x42\x16\n\x14_activation_clip_lowB\x17\n\x15_activation_clip_highB\x0f\n\r_weight_boundB\x12\n\x10_weights_epsilonB\x10\n\x0e_weights_delta\"\xa5\x01\n\x0f\x46\x65\x61turesRequest\x12/\n\x06params\x18\x01 \x01(\x0b\x32\x1d.privfusion.v1.FeaturesParamsH\x00\x12,\n\x05probe\x18\x02 \x01(\x0b\x32\x1b.privfusion.v1.TensorHeaderH\x00\x12+\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1a.privfusion.v1.TensorChunkH\x00\x42\x06\n\x04part\"\x81\x01\n\x0eWeightsRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01J\x04\x08\x05\x10\x06R\x0cpermutations\"z\n\x0cMergeRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\"\xe5\x01\n\x0b\x46useRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07partner\x18\x03 \x01(\t\x12\x15\n\rpartner_model\x18\x04 \x01(\t\x12\r\n\x05\x61lpha\x18\x05 \x01(\x01\x12\x1a\n\x12\x61\x63tivation_epsilon\x18\x06 \x01(\x01\x12\x16\n\x0eweight_epsilon\x18\x07 \x01(\x01\x12\x17\n\x0fweights_epsilon\x18\x08 \x01(\x01\x12\x15\n\rweights_delta\x18\t \x01(\x01\"=\n\rLedgerRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\"^\n\x0bLedgerEntry\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x13\n\x0brecord_json\x18\x02 \x01(\x0c\x12\x14\n\x0c\x63ounterparty\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\t2\xcf\x03\n\x04Peer\x12I\n\x0bGetPeerInfo\x12!.privfusion.v1.GetPeerInfoRequest\x1a\x17.privfusion.v1.PeerInfo\x12R\n\x0fReleaseFeatures\x12\x1e.privfusion.v1.FeaturesRequest\x1a\x1b.privfusion.v1.ReleaseFrame(\x01\x30\x01\x12N\n\x0eReleaseWeights\x12\x1d.privfusion.v1.WeightsRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12K\n\rReleaseMerged\x12\x1b.privfusion.v1.MergeRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12\x41\n\x04\x46use\x12\x1a.privfusion.v1.FuseRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12H\n\nListLedger\x12\x1c.privfusion.v1.LedgerRequest\x1a\x1a.privfusion.v1.LedgerEntry0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,43 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'privfusion.v1.peer_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUESTHEADER']._serialized_start=71
-  _globals['_REQUESTHEADER']._serialized_end=120
-  _globals['_RECEIPT']._serialized_start=123
-  _globals['_RECEIPT']._serialized_end=313
-  _globals['_RELEASEMANIFEST']._serialized_start=316
-  _globals['_RELEASEMANIFEST']._serialized_end=543
-  _globals['_RELEASEEND']._serialized_start=545
-  _globals['_RELEASEEND']._serialized_end=600
-  _globals['_RELEASEFRAME']._serialized_start=603
-  _globals['_RELEASEFRAME']._serialized_end=855
-  _globals['_GETPEERINFOREQUEST']._serialized_start=857
-  _globals['_GETPEERINFOREQUEST']._serialized_end=923
-  _globals['_MODELINFO']._serialized_start=926
-  _globals['_MODELINFO']._serialized_end=1067
-  _globals['_LAYERINFO']._serialized_start=1069
-  _globals['_LAYERINFO']._serialized_end=1166
-  _globals['_POOLINFO']._serialized_start=1168
-  _globals['_POOLINFO']._serialized_end=1253
-  _globals['_BUDGETINFO']._serialized_start=1256
-  _globals['_BUDGETINFO']._serialized_end=1411
-  _globals['_PEERINFO']._serialized_start=1414
-  _globals['_PEERINFO']._serialized_end=1696
-  _globals['_FEATURESPARAMS']._serialized_start=1699
-  _globals['_FEATURESPARAMS']._serialized_end=2004
-  _globals['_FEATURESREQUEST']._serialized_start=2007
-  _globals['_FEATURESREQUEST']._serialized_end=2172
-  _globals['_PERMUTATION']._serialized_start=2174
-  _globals['_PERMUTATION']._serialized_end=2217
-  _globals['_WEIGHTSREQUEST']._serialized_start=2220
-  _globals['_WEIGHTSREQUEST']._serialized_end=2379
-  _globals['_MERGEREQUEST']._serialized_start=2381
-  _globals['_MERGEREQUEST']._serialized_end=2503
-  _globals['_FUSEREQUEST']._serialized_start=2506
-  _globals['_FUSEREQUEST']._serialized_end=2735
-  _globals['_LEDGERREQUEST']._serialized_start=2737
-  _globals['_LEDGERREQUEST']._serialized_end=2798
-  _globals['_LEDGERENTRY']._serialized_start=2800
-  _globals['_LEDGERENTRY']._serialized_end=2894
-  _globals['_PEER']._serialized_start=2897
-  _globals['_PEER']._serialized_end=3360
+  _globals['_REQUESTHEADER']._serialized_end=142
+  _globals['_RECEIPT']._serialized_start=145
+  _globals['_RECEIPT']._serialized_end=335
+  _globals['_RELEASEMANIFEST']._serialized_start=338
+  _globals['_RELEASEMANIFEST']._serialized_end=565
+  _globals['_RELEASEEND']._serialized_start=567
+  _globals['_RELEASEEND']._serialized_end=622
+  _globals['_RELEASEFRAME']._serialized_start=625
+  _globals['_RELEASEFRAME']._serialized_end=877
+  _globals['_GETPEERINFOREQUEST']._serialized_start=879
+  _globals['_GETPEERINFOREQUEST']._serialized_end=945
+  _globals['_MODELINFO']._serialized_start=948
+  _globals['_MODELINFO']._serialized_end=1089
+  _globals['_LAYERINFO']._serialized_start=1091
+  _globals['_LAYERINFO']._serialized_end=1188
+  _globals['_POOLINFO']._serialized_start=1190
+  _globals['_POOLINFO']._serialized_end=1275
+  _globals['_BUDGETINFO']._serialized_start=1278
+  _globals['_BUDGETINFO']._serialized_end=1433
+  _globals['_PEERINFO']._serialized_start=1436
+  _globals['_PEERINFO']._serialized_end=1718
+  _globals['_FEATURESPARAMS']._serialized_start=1721
+  _globals['_FEATURESPARAMS']._serialized_end=2122
+  _globals['_FEATURESREQUEST']._serialized_start=2125
+  _globals['_FEATURESREQUEST']._serialized_end=2290
+  _globals['_WEIGHTSREQUEST']._serialized_start=2293
+  _globals['_WEIGHTSREQUEST']._serialized_end=2422
+  _globals['_MERGEREQUEST']._serialized_start=2424
+  _globals['_MERGEREQUEST']._serialized_end=2546
+  _globals['_FUSEREQUEST']._serialized_start=2549
+  _globals['_FUSEREQUEST']._serialized_end=2778
+  _globals['_LEDGERREQUEST']._serialized_start=2780
+  _globals['_LEDGERREQUEST']._serialized_end=2841
+  _globals['_LEDGERENTRY']._serialized_start=2843
+  _globals['_LEDGERENTRY']._serialized_end=2937
+  _globals['_PEER']._serialized_start=2940
+  _globals['_PEER']._serialized_end=3403
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RequestHeader(_message.Message):
-    __slots__ = ("sender", "receiver")
+    __slots__ = ("sender", "receiver", "on_behalf_of")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    ON_BEHALF_OF_FIELD_NUMBER: _ClassVar[int]
     sender: str
     receiver: str
-    def __init__(self, sender: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
+    on_behalf_of: str
+    def __init__(self, sender: _Optional[str] = ..., receiver: _Optional[str] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
 
 class Receipt(_message.Message):
     __slots__ = ("signer", "ledger_entry_id", "record_json", "tensors", "signature_algorithm", "signature", "manifest_sha256")
@@ -164,7 +166,7 @@ class PeerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., certificate_sha256: _Optional[str] = ..., protocol: _Optional[str] = ..., insecure: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., mechanisms: _Optional[_Iterable[str]] = ..., budgets: _Optional[_Iterable[_Union[BudgetInfo, _Mapping]]] = ..., has_probe_set: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class FeaturesParams(_message.Message):
-    __slots__ = ("header", "model", "activation_epsilon", "weight_epsilon", "unit", "activation_clip_low", "activation_clip_high", "weight_bound")
+    __slots__ = ("header", "model", "activation_epsilon", "weight_epsilon", "unit", "activation_clip_low", "activation_clip_high", "weight_bound", "weights_epsilon", "weights_delta")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_EPSILON_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,8 @@ class FeaturesParams(_message.Message):
     ACTIVATION_CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BOUND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DELTA_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     model: str
     activation_epsilon: float
@@ -181,7 +185,9 @@ class FeaturesParams(_message.Message):
     activation_clip_low: float
     activation_clip_high: float
     weight_bound: float
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., model: _Optional[str] = ..., activation_epsilon: _Optional[float] = ..., weight_epsilon: _Optional[float] = ..., unit: _Optional[str] = ..., activation_clip_low: _Optional[float] = ..., activation_clip_high: _Optional[float] = ..., weight_bound: _Optional[float] = ...) -> None: ...
+    weights_epsilon: float
+    weights_delta: float
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., model: _Optional[str] = ..., activation_epsilon: _Optional[float] = ..., weight_epsilon: _Optional[float] = ..., unit: _Optional[str] = ..., activation_clip_low: _Optional[float] = ..., activation_clip_high: _Optional[float] = ..., weight_bound: _Optional[float] = ..., weights_epsilon: _Optional[float] = ..., weights_delta: _Optional[float] = ...) -> None: ...
 
 class FeaturesRequest(_message.Message):
     __slots__ = ("params", "probe", "chunk")
@@ -193,27 +199,17 @@ class FeaturesRequest(_message.Message):
     chunk: _tensor_pb2.TensorChunk
     def __init__(self, params: _Optional[_Union[FeaturesParams, _Mapping]] = ..., probe: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
-class Permutation(_message.Message):
-    __slots__ = ("layer", "index")
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    layer: str
-    index: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer: _Optional[str] = ..., index: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class WeightsRequest(_message.Message):
-    __slots__ = ("header", "model", "epsilon", "delta", "permutations")
+    __slots__ = ("header", "model", "epsilon", "delta")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EPSILON_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
-    PERMUTATIONS_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     model: str
     epsilon: float
     delta: float
-    permutations: _containers.RepeatedCompositeFieldContainer[Permutation]
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., model: _Optional[str] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., permutations: _Optional[_Iterable[_Union[Permutation, _Mapping]]] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., model: _Optional[str] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ...) -> None: ...
 
 class MergeRequest(_message.Message):
     __slots__ = ("header", "pool", "method", "epsilon", "delta")

@@ -79,13 +79,19 @@ class PeerServicer:
     def ReleaseFeatures(self, request_iterator, context):
         """Noisy graph features of a model (Laplace activations on the caller's probe set, multi-bit
         weight features). The caller streams FeaturesParams first, then its probe set as a tensor.
+        With FeaturesParams.weights_epsilon/weights_delta set, the same release also holds the
+        model's PFA-perturbed weights (manifest kind "features+weights"), charged with the features
+        as ONE sequential composite: the policy kinds "features" and "weights" (each part against
+        its own cap) are checked for the caller (and for header.on_behalf_of), atomically, before
+        any byte. This is what a Fuse relay asks of its partner.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseWeights(self, request, context):
-        """PFA-perturbed weights of a model, optionally permuted by the caller's permutations.
+        """PFA-perturbed weights of a model, unpermuted: a requester aligns them to its own model
+        itself (its match is computed from its own model and never leaves it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,13 +105,21 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fuse(self, request, context):
-        """"Fuse your model with peer X's and give me the result": the server acts as a client of X.
-        It asks X for noisy features of X's model on the server's own probe set and for X's
-        PFA-perturbed weights permuted to match (both charged in X's ledger to the server), matches
-        on its own *noisy* features and fuses its own PFA-perturbed weights with X's: everything the
-        caller receives is post-processing of noisy releases. The server's own features and weights
-        releases are charged to the caller as one sequential composite; X's receipts travel in the
-        manifest's `upstream`.
+        """"Fuse your model with peer X's and give me the result": the server (the owner, a relay
+        for the caller) acts as a client of X. Everything it will release is decided and charged
+        before anything is asked of X: the owner computes its own noisy features (on its own
+        public probe set) and PFA-perturbed weights and charges them to the caller as one
+        sequential composite (policy kind "fuse", its per-request cap and budgets). Then ONE
+        call to X: ReleaseFeatures with the weights fields set, header.on_behalf_of = the caller,
+        on the owner's public probe set. X checks that its policy lets both the owner and the
+        caller have features and weights and charges one release (its noisy features plus its
+        UNPERMUTED perturbed weights, a sequential composite) to its budgets for both. If X
+        refuses, is unreachable, or its release fails the owner's checks, the owner cancels its
+        charge (nothing about its model has left) and the Fuse fails. Otherwise the owner
+        matches its own noisy graph with X's, permutes X's weights locally (the match never
+        leaves the owner) and fuses: everything the caller receives is post-processing of noisy
+        releases. X's receipt travels in the manifest's `upstream`. The partner may be neither
+        the caller nor the owner (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
