@@ -20,6 +20,7 @@ dtype, shape and SHA-256, upstream receipts) and the tensors' bytes (docs/wire.m
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
