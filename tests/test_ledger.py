@@ -250,7 +250,7 @@ def test_per_entry_graph_release_composes_one_neurons_parts_sequentially(tmp_pat
     # charged 2.5 and fit a pure per-neuron budget of 3.0.
     record = per_entry_graph()
     assert record.epsilon == 0.5 and record.parameters["parallel_over"] == "neurons"
-    [layer, out] = record.components
+    layer, _output = record.components
     assert layer.parameters["composition"] == "parallel" and layer.parameters["parallel_over"] == "entries"
     conv = per_neuron_record(record)
     assert conv.parameters["composition"] == "parallel"  # across layers: other neurons

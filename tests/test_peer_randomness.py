@@ -115,8 +115,8 @@ def test_dpsgd_noise_and_poisson_batches_are_the_releases_pcg64_stream():
     gen = make_randomness(123).generator
     z = {"w": gen.standard_normal((3, 2)), "b": gen.standard_normal(3)}
     mask = gen.random(n) < q
-    for k in z:
-        np.testing.assert_allclose(run.params[k].numpy(), -0.5 * 3.0 * 2.0 * z[k] / (q * n), rtol=1e-12)
+    for k, z_k in z.items():
+        np.testing.assert_allclose(run.params[k].numpy(), -0.5 * 3.0 * 2.0 * z_k / (q * n), rtol=1e-12)
     assert run.batch_sizes == (int(mask.sum()),)
     # fresh per run: two CSPRNG-seeded runs never share noise
     a, b = (run_dpsgd(zero, params0, x, y, [Step(1.0)], randomness=make_randomness()).params["w"] for _ in range(2))
