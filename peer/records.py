@@ -152,11 +152,12 @@ class ReleaseRecord:
         if unknown:
             raise InvalidArgument("record", f"unknown fields {sorted(unknown)}")
         kwargs = dict(data)
-        # derived from ``randomness`` (see to_dict); a record that says otherwise is not ours
+        # derived from ``randomness`` (see to_dict; records written before it carry none): one
+        # that contradicts it is refused
         warning = kwargs.pop("randomness_warning", None)
-        if warning != (FIXED_SEED_WARNING if kwargs.get("randomness") == "fixed-seed" else None):
-            raise InvalidArgument("randomness_warning", f"must be {FIXED_SEED_WARNING!r} exactly when randomness is "
-                                  f"'fixed-seed', got {warning!r} with randomness {kwargs.get('randomness')!r}")
+        if warning is not None and (warning != FIXED_SEED_WARNING or kwargs.get("randomness") != "fixed-seed"):
+            raise InvalidArgument("randomness_warning", f"only a 'fixed-seed' record carries it, as {FIXED_SEED_WARNING!r}; "
+                                  f"got {warning!r} with randomness {kwargs.get('randomness')!r}")
         if kwargs.get("epsilon") == "inf":
             kwargs["epsilon"] = math.inf
         kwargs["components"] = tuple(cls.from_dict(c) for c in kwargs.get("components", ()))

@@ -121,3 +121,24 @@ def test_dpsgd_noise_and_poisson_batches_are_the_releases_pcg64_stream():
     # fresh per run: two CSPRNG-seeded runs never share noise
     a, b = (run_dpsgd(zero, params0, x, y, [Step(1.0)], randomness=make_randomness()).params["w"] for _ in range(2))
     assert not torch.equal(a, b)
+
+
+def test_a_fixed_seed_record_says_not_private_wherever_it_is_serialised():
+    from peer.errors import InvalidArgument
+    from peer.mechanisms import laplace_activations
+    from peer.records import ReleaseRecord
+    from peer.rng import make_randomness
+
+    _, fixed = laplace_activations(np.zeros((2, 3)), epsilon=1.0, clip=(0.0, 1.0), randomness=make_randomness(4))
+    _, fresh = laplace_activations(np.zeros((2, 3)), epsilon=1.0, clip=(0.0, 1.0))
+    assert json.loads(fixed.canonical_json())["randomness_warning"] == FIXED_SEED_WARNING
+    assert "randomness_warning" not in json.loads(fresh.canonical_json())
+    assert ReleaseRecord.from_json(fixed.canonical_json()) == fixed
+    older = fixed.to_dict()
+    del older["randomness_warning"]  # written before records carried it: still read
+    assert ReleaseRecord.from_dict(older) == fixed
+    forged = fresh.to_dict() | {"randomness_warning": FIXED_SEED_WARNING}
+    with pytest.raises(InvalidArgument, match="randomness_warning"):
+        ReleaseRecord.from_dict(forged)
+    with pytest.raises(InvalidArgument, match="randomness_warning"):
+        ReleaseRecord.from_dict(fixed.to_dict() | {"randomness_warning": "fine"})
