@@ -11,7 +11,8 @@
     probe = "probe.safetensors"      # optional: this site's public probe set (tensor "x"), for Fuse
     workers = 32                     # concurrent calls served
     shutdown_grace_s = 20            # SIGTERM: in-flight releases get this long to finish
-    # seed = 7                       # simulations only: fixed-seed noise, reported in every record
+    # seed = 7                       # simulations only (`peer serve --simulation`): fixed-seed
+    #                                # noise, "fixed seed: not private" in logs, info and every record
 
     [site.mechanisms]                # public defaults of the local-DP mechanisms
     activation_clip = [0.0, 4.0]     # activation range when a caller gives none
@@ -73,7 +74,7 @@ from peer import wire
 from peer.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from peer.ledger import Ledger
 from peer.policy import Policy
-from peer.records import ReleaseRecord
+from peer.records import FIXED_SEED_WARNING, ReleaseRecord
 from peer.rng import Randomness, make_randomness
 from peer.service import MECHANISMS, ErrorInterceptor, PeerService, add_to_server, log_event
 from peer.store import StoredModel, list_models, load_model
@@ -315,6 +316,13 @@ class Site:
             return (lo, hi)
         return self.config.activation_clip
 
+    def randomness_mechanism(self) -> str:
+        """Where this site's noise comes from, as listed in PeerInfo.mechanisms (no proto field
+        needed): ``"randomness:csprng"`` or ``"randomness:fixed-seed (fixed seed: not private)"``."""
+        if self._master is None:
+            return "randomness:csprng"
+        return f"randomness:fixed-seed ({FIXED_SEED_WARNING})"
+
     def randomness(self) -> Randomness | None:
         """Fresh CSPRNG noise per release; with a configured seed, the next child stream of it."""
         if self._master is None:
@@ -386,7 +394,7 @@ class Site:
                    for s in self.ledger.remaining_for(caller)]
         return pb.PeerInfo(name=self.name, certificate_sha256=self.identity.fingerprint, protocol=wire.PROTOCOL,
                            insecure=self.insecure, models=[model_info(n, m) for n, m in sorted(self.models.items())],
-                           pools=pools, mechanisms=list(MECHANISMS), budgets=budgets,
+                           pools=pools, mechanisms=[*MECHANISMS, self.randomness_mechanism()], budgets=budgets,
                            has_probe_set=self.probe is not None, max_chunk_bytes=wire.MAX_CHUNK_BYTES)
 
 
@@ -450,6 +458,10 @@ def configure_logging(level: str = "INFO") -> None:
         lg.propagate = False
 
 
+SEED_WARNING = ("FIXED SEED: NOT PRIVATE. site.seed makes every release's noise reproducible by anyone who "
+                "knows the seed, who can then subtract it. Simulations and tests only; every record says "
+                f"{FIXED_SEED_WARNING!r}.")
+
 INSECURE_WARNING = ("INSECURE MODE: this peer serves without TLS. Callers are not authenticated (any claimed "
                     "sender is believed), nothing is encrypted, and receipts are the only integrity check. "
                     "Never use this outside a sealed test network.")
@@ -499,6 +511,9 @@ class Daemon:
             print(f"privfusion peer: WARNING: {INSECURE_WARNING}", file=sys.stderr, flush=True)
         else:
             self.port = self.server.add_secure_port(self.site.config.listen, self._credentials())
+        if self.site.config.seed is not None:
+            log.warning(json.dumps({"event": "fixed-seed", "warning": SEED_WARNING}))
+            print(f"privfusion peer: WARNING: {SEED_WARNING}", file=sys.stderr, flush=True)
         if not self.port:
             raise FailedPrecondition(f"site.listen: cannot listen on {self.site.config.listen!r}")
         self.server.start()
@@ -542,10 +557,24 @@ def open_site(config_path: str | os.PathLike, insecure: bool = False) -> Site:
     return Site(config, policy, insecure=insecure)
 
 
-def serve(config_path: str | os.PathLike, insecure: bool = False, ready_file: str | None = None) -> int:
-    """Run a daemon until SIGTERM/SIGINT (the ``privfusion peer serve`` command)."""
+def check_seed_allowed(config: SiteConfig, simulation: bool) -> None:
+    """A fixed noise seed makes every release reproducible, hence not private: ``peer serve``
+    refuses one unless started with ``--simulation`` (FailedPrecondition naming the field)."""
+    if config.seed is not None and not simulation:
+        where = f" in {config.path}" if config.path else ""
+        raise FailedPrecondition(
+            f"site.seed{where}: a fixed noise seed is not private (anyone who knows it can subtract the noise); "
+            "remove it for production (noise is then CSPRNG-seeded, fresh per release) or start the daemon with "
+            "--simulation for tests and simulations")
+
+
+def serve(config_path: str | os.PathLike, insecure: bool = False, ready_file: str | None = None,
+          simulation: bool = False) -> int:
+    """Run a daemon until SIGTERM/SIGINT (the ``privfusion peer serve`` command). A ``seed`` in
+    site.toml is refused unless ``simulation`` (:func:`check_seed_allowed`)."""
     configure_logging(os.environ.get("PRIVFUSION_LOG_LEVEL", "INFO"))
     faulthandler.enable()  # a crash in native code leaves the Python stacks in the log
+    check_seed_allowed(SiteConfig.load(config_path), simulation)
     daemon = Daemon(open_site(config_path, insecure=insecure))
     stop = threading.Event()
 

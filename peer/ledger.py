@@ -209,25 +209,38 @@ def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
       ``gaussian_sensitivity`` gives per neuron); ε restated at the record's δ (analytic).
     - multi-bit: P independent ε-DP coordinates: a sequential composite of P copies (per-neuron
       pure ε = P·ε by basic composition; the accountant sums their RDP).
-    Composites are converted component-wise, their summary ε/δ recomputed by basic composition
-    (sum for sequential, max for parallel). Any other per-entry release raises FailedPrecondition.
+    Composites are converted component-wise. Everything released about one neuron composes
+    sequentially; parallel composition holds only across different neurons. So a ``"parallel"``
+    composite stays parallel only when its ``parameters["parallel_over"]`` is ``"neurons"``
+    (components touch disjoint neurons, e.g. different layers); one parallel over
+    ``"entries"`` (other entries of the same neurons: a layer's activations and weights) — or a
+    per-entry one that does not say — becomes ``"sequential"``, the sound reading. The summary
+    ε/δ is recomputed by basic composition (sum for sequential, max for parallel); the
+    accountant reads the composition, so its RDP follows the same structure. Any other per-entry
+    release raises FailedPrecondition.
     """
     if record.level != "model":
         return record
     if record.mechanism == "composite":
-        components = tuple(per_neuron_record(c) for c in record.components)
-        if components == record.components and record.unit == "neuron":
-            return record
         how = record.parameters.get("composition")
-        if how == "sequential":
-            eps, delta = sum(c.epsilon for c in components), min(1.0, sum(c.delta for c in components))
-        elif how == "parallel":
-            eps, delta = max((c.epsilon for c in components), default=0.0), max((c.delta for c in components), default=0.0)
-        else:
+        if how not in ("sequential", "parallel"):
             raise InvalidArgument("parameters.composition", f"must be 'sequential' or 'parallel', got {how!r}")
+        how_per_neuron = _composition_per_neuron(record, how)
+        components = tuple(per_neuron_record(c) for c in record.components)
+        if components == record.components and record.unit == "neuron" and how_per_neuron == how:
+            return record
+        if how_per_neuron == "sequential":
+            eps, delta = sum(c.epsilon for c in components), min(1.0, sum(c.delta for c in components))
+        else:
+            eps, delta = max((c.epsilon for c in components), default=0.0), max((c.delta for c in components), default=0.0)
         if delta >= 1:
             raise InvalidArgument("delta", "the composed per-neuron δ reaches 1: the release has no guarantee")
-        return record.with_(unit="neuron", components=components, epsilon=eps, delta=delta)
+        parameters = record.parameters
+        if how_per_neuron != how:
+            parameters = {k: v for k, v in record.parameters.items() if k != "parallel_over"}
+            parameters.update(composition="sequential",
+                              restated="per entry parallel over other entries of the same neurons: sequential per neuron")
+        return record.with_(unit="neuron", components=components, epsilon=eps, delta=delta, parameters=parameters)
     if record.unit == "neuron":
         return record
     if record.unit != "entry":
@@ -239,6 +252,27 @@ def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
             "conversion in the ledger; release it per neuron instead"
         )
     return convert(record)
+
+
+def _composition_per_neuron(record: ReleaseRecord, how: str) -> str:
+    """How the components of a model-level composite compose per neuron.
+
+    Sequential stays sequential. Parallel needs ``parameters["parallel_over"]``: ``"neurons"``
+    stays parallel; ``"entries"`` is parallel per entry only (same neurons) and so sequential
+    per neuron. A per-neuron record's parallel components are necessarily other neurons; a
+    per-entry record that does not say is read as the same neurons (sequential: never less).
+    """
+    if how == "sequential":
+        return how
+    over = record.parameters.get("parallel_over")
+    if over not in (None, "neurons", "entries"):
+        raise InvalidArgument("parameters.parallel_over", f"must be 'neurons' or 'entries', got {over!r}")
+    if record.unit == "neuron":
+        if over == "entries":
+            raise InvalidArgument("parameters.parallel_over", "a per-neuron composite cannot be parallel over entries "
+                                  "of the same neurons: everything released about one neuron composes sequentially")
+        return "parallel"
+    return "parallel" if over == "neurons" else "sequential"
 
 
 def _row_length(record: ReleaseRecord) -> int:

@@ -58,6 +58,8 @@ from peer.rng import Randomness, make_randomness
 UNITS = ("neuron", "entry")
 CALIBRATIONS = ("analytic", "classical")
 COMPOSITIONS = ("sequential", "parallel")
+#: What the components of a parallel composite are disjoint in (see :func:`composite_record`).
+PARALLEL_OVER = ("neurons", "entries")
 
 #: argmin of u·coth²(u/2) (LPGNN's choice of m = ⌊ε / 2.18⌋; numerically 2.1773).
 MULTIBIT_EPSILON_PER_COORDINATE = 2.18
@@ -147,11 +149,22 @@ def _check_matrix(values: Any, field: str) -> np.ndarray:
 
 
 def composite_record(components: Sequence[ReleaseRecord], composition: str, *, randomness: Randomness,
-                     parameters: Mapping[str, Any] | None = None) -> ReleaseRecord:
+                     parameters: Mapping[str, Any] | None = None, over: str | None = None) -> ReleaseRecord:
     """The record of several releases made together (CONTRACTS §1, mechanism ``"composite"``).
 
-    ``"parallel"``: the components touch disjoint units, so a neighbouring pair changes one
-    component only and the guarantee is the worst component: ε = max, δ = max.
+    ``"parallel"``: the components touch disjoint parts of the release, so a neighbouring pair
+    changes one component only and the guarantee is the worst component: ε = max, δ = max.
+    ``over`` (required for ``"parallel"``, recorded as ``parameters["parallel_over"]``) says
+    what the components are disjoint in, which decides whether the max survives a change of
+    unit:
+
+      - ``"neurons"``: every component touches other neurons (e.g. other layers). A neighbouring
+        pair changes one neuron, hence one component, in either unit: parallel per neuron too.
+      - ``"entries"``: the components touch other *entries of the same neurons* (a layer's
+        activation entries and its weight entries). Parallel only per entry; restated per
+        neuron, one neuron's change reaches every component, so they compose sequentially
+        (``peer.ledger.per_neuron_record``). Allowed only under ``unit="entry"``.
+
     ``"sequential"``: every component touches the same unit: basic composition, ε = Σ, δ = Σ
     (a conservative summary; accountants compute tighter figures from the components).
     """
@@ -163,15 +176,25 @@ def composite_record(components: Sequence[ReleaseRecord], composition: str, *, r
     units = {c.unit for c in comps}
     if len(units) != 1:
         raise InvalidArgument("components", f"must share one unit of privacy, got {sorted(units)}")
+    unit = comps[0].unit
+    extra: dict[str, Any] = {}
+    if composition == "parallel":
+        if over not in PARALLEL_OVER:
+            raise InvalidArgument("over", f"a parallel composite must say what its components are disjoint in, one of {PARALLEL_OVER}; got {over!r}")
+        if over == "entries" and unit != "entry":
+            raise InvalidArgument("over", f"components disjoint only in entries are not parallel per {unit!r}; compose them sequentially")
+        extra["parallel_over"] = over
+    elif over is not None:
+        raise InvalidArgument("over", f"applies to parallel composites only, got {over!r} for {composition!r}")
     combine = max if composition == "parallel" else sum
     delta = combine(c.delta for c in comps)
     if delta >= 1:
         raise InvalidArgument("components", f"compose to δ = {delta} >= 1")
     return ReleaseRecord(
-        mechanism="composite", level="model", unit=comps[0].unit,
+        mechanism="composite", level="model", unit=unit,
         epsilon=combine(c.epsilon for c in comps), delta=delta,
         sensitivity=None, sensitivity_norm="none",
-        parameters={"composition": composition, **(parameters or {})},
+        parameters={"composition": composition, **extra, **(parameters or {})},
         components=comps, **randomness.record_fields())
 
 
@@ -745,10 +768,12 @@ def perturb_graph(graph: NetworkGraph, *, epsilon_x: float, epsilon_w: float,
 
     Composition (CONTRACTS §1): unit ``"neuron"``: per hidden layer a ``"sequential"``
     composite of [laplace, multibit] (both touch the same neurons: ε_x + ε_w per neuron); the
-    layers and the output layer touch disjoint neurons: a ``"parallel"`` composite on top.
-    Unit ``"entry"``: activation entries and weight entries are different entries, so every
-    level is ``"parallel"`` (max(ε_x, ε_w) per entry). Every component carries
-    parameters ``layer`` and ``part`` ("activations" / "weights").
+    layers and the output layer touch disjoint neurons: a ``"parallel"`` composite over
+    ``"neurons"`` on top. Unit ``"entry"``: a layer's activation entries and weight entries
+    are different entries of the same neurons, so the layer's composite is ``"parallel"`` over
+    ``"entries"`` (max(ε_x, ε_w) per entry; restated per neuron it is sequential again:
+    P·ε_x + d·ε_w); the top level is parallel over ``"neurons"`` as before. Every component
+    carries parameters ``layer`` and ``part`` ("activations" / "weights").
     """
     if not isinstance(graph, NetworkGraph):
         raise InvalidArgument("graph", f"must be a NetworkGraph, got {type(graph).__name__}")
@@ -770,7 +795,8 @@ def perturb_graph(graph: NetworkGraph, *, epsilon_x: float, epsilon_w: float,
     clips = _per_layer(activation_clip, hidden_names, "activation_clip", _check_interval, default_clip)
     bounds = _per_layer(weight_bounds, all_names, "weight_bounds", _check_interval,
                         lambda n, f: (-default_entry_bound(fan_in[n]), default_entry_bound(fan_in[n])))
-    layer_composition = "sequential" if unit == "neuron" else "parallel"
+    # per neuron both parts touch the same neuron; per entry they touch other entries of it
+    layer_composition, layer_over = ("sequential", None) if unit == "neuron" else ("parallel", "entries")
 
     new_hidden, layer_records = [], []
     for h in graph.hidden:
@@ -781,7 +807,7 @@ def perturb_graph(graph: NetworkGraph, *, epsilon_x: float, epsilon_w: float,
         r_w = r_w.with_(parameters={**r_w.parameters, "layer": h.name, "part": "weights"})
         new_hidden.append(HiddenLayer(h.name, h.kind, act, noisy_w[:, :-1].reshape(h.incoming.shape), noisy_w[:, -1].copy()))
         layer_records.append(composite_record([r_act, r_w], layer_composition, randomness=rnd,
-                                              parameters={"layer": h.name}))
+                                              parameters={"layer": h.name}, over=layer_over))
     out_name = specs[-1].name
     out_feats = np.concatenate([graph.output_incoming.reshape(graph.output_incoming.shape[0], -1),
                                 graph.output_bias[:, None]], axis=1)
@@ -790,7 +816,7 @@ def perturb_graph(graph: NetworkGraph, *, epsilon_x: float, epsilon_w: float,
     noisy_graph = NetworkGraph(graph.architecture, graph.input_size, tuple(new_hidden),
                                noisy_out[:, :-1].reshape(graph.output_incoming.shape), noisy_out[:, -1].copy())
     record = composite_record([*layer_records, r_out], "parallel", randomness=rnd,
-                              parameters={"release": "graph"})
+                              parameters={"release": "graph"}, over="neurons")
     return noisy_graph, record
 
 
@@ -814,7 +840,7 @@ def perturb_model_weights(arch: Mapping[str, Any], arrays: Mapping[str, Any], *,
     under ``unit="entry"`` it is also what bounds the sensitivity (2·min(c, clip_norm)).
 
     Composition: layers touch disjoint neurons (and, per entry, disjoint entries): one
-    ``"parallel"`` composite whose components are the per-layer ``"gaussian"`` records (with
+    ``"parallel"`` composite over ``"neurons"`` whose components are the per-layer ``"gaussian"`` records (with
     parameters ``layer`` and, if applied, ``smoothing``). Every layer is released at (ε, δ).
 
     Returns arrays with the same names, shapes and dtypes (float32 stays float32).
@@ -864,5 +890,5 @@ def perturb_model_weights(arch: Mapping[str, Any], arrays: Mapping[str, Any], *,
         records.append(rec.with_(parameters=params))
         out[f"{s.name}.weight"] = noisy[:, :-1].reshape(w_raw.shape).astype(w_raw.dtype if w_raw.dtype.kind == "f" else np.float64)
         out[f"{s.name}.bias"] = noisy[:, -1].astype(b_raw.dtype if b_raw.dtype.kind == "f" else np.float64)
-    record = composite_record(records, "parallel", randomness=rnd, parameters={"release": "weights"})
+    record = composite_record(records, "parallel", randomness=rnd, parameters={"release": "weights"}, over="neurons")
     return out, record

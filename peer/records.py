@@ -18,6 +18,12 @@ Vocabulary
 ``sensitivity_norm``
     The norm the sensitivity is measured in: ``"l1"``, ``"l2"``, or ``"range"`` (the width of
     the clip interval, for mechanisms such as multi-bit whose guarantee is stated per input box).
+``randomness``
+    ``"csprng"``: noise from a generator seeded with 128 bits from the operating system's CSPRNG,
+    fresh per release (the seed is never stored). ``"fixed-seed"``: a test/simulation option;
+    the record carries the ``seed`` and, in its serialised form, ``randomness_warning`` =
+    ``"fixed seed: not private"`` — anyone who knows the seed can subtract the noise.
+    ``"none"``: no randomness was drawn (hand-made records in tests).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from peer.errors import InvalidArgument
 LEVELS = ("model", "data")
 UNITS = ("neuron", "entry", "record:replace-one", "record:add-remove", "none")
 NORMS = ("l1", "l2", "range", "none")
+#: What every serialised fixed-seed record says (``randomness_warning``).
+FIXED_SEED_WARNING = "fixed seed: not private"
 
 
 def _freeze(value: Any) -> Any:
@@ -131,17 +139,25 @@ class ReleaseRecord:
             out[f.name] = v
         if math.isinf(out["epsilon"]):
             out["epsilon"] = "inf"
+        if self.randomness == "fixed-seed":
+            out["randomness_warning"] = FIXED_SEED_WARNING
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ReleaseRecord":
         if not isinstance(data, Mapping):
             raise InvalidArgument("record", "must be a JSON object")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | {"randomness_warning"}
         unknown = set(data) - known
         if unknown:
             raise InvalidArgument("record", f"unknown fields {sorted(unknown)}")
         kwargs = dict(data)
+        # derived from ``randomness`` (see to_dict; records written before it carry none): one
+        # that contradicts it is refused
+        warning = kwargs.pop("randomness_warning", None)
+        if warning is not None and (warning != FIXED_SEED_WARNING or kwargs.get("randomness") != "fixed-seed"):
+            raise InvalidArgument("randomness_warning", f"only a 'fixed-seed' record carries it, as {FIXED_SEED_WARNING!r}; "
+                                  f"got {warning!r} with randomness {kwargs.get('randomness')!r}")
         if kwargs.get("epsilon") == "inf":
             kwargs["epsilon"] = math.inf
         kwargs["components"] = tuple(cls.from_dict(c) for c in kwargs.get("components", ()))

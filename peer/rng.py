@@ -1,8 +1,11 @@
 """Randomness for privacy mechanisms.
 
-Production noise comes from a generator seeded with 128 bits from the operating system's CSPRNG
-(``secrets``), fresh per release. A fixed seed is a test/simulation option; it is carried in the
-``Randomness`` value so that every release record reports it.
+All DP noise — Laplace, multi-bit, the Gaussian unit, DP-SGD's noise and Poisson batches, RS's
+draw — comes from one kind of generator: NumPy's PCG64 (``np.random.default_rng``) seeded with
+128 bits from the operating system's CSPRNG (``secrets.randbits(128)``), fresh per release.
+PCG64 itself is a statistical generator, not a cryptographic one: the 128-bit OS seed is what
+makes the stream unpredictable. A fixed seed is a test/simulation option; it is carried in the
+``Randomness`` value so that every release record reports it ("fixed seed: not private").
 """
 
 from __future__ import annotations
@@ -33,14 +36,6 @@ class Randomness:
         """An independent child stream with the same provenance (for sub-mechanisms)."""
         child = self.generator.spawn(1)[0]
         return Randomness(child, self.source, self.seed)
-
-    def torch_generator(self) -> "torch.Generator":
-        """A torch generator seeded from this stream (consumes 63 bits of it)."""
-        import torch
-
-        g = torch.Generator()
-        g.manual_seed(int(self.generator.integers(0, 2**63 - 1)))
-        return g
 
 
 def make_randomness(seed: int | None = None) -> Randomness:

@@ -32,8 +32,10 @@ and sensitivity; models combined there share the same declared n, so the common 
 cancels in every step's sensitivity-to-noise ratio.
 
 The initial parameters θ_0 are public (built from a public seed), so models of one pool share
-them and can be combined without alignment. Noise comes from ``peer.rng.Randomness`` (CSPRNG
-seeded unless a fixed seed is asked for; reported in the record).
+them and can be combined without alignment. The Gaussian noise z_t and the Poisson masks come
+from ``peer.rng.Randomness``'s NumPy PCG64 generator — seeded with 128 bits from the operating
+system's CSPRNG unless a fixed seed is asked for (reported in the record), the one source of all
+DP noise in this package — drawn in float64 and cast to the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -152,7 +154,10 @@ def run_dpsgd(
     _check_steps(steps, n)
     if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas <= 0):
         raise InvalidArgument("replicas", f"must be a positive integer, got {replicas!r}")
-    gen = randomness.torch_generator()
+    # All noise and batch sampling come from the release's own NumPy PCG64 stream (128-bit
+    # CSPRNG seed, or the recorded fixed seed), the same source as every other mechanism here;
+    # drawn in float64 and cast to the parameters' dtype.
+    gen = randomness.generator
     params = {k: v.detach().clone() for k, v in params0.items()}
     if replicas is not None:
         params = {k: v.unsqueeze(0).repeat(replicas, *([1] * v.dim())) for k, v in params.items()}
@@ -162,12 +167,12 @@ def run_dpsgd(
         )
     batch_sizes: list[int] | None = None
     for s in steps:
-        noise = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in params.items()}
+        noise = {k: torch.from_numpy(gen.standard_normal(tuple(v.shape))).to(v.dtype) for k, v in params.items()}
         q = float(s.sample_rate)
         denominator = q * n
         lead = () if replicas is None else (replicas,)
         if q < 1.0:
-            mask = (torch.rand(*lead, n_records, generator=gen, dtype=torch.float64) < q).to(x.dtype)
+            mask = torch.from_numpy(gen.random((*lead, n_records)) < q).to(x.dtype)
             batch_sizes = batch_sizes if batch_sizes is not None else []
             batch_sizes.extend(int(v) for v in mask.sum(dim=-1).reshape(-1).tolist())
         else:

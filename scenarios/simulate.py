@@ -302,8 +302,10 @@ class Daemon:
         self.ready = site.root / "daemon.ready.json"
         self.ready.unlink(missing_ok=True)
         self.log = open(site.root / "daemon.log", "ab")
+        # --simulation: the sites' fixed noise seeds (refused by a production `peer serve`)
         self.proc = subprocess.Popen([sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(site.config),
-                                      "--ready-file", str(self.ready)], stdout=self.log, stderr=self.log, env=_child_env())
+                                      "--simulation", "--ready-file", str(self.ready)],
+                                     stdout=self.log, stderr=self.log, env=_child_env())
         self.address: str | None = None
         self.killed_at: str | None = None
 

@@ -158,7 +158,8 @@ def client(site: SiteFiles, address: str, peer: str | None = None, **kw):
 class DaemonProcess:
     """``privfusion peer serve`` in its own process (for SIGTERM / SIGKILL tests)."""
 
-    def __init__(self, site: SiteFiles, log_path: Path | None = None, insecure: bool = False):
+    def __init__(self, site: SiteFiles, log_path: Path | None = None, insecure: bool = False,
+                 simulation: bool | None = None):
         self.site = site
         self.ready = site.root / f"ready-{time.monotonic_ns()}.json"
         self.log_path = log_path or site.root / "daemon.log"
@@ -166,6 +167,12 @@ class DaemonProcess:
         args = [sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(site.config), "--ready-file", str(self.ready)]
         if insecure:
             args.append("--insecure")
+        if simulation is None:  # a site made with a fixed seed is a simulation
+            import tomllib
+
+            simulation = "seed" in tomllib.loads(site.config.read_text())["site"]
+        if simulation:
+            args.append("--simulation")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=env)
 

@@ -222,11 +222,78 @@ def test_composite_of_per_entry_components_is_converted_componentwise():
     b = laplace_record(epsilon=0.3, shape=(6, 2), unit="entry")
     from peer.records import ReleaseRecord
     comp = ReleaseRecord(mechanism="composite", level="model", unit="entry", epsilon=0.4, delta=0.0, sensitivity=None,
-                         sensitivity_norm="none", parameters={"composition": "parallel"}, components=(a, b),
-                         randomness="none", subject="m")
+                         sensitivity_norm="none", parameters={"composition": "parallel", "parallel_over": "neurons"},
+                         components=(a, b), randomness="none", subject="m")
     conv = per_neuron_record(comp)
     assert conv.unit == "neuron" and conv.epsilon == pytest.approx(max(1.0, 0.6))
     assert [c.unit for c in conv.components] == ["neuron", "neuron"]
+
+
+def per_entry_graph(probes=5, epsilon_x=0.5, epsilon_w=0.5):
+    """A real per-entry graph release: 4 inputs → 3 hidden ReLU neurons (P probes) → 2 outputs."""
+    from peer.graph import extract_graph
+    from peer.mechanisms import perturb_graph
+    from peer.models import build_model
+    from peer.rng import make_randomness
+
+    arch = {"kind": "mlp", "input_dim": 4, "hidden": [3], "output_dim": 2, "activation": "relu"}
+    graph = extract_graph(arch, build_model(arch, seed=0), np.random.default_rng(0).random((probes, 4)))
+    _, record = perturb_graph(graph, epsilon_x=epsilon_x, epsilon_w=epsilon_w, activation_clip=(0.0, 4.0),
+                              unit="entry", randomness=make_randomness(1))
+    return record.with_(subject="m")
+
+
+def test_per_entry_graph_release_composes_one_neurons_parts_sequentially(tmp_path):
+    # P = 5 probes, ε_x = ε_w = 0.5: a hidden neuron's activation row alone costs P·ε_x = 2.5 and
+    # its weight vector (4 inputs + bias) 5·ε_w = 2.5 on top; an output neuron 4·ε_w = 2.0.
+    # Taking the max of the two parts (what the parallel-per-entry record used to become)
+    # charged 2.5 and fit a pure per-neuron budget of 3.0.
+    record = per_entry_graph()
+    assert record.epsilon == 0.5 and record.parameters["parallel_over"] == "neurons"
+    layer, _output = record.components
+    assert layer.parameters["composition"] == "parallel" and layer.parameters["parallel_over"] == "entries"
+    conv = per_neuron_record(record)
+    assert conv.parameters["composition"] == "parallel"  # across layers: other neurons
+    assert conv.components[0].parameters["composition"] == "sequential"  # one neuron's parts
+    assert conv.epsilon == pytest.approx(5 * 0.5 + 5 * 0.5) and conv.components[1].epsilon == pytest.approx(4 * 0.5)
+    ledger = open_ledger(tmp_path / "g.db", make_policy(model_total=(3.0, 0.0)))
+    it = ledger.interpret(record, "b")
+    assert it.pure_epsilon >= 2.5 + 2.5 - 1e-12 and it.pure_epsilon == pytest.approx(5.0)
+    # RDP: the hidden neuron's Laplace row (L1 sensitivity 5·4, scale 4/0.5) plus 5 ε_w-DP
+    # coordinates, against the output neuron's 4 coordinates: the worse of the two, per order
+    hidden = laplace_rdp(ledger.orders, 20.0, 8.0) + 5 * rr_rdp(ledger.orders, 0.5)
+    assert np.allclose(it.rdp, np.maximum(hidden, 4 * rr_rdp(ledger.orders, 0.5)), rtol=1e-9)
+    assert np.all(it.rdp >= laplace_rdp(ledger.orders, 20.0, 8.0) * (1 - 1e-12))
+    with pytest.raises(BudgetExhausted, match="model/m/total"):
+        ledger.charge(record, "b")
+    assert ledger.entries() == []
+
+
+def test_a_parallel_composite_must_say_what_it_is_parallel_over():
+    from peer.mechanisms import composite_record
+    from peer.records import ReleaseRecord
+    from peer.rng import make_randomness
+
+    a = laplace_record(epsilon=0.1, shape=(4, 10), unit="entry")
+    b = laplace_record(epsilon=0.3, shape=(4, 2), unit="entry")
+    rnd = make_randomness(0)
+    with pytest.raises(InvalidArgument, match="over"):
+        composite_record([a, b], "parallel", randomness=rnd)
+    with pytest.raises(InvalidArgument, match="over"):  # same neurons are never parallel per neuron
+        composite_record([a.with_(unit="neuron"), b.with_(unit="neuron")], "parallel", randomness=rnd, over="entries")
+    same = per_neuron_record(composite_record([a, b], "parallel", randomness=rnd, over="entries"))
+    other = per_neuron_record(composite_record([a, b], "parallel", randomness=rnd, over="neurons"))
+    assert same.epsilon == pytest.approx(1.0 + 0.6) and same.parameters["composition"] == "sequential"
+    assert other.epsilon == pytest.approx(1.0) and other.parameters["composition"] == "parallel"
+    # a per-entry parallel composite that does not say is read as the same neurons (never less)
+    silent = ReleaseRecord(mechanism="composite", level="model", unit="entry", epsilon=0.3, delta=0.0, sensitivity=None,
+                           sensitivity_norm="none", parameters={"composition": "parallel"}, components=(a, b),
+                           randomness="none", subject="m")
+    assert per_neuron_record(silent).epsilon == pytest.approx(1.6)
+    lying = silent.with_(unit="neuron", components=(a.with_(unit="neuron"), b.with_(unit="neuron")),
+                         parameters={"composition": "parallel", "parallel_over": "entries"})
+    with pytest.raises(InvalidArgument, match="parallel_over"):
+        per_neuron_record(lying)
 
 
 # ---- storage -------------------------------------------------------------------------------------

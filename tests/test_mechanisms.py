@@ -473,6 +473,7 @@ def test_perturb_graph_touches_every_neuron_and_composes(arch):
     noisy, rec = M.perturb_graph(graph, epsilon_x=0.5, epsilon_w=2.0, activation_clip=(0, 4), randomness=rnd(8))
     specs = M.weight_layer_specs(a)
     assert rec.mechanism == "composite" and rec.parameters["composition"] == "parallel"
+    assert rec.parameters["parallel_over"] == "neurons"  # layers: other neurons
     assert len(rec.components) == len(graph.hidden) + 1
     assert rec.epsilon == pytest.approx(2.5) and rec.delta == 0 and rec.seed == 8
     for h, hn, comp, spec in zip(graph.hidden, noisy.hidden, rec.components, specs):
@@ -503,6 +504,9 @@ def test_perturb_graph_entry_unit_is_parallel_throughout_and_bounds_per_layer():
                                  weight_bounds=wb, unit="entry", randomness=rnd())
     assert rec.unit == "entry" and rec.epsilon == pytest.approx(2.0)
     assert all(c.parameters["composition"] == "parallel" for c in rec.components[:-1])
+    # parallel per entry only: a layer's activations and weights are entries of the same neurons
+    assert all(c.parameters["parallel_over"] == "entries" for c in rec.components[:-1])
+    assert rec.parameters["parallel_over"] == "neurons"
     assert [tuple(c.components[1].parameters["bounds"]) for c in rec.components[:-1]] == [wb[n] for n in names[:-1]]
     assert tuple(rec.components[0].components[0].parameters["clip"]) == (0, 1)
     assert rec.components[1].components[0].parameters["scale"] == pytest.approx(2 / 0.5)
@@ -528,6 +532,7 @@ def test_perturb_model_weights_releases_every_layer(arch):
         assert noisy[k].shape == arrays[k].shape and noisy[k].dtype == arrays[k].dtype
         assert not np.array_equal(noisy[k], arrays[k]) and np.all(np.isfinite(noisy[k]))
     assert rec.mechanism == "composite" and rec.parameters["composition"] == "parallel"
+    assert rec.parameters["parallel_over"] == "neurons"
     assert [c.parameters["layer"] for c in rec.components] == [s.name for s in specs]
     assert specs[-1].is_output and rec.epsilon == 3.0 and rec.delta == 1e-5
     for c, s in zip(rec.components, specs):

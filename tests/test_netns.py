@@ -140,7 +140,7 @@ def test_sites_in_separate_namespaces_survive_a_cut_link(tmp_path, netns_availab
             log = open(s.root / "daemon.log", "wb")
             stack.callback(log.close)
             procs.append(net.run(s.name, [sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(s.config),
-                                          "--ready-file", str(ready)], stdout=log, stderr=log, env=_env()))
+                                          "--simulation", "--ready-file", str(ready)], stdout=log, stderr=log, env=_env()))
         deadline = time.monotonic() + 120
         for s in sites:
             while not (s.root / "ready.json").exists():

@@ -4,7 +4,7 @@
     privfusion peer trust add other.crt [--dir site/identity] [--replace]
     privfusion peer trust list [--dir site/identity]
     privfusion peer trust remove hospital-b [--dir site/identity]
-    privfusion peer serve --config site.toml
+    privfusion peer serve --config site.toml [--simulation]
     privfusion peer info --via HOST:PORT --identity DIR [--peer NAME]
     privfusion peer ledger --via HOST:PORT --identity DIR [--peer NAME]
 """
@@ -57,7 +57,7 @@ def _trust_remove(args) -> int:
 def _serve(args) -> int:
     from peer.daemon import serve
 
-    return serve(args.config, insecure=args.insecure, ready_file=args.ready_file)
+    return serve(args.config, insecure=args.insecure, ready_file=args.ready_file, simulation=args.simulation)
 
 
 def client_from_args(args):
@@ -123,6 +123,9 @@ def register(subparsers) -> None:
     p.add_argument("--config", required=True, help="site.toml")
     p.add_argument("--insecure", action="store_true",
                    help="serve WITHOUT TLS: no authentication, no encryption (sealed test networks only; warns loudly)")
+    p.add_argument("--simulation", action="store_true",
+                   help="allow a fixed noise seed (site.seed) for simulations and tests: NOT PRIVATE, said in logs, "
+                        "peer info and every record; without this flag a seed is refused")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
 
