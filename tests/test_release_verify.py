@@ -120,10 +120,10 @@ def test_a_saved_fused_release_verifies_with_its_upstream_receipts(tmp_path):
     TrustStore(trust).add((x.identity_dir / "site.crt").read_bytes())
     report = verify_saved_release(tmp_path / "got" / "fused", TrustStore(trust))
     assert [u["verified"] for u in report["upstream"]] == [True] * len(got.upstream)
-    # an upstream receipt swapped for another is not the one B signed
+    # upstream receipts other than those B signed (here: one more than it signed) are refused
     doc = tmp_path / "got" / "fused.json"
     d = json.loads(doc.read_text())
-    d["metadata"]["upstream"] = d["metadata"]["upstream"][::-1]
+    d["metadata"]["upstream"] = d["metadata"]["upstream"] * 2
     doc.write_text(json.dumps(d))
     with pytest.raises(InvalidArgument) as e:
         verify_saved_release(doc, TrustStore(trust))
