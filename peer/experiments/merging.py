@@ -431,11 +431,11 @@ TABLE_HEAD = ["| target ε′ | RS (PLD) | RS (RDP) | LC composition (PLD) | LC 
 def markdown(result: dict) -> str:
     a, b = result["mean_estimation"], result["digits"]
     lines = ["# DP model merging: RS vs LC, PLD vs RDP", "", f"δ′ = {result['settings']['delta']:g}; seed {result['settings']['seed']}.", "",
-             "LC is shown under two accountings. *Composition*: θ_λ is a post-processing of releasing every model with "
-             "λ_i > 0, so it costs their composition — proven for any training, and what the ledger charges unless "
-             "every merged model declares state-independent gradients. *Surrogate*: the per-step Gaussian surrogate "
-             "(noise sqrt(Σ(λ_i η_i σ_i C_i)²), sensitivity 2Σλ_i η_i C_i per step), a bound only for state-independent "
-             "gradients; for networks it can understate the cost several-fold.", "",
+             ("LC is shown under two accountings. *Composition*: θ_λ is a post-processing of releasing every model with "
+              "λ_i > 0, so it costs their composition — proven for any training, and what the ledger charges unless "
+              "every merged model declares state-independent gradients. *Surrogate*: the per-step Gaussian surrogate "
+              "(noise sqrt(Σ(λ_i η_i σ_i C_i)²), sensitivity 2Σλ_i η_i C_i per step), a bound only for state-independent "
+              "gradients; for networks it can understate the cost several-fold."), "",
              f"## (a) Gaussian mean estimation (n = {a['n']}; gradients state-independent: the surrogate is the charged bound)", "",
              a["mse_method"] + ".", "",
              "| model σ | ε (PLD) | ε (RDP) | MSE (Monte Carlo) | MSE (closed form) |", "| --- | --- | --- | --- | --- |"]
@@ -453,8 +453,8 @@ def markdown(result: dict) -> str:
               "| C | σ | ε (PLD) | ε (RDP) | validation acc. | test acc. |", "| --- | --- | --- | --- | --- | --- |"]
     for m in b["models"]:
         lines.append(f"| {m['clip_norm']:g} | {m['noise_multiplier']:g} | {m['epsilon']['pld']:.3f} | {m['epsilon']['rdp']:.3f} | {m['validation_accuracy']:.3f} | {m['test_accuracy']:.3f} |")
-    lines += ["", "Test accuracy at each target (RS: expected accuracy Σ π_i acc_i; LC surrogate: NOT a valid release "
-              "here, shown for what it would have claimed):", "", *TABLE_HEAD]
+    lines += ["", ("Test accuracy at each target (RS: expected accuracy Σ π_i acc_i; LC surrogate: NOT a valid release "
+                   "here, shown for what it would have claimed):"), "", *TABLE_HEAD]
     lines += _table_by_target(b["curves"], "test_accuracy", "{:.3f}")
     fb = b["findings"]
     beats = fb["lc_beats_rs_at"]
