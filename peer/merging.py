@@ -54,8 +54,9 @@ from peer.records import ReleaseRecord
 from peer.rng import Randomness
 
 METHODS = ("rs", "lc")
-# LC candidates whose utility is measured: a simplex grid of about this many points (≈ 20 steps
-# per axis for three models), each projected onto the feasible boundary.
+# LC candidates whose utility is measured: about this many simplex grid points (≈ 20 steps per
+# axis for three models) — spread over the faces of the maximal feasible subsets under the
+# composition bound, projected onto the feasible boundary under the surrogate.
 LC_CANDIDATES = 256
 # Far below any utility difference that matters (accuracy moves in steps of 1/len(validation)).
 TIE_BREAK = 1e-9
