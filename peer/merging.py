@@ -13,14 +13,18 @@ target (ε′, δ′). Instead of retraining, the site releases a merge of its p
   linear in π, and π is the exact optimum under the target (``peer.accounting.choose_pi``, a
   linear programme per accountant): the budget is saturated unless the most useful model alone
   is already within it.
-- **LC** releases θ_λ = Σ_i λ_i θ_i (λ convex weights) of independent full-batch DP-SGD runs with
-  known per-step (η_t, C_t, σ_t) (``peer.accounting.lc``: per step s_t = sqrt(Σ(λ_i η_i σ_i C_i)²),
-  Δ_t = k·Σ λ_i η_i C_i, μ-GDP with μ² = Σ_t (Δ_t/s_t)²). The utility of θ_λ is not linear in
-  λ, so it is *measured* on every candidate λ of ``peer.accounting.choose_lam``'s search (a
-  simplex grid projected onto the feasible boundary). LC refuses Poisson-subsampled models and
-  models known only by (ε_i, δ_i) (no free lunch: from final guarantees alone an LC is no better
-  than releasing every model), and models whose declared dataset sizes n differ (the accountant's
-  per-step ratio relies on the common factor 1/n cancelling).
+- **LC** releases θ_λ = Σ_i λ_i θ_i (λ convex weights) of independent DP-SGD runs
+  (``peer.accounting.lc``). θ_λ is a post-processing of releasing every model with λ_i > 0, so it
+  is charged their composition (RDP summed, PLDs composed): a proven bound for any training. The
+  cost depends on λ only through its support, so the choice (``peer.accounting.choose_lam``) is
+  which subset of models to combine, and λ over it, by the utility *measured* on every candidate
+  (the utility of θ_λ is not linear in λ). The design's per-step Gaussian surrogate
+  (s_t = sqrt(Σ(λ_i η_i σ_i C_i)²), Δ_t = k·Σ λ_i η_i C_i, μ² = Σ_t (Δ_t/s_t)²) is reported in the
+  record beside the bound and is charged only when every merged model's training record declares
+  state-independent gradients (never for DP-SGD on a network); for such a pool the models'
+  declared dataset sizes n must agree (the surrogate's per-step ratio relies on the common 1/n
+  cancelling). LC refuses models known only by (ε_i, δ_i) (no free lunch: from final guarantees
+  alone an LC is no better than releasing every model).
 
 Unit of privacy: one training record of the pool's dataset, "replace-one" or "add-remove" —
 the same for every model (a mix is refused by the accountant). Public: every model's training
@@ -40,7 +44,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from peer.accounting import ApproxDP, TrainingRecord, WeightChoice, choose_lam, choose_pi, lc_segments
+from peer.accounting import (ApproxDP, TrainingRecord, WeightChoice, choose_lam, choose_pi, lc_segments,
+                             surrogate_is_bound)
 from peer.accounting.records import lc_merge_record, rs_merge_record
 from peer.accounting.rs import check_weights
 from peer.errors import InvalidArgument
@@ -49,8 +54,9 @@ from peer.records import ReleaseRecord
 from peer.rng import Randomness
 
 METHODS = ("rs", "lc")
-# LC candidates whose utility is measured: a simplex grid of about this many points (≈ 20 steps
-# per axis for three models), each projected onto the feasible boundary.
+# LC candidates whose utility is measured: about this many simplex grid points (≈ 20 steps per
+# axis for three models) — spread over the faces of the maximal feasible subsets under the
+# composition bound, projected onto the feasible boundary under the surrogate.
 LC_CANDIDATES = 256
 # Far below any utility difference that matters (accuracy moves in steps of 1/len(validation)).
 TIE_BREAK = 1e-9
@@ -161,8 +167,8 @@ def _check_lc_pool(pool: Sequence[PoolModel]) -> None:
     if len(sizes) > 1:
         raise InvalidArgument(
             "pool",
-            f"LC combines runs on the same data with the same declared dataset size n; got sizes {sorted(sizes, key=str)} "
-            "(the per-step noise and sensitivity of the combination assume a common 1/n)")
+            f"an LC merge charged by the per-step surrogate combines runs with one declared dataset size n; got sizes "
+            f"{sorted(sizes, key=str)} (the surrogate's per-step noise and sensitivity assume a common 1/n)")
 
 
 def merge_lc(
@@ -177,23 +183,30 @@ def merge_lc(
     counterparty: str | None = None,
 ) -> MergedModel:
     """Linear combination at (target_epsilon, delta): λ maximising utility(θ_λ) subject to the
-    target by ``accountant``, among ``candidates`` or so boundary points of the simplex."""
+    charged bound (module docstring) meeting the target by ``accountant``, among ``candidates``
+    or so measured candidates."""
     arch = check_pool(pool)
     _check_method_inputs(target_epsilon, delta)
-    _check_lc_pool(pool)
     models = [m.privacy for m in pool]
     arrays = [m.arrays for m in pool]
-    segments = lc_segments(models)
     measured: dict[tuple, float] = {}
+    if all(isinstance(m, TrainingRecord) for m in models) and surrogate_is_bound(models):
+        _check_lc_pool(pool)
+        segments = lc_segments(models)
 
-    def ranked(lam: np.ndarray) -> float:
-        # Accuracy on a finite validation set ties often; a tie goes to the candidate with the
-        # larger μ (the one spending more of the budget, hence carrying less relative noise).
-        u = float(utility(combine(arrays, lam)))
-        measured[tuple(np.round(lam, 12))] = u
-        return u + TIE_BREAK * segments.mu(lam) / (1.0 + segments.mu(lam))
+        def ranked(lam: np.ndarray) -> float:
+            # Accuracy on a finite validation set ties often; a tie goes to the candidate with the
+            # larger μ (the one spending more of the budget, hence carrying less relative noise).
+            u = float(utility(combine(arrays, lam)))
+            measured[tuple(np.round(lam, 12))] = u
+            return u + TIE_BREAK * segments.mu(lam) / (1.0 + segments.mu(lam))
+    else:
+        def ranked(lam: np.ndarray) -> float:
+            u = float(utility(combine(arrays, lam)))
+            measured[tuple(np.round(lam, 12))] = u
+            return u
 
-    choice = choose_lam(segments, ranked, float(target_epsilon), float(delta), accountant=accountant, max_points=candidates)
+    choice = choose_lam(models, ranked, float(target_epsilon), float(delta), accountant=accountant, max_points=candidates)
     lam_key = tuple(np.round(np.asarray(choice.weights), 12))
     choice = replace(choice, utility=measured.get(lam_key, float(utility(combine(arrays, choice.weights)))))
     record = lc_merge_record(models, choice.weights, float(delta), names=[m.name for m in pool], subject=subject, counterparty=counterparty)

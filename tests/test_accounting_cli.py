@@ -40,8 +40,10 @@ def test_lc_target_json_and_table(tmp_path, capsys):
     code, out, _ = run_cli(tmp_path, capsys, MODELS, "lc", "--target-epsilon", "2.5", "--delta", "1e-5", "--json", "--interval", "1e-3")
     assert code == 0
     result = json.loads(out)
-    assert result["epsilon"]["pld"] <= 2.5 and result["saturated"] and "proxy" in result["accuracy_note"]
+    assert result["epsilon"]["pld"] <= 2.5 and "proxy" in result["accuracy_note"]
     assert result["epsilon"]["pld"] == pytest.approx(lc_epsilon(RECORDS, result["weights"], 1e-5, value_discretization_interval=1e-3).pld)
+    # composition bound + linear proxy: the most accurate model meeting 2.5 alone (m2: μ = 2·sqrt(200)/60)
+    assert result["bound"] == "composition" and result["weights"] == [0.0, 1.0, 0.0] and result["accuracy_proxy"] == 0.9
     code, out, _ = run_cli(tmp_path, capsys, MODELS, "lc", "--weights", "0.5,0.5,0", "--delta", "1e-5", "--interval", "1e-3")
     assert code == 0 and "closed form" in out and "m3" in out
 
@@ -67,8 +69,8 @@ def test_per_step_lists_are_accepted(tmp_path, capsys):
      ("rs", "--weights", "1,0,0", "--delta", "1e-5"), r"models\[2\]\.noise_multiplier: has 2 values for 100 steps"),
     (lambda d: {**d, "models": [{**m, "learning_rate": -1} if i == 0 else m for i, m in enumerate(d["models"])]},
      ("rs", "--weights", "1,0,0", "--delta", "1e-5"), r"models\[0\]\.learning_rate: must be > 0"),
-    (lambda d: {**d, "models": [{**m, "sample_rate": 0.1} if i == 0 else m for i, m in enumerate(d["models"])]},
-     ("lc", "--weights", "1,0,0", "--delta", "1e-5"), "full-batch"),
+    (lambda d: {**d, "models": [{**m, "state_independent_gradients": "yes"} if i == 0 else m for i, m in enumerate(d["models"])]},
+     ("lc", "--weights", "1,0,0", "--delta", "1e-5"), r"models\[0\]\.state_independent_gradients: must be true or false"),
     (lambda d: {**d, "models": d["models"][:2] + [{"name": "old", "epsilon": 1.0, "delta": 1e-6}]},
      ("lc", "--weights", "0.5,0.5,0", "--delta", "1e-5"), "No free lunch"),
     (lambda d: {**d, "models": [{k: v for k, v in m.items() if k != "accuracy"} if i == 0 else m for i, m in enumerate(d["models"])]},

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event, gaussian_mechanism, pld, rdp
 
-from peer.accounting import (DEFAULT_ORDERS, ApproxDP, TrainingRecord, lc_epsilon, model_epsilon, pld_of_record,
-                             rdp_of_record, rdp_to_epsilon, rs_epsilon)
+from peer.accounting import (DEFAULT_ORDERS, ApproxDP, TrainingRecord, lc_epsilon, lc_surrogate_epsilon, model_epsilon,
+                             pld_of_record, rdp_of_record, rdp_to_epsilon, rs_epsilon)
+from peer.accounting.profiles import model_rdp
 from peer.accounting.records import dpsgd_record, lc_merge_record, record_epsilon, rs_merge_record
 from peer.errors import InvalidArgument
 from peer.records import ReleaseRecord
@@ -129,6 +130,19 @@ def test_merge_records():
     assert lc.parameters["epsilon_closed_form"] == pytest.approx(expected.closed_form)
     assert rdp_to_epsilon(ORDERS, rdp_of_record(lc), 1e-5) == pytest.approx(expected.rdp)
     assert pld_of_record(lc).get_epsilon_for_delta(1e-5) == pytest.approx(expected.pld)
+    # the charge is the composition of both models: the sum of their own RDP curves
+    assert lc.parameters["bound"] == "composition" and lc.parameters["surrogate"]["valid"] is False
+    np.testing.assert_allclose(rdp_of_record(lc), sum(model_rdp(m, orders=ORDERS) for m in models), rtol=1e-12)
+    assert lc.parameters["surrogate"]["epsilon_pld"] < lc.epsilon
+    # declared state-independent: the surrogate is the charge, and the declaration survives the record's JSON
+    declared = [TrainingRecord.constant("replace-one", 200, 0.1, 1.0, s, state_independent_gradients=True) for s in (20.0, 40.0)]
+    lc = ReleaseRecord.from_json(lc_merge_record(declared, [0.5, 0.5], 1e-5).canonical_json())
+    assert lc.parameters["bound"] == "surrogate" and lc.parameters["models"][0]["state_independent_gradients"] is True
+    sur = lc_surrogate_epsilon(declared, [0.5, 0.5], 1e-5)
+    assert lc.epsilon == pytest.approx(sur.pld) and record_epsilon(lc, 1e-5) == pytest.approx((sur.pld, sur.rdp))
+    # the record's "bound" parameter is description only: the interpretation re-derives the bound
+    forged = lc.with_(parameters={**dict(lc.parameters), "models": [m.to_dict() for m in models]})
+    np.testing.assert_allclose(rdp_of_record(forged), sum(model_rdp(m, orders=ORDERS) for m in models), rtol=1e-12)
 
 
 @pytest.mark.parametrize("record, field", [

@@ -1,4 +1,7 @@
-"""Choosing π / λ for a target: optimality against brute force, saturation, unreachable targets."""
+"""Choosing π / λ for a target: optimality against brute force, saturation, unreachable targets.
+
+LC: a pool that declares state-independent gradients is charged by the per-step surrogate (λ
+matters); any other pool by the composition of λ's support (only the subset matters)."""
 
 import itertools
 import math
@@ -6,13 +9,16 @@ import math
 import numpy as np
 import pytest
 
-from peer.accounting import (ApproxDP, TrainingRecord, UnreachableTarget, choose_lam, choose_pi, lc_epsilon,
-                             lc_segments, rs_epsilon, rs_profiles)
-from peer.accounting.targets import lc_mu_for_target, rs_most_private_epsilon
+from peer.accounting import (ApproxDP, TrainingRecord, UnreachableTarget, choose_lam, choose_pi, gdp_epsilon,
+                             lc_epsilon, lc_segments, rs_epsilon, rs_profiles)
+from peer.accounting.targets import lc_feasible_subsets, lc_mu_for_target, rs_most_private_epsilon
 from peer.errors import InvalidArgument
 
 INTERVAL = 1e-3
 POOL = [TrainingRecord.constant("add-remove", 100, 0.1, 1.0, s) for s in (5.0, 10.0, 20.0)]
+# the same runs, declared state-independent (e.g. mean estimation with a linear loss)
+DECLARED = [TrainingRecord.constant("add-remove", 100, 0.1, 1.0, s, state_independent_gradients=True) for s in (5.0, 10.0, 20.0)]
+OWN_MU = [2.0, 1.0, 0.5]   # sqrt(100)/σ, add-remove
 ACC = [0.9, 0.8, 0.7]
 
 
@@ -77,37 +83,91 @@ def test_choose_pi_with_approx_dp_models():
 
 
 @pytest.mark.parametrize("target", [3.0, 6.0])
-def test_choose_lam_linear_proxy(target):
-    choice = choose_lam(POOL, ACC, target, 1e-5, value_discretization_interval=INTERVAL)
-    assert choice.epsilon.pld <= target and choice.saturated
+def test_choose_lam_surrogate_linear_proxy(target):
+    choice = choose_lam(DECLARED, ACC, target, 1e-5, value_discretization_interval=INTERVAL)
+    assert choice.bound == "surrogate" and choice.epsilon.pld <= target and choice.saturated
     assert choice.epsilon.closed_form == pytest.approx(target, rel=1e-3)
-    seg = lc_segments(POOL)
+    seg = lc_segments(DECLARED)
     mu_max = lc_mu_for_target(target, 1e-5)
     grid = np.array(list(simplex_grid(3, 40)))
     feasible = grid[seg.mu_many(grid) <= mu_max]
     assert choice.utility >= (feasible @ np.array(ACC)).max() - 1e-9
 
 
-def test_choose_lam_with_a_callable_utility():
+def test_choose_lam_surrogate_with_a_callable_utility():
     # A concave utility (best at an interior λ) is evaluated on boundary candidates only.
     peak = np.array([0.2, 0.3, 0.5])
 
     def utility(lam):
         return -float(np.sum((lam - peak) ** 2))
 
-    loose = choose_lam(POOL, utility, 50.0, 1e-5, value_discretization_interval=INTERVAL)
+    loose = choose_lam(DECLARED, utility, 50.0, 1e-5, value_discretization_interval=INTERVAL)
     assert np.allclose(loose.weights, peak, atol=0.05) and not loose.saturated
-    tight = choose_lam(POOL, utility, 3.0, 1e-5, value_discretization_interval=INTERVAL)
+    tight = choose_lam(DECLARED, utility, 3.0, 1e-5, value_discretization_interval=INTERVAL)
     assert tight.epsilon.pld <= 3.0
-    assert lc_epsilon(POOL, tight.weights, 1e-5, value_discretization_interval=INTERVAL).pld <= 3.0
+    assert lc_epsilon(DECLARED, tight.weights, 1e-5, value_discretization_interval=INTERVAL).pld <= 3.0
 
 
-def test_choose_lam_rdp_and_unreachable():
-    choice = choose_lam(POOL, ACC, 4.0, 1e-5, accountant="rdp", value_discretization_interval=INTERVAL)
+def test_choose_lam_surrogate_rdp_and_unreachable():
+    choice = choose_lam(DECLARED, ACC, 4.0, 1e-5, accountant="rdp", value_discretization_interval=INTERVAL)
     assert choice.epsilon.rdp <= 4.0 + 1e-9 and choice.epsilon.rdp == pytest.approx(4.0, rel=1e-4)
     with pytest.raises(UnreachableTarget) as e:
+        choose_lam(DECLARED, ACC, 1.0, 1e-5, value_discretization_interval=INTERVAL)
+    assert e.value.most_private_epsilon == pytest.approx(rs_profiles(POOL[2:], value_discretization_interval=INTERVAL)[0].epsilon(1e-5).pld, rel=1e-4)
+
+
+def _composition_closed_form(subset):
+    return gdp_epsilon(math.sqrt(sum(OWN_MU[i] ** 2 for i in subset)), 1e-5)
+
+
+@pytest.mark.parametrize("target", [2.5, 5.0, 9.5, 30.0])
+def test_feasible_subsets_are_the_compositions_meeting_the_target(target):
+    found = lc_feasible_subsets(POOL, target, 1e-5, value_discretization_interval=INTERVAL)
+    # brute force over every subset with the closed form (the PLD figure is pessimistic by ≤ 1e-2 here)
+    expected = {s for k in (1, 2, 3) for s in itertools.combinations(range(3), k) if _composition_closed_form(s) <= target}
+    assert set(found) == expected
+    for s, eps in found.items():
+        assert eps == pytest.approx(_composition_closed_form(s), abs=2e-2) and eps <= target
+
+
+@pytest.mark.parametrize("target", [2.5, 5.0, 9.5])
+def test_choose_lam_composition_linear_proxy_picks_the_best_single_feasible_model(target):
+    choice = choose_lam(POOL, ACC, target, 1e-5, value_discretization_interval=INTERVAL)
+    best = min(i for i in range(3) if _composition_closed_form((i,)) <= target)   # ACC decreases with i
+    assert choice.bound == "composition" and choice.weights == tuple(np.eye(3)[best])
+    assert choice.utility == ACC[best] and choice.epsilon.pld <= target
+    assert choice.epsilon.closed_form == pytest.approx(_composition_closed_form((best,)), rel=1e-9)
+
+
+def test_choose_lam_composition_callable_is_best_over_the_feasible_faces():
+    # Utility peaks at an interior λ; at target 5 only {1, 2} can be combined (μ² = 1.25), so the
+    # best is the grid point of that face closest to the peak's projection.
+    peak = np.array([0.2, 0.3, 0.5])
+    calls = []
+
+    def utility(lam):
+        calls.append(lam.copy())
+        return -float(np.sum((lam - peak) ** 2))
+
+    choice = choose_lam(POOL, utility, 5.0, 1e-5, value_discretization_interval=INTERVAL, max_points=200)
+    assert choice.bound == "composition" and choice.weights[0] == 0.0 and choice.saturated
+    assert all(c[0] == 0.0 for c in calls)                    # never a λ that puts weight on model 0
+    assert choice.weights[1] == pytest.approx(0.4, abs=0.02) and choice.weights[2] == pytest.approx(0.6, abs=0.02)
+    assert choice.epsilon.closed_form == pytest.approx(_composition_closed_form((1, 2)), rel=1e-9)
+    # the cost does not depend on λ over the support
+    assert lc_epsilon(POOL, [0, 0.9, 0.1], 1e-5).closed_form == pytest.approx(lc_epsilon(POOL, [0, 0.1, 0.9], 1e-5).closed_form)
+    # not saturated: a single model while a pair would fit
+    single = choose_lam(POOL, lambda lam: float(lam[2]), 5.0, 1e-5, value_discretization_interval=INTERVAL, max_points=50)
+    assert single.weights == (0.0, 0.0, 1.0) and not single.saturated
+
+
+def test_choose_lam_composition_rdp_and_unreachable():
+    choice = choose_lam(POOL, ACC, 6.0, 1e-5, accountant="rdp", value_discretization_interval=INTERVAL)
+    assert choice.epsilon.rdp <= 6.0
+    assert choice.weights == (0.0, 1.0, 0.0)                  # model 0 alone: RDP ε ≈ 9 > 6
+    with pytest.raises(UnreachableTarget) as e:
         choose_lam(POOL, ACC, 1.0, 1e-5, value_discretization_interval=INTERVAL)
-    assert e.value.most_private_epsilon == pytest.approx(POOL and rs_profiles(POOL[2:], value_discretization_interval=INTERVAL)[0].epsilon(1e-5).pld, rel=1e-4)
+    assert e.value.most_private_epsilon == pytest.approx(rs_profiles(POOL[2:], value_discretization_interval=INTERVAL)[0].epsilon(1e-5).pld, rel=1e-4)
 
 
 def test_target_input_errors(profiles):

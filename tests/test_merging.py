@@ -1,6 +1,8 @@
 """RS and LC merging: the weights meet and saturate the target (re-accounted independently, by
 closed forms written here), prefer the more useful models, θ_λ = Σ λ_i θ_i, draws follow π,
-and the refusals."""
+and the refusals. LC is charged the composition of the models it combines; pools built with
+``declared=True`` stand for runs whose training records declare state-independent gradients
+(as if trained with a linear loss), for which the per-step surrogate is the charge."""
 
 import math
 
@@ -22,10 +24,10 @@ T, LR = 40, 2.0
 HYPER = [(2.0, 6.0), (1.0, 15.0), (0.5, 40.0)]
 
 
-def _pool(hyper=HYPER, sample_rate=1.0, sizes=None):
+def _pool(hyper=HYPER, sample_rate=1.0, sizes=None, declared=False):
     pool = []
     for i, (c, s) in enumerate(hyper):
-        training = TrainingRecord.constant("replace-one", T, LR, c, s, sample_rate)
+        training = TrainingRecord.constant("replace-one", T, LR, c, s, sample_rate, state_independent_gradients=declared)
         pool.append(PoolModel(f"m{i}", ARCH, state_arrays(build_model(ARCH, seed=i)), training, 500 if sizes is None else sizes[i]))
     return pool
 
@@ -47,10 +49,15 @@ def _model_mu(c_s):
 
 
 def _lc_mu(lam, hyper=HYPER):
-    """μ of θ_λ: per step Δ = 2 Σ λ_i η C_i, s = sqrt(Σ (λ_i η σ_i C_i)²), T identical steps."""
+    """Surrogate μ of θ_λ: per step Δ = 2 Σ λ_i η C_i, s = sqrt(Σ (λ_i η σ_i C_i)²), T identical steps."""
     sens = 2 * sum(l * LR * c for l, (c, s) in zip(lam, hyper))
     std = math.sqrt(sum((l * LR * s * c) ** 2 for l, (c, s) in zip(lam, hyper)))
     return math.sqrt(T) * sens / std
+
+
+def _composition_mu(lam, hyper=HYPER):
+    """μ of releasing every model with λ_i > 0: sqrt(Σ μ_i²)."""
+    return math.sqrt(sum(_model_mu(h) ** 2 for l, h in zip(lam, hyper) if l > 0))
 
 
 def _rs_pld_delta(pi, eps):
@@ -158,8 +165,8 @@ def _distance_utility(reference):
     return lambda arrays: -math.sqrt(sum(float(np.sum((arrays[k] - reference[k]) ** 2)) for k in arrays))
 
 
-def test_lc_combination_is_the_weighted_sum_meets_and_saturates():
-    pool = _pool()
+def test_lc_surrogate_combination_is_the_weighted_sum_meets_and_saturates():
+    pool = _pool(declared=True)
     target = 0.5 * (EPS[1] + EPS[2])
     merged = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
     lam = np.asarray(merged.choice.weights)
@@ -169,25 +176,48 @@ def test_lc_combination_is_the_weighted_sum_meets_and_saturates():
         np.testing.assert_allclose(merged.arrays[k], expected, rtol=1e-6, atol=1e-7)
     e = _gdp_epsilon(_lc_mu(lam), DELTA)
     assert e <= target * (1 + 1e-6) and e >= target * (1 - 1e-3)
-    assert merged.record.epsilon <= target
+    assert merged.record.epsilon <= target and merged.choice.bound == "surrogate"
     assert merged.record.mechanism == "lc-merge" and merged.record.randomness == "none"
     assert merged.record.parameters["lam"] == pytest.approx(list(lam))
+    assert merged.record.parameters["bound"] == "surrogate" and merged.record.parameters["surrogate"]["valid"] is True
+
+
+def test_lc_is_charged_the_composition_of_the_models_it_combines():
+    pool = _pool()
+    target = 1.02 * _gdp_epsilon(_composition_mu([0, 1, 1]), DELTA)    # {1, 2} fit together, model 0 never
+    merged = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
+    lam = np.asarray(merged.choice.weights)
+    for k in merged.arrays:
+        expected = sum(l * pool[i].arrays[k].astype(np.float64) for i, l in enumerate(lam))
+        np.testing.assert_allclose(merged.arrays[k], expected, rtol=1e-6, atol=1e-7)
+    # model 0 alone already exceeds the target: it can take no weight
+    assert lam[0] == 0.0 and merged.choice.bound == "composition"
+    proven = _gdp_epsilon(_composition_mu(lam), DELTA)
+    assert proven <= target and merged.record.epsilon == pytest.approx(proven, abs=2e-3)
+    assert merged.record.epsilon >= proven * (1 - 1e-9)       # the PLD figure is pessimistic
+    params = merged.record.parameters
+    assert params["bound"] == "composition" and params["surrogate"]["valid"] is False
+    assert params["surrogate"]["mu"] == pytest.approx(_lc_mu(lam), rel=1e-9)
+    # saturated: nothing more can be added, i.e. the support is {1, 2}
+    assert merged.choice.saturated == (lam[1] > 0 and lam[2] > 0)
 
 
 def test_lc_prefers_the_more_useful_model():
     """Utility = closeness to model 0 (the least private): LC puts as much weight on it as the
     target allows; closeness to model 2 instead puts all the weight on model 2."""
-    pool = _pool()
-    target = 0.5 * (EPS[0] + EPS[1])
-    towards0 = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
-    assert int(np.argmax(towards0.choice.weights)) == 0
-    towards2 = merge_lc(pool, _distance_utility(pool[2].arrays), target, DELTA)
-    assert towards2.choice.weights == pytest.approx((0.0, 0.0, 1.0), abs=1e-9)
+    for declared in (True, False):
+        pool = _pool(declared=declared)
+        target = 0.5 * (EPS[0] + EPS[1]) if declared else EPS[0] * 1.01
+        towards0 = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
+        assert int(np.argmax(towards0.choice.weights)) == 0
+        towards2 = merge_lc(pool, _distance_utility(pool[2].arrays), target, DELTA)
+        assert towards2.choice.weights == pytest.approx((0.0, 0.0, 1.0), abs=1e-9)
 
 
 def test_lc_beats_rs_on_a_gaussian_pool():
-    """Three models with equal hyperparameters: the uniform average is μ-GDP with μ = √3·μ_1, and
-    at that target LC takes it, while any RS release is one of the models."""
+    """Three models with equal hyperparameters: releasing all three costs μ = √3·μ_1 (their
+    composition, which for equal models is also the surrogate), and at that target LC takes the
+    uniform average, while any RS release is one of the models."""
     pool = _pool(hyper=[(1.0, 15.0)] * 3)
     eps = _gdp_epsilon(_model_mu((1.0, 15.0)), DELTA)
     centre = combine([m.arrays for m in pool], [1 / 3] * 3)
@@ -234,15 +264,30 @@ def test_unreachable_by_pld_names_the_most_private_model(method):
     assert float(info.value.rule.rsplit("= ", 1)[1]) == pytest.approx(EPS[2], rel=1e-3)
 
 
-def test_lc_refuses_subsampled_and_epsilon_delta_only_models():
-    with pytest.raises(InvalidArgument, match="sample_rate"):
-        merge_lc(_pool(sample_rate=0.1), lambda a: 0.0, 5.0, DELTA)
+def test_lc_refuses_epsilon_delta_only_models_and_mixed_sizes_under_the_surrogate():
     pool = _pool()
     pool[1] = PoolModel("approx", ARCH, pool[1].arrays, ApproxDP(1.0, 1e-6, "replace-one"))
     with pytest.raises(InvalidArgument, match="(?i)no free lunch"):
         merge_lc(pool, lambda a: 0.0, 5.0, DELTA)
     with pytest.raises(InvalidArgument, match="dataset size"):
-        merge_lc(_pool(sizes=[500, 500, 400]), lambda a: 0.0, 5.0, DELTA)
+        merge_lc(_pool(sizes=[500, 500, 400], declared=True), lambda a: 0.0, 5.0, DELTA)
+    # the composition needs no common 1/n
+    assert merge_lc(_pool(sizes=[500, 500, 400]), lambda a: 0.0, 5.0, DELTA).choice.bound == "composition"
+
+
+def test_lc_of_subsampled_models_is_charged_by_composition():
+    """The surrogate is defined for full batch only; a Poisson pool (even one that declares state
+    independence) is charged the composition of its subsampled-Gaussian profiles."""
+    pool = _pool(sample_rate=0.1, declared=True)
+    merged = merge_lc(pool, _distance_utility(combine([m.arrays for m in pool], [0.5, 0.5, 0.0])), 50.0, DELTA)
+    assert merged.choice.bound == "composition" and "surrogate" not in merged.record.parameters
+    acc = rdp_privacy_accountant.RdpAccountant(list(DEFAULT_ORDERS))
+    from dp_accounting import dp_event
+    for (c, s), l in zip(HYPER, merged.choice.weights):
+        if l > 0:
+            acc.compose(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(s)), T)
+    # dp-accounting's Poisson event is add-remove; these models are replace-one, whose RDP is larger
+    assert merged.record.parameters["epsilon_rdp"] >= acc.get_epsilon(DELTA)
 
 
 def test_combine_checks_weights_and_shapes():

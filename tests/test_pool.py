@@ -98,9 +98,16 @@ def test_cli_refusals_are_one_clear_line(tmp_path, capsys):
     code, _, _ = _run(capsys, "pool", "train", "--out", str(pool_dir), "--steps", "4", "--seed", "1", "--sample-rate", "0.2",
                       "--model", "noise=5,clip=1", "--model", "noise=9,clip=1")
     assert code == 0
+    # LC of a Poisson-subsampled pool is charged the composition of the models it combines
     code, _, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "5", "--delta", "1e-5",
+                        "--method", "lc", "--out", str(tmp_path / "lc.safetensors"))
+    assert code == 0, err
+    record = json.loads((tmp_path / "lc.record.json").read_text())
+    assert record["parameters"]["bound"] == "composition" and record["epsilon"] <= 5
+    assert "surrogate" not in record["parameters"]          # not defined for subsampled runs
+    code, _, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "1e-3", "--delta", "1e-5",
                         "--method", "lc", "--out", str(tmp_path / "x.safetensors"))
-    assert code == 2 and "sample_rate" in err and "RS" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "most private reachable" in err and len(err.strip().splitlines()) == 1
     # RS serves the same Poisson-subsampled pool
     code, out, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "5", "--delta", "1e-5",
                           "--method", "rs", "--out", str(tmp_path / "rs.safetensors"), "--json")

@@ -92,14 +92,26 @@ class GaussianStep:
 class TrainingRecord:
     """A DP-SGD run as the accountant sees it: the adjacency it was declared under and every
     step's public hyperparameters. ``to_dict`` run-length encodes repeated steps, so a run of
-    T = 10,000 identical steps is one entry ``{"count": 10000, ...}``."""
+    T = 10,000 identical steps is one entry ``{"count": 10000, ...}``.
+
+    ``state_independent_gradients`` is a declaration by whoever ran the training: every clipped
+    per-example gradient clip_{C_t}(∇ℓ(θ_t; x)) is a function of the record x (and public
+    values) alone, never of the model's own parameters θ_t — e.g. a linear loss ℓ(θ; x) = −⟨θ, x⟩,
+    Gaussian mean estimation by DP-GD. Only then is a linear combination of runs one Gaussian
+    mechanism that the LC per-step surrogate bounds (``peer.accounting.lc``). Default False; DP-SGD
+    on a neural network never sets it (its gradients depend on its weights). It changes nothing in
+    one model's own privacy; it is serialised only when True."""
 
     adjacency: str
     steps: tuple[GaussianStep, ...]
+    state_independent_gradients: bool = False
     _runs: tuple[tuple[GaussianStep, int], ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         check_adjacency(self.adjacency)
+        if not isinstance(self.state_independent_gradients, bool):
+            raise InvalidArgument("state_independent_gradients",
+                                  f"must be true or false, got {self.state_independent_gradients!r}")
         steps = tuple(self.steps)
         if not steps:
             raise InvalidArgument("steps", "must contain at least one step")
@@ -117,24 +129,28 @@ class TrainingRecord:
 
     def __repr__(self) -> str:
         runs = ", ".join(f"{n}x{s!r}" for s, n in self._runs)
-        return f"TrainingRecord(adjacency={self.adjacency!r}, runs=[{runs}])"
+        declared = ", state_independent_gradients=True" if self.state_independent_gradients else ""
+        return f"TrainingRecord(adjacency={self.adjacency!r}, runs=[{runs}]{declared})"
 
     @classmethod
     def constant(cls, adjacency: str, steps: int, learning_rate: float, clip_norm: float,
-                 noise_multiplier: float, sample_rate: float = 1.0) -> "TrainingRecord":
+                 noise_multiplier: float, sample_rate: float = 1.0, *,
+                 state_independent_gradients: bool = False) -> "TrainingRecord":
         """``steps`` identical steps."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
             raise InvalidArgument("steps", f"must be a positive integer, got {steps!r}")
-        return cls(adjacency, (GaussianStep(learning_rate, clip_norm, noise_multiplier, sample_rate),) * steps)
+        return cls(adjacency, (GaussianStep(learning_rate, clip_norm, noise_multiplier, sample_rate),) * steps,
+                   state_independent_gradients)
 
     @classmethod
-    def from_runs(cls, adjacency: str, runs: Iterable[tuple[GaussianStep, int]]) -> "TrainingRecord":
+    def from_runs(cls, adjacency: str, runs: Iterable[tuple[GaussianStep, int]], *,
+                  state_independent_gradients: bool = False) -> "TrainingRecord":
         steps: list[GaussianStep] = []
         for i, (s, n) in enumerate(runs):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise InvalidArgument(f"steps[{i}].count", f"must be a positive integer, got {n!r}")
             steps.extend([s] * n)
-        return cls(adjacency, tuple(steps))
+        return cls(adjacency, tuple(steps), state_independent_gradients)
 
     @property
     def runs(self) -> tuple[tuple[GaussianStep, int], ...]:
@@ -155,18 +171,24 @@ class TrainingRecord:
         return all(s.noise_multiplier > 0 for s, _ in self._runs)
 
     def to_dict(self) -> dict:
-        return {"adjacency": self.adjacency,
-                "steps": [{"count": n, **s.to_dict()} for s, n in self._runs]}
+        out = {"adjacency": self.adjacency,
+               "steps": [{"count": n, **s.to_dict()} for s, n in self._runs]}
+        if self.state_independent_gradients:
+            out["state_independent_gradients"] = True
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], field_name: str = "training") -> "TrainingRecord":
         """Inverse of ``to_dict``; every error names the offending entry (``training.steps[2].clip_norm``)."""
         if not isinstance(data, Mapping):
             raise InvalidArgument(field_name, "must be an object with 'adjacency' and 'steps'")
-        unknown = set(data) - {"adjacency", "steps"}
+        unknown = set(data) - {"adjacency", "steps", "state_independent_gradients"}
         if unknown:
             raise InvalidArgument(field_name, f"unknown fields {sorted(unknown)}")
         adjacency = check_adjacency(data.get("adjacency"), f"{field_name}.adjacency")
+        declared = data.get("state_independent_gradients", False)
+        if not isinstance(declared, bool):
+            raise InvalidArgument(f"{field_name}.state_independent_gradients", f"must be true or false, got {declared!r}")
         raw = data.get("steps")
         if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
             raise InvalidArgument(f"{field_name}.steps", "must be a non-empty list of runs")
@@ -189,7 +211,7 @@ class TrainingRecord:
             except InvalidArgument as e:
                 raise InvalidArgument(f"{where}.{e.field}", e.rule) from None
             runs.append((step, count))
-        return cls.from_runs(adjacency, runs)
+        return cls.from_runs(adjacency, runs, state_independent_gradients=declared)
 
 
 @dataclass(frozen=True)

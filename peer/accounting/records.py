@@ -18,7 +18,12 @@ The accountant reads only the record: mechanism, parameters, sensitivity and uni
   fall back to the sequential composition of the components, which dominates each of them (sound,
   conservative), and the docstring of ``pld_of_record`` says so.
 - ``dpsgd``: the TrainingRecord in ``parameters["training"]``, accounted under the record's unit.
-- ``rs-merge`` / ``lc-merge``: the RS / LC accountants on the listed models and weights.
+- ``rs-merge`` / ``lc-merge``: the RS / LC accountants on the listed models and weights. An LC
+  merge is interpreted by its charged, proven bound (``lc.lc_rdp`` / ``lc.lc_pld``): the
+  composition of the models with λ_i > 0 (Σ of their own RDP curves; their PLDs composed), or
+  the per-step surrogate only when every such model's training record declares
+  state-independent gradients. The record's ``bound`` and ``surrogate`` parameters describe
+  the release; the interpretation re-derives the bound from the models and ignores them.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 from peer.accounting import pld as pldm
 from peer.accounting.conversions import DEFAULT_ORDERS, check_delta, check_orders, pld_epsilon, rdp_to_epsilon
 from peer.accounting.events import ApproxDP, TrainingRecord
-from peer.accounting.lc import DEFAULT_MAX_GROUPS, lc_epsilon, lc_mu, lc_pld_fft, lc_segments
+from peer.accounting.lc import DEFAULT_MAX_GROUPS, lc_pld, lc_rdp, lc_report
 from peer.accounting.profiles import DEFAULT_INTERVAL, model_rdp, privacy_profile, privacy_profiles, resolve_adjacency
 from peer.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
 from peer.accounting.rs import check_weights, rs_epsilon
@@ -171,7 +176,7 @@ def rdp_of_record(record: ReleaseRecord, orders: Sequence[float] = DEFAULT_ORDER
         adjacency = _data_adjacency(record)
         models = _merge_models(record, adjacency)
         lam = _weights(record, "lam", len(models))
-        return rdp_gaussian(lc_mu(models, lam, adjacency=adjacency), orders)
+        return lc_rdp(models, lam, adjacency=adjacency, orders=orders)
     raise InvalidArgument("mechanism", f"no accountant for mechanism {kind!r}")
 
 
@@ -224,7 +229,7 @@ def pld_of_record(record: ReleaseRecord, value_discretization_interval: float = 
         adjacency = _data_adjacency(record)
         models = _merge_models(record, adjacency)
         lam = _weights(record, "lam", len(models))
-        return lc_pld_fft(models, lam, adjacency=adjacency, value_discretization_interval=interval)[0]
+        return lc_pld(models, lam, adjacency=adjacency, value_discretization_interval=interval)[0]
     raise InvalidArgument("mechanism", f"no accountant for mechanism {kind!r}")
 
 
@@ -301,18 +306,29 @@ def lc_merge_record(models: Sequence[TrainingRecord], lam: Sequence[float], delt
                     subject: str = "", counterparty: str | None = None,
                     value_discretization_interval: float = DEFAULT_INTERVAL,
                     max_groups: int = DEFAULT_MAX_GROUPS) -> ReleaseRecord:
-    """The "lc-merge" record: epsilon = LC PLD (FFT) ε at ``delta``; parameters {lam, models, names,
-    epsilon_rdp, epsilon_closed_form}. LC draws no randomness of its own (randomness "none")."""
+    """The "lc-merge" record: epsilon = the charged, proven bound's PLD ε at ``delta``
+    (``lc.lc_report``); parameters {lam, models, names, bound ("composition" or "surrogate"),
+    epsilon_rdp, epsilon_closed_form (when it exists), surrogate {mu, epsilon_pld, epsilon_rdp,
+    valid, valid_when} (full-batch models only)}. LC draws no randomness of its own
+    (randomness "none")."""
     delta = check_delta(delta)
     models = list(models)
-    segments = lc_segments(models, adjacency=adjacency)
-    eps = lc_epsilon(segments, lam, delta, value_discretization_interval=value_discretization_interval, max_groups=max_groups)
+    report = lc_report(models, lam, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval,
+                       max_groups=max_groups)
+    eps = report.epsilon
+    adjacency = resolve_adjacency(models, adjacency)
     params = {"lam": [float(x) for x in check_weights(lam, len(models), "lam")], "models": [_model_dict(m) for m in models],
-              "names": _names(names, len(models)), "epsilon_rdp": _finite_or_str(eps.rdp),
-              "epsilon_closed_form": _finite_or_str(eps.closed_form)}
+              "names": _names(names, len(models)), "bound": report.bound, "epsilon_rdp": _finite_or_str(eps.rdp)}
+    if eps.closed_form is not None:
+        params["epsilon_closed_form"] = _finite_or_str(eps.closed_form)
+    if report.surrogate is not None:
+        sur = report.surrogate
+        params["surrogate"] = {"mu": _finite_or_str(sur.mu), "epsilon_pld": _finite_or_str(sur.epsilon.pld),
+                               "epsilon_rdp": _finite_or_str(sur.epsilon.rdp), "valid": sur.valid,
+                               "valid_when": sur.valid_when}
     if eps.notes:
         params["notes"] = list(eps.notes)
-    return ReleaseRecord(mechanism="lc-merge", level="data", unit=f"record:{segments.adjacency}", epsilon=eps.pld,
+    return ReleaseRecord(mechanism="lc-merge", level="data", unit=f"record:{adjacency}", epsilon=eps.pld,
                          delta=delta, sensitivity=None, sensitivity_norm="none", parameters=params,
                          subject=subject, counterparty=counterparty, randomness="none", seed=None)
 

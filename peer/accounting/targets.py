@@ -14,12 +14,27 @@ RS (``choose_pi``). The expected utility Σ π_i u_i is linear in π, and so are
   log(δ·order)/(order−1): one linear constraint, whose optimum over the simplex has at most two
   non-zero weights (enumerated in log space). The best order wins.
 
-LC (``choose_lam``). The privacy of θ_λ is μ(λ) (μ-GDP, ``lc``), and the target is met iff
-μ(λ) ≤ μ* (the largest μ meeting (E, δ) by the chosen accountant; the PLD figure is then checked by
-FFT and μ* lowered if the pessimistic discretisation overshoots). μ(λ) is not convex, and the
+LC (``choose_lam``). The charged privacy of θ_λ (``lc``) is, for models trained by DP-SGD on
+networks, the composition of the models with λ_i > 0: it does not depend on λ beyond its
+support. So the choice is which subset S of models to combine (and λ over S): maximise the
+validation utility over every λ whose support S has a composition meeting (E, δ) by the chosen
+accountant (``choose_lam_composition``). Composition grows with S, so the feasible subsets are
+closed under taking subsets; the search enumerates them (pools are small: at most
+``MAX_LC_MODELS``), and for each maximal feasible S runs a simplex grid on its face. With a linear
+proxy Σ λ_i u_i the optimum is a vertex — the most useful single model whose own ε meets the
+target: without evaluating combinations there is no reason to combine. LC then pays off only when
+a measured combination beats every single model and RS at the same composition cost.
+
+Only when every model declares state-independent gradients is θ_λ charged by the per-step
+surrogate μ(λ) (μ-GDP); then λ itself matters (``choose_lam_surrogate``): the target is met iff
+μ(λ) ≤ μ* (the largest μ meeting (E, δ) by the chosen accountant; the PLD figure is then checked
+by FFT and μ* lowered if the pessimistic discretisation overshoots). μ(λ) is not convex, and the
 utility of a combination cannot be known without evaluating it, so the search is a grid on the
 simplex projected onto the feasible boundary by bisection towards the most private λ (DESIGN.md:
 "bisection or grid on the feasible boundary"), optionally polished by SLSQP for a linear proxy.
+``choose_lam_surrogate`` on models that do not declare state independence returns a figure that
+is not a bound (the merging experiment reports it as such).
+
 The caller gives either per-model utilities (linear proxy Σ λ_i u_i — what ``privfusion account``
 uses, because M.json holds no weights) or a callable evaluating a candidate λ (what
 ``peer.merging`` uses with real models).
@@ -27,6 +42,7 @@ uses, because M.json holds no weights) or a callable evaluating a candidate λ (
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
@@ -38,13 +54,16 @@ from scipy import optimize
 from peer.accounting import pld as pldm
 from peer.accounting.conversions import (DEFAULT_ORDERS, Epsilons, check_delta, check_epsilon, check_orders,
                                          gdp_mu, json_number, rdp_to_epsilon)
-from peer.accounting.lc import DEFAULT_MAX_GROUPS, LCSegments, lc_epsilon, lc_segments
+from peer.accounting.lc import (DEFAULT_MAX_GROUPS, LCSegments, check_lc_models, lc_composition_epsilon, lc_segments,
+                                lc_surrogate_epsilon, surrogate_is_bound)
 from peer.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile
 from peer.accounting.rdp import rdp_gaussian
 from peer.accounting.rs import rs_epsilon, rs_profiles
 from peer.errors import InvalidArgument
 
 ACCOUNTANTS = ("pld", "rdp")
+# LC under the composition bound enumerates subsets of the pool (2^k − 1 of them)
+MAX_LC_MODELS = 12
 Utility = Union[Sequence[float], Callable[[np.ndarray], float]]
 
 
@@ -65,7 +84,10 @@ class UnreachableTarget(InvalidArgument):
 
 @dataclass(frozen=True)
 class WeightChoice:
-    """The chosen weights (``pi`` for RS, ``lam`` for LC) and what they achieve."""
+    """The chosen weights (``pi`` for RS, ``lam`` for LC) and what they achieve. For LC, ``bound``
+    names the bound ``epsilon`` is ("composition" or "surrogate"); ``saturated`` means, for the
+    surrogate, that μ(λ) is on the target's boundary, and for the composition, that no model
+    outside λ's support could be added within the target."""
 
     method: str
     weights: tuple[float, ...]
@@ -75,11 +97,15 @@ class WeightChoice:
     epsilon: Epsilons
     utility: float
     saturated: bool
+    bound: str | None = None
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "weights": list(self.weights), "target_epsilon": self.target_epsilon,
-                "delta": self.delta, "accountant": self.accountant, "epsilon": self.epsilon.to_dict(),
-                "utility": json_number(self.utility), "saturated": self.saturated}
+        out = {"method": self.method, "weights": list(self.weights), "target_epsilon": self.target_epsilon,
+               "delta": self.delta, "accountant": self.accountant, "epsilon": self.epsilon.to_dict(),
+               "utility": json_number(self.utility), "saturated": self.saturated}
+        if self.bound is not None:
+            out["bound"] = self.bound
+        return out
 
 
 def _check_accountant(accountant: str) -> str:
@@ -335,11 +361,13 @@ def lc_boundary_candidates(segments: LCSegments, mu_max: float, *, lam_private: 
     return np.unique(np.round(cand, 12), axis=0)
 
 
-def choose_lam(models: Sequence | LCSegments, utility: Utility, target_epsilon: float, delta: float, *,
-               accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-               value_discretization_interval: float = DEFAULT_INTERVAL, max_groups: int = DEFAULT_MAX_GROUPS,
-               max_points: int = 2000) -> WeightChoice:
-    """λ maximising ``utility`` subject to ε^LC(λ) ≤ target_epsilon at ``delta`` (module docstring).
+def choose_lam_surrogate(models: Sequence | LCSegments, utility: Utility, target_epsilon: float, delta: float, *,
+                         accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+                         value_discretization_interval: float = DEFAULT_INTERVAL, max_groups: int = DEFAULT_MAX_GROUPS,
+                         max_points: int = 2000) -> WeightChoice:
+    """λ maximising ``utility`` subject to the per-step surrogate ε(λ) ≤ target_epsilon at
+    ``delta`` (module docstring). A proven choice only when every model declares state-independent
+    gradients (``choose_lam`` calls it then); otherwise the figure is not a bound.
 
     ``utility``: per-model numbers (the linear proxy Σ λ_i u_i, then polished by SLSQP) or a
     callable ``utility(lam) -> float`` evaluated on every boundary candidate (at most about
@@ -358,7 +386,7 @@ def choose_lam(models: Sequence | LCSegments, utility: Utility, target_epsilon: 
     lam_private, mu_private = lc_most_private(segments)
 
     def achieved_of(lam):
-        return lc_epsilon(segments, lam, delta, orders=orders, value_discretization_interval=value_discretization_interval,
+        return lc_surrogate_epsilon(segments, lam, delta, orders=orders, value_discretization_interval=value_discretization_interval,
                           max_groups=max_groups)
 
     if mu_private > mu_max:
@@ -379,13 +407,114 @@ def choose_lam(models: Sequence | LCSegments, utility: Utility, target_epsilon: 
         figure = achieved.pld if accountant == "pld" else achieved.rdp
         if figure <= target:
             saturated = segments.mu(lam) >= mu_max * (1 - 1e-6)
-            return WeightChoice("lc", tuple(float(x) for x in lam), target, delta, accountant, achieved, value, bool(saturated))
+            return WeightChoice("lc", tuple(float(x) for x in lam), target, delta, accountant, achieved, value, bool(saturated),
+                                "surrogate")
         # The FFT figure is pessimistic by its discretisation: aim slightly lower and retry.
         mu_max *= 1 - 2 * (figure - target) / max(target, 1e-12) - 1e-6
         if mu_max < mu_private:
             break
     eps = achieved_of(lam_private)
     raise UnreachableTarget("lc", target, delta, accountant, eps.pld if accountant == "pld" else eps.rdp)
+
+
+def _subset_figure(records, adjacency: str, subset: tuple[int, ...], delta: float, accountant: str, orders, interval) -> float:
+    lam = np.zeros(len(records))
+    lam[list(subset)] = 1.0 / len(subset)
+    eps = lc_composition_epsilon(records, lam, delta, adjacency=adjacency, orders=orders, value_discretization_interval=interval)
+    return eps.pld if accountant == "pld" else eps.rdp
+
+
+def lc_feasible_subsets(models: Sequence, target_epsilon: float, delta: float, *, accountant: str = "pld",
+                        adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+                        value_discretization_interval: float = DEFAULT_INTERVAL) -> dict[tuple[int, ...], float]:
+    """{subset: its composition's ε by ``accountant``} for every non-empty subset of the models
+    whose composition meets (target_epsilon, delta). Supersets of an infeasible subset are skipped
+    (composition only grows)."""
+    records, adjacency = check_lc_models(models, adjacency)
+    if len(records) > MAX_LC_MODELS:
+        raise InvalidArgument("models", f"LC searches every subset of the pool: at most {MAX_LC_MODELS} models, got {len(records)}")
+    feasible: dict[tuple[int, ...], float] = {}
+    k = len(records)
+    for size in range(1, k + 1):
+        found = False
+        for subset in itertools.combinations(range(k), size):
+            if size > 1 and any(sub not in feasible for sub in itertools.combinations(subset, size - 1)):
+                continue
+            figure = _subset_figure(records, adjacency, subset, delta, accountant, orders, value_discretization_interval)
+            if figure <= target_epsilon:
+                feasible[subset] = figure
+                found = True
+        if not found:
+            break
+    return feasible
+
+
+def choose_lam_composition(models: Sequence, utility: Utility, target_epsilon: float, delta: float, *,
+                           accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+                           value_discretization_interval: float = DEFAULT_INTERVAL,
+                           max_points: int = 2000) -> WeightChoice:
+    """λ maximising ``utility`` subject to the composition of the models with λ_i > 0 meeting
+    target_epsilon at ``delta`` (a proven bound for any training; module docstring). Linear
+    utilities: the most useful single feasible model. A callable: evaluated on a simplex grid over
+    each maximal feasible subset (about ``max_points`` candidates in all). Raises
+    ``UnreachableTarget`` when even the most private single model misses the target."""
+    target = check_epsilon(target_epsilon, "target_epsilon")
+    delta = check_delta(delta)
+    accountant = _check_accountant(accountant)
+    records, adjacency = check_lc_models(models, adjacency)
+    k = len(records)
+    linear = None if callable(utility) else _check_utilities(utility, k)
+    feasible = lc_feasible_subsets(records, target, delta, accountant=accountant, adjacency=adjacency, orders=orders,
+                                   value_discretization_interval=value_discretization_interval)
+    if not feasible:
+        singles = [_subset_figure(records, adjacency, (i,), delta, accountant, orders, value_discretization_interval) for i in range(k)]
+        raise UnreachableTarget("lc", target, delta, accountant, min(singles))
+    maximal = [s for s in feasible if not any(set(s) < set(t) for t in feasible)]
+    if linear is not None:
+        singles = [s[0] for s in feasible if len(s) == 1]
+        best = max(singles, key=lambda i: linear[i])
+        lam = np.eye(k)[best]
+        value = float(linear[best])
+    else:
+        per_face = max(1, max_points // len(maximal))
+        seen: dict[tuple, float] = {}
+        lam, value = None, -math.inf
+        for face in maximal:
+            for w in _simplex_grid(len(face), per_face):
+                cand = np.zeros(k)
+                cand[list(face)] = w
+                key = tuple(np.round(cand, 12))
+                if key in seen:
+                    continue
+                seen[key] = u = float(utility(cand.copy()))
+                if u > value:
+                    lam, value = cand, u
+    support = tuple(int(i) for i in np.flatnonzero(lam > 0))
+    achieved = lc_composition_epsilon(records, lam, delta, adjacency=adjacency, orders=orders,
+                                      value_discretization_interval=value_discretization_interval)
+    return WeightChoice("lc", tuple(float(x) for x in lam), target, delta, accountant, achieved, value,
+                        support in maximal, "composition")
+
+
+def choose_lam(models: Sequence, utility: Utility, target_epsilon: float, delta: float, *,
+               accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+               value_discretization_interval: float = DEFAULT_INTERVAL, max_groups: int = DEFAULT_MAX_GROUPS,
+               max_points: int = 2000) -> WeightChoice:
+    """λ maximising ``utility`` subject to the charged LC bound meeting target_epsilon at ``delta``:
+    ``choose_lam_surrogate`` when every model declares state-independent gradients (full batch),
+    else ``choose_lam_composition`` (the cost is the composition of λ's support, whatever λ is on
+    it; module docstring)."""
+    if isinstance(models, LCSegments):
+        raise InvalidArgument("models", "choose_lam needs the TrainingRecords (their declarations decide the bound); "
+                                        "choose_lam_surrogate takes segments")
+    models = list(models)
+    if models and surrogate_is_bound(models):
+        return choose_lam_surrogate(models, utility, target_epsilon, delta, accountant=accountant, adjacency=adjacency,
+                                    orders=orders, value_discretization_interval=value_discretization_interval,
+                                    max_groups=max_groups, max_points=max_points)
+    return choose_lam_composition(models, utility, target_epsilon, delta, accountant=accountant, adjacency=adjacency,
+                                  orders=orders, value_discretization_interval=value_discretization_interval,
+                                  max_points=max_points)
 
 
 def _polish_linear(segments: LCSegments, linear: np.ndarray, lam0: np.ndarray, mu_max: float) -> np.ndarray:
@@ -402,5 +531,6 @@ def _polish_linear(segments: LCSegments, linear: np.ndarray, lam0: np.ndarray, m
     return lam0
 
 
-__all__ = ["ACCOUNTANTS", "UnreachableTarget", "WeightChoice", "choose_pi", "choose_lam", "rs_most_private_epsilon",
+__all__ = ["ACCOUNTANTS", "MAX_LC_MODELS", "UnreachableTarget", "WeightChoice", "choose_pi", "choose_lam",
+           "choose_lam_composition", "choose_lam_surrogate", "lc_feasible_subsets", "rs_most_private_epsilon",
            "lc_mu_for_target", "lc_most_private", "lc_boundary_candidates"]

@@ -11,12 +11,20 @@ M.json::
 
 ``noise_multiplier``, ``clip``, ``learning_rate`` and ``sample_rate`` are numbers (constant over the
 run) or lists with one value per step. For RS a model may instead be known only by its guarantee,
-``{"name", "epsilon", "delta"}``. ``accuracy`` is needed with ``--target-epsilon``.
+``{"name", "epsilon", "delta"}``. ``accuracy`` is needed with ``--target-epsilon``. A DP-SGD model
+may add ``"state_independent_gradients": true`` when its clipped per-example gradients do not
+depend on its own parameters (e.g. mean estimation with a linear loss; never a neural network).
+
+LC: ``epsilon`` is the proven bound that would be charged — the composition of the models with
+λ_i > 0 (θ_λ is a post-processing of releasing them all) — unless every such model declares
+state-independent gradients, when the per-step surrogate is the bound. ``bound`` names which;
+``surrogate`` gives the per-step surrogate figure {mu, pld, rdp, valid, valid_when} beside it.
 
 With ``--target-epsilon`` the weights are chosen (``peer.accounting.targets``): for RS π maximises
 the expected accuracy Σ π_i acc_i (exact: it is linear in π) under ε^RS(π) ≤ E; for LC the file
 holds no weights, so the accuracy of a combination cannot be known — λ maximises the linear proxy
-Σ λ_i acc_i under ε^LC(λ) ≤ E, and the output says so (``privfusion merge`` evaluates real models).
+Σ λ_i acc_i under the charged bound ≤ E, and the output says so (``privfusion merge`` evaluates
+real models). Under the composition bound that proxy always picks one model.
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ from peer.errors import InvalidArgument
 ADJACENCY_NAMES = {"replace": "replace-one", "replace-one": "replace-one", "add-remove": "add-remove"}
 STEP_FIELDS = {"learning_rate": "learning_rate", "clip": "clip_norm", "noise_multiplier": "noise_multiplier",
                "sample_rate": "sample_rate"}
-MODEL_FIELDS = {"name", "steps", "accuracy", "epsilon", "delta", *STEP_FIELDS}
+MODEL_FIELDS = {"name", "steps", "accuracy", "epsilon", "delta", "state_independent_gradients", *STEP_FIELDS}
 LC_PROXY_NOTE = ("LC weights maximise the linear proxy sum(lam_i * accuracy_i): the accuracy of a combination "
-                 "is only known by evaluating the combined model (privfusion merge does that)")
+                 "is only known by evaluating the combined model (privfusion merge does that); under the "
+                 "composition bound the proxy picks the most accurate model that meets the target alone")
 
 
 def register(subparsers) -> None:
@@ -100,7 +109,7 @@ def parse_models(data: Any) -> tuple[str, list[str], list, list[float | None]]:
         if acc is not None:
             acc = _number(acc, f"{where}.accuracy", lambda v: 0 <= v <= 1, "a number in [0, 1]")
         if "epsilon" in m or "delta" in m:
-            extra = set(m) & ({"steps"} | set(STEP_FIELDS))
+            extra = set(m) & ({"steps", "state_independent_gradients"} | set(STEP_FIELDS))
             if extra:
                 raise InvalidArgument(where, f"give either (epsilon, delta) or DP-SGD hyperparameters, not both ({sorted(extra)})")
             for f in ("epsilon", "delta"):
@@ -130,7 +139,10 @@ def parse_models(data: Any) -> tuple[str, list[str], list, list[float | None]]:
                         suffix = f"[{t}]" if isinstance(m[field], list) else ""
                         raise InvalidArgument(f"{where}.{field}{suffix}", e.rule) from None
                 seq.append(cache[key])
-            models.append(TrainingRecord(adjacency, tuple(seq)))
+            declared = m.get("state_independent_gradients", False)
+            if not isinstance(declared, bool):
+                raise InvalidArgument(f"{where}.state_independent_gradients", f"must be true or false, got {declared!r}")
+            models.append(TrainingRecord(adjacency, tuple(seq), declared))
         names.append(name)
         accuracies.append(acc)
     return adjacency, names, models, accuracies
@@ -149,7 +161,7 @@ def _weights(text: str, count: int) -> list[float]:
 def account(method: str, data: Any, *, delta: float, weights: list[float] | None = None,
             target_epsilon: float | None = None, accountant: str = "pld", interval: float = 1e-4) -> dict:
     """The JSON-ready result of ``privfusion account`` (pure: file contents in, dict out)."""
-    from peer.accounting import ApproxDP, choose_lam, choose_pi, lc_epsilon, privacy_profile, rs_epsilon, rs_profiles
+    from peer.accounting import ApproxDP, choose_lam, choose_pi, lc_report, privacy_profile, rs_epsilon, rs_profiles
     from peer.accounting.lc import NO_FREE_LUNCH
     from peer.accounting.conversions import check_delta, check_epsilon
     delta = check_delta(delta, "--delta")
@@ -181,11 +193,13 @@ def account(method: str, data: Any, *, delta: float, weights: list[float] | None
         if target_epsilon is not None:
             choice = choose_lam(models, accuracies, target_epsilon, delta, accountant=accountant,
                                 value_discretization_interval=interval)
-            weights, eps = list(choice.weights), choice.epsilon
+            weights = list(choice.weights)
             out.update(target_epsilon=target_epsilon, accountant=accountant, saturated=choice.saturated,
                        accuracy_proxy=choice.utility, accuracy_note=LC_PROXY_NOTE)
-        else:
-            eps = lc_epsilon(models, weights, delta, value_discretization_interval=interval)
+        report = lc_report(models, weights, delta, value_discretization_interval=interval)
+        eps = report.epsilon
+        out["bound"] = report.bound
+        out["surrogate"] = None if report.surrogate is None else report.surrogate.to_dict()
     if weights is not None and all(a is not None for a in accuracies) and "expected_accuracy" not in out and method == "rs":
         out["expected_accuracy"] = sum(w * a for w, a in zip(weights, accuracies))
     out["weights"] = [float(w) for w in weights]
@@ -230,6 +244,14 @@ def run(args) -> int:
     if "closed_form" in e:
         line += f", {_fmt(e['closed_form'])} (closed form)"
     print(line)
+    if result["method"] == "lc":
+        what = ("composition of the models with weight > 0: proven for any training" if result["bound"] == "composition"
+                else "per-step surrogate: every merged model declares state-independent gradients")
+        print(f"charged bound: {what}")
+        sur = result["surrogate"]
+        if sur is not None and result["bound"] != "surrogate":
+            print(f"per-step surrogate (NOT a bound for these models): mu = {_fmt(sur['mu'])}, epsilon = {_fmt(sur['pld'])} (PLD), "
+                  f"{_fmt(sur['rdp'])} (RDP); valid only when {sur['valid_when']}")
     if "target_epsilon" in result:
         print(f"target epsilon {result['target_epsilon']:g} by {result['accountant']}: "
               f"{'budget saturated' if result['saturated'] else 'met with room to spare'}")

@@ -1,4 +1,5 @@
-"""``privfusion experiment merging``: DP model merging — RS vs LC, PLD vs RDP.
+"""``privfusion experiment merging``: DP model merging — RS vs LC (composition bound, and the
+per-step surrogate beside it), PLD vs RDP.
 
     privfusion experiment merging --out DIR [--json] [--quick] [--seed N]
 
@@ -40,7 +41,14 @@ def _run_merging(args: argparse.Namespace) -> int:
     else:
         sv = result["digits"]["pld_savings"]
         f = result["mean_estimation"]["findings"]
-        print(f"(a) LC dominates RS: {f['lc_dominates_rs']}; PLD no worse than RDP: {f['pld_no_worse_than_rdp']}")
+        fb = result["digits"]["findings"]
+        print(f"(a) state-independent gradients, LC charged by the surrogate: LC dominates RS: {f['lc_dominates_rs']}; "
+              f"PLD no worse than RDP: {f['pld_no_worse_than_rdp']}")
+        beats = ", ".join(f"{t:.3g}" for t in fb["lc_beats_rs_at"]) or "no target"
+        print(f"(b) networks, LC charged by composition (the surrogate is not a bound): LC beats RS at {beats}")
+        for r in fb["surrogate_releases_proven_cost"]:
+            print(f"(b) the surrogate's release at target {r['target_epsilon']:.3g} claims epsilon {r['surrogate_epsilon']:.3g}, "
+                  f"proven cost {r['proven_epsilon']:.3g}")
         for method in ("rs", "lc"):
             if sv[method]["saving_mean"] is not None:
                 print(f"(b) {method.upper()}: PLD saves {100 * sv[method]['saving_mean']:.1f}% of the budget on average "
