@@ -16,12 +16,12 @@ import sqlite3
 import traceback
 
 import pytest
-
 from ledger_reference import gaussian_record, laplace_record
+from test_ledger import collect, full_batch
+
 from peer.errors import BudgetExhausted, FailedPrecondition
 from peer.ledger import Ledger
 from peer.policy import Policy
-from test_ledger import collect, full_batch
 
 
 def policy(**over) -> Policy:
