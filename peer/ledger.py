@@ -691,7 +691,7 @@ class Ledger:
                 count, rdp0, pure0 = (total[0], np.asarray(json.loads(total[1]), float), total[2]) if total else (0, np.zeros(len(self.orders)), 0.0)
                 rdp1, pure1 = rdp0 + it.rdp, pure0 + it.pure_epsilon
                 if not budget.admits(rdp1, pure1):
-                    self._refuse(key, budget, rdp0, pure0, it)
+                    self._refuse(key, budget, rdp0, pure0, it, counterparty, kind)
                 updates.append((key, budget, count + 1, rdp1, pure1))
             # BEGIN IMMEDIATE holds the write lock, so the next seq is ours; the hash that chains
             # this charge to the previous one covers all of it, so the rows are complete when inserted.
@@ -743,19 +743,42 @@ class Ledger:
                 "a release cannot share models with an earlier LC merge"
             raise FailedPrecondition(
                 f"release {it.record.release_id} refused: {what} (shared: {clash}); their RDP does not add up "
-                "to a valid bound (see peer.ledger)"
+                "to a valid bound (see peer.ledger)",
+                reason="POOL_MODELS_SHARED", metadata={"shared_models": ",".join(clash), "lc": it.lc},
             )
 
-    def _refuse(self, key: BudgetKey, budget: FilterBudget, rdp0: np.ndarray, pure0: float, it: _Interpreted) -> None:
+    def _refuse(self, key: BudgetKey, budget: FilterBudget, rdp0: np.ndarray, pure0: float, it: _Interpreted,
+                counterparty: str, kind: str | None) -> None:
+        """Raise BudgetExhausted. The requester is told the budget, its limits, this release's
+        own ε at the budget's δ and the policy's per-request cap for this kind (if any); what is
+        spent and remaining only as far as the policy shows that budget to it (``show_remaining``:
+        "all" → its own and the shared budgets, "own" → its own only). Spent is the filter's ε at
+        the budget's δ (as ``ledger show`` prints it) and remaining = limit − spent: a guide to
+        what one may still ask for, not a promise — the filter admits a request by composing its
+        RDP with what is spent, order by order, which can refuse a request whose own ε is a
+        little below the remainder."""
         spent, _ = budget.spent_epsilon(rdp0, pure0)
         alone = min(epsilon_of_rdp(self.orders, it.rdp, budget.delta_per_order) if budget.delta > 0 else math.inf, it.pure_epsilon)
+        show = self.policy.shows_remaining(counterparty)
+        visible = show == "all" or (show == "own" and key.counterparty == counterparty)
+        metadata: dict[str, Any] = {"budget": key.name, "level": key.level, "unit": key.unit,
+                                    "epsilon_limit": budget.epsilon, "delta_limit": budget.delta,
+                                    "request_epsilon": alone}
+        cap = self.policy.caps.get(kind) if kind is not None else None
+        if cap is not None:
+            metadata["request_cap_epsilon"] = cap
+        standing = "the site's policy does not show this budget's standing to you"
+        if visible:
+            remaining = max(0.0, budget.epsilon - spent)
+            metadata.update(spent_epsilon=spent, remaining_epsilon=remaining)
+            standing = (f"spent ε={spent:.4g}, remaining ε={remaining:.4g} at δ={budget.delta:g} (by the filter; "
+                        f"{budget.explain(rdp0 + it.rdp, pure0 + it.pure_epsilon)})")
         msg = (f"privacy budget {key.name} ({key.scope}) is exhausted for this request: limit (ε={budget.epsilon:g}, "
-               f"δ={budget.delta:g}), spent ε={spent:.4g} by the filter, this release alone ε={alone:.4g} "
-               f"(its record: ε={it.charged.epsilon:.4g}, δ={it.charged.delta:.3g}); "
-               f"{budget.explain(rdp0 + it.rdp, pure0 + it.pure_epsilon)}. Nothing was released.")
+               f"δ={budget.delta:g}), this release alone ε={alone:.4g} at that δ "
+               f"(its record: ε={it.charged.epsilon:.4g}, δ={it.charged.delta:.3g}); {standing}. Nothing was released.")
         log.warning("refused release_id=%s mechanism=%s budget=%s spent_epsilon=%.6g limit_epsilon=%g",
                     it.record.release_id, it.record.mechanism, key.name, spent, budget.epsilon)
-        raise BudgetExhausted(msg)
+        raise BudgetExhausted(msg, metadata=metadata)
 
     def record_event(self, release_id: str, kind: str, detail: str = "") -> None:
         """Append a delivery event ("sent", "send-failed", "note") for a charged release."""

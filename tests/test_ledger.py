@@ -159,8 +159,32 @@ def test_refusal_writes_nothing_and_names_the_budget(tmp_path):
     before = ledger.summary(pld=False)
     with pytest.raises(BudgetExhausted) as e:
         ledger.charge(gaussian_record(noise_std=0.5), "b")
-    assert "model/m/total" in str(e.value) and "spent ε=" in str(e.value) and "alone ε=" in str(e.value)
+    assert "model/m/total" in str(e.value) and "alone ε=" in str(e.value)
     assert ledger.summary(pld=False) == before
+    # show_remaining defaults to "none": the requester learns the budget and its limits, not
+    # what others have spent from it
+    assert e.value.reason == "BUDGET_EXHAUSTED" and "spent ε=" not in str(e.value)
+    assert e.value.metadata["budget"] == "model/m/total" and e.value.metadata["epsilon_limit"] == "1.0"
+    assert "spent_epsilon" not in e.value.metadata and "remaining_epsilon" not in e.value.metadata
+
+
+@pytest.mark.parametrize("show, cap", [("all", None), ("all", 7.5), ("own", None)])
+def test_budget_refusals_say_what_is_spent_and_left_as_the_policy_shows(tmp_path, show, cap):
+    extra = {"show_remaining": show, **({"caps": {"weights": cap}} if cap else {})}
+    ledger = open_ledger(tmp_path / "s.db", make_policy(model_total=(1.0, 1e-6), per_cp=(1.0, 1e-6), **extra))
+    ledger.charge(gaussian_record(noise_std=20.0), "b", kind="weights")
+    with pytest.raises(BudgetExhausted) as e:
+        ledger.charge(gaussian_record(noise_std=1.0), "b", kind="weights")
+    md = e.value.metadata
+    assert md.get("request_cap_epsilon") == (None if cap is None else repr(cap))
+    (state,) = [s for s in ledger.budget_states() if s.key.name == md["budget"]]
+    if show == "own" and md["budget"] == "model/m/total":
+        assert "spent_epsilon" not in md  # the shared budget is not the requester's own
+        return
+    # ε at the budget's δ, the filter's own figures (what `ledger show` prints), not RDP orders
+    assert float(md["spent_epsilon"]) == state.spent_epsilon > 0
+    assert float(md["remaining_epsilon"]) == state.remaining_epsilon == 1.0 - state.spent_epsilon
+    assert float(md["request_epsilon"]) > float(md["remaining_epsilon"]) and "spent ε=" in str(e.value)
 
 
 # ---- two budgets, per counterparty, units -------------------------------------------------------
