@@ -8,7 +8,8 @@ core knows about gRPC.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 def detail_text(value: Any) -> str:
