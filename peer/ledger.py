@@ -13,7 +13,12 @@ and their limits at the time), ``charge_models`` (pool models a data-level relea
 ``events`` (delivery status: appended, never edited) refuse UPDATE and DELETE through triggers.
 ``totals`` is a cache of each budget's running sums, written in the same transaction as the
 charge; ``verify()`` (run at open) recomputes it from the rows and checks the hash chain that
-links every charge to the one before it.
+links every charge to the one before it. The chain covers every stored value that decides a
+budget — all columns of the charge, its charge_budgets and charge_models rows, and (through the
+first link) the filter's orders — so editing any of them, even with the triggers dropped, makes
+the ledger refuse to open; events carry a chain of their own. Every reader (``verify``,
+``entries``, ``budget_states``, ``summary``…) runs in one read transaction: in WAL mode it sees
+one committed state however many queries it makes while other processes charge.
 
 Charging
 --------
