@@ -234,7 +234,9 @@ class Charge:
 
 @dataclass
 class Drop:
-    """Why and when a peer left the round."""
+    """Why and when a peer left the round. ``details`` are the peer's structured refusal
+    details when it sent them (``PeerError.structured()``: field violations; an ErrorInfo's
+    reason and metadata, e.g. a budget's spent and remaining ε, a pool's reachable ε range)."""
 
     peer: str
     step: str
@@ -242,6 +244,18 @@ class Drop:
     status: str
     reason: str
     charged: str  # of the failed call: "yes" | "no" | "unknown" | "n/a" (no call was made)
+    details: dict | None = None
+
+
+def details_line(details: Mapping[str, Any] | None) -> str:
+    """A refusal's structured details in one line for people ('' when there are none)."""
+    if not details:
+        return ""
+    parts = [f"field {v['field']!r}: {v['rule']}" for v in details.get("violations", ())]
+    if details.get("reason"):
+        facts = ", ".join(f"{k}={v}" for k, v in sorted((details.get("metadata") or {}).items()))
+        parts.append(details["reason"] + (f" ({facts})" if facts else ""))
+    return "; ".join(parts)
 
 
 @dataclass
@@ -348,12 +362,13 @@ class RoundState:
                 p.drop = Drop(peer, "health", now_rfc3339(), "UNAVAILABLE", reason, "n/a")
         self.event("alive" if alive else "not-alive", peer, "health", **({"reason": reason} if reason else {}))
 
-    def drop(self, peer: str, step: str, status: str, reason: str, charged: str) -> Drop:
+    def drop(self, peer: str, step: str, status: str, reason: str, charged: str, details: dict | None = None) -> Drop:
         with self._lock:
             p = self.peers[peer]
-            d = Drop(peer, step, now_rfc3339(), status, reason, charged)
+            d = Drop(peer, step, now_rfc3339(), status, reason, charged, details or None)
             p.state, p.drop = "dropped", d
-        self.event("dropped", peer, step, status=status, reason=reason, charged=charged)
+        self.event("dropped", peer, step, status=status, reason=reason, charged=charged,
+                   **({"details": details} if details else {}))
         return d
 
     def chose(self, peer: str, model: str | None, pool: str | None) -> None:

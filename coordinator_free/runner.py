@@ -26,8 +26,8 @@ import numpy as np
 from coordinator_free.config import Section, load_toml
 from coordinator_free.identity import Identity, load_identity
 from coordinator_free.roster import Roster, RosterSite
-from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, failure_reason,
-                                     fusion_weights, public_view)
+from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, details_line,
+                                     failure_reason, fusion_weights, public_view)
 from coordinator_free.trust import TrustStore
 from peer.errors import FailedPrecondition, InvalidArgument, NotFound
 from peer.graph import NetworkGraph, extract_graph
@@ -67,8 +67,8 @@ class RoundResult:
 class _Failure:
     """A failed call: its status, message and whether it was charged."""
 
-    def __init__(self, status: str, message: str, charged: str):
-        self.status, self.message, self.charged = status, message, charged
+    def __init__(self, status: str, message: str, charged: str, details: dict | None = None):
+        self.status, self.message, self.charged, self.details = status, message, charged, details
 
 
 _STOP = object()  # the quorum became unreachable: stop asking
@@ -194,7 +194,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             seen = state.receipt_seen(name, step)
             connected = not _never_connected(e.details)
             return _Failure(e.status, failure_reason(e.status, str(e), e.details, connected, config.call_timeout_s),
-                            charged_status(e.status, seen, connected))
+                            charged_status(e.status, seen, connected), e.structured())
         except InvalidArgument as e:  # the release failed our checks (signature, checksums, order)
             return _Failure("INVALID_RELEASE", str(e), "yes" if state.receipt_seen(name, step) else "unknown")
         state.delivered(name, step)
@@ -218,7 +218,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         if f is _STOP:
             return None
         if isinstance(f, _Failure):
-            state.drop(p.name, "features", f.status, f.message, f.charged)
+            state.drop(p.name, "features", f.status, f.message, f.charged, f.details)
             return None
         if f.architecture is None or validate_architecture(f.architecture) != arch:
             state.drop(p.name, "features", "FAILED_PRECONDITION", "the features are of another architecture", "yes")
@@ -234,7 +234,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         if w is _STOP:
             return None
         if isinstance(w, _Failure):
-            state.drop(p.name, "weights", w.status, w.message, w.charged)
+            state.drop(p.name, "weights", w.status, w.message, w.charged, w.details)
             return None
         try:
             aligned = permute_arrays(arch, w.arrays, perms)
@@ -280,9 +280,11 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             if not isinstance(r, _Failure):
                 return r
             if config.method == "merged" or r.charged != "no":
-                state.drop(p.name, "merged", r.status, r.message, r.charged)
+                state.drop(p.name, "merged", r.status, r.message, r.charged, r.details)
                 return None
-            state.note(p.name, f"merge refused before any charge ({r.status}); falling back to features + weights")
+            why = details_line(r.details)
+            state.note(p.name, f"merge refused before any charge ({r.status}{': ' + why if why else ''}); "
+                               "falling back to features + weights")
         elif config.method == "merged":
             state.drop(p.name, "info", "FAILED_PRECONDITION",
                        f"{p.name!r} offers no pool of this architecture for {config.merge_method!r} merges", "n/a")

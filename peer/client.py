@@ -43,12 +43,71 @@ INFO_TIMEOUT_S = 30.0
 
 
 class PeerError(PrivFusionError):
-    """A peer refused or failed a call; ``status`` is the gRPC status name it ended with."""
+    """A peer refused or failed a call; ``status`` is the gRPC status name it ended with,
+    ``details`` the peer's message. The refusal's structured details, when the peer sent them
+    (``google.rpc.Status`` in the trailers): ``violations`` — (field, rule) pairs of a
+    ``BadRequest``, ``field`` the first of those fields (or None); ``reason`` and ``metadata``
+    — an ``ErrorInfo``'s (e.g. ``BUDGET_EXHAUSTED`` with the ε spent and remaining, or
+    ``TARGET_UNREACHABLE`` with the pool's reachable ε range)."""
 
-    def __init__(self, status: str, message: str, details: str = ""):
+    def __init__(self, status: str, message: str, details: str = "", *,
+                 violations: tuple[tuple[str, str], ...] = (), reason: str = "",
+                 metadata: Mapping[str, str] | None = None):
         self.status = status
         self.details = details
-        super().__init__(message)
+        self._violations = tuple(violations)
+        super().__init__(message, reason=reason, metadata=metadata)
+
+    @property
+    def violations(self) -> tuple[tuple[str, str], ...]:
+        return self._violations
+
+    @property
+    def field(self) -> str | None:
+        return self._violations[0][0] if self._violations else None
+
+    def structured(self) -> dict:
+        """The structured details as JSON-ready data (empty when the peer sent none)."""
+        out: dict = {}
+        if self._violations:
+            out["violations"] = [{"field": f, "rule": r} for f, r in self._violations]
+        if self.reason:
+            out["reason"] = self.reason
+            out["metadata"] = dict(self.metadata)
+        return out
+
+
+def status_details(error: grpc.RpcError) -> tuple[tuple[tuple[str, str], ...], str, dict[str, str]]:
+    """(BadRequest violations, ErrorInfo reason, ErrorInfo metadata) from a failed call's
+    ``google.rpc.Status`` trailer; empty when there is none or it does not parse."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    except (ValueError, TypeError, AttributeError):
+        status = None  # a trailer that disagrees with the call's own status is not trusted
+    violations: list[tuple[str, str]] = []
+    reason, metadata = "", {}
+    for any_detail in status.details if status is not None else ():
+        if any_detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            any_detail.Unpack(bad)
+            violations += [(v.field, v.description) for v in bad.field_violations]
+        elif any_detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            any_detail.Unpack(info)
+            reason, metadata = info.reason, dict(info.metadata)
+    return tuple(violations), reason, metadata
+
+
+def describe_details(violations: tuple[tuple[str, str], ...], reason: str, metadata: Mapping[str, str]) -> str:
+    """One line for people: the fields at fault and the refusal's facts ('' when none)."""
+    parts = [f"field {f!r}: {r}" for f, r in violations]
+    if reason:
+        facts = ", ".join(f"{k}={v}" for k, v in sorted(metadata.items()))
+        parts.append(f"{reason}" + (f" ({facts})" if facts else ""))
+    return "; ".join(parts)
 
 
 # What each status means for the person asking (UNAVAILABLE is told apart below).
@@ -84,7 +143,11 @@ def explain(error: grpc.RpcError, peer: str, address: str) -> PeerError:
         msg = f"a message to or from {peer!r} exceeded gRPC's size limit ({details})"
     else:
         msg = _MESSAGES.get(name, "{peer!r} failed with {name}: {details}").format(peer=peer, name=name, details=details)
-    return PeerError(name, msg, details)
+    violations, reason, metadata = status_details(error)
+    extra = describe_details((), reason, metadata)  # the peer's message already says "field: rule"
+    if extra:
+        msg = f"{msg} [{extra}]"
+    return PeerError(name, msg, details, violations=violations, reason=reason, metadata=metadata)
 
 
 def _host_of(address: str) -> str:

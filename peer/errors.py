@@ -7,11 +7,44 @@ core knows about gRPC.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+def detail_text(value: Any) -> str:
+    """A metadata value as text: floats exactly (``repr``; ``inf`` for an unbounded end)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf" if value < 0 else "nan")
+    return str(value)
+
 
 class PrivFusionError(Exception):
-    """Base class. ``status`` is the name of the gRPC status code the service maps it to."""
+    """Base class. ``status`` is the name of the gRPC status code the service maps it to.
+
+    Optional structured details travel beside the message (the service turns them into
+    ``google.rpc`` details; :class:`peer.client.PeerError` reads them back):
+    ``reason`` — a short UPPER_SNAKE_CASE name of the refusal (``google.rpc.ErrorInfo.reason``),
+    ``metadata`` — public facts about it as text (``ErrorInfo.metadata``), e.g. the ε spent and
+    remaining in a budget or the ε range a pool can reach; ``violations`` — (field, rule) pairs
+    (``google.rpc.BadRequest``), set by :class:`InvalidArgument`. Nothing private goes in them.
+    """
 
     status = "INTERNAL"
+    reason = ""
+    metadata: Mapping[str, str] = {}
+
+    def __init__(self, *args: Any, reason: str | None = None, metadata: Mapping[str, Any] | None = None):
+        super().__init__(*args)
+        if reason is not None:
+            self.reason = reason
+        self.metadata = {str(k): detail_text(v) for k, v in (metadata or {}).items()}
+
+    @property
+    def violations(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
 
 class InvalidArgument(PrivFusionError, ValueError):
@@ -19,10 +52,14 @@ class InvalidArgument(PrivFusionError, ValueError):
 
     status = "INVALID_ARGUMENT"
 
-    def __init__(self, field: str, rule: str):
+    def __init__(self, field: str, rule: str, *, reason: str | None = None, metadata: Mapping[str, Any] | None = None):
         self.field = field
         self.rule = rule
-        super().__init__(f"{field}: {rule}")
+        super().__init__(f"{field}: {rule}", reason=reason, metadata=metadata)
+
+    @property
+    def violations(self) -> tuple[tuple[str, str], ...]:
+        return ((self.field, self.rule),)
 
 
 class NotFound(PrivFusionError, LookupError):
@@ -36,9 +73,12 @@ class FailedPrecondition(PrivFusionError):
 
 
 class BudgetExhausted(PrivFusionError):
-    """Serving the request would overspend a privacy budget; nothing was released."""
+    """Serving the request would overspend a privacy budget; nothing was released. Its
+    metadata names the budget and, as far as the site's policy shows them to the requester,
+    the ε spent and remaining at the budget's δ."""
 
     status = "RESOURCE_EXHAUSTED"
+    reason = "BUDGET_EXHAUSTED"
 
 
 class PermissionDenied(PrivFusionError):

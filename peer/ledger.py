@@ -13,7 +13,12 @@ and their limits at the time), ``charge_models`` (pool models a data-level relea
 ``events`` (delivery status: appended, never edited) refuse UPDATE and DELETE through triggers.
 ``totals`` is a cache of each budget's running sums, written in the same transaction as the
 charge; ``verify()`` (run at open) recomputes it from the rows and checks the hash chain that
-links every charge to the one before it.
+links every charge to the one before it. The chain covers every stored value that decides a
+budget — all columns of the charge, its charge_budgets and charge_models rows, and (through the
+first link) the filter's orders — so editing any of them, even with the triggers dropped, makes
+the ledger refuse to open; events carry a chain of their own. Every reader (``verify``,
+``entries``, ``budget_states``, ``summary``…) runs in one read transaction: in WAL mode it sees
+one committed state however many queries it makes while other processes charge.
 
 Charging
 --------
@@ -106,7 +111,10 @@ from peer.records import ReleaseRecord, now_rfc3339
 
 log = logging.getLogger("peer.ledger")
 
-SCHEMA_VERSION = "1"
+#: Version 2: the hash chain covers every column of a charge, its charge_budgets and
+#: charge_models rows and the filter's orders (version 1 hashed only some columns, so a file
+#: could be edited undetectably); events carry a chain of their own. Older files are refused.
+SCHEMA_VERSION = "2"
 GENESIS = "0" * 64
 EVENT_KINDS = ("sent", "send-failed", "note")
 
@@ -157,7 +165,9 @@ CREATE TABLE IF NOT EXISTS events (
     release_id TEXT NOT NULL REFERENCES charges (release_id),
     at TEXT NOT NULL,
     kind TEXT NOT NULL,
-    detail TEXT NOT NULL
+    detail TEXT NOT NULL,
+    prev_hash TEXT NOT NULL,
+    hash TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS totals (
     budget TEXT PRIMARY KEY,
@@ -488,12 +498,52 @@ def _cancel_hash(prev: str, seq: int, release_id: str, charge_hash: str, head_ha
     return h.hexdigest()
 
 
-def _chain_hash(prev: str, seq: int, counterparty: str, charged_at: str, budgets: str, rdp: str, record: str) -> str:
-    h = hashlib.sha256()
-    for part in (prev, str(seq), counterparty, charged_at, budgets, rdp, record):
-        h.update(part.encode())
-        h.update(b"\n")
-    return h.hexdigest()
+# The columns the hash chain covers, in hashing order, with the Python type of their SQLite
+# storage class: every value is normalised to it before hashing (SQLite reads an integer ε back
+# as 1.0 and −0.0 as 0.0), so the hash computed at insert equals the one recomputed from the file.
+_CHARGE_COLS = (("seq", int), ("release_id", str), ("charged_at", str), ("level", str), ("unit", str),
+                ("record_unit", str), ("counterparty", str), ("subject", str), ("mechanism", str),
+                ("epsilon", float), ("delta", float), ("rdp", str), ("pure_epsilon", float), ("budgets", str),
+                ("record", str))
+_BUDGET_COLS = (("budget", str), ("level", str), ("unit", str), ("subject", str), ("counterparty", str),
+                ("epsilon_limit", float), ("delta_limit", float))
+_MODEL_COLS = (("model", str), ("lc", int))
+_EVENT_COLS = (("id", int), ("release_id", str), ("at", str), ("kind", str), ("detail", str))
+
+
+def _normalised(cols: tuple[tuple[str, type], ...], values: tuple) -> list:
+    if len(values) != len(cols):
+        raise ValueError(f"expected {len(cols)} values, got {len(values)}")
+    out = []
+    for (_, kind), v in zip(cols, values):
+        if kind is float:
+            v = float(v) + 0.0  # −0.0 → 0.0, as SQLite stores it
+        out.append(kind(v))
+    return out
+
+
+def _sha256_json(value: Any) -> str:
+    # repr-exact floats, ±inf as Infinity: the same bytes for the same values on every platform
+    return hashlib.sha256(json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode()).hexdigest()
+
+
+def _genesis(orders: tuple[float, ...]) -> str:
+    """The prev_hash of the first charge: binds the chain to the filter's orders (in ``meta``),
+    which decide how every stored RDP vector is read."""
+    return _sha256_json(["privfusion-ledger-genesis", SCHEMA_VERSION, [float(o) for o in orders]])
+
+
+def _chain_hash(prev: str, charge: tuple, budgets: list[tuple], models: list[tuple]) -> str:
+    """SHA-256 over the previous hash, every column of the charge row (``_CHARGE_COLS``) and its
+    charge_budgets and charge_models rows (sorted): every stored value that decides a budget."""
+    return _sha256_json(["privfusion-ledger-charge", prev, _normalised(_CHARGE_COLS, charge),
+                         sorted(_normalised(_BUDGET_COLS, b) for b in budgets),
+                         sorted(_normalised(_MODEL_COLS, m) for m in models)])
+
+
+def _event_hash(prev: str, event: tuple) -> str:
+    """The delivery events' own chain (they decide no budget, but say what left and when)."""
+    return _sha256_json(["privfusion-ledger-event", prev, _normalised(_EVENT_COLS, event)])
 
 
 class Ledger:
@@ -570,6 +620,23 @@ class Ledger:
                 con.execute("ROLLBACK")
             raise
 
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """One read transaction: every query inside sees the same snapshot of the file (WAL
+        readers see the last commit before their first read, whatever other processes commit
+        meanwhile), so a reader never pairs rows with totals from different moments. Nested
+        reads, and reads inside a write, join the transaction already open."""
+        con = self._conn()
+        if con.in_transaction:
+            yield con
+            return
+        con.execute("BEGIN")
+        try:
+            yield con
+        finally:
+            if con.in_transaction:
+                con.execute("COMMIT")  # nothing was written: this only ends the snapshot
+
     def close(self) -> None:
         with self._lock:
             for con in self._all:
@@ -593,11 +660,20 @@ class Ledger:
 
     def _read_orders(self, con: sqlite3.Connection) -> tuple[float, ...]:
         try:
-            rows = dict(con.execute("SELECT key, value FROM meta").fetchall())
+            with self._read() as c:
+                rows = dict(c.execute("SELECT key, value FROM meta").fetchall())
         except sqlite3.DatabaseError as e:
             raise FailedPrecondition(f"{self.path} is not a PrivFusion ledger: {e}") from None
-        if rows.get("schema_version") != SCHEMA_VERSION:
-            raise FailedPrecondition(f"ledger {self.path}: schema version {rows.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        version = rows.get("schema_version")
+        if version == "1":
+            raise FailedPrecondition(
+                f"ledger {self.path} has schema version 1, whose hash chain leaves columns that decide a budget "
+                f"(level, unit, ε, δ, pure ε, limits, pool models) unprotected; this version reads schema "
+                f"{SCHEMA_VERSION} only. It is not migrated: re-hashing would vouch for values the old chain never "
+                "covered. Keep the old file for the record and start a new ledger (a new path) under this version."
+            )
+        if version != SCHEMA_VERSION:
+            raise FailedPrecondition(f"ledger {self.path}: schema version {version!r}, expected {SCHEMA_VERSION}")
         return validate_orders(json.loads(rows["orders"]))
 
     # ---- interpretation -------------------------------------------------------------------------
@@ -725,35 +801,39 @@ class Ledger:
                 count, rdp0, pure0 = (total[0], np.asarray(json.loads(total[1]), float), total[2]) if total else (0, np.zeros(len(self.orders)), 0.0)
                 rdp1, pure1 = rdp0 + it.rdp, pure0 + it.pure_epsilon
                 if not budget.admits(rdp1, pure1):
-                    self._refuse(key, budget, rdp0, pure0, it)
+                    self._refuse(key, budget, rdp0, pure0, it, counterparty, kind)
                 updates.append((key, budget, count + 1, rdp1, pure1))
             # BEGIN IMMEDIATE holds the write lock, so the next seq is ours; the hash that chains
-            # this charge to the previous one covers it, so the row is complete when inserted.
+            # this charge to the previous one covers all of it, so the rows are complete when inserted.
             prev = con.execute("SELECT seq, hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
-            seq, prev_hash = (prev[0] + 1, prev[1]) if prev else (1, GENESIS)
-            charged_at = now_rfc3339()
-            budgets_json = _dumps([k.name for k, _ in it.budgets])
-            rdp_json = _dumps(it.rdp.tolist())
-            h = _chain_hash(prev_hash, seq, counterparty, charged_at, budgets_json, rdp_json, record_json)
+            seq, prev_hash = (prev[0] + 1, prev[1]) if prev else (1, _genesis(self.orders))
+            charge_row = (seq, record.release_id, now_rfc3339(), it.charged.level, it.charged.unit, record.unit,
+                          counterparty, record.subject, record.mechanism, it.charged.epsilon, it.charged.delta,
+                          _dumps(it.rdp.tolist()), it.pure_epsilon, _dumps([k.name for k, _ in it.budgets]),
+                          record_json)
+            budget_rows = [(key.name, key.level, key.unit, key.subject, key.counterparty, budget.epsilon, budget.delta)
+                           for key, budget, *_ in updates]
+            model_rows = [(model, int(it.lc)) for model in sorted(it.models)]
+            h = _chain_hash(prev_hash, charge_row, budget_rows, model_rows)
             con.execute(
-                "INSERT INTO charges (seq, release_id, charged_at, level, unit, record_unit, counterparty, subject,"
-                " mechanism, epsilon, delta, rdp, pure_epsilon, budgets, record, prev_hash, hash)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (seq, record.release_id, charged_at, it.charged.level, it.charged.unit, record.unit, counterparty,
-                 record.subject, record.mechanism, it.charged.epsilon, it.charged.delta, rdp_json,
-                 it.pure_epsilon, budgets_json, record_json, prev_hash, h),
+                f"INSERT INTO charges ({', '.join(c for c, _ in _CHARGE_COLS)}, prev_hash, hash)"
+                f" VALUES ({', '.join('?' * (len(_CHARGE_COLS) + 2))})",
+                (*charge_row, prev_hash, h),
             )
-            for key, budget, count, rdp1, pure1 in updates:
-                con.execute("INSERT INTO charge_budgets VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                            (seq, key.name, key.level, key.unit, key.subject, key.counterparty, budget.epsilon, budget.delta))
+            for (key, budget, count, rdp1, pure1), row in zip(updates, budget_rows):
+                con.execute("INSERT INTO charge_budgets VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (seq, *row))
                 con.execute(
                     "INSERT INTO totals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (budget) DO UPDATE SET"
                     " count = excluded.count, rdp = excluded.rdp, pure_epsilon = excluded.pure_epsilon,"
                     " last_seq = excluded.last_seq",
                     (key.name, key.level, key.unit, key.subject, key.counterparty, count, _dumps(rdp1.tolist()), pure1, seq),
                 )
-            for model in sorted(it.models):
-                con.execute("INSERT INTO charge_models VALUES (?, ?, ?)", (seq, model, int(it.lc)))
+            for row in model_rows:
+                con.execute("INSERT INTO charge_models VALUES (?, ?, ?)", (seq, *row))
+            # Read the rows back and hash them as verify() will: a value SQLite stores differently
+            # from what was hashed fails this charge now (rolled back), not the next open.
+            if self._stored_hash(con, seq, prev_hash) != h:
+                raise FailedPrecondition(f"ledger {self.path}: charge {seq} does not read back as hashed; nothing was charged")
             entry = self._entry(con, seq)
         log.info("charged release_id=%s entry=%d mechanism=%s level=%s unit=%s counterparty=%s subject=%s epsilon=%.6g delta=%.3g budgets=%s",
                  record.release_id, seq, record.mechanism, it.charged.level, it.charged.unit, counterparty,
@@ -785,19 +865,42 @@ class Ledger:
                 "a release cannot share models with an earlier LC merge"
             raise FailedPrecondition(
                 f"release {it.record.release_id} refused: {what} (shared: {clash}); their RDP does not add up "
-                "to a valid bound (see peer.ledger)"
+                "to a valid bound (see peer.ledger)",
+                reason="POOL_MODELS_SHARED", metadata={"shared_models": ",".join(clash), "lc": it.lc},
             )
 
-    def _refuse(self, key: BudgetKey, budget: FilterBudget, rdp0: np.ndarray, pure0: float, it: _Interpreted) -> None:
+    def _refuse(self, key: BudgetKey, budget: FilterBudget, rdp0: np.ndarray, pure0: float, it: _Interpreted,
+                counterparty: str, kind: str | None) -> None:
+        """Raise BudgetExhausted. The requester is told the budget, its limits, this release's
+        own ε at the budget's δ and the policy's per-request cap for this kind (if any); what is
+        spent and remaining only as far as the policy shows that budget to it (``show_remaining``:
+        "all" → its own and the shared budgets, "own" → its own only). Spent is the filter's ε at
+        the budget's δ (as ``ledger show`` prints it) and remaining = limit − spent: a guide to
+        what one may still ask for, not a promise — the filter admits a request by composing its
+        RDP with what is spent, order by order, which can refuse a request whose own ε is a
+        little below the remainder."""
         spent, _ = budget.spent_epsilon(rdp0, pure0)
         alone = min(epsilon_of_rdp(self.orders, it.rdp, budget.delta_per_order) if budget.delta > 0 else math.inf, it.pure_epsilon)
+        show = self.policy.shows_remaining(counterparty)
+        visible = show == "all" or (show == "own" and key.counterparty == counterparty)
+        metadata: dict[str, Any] = {"budget": key.name, "level": key.level, "unit": key.unit,
+                                    "epsilon_limit": budget.epsilon, "delta_limit": budget.delta,
+                                    "request_epsilon": alone}
+        cap = self.policy.caps.get(kind) if kind is not None else None
+        if cap is not None:
+            metadata["request_cap_epsilon"] = cap
+        standing = "the site's policy does not show this budget's standing to you"
+        if visible:
+            remaining = max(0.0, budget.epsilon - spent)
+            metadata.update(spent_epsilon=spent, remaining_epsilon=remaining)
+            standing = (f"spent ε={spent:.4g}, remaining ε={remaining:.4g} at δ={budget.delta:g} (by the filter; "
+                        f"{budget.explain(rdp0 + it.rdp, pure0 + it.pure_epsilon)})")
         msg = (f"privacy budget {key.name} ({key.scope}) is exhausted for this request: limit (ε={budget.epsilon:g}, "
-               f"δ={budget.delta:g}), spent ε={spent:.4g} by the filter, this release alone ε={alone:.4g} "
-               f"(its record: ε={it.charged.epsilon:.4g}, δ={it.charged.delta:.3g}); "
-               f"{budget.explain(rdp0 + it.rdp, pure0 + it.pure_epsilon)}. Nothing was released.")
+               f"δ={budget.delta:g}), this release alone ε={alone:.4g} at that δ "
+               f"(its record: ε={it.charged.epsilon:.4g}, δ={it.charged.delta:.3g}); {standing}. Nothing was released.")
         log.warning("refused release_id=%s mechanism=%s budget=%s spent_epsilon=%.6g limit_epsilon=%g",
                     it.record.release_id, it.record.mechanism, key.name, spent, budget.epsilon)
-        raise BudgetExhausted(msg)
+        raise BudgetExhausted(msg, metadata=metadata)
 
     def record_event(self, release_id: str, kind: str, detail: str = "") -> None:
         """Append a delivery event ("sent", "send-failed", "note") for a charged release."""
@@ -809,8 +912,11 @@ class Ledger:
                 raise NotFound(f"no charge for release {release_id}")
             if kind != "note" and self._is_cancelled(con, row[0]):
                 raise FailedPrecondition(f"release {release_id} was cancelled: it may not be sent")
-            con.execute("INSERT INTO events (release_id, at, kind, detail) VALUES (?, ?, ?, ?)",
-                        (release_id, now_rfc3339(), kind, str(detail)))
+            last = con.execute("SELECT id, hash FROM events ORDER BY id DESC LIMIT 1").fetchone()
+            event = ((last[0] if last else 0) + 1, release_id, now_rfc3339(), kind, str(detail))
+            prev_hash = last[1] if last else GENESIS
+            con.execute("INSERT INTO events (id, release_id, at, kind, detail, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (*event, prev_hash, _event_hash(prev_hash, event)))
 
     # ---- cancelling -----------------------------------------------------------------------------
 
@@ -855,11 +961,11 @@ class Ledger:
 
     def cancellations(self) -> list[dict]:
         """Every cancelled charge, in cancellation order."""
-        con = self._conn()
-        if not self._has_cancellations(con):
-            return []
-        rows = con.execute("SELECT x.seq, x.release_id, c.counterparty, x.at, x.reason, c.budgets, x.hash"
-                           " FROM cancellations x JOIN charges c ON c.seq = x.seq ORDER BY x.id")
+        with self._read() as con:
+            if not self._has_cancellations(con):
+                return []
+            rows = con.execute("SELECT x.seq, x.release_id, c.counterparty, x.at, x.reason, c.budgets, x.hash"
+                           " FROM cancellations x JOIN charges c ON c.seq = x.seq ORDER BY x.id").fetchall()
         return [{"entry_id": r[0], "release_id": r[1], "counterparty": r[2], "at": r[3], "reason": r[4],
                  "budgets": json.loads(r[5]), "hash": r[6]} for r in rows]
 
@@ -932,13 +1038,15 @@ class Ledger:
         sql = f"SELECT {self._ENTRY_COLS} FROM charges"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        return [self._to_entry(r) for r in self._conn().execute(sql + " ORDER BY seq", args)]
+        with self._read() as con:
+            return [self._to_entry(r) for r in con.execute(sql + " ORDER BY seq", args)]
 
     def events(self, release_id: str | None = None) -> list[dict]:
         sql, args = "SELECT id, release_id, at, kind, detail FROM events", ()
         if release_id is not None:
             sql, args = sql + " WHERE release_id = ?", (release_id,)
-        return [dict(zip(("id", "release_id", "at", "kind", "detail"), r)) for r in self._conn().execute(sql + " ORDER BY id", args)]
+        with self._read() as con:
+            return [dict(zip(("id", "release_id", "at", "kind", "detail"), r)) for r in con.execute(sql + " ORDER BY id", args)]
 
     def _limits(self, con: sqlite3.Connection, key: BudgetKey) -> FilterBudget | None:
         """The budget's limits: from the policy if there is one, else as recorded at the last charge."""
@@ -959,7 +1067,10 @@ class Ledger:
         budgets, plus, with ``scope="all"``, totals and the data budget). ``pld=True`` adds the
         PLD composition of each budget's releases (slower: it composes every record's PLD).
         """
-        con = self._conn()
+        with self._read() as con:
+            return self._budget_states(con, pld, counterparty, scope)
+
+    def _budget_states(self, con: sqlite3.Connection, pld: bool, counterparty: str | None, scope: str) -> list[BudgetState]:
         rows = con.execute("SELECT budget, level, unit, subject, counterparty, count, rdp, pure_epsilon FROM totals ORDER BY budget").fetchall()
         states = []
         seen = set()
@@ -1012,55 +1123,117 @@ class Ledger:
 
     def summary(self, *, counterparty: str | None = None, pld: bool = True) -> dict:
         """Everything ``privfusion ledger show`` prints, as JSON-ready data."""
-        return _jsonable({
-            "ledger": str(self.path),
-            "orders": list(self.orders),
-            "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
-            "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
-            "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
-            "cancelled": [c for c in self.cancellations() if counterparty is None or c["counterparty"] == counterparty],
-        })
+        with self._read():  # entries and budgets from one snapshot
+            return _jsonable({
+                "ledger": str(self.path),
+                "orders": list(self.orders),
+                "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
+                "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
+                "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
+                "cancelled": [c for c in self.cancellations() if counterparty is None or c["counterparty"] == counterparty],
+            })
 
     # ---- consistency ----------------------------------------------------------------------------
 
+    def _stored_hash(self, con: sqlite3.Connection, seq: int, prev_hash: str) -> str:
+        """The chain hash of charge ``seq`` recomputed from what the file holds."""
+        charge = con.execute(f"SELECT {', '.join(c for c, _ in _CHARGE_COLS)} FROM charges WHERE seq = ?", (seq,)).fetchone()
+        budgets = con.execute(f"SELECT {', '.join(c for c, _ in _BUDGET_COLS)} FROM charge_budgets WHERE seq = ?", (seq,)).fetchall()
+        models = con.execute(f"SELECT {', '.join(c for c, _ in _MODEL_COLS)} FROM charge_models WHERE seq = ?", (seq,)).fetchall()
+        return _chain_hash(prev_hash, charge, budgets, models)
+
     def verify(self) -> None:
-        """Raise FailedPrecondition unless the file passes SQLite's integrity check, the hash
-        chain links every charge, and the cached totals equal the sums recomputed from rows."""
-        con = self._conn()
+        """Raise FailedPrecondition unless, in one read snapshot:
+
+        - the file passes SQLite's integrity check;
+        - the hash chain links every charge: each charge's hash covers the previous hash, every
+          column of its row and its charge_budgets and charge_models rows, and the first one
+          starts from the filter's orders — so no value that decides a budget (level, unit, ε,
+          δ, RDP, pure ε, budgets, limits, pool models, the record) can change unnoticed;
+        - each budget's rows agree on what the budget is (its name is the one its level, unit,
+          model and counterparty give) and the ``totals`` cache equals the sums recomputed from
+          the chained rows, column by column;
+        - the delivery events' own chain links every event.
+
+        What a chain cannot show is a tail cut off together with a rewritten cache: the last
+        hash travels in each receipt, so a counterparty holds the evidence of its own charges.
+        """
         problems = []
-        check = [r[0] for r in con.execute("PRAGMA integrity_check")]
-        if check != ["ok"]:
-            problems.append(f"integrity_check: {check[:5]}")
-        cancelled = self._verify_cancellations(con, problems)
-        prev = GENESIS
+        with self._read() as con:
+            check = [r[0] for r in con.execute("PRAGMA integrity_check")]
+            if check != ["ok"]:
+                problems.append(f"integrity_check: {check[:5]}")
+            cancelled = self._verify_cancellations(con, problems)
+            budget_rows: dict[int, list[tuple]] = {}
+            for seq, *row in con.execute(f"SELECT seq, {', '.join(c for c, _ in _BUDGET_COLS)} FROM charge_budgets"):
+                budget_rows.setdefault(seq, []).append(tuple(row))
+            model_rows: dict[int, list[tuple]] = {}
+            for seq, *row in con.execute(f"SELECT seq, {', '.join(c for c, _ in _MODEL_COLS)} FROM charge_models"):
+                model_rows.setdefault(seq, []).append(tuple(row))
+            charges = con.execute(f"SELECT {', '.join(c for c, _ in _CHARGE_COLS)}, prev_hash, hash FROM charges ORDER BY seq").fetchall()
+            totals = {r[0]: r[1:] for r in con.execute(
+                "SELECT budget, level, unit, subject, counterparty, count, rdp, pure_epsilon, last_seq FROM totals")}
+            events = con.execute(f"SELECT {', '.join(c for c, _ in _EVENT_COLS)}, prev_hash, hash FROM events ORDER BY id").fetchall()
+        prev = _genesis(self.orders)
         sums: dict[str, list] = {}
-        links = {}
-        for seq, budget in con.execute("SELECT seq, budget FROM charge_budgets ORDER BY seq"):
-            links.setdefault(seq, []).append(budget)
-        for seq, cp, at, budgets, rdp, pure, record, prev_hash, h in con.execute(
-                "SELECT seq, counterparty, charged_at, budgets, rdp, pure_epsilon, record, prev_hash, hash FROM charges ORDER BY seq"):
-            if prev_hash != prev or h != _chain_hash(prev_hash, seq, cp, at, budgets, rdp, record):
+        keys: dict[str, tuple] = {}
+        chained = set()
+        for row in charges:
+            *charge, prev_hash, h = row
+            seq, budgets, rdp, pure = charge[0], charge[13], charge[11], charge[12]
+            try:
+                ok = prev_hash == prev and h == _chain_hash(prev_hash, tuple(charge), budget_rows.get(seq, []),
+                                                            model_rows.get(seq, []))
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
                 problems.append(f"hash chain broken at entry {seq}")
                 break
             prev = h
-            if sorted(json.loads(budgets)) != sorted(links.get(seq, [])):
+            chained.add(seq)
+            rows = budget_rows.get(seq, [])
+            if sorted(json.loads(budgets)) != sorted(r[0] for r in rows):
                 problems.append(f"entry {seq}: budgets column and charge_budgets rows differ")
             if seq in cancelled:
                 continue  # withdrawn before any byte left: in no budget's sums
             vec = np.asarray(json.loads(rdp), float)
-            for b in json.loads(budgets):
-                s = sums.setdefault(b, [0, np.zeros(len(self.orders)), 0.0, 0])
+            if vec.shape != (len(self.orders),):
+                problems.append(f"entry {seq}: its RDP has {vec.size} values for {len(self.orders)} orders")
+                break
+            for name, level, unit, subject, cp, *_ in rows:
+                key = (level, unit, subject, cp)
+                if BudgetKey(*key).name != name or keys.setdefault(name, key) != key:
+                    problems.append(f"entry {seq}: budget {name} does not match its level/unit/model/counterparty")
+                s = sums.setdefault(name, [0, np.zeros(len(self.orders)), 0.0, 0])
                 s[0] += 1
                 s[1] = s[1] + vec
                 s[2] = s[2] + pure
                 s[3] = seq
-        cached = {r[0]: r[1:] for r in con.execute("SELECT budget, count, rdp, pure_epsilon, last_seq FROM totals")}
-        if set(cached) != set(sums):
-            problems.append(f"totals cache lists {sorted(cached)}, rows give {sorted(sums)}")
+        orphans = sorted((set(budget_rows) | set(model_rows)) - chained)
+        if orphans and not any(p.startswith("hash chain") for p in problems):
+            problems.append(f"charge_budgets/charge_models rows for entries not in the chain: {orphans[:5]}")
+        if set(totals) != set(sums):
+            problems.append(f"totals cache lists {sorted(totals)}, rows give {sorted(sums)}")
         for b, (count, rdp, pure, last) in sums.items():
-            c = cached.get(b)
-            if c is not None and (c[0] != count or json.loads(c[1]) != rdp.tolist() or c[2] != pure or c[3] != last):
+            c = totals.get(b)
+            if c is None:
+                continue
+            try:
+                same = (tuple(c[:4]) == keys[b] and c[4] == count and json.loads(c[5]) == rdp.tolist()
+                        and c[6] == pure and c[7] == last)
+            except (TypeError, ValueError):
+                same = False
+            if not same:
                 problems.append(f"totals cache for {b} differs from the sum of its rows")
+        prev = GENESIS
+        for *event, prev_hash, h in events:
+            try:
+                ok = prev_hash == prev and h == _event_hash(prev_hash, tuple(event))
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                problems.append(f"event chain broken at event {event[0]}")
+                break
+            prev = h
         if problems:
             raise FailedPrecondition(f"ledger {self.path} is inconsistent: " + "; ".join(problems))
-

@@ -28,6 +28,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import grpc
 import numpy as np
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from coordinator_free.identity import check_site_name, fingerprint
 from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
@@ -85,12 +87,37 @@ class InFlight:
 # ------------------------------------------------------------------------ error mapping
 
 
+#: ``google.rpc.ErrorInfo.domain`` of every refusal this service sends.
+ERROR_DOMAIN = "privfusion.v1"
+
+
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a failed call ends with: the single error mapping."""
     if isinstance(error, PrivFusionError):
         code = getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)
         return code, str(error)
     return grpc.StatusCode.INTERNAL, "internal error"
+
+
+def rich_status_of(error: BaseException, message: str | None = None) -> status_pb2.Status:
+    """The ``google.rpc.Status`` a failed call ends with: :func:`status_of`'s code and message,
+    plus the domain error's structured details — a ``google.rpc.BadRequest`` with one field
+    violation (field, rule) per ``violations`` entry, and a ``google.rpc.ErrorInfo`` (reason,
+    domain ``privfusion.v1``, metadata) when the error names a reason. Any gRPC client reads
+    them from the ``grpc-status-details-bin`` trailer (``grpc_status.rpc_status.from_call``).
+    Internal errors carry none."""
+    code, text = status_of(error)
+    status = status_pb2.Status(code=code.value[0], message=text if message is None else message)
+    if code == grpc.StatusCode.INTERNAL or not isinstance(error, PrivFusionError):
+        return status
+    if error.violations:
+        bad = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=f, description=rule) for f, rule in error.violations])
+        status.details.add().Pack(bad)
+    if error.reason:
+        status.details.add().Pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN,
+                                                               metadata=dict(error.metadata)))
+    return status
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
@@ -116,7 +143,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                                       "error_type": type(error).__name__}), exc_info=error)
                 message = f"internal error (incident {incident})"
             log_event("refused", method=method, status=code.name, reason=message)
-            context.abort(code, message)
+            context.abort_with_status(rpc_status.to_status(rich_status_of(error, message)))
 
         calls = self.calls
 

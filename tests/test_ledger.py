@@ -12,6 +12,8 @@ import signal
 import sqlite3
 import threading
 import time
+import traceback
+from queue import Empty
 
 import numpy as np
 import pytest
@@ -101,6 +103,45 @@ def test_pure_track_counts_laplace_by_basic_composition(tmp_path):
     assert state.spent_epsilon == pytest.approx(0.9) and math.isinf(state.spent_order)
 
 
+def test_pure_track_admits_exactly_the_budget_and_not_1e_9_more(tmp_path):
+    # δ_G = 0: only the pure track decides. 0.25 and 0.5 are exact in binary, so the sums are
+    # exact: 0.25 + 0.25 + 0.5 = 1.0 is admitted (≤, not <), and 1e-9 over is refused.
+    ledger = open_ledger(tmp_path / "edge.db", make_policy(model_total=(1.0, 0.0)))
+    ledger.charge(laplace_record(epsilon=0.25), "b")
+    ledger.charge(laplace_record(epsilon=0.25), "b")
+    over = laplace_record(epsilon=0.5 + 1e-9)
+    assert over.epsilon > 0.5
+    with pytest.raises(BudgetExhausted):
+        ledger.charge(over, "b")
+    ledger.charge(laplace_record(epsilon=0.5), "b")
+    (state,) = ledger.budget_states()
+    assert state.count == 3 and state.spent_epsilon == 1.0 and state.remaining_epsilon == 0.0
+    with pytest.raises(BudgetExhausted):
+        ledger.charge(laplace_record(epsilon=1e-3), "b")
+
+
+def test_a_record_claiming_less_pure_epsilon_than_its_rdp_is_refused_and_nothing_written(tmp_path):
+    ledger = open_ledger(tmp_path / "liar.db", make_policy(model_total=(4.0, 0.0)))
+    honest = laplace_record(epsilon=0.5)  # scale and clip give ε = 0.5
+    liar = honest.with_(epsilon=0.1)       # same noise, a smaller claim
+    before = ledger.summary(pld=False)
+    with pytest.raises(InvalidArgument) as e:
+        ledger.charge(liar, "b")
+    assert e.value.field == "epsilon" and "pure ε = 0.1" in e.value.rule
+    assert ledger.summary(pld=False) == before and ledger.entries() == []
+    ledger.charge(honest, "b")  # the same release with its true ε is fine
+
+
+def test_a_record_naming_another_counterparty_is_refused(tmp_path):
+    ledger = open_ledger(tmp_path / "cp.db", make_policy(model_total=(4.0, 1e-6)))
+    rec = gaussian_record(noise_std=20.0, counterparty="c")
+    with pytest.raises(InvalidArgument) as e:
+        ledger.charge(rec, "b")
+    assert e.value.field == "counterparty" and "'c'" in e.value.rule and "'b'" in e.value.rule
+    assert ledger.entries() == [] and ledger.budget_states() == []
+    assert ledger.charge(rec, "c").counterparty == "c"
+
+
 def test_pure_track_helps_under_an_approximate_budget(tmp_path):
     # ε_G = 4, δ_G = 1e-6, Laplace ε = 0.5: basic composition admits 8, the RDP orders alone 7.
     ledger = open_ledger(tmp_path / "q.db", make_policy(model_total=(4.0, 1e-6)))
@@ -118,8 +159,32 @@ def test_refusal_writes_nothing_and_names_the_budget(tmp_path):
     before = ledger.summary(pld=False)
     with pytest.raises(BudgetExhausted) as e:
         ledger.charge(gaussian_record(noise_std=0.5), "b")
-    assert "model/m/total" in str(e.value) and "spent ε=" in str(e.value) and "alone ε=" in str(e.value)
+    assert "model/m/total" in str(e.value) and "alone ε=" in str(e.value)
     assert ledger.summary(pld=False) == before
+    # show_remaining defaults to "none": the requester learns the budget and its limits, not
+    # what others have spent from it
+    assert e.value.reason == "BUDGET_EXHAUSTED" and "spent ε=" not in str(e.value)
+    assert e.value.metadata["budget"] == "model/m/total" and e.value.metadata["epsilon_limit"] == "1.0"
+    assert "spent_epsilon" not in e.value.metadata and "remaining_epsilon" not in e.value.metadata
+
+
+@pytest.mark.parametrize("show, cap", [("all", None), ("all", 7.5), ("own", None)])
+def test_budget_refusals_say_what_is_spent_and_left_as_the_policy_shows(tmp_path, show, cap):
+    extra = {"show_remaining": show, **({"caps": {"weights": cap}} if cap else {})}
+    ledger = open_ledger(tmp_path / "s.db", make_policy(model_total=(1.0, 1e-6), per_cp=(1.0, 1e-6), **extra))
+    ledger.charge(gaussian_record(noise_std=20.0), "b", kind="weights")
+    with pytest.raises(BudgetExhausted) as e:
+        ledger.charge(gaussian_record(noise_std=1.0), "b", kind="weights")
+    md = e.value.metadata
+    assert md.get("request_cap_epsilon") == (None if cap is None else repr(cap))
+    (state,) = [s for s in ledger.budget_states() if s.key.name == md["budget"]]
+    if show == "own" and md["budget"] == "model/m/total":
+        assert "spent_epsilon" not in md  # the shared budget is not the requester's own
+        return
+    # ε at the budget's δ, the filter's own figures (what `ledger show` prints), not RDP orders
+    assert float(md["spent_epsilon"]) == state.spent_epsilon > 0
+    assert float(md["remaining_epsilon"]) == state.remaining_epsilon == 1.0 - state.spent_epsilon
+    assert float(md["request_epsilon"]) > float(md["remaining_epsilon"]) and "spent ε=" in str(e.value)
 
 
 # ---- two budgets, per counterparty, units -------------------------------------------------------
@@ -438,16 +503,40 @@ def test_threads_charging_at_once_never_overspend(tmp_path):
 
 
 def _process_worker(path, n_charges, sigma, eps_g, delta_g, queue):
-    ledger = open_ledger(path, make_policy(model_total=(eps_g, delta_g)))
-    ok = refused = 0
-    for _ in range(n_charges):
+    try:
+        ledger = open_ledger(path, make_policy(model_total=(eps_g, delta_g)))
+        ok = refused = 0
+        for _ in range(n_charges):
+            try:
+                ledger.charge(gaussian_record(noise_std=sigma), f"pid-{os.getpid()}")
+                ok += 1
+            except BudgetExhausted:
+                refused += 1
+        ledger.close()
+        queue.put(("ok", (ok, refused)))
+    except BaseException:  # noqa: BLE001 - the parent must see why, not wait for a silent child
+        queue.put(("error", traceback.format_exc()))
+
+
+def collect(queue, procs, timeout=120.0):
+    """One result per child process; a child's exception fails the test at once with its
+    traceback, and so does a child that died without reporting."""
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < len(procs):
         try:
-            ledger.charge(gaussian_record(noise_std=sigma), f"pid-{os.getpid()}")
-            ok += 1
-        except BudgetExhausted:
-            refused += 1
-    ledger.close()
-    queue.put((ok, refused))
+            kind, value = queue.get(timeout=0.5)
+        except Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                pytest.fail(f"a child process died without reporting (exit codes {dead})")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{len(procs) - len(out)} child processes did not report within {timeout:g} s")
+            continue
+        if kind == "error":
+            pytest.fail(f"a child process raised:\n{value}")
+        out.append(value)
+    return out
 
 
 def test_processes_charging_at_once_never_overspend(tmp_path):
@@ -462,7 +551,7 @@ def test_processes_charging_at_once_never_overspend(tmp_path):
     assert 5 * 6 > k
     for p in procs:
         p.start()
-    outcomes = [queue.get(timeout=120) for _ in procs]
+    outcomes = collect(queue, procs)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -502,12 +591,21 @@ def _run_crash_rounds(tmp_path, rounds, seed):
         child = ctx.Process(target=_crash_child, args=(path, next_start, w))
         child.start()
         os.close(w)
-        time.sleep(rng.uniform(0.0, 0.25))
+        reader = os.fdopen(r)
+        # Kill only after the child has reported a random number (1-4) of sent releases — progress
+        # is waited for, not assumed from a sleep — then at a random moment within the next
+        # charges, so kills land before, inside and after commits.
+        got = []
+        for _ in range(rng.randint(1, 4)):
+            line = reader.readline()  # blocks until the child sends, or EOF if it died
+            assert line, f"the crash child died on its own (exit code {child.exitcode})"
+            got.append(int(line))
+        time.sleep(rng.uniform(0.0, 0.02))  # a random phase, not a wait for progress
         os.kill(child.pid, signal.SIGKILL)
         child.join()
         assert child.exitcode == -signal.SIGKILL  # killed, not dead of an error of its own
-        with os.fdopen(r) as f:
-            got = [int(x) for x in f.read().split("\n") if x.strip()]
+        with reader:
+            got += [int(x) for x in reader.read().split("\n") if x.strip()]
         sent += got
         # Restart from the release after the last one sent: the one that may have been charged
         # but not sent is retried with the same release id, and must not be charged twice.
@@ -523,7 +621,7 @@ def _run_crash_rounds(tmp_path, rounds, seed):
 
 def test_crash_between_charge_and_send_keeps_every_sent_charge(tmp_path):
     sent = _run_crash_rounds(tmp_path, rounds=10, seed=7)
-    assert len(sent) > 10
+    assert len(sent) >= 10  # each round waits for at least one sent release before its kill
 
 
 @pytest.mark.slow

@@ -44,10 +44,14 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
     receipts: dict[str, str] = {}  # ledger entry id -> release id, as the receipts said
     complete, cut = 0, 0
     lock = threading.Lock()
-    for _ in range(rounds):
+    for i in range(rounds):
         proc, address = forked.start(a)
         stop = threading.Event()
         state = {"complete": 0, "cut": 0}
+        # What this round waits for before its kill: the first release completed (round 0, so
+        # that every run sees completions) or a first receipt (a charge made, bytes leaving).
+        # Progress is waited for; only the moment of the kill after it is random.
+        reached = {"receipt": threading.Event(), "complete": threading.Event()}
 
         def work():
             seen_here = []
@@ -56,6 +60,7 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
                 with lock:
                     receipts[r.ledger_entry_id] = r.record.release_id
                 seen_here.append(r.ledger_entry_id)
+                reached["receipt"].set()
                 time.sleep(pause)  # a slow reader: the release stays in flight after its charge
             try:
                 with client(b, address, on_receipt=on_receipt) as c:
@@ -65,6 +70,7 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
                             c.weights("big", epsilon=1.0, delta=1e-6, timeout=20)
                             with lock:
                                 state["complete"] += 1
+                            reached["complete"].set()
                         except PeerError:
                             with lock:
                                 state["cut"] += len(seen_here) > n  # the receipt came, the rest did not
@@ -76,7 +82,9 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
         threads = [threading.Thread(target=work) for _ in range(clients)]
         for t in threads:
             t.start()
-        time.sleep(rng.uniform(0.1, 0.9))
+        milestone = "complete" if i == 0 else rng.choice(["receipt", "complete"])
+        assert reached[milestone].wait(60), f"round {i}: no {milestone} within 60 s"
+        time.sleep(rng.uniform(0.0, 0.3))  # a random phase after the milestone, not a wait for progress
         os.kill(proc.pid, 9)
         proc.join()
         stop.set()
@@ -150,6 +158,19 @@ def slow_reader(b, a, address, request, pause_s, out):
         out["frames"] = frames
 
 
+def wait_for_charge(site, timeout=60.0):
+    """Block until the site's ledger holds a charge (polled: the charge is made in the daemon's
+    process; each read is one consistent snapshot of the live file)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if site.ledger.exists():
+            with Ledger(site.ledger) as led:
+                if led.entries():
+                    return
+        time.sleep(0.05)
+    pytest.fail(f"no charge in {site.ledger} within {timeout:g} s")
+
+
 def huge_sites(tmp_path, grace):
     a = make_site(tmp_path, "site-a", models={"huge": (HUGE, model_arrays(HUGE))}, grace=grace)
     b = make_site(tmp_path, "site-b", models={})
@@ -168,8 +189,7 @@ def test_sigterm_lets_in_flight_releases_finish_and_refuses_new_ones(tmp_path):
         assert health_of(health) == "SERVING"
         t = threading.Thread(target=slow_reader, args=(b, a, address, req, 4.0, out))
         t.start()
-        while not a.ledger.exists() or not Ledger(a.ledger).entries():
-            time.sleep(0.05)  # charged: the release is in flight (its reader pauses 4 s)
+        wait_for_charge(a)  # charged: the release is in flight (its reader pauses 4 s)
         daemon.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 3
         while health_of(health) != "NOT_SERVING" and time.monotonic() < deadline:
@@ -200,8 +220,7 @@ def test_sigterm_after_the_grace_period_aborts_but_keeps_the_charge(tmp_path, fo
     out = {}
     t = threading.Thread(target=slow_reader, args=(b, a, address, req, 4.0, out))
     t.start()
-    while not a.ledger.exists() or not Ledger(a.ledger).entries():
-        time.sleep(0.05)
+    wait_for_charge(a)
     os.kill(proc.pid, signal.SIGTERM)
     proc.join(30)
     t.join(60)

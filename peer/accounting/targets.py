@@ -68,7 +68,13 @@ Utility = Union[Sequence[float], Callable[[np.ndarray], float]]
 
 
 class UnreachableTarget(InvalidArgument):
-    """No weighting of the pool meets the target; ``most_private_epsilon`` is the best reachable."""
+    """No weighting of the pool meets the target; ``most_private_epsilon`` is the best reachable.
+
+    Every target at or above it is reachable (a larger ε only widens the feasible weights), so
+    the pool's reachable range at this δ is [most_private_epsilon, ∞); the refusal carries it
+    (reason ``TARGET_UNREACHABLE``, metadata ``reachable_epsilon_min`` / ``_max``) so the
+    requester can ask again at a target the pool can serve. It is public: a function of the
+    pool's published privacy profiles, not of the data."""
 
     def __init__(self, method: str, target_epsilon: float, delta: float, accountant: str, most_private_epsilon: float):
         self.method = method
@@ -79,7 +85,11 @@ class UnreachableTarget(InvalidArgument):
         super().__init__(
             "target_epsilon",
             f"no {method.upper()} weighting of these models reaches epsilon <= {target_epsilon:g} at delta = {delta:g} "
-            f"({accountant}); the most private reachable is epsilon = {most_private_epsilon:.6g}")
+            f"({accountant}); the most private reachable is epsilon = {most_private_epsilon:.6g}",
+            reason="TARGET_UNREACHABLE",
+            metadata={"method": method, "accountant": accountant, "target_epsilon": float(target_epsilon),
+                      "delta": float(delta), "reachable_epsilon_min": float(most_private_epsilon),
+                      "reachable_epsilon_max": math.inf})
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,11 @@ def describe(e: dict) -> str:
         return (f"{who} {peer}: {e['step']} released (its ledger entry {e['entry_id']}: {e['level']} level, "
                 f"ε={e['epsilon']:g}, δ={e['delta']:g} per {e['unit']})")
     if ev == "dropped":
-        return f"{who} {peer} DROPPED at {e['step']} ({e['status']}; charged: {e['charged']}): {e['reason']}"
+        from coordinator_free.rounds import details_line
+
+        why = details_line(e.get("details"))
+        return (f"{who} {peer} DROPPED at {e['step']} ({e['status']}; charged: {e['charged']}): {e['reason']}"
+                + (f" [{why}]" if why else ""))
     if ev == "not-alive":
         return f"{who} {peer} is not alive: {e.get('reason', '')}"
     if ev == "fused":
