@@ -109,9 +109,10 @@ class LimitsInterceptor(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._per_peer: Counter[str] = Counter()
 
-    def in_progress(self, key: str) -> int:
+    def in_progress(self) -> int:
+        """Calls admitted and not yet finished (health checks not counted)."""
         with self._lock:
-            return self._per_peer[key]
+            return sum(self._per_peer.values())
 
     def _admit(self, method: str, context) -> Callable[[], None]:
         """Take this call's places (or refuse it); returns what gives them back."""
