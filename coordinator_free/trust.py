@@ -129,7 +129,7 @@ class TrustStore:
             pem = path.read_bytes()
             cert = load_certificate(pem, str(path))
             name = certificate_name(cert)
-            stem = path.stem[:-len(NEXT)] if path.stem.endswith(NEXT) else path.stem
+            stem = path.stem.removesuffix(NEXT)
             if stem != name:
                 raise InvalidArgument(str(path), f"holds the certificate of {name!r}; pinned files are named "
                                                  f"NAME{SUFFIX} (or NAME{NEXT}{SUFFIX} during a rotation)")

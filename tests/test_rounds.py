@@ -555,7 +555,7 @@ epsilon = 20.0
             assert stopped
             proc.send_signal(signal.SIGINT)
             os.kill(daemons["hospital-c"].proc.pid, signal.SIGCONT)  # the call in flight can finish
-            out, err = proc.communicate(timeout=120)
+            _out, err = proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
