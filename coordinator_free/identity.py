@@ -20,6 +20,14 @@ Layout of an identity directory::
     site.key      PKCS#8 PEM private key, mode 0600
     site.crt      the self-signed certificate (PEM)
     trusted/      pinned peer certificates, NAME.crt (coordinator_free.trust)
+    next/         during a rotation: the new site.key and site.crt, not yet in use
+    retired/      certificates (and keys) rotated out, one folder per rotation
+
+Rotation (``privfusion peer rotate``) has an overlap window: :func:`stage_rotation` makes the
+new key and certificate in ``next/`` while the old ones stay in use; the peers pin the new
+certificate *beside* the old one (both are accepted); :func:`activate_rotation` then moves the
+new pair in place (the daemon serves it after a restart) and the old one to ``retired/``; last,
+the peers retire the old pin (``privfusion peer trust promote NAME``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from peer.errors import FailedPrecondition, InvalidArgument, NotFound
 KEY_FILE = "site.key"
 CERT_FILE = "site.crt"
 TRUST_DIR = "trusted"
+NEXT_DIR = "next"
+RETIRED_DIR = "retired"
 SIGNATURE_ALGORITHM = "ecdsa-p256-sha256"
 DEFAULT_VALIDITY_DAYS = 730
 # A DNS label-compatible site name: it is also a DNS SAN of the site's certificate.
@@ -96,11 +106,15 @@ def _san_entry(address: str) -> x509.GeneralName:
 
 
 def make_certificate(name: str, key: ec.EllipticCurvePrivateKey, addresses: Iterable[str] = (),
-                     not_before: _dt.datetime | None = None, days: int = DEFAULT_VALIDITY_DAYS) -> bytes:
-    """A self-signed certificate for ``name`` (PEM), valid for ``days`` from ``not_before``."""
+                     not_before: _dt.datetime | None = None, days: int = DEFAULT_VALIDITY_DAYS,
+                     valid_for: _dt.timedelta | None = None) -> bytes:
+    """A self-signed certificate for ``name`` (PEM), valid for ``days`` (or exactly
+    ``valid_for``, e.g. seconds in tests of expiry) from ``not_before``."""
     check_site_name(name)
     if isinstance(days, bool) or not isinstance(days, int) or days <= 0:
         raise InvalidArgument("days", f"must be a positive integer, got {days!r}")
+    if valid_for is not None and valid_for <= _dt.timedelta(0):
+        raise InvalidArgument("valid_for", f"must be a positive duration, got {valid_for!r}")
     start = not_before or (_dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=5))
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     sans: list[x509.GeneralName] = [x509.DNSName(name)]
@@ -115,7 +129,7 @@ def make_certificate(name: str, key: ec.EllipticCurvePrivateKey, addresses: Iter
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
-        .not_valid_after(start + _dt.timedelta(days=days))
+        .not_valid_after(start + (valid_for if valid_for is not None else _dt.timedelta(days=days)))
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
@@ -185,7 +199,8 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def init_identity(directory: str | os.PathLike, name: str, addresses: Iterable[str] = (),
-                  days: int = DEFAULT_VALIDITY_DAYS, not_before: _dt.datetime | None = None) -> Identity:
+                  days: int = DEFAULT_VALIDITY_DAYS, not_before: _dt.datetime | None = None,
+                  valid_for: _dt.timedelta | None = None) -> Identity:
     """Create a key pair and a self-signed certificate for site ``name`` in ``directory``.
 
     Refuses to overwrite an existing identity (a new key would silently invalidate every pin
@@ -197,13 +212,63 @@ def init_identity(directory: str | os.PathLike, name: str, addresses: Iterable[s
         raise FailedPrecondition(f"{d}: already holds an identity ({KEY_FILE}/{CERT_FILE}); remove it first to make a new one")
     d.mkdir(parents=True, exist_ok=True)
     (d / TRUST_DIR).mkdir(exist_ok=True)
+    return _write_identity(d, name, addresses, days, not_before, valid_for)
+
+
+def _write_identity(d: Path, name: str, addresses: Iterable[str], days: int, not_before=None, valid_for=None) -> Identity:
     key = ec.generate_private_key(ec.SECP256R1())
-    cert_pem = make_certificate(name, key, addresses, not_before=not_before, days=days)
+    cert_pem = make_certificate(name, key, addresses, not_before=not_before, days=days, valid_for=valid_for)
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     _write_private(d / KEY_FILE, key_pem)
     (d / CERT_FILE).write_bytes(cert_pem)
     return Identity(name, d, key_pem, cert_pem)
+
+
+def certificate_addresses(cert: x509.Certificate) -> list[str]:
+    """The hosts and IPs a certificate names besides the site name (its SANs)."""
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    name = certificate_name(cert)
+    return [str(v) for v in sans.get_values_for_type(x509.IPAddress)] + [
+        v for v in sans.get_values_for_type(x509.DNSName) if v != name]
+
+
+def stage_rotation(directory: str | os.PathLike, addresses: Iterable[str] | None = None,
+                   days: int = DEFAULT_VALIDITY_DAYS, valid_for: _dt.timedelta | None = None) -> Identity:
+    """Start a certificate rotation: a new key and certificate in ``DIR/next`` (same site name;
+    the current certificate's addresses unless ``addresses`` are given). The current pair stays
+    in use until :func:`activate_rotation`; meanwhile the peers pin the new certificate beside
+    the old one. Refuses a second staged rotation (its certificate may already be pinned)."""
+    current = load_identity(directory)
+    nxt = current.directory / NEXT_DIR
+    if (nxt / KEY_FILE).exists() or (nxt / CERT_FILE).exists():
+        raise FailedPrecondition(f"{nxt}: a rotation is already staged; activate it (`privfusion peer rotate "
+                                 f"--activate`) or remove {nxt} to start over")
+    if addresses is None:
+        addresses = certificate_addresses(load_certificate(current.cert_pem))
+    nxt.mkdir(exist_ok=True)
+    return _write_identity(nxt, current.name, addresses, days, valid_for=valid_for)
+
+
+def activate_rotation(directory: str | os.PathLike) -> tuple[Identity, Identity, Path]:
+    """Finish a rotation at the site: the staged pair becomes ``site.key``/``site.crt`` and the
+    old pair moves to ``retired/<UTC time>/``. Returns (old, new, retired folder)."""
+    current = load_identity(directory)
+    d = current.directory
+    staged = load_identity(d / NEXT_DIR)
+    if staged.name != current.name:
+        raise FailedPrecondition(f"{d / NEXT_DIR} holds an identity of {staged.name!r}, not {current.name!r}")
+    check_validity(load_certificate(staged.cert_pem), f"{d / NEXT_DIR / CERT_FILE}")
+    retired = d / RETIRED_DIR / _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    retired.mkdir(parents=True)
+    for f in (KEY_FILE, CERT_FILE):
+        os.replace(d / f, retired / f)
+        os.replace(d / NEXT_DIR / f, d / f)
+    (d / NEXT_DIR).rmdir()
+    return current, load_identity(d), retired
 
 
 def load_identity(directory: str | os.PathLike) -> Identity:

@@ -96,14 +96,15 @@ class Roster:
         return [s for n, s in self.sites.items() if n != me]
 
     def check_pins(self, trust: TrustStore, me: str) -> None:
-        """FailedPrecondition unless every peer's roster certificate is the one pinned for it."""
+        """FailedPrecondition unless every peer's roster certificate is pinned for it (its current
+        pin, or the next one while it rotates its certificate)."""
         pinned = trust.peers()
         problems = []
         for s in self.peers_of(me):
             p = pinned.get(s.name)
             if p is None:
                 problems.append(f"{s.name!r} is not pinned")
-            elif p.fingerprint != s.fingerprint:
+            elif p.fingerprint != s.fingerprint and s.fingerprint not in {q.fingerprint for q in trust.pins_of(s.name)}:
                 problems.append(f"{s.name!r} is pinned with SHA-256 {p.fingerprint}, the roster's {s.certificate} has {s.fingerprint}")
         if problems:
             raise FailedPrecondition(f"roster {self.path}: " + "; ".join(problems)

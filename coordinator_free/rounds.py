@@ -278,7 +278,7 @@ class RoundState:
     """The round's record, shared by the per-peer threads (one lock; events go to ``on_event``)."""
 
     def __init__(self, round_id: str, site: str, peers: Sequence[tuple[str, str]], quorum: int,
-                 on_event: Callable[[dict], None] | None = None):
+                 on_event: Callable[[dict], None] | None = None, stop: threading.Event | None = None):
         self.round_id = round_id
         self.site = site
         self.quorum = quorum
@@ -287,6 +287,11 @@ class RoundState:
         self._on_event = on_event
         self._lock = threading.RLock()
         self.aborted: str | None = None
+        self._stop = stop
+
+    def interrupted(self) -> bool:
+        """Whether the round was told to stop (SIGINT/SIGTERM): nothing more is requested."""
+        return self._stop is not None and self._stop.is_set()
 
     def event(self, event: str, peer: str | None = None, step: str | None = None, **fields: Any) -> dict:
         e = {"at": now_rfc3339(), "round": self.round_id, "site": self.site, "event": event}
@@ -312,10 +317,15 @@ class RoundState:
         return len(self.still_in()) + 1 >= self.quorum
 
     def begin(self, peer: str, step: str) -> bool:
-        """Mark ``peer`` at ``step``; False (and the peer marked not-asked) when the round can no
-        longer reach its quorum, so no further budget is spent on it."""
+        """Mark ``peer`` at ``step``; False (and the peer marked not-asked) when the round was
+        interrupted or can no longer reach its quorum, so no further budget is spent on it."""
         with self._lock:
             p = self.peers[peer]
+            if step in CHARGED_STEPS and self.interrupted():
+                p.state = "not-asked"
+                p.notes.append(f"{step} not requested: the round was interrupted")
+                self.event("not-asked", peer, step, reason="interrupted")
+                return False
             if step in CHARGED_STEPS and not self.quorum_reachable():
                 p.state = "not-asked"
                 p.notes.append(f"{step} not requested: the round can no longer reach its quorum of {self.quorum}")
@@ -394,6 +404,20 @@ class RoundState:
     def charges(self) -> list[Charge]:
         with self._lock:
             return [c for p in self.peers.values() for c in p.charges]
+
+    def may_have_charged(self) -> dict[str, str]:
+        """Per peer: "yes" (a signed receipt arrived), "unknown" (a call broke off before its
+        receipt, after the peer may have charged) or "no"."""
+        with self._lock:
+            out = {}
+            for n, p in self.peers.items():
+                if p.charges:
+                    out[n] = "yes"
+                elif p.drop is not None and p.drop.charged in ("yes", "unknown"):
+                    out[n] = p.drop.charged
+                else:
+                    out[n] = "no"
+            return out
 
     def peers_dict(self) -> dict:
         with self._lock:

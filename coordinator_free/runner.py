@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ class LocalSite:
 @dataclass
 class RoundResult:
     round_id: str
-    status: str  # "fused" | "aborted"
+    status: str  # "fused" | "aborted" | "interrupted"
     reason: str
     report: dict
     arrays: dict[str, np.ndarray] | None
@@ -94,13 +95,26 @@ def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
                      Site._load_probe(cfg.probe), cfg.activation_clip)
 
 
-def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float] | None = None) -> RoundConfig:
-    """The ``[round]`` table of a file (site.toml or a separate round file)."""
+def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float] | None = None,
+                      site: str | None = None) -> RoundConfig:
+    """The ``[round]`` table of a file (site.toml or a separate round file).
+
+    The roster is read too: a ``quorum`` larger than the sites a round can have (the roster's
+    peers of ``site`` plus ``site``; without ``site``, every roster site plus the requester
+    should it not be listed) could never be met, and is refused here, naming key and line.
+    """
     p = Path(path)
     data, text = load_toml(p, "round file")
     if "round" not in data:
         raise InvalidArgument(f"round ({p})", "the file has no [round] table")
-    return RoundConfig.from_section(Section(data["round"], ("round",), text, str(p)), p.resolve().parent, default_clip)
+    section = Section(data["round"], ("round",), text, str(p))
+    config = RoundConfig.from_section(section, p.resolve().parent, default_clip)
+    roster = Roster.load(config.roster)
+    sites = len(roster.peers_of(site)) + 1 if site is not None else len(roster.sites) + 1
+    if config.quorum > sites:
+        section.fail("quorum", f"is {config.quorum}, but a round over the roster {config.roster} has only {sites} "
+                               f"sites ({'this one' if site is None else repr(site)} included): it could never fuse")
+    return config
 
 
 # ------------------------------------------------------------------------------ the round
@@ -158,8 +172,13 @@ def _never_connected(details: str) -> bool:
 
 def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
               on_event: Callable[[dict], None] | None = None, write: bool = True,
-              round_id: str | None = None) -> RoundResult:
-    """Run one fusion round for ``local`` over ``roster`` (see coordinator_free.rounds)."""
+              round_id: str | None = None, stop: threading.Event | None = None) -> RoundResult:
+    """Run one fusion round for ``local`` over ``roster`` (see coordinator_free.rounds).
+
+    ``stop`` (set e.g. by SIGINT/SIGTERM) interrupts the round: nothing more is requested, the
+    releases in flight are waited for (their receipts are kept), no model is fused, and the
+    report says ``interrupted`` and, for each peer, whether it may have charged.
+    """
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from peer.client import PeerClient, PeerError
@@ -170,7 +189,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
     round_id = round_id or uuid.uuid4().hex
     roster.check_pins(local.trust, me)
     peers: list[RosterSite] = roster.peers_of(me)
-    state = RoundState(round_id, me, [(p.name, p.address) for p in peers], config.quorum, on_event)
+    state = RoundState(round_id, me, [(p.name, p.address) for p in peers], config.quorum, on_event, stop=stop)
     started = now_rfc3339()
     arch = validate_architecture(local.model.architecture)
     probe = np.asarray(local.probe)
@@ -310,7 +329,9 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         with ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix="round") as workers:
             list(workers.map(health, peers))
             alive = [p for p in peers if state.peers[p.name].alive]
-            if len(alive) + 1 < config.quorum:
+            if state.interrupted():
+                state.aborted = "interrupted before anything was requested"
+            elif len(alive) + 1 < config.quorum:
                 state.aborted = (f"only {len(alive)} of {len(peers)} peers answered the health check; with this site "
                                  f"that is {len(alive) + 1} < quorum {config.quorum}; nothing was requested")
             else:
@@ -322,6 +343,9 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             c.close()
 
     fused = None
+    if state.aborted is None and state.interrupted():
+        state.aborted = ("interrupted: nothing more was requested, the releases in flight were waited for; "
+                         "no model was fused (what peers released stays charged; receipts below)")
     if state.aborted is None and len(contributions) + 1 < config.quorum:
         state.aborted = (f"{len(contributions)} peers contributed; with this site that is {len(contributions) + 1} "
                          f"< quorum {config.quorum}; no model was fused (what peers released stays charged)")
@@ -330,12 +354,15 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
     if state.aborted is None:
         fused = average_arrays([local.model.arrays] + [contributions[n] for n in contributors], weights)
         state.event("fused", step="fuse", contributors=contributors, weights=weights)
+    elif state.interrupted():
+        state.event("interrupted", step="fuse", reason=state.aborted)
     else:
         state.event("aborted", step="fuse", reason=state.aborted)
 
     report = {
         "round_id": round_id, "label": config.label, "site": me, "model": local.model.name,
-        "status": "fused" if fused is not None else "aborted", "reason": state.aborted or "",
+        "status": "fused" if fused is not None else ("interrupted" if state.interrupted() else "aborted"),
+        "reason": state.aborted or "", "may_have_charged": state.may_have_charged(),
         "started_at": started, "finished_at": now_rfc3339(), "config": config.public(),
         "roster": [p.name for p in peers], "contributors": contributors,
         "weights": dict(zip([me] + contributors, weights)) if fused is not None else {},

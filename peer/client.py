@@ -207,7 +207,10 @@ class PeerClient:
             pinned = resolve_peer(self.trust, address, peer)
             self.peer_name = pinned.name
             self.peer_cert = pinned.cert_pem
-            creds = grpc.ssl_channel_credentials(root_certificates=pinned.cert_pem, private_key=identity.key_pem,
+            # while the peer rotates its certificate both pins are accepted (TLS and receipts)
+            self._next_certs = [p.cert_pem for p in self.trust.pins_of(pinned.name)[1:]]
+            creds = grpc.ssl_channel_credentials(root_certificates=b"".join([pinned.cert_pem, *self._next_certs]),
+                                                 private_key=identity.key_pem,
                                                  certificate_chain=identity.cert_pem)
             self.channel = grpc.secure_channel(address, creds, options=wire.grpc_options() + [
                 ("grpc.ssl_target_name_override", pinned.name)])
@@ -243,7 +246,7 @@ class PeerClient:
     def _check_receipt(self, receipt: SignedReceipt) -> None:
         if self.peer_cert is None:
             raise InvalidArgument("receipt.signature", f"cannot be checked: {self.peer_name!r} is not pinned")
-        record = verify_receipt(receipt, self.peer_cert, expected_signer=self.peer_name)
+        record = _verify_with_any(receipt, [self.peer_cert, *getattr(self, "_next_certs", [])], self.peer_name)
         if record.counterparty != self.identity.name:
             raise InvalidArgument("receipt.record.counterparty", f"is {record.counterparty!r}, not this site ({self.identity.name!r})")
         if self.on_receipt is not None:
@@ -362,6 +365,16 @@ class PeerClient:
 # ---------------------------------------------------------------------- saving releases
 
 
+def _verify_with_any(receipt: SignedReceipt, certs: list[bytes], signer: str | None):
+    """The receipt's record if one of the signer's pins (current, then next) verifies it."""
+    for cert in certs[1:]:
+        try:
+            return verify_receipt(receipt, cert, expected_signer=signer)
+        except InvalidArgument:
+            continue
+    return verify_receipt(receipt, certs[0], expected_signer=signer)
+
+
 def verify_upstream(release: wire.Release, trust: TrustStore) -> list[dict]:
     """Check the receipts a release is built on against our own pins, where we have them."""
     out = []
@@ -371,7 +384,7 @@ def verify_upstream(release: wire.Release, trust: TrustStore) -> list[dict]:
             out.append({"signer": r.signer, "ledger_entry_id": r.ledger_entry_id, "verified": False,
                         "reason": f"{r.signer!r} is not pinned here"})
             continue
-        verify_receipt(r, pinned.cert_pem)
+        _verify_with_any(r, [p.cert_pem for p in trust.pins_of(r.signer)], None)
         out.append({"signer": r.signer, "ledger_entry_id": r.ledger_entry_id, "verified": True})
     return out
 

@@ -9,7 +9,11 @@
     models = "models"                # a peer.store directory: the models this site offers
     ledger = "ledger.sqlite"         # the privacy-budget ledger (created on first start)
     probe = "probe.safetensors"      # optional: this site's public probe set (tensor "x"), for Fuse
-    workers = 32                     # concurrent calls served
+    workers = 32                     # streaming calls (releases, ledger listings) served at once
+    reserve_workers = 8              # more threads, kept for health checks and GetPeerInfo
+    max_calls_per_peer = 8           # calls one peer may have in progress (health checks exempt)
+    stream_idle_s = 30               # an upload (ReleaseFeatures' probe) sending nothing this long is cut
+    stream_deadline_s = 600          # and one not finished after this long
     shutdown_grace_s = 20            # SIGTERM: in-flight releases get this long to finish
     # seed = 7                       # simulations only (`peer serve --simulation`): fixed-seed
     #                                # noise, "fixed seed: not private" in logs, info and every record
@@ -30,11 +34,19 @@
     [policy]                         # budgets, caps and who may ask for what: peer.policy
     ...
 
-On start the daemon loads everything, opens (or creates) the ledger, and serves
+On start the daemon takes an exclusive lock on its ledger (``LEDGER.lock`` beside it, held
+for the daemon's life: two daemons never share one ledger), loads everything, opens (or
+creates) the ledger, and serves
 privfusion.v1.Peer, grpc.health.v1.Health and server reflection on one mutually authenticated
 port. The TLS trust anchors are the pinned certificates, re-read for every new connection, so
 ``privfusion peer trust add/remove`` takes effect without a restart (calls on connections
 already open are re-checked against the pins on every call).
+
+Limits (``peer.limits``): streaming calls hold at most ``workers`` threads, the
+``reserve_workers`` more stay free for health checks and GetPeerInfo, one peer may have at most
+``max_calls_per_peer`` calls in progress, and a client stream that stalls is cut
+(DEADLINE_EXCEEDED, nothing charged). The port is bound exclusively (no SO_REUSEPORT): a
+second daemon on a taken port fails at start, naming the address.
 
 SIGTERM/SIGINT: health turns NOT_SERVING, new releases are refused (nothing charged), in-flight
 releases get ``shutdown_grace_s`` to finish; after that they are cancelled. A cancelled release
@@ -45,12 +57,15 @@ Logs are JSON lines on stderr: events, site names, record ids and public paramet
 
 from __future__ import annotations
 
+import errno
 import faulthandler
+import fcntl
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -68,11 +83,12 @@ from grpc_reflection.v1alpha import reflection
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from coordinator_free.identity import Identity, check_site_name, load_identity
+from coordinator_free.identity import Identity, check_site_name, fingerprint, load_identity
 from coordinator_free.trust import PinnedPeer, TrustStore
 from peer import wire
 from peer.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from peer.ledger import Ledger
+from peer.limits import Limits, LimitsInterceptor
 from peer.policy import Policy
 from peer.records import FIXED_SEED_WARNING, ReleaseRecord
 from peer.rng import Randomness, make_randomness
@@ -112,6 +128,10 @@ class SiteConfig:
     probe: Path | None = None
     workers: int = 32
     shutdown_grace_s: float = 20.0
+    reserve_workers: int = 8
+    max_calls_per_peer: int = 8
+    stream_idle_s: float = 30.0
+    stream_deadline_s: float = 600.0
     seed: int | None = None
     activation_clip: tuple[float, float] | None = None
     calibration: str = "analytic"
@@ -137,7 +157,8 @@ class SiteConfig:
         if not isinstance(site, Mapping):
             raise InvalidArgument("site", "site.toml needs a [site] table")
         known = {"name", "listen", "identity", "models", "ledger", "probe", "workers", "shutdown_grace_s", "seed",
-                 "mechanisms", "pools", "peers"}
+                 "mechanisms", "pools", "peers", "reserve_workers", "max_calls_per_peer", "stream_idle_s",
+                 "stream_deadline_s"}
         extra = sorted(set(site) - known)
         if extra:
             raise InvalidArgument("site", f"unknown keys {extra}; known: {sorted(known)}")
@@ -179,13 +200,68 @@ class SiteConfig:
         if not grace >= 0:
             raise InvalidArgument("site.shutdown_grace_s", f"must be >= 0, got {grace}")
         seed = _get(site, "seed", int, "site", None)
+        limits = Limits(workers=workers, reserve_workers=_get(site, "reserve_workers", int, "site", 8),
+                        max_calls_per_peer=_get(site, "max_calls_per_peer", int, "site", 8),
+                        stream_idle_s=_get(site, "stream_idle_s", float, "site", 30.0),
+                        stream_deadline_s=_get(site, "stream_deadline_s", float, "site", 600.0))
         return cls(
             name=check_site_name(_get(site, "name", str, "site"), "site.name"),
-            listen=_get(site, "listen", str, "site"),
+            listen=check_listen(_get(site, "listen", str, "site")),
+            reserve_workers=limits.reserve_workers, max_calls_per_peer=limits.max_calls_per_peer,
+            stream_idle_s=limits.stream_idle_s, stream_deadline_s=limits.stream_deadline_s,
             identity=rel("identity"), models=rel("models"), ledger=rel("ledger"), probe=rel("probe", None),
             workers=workers, shutdown_grace_s=grace, seed=seed, activation_clip=clip, calibration=calibration,
             pools=pools, peers=peers, path=path, pool_validation=pool_validation,
         )
+
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.workers, self.reserve_workers, self.max_calls_per_peer, self.stream_idle_s,
+                      self.stream_deadline_s)
+
+
+def check_listen(listen: str, field: str = "site.listen") -> str:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6; port 0 = any free port), else a clear error."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgument(field, f"must be HOST:PORT with a port in 0..65535 (e.g. \"0.0.0.0:50051\"), got {listen!r}")
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise InvalidArgument(field, f"an IPv6 host is written in brackets, e.g. \"[::]:50051\"; got {listen!r}")
+    return listen
+
+
+class SiteLock:
+    """An exclusive ``flock`` on ``LEDGER.lock``, held while a daemon serves from the ledger.
+
+    The kernel drops it when the process dies (even by SIGKILL), so a crash never leaves a
+    stale lock; the file holds the owner's pid for the error message only.
+    """
+
+    def __init__(self, ledger: Path):
+        self.path = ledger.with_name(ledger.name + ".lock")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                owner = os.pread(self._fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            finally:
+                os.close(self._fd)
+                self._fd = None
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise FailedPrecondition(f"site.ledger: cannot lock {self.path}: {e.strerror}") from None
+            raise FailedPrecondition(f"site.ledger: {ledger} is in use by another daemon (pid {owner}, lock "
+                                     f"{self.path}); two daemons must never share one ledger") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 # ------------------------------------------------------------------------ the site
@@ -201,8 +277,16 @@ class Site:
         if self.identity.name != config.name:
             raise FailedPrecondition(f"site.name is {config.name!r} but the identity in {config.identity} is {self.identity.name!r}")
         self.name = config.name
+        self.lock = SiteLock(config.ledger)  # before anything opens the ledger
+        try:
+            self._load(config, policy)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _load(self, config: SiteConfig, policy: Policy) -> None:
         self.trust = TrustStore(self.identity.trust_dir)
-        self._pins: tuple[tuple, dict[str, PinnedPeer]] = ((), {})
+        self._pins: tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]] = ((), {}, [])
         self._pins_lock = threading.Lock()
         self.models: dict[str, StoredModel] = {n: load_model(config.models, n) for n in list_models(config.models)}
         self.pools: dict[str, list] = {}
@@ -250,19 +334,26 @@ class Site:
         return x
 
     def close(self) -> None:
-        self.ledger.close()
+        try:
+            self.ledger.close()
+        finally:
+            self.lock.release()
 
     # ---- identity -----------------------------------------------------------------------------
 
-    def pinned(self) -> dict[str, PinnedPeer]:
+    def _current_pins(self) -> tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]]:
         version = self.trust.version()
         with self._pins_lock:
             if version != self._pins[0]:
-                self._pins = (version, self.trust.peers())
-            return self._pins[1]
+                self._pins = (version, self.trust.peers(), self.trust.pins())
+            return self._pins
+
+    def pinned(self) -> dict[str, PinnedPeer]:
+        return self._current_pins()[1]
 
     def pinned_by_fingerprint(self, fp: str) -> PinnedPeer | None:
-        for p in self.pinned().values():
+        """The pin with this fingerprint: a site's certificate, or the next one it rotates to."""
+        for p in self._current_pins()[2]:
             if p.fingerprint == fp:
                 return p
         return None
@@ -475,15 +566,28 @@ class Daemon:
         self.service = PeerService(site)
         self.health = health.HealthServicer()
         self.interceptor = ErrorInterceptor()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=site.config.workers,
-                                                             thread_name_prefix="peer"),
-                                  interceptors=[self.interceptor], options=wire.grpc_options(),
-                                  maximum_concurrent_rpcs=site.config.workers * 4)
+        limits = site.config.limits
+        self.limits = LimitsInterceptor(limits, site.name, self._describe_caller)
+        # one thread per call for its whole life: `workers` for streaming calls, the reserve for
+        # health checks and GetPeerInfo (peer.limits); the error interceptor wraps the limits,
+        # so their refusals are mapped and logged like every other
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="peer"),
+                                  interceptors=[self.interceptor, self.limits],
+                                  # no SO_REUSEPORT: a second daemon on a taken port must fail, not share it
+                                  options=wire.grpc_options() + [("grpc.so_reuseport", 0)],
+                                  maximum_concurrent_rpcs=limits.threads * 4)
         add_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.port: int | None = None
         self._stopped = threading.Event()
+
+    def _describe_caller(self, context) -> str:
+        pems = context.auth_context().get("x509_pem_cert") or []
+        if not pems:
+            return f"the caller at {context.peer()}"
+        pinned = self.site.pinned_by_fingerprint(fingerprint(pems[0]))
+        return repr(pinned.name) if pinned else "an unpinned certificate"
 
     def _credentials(self) -> grpc.ServerCredentials:
         ident = self.site.identity
@@ -505,17 +609,22 @@ class Daemon:
         return grpc.dynamic_ssl_server_credentials(configuration(), fetch, require_client_authentication=True)
 
     def start(self) -> int:
+        listen = self.site.config.listen
+        try:
+            if self.site.insecure:
+                self.port = self.server.add_insecure_port(listen)
+            else:
+                self.port = self.server.add_secure_port(listen, self._credentials())
+        except RuntimeError:  # gRPC's "Failed to bind": say why in words
+            self.port = 0
+        if not self.port:
+            raise FailedPrecondition(f"site.listen: cannot listen on {listen!r}: {_why_not_listening(listen)}")
         if self.site.insecure:
-            self.port = self.server.add_insecure_port(self.site.config.listen)
             log.warning(json.dumps({"event": "insecure", "warning": INSECURE_WARNING}))
             print(f"privfusion peer: WARNING: {INSECURE_WARNING}", file=sys.stderr, flush=True)
-        else:
-            self.port = self.server.add_secure_port(self.site.config.listen, self._credentials())
         if self.site.config.seed is not None:
             log.warning(json.dumps({"event": "fixed-seed", "warning": SEED_WARNING}))
             print(f"privfusion peer: WARNING: {SEED_WARNING}", file=sys.stderr, flush=True)
-        if not self.port:
-            raise FailedPrecondition(f"site.listen: cannot listen on {self.site.config.listen!r}")
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -551,6 +660,30 @@ class Daemon:
         self._stopped.wait()
 
 
+def _why_not_listening(listen: str) -> str:
+    """Why gRPC could not bind ``listen`` (it only says that it could not)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, ValueError) as e:
+        return f"the host {host!r} does not resolve ({e})"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"port {port} is already in use (another daemon, or another program, listens there)"
+            if e.errno == errno.EADDRNOTAVAIL:
+                return f"{host!r} is not an address of this machine"
+            if e.errno == errno.EACCES:
+                return f"not allowed to bind port {port} (ports below 1024 need privileges)"
+            return e.strerror or str(e)
+    return "gRPC refused the address"
+
+
 def open_site(config_path: str | os.PathLike, insecure: bool = False) -> Site:
     config = SiteConfig.load(config_path)
     policy = Policy.from_toml(config_path)
@@ -576,6 +709,11 @@ def serve(config_path: str | os.PathLike, insecure: bool = False, ready_file: st
     faulthandler.enable()  # a crash in native code leaves the Python stacks in the log
     check_seed_allowed(SiteConfig.load(config_path), simulation)
     daemon = Daemon(open_site(config_path, insecure=insecure))
+    try:
+        port = daemon.start()
+    except BaseException:
+        daemon.site.close()  # the ledger and its lock
+        raise
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -584,7 +722,6 @@ def serve(config_path: str | os.PathLike, insecure: bool = False, ready_file: st
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    port = daemon.start()
     if ready_file:
         tmp = f"{ready_file}.tmp"
         with open(tmp, "w") as f:

@@ -31,9 +31,10 @@ import numpy as np
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from coordinator_free.identity import check_site_name, fingerprint
+from coordinator_free.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
 from peer.graph import HiddenLayer, NetworkGraph, extract_graph
+from peer.limits import paced
 from peer.models import validate_architecture
 from peer.receipts import sign_receipt
 from peer.records import ReleaseRecord
@@ -334,6 +335,8 @@ class PeerService(pb_grpc.PeerServicer):
           - a certificate whose fingerprint is not pinned (now) → UNAUTHENTICATED: e.g. a pin
             removed while the peer's connection stays open (TLS trust is only re-read per
             connection);
+          - a pinned certificate that has expired or is not yet valid (now) → UNAUTHENTICATED:
+            TLS checks validity only when a connection is made, and connections stay open;
           - ``header.sender`` ≠ the pinned name → PERMISSION_DENIED: the peer is known but
             claims to be someone else;
           - ``header.receiver`` ≠ this site → INVALID_ARGUMENT (a misaddressed request).
@@ -351,6 +354,11 @@ class PeerService(pb_grpc.PeerServicer):
             pinned = self.site.pinned_by_fingerprint(fingerprint(pems[0]))
             if pinned is None:
                 raise Unauthenticated(f"the client certificate (SHA-256 {fingerprint(pems[0])}) is not pinned at {self.site.name!r}")
+            try:
+                # TLS checked validity at the handshake only; a connection outlives the certificate
+                check_validity(load_certificate(pems[0]), f"the client certificate of {pinned.name!r}")
+            except FailedPrecondition as e:
+                raise Unauthenticated(f"{e}; nothing was charged") from None
             if sender != pinned.name:
                 raise PermissionDenied(f"header.sender: claims {sender!r}, but the TLS certificate is pinned as {pinned.name!r}")
             caller = pinned.name
@@ -451,7 +459,9 @@ class PeerService(pb_grpc.PeerServicer):
         return self.site.peer_info(caller)
 
     def ReleaseFeatures(self, request_iterator: Iterable[pb.FeaturesRequest], context) -> Iterator[pb.ReleaseFrame]:
-        messages = iter(request_iterator)
+        # a stalled or endless upload must not hold a worker: per-frame idle limit, overall deadline
+        limits = self.site.config.limits
+        messages = paced(request_iterator, limits.stream_idle_s, limits.stream_deadline_s, "the ReleaseFeatures request stream")
         first = next(messages, None)
         if first is None or first.WhichOneof("part") != "params":
             raise InvalidArgument("params", "the request stream must start with FeaturesParams")

@@ -305,7 +305,9 @@ def hammer(b, address, n, request):
 
 def test_concurrent_pure_releases_never_overspend(tmp_path):
     # features at (0.5 + 0.5) per neuron against a pure budget of 6: exactly 6 of 24 fit
-    a = make_site(tmp_path, "site-a", policy=BUDGET_POLICY.format(eps=6.0, delta=0.0), workers=32)
+    # one peer asks 24 times at once: lift the per-peer cap (peer.limits) so the budget decides
+    a = make_site(tmp_path, "site-a", policy=BUDGET_POLICY.format(eps=6.0, delta=0.0), workers=32,
+                  extra_site="max_calls_per_peer = 32")
     b = make_site(tmp_path, "site-b", models={})
     pin_each_other(a, b)
     with running(a) as (_, address):
@@ -326,7 +328,7 @@ def test_concurrent_gaussian_releases_stop_where_the_rdp_filter_says(tmp_path):
     from peer.policy import Policy
 
     text = BUDGET_POLICY.format(eps=8.0, delta=1e-4)
-    a = make_site(tmp_path, "site-a", policy=text, workers=32)
+    a = make_site(tmp_path, "site-a", policy=text, workers=32, extra_site="max_calls_per_peer = 32")
     b = make_site(tmp_path, "site-b", models={})
     pin_each_other(a, b)
     with running(a) as (_, address):

@@ -182,3 +182,56 @@ def test_a_peer_that_is_down_is_told_apart_from_a_refused_handshake(two_sites):
     with client(b, "127.0.0.1:1", peer="site-a") as c, pytest.raises(PeerError) as e:
         c.info()
     assert e.value.status == "UNAVAILABLE" and "down or unreachable" in str(e.value)
+
+
+# ------------------------------------------------------------------------ certificate rotation
+
+
+def test_rotation_keeps_working_through_the_overlap_and_retires_the_old_certificate(tmp_path, capsys):
+    """site-b rolls its certificate with the command: stage, site-a pins the new one beside the
+    old, site-b activates (restart), site-a retires the old pin. Calls work in both directions
+    at every step; after the promote the old certificate is refused, even on an open connection."""
+    from coordinator_free.identity import load_identity
+    from peer.cli import main
+
+    a = make_site(tmp_path, "site-a")
+    b = make_site(tmp_path, "site-b")
+    pin_each_other(a, b)
+    old_b = b.identity
+    assert main(["peer", "rotate", "--dir", str(b.identity_dir)]) == 0
+    staged = load_identity(b.identity_dir / "next")
+    assert staged.name == "site-b" and staged.fingerprint != old_b.fingerprint
+    assert b.identity.fingerprint == old_b.fingerprint  # not in use yet
+    assert main(["peer", "rotate", "--dir", str(b.identity_dir)]) == 2  # one rotation at a time
+    assert main(["peer", "trust", "add", str(b.identity_dir / "next" / "site.crt"), "--beside",
+                 "--dir", str(a.identity_dir)]) == 0
+    assert main(["peer", "trust", "list", "--dir", str(a.identity_dir)]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count("site-b\t") == 2 and "next (rotation)" in listing
+    with running(a) as (_, addr_a):
+        with running(b) as (_, addr_b):  # still the old certificate: works as before
+            with client(b, addr_a, "site-a") as c:
+                assert c.info().name == "site-a"
+            with client(a, addr_b, "site-b") as c:
+                assert c.weights("mlp", epsilon=2.0, delta=1e-5).receipt is not None
+        old_conn = PeerClient(old_b, addr_a, peer="site-a", trust=TrustStore(b.identity_dir / "trusted"))
+        assert old_conn.info().name == "site-a"  # opened with the old certificate
+        assert main(["peer", "rotate", "--dir", str(b.identity_dir), "--activate"]) == 0
+        assert b.identity.fingerprint == staged.fingerprint
+        assert len(list((b.identity_dir / "retired").glob("*/site.crt"))) == 1
+        with running(b) as (_, addr_b):  # restarted with the new certificate
+            with client(b, addr_a, "site-a") as c:  # a accepts b's new certificate (the +next pin)
+                assert c.info().name == "site-a"
+            with client(a, addr_b, "site-b") as c:  # a dials b: TLS and the receipt check accept it
+                assert c.weights("mlp", epsilon=2.0, delta=1e-5).receipt.signer == "site-b"
+            assert old_conn.info().name == "site-a"  # the overlap: the old one still works
+            assert main(["peer", "trust", "promote", "site-b", "--dir", str(a.identity_dir)]) == 0
+            with pytest.raises(PeerError) as e:
+                old_conn.info()
+            assert e.value.status == "UNAUTHENTICATED"
+            with client(b, addr_a, "site-a") as c:
+                assert c.info().name == "site-a"
+            with client(a, addr_b, "site-b") as c:
+                assert c.weights("mlp", epsilon=2.0, delta=1e-5).receipt is not None
+        old_conn.close()
+    assert [p.fingerprint for p in TrustStore(a.identity_dir / "trusted").pins_of("site-b")] == [staged.fingerprint]

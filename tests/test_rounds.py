@@ -487,3 +487,95 @@ def test_auto_falls_back_to_features_and_weights_only_when_the_merge_was_not_cha
     assert [c["step"] for c in charges_of(r, "hospital-b")] == ["features", "weights"]
     assert_ledger_matches_report(b, "hospital-a", [r])
     assert all(e.level == "model" for e in ledger_entries(b))
+
+
+# ---------------------------------------------------------------------------------- config checks and interruption
+
+
+def test_a_quorum_larger_than_the_roster_is_refused_when_the_config_is_read(tmp_path, trained, capsys):
+    from peer.cli import main
+
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
+    a, _b = sites
+    roster_for(tmp_path, sites, {"hospital-a": "127.0.0.1:1", "hospital-b": "127.0.0.1:2"})
+    path = tmp_path / "r.toml"
+    path.write_text(f'[round]\nroster = "{tmp_path / "roster.toml"}"\nmodel = "mlp"\nquorum = 3\n')
+    with pytest.raises(ConfigError) as e:
+        load_round_config(path, site="hospital-a")
+    assert e.value.key == "round.quorum" and e.value.line == 4
+    assert "has only 2 sites" in str(e.value)
+    # the command refuses it before any health check (nothing listens at those addresses)
+    assert main(["round", "--config", str(a.config), "--round", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "round.quorum" in err and "line 4" in err and "could never fuse" in err
+    path.write_text(path.read_text().replace("quorum = 3", "quorum = 2"))
+    assert load_round_config(path, site="hospital-a").quorum == 2
+
+
+def test_an_interrupted_round_writes_its_report_with_every_receipt(tmp_path, trained):
+    """SIGINT to `privfusion round` while a peer is in the middle of the round: it stops asking,
+    waits for the call in flight, and its report lists exactly the releases the peers charged."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
+    a, b, c = sites
+    daemons = {s.name: DaemonProcess(s) for s in (b, c)}
+    try:
+        addresses = {n: d.wait_ready() for n, d in daemons.items()}
+        roster_for(tmp_path, sites, {"hospital-a": "127.0.0.1:1", **addresses})
+        a.config.write_text(a.config.read_text() + f"""
+[round]
+roster = "{tmp_path / 'roster.toml'}"
+model = "mlp"
+quorum = 2
+out = "rounds"
+call_timeout_s = 120.0
+[round.features]
+activation_epsilon = 50.0
+weight_epsilon = 50.0
+[round.weights]
+epsilon = 20.0
+""")
+        proc = subprocess.Popen([sys.executable, "-m", "peer.cli", "round", "--config", str(a.config), "--events"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        stopped = False
+        try:
+            for line in proc.stdout:
+                e = json.loads(line)
+                if e["event"] == "step" and e.get("peer") == "hospital-c" and e.get("step") == "info" and not stopped:
+                    os.kill(daemons["hospital-c"].proc.pid, signal.SIGSTOP)  # hospital-c hangs mid-round
+                    stopped = True
+                if e["event"] == "contributed" and e.get("peer") == "hospital-b":
+                    break
+            assert stopped
+            proc.send_signal(signal.SIGINT)
+            os.kill(daemons["hospital-c"].proc.pid, signal.SIGCONT)  # the call in flight can finish
+            _out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            os.kill(daemons["hospital-c"].proc.pid, signal.SIGCONT)
+        assert proc.returncode == 130, err
+        assert "interrupted; report" in err and "hospital-b (yes)" in err, err
+        [path] = list((a.root / "rounds").glob("round-*.json"))
+        assert str(path) in err
+        report = json.loads(path.read_text())
+    finally:
+        for d in daemons.values():
+            d.close()
+    assert report["status"] == "interrupted" and "interrupted" in report["reason"]
+    assert "fused_model" not in report and not list((a.root / "rounds").glob("models/*"))
+    assert report["may_have_charged"]["hospital-b"] == "yes"
+    assert_ledger_matches_report(b, "hospital-a", [report])
+    assert_ledger_matches_report(c, "hospital-a", [report])
+    assert len(charges_of(report, "hospital-b")) == 2
+    # hospital-c was stopped before its weights could be asked for: never requested after the signal
+    assert len(ledger_entries(c, "hospital-a")) <= 1
+    expected = "yes" if charges_of(report, "hospital-c") else "no"
+    assert report["may_have_charged"]["hospital-c"] == expected
+    assert report["peers"]["hospital-c"]["state"] in ("not-asked", "pending")

@@ -1,9 +1,12 @@
 """``privfusion peer ...``: a site's identity, its pinned peers, and its daemon.
 
     privfusion peer init --name hospital-a --dir site/identity --address 10.0.0.1 --address a.example.org
-    privfusion peer trust add other.crt [--dir site/identity] [--replace]
+    privfusion peer trust add other.crt [--dir site/identity] [--replace | --beside]
     privfusion peer trust list [--dir site/identity]
     privfusion peer trust remove hospital-b [--dir site/identity]
+    privfusion peer trust promote hospital-b [--dir site/identity]   # end of hospital-b's rotation
+    privfusion peer rotate --dir site/identity [--address ...] [--days N]   # stage a new key + certificate
+    privfusion peer rotate --dir site/identity --activate                   # switch to it (then restart)
     privfusion peer serve --config site.toml [--simulation]
     privfusion peer info --via HOST:PORT --identity DIR [--peer NAME]
     privfusion peer ledger --via HOST:PORT --identity DIR [--peer NAME]
@@ -15,8 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from coordinator_free.identity import (CERT_FILE, KEY_FILE, format_fingerprint, init_identity, load_certificate,
-                                       load_identity)
+from coordinator_free.identity import (CERT_FILE, KEY_FILE, NEXT_DIR, activate_rotation, format_fingerprint,
+                                       init_identity, load_certificate, load_identity, stage_rotation)
 from coordinator_free.trust import TrustStore
 from peer.errors import InvalidArgument
 
@@ -34,7 +37,10 @@ def _trust_add(args) -> int:
         pem = Path(args.cert).read_bytes()
     except OSError as e:
         raise InvalidArgument("CERT", f"cannot read {args.cert}: {e.strerror}") from None
-    pinned = TrustStore(Path(args.dir) / "trusted").add(pem, name=args.name, replace=args.replace)
+    if args.replace and args.beside:
+        raise InvalidArgument("--beside", "pins a rotating site's next certificate next to its current one; "
+                                          "--replace swaps the current one: give one of them")
+    pinned = TrustStore(Path(args.dir) / "trusted").add(pem, name=args.name, replace=args.replace, beside=args.beside)
     print(f"pinned {pinned.name!r} ({pinned.path})")
     print(f"SHA-256 fingerprint: {format_fingerprint(pinned.fingerprint)}")
     print("compare it with the fingerprint the site reads out to you; a running daemon picks it up for new connections")
@@ -42,9 +48,36 @@ def _trust_add(args) -> int:
 
 
 def _trust_list(args) -> int:
-    for p in TrustStore(Path(args.dir) / "trusted").peers().values():
+    for p in TrustStore(Path(args.dir) / "trusted").pins():
         cert = load_certificate(p.cert_pem)
-        print(f"{p.name}\t{format_fingerprint(p.fingerprint)}\tvalid until {cert.not_valid_after_utc.date()}")
+        role = "\tnext (rotation)" if p.path.stem.endswith("+next") else ""
+        print(f"{p.name}\t{format_fingerprint(p.fingerprint)}\tvalid until {cert.not_valid_after_utc.date()}{role}")
+    return 0
+
+
+def _trust_promote(args) -> int:
+    pinned = TrustStore(Path(args.dir) / "trusted").promote(args.name)
+    print(f"{args.name!r} is now pinned only with SHA-256 {format_fingerprint(pinned.fingerprint)}; its old "
+          "certificate is no longer accepted (open connections are refused at their next call)")
+    return 0
+
+
+def _rotate(args) -> int:
+    d = Path(args.dir)
+    if args.activate:
+        old, new, retired = activate_rotation(d)
+        print(f"{new.name!r} now uses the certificate SHA-256 {format_fingerprint(new.fingerprint)}; the old one "
+              f"({format_fingerprint(old.fingerprint)}) is in {retired}")
+        print("restart the daemon (privfusion peer serve) to serve it; then ask every peer to run "
+              f"`privfusion peer trust promote {new.name}` to retire the old pin")
+        return 0
+    new = stage_rotation(d, args.address or None, days=args.days)
+    print(f"staged a new key and certificate for {new.name!r} in {d / NEXT_DIR} (not in use yet)")
+    print(f"certificate SHA-256 fingerprint: {format_fingerprint(new.fingerprint)}")
+    print(f"1. give {d / NEXT_DIR / CERT_FILE} to every peer: `privfusion peer trust add site.crt --beside` "
+          "(both certificates are then accepted); read them this fingerprint over another channel")
+    print(f"2. when all have, run `privfusion peer rotate --dir {d} --activate` and restart the daemon")
+    print(f"3. then each peer runs `privfusion peer trust promote {new.name}`")
     return 0
 
 
@@ -110,6 +143,8 @@ def register(subparsers) -> None:
     p.add_argument("--dir", default=".", help="this site's identity directory (default .)")
     p.add_argument("--name", help="expected site name (must be the certificate's CN)")
     p.add_argument("--replace", action="store_true", help="replace a different certificate pinned under that name")
+    p.add_argument("--beside", action="store_true",
+                   help="the site is rotating its certificate: pin the new one next to the old (both accepted)")
     p.set_defaults(func=_trust_add)
     p = tsub.add_parser("list", help="list pinned sites and fingerprints")
     p.add_argument("--dir", default=".", help="this site's identity directory (default .)")
@@ -118,6 +153,18 @@ def register(subparsers) -> None:
     p.add_argument("name")
     p.add_argument("--dir", default=".", help="this site's identity directory (default .)")
     p.set_defaults(func=_trust_remove)
+    p = tsub.add_parser("promote", help="end a site's rotation: its next certificate becomes its only pin")
+    p.add_argument("name")
+    p.add_argument("--dir", default=".", help="this site's identity directory (default .)")
+    p.set_defaults(func=_trust_promote)
+
+    p = sub.add_parser("rotate", help="roll this site's certificate with an overlap window (stage, then --activate)")
+    p.add_argument("--dir", required=True, help="this site's identity directory")
+    p.add_argument("--activate", action="store_true", help="switch to the staged key and certificate")
+    p.add_argument("--address", action="append", default=[],
+                   help="a host or IP the site is dialled by (repeatable; default: those of the current certificate)")
+    p.add_argument("--days", type=int, default=730, help="validity of the new certificate in days (default 730)")
+    p.set_defaults(func=_rotate)
 
     p = sub.add_parser("serve", help="run this site's peer daemon")
     p.add_argument("--config", required=True, help="site.toml")

@@ -33,13 +33,20 @@ A round needs this site's daemon config (identity, model store, public probe set
 
 Progress goes to stderr (``--events``: JSON lines on stdout instead); each round's report is
 written to OUT/round-ID.json. Exit status 0 when every round fused, 3 when one aborted.
+
+SIGINT (Ctrl-C) or SIGTERM interrupts: nothing more is requested, the releases in flight are
+waited for, and the report (status ``interrupted``) lists every receipt received and, per
+peer, whether it may have charged; no later round starts. Exit status 128 + the signal's
+number (130 for Ctrl-C). A second signal quits at once (the report is then not written).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from coordinator_free.identity import format_fingerprint
 
@@ -66,6 +73,8 @@ def describe(e: dict) -> str:
         return f"{who} fused with {', '.join(e['contributors'])} (weights {', '.join(f'{w:.3g}' for w in e['weights'])})"
     if ev == "aborted":
         return f"{who} round ABORTED: {e['reason']}"
+    if ev == "interrupted":
+        return f"{who} round INTERRUPTED: {e['reason']}"
     if ev in ("contributed", "note", "not-asked"):
         extra = e.get("note") or e.get("reason") or e.get("method", "")
         return f"{who} {peer}: {ev} {extra}"
@@ -82,7 +91,7 @@ def _round(args) -> int:
 
     site = SiteConfig.load(args.config)
     files = args.round or [args.config]
-    configs = [load_round_config(f, site.activation_clip) for f in files]
+    configs = [load_round_config(f, site.activation_clip, site=site.name) for f in files]
 
     def on_event(e: dict) -> None:
         if args.events:
@@ -90,17 +99,49 @@ def _round(args) -> int:
         elif e["event"] not in QUIET:
             print(describe(e), file=sys.stderr, flush=True)
 
-    status = 0
-    for cfg in configs:
-        from coordinator_free.runner import run_round
+    stop = threading.Event()
+    caught: list[int] = []
 
-        result = run_round(load_local_site(args.config, cfg.model), Roster.load(cfg.roster), cfg, on_event=on_event)
-        if not args.events:
-            print(f"round {result.round_id}: {result.status}"
-                  + (f" -> {cfg.out / 'models' / result.model_name}" if result.model_name else f" ({result.reason})")
-                  + f"; report {result.report_path}")
-        if result.status != "fused":
-            status = 3
+    def on_signal(signum, _frame):
+        if caught:  # a second signal: quit now
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        caught.append(signum)
+        stop.set()
+        print(f"privfusion round: {signal.Signals(signum).name}: stopping — nothing more will be requested; "
+              "waiting for the releases in flight to write the report (signal again to quit at once)",
+              file=sys.stderr, flush=True)
+
+    # signal handlers can only be set from the main thread (the command line's); elsewhere the
+    # caller keeps its own handling
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    status = 0
+    try:
+        for cfg in configs:
+            from coordinator_free.runner import run_round
+
+            result = run_round(load_local_site(args.config, cfg.model), Roster.load(cfg.roster), cfg, on_event=on_event,
+                               stop=stop)
+            if result.status == "interrupted":
+                unsure = {n: c for n, c in result.report["may_have_charged"].items() if c != "no"}
+                print(f"privfusion round: round {result.round_id} interrupted; report {result.report_path} "
+                      f"({len(result.report['charges'])} receipts; peers that may have charged: "
+                      f"{', '.join(f'{n} ({c})' for n, c in unsure.items()) or 'none'})", file=sys.stderr, flush=True)
+                return 128 + caught[0]
+            if not args.events:
+                print(f"round {result.round_id}: {result.status}"
+                      + (f" -> {cfg.out / 'models' / result.model_name}" if result.model_name else f" ({result.reason})")
+                      + f"; report {result.report_path}")
+            if result.status != "fused":
+                status = 3
+            if stop.is_set():  # interrupted after the round had finished: start no other
+                print(f"privfusion round: {signal.Signals(caught[0]).name}: no further round started",
+                      file=sys.stderr, flush=True)
+                return 128 + caught[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return status
 
 
