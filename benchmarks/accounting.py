@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import dp_accounting  # noqa: E402
 from dp_accounting import dp_event, pld, rdp  # noqa: E402
 
-from peer.accounting import (DEFAULT_ORDERS, GaussianStep, TrainingRecord, choose_pi, gdp_epsilon,  # noqa: E402
+from peer.dp.accounting import (DEFAULT_ORDERS, GaussianStep, TrainingRecord, choose_pi, gdp_epsilon,  # noqa: E402
                              lc_epsilon, lc_segments, rs_epsilon, rs_profiles)
 
 DELTA = 1e-5

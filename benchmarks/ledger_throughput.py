@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/ledger_throughput.py [--charges 400] [--dir /tmp]
 
-Runs the same number of charges (Gaussian per-neuron records read by peer.accounting, a
+Runs the same number of charges (Gaussian per-neuron records read by peer.dp.accounting, a
 budget large enough never to refuse) from 1 thread, from 8 threads, and from 4 processes, each against a
 fresh ledger file, and prints charges/s side by side. Each charge is one BEGIN IMMEDIATE
 transaction with an fsync of the WAL at commit, so the figure is bounded by the disk's fsync
@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-from peer.ledger import Ledger
-from peer.policy import Policy
-from peer.records import ReleaseRecord
+from peer.budget.ledger import Ledger
+from peer.budget.policy import Policy
+from peer.base.records import ReleaseRecord
 
 POLICY = Policy.from_mapping({"model": {"total": {"epsilon": 1e9, "delta": 1e-6}}})
 

@@ -23,7 +23,7 @@ Graphs are synthetic (training 4096-wide networks is beside the point): A is a r
 outputs); B is A with every hidden layer permuted and 10% Gaussian noise added to its weights
 and activations. Feature cases:
   exact  — both graphs' exact weights (Chebyshev expansion, error bound ≤ expansion_tol);
-  noisy  — both graphs' weight features through peer.mechanisms.multibit at ε = 1, bounds
+  noisy  — both graphs' weight features through peer.ldp.mechanisms.multibit at ε = 1, bounds
            [−1, 1] (three values per layer, one non-zero per row): the exact few-valued
            expansion on both sides;
   mixed  — A exact (a site's own model), B noisy (what it receives): the usual PrivFusion case.
@@ -62,10 +62,10 @@ REPEATS = 3  # part 1: each solver matches the same pair 3 times in its process;
 
 def multibit_output(w: np.ndarray, epsilon: float, seed: int, bounds: tuple[float, float] = (-1.0, 1.0)) -> np.ndarray:
     """Each node's incoming weight vector (w reshaped to (n, n_prev·e)) through the multi-bit
-    mechanism (peer.mechanisms.multibit, unit = one neuron, a fixed seed): three values per
+    mechanism (peer.ldp.mechanisms.multibit, unit = one neuron, a fixed seed): three values per
     layer, m = max(1, ⌊ε/2.18⌋) non-zero x* per row."""
-    from peer.mechanisms import multibit
-    from peer.rng import make_randomness
+    from peer.ldp.mechanisms import multibit
+    from peer.base.rng import make_randomness
 
     noisy, _ = multibit(w.reshape(w.shape[0], -1), epsilon=epsilon, bounds=bounds, randomness=make_randomness(seed))
     return noisy.reshape(w.shape)
@@ -73,7 +73,7 @@ def multibit_output(w: np.ndarray, epsilon: float, seed: int, bounds: tuple[floa
 
 def synthetic_pair(width: int, layers: int, features: str, seed: int = 0, inputs: int = 64, outputs: int = 10, probes: int = 128, noise: float = 0.1):
     """(graph A, graph B, true permutations) as described in the module docstring."""
-    from peer.graph import HiddenLayer, NetworkGraph
+    from peer.nn.graph import HiddenLayer, NetworkGraph
 
     rng = np.random.default_rng(seed)
     x = rng.random((probes, inputs))
@@ -125,7 +125,7 @@ def run_case(spec: dict) -> dict:
     """Build the pair, match it, measure. ``spec``: width, layers, features, solver, max_iter."""
     import torch
 
-    from peer.matching import MatchOptions, match_graphs
+    from peer.ldp.matching import MatchOptions, match_graphs
 
     # Warm up on a tiny pair of the same kind: first calls into torch, scipy and pygmtools pay
     # one-off initialisation that a long-running peer pays once, not per match.

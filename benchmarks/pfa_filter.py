@@ -1,7 +1,7 @@
 """How much the PFA smoothing filter helps, on real trained weights.
 
 Trains a digits MLP (64-128-128-10, Adam), releases its weights with
-``peer.mechanisms.perturb_model_weights`` with and without the smoothing filter (same noise: same
+``peer.ldp.mechanisms.perturb_model_weights`` with and without the smoothing filter (same noise: same
 seed), and reports, averaged over seeds:
 
 - ``mse_raw`` / ``mse_filtered``: mean squared error of the released weights to the clean
@@ -21,10 +21,10 @@ import json
 
 import numpy as np
 
-from peer.data import load_dataset
-from peer.mechanisms import clip_rows, perturb_model_weights, weight_layer_specs
-from peer.models import accuracy, model_from_arrays, state_arrays, train_classifier
-from peer.rng import make_randomness
+from peer.nn.data import load_dataset
+from peer.ldp.mechanisms import clip_rows, perturb_model_weights, weight_layer_specs
+from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier
+from peer.base.rng import make_randomness
 
 ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10}
 SETTINGS = [("neuron", 10.0), ("neuron", 100.0), ("neuron", 1000.0), ("neuron", 3000.0),

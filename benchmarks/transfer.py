@@ -117,14 +117,14 @@ def make_sites(root: Path, size_mb: float, release: str) -> tuple[Path, Path, in
     "big" is released through the PFA (perturbation + smoothing filter), the real per-request
     work of ReleaseWeights.
     """
-    from coordinator_free.identity import init_identity
-    from coordinator_free.trust import TrustStore
-    from peer.accounting import TrainingRecord
-    from peer.models import build_model, validate_architecture
-    from peer.pool import load_splits
-    from peer.rng import make_randomness
-    from peer.store import save_model
-    from peer.training import dpsgd_release_record
+    from peer.net.identity import init_identity
+    from peer.net.trust import TrustStore
+    from peer.dp.accounting import TrainingRecord
+    from peer.nn.architectures import build_model, validate_architecture
+    from peer.dp.pools import load_splits
+    from peer.base.rng import make_randomness
+    from peer.nn.store import save_model
+    from peer.dp.training import dpsgd_release_record
 
     arch = validate_architecture(architecture(size_mb))
     arrays = {k: v.detach().numpy() for k, v in build_model(arch, seed=0).state_dict().items()}
@@ -185,8 +185,8 @@ class PrefaultedSink:
 
 def fetch_prefaulted(identity_dir: str, address: str, nbytes: int, queue) -> None:
     """The same request, received into a prefaulted buffer (diagnostic)."""
-    from coordinator_free.identity import load_identity
-    from peer.client import PeerClient
+    from peer.net.identity import load_identity
+    from peer.net.client import PeerClient
 
     sink = PrefaultedSink(nbytes)
     times = {}
@@ -200,8 +200,8 @@ def fetch_prefaulted(identity_dir: str, address: str, nbytes: int, queue) -> Non
 def fetch(identity_dir: str, address: str, out_path: str, release: str, receipt_event, queue) -> None:
     """Site B: ask for the release and write it like `privfusion merge|weights --via` does
     (streamed into OUT.safetensors as it arrives, then the JSON document beside)."""
-    from coordinator_free.identity import load_identity
-    from peer.client import PeerClient, save_release
+    from peer.net.identity import load_identity
+    from peer.net.client import PeerClient, save_release
 
     base = vm()
     reset_hwm()
@@ -341,7 +341,7 @@ def interpreter_rss() -> int:
     accountants) and holds no model: the part of the daemon's figures no model size changes."""
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child of this (large)
     # process would report the parent's peak
-    code = ("import peer.daemon, peer.service, peer.pool, peer.merging, peer.accounting, torch; "
+    code = ("import peer.net.daemon, peer.net.service, peer.dp.pools, peer.dp.merging, peer.dp.accounting, torch; "
             "from benchmarks.transfer import vm; print(vm()['VmHWM'])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
     return int(out.stdout.strip())

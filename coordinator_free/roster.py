@@ -14,7 +14,7 @@ A roster is membership only — no site is in charge of it, and every site keeps
     [sites.hospital-b]
     ...
 
-The roster names certificates; trust is still the pinned set (``coordinator_free.trust``). A
+The roster names certificates; trust is still the pinned set (``peer.net.trust``). A
 round refuses to talk to a roster site whose certificate is not pinned, or is pinned with a
 different fingerprint (:meth:`Roster.check_pins`): pinning stays a deliberate act
 (``privfusion roster pin`` pins every roster certificate at once, showing fingerprints).
@@ -28,11 +28,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator_free.config import Section, load_toml
-from coordinator_free.identity import certificate_name, check_site_name, fingerprint, load_certificate
-from coordinator_free.trust import PinnedPeer, TrustStore
-from peer.errors import FailedPrecondition, InvalidArgument
-from peer.store import check_name
+from peer.base.config import Section, load_toml
+from peer.net.identity import certificate_name, check_site_name, fingerprint, load_certificate
+from peer.net.trust import PinnedPeer, TrustStore
+from peer.base.errors import FailedPrecondition, InvalidArgument
+from peer.nn.store import check_name
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ ledger serialises the charges). A round of requester R over the live peers P_1..
         (the model's total and R's per-counterparty budget), as the peer's policy allows.
      b. **align** — at R, no I/O: graph matching of the peer's noisy graph against R's own
         graph (R's exact features clipped to the same public bounds — R's own model never
-        leaves R, so it needs no noise): ``peer.matching.match_graphs(own, theirs)`` gives
+        leaves R, so it needs no noise): ``peer.ldp.matching.match_graphs(own, theirs)`` gives
         perm[ℓ][i] = j (R's node i ↔ the peer's node j). Multi-model matching is a star:
         every peer is matched against R's graph, so all end up in R's neuron order.
      c. **weights** — ``ReleaseWeights`` at (weights_epsilon, weights_delta) per neuron (PFA:
@@ -63,10 +63,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from coordinator_free.config import Section
-from peer.errors import InvalidArgument
-from peer.graph import HiddenLayer, NetworkGraph
-from peer.records import now_rfc3339
+from peer.base.config import Section
+from peer.base.errors import InvalidArgument
+from peer.nn.graph import HiddenLayer, NetworkGraph
+from peer.base.records import now_rfc3339
 
 METHODS = ("ldp", "merged", "auto")
 MERGE_METHODS = ("rs", "lc")

@@ -4,11 +4,11 @@
 TLS, pinned certificates), runs the steps of :mod:`coordinator_free.rounds` — health checks
 first (all peers at once), then one thread per live peer (info → merged, or features → align
 → weights) — and fuses what arrived. It returns a :class:`RoundResult` and, unless told not to,
-writes the fused model (a ``peer.store`` entry whose metadata holds the round's record) and the
+writes the fused model (a ``peer.nn.store`` entry whose metadata holds the round's record) and the
 round report (JSON: every peer's steps, the signed receipts of every charged release, every
 drop with its step, time and reason).
 
-``privfusion round --config site.toml`` is the command (``peer.commands.round``).
+``privfusion round --config site.toml`` is the command (``peer.cli.round``).
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from coordinator_free.config import Section, load_toml
-from coordinator_free.identity import Identity, load_identity
+from peer.base.config import Section, load_toml
+from peer.net.identity import Identity, load_identity
 from coordinator_free.roster import Roster, RosterSite
 from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, details_line,
                                      failure_reason, fusion_weights, public_view)
-from coordinator_free.trust import TrustStore
-from peer.errors import FailedPrecondition, InvalidArgument, NotFound
-from peer.graph import NetworkGraph, extract_graph
-from peer.models import model_from_arrays, validate_architecture
-from peer.records import now_rfc3339
-from peer.store import StoredModel, load_model, save_model
+from peer.net.trust import TrustStore
+from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
+from peer.nn.graph import NetworkGraph, extract_graph
+from peer.nn.architectures import model_from_arrays, validate_architecture
+from peer.base.records import now_rfc3339
+from peer.nn.store import StoredModel, load_model, save_model
 
 HEALTH_SERVICE = "privfusion.v1.Peer"
 
@@ -81,12 +81,12 @@ _STOP = object()  # the quorum became unreachable: stop asking
 def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
     """The requester's side of a round from its daemon's site.toml (identity, model store,
     probe set, default activation range)."""
-    from peer.daemon import SiteConfig
+    from peer.net.daemon import SiteConfig
 
     cfg = SiteConfig.load(site_config)
     if cfg.probe is None:
         raise FailedPrecondition(f"{site_config}: a round needs this site's public probe set ([site].probe)")
-    from peer.daemon import Site
+    from peer.net.daemon import Site
 
     identity = load_identity(cfg.identity)
     if identity.name != cfg.name:
@@ -122,7 +122,7 @@ def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float]
 
 def _weight_boxes(arch: Mapping[str, Any], bound: float | None) -> dict[str, tuple[float, float]]:
     """Each weight layer's public box, as the peer's multi-bit release uses it."""
-    from peer.mechanisms import default_entry_bound, weight_layer_specs
+    from peer.ldp.mechanisms import default_entry_bound, weight_layer_specs
 
     return {s.name: (-(bound or default_entry_bound(s.fan_in)), bound or default_entry_bound(s.fan_in))
             for s in weight_layer_specs(arch)}
@@ -155,7 +155,7 @@ def choose_pool(info, wanted: str | None, arch: Mapping[str, Any], method: str) 
 
 
 def _match(own: NetworkGraph, theirs: NetworkGraph) -> tuple[list[np.ndarray], dict]:
-    from peer.matching import match_graphs
+    from peer.ldp.matching import match_graphs
 
     result = match_graphs(own, theirs)
     perms = [np.asarray(p, dtype=np.int64) for p in result.permutations]
@@ -181,9 +181,9 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
     """
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from peer.client import PeerClient, PeerError
-    from peer.fusion import average_arrays, permute_arrays
-    from peer.service import graph_from_release
+    from peer.net.client import PeerClient, PeerError
+    from peer.ldp.fusion import average_arrays, permute_arrays
+    from peer.net.service import graph_from_release
 
     me = local.name
     round_id = round_id or uuid.uuid4().hex

@@ -2,7 +2,7 @@
 
 A scenario is one TOML file. Every key is optional except the sites; defaults are those of
 the bundled ``hospitals.toml``. A bad value is refused with the file, the line and the key
-(``coordinator_free.config``); a syntax error with tomllib's line and column.
+(``peer.base.config``); a syntax error with tomllib's line and column.
 
     [scenario]
     name = "hospitals"          # used in the report
@@ -80,10 +80,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from coordinator_free.config import Section, parse_toml
-from coordinator_free.identity import check_site_name
-from peer.data import DATASETS
-from peer.errors import InvalidArgument, NotFound
+from peer.base.config import Section, parse_toml
+from peer.net.identity import check_site_name
+from peer.nn.data import DATASETS
+from peer.base.errors import InvalidArgument, NotFound
 
 DEFAULT_SCENARIO = "hospitals.toml"
 BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml")
@@ -223,7 +223,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     if data.probe_size > data.public_size:
         d.fail("probe_size", f"must be at most public_size ({data.public_size}): probe sets are drawn from the public data")
 
-    from peer.models import ACTIVATIONS  # torch: only once a scenario is parsed, not for --help
+    from peer.nn.architectures import ACTIVATIONS  # torch: only once a scenario is parsed, not for --help
 
     m = root.section("model")
     m.known([f.name for f in ModelSpec.__dataclass_fields__.values()])

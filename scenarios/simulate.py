@@ -5,9 +5,9 @@ Everything a real deployment does happens for real, on loopback:
 1. **data** — a bundled scikit-learn set, split into a global test set (every accuracy is
    measured on it), a PUBLIC set (probe sets and the merges' validation data come from it),
    and the protected records, divided among the sites by a Dirichlet label skew
-   (``peer.data.split_dirichlet``) or IID;
+   (``peer.nn.data.split_dirichlet``) or IID;
 2. **sites** — each site trains its own model on its records (plain training) and, when the
-   scenario has a ``[pool]``, a small DP-SGD pool (``peer.training.train_pool``); it gets its
+   scenario has a ``[pool]``, a small DP-SGD pool (``peer.dp.training.train_pool``); it gets its
    own identity (``peer init``: key + self-signed certificate), pins every other site, and a
    ``site.toml`` with its policy, its ledger file and its fixed noise seed (reported in every
    release record — a simulation option, never production);
@@ -41,7 +41,7 @@ import numpy as np
 
 from coordinator_free.roster import write_roster
 from coordinator_free.rounds import fusion_weights
-from peer.errors import FailedPrecondition, InvalidArgument
+from peer.base.errors import FailedPrecondition, InvalidArgument
 from scenarios.schema import Scenario
 
 MODEL = "mlp"
@@ -49,7 +49,7 @@ POOL = "dpsgd"
 
 
 def _now() -> str:
-    from peer.records import now_rfc3339
+    from peer.base.records import now_rfc3339
 
     return now_rfc3339()
 
@@ -185,7 +185,7 @@ class ScenarioData:
 
 
 def split_data(sc: Scenario) -> ScenarioData:
-    from peer.data import load_dataset, split_dirichlet, split_homogeneous
+    from peer.nn.data import load_dataset, split_dirichlet, split_homogeneous
 
     d = sc.data
     ds = load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed)
@@ -212,8 +212,8 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> Sit
     import torch
     from safetensors.numpy import save_file
 
-    from peer.models import state_arrays, train_classifier
-    from peer.store import save_model
+    from peer.nn.architectures import state_arrays, train_classifier
+    from peer.nn.store import save_model
 
     index = [s.name for s in sc.sites].index(name)
     spec = sc.sites[index]
@@ -240,9 +240,9 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> Sit
 
 def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
     """Data, models, pools, identities, pins and config files of every site."""
-    from coordinator_free.identity import init_identity
-    from coordinator_free.trust import TrustStore
-    from peer.models import accuracy, model_from_arrays
+    from peer.net.identity import init_identity
+    from peer.net.trust import TrustStore
+    from peer.nn.architectures import accuracy, model_from_arrays
 
     data = split_data(sc)
     world = World(sc, out, {}, data.x_test, data.y_test, data.x_public, data.y_public, round_plan(sc))
@@ -264,11 +264,11 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
 
 
 def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test) -> list[dict]:
-    from peer.accounting import TrainingRecord
-    from peer.models import accuracy, model_from_arrays
-    from peer.pool import save_trained
-    from peer.rng import make_randomness
-    from peer.training import train_pool
+    from peer.dp.accounting import TrainingRecord
+    from peer.nn.architectures import accuracy, model_from_arrays
+    from peer.dp.pools import save_trained
+    from peer.base.rng import make_randomness
+    from peer.dp.training import train_pool
 
     p = sc.pool
     trainings = [TrainingRecord.constant(p.adjacency, p.steps, p.learning_rate, p.clip_norm, nm, p.sample_rate)
@@ -378,7 +378,7 @@ class RoundProcess:
 
 
 def _ledger_count(path: Path) -> int:
-    from peer.ledger import Ledger
+    from peer.budget.ledger import Ledger
 
     if not path.exists():
         return 0
@@ -395,7 +395,7 @@ def _ledger_count(path: Path) -> int:
 def run_sites(world: World, progress: Progress) -> dict:
     """Start every daemon, write the roster, run every site's rounds at once, stop the daemons.
     Returns what happened to processes (kills, exit codes)."""
-    from peer.commands.round import QUIET, describe
+    from peer.cli.round import QUIET, describe
 
     sc = world.scenario
     daemons: dict[str, Daemon] = {}
@@ -471,10 +471,10 @@ def round_reports(site: SiteWorld) -> dict[str, dict]:
 def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> float:
     """NON-PRIVATE baseline: the same α-fusion, aligned by graph matching on every model's EXACT
     features on the site's probe set (the simulator holds every exact model; no site could)."""
-    from peer.fusion import average_arrays, permute_arrays
-    from peer.graph import extract_graph
-    from peer.matching import match_graphs
-    from peer.models import accuracy, model_from_arrays
+    from peer.ldp.fusion import average_arrays, permute_arrays
+    from peer.nn.graph import extract_graph
+    from peer.ldp.matching import match_graphs
+    from peer.nn.architectures import accuracy, model_from_arrays
 
     arch = site.architecture
     own = extract_graph(arch, model_from_arrays(arch, site.arrays), site.probe)
@@ -488,8 +488,8 @@ def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> f
 
 
 def evaluate(world: World) -> dict[str, dict]:
-    from peer.models import accuracy, model_from_arrays
-    from peer.store import load_model
+    from peer.nn.architectures import accuracy, model_from_arrays
+    from peer.nn.store import load_model
 
     out = {}
     for name, s in world.sites.items():
@@ -534,7 +534,7 @@ def read_ledger(path: Path) -> dict:
     The ledger's PLD figure is left out: composing the PLDs of a few dozen composite releases
     takes minutes on two cores, and for these per-neuron releases it is not below the
     filter's ε anyway (``privfusion ledger show`` computes it on demand)."""
-    from peer.ledger import Ledger
+    from peer.budget.ledger import Ledger
 
     ledger = Ledger(path)  # read-only (no policy); verified at open: integrity, hash chain, totals
     try:

@@ -1,6 +1,6 @@
 """Real sites for tests: identities, model stores, site.toml files, daemons on loopback.
 
-Everything is real: keys and certificates from ``coordinator_free.identity``, pinned trust
+Everything is real: keys and certificates from ``peer.net.identity``, pinned trust
 directories, safetensors model stores, a SQLite ledger file, the gRPC server with mutual TLS.
 Daemons run in-process (``running``) or as a separate ``privfusion peer serve`` process
 (``DaemonProcess``), the latter for signals and crashes.
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator_free.identity import Identity, init_identity, load_identity
-from coordinator_free.trust import TrustStore
-from peer.models import build_model, state_arrays
-from peer.store import save_model
+from peer.net.identity import Identity, init_identity, load_identity
+from peer.net.trust import TrustStore
+from peer.nn.architectures import build_model, state_arrays
+from peer.nn.store import save_model
 
 ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [16, 12], "output_dim": 10, "activation": "relu"}
 
@@ -107,10 +107,10 @@ LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
 
 def make_pool(directory: Path, noise=(4.0, 12.0), steps: int = 3, arch=LOGREG, seed: int = 1) -> Path:
     """A small real DP-SGD pool (full batch, replace-one) on digits, as `privfusion pool train` makes."""
-    from peer.accounting import TrainingRecord
-    from peer.pool import load_splits, save_trained
-    from peer.rng import make_randomness
-    from peer.training import train_pool
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.pools import load_splits, save_trained
+    from peer.base.rng import make_randomness
+    from peer.dp.training import train_pool
 
     s = load_splits("digits")
     trainings = [TrainingRecord.constant("replace-one", steps, 2.0, 1.0, sigma) for sigma in noise]
@@ -139,7 +139,7 @@ def set_peer_address(site: SiteFiles, peer: str, address: str) -> None:
 @contextlib.contextmanager
 def running(site: SiteFiles, insecure: bool = False):
     """An in-process daemon for ``site``; yields (daemon, "127.0.0.1:PORT")."""
-    from peer.daemon import Daemon, open_site
+    from peer.net.daemon import Daemon, open_site
 
     daemon = Daemon(open_site(site.config, insecure=insecure))
     port = daemon.start()
@@ -150,7 +150,7 @@ def running(site: SiteFiles, insecure: bool = False):
 
 
 def client(site: SiteFiles, address: str, peer: str | None = None, **kw):
-    from peer.client import PeerClient
+    from peer.net.client import PeerClient
 
     return PeerClient(site.identity, address, peer=peer, **kw)
 
@@ -197,7 +197,7 @@ def serve_in_child(config: str, ready: str, log_path: str) -> None:
     """Target of a forked daemon process: the real ``serve`` (the CLI's), logging to a file."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
-    from peer.daemon import serve
+    from peer.net.daemon import serve
 
     serve(config, ready_file=ready)
 
@@ -210,8 +210,8 @@ class ForkedDaemons:
         import multiprocessing
 
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["peer.daemon", "peer.mechanisms", "peer.fusion", "peer.matching", "peer.pool",
-                                          "peer.accounting", "peer.client", "peer_harness"])
+        self.ctx.set_forkserver_preload(["peer.net.daemon", "peer.ldp.mechanisms", "peer.ldp.fusion", "peer.ldp.matching", "peer.dp.pools",
+                                          "peer.dp.accounting", "peer.net.client", "peer_harness"])
 
     def start(self, site: SiteFiles, timeout: float = 60.0):
         ready = site.root / f"ready-{time.monotonic_ns()}.json"

@@ -11,11 +11,11 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.accounting import DEFAULT_ORDERS, gdp_delta, gdp_epsilon, gdp_mu, rdp_to_delta, rdp_to_epsilon
-from peer.accounting import pld as pldm
-from peer.accounting.rdp import (rdp_laplace, rdp_mixture, rdp_numerical_subsampled_gaussian, rdp_pure,
+from peer.dp.accounting import DEFAULT_ORDERS, gdp_delta, gdp_epsilon, gdp_mu, rdp_to_delta, rdp_to_epsilon
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.rdp import (rdp_laplace, rdp_mixture, rdp_numerical_subsampled_gaussian, rdp_pure,
                                  rdp_subsampled_gaussian)
-from peer.errors import InvalidArgument
+from peer.base.errors import InvalidArgument
 
 ORDERS = np.array(DEFAULT_ORDERS)
 

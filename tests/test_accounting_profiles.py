@@ -7,9 +7,9 @@ import pytest
 from dp_accounting import dp_event, pld, rdp
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from peer.accounting import (DEFAULT_ORDERS, ApproxDP, GaussianStep, TrainingRecord, model_delta, model_epsilon,
+from peer.dp.accounting import (DEFAULT_ORDERS, ApproxDP, GaussianStep, TrainingRecord, model_delta, model_epsilon,
                              privacy_profile, privacy_profiles)
-from peer.errors import InvalidArgument
+from peer.base.errors import InvalidArgument
 
 ORDERS = np.array(DEFAULT_ORDERS)
 
@@ -106,7 +106,7 @@ def test_mixed_adjacencies_are_refused_or_converted_explicitly():
 
 
 def test_profiles_of_a_model_seen_before_are_reused_and_cannot_be_changed():
-    from peer.accounting.profiles import _derived_profile
+    from peer.dp.accounting.profiles import _derived_profile
 
     model = TrainingRecord.constant("add-remove", 200, 0.1, 1.0, 1.1, 0.01)
     first = privacy_profile(model)
@@ -123,7 +123,7 @@ def test_profiles_of_a_model_seen_before_are_reused_and_cannot_be_changed():
 
 
 def test_rdp_alone_is_the_profiles_rdp_without_building_a_pld():
-    from peer.accounting.profiles import _derived_profile, model_rdp
+    from peer.dp.accounting.profiles import _derived_profile, model_rdp
 
     orders = [1.5, 2.0, 3.0, 8.0, 32.0]
     for model in (TrainingRecord.constant("add-remove", 300, 0.1, 1.0, 1.3, 0.02),

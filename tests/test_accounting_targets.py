@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from peer.accounting import (ApproxDP, TrainingRecord, UnreachableTarget, choose_lam, choose_pi, gdp_epsilon,
+from peer.dp.accounting import (ApproxDP, TrainingRecord, UnreachableTarget, choose_lam, choose_pi, gdp_epsilon,
                              lc_epsilon, lc_segments, rs_epsilon, rs_profiles)
-from peer.accounting.targets import lc_feasible_subsets, lc_mu_for_target, rs_most_private_epsilon
-from peer.errors import InvalidArgument
+from peer.dp.accounting.targets import lc_feasible_subsets, lc_mu_for_target, rs_most_private_epsilon
+from peer.base.errors import InvalidArgument
 
 INTERVAL = 1e-3
 POOL = [TrainingRecord.constant("add-remove", 100, 0.1, 1.0, s) for s in (5.0, 10.0, 20.0)]
@@ -63,8 +63,8 @@ def test_unreachable_rs_target_names_the_most_private_epsilon(profiles):
 def test_mixtures_can_beat_every_single_model():
     # Two (ε, δ)-style profiles private in opposite directions: a 50/50 mixture halves the δ of
     # both directions, so RS reaches an ε no single model reaches; the bisection finds it.
-    from peer.accounting import pld as pldm
-    from peer.accounting.profiles import PrivacyProfile
+    from peer.dp.accounting import pld as pldm
+    from peer.dp.accounting.profiles import PrivacyProfile
     orders = (2.0,)
     a = pldm.non_private_pld(INTERVAL)
     remove_only = pldm.PLD(pldm.directions(a)[0], pldm.directions(pldm.identity_pld(INTERVAL))[0])

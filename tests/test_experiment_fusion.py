@@ -6,7 +6,7 @@ import json
 import pytest
 
 from peer.cli import main
-from peer.commands.experiment_fusion import format_fusion_table
+from peer.cli.experiment_fusion import format_fusion_table
 from peer.experiments.fusion import FusionConfig, run
 
 SMALL = FusionConfig(architecture={"kind": "mlp", "input_dim": 64, "hidden": [24, 16], "output_dim": 10},

@@ -19,10 +19,10 @@ import pytest
 from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
 from privfusion.v1 import peer_pb2 as pb
 
-from peer.client import PeerError
-from peer.ledger import Ledger
-from peer.receipts import verify_receipt
-from peer.service import PeerService
+from peer.net.client import PeerError
+from peer.budget.ledger import Ledger
+from peer.net.receipts import verify_receipt
+from peer.net.service import PeerService
 
 PROBE = np.random.default_rng(5).random((32, 64))
 #: one Fuse of these parameters costs ε ≈ 7.8 at δ = 1e-3 by the filter (8 by basic
@@ -90,7 +90,7 @@ def seen_at(name: str) -> list[tuple[str, object]]:
 @pytest.fixture(autouse=True)
 def recording(monkeypatch):
     Recording.seen = []
-    monkeypatch.setattr("peer.daemon.PeerService", Recording)
+    monkeypatch.setattr("peer.net.daemon.PeerService", Recording)
 
 
 @contextlib.contextmanager

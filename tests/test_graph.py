@@ -3,9 +3,9 @@ import pytest
 import torch
 from torch import nn
 
-from peer.errors import InvalidArgument
-from peer.graph import extract_graph
-from peer.models import build_model
+from peer.base.errors import InvalidArgument
+from peer.nn.graph import extract_graph
+from peer.nn.architectures import build_model
 
 MLP = {"kind": "mlp", "input_dim": 64, "hidden": [32, 16], "output_dim": 10}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "kernel_size": 3, "pool": [2, 2], "hidden": [16], "output_dim": 10}

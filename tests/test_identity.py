@@ -1,4 +1,4 @@
-"""Site identities and pinned trust (coordinator_free.identity, coordinator_free.trust)."""
+"""Site identities and pinned trust (peer.net.identity, peer.net.trust)."""
 
 import datetime as dt
 import ipaddress
@@ -8,11 +8,11 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from coordinator_free.identity import (fingerprint, format_fingerprint, init_identity, load_certificate,
+from peer.net.identity import (fingerprint, format_fingerprint, init_identity, load_certificate,
                                        load_identity, verify_signature)
-from coordinator_free.trust import TrustStore
+from peer.net.trust import TrustStore
 from peer.cli import main
-from peer.errors import FailedPrecondition, InvalidArgument, NotFound
+from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
 def test_init_makes_a_private_key_and_a_pinnable_certificate(tmp_path):

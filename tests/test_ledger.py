@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from ledger_reference import (filter_admits, filter_spent, gaussian_rdp, gaussian_record, laplace_rdp,
                               laplace_record)
-from peer.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from peer.filter import FILTER_ORDERS, FilterBudget
-from peer.ledger import Ledger, per_neuron_record
-from peer.policy import Policy, PolicyError
+from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from peer.budget.filter import FILTER_ORDERS, FilterBudget
+from peer.budget.ledger import Ledger, per_neuron_record
+from peer.budget.policy import Policy, PolicyError
 
 def make_policy(model_total=(4.0, 1e-6), per_cp=None, data=None, **extra) -> Policy:
     d = {"peers": {"*": {"allow": ["features", "weights", "merge", "fuse", "ledger"]}}}
@@ -250,8 +250,8 @@ def rr_rdp(orders, epsilon):
 
 
 def test_per_entry_releases_of_the_real_mechanisms_are_restated_per_neuron(tmp_path):
-    from peer.mechanisms import gaussian_perturbation, gaussian_sensitivity, laplace_activations, multibit
-    from peer.rng import make_randomness
+    from peer.ldp.mechanisms import gaussian_perturbation, gaussian_sensitivity, laplace_activations, multibit
+    from peer.base.rng import make_randomness
 
     x = np.random.default_rng(0).normal(size=(6, 7))
     ledger = open_ledger(tmp_path / "mech.db", make_policy(model_total=(1e3, 1e-3)))
@@ -285,7 +285,7 @@ def test_per_entry_releases_of_the_real_mechanisms_are_restated_per_neuron(tmp_p
 def test_composite_of_per_entry_components_is_converted_componentwise():
     a = laplace_record(epsilon=0.1, shape=(4, 10), unit="entry")
     b = laplace_record(epsilon=0.3, shape=(6, 2), unit="entry")
-    from peer.records import ReleaseRecord
+    from peer.base.records import ReleaseRecord
     comp = ReleaseRecord(mechanism="composite", level="model", unit="entry", epsilon=0.4, delta=0.0, sensitivity=None,
                          sensitivity_norm="none", parameters={"composition": "parallel", "parallel_over": "neurons"},
                          components=(a, b), randomness="none", subject="m")
@@ -296,10 +296,10 @@ def test_composite_of_per_entry_components_is_converted_componentwise():
 
 def per_entry_graph(probes=5, epsilon_x=0.5, epsilon_w=0.5):
     """A real per-entry graph release: 4 inputs → 3 hidden ReLU neurons (P probes) → 2 outputs."""
-    from peer.graph import extract_graph
-    from peer.mechanisms import perturb_graph
-    from peer.models import build_model
-    from peer.rng import make_randomness
+    from peer.nn.graph import extract_graph
+    from peer.ldp.mechanisms import perturb_graph
+    from peer.nn.architectures import build_model
+    from peer.base.rng import make_randomness
 
     arch = {"kind": "mlp", "input_dim": 4, "hidden": [3], "output_dim": 2, "activation": "relu"}
     graph = extract_graph(arch, build_model(arch, seed=0), np.random.default_rng(0).random((probes, 4)))
@@ -335,9 +335,9 @@ def test_per_entry_graph_release_composes_one_neurons_parts_sequentially(tmp_pat
 
 
 def test_a_parallel_composite_must_say_what_it_is_parallel_over():
-    from peer.mechanisms import composite_record
-    from peer.records import ReleaseRecord
-    from peer.rng import make_randomness
+    from peer.ldp.mechanisms import composite_record
+    from peer.base.records import ReleaseRecord
+    from peer.base.rng import make_randomness
 
     a = laplace_record(epsilon=0.1, shape=(4, 10), unit="entry")
     b = laplace_record(epsilon=0.3, shape=(4, 2), unit="entry")
@@ -543,7 +543,7 @@ def test_processes_charging_at_once_never_overspend(tmp_path):
     sigma, eps_g, delta_g = 4.0, 3.0, 1e-6
     path = tmp_path / "p.db"
     open_ledger(path, make_policy(model_total=(eps_g, delta_g))).close()
-    from peer.filter import FILTER_ORDERS as orders
+    from peer.budget.filter import FILTER_ORDERS as orders
     k = k_admitted_by_hand(orders, gaussian_rdp(orders, 1.0, sigma), eps_g, delta_g)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
@@ -805,7 +805,7 @@ def test_ledger_show_prints_entries_and_budgets(tmp_path, capsys):
 def test_logs_carry_ids_and_public_epsilon_only(tmp_path, caplog):
     ledger = open_ledger(tmp_path / "log.db", make_policy(model_total=(1.0, 1e-6)))
     rec = gaussian_record(noise_std=12.3456789)
-    with caplog.at_level("INFO", logger="peer.ledger"):
+    with caplog.at_level("INFO", logger="peer.budget.ledger"):
         ledger.charge(rec, "b")
         with pytest.raises(BudgetExhausted):
             ledger.charge(gaussian_record(noise_std=0.123456789), "b")
@@ -827,11 +827,11 @@ def test_a_totals_cache_that_disagrees_with_the_rows_is_detected(tmp_path):
         open_ledger(path, make_policy())
 
 
-# ---- with the project's accountant (peer.accounting) --------------------------------------------
+# ---- with the project's accountant (peer.dp.accounting) --------------------------------------------
 
 
 def test_the_accountant_agrees_with_the_closed_forms():
-    from peer.accounting import rdp_of_record
+    from peer.dp.accounting import rdp_of_record
 
     orders = FILTER_ORDERS
     g = gaussian_record(noise_std=7.0, sensitivity=2.0)
@@ -841,14 +841,14 @@ def test_the_accountant_agrees_with_the_closed_forms():
 
 
 def full_batch(noise_multiplier, steps=20):
-    from peer.accounting import TrainingRecord
+    from peer.dp.accounting import TrainingRecord
 
     return TrainingRecord.constant("add-remove", steps, learning_rate=0.1, clip_norm=1.0,
                                    noise_multiplier=noise_multiplier)
 
 
 def test_dpsgd_charge_matches_the_full_batch_closed_form(tmp_path):
-    from peer.accounting.records import dpsgd_record
+    from peer.dp.accounting.records import dpsgd_record
 
     ledger = open_ledger(tmp_path / "sgd.db", make_policy(data=("record:add-remove", 8.0, 1e-5)))
     entry = ledger.charge(dpsgd_record(full_batch(6.0, steps=20), 1e-5, subject="pool/m0"), "b")
@@ -858,7 +858,7 @@ def test_dpsgd_charge_matches_the_full_batch_closed_form(tmp_path):
 
 
 def test_merges_from_one_pool_compose_only_when_sound(tmp_path):
-    from peer.accounting.records import dpsgd_record, lc_merge_record, rs_merge_record
+    from peer.dp.accounting.records import dpsgd_record, lc_merge_record, rs_merge_record
 
     ledger = open_ledger(tmp_path / "pool.db", make_policy(data=("record:add-remove", 50.0, 1e-5)))
     pool1 = {f"pool1/m{i}": full_batch(s, steps=2) for i, s in enumerate([3.0, 6.0, 12.0])}

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from ledger_reference import gaussian_rdp, gaussian_record, laplace_record
 
-from peer.errors import (
+from peer.base.errors import (
     BudgetExhausted,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
 )
-from peer.ledger import Ledger
-from peer.policy import Policy
+from peer.budget.ledger import Ledger
+from peer.budget.policy import Policy
 
 
 def policy(total=(100.0, 1e-5), per_cp=(100.0, 1e-5), caps=None, peers=None) -> Policy:
@@ -212,8 +212,8 @@ def test_a_relayed_charge_must_name_whom_it_is_for_and_everyone_must_be_allowed(
 
 
 def composite(parts, relay_for=None):
-    from peer.mechanisms import composite_record
-    from peer.rng import make_randomness
+    from peer.ldp.mechanisms import composite_record
+    from peer.base.rng import make_randomness
 
     rec = composite_record(parts, "sequential", randomness=make_randomness(0)).with_(subject="m")
     return relayed(rec, relay_for) if relay_for else rec

@@ -17,10 +17,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator_free.roster import Roster, write_roster
 from coordinator_free.rounds import RoundConfig
 from coordinator_free.runner import load_local_site, run_round
-from peer import wire
-from peer.errors import InvalidArgument
-from peer.receipts import sign_receipt
-from peer.records import ReleaseRecord
+from peer.net import wire
+from peer.base.errors import InvalidArgument
+from peer.net.receipts import sign_receipt
+from peer.base.records import ReleaseRecord
 from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other
 from privfusion.v1 import peer_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""Tests of peer.matching: the factorised affinity against the dense K and pygmtools, the
+"""Tests of peer.ldp.matching: the factorised affinity against the dense K and pygmtools, the
 expansion's error bound, permutation recovery on trained networks, and input checks."""
 
 import dataclasses
@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
-import peer.matching as matching
-from peer.data import load_dataset
-from peer.errors import InvalidArgument
-from peer.graph import HiddenLayer, extract_graph, weight_layers
-from peer.matching import (
+import peer.ldp.matching as matching
+from peer.nn.data import load_dataset
+from peer.base.errors import InvalidArgument
+from peer.nn.graph import HiddenLayer, extract_graph, weight_layers
+from peer.ldp.matching import (
     Affinity,
     MatchOptions,
     chebyshev_interpolation_bound,
@@ -27,7 +27,7 @@ from peer.matching import (
     gaussian_kernel,
     match_graphs,
 )
-from peer.models import accuracy, build_model, model_from_arrays, state_arrays, train_classifier
+from peer.nn.architectures import accuracy, build_model, model_from_arrays, state_arrays, train_classifier
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4}
@@ -431,8 +431,8 @@ def test_recovery_from_a_local_dp_release_is_mostly_right_and_balancing_is_what_
     # the public [0, 2], multi-bit weights; per-entry ε = 1), many public probes. Balancing the
     # unary affinities (MatchOptions.balance) is what lets the activations' signal through:
     # without it the released rows' noisy norms scale whole columns of the kernel.
-    from peer.mechanisms import perturb_graph
-    from peer.rng import make_randomness
+    from peer.ldp.mechanisms import perturb_graph
+    from peer.base.rng import make_randomness
 
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10}
     ds = digits()

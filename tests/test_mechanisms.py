@@ -1,4 +1,4 @@
-"""Tests of peer.mechanisms.
+"""Tests of peer.ldp.mechanisms.
 
 Statistical tests use fixed seeds (so they are deterministic) and tolerances derived from the
 sample size; each states the false-failure rate it would have under a fresh seed.
@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from peer import mechanisms as M
-from peer.errors import InvalidArgument
-from peer.graph import extract_graph
-from peer.models import build_model, state_arrays
-from peer.records import ReleaseRecord
-from peer.rng import make_randomness
+from peer.ldp import mechanisms as M
+from peer.base.errors import InvalidArgument
+from peer.nn.graph import extract_graph
+from peer.nn.architectures import build_model, state_arrays
+from peer.base.records import ReleaseRecord
+from peer.base.rng import make_randomness
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [8, 6], "output_dim": 3}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "kernel_size": 3, "pool": [2, 2], "hidden": [16], "output_dim": 10}
@@ -395,8 +395,8 @@ def test_filter_falls_back_to_a_constant_when_noise_swamps_the_spread():
 
 @pytest.fixture(scope="module")
 def trained_digits_mlp():
-    from peer.data import load_dataset
-    from peer.models import train_classifier
+    from peer.nn.data import load_dataset
+    from peer.nn.architectures import train_classifier
 
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [64], "output_dim": 10}
     ds = load_dataset("digits")

@@ -11,11 +11,11 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
-from peer.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
-from peer.errors import InvalidArgument
-from peer.merging import PoolModel, combine, draw_index, merge_lc, merge_rs
-from peer.models import build_model, state_arrays
-from peer.rng import make_randomness
+from peer.dp.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
+from peer.base.errors import InvalidArgument
+from peer.dp.merging import PoolModel, combine, draw_index, merge_lc, merge_rs
+from peer.nn.architectures import build_model, state_arrays
+from peer.base.rng import make_randomness
 
 ARCH = {"kind": "mlp", "input_dim": 4, "hidden": [3], "output_dim": 2, "activation": "relu"}
 DELTA = 1e-5
@@ -32,7 +32,7 @@ def _pool(hyper=HYPER, sample_rate=1.0, sizes=None, declared=False):
     return pool
 
 
-# ---- independent accounting (closed forms, no peer.accounting) ----
+# ---- independent accounting (closed forms, no peer.dp.accounting) ----
 
 def _gdp_delta(mu, eps):
     """δ(ε) of μ-GDP (Dong, Roth & Su 2022, Cor. 2.13)."""

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from coordinator_free.roster import write_roster
-from peer.ledger import Ledger
+from peer.budget.ledger import Ledger
 from peer_harness import make_site, model_arrays, pin_each_other
 
 pytestmark = pytest.mark.slow

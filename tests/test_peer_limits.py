@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator_free.identity import init_identity, load_certificate
-from peer import wire
-from peer.client import PeerError
-from peer.ledger import Ledger
-from peer.limits import StreamTimeout, paced
+from peer.net.identity import init_identity, load_certificate
+from peer.net import wire
+from peer.net.client import PeerError
+from peer.budget.ledger import Ledger
+from peer.net.limits import StreamTimeout, paced
 from peer_harness import DaemonProcess, client, make_site, pin_each_other, running
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
@@ -301,8 +301,8 @@ def test_a_bad_listen_address_is_a_clear_error(tmp_path, listen, message):
     ("max_calls_per_peer = -1", "site.max_calls_per_peer"),
 ])
 def test_bad_limits_are_refused_at_start(tmp_path, extra, message):
-    from peer.daemon import SiteConfig
-    from peer.errors import InvalidArgument
+    from peer.net.daemon import SiteConfig
+    from peer.base.errors import InvalidArgument
 
     a = make_site(tmp_path, "site-a", extra_site=extra)
     with pytest.raises(InvalidArgument, match=message):

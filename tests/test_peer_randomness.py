@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from peer.ledger import Ledger
-from peer.records import FIXED_SEED_WARNING
+from peer.budget.ledger import Ledger
+from peer.base.records import FIXED_SEED_WARNING
 from peer_harness import DaemonProcess, client, make_site, pin_each_other
 
 PROBE = np.random.default_rng(0).random((8, 64))
@@ -98,8 +98,8 @@ def test_dpsgd_noise_and_poisson_batches_are_the_releases_pcg64_stream():
     released parameters reveal z, which must be the stream's standard normals, in order."""
     import torch
 
-    from peer.rng import make_randomness
-    from peer.training import run_dpsgd
+    from peer.base.rng import make_randomness
+    from peer.dp.training import run_dpsgd
 
     class Step:
         def __init__(self, q):
@@ -124,10 +124,10 @@ def test_dpsgd_noise_and_poisson_batches_are_the_releases_pcg64_stream():
 
 
 def test_a_fixed_seed_record_says_not_private_wherever_it_is_serialised():
-    from peer.errors import InvalidArgument
-    from peer.mechanisms import laplace_activations
-    from peer.records import ReleaseRecord
-    from peer.rng import make_randomness
+    from peer.base.errors import InvalidArgument
+    from peer.ldp.mechanisms import laplace_activations
+    from peer.base.records import ReleaseRecord
+    from peer.base.rng import make_randomness
 
     _, fixed = laplace_activations(np.zeros((2, 3)), epsilon=1.0, clip=(0.0, 1.0), randomness=make_randomness(4))
     _, fresh = laplace_activations(np.zeros((2, 3)), epsilon=1.0, clip=(0.0, 1.0))

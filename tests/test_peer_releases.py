@@ -5,16 +5,16 @@ import json
 import numpy as np
 import pytest
 
-from peer.client import PeerError, save_release
-from peer.fusion import fuse_arrays, permute_arrays
-from peer.graph import extract_graph
-from peer.ledger import Ledger
-from peer.matching import match_graphs
-from peer.mechanisms import perturb_graph, perturb_model_weights
-from peer.merging import combine
-from peer.models import model_from_arrays
-from peer.pool import load_pool
-from peer.rng import make_randomness
+from peer.net.client import PeerError, save_release
+from peer.ldp.fusion import fuse_arrays, permute_arrays
+from peer.nn.graph import extract_graph
+from peer.budget.ledger import Ledger
+from peer.ldp.matching import match_graphs
+from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
+from peer.dp.merging import combine
+from peer.nn.architectures import model_from_arrays
+from peer.dp.pools import load_pool
+from peer.base.rng import make_randomness
 from peer_harness import ARCH, client, make_pool, make_site, model_arrays, pin_each_other, running
 
 
@@ -39,7 +39,7 @@ def pool_dir_of(site):
 
 
 def test_rs_merge_releases_one_pool_model_unchanged_and_charges_the_data_budget(pool_sites, tmp_path):
-    from peer.store import load_model
+    from peer.nn.store import load_model
 
     a, b = pool_sites
     with running(a) as (_, address), client(b, address) as c:

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peer import wire
-from peer.client import PeerError
-from peer.fusion import permute_arrays
-from peer.graph import extract_graph
-from peer.ledger import Ledger
-from peer.mechanisms import perturb_graph, perturb_model_weights
-from peer.models import model_from_arrays
-from peer.rng import make_randomness
-from peer.service import graph_from_release
+from peer.net import wire
+from peer.net.client import PeerError
+from peer.ldp.fusion import permute_arrays
+from peer.nn.graph import extract_graph
+from peer.budget.ledger import Ledger
+from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
+from peer.nn.architectures import model_from_arrays
+from peer.base.rng import make_randomness
+from peer.net.service import graph_from_release
 from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
@@ -95,9 +95,9 @@ def test_weights_are_released_unpermuted_and_requests_cannot_carry_permutations(
 
 
 def test_saved_release_loads_from_the_store_and_its_receipt_verifies_offline(sites, tmp_path):
-    from peer.client import save_release
-    from peer.receipts import SignedReceipt, verify_receipt
-    from peer.store import load_model
+    from peer.net.client import save_release
+    from peer.net.receipts import SignedReceipt, verify_receipt
+    from peer.nn.store import load_model
 
     a, b = sites
     with running(a) as (_, address), client(b, address) as c:
@@ -305,7 +305,7 @@ def hammer(b, address, n, request):
 
 def test_concurrent_pure_releases_never_overspend(tmp_path):
     # features at (0.5 + 0.5) per neuron against a pure budget of 6: exactly 6 of 24 fit
-    # one peer asks 24 times at once: lift the per-peer cap (peer.limits) so the budget decides
+    # one peer asks 24 times at once: lift the per-peer cap (peer.net.limits) so the budget decides
     a = make_site(tmp_path, "site-a", policy=BUDGET_POLICY.format(eps=6.0, delta=0.0), workers=32,
                   extra_site="max_calls_per_peer = 32")
     b = make_site(tmp_path, "site-b", models={})
@@ -324,8 +324,8 @@ def test_concurrent_pure_releases_never_overspend(tmp_path):
 
 
 def test_concurrent_gaussian_releases_stop_where_the_rdp_filter_says(tmp_path):
-    from peer.filter import FilterBudget
-    from peer.policy import Policy
+    from peer.budget.filter import FilterBudget
+    from peer.budget.policy import Policy
 
     text = BUDGET_POLICY.format(eps=8.0, delta=1e-4)
     a = make_site(tmp_path, "site-a", policy=text, workers=32, extra_site="max_calls_per_peer = 32")

@@ -19,10 +19,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from coordinator_free.identity import init_identity
-from coordinator_free.trust import TrustStore
-from peer import wire
-from peer.client import PeerClient, PeerError
+from peer.net.identity import init_identity
+from peer.net.trust import TrustStore
+from peer.net import wire
+from peer.net.client import PeerClient, PeerError
 from peer_harness import client, make_site, pin, pin_each_other, running
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
@@ -191,7 +191,7 @@ def test_rotation_keeps_working_through_the_overlap_and_retires_the_old_certific
     """site-b rolls its certificate with the command: stage, site-a pins the new one beside the
     old, site-b activates (restart), site-a retires the old pin. Calls work in both directions
     at every step; after the promote the old certificate is refused, even on an open connection."""
-    from coordinator_free.identity import load_identity
+    from peer.net.identity import load_identity
     from peer.cli import main
 
     a = make_site(tmp_path, "site-a")

@@ -17,7 +17,7 @@ whenever both upper bounds hold (each fails with probability ≤ 2.5%, the two t
 probability ≥ 95%; the threshold comes from the other half, so it does not bias them).
 
 What ε is compared: the LEDGER's, by its own interpretation of the real record
-(``peer.ledger.per_neuron_record``, then ``peer.accounting.rdp_of_record`` at the filter's
+(``peer.budget.ledger.per_neuron_record``, then ``peer.dp.accounting.rdp_of_record`` at the filter's
 orders): the pure track's ε for pure mechanisms (δ = 0), else the RDP conversion at δ — the
 figure the filter charges, not a formula copied here.
 
@@ -36,15 +36,15 @@ import pytest
 import torch
 from scipy import stats
 
-import peer.accounting as accounting
-from peer.filter import FILTER_ORDERS, epsilon_of_rdp
-from peer.graph import HiddenLayer, NetworkGraph
-from peer.ledger import per_neuron_record
-from peer.mechanisms import (gaussian_perturbation, laplace_activations, multibit, perturb_graph,
+import peer.dp.accounting as accounting
+from peer.budget.filter import FILTER_ORDERS, epsilon_of_rdp
+from peer.nn.graph import HiddenLayer, NetworkGraph
+from peer.budget.ledger import per_neuron_record
+from peer.ldp.mechanisms import (gaussian_perturbation, laplace_activations, multibit, perturb_graph,
                              weight_layer_specs)
-from peer.records import ReleaseRecord
-from peer.rng import make_randomness
-from peer.training import run_dpsgd
+from peer.base.records import ReleaseRecord
+from peer.base.rng import make_randomness
+from peer.dp.training import run_dpsgd
 
 N = 200_000  # runs per neighbour (half to fit the threshold, half to bound ε)
 CONFIDENCE = 0.95

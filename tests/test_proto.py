@@ -31,7 +31,7 @@ def test_generated_package_imports_from_anywhere(tmp_path):
 
 
 def test_every_rpc_is_implemented_by_the_service():
-    from peer.service import PeerService
+    from peer.net.service import PeerService
     from privfusion.v1 import peer_pb2, peer_pb2_grpc
 
     service = peer_pb2.DESCRIPTOR.services_by_name["Peer"]

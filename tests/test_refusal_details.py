@@ -1,7 +1,7 @@
 """Refusals that help the caller, over real daemons: every refusal carries a ``google.rpc.Status``
 with structured details — a ``BadRequest`` naming the field and the rule for INVALID_ARGUMENT,
 an ``ErrorInfo`` (reason, metadata) for budget and target refusals. Each is read twice: with
-plain grpcio + grpc_status (as any outside client would) and through ``peer.client.PeerError``;
+plain grpcio + grpc_status (as any outside client would) and through ``peer.net.client.PeerError``;
 a refused merge's reachable range also reaches the requester's round report and its CLI line."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from test_rounds import add_pool, build, config, roster_for, trained  # noqa: F401 - trained is a fixture
 
-from peer import wire
-from peer.client import PeerError
-from peer.ledger import Ledger
+from peer.net import wire
+from peer.net.client import PeerError
+from peer.budget.ledger import Ledger
 
 BUDGET_POLICY = """
 [policy]
@@ -155,7 +155,7 @@ def test_a_budget_refusal_carries_spent_and_remaining(sites):
 
 def test_the_round_report_and_its_cli_line_carry_the_reachable_range(tmp_path, trained):  # noqa: F811
     from coordinator_free.runner import load_local_site, run_round
-    from peer.commands.round import describe
+    from peer.cli.round import describe
 
     sites_, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
     a, b = sites_

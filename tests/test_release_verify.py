@@ -1,4 +1,4 @@
-"""Saved releases checked offline from pinned certificates alone (peer.client.verify_saved_release,
+"""Saved releases checked offline from pinned certificates alone (peer.net.client.verify_saved_release,
 ``privfusion release verify``), and the layer list of GetPeerInfo, against a real daemon."""
 
 import json
@@ -7,10 +7,10 @@ import shutil
 import numpy as np
 import pytest
 
-from coordinator_free.trust import TrustStore
+from peer.net.trust import TrustStore
 from peer.cli import main as cli
-from peer.client import save_release, verify_saved_release
-from peer.errors import InvalidArgument, NotFound
+from peer.net.client import save_release, verify_saved_release
+from peer.base.errors import InvalidArgument, NotFound
 from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
 
 
@@ -53,7 +53,7 @@ def _edit_doc(doc, edit):
 
 
 @pytest.mark.parametrize("edit, field", [
-    # the document's architecture is what peer.store.load_model builds the model from
+    # the document's architecture is what peer.nn.store.load_model builds the model from
     (lambda d: d["architecture"].update(hidden=[16, 13]), "architecture"),
     (lambda d: d["metadata"]["release"]["metadata"].update(permuted=True), "metadata.release"),
     # a manifest edited anywhere (metadata text, a shape, a dtype) no longer has the signed digest

@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator_free.config import ConfigError, Section, key_line, parse_toml
+from peer.base.config import ConfigError, Section, key_line, parse_toml
 from coordinator_free.roster import Roster, write_roster
 from coordinator_free.rounds import (RoundConfig, RoundState, charged_status, fusion_weights, public_view)
 from coordinator_free.runner import load_local_site, load_round_config, run_round
-from peer.data import load_dataset
-from peer.errors import FailedPrecondition
-from peer.fusion import permute_arrays
-from peer.graph import extract_graph
-from peer.ledger import Ledger
-from peer.models import model_from_arrays, state_arrays, train_classifier
-from peer.store import load_model
+from peer.nn.data import load_dataset
+from peer.base.errors import FailedPrecondition
+from peer.ldp.fusion import permute_arrays
+from peer.nn.graph import extract_graph
+from peer.budget.ledger import Ledger
+from peer.nn.architectures import model_from_arrays, state_arrays, train_classifier
+from peer.nn.store import load_model
 from peer_harness import DaemonProcess, make_site, pin_each_other, running
 
 ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [16], "output_dim": 10, "activation": "relu"}
@@ -233,7 +233,7 @@ def test_roster_errors_and_pins(tmp_path, trained):
 
 
 def _trust(site):
-    from coordinator_free.trust import TrustStore
+    from peer.net.trust import TrustStore
 
     return TrustStore(site.identity_dir / "trusted")
 
@@ -427,10 +427,10 @@ epsilon = 20.0
 
 def add_pool(site, trained, data_epsilon: float) -> None:
     """A small DP-SGD pool of the site's architecture, judged on a public validation file."""
-    from peer.accounting import TrainingRecord
-    from peer.pool import save_trained
-    from peer.rng import make_randomness
-    from peer.training import train_pool
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.pools import save_trained
+    from peer.base.rng import make_randomness
+    from peer.dp.training import train_pool
 
     _, probe, ds = trained
     trainings = [TrainingRecord.constant("add-remove", 10, 1.0, 1.0, nm, 1.0) for nm in (3.0, 6.0)]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator_free.config import ConfigError
-from peer.ledger import Ledger
+from peer.base.config import ConfigError
+from peer.budget.ledger import Ledger
 from scenarios.schema import BUNDLED, bundled_path, load_scenario, parse_scenario
 from scenarios.simulate import read_ledger
 

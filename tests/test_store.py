@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from peer.errors import InvalidArgument, NotFound
-from peer.models import build_model, state_arrays
-from peer.store import list_models, load_model, save_model
+from peer.base.errors import InvalidArgument, NotFound
+from peer.nn.architectures import build_model, state_arrays
+from peer.nn.store import list_models, load_model, save_model
 
 MLP = {"kind": "mlp", "input_dim": 8, "hidden": [4], "output_dim": 3}
 

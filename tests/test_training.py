@@ -10,10 +10,10 @@ import pytest
 import torch
 from scipy import stats
 
-from peer.errors import InvalidArgument
-from peer.models import build_model, input_tensor
-from peer.rng import make_randomness
-from peer.training import classifier_loss, clipped_sum, dpsgd_step, per_example_gradients, run_dpsgd
+from peer.base.errors import InvalidArgument
+from peer.nn.architectures import build_model, input_tensor
+from peer.base.rng import make_randomness
+from peer.dp.training import classifier_loss, clipped_sum, dpsgd_step, per_example_gradients, run_dpsgd
 
 MLP = {"kind": "mlp", "input_dim": 6, "hidden": [5], "output_dim": 3}
 CNN = {"kind": "cnn", "input_shape": [1, 4, 4], "channels": [2], "kernel_size": 3, "pool": [2], "hidden": [], "output_dim": 3}
@@ -209,8 +209,8 @@ def test_the_record_describes_exactly_the_run():
     """Re-running DP-SGD from nothing but the stored record (training steps, declared n, public
     init seed, architecture, noise seed) reproduces the weights bit for bit; the record's ε is
     the accountant's for that TrainingRecord."""
-    from peer.accounting import TrainingRecord, model_epsilon
-    from peer.training import train_dpsgd_classifier
+    from peer.dp.accounting import TrainingRecord, model_epsilon
+    from peer.dp.training import train_dpsgd_classifier
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 6)).astype(np.float32)

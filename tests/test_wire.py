@@ -1,4 +1,4 @@
-"""Tensors and releases on the wire (peer.wire) and signed receipts (peer.receipts)."""
+"""Tensors and releases on the wire (peer.net.wire) and signed receipts (peer.net.receipts)."""
 
 import hashlib
 from dataclasses import replace
@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from coordinator_free.identity import init_identity
-from peer import wire
-from peer.errors import InvalidArgument
-from peer.receipts import SignedReceipt, sign_receipt, verify_receipt
-from peer.records import ReleaseRecord
+from peer.net.identity import init_identity
+from peer.net import wire
+from peer.base.errors import InvalidArgument
+from peer.net.receipts import SignedReceipt, sign_receipt, verify_receipt
+from peer.base.records import ReleaseRecord
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import tensor_pb2 as tpb
 

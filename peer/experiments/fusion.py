@@ -29,14 +29,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from peer.data import load_dataset, split_homogeneous, split_label_skew
-from peer.fusion import (ensemble_proba, fuse_arrays, hidden_sizes, permute_arrays, vanilla_average,
+from peer.nn.data import load_dataset, split_homogeneous, split_label_skew
+from peer.ldp.fusion import (ensemble_proba, fuse_arrays, hidden_sizes, permute_arrays, vanilla_average,
                          weight_matching)
-from peer.graph import extract_graph
-from peer.matching import match_graphs
-from peer.mechanisms import perturb_graph, perturb_model_weights
-from peer.models import accuracy, model_from_arrays, state_arrays, train_classifier
-from peer.rng import make_randomness
+from peer.nn.graph import extract_graph
+from peer.ldp.matching import match_graphs
+from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
+from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier
+from peer.base.rng import make_randomness
 
 ARCHITECTURES = {
     "mlp": {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10, "activation": "relu"},
@@ -171,8 +171,8 @@ def _agreement(p, q) -> float:
 
 def _weight_bounds(arch, cfg: FusionConfig) -> dict[str, tuple[float, float]]:
     """Public per-layer weight-feature bounds ±scale/sqrt(fan_in), from the architecture only."""
-    from peer.fusion import weight_layers_of
-    from peer.models import build_model
+    from peer.ldp.fusion import weight_layers_of
+    from peer.nn.architectures import build_model
 
     model = build_model(arch)
     out = {}

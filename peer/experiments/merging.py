@@ -3,7 +3,7 @@
 LC is shown twice, side by side with RS: ``lc_composition``, the proven bound (θ_λ is a
 post-processing of releasing every model with λ_i > 0, so it costs their composition — whatever
 the training), and ``lc_surrogate``, the design's per-step Gaussian surrogate, which is a bound
-only when every merged model declares state-independent gradients (``peer.accounting.lc``). The
+only when every merged model declares state-independent gradients (``peer.dp.accounting.lc``). The
 ledger charges the surrogate for (a) and the composition for (b); the JSON says which
 (``lc_charged``) and whether the surrogate is valid.
 
@@ -16,7 +16,7 @@ ledger charges the surrogate for (a) and the composition for (b); the JSON says 
     bound (and tight), the composition a loose one. With η = 1/T, θ_T = x̄ + N(0, T(ησC/n)²).
     The estimand is the sample mean x̄ of the protected records; the error is MSE = E(θ − x̄)².
     Each model's output distribution is estimated by Monte Carlo with the real DP-SGD code
-    (``peer.training.run_dpsgd`` with R independent replicas) and checked against the closed form
+    (``peer.dp.training.run_dpsgd`` with R independent replicas) and checked against the closed form
     MSE = ((ηT − 1)x̄)² + T(ησC/n)²; the runs are independent, so for any weights
         RS  MSE(π) = Σ_i π_i MSE_i,
         LC  MSE(λ) = (Σ_i λ_i b_i)² + Σ_i λ_i² v_i        (b_i bias, v_i variance of model i),
@@ -34,7 +34,7 @@ ledger charges the surrogate for (a) and the composition for (b); the JSON says 
     chosen under RDP, the same release (same π or λ, hence the same accuracy) certified by PLD,
     saving = 1 − ε_PLD/ε_RDP.
 
-Accounting: ``peer.accounting`` with value_discretization_interval 1e-3 (full-batch Gaussian
+Accounting: ``peer.dp.accounting`` with value_discretization_interval 1e-3 (full-batch Gaussian
 models are one Gaussian PLD each, so the discretisation error is of that order) and
 dp-accounting's improved RDP conversion; the classical conversion (Mironov 2017, Prop. 3:
 ε = min_order r_order + log(1/δ)/(order−1)) is reported beside it, since the saving PLD shows
@@ -52,17 +52,17 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from peer.accounting import TrainingRecord, UnreachableTarget, choose_pi, privacy_profiles, rdp_to_epsilon
-from peer.accounting.conversions import pld_epsilon
-from peer.accounting.lc import lc_composition_epsilon, lc_composition_rdp, surrogate_is_bound
-from peer.accounting.pld import compose_plds
-from peer.accounting.rdp import rdp_mixture
-from peer.accounting.targets import choose_lam_composition, choose_lam_surrogate
-from peer.merging import PoolModel, combine, merge_lc, merge_rs
-from peer.models import accuracy, model_from_arrays
-from peer.pool import load_splits
-from peer.rng import make_randomness
-from peer.training import run_dpsgd, train_pool
+from peer.dp.accounting import TrainingRecord, UnreachableTarget, choose_pi, privacy_profiles, rdp_to_epsilon
+from peer.dp.accounting.conversions import pld_epsilon
+from peer.dp.accounting.lc import lc_composition_epsilon, lc_composition_rdp, surrogate_is_bound
+from peer.dp.accounting.pld import compose_plds
+from peer.dp.accounting.rdp import rdp_mixture
+from peer.dp.accounting.targets import choose_lam_composition, choose_lam_surrogate
+from peer.dp.merging import PoolModel, combine, merge_lc, merge_rs
+from peer.nn.architectures import accuracy, model_from_arrays
+from peer.dp.pools import load_splits
+from peer.base.rng import make_randomness
+from peer.dp.training import run_dpsgd, train_pool
 
 INTERVAL = 1e-3
 ACCOUNTANTS = ("pld", "rdp")
@@ -257,7 +257,7 @@ def digits_logreg(s: Settings) -> dict:
 
     joint = _joint_releases(profiles, arrays, lambda w: acc_of(w, splits.x_val, splits.y_val),
                             lambda w: acc_of(w, splits.x_test, splits.y_test), s)
-    # One real release of each kind through peer.merging (records as a peer would send them).
+    # One real release of each kind through peer.dp.merging (records as a peer would send them).
     pool = [PoolModel(f"dpsgd-{i}", arch, a, t, m.dataset_size) for i, (a, t, m) in enumerate(zip(arrays, trainings, trained))]
     example_target = float(np.sqrt(lo * max(e.pld for e in singles)))
     rs_release = merge_rs(pool, val, example_target, s.delta, randomness=make_randomness(s.seed))

@@ -1,0 +1,1 @@
+"""Foundations every stage uses: domain errors, randomness, release records, the TOML reader."""

@@ -1,0 +1,3 @@
+from peer.cli.app import main
+
+raise SystemExit(main())

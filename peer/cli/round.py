@@ -1,0 +1,198 @@
+"""``privfusion round``: run a coordinator-free fusion round for this site; ``privfusion roster``:
+pin or check the sites of a roster.
+
+    privfusion round --config site.toml                  # the [round] table of site.toml
+    privfusion round --config site.toml --round r1.toml --round r2.toml   # rounds in sequence
+    privfusion roster pin --roster roster.toml --dir identity
+    privfusion roster check --roster roster.toml --dir identity
+
+A round needs this site's daemon config (identity, model store, public probe set) and a
+``[round]`` table (see ``coordinator_free.rounds.RoundConfig``)::
+
+    [round]
+    roster = "roster.toml"   # the sites (coordinator_free.roster)
+    model = "mlp"            # our model to improve
+    alpha = 0.5              # our weight; the peers share 1 - alpha
+    quorum = 2               # fewest sites (us included) a fused model may come from
+    method = "ldp"           # "ldp" (features + PFA weights) | "merged" (RS/LC merges) | "auto"
+    out = "rounds"           # fused models (a model store in OUT/models) and round reports
+    health_timeout_s = 2.0
+    call_timeout_s = 60.0
+    [round.features]         # per neuron, model level
+    activation_epsilon = 1.0
+    weight_epsilon = 1.0
+    unit = "neuron"          # or "entry" (much weaker; only when explicitly wanted)
+    activation_clip = [0.0, 4.0]   # default: [site.mechanisms].activation_clip
+    [round.weights]
+    epsilon = 2.0
+    delta = 1e-5
+    [round.merge]            # per training record, data level
+    method = "rs"
+    epsilon = 2.0
+    delta = 1e-5
+
+Progress goes to stderr (``--events``: JSON lines on stdout instead); each round's report is
+written to OUT/round-ID.json. Exit status 0 when every round fused, 3 when one aborted.
+
+SIGINT (Ctrl-C) or SIGTERM interrupts: nothing more is requested, the releases in flight are
+waited for, and the report (status ``interrupted``) lists every receipt received and, per
+peer, whether it may have charged; no later round starts. Exit status 128 + the signal's
+number (130 for Ctrl-C). A second signal quits at once (the report is then not written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from peer.net.identity import format_fingerprint
+
+
+def describe(e: dict) -> str:
+    """One human line for a round event."""
+    who = f"[{e['site']}]"
+    peer = e.get("peer")
+    ev = e["event"]
+    if ev == "started":
+        return f"{who} round {e['round'][:8]} {e.get('label') or ''} started: peers {', '.join(e['peers'])}, quorum {e['quorum']}, method {e['method']}"
+    if ev == "charged":
+        return (f"{who} {peer}: {e['step']} released (its ledger entry {e['entry_id']}: {e['level']} level, "
+                f"ε={e['epsilon']:g}, δ={e['delta']:g} per {e['unit']})")
+    if ev == "dropped":
+        from coordinator_free.rounds import details_line
+
+        why = details_line(e.get("details"))
+        return (f"{who} {peer} DROPPED at {e['step']} ({e['status']}; charged: {e['charged']}): {e['reason']}"
+                + (f" [{why}]" if why else ""))
+    if ev == "not-alive":
+        return f"{who} {peer} is not alive: {e.get('reason', '')}"
+    if ev == "fused":
+        return f"{who} fused with {', '.join(e['contributors'])} (weights {', '.join(f'{w:.3g}' for w in e['weights'])})"
+    if ev == "aborted":
+        return f"{who} round ABORTED: {e['reason']}"
+    if ev == "interrupted":
+        return f"{who} round INTERRUPTED: {e['reason']}"
+    if ev in ("contributed", "note", "not-asked"):
+        extra = e.get("note") or e.get("reason") or e.get("method", "")
+        return f"{who} {peer}: {ev} {extra}"
+    return f"{who} {peer or ''} {ev} {e.get('step') or ''}".rstrip()
+
+
+QUIET = ("step", "received", "alive")
+
+
+def _round(args) -> int:
+    from coordinator_free.roster import Roster
+    from coordinator_free.runner import load_local_site, load_round_config
+    from peer.net.daemon import SiteConfig
+
+    site = SiteConfig.load(args.config)
+    files = args.round or [args.config]
+    configs = [load_round_config(f, site.activation_clip, site=site.name) for f in files]
+
+    def on_event(e: dict) -> None:
+        if args.events:
+            print(json.dumps(e, sort_keys=True, default=str), flush=True)
+        elif e["event"] not in QUIET:
+            print(describe(e), file=sys.stderr, flush=True)
+
+    stop = threading.Event()
+    caught: list[int] = []
+
+    def on_signal(signum, _frame):
+        if caught:  # a second signal: quit now
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        caught.append(signum)
+        stop.set()
+        print(f"privfusion round: {signal.Signals(signum).name}: stopping — nothing more will be requested; "
+              "waiting for the releases in flight to write the report (signal again to quit at once)",
+              file=sys.stderr, flush=True)
+
+    # signal handlers can only be set from the main thread (the command line's); elsewhere the
+    # caller keeps its own handling
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    status = 0
+    try:
+        for cfg in configs:
+            from coordinator_free.runner import run_round
+
+            result = run_round(load_local_site(args.config, cfg.model), Roster.load(cfg.roster), cfg, on_event=on_event,
+                               stop=stop)
+            if result.status == "interrupted":
+                unsure = {n: c for n, c in result.report["may_have_charged"].items() if c != "no"}
+                print(f"privfusion round: round {result.round_id} interrupted; report {result.report_path} "
+                      f"({len(result.report['charges'])} receipts; peers that may have charged: "
+                      f"{', '.join(f'{n} ({c})' for n, c in unsure.items()) or 'none'})", file=sys.stderr, flush=True)
+                return 128 + caught[0]
+            if not args.events:
+                print(f"round {result.round_id}: {result.status}"
+                      + (f" -> {cfg.out / 'models' / result.model_name}" if result.model_name else f" ({result.reason})")
+                      + f"; report {result.report_path}")
+            if result.status != "fused":
+                status = 3
+            if stop.is_set():  # interrupted after the round had finished: start no other
+                print(f"privfusion round: {signal.Signals(caught[0]).name}: no further round started",
+                      file=sys.stderr, flush=True)
+                return 128 + caught[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status
+
+
+def _pin(args) -> int:
+    from pathlib import Path
+
+    from coordinator_free.roster import Roster
+    from peer.net.trust import TrustStore
+    from peer.net.identity import load_identity
+
+    ident = load_identity(args.dir)
+    roster = Roster.load(args.roster)
+    for p in roster.pin_all(TrustStore(Path(args.dir) / "trusted"), ident.name):
+        print(f"pinned {p.name!r}  SHA-256 {format_fingerprint(p.fingerprint)}")
+    print("compare each fingerprint with the one its site reads out to you over another channel")
+    return 0
+
+
+def _check(args) -> int:
+    from peer.net.identity import load_identity
+    from coordinator_free.roster import Roster
+    from peer.net.trust import TrustStore
+
+    ident = load_identity(args.dir)
+    roster = Roster.load(args.roster)
+    trust = TrustStore(ident.trust_dir)
+    for s in roster.peers_of(ident.name):
+        print(f"{s.name}\t{s.address}\t{format_fingerprint(s.fingerprint)}")
+    roster.check_pins(trust, ident.name)
+    print(f"every peer of {ident.name!r} in the roster is pinned with the roster's certificate")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("round", help="run a coordinator-free fusion round for this site",
+                              description="Ask every live roster peer for noisy features and weights (or a DP merge), "
+                                          "align them to this site's model and fuse.")
+    p.add_argument("--config", required=True, help="this site's site.toml (identity, models, probe set)")
+    p.add_argument("--round", action="append", metavar="FILE",
+                   help="a file with a [round] table (repeatable: rounds run in sequence); default: site.toml's [round]")
+    p.add_argument("--events", action="store_true", help="print round events as JSON lines on stdout")
+    p.set_defaults(func=_round)
+
+    r = subparsers.add_parser("roster", help="pin or check the sites of a roster")
+    sub = r.add_subparsers(dest="roster_command", metavar="ACTION")
+    sub.required = True
+    q = sub.add_parser("pin", help="pin every roster site's certificate in this site's trust store")
+    q.add_argument("--roster", required=True)
+    q.add_argument("--dir", required=True, help="this site's identity directory")
+    q.set_defaults(func=_pin)
+    q = sub.add_parser("check", help="check that every roster site is pinned with the roster's certificate")
+    q.add_argument("--roster", required=True)
+    q.add_argument("--dir", required=True, help="this site's identity directory")
+    q.set_defaults(func=_check)

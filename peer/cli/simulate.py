@@ -1,0 +1,82 @@
+"""``privfusion simulate [SCENARIO.toml] --out DIR``: several hospitals, each a real daemon on
+loopback, all running fusion rounds at once (``scenarios.simulate``).
+
+Without a scenario file the bundled ``hospitals.toml`` runs (four hospitals, breast-cancer data
+split by a Dirichlet label skew). ``--scenario NAME`` picks another bundled one (``digits.toml``,
+``hospitals-failure.toml``). Progress goes to stderr; the summary table to stdout; the report
+(report.md, report.json, plots) and every site's files (identity, models, ledger, logs) to DIR.
+"""
+
+from __future__ import annotations
+
+
+def _simulate(args) -> int:
+    from scenarios.report import summary_table
+    from scenarios.schema import bundled_path, load_scenario
+    from scenarios.simulate import simulate
+
+    if args.scenario_file and args.scenario:
+        from peer.base.errors import InvalidArgument
+
+        raise InvalidArgument("--scenario", "give a scenario file or a bundled scenario's name, not both")
+    path = args.scenario_file or (bundled_path(args.scenario) if args.scenario else None)
+    scenario = load_scenario(path)
+    report = simulate(scenario, args.out)
+    print(summary_table(report))
+    print(f"\nreport: {args.out}/report.md (and report.json, accuracy.png, frontier.png, budget.png)")
+    return 0
+
+
+def _demo_site(args) -> int:
+    """One site of a scenario, as files, for running it somewhere else (docker compose)."""
+    from pathlib import Path
+
+    from scenarios.schema import bundled_path, load_scenario
+    from scenarios.simulate import prepare_site, round_toml, site_toml, split_data
+
+    sc = load_scenario(args.scenario_file or (bundled_path(args.scenario) if args.scenario else None))
+    if args.site not in [s.name for s in sc.sites]:
+        from peer.base.errors import InvalidArgument
+
+        raise InvalidArgument("--site", f"must be one of the scenario's sites {[s.name for s in sc.sites]}, got {args.site!r}")
+    root = Path(args.dir)
+    if (root / "site.toml").exists():
+        print(f"{root / 'site.toml'} exists: leaving {args.site}'s files as they are")
+        return 0
+    s = prepare_site(sc, split_data(sc), args.site, root)
+    method = sc.round.methods[0]
+    (root / "site.toml").write_text(site_toml(sc, s, listen=args.listen, fixed_seed=False,
+                                              round_table=round_toml(sc, s, "demo", method, 1.0, Path(args.roster))),
+                                    encoding="utf-8")
+    print(f"{args.site}: {len(s.y)} records; model, {'pool, ' if s.pool else ''}probe set and site.toml in {root}"
+          f" (listens on {args.listen}; rounds use the roster {args.roster})")
+    return 0
+
+
+def register(subparsers) -> None:
+    from scenarios.schema import BUNDLED
+
+    p = subparsers.add_parser("simulate", help="simulate several hospitals fusing models, each a real daemon on loopback",
+                              description="Run a multi-site scenario end to end: data split, local training, one daemon "
+                                          "per site with its own identity and ledger, coordinator-free fusion rounds at "
+                                          "every site at once, and a report with accuracies and budgets.")
+    p.add_argument("scenario_file", nargs="?", metavar="SCENARIO.toml", help="scenario file (default: the bundled hospitals.toml)")
+    p.add_argument("--scenario", choices=BUNDLED, help="a bundled scenario by name")
+    p.add_argument("--out", required=True, metavar="DIR", help="new directory for the report and the sites' files")
+    p.set_defaults(func=_simulate)
+
+    d = subparsers.add_parser("demo", help="one site of a scenario as files, to run elsewhere (docker compose)")
+    sub = d.add_subparsers(dest="demo_command", metavar="ACTION")
+    sub.required = True
+    q = sub.add_parser("site", help="write one scenario site's model, pool, probe set and site.toml (no identity)",
+                       description="Train one site of a scenario (its share of the data, split as the simulator splits "
+                                   "it) and write its files into DIR: models/, pool/, probe and validation sets, and a "
+                                   "site.toml with its policy and a [round] table. Noise is CSPRNG (no fixed seed). "
+                                   "Make the identity with `privfusion peer init`. Does nothing if DIR/site.toml exists.")
+    q.add_argument("scenario_file", nargs="?", metavar="SCENARIO.toml", help="scenario file (default: the bundled hospitals.toml)")
+    q.add_argument("--scenario", choices=BUNDLED, help="a bundled scenario by name")
+    q.add_argument("--site", required=True, help="the scenario site to write")
+    q.add_argument("--dir", required=True, help="the site's directory")
+    q.add_argument("--listen", default="0.0.0.0:50051", help="the daemon's listen address (default 0.0.0.0:50051)")
+    q.add_argument("--roster", required=True, help="path of the roster file the site's rounds use")
+    q.set_defaults(func=_demo_site)

@@ -1,0 +1,1 @@
+"""Data-level DP: accounting, DP-SGD training, model pools and RS/LC merging."""

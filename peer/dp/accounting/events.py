@@ -1,0 +1,266 @@
+"""What a DP mechanism did, as small immutable values (dp_accounting's DpEvent habit).
+
+Accountants (``peer.dp.accounting.profiles``, ``rs``, ``lc``, ``records``) interpret these values;
+these classes only describe and validate.
+
+Unit of privacy: one training record, with the adjacency written on every value:
+
+- ``"replace-one"``: neighbouring datasets have the same size and differ in one record's value;
+- ``"add-remove"``: one dataset is the other with one record added.
+
+The DP-SGD step being described (``peer.dp.training``; Abadi et al. 2016, Alg. 1, with a
+data-independent normalisation)::
+
+    θ_{t+1} = θ_t − η_t · ( Σ_{i∈B_t} clip_{C_t}(∇ℓ(θ_t; x_i)) + σ_t C_t z_t ) / (q_t n),   z_t ~ N(0, I)
+
+``n`` is the declared dataset size, a public constant, so the update is a post-processing of the
+Gaussian mechanism on the clipped gradient sum. That sum has L2 sensitivity ``C_t`` under
+add-remove and ``2 C_t`` under replace-one (the replaced record's clipped gradient leaves, the new
+one enters: ‖g − g'‖ ≤ 2C); the noise std is ``σ_t C_t``. The factor η_t/(q_t n) scales the
+sensitivity and the noise alike, so one model's per-step privacy depends only on (σ_t, q_t); η_t
+and C_t matter when several models are combined linearly (``peer.dp.accounting.lc``).
+
+Because the record describes the *mechanism*, its guarantee can be derived under either adjacency
+exactly (the sensitivity above changes, nothing else); ``TrainingRecord.adjacency`` is the unit of
+privacy the model was declared under. An ``ApproxDP`` model, known only by its final (ε, δ), is
+different: its guarantee holds for its own adjacency only (see ``ApproxDP.under``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from peer.base.errors import InvalidArgument
+
+ADJACENCIES = ("replace-one", "add-remove")
+_STEP_FIELDS = ("learning_rate", "clip_norm", "noise_multiplier", "sample_rate")
+
+
+def check_adjacency(adjacency: Any, field_name: str = "adjacency") -> str:
+    """The adjacency, validated: one of ``ADJACENCIES`` exactly."""
+    if adjacency not in ADJACENCIES:
+        raise InvalidArgument(field_name, f"must be one of {ADJACENCIES}, got {adjacency!r}")
+    return adjacency
+
+
+def _number(value: Any, field_name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise InvalidArgument(field_name, f"must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(field_name, f"must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise InvalidArgument(field_name, f"must be finite, got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class GaussianStep:
+    """One DP-SGD step: learning rate η, clip norm C, noise multiplier σ (noise std σ·C on the
+    clipped sum), Poisson sample rate q (1 = full batch). σ = 0 describes a non-private step
+    (every accountant then reports ε = ∞)."""
+
+    learning_rate: float
+    clip_norm: float
+    noise_multiplier: float
+    sample_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        lr = _number(self.learning_rate, "learning_rate")
+        clip = _number(self.clip_norm, "clip_norm")
+        sigma = _number(self.noise_multiplier, "noise_multiplier")
+        q = _number(self.sample_rate, "sample_rate")
+        if not lr > 0:
+            raise InvalidArgument("learning_rate", f"must be > 0, got {self.learning_rate!r}")
+        if not clip > 0:
+            raise InvalidArgument("clip_norm", f"must be > 0, got {self.clip_norm!r}")
+        if not sigma >= 0:
+            raise InvalidArgument("noise_multiplier", f"must be >= 0, got {self.noise_multiplier!r}")
+        if not 0 < q <= 1:
+            raise InvalidArgument("sample_rate", f"must be in (0, 1], got {self.sample_rate!r}")
+        for name, v in zip(_STEP_FIELDS, (lr, clip, sigma, q)):
+            object.__setattr__(self, name, v)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in _STEP_FIELDS}
+
+
+@dataclass(frozen=True, repr=False)
+class TrainingRecord:
+    """A DP-SGD run as the accountant sees it: the adjacency it was declared under and every
+    step's public hyperparameters. ``to_dict`` run-length encodes repeated steps, so a run of
+    T = 10,000 identical steps is one entry ``{"count": 10000, ...}``.
+
+    ``state_independent_gradients`` is a declaration by whoever ran the training: every clipped
+    per-example gradient clip_{C_t}(∇ℓ(θ_t; x)) is a function of the record x (and public
+    values) alone, never of the model's own parameters θ_t — e.g. a linear loss ℓ(θ; x) = −⟨θ, x⟩,
+    Gaussian mean estimation by DP-GD. Only then is a linear combination of runs one Gaussian
+    mechanism that the LC per-step surrogate bounds (``peer.dp.accounting.lc``). Default False; DP-SGD
+    on a neural network never sets it (its gradients depend on its weights). It changes nothing in
+    one model's own privacy; it is serialised only when True."""
+
+    adjacency: str
+    steps: tuple[GaussianStep, ...]
+    state_independent_gradients: bool = False
+    _runs: tuple[tuple[GaussianStep, int], ...] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        check_adjacency(self.adjacency)
+        if not isinstance(self.state_independent_gradients, bool):
+            raise InvalidArgument("state_independent_gradients",
+                                  f"must be true or false, got {self.state_independent_gradients!r}")
+        steps = tuple(self.steps)
+        if not steps:
+            raise InvalidArgument("steps", "must contain at least one step")
+        for t, s in enumerate(steps):
+            if not isinstance(s, GaussianStep):
+                raise InvalidArgument(f"steps[{t}]", f"must be a GaussianStep, got {type(s).__name__}")
+        runs: list[list] = []
+        for s in steps:
+            if runs and runs[-1][0] == s:
+                runs[-1][1] += 1
+            else:
+                runs.append([s, 1])
+        object.__setattr__(self, "steps", steps)
+        object.__setattr__(self, "_runs", tuple((s, n) for s, n in runs))
+
+    def __repr__(self) -> str:
+        runs = ", ".join(f"{n}x{s!r}" for s, n in self._runs)
+        declared = ", state_independent_gradients=True" if self.state_independent_gradients else ""
+        return f"TrainingRecord(adjacency={self.adjacency!r}, runs=[{runs}]{declared})"
+
+    @classmethod
+    def constant(cls, adjacency: str, steps: int, learning_rate: float, clip_norm: float,
+                 noise_multiplier: float, sample_rate: float = 1.0, *,
+                 state_independent_gradients: bool = False) -> "TrainingRecord":
+        """``steps`` identical steps."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+            raise InvalidArgument("steps", f"must be a positive integer, got {steps!r}")
+        return cls(adjacency, (GaussianStep(learning_rate, clip_norm, noise_multiplier, sample_rate),) * steps,
+                   state_independent_gradients)
+
+    @classmethod
+    def from_runs(cls, adjacency: str, runs: Iterable[tuple[GaussianStep, int]], *,
+                  state_independent_gradients: bool = False) -> "TrainingRecord":
+        steps: list[GaussianStep] = []
+        for i, (s, n) in enumerate(runs):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise InvalidArgument(f"steps[{i}].count", f"must be a positive integer, got {n!r}")
+            steps.extend([s] * n)
+        return cls(adjacency, tuple(steps), state_independent_gradients)
+
+    @property
+    def runs(self) -> tuple[tuple[GaussianStep, int], ...]:
+        """Maximal runs of identical consecutive steps: ((step, count), ...)."""
+        return self._runs
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def full_batch(self) -> bool:
+        return all(s.sample_rate == 1.0 for s, _ in self._runs)
+
+    @property
+    def private(self) -> bool:
+        """False when some step adds no noise (σ = 0): no finite guarantee then."""
+        return all(s.noise_multiplier > 0 for s, _ in self._runs)
+
+    def to_dict(self) -> dict:
+        out = {"adjacency": self.adjacency,
+               "steps": [{"count": n, **s.to_dict()} for s, n in self._runs]}
+        if self.state_independent_gradients:
+            out["state_independent_gradients"] = True
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], field_name: str = "training") -> "TrainingRecord":
+        """Inverse of ``to_dict``; every error names the offending entry (``training.steps[2].clip_norm``)."""
+        if not isinstance(data, Mapping):
+            raise InvalidArgument(field_name, "must be an object with 'adjacency' and 'steps'")
+        unknown = set(data) - {"adjacency", "steps", "state_independent_gradients"}
+        if unknown:
+            raise InvalidArgument(field_name, f"unknown fields {sorted(unknown)}")
+        adjacency = check_adjacency(data.get("adjacency"), f"{field_name}.adjacency")
+        declared = data.get("state_independent_gradients", False)
+        if not isinstance(declared, bool):
+            raise InvalidArgument(f"{field_name}.state_independent_gradients", f"must be true or false, got {declared!r}")
+        raw = data.get("steps")
+        if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
+            raise InvalidArgument(f"{field_name}.steps", "must be a non-empty list of runs")
+        runs = []
+        for i, run in enumerate(raw):
+            where = f"{field_name}.steps[{i}]"
+            if not isinstance(run, Mapping):
+                raise InvalidArgument(where, "must be an object")
+            unknown = set(run) - {"count", *_STEP_FIELDS}
+            if unknown:
+                raise InvalidArgument(where, f"unknown fields {sorted(unknown)}")
+            missing = [k for k in ("count", *_STEP_FIELDS) if k not in run]
+            if missing:
+                raise InvalidArgument(f"{where}.{missing[0]}", "is required")
+            count = run["count"]
+            if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+                raise InvalidArgument(f"{where}.count", f"must be a positive integer, got {count!r}")
+            try:
+                step = GaussianStep(*(run[k] for k in _STEP_FIELDS))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"{where}.{e.field}", e.rule) from None
+            runs.append((step, count))
+        return cls.from_runs(adjacency, runs, state_independent_gradients=declared)
+
+
+@dataclass(frozen=True)
+class ApproxDP:
+    """A model known only by its final (ε, δ)-DP guarantee for ``adjacency``.
+
+    Its worst-case privacy profile is that of the (ε, δ) "randomised response" pair (Kairouz, Oh
+    & Viswanath 2015: every (ε, δ)-DP mechanism is a post-processing of it), which dp-accounting
+    builds with ``from_privacy_parameters``. Its RDP is infinite when δ > 0.
+    """
+
+    epsilon: float
+    delta: float
+    adjacency: str
+
+    def __post_init__(self) -> None:
+        eps = _number(self.epsilon, "epsilon")
+        delta = _number(self.delta, "delta")
+        if eps < 0:
+            raise InvalidArgument("epsilon", f"must be >= 0, got {self.epsilon!r}")
+        if not 0 <= delta < 1:
+            raise InvalidArgument("delta", f"must be in [0, 1), got {self.delta!r}")
+        check_adjacency(self.adjacency)
+        object.__setattr__(self, "epsilon", eps)
+        object.__setattr__(self, "delta", delta)
+
+    def under(self, adjacency: str) -> "ApproxDP":
+        """The guarantee under ``adjacency``.
+
+        add-remove → replace-one: a replacement is a removal then an addition, so by group
+        privacy for two steps an (ε, δ) add-remove guarantee gives (2ε, (1 + e^ε) δ) for
+        replace-one (Dwork & Roth 2014, Thm 2.2 generalised to δ > 0). replace-one → add-remove
+        does not follow (a replace-one mechanism may publish the dataset size), so it is refused.
+        """
+        check_adjacency(adjacency)
+        if adjacency == self.adjacency:
+            return self
+        if adjacency == "add-remove":
+            raise InvalidArgument(
+                "adjacency",
+                "an (epsilon, delta) guarantee for replace-one implies nothing for add-remove "
+                "(the mechanism may reveal the dataset size); account the merge under replace-one")
+        delta = (1.0 + math.exp(self.epsilon)) * self.delta
+        if delta >= 1:
+            raise InvalidArgument(
+                "adjacency",
+                f"converting ({self.epsilon}, {self.delta}) add-remove to replace-one by group "
+                f"privacy gives delta = {delta:.3g} >= 1: no guarantee; account under add-remove")
+        return ApproxDP(2.0 * self.epsilon, delta, "replace-one")
+
+    def to_dict(self) -> dict:
+        return {"epsilon": self.epsilon, "delta": self.delta, "adjacency": self.adjacency}

@@ -1,0 +1,234 @@
+"""Per-model privacy profiles: RDP at every order and the PLD, under one explicit adjacency.
+
+A profile is computed once per model and reused (RS mixes cached profiles for every candidate π;
+only the mixture is recomputed). For a ``TrainingRecord``:
+
+- steps are grouped by (σ_t, q_t) — one model's per-step privacy does not depend on η_t or C_t,
+  which scale sensitivity and noise alike (``peer.dp.accounting.events``);
+- full-batch steps form one Gaussian mechanism with μ = sqrt(Σ_t (k/σ_t)²), k = 1 (add-remove)
+  or 2 (replace-one): its (ε, δ) curve is the closed form (μ-GDP), its RDP is order·μ²/2, and its
+  PLD is dp-accounting's Gaussian PLD for that μ;
+- each group of Poisson-subsampled steps is dp-accounting's subsampled-Gaussian PLD
+  self-composed ``count`` times (FFT), and RDP ``count`` × per-step RDP;
+- the parts are composed (PLD by FFT, RDP by addition).
+
+An ``ApproxDP`` model's profile is the worst case of an (ε, δ)-DP mechanism (``pld.approx_dp_pld``;
+RDP = that of randomised response when δ = 0, ∞ otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_delta, check_epsilon,
+                                         check_orders, gdp_delta, gdp_epsilon, pld_delta, pld_epsilon,
+                                         rdp_to_delta, rdp_to_epsilon)
+from peer.dp.accounting.events import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
+from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
+from peer.base.errors import InvalidArgument
+
+DEFAULT_INTERVAL = 1e-4
+# profiles kept for models seen before (a daemon's pools, a ledger's records): at most this many
+PROFILE_CACHE_SIZE = 32
+
+
+@dataclass(frozen=True, eq=False)
+class PrivacyProfile:
+    """One model's privacy under ``adjacency``: ``rdp`` (one value per order in ``orders``), the
+    ``pld``, and ``mu`` when the model is a full-batch Gaussian composition (μ-GDP), else None."""
+
+    adjacency: str
+    orders: tuple[float, ...]
+    rdp: np.ndarray
+    pld: pldm.PLD
+    value_discretization_interval: float
+    mu: float | None = None
+    source: str = "dpsgd"
+
+    def epsilon(self, delta: float) -> Epsilons:
+        delta = check_delta(delta)
+        return Epsilons(pld=pld_epsilon(self.pld, delta), rdp=rdp_to_epsilon(self.orders, self.rdp, delta),
+                        closed_form=None if self.mu is None else gdp_epsilon(self.mu, delta))
+
+    def delta(self, epsilon: float) -> Deltas:
+        epsilon = check_epsilon(epsilon)
+        return Deltas(pld=pld_delta(self.pld, epsilon), rdp=rdp_to_delta(self.orders, self.rdp, epsilon),
+                      closed_form=None if self.mu is None else gdp_delta(self.mu, epsilon))
+
+
+Model = Union[TrainingRecord, ApproxDP, PrivacyProfile]
+
+
+def model_adjacency(model: Model, field_name: str = "model") -> str:
+    if isinstance(model, (TrainingRecord, ApproxDP, PrivacyProfile)):
+        return model.adjacency
+    raise InvalidArgument(field_name, f"must be a TrainingRecord, ApproxDP or PrivacyProfile, got {type(model).__name__}")
+
+
+def resolve_adjacency(models: Sequence[Model], adjacency: str | None) -> str:
+    """The adjacency a merge of ``models`` is accounted under.
+
+    Given explicitly, every model is accounted under it (TrainingRecords exactly, ApproxDP by
+    ``ApproxDP.under``). Left out, all models must agree; a mix is refused, never guessed.
+    """
+    if not models:
+        raise InvalidArgument("models", "must contain at least one model")
+    found = [model_adjacency(m, f"models[{i}]") for i, m in enumerate(models)]
+    if adjacency is not None:
+        return check_adjacency(adjacency)
+    if len(set(found)) > 1:
+        groups = "; ".join(f"{a} for models {[i for i, f in enumerate(found) if f == a]}" for a in ADJACENCIES if a in found)
+        raise InvalidArgument(
+            "adjacency",
+            f"models mix adjacencies ({groups}): pass adjacency='replace-one' or 'add-remove' to "
+            "account them all under one unit (DP-SGD records are re-derived exactly; an "
+            "add-remove (epsilon, delta) model converts to replace-one by group privacy)")
+    return found[0]
+
+
+def _step_groups(record: TrainingRecord) -> Counter:
+    groups: Counter = Counter()
+    for step, count in record.runs:
+        groups[(step.noise_multiplier, step.sample_rate)] += count
+    return groups
+
+
+def _full_batch_mu(groups: Counter, adjacency: str) -> float:
+    """μ of the full-batch steps' Gaussian composition (sensitivity 2 replace-one, 1 add-remove)."""
+    k = 2.0 if adjacency == "replace-one" else 1.0
+    return math.sqrt(sum(count * (k / sigma) ** 2 for (sigma, q), count in groups.items() if q == 1.0))
+
+
+def _training_rdp(record: TrainingRecord, adjacency: str, orders: np.ndarray) -> np.ndarray:
+    groups = _step_groups(record)
+    if any(sigma == 0 for sigma, _ in groups):
+        return np.full(orders.shape, math.inf)
+    rdp = rdp_gaussian(_full_batch_mu(groups, adjacency), orders)
+    for (sigma, q), count in sorted(groups.items()):
+        if q != 1.0:
+            rdp = rdp + count * rdp_subsampled_gaussian(sigma, q, orders, adjacency)
+    return rdp
+
+
+def _training_profile(record: TrainingRecord, adjacency: str, orders: np.ndarray, interval: float) -> PrivacyProfile:
+    groups = _step_groups(record)
+    rdp = _derived_rdp(record, adjacency, tuple(float(a) for a in orders))
+    if any(sigma == 0 for sigma, _ in groups):
+        return PrivacyProfile(adjacency, tuple(orders), rdp, pldm.non_private_pld(interval), interval, math.inf)
+    mu_full = _full_batch_mu(groups, adjacency)
+    parts = [pldm.gaussian_pld(mu_full, interval)] if mu_full > 0 else []
+    for (sigma, q), count in sorted(groups.items()):
+        if q != 1.0:
+            parts.append(pldm.self_compose(pldm.subsampled_gaussian_pld(sigma, q, adjacency, interval), count))
+    full_batch = all(q == 1.0 for _, q in groups)
+    return PrivacyProfile(adjacency, tuple(orders), rdp, pldm.compose_plds(parts, interval), interval,
+                          mu_full if full_batch else None)
+
+
+def _approx_rdp(model: ApproxDP, adjacency: str, orders: np.ndarray) -> np.ndarray:
+    m = model.under(adjacency)
+    return rdp_pure(m.epsilon, orders) if m.delta == 0 else np.full(orders.shape, math.inf)
+
+
+def _approx_profile(model: ApproxDP, adjacency: str, orders: np.ndarray, interval: float) -> PrivacyProfile:
+    m = model.under(adjacency)
+    return PrivacyProfile(adjacency, tuple(orders), _derived_rdp(model, adjacency, tuple(float(a) for a in orders)),
+                          pldm.approx_dp_pld(m.epsilon, m.delta, interval), interval, None, source="approx-dp")
+
+
+def model_rdp(model: Model, adjacency: str | None = None, *, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+    """A model's RDP curve at ``orders`` alone (read-only), without building its PLD: what an RDP
+    filter needs (the ledger uses its own orders, so a full profile would be built anew)."""
+    orders = check_orders(orders)
+    adjacency = check_adjacency(model_adjacency(model) if adjacency is None else adjacency)
+    if isinstance(model, PrivacyProfile):
+        return privacy_profile(model, adjacency, orders=orders, value_discretization_interval=model.value_discretization_interval).rdp
+    return _derived_rdp(model, adjacency, tuple(float(a) for a in orders))
+
+
+@functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)
+def _derived_rdp(model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple[float, ...]) -> np.ndarray:
+    grid = np.asarray(orders)
+    rdp = _approx_rdp(model, adjacency, grid) if isinstance(model, ApproxDP) else _training_rdp(model, adjacency, grid)
+    rdp = np.array(rdp, dtype=float)
+    rdp.flags.writeable = False
+    return rdp
+
+
+def privacy_profile(model: Model, adjacency: str | None = None, *, orders: Sequence[float] = DEFAULT_ORDERS,
+                    value_discretization_interval: float = DEFAULT_INTERVAL) -> PrivacyProfile:
+    """The privacy profile of one model under ``adjacency`` (default: the model's own).
+
+    A ``PrivacyProfile`` passes through when its adjacency, orders and interval match (it cannot
+    be re-derived for another adjacency: the mechanism is gone by then).
+    """
+    orders = check_orders(orders)
+    interval = pldm.check_interval(value_discretization_interval)
+    adjacency = check_adjacency(model_adjacency(model) if adjacency is None else adjacency)
+    if isinstance(model, PrivacyProfile):
+        if model.adjacency != adjacency:
+            raise InvalidArgument("adjacency", f"a precomputed profile is for {model.adjacency}; recompute it from the model for {adjacency}")
+        if tuple(orders) != tuple(model.orders) or model.value_discretization_interval != interval:
+            raise InvalidArgument("orders", "a precomputed profile must use the same orders and value_discretization_interval")
+        return model
+    if isinstance(model, (ApproxDP, TrainingRecord)):
+        return _derived_profile(model, adjacency, tuple(float(a) for a in orders), interval)
+    raise InvalidArgument("model", f"must be a TrainingRecord, ApproxDP or PrivacyProfile, got {type(model).__name__}")
+
+
+@functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)
+def _derived_profile(model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple[float, ...], interval: float) -> PrivacyProfile:
+    """A model's profile, kept for the next request that names the same model: a daemon's pool
+    is fixed, and a T = 10,000-step Poisson profile takes about half a second to build (PLD
+    self-composition). Models are frozen dataclasses and so are the profiles (their RDP arrays
+    are made read-only; PLDs are never changed in place, composition makes new ones)."""
+    grid = np.asarray(orders)
+    if isinstance(model, ApproxDP):
+        return _approx_profile(model, adjacency, grid, interval)
+    return _training_profile(model, adjacency, grid, interval)
+
+
+def privacy_profiles(models: Sequence[Model], adjacency: str | None = None, *,
+                     orders: Sequence[float] = DEFAULT_ORDERS,
+                     value_discretization_interval: float = DEFAULT_INTERVAL) -> list[PrivacyProfile]:
+    """Profiles of several models under one adjacency (``resolve_adjacency``); identical models
+    are profiled once."""
+    adjacency = resolve_adjacency(models, adjacency)
+    cache: dict = {}
+    out = []
+    for i, m in enumerate(models):
+        key = id(m) if isinstance(m, PrivacyProfile) else m
+        if key not in cache:
+            try:
+                cache[key] = privacy_profile(m, adjacency, orders=orders,
+                                             value_discretization_interval=value_discretization_interval)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
+        out.append(cache[key])
+    return out
+
+
+def model_epsilon(model: Model, delta: float, *, adjacency: str | None = None,
+                  orders: Sequence[float] = DEFAULT_ORDERS,
+                  value_discretization_interval: float = DEFAULT_INTERVAL) -> Epsilons:
+    """ε of one model at ``delta`` by PLD, RDP and (full batch) the closed form."""
+    return privacy_profile(model, adjacency, orders=orders,
+                           value_discretization_interval=value_discretization_interval).epsilon(delta)
+
+
+def model_delta(model: Model, epsilon: float, *, adjacency: str | None = None,
+                orders: Sequence[float] = DEFAULT_ORDERS,
+                value_discretization_interval: float = DEFAULT_INTERVAL) -> Deltas:
+    return privacy_profile(model, adjacency, orders=orders,
+                           value_discretization_interval=value_discretization_interval).delta(epsilon)
+
+
+__all__ = ["PrivacyProfile", "privacy_profile", "privacy_profiles", "model_epsilon", "model_delta",
+           "resolve_adjacency", "DEFAULT_INTERVAL"]

@@ -1,0 +1,345 @@
+"""Interpreting release records (CONTRACTS.md §1–§3): RDP and PLD of every mechanism kind, and
+builders for the data-level records the accountant defines (dpsgd, rs-merge, lc-merge).
+
+The accountant reads only the record: mechanism, parameters, sensitivity and unit. Per kind:
+
+- ``laplace`` (model level): ε = sensitivity/scale with L1 sensitivity; RDP by Mironov 2017
+  Prop. 6 (``rdp.rdp_laplace``), PLD by dp-accounting's ``from_laplace_mechanism``.
+- ``multibit`` (model level): pure ε-DP (δ = 0, ε = the record's epsilon); RDP and PLD of binary
+  randomised response with that ε, the dominating pair of every ε-DP mechanism.
+- ``gaussian`` (model level): ratio μ = sensitivity/noise_std (L2); RDP order·μ²/2, PLD
+  dp-accounting's Gaussian PLD.
+- ``composite``: ``sequential`` — RDP summed, PLDs composed; ``parallel`` (components touch disjoint
+  units, so a neighbouring pair changes one component) — RDP: the elementwise maximum over
+  components (for each pair the divergence is that of the one component that changed). PLD: a
+  single PLD dominating every component is needed. We return the dominating component's PLD when
+  the components are ordered by one parameter (all Gaussian: largest μ; all Laplace: largest ε;
+  pure ε-DP kinds — multibit and Laplace — randomised response with the largest ε); otherwise we
+  fall back to the sequential composition of the components, which dominates each of them (sound,
+  conservative), and the docstring of ``pld_of_record`` says so.
+- ``dpsgd``: the TrainingRecord in ``parameters["training"]``, accounted under the record's unit.
+- ``rs-merge`` / ``lc-merge``: the RS / LC accountants on the listed models and weights. An LC
+  merge is interpreted by its charged, proven bound (``lc.lc_rdp`` / ``lc.lc_pld``): the
+  composition of the models with λ_i > 0 (Σ of their own RDP curves; their PLDs composed), or
+  the per-step surrogate only when every such model's training record declares
+  state-independent gradients. The record's ``bound`` and ``surrogate`` parameters describe
+  the release; the interpretation re-derives the bound from the models and ignores them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_delta, check_orders, pld_epsilon, rdp_to_epsilon
+from peer.dp.accounting.events import ApproxDP, TrainingRecord
+from peer.dp.accounting.lc import DEFAULT_MAX_GROUPS, lc_pld, lc_rdp, lc_report
+from peer.dp.accounting.profiles import DEFAULT_INTERVAL, model_rdp, privacy_profile, privacy_profiles, resolve_adjacency
+from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
+from peer.dp.accounting.rs import check_weights, rs_epsilon
+from peer.base.errors import InvalidArgument
+from peer.base.records import ReleaseRecord
+
+DATA_UNITS = {"record:replace-one": "replace-one", "record:add-remove": "add-remove"}
+
+
+def _param(record: ReleaseRecord, name: str) -> Any:
+    if name not in record.parameters:
+        raise InvalidArgument(f"parameters.{name}", f"is required for a {record.mechanism!r} record")
+    return record.parameters[name]
+
+
+def _positive(value: Any, field_name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) < math.inf):
+        raise InvalidArgument(field_name, f"must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _sensitivity(record: ReleaseRecord, norm: str) -> float:
+    if record.sensitivity is None:
+        raise InvalidArgument("sensitivity", f"is required for a {record.mechanism!r} record")
+    if record.sensitivity_norm != norm:
+        raise InvalidArgument("sensitivity_norm", f"must be {norm!r} for a {record.mechanism!r} record, got {record.sensitivity_norm!r}")
+    return float(record.sensitivity)
+
+
+def _laplace_epsilon(record: ReleaseRecord) -> float:
+    return _sensitivity(record, "l1") / _positive(_param(record, "scale"), "parameters.scale")
+
+
+def _gaussian_mu(record: ReleaseRecord) -> float:
+    return _sensitivity(record, "l2") / _positive(_param(record, "noise_std"), "parameters.noise_std")
+
+
+def _pure_epsilon(record: ReleaseRecord) -> float:
+    if record.delta != 0:
+        raise InvalidArgument("delta", f"a multibit release is pure epsilon-DP: delta must be 0, got {record.delta}")
+    return float(record.epsilon)
+
+
+def _data_adjacency(record: ReleaseRecord) -> str:
+    if record.level != "data" or record.unit not in DATA_UNITS:
+        raise InvalidArgument("unit", f"a {record.mechanism!r} record is data-level with unit in {sorted(DATA_UNITS)}, got level={record.level!r} unit={record.unit!r}")
+    return DATA_UNITS[record.unit]
+
+
+def _training(data: Any, field_name: str) -> TrainingRecord:
+    return TrainingRecord.from_dict(data, field_name)
+
+
+def _dpsgd_training(record: ReleaseRecord) -> tuple[TrainingRecord, str]:
+    adjacency = _data_adjacency(record)
+    training = _training(_param(record, "training"), "parameters.training")
+    if training.adjacency != adjacency:
+        raise InvalidArgument("parameters.training.adjacency",
+                              f"the training says {training.adjacency!r} but the record's unit is {record.unit!r}")
+    return training, adjacency
+
+
+def _merge_models(record: ReleaseRecord, adjacency: str) -> list:
+    raw = _param(record, "models")
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
+        raise InvalidArgument("parameters.models", "must be a non-empty list")
+    models = []
+    for i, m in enumerate(raw):
+        where = f"parameters.models[{i}]"
+        if isinstance(m, Mapping) and "steps" in m:
+            models.append(_training(m, where))
+        elif isinstance(m, Mapping) and set(m) <= {"epsilon", "delta", "adjacency"} and {"epsilon", "delta"} <= set(m):
+            try:
+                models.append(ApproxDP(m["epsilon"], m["delta"], m.get("adjacency", adjacency)))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"{where}.{e.field}", e.rule) from None
+        else:
+            raise InvalidArgument(where, "must be a TrainingRecord dict or {'epsilon', 'delta'}")
+    return models
+
+
+def _weights(record: ReleaseRecord, name: str, count: int) -> np.ndarray:
+    return check_weights(_param(record, name), count, f"parameters.{name}")
+
+
+def _parallel_family(record: ReleaseRecord) -> tuple[str, float] | None:
+    """(family, parameter) when the component's PLD is one of a totally ordered family."""
+    if record.mechanism == "gaussian":
+        return "gaussian", _gaussian_mu(record)
+    if record.mechanism == "laplace":
+        return "laplace", _laplace_epsilon(record)
+    if record.mechanism == "multibit":
+        return "pure", _pure_epsilon(record)
+    return None
+
+
+def rdp_of_record(record: ReleaseRecord, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+    """RDP ε at each order of the release described by ``record`` (module docstring per kind).
+
+    Raises InvalidArgument for a record it cannot interpret (unknown mechanism, missing or bad
+    parameters)."""
+    orders = check_orders(orders)
+    if not isinstance(record, ReleaseRecord):
+        raise InvalidArgument("record", f"must be a ReleaseRecord, got {type(record).__name__}")
+    kind = record.mechanism
+    if kind == "laplace":
+        return rdp_laplace(_laplace_epsilon(record), orders)
+    if kind == "multibit":
+        return rdp_pure(_pure_epsilon(record), orders)
+    if kind == "gaussian":
+        return rdp_gaussian(_gaussian_mu(record), orders)
+    if kind == "composite":
+        composition = _param(record, "composition")
+        if not record.components:
+            raise InvalidArgument("components", "a composite record needs at least one component")
+        parts = np.array([rdp_of_record(c, orders) for c in record.components])
+        if composition == "sequential":
+            return parts.sum(axis=0)
+        if composition == "parallel":
+            return parts.max(axis=0)
+        raise InvalidArgument("parameters.composition", f"must be 'sequential' or 'parallel', got {composition!r}")
+    if kind == "dpsgd":
+        training, adjacency = _dpsgd_training(record)
+        return model_rdp(training, adjacency, orders=orders)
+    if kind == "rs-merge":
+        adjacency = _data_adjacency(record)
+        models = _merge_models(record, adjacency)
+        pi = _weights(record, "pi", len(models))
+        rdps = []
+        for i, m in enumerate(models):
+            try:
+                rdps.append(model_rdp(m, adjacency, orders=orders))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
+        return rdp_mixture(pi, rdps, orders)
+    if kind == "lc-merge":
+        adjacency = _data_adjacency(record)
+        models = _merge_models(record, adjacency)
+        lam = _weights(record, "lam", len(models))
+        return lc_rdp(models, lam, adjacency=adjacency, orders=orders)
+    raise InvalidArgument("mechanism", f"no accountant for mechanism {kind!r}")
+
+
+def pld_of_record(record: ReleaseRecord, value_discretization_interval: float = DEFAULT_INTERVAL) -> pldm.PLD:
+    """A dp-accounting PrivacyLossDistribution (pessimistic) of the release described by ``record``.
+
+    ``parallel`` composites: the dominating component's PLD when the components form one ordered
+    family (module docstring); otherwise the sequential composition of the components — sound but
+    conservative (the lead's ledger sees a larger ε than the true worst component).
+    """
+    interval = pldm.check_interval(value_discretization_interval)
+    if not isinstance(record, ReleaseRecord):
+        raise InvalidArgument("record", f"must be a ReleaseRecord, got {type(record).__name__}")
+    kind = record.mechanism
+    if kind == "laplace":
+        return pldm.laplace_pld(_laplace_epsilon(record), interval)
+    if kind == "multibit":
+        return pldm.approx_dp_pld(_pure_epsilon(record), 0.0, interval)
+    if kind == "gaussian":
+        return pldm.gaussian_pld(_gaussian_mu(record), interval)
+    if kind == "composite":
+        composition = _param(record, "composition")
+        if not record.components:
+            raise InvalidArgument("components", "a composite record needs at least one component")
+        if composition == "sequential":
+            return pldm.compose_plds([pld_of_record(c, interval) for c in record.components], interval)
+        if composition != "parallel":
+            raise InvalidArgument("parameters.composition", f"must be 'sequential' or 'parallel', got {composition!r}")
+        families = [_parallel_family(c) for c in record.components]
+        if all(f is not None for f in families):
+            kinds = {f[0] for f in families}
+            if kinds == {"gaussian"}:
+                return pldm.gaussian_pld(max(f[1] for f in families), interval)
+            if kinds == {"laplace"}:
+                return pldm.laplace_pld(max(f[1] for f in families), interval)
+            if kinds <= {"laplace", "pure"}:
+                # Laplace(ε) is ε-DP, hence dominated by randomised response with the same ε.
+                return pldm.approx_dp_pld(max(f[1] for f in families), 0.0, interval)
+        return pldm.compose_plds([pld_of_record(c, interval) for c in record.components], interval)
+    if kind == "dpsgd":
+        training, adjacency = _dpsgd_training(record)
+        return privacy_profile(training, adjacency, value_discretization_interval=interval).pld
+    if kind == "rs-merge":
+        adjacency = _data_adjacency(record)
+        models = _merge_models(record, adjacency)
+        pi = _weights(record, "pi", len(models))
+        profiles = privacy_profiles(models, adjacency, value_discretization_interval=interval)
+        return pldm.mixture_pld([p.pld for p in profiles], pi)
+    if kind == "lc-merge":
+        adjacency = _data_adjacency(record)
+        models = _merge_models(record, adjacency)
+        lam = _weights(record, "lam", len(models))
+        return lc_pld(models, lam, adjacency=adjacency, value_discretization_interval=interval)[0]
+    raise InvalidArgument("mechanism", f"no accountant for mechanism {kind!r}")
+
+
+# ----- builders of the data-level records (CONTRACTS.md §2) -----
+
+def _randomness_fields(randomness: Mapping[str, Any] | None, default: str) -> dict:
+    if randomness is None:
+        return {"randomness": default, "seed": None}
+    return {"randomness": randomness.get("randomness", default), "seed": randomness.get("seed")}
+
+
+def _names(names: Sequence[str] | None, count: int) -> list[str]:
+    if names is None:
+        return [f"model-{i}" for i in range(count)]
+    names = list(names)
+    if len(names) != count or not all(isinstance(n, str) and n for n in names):
+        raise InvalidArgument("names", f"must be {count} non-empty strings")
+    return names
+
+
+def dpsgd_record(training: TrainingRecord, delta: float, *, randomness: Mapping[str, Any] | None = None,
+                 subject: str = "", counterparty: str | None = None,
+                 value_discretization_interval: float = DEFAULT_INTERVAL) -> ReleaseRecord:
+    """The "dpsgd" record of one trained model: epsilon = PLD ε at ``delta`` under the training's
+    adjacency; sensitivity = the largest per-step L2 sensitivity of the clipped gradient sum
+    (k·C_t, k = 2 replace-one, 1 add-remove); parameters carry the training record and ε by RDP
+    (and by the closed form for full batch)."""
+    if not isinstance(training, TrainingRecord):
+        raise InvalidArgument("training", f"must be a TrainingRecord, got {type(training).__name__}")
+    delta = check_delta(delta)
+    eps = privacy_profile(training, value_discretization_interval=value_discretization_interval).epsilon(delta)
+    k = 2.0 if training.adjacency == "replace-one" else 1.0
+    params = {"training": training.to_dict(), "epsilon_rdp": _finite_or_str(eps.rdp)}
+    if eps.closed_form is not None:
+        params["epsilon_closed_form"] = _finite_or_str(eps.closed_form)
+    return ReleaseRecord(mechanism="dpsgd", level="data", unit=f"record:{training.adjacency}",
+                         epsilon=eps.pld, delta=delta, sensitivity=k * max(s.clip_norm for s, _ in training.runs),
+                         sensitivity_norm="l2", parameters=params, subject=subject, counterparty=counterparty,
+                         **_randomness_fields(randomness, "csprng"))
+
+
+def _model_dict(m) -> dict:
+    if isinstance(m, TrainingRecord):
+        return m.to_dict()
+    if isinstance(m, ApproxDP):
+        return m.to_dict()
+    raise InvalidArgument("models", f"must be TrainingRecord or ApproxDP values, got {type(m).__name__}")
+
+
+def _finite_or_str(x: float) -> float | str:
+    return "inf" if math.isinf(x) else float(x)
+
+
+def rs_merge_record(models: Sequence, pi: Sequence[float], delta: float, *, names: Sequence[str] | None = None,
+                    adjacency: str | None = None, randomness: Mapping[str, Any] | None = None,
+                    subject: str = "", counterparty: str | None = None,
+                    value_discretization_interval: float = DEFAULT_INTERVAL) -> ReleaseRecord:
+    """The "rs-merge" record: epsilon = RS PLD ε at ``delta``; parameters {pi, models, names,
+    epsilon_rdp}. It must not say which model was drawn: ``randomness`` describes the draw's
+    generator only (``Randomness.record_fields()``)."""
+    delta = check_delta(delta)
+    models = list(models)
+    eps = rs_epsilon(models, pi, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval)
+    adjacency = resolve_adjacency(models, adjacency)
+    params = {"pi": [float(p) for p in check_weights(pi, len(models))], "models": [_model_dict(m) for m in models],
+              "names": _names(names, len(models)), "epsilon_rdp": _finite_or_str(eps.rdp)}
+    return ReleaseRecord(mechanism="rs-merge", level="data", unit=f"record:{adjacency}", epsilon=eps.pld,
+                         delta=delta, sensitivity=None, sensitivity_norm="none", parameters=params,
+                         subject=subject, counterparty=counterparty, **_randomness_fields(randomness, "csprng"))
+
+
+def lc_merge_record(models: Sequence[TrainingRecord], lam: Sequence[float], delta: float, *,
+                    names: Sequence[str] | None = None, adjacency: str | None = None,
+                    subject: str = "", counterparty: str | None = None,
+                    value_discretization_interval: float = DEFAULT_INTERVAL,
+                    max_groups: int = DEFAULT_MAX_GROUPS) -> ReleaseRecord:
+    """The "lc-merge" record: epsilon = the charged, proven bound's PLD ε at ``delta``
+    (``lc.lc_report``); parameters {lam, models, names, bound ("composition" or "surrogate"),
+    epsilon_rdp, epsilon_closed_form (when it exists), surrogate {mu, epsilon_pld, epsilon_rdp,
+    valid, valid_when} (full-batch models only)}. LC draws no randomness of its own
+    (randomness "none")."""
+    delta = check_delta(delta)
+    models = list(models)
+    report = lc_report(models, lam, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval,
+                       max_groups=max_groups)
+    eps = report.epsilon
+    adjacency = resolve_adjacency(models, adjacency)
+    params = {"lam": [float(x) for x in check_weights(lam, len(models), "lam")], "models": [_model_dict(m) for m in models],
+              "names": _names(names, len(models)), "bound": report.bound, "epsilon_rdp": _finite_or_str(eps.rdp)}
+    if eps.closed_form is not None:
+        params["epsilon_closed_form"] = _finite_or_str(eps.closed_form)
+    if report.surrogate is not None:
+        sur = report.surrogate
+        params["surrogate"] = {"mu": _finite_or_str(sur.mu), "epsilon_pld": _finite_or_str(sur.epsilon.pld),
+                               "epsilon_rdp": _finite_or_str(sur.epsilon.rdp), "valid": sur.valid,
+                               "valid_when": sur.valid_when}
+    if eps.notes:
+        params["notes"] = list(eps.notes)
+    return ReleaseRecord(mechanism="lc-merge", level="data", unit=f"record:{adjacency}", epsilon=eps.pld,
+                         delta=delta, sensitivity=None, sensitivity_norm="none", parameters=params,
+                         subject=subject, counterparty=counterparty, randomness="none", seed=None)
+
+
+def record_epsilon(record: ReleaseRecord, delta: float, *, orders: Sequence[float] = DEFAULT_ORDERS,
+                   value_discretization_interval: float = DEFAULT_INTERVAL) -> tuple[float, float]:
+    """(ε by PLD, ε by RDP) of any interpretable record at ``delta``."""
+    delta = check_delta(delta)
+    orders = check_orders(orders)
+    return (pld_epsilon(pld_of_record(record, value_discretization_interval), delta),
+            rdp_to_epsilon(orders, rdp_of_record(record, orders), delta))
+
+
+__all__ = ["rdp_of_record", "pld_of_record", "record_epsilon", "dpsgd_record", "rs_merge_record", "lc_merge_record"]

@@ -1,0 +1,546 @@
+"""Choosing merge weights for a target (ε′, δ′): π for RS, λ for LC.
+
+Pure functions of the pool's mechanism descriptions and utilities (measured by the caller — e.g.
+validation accuracy on a public or held-out set); no model weights are read here.
+
+RS (``choose_pi``). The expected utility Σ π_i u_i is linear in π, and so are both constraints:
+
+- PLD: ε^RS(π) ≤ E ⇔ δ^RS(E; π) ≤ δ ⇔ Σ π_i δ_i^REMOVE(E) ≤ δ and Σ π_i δ_i^ADD(E) ≤ δ (δ(ε) is
+  non-increasing, and ε(δ) is the smallest ε with δ(ε) ≤ δ). So the best π is a linear program
+  over the simplex with two constraints, solved exactly (HiGHS); its optimum saturates the budget
+  whenever the most useful model alone is not private enough.
+- RDP: for each order, ε_order^RS(π) + log1p(−1/order) − log(δ·order)/(order−1) ≤ E is
+  Σ π_i exp((order−1)(ε_order,i − E_order)) ≤ 1 with E_order = E − log1p(−1/order) +
+  log(δ·order)/(order−1): one linear constraint, whose optimum over the simplex has at most two
+  non-zero weights (enumerated in log space). The best order wins.
+
+LC (``choose_lam``). The charged privacy of θ_λ (``lc``) is, for models trained by DP-SGD on
+networks, the composition of the models with λ_i > 0: it does not depend on λ beyond its
+support. So the choice is which subset S of models to combine (and λ over S): maximise the
+validation utility over every λ whose support S has a composition meeting (E, δ) by the chosen
+accountant (``choose_lam_composition``). Composition grows with S, so the feasible subsets are
+closed under taking subsets; the search enumerates them (pools are small: at most
+``MAX_LC_MODELS``), and for each maximal feasible S runs a simplex grid on its face. With a linear
+proxy Σ λ_i u_i the optimum is a vertex — the most useful single model whose own ε meets the
+target: without evaluating combinations there is no reason to combine. LC then pays off only when
+a measured combination beats every single model and RS at the same composition cost.
+
+Only when every model declares state-independent gradients is θ_λ charged by the per-step
+surrogate μ(λ) (μ-GDP); then λ itself matters (``choose_lam_surrogate``): the target is met iff
+μ(λ) ≤ μ* (the largest μ meeting (E, δ) by the chosen accountant; the PLD figure is then checked
+by FFT and μ* lowered if the pessimistic discretisation overshoots). μ(λ) is not convex, and the
+utility of a combination cannot be known without evaluating it, so the search is a grid on the
+simplex projected onto the feasible boundary by bisection towards the most private λ (DESIGN.md:
+"bisection or grid on the feasible boundary"), optionally polished by SLSQP for a linear proxy.
+``choose_lam_surrogate`` on models that do not declare state independence returns a figure that
+is not a bound (the merging experiment reports it as such).
+
+The caller gives either per-model utilities (linear proxy Σ λ_i u_i — what ``privfusion account``
+uses, because M.json holds no weights) or a callable evaluating a candidate λ (what
+``peer.dp.merging`` uses with real models).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from itertools import combinations_with_replacement
+from typing import Callable, Sequence, Union
+
+import numpy as np
+from scipy import optimize
+
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Epsilons, check_delta, check_epsilon, check_orders,
+                                         gdp_mu, json_number, rdp_to_epsilon)
+from peer.dp.accounting.lc import (DEFAULT_MAX_GROUPS, LCSegments, check_lc_models, lc_composition_epsilon, lc_segments,
+                                lc_surrogate_epsilon, surrogate_is_bound)
+from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile
+from peer.dp.accounting.rdp import rdp_gaussian
+from peer.dp.accounting.rs import rs_epsilon, rs_profiles
+from peer.base.errors import InvalidArgument
+
+ACCOUNTANTS = ("pld", "rdp")
+# LC under the composition bound enumerates subsets of the pool (2^k − 1 of them)
+MAX_LC_MODELS = 12
+Utility = Union[Sequence[float], Callable[[np.ndarray], float]]
+
+
+class UnreachableTarget(InvalidArgument):
+    """No weighting of the pool meets the target; ``most_private_epsilon`` is the best reachable.
+
+    Every target at or above it is reachable (a larger ε only widens the feasible weights), so
+    the pool's reachable range at this δ is [most_private_epsilon, ∞); the refusal carries it
+    (reason ``TARGET_UNREACHABLE``, metadata ``reachable_epsilon_min`` / ``_max``) so the
+    requester can ask again at a target the pool can serve. It is public: a function of the
+    pool's published privacy profiles, not of the data."""
+
+    def __init__(self, method: str, target_epsilon: float, delta: float, accountant: str, most_private_epsilon: float):
+        self.method = method
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.accountant = accountant
+        self.most_private_epsilon = most_private_epsilon
+        super().__init__(
+            "target_epsilon",
+            f"no {method.upper()} weighting of these models reaches epsilon <= {target_epsilon:g} at delta = {delta:g} "
+            f"({accountant}); the most private reachable is epsilon = {most_private_epsilon:.6g}",
+            reason="TARGET_UNREACHABLE",
+            metadata={"method": method, "accountant": accountant, "target_epsilon": float(target_epsilon),
+                      "delta": float(delta), "reachable_epsilon_min": float(most_private_epsilon),
+                      "reachable_epsilon_max": math.inf})
+
+
+@dataclass(frozen=True)
+class WeightChoice:
+    """The chosen weights (``pi`` for RS, ``lam`` for LC) and what they achieve. For LC, ``bound``
+    names the bound ``epsilon`` is ("composition" or "surrogate"); ``saturated`` means, for the
+    surrogate, that μ(λ) is on the target's boundary, and for the composition, that no model
+    outside λ's support could be added within the target."""
+
+    method: str
+    weights: tuple[float, ...]
+    target_epsilon: float
+    delta: float
+    accountant: str
+    epsilon: Epsilons
+    utility: float
+    saturated: bool
+    bound: str | None = None
+
+    def to_dict(self) -> dict:
+        out = {"method": self.method, "weights": list(self.weights), "target_epsilon": self.target_epsilon,
+               "delta": self.delta, "accountant": self.accountant, "epsilon": self.epsilon.to_dict(),
+               "utility": json_number(self.utility), "saturated": self.saturated}
+        if self.bound is not None:
+            out["bound"] = self.bound
+        return out
+
+
+def _check_accountant(accountant: str) -> str:
+    if accountant not in ACCOUNTANTS:
+        raise InvalidArgument("accountant", f"must be one of {ACCOUNTANTS}, got {accountant!r}")
+    return accountant
+
+
+def _check_utilities(utilities: Sequence[float], count: int) -> np.ndarray:
+    if isinstance(utilities, (str, bytes)) or not hasattr(utilities, "__len__") or len(utilities) != count:
+        raise InvalidArgument("utilities", f"must give one number per model ({count})")
+    out = np.empty(count)
+    for i, u in enumerate(utilities):
+        if isinstance(u, bool) or not isinstance(u, (int, float, np.integer, np.floating)) or not math.isfinite(float(u)):
+            raise InvalidArgument(f"utilities[{i}]", f"must be a finite number, got {u!r}")
+        out[i] = float(u)
+    return out
+
+
+def _clean(weights: np.ndarray) -> np.ndarray:
+    w = np.where(weights < 1e-12, 0.0, weights)
+    return w / w.sum()
+
+
+# ----------------------------------------------------------------------------------------- RS
+
+def _rs_lp(coeffs: np.ndarray, utilities: np.ndarray, bound: float) -> np.ndarray | None:
+    """argmax u·π over the simplex subject to coeffs @ π ≤ bound (rows: the two directions).
+
+    Rows are scaled by 1/bound (HiGHS' feasibility tolerance is absolute, ~1e-7, while δ may be
+    1e-10), and the solution is then repaired exactly: if a row still exceeds the bound, the
+    solution is mixed with the most private π (``_rs_min_t``), just enough."""
+    scaled = coeffs / bound
+    res = optimize.linprog(-utilities, A_ub=scaled, b_ub=np.ones(coeffs.shape[0]),
+                           A_eq=np.ones((1, utilities.size)), b_eq=[1.0], bounds=[(0, None)] * utilities.size,
+                           method="highs")
+    if res.status != 0:
+        return None
+    pi = _clean(np.clip(res.x, 0, None))
+    load = scaled @ pi
+    if np.all(load <= 1.0):
+        return pi
+    t_min, pi_min = _rs_min_t(coeffs, bound)
+    load_min = scaled @ pi_min
+    if np.any(load_min >= 1.0):
+        return None
+    over = load > 1.0
+    tau = float(np.max((load[over] - 1.0) / (load[over] - load_min[over])))
+    return _clean((1 - tau) * pi + tau * pi_min)
+
+
+def _rs_min_t(coeffs: np.ndarray, delta: float) -> tuple[float, np.ndarray]:
+    """(t, π): π minimises max(coeffs @ π) over the simplex and t is that maximum divided by
+    delta, so some π meets δ iff t ≤ 1 (rows scaled by 1/δ for the solver's absolute tolerance)."""
+    coeffs = coeffs / delta
+    k = coeffs.shape[1]
+    c = np.zeros(k + 1)
+    c[-1] = 1.0
+    a_ub = np.hstack([coeffs, -np.ones((coeffs.shape[0], 1))])
+    a_eq = np.hstack([np.ones((1, k)), np.zeros((1, 1))])
+    res = optimize.linprog(c, A_ub=a_ub, b_ub=np.zeros(coeffs.shape[0]), A_eq=a_eq, b_eq=[1.0],
+                           bounds=[(0, None)] * k + [(None, None)], method="highs")
+    pi = _clean(np.clip(res.x[:k], 0, None))
+    return float(np.max(coeffs @ pi)), pi
+
+
+def _pld_coeffs(profiles: Sequence[PrivacyProfile], epsilon: float) -> np.ndarray:
+    rows = [pldm.directional_deltas(p.pld, epsilon) for p in profiles]
+    return np.array([[r[0][0] for r in rows], [r[1][0] for r in rows]])
+
+
+def rs_most_private_epsilon(profiles: Sequence[PrivacyProfile], delta: float, accountant: str = "pld") -> float:
+    """min over π of ε^RS(π). RDP: the most private single model (for each order the mixture's
+    log-sum-exp is smallest at a vertex). PLD: bisection on E of the LP feasibility
+    min_π max_direction Σ π_i δ_i^direction(E) ≤ δ (a mixture can beat every single model when
+    the models are private in different directions)."""
+    delta = check_delta(delta)
+    singles = [p.epsilon(delta) for p in profiles]
+    if accountant == "rdp":
+        return min(s.rdp for s in singles)
+    def feasible(e: float) -> bool:
+        return _rs_min_t(_pld_coeffs(profiles, e), delta)[0] <= 1.0
+
+    if feasible(0.0):
+        return 0.0
+    lo, hi = 0.0, min(s.pld for s in singles)
+    if math.isinf(hi):
+        hi = 1.0
+        while not feasible(hi):
+            lo, hi = hi, 2 * hi
+            if hi > 1e6:
+                return math.inf
+    while hi - lo > 1e-7 * max(hi, 1e-9):
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _rs_rdp_choice(profiles: Sequence[PrivacyProfile], utilities: np.ndarray, target: float, delta: float) -> np.ndarray | None:
+    orders = np.asarray(profiles[0].orders)
+    rdp = np.array([p.rdp for p in profiles])            # k × orders
+    best, best_value = None, -math.inf
+    for j, a in enumerate(orders):
+        if a <= 1.01:
+            continue                                      # compute_epsilon's improved bound needs order > 1.01
+        e_order = target - math.log1p(-1 / a) + math.log(delta * a) / (a - 1)
+        with np.errstate(invalid="ignore"):
+            log_w = (a - 1) * (rdp[:, j] - e_order)      # log of the constraint coefficients
+        log_w = np.where(np.isnan(log_w), math.inf, log_w)
+        feasible = np.flatnonzero(log_w <= 0)
+        if feasible.size == 0:
+            continue
+        i0 = feasible[np.argmax(utilities[feasible])]
+        if utilities[i0] > best_value:
+            best_value, best = utilities[i0], np.eye(len(profiles))[i0]
+        for i in feasible:
+            for jj in np.flatnonzero((log_w > 0) & (utilities > utilities[i])):
+                # π_jj = (1 − w_i)/(w_jj − w_i), in log space (w_jj may overflow).
+                if math.isinf(log_w[jj]):
+                    continue
+                w_i = math.exp(log_w[i])
+                log_pj = math.log1p(-w_i) - log_w[jj] - math.log1p(-math.exp(log_w[i] - log_w[jj])) if w_i < 1 else -math.inf
+                pj = math.exp(log_pj) * (1 - 1e-12)
+                value = (1 - pj) * utilities[i] + pj * utilities[jj]
+                if value > best_value:
+                    best_value = value
+                    best = np.zeros(len(profiles))
+                    best[i], best[jj] = 1 - pj, pj
+    return best
+
+
+def choose_pi(models: Sequence[Model], utilities: Sequence[float], target_epsilon: float, delta: float, *,
+              accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+              value_discretization_interval: float = DEFAULT_INTERVAL) -> WeightChoice:
+    """π maximising Σ π_i utilities_i subject to ε^RS(π) ≤ target_epsilon at ``delta`` by
+    ``accountant`` ("pld" or "rdp"); exact (linear programming, module docstring).
+
+    ``models`` may be precomputed ``PrivacyProfile``s (``rs.rs_profiles``): nothing per-model is
+    recomputed then. Raises ``UnreachableTarget`` (with the most private reachable ε) when no π
+    meets the target."""
+    target = check_epsilon(target_epsilon, "target_epsilon")
+    delta = check_delta(delta)
+    accountant = _check_accountant(accountant)
+    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval)
+    u = _check_utilities(utilities, len(profiles))
+    pi = None
+    if accountant == "pld":
+        coeffs = _pld_coeffs(profiles, target)
+        for shrink in (1e-9, 1e-6, 1e-3):
+            pi = _rs_lp(coeffs, u, delta * (1 - shrink))
+            if pi is None:
+                break
+            achieved = rs_epsilon(profiles, pi, delta, orders=orders, value_discretization_interval=value_discretization_interval)
+            if achieved.pld <= target:
+                break
+        else:
+            pi = None
+        saturated = pi is not None and float(np.max(coeffs @ pi)) >= delta * (1 - 1e-6)
+    else:
+        pi = _rs_rdp_choice(profiles, u, target, delta)
+        if pi is not None:
+            pi = _clean(pi)
+            achieved = rs_epsilon(profiles, pi, delta, orders=orders, value_discretization_interval=value_discretization_interval)
+            if achieved.rdp > target:
+                pi = None
+        saturated = pi is not None and achieved.rdp >= target * (1 - 1e-6)
+    if pi is None:
+        raise UnreachableTarget("rs", target, delta, accountant, rs_most_private_epsilon(profiles, delta, accountant))
+    return WeightChoice("rs", tuple(float(x) for x in pi), target, delta, accountant, achieved, float(u @ pi), bool(saturated))
+
+
+# ----------------------------------------------------------------------------------------- LC
+
+def lc_mu_for_target(target_epsilon: float, delta: float, accountant: str = "pld",
+                     orders: Sequence[float] = DEFAULT_ORDERS) -> float:
+    """The largest μ whose Gaussian mechanism meets (target_epsilon, delta) by ``accountant``:
+    the exact μ-GDP inversion ("pld") or the RDP curve order·μ²/2 with the improved conversion
+    ("rdp", bisection on the increasing map μ ↦ ε)."""
+    target = check_epsilon(target_epsilon, "target_epsilon")
+    delta = check_delta(delta)
+    if _check_accountant(accountant) == "pld":
+        return gdp_mu(target, delta)
+    orders = check_orders(orders)
+    lo, hi = 0.0, 1.0
+    while rdp_to_epsilon(orders, rdp_gaussian(hi, orders), delta) <= target:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1e-12 * hi:
+        mid = 0.5 * (lo + hi)
+        if rdp_to_epsilon(orders, rdp_gaussian(mid, orders), delta) <= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _simplex_grid(k: int, max_points: int) -> np.ndarray:
+    """All λ with coordinates in {0, 1/m, …, 1} summing to 1, m as large as keeps ≤ max_points."""
+    m = 1
+    while math.comb(m + 1 + k - 1, k - 1) <= max_points and m < 1000:
+        m += 1
+    points = []
+    for combo in combinations_with_replacement(range(k), m):
+        p = np.bincount(combo, minlength=k) / m
+        points.append(p)
+    return np.array(points)
+
+
+def lc_most_private(segments: LCSegments) -> tuple[np.ndarray, float]:
+    """(λ, μ) minimising μ(λ) over the simplex: SLSQP on μ² from every vertex and the centre
+    (μ is not convex in λ), keeping the best point found."""
+    k = segments.num_models
+    starts = [np.eye(k)[i] for i in range(k)] + [np.full(k, 1.0 / k)]
+    best = min(starts, key=segments.mu)
+    best_mu = segments.mu(best)
+    cons = [{"type": "eq", "fun": lambda x: x.sum() - 1.0}]
+    for x0 in starts:
+        res = optimize.minimize(lambda x: segments.mu(np.clip(x, 0, None)) ** 2, x0, method="SLSQP",
+                                bounds=[(0, 1)] * k, constraints=cons, options={"maxiter": 200, "ftol": 1e-12})
+        x = _clean(np.clip(res.x, 0, None))
+        mu = segments.mu(x)
+        if mu < best_mu:
+            best, best_mu = x, mu
+    return best, best_mu
+
+
+def lc_boundary_candidates(segments: LCSegments, mu_max: float, *, lam_private: np.ndarray | None = None,
+                           max_points: int = 2000) -> np.ndarray:
+    """Feasible λ's (μ(λ) ≤ mu_max) on a simplex grid; each infeasible grid point is replaced by
+    the last feasible point on the segment from the most private λ towards it (bisection, 40
+    halvings): the feasible boundary the utility search runs on."""
+    if lam_private is None:
+        lam_private, _ = lc_most_private(segments)
+    grid = _simplex_grid(segments.num_models, max_points)
+    mus = segments.mu_many(grid)
+    feasible = mus <= mu_max
+    out = [grid[feasible]]
+    bad = grid[~feasible]
+    if bad.size:
+        lo = np.zeros(len(bad))
+        hi = np.ones(len(bad))
+        for _ in range(40):
+            mid = 0.5 * (lo + hi)
+            pts = (1 - mid)[:, None] * lam_private[None, :] + mid[:, None] * bad
+            ok = segments.mu_many(pts) <= mu_max
+            lo = np.where(ok, mid, lo)
+            hi = np.where(ok, hi, mid)
+        out.append((1 - lo)[:, None] * lam_private[None, :] + lo[:, None] * bad)
+    cand = np.vstack(out + [lam_private[None, :]])
+    cand = cand / cand.sum(axis=1, keepdims=True)
+    return np.unique(np.round(cand, 12), axis=0)
+
+
+def choose_lam_surrogate(models: Sequence | LCSegments, utility: Utility, target_epsilon: float, delta: float, *,
+                         accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+                         value_discretization_interval: float = DEFAULT_INTERVAL, max_groups: int = DEFAULT_MAX_GROUPS,
+                         max_points: int = 2000) -> WeightChoice:
+    """λ maximising ``utility`` subject to the per-step surrogate ε(λ) ≤ target_epsilon at
+    ``delta`` (module docstring). A proven choice only when every model declares state-independent
+    gradients (``choose_lam`` calls it then); otherwise the figure is not a bound.
+
+    ``utility``: per-model numbers (the linear proxy Σ λ_i u_i, then polished by SLSQP) or a
+    callable ``utility(lam) -> float`` evaluated on every boundary candidate (at most about
+    ``max_points`` of them). Raises ``UnreachableTarget`` when even the most private λ misses
+    the target."""
+    target = check_epsilon(target_epsilon, "target_epsilon")
+    delta = check_delta(delta)
+    accountant = _check_accountant(accountant)
+    segments = models if isinstance(models, LCSegments) else lc_segments(models, adjacency=adjacency)
+    k = segments.num_models
+    if callable(utility):
+        linear = None
+    else:
+        linear = _check_utilities(utility, k)
+    mu_max = lc_mu_for_target(target, delta, accountant, orders)
+    lam_private, mu_private = lc_most_private(segments)
+
+    def achieved_of(lam):
+        return lc_surrogate_epsilon(segments, lam, delta, orders=orders, value_discretization_interval=value_discretization_interval,
+                          max_groups=max_groups)
+
+    if mu_private > mu_max:
+        eps = achieved_of(lam_private)
+        raise UnreachableTarget("lc", target, delta, accountant, eps.pld if accountant == "pld" else eps.rdp)
+    for _ in range(8):
+        cands = lc_boundary_candidates(segments, mu_max, lam_private=lam_private, max_points=max_points)
+        if linear is not None:
+            values = cands @ linear
+            lam = cands[int(np.argmax(values))]
+            lam = _polish_linear(segments, linear, lam, mu_max)
+            value = float(linear @ lam)
+        else:
+            values = np.array([float(utility(c.copy())) for c in cands])
+            lam = cands[int(np.argmax(values))]
+            value = float(np.max(values))
+        achieved = achieved_of(lam)
+        figure = achieved.pld if accountant == "pld" else achieved.rdp
+        if figure <= target:
+            saturated = segments.mu(lam) >= mu_max * (1 - 1e-6)
+            return WeightChoice("lc", tuple(float(x) for x in lam), target, delta, accountant, achieved, value, bool(saturated),
+                                "surrogate")
+        # The FFT figure is pessimistic by its discretisation: aim slightly lower and retry.
+        mu_max *= 1 - 2 * (figure - target) / max(target, 1e-12) - 1e-6
+        if mu_max < mu_private:
+            break
+    eps = achieved_of(lam_private)
+    raise UnreachableTarget("lc", target, delta, accountant, eps.pld if accountant == "pld" else eps.rdp)
+
+
+def _subset_figure(records, adjacency: str, subset: tuple[int, ...], delta: float, accountant: str, orders, interval) -> float:
+    lam = np.zeros(len(records))
+    lam[list(subset)] = 1.0 / len(subset)
+    eps = lc_composition_epsilon(records, lam, delta, adjacency=adjacency, orders=orders, value_discretization_interval=interval)
+    return eps.pld if accountant == "pld" else eps.rdp
+
+
+def lc_feasible_subsets(models: Sequence, target_epsilon: float, delta: float, *, accountant: str = "pld",
+                        adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+                        value_discretization_interval: float = DEFAULT_INTERVAL) -> dict[tuple[int, ...], float]:
+    """{subset: its composition's ε by ``accountant``} for every non-empty subset of the models
+    whose composition meets (target_epsilon, delta). Supersets of an infeasible subset are skipped
+    (composition only grows)."""
+    records, adjacency = check_lc_models(models, adjacency)
+    if len(records) > MAX_LC_MODELS:
+        raise InvalidArgument("models", f"LC searches every subset of the pool: at most {MAX_LC_MODELS} models, got {len(records)}")
+    feasible: dict[tuple[int, ...], float] = {}
+    k = len(records)
+    for size in range(1, k + 1):
+        found = False
+        for subset in itertools.combinations(range(k), size):
+            if size > 1 and any(sub not in feasible for sub in itertools.combinations(subset, size - 1)):
+                continue
+            figure = _subset_figure(records, adjacency, subset, delta, accountant, orders, value_discretization_interval)
+            if figure <= target_epsilon:
+                feasible[subset] = figure
+                found = True
+        if not found:
+            break
+    return feasible
+
+
+def choose_lam_composition(models: Sequence, utility: Utility, target_epsilon: float, delta: float, *,
+                           accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+                           value_discretization_interval: float = DEFAULT_INTERVAL,
+                           max_points: int = 2000) -> WeightChoice:
+    """λ maximising ``utility`` subject to the composition of the models with λ_i > 0 meeting
+    target_epsilon at ``delta`` (a proven bound for any training; module docstring). Linear
+    utilities: the most useful single feasible model. A callable: evaluated on a simplex grid over
+    each maximal feasible subset (about ``max_points`` candidates in all). Raises
+    ``UnreachableTarget`` when even the most private single model misses the target."""
+    target = check_epsilon(target_epsilon, "target_epsilon")
+    delta = check_delta(delta)
+    accountant = _check_accountant(accountant)
+    records, adjacency = check_lc_models(models, adjacency)
+    k = len(records)
+    linear = None if callable(utility) else _check_utilities(utility, k)
+    feasible = lc_feasible_subsets(records, target, delta, accountant=accountant, adjacency=adjacency, orders=orders,
+                                   value_discretization_interval=value_discretization_interval)
+    if not feasible:
+        singles = [_subset_figure(records, adjacency, (i,), delta, accountant, orders, value_discretization_interval) for i in range(k)]
+        raise UnreachableTarget("lc", target, delta, accountant, min(singles))
+    maximal = [s for s in feasible if not any(set(s) < set(t) for t in feasible)]
+    if linear is not None:
+        singles = [s[0] for s in feasible if len(s) == 1]
+        best = max(singles, key=lambda i: linear[i])
+        lam = np.eye(k)[best]
+        value = float(linear[best])
+    else:
+        per_face = max(1, max_points // len(maximal))
+        seen: dict[tuple, float] = {}
+        lam, value = None, -math.inf
+        for face in maximal:
+            for w in _simplex_grid(len(face), per_face):
+                cand = np.zeros(k)
+                cand[list(face)] = w
+                key = tuple(np.round(cand, 12))
+                if key in seen:
+                    continue
+                seen[key] = u = float(utility(cand.copy()))
+                if u > value:
+                    lam, value = cand, u
+    support = tuple(int(i) for i in np.flatnonzero(lam > 0))
+    achieved = lc_composition_epsilon(records, lam, delta, adjacency=adjacency, orders=orders,
+                                      value_discretization_interval=value_discretization_interval)
+    return WeightChoice("lc", tuple(float(x) for x in lam), target, delta, accountant, achieved, value,
+                        support in maximal, "composition")
+
+
+def choose_lam(models: Sequence, utility: Utility, target_epsilon: float, delta: float, *,
+               accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
+               value_discretization_interval: float = DEFAULT_INTERVAL, max_groups: int = DEFAULT_MAX_GROUPS,
+               max_points: int = 2000) -> WeightChoice:
+    """λ maximising ``utility`` subject to the charged LC bound meeting target_epsilon at ``delta``:
+    ``choose_lam_surrogate`` when every model declares state-independent gradients (full batch),
+    else ``choose_lam_composition`` (the cost is the composition of λ's support, whatever λ is on
+    it; module docstring)."""
+    if isinstance(models, LCSegments):
+        raise InvalidArgument("models", "choose_lam needs the TrainingRecords (their declarations decide the bound); "
+                                        "choose_lam_surrogate takes segments")
+    models = list(models)
+    if models and surrogate_is_bound(models):
+        return choose_lam_surrogate(models, utility, target_epsilon, delta, accountant=accountant, adjacency=adjacency,
+                                    orders=orders, value_discretization_interval=value_discretization_interval,
+                                    max_groups=max_groups, max_points=max_points)
+    return choose_lam_composition(models, utility, target_epsilon, delta, accountant=accountant, adjacency=adjacency,
+                                  orders=orders, value_discretization_interval=value_discretization_interval,
+                                  max_points=max_points)
+
+
+def _polish_linear(segments: LCSegments, linear: np.ndarray, lam0: np.ndarray, mu_max: float) -> np.ndarray:
+    """SLSQP on max linear·λ s.t. μ(λ)² ≤ mu_max², from the best grid candidate; kept only if
+    feasible and better."""
+    k = segments.num_models
+    cons = [{"type": "eq", "fun": lambda x: x.sum() - 1.0},
+            {"type": "ineq", "fun": lambda x: mu_max ** 2 - segments.mu(np.clip(x, 0, None)) ** 2}]
+    res = optimize.minimize(lambda x: -float(linear @ x), lam0, method="SLSQP", bounds=[(0, 1)] * k,
+                            constraints=cons, options={"maxiter": 200, "ftol": 1e-12})
+    x = _clean(np.clip(res.x, 0, None))
+    if segments.mu(x) <= mu_max and linear @ x > linear @ lam0:
+        return x
+    return lam0
+
+
+__all__ = ["ACCOUNTANTS", "MAX_LC_MODELS", "UnreachableTarget", "WeightChoice", "choose_pi", "choose_lam",
+           "choose_lam_composition", "choose_lam_surrogate", "lc_feasible_subsets", "rs_most_private_epsilon",
+           "lc_mu_for_target", "lc_most_private", "lc_boundary_candidates"]

@@ -1,0 +1,213 @@
+"""DP model merging within a site: random selection (RS) and linear combination (LC).
+
+A site holds a pool of models trained on the *same* protected dataset by DP-SGD
+(``peer.dp.training``), all from the same public initialisation; someone asks for one model at a
+target (ε′, δ′). Instead of retraining, the site releases a merge of its pool:
+
+- **RS** releases θ_I with I ~ Cat(π), I drawn from the release's randomness (CSPRNG-seeded
+  unless a fixed seed is asked for, ``peer.base.rng``). Only θ_I leaves, never I: revealing the index
+  turns the mixture back into the worst member, so neither the record nor the result says which
+  model was drawn. Privacy is the RS bound (``peer.dp.accounting.rs``): PLD
+  δ^RS(ε) ≤ max{Σ π_i H_ε(P_i‖Q_i), Σ π_i H_ε(Q_i‖P_i)}, RDP
+  ε_order^RS ≤ 1/(order−1)·log Σ π_i exp((order−1) ε_order,i). The expected utility Σ π_i u_i is
+  linear in π, and π is the exact optimum under the target (``peer.dp.accounting.choose_pi``, a
+  linear programme per accountant): the budget is saturated unless the most useful model alone
+  is already within it.
+- **LC** releases θ_λ = Σ_i λ_i θ_i (λ convex weights) of independent DP-SGD runs
+  (``peer.dp.accounting.lc``). θ_λ is a post-processing of releasing every model with λ_i > 0, so it
+  is charged their composition (RDP summed, PLDs composed): a proven bound for any training. The
+  cost depends on λ only through its support, so the choice (``peer.dp.accounting.choose_lam``) is
+  which subset of models to combine, and λ over it, by the utility *measured* on every candidate
+  (the utility of θ_λ is not linear in λ). The design's per-step Gaussian surrogate
+  (s_t = sqrt(Σ(λ_i η_i σ_i C_i)²), Δ_t = k·Σ λ_i η_i C_i, μ² = Σ_t (Δ_t/s_t)²) is reported in the
+  record beside the bound and is charged only when every merged model's training record declares
+  state-independent gradients (never for DP-SGD on a network); for such a pool the models'
+  declared dataset sizes n must agree (the surrogate's per-step ratio relies on the common 1/n
+  cancelling). LC refuses models known only by (ε_i, δ_i) (no free lunch: from final guarantees
+  alone an LC is no better than releasing every model).
+
+Unit of privacy: one training record of the pool's dataset, "replace-one" or "add-remove" —
+the same for every model (a mix is refused by the accountant). Public: every model's training
+record, the architecture and common initialisation, π/λ, and the utilities used to choose them.
+The utilities must come from data the guarantee does not cover — a public or held-out validation
+set that is *not* part of the protected training records: choosing π or λ by the protected data
+would leak it. This module never sees data: RS takes one utility per model, LC a function of the
+merged weights; the caller (``peer.dp.pools``) measures them on its validation split.
+
+Pure: no I/O; randomness passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from peer.dp.accounting import (ApproxDP, TrainingRecord, WeightChoice, choose_lam, choose_pi, lc_segments,
+                             surrogate_is_bound)
+from peer.dp.accounting.records import lc_merge_record, rs_merge_record
+from peer.dp.accounting.rs import check_weights
+from peer.base.errors import InvalidArgument
+from peer.nn.architectures import validate_architecture
+from peer.base.records import ReleaseRecord
+from peer.base.rng import Randomness
+
+METHODS = ("rs", "lc")
+# LC candidates whose utility is measured: about this many simplex grid points (≈ 20 steps per
+# axis for three models) — spread over the faces of the maximal feasible subsets under the
+# composition bound, projected onto the feasible boundary under the surrogate.
+LC_CANDIDATES = 256
+# Far below any utility difference that matters (accuracy moves in steps of 1/len(validation)).
+TIE_BREAK = 1e-9
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """One model of a pool: its weights, architecture and what is known about its privacy — the
+    full DP-SGD ``TrainingRecord`` or only an ``ApproxDP`` (ε, δ). ``dataset_size`` is the
+    declared n of its DP-SGD update (None when unknown). ``metadata`` is the store's (accuracy,
+    data split); merging does not read it."""
+
+    name: str
+    architecture: Mapping[str, Any]
+    arrays: Mapping[str, np.ndarray]
+    privacy: TrainingRecord | ApproxDP
+    dataset_size: int | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MergedModel:
+    """A merge ready to release: the weights, the release record ("rs-merge" / "lc-merge"; ε by
+    PLD, parameters["epsilon_rdp"] by RDP) and the weight choice (π or λ, ε by every accountant,
+    validation utility, whether the budget is saturated). Nothing here says which model an RS
+    merge drew."""
+
+    architecture: dict
+    arrays: dict[str, np.ndarray]
+    record: ReleaseRecord
+    choice: WeightChoice
+
+
+def check_pool(pool: Sequence[PoolModel]) -> dict:
+    """The pool's common architecture; refuses an empty pool, duplicate names, or models whose
+    architectures or parameter shapes differ."""
+    if not pool:
+        raise InvalidArgument("pool", "is empty: there is nothing to merge")
+    arch = validate_architecture(pool[0].architecture)
+    names = [m.name for m in pool]
+    if len(set(names)) != len(names):
+        raise InvalidArgument("pool", f"model names must be distinct, got {names}")
+    shapes0 = {k: np.shape(v) for k, v in pool[0].arrays.items()}
+    for m in pool[1:]:
+        if validate_architecture(m.architecture) != arch:
+            raise InvalidArgument("pool", f"models must share one architecture: {m.name!r} has {m.architecture}, {pool[0].name!r} has {arch}")
+        if {k: np.shape(v) for k, v in m.arrays.items()} != shapes0:
+            raise InvalidArgument("pool", f"model {m.name!r} has parameter names or shapes different from {pool[0].name!r}")
+    return arch
+
+
+def combine(arrays: Sequence[Mapping[str, np.ndarray]], lam: Sequence[float]) -> dict[str, np.ndarray]:
+    """θ_λ = Σ_i λ_i θ_i, entry by entry (float64 sums, stored as float32)."""
+    if not arrays:
+        raise InvalidArgument("pool", "is empty: there is nothing to merge")
+    w = check_weights(lam, len(arrays), "lam")
+    keys = list(arrays[0])
+    for i, a in enumerate(arrays):
+        if sorted(a) != sorted(keys) or any(np.shape(a[k]) != np.shape(arrays[0][k]) for k in keys):
+            raise InvalidArgument(f"pool[{i}]", "has parameter names or shapes different from pool[0]")
+    return {k: sum(float(w[i]) * np.asarray(a[k], dtype=np.float64) for i, a in enumerate(arrays)).astype(np.float32) for k in keys}
+
+
+def draw_index(pi: Sequence[float], randomness: Randomness) -> int:
+    """I ~ Cat(π) from the release's randomness."""
+    p = check_weights(pi, len(pi), "pi")
+    return int(randomness.generator.choice(len(p), p=p))
+
+
+def _check_method_inputs(target_epsilon: float, delta: float) -> None:
+    if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)) or not 0 < float(target_epsilon) < float("inf"):
+        raise InvalidArgument("target_epsilon", f"must be a finite number > 0, got {target_epsilon!r}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < float(delta) < 1:
+        raise InvalidArgument("delta", f"must be in (0, 1), got {delta!r}")
+
+
+def merge_rs(
+    pool: Sequence[PoolModel],
+    utilities: Sequence[float],
+    target_epsilon: float,
+    delta: float,
+    *,
+    randomness: Randomness,
+    accountant: str = "pld",
+    subject: str = "",
+    counterparty: str | None = None,
+) -> MergedModel:
+    """Random selection at (target_epsilon, delta): π maximising Σ π_i utilities_i subject to
+    the target by ``accountant`` ("pld" or "rdp"), then one model drawn from Cat(π)."""
+    arch = check_pool(pool)
+    _check_method_inputs(target_epsilon, delta)
+    models = [m.privacy for m in pool]
+    choice = choose_pi(models, utilities, float(target_epsilon), float(delta), accountant=accountant)
+    drawn = pool[draw_index(choice.weights, randomness)]
+    record = rs_merge_record(models, choice.weights, float(delta), names=[m.name for m in pool], randomness=randomness.record_fields(), subject=subject, counterparty=counterparty)
+    # the drawn model's own arrays, as read-only views: no copy of what may be a large model
+    return MergedModel(arch, {k: _read_only(v) for k, v in drawn.arrays.items()}, record, choice)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = np.asarray(a, dtype=np.float32).view()
+    view.flags.writeable = False
+    return view
+
+
+def _check_lc_pool(pool: Sequence[PoolModel]) -> None:
+    sizes = {m.dataset_size for m in pool if isinstance(m.privacy, TrainingRecord)}
+    if len(sizes) > 1:
+        raise InvalidArgument(
+            "pool",
+            f"an LC merge charged by the per-step surrogate combines runs with one declared dataset size n; got sizes "
+            f"{sorted(sizes, key=str)} (the surrogate's per-step noise and sensitivity assume a common 1/n)")
+
+
+def merge_lc(
+    pool: Sequence[PoolModel],
+    utility: Callable[[Mapping[str, np.ndarray]], float],
+    target_epsilon: float,
+    delta: float,
+    *,
+    accountant: str = "pld",
+    candidates: int = LC_CANDIDATES,
+    subject: str = "",
+    counterparty: str | None = None,
+) -> MergedModel:
+    """Linear combination at (target_epsilon, delta): λ maximising utility(θ_λ) subject to the
+    charged bound (module docstring) meeting the target by ``accountant``, among ``candidates``
+    or so measured candidates."""
+    arch = check_pool(pool)
+    _check_method_inputs(target_epsilon, delta)
+    models = [m.privacy for m in pool]
+    arrays = [m.arrays for m in pool]
+    measured: dict[tuple, float] = {}
+    if all(isinstance(m, TrainingRecord) for m in models) and surrogate_is_bound(models):
+        _check_lc_pool(pool)
+        segments = lc_segments(models)
+
+        def ranked(lam: np.ndarray) -> float:
+            # Accuracy on a finite validation set ties often; a tie goes to the candidate with the
+            # larger μ (the one spending more of the budget, hence carrying less relative noise).
+            u = float(utility(combine(arrays, lam)))
+            measured[tuple(np.round(lam, 12))] = u
+            return u + TIE_BREAK * segments.mu(lam) / (1.0 + segments.mu(lam))
+    else:
+        def ranked(lam: np.ndarray) -> float:
+            u = float(utility(combine(arrays, lam)))
+            measured[tuple(np.round(lam, 12))] = u
+            return u
+
+    choice = choose_lam(models, ranked, float(target_epsilon), float(delta), accountant=accountant, max_points=candidates)
+    lam_key = tuple(np.round(np.asarray(choice.weights), 12))
+    choice = replace(choice, utility=measured.get(lam_key, float(utility(combine(arrays, choice.weights)))))
+    record = lc_merge_record(models, choice.weights, float(delta), names=[m.name for m in pool], subject=subject, counterparty=counterparty)
+    return MergedModel(arch, combine(arrays, choice.weights), record, choice)

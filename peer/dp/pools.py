@@ -1,0 +1,203 @@
+"""A site's pool of DP models on disk, and the data splits pools are trained and judged on.
+
+A pool is one model store directory (``peer.nn.store``): each model is ``NAME.safetensors`` plus
+``NAME.json`` whose metadata holds (CONTRACTS.md §7)::
+
+    {"training": TrainingRecord dict, "record": "dpsgd" ReleaseRecord dict,
+     "accuracy": accuracy on the held-out validation split, "data": how the data was split}
+
+A model known only by its final (ε, δ) has a "record" and no "training"; it can be merged by
+random selection only.
+
+Data. The bundled dataset's training part is split once more: a stratified *held-out
+validation* split (``validation_fraction``, default 0.2) and the rest, the *protected* training
+records that DP-SGD sees and the guarantee covers. The validation split is what merging uses to
+choose π/λ; it is not protected by the pool's guarantee (treat it as public, or as data the site
+is willing to spend no privacy on). The test split is for reporting only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from peer.dp.accounting import ApproxDP, TrainingRecord
+from peer.nn.data import load_dataset
+from peer.base.errors import InvalidArgument
+from peer.dp.merging import METHODS, MergedModel, PoolModel, check_pool, merge_lc, merge_rs
+from peer.nn.architectures import accuracy, model_from_arrays
+from peer.base.records import ReleaseRecord
+from peer.base.rng import Randomness, make_randomness
+from peer.nn.store import _atomic_write, list_models, load_model, save_model
+from peer.dp.training import TrainedModel
+
+
+@dataclass(frozen=True)
+class Splits:
+    """Protected training records, held-out validation (public for merging), test (reporting)."""
+
+    dataset: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    description: dict
+
+
+def load_splits(dataset: str, *, split_seed: int = 0, validation_fraction: float = 0.2, test_fraction: float = 0.25) -> Splits:
+    """The bundled dataset split into protected training records, a held-out validation split
+    (stratified, ``validation_fraction`` of the training part) and the test split."""
+    from sklearn.model_selection import train_test_split
+
+    if not 0 < validation_fraction < 1:
+        raise InvalidArgument("validation_fraction", f"must be in (0, 1), got {validation_fraction!r}")
+    ds = load_dataset(dataset, test_fraction=test_fraction, seed=split_seed)
+    x_tr, x_val, y_tr, y_val = train_test_split(ds.x_train, ds.y_train, test_size=validation_fraction, stratify=ds.y_train, random_state=split_seed)
+    description = {"dataset": dataset, "split_seed": split_seed, "validation_fraction": validation_fraction, "test_fraction": test_fraction}
+    return Splits(dataset, x_tr, y_tr, x_val, y_val, ds.x_test, ds.y_test, ds.num_classes, description)
+
+
+def splits_from_description(description: Mapping[str, Any]) -> Splits:
+    """Rebuild the splits a pool was trained with from its metadata "data" entry."""
+    if not isinstance(description, Mapping) or "dataset" not in description:
+        raise InvalidArgument("metadata.data", "must name the dataset and how it was split")
+    try:
+        return load_splits(
+            description["dataset"],
+            split_seed=int(description.get("split_seed", 0)),
+            validation_fraction=float(description.get("validation_fraction", 0.2)),
+            test_fraction=float(description.get("test_fraction", 0.25)),
+        )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, InvalidArgument):
+            raise
+        raise InvalidArgument("metadata.data", f"is malformed: {e}") from None
+
+
+def save_trained(directory: str | os.PathLike, name: str, model: TrainedModel, *, accuracy: float | None = None, data: Mapping[str, Any] | None = None) -> Path:
+    """Store one DP-SGD model with its training record and release record."""
+    metadata: dict[str, Any] = {"training": model.training.to_dict(), "record": model.record.with_(subject=name).to_dict()}
+    if accuracy is not None:
+        metadata["accuracy"] = float(accuracy)
+    if data is not None:
+        metadata["data"] = dict(data)
+    return save_model(directory, name, model.architecture, model.arrays, metadata)
+
+
+def _privacy_of(name: str, metadata: Mapping[str, Any]) -> tuple[TrainingRecord | ApproxDP, int | None]:
+    record = None
+    if "record" in metadata:
+        record = ReleaseRecord.from_dict(metadata["record"])
+    if "training" in metadata:
+        training = TrainingRecord.from_dict(metadata["training"], f"{name}.metadata.training")
+        if record is None:
+            return training, None
+        if record.mechanism != "dpsgd" or TrainingRecord.from_dict(record.parameters.get("training", {}), f"{name}.metadata.record.parameters.training") != training:
+            raise InvalidArgument(f"{name}.metadata.record", "must be the dpsgd record of the model's own training record")
+        size = record.parameters.get("dataset_size")
+        return training, (int(size) if size is not None else None)
+    if record is not None and record.level == "data" and record.unit.startswith("record:"):
+        return ApproxDP(record.epsilon, record.delta, record.unit.split(":", 1)[1]), None
+    raise InvalidArgument(f"{name}.metadata", "holds neither a DP-SGD training record nor a data-level (epsilon, delta) release record")
+
+
+def load_pool(directory: str | os.PathLike) -> list[PoolModel]:
+    """Every model of a pool directory, in name order."""
+    names = list_models(directory)
+    if not names:
+        raise InvalidArgument("pool", f"{str(directory)!r} holds no models")
+    out = []
+    for name in names:
+        m = load_model(directory, name)
+        privacy, size = _privacy_of(name, m.metadata)
+        out.append(PoolModel(name, m.architecture, m.arrays, privacy, size, m.metadata))
+    return out
+
+
+def pool_validation(pool: Sequence[PoolModel]) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out validation split the pool was trained beside (its models' metadata "data"
+    entry, which must be the same for every model)."""
+    described = [m.metadata.get("data") for m in pool]
+    if any(d is None for d in described):
+        missing = [m.name for m, d in zip(pool, described) if d is None]
+        raise InvalidArgument("validation", f"models {missing} do not say which data they were trained on; give a validation file (x, y held out from the protected data)")
+    if any(dict(d) != dict(described[0]) for d in described[1:]):
+        raise InvalidArgument("validation", "the pool's models were trained on different data splits; give a validation file")
+    s = splits_from_description(described[0])
+    return s.x_val, s.y_val
+
+
+def load_validation_file(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """A validation set from an .npz file with arrays ``x`` (inputs) and ``y`` (labels)."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidArgument("validation", f"{str(p)!r} is not a file")
+    try:
+        with np.load(p, allow_pickle=False) as data:
+            x, y = np.asarray(data["x"], dtype=np.float32), np.asarray(data["y"])
+    except (KeyError, ValueError, OSError) as e:
+        raise InvalidArgument("validation", f"{str(p)!r} must be an .npz file with arrays 'x' and 'y': {e}") from None
+    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
+        raise InvalidArgument("validation", f"needs x of shape (m, ...) and y of shape (m,) with m > 0, got {x.shape} and {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise InvalidArgument("validation", f"labels y must be integers, got {y.dtype}")
+    return x, y.astype(np.int64)
+
+
+def rs_utilities(pool: Sequence[PoolModel], validation: tuple[np.ndarray, np.ndarray]) -> list[float]:
+    """Each pool model's accuracy on ``validation``: the utilities RS maximises (linear in π)."""
+    arch = check_pool(pool)
+    x_val, y_val = validation
+    return [accuracy(arch, model_from_arrays(arch, m.arrays), x_val, y_val) for m in pool]
+
+
+def merge_pool(
+    pool: Sequence[PoolModel],
+    method: str,
+    target_epsilon: float,
+    delta: float,
+    *,
+    validation: tuple[np.ndarray, np.ndarray] | None = None,
+    utilities: Sequence[float] | None = None,
+    accountant: str = "pld",
+    randomness: Randomness | None = None,
+    subject: str = "",
+    counterparty: str | None = None,
+) -> MergedModel:
+    """Merge a loaded pool at (target_epsilon, delta) by ``method`` ("rs" or "lc"), judging
+    candidates by accuracy on ``validation`` (default: the pool's own held-out split). For RS,
+    ``utilities`` may give those accuracies already (:func:`rs_utilities`; a daemon computes
+    them once per pool). RS draws from ``randomness`` (a fresh CSPRNG-seeded one when None)."""
+    if method not in METHODS:
+        raise InvalidArgument("method", f"must be one of {METHODS}, got {method!r}")
+    arch = check_pool(pool)
+    x_val, y_val = pool_validation(pool) if validation is None else validation
+    if method == "rs":
+        if utilities is None:
+            utilities = rs_utilities(pool, (x_val, y_val))
+        elif len(utilities) != len(pool):
+            raise InvalidArgument("utilities", f"must give one accuracy per pool model ({len(pool)}), got {len(utilities)}")
+        return merge_rs(pool, utilities, target_epsilon, delta, randomness=randomness or make_randomness(), accountant=accountant, subject=subject, counterparty=counterparty)
+    return merge_lc(pool, lambda arrays: accuracy(arch, model_from_arrays(arch, arrays), x_val, y_val), target_epsilon, delta, accountant=accountant, subject=subject, counterparty=counterparty)
+
+
+def save_merged(path: str | os.PathLike, merged: MergedModel) -> tuple[Path, Path]:
+    """Write a merge as a stored model named after ``path``'s stem (PATH_DIR/STEM.safetensors and
+    STEM.json, whose metadata holds the release record and the weight choice) and its release
+    record alone beside it (STEM.record.json). Returns (weights path, record path)."""
+    p = Path(path)
+    name = p.name[: -len(".safetensors")] if p.name.endswith(".safetensors") else p.name
+    directory = p.parent
+    metadata = {"record": merged.record.to_dict(), "choice": merged.choice.to_dict()}
+    save_model(directory, name, merged.architecture, merged.arrays, metadata)
+    record_path = directory / f"{name}.record.json"
+    _atomic_write(record_path, json.dumps(merged.record.to_dict(), indent=2, sort_keys=True, allow_nan=False).encode())
+    return directory / f"{name}.safetensors", record_path

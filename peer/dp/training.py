@@ -1,0 +1,282 @@
+"""DP-SGD: per-example clipping plus Gaussian noise, full-batch or Poisson-subsampled.
+
+The update (Abadi et al. 2016, "Deep learning with differential privacy", Algorithm 1, with the
+normalisation made data-independent)::
+
+    full batch (sample_rate q = 1), every step uses all n records:
+        θ_{t+1} = θ_t − η_t · ( Σ_{i=1..n} clip_{C_t}(∇ℓ(θ_t; x_i, y_i)) + σ_t C_t z_t ) / n
+
+    Poisson subsampling (q < 1), record i is in B_t independently with probability q_t:
+        θ_{t+1} = θ_t − η_t · ( Σ_{i ∈ B_t} clip_{C_t}(∇ℓ(θ_t; x_i, y_i)) + σ_t C_t z_t ) / (q_t n)
+
+    clip_C(g) = g · min(1, C / ‖g‖₂)   (‖·‖₂ over all parameters of the model together)
+    z_t ~ N(0, I), fresh for every step and independent of everything else.
+
+``n`` here is the *declared* dataset size, a public constant of the mechanism (by default the
+size of the training set). It never changes with the data: for Poisson sampling the denominator
+is the expected batch size q·n, not the realised |B_t|, so the sensitivity of the update stays
+data-independent. The unit of privacy is one training record:
+
+- ``"replace-one"``: neighbouring datasets differ in one record's value (n is the same); one step
+  is a Gaussian mechanism on the clipped sum with L2 sensitivity 2·C_t and noise std σ_t·C_t.
+- ``"add-remove"``: one record is added or removed; the clipped sum has L2 sensitivity C_t. The
+  denominator is still the declared n (a constant), so the mechanism is well defined on both
+  neighbours.
+
+The coefficient η_t/n (or η_t/(q_t n)) multiplies both the sensitivity and the noise of the
+parameter update, so each step's privacy depends only on σ_t: this is the per-step Gaussian
+mechanism the accountant (``peer.dp.accounting``) composes, with ``TrainingRecord`` steps
+``GaussianStep(learning_rate=η_t, clip_norm=C_t, noise_multiplier=σ_t, sample_rate=q_t)``.
+For a linear combination of models (``peer.dp.merging``), η_t enters the accountant's per-step noise
+and sensitivity; models combined there share the same declared n, so the common factor 1/n
+cancels in every step's sensitivity-to-noise ratio.
+
+The initial parameters θ_0 are public (built from a public seed), so models of one pool share
+them and can be combined without alignment. The Gaussian noise z_t and the Poisson masks come
+from ``peer.base.rng.Randomness``'s NumPy PCG64 generator — seeded with 128 bits from the operating
+system's CSPRNG unless a fixed seed is asked for (reported in the record), the one source of all
+DP noise in this package — drawn in float64 and cast to the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch.func import functional_call, grad, vmap
+
+from peer.dp.accounting import TrainingRecord
+from peer.dp.accounting.records import dpsgd_record
+from peer.base.errors import InvalidArgument
+from peer.nn.architectures import build_model, input_tensor, validate_architecture
+from peer.base.records import ReleaseRecord
+from peer.base.rng import Randomness
+
+# A per-example loss: (parameters, one input, one label) -> scalar tensor.
+LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
+
+def per_example_gradients(loss_fn: LossFn, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """∇_θ ℓ(θ; x_i, y_i) for every i at once (torch.func vmap over grad): arrays of shape (n, *p.shape)."""
+    return vmap(grad(loss_fn), in_dims=(None, 0, 0))(dict(params), x, y)
+
+
+def clipped_sum(per_example: Mapping[str, torch.Tensor], clip_norm: float, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Σ_{i: mask_i} clip_C(g_i) with clip_C(g) = g · min(1, C/‖g‖₂), the norm taken over all
+    parameters together. ``mask`` (n,) of 0/1 selects the records of a Poisson batch."""
+    n = next(iter(per_example.values())).shape[0]
+    sq = torch.zeros(n, dtype=torch.float64)
+    for g in per_example.values():
+        sq = sq + torch.linalg.vector_norm(g.reshape(n, -1), dim=1).double().pow(2)
+    # min(1, C/‖g‖) without dividing by zero: a zero gradient needs no clipping.
+    factor = torch.clamp(clip_norm / torch.clamp(sq.sqrt(), min=1e-300), max=1.0)
+    if mask is not None:
+        factor = factor * mask.double()
+    factor = factor.to(next(iter(per_example.values())).dtype)
+    return {k: torch.tensordot(factor, g, dims=([0], [0])) for k, g in per_example.items()}
+
+
+def dpsgd_step(
+    loss_fn: LossFn,
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    learning_rate: float,
+    clip_norm: float,
+    noise_multiplier: float,
+    denominator: float,
+    noise: Mapping[str, torch.Tensor],
+    mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """One DP-SGD step, given the standard normal draw ``noise`` (same shapes as ``params``):
+    θ − η·(Σ_{i∈B} clip_C(∇ℓ(θ; x_i, y_i)) + σ·C·z)/denominator. Pure: all randomness is in
+    ``noise`` and ``mask``, so the rule itself can be checked exactly."""
+    g = clipped_sum(per_example_gradients(loss_fn, params, x, y), clip_norm, mask)
+    scale = learning_rate / denominator
+    return {k: p - scale * (g[k] + (noise_multiplier * clip_norm) * noise[k]) for k, p in params.items()}
+
+
+@dataclass(frozen=True)
+class DPSGDRun:
+    """What one run produced. ``batch_sizes`` are the realised Poisson batch sizes, kept only for
+    local diagnostics and tests: they are not part of any release record."""
+
+    params: dict[str, torch.Tensor]
+    batch_sizes: tuple[int, ...] | None
+
+
+def _check_steps(steps: Sequence, dataset_size: int) -> None:
+    if len(steps) == 0:
+        raise InvalidArgument("training.steps", "must contain at least one step")
+    if isinstance(dataset_size, bool) or not isinstance(dataset_size, (int, np.integer)) or dataset_size <= 0:
+        raise InvalidArgument("dataset_size", f"must be a positive integer, got {dataset_size!r}")
+    for t, s in enumerate(steps):
+        for name in ("learning_rate", "clip_norm", "noise_multiplier", "sample_rate"):
+            v = getattr(s, name, None)
+            if v is None or not math.isfinite(float(v)):
+                raise InvalidArgument(f"training.steps[{t}].{name}", f"must be a finite number, got {v!r}")
+        if not s.clip_norm > 0:
+            raise InvalidArgument(f"training.steps[{t}].clip_norm", f"must be > 0, got {s.clip_norm!r}")
+        if not s.noise_multiplier >= 0:
+            raise InvalidArgument(f"training.steps[{t}].noise_multiplier", f"must be >= 0, got {s.noise_multiplier!r}")
+        if not 0 < s.sample_rate <= 1:
+            raise InvalidArgument(f"training.steps[{t}].sample_rate", f"must be in (0, 1], got {s.sample_rate!r}")
+
+
+def run_dpsgd(
+    loss_fn: LossFn,
+    params0: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: Sequence,
+    *,
+    randomness: Randomness,
+    dataset_size: int | None = None,
+    replicas: int | None = None,
+) -> DPSGDRun:
+    """Run DP-SGD from ``params0`` through ``steps`` (objects with ``learning_rate``,
+    ``clip_norm``, ``noise_multiplier``, ``sample_rate``, e.g. the accountant's GaussianStep).
+
+    A step with sample_rate q = 1 uses every record; q < 1 draws a Poisson batch. The denominator
+    is q_t·dataset_size (``dataset_size`` defaults to len(x); it is the public constant n of the
+    module docstring). ``replicas=R`` runs R independent copies at once (params then carry a
+    leading axis of size R; used for Monte Carlo studies), each with its own noise and batches.
+    """
+    n_records = int(x.shape[0])
+    if n_records == 0:
+        raise InvalidArgument("x", "training set is empty")
+    if int(y.shape[0]) != n_records:
+        raise InvalidArgument("y", f"has {int(y.shape[0])} labels for {n_records} inputs")
+    n = n_records if dataset_size is None else dataset_size
+    _check_steps(steps, n)
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas <= 0):
+        raise InvalidArgument("replicas", f"must be a positive integer, got {replicas!r}")
+    # All noise and batch sampling come from the release's own NumPy PCG64 stream (128-bit
+    # CSPRNG seed, or the recorded fixed seed), the same source as every other mechanism here;
+    # drawn in float64 and cast to the parameters' dtype.
+    gen = randomness.generator
+    params = {k: v.detach().clone() for k, v in params0.items()}
+    if replicas is not None:
+        params = {k: v.unsqueeze(0).repeat(replicas, *([1] * v.dim())) for k, v in params.items()}
+        step_fn = vmap(
+            lambda p, z, m, lr, c, s, d: dpsgd_step(loss_fn, p, x, y, learning_rate=lr, clip_norm=c, noise_multiplier=s, denominator=d, noise=z, mask=m),
+            in_dims=(0, 0, 0, None, None, None, None),
+        )
+    batch_sizes: list[int] | None = None
+    for s in steps:
+        noise = {k: torch.from_numpy(gen.standard_normal(tuple(v.shape))).to(v.dtype) for k, v in params.items()}
+        q = float(s.sample_rate)
+        denominator = q * n
+        lead = () if replicas is None else (replicas,)
+        if q < 1.0:
+            mask = torch.from_numpy(gen.random((*lead, n_records)) < q).to(x.dtype)
+            batch_sizes = batch_sizes if batch_sizes is not None else []
+            batch_sizes.extend(int(v) for v in mask.sum(dim=-1).reshape(-1).tolist())
+        else:
+            mask = None if replicas is None else torch.ones(*lead, n_records, dtype=x.dtype)
+        lr, c, sigma = float(s.learning_rate), float(s.clip_norm), float(s.noise_multiplier)
+        with torch.no_grad():
+            if replicas is None:
+                params = dpsgd_step(loss_fn, params, x, y, learning_rate=lr, clip_norm=c, noise_multiplier=sigma, denominator=denominator, noise=noise, mask=mask)
+            else:
+                params = step_fn(params, noise, mask, lr, c, sigma, denominator)
+    return DPSGDRun({k: v.detach() for k, v in params.items()}, None if batch_sizes is None else tuple(batch_sizes))
+
+
+def classifier_loss(model: torch.nn.Module) -> LossFn:
+    """Cross-entropy of ``model`` (called functionally with the given parameters) on one example."""
+
+    def loss(params: dict[str, torch.Tensor], x_i: torch.Tensor, y_i: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, params, (x_i.unsqueeze(0),))
+        return torch.nn.functional.cross_entropy(logits, y_i.unsqueeze(0))
+
+    return loss
+
+
+# --------------------------------------------------------------------------------------------
+# Classifiers and pools: the runs above, with their release records
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """One DP-SGD model and its complete mechanism description.
+
+    ``training`` is exactly the sequence of steps that ran (the accountant's TrainingRecord);
+    ``record`` is its "dpsgd" release record (level "data", ε/δ from the accountant);
+    ``dataset_size`` is the declared public n of the update's denominator."""
+
+    architecture: dict
+    arrays: dict[str, np.ndarray]
+    training: TrainingRecord
+    record: ReleaseRecord
+    dataset_size: int
+    init_seed: int
+
+
+def dpsgd_release_record(training: TrainingRecord, *, delta: float, dataset_size: int, randomness: Randomness, init_seed: int, architecture: Mapping, subject: str = "") -> ReleaseRecord:
+    """The "dpsgd" release record of one run (CONTRACTS.md §2, built by the accountant: ε by PLD
+    at ``delta``, RDP and closed form in parameters), plus the public constants of this run's
+    update: the declared ``dataset_size`` n, the public ``init_seed`` and the architecture."""
+    record = dpsgd_record(training, delta, randomness=randomness.record_fields(), subject=subject)
+    params = record.to_dict()["parameters"]
+    params.update({
+        "dataset_size": int(dataset_size),
+        "init_seed": int(init_seed),
+        "architecture": dict(architecture),
+        "update": "theta <- theta - lr_t * (sum_{i in B_t} clip_{C_t}(grad_i) + sigma_t * C_t * z_t) / (q_t * n)",
+    })
+    return record.with_(parameters=params)
+
+
+def train_dpsgd_classifier(
+    architecture: Mapping,
+    x: np.ndarray,
+    y: np.ndarray,
+    training: TrainingRecord,
+    *,
+    init_seed: int,
+    randomness: Randomness,
+    delta: float,
+    dataset_size: int | None = None,
+    subject: str = "",
+) -> TrainedModel:
+    """Train ``architecture`` (peer.nn.architectures) on (x, y) with cross-entropy by DP-SGD, running
+    exactly ``training.steps`` from the public initialisation build_model(arch, seed=init_seed).
+    The unit of privacy is one record of (x, y) under ``training.adjacency``."""
+    arch = validate_architecture(architecture)
+    model = build_model(arch, seed=init_seed)
+    xt = input_tensor(arch, x)
+    yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
+    n = len(xt) if dataset_size is None else dataset_size
+    params0 = {k: v.detach() for k, v in model.named_parameters()}
+    run = run_dpsgd(classifier_loss(model), params0, xt, yt, training.steps, randomness=randomness, dataset_size=n)
+    arrays = {k: v.numpy().astype(np.float32) for k, v in run.params.items()}
+    record = dpsgd_release_record(training, delta=delta, dataset_size=n, randomness=randomness, init_seed=init_seed, architecture=arch, subject=subject)
+    return TrainedModel(arch, arrays, training, record, int(n), int(init_seed))
+
+
+def train_pool(
+    architecture: Mapping,
+    x: np.ndarray,
+    y: np.ndarray,
+    trainings: Sequence[TrainingRecord],
+    *,
+    init_seed: int,
+    randomness: Randomness,
+    delta: float,
+    dataset_size: int | None = None,
+) -> list[TrainedModel]:
+    """Several DP-SGD models on the same data from the same public initialisation, each with its
+    own independent noise stream (``randomness.spawn()``): the independence LC relies on."""
+    if not trainings:
+        raise InvalidArgument("trainings", "must describe at least one model")
+    adjacencies = {t.adjacency for t in trainings}
+    if len(adjacencies) > 1:
+        raise InvalidArgument("trainings", f"one pool has one unit of privacy; got adjacencies {sorted(adjacencies)}")
+    return [
+        train_dpsgd_classifier(architecture, x, y, t, init_seed=init_seed, randomness=randomness.spawn(), delta=delta, dataset_size=dataset_size)
+        for t in trainings
+    ]

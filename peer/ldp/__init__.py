@@ -1,0 +1,1 @@
+"""Model-level local DP: the mechanisms, spectral graph matching, weight-space fusion."""

@@ -1,0 +1,1 @@
+"""The shell between sites: identity, pinned trust, receipts, wire codec, gRPC service, client, daemon."""

@@ -1,0 +1,1 @@
+"""Networks and their data: architectures, records (tabular data), graph extraction, the model store."""
