@@ -1,6 +1,6 @@
 """Independent references for the ledger tests: closed-form RDP of the Gaussian and Laplace
 mechanisms, the filter's rule recomputed with dp-accounting's own RDP-to-DP conversion, and
-records built per CONTRACTS.md §1. (The ledger itself reads records through peer.dp.accounting.)
+records built as peer.base.records defines them. (The ledger itself reads records through peer.dp.accounting.)
 
 Gaussian (Mironov 2017, Prop. 7): D_α = α Δ² / (2 σ²).
 Laplace with b = scale/sensitivity (Mironov 2017, Prop. 6):

@@ -33,7 +33,7 @@ def test_gdp_matches_analytic_gaussian(mu, delta):
 
 @pytest.mark.parametrize("T, expected", [(1, 4.377178), (10, 17.856587), (100, 91.817290), (1000, 633.929851)])
 def test_references_sigma_one_compositions_closed_form(T, expected):
-    # REFERENCES.md: σ = 1, add/remove, δ = 1e-5: ε by PLD = analytic GDP with μ = sqrt(T).
+    # Independent figures (analytic GDP, Dong, Roth & Su 2019; dp-accounting 0.6): σ = 1, add/remove, δ = 1e-5: ε by PLD = analytic GDP with μ = sqrt(T).
     assert gdp_epsilon(math.sqrt(T), 1e-5) == pytest.approx(expected, abs=1e-6)
 
 

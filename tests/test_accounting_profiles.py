@@ -15,7 +15,7 @@ ORDERS = np.array(DEFAULT_ORDERS)
 
 
 def test_references_poisson_figures():
-    # REFERENCES.md: q = 0.01, σ = 1.1, T = 10,000, add/remove, δ = 1e-5: PLD 5.1926, RDP 5.6320.
+    # dp-accounting 0.6 (PLD at interval 1e-4 and RDP, computed independently): q = 0.01, σ = 1.1, T = 10,000, add/remove, δ = 1e-5: PLD 5.1926, RDP 5.6320.
     eps = model_epsilon(TrainingRecord.constant("add-remove", 10_000, 0.1, 1.0, 1.1, 0.01), 1e-5)
     assert eps.pld == pytest.approx(5.1926, abs=5e-5)
     assert eps.rdp == pytest.approx(5.6320, abs=5e-5)

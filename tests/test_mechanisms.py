@@ -89,7 +89,7 @@ def test_laplace_is_pure_dp_at_its_epsilon_by_dp_accounting():
 
 
 def test_gaussian_calibration_reference_values():
-    # REFERENCES.md (sensitivity 1)
+    # Balle & Wang (2018), analytic vs classical calibration (sensitivity 1)
     assert M.analytic_gaussian_sigma(1.0, 1e-5, 1.0) == pytest.approx(3.730632, abs=1e-6)
     assert M.analytic_gaussian_sigma(1.0, 1e-10, 1.0) == pytest.approx(5.867778, abs=1e-6)
     # the classical formula approaches its ε = 1 values from below the boundary
@@ -203,7 +203,7 @@ def test_clip_rows_realises_the_stated_sensitivities(v, j, new, clip_norm, bound
 
 
 def test_multibit_variance_formula_reference_values():
-    # REFERENCES.md (LPGNN's Monte Carlo, d = 10, a coordinate at a bound of [0, 1]).
+    # (LPGNN's Monte Carlo, Sajadmanesh & Gatica-Perez 2021, d = 10, a coordinate at a bound of [0, 1]).
     x = np.zeros((1, 10))
     assert M.multibit_variance(x, epsilon=8.0, bounds=(0, 1))[0, 0] == pytest.approx(0.851, abs=1e-3)
     assert M.multibit_variance(x, epsilon=1.0, bounds=(0, 1))[0, 0] == pytest.approx(11.46, abs=1e-2)

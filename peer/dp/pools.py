@@ -1,7 +1,7 @@
 """A site's pool of DP models on disk, and the data splits pools are trained and judged on.
 
 A pool is one model store directory (``peer.nn.store``): each model is ``NAME.safetensors`` plus
-``NAME.json`` whose metadata holds (CONTRACTS.md §7)::
+``NAME.json`` whose metadata holds (its fields are read by load_pool below)::
 
     {"training": TrainingRecord dict, "record": "dpsgd" ReleaseRecord dict,
      "accuracy": accuracy on the held-out validation split, "data": how the data was split}

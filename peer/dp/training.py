@@ -217,7 +217,7 @@ class TrainedModel:
 
 
 def dpsgd_release_record(training: TrainingRecord, *, delta: float, dataset_size: int, randomness: Randomness, init_seed: int, architecture: Mapping, subject: str = "") -> ReleaseRecord:
-    """The "dpsgd" release record of one run (CONTRACTS.md §2, built by the accountant: ε by PLD
+    """The "dpsgd" release record of one run (built by the accountant: ε by PLD
     at ``delta``, RDP and closed form in parameters), plus the public constants of this run's
     update: the declared ``dataset_size`` n, the public ``init_seed`` and the architecture."""
     record = dpsgd_record(training, delta, randomness=randomness.record_fields(), subject=subject)

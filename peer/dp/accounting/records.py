@@ -1,4 +1,4 @@
-"""Interpreting release records (CONTRACTS.md §1–§3): RDP and PLD of every mechanism kind, and
+"""Interpreting release records (the record fields are those of peer.base.records): RDP and PLD of every mechanism kind, and
 builders for the data-level records the accountant defines (dpsgd, rs-merge, lc-merge).
 
 The accountant reads only the record: mechanism, parameters, sensitivity and unit. Per kind:
@@ -233,7 +233,7 @@ def pld_of_record(record: ReleaseRecord, value_discretization_interval: float = 
     raise InvalidArgument("mechanism", f"no accountant for mechanism {kind!r}")
 
 
-# ----- builders of the data-level records (CONTRACTS.md §2) -----
+# ----- builders of the data-level records (fields: peer.base.records and peer.dp.training) -----
 
 def _randomness_fields(randomness: Mapping[str, Any] | None, default: str) -> dict:
     if randomness is None:

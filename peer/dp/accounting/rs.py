@@ -4,7 +4,7 @@ Unit of privacy: one training record under the merge's adjacency (``profiles.res
 every model was trained on the same dataset. π is public; the selected index I must stay secret
 (revealing I would reduce the guarantee to that of model I alone).
 
-Bounds (DESIGN.md; the model-merging paper, Yin, Zaheer & Li 2026, arXiv:2604.20985):
+Bounds (docs/architecture.md, "Accounting"; the model-merging paper, Yin, Zaheer & Li 2026, arXiv:2604.20985):
 
 - RDP: ε_order^RS(π) ≤ 1/(order−1) · log Σ_i π_i exp((order−1)·ε_order,i), in log space
   (``rdp.rdp_mixture``), then the improved conversion to (ε, δ);

@@ -30,7 +30,7 @@ surrogate μ(λ) (μ-GDP); then λ itself matters (``choose_lam_surrogate``): th
 μ(λ) ≤ μ* (the largest μ meeting (E, δ) by the chosen accountant; the PLD figure is then checked
 by FFT and μ* lowered if the pessimistic discretisation overshoots). μ(λ) is not convex, and the
 utility of a combination cannot be known without evaluating it, so the search is a grid on the
-simplex projected onto the feasible boundary by bisection towards the most private λ (DESIGN.md:
+simplex projected onto the feasible boundary by bisection towards the most private λ (docs/architecture.md:
 "bisection or grid on the feasible boundary"), optionally polished by SLSQP for a linear proxy.
 ``choose_lam_surrogate`` on models that do not declare state independence returns a figure that
 is not a bound (the merging experiment reports it as such).
