@@ -893,3 +893,17 @@ def test_ledger_show_reports_pld_beside_the_filter(tmp_path, capsys):
     (budget,) = json.loads(capsys.readouterr().out)["budgets"]
     assert budget["count"] == 5
     assert 0 < budget["spent_epsilon_pld"] < budget["spent_epsilon_filter"] <= 6.0
+
+
+def test_a_release_at_a_tiny_epsilon_is_charged_not_refused_as_malformed(tmp_path):
+    """The Laplace RDP closed form rounds to about -7e-17 at ε = 1e-9; a Rényi divergence is never
+    negative, so rounding is charged as 0 rather than refusing the record as malformed. Anything
+    really negative is still refused."""
+    from peer.dp.accounting import rdp_of_record
+
+    record = laplace_record(epsilon=1e-9, counterparty="a")
+    assert np.min(rdp_of_record(record, FILTER_ORDERS)) > -1e-12  # only rounding below zero, if any
+    with open_ledger(tmp_path / "l.sqlite", make_policy()) as ledger:
+        entry = ledger.charge(record, "a")
+        assert entry.epsilon == pytest.approx(1e-9)
+        ledger.verify()

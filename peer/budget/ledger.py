@@ -752,6 +752,9 @@ class Ledger:
             if isinstance(e, InvalidArgument):
                 raise
             raise InvalidArgument("record", f"cannot be interpreted by the accountant: {e}") from None
+        # A Rényi divergence is >= 0; closed forms at tiny ε can round to -1e-17. Only rounding is
+        # forgiven (and charged as 0); anything more negative is a malformed record.
+        rdp = np.where((rdp < 0) & (rdp > -1e-12), 0.0, rdp)
         if rdp.shape != (len(self.orders),) or np.any(np.isnan(rdp)) or np.any(rdp < 0):
             raise InvalidArgument("record", f"its RDP at the filter's orders must be {len(self.orders)} numbers >= 0, got {rdp!r}")
         pure = math.inf
