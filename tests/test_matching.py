@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
-import peer.ldp.matching as matching
+import peer.ldp.matching.affinity as matching
 from peer.nn.data import load_dataset
 from peer.base.errors import InvalidArgument
 from peer.nn.graph import HiddenLayer, extract_graph, weight_layers
