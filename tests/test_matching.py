@@ -17,7 +17,7 @@ from scipy.optimize import linear_sum_assignment
 import peer.ldp.matching as matching
 from peer.nn.data import load_dataset
 from peer.base.errors import InvalidArgument
-from peer.nn.graph import HiddenLayer, extract_graph, weight_layers
+from peer.nn.graph import HiddenLayer, extract_graph
 from peer.ldp.matching.expansion import _chebyshev_core
 import peer.ldp.matching.operators as operators
 from peer.ldp.matching.operators import _Stacked
@@ -30,7 +30,7 @@ from peer.ldp.matching import (
     gaussian_kernel,
     match_graphs,
 )
-from peer.nn.architectures import accuracy, build_model, model_from_arrays, state_arrays, train_classifier
+from peer.nn.architectures import accuracy, build_model, model_from_arrays, state_arrays, train_classifier, weight_layers
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4}
@@ -383,13 +383,13 @@ def permuted_copy(arch, model, rng):
     """The same function with every hidden layer's nodes permuted; returns (model, perms) with
     B's node j = A's node perms[ℓ][j]."""
     arrays = state_arrays(model)
-    layers = weight_layers(arch, model)
     perms, prev = [], None
-    for name, _ in layers:
+    for layer in weight_layers(arch):
+        name = layer.name
         w = arrays[f"{name}.weight"]
         if prev is not None:
             w = w.reshape(w.shape[0], len(prev), -1)[:, prev].reshape(w.shape)
-        if name != layers[-1][0]:
+        if not layer.is_output:
             p = rng.permutation(w.shape[0])
             w = w[p]
             arrays[f"{name}.bias"] = arrays[f"{name}.bias"][p]
