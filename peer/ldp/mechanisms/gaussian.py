@@ -113,7 +113,9 @@ def clip_rows(vectors: Any, *, clip_norm: float, entry_bound: float | None = Non
 
 
 def gaussian_sensitivity(unit: str, *, clip_norm: float, entry_bound: float | None, length: int) -> float:
-    """L2 sensitivity of a clipped row (see :func:`gaussian_perturbation`)."""
+    """L2 sensitivity Δ₂ of a clipped row of ``length`` entries under ``unit`` (docs/mechanisms.md,
+    "Gaussian on released weights").
+    """
     c2 = _positive_finite(clip_norm, "clip_norm")
     if _check_unit(unit) == "neuron":
         # replace-one: two points of the clip set are at most its diameter apart
@@ -128,25 +130,18 @@ def gaussian_perturbation(vectors: Any, *, epsilon: float, delta: float, clip_no
                           entry_bound: float | None = None, unit: str = "neuron",
                           calibration: str = "analytic", randomness: Randomness | None = None
                           ) -> tuple[np.ndarray, ReleaseRecord]:
-    """The PFA's randomized perturbation unit: ``clip_rows(v) + N(0, σ² I)``.
+    """The PFA's randomized perturbation unit: ``clip_rows(v) + N(0, σ² I)``, σ calibrated to Δ₂.
 
-    ``vectors`` is (n, k): one row per neuron (its incoming weights with its bias appended).
-    Rows are projected by :func:`clip_rows` (public ``entry_bound`` box, then L2 ball of radius
-    ``clip_norm``), then i.i.d. Gaussian noise with σ = Δ₂·(calibration factor) is added.
+    ``vectors`` is (n, k): one row per neuron (its incoming weights, its bias appended), projected
+    onto the public box (``entry_bound``) and the L2 ball (``clip_norm``). Unit ``"neuron"``
+    (default, replace-one): Δ₂ = 2·clip_norm, or the box diameter if smaller; ``"entry"`` (only
+    when asked): Δ₂ = 2·min(c, clip_norm) (:func:`gaussian_sensitivity`). σ from
+    :func:`analytic_gaussian_sigma` (default, every ε > 0) or :func:`classical_gaussian_sigma`
+    (ε < 1 only); docs/mechanisms.md, "Gaussian on released weights".
 
-    Unit of privacy and L2 sensitivity Δ₂:
-      - ``"neuron"`` (default), *replace-one* adjacency: one neuron's row is replaced by any
-        other row of the clip set. The number of neurons is fixed by the public architecture,
-        so a neuron cannot be added or removed — only its values change; both rows lie in the
-        ball, so Δ₂ = 2·clip_norm (or the box diameter 2·c·sqrt(k) if smaller).
-      - ``"entry"`` (only when asked): one scalar entry changes. The box clip moves that one
-        coordinate by at most 2c; the L2 projection is 1-Lipschitz; so Δ₂ = 2·min(c, clip_norm)
-        with c = ``entry_bound`` (2·clip_norm when no box is given).
-
-    σ comes from :func:`analytic_gaussian_sigma` (default, every ε > 0) or
-    :func:`classical_gaussian_sigma` (ε < 1 only). The record (``"gaussian"``) carries
-    ``noise_std``, ``clip_norm``, ``entry_bound`` (None if no box), ``calibration``,
-    ``adjacency`` and ``shape``; ε, δ are the calibration target.
+    Returns the noisy (n, k) array and a ``"gaussian"`` record carrying ``noise_std``,
+    ``clip_norm``, ``entry_bound`` (None if no box), ``calibration``, ``adjacency`` and ``shape``;
+    ε, δ are the calibration target.
     """
     x = _check_matrix(vectors, "vectors")
     eps = _positive_finite(epsilon, "epsilon")

@@ -18,22 +18,15 @@ from peer.ldp.mechanisms.checks import _release_inputs
 def laplace_activations(activations: Any, *, epsilon: float, clip: tuple[float, float],
                         unit: str = "neuron", randomness: Randomness | None = None
                         ) -> tuple[np.ndarray, ReleaseRecord]:
-    """Laplace mechanism on node features: ``clip(a, lo, hi) + Laplace(0, b)`` entrywise.
+    """Laplace mechanism on node features: ``clip(a, lo, hi) + Laplace(0, b)`` entrywise, b = Δ₁/ε.
 
-    ``activations`` is (n, P): one row per neuron, one column per probe. Math (Dwork, McSherry,
-    Nissim & Smith 2006): for a function with L1 sensitivity Δ₁, adding i.i.d. Laplace(0, b)
-    noise with b = Δ₁/ε is ε-DP.
+    ``activations`` is (n, P): one row per neuron, one column per probe. Unit ``"neuron"``
+    (default): one neuron's row is ε-LDP, Δ₁ = P·(hi − lo); ``"entry"`` (only when asked): one
+    scalar, Δ₁ = hi − lo. Public: ``clip`` and ``epsilon``; values are clipped before noise
+    (docs/mechanisms.md, "Laplace on activations").
 
-    Unit of privacy and sensitivity:
-      - ``"neuron"`` (default): one neuron's whole activation row changes within [lo, hi]^P, so
-        Δ₁ = P·(hi − lo). Rows are different units, so each neuron's row is ε-LDP.
-      - ``"entry"`` (only when asked): one scalar changes within [lo, hi], Δ₁ = hi − lo.
-
-    Public: ``clip`` (the declared activation range), ``epsilon``. Values are clipped before
-    noise; the bounds never come from the data.
-
-    Returns the noisy (n, P) float64 array and a ``"laplace"`` record with parameters
-    ``scale`` (b), ``clip`` [lo, hi] and ``shape`` [n, P].
+    Returns the noisy (n, P) float64 array and a ``"laplace"`` record with parameters ``scale``
+    (b), ``clip`` [lo, hi] and ``shape`` [n, P].
     """
     x, eps, lo, hi, unit, rnd = _release_inputs(activations, "activations", epsilon, clip, "clip", unit, randomness)
     n, p = x.shape

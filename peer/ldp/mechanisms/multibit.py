@@ -30,11 +30,9 @@ _MULTIBIT_BLOCK_ELEMENTS = 1 << 21
 class MultibitRectifier:
     """The three-valued output structure of the multi-bit mechanism.
 
-    Every rectified output equals ``centre + half_step · x*`` with x* ∈ {−1, 0, +1}
-    (x* = 0 for coordinates not sampled; when m = d every coordinate is sampled and only ±1
-    occur). ``d`` is the length of the vector protected as one unit (1 under the per-entry
-    unit), ``m`` the number of coordinates sampled per vector, ``epsilon`` the budget of one
-    vector.
+    Every rectified output equals ``centre + half_step · x*`` with x* ∈ {−1, 0, +1} (only ±1 when
+    m = d). ``d`` is the length of the vector protected as one unit (1 under the per-entry unit),
+    ``m`` the number of coordinates sampled per vector, ``epsilon`` the budget of one vector.
     """
 
     d: int
@@ -66,9 +64,8 @@ def multibit_rectifier(d: int, *, epsilon: float, bounds: tuple[float, float],
                        unit: str = "neuron") -> MultibitRectifier:
     """The rectifier of LPGNN's multi-bit mechanism for vectors of length ``d``.
 
-    m = max(1, min(d, ⌊ε/2.18⌋)); with e = exp(ε/m) the rectifier is
-    x′ = d(β−α)/(2m) · (e+1)/(e−1) · x* + (α+β)/2, so centre = (α+β)/2 and
-    half_step = d(β−α)/(2m) · coth(ε/(2m)) (the same number, written without overflow).
+    m = max(1, min(d, ⌊ε/2.18⌋)); x′ = d(β−α)/(2m) · (e+1)/(e−1) · x* + (α+β)/2 with e = exp(ε/m), so
+    centre = (α+β)/2 and half_step = d(β−α)/(2m) · coth(ε/(2m)) (the same number, without overflow).
     Under ``unit="entry"`` each coordinate is its own 1-dimensional mechanism: d = m = 1.
     """
     if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
@@ -98,25 +95,18 @@ def multibit_variance(features: Any, *, epsilon: float, bounds: tuple[float, flo
 
 def multibit(features: Any, *, epsilon: float, bounds: tuple[float, float], unit: str = "neuron",
              randomness: Randomness | None = None) -> tuple[np.ndarray, ReleaseRecord]:
-    """The multi-bit mechanism of LPGNN (Sajadmanesh & Gatica-Perez, CCS 2021).
+    """The multi-bit mechanism of LPGNN (Sajadmanesh & Gatica-Perez, CCS 2021) on weight features.
 
-    ``features`` is (n, d): one row per neuron. Each row is clipped to [α, β]^d (α, β =
-    ``bounds``); then, per row, m = max(1, min(d, ⌊ε/2.18⌋)) coordinates are sampled without
-    replacement; with e = exp(ε/m) each sampled coordinate emits
-    t ~ Bernoulli(1/(e+1) + (x−α)/(β−α) · (e−1)/(e+1)), x* = 2t − 1, and the others x* = 0;
-    the output is the unbiased rectifier x′ = d(β−α)/(2m)·(e+1)/(e−1)·x* + (α+β)/2
-    (E[x′] = x; variance :func:`multibit_variance`).
+    ``features`` is (n, d), one row per neuron, clipped to the public box [α, β]^d (``bounds``);
+    per row m = max(1, min(d, ⌊ε/2.18⌋)) coordinates are sampled and each reports
+    x* = ±1 by (ε/m)-randomised response, the rest x* = 0; the output is the unbiased rectifier
+    (:func:`multibit_rectifier`; variance :func:`multibit_variance`). Pure ε-DP with sensitivity
+    β − α: per neuron the whole d-vector (default), per entry (only when asked) every coordinate
+    (docs/mechanisms.md, "Multi-bit on weight features").
 
-    Unit of privacy (pure ε-DP, sensitivity = β − α, the width of the public box):
-      - ``"neuron"`` (default): the whole d-vector of one neuron is ε-LDP (LPGNN's privacy theorem for the encoder): each
-        sampled coordinate is an (ε/m)-randomised response and m are reported.
-      - ``"entry"`` (only when asked): the 1-dimensional mechanism (d = m = 1, budget ε) is
-        applied independently to every coordinate, so each entry is ε-DP.
-
-    The output takes three values only (see :class:`MultibitRectifier`, :func:`multibit_rectifier`).
-    The record (``"multibit"``) carries ``bounds`` [α, β], ``m``, ``d`` (the length of the
-    vector protected as one unit: 1 under ``"entry"``), ``shape`` [n, d_features], and the
-    rectifier's ``centre`` and ``half_step``.
+    Returns the rectified (n, d) array, three values only, and a ``"multibit"`` record with
+    ``bounds``, ``m``, ``d`` (the length protected as one unit: 1 under ``"entry"``), ``shape``,
+    ``centre`` and ``half_step``.
     """
     x, eps, lo, hi, unit, rnd = _release_inputs(features, "features", epsilon, bounds, "bounds", unit, randomness)
     n, d = x.shape

@@ -26,11 +26,10 @@ from peer.nn.architectures import WeightLayer, weight_layers
 from peer.nn.graph import HiddenLayer, NetworkGraph
 
 #: Default public weight box is [−c, c] with c = DEFAULT_BOUND_FACTOR / sqrt(fan_in): four times
-#: PyTorch's Linear/Conv2d initialisation bound 1/sqrt(fan_in). Trained digits MLPs (Adam,
-#: 30 epochs) stay within 3.2–4.1 / sqrt(fan_in).
+#: PyTorch's Linear/Conv2d initialisation bound 1/sqrt(fan_in) (why: docs/mechanisms.md,
+#: "Whole networks").
 DEFAULT_BOUND_FACTOR = 4.0
-#: Default public L2 clip norm of a neuron's incoming vector (weights and bias). Initial rows have
-#: norm ≈ 1/sqrt(3); trained digits MLP rows have norm 0.9–1.6.
+#: Default public L2 clip norm of a neuron's incoming vector (weights and bias).
 DEFAULT_CLIP_NORM = 2.0
 
 
@@ -41,8 +40,7 @@ def default_entry_bound(fan_in: int) -> float:
 
 def default_clip_norm(fan_in: int) -> float:
     """Public default L2 clip norm of one neuron's incoming vector with its bias: the constant
-    DEFAULT_CLIP_NORM for every layer (trained rows have norm ≈ 1 whatever the fan-in, because
-    initialisation scales entries by 1/sqrt(fan_in))."""
+    DEFAULT_CLIP_NORM for every layer, whatever the fan-in (docs/mechanisms.md, "Whole networks")."""
     return DEFAULT_CLIP_NORM
 
 
@@ -74,33 +72,7 @@ def perturb_graph(graph: NetworkGraph, *, epsilon_x: float, epsilon_w: float,
                   weight_bounds: tuple[float, float] | Mapping[str, tuple[float, float]] | None = None,
                   unit: str = "neuron", randomness: Randomness | None = None
                   ) -> tuple[NetworkGraph, ReleaseRecord]:
-    """The noisy graph a site shares for matching, and its composite record.
-
-    What is touched:
-      - every hidden layer's activations (n, P): :func:`laplace_activations` with ``epsilon_x``
-        and that layer's ``activation_clip``;
-      - every hidden layer's weight feature: :func:`multibit` with ``epsilon_w`` on the row
-        [incoming.reshape(n, −1), bias] — the bias is the last coordinate of the neuron's
-        weight feature (d = n_prev·e + 1), so the released noisy ``bias`` is that coordinate;
-      - the output layer's neurons (``output_incoming`` with ``output_bias`` appended) likewise
-        with multi-bit and ``epsilon_w``: their incoming weights are the last hidden layer's
-        outgoing edges and leave the site in the graph. Output neurons have no activations here.
-      - nothing else: the input layer carries no values; the architecture is public.
-
-    Public bounds: ``activation_clip`` is one (lo, hi) for all hidden layers or a dict layer
-    name → (lo, hi); None is allowed only for bounded activations (tanh → (−1, 1), sigmoid →
-    (0, 1)). ``weight_bounds`` likewise for every weight layer (hidden names and the output
-    layer's name, e.g. "4"); None → (−c, c), c = :func:`default_entry_bound` (fan_in).
-
-    Composition (CONTRACTS §1): unit ``"neuron"``: per hidden layer a ``"sequential"``
-    composite of [laplace, multibit] (both touch the same neurons: ε_x + ε_w per neuron); the
-    layers and the output layer touch disjoint neurons: a ``"parallel"`` composite over
-    ``"neurons"`` on top. Unit ``"entry"``: a layer's activation entries and weight entries
-    are different entries of the same neurons, so the layer's composite is ``"parallel"`` over
-    ``"entries"`` (max(ε_x, ε_w) per entry; restated per neuron it is sequential again:
-    P·ε_x + d·ε_w); the top level is parallel over ``"neurons"`` as before. Every component
-    carries parameters ``layer`` and ``part`` ("activations" / "weights").
-    """
+    """The architecture's weight layers, checked against the graph's hidden layer names."""
     if not isinstance(graph, NetworkGraph):
         raise InvalidArgument("graph", f"must be a NetworkGraph, got {type(graph).__name__}")
     eps_x = _positive_finite(epsilon_x, "epsilon_x")
@@ -154,22 +126,15 @@ def perturb_model_weights(arch: Mapping[str, Any], arrays: Mapping[str, Any], *,
                           randomness: Randomness | None = None) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
     """The Perturbation-Filter Adapter on every weight layer of a model (released weights).
 
-    For every Linear/Conv2d layer — hidden layers *and* the output layer (output neurons are
-    neurons too) — each neuron's row [weight.reshape(units, −1), bias] goes through
-    :func:`gaussian_perturbation` with (ε, δ) and the layer's public ``clip_norm`` and
-    ``entry_bound``; then, if ``smoothing``, :func:`smoothing_filter` runs separately on the
-    layer's weight entries and on its bias entries (two groups with different spreads).
+    For every Linear/Conv2d, output layer included, each neuron's row [weight.reshape(units, −1),
+    bias] goes through :func:`gaussian_perturbation` at (ε, δ) with the layer's public
+    ``clip_norm`` and ``entry_bound`` (one value, a dict layer name → value, or None for
+    :func:`default_clip_norm` / :func:`default_entry_bound`); then, if ``smoothing``,
+    :func:`smoothing_filter` on the layer's weights and on its biases separately. Record: a
+    ``"parallel"`` composite over ``"neurons"`` of the per-layer ``"gaussian"`` records
+    (docs/mechanisms.md, "Whole networks").
 
-    Public bounds: one value for all layers, or a dict layer name → value, or None for the
-    architecture-only defaults :func:`default_clip_norm` and :func:`default_entry_bound`
-    (c = 4/sqrt(fan_in)). The box is always applied (it is what the filter's prior assumes);
-    under ``unit="entry"`` it is also what bounds the sensitivity (2·min(c, clip_norm)).
-
-    Composition: layers touch disjoint neurons (and, per entry, disjoint entries): one
-    ``"parallel"`` composite over ``"neurons"`` whose components are the per-layer ``"gaussian"`` records (with
-    parameters ``layer`` and, if applied, ``smoothing``). Every layer is released at (ε, δ).
-
-    Returns arrays with the same names, shapes and dtypes (float32 stays float32).
+    Returns arrays with the same names, shapes and dtypes (float32 stays float32), and the record.
     """
     specs = weight_layers(arch)
     eps = _positive_finite(epsilon, "epsilon")

@@ -19,23 +19,14 @@ PARALLEL_OVER = ("neurons", "entries")
 
 def composite_record(components: Sequence[ReleaseRecord], composition: str, *, randomness: Randomness,
                      parameters: Mapping[str, Any] | None = None, over: str | None = None) -> ReleaseRecord:
-    """The record of several releases made together (mechanism ``"composite"``).
+    """The record of several releases made together (mechanism ``"composite"``), with the
+    components' records unchanged.
 
-    ``"parallel"``: the components touch disjoint parts of the release, so a neighbouring pair
-    changes one component only and the guarantee is the worst component: ε = max, δ = max.
-    ``over`` (required for ``"parallel"``, recorded as ``parameters["parallel_over"]``) says
-    what the components are disjoint in, which decides whether the max survives a change of
-    unit:
-
-      - ``"neurons"``: every component touches other neurons (e.g. other layers). A neighbouring
-        pair changes one neuron, hence one component, in either unit: parallel per neuron too.
-      - ``"entries"``: the components touch other *entries of the same neurons* (a layer's
-        activation entries and its weight entries). Parallel only per entry; restated per
-        neuron, one neuron's change reaches every component, so they compose sequentially
-        (``peer.budget.ledger.per_neuron_record``). Allowed only under ``unit="entry"``.
-
-    ``"sequential"``: every component touches the same unit: basic composition, ε = Σ, δ = Σ
-    (a conservative summary; accountants compute tighter figures from the components).
+    ``"parallel"``: disjoint parts, ε = max, δ = max; ``over`` (required, recorded as
+    ``parameters["parallel_over"]``) says what the parts are disjoint in — ``"neurons"``, or
+    ``"entries"`` of the same neurons (only under ``unit="entry"``: per neuron they compose
+    sequentially). ``"sequential"``: the same unit, ε = Σ, δ = Σ (a conservative summary). Why:
+    docs/mechanisms.md, "Composite records".
     """
     if composition not in COMPOSITIONS:
         raise InvalidArgument("composition", f"must be one of {COMPOSITIONS}, got {composition!r}")

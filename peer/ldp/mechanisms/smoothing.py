@@ -32,11 +32,10 @@ def _upper_mills_shift(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def truncated_normal_mean(mean: Any, std: Any, lo: float, hi: float) -> np.ndarray:
     """E[X] for X ~ N(mean, std²) truncated to [lo, hi] (entrywise, broadcasting).
 
-    E[X] = μ + s·(φ(a) − φ(b))/(Φ(b) − Φ(a)), a = (lo − μ)/s, b = (hi − μ)/s, with Φ written
-    through erf/erfcx so that neither tail underflows; std = 0 gives clip(μ, lo, hi). Where the
-    interval is narrow against std a series in its half-width replaces the exact form (which
-    would cancel). Accuracy: ~1e-6 relative or a few ulps of |μ| absolute, whichever is larger
-    (checked against a 60-digit reference in the tests); always finite and inside [lo, hi].
+    E[X] = μ + s·(φ(a) − φ(b))/(Φ(b) − Φ(a)), a = (lo − μ)/s, b = (hi − μ)/s, evaluated so that neither
+    tail underflows and a narrow interval does not cancel (docs/mechanisms.md, "The smoothing
+    filter"); std = 0 gives clip(μ, lo, hi). Accuracy ~1e-6 relative or a few ulps of |μ| absolute,
+    whichever is larger; always finite and inside [lo, hi].
     """
     mu = np.asarray(mean, dtype=np.float64)
     s = np.asarray(std, dtype=np.float64)
@@ -90,37 +89,14 @@ def smoothing_filter(noisy: Any, *, noise_std: float, entry_bound: float, standa
                      ) -> tuple[np.ndarray, dict]:
     """The PFA's smoothing filter unit: an empirical-Bayes posterior mean (pure post-processing).
 
-    Model: every clean value w of the group lies in the public box [−c, c] (c = ``entry_bound``;
-    the perturbation unit clipped to it) and the release is w′ = w + N(0, σ²) with public
-    σ = ``noise_std``. Prior: w ~ N(μ, s²) truncated to [−c, c], with μ = mean(w′) and
-    s² = max(var(w′) − σ², 0) — moments of the *noisy* values (E var(w′) = var(w) + σ²), each
-    trusted only where it clears its sampling error (below). The
-    posterior of w given w′ is then N(m, v) truncated to [−c, c] with
-    m = (s² w′ + σ² μ)/(s² + σ²), v = s²σ²/(s² + σ²), and the filter outputs its mean
-    (:func:`truncated_normal_mean`, written with erf/erfcx — the "erf-based standardisation").
+    Prior w ~ N(μ, s²) truncated to the public box [−c, c], with μ and s² = var(w′) − σ² estimated
+    from the noisy values (each kept only where it clears its sampling error by ``SPREAD_MARGIN``
+    standard errors); output E[w | w′] = mean of N((s²w′ + σ²μ)/(s² + σ²), s²σ²/(s² + σ²)) truncated
+    to [−c, c]. ``standardise=True`` then rescales deviations from μ to the estimated clean spread
+    s. Reads only the noisy values and the public σ = ``noise_std`` and c = ``entry_bound``, so it
+    costs no privacy (docs/mechanisms.md, "The smoothing filter").
 
-    Why it helps: the posterior mean minimises the expected squared error under the prior
-    (denoising the Gaussian mechanism's output by post-processing, in the spirit of Balle &
-    Wang 2018's optimal denoising); even when the prior is only a fit, the linear part alone
-    (Wiener shrinkage) has MSE s²σ²/(s²+σ²) < min(s², σ²), and the truncation keeps every
-    output inside the box where the clean value lies. Weights of one layer are roughly centred
-    and bell-shaped, so the fit is good. When noise dominates (s² <= 0 estimated) every value
-    goes to μ: the best constant. The estimate of s² keeps a margin of ``SPREAD_MARGIN``
-    standard errors of var(w′), and μ is soft-thresholded towards the box's centre (0) by
-    ``SPREAD_MARGIN`` standard errors of mean(w′), so that sampling noise is not taken for
-    signal (a false positive has probability ≈ 0.1% under the Gaussian approximation); when
-    noise swamps a layer entirely its filtered weights are 0, not a random constant. Measured on a trained digits MLP (benchmarks/pfa_filter.py):
-    the MSE to the clean weights falls 2–1000× at ε where the raw release is unusable, and
-    α-fusion of a clean model with a filtered noisy one keeps far more accuracy than with the
-    raw one. A lone filtered model can lose accuracy against the raw one at intermediate noise:
-    per-layer shrinkage changes the balance between a layer's bias and its shrunk inputs.
-
-    ``standardise=True`` afterwards rescales deviations from μ so that their spread equals the
-    estimated clean spread s (keeps layer scale, e.g. for activations downstream, at a cost in
-    MSE: shrinkage is what lowers the error).
-
-    Reads only the noisy values and the public (σ, c). Returns the filtered array and the
-    filter's public parameters (for the release record).
+    Returns the filtered array and the filter's public parameters (for the release record).
     """
     w = np.asarray(noisy, dtype=np.float64)
     if w.size == 0:
