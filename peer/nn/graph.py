@@ -16,7 +16,8 @@ graph:
 - **edge features**: the weights between consecutive layers. ``HiddenLayer.incoming`` keeps them
   as an (n_out, n_in, e) tensor: e = 1 for Linear→Linear, e = k·k for conv→conv (the flattened
   kernel), and e = H·W for the last conv block → first Linear (Flatten is channel-major, so the
-  H·W columns of one channel move together).
+  H·W columns of one channel move together): ``WeightLayer.entries_per_input`` of
+  ``peer.nn.architectures.weight_layers``, the one listing of an architecture's weight layers.
 - **weight features** (what the multi-bit mechanism perturbs): each node's incoming weight
   vector, ``incoming.reshape(n, -1)``; the bias travels with its neuron (``bias``).
 - **outgoing weights** of the last hidden layer are ``NetworkGraph.output_incoming``.
