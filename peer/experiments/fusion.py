@@ -29,14 +29,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from peer.nn.data import load_dataset, split_homogeneous, split_label_skew
-from peer.ldp.fusion import (ensemble_proba, fuse_arrays, hidden_sizes, permute_arrays, vanilla_average,
-                         weight_matching)
-from peer.nn.graph import extract_graph
+from peer.base.rng import make_randomness
+from peer.ldp.fusion import ensemble_proba, fuse_arrays, permute_arrays, vanilla_average, weight_matching
 from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
-from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier
-from peer.base.rng import make_randomness
+from peer.nn.architectures import accuracy, hidden_sizes, model_from_arrays, state_arrays, train_classifier, weight_layers
+from peer.nn.data import load_dataset, split_homogeneous, split_label_skew
+from peer.nn.graph import extract_graph
 
 ARCHITECTURES = {
     "mlp": {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10, "activation": "relu"},
@@ -171,15 +170,9 @@ def _agreement(p, q) -> float:
 
 def _weight_bounds(arch, cfg: FusionConfig) -> dict[str, tuple[float, float]]:
     """Public per-layer weight-feature bounds ±scale/sqrt(fan_in), from the architecture only."""
-    from peer.ldp.fusion import weight_layers_of
-    from peer.nn.architectures import build_model
-
-    model = build_model(arch)
     out = {}
-    for layer in weight_layers_of(arch):
-        w = getattr(model, layer.name).weight
-        fan_in = int(np.prod(w.shape[1:]))
-        c = cfg.weight_bound_scale / np.sqrt(fan_in)
+    for layer in weight_layers(arch):
+        c = cfg.weight_bound_scale / np.sqrt(layer.fan_in)
         out[layer.name] = (-c, c)
     return out
 
