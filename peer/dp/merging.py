@@ -46,7 +46,7 @@ import numpy as np
 
 from peer.dp.accounting import (ApproxDP, TrainingRecord, WeightChoice, choose_lam, choose_pi, lc_segments,
                              surrogate_is_bound)
-from peer.dp.accounting.records import lc_merge_record, rs_merge_record
+from peer.dp.accounting.release_accounting import lc_merge_record, rs_merge_record
 from peer.dp.accounting.rs import check_weights
 from peer.base.errors import InvalidArgument
 from peer.nn.architectures import validate_architecture

@@ -1,7 +1,9 @@
-"""What a DP mechanism did, as small immutable values (dp_accounting's DpEvent habit).
+"""How a pool model was made private, as small immutable values (dp_accounting's DpEvent habit):
+``GaussianStep`` (one DP-SGD step), ``TrainingRecord`` (a training run: its steps, dataset size and
+declared unit of privacy) and ``ApproxDP`` (a model known only by its final (ε, δ)).
 
-Accountants (``peer.dp.accounting.profiles``, ``rs``, ``lc``, ``records``) interpret these values;
-these classes only describe and validate.
+Accountants (``peer.dp.accounting.profiles``, ``rs``, ``lc``, ``release_accounting``) interpret
+these values; these classes only describe and validate.
 
 Unit of privacy: one training record, with the adjacency written on every value:
 
