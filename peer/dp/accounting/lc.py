@@ -57,10 +57,10 @@ from typing import Sequence
 
 import numpy as np
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_delta, check_epsilon,
-                                         check_orders, gdp_delta, gdp_epsilon, json_number, pld_delta, pld_epsilon,
-                                         rdp_to_delta, rdp_to_epsilon)
+from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_orders, gdp_delta, gdp_epsilon,
+                                            json_number, pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, PrivacyProfile, model_rdp, privacy_profiles, resolve_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian
@@ -296,7 +296,7 @@ def lc_surrogate_delta(models: Sequence[TrainingRecord] | LCSegments, lam: Seque
              value_discretization_interval: float = DEFAULT_INTERVAL,
              max_groups: int = DEFAULT_MAX_GROUPS) -> Deltas:
     """The surrogate δ of θ_λ at ``epsilon`` by the three accountants (same caveat)."""
-    epsilon = check_epsilon(epsilon)
+    epsilon = check_epsilon(epsilon, zero=True)
     pld, orders, rdp, mu, notes = _surrogate_bounds(models, lam, adjacency, orders, value_discretization_interval, max_groups)
     return Deltas(pld=pld_delta(pld, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon),
                   closed_form=gdp_delta(mu, epsilon), notes=notes)
@@ -438,7 +438,7 @@ def lc_delta(models: Sequence[TrainingRecord], lam: Sequence[float], epsilon: fl
              value_discretization_interval: float = DEFAULT_INTERVAL,
              max_groups: int = DEFAULT_MAX_GROUPS) -> Deltas:
     """The charged δ of θ_λ at ``epsilon`` (same rule as ``lc_epsilon``)."""
-    epsilon = check_epsilon(epsilon)
+    epsilon = check_epsilon(epsilon, zero=True)
     records, adjacency = check_lc_models(models, adjacency)
     if surrogate_is_bound(records, lam):
         return lc_surrogate_delta(*_restrict(records, lam), epsilon, adjacency=adjacency, orders=orders,

@@ -26,10 +26,10 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_delta, check_epsilon,
-                                         check_orders, gdp_delta, gdp_epsilon, pld_delta, pld_epsilon,
-                                         rdp_to_delta, rdp_to_epsilon)
+from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_orders, gdp_delta, gdp_epsilon,
+                                            pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
 from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
 from peer.base.errors import InvalidArgument
@@ -58,7 +58,7 @@ class PrivacyProfile:
                         closed_form=None if self.mu is None else gdp_epsilon(self.mu, delta))
 
     def delta(self, epsilon: float) -> Deltas:
-        epsilon = check_epsilon(epsilon)
+        epsilon = check_epsilon(epsilon, zero=True)
         return Deltas(pld=pld_delta(self.pld, epsilon), rdp=rdp_to_delta(self.orders, self.rdp, epsilon),
                       closed_form=None if self.mu is None else gdp_delta(self.mu, epsilon))
 

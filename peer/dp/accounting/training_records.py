@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 
 ADJACENCIES = ("replace-one", "add-remove")
@@ -230,12 +231,8 @@ class ApproxDP:
     adjacency: str
 
     def __post_init__(self) -> None:
-        eps = _number(self.epsilon, "epsilon")
-        delta = _number(self.delta, "delta")
-        if eps < 0:
-            raise InvalidArgument("epsilon", f"must be >= 0, got {self.epsilon!r}")
-        if not 0 <= delta < 1:
-            raise InvalidArgument("delta", f"must be in [0, 1), got {self.delta!r}")
+        eps = check_epsilon(self.epsilon, "epsilon", zero=True)
+        delta = check_delta(self.delta, "delta", zero=True)
         check_adjacency(self.adjacency)
         object.__setattr__(self, "epsilon", eps)
         object.__setattr__(self, "delta", delta)
