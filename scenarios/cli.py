@@ -16,6 +16,7 @@ from __future__ import annotations
 
 
 def _simulate(args) -> int:
+    from peer.base.extras import require
     from scenarios.report import summary_table
     from scenarios.schema import bundled_path, load_scenario
     from scenarios.simulate import simulate
@@ -26,6 +27,7 @@ def _simulate(args) -> int:
         raise InvalidArgument("--scenario", "give a scenario file or a bundled scenario's name, not both")
     path = args.scenario_file or (bundled_path(args.scenario) if args.scenario else None)
     scenario = load_scenario(path)
+    require("matplotlib", "plots", "privfusion simulate (the report's plots)")  # before the run, not after it
     report = simulate(scenario, args.out)
     print(summary_table(report))
     print(f"\nreport: {args.out}/report.md (and report.json, accuracy.png, frontier.png, budget.png)")
