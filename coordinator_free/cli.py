@@ -120,8 +120,8 @@ def _pin(args) -> int:
     from pathlib import Path
 
     from coordinator_free.roster import Roster
-    from peer.net.trust import TrustStore
     from peer.net.identity import load_identity
+    from peer.net.trust import TrustStore
 
     ident = load_identity(args.dir)
     roster = Roster.load(args.roster)
@@ -132,8 +132,8 @@ def _pin(args) -> int:
 
 
 def _check(args) -> int:
-    from peer.net.identity import load_identity
     from coordinator_free.roster import Roster
+    from peer.net.identity import load_identity
     from peer.net.trust import TrustStore
 
     ident = load_identity(args.dir)

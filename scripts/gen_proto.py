@@ -28,8 +28,8 @@ def proto_files() -> list[Path]:
 def generate(out_root: Path) -> list[Path]:
     """Run protoc over every .proto; return the generated files (under out_root/privfusion/v1)."""
     try:
-        from grpc_tools import protoc
         import grpc_tools
+        from grpc_tools import protoc
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] != "grpc_tools":
             raise

@@ -49,10 +49,11 @@ model-level unit is always one neuron: per-entry releases are converted by the l
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.config import ConfigError, Section, parse_toml
@@ -70,7 +71,7 @@ class PolicyError(ConfigError):
     (``peer.base.config`` reads the file and finds the line)."""
 
     @classmethod
-    def of(cls, e: ConfigError) -> "PolicyError":
+    def of(cls, e: ConfigError) -> PolicyError:
         return e if isinstance(e, cls) else cls(e.key, e.rule, e.line, e.source)
 
 
@@ -117,7 +118,7 @@ class Policy:
     # ---- loading ----------------------------------------------------------------------------
 
     @classmethod
-    def from_toml(cls, path: str | Path, *, table: str = "policy") -> "Policy":
+    def from_toml(cls, path: str | Path, *, table: str = "policy") -> Policy:
         """Parse the ``[policy]`` table of a TOML file (such as the daemon's ``site.toml``)."""
         try:
             text = Path(path).read_text(encoding="utf-8")
@@ -126,7 +127,7 @@ class Policy:
         return cls.from_toml_text(text, table=table, source=str(path))
 
     @classmethod
-    def from_toml_text(cls, text: str, *, table: str = "policy", source: str | None = None) -> "Policy":
+    def from_toml_text(cls, text: str, *, table: str = "policy", source: str | None = None) -> Policy:
         """Parse the ``[policy]`` table of TOML text (``source``: the file it came from, for errors).
 
         Syntax errors carry tomllib's line; bad keys and values carry the line of the key where
@@ -141,7 +142,7 @@ class Policy:
             raise PolicyError.of(e) from None
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, prefix: str = "policy") -> "Policy":
+    def from_mapping(cls, data: Mapping[str, Any], *, prefix: str = "policy") -> Policy:
         """Build from a parsed mapping (the value of the ``[policy]`` table)."""
         try:
             return cls.from_section(Section(data, (prefix,), "", ""))
@@ -149,7 +150,7 @@ class Policy:
             raise PolicyError.of(e) from None
 
     @classmethod
-    def from_section(cls, s: Section) -> "Policy":
+    def from_section(cls, s: Section) -> Policy:
         """Build from the ``[policy]`` table as a :class:`peer.base.config.Section` (errors are
         :class:`peer.base.config.ConfigError` naming the key, the line and the file)."""
         s.known(("data", "model", "caps", "peers", "show_remaining", "orders"))
@@ -270,7 +271,7 @@ def _checked(s: Section, name: str, check: Callable[..., float], **kw: Any) -> f
 def _eps_delta(s: Section, orders: tuple[float, ...]) -> tuple[float, float]:
     eps = _checked(s, "epsilon", check_epsilon)
     delta = _checked(s, "delta", check_delta, zero=True)
-    if 0 < delta and delta / len(orders) < 1e-300:
+    if delta > 0 and delta / len(orders) < 1e-300:
         s.fail("delta", f"too small to split over {len(orders)} orders")
     return eps, delta
 
