@@ -8,7 +8,7 @@ writes the fused model (a ``peer.nn.store`` entry whose metadata holds the round
 round report (JSON: every peer's steps, the signed receipts of every charged release, every
 drop with its step, time and reason).
 
-``privfusion round --config site.toml`` is the command (``peer.cli.round``).
+``privfusion round --config site.toml`` is the command (``coordinator_free.cli``).
 """
 
 from __future__ import annotations

@@ -395,7 +395,7 @@ def _ledger_count(path: Path) -> int:
 def run_sites(world: World, progress: Progress) -> dict:
     """Start every daemon, write the roster, run every site's rounds at once, stop the daemons.
     Returns what happened to processes (kills, exit codes)."""
-    from peer.cli.round import QUIET, describe
+    from coordinator_free.events import QUIET, describe
 
     sc = world.scenario
     daemons: dict[str, Daemon] = {}

@@ -31,6 +31,7 @@ import numpy as np
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from peer.base import checks
 from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.base.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
 from peer.nn.graph import HiddenLayer, NetworkGraph, extract_graph
@@ -187,17 +188,13 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
 
 def check_epsilon(value: float, field: str) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InvalidArgument(field, f"must be a finite number > 0, got {value!r}")
-    if value > MAX_EPSILON:
-        raise InvalidArgument(field, f"must be at most {MAX_EPSILON:g}, got {value!r}")
-    return float(value)
+    """A request's ε: the common rule (``peer.base.checks``), at most MAX_EPSILON."""
+    return checks.check_epsilon(value, field, maximum=MAX_EPSILON)
 
 
 def check_delta(value: float, field: str) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= MAX_DELTA:
-        raise InvalidArgument(field, f"must be in (0, {MAX_DELTA:g}], got {value!r}")
-    return float(value)
+    """A request's δ: the common rule (``peer.base.checks``), at most MAX_DELTA."""
+    return checks.check_delta(value, field, maximum=MAX_DELTA)
 
 
 def check_unit(unit: str) -> str:
