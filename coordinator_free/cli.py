@@ -58,7 +58,7 @@ def _round(args) -> int:
     from coordinator_free.events import QUIET, describe
     from coordinator_free.roster import Roster
     from coordinator_free.runner import load_local_site, load_round_config
-    from peer.net.daemon import SiteConfig
+    from peer.net.site import SiteConfig
 
     site = SiteConfig.load(args.config)
     files = args.round or [args.config]
