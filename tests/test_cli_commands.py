@@ -80,9 +80,13 @@ def dist(tmp_path_factory):
 
 
 def _run(dist: Path | None, code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` with ``dist`` first on the path. The working directory is ``dist``'s parent, not
+    the checkout: ``python -c`` puts the working directory first on sys.path, and the checkout
+    holds the editable install's ``privfusion.egg-info``, whose entry points would win."""
     path = [str(ROOT), str(ROOT / "proto")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(([str(dist)] if dist else []) + path))
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    cwd = dist.parent if dist else None
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 PROBE = """
