@@ -1,6 +1,7 @@
-"""The commands a site runs on its own records, as subprocesses on files the tests write:
-``model train``, ``pool train --data``, ``probe make``, and ``simulate`` of a scenario whose
-``[data]`` points at a CSV."""
+"""The commands a site runs on its own records, on files the tests write: ``model train``,
+``pool train --data``, ``probe make``, and ``simulate`` of a scenario whose ``[data]`` points at
+a CSV. Each command runs once as a subprocess (as a site runs it); the refusals and the path
+rules run in-process (``peer.cli.app.main``), which is the same code without a new interpreter."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ from peer.base.errors import InvalidArgument
 from test_tables import records, write_csv
 
 COLUMNS = ["age", "ward", "bp", "sex", "outcome"]
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    """The command in-process: (exit status, stdout, stderr)."""
+    from peer.cli.app import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -34,18 +45,19 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def site(files) -> Path:
-    """A site with a model and a two-model pool trained on its own records."""
+def site(files) -> dict:
+    """A site with a model and a two-model pool trained on its own records (what the commands
+    printed, too)."""
     root = files["dir"] / "site"
-    cli("model", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
-        "--categorical", "sex", "--name", "own", "--epochs", "40", "--hidden", "16", "--json")
-    cli("pool", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
-        "--categorical", "sex", "--model", "name=a,noise=2,clip=1", "--model", "name=b,noise=6,clip=1",
-        "--steps", "20", "--json")
-    return root
+    model = cli("model", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
+                "--categorical", "sex", "--name", "own", "--epochs", "5", "--hidden", "16")
+    pool = cli("pool", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
+               "--categorical", "sex", "--model", "name=a,noise=2,clip=1", "--model", "name=b,noise=6,clip=1",
+               "--steps", "20")
+    return {"root": root, "model": model, "pool": pool}
 
 
-def test_model_train_saves_the_model_with_its_preprocessing(files, tmp_path):
+def test_model_train_saves_the_model_with_its_preprocessing(files, tmp_path, capsys):
     from peer.nn.architectures import accuracy
     from peer.nn.store import load_model
     from peer.nn.tables import prepare_records
@@ -64,15 +76,19 @@ def test_model_train_saves_the_model_with_its_preprocessing(files, tmp_path):
     # the labels are a near-deterministic function of the features: far above chance (a
     # fixed-seed run; chance is about 0.5)
     assert out["validation_accuracy"] >= 0.8 and out["training_accuracy"] >= 0.8
-    human = cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
-                "--name", "m2", "--epochs", "2")
-    assert "accuracy: training" in human.stdout and "validation" in human.stdout
-    again = cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
-                "--name", "m", "--epochs", "2", check=False)
-    assert again.returncode == 2 and "already in" in again.stderr
+    code, _, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label",
+                       "outcome", "--name", "m", "--epochs", "2")
+    assert code == 2 and "model 'm' is already in" in err and "--force" in err
 
 
-def test_model_train_refuses_bad_records_naming_the_row(files, tmp_path):
+def test_model_train_prints_accuracies(site):
+    out = site["model"].stdout
+    assert "model own: 192 training records, 48 held out (of 240 in private.csv)" in out
+    assert "inputs: 7 entries from 4 columns (2 categorical, one-hot); classes ['sick', 'well']" in out
+    assert "accuracy: training 0." in out and ", validation 0." in out and "with its preprocessing" in out
+
+
+def test_model_train_refuses_bad_records_naming_the_row(files, tmp_path, capsys):
     rows = records(30, seed=4)
     rows[6][0] = "sixty"  # data row 7
     rows[9][2] = "12,5"
@@ -80,13 +96,17 @@ def test_model_train_refuses_bad_records_naming_the_row(files, tmp_path):
     proc = cli("model", "train", "--site", str(tmp_path), "--data", str(bad), "--label", "outcome", "--name", "m", check=False)
     assert proc.returncode == 2
     assert "bad.csv, column 'age', data row 7 (spreadsheet row 8): a non-numeric value 'sixty'" in proc.stderr
-    proc = cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "death",
-               "--name", "m", check=False)
-    assert proc.returncode == 2 and "no column 'death'" in proc.stderr
+    code, _, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label",
+                       "death", "--name", "m")
+    assert code == 2 and "no column 'death'; the file's columns are ['age', 'ward', 'bp', 'sex', 'outcome']" in err
     assert not (tmp_path / "models" / "m.json").exists()
 
 
-def test_the_store_is_where_site_toml_says(files, tmp_path):
+def test_the_store_is_where_site_toml_says(files, tmp_path, capsys):
+    def cli(*args):
+        code, _, err = run(capsys, *args)
+        assert code == 0, err
+
     (tmp_path / "site.toml").write_text('[site]\nname = "h"\nlisten = "127.0.0.1:0"\nidentity = "id"\n'
                                         'models = "store"\nledger = "l.sqlite"\n\n[site.pools.main]\nmodels = "dp"\n'
                                         'validation = "public/val.npz"\n')
@@ -100,9 +120,10 @@ def test_the_store_is_where_site_toml_says(files, tmp_path):
     assert (tmp_path / "public" / "val.npz").is_file() and (tmp_path / "probe.safetensors").is_file()
 
 
-def test_pool_train_declares_n_as_the_training_records(site, files):
+def test_pool_train_declares_n_as_the_training_records(site, files, capsys):
     from peer.dp.pools import load_pool, pool_preprocessing, pool_validation
 
+    site = site["root"]
     pool = load_pool(site / "pool")
     assert [m.name for m in pool] == ["a", "b"]
     prep = pool_preprocessing(site / "pool")
@@ -113,19 +134,25 @@ def test_pool_train_declares_n_as_the_training_records(site, files):
     # the held-out part of protected records never judges merges
     with pytest.raises(InvalidArgument, match="own records.*probe make"):
         pool_validation(pool)
-    proc = cli("pool", "train", "--out", str(files["dir"] / "p2"), "--data", str(files["private"]), "--label",
-               "outcome", "--model", "noise=3,clip=1", "--steps", "3")
-    assert "declared dataset size n = 192" in proc.stderr and "declared dataset size n = 192" in proc.stdout
-    proc = cli("pool", "train", "--out", str(files["dir"] / "p3"), "--data", str(files["private"]), check=False)
-    assert proc.returncode == 2 and "--label: is required with --data" in proc.stderr
+
+def test_pool_train_prints_n_and_refuses_what_it_cannot_do(site, files, capsys):
+    proc = site["pool"]
+    assert "DP-SGD on 192 training records of private.csv (48 held out): declared dataset size n = 192" in proc.stderr
+    assert "a: epsilon(pld)=" in proc.stdout and "declared dataset size n = 192" in proc.stdout
+    code, _, err = run(capsys, "pool", "train", "--out", str(files["dir"] / "p3"), "--data", str(files["private"]))
+    assert code == 2 and "--label: is required with --data" in err
+    code, _, err = run(capsys, "pool", "train", "--site", str(site["root"]), "--data", str(files["private"]), "--label",
+                       "outcome", "--model", "name=a,noise=2,clip=1")
+    assert code == 2 and "models ['a'] are already in the pool" in err
 
 
-def test_probe_make_writes_public_files_the_daemon_reads(site, files):
+def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):
     from safetensors.numpy import load_file
 
     from peer.dp.pools import load_pool, load_validation_file, merge_pool
     from peer.nn.store import load_model
 
+    site = site["root"]
     proc = cli("probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "outcome",
                "--rows", "25", "--force")
     assert "PUBLIC" in proc.stdout and "becomes public" in proc.stdout
@@ -139,10 +166,10 @@ def test_probe_make_writes_public_files_the_daemon_reads(site, files):
     # the validation set judges an RS merge of the pool
     merged = merge_pool(load_pool(site / "pool"), "rs", 30.0, 1e-5, validation=(x, y))
     assert merged.record.level == "data"
-    again = cli("probe", "make", "--site", str(site), "--data", str(files["public"]), check=False)
-    assert again.returncode == 2 and "give --force" in again.stderr
-    wrong = cli("probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "ward", "--force", check=False)
-    assert wrong.returncode == 2 and "trained with label 'outcome'" in wrong.stderr
+    code, _, err = run(capsys, "probe", "make", "--site", str(site), "--data", str(files["public"]))
+    assert code == 2 and "give --force" in err
+    code, _, err = run(capsys, "probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "ward", "--force")
+    assert code == 2 and "trained with label 'outcome'" in err
 
 
 SCENARIO = """
