@@ -220,6 +220,22 @@ def test_preprocessing_is_fitted_on_the_training_split_only(tmp_path):
         assert abs(int((r.y_val == c).sum()) - total * 0.25) <= 1
 
 
+def test_preprocessing_fitted_on_a_public_file(tmp_path):
+    header = ["age", "ward", "bp", "sex", "outcome"]
+    private = write_csv(tmp_path / "private.csv", records(100, seed=7), header)
+    public = write_csv(tmp_path / "public.csv", records(30, seed=8), header)
+    r = prepare_records(private, label="outcome", public=public)
+    pub = read_table(public, label="outcome")
+    assert r.preprocessing.fitted_on["split"] == "public" and r.preprocessing.fitted_on["rows"] == 30
+    assert r.preprocessing.columns[0].mean == pytest.approx(pub.columns["age"].numbers.mean(), rel=1e-12)
+    assert r.description["preprocessing"] == "fitted on public records (public.csv)"
+    assert len(r.y_train) == 80 and len(r.y_val) == 20
+    with pytest.raises(InvalidArgument, match="not both"):
+        prepare_records(private, label="outcome", public=public, preprocessing=r.preprocessing)
+    with pytest.raises(InvalidArgument, match="split: must be 'training' or 'public'"):
+        Preprocessing.fit(pub, split="validation")
+
+
 def test_a_category_seen_only_in_held_out_records_is_refused(tmp_path):
     rows = records(40, seed=2)
     path = write_csv(tmp_path / "r.csv", rows, ["age", "ward", "bp", "sex", "outcome"])

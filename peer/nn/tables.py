@@ -40,10 +40,20 @@ Rows in messages are 1-based data rows, the header not counted; for CSV the spre
 (header = row 1) is given as well.
 
 Privacy: the statistics a preprocessing holds (means, standard deviations, category lists,
-fill values) are computed from protected training records and are *not* covered by any DP
-guarantee. They stay with the site's files (model store manifests, pools); nothing in the
-daemon sends them. A site that must share its preparation can fit it on a public file and give
-it to training (``Preprocessing.from_dict`` of a JSON file).
+class list, fill values) are exact functions of the records it was fitted on, covered by no DP
+guarantee. Two consequences:
+
+- a DP-SGD pool's guarantee is for one training record *given* its preprocessing. Fitted on
+  the protected records themselves, the preparation of every record would change with one
+  record, and the statistics would travel inside every released model. So a pool's
+  preprocessing is fitted on public records (``Preprocessing.fit(public_table,
+  split="public")``, ``pool train --public FILE``) or given (a preprocessing agreed between
+  sites), never fitted on the pool's own training records;
+- a model's preprocessing stays with the site's files (model store manifests), and the daemon
+  never sends it; but a probe set is prepared by it, and whoever knows the public file the
+  probe came from can recover the statistics from the prepared rows. A site that wants none of
+  its statistics out fits its models' preprocessing on public records as well
+  (``model train --public FILE``).
 """
 
 from __future__ import annotations
@@ -418,10 +428,13 @@ class Preprocessing:
     # ---- fit ------------------------------------------------------------------------------
 
     @classmethod
-    def fit(cls, table: Table, *, unseen: Unseen = "refuse") -> Preprocessing:
-        """Statistics of ``table`` — which must be the site's TRAINING split only — for every
-        feature column, and the label's class list. Missing cells get fill values when the
-        table was read with ``missing="impute"``."""
+    def fit(cls, table: Table, *, unseen: Unseen = "refuse", split: Literal["training", "public"] = "training") -> Preprocessing:
+        """Statistics of ``table`` — the site's TRAINING split only, or public records
+        (``split="public"``; never validation or test records) — for every feature column, and
+        the label's class list. Missing cells get fill values when the table was read with
+        ``missing="impute"``. ``split`` is recorded in ``fitted_on``."""
+        if split not in ("training", "public"):
+            raise InvalidArgument("split", f"must be 'training' or 'public', got {split!r}")
         if unseen not in ("refuse", "zeros"):
             raise InvalidArgument("unseen", f"must be 'refuse' or 'zeros', got {unseen!r}")
         if table.label is None:
@@ -451,7 +464,7 @@ class Preprocessing:
         if len(classes) < 2:
             raise InvalidArgument(f"{table.source}: label {table.label!r}",
                                   f"has one class ({classes[0]!r}) in the training split; a classifier needs at least two")
-        fitted_on = {"file": Path(table.source).name, "sha256": table.digest, "rows": len(table), "split": "training"}
+        fitted_on = {"file": Path(table.source).name, "sha256": table.digest, "rows": len(table), "split": split}
         width = sum(c.width for c in columns)
         shape = table.input_shape if table.input_shape is not None and int(np.prod(table.input_shape)) == width else None
         return cls(table.label, classes, tuple(columns), unseen, shape, fitted_on)
@@ -662,10 +675,15 @@ class PreparedRecords:
 def prepare_records(path: str | os.PathLike, *, label: str, features: Sequence[str] | None = None,
                     categorical: Sequence[str] = (), missing: Missing = "refuse", unseen: Unseen = "refuse",
                     validation_fraction: float = 0.2, split_seed: int = 0,
-                    preprocessing: Preprocessing | None = None) -> PreparedRecords:
+                    preprocessing: Preprocessing | None = None, public: str | os.PathLike | None = None) -> PreparedRecords:
     """Read ``path``, hold out ``validation_fraction`` of the records (stratified, seeded by the
-    public ``split_seed``), fit the preprocessing on the rest (the training split) — or use the
-    given one, e.g. one fitted on public data — and prepare both parts."""
+    public ``split_seed``), fit the preprocessing on the rest (the training split) — or on the
+    records of the ``public`` file, or use the given one — and prepare both parts."""
+    if public is not None:
+        if preprocessing is not None:
+            raise InvalidArgument("public", "give a preprocessing or a public file to fit one on, not both")
+        public_table = read_table(public, label=label, features=features, categorical=categorical, missing=missing)
+        preprocessing = Preprocessing.fit(public_table, unseen=unseen, split="public")
     if preprocessing is None:
         table = read_table(path, label=label, features=features, categorical=categorical, missing=missing)
     else:
@@ -679,5 +697,7 @@ def prepare_records(path: str | os.PathLike, *, label: str, features: Sequence[s
     description = {"file": Path(table.source).name, "sha256": table.digest, "label": label, "rows": len(table),
                    "training_rows": len(train), "validation_rows": len(val),
                    "validation_fraction": validation_fraction, "split_seed": split_seed,
-                   "preprocessing": "given" if preprocessing is not None else "fitted on the training split"}
+                   "preprocessing": ("fitted on the training split" if preprocessing is None
+                                     else f"fitted on public records ({preprocessing.fitted_on.get('file')})"
+                                     if preprocessing.fitted_on.get("split") == "public" else "given")}
     return PreparedRecords(prep, x_train, y_train, x_val, y_val, description)
