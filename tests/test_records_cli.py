@@ -176,6 +176,7 @@ def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):
     proc = cli("probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "outcome",
                "--rows", "25", "--force")
     assert "PUBLIC" in proc.stdout and "becomes public" in proc.stdout
+    assert "can recover those statistics" in proc.stdout  # the model's preprocessing came from its training split
     probe = load_file(str(site / "probe.safetensors"))["x"]
     prep = load_model(site / "models", "own").preprocessing
     assert probe.shape == (25, prep.width) and probe.dtype == np.float32
