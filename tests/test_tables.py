@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from peer.base.errors import InvalidArgument
 from peer.nn.tables import Preprocessing, architecture_for, prepare_records, read_table
@@ -296,3 +298,39 @@ def test_preprocessing_round_trips_through_the_store(tmp_path):
     (tmp_path / "models" / "m.json").write_text(json.dumps(manifest))
     with pytest.raises(InvalidArgument, match=r"m\.json: preprocessing\.columns\[0\]"):
         load_model(tmp_path / "models", "m")
+
+
+# ---------------------------------------------------------------------------------- invariants
+
+
+@st.composite
+def small_tables(draw):
+    n = draw(st.integers(min_value=4, max_value=30))
+    numbers = draw(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=n, max_size=n))
+    cats = draw(st.lists(st.sampled_from(["a", "b", "c d", "é"]), min_size=n, max_size=n))
+    labels = draw(st.lists(st.sampled_from(["0", "1", "2"]), min_size=n, max_size=n).filter(lambda v: len(set(v)) >= 2))
+    holes = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    return [[("" if h else repr(x)), c, y] for x, c, y, h in zip(numbers, cats, labels, holes)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=small_tables())
+def test_prepared_training_records_are_standardised_and_one_hot(tmp_path_factory, rows):
+    path = write_csv(tmp_path_factory.mktemp("h") / "r.csv", rows, ["x", "c", "y"])
+    present = [r for r in rows if r[0] != ""]
+    if not present:
+        with pytest.raises(InvalidArgument, match="no values|empty or missing"):
+            Preprocessing.fit(read_table(path, label="y", missing="impute"))
+        return
+    p = Preprocessing.fit(read_table(path, label="y", missing="impute"))
+    assert Preprocessing.from_dict(json.loads(json.dumps(p.to_dict(), allow_nan=False))) == p
+    x, y = p.transform(read_table(path, label="y", missing="impute"))
+    assert x.shape == (len(rows), 1 + len(p.columns[1].categories)) and np.all(np.isfinite(x))
+    # the present numeric cells are standardised by their own mean and std; holes get the mean (0)
+    v = np.array([float(r[0]) for r in present])
+    filled = x[[r[0] != "" for r in rows], 0].astype(np.float64)
+    if v.std() > 0:
+        np.testing.assert_allclose(filled, (v - v.mean()) / v.std(), rtol=1e-4, atol=1e-4)
+    assert np.all(x[[r[0] == "" for r in rows], 0] == np.float32((p.columns[0].fill - p.columns[0].mean) / p.columns[0].std))
+    assert np.all(x[:, 1:].sum(axis=1) == 1.0)  # every category was seen: exactly one entry set
+    assert sorted(set(y.tolist())) == list(range(len(p.classes))) and p.classes == tuple(sorted({int(r[2]) for r in rows}))
