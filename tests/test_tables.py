@@ -71,7 +71,9 @@ def test_kinds_follow_the_rule(tmp_path):
 BAD_INPUTS = [
     # (rows, read kwargs, fit?, fragments the message must hold)
     (with_cell(3, "age", "12,5"), {}, False,
-     ["r.csv, column 'age', data row 3 (spreadsheet row 4)", "non-numeric value '12,5'", "--categorical age"]),
+     ["r.csv, column 'age', data row 3 (spreadsheet row 4)", "non-numeric value '12,5' (a decimal comma?",
+      "--categorical age"]),
+    (with_cell(1, "bp", "n/a?"), {}, False, ["column 'bp', data row 1 (spreadsheet row 2): a non-numeric value 'n/a?' in"]),
     (with_cell(2, "bp", "inf"), {}, False, ["column 'bp', data row 2", "infinite value 'inf'"]),
     (with_cell(4, "bp", ""), {}, False, ["column 'bp', data row 4 (spreadsheet row 5)", "empty or missing", "--impute"]),
     (with_cell(5, "ward", "NA"), {}, False, ["column 'ward', data row 5", "empty or missing"]),
@@ -105,6 +107,17 @@ def test_empty_and_header_only_files(tmp_path):
         read_table(tmp_path / "h.csv", label="y")
     with pytest.raises(InvalidArgument, match="unknown type"):
         read_table(tmp_path / "r.xlsx", label="y")
+
+
+def test_spreadsheet_exports_read_alike(tmp_path):
+    """A UTF-8 byte-order mark and semicolon or tab separators, as spreadsheets save them."""
+    reference = Preprocessing.fit(read_table(write_csv(tmp_path / "r.csv"), label="outcome"))
+    text = "\n".join(",".join(r) for r in [HEADER, *ROWS]) + "\n"
+    for name, body in (("bom.csv", "\ufeff" + text), ("semi.csv", text.replace(",", ";")),
+                       ("tab.csv", text.replace(",", "\t")), ("t.tsv", text.replace(",", "\t"))):
+        (tmp_path / name).write_text(body, encoding="utf-8")
+        p = Preprocessing.fit(read_table(tmp_path / name, label="outcome"))
+        assert p.columns == reference.columns and p.classes == reference.classes, name
 
 
 def test_unseen_categories_are_refused_unless_the_training_said_so(tmp_path):

@@ -36,6 +36,9 @@ The preparation (its statistics come from the training split only):
   training mean of a numeric column, the most frequent training category of a categorical one,
   ties broken by the sorted order) and transform fills with it. Labels are never imputed.
 
+CSV files are UTF-8 (a byte-order mark, as spreadsheets write, is skipped), separated by commas,
+or by semicolons or tabs when the header line holds no comma; ``.tsv`` is tab-separated.
+
 Rows in messages are 1-based data rows, the header not counted; for CSV the spreadsheet row
 (header = row 1) is given as well.
 
@@ -61,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -212,11 +216,26 @@ def _kind_of(table_name: str, name: str, text: np.ndarray, numbers: np.ndarray, 
         r = int(rows[i])
         sheet = f" (spreadsheet row {r + 1})" if spreadsheet else ""
         what = "an infinite value" if infinite[i] else "a non-numeric value"
+        hint = " (a decimal comma? numbers are written with a point: 12.5)" if re.fullmatch(r"[-+]?\d+,\d+", text[i]) else ""
         raise InvalidArgument(
             f"{table_name}, column {name!r}, data row {r}{sheet}",
-            f"{what} {text[i]!r} in a numeric column ({int(is_number.sum())} of its cells are numbers; "
+            f"{what} {text[i]!r}{hint} in a numeric column ({int(is_number.sum())} of its cells are numbers; "
             f"{len(bad)} are not): fix the cell, or declare the column categorical (--categorical {name})")
     return "numeric"
+
+
+def _separator(path: Path, suffix: str) -> str:
+    """Comma, unless the header line has none and holds semicolons (spreadsheets in locales
+    whose decimal mark is a comma write those) or tabs (and always tab for .tsv)."""
+    if suffix == ".tsv":
+        return "\t"
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        header = f.readline()
+    if "," not in header:
+        for sep in (";", "\t"):
+            if sep in header:
+                return sep
+    return ","
 
 
 def _frame_cells(path: Path, suffix: str) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray]], int]:
@@ -231,8 +250,8 @@ def _frame_cells(path: Path, suffix: str) -> tuple[list[str], dict[str, tuple[np
             # Every cell as text: the kinds are decided here, by the rule of the module
             # docstring, not by pandas' guess (which turns "12,5" in a numeric column into
             # a whole column of strings without saying where).
-            frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False,
-                                sep="\t" if suffix == ".tsv" else ",", skipinitialspace=True)
+            frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False, sep=_separator(path, suffix),
+                                skipinitialspace=True, encoding="utf-8-sig")
             cells = {str(c): _cells_from_text(frame[c].tolist()) for c in frame.columns}
     except pd.errors.EmptyDataError:
         raise InvalidArgument(str(path), "is empty: expected a header line with the column names, then one line per record") from None
