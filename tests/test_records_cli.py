@@ -102,6 +102,21 @@ def test_model_train_refuses_bad_records_naming_the_row(files, tmp_path, capsys)
     assert not (tmp_path / "models" / "m.json").exists()
 
 
+def test_model_train_on_image_arrays_with_the_cnn_preset(tmp_path, capsys):
+    from peer.nn.store import load_model
+
+    rng = np.random.default_rng(0)
+    y = np.arange(60) % 3
+    x = rng.normal(size=(60, 1, 8, 8)).astype(np.float32) + y[:, None, None, None]
+    np.savez(tmp_path / "img.npz", x=x, y=y)
+    code, out, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(tmp_path / "img.npz"),
+                         "--label", "y", "--preset", "cnn", "--name", "c", "--epochs", "3", "--json")
+    assert code == 0, err
+    stored = load_model(tmp_path / "models", "c")
+    assert stored.architecture["kind"] == "cnn" and stored.architecture["input_shape"] == [1, 8, 8]
+    assert stored.preprocessing.classes == (0, 1, 2) and json.loads(out)["input_width"] == 64
+
+
 def test_the_store_is_where_site_toml_says(files, tmp_path, capsys):
     def cli(*args):
         code, _, err = run(capsys, *args)

@@ -7,7 +7,8 @@
 ``model train`` trains a plain (non-private) classifier on the site's own records (CSV,
 Parquet or .npz: ``peer.nn.tables``): the records are split into a training part and a
 held-out validation part (stratified, public ``--split-seed``), the preprocessing is fitted
-on the training part only, and the model goes into the site's model store (``models`` of
+on the training part only (or on public records, ``--public FILE``: then the probe set made
+with it reveals nothing of the training records), and the model goes into the site's model store (``models`` of
 ``DIR/site.toml``, else ``DIR/models``) together with that preprocessing.
 
 This module also holds what the record-reading commands share (``pool train --data``,
@@ -222,8 +223,8 @@ def register(subparsers) -> None:
     t = sub.add_parser("train", help="train a (non-private) model on the site's own records into its model store",
                        description="Train a plain classifier on the site's own records. The records are split into "
                                    "training and held-out validation parts; the preprocessing (standardisation, one-hot "
-                                   "categories, label classes, fill values) is fitted on the training part only and "
-                                   "stored with the model.")
+                                   "categories, label classes, fill values) is fitted on the training part only (or on "
+                                   "public records: --public) and stored with the model.")
     t.add_argument("--site", required=True, metavar="DIR", help="the site's directory (its site.toml says where the model store is; default DIR/models)")
     add_record_options(t)
     arch = t.add_mutually_exclusive_group()
