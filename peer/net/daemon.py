@@ -93,7 +93,7 @@ from peer.budget.policy import Policy
 from peer.base.records import FIXED_SEED_WARNING, ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
 from peer.net.service import MECHANISMS, ErrorInterceptor, PeerService, add_to_server, log_event
-from peer.nn.store import StoredModel, list_models, load_model
+from peer.nn.store import StoredModel, list_models, load_model, site_unusable_files
 from privfusion.v1 import peer_pb2 as pb
 
 log = logging.getLogger("privfusion.peer")
@@ -289,14 +289,21 @@ class Site:
         self._pins: tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]] = ((), {}, [])
         self._pins_lock = threading.Lock()
         self.models: dict[str, StoredModel] = {n: load_model(config.models, n) for n in list_models(config.models)}
+        # what the daemon will not serve, and why (a warning each; GetPeerInfo lists them): a
+        # pool with no model yet, or a probe set not made yet, is left out rather than fatal
+        self.unusable = site_unusable_files(config.models, config.pools, config.probe,
+                                            config.path.resolve().parent if config.path else config.models.parent)
+        for path, why in self.unusable:
+            log.warning(json.dumps({"event": "unusable-file", "path": path, "reason": why}))
+        pools = {n: d for n, d in config.pools.items() if d.is_dir() and list_models(d)}
         self.pools: dict[str, list] = {}
         self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._rs_utilities: dict[str, list[float]] = {}
-        if config.pools:
+        if pools:
             from peer.dp.merging import check_pool
             from peer.dp.pools import load_pool, load_validation_file, pool_validation, rs_utilities
 
-            self.pools = {name: load_pool(d) for name, d in config.pools.items()}
+            self.pools = {name: load_pool(d) for name, d in pools.items()}
             for pool in self.pools.values():
                 check_pool(pool)
             # the held-out split each pool was trained beside, or the site's validation file
@@ -314,7 +321,7 @@ class Site:
                     rs_profiles([m.privacy for m in pool])
                 except InvalidArgument:
                     pass  # a pool RS cannot account (mixed adjacencies): each request says why
-        self.probe = self._load_probe(config.probe) if config.probe else None
+        self.probe = self._load_probe(config.probe) if config.probe and config.probe.exists() else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
         self._master = make_randomness(config.seed) if config.seed is not None else None
@@ -486,7 +493,8 @@ class Site:
         return pb.PeerInfo(name=self.name, certificate_sha256=self.identity.fingerprint, protocol=wire.PROTOCOL,
                            insecure=self.insecure, models=[model_info(n, m) for n, m in sorted(self.models.items())],
                            pools=pools, mechanisms=[*MECHANISMS, self.randomness_mechanism()], budgets=budgets,
-                           has_probe_set=self.probe is not None, max_chunk_bytes=wire.MAX_CHUNK_BYTES)
+                           has_probe_set=self.probe is not None, max_chunk_bytes=wire.MAX_CHUNK_BYTES,
+                           unusable=[pb.UnusableFile(path=p, reason=why) for p, why in self.unusable])
 
 
 class _PartnerClient:

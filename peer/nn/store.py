@@ -108,5 +108,108 @@ def list_models(directory: str | os.PathLike) -> list[str]:
     """Names of the complete models in a store directory, sorted."""
     d = Path(directory)
     if not d.is_dir():
-        raise NotFound(f"model store {str(d)!r} does not exist")
+        raise NotFound(f"model store {str(d)!r} does not exist (make it: `privfusion site new` creates a site's "
+                       "empty store; or correct the path, e.g. [site].models in site.toml)")
     return sorted(p.stem for p in d.glob("*.json") if (d / f"{p.stem}.safetensors").is_file() and NAME_RULE.match(p.stem))
+
+
+#: Files beside a model that belong to it without being part of it (not "unusable"):
+#: ``NAME.provenance.json`` (where an adopted model came from: ``privfusion model adopt``).
+SIDECAR_SUFFIXES: tuple[str, ...] = (".provenance.json",)
+
+
+def _sidecar_of(filename: str) -> str | None:
+    for suffix in SIDECAR_SUFFIXES:
+        if filename.endswith(suffix):
+            return filename[: -len(suffix)]
+    return None
+
+
+def unusable_files(directory: str | os.PathLike, *, check: bool = False,
+                   empty: str | None = None) -> list[tuple[Path, str]]:
+    """Every entry of a store directory that is not part of a usable model, and why.
+
+    A model is exactly the pair ``NAME.safetensors`` + ``NAME.json`` with a valid ``NAME``;
+    anything else in the directory is reported, never skipped silently: a manifest without
+    weights or weights without a manifest (a model exists once both do), a name the store
+    refuses, a sub-directory, any other file (a ``.pt`` checkpoint, a CSV, a hidden temporary
+    file left by a crash). Sidecars of a model that exists (:data:`SIDECAR_SUFFIXES`) are not
+    reported; one whose model is missing is. With ``check`` every complete pair is loaded too
+    and a pair that does not load is reported with the loader's reason (the daemon loads its
+    models itself and skips this). A directory that does not exist is one entry; an empty one
+    is an entry only when ``empty`` gives the reason (a pool without models is not offered).
+
+    Returns ``(path, reason)`` pairs sorted by path. Reasons name files and rules only, never
+    tensor values.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return [(d, "does not exist" if not d.exists() else "is not a directory")]
+    entries = sorted(d.iterdir())
+    names = {p.name for p in entries}
+    models = {p.name[: -len(".json")] for p in entries
+              if p.name.endswith(".json") and _sidecar_of(p.name) is None and p.is_file()}
+    complete = {n for n in models if f"{n}.safetensors" in names and NAME_RULE.match(n)}
+    out: list[tuple[Path, str]] = []
+    for p in entries:
+        name = p.name
+        if p.is_dir():
+            out.append((p, "is a directory: a store is flat (NAME.safetensors + NAME.json side by side)"))
+            continue
+        owner = _sidecar_of(name)
+        if owner is not None:
+            if owner not in complete:
+                out.append((p, f"belongs to a model {owner!r} that is not in the store"))
+            continue
+        if name.endswith(".safetensors"):
+            stem, other = name[: -len(".safetensors")], f"{name[: -len('.safetensors')]}.json"
+        elif name.endswith(".json"):
+            stem, other = name[: -len(".json")], f"{name[: -len('.json')]}.safetensors"
+        else:
+            why = "a hidden file (a temporary file a crash left behind?)" if name.startswith(".") else "not a model file"
+            out.append((p, f"{why}: a model is NAME.safetensors (weights) + NAME.json (manifest); "
+                           "other formats are not read (convert them, e.g. with privfusion model train)"))
+            continue
+        if not NAME_RULE.match(stem):
+            out.append((p, f"{stem!r} is not a valid model name (1-128 letters, digits, '_', '.', '-', starting with a letter or digit)"))
+        elif other not in names:
+            out.append((p, f"has no {other} beside it: a model is both files"))
+        elif check and name.endswith(".json"):  # once per pair
+            try:
+                load_model(d, stem)
+            except (InvalidArgument, NotFound) as e:
+                out.append((p, f"does not load: {e}"))
+    if empty is not None and not complete:
+        out.append((d, empty))
+    return out
+
+
+def site_unusable_files(models: str | os.PathLike, pools: Mapping[str, str | os.PathLike] | None = None,
+                        probe: str | os.PathLike | None = None,
+                        base: str | os.PathLike | None = None) -> list[tuple[str, str]]:
+    """What a daemon configured with this model store, these pools and this probe set will not
+    serve, and why: :func:`unusable_files` of the store and of every pool (a pool directory that
+    is missing or holds no model is not offered), and a configured probe file that does not
+    exist yet (the daemon serves without one; rounds from the site and Fuse need it).
+
+    Paths are relative to ``base`` (the directory of site.toml) where they lie under it, so the
+    list can be shown to pinned peers without the site's absolute layout.
+    """
+    root = Path(base).resolve() if base is not None else None
+
+    def shown(p: Path) -> str:
+        if root is not None:
+            try:
+                return str(p.resolve().relative_to(root))
+            except ValueError:
+                pass
+        return str(p)
+
+    out = [(shown(p), f"model store {why}" if p == Path(models) else why) for p, why in unusable_files(models)]
+    for name, d in (pools or {}).items():
+        for p, why in unusable_files(d, empty="holds no model yet: the pool is not offered (privfusion pool train)"):
+            out.append((shown(p), f"pool {name!r}: {why}"))
+    if probe is not None and not Path(probe).exists():
+        out.append((shown(Path(probe)), "the probe set does not exist yet: the daemon serves without one "
+                                        "(rounds from this site and Fuse need it: privfusion probe make)"))
+    return out

@@ -1,0 +1,169 @@
+"""``privfusion site new``: a new site's directory, ready to serve.
+
+    privfusion site new --name hospital-a --dir site --listen 0.0.0.0:50051 [--address a.example.org ...]
+
+Makes, in DIR (which must not exist or be empty):
+
+- ``identity/`` — the site's key pair and self-signed certificate (as ``privfusion peer init``),
+  with an empty ``trusted/`` for the peers it will pin;
+- ``models/`` — an empty model store (``peer.nn.store``): ``privfusion model train`` writes the
+  site's models there, ``privfusion model adopt`` puts fused or merged models there;
+- ``pool/`` — an empty DP-SGD pool directory (``privfusion pool train`` fills it); a pool with
+  no model is not offered, and the daemon says so;
+- ``site.toml`` — the daemon's configuration with commented, conservative budgets (below), a
+  ledger path (``ledger.sqlite``, created when the daemon first starts) and the probe path
+  (``probe.safetensors``, made by ``privfusion probe make``; the daemon serves without it until
+  then).
+
+``privfusion peer serve --config DIR/site.toml`` works at once (it offers nothing yet).
+
+The default budgets (``site.toml`` says the same beside each number):
+
+- **data level** (central DP on the site's training records; unit: one training record,
+  replace-one — the unit ``privfusion pool train`` trains in by default): ε = 4 at δ = 1e-5
+  over *every* merge of the pool this site ever releases, all peers together. One RS merge at
+  a round's default target (ε = 2, δ = 1e-5) takes a large part of it: two such merges fit,
+  all peers together; raise it only with a reason.
+- **model level** (local DP on one model's neurons; unit: one neuron — its activation row on a
+  probe set and its incoming weights with bias): per model, ε = 24 at δ = 1e-5 in total and
+  ε = 12 at δ = 1e-5 per counterparty. A round at the default per-neuron parameters (features
+  at ε = 1 + 1, weights at (2, 1e-5)) costs a peer's model about ε ≈ 4 in the filter's terms
+  (RDP composition makes later rounds a little cheaper), so each counterparty can run three
+  such rounds against a model and all peers together seven (``tests/test_site.py`` counts
+  them against a real daemon; RS merges at (2, 1e-5): two, against the data level's ε = 4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from peer.base.errors import FailedPrecondition, InvalidArgument
+
+SITE_TOML = """\
+# site.toml of {name!r}, written by `privfusion site new`. Paths are relative to this file.
+# Schema: [site] in peer/net/daemon.py, [policy] in peer/budget/policy.py, [round] in
+# coordinator_free/rounds.py. Start the daemon with: privfusion peer serve --config site.toml
+
+[site]
+name = "{name}"                   # the CN of identity/site.crt: peers pin it under this name
+listen = "{listen}"
+identity = "identity"             # site.key (private, mode 600), site.crt, trusted/ (pinned peers)
+models = "models"                 # the models this site offers (privfusion model train / model adopt)
+ledger = "ledger.sqlite"          # the privacy-budget ledger: append-only, created on first start
+probe = "probe.safetensors"       # this site's PUBLIC probe set (privfusion probe make); peers see it
+# limits (defaults shown): no single peer can take the site down
+# workers = 32                    # streaming calls (releases, ledger listings) served at once
+# reserve_workers = 8             # more threads, kept for health checks and GetPeerInfo
+# max_calls_per_peer = 8          # calls one peer may have in progress (health checks exempt)
+
+[site.mechanisms]
+activation_clip = [0.0, 6.0]      # public range activations are clipped to before Laplace noise
+
+[site.pools.dpsgd]                # the DP-SGD pool for RS/LC merges (privfusion pool train)
+models = "pool"                   # not offered while it holds no model
+# validation = "validation.npz"   # public held-out x/y that judges merge candidates (default:
+#                                 # the split the pool's models say they were trained beside)
+
+# ---- budgets: everything is closed unless granted here ------------------------------------
+[policy]
+show_remaining = "own"            # a peer may see what is left of its own budgets
+
+[policy.data]                     # DATA LEVEL: central DP on this site's training records.
+unit = "record:replace-one"       # unit of privacy: one training record (replaced by another);
+                                  # must be the unit the pool was trained in (pool train --adjacency)
+epsilon = 4.0                     # all merges of the pool ever released, all peers together,
+delta = 1e-5                      # compose within (4, 1e-5)-DP per record. A round's default
+                                  # merge target is (2, 1e-5): two such merges fit.
+
+[policy.model]                    # MODEL LEVEL: local DP on one model's neurons (each model has
+                                  # its own). Unit of privacy: one neuron (its activations on the
+                                  # probe set and its incoming weights and bias). A round at the
+                                  # default parameters (features 1 + 1, weights (2, 1e-5)) costs
+                                  # about 4 here: seven rounds in total, three per peer.
+total = {{ epsilon = 24.0, delta = 1e-5 }}            # all counterparties together
+per_counterparty = {{ epsilon = 12.0, delta = 1e-5 }}  # each counterparty on its own
+
+[policy.caps]                     # the most epsilon one request may carry, per kind
+features = 4.0                    # activation + weight-feature epsilon, per neuron
+weights = 4.0                     # per neuron
+merge = 4.0                       # per training record
+
+[policy.peers."*"]                # every PINNED peer (privfusion peer trust add); others cannot connect
+allow = ["features", "weights", "merge", "ledger"]
+# [policy.peers."hospital-b"]     # a peer with its own rule
+# allow = ["features", "weights", "merge", "fuse", "ledger"]
+
+# ---- a fusion round started by this site (privfusion round --config site.toml) ----------------
+# [round]
+# roster = "roster.toml"          # the sites to fuse with (address and certificate of each)
+# model = "mlp"                   # our model to improve (a name in models/)
+# alpha = 0.5                     # our weight; the peers that contribute share 1 - alpha
+# quorum = 2                      # fewest sites (us included) a fused model may come from
+# method = "auto"                 # a merge where a peer offers a pool, else LDP features + weights
+# [round.features]                # per neuron, model level, charged at each peer
+# activation_epsilon = 1.0
+# weight_epsilon = 1.0
+# [round.weights]
+# epsilon = 2.0
+# delta = 1e-5
+# [round.merge]                   # per training record, data level, charged at each peer
+# method = "rs"
+# epsilon = 2.0
+# delta = 1e-5
+"""
+
+
+def default_addresses(listen: str) -> list[str]:
+    """The host of ``listen`` when it names one (not a wildcard): what peers will dial."""
+    host = listen.rpartition(":")[0].strip("[]")
+    return [] if host in ("0.0.0.0", "::", "") else [host]
+
+
+def new_site(name: str, directory: str | Path, listen: str, addresses: list[str] | None = None,
+             days: int = 730) -> Path:
+    """Make a site directory (see the module docstring); the path of its site.toml."""
+    from peer.net.daemon import check_listen
+    from peer.net.identity import check_site_name, init_identity
+
+    check_site_name(name, "--name")
+    check_listen(listen, "--listen")
+    d = Path(directory)
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise FailedPrecondition(f"--dir: {d} exists and is not an empty directory; a new site needs its own")
+    if '"' in listen or "\\" in listen:
+        raise InvalidArgument("--listen", f"must be HOST:PORT, got {listen!r}")
+    d.mkdir(parents=True, exist_ok=True)
+    init_identity(d / "identity", name, list(addresses or default_addresses(listen)), days=days)
+    (d / "models").mkdir()
+    (d / "pool").mkdir()
+    path = d / "site.toml"
+    path.write_text(SITE_TOML.format(name=name, listen=listen), encoding="utf-8")
+    return path
+
+
+def _new(args) -> int:
+    from peer.net.identity import CERT_FILE, format_fingerprint, load_identity
+
+    path = new_site(args.name, args.dir, args.listen, args.address, days=args.days)
+    d = Path(args.dir)
+    ident = load_identity(d / "identity")
+    print(f"site {args.name!r} in {d}: identity/ (key mode 600), models/ (empty), pool/ (empty), {path.name}")
+    print(f"certificate SHA-256 fingerprint: {format_fingerprint(ident.fingerprint)}")
+    print(f"give {d / 'identity' / CERT_FILE} to the sites you work with; read them this fingerprint over another channel")
+    print(f"next: privfusion model train --site {d} ...; privfusion pool train --site {d} ...; "
+          f"privfusion probe make ...; privfusion peer serve --config {path}")
+    return 0
+
+
+def register(subparsers) -> None:
+    site = subparsers.add_parser("site", help="make a new site's directory (identity, model store, site.toml)")
+    sub = site.add_subparsers(dest="site_command", metavar="ACTION")
+    sub.required = True
+    p = sub.add_parser("new", help="identity, empty model store and pool, ledger path and a commented site.toml")
+    p.add_argument("--name", required=True, help="the site name (certificate CN; how peers pin it)")
+    p.add_argument("--dir", required=True, help="the site directory to create (must not exist or be empty)")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where the daemon listens, e.g. 0.0.0.0:50051")
+    p.add_argument("--address", action="append", default=[],
+                   help="a host or IP peers dial this site by (repeatable; default: the host of --listen unless a wildcard)")
+    p.add_argument("--days", type=int, default=730, help="certificate validity in days (default 730)")
+    p.set_defaults(func=_new)
