@@ -16,7 +16,7 @@ from peer.base.errors import PrivFusionError
 
 # Modules in peer.cli, each with register(subparsers).
 COMMAND_MODULES: tuple[str, ...] = ("ledger", "account", "pool", "merge", "experiment", "peer", "release", "round", "simulate",
-                                   "site")
+                                   "site", "evaluate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,9 +35,12 @@ The default budgets (``site.toml`` says the same beside each number):
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from peer.base.errors import FailedPrecondition, InvalidArgument
+import numpy as np
+
+from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
 
 SITE_TOML = """\
 # site.toml of {name!r}, written by `privfusion site new`. Paths are relative to this file.
@@ -167,3 +170,116 @@ def register(subparsers) -> None:
                    help="a host or IP peers dial this site by (repeatable; default: the host of --listen unless a wildcard)")
     p.add_argument("--days", type=int, default=730, help="certificate validity in days (default 730)")
     p.set_defaults(func=_new)
+
+
+# ------------------------------------------------------------------------------ adopt, export
+
+
+def adopt_model(site: str | Path, source: str | Path, name: str, preprocessing_from: str | None = None) -> tuple[Path, dict]:
+    """Put a fused or merged model into the site's store as ``name``, with its provenance.
+
+    ``source`` is either a round's fused model (``rounds/models/MODEL-fused-ID``; its round
+    report ``rounds/round-ID.json``, with every signed receipt and every drop, is copied as
+    provenance, and the preprocessing of the round's own model comes with it: fusion keeps the
+    input space), or a release pair ``OUT.safetensors`` + ``OUT.json`` from ``privfusion
+    weights / merge / fuse``, whose signature, manifest and tensors are verified against the
+    site's pinned certificates first (``peer.net.client.verify_saved_release``; a release that
+    does not verify is refused) and whose document is copied as provenance; a release carries no
+    preprocessing, so it comes from ``preprocessing_from`` or the site's default.
+
+    Writes ``models/NAME.safetensors``, ``models/NAME.json`` (metadata: ``adopted`` — what, from
+    where, when — and ``preprocessing``) and ``models/NAME.provenance.json`` (the whole report
+    or release document). A name already in the store is refused. The daemon offers the model
+    after its next start; a round with ``[round] model = NAME`` starts from it.
+    """
+    from peer.base.records import now_rfc3339
+    from peer.cli.evaluate import describe_file_model, release_pair, site_default_preprocessing, site_models_dir, \
+        stored_preprocessing
+    from peer.nn.store import check_name, load_model, save_model, write_sidecar
+
+    check_name(name, "--name")
+    store = site_models_dir(site)
+    if (store / f"{name}.json").exists() or (store / f"{name}.safetensors").exists():
+        raise FailedPrecondition(f"--name: the site already has a model {name!r} in {store}; choose another name")
+    directory, stem = release_pair(source)
+    stored = load_model(directory, stem)
+    kind = describe_file_model(stored.metadata)
+    adopted: dict = {"from": str(Path(directory) / stem), "kind": kind, "at": now_rfc3339()}
+    prep, prep_source = None, None
+    if kind == "release":
+        from peer.net.client import verify_saved_release
+        from peer.net.daemon import SiteConfig
+        from peer.net.trust import TrustStore
+
+        config = SiteConfig.load(Path(site) / "site.toml")
+        check = verify_saved_release(Path(directory) / stem, TrustStore(config.identity / "trusted"))
+        meta = stored.metadata
+        record = meta.get("record", {})
+        adopted.update(release_kind=meta["release"]["kind"], signer=meta["release"]["signer"],
+                       ledger_entry_id=meta["release"]["ledger_entry_id"], release_id=record.get("release_id"),
+                       level=record.get("level"), unit=record.get("unit"), epsilon=record.get("epsilon"),
+                       delta=record.get("delta"), verified=True)
+        provenance = {"kind": "release", "verification": check, "document": json.loads((Path(directory) / f"{stem}.json").read_text())}
+    elif kind == "round":
+        round_meta = stored.metadata["round"]
+        report_path = Path(directory).parent / f"round-{round_meta['round_id']}.json"
+        if not report_path.is_file():
+            raise NotFound(f"--from: the round report {report_path} of {stem!r} is missing; it is the model's provenance")
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+        adopted.update(round_id=round_meta["round_id"], site=round_meta.get("site"), base_model=report.get("model"),
+                       contributors=round_meta.get("contributors"), weights=round_meta.get("weights"),
+                       report=str(report_path))
+        provenance = {"kind": "round", "report": report}
+        if preprocessing_from is None and report.get("model"):
+            base = load_model(store, report["model"]) if (store / f"{report['model']}.json").is_file() else None
+            prep = stored_preprocessing(base.metadata, report["model"]) if base is not None else None
+            prep_source = f"the round's own model {report['model']!r}" if prep is not None else None
+    else:
+        raise InvalidArgument("--from", f"{source} is neither a round's fused model nor a release; "
+                                        "a site's own models are already in its store")
+    if prep is None:
+        prep = stored_preprocessing(stored.metadata, stem)
+        prep_source = "stored with it" if prep is not None else None
+    if prep is None or preprocessing_from is not None:
+        prep, prep_source = site_default_preprocessing(site, preprocessing_from)
+    adopted["preprocessing_from"] = prep_source
+    metadata = {"adopted": adopted, "preprocessing": prep.to_dict()}
+    # provenance first: a model exists once its manifest does, and then its provenance is there
+    write_sidecar(store, name, ".provenance.json", provenance)
+    path = save_model(store, name, stored.architecture, stored.arrays, metadata)
+    return path, adopted
+
+
+EXPORT_FORMATS = ("safetensors", "pt")
+
+
+def export_model(site: str | Path, name: str, fmt: str, out: str | Path) -> Path:
+    """Write a site model's weights for use outside PrivFusion: a plain state_dict (keys as
+    torch's ``nn.Sequential`` of the architecture names them, float32).
+
+    ``safetensors``: the tensors, with the architecture JSON in the header metadata
+    (``privfusion_architecture``). ``pt``: ``torch.save`` of a dict of tensors only (loads with
+    ``torch.load(..., weights_only=True)``). Neither holds the preprocessing (its statistics come
+    from the site's training records and are not DP): the caller gets the weights, nothing else.
+    """
+    from peer.cli.evaluate import site_models_dir
+    from peer.nn.store import load_model
+
+    if fmt not in EXPORT_FORMATS:
+        raise InvalidArgument("--format", f"must be one of {list(EXPORT_FORMATS)}, got {fmt!r}")
+    stored = load_model(site_models_dir(site), name)
+    out = Path(out)
+    if out.exists():
+        raise FailedPrecondition(f"--out: {out} exists; export never overwrites")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in stored.arrays.items()}
+    if fmt == "safetensors":
+        from safetensors.numpy import save_file
+
+        save_file(arrays, str(out), metadata={"privfusion_architecture": json.dumps(stored.architecture, sort_keys=True),
+                                              "privfusion_model": name})
+    else:
+        import torch
+
+        torch.save({k: torch.from_numpy(v.copy()) for k, v in arrays.items()}, str(out))
+    return out

@@ -213,3 +213,16 @@ def site_unusable_files(models: str | os.PathLike, pools: Mapping[str, str | os.
         out.append((shown(Path(probe)), "the probe set does not exist yet: the daemon serves without one "
                                         "(rounds from this site and Fuse need it: privfusion probe make)"))
     return out
+
+
+def write_sidecar(directory: str | os.PathLike, name: str, suffix: str, document: Mapping[str, Any]) -> Path:
+    """Write a model's sidecar ``NAME + suffix`` (one of :data:`SIDECAR_SUFFIXES`) as JSON,
+    atomically. Written before the model itself, a sidecar is never missing for a model."""
+    check_name(name)
+    if suffix not in SIDECAR_SUFFIXES:
+        raise InvalidArgument("suffix", f"must be one of {list(SIDECAR_SUFFIXES)}, got {suffix!r}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{name}{suffix}"
+    _atomic_write(path, json.dumps(document, indent=2, sort_keys=True, default=str).encode())
+    return path
