@@ -64,8 +64,8 @@ activation_clip = [0.0, 6.0]      # public range activations are clipped to befo
 
 [site.pools.dpsgd]                # the DP-SGD pool for RS/LC merges (privfusion pool train)
 models = "pool"                   # not offered while it holds no model
-# validation = "validation.npz"   # public held-out x/y that judges merge candidates (default:
-#                                 # the split the pool's models say they were trained beside)
+validation = "validation.npz"     # PUBLIC labelled x/y that judges merge candidates (privfusion
+                                  # probe make --label COL --pool dpsgd); needed once the pool has models
 
 # ---- budgets: everything is closed unless granted here ------------------------------------
 [policy]
