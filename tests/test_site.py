@@ -133,6 +133,10 @@ def test_the_default_budgets_admit_the_documented_number_of_rounds(tmp_path):
     site = new(tmp_path)
     save_model(site.root / "models", "mlp", ARCH, model_arrays())
     make_pool(site.root / "pool", noise=(8.0, 12.0), steps=5)
+    from peer.dp.pools import load_splits
+
+    s = load_splits("digits")
+    np.savez(site.root / "validation.npz", x=s.x_val, y=s.y_val)  # what probe make --label writes
     peers = [make_site(tmp_path, f"r{i}", models={}) for i in range(4)]
     pin_each_other(site, *peers)
     probe = np.random.default_rng(0).random((20, 64))

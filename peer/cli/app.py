@@ -16,7 +16,8 @@ from peer.base.errors import PrivFusionError
 
 # Modules in peer.cli, each with register(subparsers).
 COMMAND_MODULES: tuple[str, ...] = ("ledger", "account", "pool", "merge", "experiment", "peer", "release", "round", "simulate",
-                                   "site", "evaluate")
+                                    "model", "probe",
+                                    "site", "evaluate")
 
 
 def build_parser() -> argparse.ArgumentParser:

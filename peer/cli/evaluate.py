@@ -78,12 +78,6 @@ def classification_metrics(y_true: np.ndarray, proba: np.ndarray, classes: Seque
 # ------------------------------------------------------------------------------ what to score
 
 
-def stored_preprocessing(metadata: Mapping[str, Any], where: str):
-    """The ``Preprocessing`` a model's metadata holds, or None."""
-    from peer.nn.tables import Preprocessing
-
-    data = metadata.get("preprocessing")
-    return None if data is None else Preprocessing.from_dict(data, f"{where}.metadata.preprocessing")
 
 
 def site_models_dir(site: str | Path) -> Path:
@@ -104,14 +98,13 @@ def site_default_preprocessing(site: str | Path, name: str | None = None):
 
     store = site_models_dir(site)
     if name is not None:
-        m = load_model(store, name)
-        p = stored_preprocessing(m.metadata, name)
+        p = load_model(store, name).preprocessing
         if p is None:
             raise FailedPrecondition(f"--preprocessing-from: the site's model {name!r} holds no preprocessing")
         return p, f"the site's model {name!r}"
     found: dict[str, tuple[Any, list[str]]] = {}
     for n in list_models(store):
-        p = stored_preprocessing(load_model(store, n).metadata, n)
+        p = load_model(store, n).preprocessing
         if p is not None:
             key = json.dumps(p.to_dict(), sort_keys=True)
             found.setdefault(key, (p, []))[1].append(n)
@@ -155,7 +148,7 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
     store = site_models_dir(site) if site is not None else None
     if store is not None and NAME_RULE.match(model) and (store / f"{model}.json").is_file():
         stored = load_model(store, model)
-        prep = stored_preprocessing(stored.metadata, model)
+        prep = stored.preprocessing
         source = f"stored with the model {model!r}"
         if prep is None or preprocessing_from is not None:
             prep, source = site_default_preprocessing(site, preprocessing_from)
@@ -163,7 +156,7 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
     directory, name = release_pair(model)
     stored = load_model(directory, name)
     kind = describe_file_model(stored.metadata)
-    prep = stored_preprocessing(stored.metadata, name)
+    prep = stored.preprocessing
     source = f"stored with the model {name!r}"
     if prep is None or preprocessing_from is not None:
         if site is None:

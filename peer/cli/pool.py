@@ -1,7 +1,15 @@
-"""``privfusion pool``: train a pool of DP-SGD models on a bundled dataset, list a pool.
+"""``privfusion pool``: train a pool of DP-SGD models, list a pool.
 
+    privfusion pool train --site DIR --data FILE --label COL [--pool NAME] [--model noise=2,clip=1 ...]
     privfusion pool train --dataset digits --out POOL [--model noise=2,clip=1 ...] [--json]
     privfusion pool list --pool POOL [--json]
+
+On a site's own records (``--data``): the records are split into the protected training
+records DP-SGD sees (the unit of privacy is one of them) and a held-out part that only reports
+accuracy here; the preprocessing is fitted on the training records and stored with every model
+of the pool. The declared dataset size n of DP-SGD — the public constant of the update's
+denominator — is the number of training records; it is printed and recorded. The bundled
+``--dataset`` path stays for demonstrations.
 """
 
 from __future__ import annotations
@@ -57,24 +65,92 @@ def _architecture(text: str, splits) -> dict:
 
 def train(args: argparse.Namespace) -> int:
     from peer.nn.architectures import torch_threads
+
+    if args.data is not None:
+        if args.dataset is not None:
+            raise InvalidArgument("--dataset", "give a bundled dataset or the site's own records (--data), not both")
+        if args.label is None:
+            raise InvalidArgument("--label", "is required with --data")
+        if (args.site is None) == (args.out is None):
+            raise InvalidArgument("--site", "give the site's directory (--site) or a pool directory (--out), one of them")
+        with torch_threads(1):
+            return _train_records(args)
+    for flag in ("label", "features", "preprocessing", "site"):
+        if getattr(args, flag):
+            raise InvalidArgument(f"--{flag}", "belongs with the site's own records (--data)")
+    if args.out is None:
+        raise InvalidArgument("--out", "is required with a bundled --dataset")
+    args.dataset = args.dataset or "digits"
     with torch_threads(1):
         return _train(args)
 
 
-def _train(args: argparse.Namespace) -> int:
+def _specs(args: argparse.Namespace):
     from peer.dp.accounting import TrainingRecord
-    from peer.nn.architectures import accuracy, model_from_arrays
-    from peer.dp.pools import load_splits, save_trained
-    from peer.base.rng import make_randomness
-    from peer.dp.training import train_pool
-    splits = load_splits(args.dataset, split_seed=args.split_seed, validation_fraction=args.validation_fraction)
-    arch = _architecture(args.architecture, splits)
+
     defaults = {"lr": args.learning_rate, "steps": args.steps, "q": args.sample_rate}
     specs = [parse_model_spec(s, defaults, i) for i, s in enumerate(args.model or DEFAULT_MODELS)]
     names = [n for n, _ in specs]
     if len(set(names)) != len(names):
         raise InvalidArgument("model", f"names must be distinct, got {names}")
     trainings = [TrainingRecord.constant(args.adjacency, v["steps"], v["lr"], v["clip"], v["noise"], v["q"]) for _, v in specs]
+    return names, trainings
+
+
+def _train_records(args: argparse.Namespace) -> int:
+    from peer.base.rng import make_randomness
+    from peer.cli.model import (
+        architecture_arg,
+        progress_bar,
+        records_from_args,
+        site_paths,
+    )
+    from peer.dp.pools import save_trained
+    from peer.dp.training import train_pool
+    from peer.nn.architectures import accuracy, model_from_arrays
+
+    if args.site is not None:
+        pool_name, directory = site_paths(args.site).pool(args.pool)
+    else:
+        pool_name, directory = args.pool or "pool", args.out
+    names, trainings = _specs(args)
+    records = records_from_args(args)
+    prep = records.preprocessing
+    arch = architecture_arg(args.architecture, None, prep, [])
+    n = len(records.y_train)
+    print(f"DP-SGD on {n} training records of {records.description['file']} "
+          f"({records.description['validation_rows']} held out): declared dataset size n = {n} "
+          f"(public; the unit of privacy is one training record, {args.adjacency})", file=sys.stderr)
+    randomness = make_randomness(args.seed)
+    with progress_bar(sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "step") as step:
+        models = train_pool(arch, records.x_train, records.y_train, trainings, init_seed=args.init_seed,
+                            randomness=randomness, delta=args.delta, progress=step)
+    summary = []
+    for name, model in zip(names, models):
+        module = model_from_arrays(model.architecture, model.arrays)
+        val = accuracy(model.architecture, module, records.x_val, records.y_val)
+        save_trained(directory, name, model, accuracy=val, data=records.description, preprocessing=prep)
+        summary.append({"name": name, "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
+                        "delta": model.record.delta, "training": model.training.to_dict(), "validation_accuracy": val})
+    out = {"pool": str(directory), "pool_name": pool_name, "data": records.description, "architecture": arch,
+           "init_seed": args.init_seed, "dataset_size": models[0].dataset_size, "input_width": prep.width,
+           "classes": list(prep.classes), **randomness.record_fields(), "models": summary}
+    _emit(out, args.json)
+    if not args.json:
+        print(f"pool {pool_name} in {directory}: declared dataset size n = {models[0].dataset_size}; preprocessing stored with "
+              f"every model. Validation accuracy is on the held-out part of the site's own records (site-local); "
+              f"merges are judged on a public validation file (privfusion probe make --label {prep.label} --pool {pool_name})")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from peer.nn.architectures import accuracy, model_from_arrays
+    from peer.dp.pools import load_splits, save_trained
+    from peer.base.rng import make_randomness
+    from peer.dp.training import train_pool
+    splits = load_splits(args.dataset, split_seed=args.split_seed, validation_fraction=args.validation_fraction)
+    arch = _architecture(args.architecture, splits)
+    names, trainings = _specs(args)
     randomness = make_randomness(args.seed)
     models = train_pool(arch, splits.x_train, splits.y_train, trainings, init_seed=args.init_seed, randomness=randomness, delta=args.delta)
     summary = []
@@ -117,15 +193,24 @@ def _emit(out: dict, as_json: bool) -> None:
 
 
 def register(subparsers) -> None:
+    from peer.cli.model import add_record_options
+
     pool = subparsers.add_parser("pool", help="train or list a pool of DP-SGD models")
     sub = pool.add_subparsers(dest="pool_command", metavar="ACTION")
     sub.required = True
 
-    t = sub.add_parser("train", help="train DP-SGD models on a bundled dataset into a pool directory")
-    t.add_argument("--dataset", default="digits", choices=("digits", "breast_cancer"))
-    t.add_argument("--out", required=True, help="pool directory (a model store)")
+    t = sub.add_parser("train", help="train DP-SGD models on the site's own records (or a bundled dataset) into a pool",
+                       description="Train a pool of DP-SGD models from one public initialisation. With --data: on the "
+                                   "site's own records (the declared dataset size n is the number of training records; "
+                                   "the preprocessing is fitted on them and stored with every model). With --dataset: "
+                                   "on a bundled scikit-learn set (demonstrations).")
+    t.add_argument("--site", metavar="DIR", help="the site's directory: the pool goes where its site.toml says (default DIR/pool)")
+    t.add_argument("--pool", metavar="NAME", help="which of the site's pools ([site.pools.NAME]); default: its only one")
+    t.add_argument("--dataset", default=None, choices=("digits", "breast_cancer"), help="a bundled dataset (default digits when --data is not given)")
+    t.add_argument("--out", help="pool directory (a model store), instead of --site")
+    add_record_options(t, required=False)
     t.add_argument("--architecture", default='{"kind": "mlp", "hidden": []}',
-                   help="architecture JSON (peer.nn.architectures); input/output sizes are filled in from the dataset. Default: logistic regression")
+                   help="architecture JSON (peer.nn.architectures); input/output sizes are filled in from the data. Default: logistic regression")
     t.add_argument("--model", action="append", metavar="SPEC",
                    help="one model: noise=SIGMA,clip=C[,lr=ETA][,steps=T][,q=RATE][,name=NAME]; repeat for several "
                         f"(default: {' '.join(DEFAULT_MODELS)})")
@@ -136,8 +221,6 @@ def register(subparsers) -> None:
     t.add_argument("--delta", type=float, default=1e-5, help="delta at which each model's epsilon is recorded (default 1e-5)")
     t.add_argument("--init-seed", type=int, default=0, help="public seed of the common initialisation (default 0)")
     t.add_argument("--seed", type=int, default=None, help="fixed noise seed (tests/simulations only; default: CSPRNG)")
-    t.add_argument("--split-seed", type=int, default=0)
-    t.add_argument("--validation-fraction", type=float, default=0.2, help="held-out validation share of the training part (default 0.2)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.set_defaults(func=train)
 

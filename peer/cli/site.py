@@ -187,14 +187,13 @@ def adopt_model(site: str | Path, source: str | Path, name: str, preprocessing_f
     does not verify is refused) and whose document is copied as provenance; a release carries no
     preprocessing, so it comes from ``preprocessing_from`` or the site's default.
 
-    Writes ``models/NAME.safetensors``, ``models/NAME.json`` (metadata: ``adopted`` — what, from
-    where, when — and ``preprocessing``) and ``models/NAME.provenance.json`` (the whole report
+    Writes ``models/NAME.safetensors``, ``models/NAME.json`` (metadata ``adopted``: what, from
+    where, when; and the preprocessing) and ``models/NAME.provenance.json`` (the whole report
     or release document). A name already in the store is refused. The daemon offers the model
     after its next start; a round with ``[round] model = NAME`` starts from it.
     """
     from peer.base.records import now_rfc3339
-    from peer.cli.evaluate import describe_file_model, release_pair, site_default_preprocessing, site_models_dir, \
-        stored_preprocessing
+    from peer.cli.evaluate import describe_file_model, release_pair, site_default_preprocessing, site_models_dir
     from peer.nn.store import check_name, load_model, save_model, write_sidecar
 
     check_name(name, "--name")
@@ -232,21 +231,20 @@ def adopt_model(site: str | Path, source: str | Path, name: str, preprocessing_f
         provenance = {"kind": "round", "report": report}
         if preprocessing_from is None and report.get("model"):
             base = load_model(store, report["model"]) if (store / f"{report['model']}.json").is_file() else None
-            prep = stored_preprocessing(base.metadata, report["model"]) if base is not None else None
+            prep = base.preprocessing if base is not None else None
             prep_source = f"the round's own model {report['model']!r}" if prep is not None else None
     else:
         raise InvalidArgument("--from", f"{source} is neither a round's fused model nor a release; "
                                         "a site's own models are already in its store")
     if prep is None:
-        prep = stored_preprocessing(stored.metadata, stem)
+        prep = stored.preprocessing
         prep_source = "stored with it" if prep is not None else None
     if prep is None or preprocessing_from is not None:
         prep, prep_source = site_default_preprocessing(site, preprocessing_from)
     adopted["preprocessing_from"] = prep_source
-    metadata = {"adopted": adopted, "preprocessing": prep.to_dict()}
     # provenance first: a model exists once its manifest does, and then its provenance is there
     write_sidecar(store, name, ".provenance.json", provenance)
-    path = save_model(store, name, stored.architecture, stored.arrays, metadata)
+    path = save_model(store, name, stored.architecture, stored.arrays, {"adopted": adopted}, preprocessing=prep)
     return path, adopted
 
 

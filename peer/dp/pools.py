@@ -6,6 +6,9 @@ A pool is one model store directory (``peer.nn.store``): each model is ``NAME.sa
     {"training": TrainingRecord dict, "record": "dpsgd" ReleaseRecord dict,
      "accuracy": accuracy on the held-out validation split, "data": how the data was split}
 
+and, for a pool trained on a site's own records (``privfusion pool train --data``), the
+manifest's "preprocessing" (``peer.nn.tables.Preprocessing``), the same for every model.
+
 A model known only by its final (ε, δ) has a "record" and no "training"; it can be merged by
 random selection only.
 
@@ -14,6 +17,11 @@ validation* split (``validation_fraction``, default 0.2) and the rest, the *prot
 records that DP-SGD sees and the guarantee covers. The validation split is what merging uses to
 choose π/λ; it is not protected by the pool's guarantee (treat it as public, or as data the site
 is willing to spend no privacy on). The test split is for reporting only.
+
+A site's own records (``peer.nn.tables.prepare_records``) are split the same way into protected
+training records and a held-out part. The held-out part only reports accuracy locally; the
+validation set that judges merges is made from a file the site declares public
+(``privfusion probe make --label``, written to the pool's ``validation`` file).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from peer.nn.architectures import accuracy, model_from_arrays
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
 from peer.nn.store import _atomic_write, list_models, load_model, save_model
+from peer.nn.tables import Preprocessing
 from peer.dp.training import TrainedModel
 
 
@@ -82,14 +91,29 @@ def splits_from_description(description: Mapping[str, Any]) -> Splits:
         raise InvalidArgument("metadata.data", f"is malformed: {e}") from None
 
 
-def save_trained(directory: str | os.PathLike, name: str, model: TrainedModel, *, accuracy: float | None = None, data: Mapping[str, Any] | None = None) -> Path:
-    """Store one DP-SGD model with its training record and release record."""
+def save_trained(directory: str | os.PathLike, name: str, model: TrainedModel, *, accuracy: float | None = None,
+                 data: Mapping[str, Any] | None = None, preprocessing: Preprocessing | None = None) -> Path:
+    """Store one DP-SGD model with its training record and release record (and the
+    preprocessing of the records it was trained on, when they were a site's own table)."""
     metadata: dict[str, Any] = {"training": model.training.to_dict(), "record": model.record.with_(subject=name).to_dict()}
     if accuracy is not None:
         metadata["accuracy"] = float(accuracy)
     if data is not None:
         metadata["data"] = dict(data)
-    return save_model(directory, name, model.architecture, model.arrays, metadata)
+    return save_model(directory, name, model.architecture, model.arrays, metadata, preprocessing)
+
+
+def pool_preprocessing(directory: str | os.PathLike) -> Preprocessing | None:
+    """The preprocessing a pool's models were trained with (None for a bundled dataset's pool);
+    refused when its models disagree, since one validation set must fit them all."""
+    preps = {name: load_model(directory, name).preprocessing for name in list_models(directory)}
+    if not preps:
+        raise InvalidArgument("pool", f"{str(directory)!r} holds no models")
+    dicts = {name: None if p is None else p.to_dict() for name, p in preps.items()}
+    first = next(iter(dicts.values()))
+    if any(d != first for d in dicts.values()):
+        raise InvalidArgument("pool", f"the models of {str(directory)!r} were trained with different preprocessing; a pool shares one")
+    return next(iter(preps.values()))
 
 
 def _privacy_of(name: str, metadata: Mapping[str, Any]) -> tuple[TrainingRecord | ApproxDP, int | None]:
@@ -131,6 +155,10 @@ def pool_validation(pool: Sequence[PoolModel]) -> tuple[np.ndarray, np.ndarray]:
         raise InvalidArgument("validation", f"models {missing} do not say which data they were trained on; give a validation file (x, y held out from the protected data)")
     if any(dict(d) != dict(described[0]) for d in described[1:]):
         raise InvalidArgument("validation", "the pool's models were trained on different data splits; give a validation file")
+    if "dataset" not in described[0] and "file" in described[0]:
+        raise InvalidArgument("validation", f"the pool was trained on the site's own records ({described[0]['file']}); its held-out part is "
+                                            "not public. Make a validation file from public records with `privfusion probe make "
+                                            "--data PUBLIC --label COL --pool NAME` and name it in [site.pools.NAME] validation")
     s = splits_from_description(described[0])
     return s.x_val, s.y_val
 

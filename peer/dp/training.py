@@ -136,6 +136,7 @@ def run_dpsgd(
     randomness: Randomness,
     dataset_size: int | None = None,
     replicas: int | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> DPSGDRun:
     """Run DP-SGD from ``params0`` through ``steps`` (objects with ``learning_rate``,
     ``clip_norm``, ``noise_multiplier``, ``sample_rate``, e.g. the accountant's GaussianStep).
@@ -144,6 +145,7 @@ def run_dpsgd(
     is q_t·dataset_size (``dataset_size`` defaults to len(x); it is the public constant n of the
     module docstring). ``replicas=R`` runs R independent copies at once (params then carry a
     leading axis of size R; used for Monte Carlo studies), each with its own noise and batches.
+    ``progress`` is called after every step (a progress bar; it sees nothing of the run).
     """
     n_records = int(x.shape[0])
     if n_records == 0:
@@ -183,6 +185,8 @@ def run_dpsgd(
                 params = dpsgd_step(loss_fn, params, x, y, learning_rate=lr, clip_norm=c, noise_multiplier=sigma, denominator=denominator, noise=noise, mask=mask)
             else:
                 params = step_fn(params, noise, mask, lr, c, sigma, denominator)
+        if progress is not None:
+            progress()
     return DPSGDRun({k: v.detach() for k, v in params.items()}, None if batch_sizes is None else tuple(batch_sizes))
 
 
@@ -242,6 +246,7 @@ def train_dpsgd_classifier(
     delta: float,
     dataset_size: int | None = None,
     subject: str = "",
+    progress: Callable[[], None] | None = None,
 ) -> TrainedModel:
     """Train ``architecture`` (peer.nn.architectures) on (x, y) with cross-entropy by DP-SGD, running
     exactly ``training.steps`` from the public initialisation build_model(arch, seed=init_seed).
@@ -252,7 +257,7 @@ def train_dpsgd_classifier(
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
     n = len(xt) if dataset_size is None else dataset_size
     params0 = {k: v.detach() for k, v in model.named_parameters()}
-    run = run_dpsgd(classifier_loss(model), params0, xt, yt, training.steps, randomness=randomness, dataset_size=n)
+    run = run_dpsgd(classifier_loss(model), params0, xt, yt, training.steps, randomness=randomness, dataset_size=n, progress=progress)
     arrays = {k: v.numpy().astype(np.float32) for k, v in run.params.items()}
     record = dpsgd_release_record(training, delta=delta, dataset_size=n, randomness=randomness, init_seed=init_seed, architecture=arch, subject=subject)
     return TrainedModel(arch, arrays, training, record, int(n), int(init_seed))
@@ -268,6 +273,7 @@ def train_pool(
     randomness: Randomness,
     delta: float,
     dataset_size: int | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> list[TrainedModel]:
     """Several DP-SGD models on the same data from the same public initialisation, each with its
     own independent noise stream (``randomness.spawn()``): the independence LC relies on."""
@@ -277,6 +283,7 @@ def train_pool(
     if len(adjacencies) > 1:
         raise InvalidArgument("trainings", f"one pool has one unit of privacy; got adjacencies {sorted(adjacencies)}")
     return [
-        train_dpsgd_classifier(architecture, x, y, t, init_seed=init_seed, randomness=randomness.spawn(), delta=delta, dataset_size=dataset_size)
+        train_dpsgd_classifier(architecture, x, y, t, init_seed=init_seed, randomness=randomness.spawn(), delta=delta, dataset_size=dataset_size,
+                               progress=progress)
         for t in trainings
     ]

@@ -228,17 +228,19 @@ def train_classifier(
     weight_decay: float = 0.0,
     init: nn.Module | None = None,
     threads: int = 1,
+    progress=None,
 ) -> nn.Sequential:
     """Plain (non-private) Adam training with cross-entropy; deterministic given ``seed``.
-    Runs on ``threads`` torch threads (one by default: see :func:`torch_threads`)."""
+    Runs on ``threads`` torch threads (one by default: see :func:`torch_threads`);
+    ``progress()`` is called after every epoch (a progress bar)."""
     if len(x) == 0:
         raise InvalidArgument("x", "training set is empty")
     with torch_threads(threads):
         return _train(arch, x, y, seed=seed, epochs=epochs, batch_size=batch_size,
-                      learning_rate=learning_rate, weight_decay=weight_decay, init=init)
+                      learning_rate=learning_rate, weight_decay=weight_decay, init=init, progress=progress)
 
 
-def _train(arch, x, y, *, seed, epochs, batch_size, learning_rate, weight_decay, init) -> nn.Sequential:
+def _train(arch, x, y, *, seed, epochs, batch_size, learning_rate, weight_decay, init, progress=None) -> nn.Sequential:
     model = copy.deepcopy(init) if init is not None else build_model(arch, seed=seed)
     g = torch.Generator().manual_seed(seed)
     xt = input_tensor(arch, x)
@@ -253,5 +255,7 @@ def _train(arch, x, y, *, seed, epochs, batch_size, learning_rate, weight_decay,
             opt.zero_grad()
             loss_fn(model(xt[idx]), yt[idx]).backward()
             opt.step()
+        if progress is not None:
+            progress()
     model.eval()
     return model

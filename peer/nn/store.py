@@ -4,7 +4,14 @@ Layout of a store directory::
 
     NAME.safetensors   # the weights, keyed like the torch state dict ("0.weight", ...)
     NAME.json          # {"format": 1, "name": NAME, "architecture": {...},
-                       #  "metadata": {...}}   # e.g. the DP-SGD training record, accuracy
+                       #  "metadata": {...},   # e.g. the DP-SGD training record, accuracy
+                       #  "preprocessing": {...}}  # optional: how records become inputs
+                       #                       # (peer.nn.tables.Preprocessing, JSON)
+
+A model trained on a site's own records carries its preprocessing (standardisation statistics,
+category lists, label classes, fill values), so that whatever uses the model later prepares
+inputs exactly as in training. It is site-local: fitted on protected training records and not
+covered by any DP guarantee, it is never sent to a peer.
 
 Nothing here is pickled: safetensors holds only raw tensors, the manifest is JSON. Writes are
 atomic (temporary file, fsync, rename), so a crash never leaves a half-written model behind.
@@ -26,6 +33,7 @@ from safetensors.numpy import load_file, save
 
 from peer.base.errors import InvalidArgument, NotFound
 from peer.nn.architectures import model_from_arrays, validate_architecture
+from peer.nn.tables import Preprocessing, input_size
 
 FORMAT = 1
 NAME_RULE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -37,6 +45,7 @@ class StoredModel:
     architecture: Mapping[str, Any]
     arrays: Mapping[str, np.ndarray]
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    preprocessing: Preprocessing | None = None
 
     def module(self):
         """The torch module (validates every array against the architecture)."""
@@ -68,17 +77,32 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
+def _check_preprocessing(preprocessing: Preprocessing | Mapping[str, Any] | None, arch: Mapping[str, Any],
+                         where: str) -> Preprocessing | None:
+    if preprocessing is None:
+        return None
+    prep = preprocessing if isinstance(preprocessing, Preprocessing) else Preprocessing.from_dict(preprocessing, where)
+    if prep.width != input_size(arch):
+        raise InvalidArgument(where, f"prepares {prep.width} input entries but the architecture takes {input_size(arch)}")
+    return prep
+
+
 def save_model(directory: str | os.PathLike, name: str, architecture: Mapping[str, Any],
-               arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | None = None) -> Path:
-    """Write a model (weights first, manifest last: a model exists once its manifest does)."""
+               arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | None = None,
+               preprocessing: Preprocessing | Mapping[str, Any] | None = None) -> Path:
+    """Write a model (weights first, manifest last: a model exists once its manifest does),
+    with the preprocessing of the records it was trained on when there is one."""
     check_name(name)
     arch = validate_architecture(architecture)
     model_from_arrays(arch, arrays)  # names, shapes, finiteness
+    prep = _check_preprocessing(preprocessing, arch, "preprocessing")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()}
     _atomic_write(d / f"{name}.safetensors", save(tensors))
     manifest = {"format": FORMAT, "name": name, "architecture": arch, "metadata": dict(metadata or {})}
+    if prep is not None:
+        manifest["preprocessing"] = prep.to_dict()
     _atomic_write(d / f"{name}.json", json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode())
     return d / f"{name}.json"
 
@@ -101,7 +125,8 @@ def load_model(directory: str | os.PathLike, name: str) -> StoredModel:
         raise InvalidArgument(f"{wpath.name}", f"is not a readable safetensors file: {e}") from None
     arch = validate_architecture(manifest.get("architecture"))
     model_from_arrays(arch, arrays)
-    return StoredModel(name, arch, arrays, manifest.get("metadata", {}))
+    prep = _check_preprocessing(manifest.get("preprocessing"), arch, f"{mpath.name}: preprocessing")
+    return StoredModel(name, arch, arrays, manifest.get("metadata", {}), prep)
 
 
 def list_models(directory: str | os.PathLike) -> list[str]:
