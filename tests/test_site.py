@@ -214,3 +214,74 @@ def test_export_writes_a_plain_state_dict(tmp_path, fmt):
         assert np.array_equal(state[k].numpy(), v)
     with pytest.raises(FailedPrecondition, match="--out"):
         export_model(site.root, "mlp", fmt, out)
+
+
+# ------------------------------------------------------------------------------ releases: evaluate, adopt
+
+
+def _site_with_records_model(tmp_path, name, csv_path):
+    from peer.nn.architectures import state_arrays, train_classifier
+    from peer.nn.tables import architecture_for, prepare_records
+
+    site = new(tmp_path, name)
+    records = prepare_records(csv_path, label="readmitted_30d")
+    arch = architecture_for("mlp", records.preprocessing, hidden=[8])
+    model = train_classifier(arch, records.x_train, records.y_train, seed=0, epochs=15)
+    save_model(site.root / "models", "readmission", arch, state_arrays(model), preprocessing=records.preprocessing)
+    return site
+
+
+def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path):
+    import shutil
+
+    from peer.cli.evaluate import evaluate
+    from peer.cli.site import adopt_model
+    from peer.net.client import save_release
+    from peer.net.client import PeerClient
+    from test_site_e2e import synthesise
+
+    rng = np.random.default_rng(5)
+    for f, rows in (("a.csv", 200), ("b.csv", 200), ("test.csv", 200)):
+        synthesise(tmp_path / f, rows, rng)
+    a = _site_with_records_model(tmp_path, "site-a", tmp_path / "a.csv")
+    b = _site_with_records_model(tmp_path, "site-b", tmp_path / "b.csv")
+    pin_each_other(a, b)
+    probe = np.random.default_rng(0).normal(size=(16, load_model(a.root / "models", "readmission").preprocessing.width))
+    with running(b) as (_, address):
+        with PeerClient(a.identity, address, peer="site-b") as c:
+            save_release(c.weights("readmission", epsilon=4.0, delta=1e-5), tmp_path / "got" / "weights-b")
+            save_release(c.features("readmission", probe, activation_epsilon=1.0, weight_epsilon=1.0), tmp_path / "got" / "features-b")
+    release = str(tmp_path / "got" / "weights-b")
+    test = str(tmp_path / "test.csv")
+
+    # a release carries no preprocessing: the site's default (its one model's), said so; or the named one
+    scored = evaluate(release, test, "readmitted_30d", site=str(a.root))
+    assert scored["kind"] == "release" and "site's default" in scored["preprocessing"] and "carries none" in scored["preprocessing"]
+    named = evaluate(release + ".safetensors", test, "readmitted_30d", site=str(a.root), preprocessing_from="readmission")
+    assert "'readmission'" in named["preprocessing"] and named["accuracy"] == scored["accuracy"]
+    with pytest.raises(InvalidArgument, match="--site"):
+        evaluate(release, test, "readmitted_30d")
+    with pytest.raises(InvalidArgument, match="holds no model"):
+        evaluate(str(tmp_path / "got" / "features-b"), test, "readmitted_30d", site=str(a.root))
+
+    path, adopted = adopt_model(a.root, release, "readmission-b")
+    assert adopted["kind"] == "release" and adopted["signer"] == "site-b" and adopted["verified"]
+    assert (adopted["level"], adopted["epsilon"], adopted["delta"]) == ("model", 4.0, 1e-5)
+    provenance = json.loads((a.root / "models" / "readmission-b.provenance.json").read_text())
+    assert provenance["document"]["metadata"]["receipt"]["signer"] == "site-b"
+    stored = load_model(a.root / "models", "readmission-b")
+    assert stored.preprocessing == load_model(a.root / "models", "readmission").preprocessing
+    assert evaluate("readmission-b", test, "readmitted_30d", site=str(a.root))["accuracy"] == scored["accuracy"]
+    assert unusable_files(a.root / "models", check=True) == []  # the sidecar belongs to its model
+    with pytest.raises(FailedPrecondition, match="--name"):
+        adopt_model(a.root, release, "readmission-b")
+
+    # a release whose bytes were changed after signing is refused, and nothing is written
+    for suffix in (".safetensors", ".json"):
+        shutil.copy(release + suffix, tmp_path / "got" / f"tampered{suffix}")
+    raw = bytearray((tmp_path / "got" / "tampered.safetensors").read_bytes())
+    raw[-1] ^= 0x01
+    (tmp_path / "got" / "tampered.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(InvalidArgument, match="sha256"):
+        adopt_model(a.root, tmp_path / "got" / "tampered", "tampered")
+    assert not list((a.root / "models").glob("tampered*"))

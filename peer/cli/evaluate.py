@@ -126,6 +126,12 @@ def release_pair(path: str | Path) -> tuple[Path, str]:
             p = p.with_name(p.name[: -len(suffix)])
     if not (p.with_name(p.name + ".json").is_file() and p.with_name(p.name + ".safetensors").is_file()):
         raise NotFound(f"--model: {path} is not a model pair ({p.name}.safetensors + {p.name}.json beside it)")
+    try:
+        doc = json.loads(p.with_name(p.name + ".json").read_text(encoding="utf-8"))
+    except ValueError:
+        doc = None  # not JSON: the store's loader says so
+    if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
+        describe_file_model(doc["metadata"])  # a release that holds no model is named as such
     return p.parent, p.name
 
 
@@ -143,7 +149,7 @@ def describe_file_model(metadata: Mapping[str, Any]) -> str:
 
 def load_for_scoring(model: str, site: str | None, preprocessing_from: str | None):
     """``(StoredModel, Preprocessing, description)`` of what ``--model`` names."""
-    from peer.nn.store import NAME_RULE, load_model
+    from peer.nn.store import NAME_RULE, load_model, load_model_pair
 
     store = site_models_dir(site) if site is not None else None
     if store is not None and NAME_RULE.match(model) and (store / f"{model}.json").is_file():
@@ -154,7 +160,7 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
             prep, source = site_default_preprocessing(site, preprocessing_from)
         return stored, prep, {"model": model, "site": str(site), "kind": "site model", "preprocessing": source}
     directory, name = release_pair(model)
-    stored = load_model(directory, name)
+    stored = load_model_pair(directory / name)
     kind = describe_file_model(stored.metadata)
     prep = stored.preprocessing
     source = f"stored with the model {name!r}"

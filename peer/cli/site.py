@@ -153,8 +153,12 @@ def _new(args) -> int:
     print(f"site {args.name!r} in {d}: identity/ (key mode 600), models/ (empty), pool/ (empty), {path.name}")
     print(f"certificate SHA-256 fingerprint: {format_fingerprint(ident.fingerprint)}")
     print(f"give {d / 'identity' / CERT_FILE} to the sites you work with; read them this fingerprint over another channel")
-    print(f"next: privfusion model train --site {d} ...; privfusion pool train --site {d} ...; "
-          f"privfusion probe make ...; privfusion peer serve --config {path}")
+    print("next (docs/deployment.md, section 1):")
+    print(f"  privfusion peer trust add OTHER.crt --dir {d / 'identity'}        # each site you work with")
+    print(f"  privfusion model train --site {d} --data RECORDS.csv --label COL --name NAME")
+    print(f"  privfusion pool train --site {d} --data RECORDS.csv --label COL --architecture ARCH_OF_NAME")
+    print(f"  privfusion probe make --site {d} --data PUBLIC.csv --label COL")
+    print(f"  privfusion peer serve --config {path}")
     return 0
 
 
@@ -194,14 +198,14 @@ def adopt_model(site: str | Path, source: str | Path, name: str, preprocessing_f
     """
     from peer.base.records import now_rfc3339
     from peer.cli.evaluate import describe_file_model, release_pair, site_default_preprocessing, site_models_dir
-    from peer.nn.store import check_name, load_model, save_model, write_sidecar
+    from peer.nn.store import check_name, load_model, load_model_pair, save_model, write_sidecar
 
     check_name(name, "--name")
     store = site_models_dir(site)
     if (store / f"{name}.json").exists() or (store / f"{name}.safetensors").exists():
         raise FailedPrecondition(f"--name: the site already has a model {name!r} in {store}; choose another name")
     directory, stem = release_pair(source)
-    stored = load_model(directory, stem)
+    stored = load_model_pair(directory / stem)
     kind = describe_file_model(stored.metadata)
     adopted: dict = {"from": str(Path(directory) / stem), "kind": kind, "at": now_rfc3339()}
     prep, prep_source = None, None

@@ -251,3 +251,32 @@ def write_sidecar(directory: str | os.PathLike, name: str, suffix: str, document
     path = d / f"{name}{suffix}"
     _atomic_write(path, json.dumps(document, indent=2, sort_keys=True, default=str).encode())
     return path
+
+
+def load_model_pair(path: str | os.PathLike) -> StoredModel:
+    """A model file pair outside a store: ``PATH.safetensors`` + ``PATH.json`` (``path`` given
+    with or without either suffix) — a release written by ``privfusion weights / merge / fuse``,
+    a round's fused model, or a renamed copy of one. Checked like :func:`load_model` except
+    that the manifest's ``name`` may differ from the file's (renaming a pair is not an error);
+    the model is returned under the file's name."""
+    p = Path(path)
+    for suffix in (".safetensors", ".json"):
+        if p.name.endswith(suffix):
+            p = p.with_name(p.name[: -len(suffix)])
+    mpath, wpath = p.with_name(p.name + ".json"), p.with_name(p.name + ".safetensors")
+    if not mpath.is_file() or not wpath.is_file():
+        raise NotFound(f"{str(p)!r} is not a model pair ({p.name}.safetensors + {p.name}.json side by side)")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise InvalidArgument(f"{mpath.name}", f"is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise InvalidArgument(f"{mpath.name}", f"must be a model manifest of format {FORMAT}")
+    try:
+        arrays = load_file(str(wpath))
+    except (SafetensorError, OSError) as e:
+        raise InvalidArgument(f"{wpath.name}", f"is not a readable safetensors file: {e}") from None
+    arch = validate_architecture(manifest.get("architecture"))
+    model_from_arrays(arch, arrays)
+    prep = _check_preprocessing(manifest.get("preprocessing"), arch, f"{mpath.name}: preprocessing")
+    return StoredModel(p.name, arch, arrays, manifest.get("metadata", {}), prep)
