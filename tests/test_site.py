@@ -84,13 +84,16 @@ def test_a_new_site_serves_at_once_and_lists_what_it_cannot_use(tmp_path, caplog
     save_model(site.root / "models", "half", ARCH, model_arrays())
     (site.root / "models" / "half.json").unlink()
     (site.root / "models" / "archive").mkdir()
+    save_model(site.root / "models", "bent", ARCH, model_arrays())
+    (site.root / "models" / "bent.json").write_text("{not json")
     with caplog.at_level("WARNING", logger="privfusion.peer"), running(site) as (_, address):
         with client(other, address, peer="hospital-a") as c:
             info = c.info()
     assert [m.name for m in info.models] == ["mlp"] and not info.pools and not info.has_probe_set
     listed = {u.path: u.reason for u in info.unusable}
     assert set(listed) == {"models/old.pt", "models/records.csv", "models/half.safetensors", "models/archive", "pool",
-                           "probe.safetensors"}
+                           "probe.safetensors", "models/bent.json"}
+    assert "does not load, not served" in listed["models/bent.json"] and "not valid JSON" in listed["models/bent.json"]
     assert "not a model file" in listed["models/old.pt"] and "has no half.json" in listed["models/half.safetensors"]
     assert "holds no model yet" in listed["pool"] and "privfusion probe make" in listed["probe.safetensors"]
     logged = [json.loads(r.getMessage()) for r in caplog.records if "unusable-file" in r.getMessage()]

@@ -93,7 +93,7 @@ from peer.budget.policy import Policy
 from peer.base.records import FIXED_SEED_WARNING, ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
 from peer.net.service import MECHANISMS, ErrorInterceptor, PeerService, add_to_server, log_event
-from peer.nn.store import StoredModel, list_models, load_model, site_unusable_files
+from peer.nn.store import StoredModel, list_models, load_store, site_unusable_files
 from privfusion.v1 import peer_pb2 as pb
 
 log = logging.getLogger("privfusion.peer")
@@ -288,11 +288,12 @@ class Site:
         self.trust = TrustStore(self.identity.trust_dir)
         self._pins: tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]] = ((), {}, [])
         self._pins_lock = threading.Lock()
-        self.models: dict[str, StoredModel] = {n: load_model(config.models, n) for n in list_models(config.models)}
         # what the daemon will not serve, and why (a warning each; GetPeerInfo lists them): a
-        # pool with no model yet, or a probe set not made yet, is left out rather than fatal
+        # model that does not load, a pool with no model yet or a probe set not made yet is
+        # left out rather than fatal
+        self.models, failed = load_store(config.models)
         self.unusable = site_unusable_files(config.models, config.pools, config.probe,
-                                            config.path.resolve().parent if config.path else config.models.parent)
+                                            config.path.resolve().parent if config.path else config.models.parent, failed)
         for path, why in self.unusable:
             log.warning(json.dumps({"event": "unusable-file", "path": path, "reason": why}))
         pools = {n: d for n, d in config.pools.items() if d.is_dir() and list_models(d)}

@@ -210,11 +210,12 @@ def unusable_files(directory: str | os.PathLike, *, check: bool = False,
 
 
 def site_unusable_files(models: str | os.PathLike, pools: Mapping[str, str | os.PathLike] | None = None,
-                        probe: str | os.PathLike | None = None,
-                        base: str | os.PathLike | None = None) -> list[tuple[str, str]]:
+                        probe: str | os.PathLike | None = None, base: str | os.PathLike | None = None,
+                        failed: list[tuple[Path, str]] = ()) -> list[tuple[str, str]]:
     """What a daemon configured with this model store, these pools and this probe set will not
-    serve, and why: :func:`unusable_files` of the store and of every pool (a pool directory that
-    is missing or holds no model is not offered), and a configured probe file that does not
+    serve, and why: :func:`unusable_files` of the store, the pairs that did not load
+    (``failed``, from :func:`load_store`), :func:`unusable_files` of every pool (a pool directory
+    that is missing or holds no model is not offered), and a configured probe file that does not
     exist yet (the daemon serves without one; rounds from the site and Fuse need it).
 
     Paths are relative to ``base`` (the directory of site.toml) where they lie under it, so the
@@ -230,7 +231,8 @@ def site_unusable_files(models: str | os.PathLike, pools: Mapping[str, str | os.
                 pass
         return str(p)
 
-    out = [(shown(p), f"model store {why}" if p == Path(models) else why) for p, why in unusable_files(models)]
+    out = [(shown(p), f"model store {why}" if p == Path(models) else why)
+           for p, why in sorted([*unusable_files(models), *failed])]
     for name, d in (pools or {}).items():
         for p, why in unusable_files(d, empty="holds no model yet: the pool is not offered (privfusion pool train)"):
             out.append((shown(p), f"pool {name!r}: {why}"))
@@ -280,3 +282,18 @@ def load_model_pair(path: str | os.PathLike) -> StoredModel:
     model_from_arrays(arch, arrays)
     prep = _check_preprocessing(manifest.get("preprocessing"), arch, f"{mpath.name}: preprocessing")
     return StoredModel(p.name, arch, arrays, manifest.get("metadata", {}), prep)
+
+
+def load_store(directory: str | os.PathLike) -> tuple[dict[str, StoredModel], list[tuple[Path, str]]]:
+    """Every model of a store that loads, by name, and ``(path, reason)`` for each complete pair
+    that does not (a manifest that is not JSON, weights that do not fit the architecture, ...):
+    a daemon serves the first and lists the second, instead of refusing to start over one bad
+    file. A missing directory is :class:`NotFound` (the configuration is wrong, not a file)."""
+    d = Path(directory)
+    models, failed = {}, []
+    for name in list_models(d):
+        try:
+            models[name] = load_model(d, name)
+        except (InvalidArgument, NotFound) as e:
+            failed.append((d / f"{name}.json", f"does not load, not served: {e}"))
+    return models, failed
