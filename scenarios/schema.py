@@ -11,7 +11,14 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
                                 # (fixed-seed, reported) noise; simulations only
 
     [data]
-    dataset = "breast_cancer"   # "breast_cancer" | "digits" (scikit-learn's bundled sets)
+    dataset = "breast_cancer"   # "breast_cancer" | "digits" (scikit-learn's bundled sets), or:
+    # path = "records.csv"      # the scenario's own records (.csv, .tsv, .parquet, .npz;
+    #                           # relative to the scenario file), instead of `dataset`
+    # label = "outcome"         # its label column (required with path)
+    # features = ["age", "ward"]  # feature columns (default: every other column)
+    # categorical = ["ward"]    # columns to one-hot although they hold numbers (codes)
+    # impute = false            # fill missing cells (training mean / most frequent) instead of refusing
+    # unseen = "refuse"         # a category the training part never saw: "refuse" | "zeros"
     test_fraction = 0.25        # global test split: what every accuracy is measured on
     public_size = 80            # training examples held out as PUBLIC data: the sites' probe
                                 # sets and the merges' validation set come from it
@@ -91,13 +98,19 @@ BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml")
 
 @dataclass(frozen=True)
 class DataSpec:
-    dataset: str = "breast_cancer"
+    dataset: str = "breast_cancer"  # a bundled set, or the name of the records file (``path``)
     test_fraction: float = 0.25
     public_size: int = 80
     probe_size: int = 60
     split: str = "dirichlet"
     concentration: float = 0.5
     min_per_site: int = 20
+    path: str | None = None     # the scenario's own records, resolved against the scenario file
+    label: str | None = None
+    features: tuple[str, ...] | None = None
+    categorical: tuple[str, ...] = ()
+    impute: bool = False
+    unseen: str = "refuse"
 
 
 @dataclass(frozen=True)
@@ -199,6 +212,32 @@ def load_scenario(path: str | os.PathLike | None = None) -> Scenario:
     return parse_scenario(text, str(p))
 
 
+def _names(d: Section, key: str) -> tuple[str, ...] | None:
+    v = d.raw(key, None)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v) or len(set(v)) != len(v):
+        d.fail(key, f"must be a non-empty array of distinct column names, got {v!r}")
+    return tuple(v)
+
+
+def _records(d: Section, base: Path) -> dict[str, Any]:
+    """The ``[data]`` keys of a scenario's own records (empty when it uses a bundled set)."""
+    if "path" not in d:
+        for key in ("label", "features", "categorical", "impute", "unseen"):
+            if key in d:
+                d.fail(key, "belongs with the scenario's own records (`path`)")
+        return {}
+    if "dataset" in d:
+        d.fail("dataset", "give a bundled dataset or the path of the scenario's own records, not both")
+    path = d.path("path", base)
+    if not path.is_file():
+        d.fail("path", f"{str(path)!r} is not a file (paths are relative to the scenario file)")
+    return {"dataset": path.name, "path": str(path.resolve()), "label": d.string("label"),
+            "features": _names(d, "features"), "categorical": _names(d, "categorical") or (),
+            "impute": d.boolean("impute", False), "unseen": d.string("unseen", "refuse", choices=("refuse", "zeros"))}
+
+
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     root = Section(parse_toml(text, source, "scenario"), (), text, source)
     root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure"])
@@ -211,14 +250,16 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
 
     d = root.section("data")
     d.known([f.name for f in DataSpec.__dataclass_fields__.values()])
+    records = _records(d, Path(source).parent)
     data = DataSpec(
-        dataset=d.string("dataset", DataSpec.dataset, choices=DATASETS),
+        dataset=records["dataset"] if records else d.string("dataset", DataSpec.dataset, choices=DATASETS),
         test_fraction=d.number("test_fraction", DataSpec.test_fraction, exclusive_minimum=0.0, exclusive_maximum=1.0),
         public_size=d.integer("public_size", DataSpec.public_size, minimum=2),
         probe_size=d.integer("probe_size", DataSpec.probe_size, minimum=1),
         split=d.string("split", DataSpec.split, choices=("dirichlet", "iid")),
         concentration=d.number("concentration", DataSpec.concentration, exclusive_minimum=0.0),
         min_per_site=d.integer("min_per_site", DataSpec.min_per_site, minimum=1),
+        **{k: v for k, v in records.items() if k != "dataset"},
     )
     if data.probe_size > data.public_size:
         d.fail("probe_size", f"must be at most public_size ({data.public_size}): probe sets are drawn from the public data")

@@ -2,9 +2,11 @@
 
 Everything a real deployment does happens for real, on loopback:
 
-1. **data** — a bundled scikit-learn set, split into a global test set (every accuracy is
-   measured on it), a PUBLIC set (probe sets and the merges' validation data come from it),
-   and the protected records, divided among the sites by a Dirichlet label skew
+1. **data** — a bundled scikit-learn set or the scenario's own records (``[data] path``, read
+   and prepared by ``peer.nn.tables``: preprocessing fitted on everything but the test split,
+   as the bundled breast-cancer set is standardised), split into a global test set (every
+   accuracy is measured on it), a PUBLIC set (probe sets and the merges' validation data come
+   from it), and the protected records, divided among the sites by a Dirichlet label skew
    (``peer.nn.data.split_dirichlet``) or IID;
 2. **sites** — each site trains its own model on its records (plain training) and, when the
    scenario has a ``[pool]``, a small DP-SGD pool (``peer.dp.training.train_pool``); it gets its
@@ -182,13 +184,32 @@ class ScenarioData:
     parts: tuple[tuple[np.ndarray, np.ndarray], ...]
     architecture: dict
     num_classes: int
+    preprocessing: Any = None  # peer.nn.tables.Preprocessing of the scenario's own records
+
+
+def _load(sc: Scenario):
+    """(Dataset-like train/test arrays, preprocessing or None) of the scenario's data."""
+    from peer.nn.data import Dataset, load_dataset
+
+    d = sc.data
+    if d.path is None:
+        return load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed), None
+    from peer.nn.tables import Preprocessing, read_table
+
+    table = read_table(d.path, label=d.label, features=d.features, categorical=d.categorical,
+                       missing="impute" if d.impute else "refuse")
+    rest, test = table.split(d.test_fraction, seed=sc.seed)
+    prep = Preprocessing.fit(rest, unseen=d.unseen)  # never the test split's statistics
+    x_tr, y_tr = prep.transform(rest)
+    x_te, y_te = prep.transform(test)
+    return Dataset(d.dataset, x_tr, y_tr, x_te, y_te, prep.num_classes, None), prep
 
 
 def split_data(sc: Scenario) -> ScenarioData:
-    from peer.nn.data import load_dataset, split_dirichlet, split_homogeneous
+    from peer.nn.data import split_dirichlet, split_homogeneous
 
     d = sc.data
-    ds = load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed)
+    ds, prep = _load(sc)
     rng = np.random.default_rng(sc.seed)
     if d.public_size >= len(ds.y_train) - d.min_per_site * len(sc.sites):
         raise InvalidArgument("data.public_size", f"{d.public_size} leaves too few of the {len(ds.y_train)} training examples for the sites")
@@ -202,7 +223,7 @@ def split_data(sc: Scenario) -> ScenarioData:
     arch = {"kind": "mlp", "input_dim": ds.input_dim, "hidden": list(sc.model.hidden), "output_dim": ds.num_classes,
             "activation": sc.model.activation}
     return ScenarioData(ds.x_test, ds.y_test, ds.x_train[public], ds.y_train[public],
-                        tuple((x_prot[i], y_prot[i]) for i in idx), arch, ds.num_classes)
+                        tuple((x_prot[i], y_prot[i]) for i in idx), arch, ds.num_classes, prep)
 
 
 def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> SiteWorld:
@@ -228,11 +249,12 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> Sit
                                  batch_size=sc.model.batch_size, learning_rate=sc.model.learning_rate)
         s = SiteWorld(name, root, seed, sc.round.alpha if spec.alpha is None else spec.alpha, x, y,
                       np.ascontiguousarray(probe, dtype=np.float32), data.architecture, state_arrays(model))
-        save_model(root / "models", MODEL, data.architecture, s.arrays, {"trained_on": int(len(y)), "seed": seed})
+        save_model(root / "models", MODEL, data.architecture, s.arrays, {"trained_on": int(len(y)), "seed": seed},
+                   data.preprocessing)
         save_file({"x": s.probe}, str(root / "probe.safetensors"))
         np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
         if sc.pool is not None:
-            s.pool = _train_pool(sc, s, data.x_public, data.y_public, data.x_test, data.y_test)
+            s.pool = _train_pool(sc, s, data.x_public, data.y_public, data.x_test, data.y_test, data.preprocessing)
     finally:
         torch.set_num_threads(threads)
     return s
@@ -263,7 +285,7 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
     return world
 
 
-def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test) -> list[dict]:
+def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None) -> list[dict]:
     from peer.dp.accounting import TrainingRecord
     from peer.nn.architectures import accuracy, model_from_arrays
     from peer.dp.pools import save_trained
@@ -279,7 +301,8 @@ def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test) -> lis
     for nm, m in zip(p.noise_multipliers, models):
         name = f"dpsgd-sigma{nm:g}"
         module = model_from_arrays(s.architecture, m.arrays)
-        save_trained(s.root / "pool", name, m, accuracy=accuracy(s.architecture, module, x_val, y_val))
+        save_trained(s.root / "pool", name, m, accuracy=accuracy(s.architecture, module, x_val, y_val),
+                     preprocessing=preprocessing)
         out.append({"name": name, "noise_multiplier": nm, "epsilon": m.record.epsilon, "delta": m.record.delta,
                     "accuracy": accuracy(s.architecture, module, x_test, y_test)})
     return out

@@ -51,13 +51,14 @@ class SitePaths:
     configured: bool = False
 
     def pool(self, name: str | None) -> tuple[str, Path]:
-        """(name, directory) of a pool: the named one, the only one, or ``DIR/pool``."""
+        """(name, directory) of a pool: the named one (``DIR/NAME`` without a site.toml), the
+        only one, or ``DIR/pool``."""
         if name is not None:
             if self.configured and self.pools:
                 if name not in self.pools:
                     raise InvalidArgument("--pool", f"site.toml has no [site.pools.{name}]; it has {sorted(self.pools)}")
                 return name, self.pools[name]
-            return name, self.root / "pool"
+            return name, self.root / name
         if len(self.pools) == 1:
             return next(iter(self.pools.items()))
         if len(self.pools) > 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from peer.base.errors import InvalidArgument
 
@@ -114,6 +115,9 @@ def _train_records(args: argparse.Namespace) -> int:
     else:
         pool_name, directory = args.pool or "pool", args.out
     names, trainings = _specs(args)
+    taken = [n for n in names if (Path(directory) / f"{n}.json").exists()]
+    if taken and not args.force:
+        raise InvalidArgument("--model", f"models {taken} are already in the pool {str(directory)!r}; give other names or --force")
     records = records_from_args(args)
     prep = records.preprocessing
     arch = architecture_arg(args.architecture, None, prep, [])
@@ -209,7 +213,7 @@ def register(subparsers) -> None:
     t.add_argument("--dataset", default=None, choices=("digits", "breast_cancer"), help="a bundled dataset (default digits when --data is not given)")
     t.add_argument("--out", help="pool directory (a model store), instead of --site")
     add_record_options(t, required=False)
-    t.add_argument("--architecture", default='{"kind": "mlp", "hidden": []}',
+    t.add_argument("--architecture", "--arch", default='{"kind": "mlp", "hidden": []}',
                    help="architecture JSON (peer.nn.architectures); input/output sizes are filled in from the data. Default: logistic regression")
     t.add_argument("--model", action="append", metavar="SPEC",
                    help="one model: noise=SIGMA,clip=C[,lr=ETA][,steps=T][,q=RATE][,name=NAME]; repeat for several "
@@ -221,6 +225,7 @@ def register(subparsers) -> None:
     t.add_argument("--delta", type=float, default=1e-5, help="delta at which each model's epsilon is recorded (default 1e-5)")
     t.add_argument("--init-seed", type=int, default=0, help="public seed of the common initialisation (default 0)")
     t.add_argument("--seed", type=int, default=None, help="fixed noise seed (tests/simulations only; default: CSPRNG)")
+    t.add_argument("--force", action="store_true", help="replace models of the same names (with --data)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.set_defaults(func=train)
 

@@ -1,0 +1,245 @@
+"""The commands a site runs on its own records, on files the tests write: ``model train``,
+``pool train --data``, ``probe make``, and ``simulate`` of a scenario whose ``[data]`` points at
+a CSV. Each command runs once as a subprocess (as a site runs it); the refusals and the path
+rules run in-process (``peer.cli.app.main``), which is the same code without a new interpreter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from peer.base.errors import InvalidArgument
+from test_tables import records, write_csv
+
+COLUMNS = ["age", "ward", "bp", "sex", "outcome"]
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    """The command in-process: (exit status, stdout, stderr)."""
+    from peer.cli.app import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("records")
+    rows = records(300, seed=11)
+    return {"private": write_csv(d / "private.csv", rows[:240], COLUMNS),
+            "public": write_csv(d / "public.csv", rows[240:], COLUMNS), "dir": d}
+
+
+@pytest.fixture(scope="module")
+def site(files) -> dict:
+    """A site with a model and a two-model pool trained on its own records (what the commands
+    printed, too)."""
+    root = files["dir"] / "site"
+    model = cli("model", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
+                "--categorical", "sex", "--name", "own", "--epochs", "5", "--hidden", "16")
+    pool = cli("pool", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
+               "--categorical", "sex", "--model", "name=a,noise=2,clip=1", "--model", "name=b,noise=6,clip=1",
+               "--steps", "20")
+    return {"root": root, "model": model, "pool": pool}
+
+
+def test_model_train_saves_the_model_with_its_preprocessing(files, tmp_path, capsys):
+    from peer.nn.architectures import accuracy
+    from peer.nn.store import load_model
+    from peer.nn.tables import prepare_records
+
+    proc = cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
+               "--name", "m", "--epochs", "40", "--hidden", "16", "--learning-rate", "0.01", "--validation-fraction", "0.25",
+               "--json")
+    out = json.loads(proc.stdout)
+    stored = load_model(tmp_path / "models", "m")
+    assert stored.preprocessing is not None and stored.preprocessing.fitted_on["rows"] == 180
+    assert out["data"]["training_rows"] == 180 and out["data"]["validation_rows"] == 60
+    assert stored.architecture["input_dim"] == out["input_width"] == 2 + 3 + 2  # age, bp, ward×3, sex×2
+    # the printed accuracy is the stored model's on the same held-out split, prepared by the stored preprocessing
+    r = prepare_records(files["private"], label="outcome", validation_fraction=0.25, preprocessing=stored.preprocessing)
+    assert accuracy(stored.architecture, stored.module(), r.x_val, r.y_val) == out["validation_accuracy"]
+    # the labels are a near-deterministic function of the features: far above chance (a
+    # fixed-seed run; chance is about 0.5)
+    assert out["validation_accuracy"] >= 0.8 and out["training_accuracy"] >= 0.8
+    code, _, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label",
+                       "outcome", "--name", "m", "--epochs", "2")
+    assert code == 2 and "model 'm' is already in" in err and "--force" in err
+
+
+def test_model_train_prints_accuracies(site):
+    out = site["model"].stdout
+    assert "model own: 192 training records, 48 held out (of 240 in private.csv)" in out
+    assert "inputs: 7 entries from 4 columns (2 categorical, one-hot); classes ['sick', 'well']" in out
+    assert "accuracy: training 0." in out and ", validation 0." in out and "with its preprocessing" in out
+
+
+def test_model_train_refuses_bad_records_naming_the_row(files, tmp_path, capsys):
+    rows = records(30, seed=4)
+    rows[6][0] = "sixty"  # data row 7
+    rows[9][2] = "12,5"
+    bad = write_csv(tmp_path / "bad.csv", rows, COLUMNS)
+    proc = cli("model", "train", "--site", str(tmp_path), "--data", str(bad), "--label", "outcome", "--name", "m", check=False)
+    assert proc.returncode == 2
+    assert "bad.csv, column 'age', data row 7 (spreadsheet row 8): a non-numeric value 'sixty'" in proc.stderr
+    code, _, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label",
+                       "death", "--name", "m")
+    assert code == 2 and "no column 'death'; the file's columns are ['age', 'ward', 'bp', 'sex', 'outcome']" in err
+    assert not (tmp_path / "models" / "m.json").exists()
+
+
+def test_the_store_is_where_site_toml_says(files, tmp_path, capsys):
+    def cli(*args):
+        code, _, err = run(capsys, *args)
+        assert code == 0, err
+
+    (tmp_path / "site.toml").write_text('[site]\nname = "h"\nlisten = "127.0.0.1:0"\nidentity = "id"\n'
+                                        'models = "store"\nledger = "l.sqlite"\n\n[site.pools.main]\nmodels = "dp"\n'
+                                        'validation = "public/val.npz"\n')
+    cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
+        "--name", "m", "--epochs", "1")
+    assert (tmp_path / "store" / "m.json").is_file() and not (tmp_path / "models").exists()
+    cli("pool", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
+        "--model", "noise=2,clip=1", "--steps", "2")
+    assert (tmp_path / "dp" / "dpsgd-0.json").is_file()
+    cli("probe", "make", "--site", str(tmp_path), "--data", str(files["public"]), "--label", "outcome")
+    assert (tmp_path / "public" / "val.npz").is_file() and (tmp_path / "probe.safetensors").is_file()
+
+
+def test_pool_train_declares_n_as_the_training_records(site, files, capsys):
+    from peer.dp.pools import load_pool, pool_preprocessing, pool_validation
+
+    site = site["root"]
+    pool = load_pool(site / "pool")
+    assert [m.name for m in pool] == ["a", "b"]
+    prep = pool_preprocessing(site / "pool")
+    assert prep is not None and prep.fitted_on["rows"] == 192  # 240 records, 0.2 held out
+    for m in pool:
+        assert m.dataset_size == 192 and m.metadata["record"]["parameters"]["dataset_size"] == 192
+        assert m.metadata["data"]["training_rows"] == 192 and m.metadata["data"]["file"] == "private.csv"
+    # the held-out part of protected records never judges merges
+    with pytest.raises(InvalidArgument, match="own records.*probe make"):
+        pool_validation(pool)
+
+def test_pool_train_prints_n_and_refuses_what_it_cannot_do(site, files, capsys):
+    proc = site["pool"]
+    assert "DP-SGD on 192 training records of private.csv (48 held out): declared dataset size n = 192" in proc.stderr
+    assert "a: epsilon(pld)=" in proc.stdout and "declared dataset size n = 192" in proc.stdout
+    code, _, err = run(capsys, "pool", "train", "--out", str(files["dir"] / "p3"), "--data", str(files["private"]))
+    assert code == 2 and "--label: is required with --data" in err
+    code, _, err = run(capsys, "pool", "train", "--site", str(site["root"]), "--data", str(files["private"]), "--label",
+                       "outcome", "--model", "name=a,noise=2,clip=1")
+    assert code == 2 and "models ['a'] are already in the pool" in err
+
+
+def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):
+    from safetensors.numpy import load_file
+
+    from peer.dp.pools import load_pool, load_validation_file, merge_pool
+    from peer.nn.store import load_model
+
+    site = site["root"]
+    proc = cli("probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "outcome",
+               "--rows", "25", "--force")
+    assert "PUBLIC" in proc.stdout and "becomes public" in proc.stdout
+    probe = load_file(str(site / "probe.safetensors"))["x"]
+    prep = load_model(site / "models", "own").preprocessing
+    assert probe.shape == (25, prep.width) and probe.dtype == np.float32
+    x_all, _ = prep.transform(prep.read(files["public"], labelled=False))
+    assert all(any(np.array_equal(row, r) for r in x_all) for row in probe)  # rows of the public file
+    x, y = load_validation_file(site / "validation.npz")
+    assert x.shape == (60, prep.width) and set(y.tolist()) <= {0, 1}
+    # the validation set judges an RS merge of the pool
+    merged = merge_pool(load_pool(site / "pool"), "rs", 30.0, 1e-5, validation=(x, y))
+    assert merged.record.level == "data"
+    code, _, err = run(capsys, "probe", "make", "--site", str(site), "--data", str(files["public"]))
+    assert code == 2 and "give --force" in err
+    code, _, err = run(capsys, "probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "ward", "--force")
+    assert code == 2 and "trained with label 'outcome'" in err
+
+
+SCENARIO = """
+[scenario]
+name = "own-records"
+seed = 3
+
+[data]
+path = "{csv}"
+label = "outcome"
+categorical = ["sex"]
+public_size = 40
+probe_size = 20
+split = "iid"
+min_per_site = 20
+
+[model]
+hidden = [8]
+epochs = 20
+
+[pool]
+noise_multipliers = [2.0, 4.0]
+steps = 10
+
+[round]
+methods = ["ldp", "merged"]
+frontier = []
+activation_epsilon = 50.0
+weight_epsilon = 50.0
+weights_epsilon = 100.0
+call_timeout_s = 30.0
+
+[sites.site-a]
+[sites.site-b]
+"""
+
+
+def test_scenario_data_from_a_csv_is_split_and_prepared(tmp_path):
+    from scenarios.schema import load_scenario
+    from scenarios.simulate import split_data
+
+    (tmp_path / "data").mkdir()
+    write_csv(tmp_path / "data" / "recs.csv", records(200, seed=5), COLUMNS)
+    (tmp_path / "s.toml").write_text(SCENARIO.format(csv="data/recs.csv"))
+    sc = load_scenario(tmp_path / "s.toml")
+    assert sc.data.path == str((tmp_path / "data" / "recs.csv").resolve()) and sc.data.dataset == "recs.csv"
+    data = split_data(sc)
+    assert len(data.y_test) == 50 and len(data.y_public) == 40 and sum(len(y) for _, y in data.parts) == 110
+    assert data.architecture["input_dim"] == data.preprocessing.width == 7 and data.num_classes == 2
+    # fitted on everything but the test split
+    assert data.preprocessing.fitted_on["rows"] == 150
+    (tmp_path / "bad.toml").write_text(SCENARIO.format(csv="nowhere.csv"))
+    with pytest.raises(InvalidArgument, match=r"data\.path \(.*bad\.toml, line 7\): .*nowhere\.csv' is not a file"):
+        load_scenario(tmp_path / "bad.toml")
+    (tmp_path / "both.toml").write_text(SCENARIO.format(csv="data/recs.csv").replace("[data]\n", '[data]\ndataset = "digits"\n'))
+    with pytest.raises(InvalidArgument, match="data.dataset.*not both"):
+        load_scenario(tmp_path / "both.toml")
+
+
+@pytest.mark.slow
+def test_simulate_runs_on_a_scenario_of_own_records(tmp_path):
+    write_csv(tmp_path / "recs.csv", records(200, seed=5), COLUMNS)
+    (tmp_path / "own.toml").write_text(SCENARIO.format(csv="recs.csv"))
+    proc = cli("simulate", str(tmp_path / "own.toml"), "--out", str(tmp_path / "out"))
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["scenario"]["data"]["dataset"] == "recs.csv"
+    for name in ("site-a", "site-b"):
+        s = report["sites"][name]
+        assert s["rounds"]["ldp"]["status"] == "fused" and s["rounds"]["merged"]["status"] == "fused"
+        assert 0.5 < s["own_accuracy"] <= 1.0
+        manifest = json.loads((tmp_path / "out" / "sites" / name / "models" / "mlp.json").read_text())
+        assert manifest["preprocessing"]["label"] == "outcome"
+    assert "site-a" in proc.stdout

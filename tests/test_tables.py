@@ -1,0 +1,282 @@
+"""A site's own records (peer.nn.tables): readers that refuse bad input naming file, column and
+row; preprocessing fitted on the training split only; its JSON form and its round trip through
+the model store."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from peer.base.errors import InvalidArgument
+from peer.nn.tables import Preprocessing, architecture_for, prepare_records, read_table
+
+HEADER = ["age", "ward", "bp", "outcome"]
+ROWS = [
+    ["50", "A", "120.5", "yes"],
+    ["61", "B", "130", "no"],
+    ["45", "A", "118", "yes"],
+    ["70", "C", "140", "no"],
+    ["66", "B", "135", "no"],
+    ["52", "C", "121", "yes"],
+]
+
+
+def write_csv(path: Path, rows=ROWS, header=HEADER) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def with_cell(row: int, col: str, value: str) -> list[list[str]]:
+    rows = [list(r) for r in ROWS]
+    rows[row - 1][HEADER.index(col)] = value
+    return rows
+
+
+def records(n: int, seed: int) -> list[list[str]]:
+    """A table whose label is (almost) a function of its features: numeric age and blood
+    pressure, categorical ward and sex, label "sick"/"well"."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        age, bp = rng.normal(60, 10), rng.normal(130, 15)
+        ward, sex = rng.choice(["A", "B", "C"]), rng.choice(["f", "m"])
+        score = (age - 60) / 10 + (1.5 if ward == "C" else -0.5) + (bp - 130) / 30
+        out.append([f"{age:.1f}", ward, f"{bp:.1f}", sex, "sick" if score > 0 else "well"])
+    return out
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+def test_kinds_follow_the_rule(tmp_path):
+    t = read_table(write_csv(tmp_path / "r.csv"), label="outcome")
+    assert t.features == ("age", "ward", "bp")
+    assert [t.columns[c].kind for c in t.features] == ["numeric", "categorical", "numeric"]
+    # integer codes are numbers unless declared categorical
+    t = read_table(tmp_path / "r.csv", label="outcome", categorical=["age"])
+    assert t.columns["age"].kind == "categorical"
+    p = Preprocessing.fit(t)
+    assert p.input_names()[:2] == ["age=45", "age=50"] and p.width == 6 + 3 + 1
+
+
+BAD_INPUTS = [
+    # (rows, read kwargs, fit?, fragments the message must hold)
+    (with_cell(3, "age", "12,5"), {}, False,
+     ["r.csv, column 'age', data row 3 (spreadsheet row 4)", "non-numeric value '12,5'", "--categorical age"]),
+    (with_cell(2, "bp", "inf"), {}, False, ["column 'bp', data row 2", "infinite value 'inf'"]),
+    (with_cell(4, "bp", ""), {}, False, ["column 'bp', data row 4 (spreadsheet row 5)", "empty or missing", "--impute"]),
+    (with_cell(5, "ward", "NA"), {}, False, ["column 'ward', data row 5", "empty or missing"]),
+    (with_cell(2, "outcome", ""), {"missing": "impute"}, False, ["column 'outcome', data row 2", "labels are never imputed"]),
+    (ROWS, {"label": "death"}, False, ["r.csv: label", "no column 'death'", "['age', 'ward', 'bp', 'outcome']"]),
+    (ROWS, {"features": ["age", "weight"]}, False, ["r.csv: features", "unknown columns ['weight']"]),
+    (ROWS, {"features": ["age", "outcome"]}, False, ["include the label column 'outcome'"]),
+    (ROWS, {"categorical": ["outcome"]}, False, ["r.csv: categorical", "not features"]),
+    ([r[:3] + ["yes"] for r in ROWS], {}, True, ["label 'outcome'", "one class ('yes')", "at least two"]),
+]
+
+
+@pytest.mark.parametrize("rows,kwargs,fit,fragments", BAD_INPUTS)
+def test_bad_input_is_refused_naming_file_column_and_row(tmp_path, rows, kwargs, fit, fragments):
+    path = write_csv(tmp_path / "r.csv", rows)
+    kwargs = {"label": "outcome", **kwargs}
+    with pytest.raises(InvalidArgument) as e:
+        t = read_table(path, **kwargs)
+        assert fit, "read_table accepted it"
+        Preprocessing.fit(t)
+    for f in fragments:
+        assert f in str(e.value), (f, str(e.value))
+
+
+def test_empty_and_header_only_files(tmp_path):
+    (tmp_path / "e.csv").write_text("")
+    with pytest.raises(InvalidArgument, match=r"e\.csv: is empty"):
+        read_table(tmp_path / "e.csv", label="y")
+    (tmp_path / "h.csv").write_text("a,b,y\n")
+    with pytest.raises(InvalidArgument, match=r"h\.csv: has no records \(columns \['a', 'b', 'y'\]"):
+        read_table(tmp_path / "h.csv", label="y")
+    with pytest.raises(InvalidArgument, match="unknown type"):
+        read_table(tmp_path / "r.xlsx", label="y")
+
+
+def test_unseen_categories_are_refused_unless_the_training_said_so(tmp_path):
+    train = read_table(write_csv(tmp_path / "train.csv"), label="outcome")
+    later = read_table(write_csv(tmp_path / "later.csv", with_cell(2, "ward", "D")), label="outcome")
+    with pytest.raises(InvalidArgument) as e:
+        Preprocessing.fit(train).transform(later)
+    assert "later.csv, column 'ward', data row 2" in str(e.value) and "category 'D'" in str(e.value)
+    assert "['A', 'B', 'C']" in str(e.value)
+    x, _ = Preprocessing.fit(train, unseen="zeros").transform(later)
+    assert x[1, 1:4].tolist() == [0.0, 0.0, 0.0]  # ward's one-hot entries
+    assert x[0, 1:4].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_transform_prepares_as_documented(tmp_path):
+    t = read_table(write_csv(tmp_path / "r.csv"), label="outcome")
+    p = Preprocessing.fit(t)
+    x, y = p.transform(t)
+    age = np.array([50, 61, 45, 70, 66, 52], dtype=np.float64)
+    assert x.dtype == np.float32 and y.dtype == np.int64 and x.shape == (6, 5)
+    np.testing.assert_allclose(x[:, 0], (age - age.mean()) / age.std(), rtol=1e-6)
+    assert p.classes == ("no", "yes") and y.tolist() == [1, 0, 1, 0, 0, 1]
+    assert x[:, 1:4].sum(axis=1).tolist() == [1.0] * 6 and x[3, 3] == 1.0  # ward C of row 4
+    # a column missing from a later file is named
+    other = read_table(write_csv(tmp_path / "o.csv", [r[:1] + r[2:] for r in ROWS], ["age", "bp", "outcome"]), label="outcome")
+    with pytest.raises(InvalidArgument, match="no column 'ward', which the model was trained with"):
+        p.transform(other)
+
+
+def test_imputation_uses_training_statistics_and_is_recorded(tmp_path):
+    rows = with_cell(2, "bp", "")
+    rows = [list(r) for r in rows]
+    rows[4][HEADER.index("ward")] = ""
+    t = read_table(write_csv(tmp_path / "r.csv", rows), label="outcome", missing="impute")
+    p = Preprocessing.fit(t)
+    bp = np.array([120.5, 118, 140, 135, 121])
+    assert p.columns[2].fill == pytest.approx(bp.mean()) and p.columns[2].mean == pytest.approx(bp.mean())
+    # ward: A twice, C twice, B once among the present cells -> tie broken by sorted order
+    assert p.columns[1].fill == "A"
+    x, _ = p.transform(t)
+    assert x[1, 4] == pytest.approx(0.0, abs=1e-6) and x[4, 1:4].tolist() == [1.0, 0.0, 0.0]
+    assert json.loads(json.dumps(p.to_dict()))["columns"][2]["fill"] == pytest.approx(bp.mean())
+    # a preprocessing fitted without imputation refuses the same file
+    strict = Preprocessing.fit(read_table(write_csv(tmp_path / "s.csv"), label="outcome"))
+    with pytest.raises(InvalidArgument, match="column .ward., data row 5.*fitted without imputation"):
+        strict.transform(t)
+
+
+def test_integer_labels_are_classes_in_numeric_order(tmp_path):
+    rows = [r[:3] + [lab] for r, lab in zip(ROWS, ["10", "2", "10", "2", "2.0", "10"])]
+    t = read_table(write_csv(tmp_path / "r.csv", rows), label="outcome")
+    p = Preprocessing.fit(t)
+    assert p.classes == (2, 10)
+    assert p.transform(t)[1].tolist() == [1, 0, 1, 0, 0, 1]
+    later = read_table(write_csv(tmp_path / "l.csv", [r[:3] + ["3"] for r in ROWS]), label="outcome")
+    with pytest.raises(InvalidArgument, match=r"data row 1.*label '3' is not one of the model's classes \[2, 10\]"):
+        p.transform(later)
+
+
+def test_parquet_and_csv_read_alike(tmp_path):
+    import pandas as pd
+
+    frame = pd.DataFrame({"age": [50, 61, 45, 70, 66, 52], "ward": list("ABACBC"),
+                          "bp": [120.5, 130.0, 118.0, 140.0, 135.0, 121.0],
+                          "outcome": ["yes", "no", "yes", "no", "no", "yes"]})
+    frame.to_parquet(tmp_path / "r.parquet")
+    a = read_table(tmp_path / "r.parquet", label="outcome")
+    b = read_table(write_csv(tmp_path / "r.csv"), label="outcome")
+    pa, pb = Preprocessing.fit(a), Preprocessing.fit(b)
+    assert pa.columns == pb.columns and pa.classes == pb.classes
+    np.testing.assert_array_equal(pa.transform(a)[0], pb.transform(b)[0])
+    # a Parquet null is a missing cell, named by its row
+    frame.loc[3, "bp"] = None
+    frame.to_parquet(tmp_path / "m.parquet")
+    with pytest.raises(InvalidArgument, match=r"m\.parquet, column 'bp', data row 4: is empty or missing"):
+        read_table(tmp_path / "m.parquet", label="outcome")
+
+
+def test_npz_records_and_image_shape(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.random((20, 1, 4, 4)).astype(np.float32)
+    np.savez(tmp_path / "img.npz", x=x, target=np.arange(20) % 3)
+    with pytest.raises(InvalidArgument, match="no array 'y'.*\\['target', 'x'\\]"):
+        read_table(tmp_path / "img.npz", label="y")
+    t = read_table(tmp_path / "img.npz", label="target")
+    assert t.features[:2] == ("x0", "x1") and len(t.features) == 16 and t.input_shape == (1, 4, 4)
+    p = Preprocessing.fit(t)
+    arch = architecture_for("cnn", p)
+    assert arch["input_shape"] == [1, 4, 4] and arch["output_dim"] == 3
+    with pytest.raises(InvalidArgument, match="needs image records"):
+        architecture_for("cnn", Preprocessing.fit(read_table(write_csv(tmp_path / "r.csv"), label="outcome")))
+
+
+# ---------------------------------------------------------------------------------- fit on train only
+
+
+def test_preprocessing_is_fitted_on_the_training_split_only(tmp_path):
+    path = write_csv(tmp_path / "r.csv", records(200, seed=1), ["age", "ward", "bp", "sex", "outcome"])
+    r = prepare_records(path, label="outcome", validation_fraction=0.25, split_seed=5)
+    table = read_table(path, label="outcome")
+    train, held = table.split(0.25, seed=5)
+    assert len(train) == 150 and len(held) == 50 and r.description["training_rows"] == 150
+    assert set(train.rows.tolist()).isdisjoint(held.rows.tolist())
+    age = r.preprocessing.columns[0]
+    assert age.name == "age"
+    assert age.mean == pytest.approx(train.columns["age"].numbers.mean(), rel=1e-12)
+    assert age.std == pytest.approx(train.columns["age"].numbers.std(), rel=1e-12)
+    assert age.mean != pytest.approx(table.columns["age"].numbers.mean(), rel=1e-9)
+    assert r.preprocessing.fitted_on["rows"] == 150
+    # the training part is centred by its own statistics, the held-out part is not
+    assert abs(float(r.x_train[:, 0].mean())) < 1e-5 and abs(float(r.x_val[:, 0].mean())) > 1e-4
+    # stratified: each class's share differs by at most one record from proportional
+    for c in (0, 1):
+        total = int((np.concatenate([r.y_train, r.y_val]) == c).sum())
+        assert abs(int((r.y_val == c).sum()) - total * 0.25) <= 1
+
+
+def test_a_category_seen_only_in_held_out_records_is_refused(tmp_path):
+    rows = records(40, seed=2)
+    path = write_csv(tmp_path / "r.csv", rows, ["age", "ward", "bp", "sex", "outcome"])
+    table = read_table(path, label="outcome")
+    _, held = table.split(0.25, seed=0)
+    rows[int(held.rows[0]) - 1][1] = "Z"  # a ward only a held-out record has
+    write_csv(path, rows, ["age", "ward", "bp", "sex", "outcome"])
+    with pytest.raises(InvalidArgument, match=f"data row {int(held.rows[0])}.*category 'Z' was not in the training split"):
+        prepare_records(path, label="outcome", validation_fraction=0.25, split_seed=0)
+    r = prepare_records(path, label="outcome", validation_fraction=0.25, split_seed=0, unseen="zeros")
+    assert "Z" not in r.preprocessing.columns[1].categories
+
+
+# ---------------------------------------------------------------------------------- JSON and the store
+
+
+def test_json_round_trip_and_checks(tmp_path):
+    p = Preprocessing.fit(read_table(write_csv(tmp_path / "r.csv"), label="outcome", missing="impute"), unseen="zeros")
+    d = json.loads(json.dumps(p.to_dict(), allow_nan=False))
+    assert Preprocessing.from_dict(d) == p
+    bad = json.loads(json.dumps(d))
+    bad["columns"][0]["std"] = 0
+    with pytest.raises(InvalidArgument, match=r"preprocessing\.columns\[0\]\.std: must be > 0"):
+        Preprocessing.from_dict(bad)
+    bad = json.loads(json.dumps(d))
+    bad["columns"][1]["fill"] = "Q"
+    with pytest.raises(InvalidArgument, match=r"columns\[1\]\.fill: must be one of the categories"):
+        Preprocessing.from_dict(bad)
+    bad = dict(d, classes=["yes"])
+    with pytest.raises(InvalidArgument, match="classes: must be at least two"):
+        Preprocessing.from_dict(bad)
+
+
+def test_preprocessing_round_trips_through_the_store(tmp_path):
+    from peer.nn.architectures import build_model, predict_proba, state_arrays
+    from peer.nn.store import load_model, save_model
+
+    path = write_csv(tmp_path / "r.csv", records(60, seed=3), ["age", "ward", "bp", "sex", "outcome"])
+    r = prepare_records(path, label="outcome", categorical=["sex"])
+    arch = architecture_for("mlp", r.preprocessing, hidden=[4])
+    model = build_model(arch, seed=0)
+    save_model(tmp_path / "models", "m", arch, state_arrays(model), {"note": 1}, r.preprocessing)
+    stored = load_model(tmp_path / "models", "m")
+    assert stored.preprocessing == r.preprocessing and stored.metadata == {"note": 1}
+    # the stored preparation gives the same inputs, hence the same predictions
+    x, _ = stored.preprocessing.transform(stored.preprocessing.read(path))
+    full = read_table(path, label="outcome", categorical=["sex"])
+    np.testing.assert_array_equal(x, r.preprocessing.transform(full)[0])
+    np.testing.assert_array_equal(predict_proba(arch, stored.module(), x), predict_proba(arch, model, x))
+    # a model without one has none; a preprocessing of the wrong width is refused
+    save_model(tmp_path / "models", "plain", arch, state_arrays(model))
+    assert load_model(tmp_path / "models", "plain").preprocessing is None
+    wide = dict(arch, input_dim=arch["input_dim"] + 1)
+    with pytest.raises(InvalidArgument, match="prepares 7 input entries but the architecture takes 8"):
+        save_model(tmp_path / "models", "w", wide, state_arrays(build_model(wide, seed=0)), None, r.preprocessing)
+    manifest = json.loads((tmp_path / "models" / "m.json").read_text())
+    manifest["preprocessing"]["columns"][0]["kind"] = "text"
+    (tmp_path / "models" / "m.json").write_text(json.dumps(manifest))
+    with pytest.raises(InvalidArgument, match=r"m\.json: preprocessing\.columns\[0\]"):
+        load_model(tmp_path / "models", "m")
