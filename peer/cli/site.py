@@ -1,6 +1,7 @@
 """``privfusion site new``: a new site's directory, ready to serve.
 
     privfusion site new --name hospital-a --dir site --listen 0.0.0.0:50051 [--address a.example.org ...]
+    privfusion site check --site site [--json]    # what the daemon would not serve, and why
 
 Makes, in DIR (which must not exist or be empty):
 
@@ -162,6 +163,29 @@ def _new(args) -> int:
     return 0
 
 
+def check_site(site: str | Path) -> list[tuple[str, str]]:
+    """What the daemon of this site would not serve, and why (as it logs and ``GetPeerInfo``
+    lists it), without starting it: ``peer.nn.store.site_unusable_files`` of its site.toml."""
+    from peer.net.daemon import SiteConfig
+    from peer.nn.store import load_store, site_unusable_files
+
+    config = SiteConfig.load(Path(site) / "site.toml")
+    _, failed = load_store(config.models)
+    return site_unusable_files(config.models, config.pools, config.probe, config.path.resolve().parent, failed)
+
+
+def _check(args) -> int:
+    found = check_site(args.site)
+    if args.json:
+        print(json.dumps([{"path": p, "reason": why} for p, why in found], indent=2))
+        return 0
+    for p, why in found:
+        print(f"{p}: {why}")
+    if not found:
+        print("every file in the model store and the pools is served")
+    return 0
+
+
 def register(subparsers) -> None:
     site = subparsers.add_parser("site", help="make a new site's directory (identity, model store, site.toml)")
     sub = site.add_subparsers(dest="site_command", metavar="ACTION")
@@ -174,6 +198,10 @@ def register(subparsers) -> None:
                    help="a host or IP peers dial this site by (repeatable; default: the host of --listen unless a wildcard)")
     p.add_argument("--days", type=int, default=730, help="certificate validity in days (default 730)")
     p.set_defaults(func=_new)
+    p = sub.add_parser("check", help="what the site's daemon would not serve (files in models/ or pools), and why")
+    p.add_argument("--site", required=True, metavar="DIR", help="the site directory (its site.toml)")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.set_defaults(func=_check)
 
 
 # ------------------------------------------------------------------------------ adopt, export
