@@ -291,3 +291,38 @@ def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path
     with pytest.raises(InvalidArgument, match="sha256"):
         adopt_model(a.root, tmp_path / "got" / "tampered", "tampered")
     assert not list((a.root / "models").glob("tampered*"))
+
+
+def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preprocessing(tmp_path):
+    from peer.base.rng import make_randomness
+    from peer.cli.app import main
+    from peer.cli.evaluate import evaluate
+    from peer.cli.site import adopt_model
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.pools import save_trained
+    from peer.dp.training import train_pool
+    from peer.nn.tables import prepare_records
+    from test_site_e2e import synthesise
+
+    rng = np.random.default_rng(9)
+    for f in ("a.csv", "test.csv"):
+        synthesise(tmp_path / f, 200, rng)
+    a = _site_with_records_model(tmp_path, "site-a", tmp_path / "a.csv")
+    records = prepare_records(tmp_path / "a.csv", label="readmitted_30d")
+    arch = load_model(a.root / "models", "readmission").architecture
+    trainings = [TrainingRecord.constant("replace-one", 5, 2.0, 1.0, sigma) for sigma in (4.0, 8.0)]
+    for i, m in enumerate(train_pool(arch, records.x_train, records.y_train, trainings, init_seed=0,
+                                     randomness=make_randomness(1), delta=1e-5)):
+        save_trained(a.root / "pool", f"p{i}", m, data=records.description, preprocessing=records.preprocessing)
+    np.savez(a.root / "validation.npz", x=records.x_val, y=records.y_val)
+    merged = tmp_path / "out" / "merged.safetensors"
+    assert main(["merge", "--pool", str(a.root / "pool"), "--target-epsilon", "50", "--delta", "1e-5", "--method", "rs",
+                 "--out", str(merged), "--validation", str(a.root / "validation.npz")]) == 0
+    scored = evaluate(str(merged), str(tmp_path / "test.csv"), "readmitted_30d", site=str(a.root))
+    assert scored["kind"] == "merge" and "pool 'dpsgd'" in scored["preprocessing"]
+    path, adopted = adopt_model(a.root, merged, "readmission-merged")
+    assert adopted["kind"] == "merge" and adopted["mechanism"] == "rs-merge" and adopted["level"] == "data"
+    assert "pool 'dpsgd'" in adopted["preprocessing_from"]
+    assert load_model(a.root / "models", "readmission-merged").preprocessing == records.preprocessing
+    # the merge's own sidecar (NAME.record.json) is not an unusable file
+    assert unusable_files(merged.parent) == []

@@ -5,7 +5,8 @@
 
 The model is one of the site's (``--site DIR --model NAME``: its own, an adopted fused or merged
 model) or a file pair ``FILE.safetensors`` + ``FILE.json``: a release that ``privfusion
-weights / merge / fuse`` wrote, or a fused model of a round (``rounds/models/NAME``).
+weights / merge --via / fuse`` wrote, a fused model of a round (``rounds/models/NAME``) or a
+local merge of the site's pool (``privfusion merge --pool``; prepared as the pool's models).
 
 The file is prepared exactly as the model's training data was: the ``Preprocessing`` stored
 with the model (``peer.nn.tables``; its column kinds, means, standard deviations, categories and
@@ -136,7 +137,9 @@ def release_pair(path: str | Path) -> tuple[Path, str]:
 
 
 def describe_file_model(metadata: Mapping[str, Any]) -> str:
-    """"release" (with its kind checked), "round" or "model"."""
+    """What a model file pair is: "release" (from a peer; its kind checked), "round" (a round's
+    fused model), "merge" (a local RS/LC merge of the site's own pool, ``privfusion merge
+    --pool``) or "model"."""
     release = metadata.get("release")
     if isinstance(release, Mapping):
         kind = release.get("kind")
@@ -144,7 +147,26 @@ def describe_file_model(metadata: Mapping[str, Any]) -> str:
             raise InvalidArgument("--model", f"is a {kind!r} release, which holds no model; "
                                              f"a model is in a {' / '.join(MODEL_RELEASE_KINDS)} release")
         return "release"
-    return "round" if "round" in metadata else "model"
+    if "round" in metadata:
+        return "round"
+    return "merge" if isinstance(metadata.get("record"), Mapping) and "choice" in metadata else "model"
+
+
+def site_pool_preprocessing(site: str | Path):
+    """``(preprocessing, source)`` of the site's pool (its only one), or None: what a local merge
+    of the pool was trained with."""
+    from peer.dp.pools import pool_preprocessing
+    from peer.net.daemon import SiteConfig
+
+    config = SiteConfig.load(Path(site) / "site.toml")
+    pools = [(n, d) for n, d in config.pools.items() if d.is_dir()]
+    if len(pools) != 1:
+        return None
+    try:
+        prep = pool_preprocessing(pools[0][1])
+    except InvalidArgument:
+        return None
+    return (prep, f"the site's pool {pools[0][0]!r}") if prep is not None else None
 
 
 def load_for_scoring(model: str, site: str | None, preprocessing_from: str | None):
@@ -168,7 +190,8 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
         if site is None:
             raise InvalidArgument("--site", f"{model} ({kind}) carries no preprocessing: give --site DIR (and "
                                             "--preprocessing-from NAME) to prepare the file as that site's model was")
-        prep, source = site_default_preprocessing(site, preprocessing_from)
+        pooled = site_pool_preprocessing(site) if kind == "merge" and preprocessing_from is None else None
+        prep, source = pooled or site_default_preprocessing(site, preprocessing_from)
         source += f" (a {kind} carries none)" if preprocessing_from is None else ""
     return stored, prep, {"model": str(model), "kind": kind, "preprocessing": source}
 

@@ -210,14 +210,16 @@ def register(subparsers) -> None:
 def adopt_model(site: str | Path, source: str | Path, name: str, preprocessing_from: str | None = None) -> tuple[Path, dict]:
     """Put a fused or merged model into the site's store as ``name``, with its provenance.
 
-    ``source`` is either a round's fused model (``rounds/models/MODEL-fused-ID``; its round
+    ``source`` is a round's fused model (``rounds/models/MODEL-fused-ID``; its round
     report ``rounds/round-ID.json``, with every signed receipt and every drop, is copied as
     provenance, and the preprocessing of the round's own model comes with it: fusion keeps the
     input space), or a release pair ``OUT.safetensors`` + ``OUT.json`` from ``privfusion
     weights / merge / fuse``, whose signature, manifest and tensors are verified against the
     site's pinned certificates first (``peer.net.client.verify_saved_release``; a release that
     does not verify is refused) and whose document is copied as provenance; a release carries no
-    preprocessing, so it comes from ``preprocessing_from`` or the site's default.
+    preprocessing, so it comes from ``preprocessing_from`` or the site's default; or a local
+    RS/LC merge of the site's own pool (``privfusion merge --pool``: its record and weight
+    choice are the provenance, the pool's preprocessing comes with it).
 
     Writes ``models/NAME.safetensors``, ``models/NAME.json`` (metadata ``adopted``: what, from
     where, when; and the preprocessing) and ``models/NAME.provenance.json`` (the whole report
@@ -265,8 +267,18 @@ def adopt_model(site: str | Path, source: str | Path, name: str, preprocessing_f
             base = load_model(store, report["model"]) if (store / f"{report['model']}.json").is_file() else None
             prep = base.preprocessing if base is not None else None
             prep_source = f"the round's own model {report['model']!r}" if prep is not None else None
+    elif kind == "merge":  # a local RS/LC merge of this site's own pool (privfusion merge --pool)
+        adopted.update(release_id=stored.metadata["record"].get("release_id"),
+                       mechanism=stored.metadata["record"].get("mechanism"), level=stored.metadata["record"].get("level"),
+                       unit=stored.metadata["record"].get("unit"), epsilon=stored.metadata["record"].get("epsilon"),
+                       delta=stored.metadata["record"].get("delta"))
+        provenance = {"kind": "merge", "document": json.loads((Path(directory) / f"{stem}.json").read_text())}
+        if preprocessing_from is None:
+            from peer.cli.evaluate import site_pool_preprocessing
+
+            prep, prep_source = site_pool_preprocessing(site) or (None, None)
     else:
-        raise InvalidArgument("--from", f"{source} is neither a round's fused model nor a release; "
+        raise InvalidArgument("--from", f"{source} is neither a round's fused model, a release nor a merge; "
                                         "a site's own models are already in its store")
     if prep is None:
         prep = stored.preprocessing

@@ -139,8 +139,9 @@ def list_models(directory: str | os.PathLike) -> list[str]:
 
 
 #: Files beside a model that belong to it without being part of it (not "unusable"):
-#: ``NAME.provenance.json`` (where an adopted model came from: ``privfusion model adopt``).
-SIDECAR_SUFFIXES: tuple[str, ...] = (".provenance.json",)
+#: ``NAME.provenance.json`` (where an adopted model came from: ``privfusion model adopt``) and
+#: ``NAME.record.json`` (a local merge's release record: ``peer.dp.pools.save_merged``).
+SIDECAR_SUFFIXES: tuple[str, ...] = (".provenance.json", ".record.json")
 
 
 def _sidecar_of(filename: str) -> str | None:
