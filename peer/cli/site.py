@@ -187,7 +187,7 @@ def _check(args) -> int:
 
 
 def register(subparsers) -> None:
-    site = subparsers.add_parser("site", help="make a new site's directory (identity, model store, site.toml)")
+    site = subparsers.add_parser("site", help="make a new site's directory (identity, model store, site.toml); check it")
     sub = site.add_subparsers(dest="site_command", metavar="ACTION")
     sub.required = True
     p = sub.add_parser("new", help="identity, empty model store and pool, ledger path and a commented site.toml")
