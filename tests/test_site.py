@@ -326,3 +326,26 @@ def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preproce
     assert load_model(a.root / "models", "readmission-merged").preprocessing == records.preprocessing
     # the merge's own sidecar (NAME.record.json) is not an unusable file
     assert unusable_files(merged.parent) == []
+
+
+def test_every_command_of_the_site_guide_parses(capsys):
+    """docs/deployment.md, sections 1 to 3: every `privfusion ...` line is a command the CLI
+    accepts with those flags (parsed, not run), so the guide cannot drift from the code."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from peer.cli.app import build_parser
+
+    text = Path(__file__).resolve().parent.parent.joinpath("docs", "deployment.md").read_text()
+    guide = text[text.index("## 1. At every site"): text.index("## 4.")]
+    lines = [l.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", guide, re.S) for l in block.splitlines()]
+    commands = [l for l in lines if l.startswith("privfusion ")]
+    assert len(commands) >= 12
+    parser = build_parser()
+    for c in commands:
+        try:
+            args = parser.parse_args(shlex.split(c)[1:])
+        except SystemExit:
+            raise AssertionError(f"docs/deployment.md: {c!r} does not parse: {capsys.readouterr().err}")
+        assert callable(args.func), c
