@@ -180,7 +180,13 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
         source = f"stored with the model {model!r}"
         if prep is None or preprocessing_from is not None:
             prep, source = site_default_preprocessing(site, preprocessing_from)
-        return stored, prep, {"model": model, "site": str(site), "kind": "site model", "preprocessing": source}
+        described = {"model": model, "site": str(site), "kind": "site model", "preprocessing": source}
+        if "adopted" in stored.metadata:  # where an adopted model came from (privfusion model adopt)
+            described["adopted"] = stored.metadata["adopted"]
+        return stored, prep, described
+    if store is not None and NAME_RULE.match(model) and not Path(model + ".json").exists() \
+            and not Path(model).with_suffix(".json").exists():
+        raise NotFound(f"--model: {model!r} is neither a model of the site's store {str(store)!r} nor a model file pair")
     directory, name = release_pair(model)
     stored = load_model_pair(directory / name)
     kind = describe_file_model(stored.metadata)
