@@ -162,23 +162,35 @@ def test_own_csv_to_a_round_an_adopted_fused_model_and_its_scores(tmp_path):
         # Measured here: own model 0.77 (seeded training, reproducible), fused 0.77 (its peers' parts
         # are DP-SGD models drawn with fresh noise, so it varies from run to run; 0.6 leaves room).
         assert scores["readmission"]["auroc"] > 0.7 and scores["readmission-v2"]["auroc"] > 0.6
+
+        # 5. the next round starts from the adopted model
+        round2 = root / "st-anne" / "round2.toml"
+        round2.write_text((root / "st-anne" / "round.toml").read_text().replace('model = "readmission"', 'model = "readmission-v2"'))
+        privfusion("round", "--config", str(root / "st-anne" / "site.toml"), "--round", str(round2))
+        (second,) = [json.loads(p.read_text()) for p in (root / "st-anne" / "rounds").glob("round-*.json") if p != reports[0]]
+        assert second["status"] == "fused" and second["model"] == "readmission-v2"
     finally:
         for d in daemons.values():
             d.close()
 
-    phase("evaluated", t0)
-    # 5. every ledger, read with `privfusion ledger show --json` (which checks its hash chain on open)
+    phase("second round", t0)
+    # 6. every ledger, read with `privfusion ledger show --json` (which checks its hash chain on open),
+    # holds exactly the releases the two rounds' signed receipts say were charged, nothing else
     ledgers = {s: json.loads(privfusion("ledger", "show", "--db", str(root / s / "ledger.sqlite"), "--json")) for s in SITES}
     assert ledgers["st-anne"]["entries"] == []  # the requester released nothing
     for peer in ("riverside", "hillcrest"):
         entries = ledgers[peer]["entries"]
-        charged = [c for c in report["charges"] if c["peer"] == peer]
+        charged = [c for r in (report, second) for c in r["charges"] if c["peer"] == peer]
         assert [(e["release_id"], str(e["entry_id"])) for e in entries] == [(c["release_id"], c["entry_id"]) for c in charged]
-        (e,), (c,) = entries, charged
-        # RS releases one pool model; its record carries the merge's own (epsilon, delta), within the target
-        assert (e["counterparty"], e["level"], e["unit"], e["mechanism"], e["epsilon"], e["delta"]) == (
-            "st-anne", "data", "record:replace-one", "rs-merge", c["epsilon"], c["delta"])
+        for e, c in zip(entries, charged):
+            assert (e["counterparty"], e["level"], e["mechanism"], e["epsilon"], e["delta"]) == (
+                "st-anne", c["level"], c["mechanism"], c["epsilon"], c["delta"])
+        # round 1: RS releases one pool model; its record carries the merge's own (epsilon, delta), within the target
+        e = entries[0]
+        assert (e["level"], e["unit"], e["mechanism"]) == ("data", "record:replace-one", "rs-merge")
         assert e["epsilon"] <= 2.0 and e["delta"] <= 1e-5
+        for b in ledgers[peer]["budgets"]:
+            assert b["count"] >= 1 and 0 < b["spent_epsilon_filter"] <= b["epsilon_limit"]
         (data_budget,) = [b for b in ledgers[peer]["budgets"] if b["budget"].startswith("data/")]
-        assert data_budget["count"] == 1 and 0 < data_budget["spent_epsilon_filter"] <= data_budget["epsilon_limit"] == 4.0
+        assert data_budget["epsilon_limit"] == 4.0 and data_budget["count"] == sum(c["level"] == "data" for c in charged)
     print(f"end to end in {time.monotonic() - started:.1f}s; own model {scores['readmission']}, fused {scores['readmission-v2']}")
