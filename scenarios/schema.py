@@ -17,8 +17,9 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     # label = "outcome"         # its label column (required with path)
     # features = ["age", "ward"]  # feature columns (default: every other column)
     # categorical = ["ward"]    # columns to one-hot although they hold numbers (codes)
-    # impute = false            # fill missing cells (training mean / most frequent) instead of refusing
-    # unseen = "refuse"         # a category the training part never saw: "refuse" | "zeros"
+    # impute = false            # fill missing cells (public-set mean / most frequent) instead of refusing
+    # unseen = "refuse"         # a category the public set never saw: "refuse" | "zeros"
+    #                           # (the preprocessing is fitted on the public set, shared by all sites)
     test_fraction = 0.25        # global test split: what every accuracy is measured on
     public_size = 80            # training examples held out as PUBLIC data: the sites' probe
                                 # sets and the merges' validation set come from it

@@ -3,8 +3,8 @@
 Everything a real deployment does happens for real, on loopback:
 
 1. **data** — a bundled scikit-learn set or the scenario's own records (``[data] path``, read
-   and prepared by ``peer.nn.tables``: preprocessing fitted on everything but the test split,
-   as the bundled breast-cancer set is standardised), split into a global test set (every
+   and prepared by ``peer.nn.tables``, with a preprocessing fitted on the public set only and
+   shared by every site), split into a global test set (every
    accuracy is measured on it), a PUBLIC set (probe sets and the merges' validation data come
    from it), and the protected records, divided among the sites by a Dirichlet label skew
    (``peer.nn.data.split_dirichlet``) or IID;
@@ -187,33 +187,35 @@ class ScenarioData:
     preprocessing: Any = None  # peer.nn.tables.Preprocessing of the scenario's own records
 
 
-def _load(sc: Scenario):
-    """(Dataset-like train/test arrays, preprocessing or None) of the scenario's data."""
-    from peer.nn.data import Dataset, load_dataset
-
+def _public_order(sc: Scenario, n: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of the n training examples: the first ``public_size`` are the public set."""
     d = sc.data
-    if d.path is None:
-        return load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed), None
-    from peer.nn.tables import Preprocessing, read_table
-
-    table = read_table(d.path, label=d.label, features=d.features, categorical=d.categorical,
-                       missing="impute" if d.impute else "refuse")
-    rest, test = table.split(d.test_fraction, seed=sc.seed)
-    prep = Preprocessing.fit(rest, unseen=d.unseen)  # never the test split's statistics
-    x_tr, y_tr = prep.transform(rest)
-    x_te, y_te = prep.transform(test)
-    return Dataset(d.dataset, x_tr, y_tr, x_te, y_te, prep.num_classes, None), prep
+    if d.public_size >= n - d.min_per_site * len(sc.sites):
+        raise InvalidArgument("data.public_size", f"{d.public_size} leaves too few of the {n} training examples for the sites")
+    return rng.permutation(n)
 
 
 def split_data(sc: Scenario) -> ScenarioData:
-    from peer.nn.data import split_dirichlet, split_homogeneous
+    from peer.nn.data import Dataset, load_dataset, split_dirichlet, split_homogeneous
 
     d = sc.data
-    ds, prep = _load(sc)
     rng = np.random.default_rng(sc.seed)
-    if d.public_size >= len(ds.y_train) - d.min_per_site * len(sc.sites):
-        raise InvalidArgument("data.public_size", f"{d.public_size} leaves too few of the {len(ds.y_train)} training examples for the sites")
-    order = rng.permutation(len(ds.y_train))
+    prep = None
+    if d.path is None:
+        ds = load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed)
+        order = _public_order(sc, len(ds.y_train), rng)
+    else:
+        from peer.nn.tables import Preprocessing, read_table
+
+        table = read_table(d.path, label=d.label, features=d.features, categorical=d.categorical,
+                           missing="impute" if d.impute else "refuse")
+        rest, test = table.split(d.test_fraction, seed=sc.seed)
+        order = _public_order(sc, len(rest), rng)
+        # Fitted on the public set only: the sites' DP-SGD pools are private for one record
+        # given their preprocessing, so it must not depend on the protected records.
+        prep = Preprocessing.fit(rest.take(np.sort(order[: d.public_size])), unseen=d.unseen, split="public")
+        (x_tr, y_tr), (x_te, y_te) = prep.transform(rest), prep.transform(test)
+        ds = Dataset(d.dataset, x_tr, y_tr, x_te, y_te, prep.num_classes, None)
     public, protected = order[: d.public_size], np.sort(order[d.public_size:])
     x_prot, y_prot = ds.x_train[protected], ds.y_train[protected]
     if d.split == "dirichlet":

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_tables import records, write_csv
 
 from peer.base.errors import InvalidArgument
-from test_tables import records, write_csv
 
 COLUMNS = ["age", "ward", "bp", "sex", "outcome"]
 
@@ -30,7 +30,7 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300, check=False)
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -52,7 +52,7 @@ def site(files) -> dict:
     model = cli("model", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
                 "--categorical", "sex", "--name", "own", "--epochs", "5", "--hidden", "16")
     pool = cli("pool", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
-               "--categorical", "sex", "--model", "name=a,noise=2,clip=1", "--model", "name=b,noise=6,clip=1",
+               "--public", str(files["public"]), "--categorical", "sex", "--model", "name=a,noise=2,clip=1", "--model", "name=b,noise=6,clip=1",
                "--steps", "20")
     return {"root": root, "model": model, "pool": pool}
 
@@ -102,6 +102,21 @@ def test_model_train_refuses_bad_records_naming_the_row(files, tmp_path, capsys)
     assert not (tmp_path / "models" / "m.json").exists()
 
 
+def test_model_train_on_image_arrays_with_the_cnn_preset(tmp_path, capsys):
+    from peer.nn.store import load_model
+
+    rng = np.random.default_rng(0)
+    y = np.arange(60) % 3
+    x = rng.normal(size=(60, 1, 8, 8)).astype(np.float32) + y[:, None, None, None]
+    np.savez(tmp_path / "img.npz", x=x, y=y)
+    code, out, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(tmp_path / "img.npz"),
+                         "--label", "y", "--preset", "cnn", "--name", "c", "--epochs", "3", "--json")
+    assert code == 0, err
+    stored = load_model(tmp_path / "models", "c")
+    assert stored.architecture["kind"] == "cnn" and stored.architecture["input_shape"] == [1, 8, 8]
+    assert stored.preprocessing.classes == (0, 1, 2) and json.loads(out)["input_width"] == 64
+
+
 def test_the_store_is_where_site_toml_says(files, tmp_path, capsys):
     def cli(*args):
         code, _, err = run(capsys, *args)
@@ -113,10 +128,20 @@ def test_the_store_is_where_site_toml_says(files, tmp_path, capsys):
     cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
         "--name", "m", "--epochs", "1")
     assert (tmp_path / "store" / "m.json").is_file() and not (tmp_path / "models").exists()
+    cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
+        "--public", str(files["public"]), "--name", "p", "--epochs", "1")
+    from peer.nn.store import load_model
+
+    assert load_model(tmp_path / "store", "m").preprocessing.fitted_on["split"] == "training"
+    assert load_model(tmp_path / "store", "p").preprocessing.fitted_on == {
+        "file": "public.csv", "sha256": load_model(tmp_path / "store", "p").preprocessing.fitted_on["sha256"],
+        "rows": 60, "split": "public"}
     cli("pool", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
-        "--model", "noise=2,clip=1", "--steps", "2")
+        "--public", str(files["public"]), "--model", "noise=2,clip=1", "--steps", "2")
     assert (tmp_path / "dp" / "dpsgd-0.json").is_file()
-    cli("probe", "make", "--site", str(tmp_path), "--data", str(files["public"]), "--label", "outcome")
+    code, _, err = run(capsys, "probe", "make", "--site", str(tmp_path), "--data", str(files["public"]))
+    assert code == 2 and "name the model the probe set serves" in err and "['m', 'p']" in err
+    cli("probe", "make", "--site", str(tmp_path), "--data", str(files["public"]), "--label", "outcome", "--model", "p")
     assert (tmp_path / "public" / "val.npz").is_file() and (tmp_path / "probe.safetensors").is_file()
 
 
@@ -127,7 +152,9 @@ def test_pool_train_declares_n_as_the_training_records(site, files, capsys):
     pool = load_pool(site / "pool")
     assert [m.name for m in pool] == ["a", "b"]
     prep = pool_preprocessing(site / "pool")
-    assert prep is not None and prep.fitted_on["rows"] == 192  # 240 records, 0.2 held out
+    # fitted on the public file, never on the protected records
+    assert prep is not None and prep.fitted_on["split"] == "public" and prep.fitted_on["file"] == "public.csv"
+    assert prep.fitted_on["rows"] == 60 and prep.categorical == ("ward", "sex")
     for m in pool:
         assert m.dataset_size == 192 and m.metadata["record"]["parameters"]["dataset_size"] == 192
         assert m.metadata["data"]["training_rows"] == 192 and m.metadata["data"]["file"] == "private.csv"
@@ -142,8 +169,16 @@ def test_pool_train_prints_n_and_refuses_what_it_cannot_do(site, files, capsys):
     code, _, err = run(capsys, "pool", "train", "--out", str(files["dir"] / "p3"), "--data", str(files["private"]))
     assert code == 2 and "--label: is required with --data" in err
     code, _, err = run(capsys, "pool", "train", "--site", str(site["root"]), "--data", str(files["private"]), "--label",
-                       "outcome", "--model", "name=a,noise=2,clip=1")
+                       "outcome", "--public", str(files["public"]), "--model", "name=a,noise=2,clip=1")
     assert code == 2 and "models ['a'] are already in the pool" in err
+    # a pool's preprocessing never comes from its protected records
+    code, _, err = run(capsys, "pool", "train", "--out", str(files["dir"] / "p4"), "--data", str(files["private"]),
+                       "--label", "outcome")
+    assert code == 2 and "--public: a DP pool's preprocessing must not come from its protected records" in err
+    code, _, err = run(capsys, "pool", "train", "--out", str(files["dir"] / "p4"), "--data", str(files["private"]),
+                       "--label", "outcome", "--preprocessing", str(site["root"] / "models" / "own.json"))
+    assert code == 2 and "fitted on the training split of private.csv, the pool's own protected records" in err
+    assert not (files["dir"] / "p4").exists()
 
 
 def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):
@@ -156,6 +191,7 @@ def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):
     proc = cli("probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "outcome",
                "--rows", "25", "--force")
     assert "PUBLIC" in proc.stdout and "becomes public" in proc.stdout
+    assert "can recover those statistics" in proc.stdout  # the model's preprocessing came from its training split
     probe = load_file(str(site / "probe.safetensors"))["x"]
     prep = load_model(site / "models", "own").preprocessing
     assert probe.shape == (25, prep.width) and probe.dtype == np.float32
@@ -219,8 +255,11 @@ def test_scenario_data_from_a_csv_is_split_and_prepared(tmp_path):
     data = split_data(sc)
     assert len(data.y_test) == 50 and len(data.y_public) == 40 and sum(len(y) for _, y in data.parts) == 110
     assert data.architecture["input_dim"] == data.preprocessing.width == 7 and data.num_classes == 2
-    # fitted on everything but the test split
-    assert data.preprocessing.fitted_on["rows"] == 150
+    # fitted on the public set only (shared by the sites; no protected record in it)
+    assert data.preprocessing.fitted_on["rows"] == 40 and data.preprocessing.fitted_on["split"] == "public"
+    age = data.preprocessing.columns[0]
+    assert abs(float(data.x_public[:, 0].mean())) < 1e-5 and abs(float(data.x_public[:, 0].std()) - 1) < 1e-5
+    assert age.name == "age" and abs(float(np.concatenate([x for x, _ in data.parts])[:, 0].mean())) > 1e-4
     (tmp_path / "bad.toml").write_text(SCENARIO.format(csv="nowhere.csv"))
     with pytest.raises(InvalidArgument, match=r"data\.path \(.*bad\.toml, line 7\): .*nowhere\.csv' is not a file"):
         load_scenario(tmp_path / "bad.toml")

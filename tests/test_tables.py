@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from peer.base.errors import InvalidArgument
 from peer.nn.tables import Preprocessing, architecture_for, prepare_records, read_table
@@ -69,7 +71,9 @@ def test_kinds_follow_the_rule(tmp_path):
 BAD_INPUTS = [
     # (rows, read kwargs, fit?, fragments the message must hold)
     (with_cell(3, "age", "12,5"), {}, False,
-     ["r.csv, column 'age', data row 3 (spreadsheet row 4)", "non-numeric value '12,5'", "--categorical age"]),
+     ["r.csv, column 'age', data row 3 (spreadsheet row 4)", "non-numeric value '12,5' (a decimal comma?",
+      "--categorical age"]),
+    (with_cell(1, "bp", "n/a?"), {}, False, ["column 'bp', data row 1 (spreadsheet row 2): a non-numeric value 'n/a?' in"]),
     (with_cell(2, "bp", "inf"), {}, False, ["column 'bp', data row 2", "infinite value 'inf'"]),
     (with_cell(4, "bp", ""), {}, False, ["column 'bp', data row 4 (spreadsheet row 5)", "empty or missing", "--impute"]),
     (with_cell(5, "ward", "NA"), {}, False, ["column 'ward', data row 5", "empty or missing"]),
@@ -103,6 +107,17 @@ def test_empty_and_header_only_files(tmp_path):
         read_table(tmp_path / "h.csv", label="y")
     with pytest.raises(InvalidArgument, match="unknown type"):
         read_table(tmp_path / "r.xlsx", label="y")
+
+
+def test_spreadsheet_exports_read_alike(tmp_path):
+    """A UTF-8 byte-order mark and semicolon or tab separators, as spreadsheets save them."""
+    reference = Preprocessing.fit(read_table(write_csv(tmp_path / "r.csv"), label="outcome"))
+    text = "\n".join(",".join(r) for r in [HEADER, *ROWS]) + "\n"
+    for name, body in (("bom.csv", "\ufeff" + text), ("semi.csv", text.replace(",", ";")),
+                       ("tab.csv", text.replace(",", "\t")), ("t.tsv", text.replace(",", "\t"))):
+        (tmp_path / name).write_text(body, encoding="utf-8")
+        p = Preprocessing.fit(read_table(tmp_path / name, label="outcome"))
+        assert p.columns == reference.columns and p.classes == reference.classes, name
 
 
 def test_unseen_categories_are_refused_unless_the_training_said_so(tmp_path):
@@ -220,6 +235,22 @@ def test_preprocessing_is_fitted_on_the_training_split_only(tmp_path):
         assert abs(int((r.y_val == c).sum()) - total * 0.25) <= 1
 
 
+def test_preprocessing_fitted_on_a_public_file(tmp_path):
+    header = ["age", "ward", "bp", "sex", "outcome"]
+    private = write_csv(tmp_path / "private.csv", records(100, seed=7), header)
+    public = write_csv(tmp_path / "public.csv", records(30, seed=8), header)
+    r = prepare_records(private, label="outcome", public=public)
+    pub = read_table(public, label="outcome")
+    assert r.preprocessing.fitted_on["split"] == "public" and r.preprocessing.fitted_on["rows"] == 30
+    assert r.preprocessing.columns[0].mean == pytest.approx(pub.columns["age"].numbers.mean(), rel=1e-12)
+    assert r.description["preprocessing"] == "fitted on public records (public.csv)"
+    assert len(r.y_train) == 80 and len(r.y_val) == 20
+    with pytest.raises(InvalidArgument, match="not both"):
+        prepare_records(private, label="outcome", public=public, preprocessing=r.preprocessing)
+    with pytest.raises(InvalidArgument, match="split: must be 'training' or 'public'"):
+        Preprocessing.fit(pub, split="validation")
+
+
 def test_a_category_seen_only_in_held_out_records_is_refused(tmp_path):
     rows = records(40, seed=2)
     path = write_csv(tmp_path / "r.csv", rows, ["age", "ward", "bp", "sex", "outcome"])
@@ -280,3 +311,39 @@ def test_preprocessing_round_trips_through_the_store(tmp_path):
     (tmp_path / "models" / "m.json").write_text(json.dumps(manifest))
     with pytest.raises(InvalidArgument, match=r"m\.json: preprocessing\.columns\[0\]"):
         load_model(tmp_path / "models", "m")
+
+
+# ---------------------------------------------------------------------------------- invariants
+
+
+@st.composite
+def small_tables(draw):
+    n = draw(st.integers(min_value=4, max_value=30))
+    numbers = draw(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=n, max_size=n))
+    cats = draw(st.lists(st.sampled_from(["a", "b", "c d", "é"]), min_size=n, max_size=n))
+    labels = draw(st.lists(st.sampled_from(["0", "1", "2"]), min_size=n, max_size=n).filter(lambda v: len(set(v)) >= 2))
+    holes = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    return [[("" if h else repr(x)), c, y] for x, c, y, h in zip(numbers, cats, labels, holes)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=small_tables())
+def test_prepared_training_records_are_standardised_and_one_hot(tmp_path_factory, rows):
+    path = write_csv(tmp_path_factory.mktemp("h") / "r.csv", rows, ["x", "c", "y"])
+    present = [r for r in rows if r[0] != ""]
+    if not present:
+        with pytest.raises(InvalidArgument, match="no values|empty or missing"):
+            Preprocessing.fit(read_table(path, label="y", missing="impute"))
+        return
+    p = Preprocessing.fit(read_table(path, label="y", missing="impute"))
+    assert Preprocessing.from_dict(json.loads(json.dumps(p.to_dict(), allow_nan=False))) == p
+    x, y = p.transform(read_table(path, label="y", missing="impute"))
+    assert x.shape == (len(rows), 1 + len(p.columns[1].categories)) and np.all(np.isfinite(x))
+    # the present numeric cells are standardised by their own mean and std; holes get the mean (0)
+    v = np.array([float(r[0]) for r in present])
+    filled = x[[r[0] != "" for r in rows], 0].astype(np.float64)
+    if v.std() > 0:
+        np.testing.assert_allclose(filled, (v - v.mean()) / v.std(), rtol=1e-4, atol=1e-4)
+    assert np.all(x[[r[0] == "" for r in rows], 0] == np.float32((p.columns[0].fill - p.columns[0].mean) / p.columns[0].std))
+    assert np.all(x[:, 1:].sum(axis=1) == 1.0)  # every category was seen: exactly one entry set
+    assert sorted(set(y.tolist())) == list(range(len(p.classes))) and p.classes == tuple(sorted({int(r[2]) for r in rows}))

@@ -7,7 +7,8 @@
 ``model train`` trains a plain (non-private) classifier on the site's own records (CSV,
 Parquet or .npz: ``peer.nn.tables``): the records are split into a training part and a
 held-out validation part (stratified, public ``--split-seed``), the preprocessing is fitted
-on the training part only, and the model goes into the site's model store (``models`` of
+on the training part only (or on public records, ``--public FILE``: then the probe set made
+with it reveals nothing of the training records), and the model goes into the site's model store (``models`` of
 ``DIR/site.toml``, else ``DIR/models``) together with that preprocessing.
 
 This module also holds what the record-reading commands share (``pool train --data``,
@@ -95,6 +96,9 @@ def add_record_options(p: argparse.ArgumentParser, *, required: bool = True) -> 
     p.add_argument("--preprocessing", metavar="JSON",
                    help="use this preprocessing (a JSON file of one, or a model manifest NAME.json holding one) instead of fitting one, "
                         "e.g. one fitted on public data that several sites share")
+    p.add_argument("--public", metavar="FILE",
+                   help="fit the preprocessing on these PUBLIC records (same columns) instead of the training split "
+                        "(required for a DP pool; the statistics then reveal nothing of the protected records)")
     p.add_argument("--validation-fraction", type=float, default=0.2,
                    help="share of the records held out to report accuracy (default 0.2); never trained on")
     p.add_argument("--split-seed", type=int, default=0, help="public seed of the train/validation split (default 0)")
@@ -121,10 +125,13 @@ def records_from_args(args: argparse.Namespace):
     """The records of ``--data``, split and prepared (``peer.nn.tables.prepare_records``)."""
     from peer.nn.tables import prepare_records
 
+    if args.preprocessing and args.public:
+        raise InvalidArgument("--public", "give --preprocessing or --public (a file to fit one on), not both")
     given = read_preprocessing(args.preprocessing) if args.preprocessing else None
     return prepare_records(args.data, label=args.label, features=args.features, categorical=args.categorical,
                            missing="impute" if args.impute else "refuse", unseen="zeros" if args.allow_unseen else "refuse",
-                           validation_fraction=args.validation_fraction, split_seed=args.split_seed, preprocessing=given)
+                           validation_fraction=args.validation_fraction, split_seed=args.split_seed, preprocessing=given,
+                           public=args.public)
 
 
 @contextmanager
@@ -209,7 +216,7 @@ def _train(args: argparse.Namespace) -> int:
         (f"inputs: {prep.width} entries from {len(prep.columns)} columns ({len(prep.categorical)} categorical, one-hot); "
         f"classes {list(prep.classes)}"),
         f"accuracy: training {train_acc:.4f}, validation {val_acc:.4f}",
-        f"saved to {path} with its preprocessing (fitted on the training split only)",
+        f"saved to {path} with its preprocessing ({records.description['preprocessing']})",
     ])
     return 0
 
@@ -223,8 +230,8 @@ def register(subparsers) -> None:
     t = sub.add_parser("train", help="train a (non-private) model on the site's own records into its model store",
                        description="Train a plain classifier on the site's own records. The records are split into "
                                    "training and held-out validation parts; the preprocessing (standardisation, one-hot "
-                                   "categories, label classes, fill values) is fitted on the training part only and "
-                                   "stored with the model.")
+                                   "categories, label classes, fill values) is fitted on the training part only (or on "
+                                   "public records: --public) and stored with the model.")
     t.add_argument("--site", required=True, metavar="DIR", help="the site's directory (its site.toml says where the model store is; default DIR/models)")
     add_record_options(t)
     arch = t.add_mutually_exclusive_group()

@@ -1,13 +1,14 @@
 """``privfusion pool``: train a pool of DP-SGD models, list a pool.
 
-    privfusion pool train --site DIR --data FILE --label COL [--pool NAME] [--model noise=2,clip=1 ...]
+    privfusion pool train --site DIR --data FILE --label COL --public FILE [--pool NAME] [--model noise=2,clip=1 ...]
     privfusion pool train --dataset digits --out POOL [--model noise=2,clip=1 ...] [--json]
     privfusion pool list --pool POOL [--json]
 
 On a site's own records (``--data``): the records are split into the protected training
 records DP-SGD sees (the unit of privacy is one of them) and a held-out part that only reports
-accuracy here; the preprocessing is fitted on the training records and stored with every model
-of the pool. The declared dataset size n of DP-SGD — the public constant of the update's
+accuracy here. The preprocessing must not depend on the protected records (the guarantee is
+for one record given the preprocessing): it is fitted on public records (``--public FILE``) or
+given (``--preprocessing JSON``), and stored with every model of the pool. The declared dataset size n of DP-SGD — the public constant of the update's
 denominator — is the number of training records; it is printed and recorded. The bundled
 ``--dataset`` path stays for demonstrations.
 """
@@ -76,7 +77,7 @@ def train(args: argparse.Namespace) -> int:
             raise InvalidArgument("--site", "give the site's directory (--site) or a pool directory (--out), one of them")
         with torch_threads(1):
             return _train_records(args)
-    for flag in ("label", "features", "preprocessing", "site"):
+    for flag in ("label", "features", "preprocessing", "public", "site"):
         if getattr(args, flag):
             raise InvalidArgument(f"--{flag}", "belongs with the site's own records (--data)")
     if args.out is None:
@@ -114,12 +115,20 @@ def _train_records(args: argparse.Namespace) -> int:
         pool_name, directory = site_paths(args.site).pool(args.pool)
     else:
         pool_name, directory = args.pool or "pool", args.out
+    if not args.public and not args.preprocessing:
+        raise InvalidArgument("--public", "a DP pool's preprocessing must not come from its protected records (their means, "
+                                          "category lists and classes would change with one record and travel inside every "
+                                          "released model, outside the guarantee): give --public FILE, public records with "
+                                          "the same columns to fit it on, or --preprocessing JSON")
     names, trainings = _specs(args)
     taken = [n for n in names if (Path(directory) / f"{n}.json").exists()]
     if taken and not args.force:
         raise InvalidArgument("--model", f"models {taken} are already in the pool {str(directory)!r}; give other names or --force")
     records = records_from_args(args)
     prep = records.preprocessing
+    if prep.fitted_on.get("split") == "training" and prep.fitted_on.get("sha256") == records.description["sha256"]:
+        raise InvalidArgument("--preprocessing", f"was fitted on the training split of {records.description['file']}, the "
+                                                 "pool's own protected records; fit one on public records (--public FILE)")
     arch = architecture_arg(args.architecture, None, prep, [])
     n = len(records.y_train)
     print(f"DP-SGD on {n} training records of {records.description['file']} "
@@ -206,8 +215,8 @@ def register(subparsers) -> None:
     t = sub.add_parser("train", help="train DP-SGD models on the site's own records (or a bundled dataset) into a pool",
                        description="Train a pool of DP-SGD models from one public initialisation. With --data: on the "
                                    "site's own records (the declared dataset size n is the number of training records; "
-                                   "the preprocessing is fitted on them and stored with every model). With --dataset: "
-                                   "on a bundled scikit-learn set (demonstrations).")
+                                   "the preprocessing is fitted on public records, --public, and stored with every "
+                                   "model). With --dataset: on a bundled scikit-learn set (demonstrations).")
     t.add_argument("--site", metavar="DIR", help="the site's directory: the pool goes where its site.toml says (default DIR/pool)")
     t.add_argument("--pool", metavar="NAME", help="which of the site's pools ([site.pools.NAME]); default: its only one")
     t.add_argument("--dataset", default=None, choices=("digits", "breast_cancer"), help="a bundled dataset (default digits when --data is not given)")

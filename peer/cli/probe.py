@@ -79,6 +79,10 @@ def make(args: argparse.Namespace) -> int:
             _atomic_write(p, save({"x": np.ascontiguousarray(x[chosen], dtype=np.float32)}))
             lines.append(f"probe set: {rows} of the {len(table)} records, prepared as {served} prepares its inputs "
                          f"({prep.width} entries), written to {p}: fusion sends it to every peer asked for features")
+            if prep.fitted_on.get("split") != "public":
+                lines.append(f"note: {served}'s preprocessing was fitted on its training records; a peer who knows "
+                             f"{Path(args.data).name} can recover those statistics (means, standard deviations, "
+                             "categories) from the prepared rows. Train with --public FILE to keep them in.")
         else:
             rows = len(y)
             buffer = io.BytesIO()

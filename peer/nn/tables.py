@@ -36,14 +36,27 @@ The preparation (its statistics come from the training split only):
   training mean of a numeric column, the most frequent training category of a categorical one,
   ties broken by the sorted order) and transform fills with it. Labels are never imputed.
 
+CSV files are UTF-8 (a byte-order mark, as spreadsheets write, is skipped), separated by commas,
+or by semicolons or tabs when the header line holds no comma; ``.tsv`` is tab-separated.
+
 Rows in messages are 1-based data rows, the header not counted; for CSV the spreadsheet row
 (header = row 1) is given as well.
 
 Privacy: the statistics a preprocessing holds (means, standard deviations, category lists,
-fill values) are computed from protected training records and are *not* covered by any DP
-guarantee. They stay with the site's files (model store manifests, pools); nothing in the
-daemon sends them. A site that must share its preparation can fit it on a public file and give
-it to training (``Preprocessing.from_dict`` of a JSON file).
+class list, fill values) are exact functions of the records it was fitted on, covered by no DP
+guarantee. Two consequences:
+
+- a DP-SGD pool's guarantee is for one training record *given* its preprocessing. Fitted on
+  the protected records themselves, the preparation of every record would change with one
+  record, and the statistics would travel inside every released model. So a pool's
+  preprocessing is fitted on public records (``Preprocessing.fit(public_table,
+  split="public")``, ``pool train --public FILE``) or given (a preprocessing agreed between
+  sites), never fitted on the pool's own training records;
+- a model's preprocessing stays with the site's files (model store manifests), and the daemon
+  never sends it; but a probe set is prepared by it, and whoever knows the public file the
+  probe came from can recover the statistics from the prepared rows. A site that wants none of
+  its statistics out fits its models' preprocessing on public records as well
+  (``model train --public FILE``).
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -202,11 +216,26 @@ def _kind_of(table_name: str, name: str, text: np.ndarray, numbers: np.ndarray, 
         r = int(rows[i])
         sheet = f" (spreadsheet row {r + 1})" if spreadsheet else ""
         what = "an infinite value" if infinite[i] else "a non-numeric value"
+        hint = " (a decimal comma? numbers are written with a point: 12.5)" if re.fullmatch(r"[-+]?\d+,\d+", text[i]) else ""
         raise InvalidArgument(
             f"{table_name}, column {name!r}, data row {r}{sheet}",
-            f"{what} {text[i]!r} in a numeric column ({int(is_number.sum())} of its cells are numbers; "
+            f"{what} {text[i]!r}{hint} in a numeric column ({int(is_number.sum())} of its cells are numbers; "
             f"{len(bad)} are not): fix the cell, or declare the column categorical (--categorical {name})")
     return "numeric"
+
+
+def _separator(path: Path, suffix: str) -> str:
+    """Comma, unless the header line has none and holds semicolons (spreadsheets in locales
+    whose decimal mark is a comma write those) or tabs (and always tab for .tsv)."""
+    if suffix == ".tsv":
+        return "\t"
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        header = f.readline()
+    if "," not in header:
+        for sep in (";", "\t"):
+            if sep in header:
+                return sep
+    return ","
 
 
 def _frame_cells(path: Path, suffix: str) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray]], int]:
@@ -221,8 +250,8 @@ def _frame_cells(path: Path, suffix: str) -> tuple[list[str], dict[str, tuple[np
             # Every cell as text: the kinds are decided here, by the rule of the module
             # docstring, not by pandas' guess (which turns "12,5" in a numeric column into
             # a whole column of strings without saying where).
-            frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False,
-                                sep="\t" if suffix == ".tsv" else ",", skipinitialspace=True)
+            frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False, sep=_separator(path, suffix),
+                                skipinitialspace=True, encoding="utf-8-sig")
             cells = {str(c): _cells_from_text(frame[c].tolist()) for c in frame.columns}
     except pd.errors.EmptyDataError:
         raise InvalidArgument(str(path), "is empty: expected a header line with the column names, then one line per record") from None
@@ -418,10 +447,13 @@ class Preprocessing:
     # ---- fit ------------------------------------------------------------------------------
 
     @classmethod
-    def fit(cls, table: Table, *, unseen: Unseen = "refuse") -> Preprocessing:
-        """Statistics of ``table`` — which must be the site's TRAINING split only — for every
-        feature column, and the label's class list. Missing cells get fill values when the
-        table was read with ``missing="impute"``."""
+    def fit(cls, table: Table, *, unseen: Unseen = "refuse", split: Literal["training", "public"] = "training") -> Preprocessing:
+        """Statistics of ``table`` — the site's TRAINING split only, or public records
+        (``split="public"``; never validation or test records) — for every feature column, and
+        the label's class list. Missing cells get fill values when the table was read with
+        ``missing="impute"``. ``split`` is recorded in ``fitted_on``."""
+        if split not in ("training", "public"):
+            raise InvalidArgument("split", f"must be 'training' or 'public', got {split!r}")
         if unseen not in ("refuse", "zeros"):
             raise InvalidArgument("unseen", f"must be 'refuse' or 'zeros', got {unseen!r}")
         if table.label is None:
@@ -451,7 +483,7 @@ class Preprocessing:
         if len(classes) < 2:
             raise InvalidArgument(f"{table.source}: label {table.label!r}",
                                   f"has one class ({classes[0]!r}) in the training split; a classifier needs at least two")
-        fitted_on = {"file": Path(table.source).name, "sha256": table.digest, "rows": len(table), "split": "training"}
+        fitted_on = {"file": Path(table.source).name, "sha256": table.digest, "rows": len(table), "split": split}
         width = sum(c.width for c in columns)
         shape = table.input_shape if table.input_shape is not None and int(np.prod(table.input_shape)) == width else None
         return cls(table.label, classes, tuple(columns), unseen, shape, fitted_on)
@@ -662,10 +694,15 @@ class PreparedRecords:
 def prepare_records(path: str | os.PathLike, *, label: str, features: Sequence[str] | None = None,
                     categorical: Sequence[str] = (), missing: Missing = "refuse", unseen: Unseen = "refuse",
                     validation_fraction: float = 0.2, split_seed: int = 0,
-                    preprocessing: Preprocessing | None = None) -> PreparedRecords:
+                    preprocessing: Preprocessing | None = None, public: str | os.PathLike | None = None) -> PreparedRecords:
     """Read ``path``, hold out ``validation_fraction`` of the records (stratified, seeded by the
-    public ``split_seed``), fit the preprocessing on the rest (the training split) — or use the
-    given one, e.g. one fitted on public data — and prepare both parts."""
+    public ``split_seed``), fit the preprocessing on the rest (the training split) — or on the
+    records of the ``public`` file, or use the given one — and prepare both parts."""
+    if public is not None:
+        if preprocessing is not None:
+            raise InvalidArgument("public", "give a preprocessing or a public file to fit one on, not both")
+        public_table = read_table(public, label=label, features=features, categorical=categorical, missing=missing)
+        preprocessing = Preprocessing.fit(public_table, unseen=unseen, split="public")
     if preprocessing is None:
         table = read_table(path, label=label, features=features, categorical=categorical, missing=missing)
     else:
@@ -679,5 +716,7 @@ def prepare_records(path: str | os.PathLike, *, label: str, features: Sequence[s
     description = {"file": Path(table.source).name, "sha256": table.digest, "label": label, "rows": len(table),
                    "training_rows": len(train), "validation_rows": len(val),
                    "validation_fraction": validation_fraction, "split_seed": split_seed,
-                   "preprocessing": "given" if preprocessing is not None else "fitted on the training split"}
+                   "preprocessing": ("fitted on the training split" if preprocessing is None
+                                     else f"fitted on public records ({preprocessing.fitted_on.get('file')})"
+                                     if preprocessing.fitted_on.get("split") == "public" else "given")}
     return PreparedRecords(prep, x_train, y_train, x_val, y_val, description)
