@@ -49,8 +49,8 @@ SITE_TOML = """\
 # coordinator_free/rounds.py. Start the daemon with: privfusion peer serve --config site.toml
 
 [site]
-name = "{name}"                   # the CN of identity/site.crt: peers pin it under this name
-listen = "{listen}"
+{name_line}# the CN of identity/site.crt: peers pin it under this name
+{listen_line}# where the daemon listens (HOST:PORT; peers dial the --address)
 identity = "identity"             # site.key (private, mode 600), site.crt, trusted/ (pinned peers)
 models = "models"                 # the models this site offers (privfusion model train / model adopt)
 ledger = "ledger.sqlite"          # the privacy-budget ledger: append-only, created on first start
@@ -141,7 +141,8 @@ def new_site(name: str, directory: str | Path, listen: str, addresses: list[str]
     (d / "models").mkdir()
     (d / "pool").mkdir()
     path = d / "site.toml"
-    path.write_text(SITE_TOML.format(name=name, listen=listen), encoding="utf-8")
+    path.write_text(SITE_TOML.format(name=name, name_line=f'name = "{name}"'.ljust(34),
+                                     listen_line=f'listen = "{listen}"'.ljust(34)), encoding="utf-8")
     return path
 
 
@@ -157,7 +158,8 @@ def _new(args) -> int:
     print("next (docs/deployment.md, section 1):")
     print(f"  privfusion peer trust add OTHER.crt --dir {d / 'identity'}        # each site you work with")
     print(f"  privfusion model train --site {d} --data RECORDS.csv --label COL --name NAME")
-    print(f"  privfusion pool train --site {d} --data RECORDS.csv --label COL --architecture ARCH_OF_NAME")
+    print(f"  privfusion pool train --site {d} --data RECORDS.csv --label COL --architecture '{{\"kind\": \"mlp\", \"hidden\": [64]}}'"
+          "   # the model's architecture")
     print(f"  privfusion probe make --site {d} --data PUBLIC.csv --label COL")
     print(f"  privfusion peer serve --config {path}")
     return 0
