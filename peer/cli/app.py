@@ -28,7 +28,7 @@ from importlib.metadata import EntryPoint, entry_points
 from peer.base.errors import PrivFusionError
 
 # Modules in peer.cli, each with register(subparsers).
-COMMAND_MODULES: tuple[str, ...] = ("ledger", "account", "pool", "merge", "experiment", "peer", "release", "model", "probe")
+COMMAND_MODULES: tuple[str, ...] = ("ledger", "account", "pool", "merge", "experiment", "peer", "release", "model", "probe", "site", "evaluate")
 
 # Entry points: name = the command, object = register(subparsers) adding that command.
 COMMAND_GROUP = "privfusion.commands"

@@ -13,6 +13,13 @@ with it reveals nothing of the training records), and the model goes into the si
 
 This module also holds what the record-reading commands share (``pool train --data``,
 ``probe make``): where a site keeps its files, the record options, a progress bar.
+
+    privfusion model adopt --site DIR --from rounds/models/NAME|RELEASE --name NAME [--preprocessing-from NAME]
+    privfusion model export --site DIR --model NAME --format safetensors|pt --out FILE
+
+``model adopt`` puts a round's fused model or a merged/fused release into the site's store with
+its provenance beside it; ``model export`` writes a plain state_dict for use outside
+(``peer.cli.site.adopt_model`` and ``export_model`` say exactly what they write).
 """
 
 from __future__ import annotations
@@ -239,3 +246,51 @@ def register(subparsers) -> None:
     t.add_argument("--force", action="store_true", help="replace a model of the same name")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.set_defaults(func=train)
+    register_adopt_export(sub)
+
+
+# --------------------------------------------------------------------------------------------
+# adopt and export (the work is in peer.cli.site)
+
+
+def _adopt(args: argparse.Namespace) -> int:
+    from peer.cli.site import adopt_model
+
+    path, adopted = adopt_model(args.site, getattr(args, "from"), args.name, preprocessing_from=args.preprocessing_from)
+    if args.json:
+        print(json.dumps({"model": args.name, "manifest": str(path), **adopted}, indent=2, sort_keys=True, default=str))
+        return 0
+    where = (f"round {adopted['round_id'][:12]} of {adopted['site']} (contributors {', '.join(adopted['contributors'])})"
+             if adopted["kind"] == "round" else
+             f"{adopted['release_kind']} release of {adopted['signer']} (ledger entry {adopted['ledger_entry_id']}, "
+             f"{adopted['level']} level, ε={adopted['epsilon']:g}, δ={adopted['delta']:g} per {adopted['unit']}; signature verified)")
+    print(f"adopted {args.name!r} into {path.parent}: from {where}")
+    print(f"preprocessing: {adopted['preprocessing_from']}; provenance: {path.parent / (args.name + '.provenance.json')}")
+    print(f"restart the daemon to offer it; a round with [round] model = \"{args.name}\" starts from it")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from peer.cli.site import export_model
+
+    out = export_model(args.site, args.model, args.format, args.out)
+    print(f"{args.model!r} -> {out} ({args.format}: a plain state_dict of float32 tensors; no preprocessing)")
+    return 0
+
+
+def register_adopt_export(sub) -> None:
+    a = sub.add_parser("adopt", help="make a round's fused model or a merged/fused release one of the site's models, with its provenance")
+    a.add_argument("--site", required=True, metavar="DIR", help="the site's directory")
+    a.add_argument("--from", required=True, metavar="MODEL", dest="from",
+                   help="rounds/models/NAME (a round's fused model) or a release OUT(.safetensors + .json)")
+    a.add_argument("--name", required=True, help="the model's name in the site's store")
+    a.add_argument("--preprocessing-from", metavar="NAME",
+                   help="the site model whose preprocessing goes with it (default: the round's own model, else the site's default)")
+    a.add_argument("--json", action="store_true", help="print what was adopted as JSON")
+    a.set_defaults(func=_adopt)
+    e = sub.add_parser("export", help="write a site model's weights for use outside PrivFusion (a plain state_dict)")
+    e.add_argument("--site", required=True, metavar="DIR", help="the site's directory")
+    e.add_argument("--model", required=True, metavar="NAME", help="a model of the site")
+    e.add_argument("--format", required=True, choices=("safetensors", "pt"), help="safetensors, or pt (torch.save of tensors only)")
+    e.add_argument("--out", required=True, metavar="FILE", help="the file to write (never overwritten)")
+    e.set_defaults(func=_export)

@@ -132,4 +132,5 @@ def peer_info_message(info: SiteInfo) -> pb.PeerInfo:
                for b in info.budgets]
     return pb.PeerInfo(name=info.name, certificate_sha256=info.certificate_sha256, protocol=wire.PROTOCOL,
                        insecure=info.insecure, models=models, pools=pools, mechanisms=list(info.mechanisms),
-                       budgets=budgets, has_probe_set=info.has_probe_set, max_chunk_bytes=wire.MAX_CHUNK_BYTES)
+                       budgets=budgets, has_probe_set=info.has_probe_set, max_chunk_bytes=wire.MAX_CHUNK_BYTES,
+                       unusable=[pb.UnusableFile(path=p, reason=why) for p, why in info.unusable])

@@ -74,7 +74,7 @@ from peer.net.limits import Limits
 from peer.net.trust import PinnedPeer, TrustStore
 from peer.nn.architectures import hidden_sizes, weight_layers
 from peer.nn.graph import NetworkGraph, extract_graph
-from peer.nn.store import StoredModel, list_models, load_model
+from peer.nn.store import StoredModel, list_models, load_store, site_unusable_files
 
 log = logging.getLogger("privfusion.peer")
 
@@ -308,6 +308,8 @@ class SiteInfo:
     mechanisms: tuple[str, ...]
     budgets: tuple[BudgetInfo, ...]
     has_probe_set: bool
+    # files in models/ or pool/ (and a probe set not made yet) the site cannot use: (path, why)
+    unusable: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -344,17 +346,25 @@ class Site:
         self.trust = TrustStore(self.identity.trust_dir)
         self._pins: tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]] = ((), {}, [])
         self._pins_lock = threading.Lock()
-        self.models: dict[str, StoredModel] = {n: load_model(config.models, n) for n in list_models(config.models)}
+        # what the daemon will not serve, and why (a warning each; GetPeerInfo lists them): a
+        # model that does not load, a pool with no model yet or a probe set not made yet is
+        # left out rather than fatal
+        self.models, failed = load_store(config.models)
+        self.unusable = site_unusable_files(config.models, config.pools, config.probe,
+                                            config.path.resolve().parent if config.path else config.models.parent, failed)
+        for path, why in self.unusable:
+            log.warning(json.dumps({"event": "unusable-file", "path": path, "reason": why}))
+        pools = {n: d for n, d in config.pools.items() if d.is_dir() and list_models(d)}
         self.pools: dict[str, list] = {}
         self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._rs_utilities: dict[str, list[float]] = {}
-        if config.pools:
+        if pools:
             # lazy: peer.dp loads dp_accounting (slow to import), needed only by a site with pools
             from peer.dp.accounting import rs_profiles
             from peer.dp.merging import check_pool
             from peer.dp.pools import load_pool, load_validation_file, pool_validation, rs_utilities
 
-            self.pools = {name: load_pool(d) for name, d in config.pools.items()}
+            self.pools = {name: load_pool(d) for name, d in pools.items()}
             for pool in self.pools.values():
                 check_pool(pool)
             # the held-out split each pool was trained beside, or the site's validation file
@@ -370,7 +380,7 @@ class Site:
                     rs_profiles([m.privacy for m in pool])
                 except InvalidArgument:
                     pass  # a pool RS cannot account (mixed adjacencies): each request says why
-        self.probe = load_probe(config.probe) if config.probe else None
+        self.probe = load_probe(config.probe) if config.probe and config.probe.exists() else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
         self._master = make_randomness(config.seed) if config.seed is not None else None
@@ -563,7 +573,7 @@ class Site:
         return SiteInfo(name=self.name, certificate_sha256=self.identity.fingerprint, insecure=self.insecure,
                         models=tuple(model_info(n, m) for n, m in sorted(self.models.items())), pools=tuple(pools),
                         mechanisms=(*MECHANISMS, self.randomness_mechanism()), budgets=budgets,
-                        has_probe_set=self.probe is not None)
+                        has_probe_set=self.probe is not None, unusable=tuple(self.unusable))
 
 
 class PartnerClient:

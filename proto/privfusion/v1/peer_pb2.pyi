@@ -142,7 +142,7 @@ class BudgetInfo(_message.Message):
     def __init__(self, budget: _Optional[str] = ..., scope: _Optional[str] = ..., epsilon_limit: _Optional[float] = ..., delta_limit: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., epsilon_remaining: _Optional[float] = ..., releases: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("name", "certificate_sha256", "protocol", "insecure", "models", "pools", "mechanisms", "budgets", "has_probe_set", "max_chunk_bytes")
+    __slots__ = ("name", "certificate_sha256", "protocol", "insecure", "models", "pools", "mechanisms", "budgets", "has_probe_set", "max_chunk_bytes", "unusable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_SHA256_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class PeerInfo(_message.Message):
     BUDGETS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROBE_SET_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNUSABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     certificate_sha256: str
     protocol: str
@@ -163,7 +164,16 @@ class PeerInfo(_message.Message):
     budgets: _containers.RepeatedCompositeFieldContainer[BudgetInfo]
     has_probe_set: bool
     max_chunk_bytes: int
-    def __init__(self, name: _Optional[str] = ..., certificate_sha256: _Optional[str] = ..., protocol: _Optional[str] = ..., insecure: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., mechanisms: _Optional[_Iterable[str]] = ..., budgets: _Optional[_Iterable[_Union[BudgetInfo, _Mapping]]] = ..., has_probe_set: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    unusable: _containers.RepeatedCompositeFieldContainer[UnusableFile]
+    def __init__(self, name: _Optional[str] = ..., certificate_sha256: _Optional[str] = ..., protocol: _Optional[str] = ..., insecure: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., mechanisms: _Optional[_Iterable[str]] = ..., budgets: _Optional[_Iterable[_Union[BudgetInfo, _Mapping]]] = ..., has_probe_set: _Optional[bool] = ..., max_chunk_bytes: _Optional[int] = ..., unusable: _Optional[_Iterable[_Union[UnusableFile, _Mapping]]] = ...) -> None: ...
+
+class UnusableFile(_message.Message):
+    __slots__ = ("path", "reason")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    reason: str
+    def __init__(self, path: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FeaturesParams(_message.Message):
     __slots__ = ("header", "model", "activation_epsilon", "weight_epsilon", "unit", "activation_clip_low", "activation_clip_high", "weight_bound", "weights_epsilon", "weights_delta")
