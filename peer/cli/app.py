@@ -15,7 +15,8 @@ import sys
 from peer.base.errors import PrivFusionError
 
 # Modules in peer.cli, each with register(subparsers).
-COMMAND_MODULES: tuple[str, ...] = ("ledger", "account", "pool", "merge", "experiment", "peer", "release", "round", "simulate")
+COMMAND_MODULES: tuple[str, ...] = ("ledger", "account", "pool", "merge", "experiment", "peer", "release", "round", "simulate",
+                                    "model_import")
 
 
 def build_parser() -> argparse.ArgumentParser:
