@@ -23,13 +23,15 @@ def test_json_has_the_issue_layout(small):
     for split in ("homogeneous", "heterogeneous"):
         r = small[split]
         assert set(r["methods"]) == {"model_a", "model_b", "vanilla_averaging", "prediction_ensemble",
-                                     "weight_matching", "graph_matching"}
+                                     "weight_matching", "graph_matching", "graph_matching_repair"}
         assert set(r["privfusion"]) == set(r["privfusion_per_neuron"]) == {"1", "0.1"}
+        assert set(r["privfusion_repair"]) == set(r["privfusion_per_neuron_repair"]) == {"1", "0.1"}
         for name, sweep in r["alpha_sweep"].items():
             assert [a for a, _ in sweep] == [0.0, 0.5, 1.0], name
             assert all(0.0 <= acc <= 1.0 for _, acc in sweep)
     json.dumps(small, allow_nan=False)
     assert "PrivFusion per-neuron ε=0.1" in format_fusion_table(small)
+    assert "PrivFusion per-neuron ε=0.1 + REPAIR" in format_fusion_table(small)
 
 
 def test_alpha_end_points_are_the_two_models(small):
@@ -39,7 +41,8 @@ def test_alpha_end_points_are_the_two_models(small):
         r = small[split]
         for name, sweep in r["alpha_sweep"].items():
             assert dict(sweep)[1.0] == pytest.approx(r["methods"]["model_a"], abs=ONE_TEST_EXAMPLE), name
-        for name in ("vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching"):
+        for name in ("vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching",
+                     "graph_matching_repair"):
             assert dict(r["alpha_sweep"][name])[0.0] == pytest.approx(r["methods"]["model_b"], abs=ONE_TEST_EXAMPLE), name
 
 

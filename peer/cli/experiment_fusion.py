@@ -42,7 +42,8 @@ def format_fusion_table(results: dict) -> str:
         a, v = max(sweep, key=lambda t: t[1])
         return f"{100 * v:5.1f} (α={a:.1f})"
 
-    names = ["model_a", "model_b", "vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching"]
+    names = ["model_a", "model_b", "vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching",
+             "graph_matching_repair"]
     for name in names:
         cells = []
         for s in splits:
@@ -60,6 +61,8 @@ def format_fusion_table(results: dict) -> str:
                 cells.append(f"{100 * r[key][eps]:5.1f}   best {best(r['alpha_sweep'][f'{key}_eps{eps}'])}"
                              f"   perm. agreement {100 * r['permutation_agreement'][f'{key}_eps{eps}']:.0f}%")
             rows.append((f"{label} ε={eps}", cells))
+        for eps in results[splits[0]].get(f"{key}_repair", {}):
+            rows.append((f"{label} ε={eps} + REPAIR", [f"{100 * results[s][f'{key}_repair'][eps]:5.1f}" for s in splits]))
     width = max(len(r[0]) for r in rows)
     colw = max(len(c) for _, cells in rows for c in cells)
     lines = [f"{'method':<{width}}  " + "  ".join(f"{s:<{colw}}" for s in splits),

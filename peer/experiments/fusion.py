@@ -9,10 +9,16 @@ Site A then fuses its model with site B's by each method and reports test accura
 - ``prediction_ensemble``: α·p_A + (1−α)·p_B (both models at inference; not a single model);
 - ``weight_matching``: Git Re-Basin weight matching on exact weights, then α-fusion;
 - ``graph_matching``: non-private spectral graph matching (exact activations and weights);
+- ``graph_matching_repair``: the same fusion, then REPAIR (``peer.ldp.repair``): every fused
+  hidden unit's pre-activation mean and std reset to the α-interpolation of the endpoints',
+  all measured by site A on its own training records (B's statistics from running the aligned
+  model A received — post-processing);
 - PrivFusion at ε_x = ε_w = ε_f = ε: B releases Laplace activations and multi-bit weight
   features (site A matches against them) and PFA-perturbed weights (site A fuses them), under
   the per-entry unit (``privfusion``, the paper's proofs) and the per-neuron unit
   (``privfusion_per_neuron``, the project's default).
+  ``privfusion_repair`` / ``privfusion_per_neuron_repair``: the same fused models after REPAIR,
+  B's statistics measured by A on its own records through B's *released* (noisy) weights.
 
 The probe set is public: a slice of the digits training split that neither site trains on, with
 each image's four one-pixel shifts (``probe_shifts``), so 128 public images give 640 probes.
@@ -37,6 +43,9 @@ from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
 from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier
 from peer.base.rng import make_randomness
+from peer.ldp.repair import repair_fusion
+from peer.nn.architectures import input_tensor
+from peer.nn.tracing import derive_structure
 
 ARCHITECTURES = {
     "mlp": {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10, "activation": "relu"},
@@ -74,6 +83,8 @@ class SplitResult:
     methods: dict[str, float] = field(default_factory=dict)
     privfusion: dict[str, float] = field(default_factory=dict)
     privfusion_per_neuron: dict[str, float] = field(default_factory=dict)
+    privfusion_repair: dict[str, float] = field(default_factory=dict)
+    privfusion_per_neuron_repair: dict[str, float] = field(default_factory=dict)
     alpha_sweep: dict[str, list[list[float]]] = field(default_factory=dict)
     permutation_agreement: dict[str, float] = field(default_factory=dict)
 
@@ -133,6 +144,8 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
     gm = match_graphs(ga, gb)
     b_gm = permute_arrays(arch, b, gm.permutations)
     res.alpha_sweep["graph_matching"] = _sweep(cfg.alphas, lambda al: acc(fuse_arrays(a, b_gm, al)))
+    repaired = _repairer(arch, a, x_tr[parts[0]], ds.x_test, ds.y_test)
+    res.alpha_sweep["graph_matching_repair"] = _sweep(cfg.alphas, lambda al: repaired(b_gm, al))
 
     for u, (unit, key) in enumerate((("entry", "privfusion"), ("neuron", "privfusion_per_neuron"))):
         for k, eps in enumerate(cfg.epsilons):
@@ -150,12 +163,30 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
             sweep = _sweep(cfg.alphas, lambda al: acc(fuse_arrays(a, b_pf, al)))
             res.alpha_sweep[f"{key}_eps{eps:g}"] = sweep
             getattr(res, key)[f"{eps:g}"] = dict(sweep)[0.5]
+            if 0.5 in cfg.alphas:
+                getattr(res, f"{key}_repair")[f"{eps:g}"] = repaired(b_pf, 0.5)
             res.permutation_agreement[f"{key}_eps{eps:g}"] = _agreement(pm.permutations, gm.permutations)
 
-    for name in ("vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching"):
+    for name in ("vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching", "graph_matching_repair"):
         res.methods[name] = dict(res.alpha_sweep[name])[0.5]
     res.permutation_agreement["weight_matching"] = _agreement(wm.permutations, gm.permutations)
     return res
+
+
+def _repairer(arch, a, x_own, x_test, y_test) -> Callable[[dict, float], float]:
+    """Test accuracy of α·A + (1 − α)·B_aligned after REPAIR on A's own records ``x_own``."""
+    model_a = model_from_arrays(arch, a)
+    points = derive_structure(model_a, input_tensor(arch, x_own[:1]).shape[1:]).stat_points
+    x = input_tensor(arch, x_own)
+
+    def repaired(b_aligned: dict, alpha: float) -> float:
+        if alpha in (0.0, 1.0):
+            # an endpoint is its own interpolation: REPAIR would be the identity up to rounding
+            return accuracy(arch, model_from_arrays(arch, fuse_arrays(a, b_aligned, alpha)), x_test, y_test)
+        fused = model_from_arrays(arch, fuse_arrays(a, b_aligned, alpha))
+        out = repair_fusion(fused, model_a, model_from_arrays(arch, b_aligned), points, alpha, x)
+        return accuracy(arch, out, x_test, y_test)
+    return repaired
 
 
 def _noise_seed(cfg: FusionConfig, unit_index: int, epsilon_index: int) -> int:
