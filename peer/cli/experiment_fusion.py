@@ -12,7 +12,8 @@ import sys
 def register_experiment(group) -> None:
     f = group.add_parser("fusion", help="Table I: fusion methods on digits, homogeneous and heterogeneous splits")
     f.add_argument("--dataset", choices=["digits"], default="digits")
-    f.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="MLP 64-128-128-10 or CNN 16-32 conv + 128")
+    f.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp",
+                   help="MLP 64-128-128-10, CNN 16-32 conv + 128, or a residual CNN with BatchNorm (16, 32 channels)")
     f.add_argument("--seed", type=int, default=0, help="seed for data splits, training and (fixed, reported) noise")
     f.add_argument("--epochs", type=int, default=40)
     f.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
@@ -42,9 +43,9 @@ def format_fusion_table(results: dict) -> str:
         a, v = max(sweep, key=lambda t: t[1])
         return f"{100 * v:5.1f} (α={a:.1f})"
 
-    names = ["model_a", "model_b", "vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching",
-             "graph_matching_repair"]
-    for name in names:
+    names = ["model_a", "model_b", "vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble",
+             "weight_matching", "graph_matching", "graph_matching_repair", "group_matching", "group_matching_repair"]
+    for name in (n for n in names if n in results[splits[0]]["methods"]):
         cells = []
         for s in splits:
             r = results[s]

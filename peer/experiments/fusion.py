@@ -43,9 +43,13 @@ from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
 from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier
 from peer.base.rng import make_randomness
-from peer.ldp.repair import repair_fusion
-from peer.nn.architectures import input_tensor
-from peer.nn.tracing import derive_structure
+import torch
+from torch import nn
+
+from peer.ldp.group_matching import fuse_state, group_activations, match_groups
+from peer.ldp.repair import fine_tune, repair_fusion
+from peer.nn.architectures import input_tensor, torch_threads
+from peer.nn.tracing import derive_structure, import_structure, permute_state, random_permutations
 
 ARCHITECTURES = {
     "mlp": {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10, "activation": "relu"},
@@ -110,7 +114,24 @@ def _architecture(cfg: FusionConfig) -> dict:
     return cfg.architecture if cfg.architecture is not None else ARCHITECTURES[cfg.model]
 
 
+def _sites(cfg: FusionConfig, split: str):
+    """The dataset, the public probe set, and the two sites' parts of the training split."""
+    ds = load_dataset("digits", seed=cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    order = rng.permutation(len(ds.y_train))
+    probe_idx, train_idx = order[: cfg.probe_size], order[cfg.probe_size:]
+    x_probe = public_probes(ds.x_train[probe_idx], cfg.probe_shifts)
+    x_tr, y_tr = ds.x_train[train_idx], ds.y_train[train_idx]
+    if split == "homogeneous":
+        parts = split_homogeneous(y_tr, 2, seed=cfg.seed)
+    else:
+        parts = split_label_skew(y_tr, majority=cfg.label_skew, seed=cfg.seed)
+    return ds, x_probe, x_tr, y_tr, parts
+
+
 def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = lambda s: None) -> SplitResult:
+    if cfg.model == "resnet" and cfg.architecture is None:
+        return run_split_resnet(cfg, split, progress)
     arch = _architecture(cfg)
     ds = load_dataset("digits", seed=cfg.seed)
     rng = np.random.default_rng(cfg.seed)
@@ -252,11 +273,132 @@ def permutation_recovery(cfg: FusionConfig, progress: Callable[[str], None] = la
     return out
 
 
+class DigitsResNet(nn.Module):
+    """The ``resnet`` model of the experiment: a small residual CNN with BatchNorm for 1×8×8
+    digits — a stem conv + BN, a residual stage of two conv-BN pairs, a widening conv, 2×2 max
+    pooling, a second residual stage, flatten, a Linear head. Its permutation structure (four
+    groups: two residual streams and two block-internal groups) comes from tracing it."""
+
+    def __init__(self, c1: int = 16, c2: int = 32, n_out: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(1, c1, 3, padding=1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(c1)
+        self.stage1 = _Block(c1)
+        self.widen = nn.Conv2d(c1, c2, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.stage2 = _Block(c2)
+        self.fc = nn.Linear(c2 * 4 * 4, n_out)
+
+    def forward(self, x):
+        x = torch.relu(self.stem_bn(self.stem(x)))
+        x = self.stage1(x)
+        x = self.pool(torch.relu(self.widen(x)))
+        x = self.stage2(x)
+        return self.fc(torch.flatten(x, 1))
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def _images(x) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(-1, 1, 8, 8)
+
+
+def _resnet(arrays: dict | None = None, seed: int | None = None) -> DigitsResNet:
+    if seed is not None:
+        torch.manual_seed(seed)
+    m = DigitsResNet()
+    if arrays is not None:
+        m.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in arrays.items()})
+    return m.eval()
+
+
+@torch.no_grad()
+def _proba(m: nn.Module, x) -> np.ndarray:
+    m.eval()
+    return torch.softmax(m(_images(x)), dim=1).numpy()
+
+
+def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], None] = lambda s: None) -> SplitResult:
+    """The ``resnet`` rows: the layered graph matcher and the local-DP mechanisms do not take
+    permutation groups yet, so this model is aligned by :func:`peer.ldp.group_matching.match_groups`
+    (activations on the public probes and weights, non-private: ``group_matching``), fused on
+    every float entry of the state (BatchNorm statistics included) and repaired by resetting
+    its BatchNorms on A's own records (``group_matching_repair``). No PrivFusion rows."""
+    ds, x_probe, x_tr, y_tr, parts = _sites(cfg, split)
+    progress(f"{split}: training two ResNets")
+    with torch_threads(1):
+        models = [fine_tune(_resnet(seed=cfg.seed + 1 + i), _images(x_tr[p]), y_tr[p], seed=cfg.seed + 1 + i,
+                            epochs=cfg.epochs, learning_rate=1e-3) for i, p in enumerate(parts)]
+        structure = import_structure(models[0], [1, 8, 8])
+        a, b = ({k: v.numpy() for k, v in m.state_dict().items()} for m in models)
+        x_own = _images(x_tr[parts[0]])
+
+        def acc(m: nn.Module) -> float:
+            return float(np.mean(_proba(m, ds.x_test).argmax(1) == ds.y_test))
+
+        def fused(b_aligned, alpha, repaired):
+            f = _resnet(fuse_state(structure, a, b_aligned, alpha))
+            if repaired and 0.0 < alpha < 1.0:
+                f = repair_fusion(f, models[0], _resnet(b_aligned), structure.stat_points, alpha, x_own)
+            return acc(f)
+
+        res = SplitResult()
+        res.methods["model_a"], res.methods["model_b"] = acc(models[0]), acc(models[1])
+        pa, pb = _proba(models[0], ds.x_test), _proba(models[1], ds.x_test)
+        res.alpha_sweep["prediction_ensemble"] = _sweep(cfg.alphas, lambda al: float(np.mean((al * pa + (1 - al) * pb).argmax(1) == ds.y_test)))
+        res.alpha_sweep["vanilla_averaging"] = _sweep(cfg.alphas, lambda al: fused(b, al, False))
+        res.alpha_sweep["vanilla_averaging_repair"] = _sweep(cfg.alphas, lambda al: fused(b, al, True))
+        progress(f"{split}: group matching")
+        probes = _images(x_probe)
+        perms = match_groups(structure, a, b, group_activations(models[0], structure, probes),
+                             group_activations(models[1], structure, probes), seed=cfg.seed)
+        b_gm = permute_state(structure, b, perms)
+        res.alpha_sweep["group_matching"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, False))
+        res.alpha_sweep["group_matching_repair"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, True))
+    for name in ("vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble", "group_matching", "group_matching_repair"):
+        res.methods[name] = dict(res.alpha_sweep[name])[0.5]
+    return res
+
+
+def permutation_recovery_resnet(cfg: FusionConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """A trained ResNet against a copy with every group randomly permuted: the fraction of
+    units group matching maps back, and the α = ½ fusion's accuracy (the original's if exact)."""
+    ds, x_probe, x_tr, y_tr, _ = _sites(cfg, "homogeneous")
+    progress("permutation recovery: training one ResNet")
+    with torch_threads(1):
+        model = fine_tune(_resnet(seed=cfg.seed + 11), _images(x_tr), y_tr, seed=cfg.seed + 11, epochs=cfg.epochs,
+                          learning_rate=1e-3)
+        structure = import_structure(model, [1, 8, 8])
+        a = {k: v.numpy() for k, v in model.state_dict().items()}
+        perms = random_permutations(structure, np.random.default_rng(cfg.seed + 7))
+        b = permute_state(structure, a, perms)
+        probes = _images(x_probe)
+        found = match_groups(structure, a, b, group_activations(model, structure, probes),
+                             group_activations(_resnet(b), structure, probes), seed=cfg.seed)
+        truth = {g: np.argsort(p) for g, p in perms.items()}
+        correct = sum(int(np.sum(found[g] == truth[g])) for g in truth) / sum(len(p) for p in truth.values())
+        fused = _resnet(fuse_state(structure, a, permute_state(structure, b, found), 0.5))
+        return {"original_accuracy": float(np.mean(_proba(model, ds.x_test).argmax(1) == ds.y_test)),
+                "group_matching": {"fraction_correct": correct,
+                                   "fused_accuracy": float(np.mean(_proba(fused, ds.x_test).argmax(1) == ds.y_test))}}
+
+
 def run(cfg: FusionConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for split in ("homogeneous", "heterogeneous"):
         out[split] = asdict(run_split(cfg, split, progress))
-    out["permutation_recovery"] = permutation_recovery(cfg, progress)
+    resnet = cfg.model == "resnet" and cfg.architecture is None
+    out["permutation_recovery"] = (permutation_recovery_resnet if resnet else permutation_recovery)(cfg, progress)
     cfg_d = asdict(cfg)
     out["config"] = cfg_d
     return out
