@@ -22,8 +22,8 @@ import json
 import numpy as np
 
 from peer.nn.data import load_dataset
-from peer.ldp.mechanisms import clip_rows, perturb_model_weights, weight_layer_specs
-from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier
+from peer.ldp.mechanisms import clip_rows, perturb_model_weights
+from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier, weight_layers
 from peer.base.rng import make_randomness
 
 ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10}
@@ -47,7 +47,7 @@ def main() -> None:
     ds = load_dataset("digits")
     model = train_classifier(ARCH, ds.x_train, ds.y_train, seed=0, epochs=args.epochs)
     clean = state_arrays(model)
-    specs = weight_layer_specs(ARCH)
+    specs = weight_layers(ARCH)
     results = {"clean_accuracy": accuracy(ARCH, model, ds.x_test, ds.y_test), "delta": args.delta, "rows": []}
     for unit, eps in SETTINGS:
         acc = {k: [] for k in ("mse_raw", "mse_filtered", "acc_raw", "acc_filtered", "fused_raw", "fused_filtered")}

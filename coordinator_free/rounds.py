@@ -300,10 +300,13 @@ class RoundState:
         if step is not None:
             e["step"] = step
         e.update(fields)
+        # One event at a time to the listener too: peers are asked from several threads, and a
+        # listener that writes lines (``privfusion round --events``) must never interleave two.
+        # (the state's one re-entrant lock, so that no second lock can order against it)
         with self._lock:
             self.events.append(e)
-        if self._on_event is not None:
-            self._on_event(e)
+            if self._on_event is not None:
+                self._on_event(e)
         return e
 
     # ---- quorum --------------------------------------------------------------------------------

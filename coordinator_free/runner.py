@@ -122,10 +122,11 @@ def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float]
 
 def _weight_boxes(arch: Mapping[str, Any], bound: float | None) -> dict[str, tuple[float, float]]:
     """Each weight layer's public box, as the peer's multi-bit release uses it."""
-    from peer.ldp.mechanisms import default_entry_bound, weight_layer_specs
+    from peer.ldp.mechanisms import default_entry_bound
+    from peer.nn.architectures import weight_layers
 
     return {s.name: (-(bound or default_entry_bound(s.fan_in)), bound or default_entry_bound(s.fan_in))
-            for s in weight_layer_specs(arch)}
+            for s in weight_layers(arch)}
 
 
 def _same_architecture(json_text: str, arch: Mapping[str, Any]) -> bool:

@@ -17,7 +17,10 @@ from scipy.optimize import linear_sum_assignment
 import peer.ldp.matching as matching
 from peer.nn.data import load_dataset
 from peer.base.errors import InvalidArgument
-from peer.nn.graph import HiddenLayer, extract_graph, weight_layers
+from peer.nn.graph import HiddenLayer, extract_graph
+from peer.ldp.matching.expansion import _chebyshev_core
+import peer.ldp.matching.operators as operators
+from peer.ldp.matching.operators import _Stacked
 from peer.ldp.matching import (
     Affinity,
     MatchOptions,
@@ -27,7 +30,7 @@ from peer.ldp.matching import (
     gaussian_kernel,
     match_graphs,
 )
-from peer.nn.architectures import accuracy, build_model, model_from_arrays, state_arrays, train_classifier
+from peer.nn.architectures import accuracy, build_model, model_from_arrays, state_arrays, train_classifier, weight_layers
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4}
@@ -102,7 +105,7 @@ def row_error_budget(aff: Affinity) -> np.ndarray:
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-store", "sparse-store"])
 def test_factorised_kv_equals_dense_k_times_v(arch, case, sparse, monkeypatch):
     if sparse:
-        monkeypatch.setattr(matching, "SPARSE_MAX_DENSITY", 1.0)  # small layers: force the sparse code
+        monkeypatch.setattr(operators, "SPARSE_MAX_DENSITY", 1.0)  # small layers: force the sparse code
     a, b = pair(arch, case)
     aff = Affinity(a, b, TIGHT)
     expected_kind = {"exact": "chebyshev", "noisy": "table", "noisy-m1": "table", "mixed-a": "table-a", "mixed-b": "table-b"}[case]
@@ -322,7 +325,7 @@ def test_interpolation_bound_decreases_and_bounds_the_full_interpolant():
     assert all(x > y for x, y in zip(bounds, bounds[1:]))
     # the uncompressed interpolant (every core term kept) is within the interpolation bound
     p = 12
-    core = matching._chebyshev_core(beta, p)
+    core = _chebyshev_core(beta, p)
     s = np.linspace(-1, 1, 301)
     t = np.cos(np.outer(np.arccos(s), np.arange(p + 1)))
     err = np.abs(t @ core @ t.T - np.exp(-beta * (s[:, None] - s[None, :]) ** 2)).max()
@@ -338,11 +341,11 @@ def test_block_expansion_reported_in_diagnostics(monkeypatch):
     assert r.diagnostics["expansion_error_bound"] <= 1e-6
     # 2 hidden–hidden blocks × 2 directions × 2 stacked GEMMs per group of terms, each block
     # 4·R·n·m·(n + m) flops
-    groups = sum(math.ceil(blk["terms"] / matching._Stacked.GROUP) for blk in blocks[1:3])
+    groups = sum(math.ceil(blk["terms"] / _Stacked.GROUP) for blk in blocks[1:3])
     assert r.diagnostics["dense_products_per_iteration"] == 4 * groups
     want = sum(4 * blk["terms"] * n * m * (n + m) for blk, (n, m) in zip(blocks[1:3], [(7, 6), (5, 7)]))
     assert r.diagnostics["flops_per_iteration"] == want
-    monkeypatch.setattr(matching, "SPARSE_MAX_DENSITY", 1.0)  # these small layers would be stored dense
+    monkeypatch.setattr(operators, "SPARSE_MAX_DENSITY", 1.0)  # these small layers would be stored dense
     noisy_r = match_graphs(*pair(MLP, "noisy"))
     assert noisy_r.diagnostics["dense_products_per_iteration"] == 0 and noisy_r.diagnostics["expansion_error_bound"] == 0
 
@@ -380,13 +383,13 @@ def permuted_copy(arch, model, rng):
     """The same function with every hidden layer's nodes permuted; returns (model, perms) with
     B's node j = A's node perms[ℓ][j]."""
     arrays = state_arrays(model)
-    layers = weight_layers(arch, model)
     perms, prev = [], None
-    for name, _ in layers:
+    for layer in weight_layers(arch):
+        name = layer.name
         w = arrays[f"{name}.weight"]
         if prev is not None:
             w = w.reshape(w.shape[0], len(prev), -1)[:, prev].reshape(w.shape)
-        if name != layers[-1][0]:
+        if not layer.is_output:
             p = rng.permutation(w.shape[0])
             w = w[p]
             arrays[f"{name}.bias"] = arrays[f"{name}.bias"][p]

@@ -16,7 +16,7 @@ from scipy import stats
 from peer.ldp import mechanisms as M
 from peer.base.errors import InvalidArgument
 from peer.nn.graph import extract_graph
-from peer.nn.architectures import build_model, state_arrays
+from peer.nn.architectures import build_model, state_arrays, weight_layers
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
 
@@ -422,7 +422,7 @@ def test_filter_lowers_the_error_on_trained_weights(trained_digits_mlp, unit, ep
     raw, rec_raw = M.perturb_model_weights(arch, arrays, epsilon=epsilon, delta=1e-5, unit=unit, smoothing=False, randomness=rnd(9))
     filt, rec = M.perturb_model_weights(arch, arrays, epsilon=epsilon, delta=1e-5, unit=unit, smoothing=True, randomness=rnd(9))
     gains = []
-    for spec, comp in zip(M.weight_layer_specs(arch), rec.components):
+    for spec, comp in zip(weight_layers(arch), rec.components):
         def rows(a):
             return np.concatenate([a[f"{spec.name}.weight"].reshape(spec.units, -1), a[f"{spec.name}.bias"][:, None]], axis=1)
         clean = M.clip_rows(rows(arrays), clip_norm=comp.parameters["clip_norm"], entry_bound=comp.parameters["entry_bound"])
@@ -471,7 +471,7 @@ def test_records_follow_the_contract_and_report_randomness():
 def test_perturb_graph_touches_every_neuron_and_composes(arch):
     a, graph, _ = small_graph(arch)
     noisy, rec = M.perturb_graph(graph, epsilon_x=0.5, epsilon_w=2.0, activation_clip=(0, 4), randomness=rnd(8))
-    specs = M.weight_layer_specs(a)
+    specs = weight_layers(a)
     assert rec.mechanism == "composite" and rec.parameters["composition"] == "parallel"
     assert rec.parameters["parallel_over"] == "neurons"  # layers: other neurons
     assert len(rec.components) == len(graph.hidden) + 1
@@ -498,7 +498,7 @@ def test_perturb_graph_touches_every_neuron_and_composes(arch):
 
 def test_perturb_graph_entry_unit_is_parallel_throughout_and_bounds_per_layer():
     a, graph, _ = small_graph()
-    names = [s.name for s in M.weight_layer_specs(a)]
+    names = [s.name for s in weight_layers(a)]
     wb = {n: (-0.5 - i, 0.5 + i) for i, n in enumerate(names)}
     noisy, rec = M.perturb_graph(graph, epsilon_x=0.5, epsilon_w=2.0, activation_clip={"0": (0, 1), "2": (0, 2)},
                                  weight_bounds=wb, unit="entry", randomness=rnd())
@@ -526,7 +526,7 @@ def test_perturb_model_weights_releases_every_layer(arch):
     model = build_model(arch, seed=1)
     arrays = state_arrays(model)
     noisy, rec = M.perturb_model_weights(arch, arrays, epsilon=3.0, delta=1e-5, randomness=rnd(6))
-    specs = M.weight_layer_specs(arch)
+    specs = weight_layers(arch)
     assert list(noisy) == list(arrays)
     for k in arrays:
         assert noisy[k].shape == arrays[k].shape and noisy[k].dtype == arrays[k].dtype

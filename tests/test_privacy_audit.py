@@ -40,8 +40,8 @@ import peer.dp.accounting as accounting
 from peer.budget.filter import FILTER_ORDERS, epsilon_of_rdp
 from peer.nn.graph import HiddenLayer, NetworkGraph
 from peer.budget.ledger import per_neuron_record
-from peer.ldp.mechanisms import (gaussian_perturbation, laplace_activations, multibit, perturb_graph,
-                             weight_layer_specs)
+from peer.ldp.mechanisms import gaussian_perturbation, laplace_activations, multibit, perturb_graph
+from peer.nn.architectures import weight_layers
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
 from peer.dp.training import run_dpsgd
@@ -197,7 +197,7 @@ def test_per_entry_graph_neuron_converted_per_neuron_is_not_undercut():
     # neuron's values at the low / high corner of the public box.
     eps_x, eps_w = 0.5, 0.25
     arch = {"kind": "mlp", "input_dim": 1, "hidden": [N], "output_dim": 1, "activation": "relu"}
-    names = [s.name for s in weight_layer_specs(arch)]
+    names = [s.name for s in weight_layers(arch)]
 
     def graph(value: float) -> NetworkGraph:
         hidden = HiddenLayer(names[0], "linear", np.full((N, 1), max(value, 0.0)), np.full((N, 1, 1), value), np.full(N, value))

@@ -34,21 +34,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-
-from peer.nn.data import load_dataset, split_homogeneous, split_label_skew
-from peer.ldp.fusion import (ensemble_proba, fuse_arrays, hidden_sizes, permute_arrays, vanilla_average,
-                         weight_matching)
-from peer.nn.graph import extract_graph
-from peer.ldp.matching import match_graphs
-from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
-from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier
-from peer.base.rng import make_randomness
 import torch
 from torch import nn
 
+from peer.base.rng import make_randomness
+from peer.ldp.fusion import ensemble_proba, fuse_arrays, permute_arrays, vanilla_average, weight_matching
 from peer.ldp.group_matching import fuse_state, group_activations, match_groups
+from peer.ldp.matching import match_graphs
+from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
 from peer.ldp.repair import fine_tune, repair_fusion
-from peer.nn.architectures import input_tensor, torch_threads
+from peer.nn.architectures import (accuracy, hidden_sizes, input_tensor, model_from_arrays, state_arrays, torch_threads,
+                                   train_classifier, weight_layers)
+from peer.nn.data import load_dataset, split_homogeneous, split_label_skew
+from peer.nn.graph import extract_graph
 from peer.nn.tracing import derive_structure, import_structure, permute_state, random_permutations
 
 ARCHITECTURES = {
@@ -223,15 +221,9 @@ def _agreement(p, q) -> float:
 
 def _weight_bounds(arch, cfg: FusionConfig) -> dict[str, tuple[float, float]]:
     """Public per-layer weight-feature bounds ±scale/sqrt(fan_in), from the architecture only."""
-    from peer.ldp.fusion import weight_layers_of
-    from peer.nn.architectures import build_model
-
-    model = build_model(arch)
     out = {}
-    for layer in weight_layers_of(arch):
-        w = getattr(model, layer.name).weight
-        fan_in = int(np.prod(w.shape[1:]))
-        c = cfg.weight_bound_scale / np.sqrt(fan_in)
+    for layer in weight_layers(arch):
+        c = cfg.weight_bound_scale / np.sqrt(layer.fan_in)
         out[layer.name] = (-c, c)
     return out
 

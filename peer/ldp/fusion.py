@@ -21,44 +21,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import build_model, cnn_flat_shape, model_from_arrays, predict_proba, validate_architecture
-
-
-@dataclass(frozen=True)
-class WeightLayer:
-    """A Linear/Conv2d of the architecture: its state-dict prefix, whether it is conv, and how
-    many input columns belong to each input node (H·W after Flatten, else 1 per node; conv
-    kernels keep their own axes)."""
-
-    name: str
-    conv: bool
-    cols_per_input: int
-
-
-def weight_layers_of(arch: Mapping[str, Any]) -> list[WeightLayer]:
-    """The weight layers of an architecture in order, with how their input axis is grouped."""
-    a = validate_architecture(arch)
-    model = build_model(a)
-    out: list[WeightLayer] = []
-    flat_hw = 1
-    if a["kind"] == "cnn":
-        _, h, w = cnn_flat_shape(a)
-        flat_hw = h * w
-    seen_flatten = False
-    for name, mod in model.named_children():
-        kind = type(mod).__name__
-        if kind == "Flatten":
-            seen_flatten = True
-        elif kind in ("Linear", "Conv2d"):
-            first_linear_after_conv = kind == "Linear" and a["kind"] == "cnn" and seen_flatten and not any(
-                not l.conv for l in out)
-            out.append(WeightLayer(name, kind == "Conv2d", flat_hw if first_linear_after_conv else 1))
-    return out
-
-
-def hidden_sizes(arch: Mapping[str, Any]) -> list[int]:
-    a = validate_architecture(arch)
-    return (a["channels"] if a["kind"] == "cnn" else []) + a["hidden"]
+from peer.nn.architectures import WeightLayer, hidden_sizes, model_from_arrays, predict_proba, weight_layers
 
 
 def check_permutations(arch: Mapping[str, Any], permutations: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -75,10 +38,12 @@ def check_permutations(arch: Mapping[str, Any], permutations: Sequence[np.ndarra
 
 
 def _permute_input_axis(w: np.ndarray, perm: np.ndarray, layer: WeightLayer) -> np.ndarray:
-    if layer.conv or layer.cols_per_input == 1:
+    """The layer's weight with its input nodes re-indexed by perm (a channel's kernel, or its H·W
+    columns after Flatten, move together)."""
+    if layer.kind == "conv" or layer.entries_per_input == 1:
         return w[:, perm]
     n_out = w.shape[0]
-    blocks = w.reshape(n_out, -1, layer.cols_per_input)
+    blocks = w.reshape(n_out, -1, layer.entries_per_input)
     return blocks[:, perm, :].reshape(n_out, -1)
 
 
@@ -86,7 +51,7 @@ def permute_arrays(arch: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
                    permutations: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
     """Model B's arrays re-indexed so that its hidden nodes line up with model A's."""
     perms = check_permutations(arch, permutations)
-    layers = weight_layers_of(arch)
+    layers = weight_layers(arch)
     out = {k: np.array(v, copy=True) for k, v in arrays.items()}
     for idx, layer in enumerate(layers):
         w, b = f"{layer.name}.weight", f"{layer.name}.bias"
@@ -179,7 +144,7 @@ def weight_matching(arch: Mapping[str, Any], arrays_a: Mapping[str, np.ndarray],
     until a full sweep changes nothing. Uses exact weights: a non-private baseline."""
     _check_same_shapes(arrays_a, arrays_b)
     sizes = hidden_sizes(arch)
-    layers = weight_layers_of(arch)
+    layers = weight_layers(arch)
     rng = np.random.default_rng(seed)
     perms = [np.arange(n) for n in sizes]
     A = {k: np.asarray(v, dtype=np.float64) for k, v in arrays_a.items()}
@@ -189,7 +154,7 @@ def weight_matching(arch: Mapping[str, Any], arrays_a: Mapping[str, np.ndarray],
         """Weight layer idx as (n_out, n_in_nodes, e) with the input nodes permuted."""
         layer = layers[idx]
         w = arrs[f"{layer.name}.weight"]
-        w3 = w.reshape(w.shape[0], w.shape[1], -1) if layer.conv else w.reshape(w.shape[0], -1, layer.cols_per_input)
+        w3 = w.reshape(w.shape[0], layer.inputs, layer.entries_per_input)
         return w3 if perm_prev is None else w3[:, perm_prev, :]
 
     def score(l):

@@ -457,16 +457,16 @@ class Site:
             yield str(e.entry_id), e.record, e.charged_at
 
     def peer_info(self, caller: str) -> pb.PeerInfo:
-        from peer.ldp.fusion import hidden_sizes, weight_layers_of
+        from peer.nn.architectures import hidden_sizes, weight_layers
 
         def model_info(name: str, m: StoredModel) -> pb.ModelInfo:
             # the layer names and shapes are public (they follow from the architecture), so a
             # caller can fill a layer-keyed request without a charged release first
-            layers = weight_layers_of(m.architecture)
+            layers = weight_layers(m.architecture)
             return pb.ModelInfo(name=name, architecture_json=json.dumps(m.architecture, sort_keys=True),
                                 parameter_count=sum(int(a.size) for a in m.arrays.values()),
                                 hidden_sizes=hidden_sizes(m.architecture),
-                                layers=[pb.LayerInfo(name=l.name, kind="conv" if l.conv else "linear",
+                                layers=[pb.LayerInfo(name=l.name, kind=l.kind,
                                                      weight_shape=list(m.arrays[f"{l.name}.weight"].shape),
                                                      bias_shape=list(m.arrays[f"{l.name}.bias"].shape),
                                                      hidden=i < len(layers) - 1)

@@ -250,10 +250,10 @@ def weights_tensors(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndar
 
 def weights_from_release(architecture: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The weights of a "features+weights" release, checked against the architecture."""
-    from peer.ldp.mechanisms import weight_layer_specs
+    from peer.nn.architectures import weight_layers
 
     got = {k[len(WEIGHTS_PREFIX):]: np.asarray(v) for k, v in arrays.items() if k.startswith(WEIGHTS_PREFIX)}
-    for s in weight_layer_specs(architecture):
+    for s in weight_layers(architecture):
         w, b = got.get(f"{s.name}.weight"), got.get(f"{s.name}.bias")
         if w is None or b is None:
             raise InvalidArgument("release", f"holds no weights of layer {s.name!r} (tensors {WEIGHTS_PREFIX}{s.name}.weight/.bias)")
@@ -261,7 +261,7 @@ def weights_from_release(architecture: Mapping[str, Any], arrays: Mapping[str, n
             raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", f"shapes {list(w.shape)}, {list(b.shape)} do not fit the architecture")
         if w.dtype.kind != "f" or b.dtype.kind != "f" or not (np.all(np.isfinite(w)) and np.all(np.isfinite(b))):
             raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", "must hold finite floating-point values")
-    expected = {f"{s.name}.{p}" for s in weight_layer_specs(architecture) for p in ("weight", "bias")}
+    expected = {f"{s.name}.{p}" for s in weight_layers(architecture) for p in ("weight", "bias")}
     if set(got) != expected:
         raise InvalidArgument("release", f"holds unexpected weight tensors {sorted(set(got) - expected)}")
     return got

@@ -26,15 +26,18 @@ padding (kernel_size // 2, odd kernel sizes only) so spatial size changes only b
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
-from peer.base.errors import InvalidArgument
+from peer.base.errors import InvalidArgument, Unsupported
+
 
 @contextmanager
 def torch_threads(count: int) -> Iterator[None]:
@@ -133,6 +136,30 @@ def cnn_flat_shape(arch: Mapping[str, Any]) -> tuple[int, int, int]:
     return a["channels"][-1], h, w
 
 
+def _layout(a: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """The modules of a validated architecture in ``nn.Sequential`` order, as (type, sizes):
+    ``("conv", (c_in, c_out, k))``, ``("linear", (n_in, n_out))``, ``("act", ())``,
+    ``("pool", (p,))``, ``("flatten", ())``. The one description that :func:`build_model` builds
+    and :func:`weight_layers` lists, so that the two always agree on names and shapes."""
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if a["kind"] == "mlp":
+        widths = [a["input_dim"], *a["hidden"]]
+    else:
+        c_in = a["input_shape"][0]
+        for c, p in zip(a["channels"], a["pool"]):
+            out += [("conv", (c_in, c, a["kernel_size"])), ("act", ())]
+            if p > 1:
+                out.append(("pool", (p,)))
+            c_in = c
+        out.append(("flatten", ()))
+        c, h, w = cnn_flat_shape(a)
+        widths = [c * h * w, *a["hidden"]]
+    for i in range(len(a["hidden"])):
+        out += [("linear", (widths[i], widths[i + 1])), ("act", ())]
+    out.append(("linear", (widths[-1], a["output_dim"])))
+    return out
+
+
 def build_model(arch: Mapping[str, Any], seed: int | None = None) -> nn.Sequential:
     """An ``nn.Sequential`` for the architecture; initialised from ``seed`` when given."""
     a = validate_architecture(arch)
@@ -142,30 +169,109 @@ def build_model(arch: Mapping[str, Any], seed: int | None = None) -> nn.Sequenti
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
     try:
-        if a["kind"] == "mlp":
-            widths = [a["input_dim"], *a["hidden"]]
-            for i in range(len(a["hidden"])):
-                layers += [nn.Linear(widths[i], widths[i + 1]), act()]
-            layers.append(nn.Linear(widths[-1], a["output_dim"]))
-        else:
-            c_in = a["input_shape"][0]
-            k = a["kernel_size"]
-            for c, p in zip(a["channels"], a["pool"]):
-                layers += [nn.Conv2d(c_in, c, k, padding=k // 2), act()]
-                if p > 1:
-                    layers.append(nn.MaxPool2d(p))
-                c_in = c
-            layers.append(nn.Flatten())
-            c, h, w = cnn_flat_shape(a)
-            widths = [c * h * w, *a["hidden"]]
-            for i in range(len(a["hidden"])):
-                layers += [nn.Linear(widths[i], widths[i + 1]), act()]
-            layers.append(nn.Linear(widths[-1], a["output_dim"]))
+        # modules are created in order, so the initialisation draws from the generator in order
+        for kind, sizes in _layout(a):
+            if kind == "linear":
+                layers.append(nn.Linear(*sizes))
+            elif kind == "conv":
+                c_in, c_out, k = sizes
+                layers.append(nn.Conv2d(c_in, c_out, k, padding=k // 2))
+            elif kind == "pool":
+                layers.append(nn.MaxPool2d(sizes[0]))
+            elif kind == "flatten":
+                layers.append(nn.Flatten())
+            else:
+                layers.append(act())
         model = nn.Sequential(*layers)
     finally:
         if seed is not None:
             torch.random.set_rng_state(gen_state)
     return model
+
+
+@dataclass(frozen=True)
+class WeightLayer:
+    """One Linear/Conv2d of an architecture, known from the architecture alone (public).
+
+    ``name``: its state-dict prefix (``"0"``, ``"3"``); ``kind``: ``"linear"`` or ``"conv"``;
+    ``units``: its neurons (output features or channels); ``inputs``: the nodes feeding it (the
+    input features or channels, or the previous weight layer's units); ``entries_per_input``:
+    the weights between one unit and one input node — k·k for a conv kernel, H·W for the first
+    Linear after Flatten (which is channel-major, so a channel's H·W columns belong to it), else
+    1; ``is_output``: the last weight layer (every other one produces a hidden layer).
+    """
+
+    name: str
+    kind: str
+    units: int
+    inputs: int
+    entries_per_input: int
+    is_output: bool
+
+    @property
+    def fan_in(self) -> int:
+        """Incoming weights per unit, bias excluded: inputs · entries_per_input."""
+        return self.inputs * self.entries_per_input
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        """The shape of the layer's ``weight`` in the state dict."""
+        if self.kind == "conv":
+            k = math.isqrt(self.entries_per_input)
+            return (self.units, self.inputs, k, k)
+        return (self.units, self.fan_in)
+
+
+def weight_layers(arch: Mapping[str, Any]) -> tuple[WeightLayer, ...]:
+    """Every Linear/Conv2d of the architecture in order, the output layer last: the one listing
+    of weight layers that graphs, mechanisms, fusion and the wire all use."""
+    a = validate_architecture(arch)
+    out: list[WeightLayer] = []
+    per_input = 1
+    for index, (kind, sizes) in enumerate(_layout(a)):
+        if kind == "flatten":
+            _, h, w = cnn_flat_shape(a)
+            per_input = h * w
+        elif kind == "conv":
+            c_in, c_out, k = sizes
+            out.append(WeightLayer(str(index), "conv", c_out, c_in, k * k, False))
+        elif kind == "linear":
+            n_in, n_out = sizes
+            out.append(WeightLayer(str(index), "linear", n_out, n_in // per_input, per_input, False))
+            per_input = 1
+    out[-1] = replace(out[-1], is_output=True)
+    return tuple(out)
+
+
+def hidden_sizes(arch: Mapping[str, Any]) -> list[int]:
+    """The width of every hidden layer (conv channels, then hidden Linear units), in order."""
+    return [layer.units for layer in weight_layers(arch) if not layer.is_output]
+
+
+def weight_modules(arch: Mapping[str, Any], model: nn.Module) -> list[tuple[WeightLayer, nn.Module]]:
+    """Each of :func:`weight_layers` with its module in ``model``, after checking that ``model``
+    is the plain ``nn.Sequential`` the architecture describes: supported layer types only, plain
+    convolutions, every weight layer with a bias, and the names and weight shapes listed."""
+    layers = weight_layers(arch)
+    if not isinstance(model, nn.Sequential):
+        raise Unsupported("model", f"must be an nn.Sequential built by peer.nn.architectures, got {type(model).__name__}")
+    found = []
+    allowed = (nn.Linear, nn.Conv2d, nn.MaxPool2d, nn.Flatten, *ACTIVATIONS.values())
+    for name, mod in model.named_children():
+        if not isinstance(mod, allowed):
+            raise Unsupported(f"model[{name}]", f"layer type {type(mod).__name__} is not supported by the graph extractor (Linear, Conv2d, MaxPool2d, Flatten, {'/'.join(ACTIVATIONS)})")
+        if isinstance(mod, nn.Conv2d) and (mod.groups != 1 or mod.stride != (1, 1) or mod.dilation != (1, 1)):
+            raise Unsupported(f"model[{name}]", "only plain convolutions (groups=1, stride=1, dilation=1) are supported")
+        if isinstance(mod, (nn.Linear, nn.Conv2d)):
+            if mod.bias is None:
+                raise Unsupported(f"model[{name}]", "layers without bias are not supported")
+            found.append((name, mod))
+    if len(found) != len(layers):
+        raise InvalidArgument("model", f"has {len(found)} weight layers, the architecture describes {len(layers)}")
+    for layer, (name, mod) in zip(layers, found):
+        if name != layer.name or tuple(mod.weight.shape) != layer.weight_shape:
+            raise InvalidArgument(f"model[{name}]", f"has weight {tuple(mod.weight.shape)}, the architecture has layer {layer.name!r} with weight {layer.weight_shape}")
+    return [(layer, mod) for layer, (_, mod) in zip(layers, found)]
 
 
 def input_tensor(arch: Mapping[str, Any], x: np.ndarray | torch.Tensor) -> torch.Tensor:

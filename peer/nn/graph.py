@@ -16,7 +16,8 @@ graph:
 - **edge features**: the weights between consecutive layers. ``HiddenLayer.incoming`` keeps them
   as an (n_out, n_in, e) tensor: e = 1 for Linear→Linear, e = k·k for conv→conv (the flattened
   kernel), and e = H·W for the last conv block → first Linear (Flatten is channel-major, so the
-  H·W columns of one channel move together).
+  H·W columns of one channel move together): ``WeightLayer.entries_per_input`` of
+  ``peer.nn.architectures.weight_layers``, the one listing of an architecture's weight layers.
 - **weight features** (what the multi-bit mechanism perturbs): each node's incoming weight
   vector, ``incoming.reshape(n, -1)``; the bias travels with its neuron (``bias``).
 - **outgoing weights** of the last hidden layer are ``NetworkGraph.output_incoming``.
@@ -31,8 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from peer.base.errors import InvalidArgument, Unsupported
-from peer.nn.architectures import ACTIVATIONS, input_tensor, validate_architecture
+from peer.base.errors import InvalidArgument
+from peer.nn.architectures import ACTIVATIONS, input_tensor, validate_architecture, weight_modules
 
 
 @dataclass(frozen=True)
@@ -84,28 +85,6 @@ class NetworkGraph:
                             self.output_incoming if output_incoming is None else output_incoming, self.output_bias)
 
 
-def weight_layers(arch: Mapping[str, Any], model: nn.Sequential) -> list[tuple[str, nn.Module]]:
-    """(state-dict prefix, module) of every Linear/Conv2d in order, checking the structure."""
-    a = validate_architecture(arch)
-    if not isinstance(model, nn.Sequential):
-        raise Unsupported("model", f"must be an nn.Sequential built by peer.nn.architectures, got {type(model).__name__}")
-    out = []
-    allowed = (nn.Linear, nn.Conv2d, nn.MaxPool2d, nn.Flatten, *ACTIVATIONS.values())
-    for name, mod in model.named_children():
-        if not isinstance(mod, allowed):
-            raise Unsupported(f"model[{name}]", f"layer type {type(mod).__name__} is not supported by the graph extractor (Linear, Conv2d, MaxPool2d, Flatten, {'/'.join(ACTIVATIONS)})")
-        if isinstance(mod, nn.Conv2d) and (mod.groups != 1 or mod.stride != (1, 1) or mod.dilation != (1, 1)):
-            raise Unsupported(f"model[{name}]", "only plain convolutions (groups=1, stride=1, dilation=1) are supported")
-        if isinstance(mod, (nn.Linear, nn.Conv2d)):
-            if mod.bias is None:
-                raise Unsupported(f"model[{name}]", "layers without bias are not supported")
-            out.append((name, mod))
-    expected = len(a["hidden"]) + 1 + (len(a["channels"]) if a["kind"] == "cnn" else 0)
-    if len(out) != expected:
-        raise InvalidArgument("model", f"has {len(out)} weight layers, the architecture describes {expected}")
-    return out
-
-
 def _edge_tensor(weight: torch.Tensor, n_prev: int) -> np.ndarray:
     """Weights of one layer as (n_out, n_prev, e)."""
     w = weight.detach().cpu().numpy().astype(np.float64)
@@ -121,11 +100,11 @@ def extract_graph(arch: Mapping[str, Any], model: nn.Sequential, probe_x: np.nda
         raise InvalidArgument("probe_x", "the probe set is empty")
     if not np.all(np.isfinite(probe)):
         raise InvalidArgument("probe_x", "contains NaN or infinite values")
-    layers = weight_layers(a, model)
-    for name, mod in layers:
+    layers = weight_modules(a, model)
+    for layer, mod in layers:
         for pname, p in mod.named_parameters():
             if not torch.all(torch.isfinite(p)):
-                raise InvalidArgument(f"weights[{name}.{pname}]", "contains NaN or infinite values")
+                raise InvalidArgument(f"weights[{layer.name}.{pname}]", "contains NaN or infinite values")
     try:
         x = input_tensor(a, probe)
     except RuntimeError as e:
@@ -144,13 +123,9 @@ def extract_graph(arch: Mapping[str, Any], model: nn.Sequential, probe_x: np.nda
             acts[prev_name] = (v.mean(dim=(2, 3)) if v.dim() == 4 else v).T.numpy().copy()
 
     hidden = []
-    n_prev = a["input_shape"][0] if a["kind"] == "cnn" else a["input_dim"]
-    input_size = n_prev
-    for name, mod in layers[:-1]:
-        kind = "conv" if isinstance(mod, nn.Conv2d) else "linear"
-        hidden.append(HiddenLayer(name, kind, acts[name], _edge_tensor(mod.weight, n_prev),
+    for layer, mod in layers[:-1]:
+        hidden.append(HiddenLayer(layer.name, layer.kind, acts[layer.name], _edge_tensor(mod.weight, layer.inputs),
                                   mod.bias.detach().cpu().numpy().astype(np.float64)))
-        n_prev = mod.weight.shape[0]
-    out_name, out_mod = layers[-1]
-    return NetworkGraph(a, input_size, tuple(hidden), _edge_tensor(out_mod.weight, n_prev),
+    out_layer, out_mod = layers[-1]
+    return NetworkGraph(a, layers[0][0].inputs, tuple(hidden), _edge_tensor(out_mod.weight, out_layer.inputs),
                         out_mod.bias.detach().cpu().numpy().astype(np.float64))

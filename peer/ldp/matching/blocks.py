@@ -1,0 +1,215 @@
+"""One layer pair's weight affinity: its bandwidth, its kernel expansion, its separable terms, κ̄.
+
+A block holds the weights between two consecutive layers of A and of B (hidden–hidden, or a
+hidden layer and the fixed input or output layer) as (n_rows, n_cols, e) arrays. The kernel of two
+edges is the mean over the e components of the scalar Gaussian κ (docs/matching.md, "The
+affinity"); :func:`_block_terms` writes it as separable terms for the factorised operator and
+:func:`_mean_kernel` gives the mean κ̄ its normaliser divides by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from peer.ldp.matching.expansion import ChebyshevExpansion, few_values, gaussian_expansion, gaussian_kernel
+from peer.ldp.matching.normalisation import _mean_sq_bandwidth
+from peer.ldp.matching.operators import _Factor, _indicator_factor, _Stacked, _table_right_factor
+from peer.ldp.matching.options import MatchOptions
+
+
+@dataclass
+class _Block:
+    """Weights between two layers (hidden–hidden, or a hidden layer and a fixed one)."""
+
+    name: str
+    kind: str  # "hidden" | "input" | "output"
+    weights_a: np.ndarray  # (n_rows, n_cols, e)
+    weights_b: np.ndarray
+    sigma: float
+    expansion: str  # "table" | "table-a" | "table-b" | "chebyshev"
+    values_a: np.ndarray | None
+    values_b: np.ndarray | None
+    chebyshev: ChebyshevExpansion | None
+    mean_kernel: float = 0.0
+    normaliser: float = 0.0
+    scale: float = 0.0  # w_edge / (ν · e)
+    terms: list = field(default_factory=list)  # (F, H) pairs or a _Stacked, scaled by `scale`
+    terms_t: list = field(default_factory=list)  # the same, transposed
+    function_means: dict = field(default_factory=dict)  # component -> float64 means of φ_r(W_a), φ_r(W_b)
+
+    @property
+    def error_bound(self) -> float:
+        return self.chebyshev.error_bound if self.chebyshev is not None else 0.0
+
+    @property
+    def terms_per_component(self) -> int:
+        """Separable terms of the scalar kernel expansion (per weight component)."""
+        if self.expansion in ("table", "table-a"):
+            return len(self.values_a)
+        if self.expansion == "table-b":
+            return len(self.values_b)
+        return self.chebyshev.terms
+
+    def describe(self) -> dict:
+        d = {
+            "block": self.name,
+            "expansion": self.expansion,
+            "terms": self.terms_per_component,
+            "components": int(self.weights_a.shape[2]),
+            "sigma": self.sigma,
+            "mean_kernel": self.mean_kernel,
+            "normaliser": self.normaliser,
+            "error_bound": self.error_bound,
+        }
+        if self.chebyshev is not None:
+            d.update(degree=self.chebyshev.degree, interval=[self.chebyshev.lo, self.chebyshev.hi],
+                     interpolation_bound=self.chebyshev.interpolation_bound,
+                     truncation_bound=self.chebyshev.truncation_bound)
+        if self.values_a is not None:
+            d["values_a"] = self.values_a.tolist()
+        if self.values_b is not None:
+            d["values_b"] = self.values_b.tolist()
+        return d
+
+
+def _mean_kernel(block: _Block) -> float:
+    """κ̄: the mean of κ over all pairs of A's and B's weight values of the block, averaged over
+    the e components, in float64 — exact for few-valued weights (value frequencies, or the exact
+    side's mean of κ(v_p, ·)), and within the expansion's error bound for exact weights
+    (Σ_r λ_r mean φ_r(A) · mean φ_r(B), which never forms a pair)."""
+    total = 0.0
+    e = block.weights_a.shape[2]
+    for c in range(e):
+        wa = block.weights_a[:, :, c]
+        wb = block.weights_b[:, :, c]
+        if block.expansion == "chebyshev":
+            ch = block.chebyshev
+            means_a, means_b = block.function_means.get(c) or (_function_means(ch, wa), _function_means(ch, wb))
+            total += float(np.dot(ch.eigenvalues, means_a * means_b))
+            continue
+        va = block.values_a if block.expansion in ("table", "table-a") else None
+        vb = block.values_b if block.expansion in ("table", "table-b") else None
+        if va is not None and vb is not None:
+            fa = np.array([np.count_nonzero(wa == v) for v in va]) / wa.size
+            fb = np.array([np.count_nonzero(wb == v) for v in vb]) / wb.size
+            total += float(fa @ gaussian_kernel(va[:, None], vb[None, :], block.sigma) @ fb)
+        elif va is not None:
+            fa = np.array([np.count_nonzero(wa == v) for v in va]) / wa.size
+            total += float(sum(fa[p] * gaussian_kernel(va[p], wb, block.sigma).mean() for p in range(len(va))))
+        else:
+            fb = np.array([np.count_nonzero(wb == v) for v in vb]) / wb.size
+            total += float(sum(fb[q] * gaussian_kernel(wa, vb[q], block.sigma).mean() for q in range(len(vb))))
+    return total / e
+
+
+def _function_means(ch: ChebyshevExpansion, w: np.ndarray) -> np.ndarray:
+    """mean over w's entries of each φ_r, in float64, chunk by chunk."""
+    flat = w.reshape(-1)
+    chunk = 1 << 20
+    acc = np.zeros(ch.terms)
+    for start in range(0, flat.shape[0], chunk):
+        acc += ch.functions(flat[start : start + chunk]).sum(axis=1)
+    return acc / flat.shape[0]
+
+
+def _block_terms(block: _Block, dtype: torch.dtype) -> list:
+    """The separable terms of one block (unscaled), summed over its e components: (F_t, H_t)
+    pairs, or a _Stacked group of dense terms. Records the Chebyshev function means on the
+    block for κ̄."""
+    terms = []
+    sigma = block.sigma
+    for c in range(block.weights_a.shape[2]):
+        wa = block.weights_a[:, :, c]
+        wb = block.weights_b[:, :, c]
+        shape = wa.shape
+        if block.expansion == "table":
+            va, vb = block.values_a, block.values_b
+            table = gaussian_kernel(va[:, None], vb[None, :], sigma)
+            # κ = Σ T[p,q] I_p ⊗ I′_q with I_0 = J − Σ_{p≥1} I_p: in the basis (J, I_1, I_2) the
+            # coefficients are S = Pᵀ T P, P = [[1, −1, −1], [0, 1, 0], [0, 0, 1]] (cut to size);
+            # docs/matching.md, "Few-valued weights".
+            pa = np.eye(len(va))
+            pa[0, 1:] = -1.0
+            pb = np.eye(len(vb))
+            pb[0, 1:] = -1.0
+            s = pa.T @ table @ pb
+            for p in range(len(va)):
+                f = _Factor(shape, ones=1.0) if p == 0 else _indicator_factor(wa == va[p], dtype)
+                terms.append((f, _table_right_factor(wb, vb, s[p], dtype)))
+        elif block.expansion == "table-a":
+            va = block.values_a
+            k0 = gaussian_kernel(va[0], wb, sigma)
+            terms.append((_Factor(shape, ones=1.0), _Factor(shape, dense=torch.as_tensor(k0, dtype=dtype))))
+            for p in range(1, len(va)):
+                diff = gaussian_kernel(va[p], wb, sigma) - k0
+                terms.append((_indicator_factor(wa == va[p], dtype), _Factor(shape, dense=torch.as_tensor(diff, dtype=dtype))))
+        elif block.expansion == "table-b":
+            vb = block.values_b
+            k0 = gaussian_kernel(wa, vb[0], sigma)
+            terms.append((_Factor(shape, dense=torch.as_tensor(k0, dtype=dtype)), _Factor(shape, ones=1.0)))
+            for q in range(1, len(vb)):
+                diff = gaussian_kernel(wa, vb[q], sigma) - k0
+                terms.append((_Factor(shape, dense=torch.as_tensor(diff, dtype=dtype)), _indicator_factor(wb == vb[q], dtype)))
+        else:
+            ch = block.chebyshev
+            phi, means_a = _stacked_functions(ch, wa, dtype)
+            psi, means_b = _stacked_functions(ch, wb, dtype)
+            block.function_means[c] = (means_a, means_b)
+            lam = torch.as_tensor(ch.eigenvalues, dtype=dtype)
+            for k, grp in enumerate(psi):
+                grp *= lam[k * _Stacked.GROUP : k * _Stacked.GROUP + grp.shape[1]][None, :, None]
+            terms.append(_Stacked(phi, psi))
+    return terms
+
+
+def _stacked_functions(ch: ChebyshevExpansion, w: np.ndarray, dtype: torch.dtype) -> tuple[list[torch.Tensor], np.ndarray]:
+    """φ_r(w) for a 2-D w (n, n′), as groups of _Stacked.GROUP terms laid out (n, group, n′),
+    built a few rows at a time (no full-size temporary); and the float64 mean of each φ_r(w)."""
+    n, m = w.shape
+    g = _Stacked.GROUP
+    groups = [torch.empty((n, min(g, ch.terms - r), m), dtype=dtype) for r in range(0, ch.terms, g)]
+    sums = np.zeros(ch.terms)
+    rows = max(1, (1 << 20) // max(1, m))
+    for i in range(0, n, rows):
+        vals = ch.functions(w[i : i + rows])  # (R, rows, n′), float64
+        sums += vals.sum(axis=(1, 2))
+        for k, grp in enumerate(groups):
+            grp[i : i + rows] = torch.as_tensor(vals[k * g : (k + 1) * g].transpose(1, 0, 2), dtype=dtype)
+    return groups, sums / w.size
+
+
+def _make_block(name: str, kind: str, wa: np.ndarray, wb: np.ndarray, opts: MatchOptions) -> _Block:
+    """The block of weights wa, wb (n_rows, n_cols, e) with its bandwidth σ_w (given, or the
+    mean-squared-difference rule) and its expansion: the exact table where a side is few-valued,
+    else a Chebyshev expansion on the interval holding both sides' values."""
+    sigma = opts.weight_sigma if opts.weight_sigma is not None else _mean_sq_bandwidth(wa.reshape(-1, 1), wb.reshape(-1, 1))
+    va = few_values(wa) if opts.few_valued else None
+    vb = few_values(wb) if opts.few_valued else None
+    cheb = None
+    if va is not None and vb is not None:
+        kind_exp = "table"
+    elif va is not None:
+        kind_exp = "table-a"
+    elif vb is not None:
+        kind_exp = "table-b"
+    else:
+        kind_exp = "chebyshev"
+        lo = float(min(wa.min(), wb.min()))
+        hi = float(max(wa.max(), wb.max()))
+        cheb = gaussian_expansion(lo, hi, sigma, opts.expansion_tol)
+    return _Block(name, kind, wa, wb, float(sigma), kind_exp, va, vb, cheb)
+
+
+def _exact_fixed_unary(block: _Block, incoming: bool) -> np.ndarray:
+    """U_in[i, j] = Σ_k Σ_c κ(W_a[i,k,c], W_b[j,k,c]) (or U_out over the output rows), scaled."""
+    wa, wb = block.weights_a, block.weights_b
+    if not incoming:
+        wa, wb = wa.transpose(1, 0, 2), wb.transpose(1, 0, 2)
+    n = wa.shape[0]
+    u = np.empty((n, wb.shape[0]))
+    for i in range(n):
+        u[i] = gaussian_kernel(wa[i][None], wb, block.sigma).sum(axis=(1, 2))
+    return u * block.scale

@@ -1,0 +1,206 @@
+"""Separable expansions of the scalar Gaussian weight kernel κ(x, y) = exp(−(x − y)²/σ).
+
+κ ≈ Σ_r λ_r φ_r(x) φ_r(y) lets a block of the affinity act as Σ_r F_r V H_rᵀ without forming K:
+a Chebyshev expansion with a computed error bound for exact weights, and the exact few-valued
+table for released multi-bit weights (:func:`few_values`). Theory: docs/matching.md,
+"Chebyshev expansion" and "Few-valued weights".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from peer.base.errors import InvalidArgument
+
+# Most distinct values a layer's weight array may take to use the exact few-valued expansion.
+FEW_VALUED_MAX = 3
+# Highest Chebyshev degree gaussian_expansion tries before giving up.
+MAX_CHEBYSHEV_DEGREE = 512
+
+
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b in float64 through torch, so that it runs on the torch threads match_graphs sets:
+    numpy's BLAS starts all its threads even for small products, and stalls when a core is busy."""
+    return (torch.as_tensor(np.asarray(a, dtype=np.float64)) @ torch.as_tensor(np.asarray(b, dtype=np.float64))).numpy()
+
+
+def gaussian_kernel(x, y, sigma: float):
+    """κ(x, y) = exp(−(x − y)² / σ) elementwise (broadcasting); numpy or torch."""
+    d = x - y
+    if isinstance(d, torch.Tensor):
+        return torch.exp(-(d * d) / sigma)
+    return np.exp(-(d * d) / sigma)
+
+
+def chebyshev_interpolation_bound(beta: float, degree: int) -> float:
+    """Sup-norm error bound of the 2-D tensor Chebyshev interpolant of g(s, t) = exp(−β(s−t)²)
+    on [−1, 1]² at the (degree+1)² Chebyshev points of the second kind:
+    min over ρ > 1 of (1 + Λ_p) · 4 exp(β b²) ρ^{−p} / (ρ − 1), b = (ρ − ρ⁻¹)/2, Λ_p ≤ (2/π) log(p + 1) + 1
+    (derivation: docs/matching.md, "Chebyshev expansion"); the minimum is taken over a fine grid of ρ.
+    """
+    return float(_interpolation_bounds(beta, np.array([int(degree)]))[0])
+
+
+# log ρ grid for the bound: every ρ > 1 is valid; a fine grid finds one near the best.
+_LOG_RHO = np.geomspace(1e-6, 8.0, 1000)
+
+
+def _interpolation_bounds(beta: float, degrees: np.ndarray) -> np.ndarray:
+    """chebyshev_interpolation_bound for several degrees at once."""
+    p = degrees.astype(np.float64)[:, None]
+    rho = np.exp(_LOG_RHO)[None, :]
+    b = (rho - 1.0 / rho) / 2.0
+    lebesgue = 2.0 / math.pi * np.log(p + 1.0) + 1.0
+    log_b = np.log1p(lebesgue) + math.log(4.0) + beta * b * b - p * _LOG_RHO[None, :] - np.log(np.expm1(_LOG_RHO))[None, :]
+    return np.exp(np.minimum(log_b.min(axis=1), 700.0))
+
+
+@dataclass(frozen=True)
+class ChebyshevExpansion:
+    """κ(x, y) = exp(−(x−y)²/σ) on [lo, hi]² ≈ Σ_r λ_r φ_r(x) φ_r(y), φ_r(x) = Σ_j U[j, r] T_j((x − c)/h)
+    with c, h the interval's centre and half-width and C = U diag(λ) Uᵀ the compressed Chebyshev
+    core. ``error_bound`` = interpolation bound + Σ_dropped |λ_r| ‖U_r‖₁²: a bound on
+    |κ − expansion| over [lo, hi]² in exact arithmetic, rounding excluded (docs/matching.md,
+    "Chebyshev expansion").
+    """
+
+    lo: float
+    hi: float
+    sigma: float
+    degree: int
+    eigenvalues: np.ndarray
+    eigenvectors: np.ndarray
+    interpolation_bound: float
+    truncation_bound: float
+
+    @property
+    def terms(self) -> int:
+        return int(self.eigenvalues.shape[0])
+
+    @property
+    def error_bound(self) -> float:
+        return self.interpolation_bound + self.truncation_bound
+
+    def functions(self, x):
+        """φ_r(x) for every term, stacked on a new leading axis, in float64 (a torch input gives
+        a torch output in its dtype). Chunk by chunk: the Chebyshev values T_j(s) by their
+        three-term recurrence, then one product with the eigenvector matrix."""
+        if isinstance(x, torch.Tensor):
+            return torch.as_tensor(self.functions(x.detach().cpu().numpy()), dtype=x.dtype)
+        x = np.asarray(x, dtype=np.float64)
+        flat = x.reshape(-1)
+        c = (self.hi + self.lo) / 2.0
+        h = (self.hi - self.lo) / 2.0
+        out = np.empty((self.terms, flat.shape[0]))
+        chunk = max(1, (1 << 22) // (self.degree + 1))
+        for start in range(0, flat.shape[0], chunk):
+            s = (flat[start : start + chunk] - c) / h if h > 0 else np.zeros_like(flat[start : start + chunk])
+            cheb = np.empty((self.degree + 1, s.shape[0]))
+            cheb[0] = 1.0
+            if self.degree >= 1:
+                cheb[1] = s
+            for j in range(2, self.degree + 1):
+                np.multiply(s, cheb[j - 1], out=cheb[j])
+                cheb[j] *= 2.0
+                cheb[j] -= cheb[j - 2]
+            out[:, start : start + chunk] = _matmul(self.eigenvectors.T, cheb)
+        return out.reshape((self.terms, *x.shape))
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """The expansion's value at every pair (x[a], y[b]) of two 1-D arrays."""
+        fx = self.functions(np.asarray(x, dtype=np.float64))
+        fy = self.functions(np.asarray(y, dtype=np.float64))
+        return np.einsum("r,ra,rb->ab", self.eigenvalues, fx, fy)
+
+
+def _chebyshev_core(beta: float, degree: int) -> np.ndarray:
+    """Coefficients C of the 2-D Chebyshev interpolant of exp(−β(s−t)²) (symmetric)."""
+    k = np.arange(degree + 1)
+    nodes = np.cos(np.pi * k / degree)
+    cheb = np.cos(np.outer(np.arccos(np.clip(nodes, -1, 1)), k))  # cheb[a, j] = T_j(node_a)
+    values = np.exp(-beta * (nodes[:, None] - nodes[None, :]) ** 2)
+    # torch's solver runs on the caller's torch threads (match_graphs sets them); numpy's would
+    # use every BLAS thread, which costs more than it gains at this size on a busy machine
+    cheb_t = torch.as_tensor(cheb)
+    left = torch.linalg.solve(cheb_t, torch.as_tensor(values))  # T⁻¹ G
+    core = torch.linalg.solve(cheb_t, left.T).T.numpy()  # T⁻¹ G T⁻ᵀ
+    return (core + core.T) / 2.0
+
+
+def gaussian_expansion(lo: float, hi: float, sigma: float, tol: float) -> ChebyshevExpansion:
+    """A separable expansion of exp(−(x−y)²/σ) on [lo, hi]² with error bound ≤ ``tol``.
+
+    The smallest degree p whose interpolation bound (:func:`chebyshev_interpolation_bound`,
+    β = h²/σ with h the half-width) is ≤ tol/2 and the three degrees above it are tried; for each,
+    the core is compressed while the bound stays ≤ tol, and the degree giving the fewest terms
+    wins.
+    """
+    lo, hi, sigma, tol = float(lo), float(hi), float(sigma), float(tol)
+    if not (math.isfinite(lo) and math.isfinite(hi) and hi >= lo):
+        raise InvalidArgument("interval", f"must be finite with lo <= hi, got [{lo}, {hi}]")
+    if not (math.isfinite(sigma) and sigma > 0):
+        raise InvalidArgument("sigma", f"must be a finite number > 0, got {sigma}")
+    if not 0 < tol < 1:
+        raise InvalidArgument("tol", f"must be in (0, 1), got {tol}")
+    h = (hi - lo) / 2.0
+    beta = h * h / sigma
+    if beta == 0.0:
+        # every value equal: κ ≡ 1, one exact term.
+        return ChebyshevExpansion(lo, hi, sigma, 0, np.ones(1), np.ones((1, 1)), 0.0, 0.0)
+    p_min = None
+    for start in range(1, MAX_CHEBYSHEV_DEGREE + 1, 64):
+        degrees = np.arange(start, min(start + 64, MAX_CHEBYSHEV_DEGREE + 1))
+        ok = np.flatnonzero(_interpolation_bounds(beta, degrees) <= tol / 2)
+        if ok.size:
+            p_min = int(degrees[ok[0]])
+            break
+    if p_min is None:
+        raise InvalidArgument(
+            "options.expansion_tol",
+            f"{tol:g} needs a Chebyshev degree above {MAX_CHEBYSHEV_DEGREE} for weights spanning [{lo:g}, {hi:g}] "
+            f"with sigma {sigma:g} (h²/σ = {beta:.3g}); raise expansion_tol or weight_sigma",
+        )
+    best: ChebyshevExpansion | None = None
+    for p in range(p_min, min(p_min + 3, MAX_CHEBYSHEV_DEGREE) + 1):
+        interp = chebyshev_interpolation_bound(beta, p)
+        lam_t, vec_t = torch.linalg.eigh(torch.as_tensor(_chebyshev_core(beta, p)))
+        lam, vec = lam_t.numpy(), vec_t.numpy()
+        weight = np.abs(lam) * np.abs(vec).sum(axis=0) ** 2
+        order = np.argsort(weight)
+        dropped = np.cumsum(weight[order])
+        n_drop = int(np.searchsorted(dropped, tol - interp, side="right"))
+        trunc = float(dropped[n_drop - 1]) if n_drop else 0.0
+        keep = np.sort(order[n_drop:])
+        keep = keep[np.argsort(-np.abs(lam[keep]))]
+        cand = ChebyshevExpansion(lo, hi, sigma, p, lam[keep].copy(), vec[:, keep].copy(), interp, trunc)
+        if best is None or cand.terms < best.terms or (cand.terms == best.terms and cand.error_bound < best.error_bound):
+            best = cand
+    assert best is not None
+    return best
+
+
+def few_values(arr: np.ndarray, max_values: int = FEW_VALUED_MAX) -> np.ndarray | None:
+    """The distinct values of ``arr`` ordered by decreasing frequency, or None if there are more
+    than ``max_values`` of them. O(max_values · size), no sort."""
+    flat = np.asarray(arr).reshape(-1)
+    if flat.size == 0:
+        return None
+    left = np.ones(flat.shape, dtype=bool)
+    values, counts = [], []
+    for _ in range(max_values):
+        first = int(np.argmax(left))
+        if not left[first]:
+            break
+        v = flat[first]
+        eq = flat == v
+        values.append(v)
+        counts.append(int(np.count_nonzero(eq)))
+        left &= ~eq
+    if left.any():
+        return None
+    order = np.argsort(-np.asarray(counts), kind="stable")
+    return np.asarray(values, dtype=np.float64)[order]

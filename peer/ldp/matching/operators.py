@@ -1,0 +1,297 @@
+"""The factorised operator's algebra: how one block of K acts on V without forming K.
+
+A block whose kernel has the separable form κ(x, y) = Σ_t f_t(x) h_t(y) acts as
+E(V) = Σ_t F_t V H_tᵀ, F_t = f_t(W^A), H_t = h_t(W^B) elementwise. Each factor here is
+c·J + R (J all ones, R sparse, dense or absent), so that indicator matrices of few-valued weights
+cost gathers instead of dense products, and dense Chebyshev terms are stacked into a few large
+products. docs/matching.md, "The factorised operator", counts what each case costs.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from peer.nn.architectures import torch_threads
+
+# A few-valued indicator denser than this is applied as a dense matrix: sparse products stop paying.
+SPARSE_MAX_DENSITY = 0.01
+
+
+class _Sparse:
+    """A sparse matrix as sorted coordinate lists, applied with gathers and ``index_add_``.
+
+    Built for the indicator matrices of few-valued weights, which typically hold one non-zero
+    per row (the multi-bit mechanism's m sampled coordinates); for them a gather beats
+    ``torch.sparse.mm`` by far (docs/matching.md, "Implementation notes"). ``touched`` lists the
+    non-empty rows and ``local`` maps each non-zero to its position in ``touched``.
+    """
+
+    __slots__ = ("shape", "rows", "cols", "vals", "unit", "touched", "local", "one_per_row", "full")
+
+    def __init__(self, shape, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor):
+        self.shape = (int(shape[0]), int(shape[1]))
+        order = torch.argsort(rows * self.shape[1] + cols)
+        self.rows, self.cols, self.vals = rows[order], cols[order], vals[order]
+        self.unit = bool(torch.all(self.vals == 1))
+        self.touched, self.local = torch.unique_consecutive(self.rows, return_inverse=True)
+        self.one_per_row = self.touched.shape[0] == self.rows.shape[0]
+        # every row holds exactly one non-zero (the multi-bit mechanism with m = 1, both signs)
+        self.full = self.one_per_row and self.touched.shape[0] == self.shape[0]
+
+    @property
+    def nnz(self) -> int:
+        return int(self.rows.shape[0])
+
+    def t(self) -> "_Sparse":
+        return _Sparse((self.shape[1], self.shape[0]), self.cols, self.rows, self.vals)
+
+    def scaled(self, s: float) -> "_Sparse":
+        return _Sparse(self.shape, self.rows, self.cols, self.vals * s)
+
+    def _chunks(self, other: int):
+        step = max(1, (1 << 24) // max(1, other))
+        for start in range(0, self.nnz, step):
+            yield slice(start, start + step)
+
+    def matvec(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.shape[0], dtype=u.dtype).index_add_(0, self.rows, u[self.cols] * self.vals)
+
+    def touched_rows_times(self, v: torch.Tensor) -> torch.Tensor:
+        """S[touched] @ V, shape (len(touched), V.shape[1])."""
+        if self.one_per_row and self.nnz * v.shape[1] <= (1 << 24):
+            g = v.index_select(0, self.cols)
+            return g if self.unit else g * self.vals[:, None]
+        out = torch.zeros((self.touched.shape[0], v.shape[1]), dtype=v.dtype)
+        for ch in self._chunks(v.shape[1]):
+            g = v.index_select(0, self.cols[ch])
+            out.index_add_(0, self.local[ch], g if self.unit else g * self.vals[ch, None])
+        return out
+
+    def times_t(self, m: torch.Tensor, touched_only: bool = False) -> torch.Tensor:
+        """M @ Sᵀ, shape (M.shape[0], S.shape[0]), or only its columns ``touched``."""
+        if self.one_per_row and (touched_only or self.full):
+            # column c of the result is column cols[c] of M, scaled: a gather, no scatter
+            g = m.index_select(1, self.cols)
+            return g if self.unit else g * self.vals
+        width = self.touched.shape[0] if touched_only else self.shape[0]
+        target = self.local if touched_only else self.rows
+        out = torch.zeros((m.shape[0], width), dtype=m.dtype)
+        for ch in self._chunks(m.shape[0]):
+            g = m.index_select(1, self.cols[ch])
+            out.index_add_(1, target[ch], g if self.unit else g * self.vals[ch])
+        return out
+
+
+class _Factor:
+    """A matrix c·J + R (J all ones; R a _Sparse, a dense tensor, or absent)."""
+
+    __slots__ = ("shape", "ones", "sparse", "dense")
+
+    def __init__(self, shape, ones: float = 0.0, sparse: _Sparse | None = None, dense: torch.Tensor | None = None):
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.ones = float(ones)
+        self.sparse = sparse
+        self.dense = dense
+
+    def t(self) -> "_Factor":
+        return _Factor((self.shape[1], self.shape[0]), self.ones,
+                       None if self.sparse is None else self.sparse.t(),
+                       None if self.dense is None else self.dense.T)
+
+    def scaled(self, s: float) -> "_Factor":
+        return _Factor(self.shape, self.ones * s,
+                       None if self.sparse is None else self.sparse.scaled(s),
+                       None if self.dense is None else self.dense * s)
+
+    def matvec_rest(self, u: torch.Tensor) -> torch.Tensor | None:
+        """R u (the non-constant part times a vector), or None when R is absent."""
+        if self.sparse is not None:
+            return self.sparse.matvec(u)
+        if self.dense is not None:
+            return self.dense @ u
+        return None
+
+
+class _Cost:
+    """Counts dense matrix products and their flops (per application of K), and runs them on
+    ``product_threads`` torch threads while everything else stays on the caller's setting:
+    torch's ``index_add_`` is much slower on several threads, while a large product can use them
+    (docs/matching.md, "Threads")."""
+
+    __slots__ = ("products", "flops", "product_threads")
+
+    def __init__(self, product_threads: int | None = None):
+        self.products = 0
+        self.flops = 0.0
+        self.product_threads = product_threads
+
+    def add(self, a: int, b: int, c: int):
+        self.products += 1
+        self.flops += 2.0 * a * b * c
+
+    def threads(self):
+        """A context running torch on ``product_threads`` (no change when None)."""
+        return torch_threads(self.product_threads) if self.product_threads is not None else nullcontext()
+
+
+class _RankOne:
+    """V's sums, computed once per block application, and the rank-one parts of the result
+    (c·J, w 1ᵀ, 1 wᵀ) accumulated as a scalar and two vectors, added to the output once."""
+
+    __slots__ = ("total", "col_sums", "row_sums", "scalar", "per_row", "per_col")
+
+    def __init__(self, v: torch.Tensor, n_rows: int):
+        self.total = v.sum()
+        self.col_sums = v.sum(dim=0)  # Vᵀ1
+        self.row_sums = v.sum(dim=1)  # V1
+        self.scalar = torch.zeros((), dtype=v.dtype)
+        self.per_row = torch.zeros(n_rows, dtype=v.dtype)  # out[i, j] += per_row[i]
+        self.per_col = torch.zeros(n_rows, dtype=v.dtype)  # out[i, j] += per_col[j]
+
+    def add_to(self, out: torch.Tensor) -> None:
+        out += self.per_row[:, None]
+        out += (self.per_col + self.scalar)[None, :]
+
+
+def _apply_term(f: _Factor, h: _Factor, v: torch.Tensor, ones: _RankOne, out: torch.Tensor, cost: _Cost) -> None:
+    """out += F V Hᵀ for F = c_F J + R_F (n×n′), V (n′×n′), H = c_H J + R_H (n×n′).
+
+    (c_F J + R_F) V (c_H J + R_H)ᵀ = c_F c_H (1ᵀV1) J + c_F 1 (R_H Vᵀ1)ᵀ + c_H (R_F V1) 1ᵀ + R_F V R_Hᵀ:
+    the J terms cost matrix-vector products only (accumulated in ``ones``); R_F V R_Hᵀ costs no
+    dense product when both are sparse, one (restricted to the touched rows/columns) when one
+    is sparse, two when both are dense.
+    """
+    if f.ones and h.ones:
+        ones.scalar += f.ones * h.ones * ones.total
+    if f.ones:
+        w = h.matvec_rest(ones.col_sums)
+        if w is not None:
+            ones.per_col += f.ones * w
+    if h.ones:
+        w = f.matvec_rest(ones.row_sums)
+        if w is not None:
+            ones.per_row += h.ones * w
+    if f.sparse is None and f.dense is None or h.sparse is None and h.dense is None:
+        return
+    if f.sparse is not None:
+        m = f.sparse.touched_rows_times(v)  # the touched rows of R_F V
+        if h.sparse is not None:
+            part = h.sparse.times_t(m)
+        else:
+            cost.add(m.shape[0], m.shape[1], h.shape[0])
+            with cost.threads():
+                part = m @ h.dense.T
+        out.index_add_(0, f.sparse.touched, part)
+    elif h.sparse is not None:
+        q = h.sparse.times_t(v, touched_only=True)  # the touched columns of V R_Hᵀ
+        cost.add(f.shape[0], f.shape[1], q.shape[1])
+        with cost.threads():
+            part = f.dense @ q
+        out.index_add_(1, h.sparse.touched, part)
+    else:
+        cost.add(f.shape[0], f.shape[1], v.shape[1])
+        cost.add(f.shape[0], v.shape[1], h.shape[0])
+        with cost.threads():
+            out += (f.dense @ v) @ h.dense.T
+
+
+class _Stacked:
+    """Σ_r F_r V H_rᵀ for R dense terms, stored as (n, R, n′) so that the sum is two GEMMs.
+
+    With Φ[i, r, k] = F_r[i, k] and Ψ[j, r, l] = H_r[j, l]:
+    E(V) = reshape(Φ → (nR, n′)) @ V, viewed as (n, R·n′), times reshape(Ψ → (n, R·n′))ᵀ;
+    Eᵀ(U) = reshape(Φ → (nR, n′))ᵀ @ reshape(U @ reshape(Ψ → (n, R·n′)) → (nR, n′)).
+    The flops are those of 2R separate products; a few large GEMMs run much closer to the
+    machine's peak than many small ones. The terms are kept in groups of ``GROUP`` so that the
+    intermediate is GROUP·n·n′, not R·n·n′.
+    """
+
+    GROUP = 4
+    __slots__ = ("phi", "psi", "transposed")
+
+    def __init__(self, phi: list[torch.Tensor], psi: list[torch.Tensor], transposed: bool = False):
+        self.phi, self.psi, self.transposed = phi, psi, transposed
+
+    def t(self) -> "_Stacked":
+        return _Stacked(self.phi, self.psi, not self.transposed)
+
+    def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
+        for phi_g, psi_g in zip(self.phi, self.psi):
+            n, r, m = phi_g.shape
+            phi = phi_g.reshape(n * r, m)
+            psi = psi_g.reshape(n, r * m)
+            with cost.threads():
+                if not self.transposed:
+                    cost.add(n * r, m, m)
+                    cost.add(n, r * m, n)
+                    out += (phi @ v).reshape(n, r * m) @ psi.T
+                else:
+                    cost.add(n, n, r * m)
+                    cost.add(m, n * r, m)
+                    out += phi.T @ (v @ psi).reshape(n * r, m)
+
+
+def _sparse_indicator(mask: np.ndarray, dtype: torch.dtype, coef: float = 1.0) -> _Sparse:
+    r, c = np.nonzero(mask)
+    return _Sparse(mask.shape, torch.as_tensor(r, dtype=torch.int64), torch.as_tensor(c, dtype=torch.int64),
+                   torch.full((r.shape[0],), coef, dtype=dtype))
+
+
+def _indicator_factor(mask: np.ndarray, dtype: torch.dtype) -> _Factor:
+    if np.count_nonzero(mask) <= SPARSE_MAX_DENSITY * mask.size:
+        return _Factor(mask.shape, sparse=_sparse_indicator(mask, dtype))
+    return _Factor(mask.shape, dense=torch.as_tensor(mask.astype(np.float64), dtype=dtype))
+
+
+def _table_right_factor(w: np.ndarray, values: np.ndarray, coefs: np.ndarray, dtype: torch.dtype) -> _Factor:
+    """coefs[0]·J + Σ_{q≥1} coefs[q]·[w = values[q]] as one factor."""
+    masks = [(w == values[q], coefs[q]) for q in range(1, len(values)) if coefs[q] != 0.0]
+    if not masks:
+        return _Factor(w.shape, ones=coefs[0])
+    if sum(int(np.count_nonzero(m)) for m, _ in masks) <= SPARSE_MAX_DENSITY * w.size:
+        parts = [_sparse_indicator(m, dtype, c) for m, c in masks]  # disjoint supports
+        sp = _Sparse(w.shape, torch.cat([p.rows for p in parts]), torch.cat([p.cols for p in parts]),
+                     torch.cat([p.vals for p in parts]))
+        return _Factor(w.shape, ones=coefs[0], sparse=sp)
+    dense = np.zeros(w.shape)
+    for m, c in masks:
+        dense[m] += c
+    return _Factor(w.shape, ones=coefs[0], dense=torch.as_tensor(dense, dtype=dtype))
+
+
+def _rescale(terms: list, s: float) -> list:
+    """The terms with every H multiplied by s (in place for stacked dense terms)."""
+    out = []
+    for t in terms:
+        if isinstance(t, _Stacked):
+            for grp in t.psi:
+                grp *= s
+            out.append(t)
+        else:
+            out.append((t[0], t[1].scaled(s)))
+    return out
+
+
+def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out += Σ_t F_t V H_tᵀ (a new zero matrix when ``out`` is None), returned."""
+    if out is None:
+        out = torch.zeros((n_rows, n_rows), dtype=v.dtype)
+    ones = None
+    for term in terms:
+        if isinstance(term, _Stacked):
+            term.apply(v, out, cost)
+        else:
+            ones = ones or _RankOne(v, n_rows)
+            _apply_term(term[0], term[1], v, ones, out, cost)
+    if ones is not None:
+        ones.add_to(out)
+    return out
+
+
+def _transposed(term):
+    if isinstance(term, _Stacked):
+        return term.t()
+    return (term[0].t(), term[1].t())

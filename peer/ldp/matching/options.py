@@ -1,0 +1,133 @@
+"""What a matcher takes and returns, whichever solver runs: :class:`MatchOptions`, :class:`MatchResult`.
+
+Every option is public (it travels in reports); docs/matching.md gives the math behind each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from peer.base.errors import InvalidArgument
+
+BANDWIDTH_RULES = ("spread", "mean")
+SOLVERS = ("factorised", "dense")
+DTYPES = ("auto", "float32", "float64")
+# dtype="auto" computes in float64 while every hidden layer has at most this many nodes, float32
+# above, where it halves the memory and recovers the same matches (docs/matching.md, "Precision").
+AUTO_FLOAT64_MAX_WIDTH = 512
+# threads=None runs single-threaded while every hidden layer has at most this many nodes.
+AUTO_SINGLE_THREAD_MAX_WIDTH = 512
+
+
+@dataclass(frozen=True)
+class MatchOptions:
+    """How to match (docs/matching.md explains every term).
+
+    ``solver``: ``"factorised"`` (default; never forms K) or ``"dense"`` (pygmtools' ``sm`` on
+    the dense K; small graphs only).
+    ``activation_weight`` / ``edge_weight``: w_act and w_edge, the weights of the normalised
+    activation and weight affinities in the merged K (non-negative, not both zero).
+    ``activation_sigma`` / ``weight_sigma``: Gaussian bandwidths σ (exp(−d²/σ), σ not squared);
+    ``None`` = a public rule that reads only the arrays given (docs/matching.md, "Bandwidths").
+    ``max_iter`` / ``tol``: power iteration stops after ``max_iter`` steps or when
+    ‖v_k − v_{k−1}‖₂ < ``tol`` (pygmtools' rule and default tolerance).
+    ``expansion_tol``: the largest error allowed in any kernel value κ ∈ (0, 1] by the separable
+    expansion of exact weights (few-valued weights are expanded exactly).
+    ``few_valued``: detect ≤ 3-valued weight arrays and use their exact sparse expansion.
+    ``dtype``: ``"auto"`` (float64 while every hidden layer has ≤ 512 nodes, else float32),
+    ``"float32"`` or ``"float64"``; the factorised solver's arithmetic. The dense path is float64.
+    ``dense_memory_cap``: bytes the dense K may take before ``solver="dense"`` refuses.
+    ``shift``: power iteration runs on K + shift·I (the same leading eigenvector, since K ≥ 0);
+    ``None`` = half of ‖K v₀‖/‖v₀‖ for the uniform start v₀, about λ₁/2 (docs/matching.md, "Spectral
+    matching");
+    0 = plain power iteration as in pygmtools' ``sm``.
+    ``balance``: Sinkhorn-balance every unary term (docs/matching.md, "Normalisation"); on by default.
+    ``activation_bandwidth``: the public rule for σ_act when ``activation_sigma`` is None:
+    ``"spread"`` (default) or ``"mean"`` (docs/matching.md, "Bandwidths").
+    ``threads``: torch intra-op threads (a process-wide torch setting: set on entry, restored on
+    exit, so two matches running in threads of one process share it). ``None`` = the products
+    run on 1 thread while every hidden layer has ≤ 512 nodes and on torch's current setting
+    above, and everything else in the power iteration (gathers, scatter-adds, elementwise work)
+    on 1 (why: docs/matching.md, "Threads"). A number = every part on that many threads.
+    """
+
+    solver: str = "factorised"
+    activation_weight: float = 1.0
+    edge_weight: float = 1.0
+    activation_sigma: float | None = None
+    weight_sigma: float | None = None
+    max_iter: int = 100
+    tol: float = 1e-5
+    expansion_tol: float = 1e-4
+    few_valued: bool = True
+    dtype: str = "auto"
+    dense_memory_cap: int = 2 * 2**30
+    shift: float | None = None
+    threads: int | None = None
+    balance: bool = True
+    activation_bandwidth: str = "spread"
+
+    def __post_init__(self):
+        if self.solver not in SOLVERS:
+            raise InvalidArgument("options.solver", f"must be one of {SOLVERS}, got {self.solver!r}")
+        if not isinstance(self.balance, bool):
+            raise InvalidArgument("options.balance", f"must be true or false, got {self.balance!r}")
+        if self.activation_bandwidth not in BANDWIDTH_RULES:
+            raise InvalidArgument("options.activation_bandwidth", f"must be one of {BANDWIDTH_RULES}, got {self.activation_bandwidth!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument("options.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("activation_weight", "edge_weight"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or v < 0:
+                raise InvalidArgument(f"options.{name}", f"must be a finite number >= 0, got {v!r}")
+        if self.activation_weight == 0 and self.edge_weight == 0:
+            raise InvalidArgument("options.edge_weight", "activation_weight and edge_weight cannot both be 0")
+        for name in ("activation_sigma", "weight_sigma"):
+            v = getattr(self, name)
+            if v is not None and (not _is_real(v) or not math.isfinite(v) or v <= 0):
+                raise InvalidArgument(f"options.{name}", f"must be None (public rule) or a finite number > 0, got {v!r}")
+        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, (int, np.integer)) or self.max_iter < 1:
+            raise InvalidArgument("options.max_iter", f"must be a positive integer, got {self.max_iter!r}")
+        if not _is_real(self.tol) or not 0 < self.tol < 1:
+            raise InvalidArgument("options.tol", f"must be in (0, 1), got {self.tol!r}")
+        if not _is_real(self.expansion_tol) or not 1e-12 <= self.expansion_tol < 1:
+            raise InvalidArgument("options.expansion_tol", f"must be in [1e-12, 1), got {self.expansion_tol!r}")
+        if not isinstance(self.few_valued, bool):
+            raise InvalidArgument("options.few_valued", f"must be a bool, got {self.few_valued!r}")
+        if self.shift is not None and (not _is_real(self.shift) or not math.isfinite(self.shift) or self.shift < 0):
+            raise InvalidArgument("options.shift", f"must be None (the rule) or a finite number >= 0, got {self.shift!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, (int, np.integer)) or self.threads < 1):
+            raise InvalidArgument("options.threads", f"must be None (the rule) or a positive integer, got {self.threads!r}")
+        if isinstance(self.dense_memory_cap, bool) or not isinstance(self.dense_memory_cap, (int, np.integer)) or self.dense_memory_cap <= 0:
+            raise InvalidArgument("options.dense_memory_cap", f"must be a positive number of bytes, got {self.dense_memory_cap!r}")
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """What a matcher returns, whichever solver ran.
+
+    ``permutations[ℓ][i] = j``: node i of A's hidden layer ℓ is matched to node j of B's, so B
+    aligned to A is ``B[perm]`` (rows of its incoming weights, its bias, its activations).
+    ``objective``: xᵀKx of the discrete solution, computed from exact kernel values in the same
+    way for both solvers (:meth:`Affinity.objective`). ``relaxed[ℓ]``: the leading-eigenvector
+    estimate reshaped to n_ℓ×n_ℓ ([i, j] = pair (A node i, B node j)), unit norm over all
+    layers — what pygmtools' ``sm`` returns. ``iterations``: power-iteration steps taken;
+    ``converged``: whether ‖v_k − v_{k−1}‖ < tol was reached. ``diagnostics``: expansions and
+    their error bounds, bandwidths, normalisers, products per iteration, timings.
+    """
+
+    permutations: tuple[np.ndarray, ...]
+    objective: float
+    solver: str
+    iterations: int
+    converged: bool
+    relaxed: tuple[np.ndarray, ...]
+    diagnostics: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)

@@ -1,0 +1,165 @@
+"""Spectral matching (Leordeanu & Hebert 2005) of two graphs over all hidden layers jointly.
+
+The leading eigenvector of K by shifted power iteration — on the factorised operator, or with
+pygmtools' ``sm`` on the dense K — then one linear assignment per hidden layer
+(docs/matching.md, "Spectral matching"). Both solvers return the same :class:`MatchResult`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from peer.base.errors import InvalidArgument
+from peer.ldp.matching.affinity import Affinity
+from peer.ldp.matching.checks import _check_graphs
+from peer.ldp.matching.dense import power_iteration_dense
+from peer.ldp.matching.operators import _Cost
+from peer.ldp.matching.options import AUTO_SINGLE_THREAD_MAX_WIDTH, MatchOptions, MatchResult
+from peer.nn.architectures import torch_threads
+from peer.nn.graph import NetworkGraph
+
+
+def _discretise(layers: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """The permutation maximising Σ_i X[i, perm(i)] per layer (Hungarian / LSA).
+
+    Row and column means are subtracted first: every permutation takes one entry per row and
+    per column, so this shifts all objectives by the same constant and leaves the set of optimal
+    permutations unchanged; but the leading eigenvector is a large near-constant plus a small
+    informative part, on which scipy's solver is much slower (docs/matching.md, "Implementation
+    notes").
+    """
+    perms = []
+    for x in layers:
+        y = np.array(x, dtype=np.float64)
+        y -= y.mean(axis=1, keepdims=True)
+        y -= y.mean(axis=0, keepdims=True)
+        rows, cols = linear_sum_assignment(y, maximize=True)
+        perm = np.empty(x.shape[0], dtype=np.int64)
+        perm[rows] = cols
+        perms.append(perm)
+    return tuple(perms)
+
+
+def _power_iteration_factorised(aff: Affinity, product_threads: int):
+    opts = aff.options
+    v = [torch.full((n, n), 1.0 / aff.pairs, dtype=aff.dtype) for n in aff.sizes]
+    shift = opts.shift
+    converged, it, residual, norm, cost = False, 0, float("inf"), 0.0, _Cost()
+    for it in range(1, opts.max_iter + 1):
+        cost = _Cost(product_threads)
+        w = aff.apply(v, cost)
+        if shift is None:
+            shift = 0.5 * _norm(w) / _norm(v)
+        for x, y in zip(w, v):
+            x.add_(y, alpha=shift)
+        norm = _norm(w)
+        if not norm > 0:
+            break
+        for x in w:
+            x.div_(norm)
+        residual = math.sqrt(sum(float(torch.dist(x, y)) ** 2 for x, y in zip(w, v)))
+        v = w
+        if residual < opts.tol:
+            converged = True
+            break
+    return [x.numpy() for x in v], it, converged, residual, norm - (shift or 0.0), cost, shift or 0.0
+
+
+def _norm(layers: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.sum(x * x, dtype=torch.float64)) for x in layers))
+
+
+def _power_iteration_dense(aff: Affinity, k: np.ndarray):
+    """The dense reference's power iteration (:func:`power_iteration_dense`), in the factorised
+    one's return shape; its cost is one dense matrix-vector product per step."""
+    v, it, converged, residual, norm, shift = power_iteration_dense(k, aff.options)
+    cost = _Cost()
+    cost.flops = 2.0 * aff.pairs * aff.pairs  # one dense matrix-vector product
+    return aff.to_layers(v), it, converged, residual, norm, cost, shift
+
+
+def match_graphs(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions | None = None) -> MatchResult:
+    """Align graph_b's hidden nodes to graph_a's by spectral matching over all hidden layers.
+
+    Both graphs must come from the same architecture and the same probe set. For a remote graph
+    pass its released (noisy) features: the matcher reads nothing else of it, and its bandwidth
+    rule uses only the arrays it is given. Returns one permutation per hidden layer
+    (``perm[i] = j``: A's node i ↔ B's node j) with the objective, the relaxed solution and
+    diagnostics; the same shape of result for ``options.solver`` "factorised" and "dense".
+    """
+    options = MatchOptions() if options is None else options
+    if not isinstance(options, MatchOptions):
+        raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+    _check_graphs(graph_a, graph_b)
+    if options.threads is not None:
+        threads = options.threads
+    else:
+        threads = 1 if max(graph_a.sizes) <= AUTO_SINGLE_THREAD_MAX_WIDTH else torch.get_num_threads()
+    with torch_threads(threads):
+        return _match(graph_a, graph_b, options)
+
+
+def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) -> MatchResult:
+    dense = options.solver == "dense"
+    aff = Affinity(graph_a, graph_b, options, build_operator=not dense)
+    diag = aff.diagnostics()
+    diag["threads"] = torch.get_num_threads()
+    t0 = time.perf_counter()
+    kmat = None
+    if dense:
+        kmat = aff.dense()
+        diag["dense_bytes"] = aff.dense_bytes()
+        diag["dtype"] = "float64"
+    t_build = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    diag["diagonal"] = aff.is_diagonal
+    if aff.is_diagonal:
+        # K is diagonal: xᵀKx = Σ_ℓ Σ_i D_ℓ[i, perm_ℓ(i)] is a linear assignment per layer,
+        # solved exactly below (its leading eigenvector would be a coordinate vector).
+        d = aff.to_layers(np.diag(kmat)) if dense else aff.diagonal()
+        scale = math.sqrt(sum(float(np.sum(x * x)) for x in d))
+        layers = [np.asarray(x) / scale for x in d]
+        it, converged, residual, norm, cost, shift = 0, True, 0.0, float(max(np.max(x) for x in d)), _Cost(), 0.0
+    elif dense:
+        layers, it, converged, residual, norm, cost, shift = _power_iteration_dense(aff, kmat)
+    else:
+        # the products on the call's threads; gathers, scatters and elementwise work on one
+        # (unless threads were given)
+        product_threads = torch.get_num_threads()
+        base = product_threads if options.threads is not None else 1
+        with torch_threads(base):
+            layers, it, converged, residual, norm, cost, shift = _power_iteration_factorised(aff, product_threads)
+        diag["threads"] = {"setup": product_threads, "iteration": base, "products": product_threads}
+    t_iter = time.perf_counter() - t0
+    del kmat
+
+    t0 = time.perf_counter()
+    perms = _discretise(layers)
+    t_assign = time.perf_counter() - t0
+    objective = aff.objective(perms)
+
+    diag["dense_products_per_iteration"] = cost.products
+    diag["flops_per_iteration"] = cost.flops
+    diag["n3_products_per_iteration"] = cost.flops / (2.0 * max(aff.sizes) ** 3)
+    diag.update(
+        eigenvalue=norm,
+        shift=shift,
+        residual=residual,
+        seconds={"setup": aff.setup_seconds + t_build, "iterations": t_iter, "assignment": t_assign},
+    )
+    return MatchResult(
+        permutations=perms,
+        objective=float(objective),
+        solver=options.solver,
+        iterations=int(it),
+        converged=bool(converged),
+        relaxed=tuple(np.asarray(x) for x in layers),
+        diagnostics=diag,
+    )
