@@ -71,12 +71,13 @@ def test_resnet_rows():
     repaired by resetting its BatchNorms (a short training keeps this test small)."""
     from peer.cli.experiment_fusion import format_fusion_table
 
-    out = run(FusionConfig(model="resnet", epochs=3, probe_size=32, alphas=(0.0, 0.5, 1.0)))
+    out = run(FusionConfig(model="resnet", epochs=3, probe_size=32, alphas=(0.0, 0.5, 1.0), epsilons=(1.0,)))
     for split in ("homogeneous", "heterogeneous"):
         m = out[split]["methods"]
         assert set(m) == {"model_a", "model_b", "vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble",
                           "group_matching", "group_matching_repair"}
-        assert out[split]["privfusion"] == {}
+        assert out[split]["privfusion"] == {}  # per-entry is not offered over groups
+        assert set(out[split]["privfusion_per_neuron"]) == set(out[split]["privfusion_per_neuron_repair"]) == {"1"}
         for name in ("group_matching", "group_matching_repair"):
             sweep = dict(out[split]["alpha_sweep"][name])
             assert sweep[1.0] == pytest.approx(m["model_a"], abs=ONE_TEST_EXAMPLE)

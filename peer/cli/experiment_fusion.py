@@ -59,8 +59,9 @@ def format_fusion_table(results: dict) -> str:
             cells = []
             for s in splits:
                 r = results[s]
-                cells.append(f"{100 * r[key][eps]:5.1f}   best {best(r['alpha_sweep'][f'{key}_eps{eps}'])}"
-                             f"   perm. agreement {100 * r['permutation_agreement'][f'{key}_eps{eps}']:.0f}%")
+                sweep = r["alpha_sweep"].get(f"{key}_eps{eps}")  # the resnet rows have α = ½ only
+                cells.append(f"{100 * r[key][eps]:5.1f}" + (f"   best {best(sweep)}" if sweep else "")
+                             + f"   perm. agreement {100 * r['permutation_agreement'][f'{key}_eps{eps}']:.0f}%")
             rows.append((f"{label} ε={eps}", cells))
         for eps in results[splits[0]].get(f"{key}_repair", {}):
             rows.append((f"{label} ε={eps} + REPAIR", [f"{100 * results[s][f'{key}_repair'][eps]:5.1f}" for s in splits]))

@@ -42,6 +42,7 @@ from peer.ldp.fusion import ensemble_proba, fuse_arrays, permute_arrays, vanilla
 from peer.ldp.group_matching import fuse_state, group_activations, match_groups
 from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
+from peer.ldp.mechanisms.groups import perturb_group_activations, perturb_group_weights
 from peer.ldp.repair import fine_tune, repair_fusion
 from peer.nn.architectures import (accuracy, hidden_sizes, input_tensor, model_from_arrays, state_arrays, torch_threads,
                                    train_classifier, weight_layers)
@@ -78,6 +79,9 @@ class FusionConfig:
     epsilons: tuple[float, ...] = EPSILONS
     alphas: tuple[float, ...] = ALPHAS
     label_skew: float = 0.8
+    #: public clip range of the resnet's group activations (pre-activation conv/BatchNorm outputs,
+    #: spatially averaged: they take both signs)
+    group_activation_clip: tuple[float, float] = (-2.0, 2.0)
 
 
 @dataclass
@@ -325,7 +329,11 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
     permutation groups yet, so this model is aligned by :func:`peer.ldp.group_matching.match_groups`
     (activations on the public probes and weights, non-private: ``group_matching``), fused on
     every float entry of the state (BatchNorm statistics included) and repaired by resetting
-    its BatchNorms on A's own records (``group_matching_repair``). No PrivFusion rows."""
+    its BatchNorms on A's own records (``group_matching_repair``). PrivFusion over groups, per
+    group element (``peer.ldp.mechanisms.groups``): B releases Laplace group activations and PFA
+    weights at ε each (sequential: 2ε per element); A matches its exact features against them,
+    fuses the released weights at α = ½ (``privfusion_per_neuron``) and repairs
+    (``privfusion_per_neuron_repair``)."""
     ds, x_probe, x_tr, y_tr, parts = _sites(cfg, split)
     progress(f"{split}: training two ResNets")
     with torch_threads(1):
@@ -357,6 +365,22 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
         b_gm = permute_state(structure, b, perms)
         res.alpha_sweep["group_matching"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, False))
         res.alpha_sweep["group_matching_repair"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, True))
+        acts_a = group_activations(models[0], structure, probes)
+        acts_b = group_activations(models[1], structure, probes)
+        for k, eps in enumerate(cfg.epsilons):
+            # PrivFusion over groups, per group element: B releases Laplace activations and
+            # PFA weights at ε each; A matches against them and fuses the released weights
+            progress(f"{split}: PrivFusion over groups, epsilon={eps:g}")
+            randomness = make_randomness(_noise_seed(cfg, 1, k))
+            noisy_acts, _ = perturb_group_activations(acts_b, epsilon=eps, clip=cfg.group_activation_clip,
+                                                      randomness=randomness)
+            noisy_b, _ = perturb_group_weights(structure, b, epsilon=eps, delta=cfg.delta, randomness=randomness.spawn())
+            found = match_groups(structure, a, noisy_b, acts_a, noisy_acts, seed=cfg.seed)
+            b_pf = permute_state(structure, noisy_b, found)
+            res.privfusion_per_neuron[f"{eps:g}"] = fused(b_pf, 0.5, False)
+            res.privfusion_per_neuron_repair[f"{eps:g}"] = fused(b_pf, 0.5, True)
+            res.permutation_agreement[f"privfusion_per_neuron_eps{eps:g}"] = float(
+                sum(int(np.sum(found[g] == perms[g])) for g in perms) / sum(len(p) for p in perms.values()))
     for name in ("vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble", "group_matching", "group_matching_repair"):
         res.methods[name] = dict(res.alpha_sweep[name])[0.5]
     return res
