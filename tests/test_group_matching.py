@@ -48,3 +48,26 @@ def test_fuse_state_interpolates_floats_and_keeps_counters():
         fuse_state(s, a, b, -0.1)
     with pytest.raises(InvalidArgument, match="arrays_b"):
         match_groups(s, a, {k: v for k, v in b.items() if k != "fc.weight"})
+
+
+def test_group_graph_nodes_move_with_their_permutation():
+    from peer.nn.graph import extract_group_graph
+
+    model = randomise(networks.small_resnet(), seed=3)
+    s = import_structure(model, [1, 8, 8])
+    probes = torch.randn(32, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    graph = extract_group_graph(model, s, probes).by_name()
+    stem = graph["stem"]
+    # written by the stem conv (1·3·3) and stage 1's second conv (8·3·3), both without bias;
+    # pooled over those two and the two BatchNorms normalising the stream
+    assert stem.incoming.shape == (8, 9 + 72) and stem.members == ("stem", "stage1.conv2", "stem_bn", "stage1.bn2")
+    assert stem.activations.shape == (8, 32 * 4)
+    assert graph["widen"].incoming.shape == (16, 8 * 9 + 1 + 16 * 9)  # widen (with bias), stage2.conv2
+    perms = random_permutations(s, np.random.default_rng(4))
+    copy = networks.SmallResNet().eval()
+    copy.load_state_dict(permute_state(s, model.state_dict(), perms))
+    moved = extract_group_graph(copy, s, probes).by_name()
+    for g, p in perms.items():
+        # node i of the copy is node p[i] of the original; incoming rows also see their inputs
+        # permuted, so compare the activations (which do not)
+        np.testing.assert_allclose(moved[g].activations, graph[g].activations[p], rtol=1e-9, atol=1e-6)

@@ -33,53 +33,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from peer.base.errors import InvalidArgument
+from peer.nn.graph import extract_group_graph
 from peer.nn.tracing import PermutationStructure, permute_state
 
 
-def _member_modules(structure: PermutationStructure) -> dict[str, list[str]]:
-    members: dict[str, list[str]] = {g.name: list(g.producers) for g in structure.groups}
-    for p in structure.stat_points:
-        if p.module not in members[p.group]:
-            members[p.group].append(p.module)
-    return members
-
-
-@torch.no_grad()
 def group_activations(module: nn.Module, structure: PermutationStructure, probe_x) -> dict[str, np.ndarray]:
-    """For every group, an (n, P · members) array: each unit's responses on the probes, at each
-    module writing into the group, averaged over spatial positions."""
-    x = torch.as_tensor(np.asarray(probe_x, dtype=np.float32)) if not isinstance(probe_x, torch.Tensor) else probe_x
-    if x.shape[0] == 0:
-        raise InvalidArgument("probe_x", "the probe set is empty")
-    members = _member_modules(structure)
-    mods = dict(module.named_modules())
-    seen: dict[str, torch.Tensor] = {}
-    hooks = []
-    for names in members.values():
-        for name in names:
-            if name not in mods:
-                raise InvalidArgument("structure", f"the model has no module {name!r}")
-            linear = isinstance(mods[name], nn.Linear)
-
-            def record(m, args, out, name=name, linear=linear):
-                t = out.detach().double()
-                t = t.movedim(-1, 1) if linear and t.dim() > 2 else t
-                seen[name] = t.reshape(t.shape[0], t.shape[1], -1).mean(dim=2)
-            hooks.append(mods[name].register_forward_hook(record))
-    was_training = module.training
-    module.eval()
-    try:
-        module(x)
-    finally:
-        for h in hooks:
-            h.remove()
-        module.train(was_training)
-    return {g: np.concatenate([seen[n].T.numpy() for n in names], axis=1) for g, names in members.items()}
+    """For every group, its (n, P · members) activation rows
+    (:func:`peer.nn.graph.extract_group_graph`)."""
+    return {g.name: g.activations for g in extract_group_graph(module, structure, probe_x).groups}
 
 
 def _correlation(fa: np.ndarray, fb: np.ndarray) -> np.ndarray:
