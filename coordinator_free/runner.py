@@ -8,7 +8,7 @@ writes the fused model (a ``peer.nn.store`` entry whose metadata holds the round
 round report (JSON: every peer's steps, the signed receipts of every charged release, every
 drop with its step, time and reason).
 
-``privfusion round --config site.toml`` is the command (``peer.cli.round``).
+``privfusion round --config site.toml`` is the command (``coordinator_free.cli``).
 """
 
 from __future__ import annotations
@@ -23,16 +23,23 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from peer.base.config import Section, load_toml
+from peer.ldp.pipeline import Alignment, align, align_graphs
+from peer.ldp.fusion import average_arrays
+from peer.ldp.mechanisms import default_entry_bound
+from peer.net.client import PeerClient, PeerError
+from peer.net.codec import graph_from_release
 from peer.net.identity import Identity, load_identity
+from peer.net.site import SiteConfig, load_probe
 from coordinator_free.roster import Roster, RosterSite
 from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, details_line,
                                      failure_reason, fusion_weights, public_view)
 from peer.net.trust import TrustStore
 from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
 from peer.nn.graph import NetworkGraph, extract_graph
-from peer.nn.architectures import model_from_arrays, validate_architecture
+from peer.nn.architectures import model_from_arrays, validate_architecture, weight_layers
 from peer.base.records import now_rfc3339
 from peer.nn.store import StoredModel, load_model, save_model
 
@@ -81,18 +88,14 @@ _STOP = object()  # the quorum became unreachable: stop asking
 def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
     """The requester's side of a round from its daemon's site.toml (identity, model store,
     probe set, default activation range)."""
-    from peer.net.daemon import SiteConfig
-
     cfg = SiteConfig.load(site_config)
     if cfg.probe is None:
         raise FailedPrecondition(f"{site_config}: a round needs this site's public probe set ([site].probe)")
-    from peer.net.daemon import Site
-
     identity = load_identity(cfg.identity)
     if identity.name != cfg.name:
         raise FailedPrecondition(f"site.name is {cfg.name!r} but the identity in {cfg.identity} is {identity.name!r}")
     return LocalSite(identity, TrustStore(identity.trust_dir), load_model(cfg.models, model),
-                     Site._load_probe(cfg.probe), cfg.activation_clip)
+                     load_probe(cfg.probe), cfg.activation_clip)
 
 
 def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float] | None = None,
@@ -122,9 +125,6 @@ def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float]
 
 def _weight_boxes(arch: Mapping[str, Any], bound: float | None) -> dict[str, tuple[float, float]]:
     """Each weight layer's public box, as the peer's multi-bit release uses it."""
-    from peer.ldp.mechanisms import default_entry_bound
-    from peer.nn.architectures import weight_layers
-
     return {s.name: (-(bound or default_entry_bound(s.fan_in)), bound or default_entry_bound(s.fan_in))
             for s in weight_layers(arch)}
 
@@ -155,15 +155,12 @@ def choose_pool(info, wanted: str | None, arch: Mapping[str, Any], method: str) 
     return fits[0] if fits else None
 
 
-def _match(own: NetworkGraph, theirs: NetworkGraph) -> tuple[list[np.ndarray], dict]:
-    from peer.ldp.matching import match_graphs
-
-    result = match_graphs(own, theirs)
-    perms = [np.asarray(p, dtype=np.int64) for p in result.permutations]
+def _match_report(own: NetworkGraph, alignment: Alignment) -> dict:
+    result = alignment.match
     # The permutations stay in the requester's own report: they are computed from its exact graph.
-    return perms, {"objective": float(result.objective), "solver": result.solver, "iterations": int(result.iterations),
-                   "converged": bool(result.converged),
-                   "permutations": {h.name: p.tolist() for h, p in zip(own.hidden, perms)}}
+    return {"objective": alignment.objective, "solver": result.solver, "iterations": int(result.iterations),
+            "converged": bool(result.converged),
+            "permutations": {h.name: p.tolist() for h, p in zip(own.hidden, alignment.permutations)}}
 
 
 def _never_connected(details: str) -> bool:
@@ -180,12 +177,6 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
     releases in flight are waited for (their receipts are kept), no model is fused, and the
     report says ``interrupted`` and, for each peer, whether it may have charged.
     """
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from peer.net.client import PeerClient, PeerError
-    from peer.ldp.fusion import average_arrays, permute_arrays
-    from peer.net.service import graph_from_release
-
     me = local.name
     round_id = round_id or uuid.uuid4().hex
     roster.check_pins(local.trust, me)
@@ -245,7 +236,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             return None
         state.begin(p.name, "align")
         try:
-            perms, match = _match(own_public, graph_from_release(arch, f.metadata, f.arrays))
+            alignment = align_graphs(own_public, graph_from_release(arch, f.metadata, f.arrays))
         except (InvalidArgument, ValueError) as e:
             state.drop(p.name, "align", "ALIGNMENT_FAILED", str(e), "n/a")
             return None
@@ -257,12 +248,12 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             state.drop(p.name, "weights", w.status, w.message, w.charged, w.details)
             return None
         try:
-            aligned = permute_arrays(arch, w.arrays, perms)
+            aligned = alignment.apply(arch, w.arrays)
             model_from_arrays(arch, aligned)
         except InvalidArgument as e:
             state.drop(p.name, "weights", "INVALID_RELEASE", str(e), "yes")
             return None
-        state.contributed(p.name, "ldp", match)
+        state.contributed(p.name, "ldp", _match_report(own_public, alignment))
         return aligned
 
     def merged(p: RosterSite, c, pool: str):
@@ -273,12 +264,11 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         try:
             module = model_from_arrays(arch, r.arrays)
             state.begin(p.name, "align")
-            perms, match = _match(own_graph, extract_graph(arch, module, probe))
-            aligned = permute_arrays(arch, r.arrays, perms)
+            aligned, alignment = align(arch, own_graph, extract_graph(arch, module, probe), r.arrays)
         except (InvalidArgument, ValueError) as e:
             state.drop(p.name, "align", "ALIGNMENT_FAILED", f"the merged model cannot be aligned: {e}", "n/a")
             return _STOP
-        state.contributed(p.name, "merged", match)
+        state.contributed(p.name, "merged", _match_report(own_graph, alignment))
         return aligned
 
     def pipeline(p: RosterSite):

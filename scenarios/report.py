@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from peer.base.extras import pyplot
+
 ORACLE = "oracle (non-private)"
 
 
@@ -81,10 +83,7 @@ def summary_table(report: dict) -> str:
 
 
 def plot_accuracy(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the simulator's plots")
 
     rows = summary_rows(report)
     series = [("own model", "own"), ("fused, LDP features + PFA weights", "ldp"), ("fused, DP merges", "merged"),
@@ -107,10 +106,7 @@ def plot_accuracy(report: dict, path: Path) -> None:
 
 
 def plot_frontier(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the simulator's plots")
     import numpy as np
 
     sites = report["sites"]
@@ -169,10 +165,7 @@ def plot_frontier(report: dict, path: Path) -> None:
 
 
 def plot_budget(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the simulator's plots")
 
     rows = summary_rows(report)
     names = [r["site"] for r in rows]

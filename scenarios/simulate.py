@@ -42,6 +42,10 @@ import numpy as np
 from coordinator_free.roster import write_roster
 from coordinator_free.rounds import fusion_weights
 from peer.base.errors import FailedPrecondition, InvalidArgument
+from peer.ldp.pipeline import align
+from peer.ldp.fusion import average_arrays
+from peer.nn.architectures import accuracy, model_from_arrays
+from peer.nn.graph import extract_graph
 from scenarios.schema import Scenario
 
 MODEL = "mlp"
@@ -395,7 +399,7 @@ def _ledger_count(path: Path) -> int:
 def run_sites(world: World, progress: Progress) -> dict:
     """Start every daemon, write the roster, run every site's rounds at once, stop the daemons.
     Returns what happened to processes (kills, exit codes)."""
-    from peer.cli.round import QUIET, describe
+    from coordinator_free.events import QUIET, describe
 
     sc = world.scenario
     daemons: dict[str, Daemon] = {}
@@ -471,18 +475,13 @@ def round_reports(site: SiteWorld) -> dict[str, dict]:
 def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> float:
     """NON-PRIVATE baseline: the same α-fusion, aligned by graph matching on every model's EXACT
     features on the site's probe set (the simulator holds every exact model; no site could)."""
-    from peer.ldp.fusion import average_arrays, permute_arrays
-    from peer.nn.graph import extract_graph
-    from peer.ldp.matching import match_graphs
-    from peer.nn.architectures import accuracy, model_from_arrays
-
     arch = site.architecture
     own = extract_graph(arch, model_from_arrays(arch, site.arrays), site.probe)
     aligned = []
     for name in contributors:
         other = world.sites[name]
         g = extract_graph(arch, model_from_arrays(arch, other.arrays), site.probe)
-        aligned.append(permute_arrays(arch, other.arrays, match_graphs(own, g).permutations))
+        aligned.append(align(arch, own, g, other.arrays)[0])
     fused = average_arrays([site.arrays] + aligned, fusion_weights(site.alpha, len(aligned)))
     return accuracy(arch, model_from_arrays(arch, fused), world.x_test, world.y_test)
 

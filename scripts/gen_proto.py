@@ -27,8 +27,14 @@ def proto_files() -> list[Path]:
 
 def generate(out_root: Path) -> list[Path]:
     """Run protoc over every .proto; return the generated files (under out_root/privfusion/v1)."""
-    from grpc_tools import protoc
-    import grpc_tools
+    try:
+        import grpc_tools
+        from grpc_tools import protoc
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] != "grpc_tools":
+            raise
+        raise SystemExit("scripts/gen_proto.py needs grpcio-tools, which is not installed: install the 'dev' extra "
+                         "(pip install -e '.[dev]')") from None
 
     out_root = Path(out_root)
     (out_root / PACKAGE_DIR).mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install PrivFusion with its test dependencies into .venv, then run the whole test suite,
+# Install PrivFusion with its test dependencies (the 'test' extra, which holds the 'plots' and
+# 'dev' ones too) into .venv, then run the whole test suite,
 # slow end-to-end tests included. Extra arguments go to pytest (e.g. -m "not slow", -k ledger).
 set -euo pipefail
 cd "$(dirname "$0")/.."

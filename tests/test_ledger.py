@@ -848,7 +848,7 @@ def full_batch(noise_multiplier, steps=20):
 
 
 def test_dpsgd_charge_matches_the_full_batch_closed_form(tmp_path):
-    from peer.dp.accounting.records import dpsgd_record
+    from peer.dp.accounting.release_accounting import dpsgd_record
 
     ledger = open_ledger(tmp_path / "sgd.db", make_policy(data=("record:add-remove", 8.0, 1e-5)))
     entry = ledger.charge(dpsgd_record(full_batch(6.0, steps=20), 1e-5, subject="pool/m0"), "b")
@@ -858,7 +858,7 @@ def test_dpsgd_charge_matches_the_full_batch_closed_form(tmp_path):
 
 
 def test_merges_from_one_pool_compose_only_when_sound(tmp_path):
-    from peer.dp.accounting.records import dpsgd_record, lc_merge_record, rs_merge_record
+    from peer.dp.accounting.release_accounting import dpsgd_record, lc_merge_record, rs_merge_record
 
     ledger = open_ledger(tmp_path / "pool.db", make_policy(data=("record:add-remove", 50.0, 1e-5)))
     pool1 = {f"pool1/m{i}": full_batch(s, steps=2) for i, s in enumerate([3.0, 6.0, 12.0])}

@@ -35,7 +35,7 @@ def policy(**over) -> Policy:
 def build(path) -> None:
     """A ledger with every kind of row: model-level charges to two counterparties (two budgets
     each; pure and approximate), data-level RS and DP-SGD charges (pool model rows), events."""
-    from peer.dp.accounting.records import dpsgd_record, rs_merge_record
+    from peer.dp.accounting.release_accounting import dpsgd_record, rs_merge_record
 
     pool = {f"pool/m{i}": full_batch(s, steps=2) for i, s in enumerate([3.0, 6.0])}
     with Ledger(path, policy()) as led:

@@ -17,7 +17,7 @@ from peer.budget.ledger import Ledger
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
 from peer.nn.architectures import model_from_arrays
 from peer.base.rng import make_randomness
-from peer.net.service import graph_from_release
+from peer.net.codec import graph_from_release
 from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from peer.dp.accounting import TrainingRecord
-from peer.dp.accounting.records import record_epsilon
+from peer.dp.accounting.release_accounting import record_epsilon
 from peer.cli import main
 from peer.base.errors import InvalidArgument
 from peer.dp.pools import load_pool, load_splits, save_trained

@@ -37,7 +37,7 @@ import torch
 from scipy import stats
 
 import peer.dp.accounting as accounting
-from peer.budget.filter import FILTER_ORDERS, epsilon_of_rdp
+from peer.budget.filter import FILTER_ORDERS
 from peer.nn.graph import HiddenLayer, NetworkGraph
 from peer.budget.ledger import per_neuron_record
 from peer.ldp.mechanisms import gaussian_perturbation, laplace_activations, multibit, perturb_graph
@@ -94,7 +94,7 @@ def ledger_epsilon(record: ReleaseRecord, delta: float) -> float:
     charged = per_neuron_record(record)
     rdp = accounting.rdp_of_record(charged, FILTER_ORDERS)
     pure = charged.epsilon if charged.delta == 0 else math.inf
-    return min(pure, epsilon_of_rdp(FILTER_ORDERS, rdp, delta))
+    return min(pure, accounting.rdp_to_epsilon(FILTER_ORDERS, rdp, delta) if delta > 0 else math.inf)
 
 
 def rows(value: float, width: int) -> np.ndarray:

@@ -155,7 +155,7 @@ def test_a_budget_refusal_carries_spent_and_remaining(sites):
 
 def test_the_round_report_and_its_cli_line_carry_the_reachable_range(tmp_path, trained):  # noqa: F811
     from coordinator_free.runner import load_local_site, run_round
-    from peer.cli.round import describe
+    from coordinator_free.events import describe
 
     sites_, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
     a, b = sites_

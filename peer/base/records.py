@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 
 LEVELS = ("model", "data")
@@ -108,11 +109,8 @@ class ReleaseRecord:
             raise InvalidArgument("unit", f"must be one of {UNITS}, got {self.unit!r}")
         if self.sensitivity_norm not in NORMS:
             raise InvalidArgument("sensitivity_norm", f"must be one of {NORMS}, got {self.sensitivity_norm!r}")
-        eps = float(self.epsilon)
-        if not (eps >= 0 and math.isfinite(eps)) and eps != math.inf:
-            raise InvalidArgument("epsilon", f"must be >= 0, got {self.epsilon!r}")
-        if not 0 <= float(self.delta) < 1:
-            raise InvalidArgument("delta", f"must be in [0, 1), got {self.delta!r}")
+        eps = check_epsilon(self.epsilon, "epsilon", zero=True, infinite=True)
+        delta = check_delta(self.delta, "delta", zero=True)
         if self.sensitivity is not None and not (self.sensitivity >= 0 and math.isfinite(self.sensitivity)):
             raise InvalidArgument("sensitivity", f"must be finite and >= 0, got {self.sensitivity!r}")
         if self.randomness not in ("csprng", "fixed-seed", "none"):
@@ -120,7 +118,7 @@ class ReleaseRecord:
         if self.randomness == "fixed-seed" and self.seed is None:
             raise InvalidArgument("seed", "a fixed-seed release must report its seed")
         object.__setattr__(self, "epsilon", eps)
-        object.__setattr__(self, "delta", float(self.delta))
+        object.__setattr__(self, "delta", delta)
         object.__setattr__(self, "parameters", _freeze(dict(self.parameters)))
         object.__setattr__(self, "components", tuple(self.components))
 

@@ -73,6 +73,7 @@ from typing import Sequence
 
 import numpy as np
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 
 # The filter's default Rényi orders: few enough that the union bound costs little
@@ -126,13 +127,9 @@ class FilterBudget:
     orders: tuple[float, ...] = FILTER_ORDERS
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.epsilon) and self.epsilon > 0):
-            raise InvalidArgument("epsilon", f"budget must be finite and > 0, got {self.epsilon!r}")
-        if not (0 <= self.delta < 1):
-            raise InvalidArgument("delta", f"budget must be in [0, 1), got {self.delta!r}")
+        object.__setattr__(self, "epsilon", check_epsilon(self.epsilon, "epsilon"))
+        object.__setattr__(self, "delta", check_delta(self.delta, "delta", zero=True))
         object.__setattr__(self, "orders", validate_orders(self.orders))
-        object.__setattr__(self, "epsilon", float(self.epsilon))
-        object.__setattr__(self, "delta", float(self.delta))
 
     @property
     def delta_per_order(self) -> float:
@@ -168,12 +165,3 @@ class FilterBudget:
         parts.append(f"pure track: ε {pure_total:.6g} vs {self.epsilon:g}")
         return "; ".join(parts)
 
-
-def epsilon_of_rdp(orders: Sequence[float], rdp: np.ndarray, delta: float) -> float:
-    """The plain improved conversion (no split): a single fixed mechanism's (ε at δ).
-
-    Used to state what one request costs on its own, never as the filter's guarantee.
-    """
-    if delta <= 0:
-        return math.inf if np.any(np.asarray(rdp) > 0) else 0.0
-    return max(0.0, float(np.min(np.asarray(rdp, dtype=float) + conversion_offset(orders, delta))))

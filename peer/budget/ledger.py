@@ -105,7 +105,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from peer.budget.filter import FilterBudget, epsilon_of_rdp, validate_orders
+from peer.budget.filter import FilterBudget, validate_orders
 from peer.budget.policy import Policy
 from peer.base.records import ReleaseRecord, now_rfc3339
 
@@ -882,8 +882,12 @@ class Ledger:
         what one may still ask for, not a promise — the filter admits a request by composing its
         RDP with what is spent, order by order, which can refuse a request whose own ε is a
         little below the remainder."""
+        from peer.dp.accounting.conversions import rdp_to_epsilon
+
         spent, _ = budget.spent_epsilon(rdp0, pure0)
-        alone = min(epsilon_of_rdp(self.orders, it.rdp, budget.delta_per_order) if budget.delta > 0 else math.inf, it.pure_epsilon)
+        # one fixed release's own ε at the δ each order holds in the filter (not the filter's guarantee)
+        alone = min(rdp_to_epsilon(self.orders, it.rdp, budget.delta_per_order) if budget.delta > 0 else math.inf,
+                    it.pure_epsilon)
         show = self.policy.shows_remaining(counterparty)
         visible = show == "all" or (show == "own" and key.counterparty == counterparty)
         metadata: dict[str, Any] = {"budget": key.name, "level": key.level, "unit": key.unit,

@@ -49,14 +49,14 @@ model-level unit is always one neuron: per-entry releases are converted by the l
 
 from __future__ import annotations
 
-import math
-import re
-import tomllib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
+from peer.base.checks import check_delta, check_epsilon
+from peer.base.config import ConfigError, Section, parse_toml
 from peer.base.errors import InvalidArgument, PermissionDenied
 from peer.budget.filter import FILTER_ORDERS, FilterBudget, validate_orders
 
@@ -66,14 +66,13 @@ SHOW = ("none", "own", "all")
 DATA_UNITS = ("record:add-remove", "record:replace-one")
 
 
-class PolicyError(InvalidArgument):
-    """A bad policy value: names the key (dotted path) and, when known, its line in the file."""
+class PolicyError(ConfigError):
+    """A bad policy value: names the key (dotted path) and, when known, the file and the line
+    (``peer.base.config`` reads the file and finds the line)."""
 
-    def __init__(self, key: str, rule: str, line: int | None = None):
-        self.line = line
-        where = f"{key} (line {line})" if line else key
-        super().__init__(where, rule)
-        self.key = key
+    @classmethod
+    def of(cls, e: ConfigError) -> PolicyError:
+        return e if isinstance(e, cls) else cls(e.key, e.rule, e.line, e.source)
 
 
 @dataclass(frozen=True)
@@ -119,96 +118,91 @@ class Policy:
     # ---- loading ----------------------------------------------------------------------------
 
     @classmethod
-    def from_toml(cls, path: str | Path, *, table: str = "policy") -> "Policy":
+    def from_toml(cls, path: str | Path, *, table: str = "policy") -> Policy:
         """Parse the ``[policy]`` table of a TOML file (such as the daemon's ``site.toml``)."""
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise PolicyError(str(path), f"cannot read the policy file: {e.strerror}") from None
-        return cls.from_toml_text(text, table=table)
+        return cls.from_toml_text(text, table=table, source=str(path))
 
     @classmethod
-    def from_toml_text(cls, text: str, *, table: str = "policy") -> "Policy":
-        """Parse the ``[policy]`` table of TOML text.
+    def from_toml_text(cls, text: str, *, table: str = "policy", source: str | None = None) -> Policy:
+        """Parse the ``[policy]`` table of TOML text (``source``: the file it came from, for errors).
 
         Syntax errors carry tomllib's line; bad keys and values carry the line of the key where
         it can be found in the text.
         """
         try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            m = re.search(r"line (\d+)", str(e))
-            raise PolicyError(table, f"is not valid TOML: {e}", int(m.group(1)) if m else None) from None
-        if table not in doc:
-            raise PolicyError(table, f"the file has no [{table}] table")
-        try:
-            return cls.from_mapping(doc[table], prefix=table)
-        except PolicyError as e:
-            if e.line is None:
-                raise PolicyError(e.key, e.rule, _find_line(text, e.key)) from None
-            raise
+            doc = parse_toml(text, source or "", table)
+            if table not in doc:
+                raise PolicyError(table, f"the file has no [{table}] table", None, source)
+            return cls.from_section(Section(doc, (), text, source or "").section(table))
+        except ConfigError as e:
+            raise PolicyError.of(e) from None
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, prefix: str = "policy") -> "Policy":
+    def from_mapping(cls, data: Mapping[str, Any], *, prefix: str = "policy") -> Policy:
         """Build from a parsed mapping (the value of the ``[policy]`` table)."""
-        _table(data, prefix)
-        _known(data, prefix, ("data", "model", "caps", "peers", "show_remaining", "orders"))
+        try:
+            return cls.from_section(Section(data, (prefix,), "", ""))
+        except ConfigError as e:
+            raise PolicyError.of(e) from None
+
+    @classmethod
+    def from_section(cls, s: Section) -> Policy:
+        """Build from the ``[policy]`` table as a :class:`peer.base.config.Section` (errors are
+        :class:`peer.base.config.ConfigError` naming the key, the line and the file)."""
+        s.known(("data", "model", "caps", "peers", "show_remaining", "orders"))
         orders = FILTER_ORDERS
-        if "orders" in data:
-            raw = [_number(o, f"{prefix}.orders") for o in _list(data["orders"], f"{prefix}.orders")]
+        if "orders" in s:
+            raw = s.numbers("orders")
             try:
                 orders = validate_orders(raw)
             except InvalidArgument as e:
-                raise PolicyError(f"{prefix}.orders", e.rule) from None
-        show = _choice(data.get("show_remaining", "none"), f"{prefix}.show_remaining", SHOW)
+                s.fail("orders", e.rule)
+        show = s.string("show_remaining", "none", choices=SHOW)
 
         data_budget = None
-        if "data" in data:
-            key = f"{prefix}.data"
-            d = _table(data["data"], key)
-            _known(d, key, ("unit", "epsilon", "delta"))
+        if "data" in s:
+            d = s.section("data")
+            d.known(("unit", "epsilon", "delta"))
             for req in ("unit", "epsilon", "delta"):
                 if req not in d:
-                    raise PolicyError(f"{key}.{req}", "is required in a data budget")
-            unit = _choice(d["unit"], f"{key}.unit", DATA_UNITS)
-            eps, delta = _eps_delta(d, key, orders)
+                    d.fail(req, "is required in a data budget")
+            unit = d.string("unit", choices=DATA_UNITS)
+            eps, delta = _eps_delta(d, orders)
             data_budget = DataBudget(unit, eps, delta)
 
         model = ModelBudgets()
         overrides: dict[str, ModelBudgets] = {}
-        if "model" in data:
-            key = f"{prefix}.model"
-            m = _table(data["model"], key)
-            _known(m, key, ("total", "per_counterparty", "overrides"))
-            model = _model_budgets(m, key, orders, ModelBudgets())
-            for name, o in _table(m.get("overrides", {}), f"{key}.overrides").items():
-                okey = f"{key}.overrides.{_quote(name)}"
-                o = _table(o, okey)
-                _known(o, okey, ("total", "per_counterparty"))
-                overrides[name] = _model_budgets(o, okey, orders, model)
+        if "model" in s:
+            m = s.section("model")
+            m.known(("total", "per_counterparty", "overrides"))
+            model = _model_budgets(m, orders, ModelBudgets())
+            for name, o in m.sections("overrides").items():
+                o.known(("total", "per_counterparty"))
+                overrides[name] = _model_budgets(o, orders, model)
 
         caps: dict[str, float] = {}
-        for kind, value in _table(data.get("caps", {}), f"{prefix}.caps").items():
-            key = f"{prefix}.caps.{kind}"
+        c = s.section("caps")
+        for kind in c.data:
             if kind not in CAPPED_KINDS:
-                raise PolicyError(key, f"unknown request kind; caps apply to {list(CAPPED_KINDS)}")
-            caps[kind] = _positive(value, key)
+                c.fail(kind, f"unknown request kind; caps apply to {list(CAPPED_KINDS)}")
+            caps[kind] = _checked(c, kind, check_epsilon)
 
         peers: dict[str, PeerRule] = {}
-        for name, rule in _table(data.get("peers", {}), f"{prefix}.peers").items():
-            key = f"{prefix}.peers.{_quote(name)}"
-            if not name or not isinstance(name, str):
-                raise PolicyError(key, "a peer name must be a non-empty string")
-            r = _table(rule, key)
-            _known(r, key, ("allow", "show_remaining"))
-            allow = _list(r.get("allow", []), f"{key}.allow")
+        for name, r in s.sections("peers").items():
+            if not name:
+                r.fail((), "a peer name must be a non-empty string")
+            r.known(("allow", "show_remaining"))
+            allow = r.raw("allow", [])
+            if not isinstance(allow, list):
+                r.fail("allow", f"must be an array, got {allow!r}")
             for kind in allow:
                 if kind not in KINDS:
-                    raise PolicyError(f"{key}.allow", f"unknown request kind {kind!r}; expected some of {list(KINDS)}")
-            peer_show = None
-            if "show_remaining" in r:
-                peer_show = _choice(r["show_remaining"], f"{key}.show_remaining", SHOW)
-            peers[name] = PeerRule(frozenset(allow), peer_show)
+                    r.fail("allow", f"unknown request kind {kind!r}; expected some of {list(KINDS)}")
+            peers[name] = PeerRule(frozenset(allow), r.string("show_remaining", None, choices=SHOW))
 
         return cls(data_budget, model, overrides, caps, peers, show, orders)
 
@@ -261,102 +255,37 @@ class Policy:
             self.check_request(peer, kind, epsilon)
 
 
-# ---- parsing helpers ------------------------------------------------------------------------
+# ---- parsing helpers (each failure is Section.fail: key, line, file) ------------------------
 
 
-def _quote(name: str) -> str:
-    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name or "") else f'"{name}"'
+def _checked(s: Section, name: str, check: Callable[..., float], **kw: Any) -> float:
+    """``s[name]`` through one of ``peer.base.checks``; its rule, with key and line, if it fails."""
+    value = s.raw(name)
+    try:
+        return check(value, name, **kw)
+    except InvalidArgument as e:
+        s.fail(name, e.rule)
+        raise  # unreachable: fail raises
 
 
-def _table(value: Any, key: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise PolicyError(key, f"must be a table, got {type(value).__name__}")
-    return value
-
-
-def _list(value: Any, key: str) -> list:
-    if not isinstance(value, list):
-        raise PolicyError(key, f"must be an array, got {type(value).__name__}")
-    return value
-
-
-def _known(d: Mapping[str, Any], key: str, allowed: tuple[str, ...]) -> None:
-    for k in d:
-        if k not in allowed:
-            raise PolicyError(f"{key}.{k}", f"unknown key; expected one of {list(allowed)}")
-
-
-def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise PolicyError(key, f"must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _number(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PolicyError(key, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise PolicyError(key, f"must be finite, got {value!r}")
-    return float(value)
-
-
-def _positive(value: Any, key: str) -> float:
-    v = _number(value, key)
-    if v <= 0:
-        raise PolicyError(key, f"must be > 0, got {value!r}")
-    return v
-
-
-def _eps_delta(d: Mapping[str, Any], key: str, orders: tuple[float, ...]) -> tuple[float, float]:
-    eps = _positive(d["epsilon"], f"{key}.epsilon")
-    delta = _number(d["delta"], f"{key}.delta")
-    if not 0 <= delta < 1:
-        raise PolicyError(f"{key}.delta", f"must be in [0, 1), got {d['delta']!r}")
-    if 0 < delta and delta / len(orders) < 1e-300:
-        raise PolicyError(f"{key}.delta", f"too small to split over {len(orders)} orders")
+def _eps_delta(s: Section, orders: tuple[float, ...]) -> tuple[float, float]:
+    eps = _checked(s, "epsilon", check_epsilon)
+    delta = _checked(s, "delta", check_delta, zero=True)
+    if delta > 0 and delta / len(orders) < 1e-300:
+        s.fail("delta", f"too small to split over {len(orders)} orders")
     return eps, delta
 
 
-def _filter(value: Any, key: str, orders: tuple[float, ...]) -> FilterBudget:
-    t = _table(value, key)
-    _known(t, key, ("epsilon", "delta"))
+def _filter(t: Section, orders: tuple[float, ...]) -> FilterBudget:
+    t.known(("epsilon", "delta"))
     for req in ("epsilon", "delta"):
         if req not in t:
-            raise PolicyError(f"{key}.{req}", "is required in a budget")
-    eps, delta = _eps_delta(t, key, orders)
+            t.fail(req, "is required in a budget")
+    eps, delta = _eps_delta(t, orders)
     return FilterBudget(eps, delta, orders)
 
 
-def _model_budgets(m: Mapping[str, Any], key: str, orders: tuple[float, ...], fallback: ModelBudgets) -> ModelBudgets:
-    total = _filter(m["total"], f"{key}.total", orders) if "total" in m else fallback.total
-    per = _filter(m["per_counterparty"], f"{key}.per_counterparty", orders) if "per_counterparty" in m else fallback.per_counterparty
+def _model_budgets(m: Section, orders: tuple[float, ...], fallback: ModelBudgets) -> ModelBudgets:
+    total = _filter(m.section("total"), orders) if "total" in m else fallback.total
+    per = _filter(m.section("per_counterparty"), orders) if "per_counterparty" in m else fallback.per_counterparty
     return ModelBudgets(total, per)
-
-
-def _find_line(text: str, dotted: str) -> int | None:
-    """Best effort: the line where the key at a dotted path is written (None if not found).
-
-    Follows ``[table]`` headers; understands bare and quoted keys, not dotted keys inside a
-    table body (those fall back to the table header's line).
-    """
-    parts = _split_dotted(dotted)
-    table: list[str] = []
-    header_line = None
-    for no, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        m = re.match(r"^\[\[?\s*(.+?)\s*\]\]?\s*(#.*)?$", line)
-        if m:
-            table = _split_dotted(m.group(1))
-            if table == parts:
-                return no
-            if table == parts[: len(table)]:
-                header_line = no
-            continue
-        m = re.match(r'^("[^"]*"|[A-Za-z0-9_-]+)\s*=', line)
-        if m and table + [m.group(1).strip('"')] == parts[: len(table) + 1] and len(table) < len(parts):
-            return no
-    return header_line
-
-
-def _split_dotted(dotted: str) -> list[str]:
-    return [p.strip().strip('"') for p in re.findall(r'"[^"]*"|[^.]+', dotted)]

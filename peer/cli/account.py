@@ -163,7 +163,7 @@ def account(method: str, data: Any, *, delta: float, weights: list[float] | None
     """The JSON-ready result of ``privfusion account`` (pure: file contents in, dict out)."""
     from peer.dp.accounting import ApproxDP, choose_lam, choose_pi, lc_report, privacy_profile, rs_epsilon, rs_profiles
     from peer.dp.accounting.lc import NO_FREE_LUNCH
-    from peer.dp.accounting.conversions import check_delta, check_epsilon
+    from peer.base.checks import check_delta, check_epsilon
     delta = check_delta(delta, "--delta")
     adjacency, names, models, accuracies = parse_models(data)
     if method == "lc":
@@ -173,7 +173,7 @@ def account(method: str, data: Any, *, delta: float, weights: list[float] | None
     out: dict[str, Any] = {"method": method, "adjacency": adjacency, "names": names, "delta": delta,
                            "value_discretization_interval": interval}
     if target_epsilon is not None:
-        target_epsilon = check_epsilon(target_epsilon, "--target-epsilon")
+        target_epsilon = check_epsilon(target_epsilon, "--target-epsilon", zero=True)
         missing = [i for i, a in enumerate(accuracies) if a is None]
         if missing:
             raise InvalidArgument(f"models[{missing[0]}].accuracy", "is required with --target-epsilon")

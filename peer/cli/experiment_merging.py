@@ -24,7 +24,10 @@ def run_merging(args: argparse.Namespace) -> int:
 
 
 def _run_merging(args: argparse.Namespace) -> int:
+    from peer.base.extras import require
     from peer.experiments.merging import Settings, markdown, plot_digits, plot_mean_estimation, run
+
+    require("matplotlib", "plots", "privfusion experiment merging (its figures)")  # before the run, not after it
     settings = Settings.quick() if args.quick else Settings()
     settings = replace(settings, seed=args.seed, delta=args.delta)
     out = Path(args.out)

@@ -44,9 +44,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.dp.accounting import (ApproxDP, TrainingRecord, WeightChoice, choose_lam, choose_pi, lc_segments,
                              surrogate_is_bound)
-from peer.dp.accounting.records import lc_merge_record, rs_merge_record
+from peer.dp.accounting.release_accounting import lc_merge_record, rs_merge_record
 from peer.dp.accounting.rs import check_weights
 from peer.base.errors import InvalidArgument
 from peer.nn.architectures import validate_architecture
@@ -127,10 +128,8 @@ def draw_index(pi: Sequence[float], randomness: Randomness) -> int:
 
 
 def _check_method_inputs(target_epsilon: float, delta: float) -> None:
-    if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)) or not 0 < float(target_epsilon) < float("inf"):
-        raise InvalidArgument("target_epsilon", f"must be a finite number > 0, got {target_epsilon!r}")
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < float(delta) < 1:
-        raise InvalidArgument("delta", f"must be in (0, 1), got {delta!r}")
+    check_epsilon(target_epsilon, "target_epsilon")
+    check_delta(delta, "delta")
 
 
 def merge_rs(

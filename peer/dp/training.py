@@ -49,7 +49,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from peer.dp.accounting import TrainingRecord
-from peer.dp.accounting.records import dpsgd_record
+from peer.dp.accounting.release_accounting import dpsgd_record
 from peer.base.errors import InvalidArgument
 from peer.nn.architectures import build_model, input_tensor, validate_architecture
 from peer.base.records import ReleaseRecord

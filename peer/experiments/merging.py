@@ -52,6 +52,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from peer.base.extras import pyplot, require
 from peer.dp.accounting import TrainingRecord, UnreachableTarget, choose_pi, privacy_profiles, rdp_to_epsilon
 from peer.dp.accounting.conversions import pld_epsilon
 from peer.dp.accounting.lc import lc_composition_epsilon, lc_composition_rdp, surrogate_is_bound
@@ -357,10 +358,7 @@ def _method_label(method: str, result: dict) -> str:
 def _figure(result: dict, key: str, model_label, delta: float):
     """A figure with the RS/LC × PLD/RDP curves of ``key`` against the target ε′ and the single
     models as triangles at their PLD ε. Returns (plt, fig, ax)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the merging experiment's figures")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (method, acc), (color, ls) in STYLES.items():
@@ -392,15 +390,14 @@ def plot_mean_estimation(result: dict, path, delta: float) -> None:
 
 
 def plot_digits(result: dict, path, delta: float) -> None:
-    import matplotlib.ticker
-
     plt, fig, ax = _figure(result, "test_accuracy", lambda m: f"C={m['clip_norm']:g}, σ={m['noise_multiplier']:g}", delta)
     for acc, ls in (("pld", "-"), ("rdp", "--")):
         xs, ys = _joint_frontier(result["joint"], acc)
         ax.step(xs, ys, ls, where="post", color="tab:gray", label=f"joint release ({acc.upper()})")
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ticker = require("matplotlib.ticker", "plots", "the merging experiment's figures")
+    ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xticks([t for t in (0.5, 1, 2, 3, 5, 7, 10, 15, 20, 30) if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]])
     ax.set_ylabel("test accuracy")
     ax.set_title("(b) digits, logistic regression: accuracy vs ε")

@@ -306,7 +306,7 @@ class PeerClient:
 
         With ``weights_epsilon`` and ``weights_delta`` the same release also holds the model's
         PFA-perturbed, unpermuted weights (kind "features+weights", tensors "weights.<name>";
-        ``peer.net.service.weights_from_release`` reads them), charged with the features as one.
+        ``peer.net.codec.weights_from_release`` reads them), charged with the features as one.
         ``on_behalf_of``: we relay this request for that site (the peer charges it too)."""
         params = pb.FeaturesParams(header=self.header(on_behalf_of), model=model, activation_epsilon=activation_epsilon,
                                    weight_epsilon=weight_epsilon, unit=unit)

@@ -6,7 +6,9 @@ Every RPC does, in this order:
    site's pinned trust store and must equal ``header.sender`` (OpenFL's habit; :func:`bind_caller`);
 2. **validate** the request (every field, before any work) and ask the site's policy whether
    this caller may have this kind of release at these parameters;
-3. compute the release with the pure math modules (noise drawn from a fresh CSPRNG stream);
+3. ask the site for the release (``peer.net.site``: the core's math with the site's public
+   defaults, noise drawn from a fresh CSPRNG stream; the relay Fuse is ``peer.net.fuse``) and
+   turn it into named tensors (``peer.net.codec``);
 4. **charge** the release record to the ledger (atomic check-and-charge; BudgetExhausted →
    RESOURCE_EXHAUSTED and nothing leaves);
 5. stream the signed receipt, then the manifest, then the tensors, then the end frame.
@@ -31,13 +33,16 @@ import numpy as np
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from peer.base import checks
 from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.base.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
-from peer.nn.graph import HiddenLayer, NetworkGraph, extract_graph
+from peer.net.codec import features_tensors, peer_info_message
+from peer.net.fuse import fuse_with_partner
 from peer.net.limits import paced
 from peer.nn.architectures import validate_architecture
 from peer.net.receipts import sign_receipt
 from peer.base.records import ReleaseRecord
+from peer.net.site import Site, log_event, stamp
 from peer.net import wire
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
@@ -52,12 +57,6 @@ MAX_DELTA = 0.1
 #: Largest probe set accepted (rows) and its byte limit.
 MAX_PROBE_ROWS = 100_000
 MAX_PROBE_BYTES = 256 << 20
-MECHANISMS = ("laplace", "multibit", "gaussian", "rs-merge", "lc-merge")
-
-
-def log_event(event: str, **fields: Any) -> None:
-    """One structured log line (JSON): public facts only, never tensors, keys or raw values."""
-    log.info(json.dumps({"event": event, **fields}, sort_keys=True, default=str))
 
 
 class InFlight:
@@ -187,17 +186,13 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
 
 def check_epsilon(value: float, field: str) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InvalidArgument(field, f"must be a finite number > 0, got {value!r}")
-    if value > MAX_EPSILON:
-        raise InvalidArgument(field, f"must be at most {MAX_EPSILON:g}, got {value!r}")
-    return float(value)
+    """A request's ε: the common rule (``peer.base.checks``), at most MAX_EPSILON."""
+    return checks.check_epsilon(value, field, maximum=MAX_EPSILON)
 
 
 def check_delta(value: float, field: str) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= MAX_DELTA:
-        raise InvalidArgument(field, f"must be in (0, {MAX_DELTA:g}], got {value!r}")
-    return float(value)
+    """A request's δ: the common rule (``peer.base.checks``), at most MAX_DELTA."""
+    return checks.check_delta(value, field, maximum=MAX_DELTA)
 
 
 def check_unit(unit: str) -> str:
@@ -226,69 +221,19 @@ def probe_input(arch: Mapping[str, Any], probe: np.ndarray) -> np.ndarray:
     return np.asarray(probe, dtype=np.float64)
 
 
-# ------------------------------------------------------------------------ graph <-> tensors
-
-
-def graph_tensors(graph: NetworkGraph) -> tuple[list[tuple[str, np.ndarray]], dict]:
-    """A (noisy) graph as named tensors plus the public facts needed to rebuild it."""
-    tensors: list[tuple[str, np.ndarray]] = []
-    for h in graph.hidden:
-        tensors += [(f"hidden.{h.name}.activations", h.activations), (f"hidden.{h.name}.incoming", h.incoming),
-                    (f"hidden.{h.name}.bias", h.bias)]
-    tensors += [("output.incoming", graph.output_incoming), ("output.bias", graph.output_bias)]
-    meta = {"input_size": graph.input_size, "layers": [{"name": h.name, "kind": h.kind} for h in graph.hidden]}
-    return tensors, meta
-
-
-WEIGHTS_PREFIX = "weights."
-
-
-def weights_tensors(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
-    """Released weights as named tensors beside a graph's (``weights.<state-dict name>``)."""
-    return [(WEIGHTS_PREFIX + k, arrays[k]) for k in sorted(arrays)]
-
-
-def weights_from_release(architecture: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The weights of a "features+weights" release, checked against the architecture."""
-    from peer.nn.architectures import weight_layers
-
-    got = {k[len(WEIGHTS_PREFIX):]: np.asarray(v) for k, v in arrays.items() if k.startswith(WEIGHTS_PREFIX)}
-    for s in weight_layers(architecture):
-        w, b = got.get(f"{s.name}.weight"), got.get(f"{s.name}.bias")
-        if w is None or b is None:
-            raise InvalidArgument("release", f"holds no weights of layer {s.name!r} (tensors {WEIGHTS_PREFIX}{s.name}.weight/.bias)")
-        if w.ndim < 2 or w.shape[0] != s.units or math.prod(w.shape[1:]) != s.fan_in or b.shape != (s.units,):
-            raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", f"shapes {list(w.shape)}, {list(b.shape)} do not fit the architecture")
-        if w.dtype.kind != "f" or b.dtype.kind != "f" or not (np.all(np.isfinite(w)) and np.all(np.isfinite(b))):
-            raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", "must hold finite floating-point values")
-    expected = {f"{s.name}.{p}" for s in weight_layers(architecture) for p in ("weight", "bias")}
-    if set(got) != expected:
-        raise InvalidArgument("release", f"holds unexpected weight tensors {sorted(set(got) - expected)}")
-    return got
-
-
-def graph_from_release(architecture: Mapping[str, Any], metadata: Mapping[str, Any],
-                       arrays: Mapping[str, np.ndarray]) -> NetworkGraph:
-    """Rebuild a graph sent by :func:`graph_tensors` (checks names and shapes)."""
-    try:
-        layers = [(str(l["name"]), str(l["kind"])) for l in metadata["layers"]]
-        input_size = int(metadata["input_size"])
-        hidden = tuple(HiddenLayer(name, kind, np.asarray(arrays[f"hidden.{name}.activations"]),
-                                   np.asarray(arrays[f"hidden.{name}.incoming"]), np.asarray(arrays[f"hidden.{name}.bias"]))
-                       for name, kind in layers)
-        graph = NetworkGraph(validate_architecture(architecture), input_size, hidden,
-                             np.asarray(arrays["output.incoming"]), np.asarray(arrays["output.bias"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidArgument("release", f"is not a graph release: {e}") from None
-    prev = input_size
-    for h in graph.hidden:
-        n = h.incoming.shape[0] if h.incoming.ndim == 3 else -1
-        if h.incoming.ndim != 3 or h.incoming.shape[1] != prev or h.activations.shape[0] != n or h.bias.shape != (n,):
-            raise InvalidArgument(f"tensor[hidden.{h.name}]", "shapes do not form a layered graph")
-        prev = n
-    if graph.output_incoming.ndim != 3 or graph.output_incoming.shape[1] != prev:
-        raise InvalidArgument("tensor[output.incoming]", "shape does not fit the last hidden layer")
-    return graph
+def requested_clip(params: pb.FeaturesParams) -> tuple[float, float] | None:
+    """The activation range the caller asked for (both ends, finite, low < high), or None when
+    it gave none (the site's default applies)."""
+    has_low, has_high = params.HasField("activation_clip_low"), params.HasField("activation_clip_high")
+    if not (has_low or has_high):
+        return None
+    if not (has_low and has_high):
+        raise InvalidArgument("activation_clip_high" if has_low else "activation_clip_low",
+                              "give both ends of the activation range, or neither")
+    lo, hi = params.activation_clip_low, params.activation_clip_high
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise InvalidArgument("activation_clip_low", f"the range must be finite with low < high, got [{lo}, {hi}]")
+    return (lo, hi)
 
 
 # ------------------------------------------------------------------------ registration
@@ -316,9 +261,10 @@ def add_to_server(service: "PeerService", server: grpc.Server) -> None:
 
 
 class PeerService(pb_grpc.PeerServicer):
-    """privfusion.v1.Peer for one site (``site`` is a ``peer.net.daemon.Site``)."""
+    """privfusion.v1.Peer for one site: an adapter (bind the caller, validate, ask the site's
+    policy, call the site, stream). What a release is, is the site's (``peer.net.site``)."""
 
-    def __init__(self, site):
+    def __init__(self, site: Site):
         self.site = site
         self.releases = InFlight()  # releases being streamed
         self._draining = False
@@ -418,6 +364,14 @@ class PeerService(pb_grpc.PeerServicer):
         with self._drain_lock:
             self._draining = True
 
+    def _admit(self) -> None:
+        """Count a release charged outside :meth:`_release` (Fuse) as in flight, unless draining
+        (FailedPrecondition: nothing charged); the caller ``releases.exit()``s it."""
+        with self._drain_lock:
+            if self._draining:
+                raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
+            self.releases.enter()
+
     def _on_behalf_of(self, header: pb.RequestHeader, caller: str, method: str) -> str | None:
         """The site a relayed request is finally for (``header.on_behalf_of``), or None.
 
@@ -445,18 +399,13 @@ class PeerService(pb_grpc.PeerServicer):
                 for kind in kinds:
                     self.site.policy_allows(who, kind)
 
-    def _stamp(self, record: ReleaseRecord, caller: str, subject: str, **parameters: Any) -> ReleaseRecord:
-        params = dict(record.parameters)
-        params.update(parameters)
-        return record.with_(counterparty=caller, subject=subject, parameters=params)
-
     # ------------------------------------------------------------------ RPCs
 
     def GetPeerInfo(self, request: pb.GetPeerInfoRequest, context) -> pb.PeerInfo:
         caller = self.bind_caller(context, request.header)
         self._on_behalf_of(request.header, caller, "GetPeerInfo")
         self.site.policy_allows(caller, "info")
-        return self.site.peer_info(caller)
+        return peer_info_message(self.site.peer_info(caller))
 
     def ReleaseFeatures(self, request_iterator: Iterable[pb.FeaturesRequest], context) -> Iterator[pb.ReleaseFrame]:
         # a stalled or endless upload must not hold a worker: per-frame idle limit, overall deadline
@@ -472,7 +421,7 @@ class PeerService(pb_grpc.PeerServicer):
         eps_x = check_epsilon(p.activation_epsilon, "activation_epsilon")
         eps_w = check_epsilon(p.weight_epsilon, "weight_epsilon")
         unit = check_unit(p.unit)
-        clip = self.site.activation_clip(p)
+        clip = self.site.activation_clip(requested_clip(p))
         bound = None
         if p.HasField("weight_bound"):
             bound = p.weight_bound
@@ -500,28 +449,13 @@ class PeerService(pb_grpc.PeerServicer):
             receiver.add(m.chunk)
         probe = probe_input(stored.architecture, receiver.finish())
 
-        from peer.ldp.mechanisms import perturb_graph
-
-        graph = extract_graph(stored.architecture, stored.module(), probe)
-        rnd = self.site.randomness()
-        noisy, record = perturb_graph(graph, epsilon_x=eps_x, epsilon_w=eps_w, activation_clip=clip,
-                                      weight_bounds=bound, unit=unit, randomness=rnd)
-        tensors, meta = graph_tensors(noisy)
-        kind = "features"
-        if with_weights:
-            from peer.ldp.mechanisms import composite_record
-
-            # one release, one charge: both parts touch every neuron (sequential composition),
-            # and a refusal of either leaves nothing charged
-            arrays, weights_record = self.site.perturbed_weights(stored, weights_eps, weights_dlt, randomness=rnd)
-            record = composite_record([record, weights_record], "sequential", randomness=rnd,
-                                      parameters={"release": "features+weights"})
-            named = weights_tensors(arrays)
-            tensors += named
-            meta = {**meta, "weights": [k for k, _ in named]}
-            kind = "features+weights"
+        release = self.site.features(stored, probe, activation_epsilon=eps_x, weight_epsilon=eps_w, activation_clip=clip,
+                                     weight_bounds=bound, unit=unit,
+                                     weights=(weights_eps, weights_dlt) if with_weights else None)
+        tensors, meta = features_tensors(release.graph, release.weights)
+        kind = "features+weights" if with_weights else "features"
         relayed = {"on_behalf_of": final} if final else {}
-        record = self._stamp(record, caller, p.model, probe_rows=int(probe.shape[0]), **relayed)
+        record = stamp(release.record, caller, p.model, probe_rows=int(probe.shape[0]), **relayed)
         yield from self._release("ReleaseFeatures", caller, record, kind, p.model, stored.architecture, meta, tensors,
                                  policy_kind=kinds if with_weights else "features", on_behalf_of=final)
 
@@ -532,9 +466,7 @@ class PeerService(pb_grpc.PeerServicer):
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
         self._policy_allows(caller, final, "weights")
-        # Always unpermuted: a requester aligns them itself; its match never leaves it.
-        arrays, record = self.site.perturbed_weights(stored, eps, dlt)
-        record = self._stamp(record, caller, request.model, **({"on_behalf_of": final} if final else {}))
+        arrays, record = self.site.weights(stored, eps, dlt, caller, on_behalf_of=final)
         tensors = [(k, arrays.pop(k)) for k in sorted(arrays)]
         yield from self._release("ReleaseWeights", caller, record, "weights", request.model,
                                  stored.architecture, {}, tensors, on_behalf_of=final)
@@ -542,18 +474,11 @@ class PeerService(pb_grpc.PeerServicer):
     def Fuse(self, request: pb.FuseRequest, context) -> Iterator[pb.ReleaseFrame]:
         """Relay: fuse our model with the partner's, for the caller (see the .proto).
 
-        Order, so that a refused Fuse spends nothing anywhere and nothing private leaves:
-          1. bind, validate every field, check the policy allows the caller "fuse" and that we
-             can reach the partner (refusals here touch no ledger);
-          2. compute our own contribution — noisy features on our public probe set and
-             PFA-perturbed weights (one randomness stream) — and charge it to the caller as one
-             sequential composite (kind "fuse": per-request cap, budgets) BEFORE any call out;
-          3. ONE call to the partner: features + unpermuted weights of its model on our probe
-             set, on behalf of the caller (the partner checks and charges both of us);
-          4. if that fails, or the partner's release fails our checks, or matching/fusing
-             fails, CANCEL our charge (no byte of it went anywhere) and fail;
-          5. match our noisy graph with the partner's, permute its weights here (the match
-             never leaves), fuse, and stream under the charge of step 2.
+        Here: bind, validate every field, check that the policy allows the caller "fuse" and
+        that we have a probe set (refusals here touch no ledger); then
+        ``peer.net.fuse.fuse_with_partner`` charges our contribution before its one call to the
+        partner and withdraws the charge if anything fails before a byte is sent; we stream
+        the fused model under that charge.
         """
         caller = self.bind_caller(context, request.header)
         self._on_behalf_of(request.header, caller, "Fuse")
@@ -581,103 +506,39 @@ class PeerService(pb_grpc.PeerServicer):
         if probe is None:
             raise FailedPrecondition(f"{self.site.name!r} has no probe set, which Fuse needs (site.toml: probe)")
         probe = probe_input(stored.architecture, probe)
-        clip = self.site.activation_clip(None)
 
-        from peer.ldp.mechanisms import composite_record, perturb_graph
-
-        client = self.site.client_for(partner)  # unknown or unpinned partner: refused before any charge
         admitted = False  # counted among the releases in flight (graceful shutdown waits for it)
+
+        def admit() -> None:
+            nonlocal admitted
+            self._admit()
+            admitted = True
+
         try:
-            # 2. our own contribution, charged before anything is asked of the partner. We match on
-            # our *noisy* features too: everything the caller receives is then post-processing
-            # of noisy releases (ours charged here, the partner's charged by the partner).
-            rnd = self.site.randomness()
-            own_graph = extract_graph(stored.architecture, stored.module(), probe)
-            own_noisy, own_features_record = perturb_graph(own_graph, epsilon_x=eps_x, epsilon_w=eps_w,
-                                                           activation_clip=clip, randomness=rnd)
-            own_weights, own_weights_record = self.site.perturbed_weights(stored, eps, dlt, randomness=rnd)
-            record = composite_record([own_features_record, own_weights_record], "sequential", randomness=rnd,
-                                      parameters={"release": "fusion"})
-            record = self._stamp(record, caller, request.model, alpha=alpha, partner=partner,
-                                 partner_model=request.partner_model)
-            with self._drain_lock:
-                if self._draining:
-                    raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
-                self.releases.enter()
-                admitted = True
-            entry_id = self.site.charge(record, caller, "fuse")
-            log_event("charged-before-partner", method="Fuse", caller=caller, entry=entry_id, release=record.release_id,
-                      epsilon=record.epsilon, delta=record.delta, model=request.model, partner=partner)
-            try:
-                # 3. the one call out: what leaves is our public probe set and public parameters
-                try:
-                    theirs = client.features(request.partner_model, probe, activation_epsilon=eps_x, weight_epsilon=eps_w,
-                                             activation_clip=clip, weights_epsilon=eps, weights_delta=dlt,
-                                             on_behalf_of=caller)
-                except InvalidArgument as e:  # its receipt, checksums or record failed our checks
-                    raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None
-                fused, objective = self._fuse_with(stored, request, theirs, own_noisy, own_weights, alpha)
-                if not context.is_active():  # the caller left while we waited: nothing of ours was sent
-                    raise FailedPrecondition("the caller cancelled the Fuse before anything was sent")
-            except BaseException as e:
-                # 4. nothing of ours left: withdraw the charge, say why
-                reason = f"Fuse with partner {partner!r} failed before any byte was sent ({type(e).__name__})"
-                try:
-                    self.site.cancel(record, reason)
-                    log_event("cancelled", method="Fuse", caller=caller, entry=entry_id, release=record.release_id,
-                              partner=partner, error_type=type(e).__name__)
-                except Exception as c:  # noqa: BLE001 - the charge then stands (conservative); say so
-                    log_event("cancel-failed", method="Fuse", entry=entry_id, error_type=type(c).__name__)
-                raise
-            finally:
-                client.close()
-            # 5. the caller's release, under the charge made in step 2
-            tensors = [(k, fused.pop(k)) for k in sorted(fused)]
-            yield from self._release("Fuse", caller, record, "fused", request.model, stored.architecture,
+            fused = fuse_with_partner(self.site, caller, stored, probe, partner=partner,
+                                      partner_model=request.partner_model, alpha=alpha, activation_epsilon=eps_x,
+                                      weight_epsilon=eps_w, weights_epsilon=eps, weights_delta=dlt, admit=admit,
+                                      caller_active=context.is_active)
+            # the caller's release, under the charge fuse_with_partner made
+            tensors = [(k, fused.arrays.pop(k)) for k in sorted(fused.arrays)]
+            yield from self._release("Fuse", caller, fused.record, "fused", request.model, stored.architecture,
                                      {"alpha": alpha, "partner": partner, "partner_model": request.partner_model,
-                                      "upstream": [theirs.receipt.ledger_entry_id], "match_objective": objective},
-                                     tensors, upstream=(theirs.receipt,), charged_entry=entry_id)
+                                      "upstream": [fused.upstream.ledger_entry_id], "match_objective": fused.objective},
+                                     tensors, upstream=(fused.upstream,), charged_entry=fused.entry_id)
         finally:
-            client.close()  # idempotent; also when we failed before the call
             if admitted:
                 self.releases.exit()
-
-    @staticmethod
-    def _fuse_with(stored, request: pb.FuseRequest, theirs, own_noisy: NetworkGraph,
-                   own_weights: Mapping[str, np.ndarray], alpha: float) -> tuple[dict[str, np.ndarray], float]:
-        """Check the partner's release, match, permute its weights locally, fuse; a release that
-        fails the checks is the partner's failure (FAILED_PRECONDITION), not the caller's."""
-        from peer.ldp.fusion import fuse_arrays, permute_arrays
-        from peer.ldp.matching import match_graphs
-
-        partner = request.partner
-        try:
-            if theirs.architecture is None or validate_architecture(theirs.architecture) != stored.architecture:
-                raise FailedPrecondition(f"partner_model: {partner}'s {request.partner_model!r} has another architecture than {request.model!r}")
-            their_graph = graph_from_release(theirs.architecture, theirs.metadata, theirs.arrays)
-            their_weights = weights_from_release(stored.architecture, theirs.arrays)
-        except InvalidArgument as e:
-            raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None
-        match = match_graphs(own_noisy, their_graph)
-        perms = [np.asarray(p, dtype=np.int64) for p in match.permutations]
-        aligned = permute_arrays(stored.architecture, their_weights, perms)
-        return fuse_arrays(own_weights, aligned, alpha), float(match.objective)
 
     def ReleaseMerged(self, request: pb.MergeRequest, context) -> Iterator[pb.ReleaseFrame]:
         caller = self.bind_caller(context, request.header)
         self._on_behalf_of(request.header, caller, "ReleaseMerged")
-        pool = self.site.pool(request.pool)
+        self.site.pool(request.pool)  # an unknown pool is NOT_FOUND before the other checks
         if request.method not in ("rs", "lc"):
             raise InvalidArgument("method", f"must be 'rs' (random selection) or 'lc' (linear combination), got {request.method!r}")
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
         self.site.policy_allows(caller, "merge")
-
-        from peer.dp.pools import merge_pool
-
-        merged = merge_pool(pool, request.method, eps, dlt, validation=self.site.pool_validation(request.pool),
-                            utilities=self.site.rs_utilities(request.pool) if request.method == "rs" else None,
-                            randomness=self.site.randomness(), subject=request.pool, counterparty=caller)
+        merged = self.site.merge(request.pool, request.method, eps, dlt, caller)
         tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
         # public: the method, π or λ, the ε each accountant reports, the validation utility
         yield from self._release("ReleaseMerged", caller, merged.record, "merged", request.pool,

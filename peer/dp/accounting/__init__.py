@@ -1,20 +1,21 @@
 """Privacy accounting: mechanisms described as data, interpreted by RDP and PLD accountants.
 
-Modules: ``events`` (GaussianStep, TrainingRecord, ApproxDP), ``conversions`` (RDP → (ε, δ),
-μ-GDP, PLD ε/δ), ``rdp`` and ``pld`` (per-mechanism RDP and PLDs), ``profiles`` (one model's
+Modules: ``training_records`` (how a model was trained: GaussianStep, TrainingRecord, ApproxDP),
+``conversions`` (RDP → (ε, δ), μ-GDP, PLD ε/δ), ``rdp`` and ``pld`` (per-mechanism RDP and PLDs), ``profiles`` (one model's
 privacy profile), ``rs`` and ``lc`` (merges; LC is charged the composition of its models unless
 all declare state-independent gradients), ``targets`` (choose π / λ for a target ε),
-``records`` (interpret ReleaseRecords: ``rdp_of_record``, ``pld_of_record``).
+``release_accounting`` (interpret ReleaseRecords: ``rdp_of_record``, ``pld_of_record``; build
+the data-level ones).
 """
 
 from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, gdp_delta, gdp_epsilon, gdp_mu,
                                          rdp_to_delta, rdp_to_epsilon)
-from peer.dp.accounting.events import ADJACENCIES, ApproxDP, GaussianStep, TrainingRecord
+from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, GaussianStep, TrainingRecord
 from peer.dp.accounting.lc import (LCReport, LCSegments, lc_delta, lc_epsilon, lc_pld, lc_rdp, lc_report, lc_segments,
                                 lc_surrogate_epsilon, lc_surrogate_mu, surrogate_is_bound)
 from peer.dp.accounting.profiles import (PrivacyProfile, model_delta, model_epsilon, privacy_profile,
                                       privacy_profiles)
-from peer.dp.accounting.records import (dpsgd_record, lc_merge_record, pld_of_record, rdp_of_record, record_epsilon,
+from peer.dp.accounting.release_accounting import (dpsgd_record, lc_merge_record, pld_of_record, rdp_of_record, record_epsilon,
                                      rs_merge_record)
 from peer.dp.accounting.rs import rs_delta, rs_epsilon, rs_pld, rs_profiles, rs_rdp
 from peer.dp.accounting.targets import UnreachableTarget, WeightChoice, choose_lam, choose_pi

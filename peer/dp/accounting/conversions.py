@@ -25,6 +25,7 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 
 # dp-accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.
@@ -74,18 +75,6 @@ def json_number(x: float) -> float | str:
     return "inf" if math.isinf(x) else float(x)
 
 
-def check_delta(delta: float, field_name: str = "delta") -> float:
-    if isinstance(delta, bool) or not isinstance(delta, (int, float, np.floating)) or not 0 < float(delta) < 1:
-        raise InvalidArgument(field_name, f"must be a number in (0, 1), got {delta!r}")
-    return float(delta)
-
-
-def check_epsilon(epsilon: float, field_name: str = "epsilon") -> float:
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float, np.floating)) or not (0 <= float(epsilon) < math.inf):
-        raise InvalidArgument(field_name, f"must be a finite number >= 0, got {epsilon!r}")
-    return float(epsilon)
-
-
 def check_orders(orders: Sequence[float]) -> np.ndarray:
     arr = np.asarray(orders, dtype=float)
     if arr.ndim != 1 or arr.size == 0 or not np.all(np.isfinite(arr)) or not np.all(arr > 1):
@@ -113,7 +102,7 @@ def rdp_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) 
 
 def rdp_to_delta(orders: Sequence[float], rdp: Sequence[float], epsilon: float) -> float:
     """Smallest δ ∈ [0, 1] over the orders by the improved conversion (``compute_delta``)."""
-    epsilon = check_epsilon(epsilon)
+    epsilon = check_epsilon(epsilon, zero=True)
     orders, rdp = _orders_and_curve(orders, rdp)
     if np.all(np.isinf(rdp)):
         return 1.0
@@ -139,7 +128,7 @@ def _check_mu(mu: float) -> None:
 
 def gdp_delta(mu: float, epsilon: float) -> float:
     """δ(ε) of a μ-GDP mechanism (exact for a Gaussian mechanism with Δ/σ = μ)."""
-    epsilon = check_epsilon(epsilon)
+    epsilon = check_epsilon(epsilon, zero=True)
     _check_mu(mu)
     if mu == 0:
         return 0.0
@@ -168,7 +157,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
 def gdp_mu(epsilon: float, delta: float) -> float:
     """Largest μ whose μ-GDP curve meets (ε, δ): the inverse of ``gdp_epsilon`` in μ
     (bisection on the increasing map μ ↦ δ(ε; μ), to 1e-14 relative)."""
-    epsilon = check_epsilon(epsilon)
+    epsilon = check_epsilon(epsilon, zero=True)
     delta = check_delta(delta)
     target = math.log(delta)
     lo, hi = 0.0, 1.0

@@ -11,7 +11,7 @@ composition: RDP ε_order(θ_λ) ≤ Σ_{i: λ_i>0} ε_order,i (each model's own
 dominated by the FFT convolution of the models' own PLDs (one Gaussian with μ = sqrt(Σ μ_i²) when
 every such model is a full-batch Gaussian composition, Dong, Roth & Su 2022, Cor. 3.3). Models
 with λ_i = 0 cost nothing: θ_λ does not depend on them. This is what ``lc_epsilon``, ``lc_delta``,
-``lc_rdp`` and ``lc_pld`` return and what the ledger charges (``records.rdp_of_record``), unless
+``lc_rdp`` and ``lc_pld`` return and what the ledger charges (``release_accounting.rdp_of_record``), unless
 every merged model declares state-independent gradients (below). The cost depends on λ only
 through its support; choosing λ is then a choice of the subset of models (``targets``).
 
@@ -24,7 +24,7 @@ so the combined step t is treated as a Gaussian mechanism with
     noise std     s_t = sqrt(Σ_i (λ_i η_{i,t} σ_{i,t} C_{i,t})²)            (independent noises)
     sensitivity   Δ_t = k · Σ_i λ_i η_{i,t} C_{i,t}                          (triangle inequality)
 
-k = 2 replace-one, 1 add-remove (``events``), the common 1/n cancelling; a model with T_i < T =
+k = 2 replace-one, 1 add-remove (``training_records``), the common 1/n cancelling; a model with T_i < T =
 max_i T_i is padded with steps that change nothing (no gradient, no noise). Composing the T steps
 gives μ = sqrt(Σ_t (Δ_t/s_t)²) (closed form), RDP order·μ²/2, and a PLD by FFT composition of the
 per-step Gaussian PLDs (equal ratios grouped; must agree with the closed form, tests: 1e-3).
@@ -57,11 +57,11 @@ from typing import Sequence
 
 import numpy as np
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_delta, check_epsilon,
-                                         check_orders, gdp_delta, gdp_epsilon, json_number, pld_delta, pld_epsilon,
-                                         rdp_to_delta, rdp_to_epsilon)
-from peer.dp.accounting.events import ApproxDP, TrainingRecord, check_adjacency
+from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_orders, gdp_delta, gdp_epsilon,
+                                            json_number, pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, PrivacyProfile, model_rdp, privacy_profiles, resolve_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import check_weights
@@ -296,7 +296,7 @@ def lc_surrogate_delta(models: Sequence[TrainingRecord] | LCSegments, lam: Seque
              value_discretization_interval: float = DEFAULT_INTERVAL,
              max_groups: int = DEFAULT_MAX_GROUPS) -> Deltas:
     """The surrogate δ of θ_λ at ``epsilon`` by the three accountants (same caveat)."""
-    epsilon = check_epsilon(epsilon)
+    epsilon = check_epsilon(epsilon, zero=True)
     pld, orders, rdp, mu, notes = _surrogate_bounds(models, lam, adjacency, orders, value_discretization_interval, max_groups)
     return Deltas(pld=pld_delta(pld, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon),
                   closed_form=gdp_delta(mu, epsilon), notes=notes)
@@ -438,7 +438,7 @@ def lc_delta(models: Sequence[TrainingRecord], lam: Sequence[float], epsilon: fl
              value_discretization_interval: float = DEFAULT_INTERVAL,
              max_groups: int = DEFAULT_MAX_GROUPS) -> Deltas:
     """The charged δ of θ_λ at ``epsilon`` (same rule as ``lc_epsilon``)."""
-    epsilon = check_epsilon(epsilon)
+    epsilon = check_epsilon(epsilon, zero=True)
     records, adjacency = check_lc_models(models, adjacency)
     if surrogate_is_bound(records, lam):
         return lc_surrogate_delta(*_restrict(records, lam), epsilon, adjacency=adjacency, orders=orders,

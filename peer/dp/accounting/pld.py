@@ -30,7 +30,7 @@ from dp_accounting.pld import pld_pmf, privacy_loss_mechanism
 from dp_accounting.pld import privacy_loss_distribution as pldlib
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from peer.dp.accounting.events import check_adjacency
+from peer.dp.accounting.training_records import check_adjacency
 from peer.base.errors import InvalidArgument
 
 PLD = pldlib.PrivacyLossDistribution
@@ -199,7 +199,7 @@ def subsampled_gaussian_pld(noise_multiplier: float, sample_rate: float, adjacen
     """PLD of one DP-SGD step: clipped sum (clip norm = unit sensitivity), noise std σ, Poisson
     rate q, under ``adjacency``. dp-accounting's pairs: add-remove, REMOVE: (1−q)N(0)+qN(−1) vs
     N(0) and ADD: N(0) vs (1−q)N(0)+qN(1); replace-one: (1−q)N(0)+qN(−1) vs (1−q)N(0)+qN(1)
-    (at q = 1, N(−1) vs N(1): sensitivity 2, as the module ``events`` states)."""
+    (at q = 1, N(−1) vs N(1): sensitivity 2, as the module ``training_records`` states)."""
     check_adjacency(adjacency)
     sigma, q = float(noise_multiplier), float(sample_rate)
     if sigma == 0:

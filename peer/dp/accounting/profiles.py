@@ -4,7 +4,7 @@ A profile is computed once per model and reused (RS mixes cached profiles for ev
 only the mixture is recomputed). For a ``TrainingRecord``:
 
 - steps are grouped by (σ_t, q_t) — one model's per-step privacy does not depend on η_t or C_t,
-  which scale sensitivity and noise alike (``peer.dp.accounting.events``);
+  which scale sensitivity and noise alike (``peer.dp.accounting.training_records``);
 - full-batch steps form one Gaussian mechanism with μ = sqrt(Σ_t (k/σ_t)²), k = 1 (add-remove)
   or 2 (replace-one): its (ε, δ) curve is the closed form (μ-GDP), its RDP is order·μ²/2, and its
   PLD is dp-accounting's Gaussian PLD for that μ;
@@ -26,11 +26,11 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_delta, check_epsilon,
-                                         check_orders, gdp_delta, gdp_epsilon, pld_delta, pld_epsilon,
-                                         rdp_to_delta, rdp_to_epsilon)
-from peer.dp.accounting.events import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
+from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_orders, gdp_delta, gdp_epsilon,
+                                            pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
+from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
 from peer.base.errors import InvalidArgument
 
@@ -58,7 +58,7 @@ class PrivacyProfile:
                         closed_form=None if self.mu is None else gdp_epsilon(self.mu, delta))
 
     def delta(self, epsilon: float) -> Deltas:
-        epsilon = check_epsilon(epsilon)
+        epsilon = check_epsilon(epsilon, zero=True)
         return Deltas(pld=pld_delta(self.pld, epsilon), rdp=rdp_to_delta(self.orders, self.rdp, epsilon),
                       closed_form=None if self.mu is None else gdp_delta(self.mu, epsilon))
 

@@ -45,7 +45,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import special
 
 from peer.dp.accounting.conversions import check_orders
-from peer.dp.accounting.events import ADJACENCIES, check_adjacency
+from peer.dp.accounting.training_records import ADJACENCIES, check_adjacency
 from peer.base.errors import InvalidArgument
 
 

@@ -21,9 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_delta, check_epsilon,
-                                         pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
+from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, pld_delta, pld_epsilon, rdp_to_delta,
+                                            rdp_to_epsilon)
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile, privacy_profiles
 from peer.dp.accounting.rdp import rdp_mixture
 from peer.base.errors import InvalidArgument
@@ -96,7 +97,7 @@ def rs_delta(models: Sequence[Model], pi: Sequence[float], epsilon: float, *, ad
              orders: Sequence[float] = DEFAULT_ORDERS,
              value_discretization_interval: float = DEFAULT_INTERVAL) -> Deltas:
     """δ of the RS release at ``epsilon``: max over directions of Σ π_i δ_i(ε), and by RDP."""
-    epsilon = check_epsilon(epsilon)
+    epsilon = check_epsilon(epsilon, zero=True)
     mixed, orders, rdp = _rs_bounds(models, pi, adjacency, orders, value_discretization_interval)
     return Deltas(pld=pld_delta(mixed, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon))
 

@@ -51,9 +51,9 @@ from typing import Callable, Sequence, Union
 import numpy as np
 from scipy import optimize
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Epsilons, check_delta, check_epsilon, check_orders,
-                                         gdp_mu, json_number, rdp_to_epsilon)
+from peer.dp.accounting.conversions import DEFAULT_ORDERS, Epsilons, check_orders, gdp_mu, json_number, rdp_to_epsilon
 from peer.dp.accounting.lc import (DEFAULT_MAX_GROUPS, LCSegments, check_lc_models, lc_composition_epsilon, lc_segments,
                                 lc_surrogate_epsilon, surrogate_is_bound)
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile
@@ -259,7 +259,7 @@ def choose_pi(models: Sequence[Model], utilities: Sequence[float], target_epsilo
     ``models`` may be precomputed ``PrivacyProfile``s (``rs.rs_profiles``): nothing per-model is
     recomputed then. Raises ``UnreachableTarget`` (with the most private reachable ε) when no π
     meets the target."""
-    target = check_epsilon(target_epsilon, "target_epsilon")
+    target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
     accountant = _check_accountant(accountant)
     profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval)
@@ -297,7 +297,7 @@ def lc_mu_for_target(target_epsilon: float, delta: float, accountant: str = "pld
     """The largest μ whose Gaussian mechanism meets (target_epsilon, delta) by ``accountant``:
     the exact μ-GDP inversion ("pld") or the RDP curve order·μ²/2 with the improved conversion
     ("rdp", bisection on the increasing map μ ↦ ε)."""
-    target = check_epsilon(target_epsilon, "target_epsilon")
+    target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
     if _check_accountant(accountant) == "pld":
         return gdp_mu(target, delta)
@@ -383,7 +383,7 @@ def choose_lam_surrogate(models: Sequence | LCSegments, utility: Utility, target
     callable ``utility(lam) -> float`` evaluated on every boundary candidate (at most about
     ``max_points`` of them). Raises ``UnreachableTarget`` when even the most private λ misses
     the target."""
-    target = check_epsilon(target_epsilon, "target_epsilon")
+    target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
     accountant = _check_accountant(accountant)
     segments = models if isinstance(models, LCSegments) else lc_segments(models, adjacency=adjacency)
@@ -468,7 +468,7 @@ def choose_lam_composition(models: Sequence, utility: Utility, target_epsilon: f
     utilities: the most useful single feasible model. A callable: evaluated on a simplex grid over
     each maximal feasible subset (about ``max_points`` candidates in all). Raises
     ``UnreachableTarget`` when even the most private single model misses the target."""
-    target = check_epsilon(target_epsilon, "target_epsilon")
+    target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
     accountant = _check_accountant(accountant)
     records, adjacency = check_lc_models(models, adjacency)

@@ -6,6 +6,10 @@ pin or check the sites of a roster.
     privfusion roster pin --roster roster.toml --dir identity
     privfusion roster check --roster roster.toml --dir identity
 
+The commands reach ``privfusion`` (``peer.cli.app``) through the entry-point group
+``privfusion.commands`` (``round`` → :func:`register`, ``roster`` → :func:`register_roster`), so
+that nothing under ``peer/`` imports this package.
+
 A round needs this site's daemon config (identity, model store, public probe set) and a
 ``[round]`` table (see ``coordinator_free.rounds.RoundConfig``)::
 
@@ -42,7 +46,6 @@ number (130 for Ctrl-C). A second signal quits at once (the report is then not w
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -51,43 +54,11 @@ import threading
 from peer.net.identity import format_fingerprint
 
 
-def describe(e: dict) -> str:
-    """One human line for a round event."""
-    who = f"[{e['site']}]"
-    peer = e.get("peer")
-    ev = e["event"]
-    if ev == "started":
-        return f"{who} round {e['round'][:8]} {e.get('label') or ''} started: peers {', '.join(e['peers'])}, quorum {e['quorum']}, method {e['method']}"
-    if ev == "charged":
-        return (f"{who} {peer}: {e['step']} released (its ledger entry {e['entry_id']}: {e['level']} level, "
-                f"ε={e['epsilon']:g}, δ={e['delta']:g} per {e['unit']})")
-    if ev == "dropped":
-        from coordinator_free.rounds import details_line
-
-        why = details_line(e.get("details"))
-        return (f"{who} {peer} DROPPED at {e['step']} ({e['status']}; charged: {e['charged']}): {e['reason']}"
-                + (f" [{why}]" if why else ""))
-    if ev == "not-alive":
-        return f"{who} {peer} is not alive: {e.get('reason', '')}"
-    if ev == "fused":
-        return f"{who} fused with {', '.join(e['contributors'])} (weights {', '.join(f'{w:.3g}' for w in e['weights'])})"
-    if ev == "aborted":
-        return f"{who} round ABORTED: {e['reason']}"
-    if ev == "interrupted":
-        return f"{who} round INTERRUPTED: {e['reason']}"
-    if ev in ("contributed", "note", "not-asked"):
-        extra = e.get("note") or e.get("reason") or e.get("method", "")
-        return f"{who} {peer}: {ev} {extra}"
-    return f"{who} {peer or ''} {ev} {e.get('step') or ''}".rstrip()
-
-
-QUIET = ("step", "received", "alive")
-
-
 def _round(args) -> int:
+    from coordinator_free.events import QUIET, describe
     from coordinator_free.roster import Roster
     from coordinator_free.runner import load_local_site, load_round_config
-    from peer.net.daemon import SiteConfig
+    from peer.net.site import SiteConfig
 
     site = SiteConfig.load(args.config)
     files = args.round or [args.config]
@@ -149,8 +120,8 @@ def _pin(args) -> int:
     from pathlib import Path
 
     from coordinator_free.roster import Roster
-    from peer.net.trust import TrustStore
     from peer.net.identity import load_identity
+    from peer.net.trust import TrustStore
 
     ident = load_identity(args.dir)
     roster = Roster.load(args.roster)
@@ -161,8 +132,8 @@ def _pin(args) -> int:
 
 
 def _check(args) -> int:
-    from peer.net.identity import load_identity
     from coordinator_free.roster import Roster
+    from peer.net.identity import load_identity
     from peer.net.trust import TrustStore
 
     ident = load_identity(args.dir)
@@ -176,6 +147,7 @@ def _check(args) -> int:
 
 
 def register(subparsers) -> None:
+    """``privfusion round``."""
     p = subparsers.add_parser("round", help="run a coordinator-free fusion round for this site",
                               description="Ask every live roster peer for noisy features and weights (or a DP merge), "
                                           "align them to this site's model and fuse.")
@@ -185,6 +157,9 @@ def register(subparsers) -> None:
     p.add_argument("--events", action="store_true", help="print round events as JSON lines on stdout")
     p.set_defaults(func=_round)
 
+
+def register_roster(subparsers) -> None:
+    """``privfusion roster pin|check``."""
     r = subparsers.add_parser("roster", help="pin or check the sites of a roster")
     sub = r.add_subparsers(dest="roster_command", metavar="ACTION")
     sub.required = True

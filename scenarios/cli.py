@@ -5,12 +5,18 @@ Without a scenario file the bundled ``hospitals.toml`` runs (four hospitals, bre
 split by a Dirichlet label skew). ``--scenario NAME`` picks another bundled one (``digits.toml``,
 ``hospitals-failure.toml``). Progress goes to stderr; the summary table to stdout; the report
 (report.md, report.json, plots) and every site's files (identity, models, ledger, logs) to DIR.
+``privfusion demo site`` writes one scenario site's files, to run it elsewhere (docker compose).
+
+The commands reach ``privfusion`` (``peer.cli.app``) through the entry-point group
+``privfusion.commands`` (``simulate`` → :func:`register`, ``demo`` → :func:`register_demo`), so
+that nothing under ``peer/`` imports this package.
 """
 
 from __future__ import annotations
 
 
 def _simulate(args) -> int:
+    from peer.base.extras import require
     from scenarios.report import summary_table
     from scenarios.schema import bundled_path, load_scenario
     from scenarios.simulate import simulate
@@ -21,6 +27,7 @@ def _simulate(args) -> int:
         raise InvalidArgument("--scenario", "give a scenario file or a bundled scenario's name, not both")
     path = args.scenario_file or (bundled_path(args.scenario) if args.scenario else None)
     scenario = load_scenario(path)
+    require("matplotlib", "plots", "privfusion simulate (the report's plots)")  # before the run, not after it
     report = simulate(scenario, args.out)
     print(summary_table(report))
     print(f"\nreport: {args.out}/report.md (and report.json, accuracy.png, frontier.png, budget.png)")
@@ -54,6 +61,7 @@ def _demo_site(args) -> int:
 
 
 def register(subparsers) -> None:
+    """``privfusion simulate``."""
     from scenarios.schema import BUNDLED
 
     p = subparsers.add_parser("simulate", help="simulate several hospitals fusing models, each a real daemon on loopback",
@@ -64,6 +72,11 @@ def register(subparsers) -> None:
     p.add_argument("--scenario", choices=BUNDLED, help="a bundled scenario by name")
     p.add_argument("--out", required=True, metavar="DIR", help="new directory for the report and the sites' files")
     p.set_defaults(func=_simulate)
+
+
+def register_demo(subparsers) -> None:
+    """``privfusion demo site``."""
+    from scenarios.schema import BUNDLED
 
     d = subparsers.add_parser("demo", help="one site of a scenario as files, to run elsewhere (docker compose)")
     sub = d.add_subparsers(dest="demo_command", metavar="ACTION")

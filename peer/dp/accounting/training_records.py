@@ -1,7 +1,9 @@
-"""What a DP mechanism did, as small immutable values (dp_accounting's DpEvent habit).
+"""How a pool model was made private, as small immutable values (dp_accounting's DpEvent habit):
+``GaussianStep`` (one DP-SGD step), ``TrainingRecord`` (a training run: its steps, dataset size and
+declared unit of privacy) and ``ApproxDP`` (a model known only by its final (ε, δ)).
 
-Accountants (``peer.dp.accounting.profiles``, ``rs``, ``lc``, ``records``) interpret these values;
-these classes only describe and validate.
+Accountants (``peer.dp.accounting.profiles``, ``rs``, ``lc``, ``release_accounting``) interpret
+these values; these classes only describe and validate.
 
 Unit of privacy: one training record, with the adjacency written on every value:
 
@@ -32,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 
 ADJACENCIES = ("replace-one", "add-remove")
@@ -228,12 +231,8 @@ class ApproxDP:
     adjacency: str
 
     def __post_init__(self) -> None:
-        eps = _number(self.epsilon, "epsilon")
-        delta = _number(self.delta, "delta")
-        if eps < 0:
-            raise InvalidArgument("epsilon", f"must be >= 0, got {self.epsilon!r}")
-        if not 0 <= delta < 1:
-            raise InvalidArgument("delta", f"must be in [0, 1), got {self.delta!r}")
+        eps = check_epsilon(self.epsilon, "epsilon", zero=True)
+        delta = check_delta(self.delta, "delta", zero=True)
         check_adjacency(self.adjacency)
         object.__setattr__(self, "epsilon", eps)
         object.__setattr__(self, "delta", delta)

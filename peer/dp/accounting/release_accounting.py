@@ -33,9 +33,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from peer.base.checks import check_delta
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_delta, check_orders, pld_epsilon, rdp_to_epsilon
-from peer.dp.accounting.events import ApproxDP, TrainingRecord
+from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, pld_epsilon, rdp_to_epsilon
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 from peer.dp.accounting.lc import DEFAULT_MAX_GROUPS, lc_pld, lc_rdp, lc_report
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, model_rdp, privacy_profile, privacy_profiles, resolve_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure

@@ -1,0 +1,135 @@
+"""Core objects as they travel, and back: the one place that knows the tensor names.
+
+A release carries named tensors (``peer.net.wire`` streams them, dtype and shape and raw
+little-endian bytes) plus a JSON manifest of public facts. This module maps the core's objects
+onto those names and checks what comes back before the core sees it:
+
+* a (noisy) ``NetworkGraph`` ↔ ``hidden.<layer>.activations|incoming|bias``,
+  ``output.incoming``, ``output.bias`` plus ``{"input_size", "layers"}`` in the metadata
+  (:func:`graph_tensors`, :func:`graph_from_release`);
+* released weights ↔ ``weights.<state-dict name>`` beside a graph's tensors
+  (:func:`weights_tensors`, :func:`weights_from_release`);
+* a site's description of itself (``peer.net.site.SiteInfo``, plain values) → the
+  ``privfusion.v1.PeerInfo`` message (:func:`peer_info_message`).
+
+Every check names the tensor or field at fault (InvalidArgument); shapes follow from the
+public architecture, so a release that does not fit it is refused before any matching.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from privfusion.v1 import peer_pb2 as pb
+
+from peer.base.errors import InvalidArgument
+from peer.net import wire
+from peer.net.site import SiteInfo
+from peer.nn.architectures import validate_architecture, weight_layers
+from peer.nn.graph import HiddenLayer, NetworkGraph
+
+WEIGHTS_PREFIX = "weights."
+
+
+# ------------------------------------------------------------------------ graph <-> tensors
+
+
+def graph_tensors(graph: NetworkGraph) -> tuple[list[tuple[str, np.ndarray]], dict]:
+    """A (noisy) graph as named tensors plus the public facts needed to rebuild it."""
+    tensors: list[tuple[str, np.ndarray]] = []
+    for h in graph.hidden:
+        tensors += [(f"hidden.{h.name}.activations", h.activations), (f"hidden.{h.name}.incoming", h.incoming),
+                    (f"hidden.{h.name}.bias", h.bias)]
+    tensors += [("output.incoming", graph.output_incoming), ("output.bias", graph.output_bias)]
+    meta = {"input_size": graph.input_size, "layers": [{"name": h.name, "kind": h.kind} for h in graph.hidden]}
+    return tensors, meta
+
+
+def graph_from_release(architecture: Mapping[str, Any], metadata: Mapping[str, Any],
+                       arrays: Mapping[str, np.ndarray]) -> NetworkGraph:
+    """Rebuild a graph sent by :func:`graph_tensors` (checks names and shapes)."""
+    try:
+        layers = [(str(l["name"]), str(l["kind"])) for l in metadata["layers"]]
+        input_size = int(metadata["input_size"])
+        hidden = tuple(HiddenLayer(name, kind, np.asarray(arrays[f"hidden.{name}.activations"]),
+                                   np.asarray(arrays[f"hidden.{name}.incoming"]), np.asarray(arrays[f"hidden.{name}.bias"]))
+                       for name, kind in layers)
+        graph = NetworkGraph(validate_architecture(architecture), input_size, hidden,
+                             np.asarray(arrays["output.incoming"]), np.asarray(arrays["output.bias"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidArgument("release", f"is not a graph release: {e}") from None
+    prev = input_size
+    for h in graph.hidden:
+        n = h.incoming.shape[0] if h.incoming.ndim == 3 else -1
+        if h.incoming.ndim != 3 or h.incoming.shape[1] != prev or h.activations.shape[0] != n or h.bias.shape != (n,):
+            raise InvalidArgument(f"tensor[hidden.{h.name}]", "shapes do not form a layered graph")
+        prev = n
+    if graph.output_incoming.ndim != 3 or graph.output_incoming.shape[1] != prev:
+        raise InvalidArgument("tensor[output.incoming]", "shape does not fit the last hidden layer")
+    return graph
+
+
+# ------------------------------------------------------------------------ weights <-> tensors
+
+
+def weights_tensors(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """Released weights as named tensors beside a graph's (``weights.<state-dict name>``)."""
+    return [(WEIGHTS_PREFIX + k, arrays[k]) for k in sorted(arrays)]
+
+
+def features_tensors(graph: NetworkGraph, weights: Mapping[str, np.ndarray] | None = None
+                     ) -> tuple[list[tuple[str, np.ndarray]], dict]:
+    """A features release: the graph's tensors, and with ``weights`` (a "features+weights"
+    release) the weights' tensors after them, listed in the metadata under ``"weights"``."""
+    tensors, meta = graph_tensors(graph)
+    if weights is not None:
+        named = weights_tensors(weights)
+        tensors += named
+        meta = {**meta, "weights": [k for k, _ in named]}
+    return tensors, meta
+
+
+def weights_from_release(architecture: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights of a "features+weights" release, checked against the architecture."""
+    got = {k[len(WEIGHTS_PREFIX):]: np.asarray(v) for k, v in arrays.items() if k.startswith(WEIGHTS_PREFIX)}
+    for s in weight_layers(architecture):
+        w, b = got.get(f"{s.name}.weight"), got.get(f"{s.name}.bias")
+        if w is None or b is None:
+            raise InvalidArgument("release", f"holds no weights of layer {s.name!r} (tensors {WEIGHTS_PREFIX}{s.name}.weight/.bias)")
+        if w.ndim < 2 or w.shape[0] != s.units or math.prod(w.shape[1:]) != s.fan_in or b.shape != (s.units,):
+            raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", f"shapes {list(w.shape)}, {list(b.shape)} do not fit the architecture")
+        if w.dtype.kind != "f" or b.dtype.kind != "f" or not (np.all(np.isfinite(w)) and np.all(np.isfinite(b))):
+            raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", "must hold finite floating-point values")
+    expected = {f"{s.name}.{p}" for s in weight_layers(architecture) for p in ("weight", "bias")}
+    if set(got) != expected:
+        raise InvalidArgument("release", f"holds unexpected weight tensors {sorted(set(got) - expected)}")
+    return got
+
+
+# ------------------------------------------------------------------------ site info -> PeerInfo
+
+
+def _architecture_json(architecture: Mapping[str, Any]) -> str:
+    return json.dumps(architecture, sort_keys=True)
+
+
+def peer_info_message(info: SiteInfo) -> pb.PeerInfo:
+    """``GetPeerInfo``'s answer: the site's description plus the wire's own facts (protocol,
+    largest chunk)."""
+    models = [pb.ModelInfo(name=m.name, architecture_json=_architecture_json(m.architecture),
+                           parameter_count=m.parameter_count, hidden_sizes=list(m.hidden_sizes),
+                           layers=[pb.LayerInfo(name=l.name, kind=l.kind, weight_shape=list(l.weight_shape),
+                                                bias_shape=list(l.bias_shape), hidden=l.hidden) for l in m.layers])
+              for m in info.models]
+    pools = [pb.PoolInfo(name=p.name, architecture_json=_architecture_json(p.architecture), members=list(p.members),
+                         methods=list(p.methods)) for p in info.pools]
+    budgets = [pb.BudgetInfo(budget=b.budget, scope=b.scope, epsilon_limit=b.epsilon_limit, delta_limit=b.delta_limit,
+                             epsilon_spent=b.epsilon_spent, epsilon_remaining=b.epsilon_remaining, releases=b.releases)
+               for b in info.budgets]
+    return pb.PeerInfo(name=info.name, certificate_sha256=info.certificate_sha256, protocol=wire.PROTOCOL,
+                       insecure=info.insecure, models=models, pools=pools, mechanisms=list(info.mechanisms),
+                       budgets=budgets, has_probe_set=info.has_probe_set, max_chunk_bytes=wire.MAX_CHUNK_BYTES)

@@ -1,0 +1,587 @@
+"""One site: its configuration (``[site]`` of site.toml) and everything it serves from.
+
+``privfusion peer serve --config site.toml`` (all paths relative to the file)::
+
+    [site]
+    name = "hospital-a"              # must be the CN of the identity's certificate
+    listen = "0.0.0.0:50051"
+    identity = "identity"            # from `privfusion peer init` (site.key, site.crt, trusted/)
+    models = "models"                # a peer.nn.store directory: the models this site offers
+    ledger = "ledger.sqlite"         # the privacy-budget ledger (created on first start)
+    probe = "probe.safetensors"      # optional: this site's public probe set (tensor "x"), for Fuse
+    workers = 32                     # streaming calls (releases, ledger listings) served at once
+    reserve_workers = 8              # more threads, kept for health checks and GetPeerInfo
+    max_calls_per_peer = 8           # calls one peer may have in progress (health checks exempt)
+    stream_idle_s = 30               # an upload (ReleaseFeatures' probe) sending nothing this long is cut
+    stream_deadline_s = 600          # and one not finished after this long
+    shutdown_grace_s = 20            # SIGTERM: in-flight releases get this long to finish
+    # seed = 7                       # simulations only (`peer serve --simulation`): fixed-seed
+    #                                # noise, "fixed seed: not private" in logs, info and every record
+
+    [site.mechanisms]                # public defaults of the local-DP mechanisms
+    activation_clip = [0.0, 4.0]     # activation range when a caller gives none
+    calibration = "analytic"         # Gaussian calibration of released weights
+
+    [site.pools.digits]              # a DP-SGD pool for RS/LC merges (models trained on the same data)
+    models = "pool"
+    # validation = "validation.npz"  # optional: held-out (x, y) that judges RS/LC candidates (public;
+    #                                # never the pool's training records); default: the split the
+    #                                # models' metadata "data" describes
+
+    [site.peers.hospital-b]          # where pinned peers listen (Fuse dials them)
+    address = "10.0.0.2:50051"
+
+    [policy]                         # budgets, caps and who may ask for what: peer.budget.policy
+    ...
+
+:class:`SiteConfig` reads the ``[site]`` table with the project's one TOML reader
+(``peer.base.config``): a bad value is refused naming the file, the line and the key.
+
+:class:`Site` is what the gRPC service asks: who we are and whom we trust, the models, pools
+and probe set on offer, where noise comes from, the policy and the ledger, and the releases
+themselves (:meth:`Site.features`, :meth:`Site.weights`, :meth:`Site.merge`: the core's math
+with this site's public defaults). It holds plain values only — no protobuf, no gRPC — so the
+service converts at its edge (``peer.net.codec``) and the site can be driven without a server.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file
+
+from peer.base.config import Section, load_toml
+from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from peer.base.records import FIXED_SEED_WARNING, ReleaseRecord
+from peer.base.rng import Randomness, make_randomness
+from peer.budget.ledger import Ledger
+from peer.budget.policy import Policy
+from peer.ldp.mechanisms import composite_record, perturb_graph, perturb_model_weights
+from peer.net.client import PeerClient, PeerError
+from peer.net.identity import Identity, check_site_name, load_identity
+from peer.net.limits import Limits
+from peer.net.trust import PinnedPeer, TrustStore
+from peer.nn.architectures import hidden_sizes, weight_layers
+from peer.nn.graph import NetworkGraph, extract_graph
+from peer.nn.store import StoredModel, list_models, load_model
+
+log = logging.getLogger("privfusion.peer")
+
+#: The mechanisms a site releases under (PeerInfo.mechanisms, with where its noise comes from).
+MECHANISMS = ("laplace", "multibit", "gaussian", "rs-merge", "lc-merge")
+
+
+def log_event(event: str, **fields: Any) -> None:
+    """One structured log line (JSON): public facts only, never tensors, keys or raw values."""
+    log.info(json.dumps({"event": event, **fields}, sort_keys=True, default=str))
+
+
+# ------------------------------------------------------------------------ configuration
+
+#: The keys of ``[site]``.
+SITE_KEYS = ("name", "listen", "identity", "models", "ledger", "probe", "workers", "reserve_workers",
+             "max_calls_per_peer", "stream_idle_s", "stream_deadline_s", "shutdown_grace_s", "seed",
+             "mechanisms", "pools", "peers")
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """The ``[site]`` table of site.toml, paths resolved against the file's directory."""
+
+    name: str
+    listen: str
+    identity: Path
+    models: Path
+    ledger: Path
+    probe: Path | None = None
+    workers: int = 32
+    shutdown_grace_s: float = 20.0
+    reserve_workers: int = 8
+    max_calls_per_peer: int = 8
+    stream_idle_s: float = 30.0
+    stream_deadline_s: float = 600.0
+    seed: int | None = None
+    activation_clip: tuple[float, float] | None = None
+    calibration: str = "analytic"
+    pools: Mapping[str, Path] = field(default_factory=dict)
+    peers: Mapping[str, str] = field(default_factory=dict)
+    path: Path | None = None
+    pool_validation: Mapping[str, Path] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SiteConfig:
+        p = Path(path)
+        data, text = load_toml(p, "site config")
+        return cls.from_section(Section(data, (), text, str(p)), p.resolve().parent, p)
+
+    @classmethod
+    def from_section(cls, root: Section, base: Path, path: Path | None = None) -> SiteConfig:
+        """The ``[site]`` table of a parsed file (``root``: the whole file); every error names
+        the file, the line and the key."""
+        site = root.section("site", required=True)
+        site.known(SITE_KEYS)
+
+        def rel(s: Section, key: str, default: Any = ...) -> Path | None:
+            v = s.path(key, base, default)
+            return None if v is None else v.resolve()
+
+        def checked(s: Section, key: str, check: Callable[[str, str], str]) -> str:
+            """A string that ``check(value, field)`` accepts; its refusal names the file and line."""
+            value = s.string(key)
+            try:
+                return check(value, f"site.{key}")
+            except InvalidArgument as e:
+                s.fail(key, e.rule)
+
+        mechanisms = site.section("mechanisms")
+        mechanisms.known(("activation_clip", "calibration"))
+        clip = mechanisms.interval("activation_clip", None)
+        calibration = mechanisms.string("calibration", "analytic", choices=("analytic", "classical"))
+        pools, pool_validation = {}, {}
+        for name, t in site.sections("pools").items():
+            t.known(("models", "validation"))
+            pools[name] = rel(t, "models")
+            if "validation" in t:
+                pool_validation[name] = rel(t, "validation")
+        peers = {}
+        for name, t in site.sections("peers").items():
+            try:
+                check_site_name(name, f"site.peers.{name}")
+            except InvalidArgument as e:
+                t.fail((), e.rule)
+            t.known(("address",))
+            peers[name] = t.string("address")
+        deadline = site.number("stream_deadline_s", 600.0, exclusive_minimum=0.0)
+        idle = site.number("stream_idle_s", 30.0, exclusive_minimum=0.0)
+        if idle > deadline:
+            site.fail("stream_idle_s", f"must be at most site.stream_deadline_s ({deadline:g}), got {idle:g}")
+        return cls(
+            name=checked(site, "name", check_site_name),
+            listen=checked(site, "listen", check_listen),
+            identity=rel(site, "identity"), models=rel(site, "models"), ledger=rel(site, "ledger"),
+            probe=rel(site, "probe", None),
+            workers=site.integer("workers", 32, minimum=1),
+            reserve_workers=site.integer("reserve_workers", 8, minimum=1),
+            max_calls_per_peer=site.integer("max_calls_per_peer", 8, minimum=1),
+            stream_idle_s=idle, stream_deadline_s=deadline,
+            shutdown_grace_s=site.number("shutdown_grace_s", 20.0, minimum=0.0),
+            seed=site.integer("seed", None), activation_clip=clip, calibration=calibration,
+            pools=pools, peers=peers, path=path, pool_validation=pool_validation,
+        )
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.workers, self.reserve_workers, self.max_calls_per_peer, self.stream_idle_s,
+                      self.stream_deadline_s)
+
+
+def check_listen(listen: str, field: str = "site.listen") -> str:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6; port 0 = any free port), else a clear error."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgument(field, f"must be HOST:PORT with a port in 0..65535 (e.g. \"0.0.0.0:50051\"), got {listen!r}")
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise InvalidArgument(field, f"an IPv6 host is written in brackets, e.g. \"[::]:50051\"; got {listen!r}")
+    return listen
+
+
+class SiteLock:
+    """An exclusive ``flock`` on ``LEDGER.lock``, held while a daemon serves from the ledger.
+
+    The kernel drops it when the process dies (even by SIGKILL), so a crash never leaves a
+    stale lock; the file holds the owner's pid for the error message only.
+    """
+
+    def __init__(self, ledger: Path):
+        self.path = ledger.with_name(ledger.name + ".lock")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                owner = os.pread(self._fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            finally:
+                os.close(self._fd)
+                self._fd = None
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise FailedPrecondition(f"site.ledger: cannot lock {self.path}: {e.strerror}") from None
+            raise FailedPrecondition(f"site.ledger: {ledger} is in use by another daemon (pid {owner}, lock "
+                                     f"{self.path}); two daemons must never share one ledger") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def load_probe(path: Path) -> np.ndarray:
+    """A site's public probe set: the tensor ``x`` of a safetensors file, finite values only."""
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise InvalidArgument("site.probe", f"{path} is not a readable safetensors file: {e}") from None
+    if "x" not in tensors:
+        raise InvalidArgument("site.probe", f"{path} must hold the probe inputs as tensor 'x'")
+    x = tensors["x"]
+    if not np.all(np.isfinite(x)):
+        raise InvalidArgument("site.probe", "contains NaN or infinite values")
+    return x
+
+
+def stamp(record: ReleaseRecord, caller: str, subject: str, **parameters: Any) -> ReleaseRecord:
+    """``record`` as released to ``caller``: its counterparty, its subject (model or pool) and
+    the request's public parameters added to the mechanism's."""
+    params = dict(record.parameters)
+    params.update(parameters)
+    return record.with_(counterparty=caller, subject=subject, parameters=params)
+
+
+# ------------------------------------------------------------------------ what a site says about itself
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A weight layer of a model on offer: its state-dict prefix, "linear" or "conv", the shapes
+    of ``NAME.weight`` and ``NAME.bias``, and whether its units are hidden (permutable) nodes."""
+
+    name: str
+    kind: str
+    weight_shape: tuple[int, ...]
+    bias_shape: tuple[int, ...]
+    hidden: bool
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: Mapping[str, Any]
+    parameter_count: int
+    hidden_sizes: tuple[int, ...]
+    layers: tuple[LayerInfo, ...]
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    name: str
+    architecture: Mapping[str, Any]
+    members: tuple[str, ...]
+    methods: tuple[str, ...]  # "rs", and "lc" when every member has a full training record
+
+
+@dataclass(frozen=True)
+class BudgetInfo:
+    """One budget the policy lets the caller see: the filter's limits and what it has admitted."""
+
+    budget: str
+    scope: str
+    epsilon_limit: float
+    delta_limit: float
+    epsilon_spent: float
+    epsilon_remaining: float
+    releases: int
+
+
+@dataclass(frozen=True)
+class SiteInfo:
+    """What a site tells a pinned caller about itself (GetPeerInfo): all public."""
+
+    name: str
+    certificate_sha256: str
+    insecure: bool
+    models: tuple[ModelInfo, ...]
+    pools: tuple[PoolInfo, ...]
+    mechanisms: tuple[str, ...]
+    budgets: tuple[BudgetInfo, ...]
+    has_probe_set: bool
+
+
+@dataclass(frozen=True)
+class FeaturesRelease:
+    """Noisy graph features of a model on a probe set and, when asked for, its perturbed
+    unpermuted weights; ``record`` covers both (a sequential composite), not yet stamped."""
+
+    graph: NetworkGraph
+    weights: dict[str, np.ndarray] | None
+    record: ReleaseRecord
+
+
+# ------------------------------------------------------------------------ the site
+
+
+class Site:
+    """Everything one site serves from, loaded once at start (what the service asks about)."""
+
+    def __init__(self, config: SiteConfig, policy: Policy, insecure: bool = False):
+        self.config = config
+        self.insecure = insecure
+        self.identity: Identity = load_identity(config.identity)
+        if self.identity.name != config.name:
+            raise FailedPrecondition(f"site.name is {config.name!r} but the identity in {config.identity} is {self.identity.name!r}")
+        self.name = config.name
+        self.lock = SiteLock(config.ledger)  # before anything opens the ledger
+        try:
+            self._load(config, policy)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _load(self, config: SiteConfig, policy: Policy) -> None:
+        self.trust = TrustStore(self.identity.trust_dir)
+        self._pins: tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]] = ((), {}, [])
+        self._pins_lock = threading.Lock()
+        self.models: dict[str, StoredModel] = {n: load_model(config.models, n) for n in list_models(config.models)}
+        self.pools: dict[str, list] = {}
+        self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._rs_utilities: dict[str, list[float]] = {}
+        if config.pools:
+            # lazy: peer.dp loads dp_accounting (slow to import), needed only by a site with pools
+            from peer.dp.accounting import rs_profiles
+            from peer.dp.merging import check_pool
+            from peer.dp.pools import load_pool, load_validation_file, pool_validation, rs_utilities
+
+            self.pools = {name: load_pool(d) for name, d in config.pools.items()}
+            for pool in self.pools.values():
+                check_pool(pool)
+            # the held-out split each pool was trained beside, or the site's validation file
+            # (judges RS/LC candidates; public)
+            self._validation = {name: load_validation_file(config.pool_validation[name]) if name in config.pool_validation
+                                else pool_validation(pool) for name, pool in self.pools.items()}
+            # each model's accuracy there: what RS maximises; fixed while the daemon runs
+            self._rs_utilities = {name: rs_utilities(pool, self._validation[name]) for name, pool in self.pools.items()}
+            # and the models' privacy profiles (PLD + RDP, kept by peer.dp.accounting for models
+            # seen before): an RS request then pays for choosing π, not for T-step compositions
+            for pool in self.pools.values():
+                try:
+                    rs_profiles([m.privacy for m in pool])
+                except InvalidArgument:
+                    pass  # a pool RS cannot account (mixed adjacencies): each request says why
+        self.probe = load_probe(config.probe) if config.probe else None
+        self.policy = policy
+        self.ledger = Ledger(config.ledger, policy)
+        self._master = make_randomness(config.seed) if config.seed is not None else None
+        self._master_lock = threading.Lock()
+
+    def close(self) -> None:
+        try:
+            self.ledger.close()
+        finally:
+            self.lock.release()
+
+    # ---- identity -----------------------------------------------------------------------------
+
+    def _current_pins(self) -> tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]]:
+        version = self.trust.version()
+        with self._pins_lock:
+            if version != self._pins[0]:
+                self._pins = (version, self.trust.peers(), self.trust.pins())
+            return self._pins
+
+    def pinned(self) -> dict[str, PinnedPeer]:
+        return self._current_pins()[1]
+
+    def pinned_by_fingerprint(self, fp: str) -> PinnedPeer | None:
+        """The pin with this fingerprint: a site's certificate, or the next one it rotates to."""
+        for p in self._current_pins()[2]:
+            if p.fingerprint == fp:
+                return p
+        return None
+
+    def client_for(self, partner: str) -> PartnerClient:
+        """A client of a pinned partner this site knows the address of (site.toml [site.peers])."""
+        address = self.config.peers.get(partner)
+        if address is None:
+            raise FailedPrecondition(f"partner: {self.name!r} does not know where {partner!r} listens (site.toml [site.peers.{partner}])")
+        if partner not in self.pinned():
+            raise FailedPrecondition(f"partner: {partner!r} is not pinned at {self.name!r}")
+        return PartnerClient(PeerClient(self.identity, address, peer=partner, insecure=self.insecure, trust=self.trust))
+
+    # ---- what is offered ----------------------------------------------------------------------
+
+    def model(self, name: str, field_name: str = "model") -> StoredModel:
+        if not name:
+            raise InvalidArgument(field_name, "is required")
+        m = self.models.get(name)
+        if m is None:
+            raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
+        return m
+
+    def pool(self, name: str):
+        """The pool's models (``peer.dp.merging.PoolModel``)."""
+        if not name:
+            raise InvalidArgument("pool", "is required")
+        p = self.pools.get(name)
+        if p is None:
+            raise NotFound(f"pool: {self.name!r} has no pool {name!r}")
+        return p
+
+    def pool_validation(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        return self._validation[name]
+
+    def rs_utilities(self, name: str) -> list[float]:
+        return self._rs_utilities[name]
+
+    def activation_clip(self, requested: tuple[float, float] | None = None) -> tuple[float, float] | None:
+        """The public activation range: the caller's (checked by the service), else the site's
+        default (None: the mechanism's own default, which exists only for bounded activations)."""
+        return requested if requested is not None else self.config.activation_clip
+
+    def randomness_mechanism(self) -> str:
+        """Where this site's noise comes from, as listed in PeerInfo.mechanisms (no proto field
+        needed): ``"randomness:csprng"`` or ``"randomness:fixed-seed (fixed seed: not private)"``."""
+        if self._master is None:
+            return "randomness:csprng"
+        return f"randomness:fixed-seed ({FIXED_SEED_WARNING})"
+
+    def randomness(self) -> Randomness | None:
+        """Fresh CSPRNG noise per release; with a configured seed, the next child stream of it."""
+        if self._master is None:
+            return make_randomness()
+        with self._master_lock:
+            return self._master.spawn()
+
+    # ---- releases (computed, not yet charged) -------------------------------------------------
+
+    def perturbed_weights(self, stored: StoredModel, epsilon: float, delta: float, randomness: Randomness | None = None):
+        """PFA-perturbed, unpermuted weights of ``stored`` ((ε, δ) per neuron, the site's
+        Gaussian calibration) and their record."""
+        return perturb_model_weights(stored.architecture, stored.arrays, epsilon=epsilon, delta=delta,
+                                     calibration=self.config.calibration,
+                                     randomness=randomness or self.randomness())
+
+    def features(self, stored: StoredModel, probe: np.ndarray, *, activation_epsilon: float, weight_epsilon: float,
+                 activation_clip: tuple[float, float] | None, weight_bounds: tuple[float, float] | None = None,
+                 unit: str = "neuron", weights: tuple[float, float] | None = None,
+                 release: str = "features+weights") -> FeaturesRelease:
+        """Noisy graph features of ``stored`` on ``probe`` (Laplace on activations clipped to
+        ``activation_clip``, multi-bit on weight features, per ``unit``) and, with ``weights`` =
+        (ε, δ), its perturbed weights from the same randomness stream. Both parts touch every
+        neuron, so they compose sequentially into one record (``parameters.release`` =
+        ``release``): one release, one charge, and a refusal of either leaves nothing charged."""
+        graph = extract_graph(stored.architecture, stored.module(), probe)
+        rnd = self.randomness()
+        noisy, record = perturb_graph(graph, epsilon_x=activation_epsilon, epsilon_w=weight_epsilon,
+                                      activation_clip=activation_clip, weight_bounds=weight_bounds, unit=unit,
+                                      randomness=rnd)
+        arrays = None
+        if weights is not None:
+            arrays, weights_record = self.perturbed_weights(stored, *weights, randomness=rnd)
+            record = composite_record([record, weights_record], "sequential", randomness=rnd,
+                                      parameters={"release": release})
+        return FeaturesRelease(noisy, arrays, record)
+
+    def weights(self, stored: StoredModel, epsilon: float, delta: float, caller: str,
+                on_behalf_of: str | None = None) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
+        """Perturbed weights for ``caller``, always unpermuted: a requester aligns them itself,
+        so its match never leaves it. The record is stamped."""
+        arrays, record = self.perturbed_weights(stored, epsilon, delta)
+        return arrays, stamp(record, caller, stored.name, **({"on_behalf_of": on_behalf_of} if on_behalf_of else {}))
+
+    def merge(self, pool: str, method: str, epsilon: float, delta: float, caller: str):
+        """An RS or LC merge of ``pool`` at (ε, δ) for ``caller`` (``peer.dp.pools.merge_pool``:
+        candidates judged on the pool's public validation split; RS maximises the models'
+        accuracy there), its record stamped."""
+        # lazy: peer.dp loads dp_accounting (slow to import); the site has pools, so it is loaded
+        from peer.dp.pools import merge_pool
+
+        return merge_pool(self.pool(pool), method, epsilon, delta, validation=self.pool_validation(pool),
+                          utilities=self.rs_utilities(pool) if method == "rs" else None,
+                          randomness=self.randomness(), subject=pool, counterparty=caller)
+
+    # ---- policy and ledger --------------------------------------------------------------------
+
+    def policy_allows(self, caller: str, kind: str) -> None:
+        """PermissionDenied unless the policy lets ``caller`` ask for ``kind`` (checked before
+        any work; the per-request caps are checked by the ledger in the budget's unit)."""
+        if kind == "info":
+            return  # every pinned peer may see who we are
+        if not self.policy.allows(caller, kind):
+            raise PermissionDenied(f"{self.name!r}'s policy does not let {caller!r} ask for {kind}")
+
+    def charge(self, record: ReleaseRecord, caller: str, kind: str | tuple[str, ...],
+               on_behalf_of: str | None = None) -> str:
+        """Charge ``record`` to ``caller`` (and, for a relayed release, also to the site it is
+        finally for); the entry id."""
+        also = (on_behalf_of,) if on_behalf_of else ()
+        return str(self.ledger.charge(record, caller, kind=kind, also_counterparties=also).entry_id)
+
+    def cancel(self, record: ReleaseRecord, reason: str) -> None:
+        """Withdraw the charge of a release none of whose bytes went to the transport."""
+        self.ledger.cancel(record.release_id, reason)
+
+    def release_event(self, record: ReleaseRecord, event: str, detail: str = "") -> None:
+        self.ledger.record_event(record.release_id, event, detail)
+
+    def ledger_entries(self, caller: str):
+        for e in self.ledger.entries(counterparty=caller):
+            yield str(e.entry_id), e.record, e.charged_at
+
+    def peer_info(self, caller: str) -> SiteInfo:
+        """Who we are and what we offer, for ``caller``: models with every weight layer's name
+        and shapes (public: they follow from the architecture, so a caller can fill a
+        layer-keyed request without a charged release first), pools and the merges they allow,
+        mechanisms, and the budgets the policy lets ``caller`` see."""
+
+        def model_info(name: str, m: StoredModel) -> ModelInfo:
+            layers = weight_layers(m.architecture)
+            return ModelInfo(name=name, architecture=m.architecture,
+                             parameter_count=sum(int(a.size) for a in m.arrays.values()),
+                             hidden_sizes=tuple(hidden_sizes(m.architecture)),
+                             layers=tuple(LayerInfo(name=l.name, kind=l.kind,
+                                                    weight_shape=tuple(m.arrays[f"{l.name}.weight"].shape),
+                                                    bias_shape=tuple(m.arrays[f"{l.name}.bias"].shape),
+                                                    hidden=i < len(layers) - 1)
+                                          for i, l in enumerate(layers)))
+
+        pools = []
+        if self.pools:
+            # lazy: peer.dp loads dp_accounting (slow to import); the site has pools, so it is loaded
+            from peer.dp.accounting import TrainingRecord
+
+            for name, members in self.pools.items():
+                lc = all(isinstance(m.privacy, TrainingRecord) for m in members)  # LC needs full training records
+                pools.append(PoolInfo(name=name, architecture=members[0].architecture,
+                                      members=tuple(m.name for m in members), methods=("rs", "lc") if lc else ("rs",)))
+        budgets = tuple(BudgetInfo(budget=s.key.name, scope=s.key.scope, epsilon_limit=s.epsilon_limit,
+                                   delta_limit=s.delta_limit, epsilon_spent=s.spent_epsilon,
+                                   epsilon_remaining=s.remaining_epsilon, releases=s.count)
+                        for s in self.ledger.remaining_for(caller))
+        return SiteInfo(name=self.name, certificate_sha256=self.identity.fingerprint, insecure=self.insecure,
+                        models=tuple(model_info(n, m) for n, m in sorted(self.models.items())), pools=tuple(pools),
+                        mechanisms=(*MECHANISMS, self.randomness_mechanism()), budgets=budgets,
+                        has_probe_set=self.probe is not None)
+
+
+class PartnerClient:
+    """A client of a partner site whose failures become this site's FAILED_PRECONDITION /
+    UNAVAILABLE (the caller's budget here is not what ran out when the partner refuses)."""
+
+    def __init__(self, client: PeerClient):
+        self._client = client
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except PeerError as e:
+                status = "UNAVAILABLE" if e.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "FAILED_PRECONDITION"
+                raise PeerError(status, f"partner {self._client.peer_name!r} refused or failed ({e.status}): {e}", e.details) from None
+        return call

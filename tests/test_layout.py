@@ -1,0 +1,160 @@
+"""The layout shows the architecture: a pure core, a thin shell, no cycle between packages.
+
+Read from the source with ``ast`` (imports inside functions count too), so a lazy import cannot
+hide a dependency. The layers, from the bottom:
+
+    peer.base → peer.nn → peer.ldp, peer.dp → peer.budget → peer.net → peer.cli
+    coordinator_free (may use peer) → scenarios (may use both)
+
+``peer`` never imports ``coordinator_free`` or ``scenarios``; the core (base, nn, ldp, dp,
+budget) imports no gRPC and no protobuf.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.experiments", "peer.cli",
+          "coordinator_free", "scenarios"]
+# Which layer may import which (its own and those listed). ldp and dp are side by side.
+ALLOWED = {
+    "peer.base": set(),
+    "peer.nn": {"peer.base"},
+    "peer.ldp": {"peer.base", "peer.nn"},
+    "peer.dp": {"peer.base", "peer.nn"},
+    "peer.budget": {"peer.base", "peer.dp"},
+    "peer.net": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget"},
+    "peer.experiments": {"peer.base", "peer.nn", "peer.ldp", "peer.dp"},
+    "peer.cli": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.experiments"},
+    "coordinator_free": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.cli"},
+    "scenarios": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.cli",
+                  "coordinator_free"},
+}
+CORE = ("peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget")
+SHELL_ONLY = ("grpc", "grpc_status", "grpc_health", "grpc_reflection", "google.protobuf", "google.rpc", "privfusion")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for top in ("peer", "coordinator_free", "scenarios"):
+        for p in (ROOT / top).rglob("*.py"):
+            rel = p.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = p
+    return out
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(f"{name}.{a.name}" for a in node.names)
+    return found
+
+
+def layer_of(name: str) -> str | None:
+    for layer in sorted(LAYERS, key=len, reverse=True):
+        if name == layer or name.startswith(layer + "."):
+            return layer
+    return None
+
+
+def test_every_module_belongs_to_a_layer():
+    stray = [m for m in modules() if layer_of(m) is None and m != "peer"]
+    assert not stray, f"modules outside the layers {LAYERS}: {stray}"
+
+
+def test_layers_import_only_what_is_below_them():
+    bad = []
+    for module, path in modules().items():
+        own = layer_of(module)
+        if own is None:
+            continue
+        for name in imports_of(path, module):
+            other = layer_of(name)
+            if other is None or other == own:
+                continue
+            if other not in ALLOWED[own]:
+                bad.append(f"{module} imports {name} ({own} may not use {other})")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_peer_never_imports_coordinator_free_or_scenarios():
+    bad = [f"{m} imports {n}" for m, p in modules().items() if m.startswith("peer")
+           for n in imports_of(p, m) if n.split(".")[0] in ("coordinator_free", "scenarios")]
+    assert not bad, bad
+
+
+def test_the_core_imports_no_grpc_and_no_protobuf():
+    bad = [f"{m} imports {n}" for m, p in modules().items() if layer_of(m) in CORE
+           for n in imports_of(p, m) if any(n == s or n.startswith(s + ".") for s in SHELL_ONLY)]
+    assert not bad, bad
+
+
+def test_the_site_holds_no_protobuf_types():
+    site = ROOT / "peer" / "net" / "site.py"
+    names = imports_of(site, "peer.net.site")
+    assert not [n for n in names if n.startswith(("privfusion", "grpc", "google"))]
+
+
+def test_no_import_cycle_between_modules():
+    graph = {m: {n for n in imports_of(p, m) if n in modules()} - {m} for m, p in modules().items()}
+    # a package's __init__ re-exporting its own modules is not a cycle between packages
+    seen, stack, cycles = set(), [], []
+
+    def visit(m: str) -> None:
+        if m in stack:
+            cycles.append(stack[stack.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for n in graph[m]:
+            if not (n.startswith(m + ".") or m.startswith(n + ".") and n in _packages()):
+                visit(n)
+        stack.pop()
+
+    for m in sorted(graph):
+        visit(m)
+    assert not cycles, cycles[:5]
+
+
+def _packages() -> set[str]:
+    return {m for m, p in modules().items() if p.name == "__init__.py"}
+
+
+@pytest.mark.parametrize("pattern", [r"\b(DESIGN|STYLE|REFERENCES|CONTRACTS)\.md\b", r"\.\./shared\b"])
+def test_nothing_cites_a_document_outside_the_repository(pattern):
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    rx = re.compile(pattern)
+    bad = []
+    for f in files:
+        p = ROOT / f
+        if f == "tests/test_layout.py" or not p.is_file() or p.suffix in (".png", ".npz", ".safetensors"):
+            continue
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            continue
+        bad += [f"{f}:{i}" for i, line in enumerate(text.splitlines(), 1) if rx.search(line)]
+    assert not bad, bad
