@@ -45,7 +45,7 @@ def test_import_export_round_trip_through_the_cli(tmp_path, capsys, factory, cls
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["self_check"] == "passed" and out["groups"]
-    manifest = json.loads((site / "models" / "m1.json").read_text())
+    manifest = json.loads((site / "own_models" / "m1.json").read_text())
     assert manifest["imported"]["factory"] == f"{NETWORKS}:{factory}"
     assert [p["name"] for p in manifest["imported"]["structure"]["parameters"]] == list(trained.state_dict())
 
@@ -109,7 +109,7 @@ def test_bad_inputs_are_refused_clearly(tmp_path, capsys):
     finally:
         sys.path.remove(str(NETWORKS.parent.parent))
     assert rc == 2 and "model.node[attn]" in capsys.readouterr().err
-    assert not (tmp_path / "s" / "models" / "a.json").exists()
+    assert not (tmp_path / "s" / "own_models" / "a.json").exists()
 
 
 def test_unsupported_is_an_invalid_argument():

@@ -4,7 +4,9 @@
                             [--input-shape 1 8 8] [--json]
     privfusion model export --site DIR --model NAME --format pt|safetensors --out FILE
 
-The store is ``DIR/models`` (the daemon's default ``models`` directory). The factory is the
+The store is ``DIR/own_models``: kept apart from ``DIR/models``, the directory of built-in
+architectures a daemon loads and serves at start (the service cannot serve a site's own network
+yet, and a daemon finding one there would refuse to start). The factory is the
 site's code and runs here only: ``MODULE`` is importable from DIR or the current path, or is a
 ``FILE.py``. Import refuses a model whose permutation structure cannot be derived or proven,
 naming the node or group at fault.
@@ -19,9 +21,11 @@ from pathlib import Path
 
 from peer.base.errors import InvalidArgument
 
+OWN_MODELS = "own_models"
+
 
 def _store(site: str) -> Path:
-    return Path(site) / "models"
+    return Path(site) / OWN_MODELS
 
 
 def _input_shape(args, module) -> list[int]:
@@ -78,7 +82,7 @@ def register(subparsers) -> None:
     sub.required = True
 
     i = sub.add_parser("import", help="trace, prove and store a site's own network under its own key names")
-    i.add_argument("--site", required=True, help="site directory (models go to DIR/models)")
+    i.add_argument("--site", required=True, help="site directory (models go to DIR/own_models)")
     i.add_argument("--name", required=True, help="name of the model in the store")
     i.add_argument("--factory", required=True, help="MODULE:FUNCTION or FILE.py:FUNCTION returning the torch.nn.Module")
     i.add_argument("--weights", required=True, help="state dict: .safetensors, or .pt read with torch.load(weights_only=True)")
