@@ -80,7 +80,7 @@ def load_factory(spec: str, search_path: Sequence[str | os.PathLike] = ()) -> Ca
                     sys.path.remove(p)
     except InvalidArgument:
         raise
-    except Exception as e:  # noqa: BLE001 - the site's code failed; say how
+    except Exception as e:  # the site's code failed: say how
         raise InvalidArgument("factory", f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
@@ -91,7 +91,7 @@ def load_factory(spec: str, search_path: Sequence[str | os.PathLike] = ()) -> Ca
 def build_module(factory: Callable[[], nn.Module], spec: str = "factory") -> nn.Module:
     try:
         module = factory()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # the factory is the site's code: any failure is refused with its reason
         raise InvalidArgument("factory", f"{spec} raised {type(e).__name__}: {e}") from None
     if not isinstance(module, nn.Module):
         raise InvalidArgument("factory", f"{spec} must return a torch.nn.Module, got {type(module).__name__}")
@@ -111,7 +111,7 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise InvalidArgument("weights", f"{p.name} is not a readable safetensors file: {e}") from None
     try:
         obj = torch.load(str(p), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors and containers
+    except Exception as e:  # weights_only refuses anything but tensors and plain containers
         raise InvalidArgument("weights", f"{p.name} is not a state dict readable with torch.load(weights_only=True): {type(e).__name__}: {e}") from None
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]

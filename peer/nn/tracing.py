@@ -178,7 +178,7 @@ class PermutationStructure:
                 raise ValueError("parameter names repeat")
             input_shape = tuple(int(d) for d in data["input_shape"])
             groups = []
-            for i, g in enumerate(data["groups"]):
+            for g in data["groups"]:
                 axes = tuple(AxisRef(str(a["param"]), int(a["axis"]), int(a.get("block", 1))) for a in g["axes"])
                 groups.append(PermutationGroup(str(g["name"]), int(g["size"]), axes, tuple(str(p) for p in g.get("producers", ()))))
             stats = tuple(StatPoint(str(s["module"]), str(s["kind"]), str(s["group"])) for s in data.get("stat_points", ()))
@@ -279,7 +279,7 @@ def trace_module(module: nn.Module, input_shape: Sequence[int]) -> fx.GraphModul
     """``symbolic_trace`` the module and annotate shapes from one zero example of ``input_shape``."""
     try:
         gm = fx.symbolic_trace(module)
-    except Exception as e:  # noqa: BLE001 - any tracing failure is a refusal with its reason
+    except Exception as e:  # any tracing failure is a refusal, with its reason
         raise Unsupported("model", f"cannot be traced by torch.fx (data-dependent control flow or untraceable code): {type(e).__name__}: {e}") from None
     example = torch.zeros((2, *input_shape), dtype=next((p.dtype for p in module.parameters()), torch.float32))
     was_training = gm.training
@@ -287,7 +287,7 @@ def trace_module(module: nn.Module, input_shape: Sequence[int]) -> fx.GraphModul
     try:
         with torch.no_grad():
             ShapeProp(gm).propagate(example)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise InvalidArgument("input_shape", f"{list(input_shape)} does not fit the model: {type(e).__name__}: {e}") from None
     finally:
         gm.train(was_training)
@@ -350,7 +350,7 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
         if shape is None:
             # a non-tensor value (x.size(0), a shape tuple): allowed only as reshape arguments
             src = node.args[0] if node.args else None
-            if node.op == "call_method" and node.target in ("size", "dim") or (
+            if (node.op == "call_method" and node.target in ("size", "dim")) or (
                     node.op == "call_function" and node.target is operator.getitem
                     and isinstance(src, fx.Node) and _shape(src) is None) or (
                     node.op == "call_function" and node.target is getattr and node.args[1] == "shape"):
@@ -446,7 +446,7 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                     raise _refuse(node, f"{_target_name(node)} must take one tensor")
                 layouts[node] = _Layout(lay.group, lay.dim, lay.block)
             elif (is_fn and target in _POOL_FUNCTIONS):
-                if lay is None or not fixed(lay) and (lay.dim != 1 or lay.block != 1):
+                if lay is None or (not fixed(lay) and (lay.dim != 1 or lay.block != 1)):
                     raise _refuse(node, f"{_target_name(node)} needs channels on axis 1 unflattened")
                 layouts[node] = _Layout(lay.group, 1)
             elif (is_fn and target in _BINARY_FUNCTIONS) or (not is_fn and target in _BINARY_METHODS):
@@ -469,7 +469,7 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                 if end not in (-1, len(_shape(first)) - 1):
                     raise _refuse(node, "flatten must run to the last axis")
                 layouts[node] = _flatten_layout(node, lay, _shape(first), shape, start, lay is not None and fixed(lay))
-            elif not is_fn and target in ("view", "reshape") or (is_fn and target is torch.reshape):
+            elif (not is_fn and target in ("view", "reshape")) or (is_fn and target is torch.reshape):
                 in_shape = _shape(first)
                 if lay is not None and fixed(lay):
                     layouts[node] = _Layout(_FIXED, 1)

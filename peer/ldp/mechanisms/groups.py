@@ -122,13 +122,13 @@ def perturb_group_weights(structure: PermutationStructure, arrays: Mapping[str, 
         n = structure.parameters[params[0]][0]
         scales = [_scale(structure, p) for p in params]
         widths = [math.prod(structure.parameters[p][1:]) for p in params]
-        rows = np.concatenate([np.asarray(arrays[p], dtype=np.float64).reshape(n, -1) / s for p, s in zip(params, scales)], axis=1)
+        rows = np.concatenate([np.asarray(arrays[p], dtype=np.float64).reshape(n, -1) / s for p, s in zip(params, scales, strict=True)], axis=1)
         clip_norm = cs * math.sqrt(rows.shape[1])
         noisy, rec = gaussian_perturbation(rows, epsilon=eps, delta=dlt, clip_norm=clip_norm, entry_bound=1.0,
                                            unit="neuron", calibration=calibration, randomness=rnd)
         sigma = rec.parameters["noise_std"]
         start = 0
-        for p, s, w in zip(params, scales, widths):
+        for p, s, w in zip(params, scales, widths, strict=True):
             part = noisy[:, start:start + w]
             start += w
             if smoothing:
