@@ -77,6 +77,16 @@ def test_permuted_state_computes_the_same_function(factory, shape):
         torch.testing.assert_close(other(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+def test_torchvision_style_resnet():
+    s = import_structure(randomise(networks.TVResNet()), [3, 32, 32])
+    # one residual stream per stage: the stem and both blocks' last convs write stage 1's; the
+    # shortcut conv joins the second
+    assert s.group("conv1").producers == ("conv1", "layer1.0.conv2", "layer1.1.conv2")
+    assert s.group("layer2.0.conv2").producers == ("layer2.0.conv2", "layer2.0.downsample.0", "layer2.1.conv2")
+    assert ("layer2.0.downsample.1.running_var", 0, 1) in axes_of(s, "layer2.0.conv2")
+    assert ("fc.weight", 1, 1) in axes_of(s, "layer2.0.conv2") and len(s.groups) == 6
+
+
 def test_builtin_sequential_architectures_trace_too():
     cnn = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 6], "kernel_size": 3, "pool": [2, 2],
            "hidden": [5], "output_dim": 3}

@@ -79,6 +79,50 @@ class SmallResNet(nn.Module):
         return self.fc(x.view(x.size(0), -1))
 
 
+class TVBlock(nn.Module):
+    """torchvision's BasicBlock as written there: a strided conv, a 1×1 conv + BN shortcut when the
+    shape changes, and an in-place ``out += identity``."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class TVResNet(nn.Module):
+    """A two-stage ResNet in torchvision's layout (stem 7×7/2, max-pool, stages, global pool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        self.layer1 = nn.Sequential(TVBlock(8, 8, 1), TVBlock(8, 8, 1))
+        self.layer2 = nn.Sequential(TVBlock(8, 16, 2), TVBlock(16, 16, 1))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
 class WithAttention(nn.Module):
     def __init__(self):
         super().__init__()
