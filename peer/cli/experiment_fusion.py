@@ -12,7 +12,8 @@ import sys
 def register_experiment(group) -> None:
     f = group.add_parser("fusion", help="Table I: fusion methods on digits, homogeneous and heterogeneous splits")
     f.add_argument("--dataset", choices=["digits"], default="digits")
-    f.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="MLP 64-128-128-10 or CNN 16-32 conv + 128")
+    f.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp",
+                   help="MLP 64-128-128-10, CNN 16-32 conv + 128, or a residual CNN with BatchNorm (16, 32 channels)")
     f.add_argument("--seed", type=int, default=0, help="seed for data splits, training and (fixed, reported) noise")
     f.add_argument("--epochs", type=int, default=40)
     f.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
@@ -42,8 +43,9 @@ def format_fusion_table(results: dict) -> str:
         a, v = max(sweep, key=lambda t: t[1])
         return f"{100 * v:5.1f} (α={a:.1f})"
 
-    names = ["model_a", "model_b", "vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching"]
-    for name in names:
+    names = ["model_a", "model_b", "vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble",
+             "weight_matching", "graph_matching", "graph_matching_repair", "group_matching", "group_matching_repair"]
+    for name in (n for n in names if n in results[splits[0]]["methods"]):
         cells = []
         for s in splits:
             r = results[s]
@@ -57,9 +59,12 @@ def format_fusion_table(results: dict) -> str:
             cells = []
             for s in splits:
                 r = results[s]
-                cells.append(f"{100 * r[key][eps]:5.1f}   best {best(r['alpha_sweep'][f'{key}_eps{eps}'])}"
-                             f"   perm. agreement {100 * r['permutation_agreement'][f'{key}_eps{eps}']:.0f}%")
+                sweep = r["alpha_sweep"].get(f"{key}_eps{eps}")  # the resnet rows have α = ½ only
+                cells.append(f"{100 * r[key][eps]:5.1f}" + (f"   best {best(sweep)}" if sweep else "")
+                             + f"   perm. agreement {100 * r['permutation_agreement'][f'{key}_eps{eps}']:.0f}%")
             rows.append((f"{label} ε={eps}", cells))
+        for eps in results[splits[0]].get(f"{key}_repair", {}):
+            rows.append((f"{label} ε={eps} + REPAIR", [f"{100 * results[s][f'{key}_repair'][eps]:5.1f}" for s in splits]))
     width = max(len(r[0]) for r in rows)
     colw = max(len(c) for _, cells in rows for c in cells)
     lines = [f"{'method':<{width}}  " + "  ".join(f"{s:<{colw}}" for s in splits),

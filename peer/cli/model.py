@@ -247,6 +247,9 @@ def register(subparsers) -> None:
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.set_defaults(func=train)
     register_adopt_export(sub)
+    from peer.cli.model_import import register_import
+
+    register_import(sub)
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,8 +274,13 @@ def _adopt(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from peer.cli.model_import import export_imported, is_imported
     from peer.cli.site import export_model
 
+    if is_imported(args.site, args.model):  # a site's own network: its own key names
+        out = export_imported(args.site, args.model, args.format, args.out)
+        print(f"{args.model!r} -> {out} ({args.format}: a state_dict under the site's own key names)")
+        return 0
     out = export_model(args.site, args.model, args.format, args.out)
     print(f"{args.model!r} -> {out} ({args.format}: a plain state_dict of float32 tensors; no preprocessing)")
     return 0

@@ -9,10 +9,16 @@ Site A then fuses its model with site B's by each method and reports test accura
 - ``prediction_ensemble``: α·p_A + (1−α)·p_B (both models at inference; not a single model);
 - ``weight_matching``: Git Re-Basin weight matching on exact weights, then α-fusion;
 - ``graph_matching``: non-private spectral graph matching (exact activations and weights);
+- ``graph_matching_repair``: the same fusion, then REPAIR (``peer.ldp.repair``): every fused
+  hidden unit's pre-activation mean and std reset to the α-interpolation of the endpoints',
+  all measured by site A on its own training records (B's statistics from running the aligned
+  model A received — post-processing);
 - PrivFusion at ε_x = ε_w = ε_f = ε: B releases Laplace activations and multi-bit weight
   features (site A matches against them) and PFA-perturbed weights (site A fuses them), under
   the per-entry unit (``privfusion``, the paper's proofs) and the per-neuron unit
   (``privfusion_per_neuron``, the project's default).
+  ``privfusion_repair`` / ``privfusion_per_neuron_repair``: the same fused models after REPAIR,
+  B's statistics measured by A on its own records through B's *released* (noisy) weights.
 
 The probe set is public: a slice of the digits training split that neither site trains on, with
 each image's four one-pixel shifts (``probe_shifts``), so 128 public images give 640 probes.
@@ -28,14 +34,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+import torch
+from torch import nn
 
 from peer.base.rng import make_randomness
 from peer.ldp.fusion import ensemble_proba, fuse_arrays, permute_arrays, vanilla_average, weight_matching
+from peer.ldp.group_matching import fuse_state, group_activations, match_groups
 from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
-from peer.nn.architectures import accuracy, hidden_sizes, model_from_arrays, state_arrays, train_classifier, weight_layers
+from peer.ldp.mechanisms.groups import perturb_group_activations, perturb_group_weights
+from peer.ldp.repair import fine_tune, repair_fusion
+from peer.nn.architectures import (accuracy, hidden_sizes, input_tensor, model_from_arrays, state_arrays, torch_threads,
+                                   train_classifier, weight_layers)
 from peer.nn.data import load_dataset, split_homogeneous, split_label_skew
 from peer.nn.graph import extract_graph
+from peer.nn.tracing import derive_structure, import_structure, permute_state, random_permutations
 
 ARCHITECTURES = {
     "mlp": {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10, "activation": "relu"},
@@ -66,6 +79,9 @@ class FusionConfig:
     epsilons: tuple[float, ...] = EPSILONS
     alphas: tuple[float, ...] = ALPHAS
     label_skew: float = 0.8
+    #: public clip range of the resnet's group activations (pre-activation conv/BatchNorm outputs,
+    #: spatially averaged: they take both signs)
+    group_activation_clip: tuple[float, float] = (-2.0, 2.0)
 
 
 @dataclass
@@ -73,6 +89,8 @@ class SplitResult:
     methods: dict[str, float] = field(default_factory=dict)
     privfusion: dict[str, float] = field(default_factory=dict)
     privfusion_per_neuron: dict[str, float] = field(default_factory=dict)
+    privfusion_repair: dict[str, float] = field(default_factory=dict)
+    privfusion_per_neuron_repair: dict[str, float] = field(default_factory=dict)
     alpha_sweep: dict[str, list[list[float]]] = field(default_factory=dict)
     permutation_agreement: dict[str, float] = field(default_factory=dict)
 
@@ -98,7 +116,24 @@ def _architecture(cfg: FusionConfig) -> dict:
     return cfg.architecture if cfg.architecture is not None else ARCHITECTURES[cfg.model]
 
 
+def _sites(cfg: FusionConfig, split: str):
+    """The dataset, the public probe set, and the two sites' parts of the training split."""
+    ds = load_dataset("digits", seed=cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    order = rng.permutation(len(ds.y_train))
+    probe_idx, train_idx = order[: cfg.probe_size], order[cfg.probe_size:]
+    x_probe = public_probes(ds.x_train[probe_idx], cfg.probe_shifts)
+    x_tr, y_tr = ds.x_train[train_idx], ds.y_train[train_idx]
+    if split == "homogeneous":
+        parts = split_homogeneous(y_tr, 2, seed=cfg.seed)
+    else:
+        parts = split_label_skew(y_tr, majority=cfg.label_skew, seed=cfg.seed)
+    return ds, x_probe, x_tr, y_tr, parts
+
+
 def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = lambda s: None) -> SplitResult:
+    if cfg.model == "resnet" and cfg.architecture is None:
+        return run_split_resnet(cfg, split, progress)
     arch = _architecture(cfg)
     ds = load_dataset("digits", seed=cfg.seed)
     rng = np.random.default_rng(cfg.seed)
@@ -132,6 +167,8 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
     gm = match_graphs(ga, gb)
     b_gm = permute_arrays(arch, b, gm.permutations)
     res.alpha_sweep["graph_matching"] = _sweep(cfg.alphas, lambda al: acc(fuse_arrays(a, b_gm, al)))
+    repaired = _repairer(arch, a, x_tr[parts[0]], ds.x_test, ds.y_test)
+    res.alpha_sweep["graph_matching_repair"] = _sweep(cfg.alphas, lambda al: repaired(b_gm, al))
 
     for u, (unit, key) in enumerate((("entry", "privfusion"), ("neuron", "privfusion_per_neuron"))):
         for k, eps in enumerate(cfg.epsilons):
@@ -149,12 +186,30 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
             sweep = _sweep(cfg.alphas, lambda al: acc(fuse_arrays(a, b_pf, al)))
             res.alpha_sweep[f"{key}_eps{eps:g}"] = sweep
             getattr(res, key)[f"{eps:g}"] = dict(sweep)[0.5]
+            if 0.5 in cfg.alphas:
+                getattr(res, f"{key}_repair")[f"{eps:g}"] = repaired(b_pf, 0.5)
             res.permutation_agreement[f"{key}_eps{eps:g}"] = _agreement(pm.permutations, gm.permutations)
 
-    for name in ("vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching"):
+    for name in ("vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching", "graph_matching_repair"):
         res.methods[name] = dict(res.alpha_sweep[name])[0.5]
     res.permutation_agreement["weight_matching"] = _agreement(wm.permutations, gm.permutations)
     return res
+
+
+def _repairer(arch, a, x_own, x_test, y_test) -> Callable[[dict, float], float]:
+    """Test accuracy of α·A + (1 − α)·B_aligned after REPAIR on A's own records ``x_own``."""
+    model_a = model_from_arrays(arch, a)
+    points = derive_structure(model_a, input_tensor(arch, x_own[:1]).shape[1:]).stat_points
+    x = input_tensor(arch, x_own)
+
+    def repaired(b_aligned: dict, alpha: float) -> float:
+        if alpha in (0.0, 1.0):
+            # an endpoint is its own interpolation: REPAIR would be the identity up to rounding
+            return accuracy(arch, model_from_arrays(arch, fuse_arrays(a, b_aligned, alpha)), x_test, y_test)
+        fused = model_from_arrays(arch, fuse_arrays(a, b_aligned, alpha))
+        out = repair_fusion(fused, model_a, model_from_arrays(arch, b_aligned), points, alpha, x)
+        return accuracy(arch, out, x_test, y_test)
+    return repaired
 
 
 def _noise_seed(cfg: FusionConfig, unit_index: int, epsilon_index: int) -> int:
@@ -214,11 +269,152 @@ def permutation_recovery(cfg: FusionConfig, progress: Callable[[str], None] = la
     return out
 
 
+class DigitsResNet(nn.Module):
+    """The ``resnet`` model of the experiment: a small residual CNN with BatchNorm for 1×8×8
+    digits — a stem conv + BN, a residual stage of two conv-BN pairs, a widening conv, 2×2 max
+    pooling, a second residual stage, flatten, a Linear head. Its permutation structure (four
+    groups: two residual streams and two block-internal groups) comes from tracing it."""
+
+    def __init__(self, c1: int = 16, c2: int = 32, n_out: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(1, c1, 3, padding=1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(c1)
+        self.stage1 = _Block(c1)
+        self.widen = nn.Conv2d(c1, c2, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.stage2 = _Block(c2)
+        self.fc = nn.Linear(c2 * 4 * 4, n_out)
+
+    def forward(self, x):
+        x = torch.relu(self.stem_bn(self.stem(x)))
+        x = self.stage1(x)
+        x = self.pool(torch.relu(self.widen(x)))
+        x = self.stage2(x)
+        return self.fc(torch.flatten(x, 1))
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def _images(x) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(-1, 1, 8, 8)
+
+
+def _resnet(arrays: dict | None = None, seed: int | None = None) -> DigitsResNet:
+    if seed is not None:
+        torch.manual_seed(seed)
+    m = DigitsResNet()
+    if arrays is not None:
+        m.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in arrays.items()})
+    return m.eval()
+
+
+@torch.no_grad()
+def _proba(m: nn.Module, x) -> np.ndarray:
+    m.eval()
+    return torch.softmax(m(_images(x)), dim=1).numpy()
+
+
+def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], None] = lambda s: None) -> SplitResult:
+    """The ``resnet`` rows: the layered graph matcher and the local-DP mechanisms do not take
+    permutation groups yet, so this model is aligned by :func:`peer.ldp.group_matching.match_groups`
+    (activations on the public probes and weights, non-private: ``group_matching``), fused on
+    every float entry of the state (BatchNorm statistics included) and repaired by resetting
+    its BatchNorms on A's own records (``group_matching_repair``). PrivFusion over groups, per
+    group element (``peer.ldp.mechanisms.groups``): B releases Laplace group activations and PFA
+    weights at ε each (sequential: 2ε per element); A matches its exact features against them,
+    fuses the released weights at α = ½ (``privfusion_per_neuron``) and repairs
+    (``privfusion_per_neuron_repair``)."""
+    ds, x_probe, x_tr, y_tr, parts = _sites(cfg, split)
+    progress(f"{split}: training two ResNets")
+    with torch_threads(1):
+        models = [fine_tune(_resnet(seed=cfg.seed + 1 + i), _images(x_tr[p]), y_tr[p], seed=cfg.seed + 1 + i,
+                            epochs=cfg.epochs, learning_rate=1e-3) for i, p in enumerate(parts)]
+        structure = import_structure(models[0], [1, 8, 8])
+        a, b = ({k: v.numpy() for k, v in m.state_dict().items()} for m in models)
+        x_own = _images(x_tr[parts[0]])
+
+        def acc(m: nn.Module) -> float:
+            return float(np.mean(_proba(m, ds.x_test).argmax(1) == ds.y_test))
+
+        def fused(b_aligned, alpha, repaired):
+            f = _resnet(fuse_state(structure, a, b_aligned, alpha))
+            if repaired and 0.0 < alpha < 1.0:
+                f = repair_fusion(f, models[0], _resnet(b_aligned), structure.stat_points, alpha, x_own)
+            return acc(f)
+
+        res = SplitResult()
+        res.methods["model_a"], res.methods["model_b"] = acc(models[0]), acc(models[1])
+        pa, pb = _proba(models[0], ds.x_test), _proba(models[1], ds.x_test)
+        res.alpha_sweep["prediction_ensemble"] = _sweep(cfg.alphas, lambda al: float(np.mean((al * pa + (1 - al) * pb).argmax(1) == ds.y_test)))
+        res.alpha_sweep["vanilla_averaging"] = _sweep(cfg.alphas, lambda al: fused(b, al, False))
+        res.alpha_sweep["vanilla_averaging_repair"] = _sweep(cfg.alphas, lambda al: fused(b, al, True))
+        progress(f"{split}: group matching")
+        probes = _images(x_probe)
+        perms = match_groups(structure, a, b, group_activations(models[0], structure, probes),
+                             group_activations(models[1], structure, probes), seed=cfg.seed)
+        b_gm = permute_state(structure, b, perms)
+        res.alpha_sweep["group_matching"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, False))
+        res.alpha_sweep["group_matching_repair"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, True))
+        acts_a = group_activations(models[0], structure, probes)
+        acts_b = group_activations(models[1], structure, probes)
+        for k, eps in enumerate(cfg.epsilons):
+            # PrivFusion over groups, per group element: B releases Laplace activations and
+            # PFA weights at ε each; A matches against them and fuses the released weights
+            progress(f"{split}: PrivFusion over groups, epsilon={eps:g}")
+            randomness = make_randomness(_noise_seed(cfg, 1, k))
+            noisy_acts, _ = perturb_group_activations(acts_b, epsilon=eps, clip=cfg.group_activation_clip,
+                                                      randomness=randomness)
+            noisy_b, _ = perturb_group_weights(structure, b, epsilon=eps, delta=cfg.delta, randomness=randomness.spawn())
+            found = match_groups(structure, a, noisy_b, acts_a, noisy_acts, seed=cfg.seed)
+            b_pf = permute_state(structure, noisy_b, found)
+            res.privfusion_per_neuron[f"{eps:g}"] = fused(b_pf, 0.5, False)
+            res.privfusion_per_neuron_repair[f"{eps:g}"] = fused(b_pf, 0.5, True)
+            res.permutation_agreement[f"privfusion_per_neuron_eps{eps:g}"] = float(
+                sum(int(np.sum(found[g] == perms[g])) for g in perms) / sum(len(p) for p in perms.values()))
+    for name in ("vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble", "group_matching", "group_matching_repair"):
+        res.methods[name] = dict(res.alpha_sweep[name])[0.5]
+    return res
+
+
+def permutation_recovery_resnet(cfg: FusionConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """A trained ResNet against a copy with every group randomly permuted: the fraction of
+    units group matching maps back, and the α = ½ fusion's accuracy (the original's if exact)."""
+    ds, x_probe, x_tr, y_tr, _ = _sites(cfg, "homogeneous")
+    progress("permutation recovery: training one ResNet")
+    with torch_threads(1):
+        model = fine_tune(_resnet(seed=cfg.seed + 11), _images(x_tr), y_tr, seed=cfg.seed + 11, epochs=cfg.epochs,
+                          learning_rate=1e-3)
+        structure = import_structure(model, [1, 8, 8])
+        a = {k: v.numpy() for k, v in model.state_dict().items()}
+        perms = random_permutations(structure, np.random.default_rng(cfg.seed + 7))
+        b = permute_state(structure, a, perms)
+        probes = _images(x_probe)
+        found = match_groups(structure, a, b, group_activations(model, structure, probes),
+                             group_activations(_resnet(b), structure, probes), seed=cfg.seed)
+        truth = {g: np.argsort(p) for g, p in perms.items()}
+        correct = sum(int(np.sum(found[g] == truth[g])) for g in truth) / sum(len(p) for p in truth.values())
+        fused = _resnet(fuse_state(structure, a, permute_state(structure, b, found), 0.5))
+        return {"original_accuracy": float(np.mean(_proba(model, ds.x_test).argmax(1) == ds.y_test)),
+                "group_matching": {"fraction_correct": correct,
+                                   "fused_accuracy": float(np.mean(_proba(fused, ds.x_test).argmax(1) == ds.y_test))}}
+
+
 def run(cfg: FusionConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for split in ("homogeneous", "heterogeneous"):
         out[split] = asdict(run_split(cfg, split, progress))
-    out["permutation_recovery"] = permutation_recovery(cfg, progress)
+    resnet = cfg.model == "resnet" and cfg.architecture is None
+    out["permutation_recovery"] = (permutation_recovery_resnet if resnet else permutation_recovery)(cfg, progress)
     cfg_d = asdict(cfg)
     out["config"] = cfg_d
     return out

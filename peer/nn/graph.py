@@ -129,3 +129,96 @@ def extract_graph(arch: Mapping[str, Any], model: nn.Sequential, probe_x: np.nda
     out_layer, out_mod = layers[-1]
     return NetworkGraph(a, layers[0][0].inputs, tuple(hidden), _edge_tensor(out_mod.weight, out_layer.inputs),
                         out_mod.bias.detach().cpu().numpy().astype(np.float64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks described by permutation groups (a site's own module, traced by peer.nn.tracing)
+
+
+@dataclass(frozen=True)
+class GroupNodes:
+    """The nodes of one permutation group: one per group element.
+
+    ``activations`` is (n, P·m): each element's responses on the P probes at each of the
+    group's m member tensors (the outputs of every module writing into the group — its
+    Linear/Conv producers and its BatchNorms — averaged over spatial positions), concatenated
+    along the probe axis. ``incoming`` is (n, d): each element's incoming weights over *every*
+    layer writing into the group (each producer's row, flattened, then its bias when it has
+    one), concatenated in the order of ``members``."""
+
+    name: str
+    members: tuple[str, ...]
+    activations: np.ndarray
+    incoming: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.activations.shape[0])
+
+
+@dataclass(frozen=True)
+class GroupGraph:
+    """A network as permutation groups of nodes; input and output units are fixed (no group)."""
+
+    groups: tuple[GroupNodes, ...]
+
+    def by_name(self) -> dict[str, GroupNodes]:
+        return {g.name: g for g in self.groups}
+
+
+def group_members(structure) -> dict[str, list[str]]:
+    """For each group of a ``peer.nn.tracing.PermutationStructure``, the modules writing into
+    it: its producers, then its statistic points (BatchNorms) not already listed."""
+    members: dict[str, list[str]] = {g.name: list(g.producers) for g in structure.groups}
+    for p in structure.stat_points:
+        if p.module not in members[p.group]:
+            members[p.group].append(p.module)
+    return members
+
+
+@torch.no_grad()
+def extract_group_graph(module: nn.Module, structure, probe_x) -> GroupGraph:
+    """The group graph of ``module`` (whose structure is ``structure``) on the probe set."""
+    x = probe_x if isinstance(probe_x, torch.Tensor) else torch.as_tensor(np.asarray(probe_x, dtype=np.float32))
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise InvalidArgument("probe_x", "the probe set is empty")
+    if not bool(torch.all(torch.isfinite(x))):
+        raise InvalidArgument("probe_x", "contains NaN or infinite values")
+    members = group_members(structure)
+    mods = dict(module.named_modules())
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for names in members.values():
+        for name in names:
+            if name not in mods:
+                raise InvalidArgument("structure", f"the model has no module {name!r}")
+            linear = isinstance(mods[name], nn.Linear)
+
+            def record(m, args, out, name=name, linear=linear):
+                t = out.detach().double()
+                t = t.movedim(-1, 1) if linear and t.dim() > 2 else t
+                seen[name] = t.reshape(t.shape[0], t.shape[1], -1).mean(dim=2)
+            hooks.append(mods[name].register_forward_hook(record))
+    was_training = module.training
+    module.eval()
+    try:
+        module(x)
+    except RuntimeError as e:
+        raise InvalidArgument("probe_x", f"does not fit the model's input: {e}") from None
+    finally:
+        for h in hooks:
+            h.remove()
+        module.train(was_training)
+    groups = []
+    for g in structure.groups:
+        names = members[g.name]
+        acts = np.concatenate([seen[n].T.numpy() for n in names], axis=1)
+        rows = []
+        for n in g.producers:
+            mod = mods[n]
+            rows.append(mod.weight.detach().double().reshape(g.size, -1).numpy())
+            if getattr(mod, "bias", None) is not None:
+                rows.append(mod.bias.detach().double().reshape(g.size, 1).numpy())
+        incoming = np.concatenate(rows, axis=1) if rows else np.zeros((g.size, 0))
+        groups.append(GroupNodes(g.name, tuple(names), acts, incoming))
+    return GroupGraph(tuple(groups))

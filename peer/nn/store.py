@@ -23,9 +23,10 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError
@@ -119,6 +120,9 @@ def load_model(directory: str | os.PathLike, name: str) -> StoredModel:
         raise InvalidArgument(f"{mpath.name}", f"is not valid JSON: {e}") from None
     if manifest.get("format") != FORMAT or manifest.get("name") != name:
         raise InvalidArgument(f"{mpath.name}", f"must have format {FORMAT} and name {name!r}")
+    if "imported" in manifest:
+        # a site's own network (peer.nn.imported): its structure replaces the architecture
+        raise InvalidArgument(f"{mpath.name}", "describes an imported model; read it with peer.nn.imported.load_imported")
     try:
         arrays = load_file(str(wpath))
     except (SafetensorError, OSError) as e:

@@ -1,0 +1,94 @@
+"""``privfusion model import`` (and ``model export`` of what it stored): a site's own PyTorch
+network in and out of its store.
+
+    privfusion model import --site DIR --name NAME --factory MODULE:FUNCTION --weights FILE
+                            [--input-shape 1 8 8] [--json]
+    privfusion model export --site DIR --model NAME --format pt|safetensors --out FILE
+
+The store is ``DIR/own_models``: kept apart from ``DIR/models``, the directory of built-in
+architectures a daemon loads and serves at start (the service cannot serve a site's own network
+yet, and a daemon finding one there would refuse to start). The factory is the
+site's code and runs here only: ``MODULE`` is importable from DIR or the current path, or is a
+``FILE.py``. Import refuses a model whose permutation structure cannot be derived or proven,
+naming the node or group at fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from peer.base.errors import InvalidArgument
+
+OWN_MODELS = "own_models"
+
+
+def _store(site: str) -> Path:
+    return Path(site) / OWN_MODELS
+
+
+def _input_shape(args, module) -> list[int]:
+    if args.input_shape:
+        return list(args.input_shape)
+    from torch import nn
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            return [m.in_features]
+        if isinstance(m, (nn.Conv1d, nn.Conv2d)):
+            break
+    raise InvalidArgument("input_shape", "is needed for this model (one example's shape without the batch axis, e.g. --input-shape 1 8 8)")
+
+
+def import_command(args: argparse.Namespace) -> int:
+    from peer.nn.architectures import torch_threads
+    from peer.nn.imported import (
+        build_module,
+        import_model,
+        load_factory,
+        load_site_state,
+        read_weights,
+    )
+
+    with torch_threads(1):
+        module = build_module(load_factory(args.factory, [args.site]), args.factory)
+        load_site_state(module, read_weights(args.weights))
+        model = import_model(_store(args.site), args.name, module, _input_shape(args, module),
+                             factory=args.factory, metadata={"source": Path(args.weights).name})
+    s = model.structure
+    out = {"name": model.name, "store": str(_store(args.site)), "input_shape": list(s.input_shape),
+           "groups": [{"name": g.name, "size": g.size, "axes": len(g.axes)} for g in s.groups],
+           "parameters": len(s.parameters), "self_check": "passed"}
+    if args.json:
+        json.dump(out, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(f"imported {model.name}: {len(s.groups)} permutation groups "
+              f"({', '.join(f'{g.name}[{g.size}]' for g in s.groups)}), self-check passed")
+    return 0
+
+
+def is_imported(site: str, name: str) -> bool:
+    """Whether ``name`` is one of the site's imported networks (``DIR/own_models``)."""
+    return (_store(site) / f"{name}.json").is_file()
+
+
+def export_imported(site: str, name: str, fmt: str, out: str) -> Path:
+    """An imported model's weights under the site's own key names (``model export``)."""
+    from peer.nn.imported import export_model, load_imported
+
+    return export_model(load_imported(_store(site), name), out, fmt)
+
+
+def register_import(sub) -> None:
+    """``model import`` under the ``model`` group of :mod:`peer.cli.model`."""
+    i = sub.add_parser("import", help="trace, prove and store a site's own network under its own key names")
+    i.add_argument("--site", required=True, help="site directory (models go to DIR/own_models)")
+    i.add_argument("--name", required=True, help="name of the model in the store")
+    i.add_argument("--factory", required=True, help="MODULE:FUNCTION or FILE.py:FUNCTION returning the torch.nn.Module")
+    i.add_argument("--weights", required=True, help="state dict: .safetensors, or .pt read with torch.load(weights_only=True)")
+    i.add_argument("--input-shape", type=int, nargs="+", help="one example's shape without the batch axis (default: a leading Linear's in_features)")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=import_command)
+

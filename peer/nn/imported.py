@@ -1,0 +1,217 @@
+"""A site's own network in the model store: import, load and export, with the site's key names.
+
+A site brings a ``torch.nn.Module`` factory (its own code, run only at that site) and a
+state dict — a ``torch.save``'d dict of tensors, read with ``torch.load(weights_only=True)`` so
+no pickled code runs, or a safetensors file. Import builds the module, loads the weights under
+the site's own key names (strictly: every key the module has, nothing else), traces the
+permutation structure and proves it (:mod:`peer.nn.tracing`), then stores::
+
+    NAME.safetensors   # the state dict, keyed as the site named it, dtypes kept
+    NAME.json          # {"format": 1, "name": NAME, "imported": {"factory": "MODULE:FUNCTION",
+                       #   "structure": {...}}, "metadata": {...}}
+
+The manifest's ``imported`` entry replaces the ``architecture`` of built-in models: the
+structure (names, shapes, groups) is public and travels without any site code; the factory is
+only a note of which site code rebuilds the module. Export writes the weights back under the
+same keys, so ``load_state_dict`` into the site's own class gives the same network.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save
+from torch import nn
+
+from peer.base.errors import InvalidArgument, NotFound, Unsupported
+from peer.nn.store import FORMAT, _atomic_write, check_name
+from peer.nn.tracing import PermutationStructure, import_structure
+
+EXPORT_FORMATS = ("pt", "safetensors")
+
+
+@dataclass(frozen=True)
+class ImportedModel:
+    """A site's own network as stored: its structure, its state (site key names) and notes."""
+
+    name: str
+    factory: str
+    structure: PermutationStructure
+    arrays: Mapping[str, np.ndarray]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict in the site's own key order."""
+        return {k: torch.as_tensor(np.array(self.arrays[k])) for k in self.structure.parameters}
+
+
+def load_factory(spec: str, search_path: Sequence[str | os.PathLike] = ()) -> Callable[[], nn.Module]:
+    """``MODULE:FUNCTION`` (a dotted module importable from ``search_path`` or ``sys.path``) or
+    ``path/to/file.py:FUNCTION``. This runs the site's code: only at the site that owns it."""
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise InvalidArgument("factory", f"must be MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}")
+    mod_name, fn_name = spec.split(":")
+    try:
+        if mod_name.endswith(".py"):
+            path = Path(mod_name)
+            if not path.is_file():
+                raise InvalidArgument("factory", f"file {mod_name!r} does not exist")
+            s = importlib.util.spec_from_file_location(f"_privfusion_site_factory_{path.stem}", path)
+            module = importlib.util.module_from_spec(s)
+            s.loader.exec_module(module)
+        else:
+            added = [str(p) for p in search_path if str(p) not in sys.path]
+            sys.path[:0] = added
+            try:
+                module = importlib.import_module(mod_name)
+            finally:
+                for p in added:
+                    sys.path.remove(p)
+    except InvalidArgument:
+        raise
+    except Exception as e:  # the site's code failed: say how
+        raise InvalidArgument("factory", f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise InvalidArgument("factory", f"{mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+def build_module(factory: Callable[[], nn.Module], spec: str = "factory") -> nn.Module:
+    try:
+        module = factory()
+    except Exception as e:  # the factory is the site's code: any failure is refused with its reason
+        raise InvalidArgument("factory", f"{spec} raised {type(e).__name__}: {e}") from None
+    if not isinstance(module, nn.Module):
+        raise InvalidArgument("factory", f"{spec} must return a torch.nn.Module, got {type(module).__name__}")
+    return module
+
+
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A state dict from ``.safetensors`` or a ``torch.save``'d dict of tensors (read with
+    ``weights_only=True``: plain tensors only, no code)."""
+    p = Path(path)
+    if not p.is_file():
+        raise NotFound(f"weights file {str(p)!r} does not exist")
+    if p.suffix == ".safetensors":
+        try:
+            return {k: torch.as_tensor(v) for k, v in load_file(str(p)).items()}
+        except (SafetensorError, OSError) as e:
+            raise InvalidArgument("weights", f"{p.name} is not a readable safetensors file: {e}") from None
+    try:
+        obj = torch.load(str(p), map_location="cpu", weights_only=True)
+    except Exception as e:  # weights_only refuses anything but tensors and plain containers
+        raise InvalidArgument("weights", f"{p.name} is not a state dict readable with torch.load(weights_only=True): {type(e).__name__}: {e}") from None
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise InvalidArgument("weights", f"{p.name} must hold a dict of parameter name -> tensor")
+    return dict(obj)
+
+
+def load_site_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load ``state`` into ``module`` strictly, with clear errors (names, shapes, finiteness)."""
+    expected = module.state_dict()
+    missing = set(expected) - set(state)
+    extra = set(state) - set(expected)
+    if missing or extra:
+        raise InvalidArgument("weights", f"do not fit the module: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    for k, ref in expected.items():
+        t = state[k]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise InvalidArgument(f"weights[{k}]", f"has shape {tuple(t.shape)}, the module needs {tuple(ref.shape)}")
+        if t.is_floating_point() and not bool(torch.all(torch.isfinite(t))):
+            raise InvalidArgument(f"weights[{k}]", "contains NaN or infinite values")
+    module.load_state_dict({k: state[k].to(expected[k].dtype) for k in expected})
+
+
+def _c(a: Any) -> np.ndarray:
+    # np.ascontiguousarray would turn a 0-d buffer (BatchNorm's num_batches_tracked) into 1-d
+    return np.array(a, order="C", copy=True)
+
+
+def _arrays(module: nn.Module) -> dict[str, np.ndarray]:
+    return {k: _c(v.detach().cpu().numpy()) for k, v in module.state_dict().items()}
+
+
+def import_model(directory: str | os.PathLike, name: str, module: nn.Module, input_shape: Sequence[int], *,
+                 factory: str, metadata: Mapping[str, Any] | None = None) -> ImportedModel:
+    """Prove ``module``'s permutation structure and store it with its weights under ``name``.
+    The weights must already be loaded (:func:`load_site_state`)."""
+    check_name(name)
+    structure = import_structure(module, input_shape)
+    arrays = _arrays(module)
+    save_imported(directory, name, factory, structure, arrays, metadata)
+    return ImportedModel(name, factory, structure, arrays, dict(metadata or {}))
+
+
+def save_imported(directory: str | os.PathLike, name: str, factory: str, structure: PermutationStructure,
+                  arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write an imported model (weights first, manifest last, both atomic)."""
+    check_name(name)
+    structure.check_arrays(arrays)
+    for k, v in arrays.items():
+        a = np.asarray(v)
+        if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
+            raise InvalidArgument(f"weights[{k}]", "contains NaN or infinite values")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {k: _c(v) for k, v in arrays.items()}
+    _atomic_write(d / f"{name}.safetensors", save(tensors))
+    manifest = {"format": FORMAT, "name": name, "imported": {"factory": factory, "structure": structure.to_json()},
+                "metadata": dict(metadata or {})}
+    _atomic_write(d / f"{name}.json", json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode())
+    return d / f"{name}.json"
+
+
+def load_imported(directory: str | os.PathLike, name: str) -> ImportedModel:
+    check_name(name)
+    d = Path(directory)
+    mpath, wpath = d / f"{name}.json", d / f"{name}.safetensors"
+    if not mpath.is_file() or not wpath.is_file():
+        raise NotFound(f"model {name!r} is not in the store {str(d)!r}")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except ValueError as e:
+        raise InvalidArgument(mpath.name, f"is not valid JSON: {e}") from None
+    if manifest.get("format") != FORMAT or manifest.get("name") != name:
+        raise InvalidArgument(mpath.name, f"must have format {FORMAT} and name {name!r}")
+    imported = manifest.get("imported")
+    if not isinstance(imported, Mapping):
+        raise Unsupported("model", f"{name!r} is a built-in architecture, not an imported model")
+    structure = PermutationStructure.from_json(imported.get("structure"))
+    try:
+        arrays = load_file(str(wpath))
+    except (SafetensorError, OSError) as e:
+        raise InvalidArgument(wpath.name, f"is not a readable safetensors file: {e}") from None
+    structure.check_arrays(arrays)
+    return ImportedModel(name, str(imported.get("factory", "")), structure, arrays, manifest.get("metadata", {}))
+
+
+def export_model(model: ImportedModel, out: str | os.PathLike, fmt: str) -> Path:
+    """Write the weights under the site's own key names: ``pt`` (a ``torch.save``'d dict of
+    tensors, loadable with ``weights_only=True``) or ``safetensors``."""
+    if fmt not in EXPORT_FORMATS:
+        raise InvalidArgument("format", f"must be one of {list(EXPORT_FORMATS)}, got {fmt!r}")
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        data = save({k: _c(model.arrays[k]) for k in model.structure.parameters})
+    else:
+        import io
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        data = buf.getvalue()
+    _atomic_write(path, data)
+    return path

@@ -1,0 +1,644 @@
+"""The permutation structure of a site's own ``torch.nn.Module``, derived by tracing.
+
+A hidden unit of a network can be renamed — its index permuted — without changing the function
+the network computes, provided every weight axis that reads or writes that unit is permuted the
+same way (Ainsworth et al., Git Re-Basin, 2023, §2: "permutation specs"). Units that must move
+together form a **permutation group**: the output units of a Linear/Conv and every tensor that
+carries them on to the layers that read them. Residual additions ``y = x + f(x)`` force the
+units of ``x`` and ``f(x)`` into one group (the sum is permutation-equivariant only if both
+operands are permuted alike), and so does every layer that acts unit by unit (normalisation,
+elementwise activations, dropout, pooling over space). Input units (features, image channels)
+and output units (classes) have a meaning shared by every site: they are **fixed**, and a group
+that meets them (a residual stream added to the input, the output layer's rows) is fixed too.
+
+What a group records, for each weight axis it acts on, is ``(param, axis, block)``: the
+parameter or buffer's name in the *site's own* state-dict keys, the axis, and how many
+consecutive entries of that axis belong to one unit (``block`` = H·W for the first Linear
+after flattening an (N, C, H, W) map channel-major; 1 otherwise). Permuting group g by π maps
+``t[..., π(i)·block + r, ...]`` to position ``i·block + r`` on every such axis (the convention of
+``peer.ldp.fusion``: ``perm[i] = j`` says unit i of A corresponds to unit j of B).
+
+Supported (anything else is refused, naming the fx node):
+
+- ``Linear`` (on the last axis), ``Conv1d``/``Conv2d`` (``groups=1``, or depthwise with
+  ``groups = in = out``, which keeps its input group), with or without bias;
+- ``BatchNorm1d``/``BatchNorm2d``: weight, bias, ``running_mean`` and ``running_var`` join the
+  group of the normalised channels (``num_batches_tracked`` is a scalar and stays);
+- ``LayerNorm`` over the last axis only: the mean and variance over the units are symmetric
+  functions of them, so a permutation commutes with it when its weight and bias move along;
+- ``GroupNorm`` only as ``GroupNorm(1, C)`` (one group: symmetric over all channels) or
+  ``GroupNorm(C, C)`` (one channel per group: instance norm). With 1 < groups < C a
+  permutation would have to keep channels inside their normalisation group — a constraint
+  on the permutation, not a relabelling — which this module does not express, so it refuses;
+- elementwise activations (ReLU, GELU, SiLU, Tanh, Sigmoid, LeakyReLU, ELU, Softplus, …),
+  ``Dropout``, ``Identity``; max/average/adaptive pooling; means and sums over spatial axes;
+- ``Flatten`` / ``torch.flatten`` / ``view`` / ``reshape`` that flatten (N, C, …) to (N, C·…):
+  the channel group becomes a block group on the flat axis;
+- ``+``, ``-``, ``*`` of two tensors (the operands' groups are merged), or of a tensor and a
+  constant.
+
+Refused: unknown modules (attention, RNNs, embeddings, …) and functions, parameters used
+directly (``get_attr``), slicing, concatenation, reshapes that mix axes, and a module called
+twice on tensors of different groups unless the groups can be merged.
+
+Why ``torch.fx.symbolic_trace`` rather than ``torch.export``: fx keeps ``nn`` modules as
+``call_module`` nodes named by their attribute path — exactly the site's own state-dict prefix —
+so a weight axis is named as the site named it, with no decomposition into aten ops and no
+functionalised parameters to map back; it runs without an example input (``ShapeProp`` adds
+shapes from one), and needs no compiler stack. ``torch.export`` would give a stricter, complete
+graph (data-dependent control flow is caught the same way: tracing fails and the model is
+refused), at the cost of aten-level nodes whose parameters are lifted inputs.
+
+The structure is then *proven* on the site's weights by :func:`self_check`: random
+permutations of each group, then of all groups at once, must leave the outputs unchanged on
+random inputs in eval mode (relative error ≤ 1e-5, computed in float64), or the model is
+refused naming the group that broke. The proven structure (:meth:`PermutationStructure.to_json`)
+holds only names, shapes, sizes and axes: the store keeps it and the wire can carry it without
+any site code. Nothing here reads data: the structure is public.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from peer.base.errors import InvalidArgument, Unsupported
+
+STRUCTURE_FORMAT = 1
+#: the self-check's tolerance on ‖f(x) − f_π(x)‖_∞ / ‖f(x)‖_∞ (float64 arithmetic)
+SELF_CHECK_TOLERANCE = 1e-5
+
+_ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+                        nn.Softplus, nn.Mish, nn.Hardswish, nn.Hardtanh, nn.Identity, nn.Dropout,
+                        nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout)
+_ELEMENTWISE_FUNCTIONS = {F.relu, F.relu6, F.gelu, F.silu, F.tanh, F.sigmoid, F.leaky_relu, F.elu, F.softplus,
+                          F.mish, F.hardswish, F.hardtanh, F.dropout, F.dropout1d, F.dropout2d,
+                          torch.relu, torch.tanh, torch.sigmoid, torch.nn.functional.relu_}
+_ELEMENTWISE_METHODS = {"relu", "relu_", "tanh", "sigmoid", "contiguous", "float", "clone", "detach"}
+_POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
+                 nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
+_POOL_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d,
+                   F.adaptive_avg_pool2d, F.adaptive_max_pool1d, F.adaptive_max_pool2d}
+_BINARY_FUNCTIONS = {operator.add, torch.add, operator.sub, torch.sub, operator.mul, torch.mul,
+                     operator.iadd, operator.truediv}
+_BINARY_METHODS = {"add", "add_", "sub", "mul", "mul_"}
+_FIXED = -1
+
+
+@dataclass(frozen=True)
+class AxisRef:
+    """One axis a group permutes: ``param`` (the site's state-dict key), ``axis``, and
+    ``block`` consecutive entries per unit."""
+
+    param: str
+    axis: int
+    block: int = 1
+
+
+@dataclass(frozen=True)
+class StatPoint:
+    """Where the pre-activation statistics of a group's units can be reset after fusion:
+    ``module`` (the site's module path) is a Linear/Conv (``kind = "affine"``, its weight and
+    bias are rescaled) or a BatchNorm (``kind = "batchnorm"``, its running statistics are
+    reset); ``group`` is the group its output units belong to. Listed in execution order."""
+
+    module: str
+    kind: str
+    group: str
+
+
+@dataclass(frozen=True)
+class PermutationGroup:
+    """A set of hidden units that must be permuted together: ``size`` units, acting on
+    ``axes``. ``producers`` are the Linear/Conv modules whose outputs write into the group
+    (several for a residual stream): their weight rows are the units' incoming weights."""
+
+    name: str
+    size: int
+    axes: tuple[AxisRef, ...]
+    producers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PermutationStructure:
+    """The permutation groups of one network, and the names and shapes of its state dict.
+
+    ``input_shape`` is one example's shape (no batch axis). ``parameters`` maps every state-dict
+    key to its shape; keys no group touches are fixed. Public: names, shapes and axes only."""
+
+    input_shape: tuple[int, ...]
+    groups: tuple[PermutationGroup, ...]
+    parameters: Mapping[str, tuple[int, ...]]
+    stat_points: tuple[StatPoint, ...] = ()
+    dtypes: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(g.size for g in self.groups)
+
+    def group(self, name: str) -> PermutationGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise InvalidArgument("group", f"no permutation group named {name!r}; groups: {[g.name for g in self.groups]}")
+
+    def to_json(self) -> dict:
+        return {
+            "format": STRUCTURE_FORMAT,
+            "input_shape": list(self.input_shape),
+            "groups": [{"name": g.name, "size": g.size, "producers": list(g.producers),
+                        "axes": [{"param": a.param, "axis": a.axis, "block": a.block} for a in g.axes]}
+                       for g in self.groups],
+            # a list, not an object: the site's own key order survives any JSON writer
+            "parameters": [{"name": k, "shape": list(v), "dtype": self.dtypes.get(k, "float32")}
+                           for k, v in self.parameters.items()],
+            "stat_points": [{"module": s.module, "kind": s.kind, "group": s.group} for s in self.stat_points],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> PermutationStructure:
+        """Read a structure (e.g. from the store or the wire), checking every rule the
+        permutation code relies on: known parameters, axes in range, sizes that divide."""
+        if not isinstance(data, Mapping) or data.get("format") != STRUCTURE_FORMAT:
+            raise InvalidArgument("structure", f"must be an object with format {STRUCTURE_FORMAT}")
+        try:
+            params = {str(p["name"]): tuple(int(d) for d in p["shape"]) for p in data["parameters"]}
+            dtypes = {str(p["name"]): str(p.get("dtype", "float32")) for p in data["parameters"]}
+            if len(params) != len(data["parameters"]):
+                raise ValueError("parameter names repeat")
+            input_shape = tuple(int(d) for d in data["input_shape"])
+            groups = []
+            for g in data["groups"]:
+                axes = tuple(AxisRef(str(a["param"]), int(a["axis"]), int(a.get("block", 1))) for a in g["axes"])
+                groups.append(PermutationGroup(str(g["name"]), int(g["size"]), axes, tuple(str(p) for p in g.get("producers", ()))))
+            stats = tuple(StatPoint(str(s["module"]), str(s["kind"]), str(s["group"])) for s in data.get("stat_points", ()))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidArgument("structure", f"is malformed: {e!r}") from None
+        names = set()
+        seen_axes: dict[tuple[str, int], str] = {}
+        for i, g in enumerate(groups):
+            if g.name in names or g.size <= 0:
+                raise InvalidArgument(f"structure.groups[{i}]", f"names must be distinct and sizes positive (group {g.name!r})")
+            names.add(g.name)
+            for a in g.axes:
+                shape = params.get(a.param)
+                if shape is None:
+                    raise InvalidArgument(f"structure.groups[{i}].axes", f"parameter {a.param!r} is not in the structure's parameters")
+                if not 0 <= a.axis < len(shape) or a.block <= 0 or shape[a.axis] != g.size * a.block:
+                    raise InvalidArgument(f"structure.groups[{i}].axes", f"{a.param!r} axis {a.axis} (shape {shape}) does not hold {g.size} units of {a.block}")
+                if (a.param, a.axis) in seen_axes:
+                    raise InvalidArgument(f"structure.groups[{i}].axes", f"{a.param!r} axis {a.axis} is already permuted by group {seen_axes[(a.param, a.axis)]!r}")
+                seen_axes[(a.param, a.axis)] = g.name
+        for s in stats:
+            if s.group not in names or s.kind not in ("affine", "batchnorm"):
+                raise InvalidArgument("structure.stat_points", f"{s.module!r}: kind must be affine/batchnorm and group a known group")
+        return cls(input_shape, tuple(groups), params, stats, dtypes)
+
+    def check_arrays(self, arrays: Mapping[str, Any], field_name: str = "weights") -> None:
+        """Every state-dict key present with the structure's shape, and nothing else."""
+        missing = set(self.parameters) - set(arrays)
+        extra = set(arrays) - set(self.parameters)
+        if missing or extra:
+            raise InvalidArgument(field_name, f"do not fit the structure: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        for k, shape in self.parameters.items():
+            if tuple(np.shape(arrays[k])) != tuple(shape):
+                raise InvalidArgument(f"{field_name}[{k}]", f"has shape {tuple(np.shape(arrays[k]))}, the structure needs {tuple(shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing
+
+
+class _Union:
+    """Union-find over group ids; id _FIXED (-1) is the fixed units (inputs, outputs)."""
+
+    def __init__(self):
+        self.parent: dict[int, int] = {_FIXED: _FIXED}
+        self.size: dict[int, int] = {}
+
+    def new(self, size: int) -> int:
+        g = len(self.size)
+        self.parent[g] = g
+        self.size[g] = size
+        return g
+
+    def find(self, g: int) -> int:
+        while self.parent[g] != g:
+            self.parent[g] = self.parent[self.parent[g]]
+            g = self.parent[g]
+        return g
+
+    def union(self, a: int, b: int, where: str) -> int:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return ra
+        if _FIXED in (ra, rb):
+            keep, drop = _FIXED, (rb if ra == _FIXED else ra)
+        else:
+            if self.size[ra] != self.size[rb]:
+                raise Unsupported(where, f"joins unit groups of different sizes ({self.size[ra]} and {self.size[rb]})")
+            keep, drop = min(ra, rb), max(ra, rb)
+        self.parent[drop] = keep
+        return keep
+
+
+@dataclass
+class _Layout:
+    """Where a tensor's units are: axis ``dim`` holds ``group``'s units, ``block`` entries each."""
+
+    group: int
+    dim: int
+    block: int = 1
+
+
+def _refuse(node: fx.Node, why: str) -> Unsupported:
+    return Unsupported(f"model.node[{node.name}]", why)
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__qualname__", getattr(t, "__name__", repr(t)))
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def trace_module(module: nn.Module, input_shape: Sequence[int]) -> fx.GraphModule:
+    """``symbolic_trace`` the module and annotate shapes from one zero example of ``input_shape``."""
+    try:
+        gm = fx.symbolic_trace(module)
+    except Exception as e:  # any tracing failure is a refusal, with its reason
+        raise Unsupported("model", f"cannot be traced by torch.fx (data-dependent control flow or untraceable code): {type(e).__name__}: {e}") from None
+    example = torch.zeros((2, *input_shape), dtype=next((p.dtype for p in module.parameters()), torch.float32))
+    was_training = gm.training
+    gm.eval()
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(example)
+    except Exception as e:
+        raise InvalidArgument("input_shape", f"{list(input_shape)} does not fit the model: {type(e).__name__}: {e}") from None
+    finally:
+        gm.train(was_training)
+    return gm
+
+
+def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> PermutationStructure:
+    """The permutation groups of ``module`` (not yet proven: see :func:`import_structure`)."""
+    input_shape = tuple(int(d) for d in input_shape)
+    if not input_shape or any(d <= 0 for d in input_shape):
+        raise InvalidArgument("input_shape", f"must be a non-empty list of positive integers, got {list(input_shape)}")
+    gm = trace_module(module, input_shape)
+    modules = dict(gm.named_modules())
+    uf = _Union()
+    layouts: dict[fx.Node, _Layout | None] = {}
+    axes: list[tuple[int, AxisRef]] = []
+    producers: list[tuple[int, str]] = []
+    stat_candidates: list[tuple[str, str, int, fx.Node]] = []
+    placeholders = 0
+
+    def layout_of(arg: Any, node: fx.Node) -> _Layout | None:
+        if isinstance(arg, fx.Node):
+            if arg not in layouts:
+                raise _refuse(node, f"reads {arg.name}, which was not analysed")
+            return layouts[arg]
+        return None
+
+    def tensor_in(node: fx.Node, arg: Any) -> _Layout:
+        lay = layout_of(arg, node)
+        if lay is None:
+            raise _refuse(node, "expects a tensor input")
+        return lay
+
+    def fixed(lay: _Layout) -> bool:
+        # the input's units (and any group merged into them) are never permuted: where they
+        # lie does not matter
+        return uf.find(lay.group) == _FIXED
+
+    def param_axis(node: fx.Node, group: int, name: str, axis: int, block: int = 1) -> None:
+        axes.append((group, AxisRef(name, axis, block)))
+
+    for node in gm.graph.nodes:
+        shape = _shape(node)
+        if node.op == "placeholder":
+            placeholders += 1
+            if placeholders > 1:
+                raise _refuse(node, "models with more than one input are not supported")
+            layouts[node] = _Layout(_FIXED, 1)
+            continue
+        if node.op == "get_attr":
+            raise _refuse(node, f"uses the parameter or buffer {node.target!r} directly; only nn modules' own parameters can be permuted")
+        if node.op == "output":
+            returned: list[fx.Node] = []
+            fx.node.map_arg(node.args, returned.append)
+            for a in returned:
+                lay = layout_of(a, node)
+                if lay is not None:
+                    uf.union(lay.group, _FIXED, f"model.node[{node.name}]")
+            continue
+        if shape is None:
+            # a non-tensor value (x.size(0), a shape tuple): allowed only as reshape arguments
+            src = node.args[0] if node.args else None
+            if (node.op == "call_method" and node.target in ("size", "dim")) or (
+                    node.op == "call_function" and node.target is operator.getitem
+                    and isinstance(src, fx.Node) and _shape(src) is None) or (
+                    node.op == "call_function" and node.target is getattr and node.args[1] == "shape"):
+                layouts[node] = None
+                continue
+            if node.op == "call_module":
+                raise _refuse(node, f"module {node.target!r} of type {type(modules[node.target]).__name__} is not supported (it returns no single tensor)")
+            raise _refuse(node, f"{node.op} {_target_name(node)} does not produce a tensor and is not supported")
+
+        if node.op == "call_module":
+            mod = modules[node.target]
+            name = str(node.target)
+            lay = tensor_in(node, node.args[0]) if node.args else None
+            if lay is None or len([a for a in node.args if isinstance(a, fx.Node)]) != 1 or node.kwargs:
+                raise _refuse(node, f"module {name!r} ({type(mod).__name__}) must take exactly one tensor")
+            in_shape = _shape(node.args[0])
+            if isinstance(mod, nn.Linear):
+                if not fixed(lay) and lay.dim != len(in_shape) - 1:
+                    raise _refuse(node, f"Linear {name!r} reads axis {len(in_shape) - 1} but the units are on axis {lay.dim}")
+                param_axis(node, lay.group, f"{name}.weight", 1, lay.block)
+                g = uf.new(mod.out_features)
+                param_axis(node, g, f"{name}.weight", 0)
+                if mod.bias is not None:
+                    param_axis(node, g, f"{name}.bias", 0)
+                producers.append((g, name))
+                stat_candidates.append((name, "affine", g, node))
+                layouts[node] = _Layout(g, len(shape) - 1)
+            elif isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+                if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
+                    raise _refuse(node, f"convolution {name!r} needs its channels on axis 1 unflattened")
+                if mod.groups == 1:
+                    param_axis(node, lay.group, f"{name}.weight", 1)
+                    g = uf.new(mod.out_channels)
+                elif mod.groups == mod.in_channels == mod.out_channels:
+                    g = lay.group  # depthwise: channel c reads only channel c
+                else:
+                    raise _refuse(node, f"grouped convolution {name!r} (groups={mod.groups}) ties channels to groups; only groups=1 or depthwise are supported")
+                param_axis(node, g, f"{name}.weight", 0)
+                if mod.bias is not None:
+                    param_axis(node, g, f"{name}.bias", 0)
+                producers.append((g, name))
+                stat_candidates.append((name, "affine", g, node))
+                layouts[node] = _Layout(g, 1)
+            elif isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
+                if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
+                    raise _refuse(node, f"BatchNorm {name!r} normalises axis 1, which must hold unflattened units")
+                for p in ("weight", "bias", "running_mean", "running_var"):
+                    if getattr(mod, p, None) is not None:
+                        param_axis(node, lay.group, f"{name}.{p}", 0)
+                stat_candidates.append((name, "batchnorm", lay.group, node))
+                layouts[node] = _Layout(lay.group, 1)
+            elif isinstance(mod, nn.LayerNorm):
+                if len(mod.normalized_shape) != 1:
+                    raise _refuse(node, f"LayerNorm {name!r} over {len(mod.normalized_shape)} axes mixes the unit axis with others; only the last axis is supported")
+                if not fixed(lay) and lay.dim == len(in_shape) - 1:
+                    if lay.block != 1:
+                        raise _refuse(node, f"LayerNorm {name!r} over a flattened axis is not supported")
+                    for p in ("weight", "bias"):
+                        if getattr(mod, p, None) is not None:
+                            param_axis(node, lay.group, f"{name}.{p}", 0)
+                # else the units lie on another axis: each unit is normalised on its own, and
+                # the affine parameters (indexed by the last axis) stay where they are
+                layouts[node] = _Layout(lay.group, lay.dim, lay.block)
+            elif isinstance(mod, nn.GroupNorm):
+                if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
+                    raise _refuse(node, f"GroupNorm {name!r} needs its channels on axis 1 unflattened")
+                if mod.num_groups not in (1, mod.num_channels):
+                    raise _refuse(node, f"GroupNorm {name!r} with {mod.num_groups} groups of {mod.num_channels} channels: a permutation would have to keep channels in their groups (only 1 or C groups are supported)")
+                if mod.affine:
+                    for p in ("weight", "bias"):
+                        param_axis(node, lay.group, f"{name}.{p}", 0)
+                layouts[node] = _Layout(lay.group, 1)
+            elif isinstance(mod, _ELEMENTWISE_MODULES):
+                layouts[node] = _Layout(lay.group, lay.dim, lay.block)
+            elif isinstance(mod, _POOL_MODULES):
+                if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
+                    raise _refuse(node, f"pooling {name!r} needs its channels on axis 1 unflattened")
+                layouts[node] = _Layout(lay.group, 1)
+            elif isinstance(mod, nn.Flatten):
+                layouts[node] = _flatten_layout(node, lay, in_shape, shape, mod.start_dim, fixed(lay))
+            else:
+                raise _refuse(node, f"module {name!r} of type {type(mod).__name__} is not supported (no permutation rule for it)")
+            continue
+
+        if node.op in ("call_function", "call_method"):
+            target = node.target
+            tensor_args = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, fx.Node) and layouts.get(a) is not None]
+            first = node.args[0] if node.args else None
+            lay = layout_of(first, node) if isinstance(first, fx.Node) else None
+            is_fn = node.op == "call_function"
+            if (is_fn and target in _ELEMENTWISE_FUNCTIONS) or (not is_fn and target in _ELEMENTWISE_METHODS):
+                if lay is None or len(tensor_args) != 1:
+                    raise _refuse(node, f"{_target_name(node)} must take one tensor")
+                layouts[node] = _Layout(lay.group, lay.dim, lay.block)
+            elif (is_fn and target in _POOL_FUNCTIONS):
+                if lay is None or (not fixed(lay) and (lay.dim != 1 or lay.block != 1)):
+                    raise _refuse(node, f"{_target_name(node)} needs channels on axis 1 unflattened")
+                layouts[node] = _Layout(lay.group, 1)
+            elif (is_fn and target in _BINARY_FUNCTIONS) or (not is_fn and target in _BINARY_METHODS):
+                lays = [layouts[a] for a in tensor_args]
+                if not lays:
+                    raise _refuse(node, f"{_target_name(node)} has no tensor operand")
+                if tuple(shape) != tuple(_shape(tensor_args[0]) or ()) or any(tuple(_shape(a)) != tuple(shape) for a in tensor_args):
+                    raise _refuse(node, f"{_target_name(node)} broadcasts tensors of shapes {[list(_shape(a)) for a in tensor_args]}; only same-shape operands (a residual addition) or constants are supported")
+                if target in (operator.truediv,) and len(lays) > 1:
+                    raise _refuse(node, "division of two tensors is not supported")
+                g = lays[0].group
+                for other in lays[1:]:
+                    if (other.dim, other.block) != (lays[0].dim, lays[0].block):
+                        raise _refuse(node, f"{_target_name(node)} combines tensors whose units lie differently")
+                    g = uf.union(g, other.group, f"model.node[{node.name}]")
+                layouts[node] = _Layout(g, lays[0].dim, lays[0].block)
+            elif (is_fn and target is torch.flatten) or (not is_fn and target == "flatten"):
+                start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+                end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+                if end not in (-1, len(_shape(first)) - 1):
+                    raise _refuse(node, "flatten must run to the last axis")
+                layouts[node] = _flatten_layout(node, lay, _shape(first), shape, start, lay is not None and fixed(lay))
+            elif (not is_fn and target in ("view", "reshape")) or (is_fn and target is torch.reshape):
+                in_shape = _shape(first)
+                if lay is not None and fixed(lay):
+                    layouts[node] = _Layout(_FIXED, 1)
+                elif len(shape) == 2 and len(in_shape) >= 2 and shape[0] == in_shape[0]:
+                    layouts[node] = _flatten_layout(node, lay, in_shape, shape, 1, False)
+                elif tuple(shape) == tuple(in_shape):
+                    layouts[node] = _Layout(lay.group, lay.dim, lay.block)
+                else:
+                    raise _refuse(node, f"reshape from {list(in_shape)} to {list(shape)} mixes axes; only flattening (N, C, ...) to (N, C·...) is supported")
+            elif (not is_fn and target in ("mean", "sum", "amax")) or (is_fn and target in (torch.mean, torch.sum, torch.amax)):
+                dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+                in_shape = _shape(first)
+                dims = (dims,) if isinstance(dims, int) else dims
+                if lay is None or dims is None:
+                    raise _refuse(node, f"{_target_name(node)} over all axes mixes the units")
+                if fixed(lay):
+                    layouts[node] = _Layout(_FIXED, 1)
+                    continue
+                dims = tuple(d % len(in_shape) for d in dims)
+                if lay.dim in dims or any(d < lay.dim for d in dims) or lay.block != 1:
+                    raise _refuse(node, f"{_target_name(node)} over axes {list(dims)} mixes the units on axis {lay.dim}")
+                layouts[node] = _Layout(lay.group, lay.dim)
+            else:
+                raise _refuse(node, f"function {_target_name(node)} is not supported (no permutation rule for it)")
+            continue
+        raise _refuse(node, f"node kind {node.op} is not supported")
+
+    # Weight sharing: an axis claimed by two groups merges them.
+    owner: dict[tuple[str, int], tuple[int, int]] = {}
+    for g, ref in axes:
+        key = (ref.param, ref.axis)
+        if key in owner:
+            if owner[key][1] != ref.block:
+                raise Unsupported(f"model.{ref.param}", f"axis {ref.axis} is read with two different layouts")
+            uf.union(owner[key][0], g, f"model.{ref.param}")
+        else:
+            owner[key] = (g, ref.block)
+
+    params = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in module.state_dict().items()}
+    missing = {ref.param for _, ref in axes} - set(params)
+    if missing:
+        raise Unsupported("model", f"permuted parameters {sorted(missing)} are not in the module's state dict")
+
+    roots: dict[int, list[AxisRef]] = {}
+    order: list[int] = []
+    for g, ref in axes:
+        r = uf.find(g)
+        if r == _FIXED:
+            continue
+        if r not in roots:
+            roots[r] = []
+            order.append(r)
+        if all((x.param, x.axis) != (ref.param, ref.axis) for x in roots[r]):
+            roots[r].append(ref)
+    names: dict[int, str] = {}
+    for r in order:
+        prod = [n for g, n in producers if uf.find(g) == r]
+        base = prod[0] if prod else f"group{r}"
+        names[r] = base if base not in names.values() else f"{base}#{r}"
+    groups = tuple(PermutationGroup(names[r], uf.size[r], tuple(roots[r]),
+                                    tuple(dict.fromkeys(n for g, n in producers if uf.find(g) == r))) for r in order)
+
+    # Statistic points: a Linear/Conv whose output goes straight into a BatchNorm has its
+    # statistics set by that BatchNorm; every other Linear/Conv producing a group is rescaled.
+    stats = []
+    for name, kind, g, node in stat_candidates:
+        r = uf.find(g)
+        if r == _FIXED:
+            continue
+        if kind == "affine":
+            users = list(node.users)
+            if len(users) == 1 and users[0].op == "call_module" and isinstance(
+                    modules[users[0].target], (nn.BatchNorm1d, nn.BatchNorm2d)):
+                continue
+        stats.append(StatPoint(name, kind, names[r]))
+    return PermutationStructure(input_shape, groups, params, tuple(stats), dtypes)
+
+
+def _flatten_layout(node: fx.Node, lay: _Layout | None, in_shape, out_shape, start_dim: int, fixed_units: bool) -> _Layout:
+    if lay is None:
+        raise _refuse(node, "flatten needs a tensor")
+    if fixed_units:
+        return _Layout(_FIXED, 1)
+    start = start_dim % len(in_shape)
+    if start == len(in_shape) - 1:
+        return _Layout(lay.group, lay.dim, lay.block)
+    if start != 1 or lay.dim != 1:
+        raise _refuse(node, f"flatten from axis {start_dim} of {list(in_shape)} with units on axis {lay.dim} mixes the units with the batch; only flattening (N, C, ...) to (N, C·...) is supported")
+    inner = math.prod(in_shape[2:])
+    return _Layout(lay.group, 1, lay.block * inner)
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying permutations
+
+
+def _index(size: int, block: int, perm: np.ndarray) -> np.ndarray:
+    return (perm[:, None] * block + np.arange(block)[None, :]).reshape(-1)
+
+
+def permute_state(structure: PermutationStructure, arrays: Mapping[str, Any],
+                  permutations: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The state with every group g's axes re-indexed by ``permutations[g]`` (groups not named
+    keep their order). Works on numpy arrays and torch tensors alike."""
+    out = dict(arrays)
+    for g in structure.groups:
+        if g.name not in permutations:
+            continue
+        perm = np.asarray(permutations[g.name])
+        if perm.shape != (g.size,) or not np.array_equal(np.sort(perm), np.arange(g.size)):
+            raise InvalidArgument(f"permutations[{g.name}]", f"must be a permutation of 0..{g.size - 1}")
+        for a in g.axes:
+            idx = _index(g.size, a.block, perm.astype(np.int64))
+            t = out[a.param]
+            if isinstance(t, torch.Tensor):
+                out[a.param] = torch.index_select(t, a.axis, torch.as_tensor(idx, device=t.device))
+            else:
+                out[a.param] = np.take(np.asarray(t), idx, axis=a.axis)
+    return out
+
+
+def random_permutations(structure: PermutationStructure, rng: np.random.Generator,
+                        only: str | None = None) -> dict[str, np.ndarray]:
+    return {g.name: rng.permutation(g.size) for g in structure.groups if only is None or g.name == only}
+
+
+# ---------------------------------------------------------------------------------------------
+# The self-check
+
+
+@torch.no_grad()
+def self_check(module: nn.Module, structure: PermutationStructure, *, seed: int = 0, batch: int = 8,
+               tolerance: float = SELF_CHECK_TOLERANCE) -> None:
+    """Prove ``structure`` on ``module``'s own weights, or refuse naming the group that broke.
+
+    For each group alone, then for all groups at once, a random permutation π (from ``seed``)
+    is applied to the state dict; the permuted network's outputs on ``batch`` random standard
+    normal inputs must satisfy ‖f(x) − f_π(x)‖_∞ ≤ tolerance · max(‖f(x)‖_∞, 1e-12), in eval mode
+    and float64. A structure that misses an axis (or permutes one it must not) fails with
+    probability 1 over π unless the weights are symmetric in exactly the units moved."""
+    m = copy.deepcopy(module).double().eval()
+    structure.check_arrays(m.state_dict(), "model.state_dict")
+    base_state = {k: v.clone() for k, v in m.state_dict().items()}
+    rng = np.random.default_rng(seed)
+    x = torch.as_tensor(rng.standard_normal((batch, *structure.input_shape)))
+    y = m(x)
+    scale = max(float(y.abs().max()), 1e-12)
+    try:
+        for g in [*(g.name for g in structure.groups), None]:
+            if g is not None and structure.group(g).size == 1:
+                continue
+            perms = random_permutations(structure, rng, only=g)
+            # a permutation drawn equal to the identity proves nothing: draw again (n ≥ 2)
+            for name, p in perms.items():
+                while len(p) > 1 and np.array_equal(p, np.arange(len(p))):
+                    p = perms[name] = rng.permutation(len(p))
+            m.load_state_dict(permute_state(structure, base_state, perms))
+            err = float((m(x) - y).abs().max()) / scale
+            if not err <= tolerance:
+                what = f"group {g!r}" if g is not None else "all groups together"
+                raise InvalidArgument(f"structure.groups[{g}]" if g is not None else "structure",
+                                      f"self-check failed: permuting {what} changed the outputs (relative error {err:.3g} > {tolerance:g}); the permutation structure is wrong for this model")
+    finally:
+        m.load_state_dict(base_state)
+
+
+def import_structure(module: nn.Module, input_shape: Sequence[int], *, seed: int = 0) -> PermutationStructure:
+    """Trace ``module``, derive its permutation groups and prove them by :func:`self_check`."""
+    structure = derive_structure(module, input_shape)
+    self_check(module, structure, seed=seed)
+    return structure

@@ -1,0 +1,137 @@
+"""REPAIR: fused units get the interpolated endpoint statistics; a fused pair gets better."""
+
+import numpy as np
+import pytest
+import torch
+from site_models import networks
+from site_models.networks import randomise
+from torch import nn
+
+from peer.base.errors import InvalidArgument
+from peer.ldp.repair import (
+    fine_tune,
+    interpolated_statistics,
+    repair,
+    repair_fusion,
+    unit_statistics,
+)
+from peer.nn.tracing import (
+    derive_structure,
+    import_structure,
+    permute_state,
+    random_permutations,
+)
+
+
+def _fuse(a: nn.Module, b_state: dict, alpha: float, template: nn.Module) -> nn.Module:
+    fused = template
+    sa = a.state_dict()
+    fused.load_state_dict({k: (alpha * v + (1 - alpha) * b_state[k]) if v.is_floating_point() else v
+                           for k, v in sa.items()})
+    return fused.eval()
+
+
+def test_repair_sets_exactly_the_interpolated_moments():
+    """Two unrelated residual MLPs averaged: the fused units' variance collapses; after
+    REPAIR every statistic point has the target mean and std on the data it was fitted on."""
+    x = torch.randn(400, 64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    a = networks.ResidualMLP().eval()
+    torch.manual_seed(2)
+    b = networks.ResidualMLP().eval()
+    s = import_structure(a, [64])
+    fused = _fuse(a, b.state_dict(), 0.5, networks.ResidualMLP())
+    sa, sb = unit_statistics(a, s.stat_points, x), unit_statistics(b, s.stat_points, x)
+    sf = unit_statistics(fused, s.stat_points, x)
+    targets = interpolated_statistics(sa, sb, 0.5)
+    first = s.stat_points[0].module
+    # unrelated units average towards zero variance: std/√2 in expectation for independent units
+    assert np.mean(sf[first].std) < 0.8 * np.mean(targets[first].std)
+    repaired = repair(fused, s.stat_points, targets, x)
+    after = unit_statistics(repaired, s.stat_points, x)
+    for p in s.stat_points:
+        np.testing.assert_allclose(after[p.module].mean, targets[p.module].mean, atol=1e-4)
+        np.testing.assert_allclose(after[p.module].std, targets[p.module].std, rtol=1e-4, atol=1e-6)
+    # the input is untouched: repair works on a copy
+    assert torch.equal(fused.state_dict()["stem.weight"], _fuse(a, b.state_dict(), 0.5, networks.ResidualMLP()).state_dict()["stem.weight"])
+
+
+def test_batchnorm_points_get_the_fused_networks_actual_statistics():
+    x = torch.randn(300, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    a, b = randomise(networks.small_resnet(), seed=1), randomise(networks.SmallResNet(), seed=2)
+    s = import_structure(a, [1, 8, 8])
+    fused = _fuse(a, b.state_dict(), 0.5, networks.SmallResNet())
+    repaired = repair_fusion(fused, a, b, s.stat_points, 0.5, x)
+    # each BatchNorm now standardises its input on x: its pre-affine output has mean 0, std 1
+    bn = repaired.stage1.bn1
+    seen = []
+    handle = bn.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        repaired(x)
+    handle.remove()
+    z = (seen[0] - bn.running_mean[None, :, None, None]) / torch.sqrt(bn.running_var[None, :, None, None] + bn.eps)
+    np.testing.assert_allclose(z.mean(dim=(0, 2, 3)).numpy(), 0, atol=1e-4)
+    np.testing.assert_allclose(z.std(dim=(0, 2, 3), unbiased=False).numpy(), 1, atol=1e-3)
+
+
+def test_repair_commutes_with_permutation_and_checks_its_inputs():
+    """Repairing an aligned copy equals aligning the repaired network (REPAIR is per unit)."""
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(0))
+    a = networks.residual_mlp()
+    s = derive_structure(a, [64])
+    torch.manual_seed(5)
+    b = networks.ResidualMLP().eval()
+    fused = _fuse(a, b.state_dict(), 0.3, networks.ResidualMLP())
+    r1 = repair_fusion(fused, a, b, s.stat_points, 0.3, x)
+    perms = random_permutations(s, np.random.default_rng(0))
+    pa, pb, pf = (networks.ResidualMLP().eval() for _ in range(3))
+    pa.load_state_dict(permute_state(s, a.state_dict(), perms))
+    pb.load_state_dict(permute_state(s, b.state_dict(), perms))
+    pf.load_state_dict(permute_state(s, fused.state_dict(), perms))
+    r2 = repair_fusion(pf, pa, pb, s.stat_points, 0.3, x)
+    for k, v in permute_state(s, r1.state_dict(), perms).items():
+        torch.testing.assert_close(r2.state_dict()[k], v, rtol=1e-4, atol=1e-5)
+    with pytest.raises(InvalidArgument, match="alpha"):
+        interpolated_statistics({}, {}, 1.5)
+    with pytest.raises(InvalidArgument, match="no target"):
+        repair(fused, s.stat_points, {}, x)
+
+
+def test_repair_improves_a_graph_matched_fused_pair_on_digits():
+    """Two digits CNNs (different seeds, disjoint halves of the data), aligned by non-private
+    graph matching on a public probe set and fused at α = ½: REPAIR with A's own records must
+    raise test accuracy. Deterministic (fixed seeds, one thread); measured: endpoints 88.0% and
+    89.1%, fused 61.1%, repaired 71.6%."""
+    from peer.experiments.fusion import public_probes
+    from peer.ldp.fusion import fuse_arrays, permute_arrays
+    from peer.ldp.matching import match_graphs
+    from peer.nn.architectures import (
+        accuracy,
+        input_tensor,
+        model_from_arrays,
+        state_arrays,
+        train_classifier,
+    )
+    from peer.nn.data import load_dataset, split_homogeneous
+    from peer.nn.graph import extract_graph
+
+    arch = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [8, 16], "kernel_size": 3, "pool": [2, 2],
+            "hidden": [32], "output_dim": 10}
+    ds = load_dataset("digits", seed=0)
+    order = np.random.default_rng(0).permutation(len(ds.y_train))
+    probe = public_probes(ds.x_train[order[:64]], True)
+    x_tr, y_tr = ds.x_train[order[64:]], ds.y_train[order[64:]]
+    parts = split_homogeneous(y_tr, 2, seed=0)
+    ma, mb = (train_classifier(arch, x_tr[p], y_tr[p], seed=1 + i, epochs=40) for i, p in enumerate(parts))
+    a, b = state_arrays(ma), state_arrays(mb)
+    gm = match_graphs(extract_graph(arch, ma, probe), extract_graph(arch, mb, probe))
+    b_aligned = permute_arrays(arch, b, gm.permutations)
+    fused = model_from_arrays(arch, fuse_arrays(a, b_aligned, 0.5))
+    s = derive_structure(ma, [1, 8, 8])
+    xa = input_tensor(arch, x_tr[parts[0]])
+    repaired = repair_fusion(fused, ma, model_from_arrays(arch, b_aligned), s.stat_points, 0.5, xa)
+    before = accuracy(arch, fused, ds.x_test, ds.y_test)
+    after = accuracy(arch, repaired, ds.x_test, ds.y_test)
+    assert after > before + 0.01, (before, after)
+    tuned = fine_tune(repaired, xa, y_tr[parts[0]], seed=0, epochs=2)
+    assert accuracy(arch, tuned, ds.x_test, ds.y_test) > 0.5

@@ -1,0 +1,208 @@
+"""Permutation structure by tracing: groups, axes, the self-check, and refusals by node."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from site_models import networks
+from site_models.networks import randomise
+from torch import nn
+
+from peer.base.errors import InvalidArgument, Unsupported
+from peer.nn.architectures import build_model
+from peer.nn.tracing import (
+    PermutationStructure,
+    derive_structure,
+    import_structure,
+    permute_state,
+    random_permutations,
+    self_check,
+)
+
+
+def axes_of(structure, group):
+    return {(a.param, a.axis, a.block) for a in structure.group(group).axes}
+
+
+def test_mlp_with_its_own_key_names():
+    s = import_structure(networks.clinic_mlp(), [64])
+    assert [g.name for g in s.groups] == ["encoder", "hidden_layer"] and s.sizes == (32, 32)
+    assert axes_of(s, "encoder") == {("encoder.weight", 0, 1), ("encoder.bias", 0, 1), ("hidden_layer.weight", 1, 1)}
+    assert axes_of(s, "hidden_layer") == {("hidden_layer.weight", 0, 1), ("hidden_layer.bias", 0, 1), ("classifier.weight", 1, 1)}
+    # input and output units are fixed: nothing permutes encoder.weight's columns or the classes
+    assert all((a.param, a.axis) != ("classifier.weight", 0) for g in s.groups for a in g.axes)
+    assert set(s.parameters) == set(networks.clinic_mlp().state_dict())
+
+
+def test_residual_stream_is_one_group_with_its_layernorm():
+    s = import_structure(networks.residual_mlp(), [64])
+    stream = s.group("stem")
+    assert stream.size == 32 and stream.producers == ("stem", "block1.2", "block2_out")
+    assert {("norm.weight", 0, 1), ("norm.bias", 0, 1), ("block1.0.weight", 1, 1), ("block2_in.weight", 1, 1),
+            ("head.weight", 1, 1), ("block1.2.bias", 0, 1), ("block2_out.weight", 0, 1)} <= axes_of(s, "stem")
+    assert sorted(g.name for g in s.groups) == ["block1.0", "block2_in", "stem"]
+
+
+def test_resnet_with_batchnorm_flatten_block_group():
+    model = randomise(networks.small_resnet())
+    s = import_structure(model, [1, 8, 8])
+    assert s.sizes == (8, 8, 16, 16)
+    stage1_stream = axes_of(s, "stem")
+    assert {("stem_bn.running_mean", 0, 1), ("stem_bn.running_var", 0, 1), ("stage1.bn2.weight", 0, 1),
+            ("stage1.conv2.weight", 0, 1), ("widen.weight", 1, 1)} <= stage1_stream
+    # after view(N, -1) the 16 channels of a 4×4 map are 16 blocks of 16 columns of fc
+    assert ("fc.weight", 1, 16) in axes_of(s, "widen")
+    assert "stage1.bn1.num_batches_tracked" in s.parameters and all(
+        "num_batches_tracked" not in a.param for g in s.groups for a in g.axes)
+    # BatchNorm'd convolutions are repaired through their BatchNorm, the plain one directly
+    assert [(p.module, p.kind) for p in s.stat_points] == [
+        ("stem_bn", "batchnorm"), ("stage1.bn1", "batchnorm"), ("stage1.bn2", "batchnorm"),
+        ("widen", "affine"), ("stage2.bn1", "batchnorm"), ("stage2.bn2", "batchnorm")]
+
+
+@pytest.mark.parametrize("factory,shape", [(networks.clinic_mlp, [64]), (networks.residual_mlp, [64]),
+                                           (networks.small_resnet, [1, 8, 8])])
+def test_permuted_state_computes_the_same_function(factory, shape):
+    """Independent of the self-check's own loop: permute every group, compare in float32."""
+    model = randomise(factory())
+    s = import_structure(model, shape)
+    x = torch.randn(16, *shape, generator=torch.Generator().manual_seed(3))
+    perms = random_permutations(s, np.random.default_rng(5))
+    other = randomise(factory())
+    other.load_state_dict(permute_state(s, model.state_dict(), perms))
+    with torch.no_grad():
+        assert not torch.equal(other.state_dict()[s.groups[0].axes[0].param], model.state_dict()[s.groups[0].axes[0].param])
+        torch.testing.assert_close(other(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_torchvision_style_resnet():
+    s = import_structure(randomise(networks.TVResNet()), [3, 32, 32])
+    # one residual stream per stage: the stem and both blocks' last convs write stage 1's; the
+    # shortcut conv joins the second
+    assert s.group("conv1").producers == ("conv1", "layer1.0.conv2", "layer1.1.conv2")
+    assert s.group("layer2.0.conv2").producers == ("layer2.0.conv2", "layer2.0.downsample.0", "layer2.1.conv2")
+    assert ("layer2.0.downsample.1.running_var", 0, 1) in axes_of(s, "layer2.0.conv2")
+    assert ("fc.weight", 1, 1) in axes_of(s, "layer2.0.conv2") and len(s.groups) == 6
+
+
+def test_builtin_sequential_architectures_trace_too():
+    cnn = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 6], "kernel_size": 3, "pool": [2, 2],
+           "hidden": [5], "output_dim": 3}
+    s = import_structure(build_model(cnn, seed=0), [1, 8, 8])
+    assert s.sizes == (4, 6, 5) and ("7.weight", 1, 4) in axes_of(s, "3")
+
+
+def test_structure_json_round_trip_and_validation():
+    s = import_structure(randomise(networks.small_resnet()), [1, 8, 8])
+    data = json.loads(json.dumps(s.to_json()))
+    assert PermutationStructure.from_json(data) == s
+    bad = json.loads(json.dumps(data))
+    bad["groups"][0]["axes"][0]["param"] = "nope.weight"
+    with pytest.raises(InvalidArgument, match=r"nope\.weight"):
+        PermutationStructure.from_json(bad)
+    bad = json.loads(json.dumps(data))
+    bad["groups"][1]["axes"].append(bad["groups"][0]["axes"][0])
+    with pytest.raises(InvalidArgument, match="already permuted"):
+        PermutationStructure.from_json(bad)
+
+
+def test_wrong_structure_is_caught_by_the_self_check():
+    model = networks.residual_mlp()
+    s = derive_structure(model, [64])
+    stream = s.group("stem")
+    # forget that the second block writes into the residual stream
+    broken = dataclasses.replace(stream, axes=tuple(a for a in stream.axes if a.param != "block2_out.weight"))
+    wrong = dataclasses.replace(s, groups=tuple(broken if g.name == "stem" else g for g in s.groups))
+    with pytest.raises(InvalidArgument, match=r"group 'stem'"):
+        self_check(model, wrong)
+    # and a BatchNorm buffer left out of its group
+    resnet = randomise(networks.small_resnet())
+    r = derive_structure(resnet, [1, 8, 8])
+    g = r.group("stage1.conv1")
+    broken = dataclasses.replace(g, axes=tuple(a for a in g.axes if a.param != "stage1.bn1.running_var"))
+    with pytest.raises(InvalidArgument, match=r"group 'stage1.conv1'"):
+        self_check(resnet, dataclasses.replace(r, groups=tuple(broken if x.name == g.name else x for x in r.groups)))
+
+
+class Transposing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.conv(x)  # (N, 4, 8, 8)
+        return self.fc(h.reshape(h.shape[0], 32, 8).mean(dim=1))
+
+
+class GroupNormed(nn.Module):
+    def __init__(self, groups):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(groups, 8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x))).mean(dim=(2, 3)))
+
+
+class UsesParameterDirectly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 4))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(x @ self.w)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+
+@pytest.mark.parametrize("model,shape,node,why", [
+    (networks.WithAttention(), [5, 16], "attn", "MultiheadAttention"),
+    (networks.WithConcat(), [8], "cat", "cat"),
+    (Transposing(), [1, 8, 8], "reshape", "mixes axes"),
+    (GroupNormed(4), [1, 8, 8], "norm", "groups"),
+    (UsesParameterDirectly(), [8], "w", "directly"),
+])
+def test_unsupported_operations_are_refused_by_node(model, shape, node, why):
+    with pytest.raises(Unsupported) as e:
+        derive_structure(model, shape)
+    assert e.value.field == f"model.node[{node}]" and why in e.value.rule
+
+
+def test_groupnorm_with_one_or_all_groups_is_supported_and_data_dependent_flow_is_refused():
+    for groups in (1, 8):
+        s = import_structure(GroupNormed(groups), [1, 8, 8])
+        assert ("norm.weight", 0, 1) in axes_of(s, "conv")
+    with pytest.raises(Unsupported, match="traced"):
+        derive_structure(DataDependent(), [4])
+
+
+def test_a_stream_added_to_the_input_is_fixed():
+    class InputResidual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Linear(6, 6)
+            self.g = nn.Linear(6, 5)
+            self.out = nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.g(x + self.f(x))))
+
+    s = import_structure(InputResidual(), [6])
+    assert [g.name for g in s.groups] == ["g"]
+
+
+def test_wrong_input_shape_is_refused():
+    with pytest.raises(InvalidArgument, match="input_shape"):
+        derive_structure(networks.clinic_mlp(), [63])
