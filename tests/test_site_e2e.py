@@ -86,12 +86,15 @@ def test_own_csv_to_a_round_an_adopted_fused_model_and_its_scores(tmp_path):
     root = tmp_path / "sites"
     parallel(*[("site", "new", "--name", s, "--dir", str(root / s), "--listen", "127.0.0.1:0", "--address", "127.0.0.1")
                for s in SITES])
-    parallel(*[("model", "train", "--site", str(root / s), "--data", str(data / f"{s}.csv"), "--label", LABEL,
+    # every site prepares its records with the preprocessing fitted on the public file: the same
+    # for all sites (fused models see inputs prepared alike) and outside every guarantee's scope
+    public = ("--public", str(data / "public.csv"))
+    parallel(*[("model", "train", "--site", str(root / s), "--data", str(data / f"{s}.csv"), "--label", LABEL, *public,
                 "--name", "readmission", "--hidden", str(HIDDEN), "--epochs", "30", "--json") for s in SITES])
     phase("models trained", t0)
     # DP-SGD, full batch, T = 10: sigma = 16 and 24 give epsilon 1.5 and 1.0 (replace-one, delta = 1e-5),
     # so an RS merge at the round's target (2, 1e-5) is reachable
-    parallel(*[("pool", "train", "--site", str(root / s), "--data", str(data / f"{s}.csv"), "--label", LABEL,
+    parallel(*[("pool", "train", "--site", str(root / s), "--data", str(data / f"{s}.csv"), "--label", LABEL, *public,
                 "--architecture", ARCH, "--steps", "10", "--model", "name=p1,noise=16,clip=1",
                 "--model", "name=p2,noise=24,clip=1", "--json") for s in SITES])
     phase("pools trained", t0)
