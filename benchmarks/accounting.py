@@ -39,8 +39,16 @@ sys.path.insert(0, str(ROOT))
 import dp_accounting  # noqa: E402
 from dp_accounting import dp_event, pld, rdp  # noqa: E402
 
-from peer.dp.accounting import (DEFAULT_ORDERS, GaussianStep, TrainingRecord, choose_pi, gdp_epsilon,  # noqa: E402
-                             lc_epsilon, lc_segments, rs_epsilon, rs_profiles)
+from peer.dp.accounting import (  # noqa: E402
+    DEFAULT_ORDERS,
+    GaussianStep,
+    TrainingRecord,
+    choose_pi,
+    gdp_epsilon,
+    lc_epsilon,
+    lc_segments,
+    rs_profiles,
+)
 
 DELTA = 1e-5
 T = 10_000
@@ -170,7 +178,7 @@ def lc_dp_accounting(models, per_step_prefix=300):
     return {"pld_per_step_s_extrapolated": t_prefix * len(sigmas) / per_step_prefix, "pld_per_step_prefix": per_step_prefix,
             "rdp_per_step_s": t_rdp, "epsilon_rdp_per_step": eps_rdp,
             "pld_grouped_s": t_gpld, "epsilon_pld_grouped": eps_gpld, "rdp_grouped_s": t_grdp,
-            "epsilon_rdp_grouped": eps_grdp, "steps": int(len(sigmas)), "distinct_steps": int(mu_s.size)}
+            "epsilon_rdp_grouped": eps_grdp, "steps": len(sigmas), "distinct_steps": int(mu_s.size)}
 
 
 def main() -> int:

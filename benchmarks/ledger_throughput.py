@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+from peer.base.records import ReleaseRecord
 from peer.budget.ledger import Ledger
 from peer.budget.policy import Policy
-from peer.base.records import ReleaseRecord
 
 POLICY = Policy.from_mapping({"model": {"total": {"epsilon": 1e9, "delta": 1e-6}}})
 

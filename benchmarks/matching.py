@@ -64,8 +64,8 @@ def multibit_output(w: np.ndarray, epsilon: float, seed: int, bounds: tuple[floa
     """Each node's incoming weight vector (w reshaped to (n, n_prev·e)) through the multi-bit
     mechanism (peer.ldp.mechanisms.multibit, unit = one neuron, a fixed seed): three values per
     layer, m = max(1, ⌊ε/2.18⌋) non-zero x* per row."""
-    from peer.ldp.mechanisms import multibit
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import multibit
 
     noisy, _ = multibit(w.reshape(w.shape[0], -1), epsilon=epsilon, bounds=bounds, randomness=make_randomness(seed))
     return noisy.reshape(w.shape)
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
                 }
             s = r["seconds"]
             print(f"{width:>5} {features:>8} | {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r['peak_rss_mb']:>8.0f} {r['iterations']:>3} {r['products_per_iteration']:>8} "
-                  f"{r['n3_products_per_iteration']:>6.2f} {str(r['terms']):>12} | {s['setup']:>6.2f} {s['iterations']:>7.2f} {s['assignment']:>6.2f} | {r['recovered']:>9.3f}"
+                  f"{r['n3_products_per_iteration']:>6.2f} {r['terms']!s:>12} | {s['setup']:>6.2f} {s['iterations']:>7.2f} {s['assignment']:>6.2f} | {r['recovered']:>9.3f}"
                   + (f"   projected {r['projection']['projected_wall_s']:.0f} s for {r['projection']['iterations_assumed']} iterations" if projected else ""))
             large_rows.append(r)
 

@@ -21,10 +21,10 @@ import json
 
 import numpy as np
 
-from peer.nn.data import load_dataset
+from peer.base.rng import make_randomness
 from peer.ldp.mechanisms import clip_rows, perturb_model_weights
 from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier, weight_layers
-from peer.base.rng import make_randomness
+from peer.nn.data import load_dataset
 
 ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10}
 SETTINGS = [("neuron", 10.0), ("neuron", 100.0), ("neuron", 1000.0), ("neuron", 3000.0),

@@ -117,14 +117,14 @@ def make_sites(root: Path, size_mb: float, release: str) -> tuple[Path, Path, in
     "big" is released through the PFA (perturbation + smoothing filter), the real per-request
     work of ReleaseWeights.
     """
+    from peer.base.rng import make_randomness
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.pools import load_splits
+    from peer.dp.training import dpsgd_release_record
     from peer.net.identity import init_identity
     from peer.net.trust import TrustStore
-    from peer.dp.accounting import TrainingRecord
     from peer.nn.architectures import build_model, validate_architecture
-    from peer.dp.pools import load_splits
-    from peer.base.rng import make_randomness
     from peer.nn.store import save_model
-    from peer.dp.training import dpsgd_release_record
 
     arch = validate_architecture(architecture(size_mb))
     arrays = {k: v.detach().numpy() for k, v in build_model(arch, seed=0).state_dict().items()}
@@ -185,8 +185,8 @@ class PrefaultedSink:
 
 def fetch_prefaulted(identity_dir: str, address: str, nbytes: int, queue) -> None:
     """The same request, received into a prefaulted buffer (diagnostic)."""
-    from peer.net.identity import load_identity
     from peer.net.client import PeerClient
+    from peer.net.identity import load_identity
 
     sink = PrefaultedSink(nbytes)
     times = {}
@@ -200,8 +200,8 @@ def fetch_prefaulted(identity_dir: str, address: str, nbytes: int, queue) -> Non
 def fetch(identity_dir: str, address: str, out_path: str, release: str, receipt_event, queue) -> None:
     """Site B: ask for the release and write it like `privfusion merge|weights --via` does
     (streamed into OUT.safetensors as it arrives, then the JSON document beside)."""
-    from peer.net.identity import load_identity
     from peer.net.client import PeerClient, save_release
+    from peer.net.identity import load_identity
 
     base = vm()
     reset_hwm()

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peer.base.config import Section, load_toml
+from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.net.identity import certificate_name, check_site_name, fingerprint, load_certificate
 from peer.net.trust import PinnedPeer, TrustStore
-from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.nn.store import check_name
 
 
@@ -52,7 +52,7 @@ class Roster:
     path: Path | None = None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Roster":
+    def load(cls, path: str | os.PathLike) -> Roster:
         p = Path(path)
         data, text = load_toml(p, "roster")
         root = Section(data, (), text, str(p))

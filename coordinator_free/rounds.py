@@ -57,16 +57,17 @@ bounds); ``coordinator_free.runner`` does the I/O.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from peer.base.config import Section
 from peer.base.errors import InvalidArgument
-from peer.nn.graph import HiddenLayer, NetworkGraph
 from peer.base.records import now_rfc3339
+from peer.nn.graph import HiddenLayer, NetworkGraph
 
 METHODS = ("ldp", "merged", "auto")
 MERGE_METHODS = ("rs", "lc")
@@ -116,7 +117,7 @@ class RoundConfig:
             "features", "weights", "merge")
 
     @classmethod
-    def from_section(cls, s: Section, base: Path, default_clip: tuple[float, float] | None = None) -> "RoundConfig":
+    def from_section(cls, s: Section, base: Path, default_clip: tuple[float, float] | None = None) -> RoundConfig:
         """Parse a ``[round]`` table (paths relative to ``base``); errors name key and line."""
         s.known(cls.KEYS)
         f, w, m = s.section("features"), s.section("weights"), s.section("merge")

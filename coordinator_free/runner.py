@@ -17,30 +17,39 @@ import json
 import os
 import threading
 import uuid
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator_free.roster import Roster, RosterSite
+from coordinator_free.rounds import (
+    CHARGED_STEPS,
+    RoundConfig,
+    RoundState,
+    charged_status,
+    details_line,
+    failure_reason,
+    fusion_weights,
+    public_view,
+)
 from peer.base.config import Section, load_toml
-from peer.ldp.pipeline import Alignment, align, align_graphs
+from peer.base.errors import FailedPrecondition, InvalidArgument
+from peer.base.records import now_rfc3339
 from peer.ldp.fusion import average_arrays
 from peer.ldp.mechanisms import default_entry_bound
+from peer.ldp.pipeline import Alignment, align, align_graphs
 from peer.net.client import PeerClient, PeerError
 from peer.net.codec import graph_from_release
 from peer.net.identity import Identity, load_identity
 from peer.net.site import SiteConfig, load_probe
-from coordinator_free.roster import Roster, RosterSite
-from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, details_line,
-                                     failure_reason, fusion_weights, public_view)
 from peer.net.trust import TrustStore
-from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
-from peer.nn.graph import NetworkGraph, extract_graph
 from peer.nn.architectures import model_from_arrays, validate_architecture, weight_layers
-from peer.base.records import now_rfc3339
+from peer.nn.graph import NetworkGraph, extract_graph
 from peer.nn.store import StoredModel, load_model, save_model
 
 HEALTH_SERVICE = "privfusion.v1.Peer"
@@ -217,7 +226,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
                 health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=config.health_timeout_s)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             state.set_alive(p.name, serving, "" if serving else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
-        except Exception as e:  # noqa: BLE001 - any failure to answer a health check means "not alive"
+        except Exception as e:
             code = getattr(e, "code", lambda: None)()
             state.set_alive(p.name, False, f"no health answer within {config.health_timeout_s:g}s"
                             f" ({code.name if code is not None else type(e).__name__})")
@@ -309,7 +318,7 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         """A peer's failure, whatever it is, drops that peer; it never takes the round down."""
         try:
             return pipeline(p)
-        except Exception as e:  # noqa: BLE001 - reported in the round's record, type and message
+        except Exception as e:
             step = state.current_step(p.name) or "info"
             state.drop(p.name, step, "INTERNAL", f"{type(e).__name__}: {e}",
                        "yes" if state.receipt_seen(p.name, step) else ("unknown" if step in CHARGED_STEPS else "n/a"))

@@ -89,9 +89,9 @@ from pathlib import Path
 from typing import Any
 
 from peer.base.config import Section, parse_toml
+from peer.base.errors import InvalidArgument, NotFound
 from peer.net.identity import check_site_name
 from peer.nn.data import DATASETS
-from peer.base.errors import InvalidArgument, NotFound
 
 DEFAULT_SCENARIO = "hospitals.toml"
 BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml")

@@ -35,17 +35,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from coordinator_free.roster import write_roster
 from coordinator_free.rounds import fusion_weights
 from peer.base.errors import FailedPrecondition, InvalidArgument
-from peer.ldp.pipeline import align
 from peer.ldp.fusion import average_arrays
+from peer.ldp.pipeline import align
 from peer.nn.architectures import accuracy, model_from_arrays
 from peer.nn.graph import extract_graph
 from scenarios.schema import Scenario
@@ -166,7 +167,7 @@ def site_toml(sc: Scenario, s: SiteWorld, listen: str = "127.0.0.1:0", round_tab
 def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float, roster: Path) -> str:
     r = sc.round
     lines = ["[round]", f'roster = "{roster}"', f'model = "{MODEL}"', f"alpha = {s.alpha!r}", f"quorum = {r.quorum}",
-             f'method = "{method}"', f'out = "rounds"', f'label = "{label}"', f"call_timeout_s = {r.call_timeout_s!r}",
+             f'method = "{method}"', 'out = "rounds"', f'label = "{label}"', f"call_timeout_s = {r.call_timeout_s!r}",
              f"health_timeout_s = {r.health_timeout_s!r}", "", "[round.features]",
              f"activation_epsilon = {r.activation_epsilon * scale!r}", f"weight_epsilon = {r.weight_epsilon * scale!r}",
              f'unit = "{r.unit}"',
@@ -255,7 +256,7 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> Sit
                                  batch_size=sc.model.batch_size, learning_rate=sc.model.learning_rate)
         s = SiteWorld(name, root, seed, sc.round.alpha if spec.alpha is None else spec.alpha, x, y,
                       np.ascontiguousarray(probe, dtype=np.float32), data.architecture, state_arrays(model))
-        save_model(root / "models", MODEL, data.architecture, s.arrays, {"trained_on": int(len(y)), "seed": seed},
+        save_model(root / "models", MODEL, data.architecture, s.arrays, {"trained_on": len(y), "seed": seed},
                    data.preprocessing)
         save_file({"x": s.probe}, str(root / "probe.safetensors"))
         np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
@@ -292,11 +293,11 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
 
 
 def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None) -> list[dict]:
-    from peer.dp.accounting import TrainingRecord
-    from peer.nn.architectures import accuracy, model_from_arrays
-    from peer.dp.pools import save_trained
     from peer.base.rng import make_randomness
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.pools import save_trained
     from peer.dp.training import train_pool
+    from peer.nn.architectures import accuracy, model_from_arrays
 
     p = sc.pool
     trainings = [TrainingRecord.constant(p.adjacency, p.steps, p.learning_rate, p.clip_norm, nm, p.sample_rate)
@@ -541,7 +542,7 @@ def evaluate(world: World) -> dict[str, dict]:
         contributors = main["contributors"] if main and main.get("contributors") else \
             [n for n in world.sites if n != name]
         out[name] = {
-            "records": int(len(s.y)), "alpha": s.alpha,
+            "records": len(s.y), "alpha": s.alpha,
             "own_accuracy": accuracy(arch, model_from_arrays(arch, s.arrays), world.x_test, world.y_test),
             "rounds": rounds,
             "oracle": {"accuracy": oracle_accuracy(world, s, contributors), "contributors": contributors,
@@ -626,7 +627,7 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
         "sites": evaluation, "ledgers": ledgers, "reconciliation": reconcile(world, evaluation, ledgers),
         "failure": processes["failure"], "round_exit_codes": processes["exit_codes"],
         "addresses": processes["addresses"], "timings": world.timings,
-        "test_examples": int(len(world.y_test)), "public_examples": int(len(world.y_public)),
+        "test_examples": len(world.y_test), "public_examples": len(world.y_public),
     }
     write_report(report, out)
     return report

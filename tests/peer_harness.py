@@ -107,9 +107,9 @@ LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
 
 def make_pool(directory: Path, noise=(4.0, 12.0), steps: int = 3, arch=LOGREG, seed: int = 1) -> Path:
     """A small real DP-SGD pool (full batch, replace-one) on digits, as `privfusion pool train` makes."""
+    from peer.base.rng import make_randomness
     from peer.dp.accounting import TrainingRecord
     from peer.dp.pools import load_splits, save_trained
-    from peer.base.rng import make_randomness
     from peer.dp.training import train_pool
 
     s = load_splits("digits")

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from peer.dp.accounting import TrainingRecord, lc_epsilon, rs_epsilon
 from peer.cli import main
 from peer.cli.account import parse_models
+from peer.dp.accounting import TrainingRecord, lc_epsilon, rs_epsilon
 
 MODELS = {"adjacency": "replace", "models": [
     {"name": "m1", "steps": 200, "noise_multiplier": 30.0, "clip": 1.0, "learning_rate": 0.1, "sample_rate": 1.0, "accuracy": 0.95},

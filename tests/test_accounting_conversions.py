@@ -11,11 +11,16 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import DEFAULT_ORDERS, gdp_delta, gdp_epsilon, gdp_mu, rdp_to_delta, rdp_to_epsilon
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.rdp import (rdp_laplace, rdp_mixture, rdp_numerical_subsampled_gaussian, rdp_pure,
-                                 rdp_subsampled_gaussian)
-from peer.base.errors import InvalidArgument
+from peer.dp.accounting.rdp import (
+    rdp_laplace,
+    rdp_mixture,
+    rdp_numerical_subsampled_gaussian,
+    rdp_pure,
+    rdp_subsampled_gaussian,
+)
 
 ORDERS = np.array(DEFAULT_ORDERS)
 
@@ -94,7 +99,7 @@ def test_numerical_rdp_reproduces_dp_accounting_add_remove(sigma, q):
     # values; at fractional orders dp-accounting's series is an upper bound, so ours is <= it.
     ours = rdp_numerical_subsampled_gaussian(sigma, q, ORDERS, p_shift=1.0, q_shift=0.0)
     ref = np.array([rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(q, sigma, [a])[0] for a in ORDERS])
-    integer = (ORDERS == np.round(ORDERS)) & np.isfinite(ref)
+    integer = (np.round(ORDERS) == ORDERS) & np.isfinite(ref)
     np.testing.assert_allclose(ours[integer], ref[integer], rtol=1e-6, atol=1e-12)
     frac = ~integer & np.isfinite(ref)
     assert np.all(ours[frac] <= ref[frac] * (1 + 1e-6) + 1e-12)

@@ -14,12 +14,30 @@ from dp_accounting import dp_event, pld, rdp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.dp.accounting import (DEFAULT_ORDERS, ApproxDP, GaussianStep, TrainingRecord, gdp_epsilon, lc_delta,
-                             lc_epsilon, lc_rdp, lc_report, lc_segments, model_epsilon, privacy_profile,
-                             rdp_to_epsilon)
-from peer.dp.accounting.lc import (lc_composition_rdp, lc_surrogate_delta, lc_surrogate_epsilon, lc_surrogate_mu,
-                                lc_surrogate_rdp, surrogate_is_bound)
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import (
+    DEFAULT_ORDERS,
+    ApproxDP,
+    GaussianStep,
+    TrainingRecord,
+    gdp_epsilon,
+    lc_delta,
+    lc_epsilon,
+    lc_rdp,
+    lc_report,
+    lc_segments,
+    model_epsilon,
+    privacy_profile,
+    rdp_to_epsilon,
+)
+from peer.dp.accounting.lc import (
+    lc_composition_rdp,
+    lc_surrogate_delta,
+    lc_surrogate_epsilon,
+    lc_surrogate_mu,
+    lc_surrogate_rdp,
+    surrogate_is_bound,
+)
 
 
 def piecewise(adjacency, phases):

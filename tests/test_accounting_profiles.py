@@ -7,9 +7,17 @@ import pytest
 from dp_accounting import dp_event, pld, rdp
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from peer.dp.accounting import (DEFAULT_ORDERS, ApproxDP, GaussianStep, TrainingRecord, model_delta, model_epsilon,
-                             privacy_profile, privacy_profiles)
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import (
+    DEFAULT_ORDERS,
+    ApproxDP,
+    GaussianStep,
+    TrainingRecord,
+    model_delta,
+    model_epsilon,
+    privacy_profile,
+    privacy_profiles,
+)
 
 ORDERS = np.array(DEFAULT_ORDERS)
 

@@ -6,12 +6,22 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event, gaussian_mechanism, pld, rdp
 
-from peer.dp.accounting import (DEFAULT_ORDERS, ApproxDP, TrainingRecord, lc_epsilon, lc_surrogate_epsilon, model_epsilon,
-                             pld_of_record, rdp_of_record, rdp_to_epsilon, rs_epsilon)
-from peer.dp.accounting.profiles import model_rdp
-from peer.dp.accounting.release_accounting import dpsgd_record, lc_merge_record, record_epsilon, rs_merge_record
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
+from peer.dp.accounting import (
+    DEFAULT_ORDERS,
+    ApproxDP,
+    TrainingRecord,
+    lc_epsilon,
+    lc_surrogate_epsilon,
+    model_epsilon,
+    pld_of_record,
+    rdp_of_record,
+    rdp_to_epsilon,
+    rs_epsilon,
+)
+from peer.dp.accounting.profiles import model_rdp
+from peer.dp.accounting.release_accounting import dpsgd_record, lc_merge_record, record_epsilon, rs_merge_record
 
 ORDERS = np.array(DEFAULT_ORDERS)
 H = 1e-4

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import integrate, stats
 
-from peer.dp.accounting import (ApproxDP, TrainingRecord, model_epsilon, rs_delta, rs_epsilon, rs_profiles)
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import ApproxDP, TrainingRecord, model_epsilon, rs_delta, rs_epsilon, rs_profiles
 
 INTERVAL = 1e-3
 POOL = [TrainingRecord.constant("add-remove", 60, 0.1, 1.0, s) for s in (3.0, 6.0, 12.0)]

@@ -9,10 +9,20 @@ import math
 import numpy as np
 import pytest
 
-from peer.dp.accounting import (ApproxDP, TrainingRecord, UnreachableTarget, choose_lam, choose_pi, gdp_epsilon,
-                             lc_epsilon, lc_segments, rs_epsilon, rs_profiles)
-from peer.dp.accounting.targets import lc_feasible_subsets, lc_mu_for_target, rs_most_private_epsilon
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import (
+    ApproxDP,
+    TrainingRecord,
+    UnreachableTarget,
+    choose_lam,
+    choose_pi,
+    gdp_epsilon,
+    lc_epsilon,
+    lc_segments,
+    rs_epsilon,
+    rs_profiles,
+)
+from peer.dp.accounting.targets import lc_feasible_subsets, lc_mu_for_target, rs_most_private_epsilon
 
 INTERVAL = 1e-3
 POOL = [TrainingRecord.constant("add-remove", 100, 0.1, 1.0, s) for s in (5.0, 10.0, 20.0)]

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.dp.accounting import ApproxDP, GaussianStep, TrainingRecord
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import ApproxDP, GaussianStep, TrainingRecord
 
 steps_strategy = st.lists(
     st.tuples(st.sampled_from([0.05, 0.1]), st.sampled_from([0.5, 1.0]), st.sampled_from([0.0, 1.1, 2.0]),

@@ -109,11 +109,11 @@ def test_init_script_is_valid_sh():
 def test_init_script_makes_sites_that_fuse(tmp_path):
     """Run init-sites.sh as the compose `init` service would (paths moved to tmp), then start
     the three daemons from the files it wrote and run hospital-a's round."""
-    from peer.net.identity import load_identity
     from coordinator_free.roster import Roster, write_roster
     from coordinator_free.runner import load_local_site, load_round_config, run_round
-    from peer.net.trust import TrustStore
     from peer.net.daemon import Daemon, open_site
+    from peer.net.identity import load_identity
+    from peer.net.trust import TrustStore
 
     sites, certs = tmp_path / "sites", tmp_path / "certs"
     certs.mkdir()

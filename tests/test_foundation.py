@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from peer.nn.data import load_dataset, split_dirichlet, split_homogeneous, split_label_skew
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import build_model, model_from_arrays, state_arrays, validate_architecture
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
+from peer.nn.architectures import build_model, model_from_arrays, state_arrays, validate_architecture
+from peer.nn.data import load_dataset, split_dirichlet, split_homogeneous, split_label_skew
 
 MLP = {"kind": "mlp", "input_dim": 64, "hidden": [32, 16], "output_dim": 10}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "kernel_size": 3, "pool": [2, 2], "hidden": [16], "output_dim": 10}

@@ -17,12 +17,12 @@ from typing import ClassVar
 import numpy as np
 import pytest
 from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
-from privfusion.v1 import peer_pb2 as pb
 
-from peer.net.client import PeerError
 from peer.budget.ledger import Ledger
+from peer.net.client import PeerError
 from peer.net.receipts import verify_receipt
 from peer.net.service import PeerService
+from privfusion.v1 import peer_pb2 as pb
 
 PROBE = np.random.default_rng(5).random((32, 64))
 #: one Fuse of these parameters costs ε ≈ 7.8 at δ = 1e-3 by the filter (8 by basic

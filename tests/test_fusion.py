@@ -3,8 +3,15 @@ import pytest
 import torch
 
 from peer.base.errors import InvalidArgument
-from peer.ldp.fusion import (average_arrays, ensemble_proba, fuse_arrays, fuse_many, permute_arrays,
-                         vanilla_average, weight_matching)
+from peer.ldp.fusion import (
+    average_arrays,
+    ensemble_proba,
+    fuse_arrays,
+    fuse_many,
+    permute_arrays,
+    vanilla_average,
+    weight_matching,
+)
 from peer.nn.architectures import build_model, input_tensor, model_from_arrays, state_arrays
 
 MLP = {"kind": "mlp", "input_dim": 20, "hidden": [16, 12], "output_dim": 5}

@@ -4,8 +4,8 @@ import torch
 from torch import nn
 
 from peer.base.errors import InvalidArgument
-from peer.nn.graph import extract_graph
 from peer.nn.architectures import build_model
+from peer.nn.graph import extract_graph
 
 MLP = {"kind": "mlp", "input_dim": 64, "hidden": [32, 16], "output_dim": 10}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "kernel_size": 3, "pool": [2, 2], "hidden": [16], "output_dim": 10}

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from peer_harness import make_pool, make_site, pin_each_other, running
 
 from peer.budget.ledger import Ledger
-from peer_harness import make_pool, make_site, pin_each_other, running
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -130,7 +130,7 @@ def test_no_import_cycle_between_modules():
         seen.add(m)
         stack.append(m)
         for n in graph[m]:
-            if not (n.startswith(m + ".") or m.startswith(n + ".") and n in _packages()):
+            if not (n.startswith(m + ".") or (m.startswith(n + ".") and n in _packages())):
                 visit(n)
         stack.pop()
 

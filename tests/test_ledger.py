@@ -20,13 +20,13 @@ import pytest
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ledger_reference import filter_admits, filter_spent, gaussian_rdp, gaussian_record, laplace_rdp, laplace_record
 
-from ledger_reference import (filter_admits, filter_spent, gaussian_rdp, gaussian_record, laplace_rdp,
-                              laplace_record)
 from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from peer.budget.filter import FILTER_ORDERS, FilterBudget
 from peer.budget.ledger import Ledger, per_neuron_record
 from peer.budget.policy import Policy, PolicyError
+
 
 def make_policy(model_total=(4.0, 1e-6), per_cp=None, data=None, **extra) -> Policy:
     d = {"peers": {"*": {"allow": ["features", "weights", "merge", "fuse", "ledger"]}}}
@@ -250,8 +250,8 @@ def rr_rdp(orders, epsilon):
 
 
 def test_per_entry_releases_of_the_real_mechanisms_are_restated_per_neuron(tmp_path):
-    from peer.ldp.mechanisms import gaussian_perturbation, gaussian_sensitivity, laplace_activations, multibit
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import gaussian_perturbation, gaussian_sensitivity, laplace_activations, multibit
 
     x = np.random.default_rng(0).normal(size=(6, 7))
     ledger = open_ledger(tmp_path / "mech.db", make_policy(model_total=(1e3, 1e-3)))
@@ -296,10 +296,10 @@ def test_composite_of_per_entry_components_is_converted_componentwise():
 
 def per_entry_graph(probes=5, epsilon_x=0.5, epsilon_w=0.5):
     """A real per-entry graph release: 4 inputs → 3 hidden ReLU neurons (P probes) → 2 outputs."""
-    from peer.nn.graph import extract_graph
+    from peer.base.rng import make_randomness
     from peer.ldp.mechanisms import perturb_graph
     from peer.nn.architectures import build_model
-    from peer.base.rng import make_randomness
+    from peer.nn.graph import extract_graph
 
     arch = {"kind": "mlp", "input_dim": 4, "hidden": [3], "output_dim": 2, "activation": "relu"}
     graph = extract_graph(arch, build_model(arch, seed=0), np.random.default_rng(0).random((probes, 4)))
@@ -335,9 +335,9 @@ def test_per_entry_graph_release_composes_one_neurons_parts_sequentially(tmp_pat
 
 
 def test_a_parallel_composite_must_say_what_it_is_parallel_over():
-    from peer.ldp.mechanisms import composite_record
     from peer.base.records import ReleaseRecord
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import composite_record
 
     a = laplace_record(epsilon=0.1, shape=(4, 10), unit="entry")
     b = laplace_record(epsilon=0.3, shape=(4, 2), unit="entry")
@@ -514,7 +514,7 @@ def _process_worker(path, n_charges, sigma, eps_g, delta_g, queue):
                 refused += 1
         ledger.close()
         queue.put(("ok", (ok, refused)))
-    except BaseException:  # noqa: BLE001 - the parent must see why, not wait for a silent child
+    except BaseException:
         queue.put(("error", traceback.format_exc()))
 
 
@@ -548,7 +548,7 @@ def test_processes_charging_at_once_never_overspend(tmp_path):
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_process_worker, args=(path, 6, sigma, eps_g, delta_g, queue)) for _ in range(5)]
-    assert 5 * 6 > k
+    assert k < 5 * 6
     for p in procs:
         p.start()
     outcomes = collect(queue, procs)

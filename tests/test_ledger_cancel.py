@@ -212,8 +212,8 @@ def test_a_relayed_charge_must_name_whom_it_is_for_and_everyone_must_be_allowed(
 
 
 def composite(parts, relay_for=None):
-    from peer.ldp.mechanisms import composite_record
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import composite_record
 
     rec = composite_record(parts, "sequential", randomness=make_randomness(0)).with_(subject="m")
     return relayed(rec, relay_for) if relay_for else rec

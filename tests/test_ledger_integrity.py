@@ -223,7 +223,7 @@ def _charging_child(path, n, queue):
             for i in range(n):
                 led.charge(gaussian_record(noise_std=400.0), "b" if i % 2 else "c")
         queue.put(("ok", n))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which fails fast
+    except BaseException:
         queue.put(("error", traceback.format_exc()))
 
 

@@ -13,15 +13,15 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other
 
 from coordinator_free.roster import Roster, write_roster
 from coordinator_free.rounds import RoundConfig
 from coordinator_free.runner import load_local_site, run_round
-from peer.net import wire
 from peer.base.errors import InvalidArgument
-from peer.net.receipts import sign_receipt
 from peer.base.records import ReleaseRecord
-from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other
+from peer.net import wire
+from peer.net.receipts import sign_receipt
 from privfusion.v1 import peer_pb2 as pb
 
 PROBE = np.random.default_rng(0).random((12, 64))

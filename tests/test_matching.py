@@ -15,12 +15,8 @@ from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 import peer.ldp.matching as matching
-from peer.nn.data import load_dataset
-from peer.base.errors import InvalidArgument
-from peer.nn.graph import HiddenLayer, extract_graph
-from peer.ldp.matching.expansion import _chebyshev_core
 import peer.ldp.matching.operators as operators
-from peer.ldp.matching.operators import _Stacked
+from peer.base.errors import InvalidArgument
 from peer.ldp.matching import (
     Affinity,
     MatchOptions,
@@ -30,7 +26,18 @@ from peer.ldp.matching import (
     gaussian_kernel,
     match_graphs,
 )
-from peer.nn.architectures import accuracy, build_model, model_from_arrays, state_arrays, train_classifier, weight_layers
+from peer.ldp.matching.expansion import _chebyshev_core
+from peer.ldp.matching.operators import _Stacked
+from peer.nn.architectures import (
+    accuracy,
+    build_model,
+    model_from_arrays,
+    state_arrays,
+    train_classifier,
+    weight_layers,
+)
+from peer.nn.data import load_dataset
+from peer.nn.graph import extract_graph
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4}
@@ -399,7 +406,7 @@ def permuted_copy(arch, model, rng):
     return model_from_arrays(arch, arrays), perms
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def digits():
     return load_dataset("digits")
 
@@ -434,8 +441,8 @@ def test_recovery_from_a_local_dp_release_is_mostly_right_and_balancing_is_what_
     # the public [0, 2], multi-bit weights; per-entry ε = 1), many public probes. Balancing the
     # unary affinities (MatchOptions.balance) is what lets the activations' signal through:
     # without it the released rows' noisy norms scale whole columns of the kernel.
-    from peer.ldp.mechanisms import perturb_graph
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import perturb_graph
 
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10}
     ds = digits()

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from peer.ldp import mechanisms as M
 from peer.base.errors import InvalidArgument
-from peer.nn.graph import extract_graph
-from peer.nn.architectures import build_model, state_arrays, weight_layers
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
+from peer.ldp import mechanisms as M
+from peer.nn.architectures import build_model, state_arrays, weight_layers
+from peer.nn.graph import extract_graph
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [8, 6], "output_dim": 3}
 CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "kernel_size": 3, "pool": [2, 2], "hidden": [16], "output_dim": 10}
@@ -395,8 +395,8 @@ def test_filter_falls_back_to_a_constant_when_noise_swamps_the_spread():
 
 @pytest.fixture(scope="module")
 def trained_digits_mlp():
-    from peer.nn.data import load_dataset
     from peer.nn.architectures import train_classifier
+    from peer.nn.data import load_dataset
 
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [64], "output_dim": 10}
     ds = load_dataset("digits")

@@ -11,11 +11,11 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
-from peer.dp.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
 from peer.base.errors import InvalidArgument
+from peer.base.rng import make_randomness
+from peer.dp.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
 from peer.dp.merging import PoolModel, combine, draw_index, merge_lc, merge_rs
 from peer.nn.architectures import build_model, state_arrays
-from peer.base.rng import make_randomness
 
 ARCH = {"kind": "mlp", "input_dim": 4, "hidden": [3], "output_dim": 2, "activation": "relu"}
 DELTA = 1e-5

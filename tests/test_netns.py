@@ -16,17 +16,15 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
+from peer_harness import make_site, model_arrays, pin_each_other
 
 from coordinator_free.roster import write_roster
 from peer.budget.ledger import Ledger
-from peer_harness import make_site, model_arrays, pin_each_other
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +61,7 @@ class Network:
         self.address = {n: f"{SUBNET}.{i + 1}" for i, n in enumerate(names)}
         self.created: list[str] = []
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         try:
             self._add(self.hub)
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")

@@ -9,11 +9,11 @@ import time
 
 import grpc
 import pytest
+from peer_harness import DaemonProcess, ForkedDaemons, client, make_site, model_arrays, pin_each_other
 
+from peer.budget.ledger import Ledger
 from peer.net import wire
 from peer.net.client import PeerError
-from peer.budget.ledger import Ledger
-from peer_harness import (DaemonProcess, ForkedDaemons, client, make_site, model_arrays, pin_each_other)
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 

@@ -15,13 +15,13 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from peer_harness import DaemonProcess, client, make_site, pin_each_other, running
 
-from peer.net.identity import init_identity, load_certificate
+from peer.budget.ledger import Ledger
 from peer.net import wire
 from peer.net.client import PeerError
-from peer.budget.ledger import Ledger
+from peer.net.identity import init_identity, load_certificate
 from peer.net.limits import StreamTimeout, paced
-from peer_harness import DaemonProcess, client, make_site, pin_each_other, running
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
@@ -218,7 +218,7 @@ def test_a_certificate_that_expires_on_an_open_connection_is_refused_at_its_next
     a = make_site(tmp_path, "site-a")
     b = make_site(tmp_path, "site-b", models={})
     shutil.rmtree(b.identity_dir)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     init_identity(b.identity_dir, "site-b", ["127.0.0.1"], not_before=now - dt.timedelta(seconds=1),
                   valid_for=dt.timedelta(seconds=5))
     pin_each_other(a, b)
@@ -227,7 +227,7 @@ def test_a_certificate_that_expires_on_an_open_connection_is_refused_at_its_next
         assert cb.weights("mlp", epsilon=2.0, delta=1e-5).receipt is not None
         assert len(entries(a)) == 1
         # X.509 times have whole seconds: wait until the certificate has certainly expired
-        while dt.datetime.now(dt.timezone.utc) < expires + dt.timedelta(seconds=1.2):
+        while dt.datetime.now(dt.UTC) < expires + dt.timedelta(seconds=1.2):
             time.sleep(0.1)
         with pytest.raises(PeerError) as e:
             cb.weights("mlp", epsilon=2.0, delta=1e-5)
@@ -303,8 +303,8 @@ def test_a_bad_listen_address_is_a_clear_error(tmp_path, listen, message):
     ("max_calls_per_peer = -1", r"site\.max_calls_per_peer \(.*line 9\): must be >= 1"),
 ])
 def test_bad_limits_are_refused_at_start(tmp_path, extra, message):
-    from peer.net.site import SiteConfig
     from peer.base.errors import InvalidArgument
+    from peer.net.site import SiteConfig
 
     a = make_site(tmp_path, "site-a", extra_site=extra)
     with pytest.raises(InvalidArgument, match=message):

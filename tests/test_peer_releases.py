@@ -4,18 +4,18 @@ import json
 
 import numpy as np
 import pytest
+from peer_harness import ARCH, client, make_pool, make_site, model_arrays, pin_each_other, running
 
-from peer.net.client import PeerError, save_release
-from peer.ldp.fusion import fuse_arrays, permute_arrays
-from peer.nn.graph import extract_graph
+from peer.base.rng import make_randomness
 from peer.budget.ledger import Ledger
+from peer.dp.merging import combine
+from peer.dp.pools import load_pool
+from peer.ldp.fusion import fuse_arrays, permute_arrays
 from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
-from peer.dp.merging import combine
+from peer.net.client import PeerError, save_release
 from peer.nn.architectures import model_from_arrays
-from peer.dp.pools import load_pool
-from peer.base.rng import make_randomness
-from peer_harness import ARCH, client, make_pool, make_site, model_arrays, pin_each_other, running
+from peer.nn.graph import extract_graph
 
 
 @pytest.fixture(scope="module")

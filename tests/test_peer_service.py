@@ -8,17 +8,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
 
-from peer.net import wire
-from peer.net.client import PeerError
-from peer.ldp.fusion import permute_arrays
-from peer.nn.graph import extract_graph
+from peer.base.rng import make_randomness
 from peer.budget.ledger import Ledger
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
-from peer.nn.architectures import model_from_arrays
-from peer.base.rng import make_randomness
+from peer.net import wire
+from peer.net.client import PeerError
 from peer.net.codec import graph_from_release
-from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
+from peer.nn.architectures import model_from_arrays
+from peer.nn.graph import extract_graph
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from privfusion.v1 import tensor_pb2 as tpb

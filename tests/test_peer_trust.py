@@ -18,12 +18,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from peer_harness import client, make_site, pin, pin_each_other, running
 
-from peer.net.identity import init_identity
-from peer.net.trust import TrustStore
 from peer.net import wire
 from peer.net.client import PeerClient, PeerError
-from peer_harness import client, make_site, pin, pin_each_other, running
+from peer.net.identity import init_identity
+from peer.net.trust import TrustStore
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
@@ -59,9 +59,8 @@ def test_unpinned_client_is_refused_at_the_handshake(two_sites, tmp_path):
     a, _ = two_sites
     stranger = make_site(tmp_path, "stranger", models={})
     pin(stranger, a)  # the stranger trusts a, but a does not know it
-    with running(a) as (_, address):
-        with client(stranger, address) as c, pytest.raises(PeerError) as e:
-            c.info()
+    with running(a) as (_, address), client(stranger, address) as c, pytest.raises(PeerError) as e:
+        c.info()
     assert e.value.status == "UNAVAILABLE" and "TLS handshake" in str(e.value)
 
 
@@ -84,7 +83,7 @@ def test_no_client_certificate_and_plaintext_are_refused(two_sites):
 def test_expired_certificate_is_refused_even_when_pinned(two_sites, tmp_path):
     a, _ = two_sites
     old = init_identity(tmp_path / "old", "site-old", ["127.0.0.1"], days=1,
-                        not_before=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=3))
+                        not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=3))
     fresh = init_identity(tmp_path / "fresh", "site-fresh", ["127.0.0.1"])
     # pinned while it was valid: put it in the trust directory as `trust add` did back then
     # (the same way for a valid certificate, the control)
@@ -141,9 +140,8 @@ def test_client_refuses_a_server_that_is_not_the_pinned_one(two_sites, tmp_path)
     impostor = make_site(tmp_path, "impostor")
     # the impostor has its own key but is dialled where b expects site-a
     pin(impostor, b)
-    with running(impostor) as (_, address):
-        with client(b, address, peer="site-a") as c, pytest.raises(PeerError) as e:
-            c.info()
+    with running(impostor) as (_, address), client(b, address, peer="site-a") as c, pytest.raises(PeerError) as e:
+        c.info()
     assert e.value.status == "UNAVAILABLE"
 
 
@@ -191,8 +189,8 @@ def test_rotation_keeps_working_through_the_overlap_and_retires_the_old_certific
     """site-b rolls its certificate with the command: stage, site-a pins the new one beside the
     old, site-b activates (restart), site-a retires the old pin. Calls work in both directions
     at every step; after the promote the old certificate is refused, even on an open connection."""
-    from peer.net.identity import load_identity
     from peer.cli import main
+    from peer.net.identity import load_identity
 
     a = make_site(tmp_path, "site-a")
     b = make_site(tmp_path, "site-b")

@@ -5,15 +5,15 @@ import json
 import numpy as np
 import pytest
 
-from peer.dp.accounting import TrainingRecord
-from peer.dp.accounting.release_accounting import record_epsilon
-from peer.cli import main
 from peer.base.errors import InvalidArgument
-from peer.dp.pools import load_pool, load_splits, save_trained
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
-from peer.nn.store import load_model
+from peer.cli import main
+from peer.dp.accounting import TrainingRecord
+from peer.dp.accounting.release_accounting import record_epsilon
+from peer.dp.pools import load_pool, load_splits, save_trained
 from peer.dp.training import train_pool
+from peer.nn.store import load_model
 
 LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
 

@@ -37,14 +37,14 @@ import torch
 from scipy import stats
 
 import peer.dp.accounting as accounting
-from peer.budget.filter import FILTER_ORDERS
-from peer.nn.graph import HiddenLayer, NetworkGraph
-from peer.budget.ledger import per_neuron_record
-from peer.ldp.mechanisms import gaussian_perturbation, laplace_activations, multibit, perturb_graph
-from peer.nn.architectures import weight_layers
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
+from peer.budget.filter import FILTER_ORDERS
+from peer.budget.ledger import per_neuron_record
 from peer.dp.training import run_dpsgd
+from peer.ldp.mechanisms import gaussian_perturbation, laplace_activations, multibit, perturb_graph
+from peer.nn.architectures import weight_layers
+from peer.nn.graph import HiddenLayer, NetworkGraph
 
 N = 200_000  # runs per neighbour (half to fit the threshold, half to bound ε)
 CONFIDENCE = 0.95

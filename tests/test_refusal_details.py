@@ -11,13 +11,13 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from peer_harness import client, make_pool, make_site, pin_each_other, running
-from privfusion.v1 import peer_pb2 as pb
-from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from test_rounds import add_pool, build, config, roster_for, trained  # noqa: F401 - trained is a fixture
 
+from peer.budget.ledger import Ledger
 from peer.net import wire
 from peer.net.client import PeerError
-from peer.budget.ledger import Ledger
+from privfusion.v1 import peer_pb2 as pb
+from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
 BUDGET_POLICY = """
 [policy]
@@ -154,8 +154,8 @@ def test_a_budget_refusal_carries_spent_and_remaining(sites):
 
 
 def test_the_round_report_and_its_cli_line_carry_the_reachable_range(tmp_path, trained):  # noqa: F811
-    from coordinator_free.runner import load_local_site, run_round
     from coordinator_free.events import describe
+    from coordinator_free.runner import load_local_site, run_round
 
     sites_, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
     a, b = sites_

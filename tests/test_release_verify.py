@@ -6,12 +6,12 @@ import shutil
 
 import numpy as np
 import pytest
+from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
 
-from peer.net.trust import TrustStore
+from peer.base.errors import InvalidArgument, NotFound
 from peer.cli import main as cli
 from peer.net.client import save_release, verify_saved_release
-from peer.base.errors import InvalidArgument, NotFound
-from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
+from peer.net.trust import TrustStore
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,19 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from peer.base.config import ConfigError, Section, key_line, parse_toml
-from coordinator_free.roster import Roster, write_roster
-from coordinator_free.rounds import (RoundConfig, RoundState, charged_status, fusion_weights, public_view)
-from coordinator_free.runner import load_local_site, load_round_config, run_round
-from peer.nn.data import load_dataset
-from peer.base.errors import FailedPrecondition
-from peer.ldp.fusion import permute_arrays
-from peer.nn.graph import extract_graph
-from peer.budget.ledger import Ledger
-from peer.nn.architectures import model_from_arrays, state_arrays, train_classifier
-from peer.nn.store import load_model
 from peer_harness import DaemonProcess, make_site, pin_each_other, running
+
+from coordinator_free.roster import Roster, write_roster
+from coordinator_free.rounds import RoundConfig, RoundState, charged_status, fusion_weights, public_view
+from coordinator_free.runner import load_local_site, load_round_config, run_round
+from peer.base.config import ConfigError, Section, key_line, parse_toml
+from peer.base.errors import FailedPrecondition
+from peer.budget.ledger import Ledger
+from peer.ldp.fusion import permute_arrays
+from peer.nn.architectures import model_from_arrays, state_arrays, train_classifier
+from peer.nn.data import load_dataset
+from peer.nn.graph import extract_graph
+from peer.nn.store import load_model
 
 ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [16], "output_dim": 10, "activation": "relu"}
 CLIP = (0.0, 8.0)
@@ -427,9 +427,9 @@ epsilon = 20.0
 
 def add_pool(site, trained, data_epsilon: float) -> None:
     """A small DP-SGD pool of the site's architecture, judged on a public validation file."""
+    from peer.base.rng import make_randomness
     from peer.dp.accounting import TrainingRecord
     from peer.dp.pools import save_trained
-    from peer.base.rng import make_randomness
     from peer.dp.training import train_pool
 
     _, probe, ds = trained

@@ -10,6 +10,7 @@ import tomllib
 
 import numpy as np
 import pytest
+from peer_harness import ARCH, SiteFiles, client, make_pool, make_site, model_arrays, pin_each_other, running
 
 from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.budget.policy import Policy
@@ -18,7 +19,6 @@ from peer.cli.site import export_model, new_site
 from peer.net.client import PeerError
 from peer.net.site import SiteConfig
 from peer.nn.store import load_model, save_model, site_unusable_files, unusable_files, write_sidecar
-from peer_harness import ARCH, SiteFiles, client, make_pool, make_site, model_arrays, pin_each_other, running
 
 
 def cli(*args, check=True):
@@ -240,11 +240,11 @@ def _site_with_records_model(tmp_path, name, csv_path):
 def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path):
     import shutil
 
+    from test_site_e2e import synthesise
+
     from peer.cli.evaluate import evaluate
     from peer.cli.site import adopt_model
-    from peer.net.client import save_release
-    from peer.net.client import PeerClient
-    from test_site_e2e import synthesise
+    from peer.net.client import PeerClient, save_release
 
     rng = np.random.default_rng(5)
     for f, rows in (("a.csv", 200), ("b.csv", 200), ("test.csv", 200)):
@@ -294,6 +294,8 @@ def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path
 
 
 def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preprocessing(tmp_path):
+    from test_site_e2e import synthesise
+
     from peer.base.rng import make_randomness
     from peer.cli.app import main
     from peer.cli.evaluate import evaluate
@@ -302,7 +304,6 @@ def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preproce
     from peer.dp.pools import save_trained
     from peer.dp.training import train_pool
     from peer.nn.tables import prepare_records
-    from test_site_e2e import synthesise
 
     rng = np.random.default_rng(9)
     for f in ("a.csv", "test.csv"):

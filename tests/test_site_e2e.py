@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from peer_harness import DaemonProcess, SiteFiles
 
 pytestmark = pytest.mark.slow

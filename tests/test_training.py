@@ -11,9 +11,9 @@ import torch
 from scipy import stats
 
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import build_model, input_tensor
 from peer.base.rng import make_randomness
 from peer.dp.training import classifier_loss, clipped_sum, dpsgd_step, per_example_gradients, run_dpsgd
+from peer.nn.architectures import build_model, input_tensor
 
 MLP = {"kind": "mlp", "input_dim": 6, "hidden": [5], "output_dim": 3}
 CNN = {"kind": "cnn", "input_shape": [1, 4, 4], "channels": [2], "kernel_size": 3, "pool": [2], "hidden": [], "output_dim": 3}

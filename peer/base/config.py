@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 import re
 import tomllib
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from peer.base.errors import InvalidArgument, NotFound
 
@@ -138,14 +139,14 @@ class Section:
     def __contains__(self, name: str) -> bool:
         return name in self.data
 
-    def section(self, name: str, required: bool = False) -> "Section":
+    def section(self, name: str, required: bool = False) -> Section:
         if name not in self.data:
             if required:
                 self.fail(name, "is required (a table)")
             return Section({}, self.key + (name,), self.text, self.source)
         return Section(self.data[name], self.key + (name,), self.text, self.source)
 
-    def sections(self, name: str) -> dict[str, "Section"]:
+    def sections(self, name: str) -> dict[str, Section]:
         """A table of tables (``[sites.a]``, ``[sites.b]``) as name → Section, in file order."""
         outer = self.section(name)
         return {k: Section(v, outer.key + (k,), self.text, self.source) for k, v in outer.data.items()}

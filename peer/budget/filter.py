@@ -68,8 +68,8 @@ of the state, while the guarantee is the filter's (ε_G, δ_G).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -97,17 +97,18 @@ import math
 import os
 import sqlite3
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from peer.base.records import ReleaseRecord, now_rfc3339
 from peer.budget.filter import FilterBudget, validate_orders
 from peer.budget.policy import Policy
-from peer.base.records import ReleaseRecord, now_rfc3339
 
 log = logging.getLogger("peer.budget.ledger")
 
@@ -644,7 +645,7 @@ class Ledger:
             self._all.clear()
         self._local = threading.local()
 
-    def __enter__(self) -> "Ledger":
+    def __enter__(self) -> Ledger:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -161,9 +161,9 @@ def _weights(text: str, count: int) -> list[float]:
 def account(method: str, data: Any, *, delta: float, weights: list[float] | None = None,
             target_epsilon: float | None = None, accountant: str = "pld", interval: float = 1e-4) -> dict:
     """The JSON-ready result of ``privfusion account`` (pure: file contents in, dict out)."""
+    from peer.base.checks import check_delta, check_epsilon
     from peer.dp.accounting import ApproxDP, choose_lam, choose_pi, lc_report, privacy_profile, rs_epsilon, rs_profiles
     from peer.dp.accounting.lc import NO_FREE_LUNCH
-    from peer.base.checks import check_delta, check_epsilon
     delta = check_delta(delta, "--delta")
     adjacency, names, models, accuracies = parse_models(data)
     if method == "lc":
@@ -264,4 +264,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["register", "run", "account", "parse_models"]
+__all__ = ["account", "parse_models", "register", "run"]

@@ -31,8 +31,9 @@ not differentially private (do not publish them as such).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,8 +49,7 @@ MODEL_RELEASE_KINDS = ("weights", "merged", "fused")
 def classification_metrics(y_true: np.ndarray, proba: np.ndarray, classes: Sequence[Any]) -> dict:
     """The scores of predicted class probabilities ``proba`` (m, K) against labels ``y_true``
     (class indices 0..K−1); see the module docstring for the definitions."""
-    from sklearn.metrics import (accuracy_score, confusion_matrix, f1_score, precision_score, recall_score,
-                                 roc_auc_score)
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_score, recall_score, roc_auc_score
 
     y_true = np.asarray(y_true, dtype=np.int64)
     proba = np.asarray(proba, dtype=np.float64)
@@ -62,7 +62,7 @@ def classification_metrics(y_true: np.ndarray, proba: np.ndarray, classes: Seque
     y_pred = proba.argmax(axis=1)
     labels = list(range(k))
     out = {
-        "records": int(len(y_true)),
+        "records": len(y_true),
         "classes": [c if isinstance(c, (int, str)) else str(c) for c in classes],
         "accuracy": float(accuracy_score(y_true, y_pred)),
         "macro_f1": float(f1_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)),

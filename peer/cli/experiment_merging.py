@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 
 
-
 def run_merging(args: argparse.Namespace) -> int:
     from peer.nn.architectures import torch_threads
     with torch_threads(1):

@@ -40,8 +40,8 @@ def merge_request(args: argparse.Namespace) -> MergeRequest:
 
 def obtain_merge(request: MergeRequest, args: argparse.Namespace) -> MergedModel:
     """Serve the request from the local pool ``args.pool``."""
-    from peer.dp.pools import load_pool, load_validation_file, merge_pool
     from peer.base.rng import make_randomness
+    from peer.dp.pools import load_pool, load_validation_file, merge_pool
     pool = load_pool(args.pool)
     validation = None if args.validation == "pool" else load_validation_file(args.validation)
     return merge_pool(pool, request.method, request.target_epsilon, request.delta, validation=validation,
@@ -50,8 +50,8 @@ def obtain_merge(request: MergeRequest, args: argparse.Namespace) -> MergedModel
 
 def run_via(request: MergeRequest, args: argparse.Namespace) -> int:
     """Ask the peer at ``args.via`` for a merge of its pool ``args.pool`` (the remote form)."""
-    from peer.net.client import save_release, verify_upstream
     from peer.cli.peer import client_from_args
+    from peer.net.client import save_release, verify_upstream
 
     if not args.identity:
         raise InvalidArgument("--identity", "is required with --via (this site's identity directory)")

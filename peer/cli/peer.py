@@ -18,10 +18,19 @@ import argparse
 import json
 from pathlib import Path
 
-from peer.net.identity import (CERT_FILE, KEY_FILE, NEXT_DIR, activate_rotation, format_fingerprint,
-                                       init_identity, load_certificate, load_identity, stage_rotation)
-from peer.net.trust import TrustStore
 from peer.base.errors import InvalidArgument
+from peer.net.identity import (
+    CERT_FILE,
+    KEY_FILE,
+    NEXT_DIR,
+    activate_rotation,
+    format_fingerprint,
+    init_identity,
+    load_certificate,
+    load_identity,
+    stage_rotation,
+)
+from peer.net.trust import TrustStore
 
 
 def _init(args) -> int:

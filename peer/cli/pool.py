@@ -157,10 +157,10 @@ def _train_records(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from peer.nn.architectures import accuracy, model_from_arrays
-    from peer.dp.pools import load_splits, save_trained
     from peer.base.rng import make_randomness
+    from peer.dp.pools import load_splits, save_trained
     from peer.dp.training import train_pool
+    from peer.nn.architectures import accuracy, model_from_arrays
     splits = load_splits(args.dataset, split_seed=args.split_seed, validation_fraction=args.validation_fraction)
     arch = _architecture(args.architecture, splits)
     names, trainings = _specs(args)

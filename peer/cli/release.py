@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from peer.cli.peer import add_client_options, client_from_args
 from peer.base.errors import InvalidArgument
+from peer.cli.peer import add_client_options, client_from_args
 
 
 def load_probe(path: str) -> np.ndarray:
@@ -87,8 +87,8 @@ def _fuse(args) -> int:
 
 
 def _verify(args) -> int:
-    from peer.net.trust import TrustStore
     from peer.net.client import verify_saved_release
+    from peer.net.trust import TrustStore
 
     if not Path(args.trust).is_dir():
         raise InvalidArgument("--trust", f"{args.trust} is not a directory of pinned certificates")

@@ -126,8 +126,8 @@ def default_addresses(listen: str) -> list[str]:
 def new_site(name: str, directory: str | Path, listen: str, addresses: list[str] | None = None,
              days: int = 730) -> Path:
     """Make a site directory (see the module docstring); the path of its site.toml."""
-    from peer.net.site import check_listen
     from peer.net.identity import check_site_name, init_identity
+    from peer.net.site import check_listen
 
     check_site_name(name, "--name")
     check_listen(listen, "--listen")

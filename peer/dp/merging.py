@@ -39,20 +39,28 @@ Pure: no I/O; randomness passed in.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
-from peer.dp.accounting import (ApproxDP, TrainingRecord, WeightChoice, choose_lam, choose_pi, lc_segments,
-                             surrogate_is_bound)
-from peer.dp.accounting.release_accounting import lc_merge_record, rs_merge_record
-from peer.dp.accounting.rs import check_weights
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import validate_architecture
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness
+from peer.dp.accounting import (
+    ApproxDP,
+    TrainingRecord,
+    WeightChoice,
+    choose_lam,
+    choose_pi,
+    lc_segments,
+    surrogate_is_bound,
+)
+from peer.dp.accounting.release_accounting import lc_merge_record, rs_merge_record
+from peer.dp.accounting.rs import check_weights
+from peer.nn.architectures import validate_architecture
 
 METHODS = ("rs", "lc")
 # LC candidates whose utility is measured: about this many simplex grid points (≈ 20 steps per

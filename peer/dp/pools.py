@@ -28,22 +28,23 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from peer.dp.accounting import ApproxDP, TrainingRecord
-from peer.nn.data import load_dataset
 from peer.base.errors import InvalidArgument
-from peer.dp.merging import METHODS, MergedModel, PoolModel, check_pool, merge_lc, merge_rs
-from peer.nn.architectures import accuracy, model_from_arrays
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
+from peer.dp.accounting import ApproxDP, TrainingRecord
+from peer.dp.merging import METHODS, MergedModel, PoolModel, check_pool, merge_lc, merge_rs
+from peer.dp.training import TrainedModel
+from peer.nn.architectures import accuracy, model_from_arrays
+from peer.nn.data import load_dataset
 from peer.nn.store import _atomic_write, list_models, load_model, save_model
 from peer.nn.tables import Preprocessing
-from peer.dp.training import TrainedModel
 
 
 @dataclass(frozen=True)

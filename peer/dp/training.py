@@ -41,19 +41,19 @@ DP noise in this package — drawn in float64 and cast to the parameters' dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from peer.dp.accounting import TrainingRecord
-from peer.dp.accounting.release_accounting import dpsgd_record
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import build_model, input_tensor, validate_architecture
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness
+from peer.dp.accounting import TrainingRecord
+from peer.dp.accounting.release_accounting import dpsgd_record
+from peer.nn.architectures import build_model, input_tensor, validate_architecture
 
 # A per-example loss: (parameters, one input, one label) -> scalar tensor.
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]

@@ -30,8 +30,9 @@ are public constants (``FusionConfig``), chosen before seeing any model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,8 +45,16 @@ from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
 from peer.ldp.mechanisms.groups import perturb_group_activations, perturb_group_weights
 from peer.ldp.repair import fine_tune, repair_fusion
-from peer.nn.architectures import (accuracy, hidden_sizes, input_tensor, model_from_arrays, state_arrays, torch_threads,
-                                   train_classifier, weight_layers)
+from peer.nn.architectures import (
+    accuracy,
+    hidden_sizes,
+    input_tensor,
+    model_from_arrays,
+    state_arrays,
+    torch_threads,
+    train_classifier,
+    weight_layers,
+)
 from peer.nn.data import load_dataset, split_homogeneous, split_label_skew
 from peer.nn.graph import extract_graph
 from peer.nn.tracing import derive_structure, import_structure, permute_state, random_permutations

@@ -46,13 +46,15 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from peer.base.extras import pyplot, require
+from peer.base.rng import make_randomness
 from peer.dp.accounting import TrainingRecord, UnreachableTarget, choose_pi, privacy_profiles, rdp_to_epsilon
 from peer.dp.accounting.conversions import pld_epsilon
 from peer.dp.accounting.lc import lc_composition_epsilon, lc_composition_rdp, surrogate_is_bound
@@ -60,10 +62,9 @@ from peer.dp.accounting.pld import compose_plds
 from peer.dp.accounting.rdp import rdp_mixture
 from peer.dp.accounting.targets import choose_lam_composition, choose_lam_surrogate
 from peer.dp.merging import PoolModel, combine, merge_lc, merge_rs
-from peer.nn.architectures import accuracy, model_from_arrays
 from peer.dp.pools import load_splits
-from peer.base.rng import make_randomness
 from peer.dp.training import run_dpsgd, train_pool
+from peer.nn.architectures import accuracy, model_from_arrays
 
 INTERVAL = 1e-3
 ACCOUNTANTS = ("pld", "rdp")
@@ -91,7 +92,7 @@ class Settings:
     joint_grid: int = 10
 
     @classmethod
-    def quick(cls) -> "Settings":
+    def quick(cls) -> Settings:
         """A reduced run for the default test suite (same code, smaller sizes)."""
         return cls(mean_replicas=2000, mean_targets=4, digits_steps=15, digits_targets=3, lc_candidates=30, joint_grid=3)
 

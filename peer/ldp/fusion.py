@@ -14,8 +14,9 @@ unchanged (``test_fusion`` checks this). Input and output layers are never permu
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment

@@ -20,18 +20,19 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 
-from peer.net.identity import Identity
-from peer.net.trust import PinnedPeer, TrustStore
-from peer.net import wire
 from peer.base.errors import InvalidArgument, NotFound, PrivFusionError
-from peer.net.receipts import Manifest, SignedReceipt, receipt_digest, verify_receipt
 from peer.base.records import ReleaseRecord
+from peer.net import wire
+from peer.net.identity import Identity
+from peer.net.receipts import Manifest, SignedReceipt, receipt_digest, verify_receipt
+from peer.net.trust import PinnedPeer, TrustStore
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from privfusion.v1 import tensor_pb2 as tpb
@@ -231,7 +232,7 @@ class PeerClient:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "PeerClient":
+    def __enter__(self) -> PeerClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -24,13 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from privfusion.v1 import peer_pb2 as pb
 
 from peer.base.errors import InvalidArgument
 from peer.net import wire
 from peer.net.site import SiteInfo
 from peer.nn.architectures import validate_architecture, weight_layers
 from peer.nn.graph import HiddenLayer, NetworkGraph
+from privfusion.v1 import peer_pb2 as pb
 
 WEIGHTS_PREFIX = "weights."
 

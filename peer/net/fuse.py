@@ -97,7 +97,7 @@ def fuse_with_partner(site: Site, caller: str, stored: StoredModel, probe: np.nd
                 site.cancel(record, reason)
                 log_event("cancelled", method="Fuse", caller=caller, entry=entry_id, release=record.release_id,
                           partner=partner, error_type=type(e).__name__)
-            except Exception as c:  # noqa: BLE001 - the charge then stands (conservative); say so
+            except Exception as c:
                 log_event("cancel-failed", method="Fuse", entry=entry_id, error_type=type(c).__name__)
             raise
     finally:

@@ -37,9 +37,9 @@ import hashlib
 import ipaddress
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -115,7 +115,7 @@ def make_certificate(name: str, key: ec.EllipticCurvePrivateKey, addresses: Iter
         raise InvalidArgument("days", f"must be a positive integer, got {days!r}")
     if valid_for is not None and valid_for <= _dt.timedelta(0):
         raise InvalidArgument("valid_for", f"must be a positive duration, got {valid_for!r}")
-    start = not_before or (_dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=5))
+    start = not_before or (_dt.datetime.now(_dt.UTC) - _dt.timedelta(minutes=5))
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     sans: list[x509.GeneralName] = [x509.DNSName(name)]
     for a in addresses:
@@ -144,7 +144,7 @@ def make_certificate(name: str, key: ec.EllipticCurvePrivateKey, addresses: Iter
 
 
 def check_validity(cert: x509.Certificate, field: str = "certificate", now: _dt.datetime | None = None) -> None:
-    now = now or _dt.datetime.now(_dt.timezone.utc)
+    now = now or _dt.datetime.now(_dt.UTC)
     if now < cert.not_valid_before_utc:
         raise FailedPrecondition(f"{field}: not valid before {cert.not_valid_before_utc.isoformat()}")
     if now > cert.not_valid_after_utc:
@@ -262,7 +262,7 @@ def activate_rotation(directory: str | os.PathLike) -> tuple[Identity, Identity,
     if staged.name != current.name:
         raise FailedPrecondition(f"{d / NEXT_DIR} holds an identity of {staged.name!r}, not {current.name!r}")
     check_validity(load_certificate(staged.cert_pem), f"{d / NEXT_DIR / CERT_FILE}")
-    retired = d / RETIRED_DIR / _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    retired = d / RETIRED_DIR / _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     retired.mkdir(parents=True)
     for f in (KEY_FILE, CERT_FILE):
         os.replace(d / f, retired / f)

@@ -30,8 +30,8 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import grpc
 
@@ -209,7 +209,7 @@ def paced(requests: Iterable, idle_s: float, deadline_s: float, what: str = "the
                 if not hand_over((message, None)):
                     return
             hand_over((_END, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the handler thread, which raises it
+        except BaseException as e:
             hand_over((None, e))
 
     threading.Thread(target=pump, name="stream-reader", daemon=True).start()

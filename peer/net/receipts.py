@@ -38,12 +38,13 @@ import base64
 import hashlib
 import json
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from peer.net.identity import SIGNATURE_ALGORITHM, Identity, verify_signature
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
+from peer.net.identity import SIGNATURE_ALGORITHM, Identity, verify_signature
 from privfusion.v1 import tensor_pb2 as tpb
 
 CONTEXT = b"privfusion.v1/receipt/2\n"
@@ -138,7 +139,7 @@ class Manifest:
                 "upstream": [d.hex() for d in self.upstream]}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
+    def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
         try:
             tensors = tuple(TensorEntry(str(t["name"]), t["dtype"] if isinstance(t["dtype"], int) else tpb.DType.Value(t["dtype"]),
                                         tuple(int(x) for x in t["shape"]), int(t["nbytes"]), bytes.fromhex(t["sha256"]))
@@ -194,7 +195,7 @@ class SignedReceipt:
         }, indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes | Mapping) -> "SignedReceipt":
+    def from_json(cls, text: str | bytes | Mapping) -> SignedReceipt:
         try:
             d = text if isinstance(text, Mapping) else json.loads(text)
             return cls(d["signer"], d["ledger_entry_id"], d["record_json"].encode(),

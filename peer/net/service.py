@@ -26,7 +26,8 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import grpc
 import numpy as np
@@ -34,16 +35,16 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from peer.base import checks
-from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.base.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
+from peer.base.records import ReleaseRecord
+from peer.net import wire
 from peer.net.codec import features_tensors, peer_info_message
 from peer.net.fuse import fuse_with_partner
+from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.net.limits import paced
-from peer.nn.architectures import validate_architecture
 from peer.net.receipts import sign_receipt
-from peer.base.records import ReleaseRecord
 from peer.net.site import Site, log_event, stamp
-from peer.net import wire
+from peer.nn.architectures import validate_architecture
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from privfusion.v1 import tensor_pb2 as tpb
@@ -154,7 +155,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     return behavior(request, context)
                 except PrivFusionError as e:
                     fail(context, e)
-                except Exception as e:  # noqa: BLE001 - the one place unexpected errors end a call
+                except Exception as e:
                     fail(context, e)
                 finally:
                     calls.exit()
@@ -167,7 +168,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     yield from behavior(request, context)
                 except PrivFusionError as e:
                     fail(context, e)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     fail(context, e)
                 finally:
                     calls.exit()
@@ -239,7 +240,7 @@ def requested_clip(params: pb.FeaturesParams) -> tuple[float, float] | None:
 # ------------------------------------------------------------------------ registration
 
 
-def add_to_server(service: "PeerService", server: grpc.Server) -> None:
+def add_to_server(service: PeerService, server: grpc.Server) -> None:
     """Register privfusion.v1.Peer like the generated ``add_PeerServicer_to_server``, except that
     release streams go through :func:`peer.net.wire.serialize_frame` (chunk frames are pre-encoded
     protobuf bytes; the wire format is the same)."""
@@ -355,7 +356,7 @@ class PeerService(pb_grpc.PeerServicer):
                           release=record.release_id)
                 try:
                     self.site.release_event(record, "send-failed", "stream ended before ReleaseEnd")
-                except Exception as e:  # noqa: BLE001 - the charge stands either way; say why the note is missing
+                except Exception as e:
                     log_event("event-not-recorded", entry=entry_id, error_type=type(e).__name__)
             self.releases.exit()
 

@@ -26,9 +26,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from peer.net.identity import (certificate_name, check_site_name, check_validity, fingerprint,
-                                       load_certificate)
 from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
+from peer.net.identity import certificate_name, check_site_name, check_validity, fingerprint, load_certificate
 
 SUFFIX = ".crt"
 NEXT = "+next"  # NAME+next.crt: the certificate NAME is rotating to

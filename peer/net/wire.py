@@ -24,9 +24,10 @@ import math
 import os
 import struct
 import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -323,11 +324,11 @@ class ChunkFrame:
     def __init__(self, data: memoryview):
         self.data = data
 
-    def WhichOneof(self, _name: str) -> str:  # noqa: N802 - the protobuf method name
+    def WhichOneof(self, _name: str) -> str:
         return "chunk"
 
     @property
-    def chunk(self) -> "ChunkFrame":
+    def chunk(self) -> ChunkFrame:
         return self
 
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch

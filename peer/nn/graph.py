@@ -25,8 +25,9 @@ graph:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ class NetworkGraph:
     def sizes(self) -> tuple[int, ...]:
         return tuple(h.size for h in self.hidden)
 
-    def with_layers(self, hidden: tuple[HiddenLayer, ...], output_incoming: np.ndarray | None = None) -> "NetworkGraph":
+    def with_layers(self, hidden: tuple[HiddenLayer, ...], output_incoming: np.ndarray | None = None) -> NetworkGraph:
         """The same graph with some feature arrays replaced (e.g. by their noisy versions)."""
         return NetworkGraph(self.architecture, self.input_size, tuple(hidden),
                             self.output_incoming if output_incoming is None else output_incoming, self.output_bias)

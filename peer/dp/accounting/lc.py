@@ -52,20 +52,31 @@ no surrogate figure, its LC is charged by composition).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_orders, gdp_delta, gdp_epsilon,
-                                            json_number, pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
-from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
+from peer.dp.accounting.conversions import (
+    DEFAULT_ORDERS,
+    Deltas,
+    Epsilons,
+    check_orders,
+    gdp_delta,
+    gdp_epsilon,
+    json_number,
+    pld_delta,
+    pld_epsilon,
+    rdp_to_delta,
+    rdp_to_epsilon,
+)
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, PrivacyProfile, model_rdp, privacy_profiles, resolve_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import check_weights
-from peer.base.errors import InvalidArgument
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
 
 DEFAULT_MAX_GROUPS = 32
 
@@ -505,7 +516,29 @@ def lc_report(models: Sequence[TrainingRecord], lam: Sequence[float], delta: flo
     return LCReport("composition", eps, surrogate, support)
 
 
-__all__ = ["BOUNDS", "LCReport", "LCSegments", "NO_FREE_LUNCH", "SURROGATE_VALID_WHEN", "SurrogateFigure", "check_lc_models",
-           "lc_bound", "lc_composition_epsilon", "lc_composition_pld", "lc_composition_rdp", "lc_delta", "lc_epsilon",
-           "lc_pld", "lc_rdp", "lc_report", "lc_segments", "lc_support", "lc_surrogate_delta", "lc_surrogate_epsilon",
-           "lc_surrogate_mu", "lc_surrogate_pld", "lc_surrogate_rdp", "surrogate_is_bound"]
+__all__ = [
+    "BOUNDS",
+    "NO_FREE_LUNCH",
+    "SURROGATE_VALID_WHEN",
+    "LCReport",
+    "LCSegments",
+    "SurrogateFigure",
+    "check_lc_models",
+    "lc_bound",
+    "lc_composition_epsilon",
+    "lc_composition_pld",
+    "lc_composition_rdp",
+    "lc_delta",
+    "lc_epsilon",
+    "lc_pld",
+    "lc_rdp",
+    "lc_report",
+    "lc_segments",
+    "lc_support",
+    "lc_surrogate_delta",
+    "lc_surrogate_epsilon",
+    "lc_surrogate_mu",
+    "lc_surrogate_pld",
+    "lc_surrogate_rdp",
+    "surrogate_is_bound",
+]

@@ -22,7 +22,7 @@ and reports the larger δ of the two. Statements relied on:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from dp_accounting.pld import common as pld_common
@@ -30,8 +30,8 @@ from dp_accounting.pld import pld_pmf, privacy_loss_mechanism
 from dp_accounting.pld import privacy_loss_distribution as pldlib
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from peer.dp.accounting.training_records import check_adjacency
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting.training_records import check_adjacency
 
 PLD = pldlib.PrivacyLossDistribution
 
@@ -57,13 +57,13 @@ def directions(pld: PLD):
     """(REMOVE PMF, ADD PMF) of a PLD. dp-accounting 0.6.0 (pinned) keeps them as
     ``_pmf_remove`` / ``_pmf_add`` (the same object when symmetric); this is the one place we
     read them, to evaluate the two RS constraints separately."""
-    return pld._pmf_remove, pld._pmf_add  # noqa: SLF001 — see docstring
+    return pld._pmf_remove, pld._pmf_add
 
 
 def infinity_mass(pld: PLD) -> float:
     """P(privacy loss = +∞), the larger of the two directions."""
     remove, add = directions(pld)
-    return max(float(remove._infinity_mass), float(add._infinity_mass))  # noqa: SLF001
+    return max(float(remove._infinity_mass), float(add._infinity_mass))
 
 
 def is_non_private(pld: PLD) -> bool:
@@ -77,10 +77,10 @@ def _pmf_deltas(pmf, eps: np.ndarray) -> np.ndarray:
     (l* the largest finite loss), valid while the loss range keeps e^{l*−l} finite; otherwise
     dp-accounting's own evaluation."""
     dense = pmf.to_dense_pmf()
-    h = dense._discretization                     # noqa: SLF001 — dp-accounting 0.6.0 fields
-    probs = dense._probs                          # noqa: SLF001
-    inf_mass = float(dense._infinity_mass)        # noqa: SLF001
-    losses = (dense._lower_loss + np.arange(probs.size)) * h  # noqa: SLF001
+    h = dense._discretization
+    probs = dense._probs
+    inf_mass = float(dense._infinity_mass)
+    losses = (dense._lower_loss + np.arange(probs.size)) * h
     if eps.size <= 16:
         out = np.empty(eps.size)
         for i, e in enumerate(eps):
@@ -122,7 +122,7 @@ def _gaussian_inverse_loss(loss: privacy_loss_mechanism.GaussianPrivacyLoss, eps
       gives −2 sinh(u + ε/2) = 2a sinh(ε/2) with a = e^c (1−q)/q, so
       x = σ²/Δ · (−asinh(a sinh(ε/2)) − ε/2)  (at q = 1: x = −εσ²/(2Δ)).
     """
-    sigma2 = loss._standard_deviation ** 2  # noqa: SLF001 — the mechanism's own σ
+    sigma2 = loss._standard_deviation ** 2
     sens, q = loss.sensitivity, loss.sampling_prob
     kind = loss.adjacency_type
     if kind == privacy_loss_mechanism.AdjacencyType.REPLACE:

@@ -21,18 +21,29 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
-from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_orders, gdp_delta, gdp_epsilon,
-                                            pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
-from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
-from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.conversions import (
+    DEFAULT_ORDERS,
+    Deltas,
+    Epsilons,
+    check_orders,
+    gdp_delta,
+    gdp_epsilon,
+    pld_delta,
+    pld_epsilon,
+    rdp_to_delta,
+    rdp_to_epsilon,
+)
+from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
+from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
 
 DEFAULT_INTERVAL = 1e-4
 # profiles kept for models seen before (a daemon's pools, a ledger's records): at most this many
@@ -230,5 +241,12 @@ def model_delta(model: Model, epsilon: float, *, adjacency: str | None = None,
                            value_discretization_interval=value_discretization_interval).delta(epsilon)
 
 
-__all__ = ["PrivacyProfile", "privacy_profile", "privacy_profiles", "model_epsilon", "model_delta",
-           "resolve_adjacency", "DEFAULT_INTERVAL"]
+__all__ = [
+    "DEFAULT_INTERVAL",
+    "PrivacyProfile",
+    "model_delta",
+    "model_epsilon",
+    "privacy_profile",
+    "privacy_profiles",
+    "resolve_adjacency",
+]

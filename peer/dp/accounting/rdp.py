@@ -37,16 +37,16 @@ Statements relied on (one function each):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import special
 
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting.conversions import check_orders
 from peer.dp.accounting.training_records import ADJACENCIES, check_adjacency
-from peer.base.errors import InvalidArgument
 
 
 def rdp_gaussian(mu: float, orders: Sequence[float]) -> np.ndarray:
@@ -208,5 +208,12 @@ def _mix_finite(pi: np.ndarray, r: np.ndarray, orders: np.ndarray) -> np.ndarray
     return special.logsumexp(a1[None, :] * r + np.log(pi)[:, None], axis=0) / a1
 
 
-__all__ = ["ADJACENCIES", "rdp_gaussian", "rdp_laplace", "rdp_pure", "rdp_subsampled_gaussian",
-           "rdp_numerical_subsampled_gaussian", "rdp_mixture"]
+__all__ = [
+    "ADJACENCIES",
+    "rdp_gaussian",
+    "rdp_laplace",
+    "rdp_mixture",
+    "rdp_numerical_subsampled_gaussian",
+    "rdp_pure",
+    "rdp_subsampled_gaussian",
+]

@@ -29,20 +29,27 @@ The accountant reads only the record: mechanism, parameters, sensitivity and uni
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from peer.base.checks import check_delta
-from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, pld_epsilon, rdp_to_epsilon
-from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
-from peer.dp.accounting.lc import DEFAULT_MAX_GROUPS, lc_pld, lc_rdp, lc_report
-from peer.dp.accounting.profiles import DEFAULT_INTERVAL, model_rdp, privacy_profile, privacy_profiles, resolve_adjacency
-from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
-from peer.dp.accounting.rs import check_weights, rs_epsilon
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, pld_epsilon, rdp_to_epsilon
+from peer.dp.accounting.lc import DEFAULT_MAX_GROUPS, lc_pld, lc_rdp, lc_report
+from peer.dp.accounting.profiles import (
+    DEFAULT_INTERVAL,
+    model_rdp,
+    privacy_profile,
+    privacy_profiles,
+    resolve_adjacency,
+)
+from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
+from peer.dp.accounting.rs import check_weights, rs_epsilon
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 
 DATA_UNITS = {"record:replace-one": "replace-one", "record:add-remove": "add-remove"}
 
@@ -343,4 +350,4 @@ def record_epsilon(record: ReleaseRecord, delta: float, *, orders: Sequence[floa
             rdp_to_epsilon(orders, rdp_of_record(record, orders), delta))
 
 
-__all__ = ["rdp_of_record", "pld_of_record", "record_epsilon", "dpsgd_record", "rs_merge_record", "lc_merge_record"]
+__all__ = ["dpsgd_record", "lc_merge_record", "pld_of_record", "rdp_of_record", "record_epsilon", "rs_merge_record"]

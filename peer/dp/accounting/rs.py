@@ -17,17 +17,24 @@ A model known only by (ε_i, δ_i) enters with the worst-case profile of an (ε_
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, pld_delta, pld_epsilon, rdp_to_delta,
-                                            rdp_to_epsilon)
+from peer.dp.accounting.conversions import (
+    DEFAULT_ORDERS,
+    Deltas,
+    Epsilons,
+    pld_delta,
+    pld_epsilon,
+    rdp_to_delta,
+    rdp_to_epsilon,
+)
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile, privacy_profiles
 from peer.dp.accounting.rdp import rdp_mixture
-from peer.base.errors import InvalidArgument
 
 WEIGHT_TOLERANCE = 1e-6
 
@@ -102,4 +109,4 @@ def rs_delta(models: Sequence[Model], pi: Sequence[float], epsilon: float, *, ad
     return Deltas(pld=pld_delta(mixed, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon))
 
 
-__all__ = ["check_weights", "rs_profiles", "rs_rdp", "rs_pld", "rs_epsilon", "rs_delta"]
+__all__ = ["check_weights", "rs_delta", "rs_epsilon", "rs_pld", "rs_profiles", "rs_rdp"]

@@ -44,22 +44,30 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
-from typing import Callable, Sequence, Union
+from typing import Union
 
 import numpy as np
 from scipy import optimize
 
 from peer.base.checks import check_delta, check_epsilon
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
 from peer.dp.accounting.conversions import DEFAULT_ORDERS, Epsilons, check_orders, gdp_mu, json_number, rdp_to_epsilon
-from peer.dp.accounting.lc import (DEFAULT_MAX_GROUPS, LCSegments, check_lc_models, lc_composition_epsilon, lc_segments,
-                                lc_surrogate_epsilon, surrogate_is_bound)
+from peer.dp.accounting.lc import (
+    DEFAULT_MAX_GROUPS,
+    LCSegments,
+    check_lc_models,
+    lc_composition_epsilon,
+    lc_segments,
+    lc_surrogate_epsilon,
+    surrogate_is_bound,
+)
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import rs_epsilon, rs_profiles
-from peer.base.errors import InvalidArgument
 
 ACCOUNTANTS = ("pld", "rdp")
 # LC under the composition bound enumerates subsets of the pool (2^k − 1 of them)
@@ -541,6 +549,18 @@ def _polish_linear(segments: LCSegments, linear: np.ndarray, lam0: np.ndarray, m
     return lam0
 
 
-__all__ = ["ACCOUNTANTS", "MAX_LC_MODELS", "UnreachableTarget", "WeightChoice", "choose_pi", "choose_lam",
-           "choose_lam_composition", "choose_lam_surrogate", "lc_feasible_subsets", "rs_most_private_epsilon",
-           "lc_mu_for_target", "lc_most_private", "lc_boundary_candidates"]
+__all__ = [
+    "ACCOUNTANTS",
+    "MAX_LC_MODELS",
+    "UnreachableTarget",
+    "WeightChoice",
+    "choose_lam",
+    "choose_lam_composition",
+    "choose_lam_surrogate",
+    "choose_pi",
+    "lc_boundary_candidates",
+    "lc_feasible_subsets",
+    "lc_most_private",
+    "lc_mu_for_target",
+    "rs_most_private_epsilon",
+]

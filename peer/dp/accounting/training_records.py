@@ -31,8 +31,9 @@ different: its guarantee holds for its own adjacency only (see ``ApproxDP.under`
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
@@ -49,7 +50,7 @@ def check_adjacency(adjacency: Any, field_name: str = "adjacency") -> str:
 
 
 def _number(value: Any, field_name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+    if isinstance(value, bool) or (not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
         raise InvalidArgument(field_name, f"must be a number, got {value!r}")
     try:
         v = float(value)
@@ -138,7 +139,7 @@ class TrainingRecord:
     @classmethod
     def constant(cls, adjacency: str, steps: int, learning_rate: float, clip_norm: float,
                  noise_multiplier: float, sample_rate: float = 1.0, *,
-                 state_independent_gradients: bool = False) -> "TrainingRecord":
+                 state_independent_gradients: bool = False) -> TrainingRecord:
         """``steps`` identical steps."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
             raise InvalidArgument("steps", f"must be a positive integer, got {steps!r}")
@@ -147,7 +148,7 @@ class TrainingRecord:
 
     @classmethod
     def from_runs(cls, adjacency: str, runs: Iterable[tuple[GaussianStep, int]], *,
-                  state_independent_gradients: bool = False) -> "TrainingRecord":
+                  state_independent_gradients: bool = False) -> TrainingRecord:
         steps: list[GaussianStep] = []
         for i, (s, n) in enumerate(runs):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
@@ -181,7 +182,7 @@ class TrainingRecord:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], field_name: str = "training") -> "TrainingRecord":
+    def from_dict(cls, data: Mapping[str, Any], field_name: str = "training") -> TrainingRecord:
         """Inverse of ``to_dict``; every error names the offending entry (``training.steps[2].clip_norm``)."""
         if not isinstance(data, Mapping):
             raise InvalidArgument(field_name, "must be an object with 'adjacency' and 'steps'")
@@ -237,7 +238,7 @@ class ApproxDP:
         object.__setattr__(self, "epsilon", eps)
         object.__setattr__(self, "delta", delta)
 
-    def under(self, adjacency: str) -> "ApproxDP":
+    def under(self, adjacency: str) -> ApproxDP:
         """The guarantee under ``adjacency``.
 
         add-remove → replace-one: a replacement is a removal then an addition, so by group

@@ -6,7 +6,7 @@ against and benchmarked with (docs/matching.md, "The dense reference").
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

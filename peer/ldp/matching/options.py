@@ -6,8 +6,9 @@ Every option is public (it travels in reports); docs/matching.md gives the math 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -7,7 +7,8 @@ release may state (docs/mechanisms.md, "Unit of privacy").
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -6,7 +6,8 @@ Why a parallel composite must say what its parts are disjoint in: docs/mechanism
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
