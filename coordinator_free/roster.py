@@ -105,11 +105,16 @@ class Roster:
             if p is None:
                 problems.append(f"{s.name!r} is not pinned")
             elif p.fingerprint != s.fingerprint and s.fingerprint not in {q.fingerprint for q in trust.pins_of(s.name)}:
-                problems.append(f"{s.name!r} is pinned with SHA-256 {p.fingerprint}, the roster's {s.certificate} has {s.fingerprint}")
+                problems.append(
+                    f"{s.name!r} is pinned with SHA-256 {p.fingerprint}, the roster's {s.certificate} has {s.fingerprint}"
+                )
         if problems:
-            raise FailedPrecondition(f"roster {self.path}: " + "; ".join(problems)
-                                     + " (pin with `privfusion roster pin` or `privfusion peer trust add` after "
-                                       "comparing fingerprints with each site)")
+            raise FailedPrecondition(
+                f"roster {self.path}: "
+                + "; ".join(problems)
+                + " (pin with `privfusion roster pin` or `privfusion peer trust add` after "
+                "comparing fingerprints with each site)"
+            )
 
     def pin_all(self, trust: TrustStore, me: str) -> list[PinnedPeer]:
         """Pin every peer's certificate (refuses one already pinned with another key)."""

@@ -30,8 +30,16 @@ def generate_stubs(proto_root: Path, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     files = sorted(str(p.relative_to(proto_root)) for p in (proto_root / "privfusion" / "v1").glob("*.proto"))
-    rc = protoc.main(["protoc", f"-I{proto_root}", f"-I{Path(grpc_tools.__file__).parent / '_proto'}",
-                      f"--python_out={out}", f"--grpc_python_out={out}", *files])
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{proto_root}",
+            f"-I{Path(grpc_tools.__file__).parent / '_proto'}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            *files,
+        ]
+    )
     if rc != 0:
         raise SystemExit(f"protoc failed: {rc}")
     for d in (out / "privfusion", out / "privfusion" / "v1"):
@@ -65,15 +73,27 @@ def digest32(b: bytes) -> bytes:
 
 
 def receipt_payload(r) -> bytes:
-    out = b"privfusion.v1/receipt/2\n" + text(r.signer) + text(r.ledger_entry_id) + blob(r.record_json) + u32(len(r.tensors))
+    out = (
+        b"privfusion.v1/receipt/2\n"
+        + text(r.signer)
+        + text(r.ledger_entry_id)
+        + blob(r.record_json)
+        + u32(len(r.tensors))
+    )
     for t in r.tensors:
         out += text(t.name) + digest32(t.sha256)
     return out + digest32(r.manifest_sha256)
 
 
 def manifest_bytes(m) -> bytes:
-    out = (b"privfusion.v1/manifest/2\n" + text(m.kind) + text(m.model) + text(m.architecture_json)
-           + text(m.metadata_json) + u32(len(m.tensors)))
+    out = (
+        b"privfusion.v1/manifest/2\n"
+        + text(m.kind)
+        + text(m.model)
+        + text(m.architecture_json)
+        + text(m.metadata_json)
+        + u32(len(m.tensors))
+    )
     for t in m.tensors:
         out += text(t.name) + u32(t.dtype) + u32(len(t.shape)) + b"".join(u64(d) for d in t.shape)
         out += u64(t.nbytes) + digest32(t.sha256)
@@ -126,12 +146,20 @@ class Client:
         self.pb = peer_pb2
         self.cfg = cfg
         self.peer_cert = Path(cfg["peer_cert"]).read_bytes()
-        creds = grpc.ssl_channel_credentials(root_certificates=self.peer_cert,
-                                             private_key=Path(cfg["key"]).read_bytes(),
-                                             certificate_chain=Path(cfg["cert"]).read_bytes())
-        self.channel = grpc.secure_channel(cfg["address"], creds, options=[
-            ("grpc.ssl_target_name_override", cfg["peer"]),
-            ("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)])
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=self.peer_cert,
+            private_key=Path(cfg["key"]).read_bytes(),
+            certificate_chain=Path(cfg["cert"]).read_bytes(),
+        )
+        self.channel = grpc.secure_channel(
+            cfg["address"],
+            creds,
+            options=[
+                ("grpc.ssl_target_name_override", cfg["peer"]),
+                ("grpc.max_receive_message_length", 16 << 20),
+                ("grpc.max_send_message_length", 16 << 20),
+            ],
+        )
         self.stub = peer_pb2_grpc.PeerStub(self.channel)
 
     def header(self):
@@ -171,26 +199,46 @@ class Client:
         import numpy as np
 
         raw = np.ascontiguousarray(probe, dtype="<f8").tobytes()
-        head = self.pb.FeaturesRequest(probe={"name": "probe", "dtype": 2, "shape": list(probe.shape), "nbytes": len(raw),
-                                                  "sha256": hashlib.sha256(raw).digest()})  # the WHOLE probe's digest
+        head = self.pb.FeaturesRequest(
+            probe={
+                "name": "probe",
+                "dtype": 2,
+                "shape": list(probe.shape),
+                "nbytes": len(raw),
+                "sha256": hashlib.sha256(raw).digest(),
+            }
+        )  # the WHOLE probe's digest
 
         def requests():
-            yield self.pb.FeaturesRequest(params=self.pb.FeaturesParams(
-                header=self.header(), model=model, activation_epsilon=2.0, weight_epsilon=2.0,
-                activation_clip_low=0.0, activation_clip_high=4.0))
+            yield self.pb.FeaturesRequest(
+                params=self.pb.FeaturesParams(
+                    header=self.header(),
+                    model=model,
+                    activation_epsilon=2.0,
+                    weight_epsilon=2.0,
+                    activation_clip_low=0.0,
+                    activation_clip_high=4.0,
+                )
+            )
             yield head
             for i in range(0, len(raw), chunk):
-                yield self.pb.FeaturesRequest(chunk={"data": raw[i:i + chunk]})
+                yield self.pb.FeaturesRequest(chunk={"data": raw[i : i + chunk]})
 
         return self.read(self.stub.ReleaseFeatures(requests(), timeout=120))
 
     def weights(self, model: str):
-        return self.read(self.stub.ReleaseWeights(self.pb.WeightsRequest(
-            header=self.header(), model=model, epsilon=2.0, delta=1e-5), timeout=120))
+        return self.read(
+            self.stub.ReleaseWeights(
+                self.pb.WeightsRequest(header=self.header(), model=model, epsilon=2.0, delta=1e-5), timeout=120
+            )
+        )
 
     def merged(self, pool: str):
-        return self.read(self.stub.ReleaseMerged(self.pb.MergeRequest(
-            header=self.header(), pool=pool, method="rs", epsilon=8.0, delta=1e-5), timeout=120))
+        return self.read(
+            self.stub.ReleaseMerged(
+                self.pb.MergeRequest(header=self.header(), pool=pool, method="rs", epsilon=8.0, delta=1e-5), timeout=120
+            )
+        )
 
 
 def array(manifest, tensors: dict[str, bytes], name: str):
@@ -213,8 +261,11 @@ def main(config_path: str, out_path: str) -> int:
     [model] = [m for m in info.models if m.name == cfg["model"]]
     layers = list(model.layers)
     probe = np.random.default_rng(0).random((7, json.loads(model.architecture_json)["input_dim"]))
-    kept = {"features": c.features(model.name, probe, chunk=1000), "weights": c.weights(model.name),
-            "merged": c.merged(cfg["pool"])}
+    kept = {
+        "features": c.features(model.name, probe, chunk=1000),
+        "weights": c.weights(model.name),
+        "merged": c.merged(cfg["pool"]),
+    }
     c.channel.close()
 
     # ---- offline: only the kept bytes and the pinned certificate from here on
@@ -222,15 +273,23 @@ def main(config_path: str, out_path: str) -> int:
     for kind, (receipt, manifest, tensors, chunks) in kept.items():
         record = verify_offline(receipt, manifest, tensors, c.peer_cert, cfg["peer"], cfg["me"])
         assert manifest.kind == kind
-        out["releases"][kind] = {"entry": receipt.ledger_entry_id, "release_id": record["release_id"],
-                                 "epsilon": record["epsilon"], "level": record["level"], "chunks": chunks,
-                                 "names": [t.name for t in manifest.tensors],
-                                 "shapes": {t.name: list(t.shape) for t in manifest.tensors},
-                                 "metadata": json.loads(manifest.metadata_json)}
+        out["releases"][kind] = {
+            "entry": receipt.ledger_entry_id,
+            "release_id": record["release_id"],
+            "epsilon": record["epsilon"],
+            "level": record["level"],
+            "chunks": chunks,
+            "names": [t.name for t in manifest.tensors],
+            "shapes": {t.name: list(t.shape) for t in manifest.tensors},
+            "metadata": json.loads(manifest.metadata_json),
+        }
         # a verifier that cannot fail proves nothing: each edit below must be refused
         refused = []
-        for field, value in (("metadata_json", manifest.metadata_json + " "), ("kind", "fused"),
-                             ("architecture_json", manifest.architecture_json.replace("10", "11"))):
+        for field, value in (
+            ("metadata_json", manifest.metadata_json + " "),
+            ("kind", "fused"),
+            ("architecture_json", manifest.architecture_json.replace("10", "11")),
+        ):
             edited = type(manifest)()
             edited.CopyFrom(manifest)
             setattr(edited, field, value)
@@ -284,7 +343,8 @@ def main(config_path: str, out_path: str) -> int:
     assert names == sorted(names) and arch["kind"] == "mlp"
     widths = [arch["input_dim"], *arch["hidden"], arch["output_dim"]]
     assert [array(mm, mt, n).shape for n in names if n.endswith(".weight")] == [
-        (o, i) for i, o in zip(widths[:-1], widths[1:])]
+        (o, i) for i, o in zip(widths[:-1], widths[1:])
+    ]
     out["project_modules_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT_MODULES)
     Path(out_path).write_text(json.dumps(out, indent=2))
     return 0

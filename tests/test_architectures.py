@@ -14,9 +14,33 @@ from peer.nn.architectures import build_model, hidden_sizes, weight_layers, weig
 ARCHS = [
     {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4},
     {"kind": "mlp", "input_dim": 3, "hidden": [], "output_dim": 2},
-    {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4},
-    {"kind": "cnn", "input_shape": [2, 8, 6], "channels": [3, 4, 2], "kernel_size": 5, "pool": [2, 1, 1], "hidden": [], "output_dim": 4},
-    {"kind": "cnn", "input_shape": [3, 4, 4], "channels": [3], "kernel_size": 1, "hidden": [7, 3], "output_dim": 4, "activation": "tanh"},
+    {
+        "kind": "cnn",
+        "input_shape": [1, 8, 8],
+        "channels": [3, 4],
+        "kernel_size": 3,
+        "pool": [2, 2],
+        "hidden": [5],
+        "output_dim": 4,
+    },
+    {
+        "kind": "cnn",
+        "input_shape": [2, 8, 6],
+        "channels": [3, 4, 2],
+        "kernel_size": 5,
+        "pool": [2, 1, 1],
+        "hidden": [],
+        "output_dim": 4,
+    },
+    {
+        "kind": "cnn",
+        "input_shape": [3, 4, 4],
+        "channels": [3],
+        "kernel_size": 1,
+        "hidden": [7, 3],
+        "output_dim": 4,
+        "activation": "tanh",
+    },
 ]
 
 
@@ -52,7 +76,9 @@ def test_weight_modules_pairs_layers_with_modules_and_refuses_misfits():
     model = build_model(arch, seed=0)
     pairs = weight_modules(arch, model)
     assert [(l.name, m) for l, m in pairs] == [(n, m) for n, m in model.named_children() if isinstance(m, nn.Linear)]
-    wider = nn.Sequential(nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 4))
+    wider = nn.Sequential(
+        nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 4)
+    )
     with pytest.raises(InvalidArgument, match=r"model\[2\]"):
         weight_modules(arch, wider)
     shorter = nn.Sequential(nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 4))

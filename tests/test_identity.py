@@ -91,8 +91,7 @@ def test_trust_store_pins_by_name_and_fingerprint(tmp_path):
 
 
 def test_trust_refuses_expired_and_ca_certificates(tmp_path):
-    old = init_identity(tmp_path / "old", "old", days=1,
-                        not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=3))
+    old = init_identity(tmp_path / "old", "old", days=1, not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=3))
     store = TrustStore(tmp_path / "trusted")
     with pytest.raises(FailedPrecondition, match="expired"):
         store.add(old.cert_pem)

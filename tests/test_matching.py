@@ -40,7 +40,15 @@ from peer.nn.data import load_dataset
 from peer.nn.graph import extract_graph
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4}
-CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4}
+CNN = {
+    "kind": "cnn",
+    "input_shape": [1, 8, 8],
+    "channels": [3, 4],
+    "kernel_size": 3,
+    "pool": [2, 2],
+    "hidden": [5],
+    "output_dim": 4,
+}
 TIGHT = MatchOptions(expansion_tol=1e-11)
 
 
@@ -48,11 +56,15 @@ def graphs(arch, seed_a=1, seed_b=2, probes=9):
     rng = np.random.default_rng(0)
     width = 64 if arch["kind"] == "cnn" else arch["input_dim"]
     probe = rng.random((probes, width))
-    return extract_graph(arch, build_model(arch, seed=seed_a), probe), extract_graph(arch, build_model(arch, seed=seed_b), probe)
+    return extract_graph(arch, build_model(arch, seed=seed_a), probe), extract_graph(
+        arch, build_model(arch, seed=seed_b), probe
+    )
 
 
 def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_matching", Path(__file__).resolve().parents[1] / "benchmarks" / "matching.py")
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_matching", Path(__file__).resolve().parents[1] / "benchmarks" / "matching.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -63,7 +75,10 @@ BENCH = _load_benchmark()
 
 def noisy(g, epsilon, seed):
     """g with its weight features released by the multi-bit mechanism (three values per layer)."""
-    hidden = tuple(dataclasses.replace(h, incoming=BENCH.multibit_output(h.incoming, epsilon, seed + k)) for k, h in enumerate(g.hidden))
+    hidden = tuple(
+        dataclasses.replace(h, incoming=BENCH.multibit_output(h.incoming, epsilon, seed + k))
+        for k, h in enumerate(g.hidden)
+    )
     return g.with_layers(hidden, BENCH.multibit_output(g.output_incoming, epsilon, seed + 100))
 
 
@@ -93,7 +108,12 @@ def row_error_budget(aff: Affinity) -> np.ndarray:
         if ell == 0:
             b += blocks[0].error_bound * blocks[0].scale * blocks[0].weights_a.shape[1] * blocks[0].weights_a.shape[2]
         if ell == len(aff.sizes) - 1:
-            b += blocks[-1].error_bound * blocks[-1].scale * blocks[-1].weights_a.shape[0] * blocks[-1].weights_a.shape[2]
+            b += (
+                blocks[-1].error_bound
+                * blocks[-1].scale
+                * blocks[-1].weights_a.shape[0]
+                * blocks[-1].weights_a.shape[2]
+            )
         for hb in aff.hidden_blocks:
             rows, cols, e = hb.weights_a.shape
             if rows == n or cols == n:
@@ -115,7 +135,13 @@ def test_factorised_kv_equals_dense_k_times_v(arch, case, sparse, monkeypatch):
         monkeypatch.setattr(operators, "SPARSE_MAX_DENSITY", 1.0)  # small layers: force the sparse code
     a, b = pair(arch, case)
     aff = Affinity(a, b, TIGHT)
-    expected_kind = {"exact": "chebyshev", "noisy": "table", "noisy-m1": "table", "mixed-a": "table-a", "mixed-b": "table-b"}[case]
+    expected_kind = {
+        "exact": "chebyshev",
+        "noisy": "table",
+        "noisy-m1": "table",
+        "mixed-a": "table-a",
+        "mixed-b": "table-b",
+    }[case]
     assert all(blk.expansion == expected_kind for blk in aff.blocks)
     k = aff.dense()
     assert np.array_equal(k, k.T) and k.min() >= 0
@@ -150,7 +176,9 @@ def test_dense_layout_is_pygmtools_build_aff_mat_restricted_to_within_layer_pair
         return np.array(conn)[None], np.array(feats, dtype=float)[None]
 
     def node_feats():
-        return np.concatenate([np.stack([np.full(n, ell), np.arange(n)], 1) for ell, n in enumerate(sizes)])[None].astype(float)
+        return np.concatenate([np.stack([np.full(n, ell), np.arange(n)], 1) for ell, n in enumerate(sizes)])[
+            None
+        ].astype(float)
 
     def node_aff(f1, f2):
         out = np.zeros((1, f1.shape[1], f2.shape[1]))
@@ -169,9 +197,24 @@ def test_dense_layout_is_pygmtools_build_aff_mat_restricted_to_within_layer_pair
     c1, e1 = union_edges(ga)
     c2, e2 = union_edges(gb)
     n = int(offs[-1])
-    big = pygmtools.utils.build_aff_mat(node_feats(), e1, c1, node_feats(), e2, c2, np.array([n]), None, np.array([n]), None,
-                                        node_aff_fn=node_aff, edge_aff_fn=edge_aff, backend="numpy")[0]
-    within = np.concatenate([[(offs[ell] + j) * n + offs[ell] + i for j in range(sz) for i in range(sz)] for ell, sz in enumerate(sizes)])
+    big = pygmtools.utils.build_aff_mat(
+        node_feats(),
+        e1,
+        c1,
+        node_feats(),
+        e2,
+        c2,
+        np.array([n]),
+        None,
+        np.array([n]),
+        None,
+        node_aff_fn=node_aff,
+        edge_aff_fn=edge_aff,
+        backend="numpy",
+    )[0]
+    within = np.concatenate(
+        [[(offs[ell] + j) * n + offs[ell] + i for j in range(sz) for i in range(sz)] for ell, sz in enumerate(sizes)]
+    )
     ours = aff.dense()
     assert np.allclose(big[np.ix_(within, within)], ours, rtol=1e-12, atol=1e-14)
     rest = np.setdiff1d(np.arange(n * n), within)
@@ -303,7 +346,16 @@ def test_linear_cases_solve_the_assignment_on_the_diagonal(solver):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lo,hi,sigma,tol", [(-0.4, 0.4, 0.1, 1e-4), (-1.0, 2.0, 0.3, 1e-6), (-3.0, 3.0, 0.5, 1e-3), (0.0, 0.1, 5.0, 1e-10), (-0.2, 0.3, 0.01, 1e-5)])
+@pytest.mark.parametrize(
+    "lo,hi,sigma,tol",
+    [
+        (-0.4, 0.4, 0.1, 1e-4),
+        (-1.0, 2.0, 0.3, 1e-6),
+        (-3.0, 3.0, 0.5, 1e-3),
+        (0.0, 0.1, 5.0, 1e-10),
+        (-0.2, 0.3, 0.01, 1e-5),
+    ],
+)
 def test_expansion_error_is_within_its_bound_and_the_bound_within_tol(lo, hi, sigma, tol):
     ex = gaussian_expansion(lo, hi, sigma, tol)
     x = np.linspace(lo, hi, 601)
@@ -354,7 +406,9 @@ def test_block_expansion_reported_in_diagnostics(monkeypatch):
     assert r.diagnostics["flops_per_iteration"] == want
     monkeypatch.setattr(operators, "SPARSE_MAX_DENSITY", 1.0)  # these small layers would be stored dense
     noisy_r = match_graphs(*pair(MLP, "noisy"))
-    assert noisy_r.diagnostics["dense_products_per_iteration"] == 0 and noisy_r.diagnostics["expansion_error_bound"] == 0
+    assert (
+        noisy_r.diagnostics["dense_products_per_iteration"] == 0 and noisy_r.diagnostics["expansion_error_bound"] == 0
+    )
 
 
 def test_few_values():
@@ -377,7 +431,9 @@ def test_bandwidth_rules_read_only_the_given_arrays():
     assert Affinity(a, b).activation_sigma[1] == pytest.approx(centred.std(), rel=1e-9)
     wa, wb = ha.incoming.reshape(-1), hb.incoming.reshape(-1)
     assert aff.blocks[1].sigma == pytest.approx(np.mean((wa[:, None] - wb[None, :]) ** 2), rel=1e-12)
-    assert aff.blocks[1].mean_kernel == pytest.approx(np.mean(gaussian_kernel(wa[:, None], wb[None, :], aff.blocks[1].sigma)), rel=1e-12)
+    assert aff.blocks[1].mean_kernel == pytest.approx(
+        np.mean(gaussian_kernel(wa[:, None], wb[None, :], aff.blocks[1].sigma)), rel=1e-12
+    )
     assert aff.blocks[1].mean_kernel >= math.exp(-1)  # Jensen
 
 
@@ -413,8 +469,21 @@ def digits():
 
 @pytest.mark.parametrize(
     "arch,epochs",
-    [({"kind": "mlp", "input_dim": 64, "hidden": [64, 64, 64], "output_dim": 10}, 5),
-     ({"kind": "cnn", "input_shape": [1, 8, 8], "channels": [8, 16], "kernel_size": 3, "pool": [2, 2], "hidden": [32], "output_dim": 10}, 5)],
+    [
+        ({"kind": "mlp", "input_dim": 64, "hidden": [64, 64, 64], "output_dim": 10}, 5),
+        (
+            {
+                "kind": "cnn",
+                "input_shape": [1, 8, 8],
+                "channels": [8, 16],
+                "kernel_size": 3,
+                "pool": [2, 2],
+                "hidden": [32],
+                "output_dim": 10,
+            },
+            5,
+        ),
+    ],
     ids=["mlp", "cnn"],
 )
 def test_exact_recovery_of_a_permuted_trained_network(arch, epochs):
@@ -449,8 +518,14 @@ def test_recovery_from_a_local_dp_release_is_mostly_right_and_balancing_is_what_
     model = train_classifier(arch, ds.x_train[512:], ds.y_train[512:], seed=1, epochs=20)
     copy, perms = permuted_copy(arch, model, np.random.default_rng(0))
     probe = shifted_probes(ds.x_train[:512])
-    released, _ = perturb_graph(extract_graph(arch, copy, probe), epsilon_x=1.0, epsilon_w=1.0,
-                                activation_clip=(0.0, 2.0), unit="entry", randomness=make_randomness(1))
+    released, _ = perturb_graph(
+        extract_graph(arch, copy, probe),
+        epsilon_x=1.0,
+        epsilon_w=1.0,
+        activation_clip=(0.0, 2.0),
+        unit="entry",
+        randomness=make_randomness(1),
+    )
     own = extract_graph(arch, model, probe)
 
     def fraction(options):
@@ -523,10 +598,24 @@ def test_bad_inputs_are_named():
         match_graphs(a, b, MatchOptions(solver="dense", dense_memory_cap=1000))
 
 
-@pytest.mark.parametrize("field,value", [("solver", "magic"), ("dtype", "float16"), ("activation_weight", -1.0), ("edge_weight", math.nan),
-                                         ("activation_sigma", 0.0), ("weight_sigma", -2.0), ("max_iter", 0), ("tol", 0.0),
-                                         ("expansion_tol", 1e-20), ("few_valued", 1), ("dense_memory_cap", 0), ("shift", -1.0),
-                                         ("threads", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("solver", "magic"),
+        ("dtype", "float16"),
+        ("activation_weight", -1.0),
+        ("edge_weight", math.nan),
+        ("activation_sigma", 0.0),
+        ("weight_sigma", -2.0),
+        ("max_iter", 0),
+        ("tol", 0.0),
+        ("expansion_tol", 1e-20),
+        ("few_valued", 1),
+        ("dense_memory_cap", 0),
+        ("shift", -1.0),
+        ("threads", 0),
+    ],
+)
 def test_bad_options_are_named(field, value):
     with pytest.raises(InvalidArgument, match=rf"options\.{field}"):
         MatchOptions(**{field: value})
@@ -539,7 +628,12 @@ def test_both_weights_zero_is_refused():
 
 @pytest.mark.parametrize("features", ["exact", "noisy", "mixed"])
 def test_benchmark_case_runs_and_both_solvers_agree(features):
-    rows = [BENCH.run_case({"width": 8, "layers": 2, "features": features, "solver": solver}) for solver in ("factorised", "dense")]
-    assert rows[0]["permutations"] == rows[1]["permutations"] or rows[0]["objective"] == pytest.approx(rows[1]["objective"], rel=1e-12)
+    rows = [
+        BENCH.run_case({"width": 8, "layers": 2, "features": features, "solver": solver})
+        for solver in ("factorised", "dense")
+    ]
+    assert rows[0]["permutations"] == rows[1]["permutations"] or rows[0]["objective"] == pytest.approx(
+        rows[1]["objective"], rel=1e-12
+    )
     for r in rows:
         assert r["converged"] and r["peak_rss_mb"] > 0 and r["wall_s"] > 0 and 0 <= r["recovered"] <= 1

@@ -27,12 +27,19 @@ HYPER = [(2.0, 6.0), (1.0, 15.0), (0.5, 40.0)]
 def _pool(hyper=HYPER, sample_rate=1.0, sizes=None, declared=False):
     pool = []
     for i, (c, s) in enumerate(hyper):
-        training = TrainingRecord.constant("replace-one", T, LR, c, s, sample_rate, state_independent_gradients=declared)
-        pool.append(PoolModel(f"m{i}", ARCH, state_arrays(build_model(ARCH, seed=i)), training, 500 if sizes is None else sizes[i]))
+        training = TrainingRecord.constant(
+            "replace-one", T, LR, c, s, sample_rate, state_independent_gradients=declared
+        )
+        pool.append(
+            PoolModel(
+                f"m{i}", ARCH, state_arrays(build_model(ARCH, seed=i)), training, 500 if sizes is None else sizes[i]
+            )
+        )
     return pool
 
 
 # ---- independent accounting (closed forms, no peer.dp.accounting) ----
+
 
 def _gdp_delta(mu, eps):
     """δ(ε) of μ-GDP (Dong, Roth & Su 2022, Cor. 2.13)."""
@@ -82,6 +89,7 @@ def test_independent_accounting_sanity():
 
 
 # ---- RS ----
+
 
 def test_rs_meets_and_saturates_the_target_and_prefers_accurate_models():
     target = 0.5 * (EPS[1] + EPS[2])
@@ -160,6 +168,7 @@ def test_rs_accepts_models_known_only_by_epsilon_delta():
 
 # ---- LC ----
 
+
 def _distance_utility(reference):
     """A smooth utility: closeness to ``reference`` (stands for 'accuracy of θ_λ')."""
     return lambda arrays: -math.sqrt(sum(float(np.sum((arrays[k] - reference[k]) ** 2)) for k in arrays))
@@ -184,7 +193,7 @@ def test_lc_surrogate_combination_is_the_weighted_sum_meets_and_saturates():
 
 def test_lc_is_charged_the_composition_of_the_models_it_combines():
     pool = _pool()
-    target = 1.02 * _gdp_epsilon(_composition_mu([0, 1, 1]), DELTA)    # {1, 2} fit together, model 0 never
+    target = 1.02 * _gdp_epsilon(_composition_mu([0, 1, 1]), DELTA)  # {1, 2} fit together, model 0 never
     merged = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
     lam = np.asarray(merged.choice.weights)
     for k in merged.arrays:
@@ -194,7 +203,7 @@ def test_lc_is_charged_the_composition_of_the_models_it_combines():
     assert lam[0] == 0.0 and merged.choice.bound == "composition"
     proven = _gdp_epsilon(_composition_mu(lam), DELTA)
     assert proven <= target and merged.record.epsilon == pytest.approx(proven, abs=2e-3)
-    assert merged.record.epsilon >= proven * (1 - 1e-9)       # the PLD figure is pessimistic
+    assert merged.record.epsilon >= proven * (1 - 1e-9)  # the PLD figure is pessimistic
     params = merged.record.parameters
     assert params["bound"] == "composition" and params["surrogate"]["valid"] is False
     assert params["surrogate"]["mu"] == pytest.approx(_lc_mu(lam), rel=1e-9)
@@ -233,13 +242,17 @@ def test_lc_beats_rs_on_a_gaussian_pool():
 def test_refusals(method):
     def go(pool, target=5.0, delta=DELTA, accountant="pld"):
         if method == "rs":
-            return merge_rs(pool, [0.5] * len(pool), target, delta, randomness=make_randomness(0), accountant=accountant)
+            return merge_rs(
+                pool, [0.5] * len(pool), target, delta, randomness=make_randomness(0), accountant=accountant
+            )
         return merge_lc(pool, lambda a: 0.0, target, delta, accountant=accountant)
 
     with pytest.raises(InvalidArgument, match="empty"):
         go([])
     other = dict(ARCH, hidden=[5])
-    mismatched = _pool()[:2] + [PoolModel("x", other, state_arrays(build_model(other, seed=0)), _pool()[0].privacy, 500)]
+    mismatched = _pool()[:2] + [
+        PoolModel("x", other, state_arrays(build_model(other, seed=0)), _pool()[0].privacy, 500)
+    ]
     with pytest.raises(InvalidArgument, match="architecture"):
         go(mismatched)
     with pytest.raises(InvalidArgument, match="delta"):
@@ -283,6 +296,7 @@ def test_lc_of_subsampled_models_is_charged_by_composition():
     assert merged.choice.bound == "composition" and "surrogate" not in merged.record.parameters
     acc = rdp_privacy_accountant.RdpAccountant(list(DEFAULT_ORDERS))
     from dp_accounting import dp_event
+
     for (c, s), l in zip(HYPER, merged.choice.weights):
         if l > 0:
             acc.compose(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(s)), T)

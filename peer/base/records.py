@@ -155,8 +155,11 @@ class ReleaseRecord:
         # that contradicts it is refused
         warning = kwargs.pop("randomness_warning", None)
         if warning is not None and (warning != FIXED_SEED_WARNING or kwargs.get("randomness") != "fixed-seed"):
-            raise InvalidArgument("randomness_warning", f"only a 'fixed-seed' record carries it, as {FIXED_SEED_WARNING!r}; "
-                                  f"got {warning!r} with randomness {kwargs.get('randomness')!r}")
+            raise InvalidArgument(
+                "randomness_warning",
+                f"only a 'fixed-seed' record carries it, as {FIXED_SEED_WARNING!r}; "
+                f"got {warning!r} with randomness {kwargs.get('randomness')!r}",
+            )
         if kwargs.get("epsilon") == "inf":
             kwargs["epsilon"] = math.inf
         kwargs["components"] = tuple(cls.from_dict(c) for c in kwargs.get("components", ()))

@@ -48,8 +48,9 @@ def _permute_input_axis(w: np.ndarray, perm: np.ndarray, layer: WeightLayer) -> 
     return blocks[:, perm, :].reshape(n_out, -1)
 
 
-def permute_arrays(arch: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-                   permutations: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+def permute_arrays(
+    arch: Mapping[str, Any], arrays: Mapping[str, np.ndarray], permutations: Sequence[np.ndarray]
+) -> dict[str, np.ndarray]:
     """Model B's arrays re-indexed so that its hidden nodes line up with model A's."""
     perms = check_permutations(arch, permutations)
     layers = weight_layers(arch)
@@ -74,8 +75,9 @@ def _check_same_shapes(arrays_a: Mapping[str, np.ndarray], arrays_b: Mapping[str
             raise InvalidArgument(f"arrays[{k}]", f"shapes differ: {np.shape(arrays_a[k])} vs {np.shape(arrays_b[k])}")
 
 
-def fuse_arrays(arrays_a: Mapping[str, np.ndarray], arrays_b_aligned: Mapping[str, np.ndarray],
-                alpha: float) -> dict[str, np.ndarray]:
+def fuse_arrays(
+    arrays_a: Mapping[str, np.ndarray], arrays_b_aligned: Mapping[str, np.ndarray], alpha: float
+) -> dict[str, np.ndarray]:
     """α·A + (1 − α)·B for every parameter (B already aligned to A)."""
     if not (0.0 <= alpha <= 1.0):
         raise InvalidArgument("alpha", f"must be in [0, 1], got {alpha!r}")
@@ -91,34 +93,45 @@ def average_arrays(models: Sequence[Mapping[str, np.ndarray]], weights: Sequence
         raise InvalidArgument("weights", f"must be non-negative and sum to 1, got {list(weights)}")
     for m in models[1:]:
         _check_same_shapes(models[0], m)
-    return {k: sum(float(wi) * np.asarray(m[k], dtype=np.float64) for wi, m in zip(w, models)).astype(np.float32)
-            for k in models[0]}
+    return {
+        k: sum(float(wi) * np.asarray(m[k], dtype=np.float64) for wi, m in zip(w, models)).astype(np.float32)
+        for k in models[0]
+    }
 
 
-def fuse_many(arch: Mapping[str, Any], models: Sequence[Mapping[str, np.ndarray]],
-              permutations_to_reference: Sequence[Sequence[np.ndarray] | None],
-              weights: Sequence[float]) -> dict[str, np.ndarray]:
+def fuse_many(
+    arch: Mapping[str, Any],
+    models: Sequence[Mapping[str, np.ndarray]],
+    permutations_to_reference: Sequence[Sequence[np.ndarray] | None],
+    weights: Sequence[float],
+) -> dict[str, np.ndarray]:
     """Multi-model fusion: every model aligned to the reference (entry 0, whose permutations
     are None/identity) by its permutations, then the weighted average."""
     if len(models) != len(permutations_to_reference):
         raise InvalidArgument("permutations_to_reference", "need one entry per model")
     aligned = [dict(models[0])] + [
-        dict(m) if p is None else permute_arrays(arch, m, p)
-        for m, p in zip(models[1:], permutations_to_reference[1:])
+        dict(m) if p is None else permute_arrays(arch, m, p) for m, p in zip(models[1:], permutations_to_reference[1:])
     ]
     return average_arrays(aligned, weights)
 
 
 # --- baselines -------------------------------------------------------------------------------
 
-def vanilla_average(arrays_a: Mapping[str, np.ndarray], arrays_b: Mapping[str, np.ndarray],
-                    alpha: float = 0.5) -> dict[str, np.ndarray]:
+
+def vanilla_average(
+    arrays_a: Mapping[str, np.ndarray], arrays_b: Mapping[str, np.ndarray], alpha: float = 0.5
+) -> dict[str, np.ndarray]:
     """Weight averaging with no alignment (McMahan et al.'s FedAvg step for two models)."""
     return fuse_arrays(arrays_a, arrays_b, alpha)
 
 
-def ensemble_proba(arch: Mapping[str, Any], arrays_a: Mapping[str, np.ndarray],
-                   arrays_b: Mapping[str, np.ndarray], x: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+def ensemble_proba(
+    arch: Mapping[str, Any],
+    arrays_a: Mapping[str, np.ndarray],
+    arrays_b: Mapping[str, np.ndarray],
+    x: np.ndarray,
+    alpha: float = 0.5,
+) -> np.ndarray:
     """Prediction ensemble: α·p_A(y|x) + (1 − α)·p_B(y|x) (needs both models at inference)."""
     if not (0.0 <= alpha <= 1.0):
         raise InvalidArgument("alpha", f"must be in [0, 1], got {alpha!r}")
@@ -135,9 +148,14 @@ class WeightMatchingResult:
     objective: float
 
 
-def weight_matching(arch: Mapping[str, Any], arrays_a: Mapping[str, np.ndarray],
-                    arrays_b: Mapping[str, np.ndarray], *, max_sweeps: int = 100,
-                    seed: int = 0) -> WeightMatchingResult:
+def weight_matching(
+    arch: Mapping[str, Any],
+    arrays_a: Mapping[str, np.ndarray],
+    arrays_b: Mapping[str, np.ndarray],
+    *,
+    max_sweeps: int = 100,
+    seed: int = 0,
+) -> WeightMatchingResult:
     """Git Re-Basin weight matching (Ainsworth et al. 2023, Algorithm 1): maximise
     Σ_ℓ ⟨W_A^ℓ, P_ℓ W_B^ℓ P_{ℓ−1}ᵀ⟩ (+ biases) by coordinate descent over layers in random
     order, each step a linear assignment (Hungarian) on

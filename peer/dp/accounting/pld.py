@@ -122,7 +122,7 @@ def _gaussian_inverse_loss(loss: privacy_loss_mechanism.GaussianPrivacyLoss, eps
       gives −2 sinh(u + ε/2) = 2a sinh(ε/2) with a = e^c (1−q)/q, so
       x = σ²/Δ · (−asinh(a sinh(ε/2)) − ε/2)  (at q = 1: x = −εσ²/(2Δ)).
     """
-    sigma2 = loss._standard_deviation ** 2
+    sigma2 = loss._standard_deviation**2
     sens, q = loss.sensitivity, loss.sampling_prob
     kind = loss.adjacency_type
     if kind == privacy_loss_mechanism.AdjacencyType.REPLACE:
@@ -164,15 +164,23 @@ def _fast_gaussian_pmf(loss: privacy_loss_mechanism.GaussianPrivacyLoss, interva
     return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(interval, lo, hi, np.clip(deltas, 0, 1))
 
 
-def fast_gaussian_pld(standard_deviation: float, sensitivity: float, value_discretization_interval: float,
-                      sampling_prob: float = 1.0,
-                      neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE) -> PLD:
+def fast_gaussian_pld(
+    standard_deviation: float,
+    sensitivity: float,
+    value_discretization_interval: float,
+    sampling_prob: float = 1.0,
+    neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
+) -> PLD:
     """Same PLD as dp-accounting's ``from_gaussian_mechanism`` (pessimistic, connect-the-dots,
     default log-mass truncation −50), built with ``_fast_gaussian_pmf``."""
+
     def pmf(kind):
-        return _fast_gaussian_pmf(privacy_loss_mechanism.GaussianPrivacyLoss(
-            standard_deviation, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=kind),
-            value_discretization_interval)
+        return _fast_gaussian_pmf(
+            privacy_loss_mechanism.GaussianPrivacyLoss(
+                standard_deviation, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=kind
+            ),
+            value_discretization_interval,
+        )
 
     if neighboring_relation == NeighboringRelation.REPLACE_ONE:
         return PLD(pmf(privacy_loss_mechanism.AdjacencyType.REPLACE))
@@ -194,8 +202,9 @@ def gaussian_pld(mu: float, value_discretization_interval: float) -> PLD:
     return fast_gaussian_pld(1.0, mu, value_discretization_interval)
 
 
-def subsampled_gaussian_pld(noise_multiplier: float, sample_rate: float, adjacency: str,
-                            value_discretization_interval: float) -> PLD:
+def subsampled_gaussian_pld(
+    noise_multiplier: float, sample_rate: float, adjacency: str, value_discretization_interval: float
+) -> PLD:
     """PLD of one DP-SGD step: clipped sum (clip norm = unit sensitivity), noise std σ, Poisson
     rate q, under ``adjacency``. dp-accounting's pairs: add-remove, REMOVE: (1−q)N(0)+qN(−1) vs
     N(0) and ADD: N(0) vs (1−q)N(0)+qN(1); replace-one: (1−q)N(0)+qN(−1) vs (1−q)N(0)+qN(1)
@@ -204,8 +213,7 @@ def subsampled_gaussian_pld(noise_multiplier: float, sample_rate: float, adjacen
     sigma, q = float(noise_multiplier), float(sample_rate)
     if sigma == 0:
         return non_private_pld(value_discretization_interval)
-    relation = (NeighboringRelation.REPLACE_ONE if adjacency == "replace-one"
-                else NeighboringRelation.ADD_OR_REMOVE_ONE)
+    relation = NeighboringRelation.REPLACE_ONE if adjacency == "replace-one" else NeighboringRelation.ADD_OR_REMOVE_ONE
     return fast_gaussian_pld(sigma, 1.0, value_discretization_interval, sampling_prob=q, neighboring_relation=relation)
 
 
@@ -216,16 +224,19 @@ def laplace_pld(epsilon: float, value_discretization_interval: float) -> PLD:
         return identity_pld(value_discretization_interval)
     if math.isinf(epsilon):
         return non_private_pld(value_discretization_interval)
-    return pldlib.from_laplace_mechanism(1.0 / epsilon, sensitivity=1.0,
-                                         value_discretization_interval=value_discretization_interval)
+    return pldlib.from_laplace_mechanism(
+        1.0 / epsilon, sensitivity=1.0, value_discretization_interval=value_discretization_interval
+    )
 
 
 def approx_dp_pld(epsilon: float, delta: float, value_discretization_interval: float) -> PLD:
     """Worst-case PLD of an (ε, δ)-DP mechanism (dp-accounting ``from_privacy_parameters``:
     +∞ w.p. δ, ±ε otherwise — randomised response with an extra δ of catastrophe). With δ = 0 it
     is exactly binary randomised response, the dominating pair of pure ε-DP."""
-    return pldlib.from_privacy_parameters(pld_common.DifferentialPrivacyParameters(epsilon, delta),
-                                          value_discretization_interval=value_discretization_interval)
+    return pldlib.from_privacy_parameters(
+        pld_common.DifferentialPrivacyParameters(epsilon, delta),
+        value_discretization_interval=value_discretization_interval,
+    )
 
 
 def self_compose(pld: PLD, count: int) -> PLD:

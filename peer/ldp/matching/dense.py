@@ -15,8 +15,9 @@ from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.options import MatchOptions
 
 
-def dense_matrix(sizes: Sequence[int], offsets: Sequence[int], diagonals: Sequence[np.ndarray],
-                 hidden_blocks: Sequence[_Block]) -> np.ndarray:
+def dense_matrix(
+    sizes: Sequence[int], offsets: Sequence[int], diagonals: Sequence[np.ndarray], hidden_blocks: Sequence[_Block]
+) -> np.ndarray:
     """K as a dense float64 (M×M) matrix, M = Σ n_ℓ², from the per-layer diagonals D_ℓ
     ([i, j] = pair (A node i, B node j)) and the scaled hidden–hidden blocks (none when the
     edge weight is 0).

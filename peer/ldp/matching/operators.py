@@ -97,14 +97,20 @@ class _Factor:
         self.dense = dense
 
     def t(self) -> _Factor:
-        return _Factor((self.shape[1], self.shape[0]), self.ones,
-                       None if self.sparse is None else self.sparse.t(),
-                       None if self.dense is None else self.dense.T)
+        return _Factor(
+            (self.shape[1], self.shape[0]),
+            self.ones,
+            None if self.sparse is None else self.sparse.t(),
+            None if self.dense is None else self.dense.T,
+        )
 
     def scaled(self, s: float) -> _Factor:
-        return _Factor(self.shape, self.ones * s,
-                       None if self.sparse is None else self.sparse.scaled(s),
-                       None if self.dense is None else self.dense * s)
+        return _Factor(
+            self.shape,
+            self.ones * s,
+            None if self.sparse is None else self.sparse.scaled(s),
+            None if self.dense is None else self.dense * s,
+        )
 
     def matvec_rest(self, u: torch.Tensor) -> torch.Tensor | None:
         """R u (the non-constant part times a vector), or None when R is absent."""
@@ -236,8 +242,12 @@ class _Stacked:
 
 def _sparse_indicator(mask: np.ndarray, dtype: torch.dtype, coef: float = 1.0) -> _Sparse:
     r, c = np.nonzero(mask)
-    return _Sparse(mask.shape, torch.as_tensor(r, dtype=torch.int64), torch.as_tensor(c, dtype=torch.int64),
-                   torch.full((r.shape[0],), coef, dtype=dtype))
+    return _Sparse(
+        mask.shape,
+        torch.as_tensor(r, dtype=torch.int64),
+        torch.as_tensor(c, dtype=torch.int64),
+        torch.full((r.shape[0],), coef, dtype=dtype),
+    )
 
 
 def _indicator_factor(mask: np.ndarray, dtype: torch.dtype) -> _Factor:
@@ -253,8 +263,12 @@ def _table_right_factor(w: np.ndarray, values: np.ndarray, coefs: np.ndarray, dt
         return _Factor(w.shape, ones=coefs[0])
     if sum(int(np.count_nonzero(m)) for m, _ in masks) <= SPARSE_MAX_DENSITY * w.size:
         parts = [_sparse_indicator(m, dtype, c) for m, c in masks]  # disjoint supports
-        sp = _Sparse(w.shape, torch.cat([p.rows for p in parts]), torch.cat([p.cols for p in parts]),
-                     torch.cat([p.vals for p in parts]))
+        sp = _Sparse(
+            w.shape,
+            torch.cat([p.rows for p in parts]),
+            torch.cat([p.cols for p in parts]),
+            torch.cat([p.vals for p in parts]),
+        )
         return _Factor(w.shape, ones=coefs[0], sparse=sp)
     dense = np.zeros(w.shape)
     for m, c in masks:
