@@ -466,7 +466,7 @@ def run_round(
         "config": config.public(),
         "roster": [p.name for p in peers],
         "contributors": contributors,
-        "weights": dict(zip([me] + contributors, weights)) if fused is not None else {},
+        "weights": dict(zip([me, *contributors], weights)) if fused is not None else {},
         "peers": state.peers_dict(),
         "charges": [vars(c) for c in state.charges()],
         "events": state.events,

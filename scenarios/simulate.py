@@ -650,7 +650,7 @@ def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> f
         other = world.sites[name]
         g = extract_graph(arch, model_from_arrays(arch, other.arrays), site.probe)
         aligned.append(align(arch, own, g, other.arrays)[0])
-    fused = average_arrays([site.arrays] + aligned, fusion_weights(site.alpha, len(aligned)))
+    fused = average_arrays([site.arrays, *aligned], fusion_weights(site.alpha, len(aligned)))
     return accuracy(arch, model_from_arrays(arch, fused), world.x_test, world.y_test)
 
 

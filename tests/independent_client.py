@@ -321,7 +321,7 @@ def main(config_path: str, out_path: str) -> int:
     want = []
     for l in hidden:
         want += [f"hidden.{l.name}.activations", f"hidden.{l.name}.incoming", f"hidden.{l.name}.bias"]
-    assert [t.name for t in fm.tensors] == want + ["output.incoming", "output.bias"]
+    assert [t.name for t in fm.tensors] == [*want, "output.incoming", "output.bias"]
     n_prev = meta["input_size"]
     for l in hidden:
         n = l.weight_shape[0]

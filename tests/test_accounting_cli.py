@@ -150,7 +150,7 @@ def test_per_step_lists_are_accepted(tmp_path, capsys):
             r"models\[0\]\.state_independent_gradients: must be true or false",
         ),
         (
-            lambda d: {**d, "models": d["models"][:2] + [{"name": "old", "epsilon": 1.0, "delta": 1e-6}]},
+            lambda d: {**d, "models": [*d["models"][:2], {"name": "old", "epsilon": 1.0, "delta": 1e-06}]},
             ("lc", "--weights", "0.5,0.5,0", "--delta", "1e-5"),
             "No free lunch",
         ),
@@ -183,7 +183,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, mutate, args, message):
 def test_rs_with_an_epsilon_delta_model(tmp_path, capsys):
     data = {
         **MODELS,
-        "models": MODELS["models"][:2] + [{"name": "legacy", "epsilon": 1.0, "delta": 1e-7, "accuracy": 0.99}],
+        "models": [*MODELS["models"][:2], {"name": "legacy", "epsilon": 1.0, "delta": 1e-07, "accuracy": 0.99}],
     }
     code, out, _ = run_cli(
         tmp_path, capsys, data, "rs", "--target-epsilon", "2.0", "--delta", "1e-5", "--json", "--interval", "1e-3"

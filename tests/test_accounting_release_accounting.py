@@ -169,8 +169,8 @@ def test_dpsgd_record():
 
 def test_merge_records():
     models = [TrainingRecord.constant("replace-one", 200, 0.1, 1.0, s) for s in (20.0, 40.0)]
-    rs = rs_merge_record(models + [ApproxDP(1.0, 1e-7, "replace-one")], [0.3, 0.3, 0.4], 1e-5, names=["a", "b", "c"])
-    expected = rs_epsilon(models + [ApproxDP(1.0, 1e-7, "replace-one")], [0.3, 0.3, 0.4], 1e-5)
+    rs = rs_merge_record([*models, ApproxDP(1.0, 1e-07, "replace-one")], [0.3, 0.3, 0.4], 1e-5, names=["a", "b", "c"])
+    expected = rs_epsilon([*models, ApproxDP(1.0, 1e-07, "replace-one")], [0.3, 0.3, 0.4], 1e-5)
     assert rs.epsilon == pytest.approx(expected.pld) and rs.parameters["epsilon_rdp"] == "inf"
     assert record_epsilon(ReleaseRecord.from_json(rs.canonical_json()), 1e-5) == pytest.approx((expected.pld, math.inf))
     assert "selected" not in rs.parameters

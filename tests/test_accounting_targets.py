@@ -91,7 +91,7 @@ def test_mixtures_can_beat_every_single_model():
 
 
 def test_choose_pi_with_approx_dp_models():
-    models = POOL[:2] + [ApproxDP(1.5, 1e-7, "add-remove")]
+    models = [*POOL[:2], ApproxDP(1.5, 1e-07, "add-remove")]
     choice = choose_pi(models, ACC, 3.0, 1e-5, value_discretization_interval=INTERVAL)
     assert choice.epsilon.pld <= 3.0 and choice.weights[2] > 0
     with pytest.raises(UnreachableTarget):
@@ -204,4 +204,4 @@ def test_target_input_errors(profiles):
     with pytest.raises(InvalidArgument, match="accountant"):
         choose_pi(profiles, ACC, 3.0, 1e-5, accountant="moments", value_discretization_interval=INTERVAL)
     with pytest.raises(InvalidArgument, match="No free lunch|no free lunch"):
-        choose_lam(POOL[:2] + [ApproxDP(1.0, 1e-6, "add-remove")], ACC, 3.0, 1e-5)
+        choose_lam([*POOL[:2], ApproxDP(1.0, 1e-06, "add-remove")], ACC, 3.0, 1e-5)

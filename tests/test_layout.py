@@ -151,7 +151,7 @@ def test_no_import_cycle_between_modules():
 
     def visit(m: str) -> None:
         if m in stack:
-            cycles.append(stack[stack.index(m) :] + [m])
+            cycles.append([*stack[stack.index(m) :], m])
             return
         if m in seen:
             return

@@ -45,7 +45,7 @@ class MaliciousPeer:
         self.modes: dict[str, str] = {}
         self.calls: list[str] = []
         self.offers_pool = offers_pool
-        self.server = grpc.server(ThreadPoolExecutor(4), options=wire.grpc_options() + [("grpc.so_reuseport", 0)])
+        self.server = grpc.server(ThreadPoolExecutor(4), options=[*wire.grpc_options(), ("grpc.so_reuseport", 0)])
         handlers = {
             "GetPeerInfo": grpc.unary_unary_rpc_method_handler(
                 self.info, pb.GetPeerInfoRequest.FromString, pb.PeerInfo.SerializeToString

@@ -128,7 +128,7 @@ def row_error_budget(aff: Affinity) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", [MLP, CNN], ids=["mlp", "cnn"])
-@pytest.mark.parametrize("case", CASES + ["noisy-m1"])
+@pytest.mark.parametrize("case", [*CASES, "noisy-m1"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-store", "sparse-store"])
 def test_factorised_kv_equals_dense_k_times_v(arch, case, sparse, monkeypatch):
     if sparse:

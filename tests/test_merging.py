@@ -250,8 +250,9 @@ def test_refusals(method):
     with pytest.raises(InvalidArgument, match="empty"):
         go([])
     other = dict(ARCH, hidden=[5])
-    mismatched = _pool()[:2] + [
-        PoolModel("x", other, state_arrays(build_model(other, seed=0)), _pool()[0].privacy, 500)
+    mismatched = [
+        *_pool()[:2],
+        PoolModel("x", other, state_arrays(build_model(other, seed=0)), _pool()[0].privacy, 500),
     ]
     with pytest.raises(InvalidArgument, match="architecture"):
         go(mismatched)

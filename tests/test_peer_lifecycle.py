@@ -153,7 +153,7 @@ def slow_reader(b, a, address, request, pause_s, out):
         root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem, certificate_chain=b.identity.cert_pem
     )
     with grpc.secure_channel(
-        address, creds, options=wire.grpc_options() + [("grpc.ssl_target_name_override", "site-a")]
+        address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", "site-a")]
     ) as ch:
         frames = []
         try:

@@ -121,7 +121,7 @@ def stub_for(b, a, address):
     creds = grpc.ssl_channel_credentials(
         root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem, certificate_chain=b.identity.cert_pem
     )
-    ch = grpc.secure_channel(address, creds, options=wire.grpc_options() + [("grpc.ssl_target_name_override", a.name)])
+    ch = grpc.secure_channel(address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", a.name)])
     return ch, pb_grpc.PeerStub(ch)
 
 
@@ -150,57 +150,59 @@ def with_header(msgs, **kw):
             h.shape.extend(v)
         else:
             setattr(h, k, v)
-    return [pb.FeaturesRequest(probe=h)] + msgs[1:]
+    return [pb.FeaturesRequest(probe=h), *msgs[1:]]
 
 
 FEATURE_CASES = [
     ("no params first", probe_msgs(), "INVALID_ARGUMENT", "params"),
     (
         "no sender",
-        [params(header=pb.RequestHeader(receiver="site-a"))] + probe_msgs(),
+        [params(header=pb.RequestHeader(receiver="site-a")), *probe_msgs()],
         "INVALID_ARGUMENT",
         "header.sender",
     ),
-    ("unknown model", [params(model="nope")] + probe_msgs(), "NOT_FOUND", "model"),
-    ("epsilon zero", [params(activation_epsilon=0.0)] + probe_msgs(), "INVALID_ARGUMENT", "activation_epsilon"),
-    ("epsilon negative", [params(weight_epsilon=-1.0)] + probe_msgs(), "INVALID_ARGUMENT", "weight_epsilon"),
-    ("epsilon NaN", [params(activation_epsilon=math.nan)] + probe_msgs(), "INVALID_ARGUMENT", "activation_epsilon"),
-    ("epsilon absurd", [params(weight_epsilon=1e300)] + probe_msgs(), "INVALID_ARGUMENT", "weight_epsilon"),
-    ("epsilon inf", [params(weight_epsilon=math.inf)] + probe_msgs(), "INVALID_ARGUMENT", "weight_epsilon"),
-    ("bad unit", [params(unit="layer")] + probe_msgs(), "INVALID_ARGUMENT", "unit"),
-    ("half a clip", [params(activation_clip_low=0.0)] + probe_msgs(), "INVALID_ARGUMENT", "activation_clip_high"),
+    ("unknown model", [params(model="nope"), *probe_msgs()], "NOT_FOUND", "model"),
+    ("epsilon zero", [params(activation_epsilon=0.0), *probe_msgs()], "INVALID_ARGUMENT", "activation_epsilon"),
+    ("epsilon negative", [params(weight_epsilon=-1.0), *probe_msgs()], "INVALID_ARGUMENT", "weight_epsilon"),
+    ("epsilon NaN", [params(activation_epsilon=math.nan), *probe_msgs()], "INVALID_ARGUMENT", "activation_epsilon"),
+    ("epsilon absurd", [params(weight_epsilon=1e300), *probe_msgs()], "INVALID_ARGUMENT", "weight_epsilon"),
+    ("epsilon inf", [params(weight_epsilon=math.inf), *probe_msgs()], "INVALID_ARGUMENT", "weight_epsilon"),
+    ("bad unit", [params(unit="layer"), *probe_msgs()], "INVALID_ARGUMENT", "unit"),
+    ("half a clip", [params(activation_clip_low=0.0), *probe_msgs()], "INVALID_ARGUMENT", "activation_clip_high"),
     (
         "empty clip",
-        [params(activation_clip_low=1.0, activation_clip_high=1.0)] + probe_msgs(),
+        [params(activation_clip_low=1.0, activation_clip_high=1.0), *probe_msgs()],
         "INVALID_ARGUMENT",
         "activation_clip_low",
     ),
-    ("bad weight bound", [params(weight_bound=-1.0)] + probe_msgs(), "INVALID_ARGUMENT", "weight_bound"),
+    ("bad weight bound", [params(weight_bound=-1.0), *probe_msgs()], "INVALID_ARGUMENT", "weight_bound"),
     ("no probe", [params()], "INVALID_ARGUMENT", "probe"),
-    ("wrong dtype", [params()] + probe_msgs(PROBE.astype(np.int64)), "INVALID_ARGUMENT", "probe.dtype"),
-    ("wrong shape", [params()] + probe_msgs(PROBE[:, :63]), "INVALID_ARGUMENT", "probe.shape"),
-    ("one-dimensional probe", [params()] + probe_msgs(PROBE[0]), "INVALID_ARGUMENT", "probe.shape"),
-    ("NaN in probe", [params()] + probe_msgs(np.where(PROBE > 0.99, np.nan, PROBE)), "INVALID_ARGUMENT", "probe"),
-    ("nbytes lie", [params()] + with_header(probe_msgs(), nbytes=8), "INVALID_ARGUMENT", "probe.nbytes"),
+    ("wrong dtype", [params(), *probe_msgs(PROBE.astype(np.int64))], "INVALID_ARGUMENT", "probe.dtype"),
+    ("wrong shape", [params(), *probe_msgs(PROBE[:, :63])], "INVALID_ARGUMENT", "probe.shape"),
+    ("one-dimensional probe", [params(), *probe_msgs(PROBE[0])], "INVALID_ARGUMENT", "probe.shape"),
+    ("NaN in probe", [params(), *probe_msgs(np.where(PROBE > 0.99, np.nan, PROBE))], "INVALID_ARGUMENT", "probe"),
+    ("nbytes lie", [params(), *with_header(probe_msgs(), nbytes=8)], "INVALID_ARGUMENT", "probe.nbytes"),
     (
         "huge shape",
-        [params()] + with_header(probe_msgs(), shape=[1 << 30, 64], nbytes=(1 << 30) * 64 * 8),
+        [params(), *with_header(probe_msgs(), shape=[1 << 30, 64], nbytes=(1 << 30) * 64 * 8)],
         "INVALID_ARGUMENT",
         "probe.shape",
     ),
     (
         "too many bytes",
-        [params()] + with_header(probe_msgs(), shape=[600_000, 64], nbytes=600_000 * 64 * 8),
+        [params(), *with_header(probe_msgs(), shape=[600000, 64], nbytes=600000 * 64 * 8)],
         "INVALID_ARGUMENT",
         "probe.nbytes",
     ),
-    ("truncated stream", [params()] + probe_msgs(chunk_bytes=1024)[:-1], "INVALID_ARGUMENT", "probe"),
+    ("truncated stream", [params(), *probe_msgs(chunk_bytes=1024)[:-1]], "INVALID_ARGUMENT", "probe"),
     ("checksum mismatch", None, "INVALID_ARGUMENT", "probe.sha256"),
     (
         "oversize chunk",
-        [params()]
-        + with_header(probe_msgs(np.zeros((2, 64))), shape=[9000, 64], nbytes=9000 * 64 * 8)[:1]
-        + [pb.FeaturesRequest(chunk=tpb.TensorChunk(data=bytes(wire.MAX_CHUNK_BYTES + 8)))],
+        [
+            params(),
+            *with_header(probe_msgs(np.zeros((2, 64))), shape=[9000, 64], nbytes=9000 * 64 * 8)[:1],
+            pb.FeaturesRequest(chunk=tpb.TensorChunk(data=bytes(wire.MAX_CHUNK_BYTES + 8))),
+        ],
         "INVALID_ARGUMENT",
         "chunk.data",
     ),
@@ -210,7 +212,7 @@ FEATURE_CASES = [
         "INVALID_ARGUMENT",
         "probe",
     ),
-    ("params twice", [params()] + probe_msgs() + [params()], "INVALID_ARGUMENT", "chunk"),
+    ("params twice", [params(), *probe_msgs(), params()], "INVALID_ARGUMENT", "chunk"),
 ]
 
 
@@ -219,7 +221,7 @@ def _checksum_case():
     h = tpb.TensorHeader()
     h.CopyFrom(msgs[0].probe)
     h.sha256 = bytes(32)
-    return [params(), pb.FeaturesRequest(probe=h)] + msgs[1:]
+    return [params(), pb.FeaturesRequest(probe=h), *msgs[1:]]
 
 
 WEIGHT_CASES = [
@@ -558,7 +560,7 @@ def test_cli_asks_a_peer_and_writes_safetensors_and_the_release_document(sites, 
     save_file({"x": PROBE}, str(tmp_path / "probe.safetensors"))
     common = ["--identity", str(b.identity_dir)]
     with running(a) as (_, address):
-        common = ["--via", address] + common
+        common = ["--via", address, *common]
         assert main(["peer", "info", *common]) == 0
         assert json.loads(capsys.readouterr().out)["name"] == "site-a"
         assert (

@@ -41,7 +41,7 @@ def raw_stub(identity, server_cert, server_name, address):
         root_certificates=server_cert, private_key=identity.key_pem, certificate_chain=identity.cert_pem
     )
     ch = grpc.secure_channel(
-        address, creds, options=wire.grpc_options() + [("grpc.ssl_target_name_override", server_name)]
+        address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", server_name)]
     )
     return ch, pb_grpc.PeerStub(ch)
 

@@ -56,7 +56,7 @@ def plain_call(b, a, address, method: str, request) -> grpc.RpcError:
     creds = grpc.ssl_channel_credentials(
         root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem, certificate_chain=b.identity.cert_pem
     )
-    options = wire.grpc_options() + [("grpc.ssl_target_name_override", a.name)]
+    options = [*wire.grpc_options(), ("grpc.ssl_target_name_override", a.name)]
     with grpc.secure_channel(address, creds, options=options) as ch:
         try:
             for _ in getattr(pb_grpc.PeerStub(ch), method)(request, timeout=60):

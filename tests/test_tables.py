@@ -104,7 +104,7 @@ BAD_INPUTS = [
     (ROWS, {"features": ["age", "weight"]}, False, ["r.csv: features", "unknown columns ['weight']"]),
     (ROWS, {"features": ["age", "outcome"]}, False, ["include the label column 'outcome'"]),
     (ROWS, {"categorical": ["outcome"]}, False, ["r.csv: categorical", "not features"]),
-    ([r[:3] + ["yes"] for r in ROWS], {}, True, ["label 'outcome'", "one class ('yes')", "at least two"]),
+    ([[*r[:3], "yes"] for r in ROWS], {}, True, ["label 'outcome'", "one class ('yes')", "at least two"]),
 ]
 
 
@@ -195,12 +195,12 @@ def test_imputation_uses_training_statistics_and_is_recorded(tmp_path):
 
 
 def test_integer_labels_are_classes_in_numeric_order(tmp_path):
-    rows = [r[:3] + [lab] for r, lab in zip(ROWS, ["10", "2", "10", "2", "2.0", "10"])]
+    rows = [[*r[:3], lab] for r, lab in zip(ROWS, ["10", "2", "10", "2", "2.0", "10"])]
     t = read_table(write_csv(tmp_path / "r.csv", rows), label="outcome")
     p = Preprocessing.fit(t)
     assert p.classes == (2, 10)
     assert p.transform(t)[1].tolist() == [1, 0, 1, 0, 0, 1]
-    later = read_table(write_csv(tmp_path / "l.csv", [r[:3] + ["3"] for r in ROWS]), label="outcome")
+    later = read_table(write_csv(tmp_path / "l.csv", [[*r[:3], "3"] for r in ROWS]), label="outcome")
     with pytest.raises(InvalidArgument, match=r"data row 1.*label '3' is not one of the model's classes \[2, 10\]"):
         p.transform(later)
 

@@ -160,7 +160,7 @@ def test_receipts_bind_record_entry_tensor_digests_and_manifest(signer, tmp_path
     ):
         with pytest.raises(InvalidArgument, match="manifest"):
             verify_receipt(r, signer.cert_pem, manifest=other_manifest)
-    retyped = replace(m, tensors=(replace(m.tensors[0], dtype=tpb.DTYPE_INT32),) + m.tensors[1:])
+    retyped = replace(m, tensors=(replace(m.tensors[0], dtype=tpb.DTYPE_INT32), *m.tensors[1:]))
     with pytest.raises(InvalidArgument, match="^manifest: "):
         verify_receipt(r, signer.cert_pem, manifest=retyped)
 
@@ -282,7 +282,7 @@ def test_release_reader_refuses_reordered_truncated_or_swapped_streams(signer):
         assert e.value.field == "manifest" and not getattr(sink, "arrays", None)
     # nothing may follow the end frame (the reader reads on to the stream's end to see)
     with pytest.raises(InvalidArgument, match="after ReleaseEnd"):
-        reader.read(iter(frames + [frames[2]]))
+        reader.read(iter([*frames, frames[2]]))
 
 
 @settings(max_examples=200, deadline=None)

@@ -142,13 +142,13 @@ class Section:
         if name not in self.data:
             if required:
                 self.fail(name, "is required (a table)")
-            return Section({}, self.key + (name,), self.text, self.source)
-        return Section(self.data[name], self.key + (name,), self.text, self.source)
+            return Section({}, (*self.key, name), self.text, self.source)
+        return Section(self.data[name], (*self.key, name), self.text, self.source)
 
     def sections(self, name: str) -> dict[str, Section]:
         """A table of tables (``[sites.a]``, ``[sites.b]``) as name → Section, in file order."""
         outer = self.section(name)
-        return {k: Section(v, outer.key + (k,), self.text, self.source) for k, v in outer.data.items()}
+        return {k: Section(v, (*outer.key, k), self.text, self.source) for k, v in outer.data.items()}
 
     def raw(self, name: str, default: Any = ...) -> Any:
         """The value as written (required unless a default is given), unchecked."""

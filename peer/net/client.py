@@ -248,7 +248,7 @@ class PeerClient:
                 certificate_chain=identity.cert_pem,
             )
             self.channel = grpc.secure_channel(
-                address, creds, options=wire.grpc_options() + [("grpc.ssl_target_name_override", pinned.name)]
+                address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", pinned.name)]
             )
         self.stub = pb_grpc.PeerStub(self.channel)
         # release streams decode chunk frames without copying them (peer.net.wire.decode_frame)

@@ -131,7 +131,7 @@ class Daemon:
             futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="peer"),
             interceptors=[self.interceptor, self.limits],
             # no SO_REUSEPORT: a second daemon on a taken port must fail, not share it
-            options=wire.grpc_options() + [("grpc.so_reuseport", 0)],
+            options=[*wire.grpc_options(), ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=limits.threads * 4,
         )
         add_to_server(self.service, self.server)

@@ -435,7 +435,7 @@ def lc_boundary_candidates(
             lo = np.where(ok, mid, lo)
             hi = np.where(ok, hi, mid)
         out.append((1 - lo)[:, None] * lam_private[None, :] + lo[:, None] * bad)
-    cand = np.vstack(out + [lam_private[None, :]])
+    cand = np.vstack([*out, lam_private[None, :]])
     cand = cand / cand.sum(axis=1, keepdims=True)
     return np.unique(np.round(cand, 12), axis=0)
 
