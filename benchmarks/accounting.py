@@ -192,7 +192,7 @@ def lc_dp_accounting(models, per_step_prefix=300):
             if kind == "pld"
             else rdp.RdpAccountant(list(DEFAULT_ORDERS))
         )
-        for m, n in zip(mu_s, seg.counts):
+        for m, n in zip(mu_s, seg.counts, strict=True):
             a.compose(dp_event.GaussianDpEvent(float(1 / m)), int(n))
         return a.get_epsilon(DELTA)
 

@@ -185,7 +185,7 @@ def run_case(spec: dict) -> dict:
         "terms": [b["terms"] for b in d["blocks"]],
         "expansions": [b["expansion"] for b in d["blocks"]],
         "error_bound": d["expansion_error_bound"],
-        "recovered": float(np.mean(np.concatenate([p == t for p, t in zip(result.permutations, truth)]))),
+        "recovered": float(np.mean(np.concatenate([p == t for p, t in zip(result.permutations, truth, strict=True)]))),
         "permutations": [p.tolist() for p in result.permutations] if spec["width"] <= 128 else None,
         "objective": result.objective,
         "torch_threads": torch.get_num_threads(),

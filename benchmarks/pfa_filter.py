@@ -69,7 +69,7 @@ def main() -> None:
             )
             for name, released in (("raw", raw), ("filtered", filt)):
                 err = []
-                for spec, comp in zip(specs, rec.components):
+                for spec, comp in zip(specs, rec.components, strict=True):
                     target = clip_rows(
                         rows(clean, spec),
                         clip_norm=comp.parameters["clip_norm"],

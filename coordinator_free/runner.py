@@ -183,7 +183,7 @@ def _match_report(own: NetworkGraph, alignment: Alignment) -> dict:
         "solver": result.solver,
         "iterations": int(result.iterations),
         "converged": bool(result.converged),
-        "permutations": {h.name: p.tolist() for h, p in zip(own.hidden, alignment.permutations)},
+        "permutations": {h.name: p.tolist() for h, p in zip(own.hidden, alignment.permutations, strict=True)},
     }
 
 
@@ -425,7 +425,7 @@ def run_round(
                     f"that is {len(alive) + 1} < quorum {config.quorum}; nothing was requested"
                 )
             else:
-                for p, arrays in zip(alive, workers.map(guarded, alive)):
+                for p, arrays in zip(alive, workers.map(guarded, alive), strict=True):
                     if arrays is not None:
                         contributions[p.name] = arrays
     finally:
@@ -466,7 +466,7 @@ def run_round(
         "config": config.public(),
         "roster": [p.name for p in peers],
         "contributors": contributors,
-        "weights": dict(zip([me, *contributors], weights)) if fused is not None else {},
+        "weights": dict(zip([me, *contributors], weights, strict=True)) if fused is not None else {},
         "peers": state.peers_dict(),
         "charges": [vars(c) for c in state.charges()],
         "events": state.events,

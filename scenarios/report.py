@@ -108,7 +108,7 @@ def summary_table(report: dict) -> str:
             ]
         )
     widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
-    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines])
 
 

@@ -400,7 +400,7 @@ def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, prepro
         delta=p.delta,
     )
     out = []
-    for nm, m in zip(p.noise_multipliers, models):
+    for nm, m in zip(p.noise_multipliers, models, strict=True):
         name = f"dpsgd-sigma{nm:g}"
         module = model_from_arrays(s.architecture, m.arrays)
         save_trained(

@@ -18,6 +18,7 @@ import json
 import math
 import struct
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 PROJECT_MODULES = ("peer", "coordinator_free", "scenarios")
@@ -342,9 +343,7 @@ def main(config_path: str, out_path: str) -> int:
     names = [t.name for t in mm.tensors]
     assert names == sorted(names) and arch["kind"] == "mlp"
     widths = [arch["input_dim"], *arch["hidden"], arch["output_dim"]]
-    assert [array(mm, mt, n).shape for n in names if n.endswith(".weight")] == [
-        (o, i) for i, o in zip(widths[:-1], widths[1:])
-    ]
+    assert [array(mm, mt, n).shape for n in names if n.endswith(".weight")] == [(o, i) for i, o in pairwise(widths)]
     out["project_modules_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT_MODULES)
     Path(out_path).write_text(json.dumps(out, indent=2))
     return 0

@@ -38,14 +38,16 @@ def filter_admits(orders, rdp_total, pure_total, epsilon, delta):
     if delta == 0:
         return False
     share = delta / len(orders)
-    return any(compute_epsilon([o], [r], share)[0] <= epsilon * (1 + 1e-12) for o, r in zip(orders, rdp_total))
+    return any(
+        compute_epsilon([o], [r], share)[0] <= epsilon * (1 + 1e-12) for o, r in zip(orders, rdp_total, strict=True)
+    )
 
 
 def filter_spent(orders, rdp_total, pure_total, delta):
     best = pure_total
     if delta > 0:
         share = delta / len(orders)
-        best = min([best] + [compute_epsilon([o], [r], share)[0] for o, r in zip(orders, rdp_total)])
+        best = min([best] + [compute_epsilon([o], [r], share)[0] for o, r in zip(orders, rdp_total, strict=True)])
     return best
 
 

@@ -166,7 +166,7 @@ def test_fast_gaussian_pld_is_dp_accountings(sigma, sens, q, relation):
         sigma, sens, value_discretization_interval=1e-3, sampling_prob=q, neighboring_relation=relation
     )
     ours = pldm.fast_gaussian_pld(sigma, sens, 1e-3, sampling_prob=q, neighboring_relation=relation)
-    for a, b in zip(pldm.directions(ref), pldm.directions(ours)):
+    for a, b in zip(pldm.directions(ref), pldm.directions(ours), strict=True):
         da, db = a.to_dense_pmf(), b.to_dense_pmf()
         assert da._lower_loss == db._lower_loss and da._probs.size == db._probs.size
         np.testing.assert_allclose(db._probs, da._probs, rtol=0, atol=1e-11)
@@ -198,7 +198,7 @@ def test_non_private_parts():
 def test_directional_deltas_match_dp_accounting():
     p = pldm.subsampled_gaussian_pld(0.8, 0.1, "add-remove", 1e-3).self_compose(50)
     eps = np.linspace(0.0, 6.0, 200)
-    for mine, theirs in zip(pldm.directional_deltas(p, eps), pldm.directions(p)):
+    for mine, theirs in zip(pldm.directional_deltas(p, eps), pldm.directions(p), strict=True):
         np.testing.assert_allclose(mine, np.clip(theirs.get_delta_for_epsilon(eps), 0, 1), rtol=1e-9, atol=1e-15)
     few = pldm.directional_deltas(p, eps[::40])
     np.testing.assert_allclose(few[0], pldm.directional_deltas(p, eps)[0][::40], rtol=1e-9, atol=1e-15)

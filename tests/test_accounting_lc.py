@@ -62,7 +62,7 @@ def brute_force_mu(models, lam, k):
     total = 0.0
     for t in range(T):
         delta = std2 = 0.0
-        for m, w in zip(models, lam):
+        for m, w in zip(models, lam, strict=True):
             if t < m.num_steps:
                 s = m.steps[t]
                 delta += k * w * s.learning_rate * s.clip_norm
@@ -148,7 +148,7 @@ def test_lc_equals_dp_accounting_pld_of_the_composed_gaussians():
     seg = lc_segments(HETERO)
     mu_s = seg.step_ratios(np.array(lam))
     acc = pld.PLDAccountant(value_discretization_interval=1e-3)
-    for n, m in zip(seg.counts, mu_s):
+    for n, m in zip(seg.counts, mu_s, strict=True):
         acc.compose(dp_event.GaussianDpEvent(1 / m), int(n))
     assert lc_surrogate_epsilon(HETERO, lam, 1e-5, value_discretization_interval=1e-3).pld == pytest.approx(
         acc.get_epsilon(1e-5), rel=1e-3

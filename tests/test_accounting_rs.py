@@ -39,7 +39,7 @@ def test_single_model_rs_is_the_model(pool_profiles):
 def test_rs_between_most_and_least_private(pool_profiles, weights, delta):
     pi = np.array(weights) / sum(weights)
     rs = rs_epsilon(pool_profiles, pi, delta, value_discretization_interval=INTERVAL)
-    used = [p.epsilon(delta) for p, w in zip(pool_profiles, pi) if w > 0]
+    used = [p.epsilon(delta) for p, w in zip(pool_profiles, pi, strict=True) if w > 0]
     for acc in ("pld", "rdp"):
         vals = [getattr(e, acc) for e in used]
         assert min(vals) - 1e-9 <= getattr(rs, acc) <= max(vals) + 1e-9
@@ -67,8 +67,8 @@ def test_rs_bound_is_sound_against_exact_mixture_divergence():
     for eps in (0.5, 2.0):
 
         def hockey(x, sign):
-            p = sum(w * stats.norm.pdf(x, 0 if sign > 0 else 1, sd) for w, sd in zip(pi, s))
-            q = sum(w * stats.norm.pdf(x, 1 if sign > 0 else 0, sd) for w, sd in zip(pi, s))
+            p = sum(w * stats.norm.pdf(x, 0 if sign > 0 else 1, sd) for w, sd in zip(pi, s, strict=True))
+            q = sum(w * stats.norm.pdf(x, 1 if sign > 0 else 0, sd) for w, sd in zip(pi, s, strict=True))
             return max(p - math.exp(eps) * q, 0.0)
 
         exact = max(integrate.quad(hockey, -30, 30, args=(sign,), limit=400, points=[0, 1])[0] for sign in (1, -1))
@@ -77,7 +77,7 @@ def test_rs_bound_is_sound_against_exact_mixture_divergence():
         assert bound.pld == pytest.approx(
             sum(
                 w * stats.norm.sf(eps * sd - 1 / (2 * sd)) - w * math.exp(eps) * stats.norm.sf(eps * sd + 1 / (2 * sd))
-                for w, sd in zip(pi, s)
+                for w, sd in zip(pi, s, strict=True)
             ),
             rel=1e-3,
         )

@@ -1,5 +1,6 @@
 import json
 import math
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -36,7 +37,7 @@ def test_run_length_round_trip(runs, adjacency):
     entries = data["steps"]
     assert all(
         {k: v for k, v in a.items() if k != "count"} != {k: v for k, v in b.items() if k != "count"}
-        for a, b in zip(entries, entries[1:])
+        for a, b in pairwise(entries)
     )
     assert sum(e["count"] for e in entries) == len(steps)
 

@@ -49,7 +49,7 @@ def test_weight_layers_describe_the_built_model(arch):
     layers = weight_layers(arch)
     built = [(name, m) for name, m in build_model(arch).named_children() if isinstance(m, (nn.Linear, nn.Conv2d))]
     assert [l.name for l in layers] == [name for name, _ in built]
-    for layer, (_, mod) in zip(layers, built):
+    for layer, (_, mod) in zip(layers, built, strict=True):
         assert layer.kind == ("conv" if isinstance(mod, nn.Conv2d) else "linear")
         assert layer.weight_shape == tuple(mod.weight.shape)
         assert layer.fan_in == math.prod(mod.weight.shape[1:])
@@ -90,5 +90,5 @@ def test_weight_modules_pairs_layers_with_modules_and_refuses_misfits():
 
 def test_build_model_is_deterministic_given_a_seed():
     a, b = build_model(ARCHS[2], seed=3), build_model(ARCHS[2], seed=3)
-    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and np.array_equal(va.numpy(), vb.numpy())

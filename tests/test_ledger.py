@@ -54,7 +54,7 @@ def open_ledger(path, policy, **kw) -> Ledger:
 def test_order_budgets_invert_dp_accountings_conversion(epsilon, delta):
     budget = FilterBudget(epsilon, delta)
     share = delta / len(FILTER_ORDERS)
-    for order, b in zip(FILTER_ORDERS, budget.rdp_budget()):
+    for order, b in zip(FILTER_ORDERS, budget.rdp_budget(), strict=True):
         if b > 0:
             assert compute_epsilon([order], [b], share)[0] == pytest.approx(epsilon, rel=1e-12)
 

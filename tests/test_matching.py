@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -236,9 +237,9 @@ def same_up_to_ties(r1, r2) -> bool:
     """The same permutations — or, where two nodes carry identical features (dead neurons, equal
     noisy rows), permutations that differ only among exactly tied choices: the same assignment
     value on the relaxed solution and the same QAP objective."""
-    if all(np.array_equal(p, q) for p, q in zip(r1.permutations, r2.permutations)):
+    if all(np.array_equal(p, q) for p, q in zip(r1.permutations, r2.permutations, strict=True)):
         return True
-    for x, p, q in zip(r1.relaxed, r1.permutations, r2.permutations):
+    for x, p, q in zip(r1.relaxed, r1.permutations, r2.permutations, strict=True):
         rows = np.arange(len(p))
         if not math.isclose(x[rows, p].sum(), x[rows, q].sum(), rel_tol=1e-12):
             return False
@@ -321,7 +322,7 @@ def test_shift_is_what_makes_power_iteration_converge():
     plain = match_graphs(a, b, MatchOptions(shift=0.0, max_iter=1000))
     shifted = match_graphs(a, b, MatchOptions(max_iter=1000))
     assert plain.converged and shifted.converged  # the same limit, ...
-    assert all(np.array_equal(p, q) for p, q in zip(plain.permutations, shifted.permutations))
+    assert all(np.array_equal(p, q) for p, q in zip(plain.permutations, shifted.permutations, strict=True))
     assert np.linalg.norm(flat(plain.relaxed) - flat(shifted.relaxed)) < 1e-4
     assert 4 * shifted.iterations < plain.iterations  # ... reached several times faster
     assert shifted.diagnostics["shift"] > 0
@@ -381,7 +382,7 @@ def test_expansion_bound_holds_on_random_intervals(lo, width, sigma, log_tol):
 def test_interpolation_bound_decreases_and_bounds_the_full_interpolant():
     beta = 4.0
     bounds = [chebyshev_interpolation_bound(beta, p) for p in range(4, 30, 5)]
-    assert all(x > y for x, y in zip(bounds, bounds[1:]))
+    assert all(x > y for x, y in pairwise(bounds))
     # the uncompressed interpolant (every core term kept) is within the interpolation bound
     p = 12
     core = _chebyshev_core(beta, p)
@@ -402,7 +403,7 @@ def test_block_expansion_reported_in_diagnostics(monkeypatch):
     # 4·R·n·m·(n + m) flops
     groups = sum(math.ceil(blk["terms"] / _Stacked.GROUP) for blk in blocks[1:3])
     assert r.diagnostics["dense_products_per_iteration"] == 4 * groups
-    want = sum(4 * blk["terms"] * n * m * (n + m) for blk, (n, m) in zip(blocks[1:3], [(7, 6), (5, 7)]))
+    want = sum(4 * blk["terms"] * n * m * (n + m) for blk, (n, m) in zip(blocks[1:3], [(7, 6), (5, 7)], strict=True))
     assert r.diagnostics["flops_per_iteration"] == want
     monkeypatch.setattr(operators, "SPARSE_MAX_DENSITY", 1.0)  # these small layers would be stored dense
     noisy_r = match_graphs(*pair(MLP, "noisy"))
@@ -494,7 +495,7 @@ def test_exact_recovery_of_a_permuted_trained_network(arch, epochs):
     probe = ds.x_train[:100]
     r = match_graphs(extract_graph(arch, model, probe), extract_graph(arch, copy, probe))
     assert r.converged
-    for got, p in zip(r.permutations, perms):
+    for got, p in zip(r.permutations, perms, strict=True):
         assert np.array_equal(p[got], np.arange(len(p)))  # B[perm] is A again
 
 
@@ -530,7 +531,7 @@ def test_recovery_from_a_local_dp_release_is_mostly_right_and_balancing_is_what_
 
     def fraction(options):
         r = match_graphs(own, released, options)
-        return [float(np.mean(p[got] == np.arange(len(p)))) for got, p in zip(r.permutations, perms)]
+        return [float(np.mean(p[got] == np.arange(len(p)))) for got, p in zip(r.permutations, perms, strict=True)]
 
     balanced = fraction(MatchOptions())
     unbalanced = fraction(MatchOptions(balance=False))

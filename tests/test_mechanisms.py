@@ -465,7 +465,7 @@ def test_filter_lowers_the_error_on_trained_weights(trained_digits_mlp, unit, ep
         arch, arrays, epsilon=epsilon, delta=1e-5, unit=unit, smoothing=True, randomness=rnd(9)
     )
     gains = []
-    for spec, comp in zip(weight_layers(arch), rec.components):
+    for spec, comp in zip(weight_layers(arch), rec.components, strict=True):
 
         def rows(a):
             return np.concatenate(
@@ -525,7 +525,7 @@ def test_perturb_graph_touches_every_neuron_and_composes(arch):
     assert rec.parameters["parallel_over"] == "neurons"  # layers: other neurons
     assert len(rec.components) == len(graph.hidden) + 1
     assert rec.epsilon == pytest.approx(2.5) and rec.delta == 0 and rec.seed == 8
-    for h, hn, comp, spec in zip(graph.hidden, noisy.hidden, rec.components, specs):
+    for h, hn, comp, spec in zip(graph.hidden, noisy.hidden, rec.components, specs, strict=True):
         assert comp.parameters["composition"] == "sequential" and comp.epsilon == pytest.approx(2.5)
         lap, mb = comp.components
         assert (lap.mechanism, lap.parameters["part"], lap.parameters["layer"]) == ("laplace", "activations", h.name)
@@ -591,7 +591,7 @@ def test_perturb_model_weights_releases_every_layer(arch):
     assert rec.parameters["parallel_over"] == "neurons"
     assert [c.parameters["layer"] for c in rec.components] == [s.name for s in specs]
     assert specs[-1].is_output and rec.epsilon == 3.0 and rec.delta == 1e-5
-    for c, s in zip(rec.components, specs):
+    for c, s in zip(rec.components, specs, strict=True):
         assert c.mechanism == "gaussian" and c.parameters["shape"] == (s.units, s.fan_in + 1)
         assert c.parameters["clip_norm"] == M.DEFAULT_CLIP_NORM
         assert c.parameters["entry_bound"] == pytest.approx(M.default_entry_bound(s.fan_in))

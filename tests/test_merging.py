@@ -57,19 +57,19 @@ def _model_mu(c_s):
 
 def _lc_mu(lam, hyper=HYPER):
     """Surrogate μ of θ_λ: per step Δ = 2 Σ λ_i η C_i, s = sqrt(Σ (λ_i η σ_i C_i)²), T identical steps."""
-    sens = 2 * sum(l * LR * c for l, (c, s) in zip(lam, hyper))
-    std = math.sqrt(sum((l * LR * s * c) ** 2 for l, (c, s) in zip(lam, hyper)))
+    sens = 2 * sum(l * LR * c for l, (c, s) in zip(lam, hyper, strict=True))
+    std = math.sqrt(sum((l * LR * s * c) ** 2 for l, (c, s) in zip(lam, hyper, strict=True)))
     return math.sqrt(T) * sens / std
 
 
 def _composition_mu(lam, hyper=HYPER):
     """μ of releasing every model with λ_i > 0: sqrt(Σ μ_i²)."""
-    return math.sqrt(sum(_model_mu(h) ** 2 for l, h in zip(lam, hyper) if l > 0))
+    return math.sqrt(sum(_model_mu(h) ** 2 for l, h in zip(lam, hyper, strict=True) if l > 0))
 
 
 def _rs_pld_delta(pi, eps):
     """Full-batch Gaussian models are symmetric, so the RS hockey-stick bound is Σ π_i δ_i(ε)."""
-    return sum(p * _gdp_delta(_model_mu(h), eps) for p, h in zip(pi, HYPER))
+    return sum(p * _gdp_delta(_model_mu(h), eps) for p, h in zip(pi, HYPER, strict=True))
 
 
 def _rs_rdp_epsilon(pi, delta):
@@ -298,7 +298,7 @@ def test_lc_of_subsampled_models_is_charged_by_composition():
     acc = rdp_privacy_accountant.RdpAccountant(list(DEFAULT_ORDERS))
     from dp_accounting import dp_event
 
-    for (c, s), l in zip(HYPER, merged.choice.weights):
+    for (c, s), l in zip(HYPER, merged.choice.weights, strict=True):
         if l > 0:
             acc.compose(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(s)), T)
     # dp-accounting's Poisson event is add-remove; these models are replace-one, whose RDP is larger
@@ -315,4 +315,4 @@ def test_combine_checks_weights_and_shapes():
     lam = [0.2, 0.3, 0.5]
     out = combine(arrays, lam)
     for k in out:
-        np.testing.assert_allclose(out[k], sum(l * a[k] for l, a in zip(lam, arrays)), rtol=1e-6)
+        np.testing.assert_allclose(out[k], sum(l * a[k] for l, a in zip(lam, arrays, strict=True)), rtol=1e-6)

@@ -66,7 +66,7 @@ def test_features_are_the_owners_noisy_graph_on_the_callers_probe_set(sites):
         graph, epsilon_x=1.5, epsilon_w=0.5, activation_clip=(0.0, 4.0), randomness=make_randomness(11).spawn()
     )
     have = graph_from_release(got.architecture, got.metadata, got.arrays)
-    for h_have, h_want in zip(have.hidden, want.hidden):
+    for h_have, h_want in zip(have.hidden, want.hidden, strict=True):
         np.testing.assert_array_equal(h_have.activations, h_want.activations)
         np.testing.assert_array_equal(h_have.incoming, h_want.incoming)
         np.testing.assert_array_equal(h_have.bias, h_want.bias)

@@ -160,7 +160,9 @@ def test_the_site_answers_in_plain_values_and_the_codec_makes_the_message(tmp_pa
         tensors, meta = codec.features_tensors(release.graph, release.weights)
         arrays = dict(tensors)
         back = codec.graph_from_release(ARCH, meta, arrays)
-        assert all(np.array_equal(a.activations, b.activations) for a, b in zip(back.hidden, release.graph.hidden))
+        assert all(
+            np.array_equal(a.activations, b.activations) for a, b in zip(back.hidden, release.graph.hidden, strict=True)
+        )
         weights = codec.weights_from_release(ARCH, arrays)
         assert weights.keys() == release.weights.keys() and meta["weights"] == sorted(f"weights.{k}" for k in weights)
         del arrays["weights.2.bias"]
@@ -184,7 +186,7 @@ def test_the_pipeline_recovers_a_permuted_copy_exactly_and_fuses_it_back_to_itse
 
     aligned, alignment = pipeline.align(ARCH, g_own, g_theirs, theirs)
     assert [p.dtype for p in alignment.permutations] == [np.int64, np.int64]
-    assert all(np.array_equal(p, np.argsort(qq)) for p, qq in zip(alignment.permutations, q))
+    assert all(np.array_equal(p, np.argsort(qq)) for p, qq in zip(alignment.permutations, q, strict=True))
     assert all(np.array_equal(aligned[k], own[k]) for k in own)
     assert alignment.objective == pytest.approx(float(alignment.match.objective))
     # match first, weights later (a round's ldp step): the same alignment

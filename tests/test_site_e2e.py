@@ -77,7 +77,7 @@ def parallel(*commands: tuple[str, ...], timeout: float = 180) -> list[str]:
         for c in commands
     ]
     outs = []
-    for c, p in zip(commands, procs):
+    for c, p in zip(commands, procs, strict=True):
         out, err = p.communicate(timeout=timeout)
         if p.returncode != 0:
             raise AssertionError(f"privfusion {' '.join(c)} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}")
@@ -330,7 +330,7 @@ def test_own_csv_to_a_round_an_adopted_fused_model_and_its_scores(tmp_path):
         assert [(e["release_id"], str(e["entry_id"])) for e in entries] == [
             (c["release_id"], c["entry_id"]) for c in charged
         ]
-        for e, c in zip(entries, charged):
+        for e, c in zip(entries, charged, strict=True):
             assert (e["counterparty"], e["level"], e["mechanism"], e["epsilon"], e["delta"]) == (
                 "st-anne",
                 c["level"],

@@ -195,7 +195,7 @@ def test_imputation_uses_training_statistics_and_is_recorded(tmp_path):
 
 
 def test_integer_labels_are_classes_in_numeric_order(tmp_path):
-    rows = [[*r[:3], lab] for r, lab in zip(ROWS, ["10", "2", "10", "2", "2.0", "10"])]
+    rows = [[*r[:3], lab] for r, lab in zip(ROWS, ["10", "2", "10", "2", "2.0", "10"], strict=True)]
     t = read_table(write_csv(tmp_path / "r.csv", rows), label="outcome")
     p = Preprocessing.fit(t)
     assert p.classes == (2, 10)
@@ -358,7 +358,7 @@ def small_tables(draw):
     cats = draw(st.lists(st.sampled_from(["a", "b", "c d", "é"]), min_size=n, max_size=n))
     labels = draw(st.lists(st.sampled_from(["0", "1", "2"]), min_size=n, max_size=n).filter(lambda v: len(set(v)) >= 2))
     holes = draw(st.lists(st.booleans(), min_size=n, max_size=n))
-    return [[("" if h else repr(x)), c, y] for x, c, y, h in zip(numbers, cats, labels, holes)]
+    return [[("" if h else repr(x)), c, y] for x, c, y, h in zip(numbers, cats, labels, holes, strict=True)]
 
 
 @settings(max_examples=40, deadline=None)

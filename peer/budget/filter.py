@@ -70,6 +70,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -116,7 +117,7 @@ def validate_orders(orders: Sequence[float], field: str = "orders") -> tuple[flo
     for o in out:
         if not (math.isfinite(o) and o > 1.01):
             raise InvalidArgument(field, f"every order must be finite and > 1.01, got {o!r}")
-    if any(b <= a for a, b in zip(out, out[1:])):
+    if any(b <= a for a, b in pairwise(out)):
         raise InvalidArgument(field, "must be strictly increasing")
     return out
 

@@ -574,7 +574,7 @@ def _normalised(cols: tuple[tuple[str, type], ...], values: tuple) -> list:
     if len(values) != len(cols):
         raise ValueError(f"expected {len(cols)} values, got {len(values)}")
     out = []
-    for (_, kind), v in zip(cols, values):
+    for (_, kind), v in zip(cols, values, strict=True):
         if kind is float:
             v = float(v) + 0.0  # −0.0 → 0.0, as SQLite stores it
         out.append(kind(v))
@@ -947,7 +947,7 @@ class Ledger:
                 f" VALUES ({', '.join('?' * (len(_CHARGE_COLS) + 2))})",
                 (*charge_row, prev_hash, h),
             )
-            for (key, budget, count, rdp1, pure1), row in zip(updates, budget_rows):
+            for (key, budget, count, rdp1, pure1), row in zip(updates, budget_rows, strict=True):
                 con.execute("INSERT INTO charge_budgets VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (seq, *row))
                 con.execute(
                     "INSERT INTO totals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (budget) DO UPDATE SET"
@@ -1005,7 +1005,7 @@ class Ledger:
                 f"{list(kinds)} names the parts of a sequential composite of {len(kinds)} releases; "
                 f"the record is a {charged.mechanism!r} with {len(charged.components)} components",
             )
-        return [(k, c.epsilon) for k, c in zip(kinds, charged.components)]
+        return [(k, c.epsilon) for k, c in zip(kinds, charged.components, strict=True)]
 
     def _check_pool(self, con: sqlite3.Connection, it: _Interpreted) -> None:
         if not it.models:
@@ -1299,7 +1299,7 @@ class Ledger:
             sql, args = sql + " WHERE release_id = ?", (release_id,)
         with self._read() as con:
             return [
-                dict(zip(("id", "release_id", "at", "kind", "detail"), r))
+                dict(zip(("id", "release_id", "at", "kind", "detail"), r, strict=True))
                 for r in con.execute(sql + " ORDER BY id", args)
             ]
 

@@ -255,10 +255,10 @@ def account(
         and "expected_accuracy" not in out
         and method == "rs"
     ):
-        out["expected_accuracy"] = sum(w * a for w, a in zip(weights, accuracies))
+        out["expected_accuracy"] = sum(w * a for w, a in zip(weights, accuracies, strict=True))
     out["weights"] = [float(w) for w in weights]
     out["epsilon"] = eps.to_dict()
-    out["per_model"] = [{"name": n, "epsilon": e.to_dict()} for n, e in zip(names, singles)]
+    out["per_model"] = [{"name": n, "epsilon": e.to_dict()} for n, e in zip(names, singles, strict=True)]
     return out
 
 
@@ -297,7 +297,7 @@ def run(args) -> int:
     name_width = max(5, *(len(n) for n in result["names"]))
     print(f"{result['method'].upper()} merge, unit: one record ({result['adjacency']}), delta = {result['delta']:g}")
     print(f"{'model':<{name_width}}  {'weight':>8}  {'eps (PLD)':>10}  {'eps (RDP)':>10}")
-    for name, w, single in zip(result["names"], result["weights"], result["per_model"]):
+    for name, w, single in zip(result["names"], result["weights"], result["per_model"], strict=True):
         e = single["epsilon"]
         print(f"{name:<{name_width}}  {w:>8.4f}  {_fmt(e['pld']):>10}  {_fmt(e['rdp']):>10}")
     e = result["epsilon"]

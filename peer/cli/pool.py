@@ -166,7 +166,7 @@ def _train_records(args: argparse.Namespace) -> int:
             progress=step,
         )
     summary = []
-    for name, model in zip(names, models):
+    for name, model in zip(names, models, strict=True):
         module = model_from_arrays(model.architecture, model.arrays)
         val = accuracy(model.architecture, module, records.x_val, records.y_val)
         save_trained(directory, name, model, accuracy=val, data=records.description, preprocessing=prep)
@@ -221,7 +221,7 @@ def _train(args: argparse.Namespace) -> int:
         delta=args.delta,
     )
     summary = []
-    for name, model in zip(names, models):
+    for name, model in zip(names, models, strict=True):
         module = model_from_arrays(model.architecture, model.arrays)
         val = accuracy(model.architecture, module, splits.x_val, splits.y_val)
         test = accuracy(model.architecture, module, splits.x_test, splits.y_test)

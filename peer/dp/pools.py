@@ -183,7 +183,7 @@ def pool_validation(pool: Sequence[PoolModel]) -> tuple[np.ndarray, np.ndarray]:
     entry, which must be the same for every model)."""
     described = [m.metadata.get("data") for m in pool]
     if any(d is None for d in described):
-        missing = [m.name for m, d in zip(pool, described) if d is None]
+        missing = [m.name for m, d in zip(pool, described, strict=True) if d is None]
         raise InvalidArgument(
             "validation",
             f"models {missing} do not say which data they were trained on; give a validation file (x, y held out from the protected data)",

@@ -253,7 +253,7 @@ def _noise_seed(cfg: FusionConfig, unit_index: int, epsilon_index: int) -> int:
 
 def _agreement(p, q) -> float:
     """Fraction of hidden nodes that two alignments map the same way."""
-    same = sum(int(np.sum(np.asarray(x) == np.asarray(y))) for x, y in zip(p, q))
+    same = sum(int(np.sum(np.asarray(x) == np.asarray(y))) for x, y in zip(p, q, strict=True))
     return same / sum(len(x) for x in p)
 
 

@@ -241,7 +241,7 @@ def mean_estimation(s: Settings) -> dict:
                 "mse_standard_error": float(np.sqrt(2.0 / s.mean_replicas) * m),
                 "max_gradient_norm": float(np.max(np.abs(data))),
             }
-            for t, e, m, c, b, v in zip(trainings, singles, mse, closed, bias, var)
+            for t, e, m, c, b, v in zip(trainings, singles, mse, closed, bias, var, strict=True)
         ],
         "curves": curves,
         "findings": _mean_findings(curves),
@@ -352,7 +352,7 @@ def digits_logreg(s: Settings) -> dict:
     # One real release of each kind through peer.dp.merging (records as a peer would send them).
     pool = [
         PoolModel(f"dpsgd-{i}", arch, a, t, m.dataset_size)
-        for i, (a, t, m) in enumerate(zip(arrays, trainings, trained))
+        for i, (a, t, m) in enumerate(zip(arrays, trainings, trained, strict=True))
     ]
     example_target = float(np.sqrt(lo * max(e.pld for e in singles)))
     rs_release = merge_rs(pool, val, example_target, s.delta, randomness=make_randomness(s.seed))
@@ -374,7 +374,7 @@ def digits_logreg(s: Settings) -> dict:
                 "validation_accuracy": v,
                 "test_accuracy": t,
             }
-            for (c, sigma), e, v, t in zip(s.digits_models, singles, val, test)
+            for (c, sigma), e, v, t in zip(s.digits_models, singles, val, test, strict=True)
         ],
         **_lc_labels(trainings),
         "curves": curves,

@@ -30,7 +30,7 @@ def check_permutations(arch: Mapping[str, Any], permutations: Sequence[np.ndarra
     if len(permutations) != len(sizes):
         raise InvalidArgument("permutations", f"need one per hidden layer ({len(sizes)}), got {len(permutations)}")
     out = []
-    for i, (p, n) in enumerate(zip(permutations, sizes)):
+    for i, (p, n) in enumerate(zip(permutations, sizes, strict=True)):
         p = np.asarray(p)
         if p.shape != (n,) or not np.issubdtype(p.dtype, np.integer) or not np.array_equal(np.sort(p), np.arange(n)):
             raise InvalidArgument(f"permutations[{i}]", f"must be a permutation of 0..{n - 1}")
@@ -94,7 +94,9 @@ def average_arrays(models: Sequence[Mapping[str, np.ndarray]], weights: Sequence
     for m in models[1:]:
         _check_same_shapes(models[0], m)
     return {
-        k: sum(float(wi) * np.asarray(m[k], dtype=np.float64) for wi, m in zip(w, models)).astype(np.float32)
+        k: sum(float(wi) * np.asarray(m[k], dtype=np.float64) for wi, m in zip(w, models, strict=True)).astype(
+            np.float32
+        )
         for k in models[0]
     }
 
@@ -110,7 +112,8 @@ def fuse_many(
     if len(models) != len(permutations_to_reference):
         raise InvalidArgument("permutations_to_reference", "need one entry per model")
     aligned = [dict(models[0])] + [
-        dict(m) if p is None else permute_arrays(arch, m, p) for m, p in zip(models[1:], permutations_to_reference[1:])
+        dict(m) if p is None else permute_arrays(arch, m, p)
+        for m, p in zip(models[1:], permutations_to_reference[1:], strict=True)
     ]
     return average_arrays(aligned, weights)
 

@@ -532,7 +532,7 @@ def save_release(
         sink.start(
             [
                 wire.TensorSpec(n, a.dtype.newbyteorder("<"), a.shape, a.nbytes, d)
-                for (n, a), (_, d) in zip(release.arrays.items(), release.receipt.tensors)
+                for (n, a), (_, d) in zip(release.arrays.items(), release.receipt.tensors, strict=True)
             ],
             {
                 "privfusion_signer": release.receipt.signer,

@@ -529,7 +529,7 @@ def release_frames(
     total = manifest.total_bytes
     yield pb.ReleaseFrame(receipt=receipt_to_proto(receipt))
     yield pb.ReleaseFrame(manifest=message)
-    for (_, array), header in zip(tensors, headers):
+    for (_, array), header in zip(tensors, headers, strict=True):
         raw = raw_bytes(array)
         yield pb.ReleaseFrame(tensor=header)
         for start in range(0, raw.nbytes, chunk_bytes):
@@ -582,7 +582,7 @@ class ReleaseReader:
                 f"announces {len(manifest.tensors)} tensors (count {manifest.tensor_count}); the receipt lists {len(receipt.tensors)}",
             )
         specs, total = [], 0
-        for i, (h, (name, sha)) in enumerate(zip(manifest.tensors, receipt.tensors)):
+        for i, (h, (name, sha)) in enumerate(zip(manifest.tensors, receipt.tensors, strict=True)):
             if h.name != name or bytes(h.sha256) != sha:
                 raise InvalidArgument(
                     f"manifest.tensors[{i}]", f"does not match the receipt's tensor {i} ({name!r} and its checksum)"

@@ -160,7 +160,7 @@ def _layout(a: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         widths = [a["input_dim"], *a["hidden"]]
     else:
         c_in = a["input_shape"][0]
-        for c, p in zip(a["channels"], a["pool"]):
+        for c, p in zip(a["channels"], a["pool"], strict=True):
             out += [("conv", (c_in, c, a["kernel_size"])), ("act", ())]
             if p > 1:
                 out.append(("pool", (p,)))
@@ -289,13 +289,13 @@ def weight_modules(arch: Mapping[str, Any], model: nn.Module) -> list[tuple[Weig
             found.append((name, mod))
     if len(found) != len(layers):
         raise InvalidArgument("model", f"has {len(found)} weight layers, the architecture describes {len(layers)}")
-    for layer, (name, mod) in zip(layers, found):
+    for layer, (name, mod) in zip(layers, found, strict=True):
         if name != layer.name or tuple(mod.weight.shape) != layer.weight_shape:
             raise InvalidArgument(
                 f"model[{name}]",
                 f"has weight {tuple(mod.weight.shape)}, the architecture has layer {layer.name!r} with weight {layer.weight_shape}",
             )
-    return [(layer, mod) for layer, (_, mod) in zip(layers, found)]
+    return [(layer, mod) for layer, (_, mod) in zip(layers, found, strict=True)]
 
 
 def input_tensor(arch: Mapping[str, Any], x: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -167,7 +167,7 @@ def check_lc_models(models: Sequence, adjacency: str | None) -> tuple[list[Train
 
 def _check_full_batch(records: Sequence[TrainingRecord]) -> None:
     for i, m in enumerate(records):
-        for t_start, (step, count) in zip(np.cumsum([0] + [n for _, n in m.runs]), m.runs):
+        for t_start, (step, count) in zip(np.cumsum([0] + [n for _, n in m.runs])[:-1], m.runs, strict=True):
             if step.sample_rate != 1.0:
                 raise InvalidArgument(
                     f"models[{i}].steps[{int(t_start)}].sample_rate",
@@ -270,7 +270,7 @@ def _group_ratios(counts: np.ndarray, mu_s: np.ndarray, max_groups: int) -> tupl
     values, inverse = np.unique(mu_s[keep], return_inverse=True)
     totals = np.bincount(inverse, weights=counts[keep]).astype(np.int64) if values.size else np.zeros(0, np.int64)
     if values.size <= max_groups:
-        return [(float(v), int(n)) for v, n in zip(values, totals)], None
+        return [(float(v), int(n)) for v, n in zip(values, totals, strict=True)], None
     blocks = _split_blocks(values, totals, max_groups)
     groups = [(float(values[j]), int(totals[i : j + 1].sum())) for i, j in blocks]
     exact = math.sqrt(float(np.dot(totals, values**2)))

@@ -263,7 +263,7 @@ def compose_plds(plds: Sequence[PLD], value_discretization_interval: float) -> P
 
 def mixture_pld(plds: Sequence[PLD], weights: Sequence[float]) -> PLD:
     """Σ_i w_i · PLD_i, direction by direction (the RS hockey-stick bound; module docstring)."""
-    pairs = [(p, float(w)) for p, w in zip(plds, weights) if w > 0]
+    pairs = [(p, float(w)) for p, w in zip(plds, weights, strict=True) if w > 0]
     if not pairs:
         raise InvalidArgument("pi", "must put positive weight on some model")
     mixed, total = pairs[0]

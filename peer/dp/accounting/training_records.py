@@ -85,7 +85,7 @@ class GaussianStep:
             raise InvalidArgument("noise_multiplier", f"must be >= 0, got {self.noise_multiplier!r}")
         if not 0 < q <= 1:
             raise InvalidArgument("sample_rate", f"must be in (0, 1], got {self.sample_rate!r}")
-        for name, v in zip(_STEP_FIELDS, (lr, clip, sigma, q)):
+        for name, v in zip(_STEP_FIELDS, (lr, clip, sigma, q), strict=True):
             object.__setattr__(self, name, v)
 
     def to_dict(self) -> dict:

@@ -65,7 +65,7 @@ class Affinity:
         self.activation_mean: list[float] = []
         self._activation: list[np.ndarray] = []
         self._activation_factors: list[tuple[np.ndarray, np.ndarray]] = []
-        for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden)):
+        for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden, strict=True)):
             if options.activation_sigma is not None:
                 sigma = options.activation_sigma
             elif options.activation_bandwidth == "spread":
@@ -184,7 +184,7 @@ class Affinity:
         if self._unary is None:
             raise InvalidArgument("affinity", "was built without its factorised operator")
         cost = _Cost() if cost is None else cost
-        out = [d * x for d, x in zip(self._unary, v)]
+        out = [d * x for d, x in zip(self._unary, v, strict=True)]
         for ell, b in enumerate(self.hidden_blocks, start=1):
             if not b.terms:
                 continue
@@ -201,7 +201,7 @@ class Affinity:
     def to_layers(self, vec: np.ndarray) -> list[np.ndarray]:
         """Split a vector in the stacked pygmtools layout into per-layer [i, j] matrices."""
         vec = np.asarray(vec)
-        return [vec[o : o + n * n].reshape(n, n).T for o, n in zip(self.offsets, self.sizes)]
+        return [vec[o : o + n * n].reshape(n, n).T for o, n in zip(self.offsets, self.sizes, strict=True)]
 
     def from_layers(self, layers: Sequence[np.ndarray]) -> np.ndarray:
         """Stack per-layer [i, j] matrices into one vector in the pygmtools layout (vec column-major)."""

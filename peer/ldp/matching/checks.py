@@ -44,7 +44,7 @@ def _check_graphs(graph_a, graph_b) -> None:
         raise InvalidArgument("graph_b.input_size", f"is {graph_b.input_size}, graph_a's is {graph_a.input_size}")
     n_prev = graph_a.input_size
     probes = np.asarray(graph_a.hidden[0].activations).shape[1]
-    for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden)):
+    for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden, strict=True)):
         if ha.kind != hb.kind:
             raise InvalidArgument(f"graph_b.hidden[{ell}].kind", f"is {hb.kind!r}, graph_a's is {ha.kind!r}")
         for gname, h in (("graph_a", ha), ("graph_b", hb)):

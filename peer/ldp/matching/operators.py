@@ -225,7 +225,7 @@ class _Stacked:
         return _Stacked(self.phi, self.psi, not self.transposed)
 
     def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
-        for phi_g, psi_g in zip(self.phi, self.psi):
+        for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
             n, r, m = phi_g.shape
             phi = phi_g.reshape(n * r, m)
             psi = psi_g.reshape(n, r * m)

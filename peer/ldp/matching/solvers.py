@@ -56,14 +56,14 @@ def _power_iteration_factorised(aff: Affinity, product_threads: int):
         w = aff.apply(v, cost)
         if shift is None:
             shift = 0.5 * _norm(w) / _norm(v)
-        for x, y in zip(w, v):
+        for x, y in zip(w, v, strict=True):
             x.add_(y, alpha=shift)
         norm = _norm(w)
         if not norm > 0:
             break
         for x in w:
             x.div_(norm)
-        residual = math.sqrt(sum(float(torch.dist(x, y)) ** 2 for x, y in zip(w, v)))
+        residual = math.sqrt(sum(float(torch.dist(x, y)) ** 2 for x, y in zip(w, v, strict=True)))
         v = w
         if residual < opts.tol:
             converged = True
