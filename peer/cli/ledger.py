@@ -6,8 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from peer.base.errors import NotFound
+
+if TYPE_CHECKING:  # for annotations only: the commands import the ledger when they run
+    from peer.budget.ledger import Ledger
+    from peer.budget.policy import Policy
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

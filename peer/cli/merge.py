@@ -20,8 +20,12 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from peer.base.errors import InvalidArgument
+
+if TYPE_CHECKING:  # for annotations only: the merge code (torch) is imported when a command runs
+    from peer.dp.merging import MergedModel
 
 
 @dataclass(frozen=True)
