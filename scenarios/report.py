@@ -107,9 +107,9 @@ def summary_table(report: dict) -> str:
                 r["notes"],
             ]
         )
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines])
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
 
 # ------------------------------------------------------------------------------------- plots
@@ -125,7 +125,7 @@ def plot_accuracy(report: dict, path: Path) -> None:
         ("fused, DP merges", "merged"),
         ("ORACLE: exact-feature matching (non-private)", "oracle"),
     ]
-    series = [(l, k) for l, k in series if any(r[k] is not None for r in rows)]
+    series = [(label, k) for label, k in series if any(r[k] is not None for r in rows)]
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(rows)), 4))
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):
@@ -206,7 +206,7 @@ def plot_frontier(report: dict, path: Path) -> None:
     merged = next((p for p in report["plan"] if p["method"] == "merged"), None)
     if merged is not None:
         eps_m = report["scenario"]["round"]["merge_epsilon"]
-        for i, (name, s) in enumerate(sites.items()):
+        for i, s in enumerate(sites.values()):
             a = s["rounds"][merged["label"]]["accuracy"]
             if a is not None:
                 right.scatter([eps_m], [a], marker="o", color=f"C{i}", edgecolor="k")
@@ -232,14 +232,16 @@ def plot_budget(report: dict, path: Path) -> None:
     a.bar([x - 0.2 for x in xs], [r["model_eps"] for r in rows], 0.4, label="filter (RDP, adaptive-valid)")
     a.bar([x + 0.2 for x in xs], [r["model_eps_sum"] for r in rows], 0.4, label="Σε (basic composition)")
     limits = [spent(report["ledgers"][n], "model")["epsilon_limit"] for n in names]
-    a.scatter(xs, [l if l is not None else float("nan") for l in limits], marker="_", s=400, color="k", label="limit")
+    a.scatter(
+        xs, [lim if lim is not None else float("nan") for lim in limits], marker="_", s=400, color="k", label="limit"
+    )
     a.set_xticks(list(xs), names)
     a.set_title("model level (per neuron, model total)")
     a.set_ylabel("ε spent (from each site's ledger)")
     a.legend(fontsize=7)
     b.bar(list(xs), [r["data_eps"] for r in rows], 0.5, color="C2")
     dl = [spent(report["ledgers"][n], "data")["epsilon_limit"] for n in names]
-    b.scatter(xs, [l if l is not None else float("nan") for l in dl], marker="_", s=400, color="k")
+    b.scatter(xs, [lim if lim is not None else float("nan") for lim in dl], marker="_", s=400, color="k")
     b.set_xticks(list(xs), names)
     b.set_ylim(bottom=0)
     b.set_title("data level (per training record)")

@@ -587,7 +587,7 @@ def run_sites(world: World, progress: Progress) -> dict:
                 f.write_text(round_toml(sc, s, label, method, scale, roster.resolve()), encoding="utf-8")
                 files.append(f)
             rounds[s.name] = RoundProcess(s, files, on_event)
-        progress(f"every site started its rounds ({', '.join(l for l, _, _ in world.plan)}) at once")
+        progress(f"every site started its rounds ({', '.join(label for label, _, _ in world.plan)}) at once")
 
         if sc.failure is not None:
             victim = sc.failure.site
@@ -694,7 +694,7 @@ def evaluate(world: World) -> dict[str, dict]:
                 "released_epsilon_per_peer": released_epsilon(world.scenario, scale) if method == "ldp" else None,
                 "methods": {p: v["method"] for p, v in r["peers"].items() if v["state"] == "contributed"},
             }
-        main = next((rounds[l] for l, m, sc in world.plan if m == "ldp" and sc == 1.0), None)
+        main = next((rounds[label] for label, m, sc in world.plan if m == "ldp" and sc == 1.0), None)
         contributors = (
             main["contributors"] if main and main.get("contributors") else [n for n in world.sites if n != name]
         )
@@ -796,7 +796,7 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     world.timings["total_s"] = time.monotonic() - started
     report = {
         "scenario": sc.to_dict(),
-        "plan": [{"label": l, "method": m, "scale": s} for l, m, s in world.plan],
+        "plan": [{"label": label, "method": m, "scale": s} for label, m, s in world.plan],
         "sites": evaluation,
         "ledgers": ledgers,
         "reconciliation": reconcile(world, evaluation, ledgers),

@@ -317,27 +317,27 @@ def main(config_path: str, out_path: str) -> int:
     # ---- the layouts of section 5, checked against PeerInfo's layers
     _, fm, ft, _ = kept["features"]
     meta = json.loads(fm.metadata_json)
-    hidden = [l for l in layers if l.hidden]
-    assert [l["name"] for l in meta["layers"]] == [l.name for l in hidden]
+    hidden = [layer for layer in layers if layer.hidden]
+    assert [layer["name"] for layer in meta["layers"]] == [layer.name for layer in hidden]
     want = []
-    for l in hidden:
-        want += [f"hidden.{l.name}.activations", f"hidden.{l.name}.incoming", f"hidden.{l.name}.bias"]
+    for layer in hidden:
+        want += [f"hidden.{layer.name}.activations", f"hidden.{layer.name}.incoming", f"hidden.{layer.name}.bias"]
     assert [t.name for t in fm.tensors] == [*want, "output.incoming", "output.bias"]
     n_prev = meta["input_size"]
-    for l in hidden:
-        n = l.weight_shape[0]
-        assert array(fm, ft, f"hidden.{l.name}.activations").shape == (n, probe.shape[0])
-        incoming = array(fm, ft, f"hidden.{l.name}.incoming")
-        assert incoming.shape == (n, n_prev, 1) == (n, l.weight_shape[1], 1)  # Linear -> Linear: e = 1
-        assert array(fm, ft, f"hidden.{l.name}.bias").shape == (n,)
+    for layer in hidden:
+        n = layer.weight_shape[0]
+        assert array(fm, ft, f"hidden.{layer.name}.activations").shape == (n, probe.shape[0])
+        incoming = array(fm, ft, f"hidden.{layer.name}.incoming")
+        assert incoming.shape == (n, n_prev, 1) == (n, layer.weight_shape[1], 1)  # Linear -> Linear: e = 1
+        assert array(fm, ft, f"hidden.{layer.name}.bias").shape == (n,)
         n_prev = n
     assert array(fm, ft, "output.incoming").shape == (layers[-1].weight_shape[0], n_prev, 1)
     _, wm, wt, _ = kept["weights"]
     names = [t.name for t in wm.tensors]
-    assert names == sorted(names) == sorted(f"{l.name}.{p}" for l in layers for p in ("weight", "bias"))
-    for l in layers:
-        assert array(wm, wt, f"{l.name}.weight").shape == tuple(l.weight_shape)
-        assert array(wm, wt, f"{l.name}.bias").shape == tuple(l.bias_shape)
+    assert names == sorted(names) == sorted(f"{layer.name}.{p}" for layer in layers for p in ("weight", "bias"))
+    for layer in layers:
+        assert array(wm, wt, f"{layer.name}.weight").shape == tuple(layer.weight_shape)
+        assert array(wm, wt, f"{layer.name}.bias").shape == tuple(layer.bias_shape)
     _, mm, mt, _ = kept["merged"]
     arch = json.loads(mm.architecture_json)
     names = [t.name for t in mm.tensors]

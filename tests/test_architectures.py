@@ -48,16 +48,16 @@ ARCHS = [
 def test_weight_layers_describe_the_built_model(arch):
     layers = weight_layers(arch)
     built = [(name, m) for name, m in build_model(arch).named_children() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    assert [l.name for l in layers] == [name for name, _ in built]
+    assert [layer.name for layer in layers] == [name for name, _ in built]
     for layer, (_, mod) in zip(layers, built, strict=True):
         assert layer.kind == ("conv" if isinstance(mod, nn.Conv2d) else "linear")
         assert layer.weight_shape == tuple(mod.weight.shape)
         assert layer.fan_in == math.prod(mod.weight.shape[1:])
         assert layer.units == mod.weight.shape[0]
-    assert [l.is_output for l in layers] == [False] * (len(layers) - 1) + [True]
+    assert [layer.is_output for layer in layers] == [False] * (len(layers) - 1) + [True]
     # every layer's inputs are the previous layer's units (the first: input features/channels)
     first = arch["input_shape"][0] if arch["kind"] == "cnn" else arch["input_dim"]
-    assert [l.inputs for l in layers] == [first] + [l.units for l in layers[:-1]]
+    assert [layer.inputs for layer in layers] == [first] + [layer.units for layer in layers[:-1]]
     assert hidden_sizes(arch) == arch.get("channels", []) + arch["hidden"]
 
 
@@ -75,7 +75,9 @@ def test_weight_modules_pairs_layers_with_modules_and_refuses_misfits():
     arch = ARCHS[0]
     model = build_model(arch, seed=0)
     pairs = weight_modules(arch, model)
-    assert [(l.name, m) for l, m in pairs] == [(n, m) for n, m in model.named_children() if isinstance(m, nn.Linear)]
+    assert [(layer.name, m) for layer, m in pairs] == [
+        (n, m) for n, m in model.named_children() if isinstance(m, nn.Linear)
+    ]
     wider = nn.Sequential(
         nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 4)
     )

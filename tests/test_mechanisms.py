@@ -322,7 +322,7 @@ def test_multibit_handles_large_epsilon_and_large_inputs():
 )
 def test_multibit_outputs_lie_on_the_three_levels(n, d, eps, lo, width, unit, seed):
     x = np.random.default_rng(seed).uniform(lo - width, lo + 2 * width, size=(n, d))
-    out, rec = M.multibit(x, epsilon=eps, bounds=(lo, lo + width), unit=unit, randomness=rnd(seed))
+    out, _rec = M.multibit(x, epsilon=eps, bounds=(lo, lo + width), unit=unit, randomness=rnd(seed))
     r = M.multibit_rectifier(d, epsilon=eps, bounds=(lo, lo + width), unit=unit)
     assert out.shape == x.shape and np.all(np.isfinite(out))
     assert np.all(np.isin(r.codes(out), (-1, 0, 1)))
@@ -549,7 +549,7 @@ def test_perturb_graph_entry_unit_is_parallel_throughout_and_bounds_per_layer():
     a, graph, _ = small_graph()
     names = [s.name for s in weight_layers(a)]
     wb = {n: (-0.5 - i, 0.5 + i) for i, n in enumerate(names)}
-    noisy, rec = M.perturb_graph(
+    _noisy, rec = M.perturb_graph(
         graph,
         epsilon_x=0.5,
         epsilon_w=2.0,
@@ -684,7 +684,7 @@ def test_bad_input_names_the_field(call, field):
 
 
 def test_whole_model_bad_input():
-    a, graph, _ = small_graph()
+    _a, graph, _ = small_graph()
     for kwargs, field in [
         ({"epsilon_x": 0, "epsilon_w": 1}, "epsilon_x"),
         ({"epsilon_x": 1, "epsilon_w": -1}, "epsilon_w"),

@@ -57,14 +57,14 @@ def _model_mu(c_s):
 
 def _lc_mu(lam, hyper=HYPER):
     """Surrogate μ of θ_λ: per step Δ = 2 Σ λ_i η C_i, s = sqrt(Σ (λ_i η σ_i C_i)²), T identical steps."""
-    sens = 2 * sum(l * LR * c for l, (c, s) in zip(lam, hyper, strict=True))
-    std = math.sqrt(sum((l * LR * s * c) ** 2 for l, (c, s) in zip(lam, hyper, strict=True)))
+    sens = 2 * sum(lam_i * LR * c for lam_i, (c, s) in zip(lam, hyper, strict=True))
+    std = math.sqrt(sum((lam_i * LR * s * c) ** 2 for lam_i, (c, s) in zip(lam, hyper, strict=True)))
     return math.sqrt(T) * sens / std
 
 
 def _composition_mu(lam, hyper=HYPER):
     """μ of releasing every model with λ_i > 0: sqrt(Σ μ_i²)."""
-    return math.sqrt(sum(_model_mu(h) ** 2 for l, h in zip(lam, hyper, strict=True) if l > 0))
+    return math.sqrt(sum(_model_mu(h) ** 2 for lam_i, h in zip(lam, hyper, strict=True) if lam_i > 0))
 
 
 def _rs_pld_delta(pi, eps):
@@ -181,7 +181,7 @@ def test_lc_surrogate_combination_is_the_weighted_sum_meets_and_saturates():
     lam = np.asarray(merged.choice.weights)
     assert lam.sum() == pytest.approx(1.0) and np.all(lam >= 0)
     for k in merged.arrays:
-        expected = sum(l * pool[i].arrays[k].astype(np.float64) for i, l in enumerate(lam))
+        expected = sum(lam_i * pool[i].arrays[k].astype(np.float64) for i, lam_i in enumerate(lam))
         np.testing.assert_allclose(merged.arrays[k], expected, rtol=1e-6, atol=1e-7)
     e = _gdp_epsilon(_lc_mu(lam), DELTA)
     assert e <= target * (1 + 1e-6) and e >= target * (1 - 1e-3)
@@ -197,7 +197,7 @@ def test_lc_is_charged_the_composition_of_the_models_it_combines():
     merged = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
     lam = np.asarray(merged.choice.weights)
     for k in merged.arrays:
-        expected = sum(l * pool[i].arrays[k].astype(np.float64) for i, l in enumerate(lam))
+        expected = sum(lam_i * pool[i].arrays[k].astype(np.float64) for i, lam_i in enumerate(lam))
         np.testing.assert_allclose(merged.arrays[k], expected, rtol=1e-6, atol=1e-7)
     # model 0 alone already exceeds the target: it can take no weight
     assert lam[0] == 0.0 and merged.choice.bound == "composition"
@@ -298,8 +298,8 @@ def test_lc_of_subsampled_models_is_charged_by_composition():
     acc = rdp_privacy_accountant.RdpAccountant(list(DEFAULT_ORDERS))
     from dp_accounting import dp_event
 
-    for (c, s), l in zip(HYPER, merged.choice.weights, strict=True):
-        if l > 0:
+    for (_c, s), lam_i in zip(HYPER, merged.choice.weights, strict=True):
+        if lam_i > 0:
             acc.compose(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(s)), T)
     # dp-accounting's Poisson event is add-remove; these models are replace-one, whose RDP is larger
     assert merged.record.parameters["epsilon_rdp"] >= acc.get_epsilon(DELTA)
@@ -315,4 +315,4 @@ def test_combine_checks_weights_and_shapes():
     lam = [0.2, 0.3, 0.5]
     out = combine(arrays, lam)
     for k in out:
-        np.testing.assert_allclose(out[k], sum(l * a[k] for l, a in zip(lam, arrays, strict=True)), rtol=1e-6)
+        np.testing.assert_allclose(out[k], sum(lam_i * a[k] for lam_i, a in zip(lam, arrays, strict=True)), rtol=1e-6)

@@ -105,7 +105,7 @@ def test_saved_release_loads_from_the_store_and_its_receipt_verifies_offline(sit
     a, b = sites
     with running(a) as (_, address), client(b, address) as c:
         got = c.weights("mlp", epsilon=2.0, delta=1e-5)
-    tensors, doc = save_release(got, tmp_path / "out" / "mlp-a")
+    _tensors, _doc = save_release(got, tmp_path / "out" / "mlp-a")
     stored = load_model(tmp_path / "out", "mlp-a")
     for k, v in got.arrays.items():
         np.testing.assert_array_equal(stored.arrays[k], v)

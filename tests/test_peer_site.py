@@ -138,13 +138,13 @@ def test_the_site_answers_in_plain_values_and_the_codec_makes_the_message(tmp_pa
             type(v).__module__.startswith("privfusion") for v in vars(info).values()
         )
         [m] = info.models
-        assert m.hidden_sizes == (16, 12) and [l.hidden for l in m.layers] == [True, True, False]
+        assert m.hidden_sizes == (16, 12) and [layer.hidden for layer in m.layers] == [True, True, False]
         assert m.layers[0].weight_shape == (16, 64) and m.parameter_count == sum(
             a.size for a in model_arrays().values()
         )
         message = codec.peer_info_message(info)
         assert isinstance(message, pb.PeerInfo) and message.name == "site-a" and message.protocol
-        assert [list(l.weight_shape) for l in message.models[0].layers] == [[16, 64], [12, 16], [10, 12]]
+        assert [list(layer.weight_shape) for layer in message.models[0].layers] == [[16, 64], [12, 16], [10, 12]]
         assert message.mechanisms[-1].startswith("randomness:fixed-seed") and not message.has_probe_set
         # a features release with weights: one record for both parts, tensors in the codec's names
         probe = np.random.default_rng(0).random((20, 64))

@@ -151,7 +151,7 @@ def test_unpinning_an_open_connection_is_unauthenticated_and_pinning_needs_no_re
 
 
 def test_client_refuses_a_server_that_is_not_the_pinned_one(two_sites, tmp_path):
-    a, b = two_sites
+    _a, b = two_sites
     impostor = make_site(tmp_path, "impostor")
     # the impostor has its own key but is dialled where b expects site-a
     pin(impostor, b)

@@ -99,13 +99,15 @@ def test_peer_info_lists_every_layer_with_its_shapes_before_any_charged_call(sav
     *_, info = saved
     [m] = info.models
     arrays = model_arrays()
-    layers = [(l.name, l.kind, list(l.weight_shape), list(l.bias_shape), l.hidden) for l in m.layers]
+    layers = [
+        (layer.name, layer.kind, list(layer.weight_shape), list(layer.bias_shape), layer.hidden) for layer in m.layers
+    ]
     assert layers == [
         (n, "linear", list(arrays[f"{n}.weight"].shape), list(arrays[f"{n}.bias"].shape), n != "4")
         for n in ("0", "2", "4")
     ]
-    assert [l.weight_shape[0] for l in m.layers if l.hidden] == list(m.hidden_sizes) == ARCH["hidden"]
-    assert np.sum([np.prod(l.weight_shape) + np.prod(l.bias_shape) for l in m.layers]) == m.parameter_count
+    assert [layer.weight_shape[0] for layer in m.layers if layer.hidden] == list(m.hidden_sizes) == ARCH["hidden"]
+    assert np.sum([np.prod(layer.weight_shape) + np.prod(layer.bias_shape) for layer in m.layers]) == m.parameter_count
 
 
 def test_a_saved_fused_release_verifies_with_its_upstream_receipts(tmp_path):

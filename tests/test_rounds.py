@@ -339,7 +339,7 @@ def test_rounds_run_at_every_site_at_once(tmp_path, trained):
 def round_with_a_dead_peer(tmp_path, trained, quorum: int):
     """hospital-a's round over b and d, whose daemon is not running (nothing listens there)."""
     sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-d"])
-    a, b, d = sites
+    a, b, _d = sites
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
         roster = roster_for(
             tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b, "hospital-d": f"127.0.0.1:{free_port()}"}
@@ -399,7 +399,7 @@ def round_losing_a_peer(tmp_path, trained, quorum: int):
 
 
 def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_path, trained):
-    result, (a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=2)
+    result, (_a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=2)
     r = result.report
     assert result.status == "fused" and r["contributors"] == ["hospital-b"]
     dropped = r["peers"]["hospital-c"]
@@ -414,7 +414,7 @@ def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_pa
 
 
 def test_quorum_lost_mid_round_aborts_and_keeps_what_was_charged(tmp_path, trained):
-    result, (a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=3)
+    result, (_a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=3)
     assert result.status == "aborted" and "quorum 3" in result.reason
     assert result.arrays is None and not (tmp_path / "out" / "models").exists()
     # b may have released features (and weights, if it got there first); whatever it released
@@ -429,7 +429,7 @@ def test_a_refusal_drops_the_peer_and_the_earlier_release_stays_charged(tmp_path
     sites, _ = build(
         tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"], policies={"hospital-b": policy(per_peer=1050.0)}
     )
-    a, b, c = sites
+    a, b, _c = sites
     with contextlib.ExitStack() as stack:
         addresses = {s.name: stack.enter_context(running(s))[1] for s in sites}
         result = run_round(load_local_site(a.config, "mlp"), roster_for(tmp_path, sites, addresses), config(tmp_path))
@@ -481,7 +481,7 @@ def add_pool(site, trained, data_epsilon: float) -> None:
     from peer.dp.pools import save_trained
     from peer.dp.training import train_pool
 
-    _, probe, ds = trained
+    _, _probe, ds = trained
     trainings = [TrainingRecord.constant("add-remove", 10, 1.0, 1.0, nm, 1.0) for nm in (3.0, 6.0)]
     for i, m in enumerate(
         train_pool(

@@ -179,7 +179,7 @@ def test_tiny_simulation_end_to_end(tmp_path):
     assert rec["mechanism"] == "composite"
     table = summary_table(report)
     assert "oracle (non-private)" in table and "site-b" in table
-    assert any("daemon serving" in l for l in lines) and any("fused with" in l for l in lines)
+    assert any("daemon serving" in line for line in lines) and any("fused with" in line for line in lines)
     assert "ORACLE (non-private)" in (out / "report.md").read_text()
 
 

@@ -302,7 +302,7 @@ def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path
     with pytest.raises(InvalidArgument, match="holds no model"):
         evaluate(str(tmp_path / "got" / "features-b"), test, "readmitted_30d", site=str(a.root))
 
-    path, adopted = adopt_model(a.root, release, "readmission-b")
+    _path, adopted = adopt_model(a.root, release, "readmission-b")
     assert adopted["kind"] == "release" and adopted["signer"] == "site-b" and adopted["verified"]
     assert (adopted["level"], adopted["epsilon"], adopted["delta"]) == ("model", 4.0, 1e-5)
     provenance = json.loads((a.root / "models" / "readmission-b.provenance.json").read_text())
@@ -374,7 +374,7 @@ def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preproce
     )
     scored = evaluate(str(merged), str(tmp_path / "test.csv"), "readmitted_30d", site=str(a.root))
     assert scored["kind"] == "merge" and "pool 'dpsgd'" in scored["preprocessing"]
-    path, adopted = adopt_model(a.root, merged, "readmission-merged")
+    _path, adopted = adopt_model(a.root, merged, "readmission-merged")
     assert adopted["kind"] == "merge" and adopted["mechanism"] == "rs-merge" and adopted["level"] == "data"
     assert "pool 'dpsgd'" in adopted["preprocessing_from"]
     assert load_model(a.root / "models", "readmission-merged").preprocessing == records.preprocessing
@@ -394,9 +394,11 @@ def test_every_command_of_the_site_guide_parses(capsys):
     text = Path(__file__).resolve().parent.parent.joinpath("docs", "deployment.md").read_text()
     guide = text[text.index("## 1. At every site") : text.index("## 4.")]
     lines = [
-        l.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", guide, re.S) for l in block.splitlines()
+        line.split("#")[0].strip()
+        for block in re.findall(r"```bash\n(.*?)```", guide, re.S)
+        for line in block.splitlines()
     ]
-    commands = [l for l in lines if l.startswith("privfusion ")]
+    commands = [line for line in lines if line.startswith("privfusion ")]
     assert len(commands) >= 12
     parser = build_parser()
     for c in commands:

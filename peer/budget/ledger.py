@@ -947,7 +947,7 @@ class Ledger:
                 f" VALUES ({', '.join('?' * (len(_CHARGE_COLS) + 2))})",
                 (*charge_row, prev_hash, h),
             )
-            for (key, budget, count, rdp1, pure1), row in zip(updates, budget_rows, strict=True):
+            for (key, _budget, count, rdp1, pure1), row in zip(updates, budget_rows, strict=True):
                 con.execute("INSERT INTO charge_budgets VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (seq, *row))
                 con.execute(
                     "INSERT INTO totals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (budget) DO UPDATE SET"

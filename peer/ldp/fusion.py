@@ -179,29 +179,30 @@ def weight_matching(
         w3 = w.reshape(w.shape[0], layer.inputs, layer.entries_per_input)
         return w3 if perm_prev is None else w3[:, perm_prev, :]
 
-    def score(l):
-        prev = perms[l - 1] if l > 0 else None
-        wa, wb = in_blocks(A, l, None), in_blocks(B, l, prev)
+    def score(ell):
+        prev = perms[ell - 1] if ell > 0 else None
+        wa, wb = in_blocks(A, ell, None), in_blocks(B, ell, prev)
         s = wa.reshape(wa.shape[0], -1) @ wb.reshape(wb.shape[0], -1).T
-        s += np.outer(A[f"{layers[l].name}.bias"], B[f"{layers[l].name}.bias"])
-        na, nb = in_blocks(A, l + 1, None), in_blocks(B, l + 1, None)
-        if l + 1 < len(sizes):
-            nb = nb[perms[l + 1]]
+        s += np.outer(A[f"{layers[ell].name}.bias"], B[f"{layers[ell].name}.bias"])
+        na, nb = in_blocks(A, ell + 1, None), in_blocks(B, ell + 1, None)
+        if ell + 1 < len(sizes):
+            nb = nb[perms[ell + 1]]
         # outgoing: columns (input nodes) of the next layer
         s += np.einsum("oie,oje->ij", na, nb)
         return s
 
     converged = False
     sweeps = 0
-    for sweeps in range(1, max_sweeps + 1):
+    # the loop variable is the result: the number of sweeps run (B007 sees it unused in the body)
+    for sweeps in range(1, max_sweeps + 1):  # noqa: B007
         changed = False
-        for l in rng.permutation(len(sizes)):
-            s = score(l)
+        for ell in rng.permutation(len(sizes)):
+            s = score(ell)
             _, col = linear_sum_assignment(s, maximize=True)
-            if not np.array_equal(col, perms[l]):
-                gain = s[np.arange(len(col)), col].sum() - s[np.arange(len(col)), perms[l]].sum()
+            if not np.array_equal(col, perms[ell]):
+                gain = s[np.arange(len(col)), col].sum() - s[np.arange(len(col)), perms[ell]].sum()
                 if gain > 1e-12:
-                    perms[l] = col
+                    perms[ell] = col
                     changed = True
         if not changed:
             converged = True

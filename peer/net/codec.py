@@ -57,7 +57,7 @@ def graph_from_release(
 ) -> NetworkGraph:
     """Rebuild a graph sent by :func:`graph_tensors` (checks names and shapes)."""
     try:
-        layers = [(str(l["name"]), str(l["kind"])) for l in metadata["layers"]]
+        layers = [(str(layer["name"]), str(layer["kind"])) for layer in metadata["layers"]]
         input_size = int(metadata["input_size"])
         hidden = tuple(
             HiddenLayer(
@@ -150,13 +150,13 @@ def peer_info_message(info: SiteInfo) -> pb.PeerInfo:
             hidden_sizes=list(m.hidden_sizes),
             layers=[
                 pb.LayerInfo(
-                    name=l.name,
-                    kind=l.kind,
-                    weight_shape=list(l.weight_shape),
-                    bias_shape=list(l.bias_shape),
-                    hidden=l.hidden,
+                    name=layer.name,
+                    kind=layer.kind,
+                    weight_shape=list(layer.weight_shape),
+                    bias_shape=list(layer.bias_shape),
+                    hidden=layer.hidden,
                 )
-                for l in m.layers
+                for layer in m.layers
             ],
         )
         for m in info.models

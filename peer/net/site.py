@@ -629,13 +629,13 @@ class Site:
                 hidden_sizes=tuple(hidden_sizes(m.architecture)),
                 layers=tuple(
                     LayerInfo(
-                        name=l.name,
-                        kind=l.kind,
-                        weight_shape=tuple(m.arrays[f"{l.name}.weight"].shape),
-                        bias_shape=tuple(m.arrays[f"{l.name}.bias"].shape),
+                        name=layer.name,
+                        kind=layer.kind,
+                        weight_shape=tuple(m.arrays[f"{layer.name}.weight"].shape),
+                        bias_shape=tuple(m.arrays[f"{layer.name}.bias"].shape),
                         hidden=i < len(layers) - 1,
                     )
-                    for i, l in enumerate(layers)
+                    for i, layer in enumerate(layers)
                 ),
             )
 

@@ -120,7 +120,7 @@ def extract_graph(arch: Mapping[str, Any], model: nn.Sequential, probe_x: np.nda
     acts: dict[str, np.ndarray] = {}
     children = list(model.named_children())
     h = x
-    for i, (name, mod) in enumerate(children):
+    for i, (_name, mod) in enumerate(children):
         h = mod(h)
         if isinstance(mod, tuple(ACTIVATIONS.values())):
             # the weight layer just before this activation

@@ -167,7 +167,7 @@ def check_lc_models(models: Sequence, adjacency: str | None) -> tuple[list[Train
 
 def _check_full_batch(records: Sequence[TrainingRecord]) -> None:
     for i, m in enumerate(records):
-        for t_start, (step, count) in zip(np.cumsum([0] + [n for _, n in m.runs])[:-1], m.runs, strict=True):
+        for t_start, (step, _count) in zip(np.cumsum([0] + [n for _, n in m.runs])[:-1], m.runs, strict=True):
             if step.sample_rate != 1.0:
                 raise InvalidArgument(
                     f"models[{i}].steps[{int(t_start)}].sample_rate",

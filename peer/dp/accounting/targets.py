@@ -190,7 +190,7 @@ def _rs_lp(coeffs: np.ndarray, utilities: np.ndarray, bound: float) -> np.ndarra
     load = scaled @ pi
     if np.all(load <= 1.0):
         return pi
-    t_min, pi_min = _rs_min_t(coeffs, bound)
+    _t_min, pi_min = _rs_min_t(coeffs, bound)
     load_min = scaled @ pi_min
     if np.any(load_min >= 1.0):
         return None

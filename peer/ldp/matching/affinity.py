@@ -229,7 +229,7 @@ class Affinity:
             )
         opts = self.options
         diagonals = []
-        for ell, n in enumerate(self.sizes):
+        for ell, _n in enumerate(self.sizes):
             d = self._activation[ell] * opts.activation_weight
             if opts.edge_weight > 0:
                 if ell == 0:

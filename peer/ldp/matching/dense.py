@@ -63,7 +63,8 @@ def power_iteration_dense(k: np.ndarray, options: MatchOptions):
     diag = np.arange(m)
     k[diag, diag] += shift
     converged, it, residual = False, 0, float("inf")
-    for it in range(1, opts.max_iter + 1):
+    # the loop variable is the result: the number of iterations run (B007 sees it unused in the body)
+    for it in range(1, opts.max_iter + 1):  # noqa: B007
         x = pygmtools.sm(k, n1max=m, n2max=1, x0=v.reshape(1, m, 1), max_iter=1, backend="numpy")
         w = np.asarray(x).reshape(m)
         residual = float(np.linalg.norm(w - v))

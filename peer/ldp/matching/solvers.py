@@ -51,7 +51,8 @@ def _power_iteration_factorised(aff: Affinity, product_threads: int):
     v = [torch.full((n, n), 1.0 / aff.pairs, dtype=aff.dtype) for n in aff.sizes]
     shift = opts.shift
     converged, it, residual, norm, cost = False, 0, float("inf"), 0.0, _Cost()
-    for it in range(1, opts.max_iter + 1):
+    # the loop variable is the result: the number of iterations run (B007 sees it unused in the body)
+    for it in range(1, opts.max_iter + 1):  # noqa: B007
         cost = _Cost(product_threads)
         w = aff.apply(v, cost)
         if shift is None:
