@@ -179,7 +179,7 @@ def test_lc_mu_invariants(weights):
 
 def test_lc_refusals():
     for fn in (lc_epsilon, lc_surrogate_epsilon):
-        with pytest.raises(InvalidArgument, match="no free lunch|No free lunch") as e:
+        with pytest.raises(InvalidArgument, match=r"no free lunch|No free lunch") as e:
             fn([HETERO[0], ApproxDP(1.0, 1e-6, "replace-one")], [0.5, 0.5], 1e-5)
         assert e.value.field == "models[1]"
         with pytest.raises(InvalidArgument, match="mix adjacencies"):

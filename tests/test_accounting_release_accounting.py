@@ -163,7 +163,7 @@ def test_dpsgd_record():
     np.testing.assert_allclose(rdp_of_record(r), acc.rdp, rtol=1e-9)
     back = ReleaseRecord.from_json(r.canonical_json())
     assert pld_of_record(back, 1e-3).get_epsilon_for_delta(1e-5) == pytest.approx(r.epsilon)
-    with pytest.raises(InvalidArgument, match="training.adjacency"):
+    with pytest.raises(InvalidArgument, match=r"training\.adjacency"):
         rdp_of_record(r.with_(unit="record:replace-one"))
 
 

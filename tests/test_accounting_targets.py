@@ -203,5 +203,5 @@ def test_target_input_errors(profiles):
         choose_pi(profiles, ACC, -1.0, 1e-5, value_discretization_interval=INTERVAL)
     with pytest.raises(InvalidArgument, match="accountant"):
         choose_pi(profiles, ACC, 3.0, 1e-5, accountant="moments", value_discretization_interval=INTERVAL)
-    with pytest.raises(InvalidArgument, match="No free lunch|no free lunch"):
+    with pytest.raises(InvalidArgument, match=r"No free lunch|no free lunch"):
         choose_lam([*POOL[:2], ApproxDP(1.0, 1e-06, "add-remove")], ACC, 3.0, 1e-5)

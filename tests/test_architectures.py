@@ -86,7 +86,7 @@ def test_weight_modules_pairs_layers_with_modules_and_refuses_misfits():
     shorter = nn.Sequential(nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 4))
     with pytest.raises(InvalidArgument, match="has 2 weight layers, the architecture describes 4"):
         weight_modules(arch, shorter)
-    with pytest.raises(InvalidArgument, match="architecture.hidden"):
+    with pytest.raises(InvalidArgument, match=r"architecture\.hidden"):
         weight_layers({**arch, "hidden": [6, -1]})
 
 

@@ -95,7 +95,7 @@ def test_model_rejects_bad_weights_and_architectures():
     arrays["2.bias"][0] = np.nan
     with pytest.raises(InvalidArgument, match="NaN"):
         model_from_arrays(MLP, arrays)
-    with pytest.raises(InvalidArgument, match="architecture.kind"):
+    with pytest.raises(InvalidArgument, match=r"architecture\.kind"):
         validate_architecture({"kind": "transformer"})
     with pytest.raises(InvalidArgument, match=r"architecture.pool\[1\]"):
         validate_architecture({**CNN, "pool": [2, 3]})

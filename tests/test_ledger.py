@@ -821,7 +821,7 @@ def test_policy_other_errors():
         Policy.from_mapping({"orders": [1.0, 2.0]})
     with pytest.raises(PolicyError, match="strictly increasing"):
         Policy.from_mapping({"orders": [4.0, 2.0]})
-    with pytest.raises(PolicyError, match="policy.unknown"):
+    with pytest.raises(PolicyError, match=r"policy\.unknown"):
         Policy.from_mapping({"unknown": 1})
     p = Policy.from_mapping({"caps": {"fuse": 1.0}, "peers": {"a": {"allow": ["fuse"]}}})
     with pytest.raises(InvalidArgument, match="cap"):
@@ -951,7 +951,7 @@ def test_merges_from_one_pool_compose_only_when_sound(tmp_path):
     ledger.charge(rs(pool1, [0.5, 0.5, 0.0]), "b")
     ledger.charge(dpsgd_record(pool1["pool1/m2"], 1e-5, subject="pool1/m2"), "c")
     # An LC merge sharing a model with an earlier release does not.
-    with pytest.raises(FailedPrecondition, match="LC merge cannot share models.*pool1/m0"):
+    with pytest.raises(FailedPrecondition, match=r"LC merge cannot share models.*pool1/m0"):
         ledger.charge(lc(pool1, [0.5, 0.25, 0.25]), "a")
     ledger.charge(lc(pool2, [0.5, 0.5]), "a")  # disjoint models: independent, fine
     with pytest.raises(FailedPrecondition, match="earlier LC merge"):

@@ -228,7 +228,7 @@ def test_a_schema_1_ledger_is_refused_with_the_reason(pristine, tmp_path):
     copy = tmp_path / "v1.db"
     shutil.copy(pristine, copy)
     tamper(copy, "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    with pytest.raises(FailedPrecondition, match="schema version 1.*not migrated.*start a new ledger"):
+    with pytest.raises(FailedPrecondition, match=r"schema version 1.*not migrated.*start a new ledger"):
         Ledger(copy, policy())
 
 

@@ -623,7 +623,7 @@ def test_bad_options_are_named(field, value):
 
 
 def test_both_weights_zero_is_refused():
-    with pytest.raises(InvalidArgument, match="options.edge_weight"):
+    with pytest.raises(InvalidArgument, match=r"options\.edge_weight"):
         MatchOptions(activation_weight=0.0, edge_weight=0.0)
 
 

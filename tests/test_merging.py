@@ -281,7 +281,7 @@ def test_unreachable_by_pld_names_the_most_private_model(method):
 def test_lc_refuses_epsilon_delta_only_models_and_mixed_sizes_under_the_surrogate():
     pool = _pool()
     pool[1] = PoolModel("approx", ARCH, pool[1].arrays, ApproxDP(1.0, 1e-6, "replace-one"))
-    with pytest.raises(InvalidArgument, match="(?i)no free lunch"):
+    with pytest.raises(InvalidArgument, match=r"(?i)no free lunch"):
         merge_lc(pool, lambda a: 0.0, 5.0, DELTA)
     with pytest.raises(InvalidArgument, match="dataset size"):
         merge_lc(_pool(sizes=[500, 500, 400], declared=True), lambda a: 0.0, 5.0, DELTA)

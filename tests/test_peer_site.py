@@ -117,10 +117,10 @@ def test_the_probe_set_loader_names_the_problem(tmp_path):
     from safetensors.numpy import save_file
 
     save_file({"y": np.zeros((2, 3))}, str(tmp_path / "p.safetensors"))
-    with pytest.raises(InvalidArgument, match="site.probe: .* must hold the probe inputs as tensor 'x'"):
+    with pytest.raises(InvalidArgument, match=r"site\.probe: .* must hold the probe inputs as tensor 'x'"):
         site.load_probe(tmp_path / "p.safetensors")
     save_file({"x": np.array([[0.0, np.nan]])}, str(tmp_path / "p.safetensors"))
-    with pytest.raises(InvalidArgument, match="site.probe: contains NaN"):
+    with pytest.raises(InvalidArgument, match=r"site\.probe: contains NaN"):
         site.load_probe(tmp_path / "p.safetensors")
     save_file({"x": np.ones((2, 3))}, str(tmp_path / "p.safetensors"))
     assert site.load_probe(tmp_path / "p.safetensors").shape == (2, 3)

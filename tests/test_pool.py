@@ -39,7 +39,7 @@ def test_pool_round_trip_and_record_consistency(tmp_path):
     manifest = json.loads((tmp_path / "m1.json").read_text())
     manifest["metadata"]["training"] = trainings[0].to_dict()
     (tmp_path / "m1.json").write_text(json.dumps(manifest))
-    with pytest.raises(InvalidArgument, match="m1.metadata.record"):
+    with pytest.raises(InvalidArgument, match=r"m1\.metadata\.record"):
         load_pool(tmp_path)
 
 

@@ -302,7 +302,7 @@ def test_pool_train_declares_n_as_the_training_records(site, files, capsys):
         assert m.dataset_size == 192 and m.metadata["record"]["parameters"]["dataset_size"] == 192
         assert m.metadata["data"]["training_rows"] == 192 and m.metadata["data"]["file"] == "private.csv"
     # the held-out part of protected records never judges merges
-    with pytest.raises(InvalidArgument, match="own records.*probe make"):
+    with pytest.raises(InvalidArgument, match=r"own records.*probe make"):
         pool_validation(pool)
 
 
@@ -456,7 +456,7 @@ def test_scenario_data_from_a_csv_is_split_and_prepared(tmp_path):
     (tmp_path / "both.toml").write_text(
         SCENARIO.format(csv="data/recs.csv").replace("[data]\n", '[data]\ndataset = "digits"\n')
     )
-    with pytest.raises(InvalidArgument, match="data.dataset.*not both"):
+    with pytest.raises(InvalidArgument, match=r"data\.dataset.*not both"):
         load_scenario(tmp_path / "both.toml")
 
 

@@ -190,7 +190,7 @@ def test_imputation_uses_training_statistics_and_is_recorded(tmp_path):
     assert json.loads(json.dumps(p.to_dict()))["columns"][2]["fill"] == pytest.approx(bp.mean())
     # a preprocessing fitted without imputation refuses the same file
     strict = Preprocessing.fit(read_table(write_csv(tmp_path / "s.csv"), label="outcome"))
-    with pytest.raises(InvalidArgument, match="column .ward., data row 5.*fitted without imputation"):
+    with pytest.raises(InvalidArgument, match=r"column .ward., data row 5.*fitted without imputation"):
         strict.transform(t)
 
 
@@ -233,7 +233,7 @@ def test_npz_records_and_image_shape(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.random((20, 1, 4, 4)).astype(np.float32)
     np.savez(tmp_path / "img.npz", x=x, target=np.arange(20) % 3)
-    with pytest.raises(InvalidArgument, match="no array 'y'.*\\['target', 'x'\\]"):
+    with pytest.raises(InvalidArgument, match=r"no array 'y'.*\['target', 'x'\]"):
         read_table(tmp_path / "img.npz", label="y")
     t = read_table(tmp_path / "img.npz", label="target")
     assert t.features[:2] == ("x0", "x1") and len(t.features) == 16 and t.input_shape == (1, 4, 4)
@@ -367,7 +367,7 @@ def test_prepared_training_records_are_standardised_and_one_hot(tmp_path_factory
     path = write_csv(tmp_path_factory.mktemp("h") / "r.csv", rows, ["x", "c", "y"])
     present = [r for r in rows if r[0] != ""]
     if not present:
-        with pytest.raises(InvalidArgument, match="no values|empty or missing"):
+        with pytest.raises(InvalidArgument, match=r"no values|empty or missing"):
             Preprocessing.fit(read_table(path, label="y", missing="impute"))
         return
     p = Preprocessing.fit(read_table(path, label="y", missing="impute"))

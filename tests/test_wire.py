@@ -83,11 +83,11 @@ def test_chunks_oversize_overrun_truncated_and_corrupted_are_refused():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     h, *chunks = wire.tensor_messages("p", a)
     r = wire.TensorReceiver(h, "probe")
-    with pytest.raises(InvalidArgument, match="chunk.data.*exceeds"):
+    with pytest.raises(InvalidArgument, match=r"chunk\.data.*exceeds"):
         r.add(tpb.TensorChunk(data=b"\0" * (wire.MAX_CHUNK_BYTES + 1)))
-    with pytest.raises(InvalidArgument, match="chunk.data.*overruns"):
+    with pytest.raises(InvalidArgument, match=r"chunk\.data.*overruns"):
         r.add(tpb.TensorChunk(data=b"\0" * 25))
-    with pytest.raises(InvalidArgument, match="chunk.data.*empty"):
+    with pytest.raises(InvalidArgument, match=r"chunk\.data.*empty"):
         r.add(tpb.TensorChunk(data=b""))
     r.add(tpb.TensorChunk(data=chunks[0].data[:10]))
     with pytest.raises(InvalidArgument, match="truncated"):
@@ -142,11 +142,11 @@ def test_receipts_bind_record_entry_tensor_digests_and_manifest(signer, tmp_path
         replace(r, tensors=(digests[1], digests[0])),
         replace(r, manifest_sha256=bytes(32)),
     ):
-        with pytest.raises(InvalidArgument, match="receipt.signature"):
+        with pytest.raises(InvalidArgument, match=r"receipt\.signature"):
             verify_receipt(forged, signer.cert_pem)
-    with pytest.raises(InvalidArgument, match="receipt.signature"):
+    with pytest.raises(InvalidArgument, match=r"receipt\.signature"):
         verify_receipt(r, other.cert_pem)
-    with pytest.raises(InvalidArgument, match="receipt.signer"):
+    with pytest.raises(InvalidArgument, match=r"receipt\.signer"):
         verify_receipt(r, signer.cert_pem, expected_signer="site-o")
     # every part of the manifest is signed: another kind, model, architecture or metadata text,
     # dtype, shape, or another upstream receipt is refused
@@ -161,7 +161,7 @@ def test_receipts_bind_record_entry_tensor_digests_and_manifest(signer, tmp_path
         with pytest.raises(InvalidArgument, match="manifest"):
             verify_receipt(r, signer.cert_pem, manifest=other_manifest)
     retyped = replace(m, tensors=(replace(m.tensors[0], dtype=tpb.DTYPE_INT32), *m.tensors[1:]))
-    with pytest.raises(InvalidArgument, match="^manifest: "):
+    with pytest.raises(InvalidArgument, match=r"^manifest: "):
         verify_receipt(r, signer.cert_pem, manifest=retyped)
 
 
