@@ -66,7 +66,7 @@ def test_rs_bound_is_sound_against_exact_mixture_divergence():
     models = [TrainingRecord.constant("add-remove", 1, 0.1, 1.0, sigma) for sigma in s]
     for eps in (0.5, 2.0):
 
-        def hockey(x, sign):
+        def hockey(x, sign, eps=eps):
             p = sum(w * stats.norm.pdf(x, 0 if sign > 0 else 1, sd) for w, sd in zip(pi, s, strict=True))
             q = sum(w * stats.norm.pdf(x, 1 if sign > 0 else 0, sd) for w, sd in zip(pi, s, strict=True))
             return max(p - math.exp(eps) * q, 0.0)

@@ -467,7 +467,7 @@ def test_filter_lowers_the_error_on_trained_weights(trained_digits_mlp, unit, ep
     gains = []
     for spec, comp in zip(weight_layers(arch), rec.components, strict=True):
 
-        def rows(a):
+        def rows(a, spec=spec):
             return np.concatenate(
                 [a[f"{spec.name}.weight"].reshape(spec.units, -1), a[f"{spec.name}.bias"][:, None]], axis=1
             )

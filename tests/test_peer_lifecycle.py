@@ -52,8 +52,11 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
         # that every run sees completions) or a first receipt (a charge made, bytes leaving).
         # Progress is waited for; only the moment of the kill after it is random.
         reached = {"receipt": threading.Event(), "complete": threading.Event()}
+        pause = rng.uniform(0.0, 0.1)
 
-        def work():
+        # This round's objects are bound here: a client thread that outlives its join below must
+        # not pick up the next round's address, stop event or counters.
+        def work(address=address, stop=stop, state=state, reached=reached, pause=pause):
             seen_here = []
 
             def on_receipt(r):
@@ -79,7 +82,6 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
             except PeerError:
                 return
 
-        pause = rng.uniform(0.0, 0.1)
         threads = [threading.Thread(target=work) for _ in range(clients)]
         for t in threads:
             t.start()

@@ -265,7 +265,7 @@ def test_malformed_requests_get_the_fitting_status_naming_the_field_and_never_to
         ch, stub = stub_for(b, a, address)
         for name, msgs, status, field in FEATURE_CASES:
             msgs = _checksum_case() if msgs is None else msgs
-            got, details = call_status(lambda: stub.ReleaseFeatures(iter(msgs), timeout=30))
+            got, details = call_status(lambda msgs=msgs: stub.ReleaseFeatures(iter(msgs), timeout=30))
             assert got == status, f"{name}: {got} {details}"
             assert details.startswith(field) or f"{field}:" in details or f" {field}" in details, f"{name}: {details!r}"
         for kw, status, field in WEIGHT_CASES:
@@ -275,7 +275,7 @@ def test_malformed_requests_get_the_fitting_status_naming_the_field_and_never_to
                     req.header.CopyFrom(v)
                 else:
                     setattr(req, k, v)
-            got, details = call_status(lambda: stub.ReleaseWeights(req, timeout=30))
+            got, details = call_status(lambda req=req: stub.ReleaseWeights(req, timeout=30))
             assert got == status and field in details, f"{kw}: {got} {details}"
         # above gRPC's own message limit: refused by gRPC before any handler runs
         big = [params(), pb.FeaturesRequest(chunk=tpb.TensorChunk(data=bytes(wire.GRPC_MESSAGE_LIMIT + 1)))]

@@ -210,7 +210,7 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
                 arch, b, epsilon=eps, delta=cfg.delta, unit=unit, randomness=randomness.spawn()
             )
             b_pf = permute_arrays(arch, noisy_b, pm.permutations)
-            sweep = _sweep(cfg.alphas, lambda al: acc(fuse_arrays(a, b_pf, al)))
+            sweep = _sweep(cfg.alphas, lambda al, b_pf=b_pf: acc(fuse_arrays(a, b_pf, al)))
             res.alpha_sweep[f"{key}_eps{eps:g}"] = sweep
             getattr(res, key)[f"{eps:g}"] = dict(sweep)[0.5]
             if 0.5 in cfg.alphas:
