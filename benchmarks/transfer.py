@@ -253,7 +253,8 @@ def fetch(identity_dir: str, address: str, out_path: str, release: str, receipt_
 
 def privfusion_round(site_a: Path, site_b: Path, workdir: Path, release: str) -> dict:
     ready = workdir / f"ready-{time.monotonic_ns()}.json"
-    log = open(workdir / "daemon.log", "ab")
+    # closed in the finally below, after the daemon that writes to it has stopped
+    log = open(workdir / "daemon.log", "ab")  # noqa: SIM115
     env = dict(os.environ, PRIVFUSION_LOG_LEVEL="WARNING")
     daemon = subprocess.Popen(
         [
@@ -326,7 +327,8 @@ def same_tensors(got: Path, source: Path) -> bool:
 
     with safe_open(str(got), framework="numpy") as g, safe_open(str(source), framework="numpy") as s:
         return set(g.keys()) == set(s.keys()) and all(
-            np.array_equal(g.get_tensor(k), s.get_tensor(k)) for k in s.keys()
+            np.array_equal(g.get_tensor(k), s.get_tensor(k))
+            for k in s.keys()  # noqa: SIM118 (a safetensors file handle, not a dict: no iteration)
         )
 
 

@@ -108,7 +108,10 @@ def summary_table(report: dict) -> str:
             ]
         )
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
 

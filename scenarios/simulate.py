@@ -443,7 +443,8 @@ class Daemon:
         self.site = site
         self.ready = site.root / "daemon.ready.json"
         self.ready.unlink(missing_ok=True)
-        self.log = open(site.root / "daemon.log", "ab")
+        # held for the daemon's lifetime (its stderr), closed when it is stopped
+        self.log = open(site.root / "daemon.log", "ab")  # noqa: SIM115
         # --simulation: the sites' fixed noise seeds (refused by a production `peer serve`)
         self.proc = subprocess.Popen(
             [
@@ -507,7 +508,8 @@ class RoundProcess:
     def __init__(self, site: SiteWorld, round_files: list[Path], on_event: Callable[[dict], None]):
         self.site = site
         self.events: list[dict] = []
-        self.log = open(site.root / "rounds.log", "ab")
+        # held for the process's lifetime (its stderr), closed when it has ended
+        self.log = open(site.root / "rounds.log", "ab")  # noqa: SIM115
         args = [sys.executable, "-m", "peer.cli", "round", "--config", str(site.config), "--events"]
         for f in round_files:
             args += ["--round", str(f)]

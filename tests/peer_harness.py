@@ -177,7 +177,8 @@ class DaemonProcess:
         self.site = site
         self.ready = site.root / f"ready-{time.monotonic_ns()}.json"
         self.log_path = log_path or site.root / "daemon.log"
-        self.log = open(self.log_path, "ab")
+        # held for the daemon's lifetime (its output), closed when it is stopped
+        self.log = open(self.log_path, "ab")  # noqa: SIM115
         args = [
             sys.executable,
             "-m",

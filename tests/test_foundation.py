@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -39,7 +40,7 @@ def test_record_round_trips_and_is_immutable():
     assert back == r and back.canonical_json() == r.canonical_json()
     with pytest.raises(TypeError):
         r.parameters["clip"] = 5
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.epsilon = 2.0
 
 

@@ -944,8 +944,13 @@ def test_merges_from_one_pool_compose_only_when_sound(tmp_path):
     ledger = open_ledger(tmp_path / "pool.db", make_policy(data=("record:add-remove", 50.0, 1e-5)))
     pool1 = {f"pool1/m{i}": full_batch(s, steps=2) for i, s in enumerate([3.0, 6.0, 12.0])}
     pool2 = {f"pool2/m{i}": full_batch(s, steps=2) for i, s in enumerate([4.0, 8.0])}
-    rs = lambda pool, pi: rs_merge_record(list(pool.values()), pi, 1e-5, names=list(pool), subject="pool")
-    lc = lambda pool, lam: lc_merge_record(list(pool.values()), lam, 1e-5, names=list(pool), subject="pool")
+
+    def rs(pool, pi):
+        return rs_merge_record(list(pool.values()), pi, 1e-5, names=list(pool), subject="pool")
+
+    def lc(pool, lam):
+        return lc_merge_record(list(pool.values()), lam, 1e-5, names=list(pool), subject="pool")
+
     # RS releases (and a single model, RS with one model) sum soundly even on shared models.
     ledger.charge(rs(pool1, [0.2, 0.3, 0.5]), "a")
     ledger.charge(rs(pool1, [0.5, 0.5, 0.0]), "b")

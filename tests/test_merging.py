@@ -108,7 +108,7 @@ def test_rs_meets_and_saturates_the_target_and_prefers_accurate_models():
     # brute force over a fine grid of π: nothing feasible is more useful (to the LP's tolerance)
     best = -1.0
     for a in np.linspace(0, 1, 41):
-        for b in np.linspace(0, 1 - a, int(round((1 - a) * 40)) + 1):
+        for b in np.linspace(0, 1 - a, round((1 - a) * 40) + 1):
             p = [a, b, max(0.0, 1 - a - b)]
             if _rs_pld_delta(p, target) <= DELTA * (1 - 1e-3):
                 best = max(best, float(np.dot(p, UTIL)))

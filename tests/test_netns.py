@@ -149,8 +149,7 @@ def test_sites_in_separate_namespaces_survive_a_cut_link(tmp_path, netns_availab
                 s.config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "{net.address[s.name]}:50051"')
             )
             ready = s.root / "ready.json"
-            log = open(s.root / "daemon.log", "wb")
-            stack.callback(log.close)
+            log = stack.enter_context(open(s.root / "daemon.log", "wb"))
             procs.append(
                 net.run(
                     s.name,

@@ -100,9 +100,12 @@ def test_a_new_site_serves_at_once_and_lists_what_it_cannot_use(tmp_path, caplog
     (site.root / "models" / "archive").mkdir()
     save_model(site.root / "models", "bent", ARCH, model_arrays())
     (site.root / "models" / "bent.json").write_text("{not json")
-    with caplog.at_level("WARNING", logger="privfusion.peer"), running(site) as (_, address):
-        with client(other, address, peer="hospital-a") as c:
-            info = c.info()
+    with (
+        caplog.at_level("WARNING", logger="privfusion.peer"),
+        running(site) as (_, address),
+        client(other, address, peer="hospital-a") as c,
+    ):
+        info = c.info()
     assert [m.name for m in info.models] == ["mlp"] and not info.pools and not info.has_probe_set
     listed = {u.path: u.reason for u in info.unusable}
     assert set(listed) == {
@@ -276,13 +279,12 @@ def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path
     b = _site_with_records_model(tmp_path, "site-b", tmp_path / "b.csv")
     pin_each_other(a, b)
     probe = np.random.default_rng(0).normal(size=(16, load_model(a.root / "models", "readmission").preprocessing.width))
-    with running(b) as (_, address):
-        with PeerClient(a.identity, address, peer="site-b") as c:
-            save_release(c.weights("readmission", epsilon=4.0, delta=1e-5), tmp_path / "got" / "weights-b")
-            save_release(
-                c.features("readmission", probe, activation_epsilon=1.0, weight_epsilon=1.0),
-                tmp_path / "got" / "features-b",
-            )
+    with running(b) as (_, address), PeerClient(a.identity, address, peer="site-b") as c:
+        save_release(c.weights("readmission", epsilon=4.0, delta=1e-5), tmp_path / "got" / "weights-b")
+        save_release(
+            c.features("readmission", probe, activation_epsilon=1.0, weight_epsilon=1.0),
+            tmp_path / "got" / "features-b",
+        )
     release = str(tmp_path / "got" / "weights-b")
     test = str(tmp_path / "test.csv")
 
@@ -405,5 +407,5 @@ def test_every_command_of_the_site_guide_parses(capsys):
         try:
             args = parser.parse_args(shlex.split(c)[1:])
         except SystemExit:
-            raise AssertionError(f"docs/deployment.md: {c!r} does not parse: {capsys.readouterr().err}")
+            raise AssertionError(f"docs/deployment.md: {c!r} does not parse: {capsys.readouterr().err}") from None
         assert callable(args.func), c

@@ -28,7 +28,10 @@ def _fusion(args) -> int:
     from peer.experiments.fusion import FusionConfig, run
 
     cfg = FusionConfig(model=args.model, seed=args.seed, epochs=args.epochs)
-    progress = lambda s: print(f"  {s}", file=sys.stderr, flush=True)
+
+    def progress(s: str) -> None:
+        print(f"  {s}", file=sys.stderr, flush=True)
+
     results = run(cfg, progress)
     if args.json:
         json.dump(results, sys.stdout, indent=2)

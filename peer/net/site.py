@@ -46,6 +46,7 @@ service converts at its edge (``peer.net.codec``) and the site can be driven wit
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -415,10 +416,9 @@ class Site:
             # and the models' privacy profiles (PLD + RDP, kept by peer.dp.accounting for models
             # seen before): an RS request then pays for choosing π, not for T-step compositions
             for pool in self.pools.values():
-                try:
+                # a pool RS cannot account (mixed adjacencies) is skipped here: each request says why
+                with contextlib.suppress(InvalidArgument):
                     rs_profiles([m.privacy for m in pool])
-                except InvalidArgument:
-                    pass  # a pool RS cannot account (mixed adjacencies): each request says why
         self.probe = load_probe(config.probe) if config.probe and config.probe.exists() else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)

@@ -81,7 +81,7 @@ def split_label_skew(y: np.ndarray, *, majority: float = 0.8, seed: int) -> list
     b: list[int] = []
     for c in classes:
         idx = rng.permutation(np.flatnonzero(y == c))
-        k = int(round(len(idx) * (majority if int(c) in lower else 1 - majority)))
+        k = round(len(idx) * (majority if int(c) in lower else 1 - majority))
         a.extend(idx[:k].tolist())
         b.extend(idx[k:].tolist())
     return [np.sort(np.array(a, dtype=np.int64)), np.sort(np.array(b, dtype=np.int64))]

@@ -61,6 +61,7 @@ guarantee. Two consequences:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -181,10 +182,8 @@ def _cells_from_text(values: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         if s.lower() in MISSING_TEXT:
             continue
         text[i] = s
-        try:
+        with contextlib.suppress(ValueError):  # not a number: the text stays
             numbers[i] = float(s)
-        except ValueError:
-            pass
     return text, numbers
 
 

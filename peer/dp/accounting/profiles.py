@@ -23,7 +23,6 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
@@ -80,7 +79,7 @@ class PrivacyProfile:
         )
 
 
-Model = Union[TrainingRecord, ApproxDP, PrivacyProfile]
+Model = TrainingRecord | ApproxDP | PrivacyProfile
 
 
 def model_adjacency(model: Model, field_name: str = "model") -> str:

@@ -47,7 +47,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
-from typing import Union
 
 import numpy as np
 from scipy import optimize
@@ -72,7 +71,7 @@ from peer.dp.accounting.rs import rs_epsilon, rs_profiles
 ACCOUNTANTS = ("pld", "rdp")
 # LC under the composition bound enumerates subsets of the pool (2^k − 1 of them)
 MAX_LC_MODELS = 12
-Utility = Union[Sequence[float], Callable[[np.ndarray], float]]
+Utility = Sequence[float] | Callable[[np.ndarray], float]
 
 
 class UnreachableTarget(InvalidArgument):
@@ -466,10 +465,7 @@ def choose_lam_surrogate(
     accountant = _check_accountant(accountant)
     segments = models if isinstance(models, LCSegments) else lc_segments(models, adjacency=adjacency)
     k = segments.num_models
-    if callable(utility):
-        linear = None
-    else:
-        linear = _check_utilities(utility, k)
+    linear = None if callable(utility) else _check_utilities(utility, k)
     mu_max = lc_mu_for_target(target, delta, accountant, orders)
     lam_private, mu_private = lc_most_private(segments)
 
