@@ -525,7 +525,8 @@ def test_perturb_graph_touches_every_neuron_and_composes(arch):
     assert rec.parameters["parallel_over"] == "neurons"  # layers: other neurons
     assert len(rec.components) == len(graph.hidden) + 1
     assert rec.epsilon == pytest.approx(2.5) and rec.delta == 0 and rec.seed == 8
-    for h, hn, comp, spec in zip(graph.hidden, noisy.hidden, rec.components, specs, strict=True):
+    hidden = len(graph.hidden)  # the hidden layers' components and specs; the output layer's come last
+    for h, hn, comp, spec in zip(graph.hidden, noisy.hidden, rec.components[:hidden], specs[:hidden], strict=True):
         assert comp.parameters["composition"] == "sequential" and comp.epsilon == pytest.approx(2.5)
         lap, mb = comp.components
         assert (lap.mechanism, lap.parameters["part"], lap.parameters["layer"]) == ("laplace", "activations", h.name)

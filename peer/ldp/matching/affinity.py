@@ -201,7 +201,7 @@ class Affinity:
     def to_layers(self, vec: np.ndarray) -> list[np.ndarray]:
         """Split a vector in the stacked pygmtools layout into per-layer [i, j] matrices."""
         vec = np.asarray(vec)
-        return [vec[o : o + n * n].reshape(n, n).T for o, n in zip(self.offsets, self.sizes, strict=True)]
+        return [vec[o : o + n * n].reshape(n, n).T for o, n in zip(self.offsets[:-1], self.sizes, strict=True)]
 
     def from_layers(self, layers: Sequence[np.ndarray]) -> np.ndarray:
         """Stack per-layer [i, j] matrices into one vector in the pygmtools layout (vec column-major)."""
