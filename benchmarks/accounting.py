@@ -39,8 +39,16 @@ sys.path.insert(0, str(ROOT))
 import dp_accounting  # noqa: E402
 from dp_accounting import dp_event, pld, rdp  # noqa: E402
 
-from peer.dp.accounting import (DEFAULT_ORDERS, GaussianStep, TrainingRecord, choose_pi, gdp_epsilon,  # noqa: E402
-                             lc_epsilon, lc_segments, rs_epsilon, rs_profiles)
+from peer.dp.accounting import (  # noqa: E402
+    DEFAULT_ORDERS,
+    GaussianStep,
+    TrainingRecord,
+    choose_pi,
+    gdp_epsilon,
+    lc_epsilon,
+    lc_segments,
+    rs_profiles,
+)
 
 DELTA = 1e-5
 T = 10_000
@@ -60,14 +68,21 @@ def timed(fn, repeat=1):
 
 # ------------------------------------------------------------------------------------------ (a)
 
+
 def rs_ours(interval):
     models = [TrainingRecord.constant("add-remove", T, 0.1, 1.0, s, q) for s, q, _ in POISSON_POOL]
     acc = [a for _, _, a in POISSON_POOL]
     t_profiles, profiles = timed(lambda: rs_profiles(models, value_discretization_interval=interval))
     t_choose, choice = timed(lambda: choose_pi(profiles, acc, RS_TARGET, DELTA, value_discretization_interval=interval))
-    return {"profiles_s": t_profiles, "choose_s": t_choose, "total_s": t_profiles + t_choose,
-            "pi": list(choice.weights), "expected_accuracy": choice.utility,
-            "epsilon_pld": choice.epsilon.pld, "epsilon_rdp": choice.epsilon.rdp}
+    return {
+        "profiles_s": t_profiles,
+        "choose_s": t_choose,
+        "total_s": t_profiles + t_choose,
+        "pi": list(choice.weights),
+        "expected_accuracy": choice.utility,
+        "epsilon_pld": choice.epsilon.pld,
+        "epsilon_rdp": choice.epsilon.rdp,
+    }
 
 
 def rs_dp_accounting(interval):
@@ -92,7 +107,7 @@ def rs_dp_accounting(interval):
             for j in range(len(plds)):
                 if acc[i] <= acc[j] or singles[i] <= RS_TARGET or singles[j] > RS_TARGET:
                     continue
-                lo, hi, found = 0.0, 1.0, None      # weight on the accurate, non-private model i
+                lo, hi, found = 0.0, 1.0, None  # weight on the accurate, non-private model i
                 for _ in range(20):
                     w = 0.5 * (lo + hi)
                     eps = plds[i].compute_mixture(plds[j], w).get_epsilon_for_delta(DELTA)
@@ -108,11 +123,19 @@ def rs_dp_accounting(interval):
     t_build, plds = timed(build)
     t_search, (best, evaluations) = timed(lambda: search(plds))
     pi = [best[1].get(k, 0.0) for k in range(len(POISSON_POOL))]
-    return {"profiles_s": t_build, "choose_s": t_search, "total_s": t_build + t_search, "pi": pi,
-            "expected_accuracy": best[0], "epsilon_pld": best[2], "candidate_evaluations": evaluations}
+    return {
+        "profiles_s": t_build,
+        "choose_s": t_search,
+        "total_s": t_build + t_search,
+        "pi": pi,
+        "expected_accuracy": best[0],
+        "epsilon_pld": best[2],
+        "candidate_evaluations": evaluations,
+    }
 
 
 # ------------------------------------------------------------------------------------------ (b)
+
 
 def lc_pool():
     def schedule(phases):
@@ -135,15 +158,21 @@ LAM = [0.4, 0.2, 0.25, 0.15]
 def lc_ours(models):
     t_all, eps = timed(lambda: lc_epsilon(models, LAM, DELTA))
     t_closed, closed = timed(lambda: gdp_epsilon(lc_segments(models).mu(np.array(LAM)), DELTA), repeat=3)
-    return {"lc_epsilon_s": t_all, "closed_form_s": t_closed, "epsilon_pld": eps.pld, "epsilon_closed_form": closed,
-            "epsilon_rdp": eps.rdp, "notes": list(eps.notes)}
+    return {
+        "lc_epsilon_s": t_all,
+        "closed_form_s": t_closed,
+        "epsilon_pld": eps.pld,
+        "epsilon_closed_form": closed,
+        "epsilon_rdp": eps.rdp,
+        "notes": list(eps.notes),
+    }
 
 
 def lc_dp_accounting(models, per_step_prefix=300):
     seg = lc_segments(models)
     mu_s = seg.step_ratios(np.array(LAM))
     per_step = np.repeat(mu_s, seg.counts.astype(int))
-    sigmas = 1.0 / per_step                                    # noise multiplier of each step's Gaussian
+    sigmas = 1.0 / per_step  # noise multiplier of each step's Gaussian
 
     def pld_prefix():
         a = pld.PLDAccountant(value_discretization_interval=1e-4)
@@ -158,8 +187,12 @@ def lc_dp_accounting(models, per_step_prefix=300):
         return a.get_epsilon(DELTA)
 
     def grouped(kind):
-        a = (pld.PLDAccountant(value_discretization_interval=1e-4) if kind == "pld" else rdp.RdpAccountant(list(DEFAULT_ORDERS)))
-        for m, n in zip(mu_s, seg.counts):
+        a = (
+            pld.PLDAccountant(value_discretization_interval=1e-4)
+            if kind == "pld"
+            else rdp.RdpAccountant(list(DEFAULT_ORDERS))
+        )
+        for m, n in zip(mu_s, seg.counts, strict=True):
             a.compose(dp_event.GaussianDpEvent(float(1 / m)), int(n))
         return a.get_epsilon(DELTA)
 
@@ -167,43 +200,112 @@ def lc_dp_accounting(models, per_step_prefix=300):
     t_rdp, eps_rdp = timed(rdp_all)
     t_gpld, eps_gpld = timed(lambda: grouped("pld"))
     t_grdp, eps_grdp = timed(lambda: grouped("rdp"))
-    return {"pld_per_step_s_extrapolated": t_prefix * len(sigmas) / per_step_prefix, "pld_per_step_prefix": per_step_prefix,
-            "rdp_per_step_s": t_rdp, "epsilon_rdp_per_step": eps_rdp,
-            "pld_grouped_s": t_gpld, "epsilon_pld_grouped": eps_gpld, "rdp_grouped_s": t_grdp,
-            "epsilon_rdp_grouped": eps_grdp, "steps": int(len(sigmas)), "distinct_steps": int(mu_s.size)}
+    return {
+        "pld_per_step_s_extrapolated": t_prefix * len(sigmas) / per_step_prefix,
+        "pld_per_step_prefix": per_step_prefix,
+        "rdp_per_step_s": t_rdp,
+        "epsilon_rdp_per_step": eps_rdp,
+        "pld_grouped_s": t_gpld,
+        "epsilon_pld_grouped": eps_gpld,
+        "rdp_grouped_s": t_grdp,
+        "epsilon_rdp_grouped": eps_grdp,
+        "steps": len(sigmas),
+        "distinct_steps": int(mu_s.size),
+    }
 
 
 def main() -> int:
-    results = {"machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "python": platform.python_version(),
-                           "dp_accounting": getattr(dp_accounting, "__version__", "0.6.0")},
-               "delta": DELTA, "rs": {}, "lc": {}}
+    results = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "python": platform.python_version(),
+            "dp_accounting": getattr(dp_accounting, "__version__", "0.6.0"),
+        },
+        "delta": DELTA,
+        "rs": {},
+        "lc": {},
+    }
     rows = []
     for interval in (1e-4, 1e-3):
         ours, theirs = rs_ours(interval), rs_dp_accounting(interval)
         results["rs"][f"{interval:g}"] = {"ours": ours, "dp_accounting": theirs, "target_epsilon": RS_TARGET}
-        rows.append((f"(a) choose pi, 5x Poisson T=10k, interval {interval:g}: total", ours["total_s"], theirs["total_s"],
-                     f"{ours['epsilon_pld']:.4f} / acc {ours['expected_accuracy']:.4f}",
-                     f"{theirs['epsilon_pld']:.4f} / acc {theirs['expected_accuracy']:.4f}"))
-        rows.append((f"    profiles (per-model PLD{' + RDP' if True else ''})", ours["profiles_s"], theirs["profiles_s"], "", ""))
-        rows.append((f"    search given profiles ({theirs['candidate_evaluations']} mixtures for dp-acc.)",
-                     ours["choose_s"], theirs["choose_s"], "", ""))
+        rows.append(
+            (
+                f"(a) choose pi, 5x Poisson T=10k, interval {interval:g}: total",
+                ours["total_s"],
+                theirs["total_s"],
+                f"{ours['epsilon_pld']:.4f} / acc {ours['expected_accuracy']:.4f}",
+                f"{theirs['epsilon_pld']:.4f} / acc {theirs['expected_accuracy']:.4f}",
+            )
+        )
+        rows.append(
+            (
+                f"    profiles (per-model PLD{' + RDP' if True else ''})",
+                ours["profiles_s"],
+                theirs["profiles_s"],
+                "",
+                "",
+            )
+        )
+        rows.append(
+            (
+                f"    search given profiles ({theirs['candidate_evaluations']} mixtures for dp-acc.)",
+                ours["choose_s"],
+                theirs["choose_s"],
+                "",
+                "",
+            )
+        )
     models = lc_pool()
     ours, theirs = lc_ours(models), lc_dp_accounting(models)
     results["lc"] = {"ours": ours, "dp_accounting": theirs, "lam": LAM}
-    rows.append((f"(b) LC, T=10k heterogeneous ({theirs['distinct_steps']} segments): PLD", ours["lc_epsilon_s"],
-                 theirs["pld_per_step_s_extrapolated"], f"{ours['epsilon_pld']:.4f}", "(extrapolated per-step)"))
-    rows.append(("    PLD vs dp-accounting given runs of identical steps", ours["lc_epsilon_s"], theirs["pld_grouped_s"],
-                 f"{ours['epsilon_pld']:.4f}", f"{theirs['epsilon_pld_grouped']:.4f}"))
-    rows.append(("    closed form (mu-GDP) vs RDP per step", ours["closed_form_s"], theirs["rdp_per_step_s"],
-                 f"{ours['epsilon_closed_form']:.4f}", f"rdp {theirs['epsilon_rdp_per_step']:.4f}"))
-    results["rows"] = [{"task": r[0].strip(), "ours_s": r[1], "dp_accounting_s": r[2], "ratio": r[1] / r[2],
-                        "ours": r[3], "dp_accounting": r[4]} for r in rows]
+    rows.append(
+        (
+            f"(b) LC, T=10k heterogeneous ({theirs['distinct_steps']} segments): PLD",
+            ours["lc_epsilon_s"],
+            theirs["pld_per_step_s_extrapolated"],
+            f"{ours['epsilon_pld']:.4f}",
+            "(extrapolated per-step)",
+        )
+    )
+    rows.append(
+        (
+            "    PLD vs dp-accounting given runs of identical steps",
+            ours["lc_epsilon_s"],
+            theirs["pld_grouped_s"],
+            f"{ours['epsilon_pld']:.4f}",
+            f"{theirs['epsilon_pld_grouped']:.4f}",
+        )
+    )
+    rows.append(
+        (
+            "    closed form (mu-GDP) vs RDP per step",
+            ours["closed_form_s"],
+            theirs["rdp_per_step_s"],
+            f"{ours['epsilon_closed_form']:.4f}",
+            f"rdp {theirs['epsilon_rdp_per_step']:.4f}",
+        )
+    )
+    results["rows"] = [
+        {
+            "task": r[0].strip(),
+            "ours_s": r[1],
+            "dp_accounting_s": r[2],
+            "ratio": r[1] / r[2],
+            "ours": r[3],
+            "dp_accounting": r[4],
+        }
+        for r in rows
+    ]
     width = max(len(r[0]) for r in rows)
     print(f"{'task':<{width}}  {'ours s':>8}  {'dp-acc s':>9}  {'ratio':>6}  {'ours eps':>22}  {'dp-acc eps':>24}")
     for task, a, b, ea, eb in rows:
         print(f"{task:<{width}}  {a:>8.3f}  {b:>9.3f}  {a / b:>6.2f}  {ea:>22}  {eb:>24}")
-    print(f"LC: FFT {ours['epsilon_pld']:.6f} vs closed form {ours['epsilon_closed_form']:.6f} "
-          f"(rel. diff {ours['epsilon_pld'] / ours['epsilon_closed_form'] - 1:.2e}); RDP {ours['epsilon_rdp']:.4f}")
+    print(
+        f"LC: FFT {ours['epsilon_pld']:.6f} vs closed form {ours['epsilon_closed_form']:.6f} "
+        f"(rel. diff {ours['epsilon_pld'] / ours['epsilon_closed_form'] - 1:.2e}); RDP {ours['epsilon_rdp']:.4f}"
+    )
     out = ROOT / "benchmarks" / "results" / "accounting.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

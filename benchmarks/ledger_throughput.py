@@ -19,18 +19,26 @@ import threading
 import time
 from pathlib import Path
 
+from peer.base.records import ReleaseRecord
 from peer.budget.ledger import Ledger
 from peer.budget.policy import Policy
-from peer.base.records import ReleaseRecord
 
 POLICY = Policy.from_mapping({"model": {"total": {"epsilon": 1e9, "delta": 1e-6}}})
 
 
 def record(i: int) -> ReleaseRecord:
-    return ReleaseRecord(mechanism="gaussian", level="model", unit="neuron", epsilon=0.1, delta=1e-5,
-                         sensitivity=1.0, sensitivity_norm="l2",
-                         parameters={"noise_std": 50.0, "clip_norm": 1.0, "calibration": "analytic"},
-                         randomness="none", subject=f"m{i % 4}")
+    return ReleaseRecord(
+        mechanism="gaussian",
+        level="model",
+        unit="neuron",
+        epsilon=0.1,
+        delta=1e-5,
+        sensitivity=1.0,
+        sensitivity_norm="l2",
+        parameters={"noise_std": 50.0, "clip_norm": 1.0, "calibration": "analytic"},
+        randomness="none",
+        subject=f"m{i % 4}",
+    )
 
 
 def charge_many(path: Path, n: int, tag: str) -> None:

@@ -64,14 +64,23 @@ def multibit_output(w: np.ndarray, epsilon: float, seed: int, bounds: tuple[floa
     """Each node's incoming weight vector (w reshaped to (n, n_prev·e)) through the multi-bit
     mechanism (peer.ldp.mechanisms.multibit, unit = one neuron, a fixed seed): three values per
     layer, m = max(1, ⌊ε/2.18⌋) non-zero x* per row."""
-    from peer.ldp.mechanisms import multibit
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import multibit
 
     noisy, _ = multibit(w.reshape(w.shape[0], -1), epsilon=epsilon, bounds=bounds, randomness=make_randomness(seed))
     return noisy.reshape(w.shape)
 
 
-def synthetic_pair(width: int, layers: int, features: str, seed: int = 0, inputs: int = 64, outputs: int = 10, probes: int = 128, noise: float = 0.1):
+def synthetic_pair(
+    width: int,
+    layers: int,
+    features: str,
+    seed: int = 0,
+    inputs: int = 64,
+    outputs: int = 10,
+    probes: int = 128,
+    noise: float = 0.1,
+):
     """(graph A, graph B, true permutations) as described in the module docstring."""
     from peer.nn.graph import HiddenLayer, NetworkGraph
 
@@ -103,7 +112,10 @@ def synthetic_pair(width: int, layers: int, features: str, seed: int = 0, inputs
     graph_b = NetworkGraph(arch, inputs, tuple(hidden_b), out_b, np.zeros(outputs))
 
     def released(g, seed_):
-        hid = tuple(HiddenLayer(h.name, h.kind, h.activations, multibit_output(h.incoming, 1.0, seed_ + 10 * k), h.bias) for k, h in enumerate(g.hidden))
+        hid = tuple(
+            HiddenLayer(h.name, h.kind, h.activations, multibit_output(h.incoming, 1.0, seed_ + 10 * k), h.bias)
+            for k, h in enumerate(g.hidden)
+        )
         return g.with_layers(hid, multibit_output(g.output_incoming, 1.0, seed_ + 10 * len(g.hidden)))
 
     if features in ("noisy", "mixed"):
@@ -139,7 +151,12 @@ def run_case(spec: dict) -> dict:
     except OSError:
         reset = False
     rss_before = _status_kib("VmRSS")
-    opts = MatchOptions(solver=spec["solver"], dense_memory_cap=DENSE_CAP, max_iter=spec.get("max_iter", 100), threads=spec.get("threads"))
+    opts = MatchOptions(
+        solver=spec["solver"],
+        dense_memory_cap=DENSE_CAP,
+        max_iter=spec.get("max_iter", 100),
+        threads=spec.get("threads"),
+    )
     walls, cpus = [], []
     for _ in range(spec.get("repeats", 1)):
         r0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -168,7 +185,7 @@ def run_case(spec: dict) -> dict:
         "terms": [b["terms"] for b in d["blocks"]],
         "expansions": [b["expansion"] for b in d["blocks"]],
         "error_bound": d["expansion_error_bound"],
-        "recovered": float(np.mean(np.concatenate([p == t for p, t in zip(result.permutations, truth)]))),
+        "recovered": float(np.mean(np.concatenate([p == t for p, t in zip(result.permutations, truth, strict=True)]))),
         "permutations": [p.tolist() for p in result.permutations] if spec["width"] <= 128 else None,
         "objective": result.objective,
         "torch_threads": torch.get_num_threads(),
@@ -183,7 +200,14 @@ def run_case(spec: dict) -> dict:
 def in_subprocess(spec: dict, timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--case", json.dumps(spec)]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        out = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
     except subprocess.TimeoutExpired:
         return {**spec, "error": f"timed out after {timeout:.0f} s"}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -200,8 +224,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small widths only (a smoke run)")
-    ap.add_argument("--exact-4096-iterations", type=int, default=2, help="iterations to time for exact weights at width 4096")
-    ap.add_argument("--skip-exact-4096", action="store_true", help="leave out exact weights at width 4096 (minutes per iteration here)")
+    ap.add_argument(
+        "--exact-4096-iterations", type=int, default=2, help="iterations to time for exact weights at width 4096"
+    )
+    ap.add_argument(
+        "--skip-exact-4096",
+        action="store_true",
+        help="leave out exact weights at width 4096 (minutes per iteration here)",
+    )
     ap.add_argument("--part", type=int, choices=(1, 2), help="run only part 1 (against dense) or part 2 (large widths)")
     ap.add_argument("--threads", type=int, help="torch threads for the factorised solver (default: MatchOptions' rule)")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON")
@@ -212,14 +242,18 @@ def main(argv=None) -> int:
 
     started = time.time()
     load_start = os.getloadavg()
-    dense_cases = [(2, w) for w in ((16, 32) if args.quick else (16, 32, 48, 64, 80, 96))] + [(3, w) for w in ((32,) if args.quick else (32, 64))]
+    dense_cases = [(2, w) for w in ((16, 32) if args.quick else (16, 32, 48, 64, 80, 96))] + [
+        (3, w) for w in ((32,) if args.quick else (32, 64))
+    ]
     large_widths = (256,) if args.quick else (256, 1024, 4096)
     if args.part == 2:
         dense_cases = []
     if args.part == 1:
         large_widths = ()
 
-    print("Part 1: factorised vs pygmtools' dense sm (same graphs; wall = min of 3 runs; 'same perm': yes, or tie = equal objective)")
+    print(
+        "Part 1: factorised vs pygmtools' dense sm (same graphs; wall = min of 3 runs; 'same perm': yes, or tie = equal objective)"
+    )
     head = f"{'layers':>6} {'width':>5} {'features':>8} | {'dense s':>8} {'dense MB':>8} {'it':>3} | {'fact s':>7} {'fact MB':>7} {'it':>3} | {'speed-up':>8} {'cpu ratio':>9} {'same perm':>9} {'recovered':>9}"
     print(head)
     print("-" * len(head))
@@ -236,17 +270,23 @@ def main(argv=None) -> int:
                 row["same_permutations"] = fact["permutations"] == dense["permutations"]
                 # different permutations with the same QAP objective: a choice among exactly tied
                 # nodes (identical features), which float rounding may break either way
-                row["tie"] = not row["same_permutations"] and math.isclose(fact["objective"], dense["objective"], rel_tol=1e-9)
+                row["tie"] = not row["same_permutations"] and math.isclose(
+                    fact["objective"], dense["objective"], rel_tol=1e-9
+                )
                 same = "yes" if row["same_permutations"] else ("tie" if row["tie"] else "NO")
-                print(f"{layers:>6} {width:>5} {features:>8} | {dense['wall_s']:>8.2f} {dense['peak_rss_mb']:>8.0f} {dense['iterations']:>3} | "
-                      f"{fact['wall_s']:>7.3f} {fact['peak_rss_mb']:>7.0f} {fact['iterations']:>3} | {row['speedup_wall']:>7.0f}x {row['speedup_cpu']:>8.0f}x "
-                      f"{same:>9} {fact['recovered']:>9.3f}")
+                print(
+                    f"{layers:>6} {width:>5} {features:>8} | {dense['wall_s']:>8.2f} {dense['peak_rss_mb']:>8.0f} {dense['iterations']:>3} | "
+                    f"{fact['wall_s']:>7.3f} {fact['peak_rss_mb']:>7.0f} {fact['iterations']:>3} | {row['speedup_wall']:>7.0f}x {row['speedup_cpu']:>8.0f}x "
+                    f"{same:>9} {fact['recovered']:>9.3f}"
+                )
             else:
                 print(f"{layers:>6} {width:>5} {features:>8} | error: {fact.get('error') or dense.get('error')}")
             dense_rows.append(row)
 
     print()
-    print("Part 2: factorised alone, 3 hidden layers (products = dense matrix products per iteration; n³-eq = their flops / 2n³)")
+    print(
+        "Part 2: factorised alone, 3 hidden layers (products = dense matrix products per iteration; n³-eq = their flops / 2n³)"
+    )
     head = f"{'width':>5} {'features':>8} | {'wall s':>8} {'cpu s':>8} {'peak MB':>8} {'it':>3} {'products':>8} {'n³-eq':>6} {'terms':>12} | {'setup':>6} {'iter':>7} {'assign':>6} | {'recovered':>9}"
     print(head)
     print("-" * len(head))
@@ -277,9 +317,15 @@ def main(argv=None) -> int:
                     "note": f"ran {r['iterations']} iterations only; iterations assumed = those measured at width 1024",
                 }
             s = r["seconds"]
-            print(f"{width:>5} {features:>8} | {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r['peak_rss_mb']:>8.0f} {r['iterations']:>3} {r['products_per_iteration']:>8} "
-                  f"{r['n3_products_per_iteration']:>6.2f} {str(r['terms']):>12} | {s['setup']:>6.2f} {s['iterations']:>7.2f} {s['assignment']:>6.2f} | {r['recovered']:>9.3f}"
-                  + (f"   projected {r['projection']['projected_wall_s']:.0f} s for {r['projection']['iterations_assumed']} iterations" if projected else ""))
+            print(
+                f"{width:>5} {features:>8} | {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r['peak_rss_mb']:>8.0f} {r['iterations']:>3} {r['products_per_iteration']:>8} "
+                f"{r['n3_products_per_iteration']:>6.2f} {r['terms']!s:>12} | {s['setup']:>6.2f} {s['iterations']:>7.2f} {s['assignment']:>6.2f} | {r['recovered']:>9.3f}"
+                + (
+                    f"   projected {r['projection']['projected_wall_s']:.0f} s for {r['projection']['iterations_assumed']} iterations"
+                    if projected
+                    else ""
+                )
+            )
             large_rows.append(r)
 
     report = {

@@ -21,14 +21,23 @@ import json
 
 import numpy as np
 
-from peer.nn.data import load_dataset
+from peer.base.rng import make_randomness
 from peer.ldp.mechanisms import clip_rows, perturb_model_weights
 from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier, weight_layers
-from peer.base.rng import make_randomness
+from peer.nn.data import load_dataset
 
 ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10}
-SETTINGS = [("neuron", 10.0), ("neuron", 100.0), ("neuron", 1000.0), ("neuron", 3000.0),
-            ("entry", 1.0), ("entry", 10.0), ("entry", 30.0), ("entry", 100.0), ("entry", 300.0)]
+SETTINGS = [
+    ("neuron", 10.0),
+    ("neuron", 100.0),
+    ("neuron", 1000.0),
+    ("neuron", 3000.0),
+    ("entry", 1.0),
+    ("entry", 10.0),
+    ("entry", 30.0),
+    ("entry", 100.0),
+    ("entry", 300.0),
+]
 
 
 def rows(arrays, spec):
@@ -52,15 +61,20 @@ def main() -> None:
     for unit, eps in SETTINGS:
         acc = {k: [] for k in ("mse_raw", "mse_filtered", "acc_raw", "acc_filtered", "fused_raw", "fused_filtered")}
         for seed in range(args.seeds):
-            raw, rec = perturb_model_weights(ARCH, clean, epsilon=eps, delta=args.delta, unit=unit,
-                                             smoothing=False, randomness=make_randomness(seed))
-            filt, _ = perturb_model_weights(ARCH, clean, epsilon=eps, delta=args.delta, unit=unit,
-                                            smoothing=True, randomness=make_randomness(seed))
+            raw, rec = perturb_model_weights(
+                ARCH, clean, epsilon=eps, delta=args.delta, unit=unit, smoothing=False, randomness=make_randomness(seed)
+            )
+            filt, _ = perturb_model_weights(
+                ARCH, clean, epsilon=eps, delta=args.delta, unit=unit, smoothing=True, randomness=make_randomness(seed)
+            )
             for name, released in (("raw", raw), ("filtered", filt)):
                 err = []
-                for spec, comp in zip(specs, rec.components):
-                    target = clip_rows(rows(clean, spec), clip_norm=comp.parameters["clip_norm"],
-                                       entry_bound=comp.parameters["entry_bound"])
+                for spec, comp in zip(specs, rec.components, strict=True):
+                    target = clip_rows(
+                        rows(clean, spec),
+                        clip_norm=comp.parameters["clip_norm"],
+                        entry_bound=comp.parameters["entry_bound"],
+                    )
                     err.append(((rows(released, spec) - target) ** 2).ravel())
                 acc[f"mse_{name}"].append(float(np.mean(np.concatenate(err))))
                 acc[f"acc_{name}"].append(accuracy(ARCH, model_from_arrays(ARCH, released), ds.x_test, ds.y_test))
@@ -74,12 +88,16 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     print(f"clean accuracy {results['clean_accuracy']:.3f}; delta {args.delta}; {args.seeds} seeds")
-    print(f"{'unit':7} {'eps':>7} {'sigma0':>8} {'mse raw':>9} {'mse filt':>9} {'ratio':>7} "
-          f"{'acc raw':>7} {'acc filt':>8} {'fused raw':>9} {'fused filt':>10}")
+    print(
+        f"{'unit':7} {'eps':>7} {'sigma0':>8} {'mse raw':>9} {'mse filt':>9} {'ratio':>7} "
+        f"{'acc raw':>7} {'acc filt':>8} {'fused raw':>9} {'fused filt':>10}"
+    )
     for r in results["rows"]:
-        print(f"{r['unit']:7} {r['epsilon']:7g} {r['noise_std_first_layer']:8.4g} {r['mse_raw']:9.3g} "
-              f"{r['mse_filtered']:9.3g} {r['mse_ratio']:7.4f} {r['acc_raw']:7.3f} {r['acc_filtered']:8.3f} "
-              f"{r['fused_raw']:9.3f} {r['fused_filtered']:10.3f}")
+        print(
+            f"{r['unit']:7} {r['epsilon']:7g} {r['noise_std_first_layer']:8.4g} {r['mse_raw']:9.3g} "
+            f"{r['mse_filtered']:9.3g} {r['mse_ratio']:7.4f} {r['acc_raw']:7.3f} {r['acc_filtered']:8.3f} "
+            f"{r['fused_raw']:9.3f} {r['fused_filtered']:10.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def architecture(size_mb: float) -> dict:
     layers of equal width."""
     params = size_mb * 1e6 / 4
     # 4·w² + (64 + 10 + 5)·w + 10 ≈ params
-    width = int((-(79) + (79 ** 2 + 16 * (params - 10)) ** 0.5) / 8)
+    width = int((-(79) + (79**2 + 16 * (params - 10)) ** 0.5) / 8)
     return {"kind": "mlp", "input_dim": 64, "hidden": [width] * 5, "output_dim": 10, "activation": "relu"}
 
 
@@ -117,14 +117,14 @@ def make_sites(root: Path, size_mb: float, release: str) -> tuple[Path, Path, in
     "big" is released through the PFA (perturbation + smoothing filter), the real per-request
     work of ReleaseWeights.
     """
+    from peer.base.rng import make_randomness
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.pools import load_splits
+    from peer.dp.training import dpsgd_release_record
     from peer.net.identity import init_identity
     from peer.net.trust import TrustStore
-    from peer.dp.accounting import TrainingRecord
     from peer.nn.architectures import build_model, validate_architecture
-    from peer.dp.pools import load_splits
-    from peer.base.rng import make_randomness
     from peer.nn.store import save_model
-    from peer.dp.training import dpsgd_release_record
 
     arch = validate_architecture(architecture(size_mb))
     arrays = {k: v.detach().numpy() for k, v in build_model(arch, seed=0).state_dict().items()}
@@ -133,10 +133,22 @@ def make_sites(root: Path, size_mb: float, release: str) -> tuple[Path, Path, in
     if release == "merged":
         training = TrainingRecord.constant("replace-one", 50, 0.5, 1.0, 2.0)
         splits = load_splits("digits")
-        record = dpsgd_release_record(training, delta=1e-5, dataset_size=len(splits.x_train),
-                                      randomness=make_randomness(0), init_seed=0, architecture=arch, subject="big")
-        save_model(root / "a" / "pool", "big", arch, arrays,
-                   {"training": training.to_dict(), "record": record.to_dict(), "data": splits.description})
+        record = dpsgd_release_record(
+            training,
+            delta=1e-5,
+            dataset_size=len(splits.x_train),
+            randomness=make_randomness(0),
+            init_seed=0,
+            architecture=arch,
+            subject="big",
+        )
+        save_model(
+            root / "a" / "pool",
+            "big",
+            arch,
+            arrays,
+            {"training": training.to_dict(), "record": record.to_dict(), "data": splits.description},
+        )
     else:
         save_model(root / "a" / "models", "big", arch, arrays)
     del arrays
@@ -144,7 +156,9 @@ def make_sites(root: Path, size_mb: float, release: str) -> tuple[Path, Path, in
     b = init_identity(root / "b" / "identity", "site-b", ["127.0.0.1"])
     TrustStore(a.trust_dir).add(b.cert_pem)
     TrustStore(b.trust_dir).add(a.cert_pem)
-    (root / "a" / "site.toml").write_text(SITE if release == "merged" else SITE.replace("[site.pools.big]\nmodels = \"pool\"\n", ""))
+    (root / "a" / "site.toml").write_text(
+        SITE if release == "merged" else SITE.replace('[site.pools.big]\nmodels = "pool"\n', "")
+    )
     return root / "a", root / "b", nbytes
 
 
@@ -170,7 +184,8 @@ class PrefaultedSink:
         base = self.offsets[index]
 
         def write(offset: int, data) -> None:
-            self.view[base + offset:base + offset + len(data)] = data
+            self.view[base + offset : base + offset + len(data)] = data
+
         return write
 
     def done(self, spec, array) -> None:
@@ -185,13 +200,17 @@ class PrefaultedSink:
 
 def fetch_prefaulted(identity_dir: str, address: str, nbytes: int, queue) -> None:
     """The same request, received into a prefaulted buffer (diagnostic)."""
-    from peer.net.identity import load_identity
     from peer.net.client import PeerClient
+    from peer.net.identity import load_identity
 
     sink = PrefaultedSink(nbytes)
     times = {}
-    with PeerClient(load_identity(identity_dir), address, peer="site-a",
-                    on_receipt=lambda _: times.setdefault("receipt", time.perf_counter())) as c:
+    with PeerClient(
+        load_identity(identity_dir),
+        address,
+        peer="site-a",
+        on_receipt=lambda _: times.setdefault("receipt", time.perf_counter()),
+    ) as c:
         c.merged("big", method="rs", epsilon=1000.0, delta=1e-5, out=sink)
         times["end"] = time.perf_counter()
     queue.put(times["end"] - times["receipt"])
@@ -200,8 +219,8 @@ def fetch_prefaulted(identity_dir: str, address: str, nbytes: int, queue) -> Non
 def fetch(identity_dir: str, address: str, out_path: str, release: str, receipt_event, queue) -> None:
     """Site B: ask for the release and write it like `privfusion merge|weights --via` does
     (streamed into OUT.safetensors as it arrives, then the JSON document beside)."""
-    from peer.net.identity import load_identity
     from peer.net.client import PeerClient, save_release
+    from peer.net.identity import load_identity
 
     base = vm()
     reset_hwm()
@@ -220,17 +239,40 @@ def fetch(identity_dir: str, address: str, out_path: str, release: str, receipt_
         times["end"] = time.perf_counter()
         save_release(got, out_path)
         times["saved"] = time.perf_counter()
-    queue.put({"bytes": got.total_bytes, "stream_s": times["end"] - times["receipt"],
-               "end_to_end_s": times["end"] - times["request"], "save_s": times["saved"] - times["end"],
-               "client_rss_before": base["VmRSS"], "client_hwm": vm()["VmHWM"]})
+    queue.put(
+        {
+            "bytes": got.total_bytes,
+            "stream_s": times["end"] - times["receipt"],
+            "end_to_end_s": times["end"] - times["request"],
+            "save_s": times["saved"] - times["end"],
+            "client_rss_before": base["VmRSS"],
+            "client_hwm": vm()["VmHWM"],
+        }
+    )
 
 
 def privfusion_round(site_a: Path, site_b: Path, workdir: Path, release: str) -> dict:
     ready = workdir / f"ready-{time.monotonic_ns()}.json"
-    log = open(workdir / "daemon.log", "ab")
+    # closed in the finally below, after the daemon that writes to it has stopped
+    log = open(workdir / "daemon.log", "ab")  # noqa: SIM115
     env = dict(os.environ, PRIVFUSION_LOG_LEVEL="WARNING")
-    daemon = subprocess.Popen([sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(site_a / "site.toml"),
-                               "--ready-file", str(ready)], stdout=log, stderr=log, env=env, cwd=ROOT)
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "peer",
+            "serve",
+            "--config",
+            str(site_a / "site.toml"),
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=log,
+        stderr=log,
+        env=env,
+        cwd=ROOT,
+    )
     out = workdir / "got" / "big"
     try:
         while not ready.exists():
@@ -242,7 +284,9 @@ def privfusion_round(site_a: Path, site_b: Path, workdir: Path, release: str) ->
         reset_hwm(daemon.pid)
         ctx = mp.get_context("spawn")
         q, receipt = ctx.Queue(), ctx.Event()
-        p = ctx.Process(target=fetch, args=(str(site_b / "identity"), f"127.0.0.1:{port}", str(out), release, receipt, q))
+        p = ctx.Process(
+            target=fetch, args=(str(site_b / "identity"), f"127.0.0.1:{port}", str(out), release, receipt, q)
+        )
         p.start()
         receipt.wait(1800)
         # the receipt is out: everything before it (the math, the charge) is behind; from here on
@@ -253,7 +297,9 @@ def privfusion_round(site_a: Path, site_b: Path, workdir: Path, release: str) ->
         p.join()
         streamed = vm(daemon.pid)
         if release == "merged":
-            p = ctx.Process(target=fetch_prefaulted, args=(str(site_b / "identity"), f"127.0.0.1:{port}", result["bytes"], q))
+            p = ctx.Process(
+                target=fetch_prefaulted, args=(str(site_b / "identity"), f"127.0.0.1:{port}", result["bytes"], q)
+            )
             p.start()
             result["stream_prefaulted_s"] = q.get(timeout=1800)
             p.join()
@@ -265,9 +311,13 @@ def privfusion_round(site_a: Path, site_b: Path, workdir: Path, release: str) ->
         result["identical"] = same_tensors(out.with_name("big.safetensors"), site_a / "pool" / "big.safetensors")
     for f in out.parent.glob("*"):
         f.unlink()
-    result.update(server_rss_idle=startup["VmRSS"], server_hwm_startup=startup["VmHWM"],
-                  server_rss_at_receipt=computed["VmRSS"], server_hwm_compute=computed["VmHWM"],
-                  server_hwm_stream=streamed["VmHWM"])
+    result.update(
+        server_rss_idle=startup["VmRSS"],
+        server_hwm_startup=startup["VmHWM"],
+        server_rss_at_receipt=computed["VmRSS"],
+        server_hwm_compute=computed["VmHWM"],
+        server_hwm_stream=streamed["VmHWM"],
+    )
     return result
 
 
@@ -276,7 +326,10 @@ def same_tensors(got: Path, source: Path) -> bool:
     from safetensors import safe_open
 
     with safe_open(str(got), framework="numpy") as g, safe_open(str(source), framework="numpy") as s:
-        return set(g.keys()) == set(s.keys()) and all(np.array_equal(g.get_tensor(k), s.get_tensor(k)) for k in s.keys())
+        return set(g.keys()) == set(s.keys()) and all(
+            np.array_equal(g.get_tensor(k), s.get_tensor(k))
+            for k in s.keys()  # noqa: SIM118 (a safetensors file handle, not a dict: no iteration)
+        )
 
 
 # ------------------------------------------------------------------ raw socket copies
@@ -341,8 +394,10 @@ def interpreter_rss() -> int:
     accountants) and holds no model: the part of the daemon's figures no model size changes."""
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child of this (large)
     # process would report the parent's peak
-    code = ("import peer.net.daemon, peer.net.service, peer.dp.pools, peer.dp.merging, peer.dp.accounting, torch; "
-            "from benchmarks.transfer import vm; print(vm()['VmHWM'])")
+    code = (
+        "import peer.net.daemon, peer.net.service, peer.dp.pools, peer.dp.merging, peer.dp.accounting, torch; "
+        "from benchmarks.transfer import vm; print(vm()['VmHWM'])"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
     return int(out.stdout.strip())
 
@@ -356,26 +411,44 @@ def run(size_mb: float = 300.0, rounds: int = 2, release: str = "merged") -> dic
         work = Path(tmp)
         site_a, site_b, nbytes = make_sites(work, size_mb, release)
         a_id, b_id = site_a / "identity", site_b / "identity"
-        tls = (str(a_id / "site.crt"), str(a_id / "site.key"), str(b_id / "site.crt"),
-               str(b_id / "site.crt"), str(b_id / "site.key"), str(a_id / "site.crt"))
+        tls = (
+            str(a_id / "site.crt"),
+            str(a_id / "site.key"),
+            str(b_id / "site.crt"),
+            str(b_id / "site.crt"),
+            str(b_id / "site.key"),
+            str(a_id / "site.crt"),
+        )
         runs = {"privfusion": [], "raw_tcp_s": [], "raw_tcp_prefaulted_s": [], "raw_tls_s": []}
         for r in range(rounds):
             runs["raw_tcp_s"].append(raw_round(nbytes))
             runs["privfusion"].append(privfusion_round(site_a, site_b, work, release))
             runs["raw_tls_s"].append(raw_round(nbytes, tls))
             runs["raw_tcp_prefaulted_s"].append(raw_round(nbytes, prefault=True))
-            print(f"round {r + 1}/{rounds}: privfusion stream {runs['privfusion'][-1]['stream_s']:.2f}s, "
-                  f"raw TCP {runs['raw_tcp_s'][-1]:.2f}s (prefaulted {runs['raw_tcp_prefaulted_s'][-1]:.2f}s), "
-                  f"raw TLS {runs['raw_tls_s'][-1]:.2f}s", file=sys.stderr)
+            print(
+                f"round {r + 1}/{rounds}: privfusion stream {runs['privfusion'][-1]['stream_s']:.2f}s, "
+                f"raw TCP {runs['raw_tcp_s'][-1]:.2f}s (prefaulted {runs['raw_tcp_prefaulted_s'][-1]:.2f}s), "
+                f"raw TLS {runs['raw_tls_s'][-1]:.2f}s",
+                file=sys.stderr,
+            )
 
     med = statistics.median
     pf = runs["privfusion"]
     stream_s = med([x["stream_s"] for x in pf])
     tcp_s, tls_s, pre_s = med(runs["raw_tcp_s"]), med(runs["raw_tls_s"]), med(runs["raw_tcp_prefaulted_s"])
     mbps = lambda s: nbytes / s / 1e6  # noqa: E731
-    memory = {k: max(x[k] for x in pf) for k in ("server_rss_idle", "server_hwm_startup", "server_rss_at_receipt",
-                                                  "server_hwm_compute", "server_hwm_stream", "client_rss_before",
-                                                  "client_hwm")}
+    memory = {
+        k: max(x[k] for x in pf)
+        for k in (
+            "server_rss_idle",
+            "server_hwm_startup",
+            "server_rss_at_receipt",
+            "server_hwm_compute",
+            "server_hwm_stream",
+            "client_rss_before",
+            "client_hwm",
+        )
+    }
     # what streaming added on top of what the daemon held when the receipt went out
     memory["server_stream_increment"] = max(x["server_hwm_stream"] - x["server_rss_at_receipt"] for x in pf)
     memory["interpreter"] = interpreter_rss()
@@ -383,14 +456,27 @@ def run(size_mb: float = 300.0, rounds: int = 2, release: str = "merged") -> dic
         "release": release,
         "model_bytes": nbytes,
         "rounds": rounds,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "load_average": os.getloadavg()},
-        "seconds": {"privfusion_stream": stream_s, "raw_tcp": tcp_s, "raw_tcp_prefaulted": pre_s, "raw_tls": tls_s,
-                    "privfusion_stream_prefaulted": med([x.get("stream_prefaulted_s", math.nan) for x in pf]),
-                    "privfusion_end_to_end": med([x["end_to_end_s"] for x in pf]),
-                    "privfusion_save": med([x["save_s"] for x in pf])},
-        "throughput_MBps": {"privfusion_stream": mbps(stream_s), "raw_tcp": mbps(tcp_s), "raw_tls": mbps(tls_s),
-                            "raw_tcp_prefaulted": mbps(pre_s)},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_average": os.getloadavg(),
+        },
+        "seconds": {
+            "privfusion_stream": stream_s,
+            "raw_tcp": tcp_s,
+            "raw_tcp_prefaulted": pre_s,
+            "raw_tls": tls_s,
+            "privfusion_stream_prefaulted": med([x.get("stream_prefaulted_s", math.nan) for x in pf]),
+            "privfusion_end_to_end": med([x["end_to_end_s"] for x in pf]),
+            "privfusion_save": med([x["save_s"] for x in pf]),
+        },
+        "throughput_MBps": {
+            "privfusion_stream": mbps(stream_s),
+            "raw_tcp": mbps(tcp_s),
+            "raw_tls": mbps(tls_s),
+            "raw_tcp_prefaulted": mbps(pre_s),
+        },
         "ratio_privfusion_to_raw_tcp": tcp_s / stream_s,
         "ratio_privfusion_to_raw_tcp_prefaulted": pre_s / stream_s,
         # the merged (RS) release is the pool model's bytes: compared with the source file;
@@ -406,12 +492,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=300.0)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--release", choices=("merged", "weights"), default="merged",
-                        help="merged: an RS merge of a one-model pool (the bytes as they are; default); "
-                             "weights: ReleaseWeights (PFA perturbation first)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON result (default benchmarks/results/transfer[-weights].json)")
+    parser.add_argument(
+        "--release",
+        choices=("merged", "weights"),
+        default="merged",
+        help="merged: an RS merge of a one-model pool (the bytes as they are; default); "
+        "weights: ReleaseWeights (PFA perturbation first)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON result (default benchmarks/results/transfer[-weights].json)"
+    )
     args = parser.parse_args(argv)
-    out = args.out or ROOT / "benchmarks" / "results" / ("transfer.json" if args.release == "merged" else "transfer-weights.json")
+    out = args.out or ROOT / "benchmarks" / "results" / (
+        "transfer.json" if args.release == "merged" else "transfer-weights.json"
+    )
     result = run(args.size_mb, args.rounds, args.release)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, sort_keys=True))
@@ -429,8 +523,13 @@ def report(result: dict) -> str:
         f"load average {result['machine']['load_average'][0]:.1f} on {result['machine']['cpus']} CPUs",
         f"{'transfer':<34}{'seconds':>9}{'MB/s':>9}{'vs raw TCP':>12}",
         f"{'privfusion stream (mTLS gRPC)':<34}{s['privfusion_stream']:>9.2f}{t['privfusion_stream']:>9.0f}{result['ratio_privfusion_to_raw_tcp']:>11.0%}",
-        *([f"{'  same, into a prefaulted buffer':<34}{prefaulted:>9.2f}{nbytes / prefaulted / 1e6:>9.0f}{s['raw_tcp'] / prefaulted:>11.0%}"]
-          if math.isfinite(prefaulted) else []),
+        *(
+            [
+                f"{'  same, into a prefaulted buffer':<34}{prefaulted:>9.2f}{nbytes / prefaulted / 1e6:>9.0f}{s['raw_tcp'] / prefaulted:>11.0%}"
+            ]
+            if math.isfinite(prefaulted)
+            else []
+        ),
         f"{'raw TCP socket (fresh buffer)':<34}{s['raw_tcp']:>9.2f}{t['raw_tcp']:>9.0f}{1:>11.0%}",
         f"{'raw TCP socket (prefaulted)':<34}{s['raw_tcp_prefaulted']:>9.2f}{t['raw_tcp_prefaulted']:>9.0f}{s['raw_tcp'] / s['raw_tcp_prefaulted']:>11.0%}",
         f"{'raw TLS socket (Python ssl)':<34}{s['raw_tls']:>9.2f}{t['raw_tls']:>9.0f}{s['raw_tcp'] / s['raw_tls']:>11.0%}",

@@ -79,9 +79,12 @@ def _round(args) -> int:
             raise KeyboardInterrupt
         caught.append(signum)
         stop.set()
-        print(f"privfusion round: {signal.Signals(signum).name}: stopping — nothing more will be requested; "
-              "waiting for the releases in flight to write the report (signal again to quit at once)",
-              file=sys.stderr, flush=True)
+        print(
+            f"privfusion round: {signal.Signals(signum).name}: stopping — nothing more will be requested; "
+            "waiting for the releases in flight to write the report (signal again to quit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # signal handlers can only be set from the main thread (the command line's); elsewhere the
     # caller keeps its own handling
@@ -92,23 +95,33 @@ def _round(args) -> int:
         for cfg in configs:
             from coordinator_free.runner import run_round
 
-            result = run_round(load_local_site(args.config, cfg.model), Roster.load(cfg.roster), cfg, on_event=on_event,
-                               stop=stop)
+            result = run_round(
+                load_local_site(args.config, cfg.model), Roster.load(cfg.roster), cfg, on_event=on_event, stop=stop
+            )
             if result.status == "interrupted":
                 unsure = {n: c for n, c in result.report["may_have_charged"].items() if c != "no"}
-                print(f"privfusion round: round {result.round_id} interrupted; report {result.report_path} "
-                      f"({len(result.report['charges'])} receipts; peers that may have charged: "
-                      f"{', '.join(f'{n} ({c})' for n, c in unsure.items()) or 'none'})", file=sys.stderr, flush=True)
+                print(
+                    f"privfusion round: round {result.round_id} interrupted; report {result.report_path} "
+                    f"({len(result.report['charges'])} receipts; peers that may have charged: "
+                    f"{', '.join(f'{n} ({c})' for n, c in unsure.items()) or 'none'})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 128 + caught[0]
             if not args.events:
-                print(f"round {result.round_id}: {result.status}"
-                      + (f" -> {cfg.out / 'models' / result.model_name}" if result.model_name else f" ({result.reason})")
-                      + f"; report {result.report_path}")
+                print(
+                    f"round {result.round_id}: {result.status}"
+                    + (f" -> {cfg.out / 'models' / result.model_name}" if result.model_name else f" ({result.reason})")
+                    + f"; report {result.report_path}"
+                )
             if result.status != "fused":
                 status = 3
             if stop.is_set():  # interrupted after the round had finished: start no other
-                print(f"privfusion round: {signal.Signals(caught[0]).name}: no further round started",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"privfusion round: {signal.Signals(caught[0]).name}: no further round started",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 128 + caught[0]
     finally:
         for sig, handler in previous.items():
@@ -148,12 +161,19 @@ def _check(args) -> int:
 
 def register(subparsers) -> None:
     """``privfusion round``."""
-    p = subparsers.add_parser("round", help="run a coordinator-free fusion round for this site",
-                              description="Ask every live roster peer for noisy features and weights (or a DP merge), "
-                                          "align them to this site's model and fuse.")
+    p = subparsers.add_parser(
+        "round",
+        help="run a coordinator-free fusion round for this site",
+        description="Ask every live roster peer for noisy features and weights (or a DP merge), "
+        "align them to this site's model and fuse.",
+    )
     p.add_argument("--config", required=True, help="this site's site.toml (identity, models, probe set)")
-    p.add_argument("--round", action="append", metavar="FILE",
-                   help="a file with a [round] table (repeatable: rounds run in sequence); default: site.toml's [round]")
+    p.add_argument(
+        "--round",
+        action="append",
+        metavar="FILE",
+        help="a file with a [round] table (repeatable: rounds run in sequence); default: site.toml's [round]",
+    )
     p.add_argument("--events", action="store_true", help="print round events as JSON lines on stdout")
     p.set_defaults(func=_round)
 

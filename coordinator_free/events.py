@@ -22,16 +22,21 @@ def describe(e: dict) -> str:
     if ev == "started":
         return f"{who} round {e['round'][:8]} {e.get('label') or ''} started: peers {', '.join(e['peers'])}, quorum {e['quorum']}, method {e['method']}"
     if ev == "charged":
-        return (f"{who} {peer}: {e['step']} released (its ledger entry {e['entry_id']}: {e['level']} level, "
-                f"ε={e['epsilon']:g}, δ={e['delta']:g} per {e['unit']})")
+        return (
+            f"{who} {peer}: {e['step']} released (its ledger entry {e['entry_id']}: {e['level']} level, "
+            f"ε={e['epsilon']:g}, δ={e['delta']:g} per {e['unit']})"
+        )
     if ev == "dropped":
         why = details_line(e.get("details"))
-        return (f"{who} {peer} DROPPED at {e['step']} ({e['status']}; charged: {e['charged']}): {e['reason']}"
-                + (f" [{why}]" if why else ""))
+        return f"{who} {peer} DROPPED at {e['step']} ({e['status']}; charged: {e['charged']}): {e['reason']}" + (
+            f" [{why}]" if why else ""
+        )
     if ev == "not-alive":
         return f"{who} {peer} is not alive: {e.get('reason', '')}"
     if ev == "fused":
-        return f"{who} fused with {', '.join(e['contributors'])} (weights {', '.join(f'{w:.3g}' for w in e['weights'])})"
+        return (
+            f"{who} fused with {', '.join(e['contributors'])} (weights {', '.join(f'{w:.3g}' for w in e['weights'])})"
+        )
     if ev == "aborted":
         return f"{who} round ABORTED: {e['reason']}"
     if ev == "interrupted":
@@ -40,4 +45,3 @@ def describe(e: dict) -> str:
         extra = e.get("note") or e.get("reason") or e.get("method", "")
         return f"{who} {peer}: {ev} {extra}"
     return f"{who} {peer or ''} {ev} {e.get('step') or ''}".rstrip()
-

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peer.base.config import Section, load_toml
+from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.net.identity import certificate_name, check_site_name, fingerprint, load_certificate
 from peer.net.trust import PinnedPeer, TrustStore
-from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.nn.store import check_name
 
 
@@ -52,7 +52,7 @@ class Roster:
     path: Path | None = None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Roster":
+    def load(cls, path: str | os.PathLike) -> Roster:
         p = Path(path)
         data, text = load_toml(p, "roster")
         root = Section(data, (), text, str(p))
@@ -105,11 +105,16 @@ class Roster:
             if p is None:
                 problems.append(f"{s.name!r} is not pinned")
             elif p.fingerprint != s.fingerprint and s.fingerprint not in {q.fingerprint for q in trust.pins_of(s.name)}:
-                problems.append(f"{s.name!r} is pinned with SHA-256 {p.fingerprint}, the roster's {s.certificate} has {s.fingerprint}")
+                problems.append(
+                    f"{s.name!r} is pinned with SHA-256 {p.fingerprint}, the roster's {s.certificate} has {s.fingerprint}"
+                )
         if problems:
-            raise FailedPrecondition(f"roster {self.path}: " + "; ".join(problems)
-                                     + " (pin with `privfusion roster pin` or `privfusion peer trust add` after "
-                                       "comparing fingerprints with each site)")
+            raise FailedPrecondition(
+                f"roster {self.path}: "
+                + "; ".join(problems)
+                + " (pin with `privfusion roster pin` or `privfusion peer trust add` after "
+                "comparing fingerprints with each site)"
+            )
 
     def pin_all(self, trust: TrustStore, me: str) -> list[PinnedPeer]:
         """Pin every peer's certificate (refuses one already pinned with another key)."""

@@ -57,16 +57,17 @@ bounds); ``coordinator_free.runner`` does the I/O.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from peer.base.config import Section
 from peer.base.errors import InvalidArgument
-from peer.nn.graph import HiddenLayer, NetworkGraph
 from peer.base.records import now_rfc3339
+from peer.nn.graph import HiddenLayer, NetworkGraph
 
 METHODS = ("ldp", "merged", "auto")
 MERGE_METHODS = ("rs", "lc")
@@ -75,8 +76,17 @@ STEPS = ("health", "info", "merged", "features", "align", "weights", "fuse")
 CHARGED_STEPS = ("merged", "features", "weights")
 #: Statuses a peer answers with *before* charging (the service validates, checks its policy and
 #: its budget, and only then charges and sends the receipt).
-REFUSALS = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION",
-            "UNAUTHENTICATED", "UNIMPLEMENTED", "OUT_OF_RANGE", "ALREADY_EXISTS")
+REFUSALS = (
+    "RESOURCE_EXHAUSTED",
+    "PERMISSION_DENIED",
+    "INVALID_ARGUMENT",
+    "NOT_FOUND",
+    "FAILED_PRECONDITION",
+    "UNAUTHENTICATED",
+    "UNIMPLEMENTED",
+    "OUT_OF_RANGE",
+    "ALREADY_EXISTS",
+)
 
 
 # ---------------------------------------------------------------------------------- configuration
@@ -112,11 +122,23 @@ class RoundConfig:
     out: Path = Path("rounds")
     label: str = ""
 
-    KEYS = ("roster", "model", "alpha", "quorum", "method", "out", "label", "health_timeout_s", "call_timeout_s",
-            "features", "weights", "merge")
+    KEYS = (
+        "roster",
+        "model",
+        "alpha",
+        "quorum",
+        "method",
+        "out",
+        "label",
+        "health_timeout_s",
+        "call_timeout_s",
+        "features",
+        "weights",
+        "merge",
+    )
 
     @classmethod
-    def from_section(cls, s: Section, base: Path, default_clip: tuple[float, float] | None = None) -> "RoundConfig":
+    def from_section(cls, s: Section, base: Path, default_clip: tuple[float, float] | None = None) -> RoundConfig:
         """Parse a ``[round]`` table (paths relative to ``base``); errors name key and line."""
         s.known(cls.KEYS)
         f, w, m = s.section("features"), s.section("weights"), s.section("merge")
@@ -194,8 +216,9 @@ def failure_reason(status: str, message: str, details: str, connected: bool, tim
     return message
 
 
-def public_view(graph: NetworkGraph, activation_clip: tuple[float, float] | None,
-                weight_boxes: Mapping[str, tuple[float, float]]) -> NetworkGraph:
+def public_view(
+    graph: NetworkGraph, activation_clip: tuple[float, float] | None, weight_boxes: Mapping[str, tuple[float, float]]
+) -> NetworkGraph:
     """The requester's own graph clipped to the public bounds the peers' releases were clipped to
     (activations to ``activation_clip``, each layer's weights and biases to its box), so both
     sides of the matching describe the same quantities; the noisy values are unbiased estimates
@@ -207,8 +230,13 @@ def public_view(graph: NetworkGraph, activation_clip: tuple[float, float] | None
         hidden.append(HiddenLayer(h.name, h.kind, act, np.clip(h.incoming, lo, hi), np.clip(h.bias, lo, hi)))
     out_name = next(n for n in weight_boxes if n not in {h.name for h in graph.hidden})
     lo, hi = weight_boxes[out_name]
-    return NetworkGraph(graph.architecture, graph.input_size, tuple(hidden),
-                        np.clip(graph.output_incoming, lo, hi), np.clip(graph.output_bias, lo, hi))
+    return NetworkGraph(
+        graph.architecture,
+        graph.input_size,
+        tuple(hidden),
+        np.clip(graph.output_incoming, lo, hi),
+        np.clip(graph.output_bias, lo, hi),
+    )
 
 
 # ---------------------------------------------------------------------------------- bookkeeping
@@ -277,8 +305,15 @@ class PeerOutcome:
 class RoundState:
     """The round's record, shared by the per-peer threads (one lock; events go to ``on_event``)."""
 
-    def __init__(self, round_id: str, site: str, peers: Sequence[tuple[str, str]], quorum: int,
-                 on_event: Callable[[dict], None] | None = None, stop: threading.Event | None = None):
+    def __init__(
+        self,
+        round_id: str,
+        site: str,
+        peers: Sequence[tuple[str, str]],
+        quorum: int,
+        on_event: Callable[[dict], None] | None = None,
+        stop: threading.Event | None = None,
+    ):
         self.round_id = round_id
         self.site = site
         self.quorum = quorum
@@ -348,11 +383,31 @@ class RoundState:
         """Record a verified receipt (called as it arrives, before any tensor byte)."""
         r = receipt.record
         with self._lock:
-            c = Charge(peer, self.peers[peer].step or "?", receipt.ledger_entry_id, r.release_id, r.mechanism,
-                       r.level, r.unit, r.epsilon, r.delta, now_rfc3339(), receipt.to_json())
+            c = Charge(
+                peer,
+                self.peers[peer].step or "?",
+                receipt.ledger_entry_id,
+                r.release_id,
+                r.mechanism,
+                r.level,
+                r.unit,
+                r.epsilon,
+                r.delta,
+                now_rfc3339(),
+                receipt.to_json(),
+            )
             self.peers[peer].charges.append(c)
-        self.event("charged", peer, c.step, entry_id=c.entry_id, mechanism=c.mechanism, level=c.level,
-                   unit=c.unit, epsilon=c.epsilon, delta=c.delta)
+        self.event(
+            "charged",
+            peer,
+            c.step,
+            entry_id=c.entry_id,
+            mechanism=c.mechanism,
+            level=c.level,
+            unit=c.unit,
+            epsilon=c.epsilon,
+            delta=c.delta,
+        )
         return c
 
     def delivered(self, peer: str, step: str) -> None:
@@ -380,8 +435,15 @@ class RoundState:
             p = self.peers[peer]
             d = Drop(peer, step, now_rfc3339(), status, reason, charged, details or None)
             p.state, p.drop = "dropped", d
-        self.event("dropped", peer, step, status=status, reason=reason, charged=charged,
-                   **({"details": details} if details else {}))
+        self.event(
+            "dropped",
+            peer,
+            step,
+            status=status,
+            reason=reason,
+            charged=charged,
+            **({"details": details} if details else {}),
+        )
         return d
 
     def chose(self, peer: str, model: str | None, pool: str | None) -> None:

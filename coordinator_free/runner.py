@@ -17,30 +17,39 @@ import json
 import os
 import threading
 import uuid
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator_free.roster import Roster, RosterSite
+from coordinator_free.rounds import (
+    CHARGED_STEPS,
+    RoundConfig,
+    RoundState,
+    charged_status,
+    details_line,
+    failure_reason,
+    fusion_weights,
+    public_view,
+)
 from peer.base.config import Section, load_toml
-from peer.ldp.pipeline import Alignment, align, align_graphs
+from peer.base.errors import FailedPrecondition, InvalidArgument
+from peer.base.records import now_rfc3339
 from peer.ldp.fusion import average_arrays
 from peer.ldp.mechanisms import default_entry_bound
+from peer.ldp.pipeline import Alignment, align, align_graphs
 from peer.net.client import PeerClient, PeerError
 from peer.net.codec import graph_from_release
 from peer.net.identity import Identity, load_identity
 from peer.net.site import SiteConfig, load_probe
-from coordinator_free.roster import Roster, RosterSite
-from coordinator_free.rounds import (CHARGED_STEPS, RoundConfig, RoundState, charged_status, details_line,
-                                     failure_reason, fusion_weights, public_view)
 from peer.net.trust import TrustStore
-from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
-from peer.nn.graph import NetworkGraph, extract_graph
 from peer.nn.architectures import model_from_arrays, validate_architecture, weight_layers
-from peer.base.records import now_rfc3339
+from peer.nn.graph import NetworkGraph, extract_graph
 from peer.nn.store import StoredModel, load_model, save_model
 
 HEALTH_SERVICE = "privfusion.v1.Peer"
@@ -94,12 +103,18 @@ def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
     identity = load_identity(cfg.identity)
     if identity.name != cfg.name:
         raise FailedPrecondition(f"site.name is {cfg.name!r} but the identity in {cfg.identity} is {identity.name!r}")
-    return LocalSite(identity, TrustStore(identity.trust_dir), load_model(cfg.models, model),
-                     load_probe(cfg.probe), cfg.activation_clip)
+    return LocalSite(
+        identity,
+        TrustStore(identity.trust_dir),
+        load_model(cfg.models, model),
+        load_probe(cfg.probe),
+        cfg.activation_clip,
+    )
 
 
-def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float] | None = None,
-                      site: str | None = None) -> RoundConfig:
+def load_round_config(
+    path: str | os.PathLike, default_clip: tuple[float, float] | None = None, site: str | None = None
+) -> RoundConfig:
     """The ``[round]`` table of a file (site.toml or a separate round file).
 
     The roster is read too: a ``quorum`` larger than the sites a round can have (the roster's
@@ -115,8 +130,11 @@ def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float]
     roster = Roster.load(config.roster)
     sites = len(roster.peers_of(site)) + 1 if site is not None else len(roster.sites) + 1
     if config.quorum > sites:
-        section.fail("quorum", f"is {config.quorum}, but a round over the roster {config.roster} has only {sites} "
-                               f"sites ({'this one' if site is None else repr(site)} included): it could never fuse")
+        section.fail(
+            "quorum",
+            f"is {config.quorum}, but a round over the roster {config.roster} has only {sites} "
+            f"sites ({'this one' if site is None else repr(site)} included): it could never fuse",
+        )
     return config
 
 
@@ -125,8 +143,10 @@ def load_round_config(path: str | os.PathLike, default_clip: tuple[float, float]
 
 def _weight_boxes(arch: Mapping[str, Any], bound: float | None) -> dict[str, tuple[float, float]]:
     """Each weight layer's public box, as the peer's multi-bit release uses it."""
-    return {s.name: (-(bound or default_entry_bound(s.fan_in)), bound or default_entry_bound(s.fan_in))
-            for s in weight_layers(arch)}
+    return {
+        s.name: (-(bound or default_entry_bound(s.fan_in)), bound or default_entry_bound(s.fan_in))
+        for s in weight_layers(arch)
+    }
 
 
 def _same_architecture(json_text: str, arch: Mapping[str, Any]) -> bool:
@@ -158,9 +178,13 @@ def choose_pool(info, wanted: str | None, arch: Mapping[str, Any], method: str) 
 def _match_report(own: NetworkGraph, alignment: Alignment) -> dict:
     result = alignment.match
     # The permutations stay in the requester's own report: they are computed from its exact graph.
-    return {"objective": alignment.objective, "solver": result.solver, "iterations": int(result.iterations),
-            "converged": bool(result.converged),
-            "permutations": {h.name: p.tolist() for h, p in zip(own.hidden, alignment.permutations)}}
+    return {
+        "objective": alignment.objective,
+        "solver": result.solver,
+        "iterations": int(result.iterations),
+        "converged": bool(result.converged),
+        "permutations": {h.name: p.tolist() for h, p in zip(own.hidden, alignment.permutations, strict=True)},
+    }
 
 
 def _never_connected(details: str) -> bool:
@@ -168,9 +192,15 @@ def _never_connected(details: str) -> bool:
     return "failed to connect" in low or "connection refused" in low
 
 
-def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
-              on_event: Callable[[dict], None] | None = None, write: bool = True,
-              round_id: str | None = None, stop: threading.Event | None = None) -> RoundResult:
+def run_round(
+    local: LocalSite,
+    roster: Roster,
+    config: RoundConfig,
+    on_event: Callable[[dict], None] | None = None,
+    write: bool = True,
+    round_id: str | None = None,
+    stop: threading.Event | None = None,
+) -> RoundResult:
     """Run one fusion round for ``local`` over ``roster`` (see coordinator_free.rounds).
 
     ``stop`` (set e.g. by SIGINT/SIGTERM) interrupts the round: nothing more is requested, the
@@ -188,13 +218,24 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
     clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
     own_graph = extract_graph(arch, local.model.module(), probe)
     own_public = public_view(own_graph, clip, _weight_boxes(arch, config.weight_bound))
-    state.event("started", label=config.label, peers=[p.name for p in peers], quorum=config.quorum,
-                method=config.method, alpha=config.alpha)
+    state.event(
+        "started",
+        label=config.label,
+        peers=[p.name for p in peers],
+        quorum=config.quorum,
+        method=config.method,
+        alpha=config.alpha,
+    )
 
     clients: dict[str, Any] = {}
     for p in peers:
-        clients[p.name] = PeerClient(local.identity, p.address, peer=p.name, trust=local.trust,
-                                     on_receipt=lambda receipt, name=p.name: state.charged(name, receipt))
+        clients[p.name] = PeerClient(
+            local.identity,
+            p.address,
+            peer=p.name,
+            trust=local.trust,
+            on_receipt=lambda receipt, name=p.name: state.charged(name, receipt),
+        )
 
     def ask(name: str, step: str, call: Callable[[], Any]):
         if not state.begin(name, step):
@@ -204,8 +245,12 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         except PeerError as e:
             seen = state.receipt_seen(name, step)
             connected = not _never_connected(e.details)
-            return _Failure(e.status, failure_reason(e.status, str(e), e.details, connected, config.call_timeout_s),
-                            charged_status(e.status, seen, connected), e.structured())
+            return _Failure(
+                e.status,
+                failure_reason(e.status, str(e), e.details, connected, config.call_timeout_s),
+                charged_status(e.status, seen, connected),
+                e.structured(),
+            )
         except InvalidArgument as e:  # the release failed our checks (signature, checksums, order)
             return _Failure("INVALID_RELEASE", str(e), "yes" if state.receipt_seen(name, step) else "unknown")
         state.delivered(name, step)
@@ -214,18 +259,38 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
     def health(p: RosterSite) -> None:
         try:
             reply = health_pb2_grpc.HealthStub(clients[p.name].channel).Check(
-                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=config.health_timeout_s)
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=config.health_timeout_s
+            )
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-            state.set_alive(p.name, serving, "" if serving else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
-        except Exception as e:  # noqa: BLE001 - any failure to answer a health check means "not alive"
+            state.set_alive(
+                p.name,
+                serving,
+                "" if serving else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}",
+            )
+        except Exception as e:
             code = getattr(e, "code", lambda: None)()
-            state.set_alive(p.name, False, f"no health answer within {config.health_timeout_s:g}s"
-                            f" ({code.name if code is not None else type(e).__name__})")
+            state.set_alive(
+                p.name,
+                False,
+                f"no health answer within {config.health_timeout_s:g}s"
+                f" ({code.name if code is not None else type(e).__name__})",
+            )
 
     def ldp(p: RosterSite, c, model: str):
-        f = ask(p.name, "features", lambda: c.features(
-            model, probe, activation_epsilon=config.activation_epsilon, weight_epsilon=config.weight_epsilon,
-            unit=config.unit, activation_clip=clip, weight_bound=config.weight_bound, timeout=config.call_timeout_s))
+        f = ask(
+            p.name,
+            "features",
+            lambda: c.features(
+                model,
+                probe,
+                activation_epsilon=config.activation_epsilon,
+                weight_epsilon=config.weight_epsilon,
+                unit=config.unit,
+                activation_clip=clip,
+                weight_bound=config.weight_bound,
+                timeout=config.call_timeout_s,
+            ),
+        )
         if f is _STOP:
             return None
         if isinstance(f, _Failure):
@@ -240,8 +305,13 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         except (InvalidArgument, ValueError) as e:
             state.drop(p.name, "align", "ALIGNMENT_FAILED", str(e), "n/a")
             return None
-        w = ask(p.name, "weights", lambda: c.weights(model, epsilon=config.weights_epsilon, delta=config.weights_delta,
-                                                     timeout=config.call_timeout_s))
+        w = ask(
+            p.name,
+            "weights",
+            lambda: c.weights(
+                model, epsilon=config.weights_epsilon, delta=config.weights_delta, timeout=config.call_timeout_s
+            ),
+        )
         if w is _STOP:
             return None
         if isinstance(w, _Failure):
@@ -257,8 +327,17 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         return aligned
 
     def merged(p: RosterSite, c, pool: str):
-        r = ask(p.name, "merged", lambda: c.merged(pool, method=config.merge_method, epsilon=config.merge_epsilon,
-                                                   delta=config.merge_delta, timeout=config.call_timeout_s))
+        r = ask(
+            p.name,
+            "merged",
+            lambda: c.merged(
+                pool,
+                method=config.merge_method,
+                epsilon=config.merge_epsilon,
+                delta=config.merge_delta,
+                timeout=config.call_timeout_s,
+            ),
+        )
         if r is _STOP or isinstance(r, _Failure):
             return r
         try:
@@ -293,15 +372,28 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
                 state.drop(p.name, "merged", r.status, r.message, r.charged, r.details)
                 return None
             why = details_line(r.details)
-            state.note(p.name, f"merge refused before any charge ({r.status}{': ' + why if why else ''}); "
-                               "falling back to features + weights")
+            state.note(
+                p.name,
+                f"merge refused before any charge ({r.status}{': ' + why if why else ''}); "
+                "falling back to features + weights",
+            )
         elif config.method == "merged":
-            state.drop(p.name, "info", "FAILED_PRECONDITION",
-                       f"{p.name!r} offers no pool of this architecture for {config.merge_method!r} merges", "n/a")
+            state.drop(
+                p.name,
+                "info",
+                "FAILED_PRECONDITION",
+                f"{p.name!r} offers no pool of this architecture for {config.merge_method!r} merges",
+                "n/a",
+            )
             return None
         if model is None:
-            state.drop(p.name, "info", "FAILED_PRECONDITION",
-                       f"{p.name!r} offers no model {p.model or ''} of this architecture".replace("  ", " "), "n/a")
+            state.drop(
+                p.name,
+                "info",
+                "FAILED_PRECONDITION",
+                f"{p.name!r} offers no model {p.model or ''} of this architecture".replace("  ", " "),
+                "n/a",
+            )
             return None
         return ldp(p, c, model)
 
@@ -309,10 +401,15 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         """A peer's failure, whatever it is, drops that peer; it never takes the round down."""
         try:
             return pipeline(p)
-        except Exception as e:  # noqa: BLE001 - reported in the round's record, type and message
+        except Exception as e:
             step = state.current_step(p.name) or "info"
-            state.drop(p.name, step, "INTERNAL", f"{type(e).__name__}: {e}",
-                       "yes" if state.receipt_seen(p.name, step) else ("unknown" if step in CHARGED_STEPS else "n/a"))
+            state.drop(
+                p.name,
+                step,
+                "INTERNAL",
+                f"{type(e).__name__}: {e}",
+                "yes" if state.receipt_seen(p.name, step) else ("unknown" if step in CHARGED_STEPS else "n/a"),
+            )
             return None
 
     contributions: dict[str, dict[str, np.ndarray]] = {}
@@ -323,10 +420,12 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
             if state.interrupted():
                 state.aborted = "interrupted before anything was requested"
             elif len(alive) + 1 < config.quorum:
-                state.aborted = (f"only {len(alive)} of {len(peers)} peers answered the health check; with this site "
-                                 f"that is {len(alive) + 1} < quorum {config.quorum}; nothing was requested")
+                state.aborted = (
+                    f"only {len(alive)} of {len(peers)} peers answered the health check; with this site "
+                    f"that is {len(alive) + 1} < quorum {config.quorum}; nothing was requested"
+                )
             else:
-                for p, arrays in zip(alive, workers.map(guarded, alive)):
+                for p, arrays in zip(alive, workers.map(guarded, alive), strict=True):
                     if arrays is not None:
                         contributions[p.name] = arrays
     finally:
@@ -335,11 +434,15 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
 
     fused = None
     if state.aborted is None and state.interrupted():
-        state.aborted = ("interrupted: nothing more was requested, the releases in flight were waited for; "
-                         "no model was fused (what peers released stays charged; receipts below)")
+        state.aborted = (
+            "interrupted: nothing more was requested, the releases in flight were waited for; "
+            "no model was fused (what peers released stays charged; receipts below)"
+        )
     if state.aborted is None and len(contributions) + 1 < config.quorum:
-        state.aborted = (f"{len(contributions)} peers contributed; with this site that is {len(contributions) + 1} "
-                         f"< quorum {config.quorum}; no model was fused (what peers released stays charged)")
+        state.aborted = (
+            f"{len(contributions)} peers contributed; with this site that is {len(contributions) + 1} "
+            f"< quorum {config.quorum}; no model was fused (what peers released stays charged)"
+        )
     contributors = [n for n in state.contributors() if n in contributions]
     weights = fusion_weights(config.alpha, len(contributors))
     if state.aborted is None:
@@ -351,13 +454,22 @@ def run_round(local: LocalSite, roster: Roster, config: RoundConfig,
         state.event("aborted", step="fuse", reason=state.aborted)
 
     report = {
-        "round_id": round_id, "label": config.label, "site": me, "model": local.model.name,
+        "round_id": round_id,
+        "label": config.label,
+        "site": me,
+        "model": local.model.name,
         "status": "fused" if fused is not None else ("interrupted" if state.interrupted() else "aborted"),
-        "reason": state.aborted or "", "may_have_charged": state.may_have_charged(),
-        "started_at": started, "finished_at": now_rfc3339(), "config": config.public(),
-        "roster": [p.name for p in peers], "contributors": contributors,
-        "weights": dict(zip([me] + contributors, weights)) if fused is not None else {},
-        "peers": state.peers_dict(), "charges": [vars(c) for c in state.charges()], "events": state.events,
+        "reason": state.aborted or "",
+        "may_have_charged": state.may_have_charged(),
+        "started_at": started,
+        "finished_at": now_rfc3339(),
+        "config": config.public(),
+        "roster": [p.name for p in peers],
+        "contributors": contributors,
+        "weights": dict(zip([me, *contributors], weights, strict=True)) if fused is not None else {},
+        "peers": state.peers_dict(),
+        "charges": [vars(c) for c in state.charges()],
+        "events": state.events,
     }
     result = RoundResult(round_id, report["status"], report["reason"], report, fused)
     if write:
@@ -371,9 +483,17 @@ def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any]) -> None
     out.mkdir(parents=True, exist_ok=True)
     if result.arrays is not None:
         name = f"{result.report['model']}-fused-{result.round_id[:12]}"
-        save_model(out / "models", name, arch, result.arrays,
-                   metadata={"round": {k: result.report[k] for k in ("round_id", "label", "site", "contributors",
-                                                                      "weights", "charges")}})
+        save_model(
+            out / "models",
+            name,
+            arch,
+            result.arrays,
+            metadata={
+                "round": {
+                    k: result.report[k] for k in ("round_id", "label", "site", "contributors", "weights", "charges")
+                }
+            },
+        )
         result.model_name = name
         result.report["fused_model"] = name
     path = out / f"round-{result.round_id}.json"

@@ -45,18 +45,29 @@ def _demo_site(args) -> int:
     if args.site not in [s.name for s in sc.sites]:
         from peer.base.errors import InvalidArgument
 
-        raise InvalidArgument("--site", f"must be one of the scenario's sites {[s.name for s in sc.sites]}, got {args.site!r}")
+        raise InvalidArgument(
+            "--site", f"must be one of the scenario's sites {[s.name for s in sc.sites]}, got {args.site!r}"
+        )
     root = Path(args.dir)
     if (root / "site.toml").exists():
         print(f"{root / 'site.toml'} exists: leaving {args.site}'s files as they are")
         return 0
     s = prepare_site(sc, split_data(sc), args.site, root)
     method = sc.round.methods[0]
-    (root / "site.toml").write_text(site_toml(sc, s, listen=args.listen, fixed_seed=False,
-                                              round_table=round_toml(sc, s, "demo", method, 1.0, Path(args.roster))),
-                                    encoding="utf-8")
-    print(f"{args.site}: {len(s.y)} records; model, {'pool, ' if s.pool else ''}probe set and site.toml in {root}"
-          f" (listens on {args.listen}; rounds use the roster {args.roster})")
+    (root / "site.toml").write_text(
+        site_toml(
+            sc,
+            s,
+            listen=args.listen,
+            fixed_seed=False,
+            round_table=round_toml(sc, s, "demo", method, 1.0, Path(args.roster)),
+        ),
+        encoding="utf-8",
+    )
+    print(
+        f"{args.site}: {len(s.y)} records; model, {'pool, ' if s.pool else ''}probe set and site.toml in {root}"
+        f" (listens on {args.listen}; rounds use the roster {args.roster})"
+    )
     return 0
 
 
@@ -64,11 +75,16 @@ def register(subparsers) -> None:
     """``privfusion simulate``."""
     from scenarios.schema import BUNDLED
 
-    p = subparsers.add_parser("simulate", help="simulate several hospitals fusing models, each a real daemon on loopback",
-                              description="Run a multi-site scenario end to end: data split, local training, one daemon "
-                                          "per site with its own identity and ledger, coordinator-free fusion rounds at "
-                                          "every site at once, and a report with accuracies and budgets.")
-    p.add_argument("scenario_file", nargs="?", metavar="SCENARIO.toml", help="scenario file (default: the bundled hospitals.toml)")
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate several hospitals fusing models, each a real daemon on loopback",
+        description="Run a multi-site scenario end to end: data split, local training, one daemon "
+        "per site with its own identity and ledger, coordinator-free fusion rounds at "
+        "every site at once, and a report with accuracies and budgets.",
+    )
+    p.add_argument(
+        "scenario_file", nargs="?", metavar="SCENARIO.toml", help="scenario file (default: the bundled hospitals.toml)"
+    )
     p.add_argument("--scenario", choices=BUNDLED, help="a bundled scenario by name")
     p.add_argument("--out", required=True, metavar="DIR", help="new directory for the report and the sites' files")
     p.set_defaults(func=_simulate)
@@ -81,12 +97,17 @@ def register_demo(subparsers) -> None:
     d = subparsers.add_parser("demo", help="one site of a scenario as files, to run elsewhere (docker compose)")
     sub = d.add_subparsers(dest="demo_command", metavar="ACTION")
     sub.required = True
-    q = sub.add_parser("site", help="write one scenario site's model, pool, probe set and site.toml (no identity)",
-                       description="Train one site of a scenario (its share of the data, split as the simulator splits "
-                                   "it) and write its files into DIR: models/, pool/, probe and validation sets, and a "
-                                   "site.toml with its policy and a [round] table. Noise is CSPRNG (no fixed seed). "
-                                   "Make the identity with `privfusion peer init`. Does nothing if DIR/site.toml exists.")
-    q.add_argument("scenario_file", nargs="?", metavar="SCENARIO.toml", help="scenario file (default: the bundled hospitals.toml)")
+    q = sub.add_parser(
+        "site",
+        help="write one scenario site's model, pool, probe set and site.toml (no identity)",
+        description="Train one site of a scenario (its share of the data, split as the simulator splits "
+        "it) and write its files into DIR: models/, pool/, probe and validation sets, and a "
+        "site.toml with its policy and a [round] table. Noise is CSPRNG (no fixed seed). "
+        "Make the identity with `privfusion peer init`. Does nothing if DIR/site.toml exists.",
+    )
+    q.add_argument(
+        "scenario_file", nargs="?", metavar="SCENARIO.toml", help="scenario file (default: the bundled hospitals.toml)"
+    )
     q.add_argument("--scenario", choices=BUNDLED, help="a bundled scenario by name")
     q.add_argument("--site", required=True, help="the scenario site to write")
     q.add_argument("--dir", required=True, help="the site's directory")

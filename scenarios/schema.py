@@ -89,9 +89,9 @@ from pathlib import Path
 from typing import Any
 
 from peer.base.config import Section, parse_toml
+from peer.base.errors import InvalidArgument, NotFound
 from peer.net.identity import check_site_name
 from peer.nn.data import DATASETS
-from peer.base.errors import InvalidArgument, NotFound
 
 DEFAULT_SCENARIO = "hospitals.toml"
 BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml")
@@ -106,7 +106,7 @@ class DataSpec:
     split: str = "dirichlet"
     concentration: float = 0.5
     min_per_site: int = 20
-    path: str | None = None     # the scenario's own records, resolved against the scenario file
+    path: str | None = None  # the scenario's own records, resolved against the scenario file
     label: str | None = None
     features: tuple[str, ...] | None = None
     categorical: tuple[str, ...] = ()
@@ -234,9 +234,15 @@ def _records(d: Section, base: Path) -> dict[str, Any]:
     path = d.path("path", base)
     if not path.is_file():
         d.fail("path", f"{str(path)!r} is not a file (paths are relative to the scenario file)")
-    return {"dataset": path.name, "path": str(path.resolve()), "label": d.string("label"),
-            "features": _names(d, "features"), "categorical": _names(d, "categorical") or (),
-            "impute": d.boolean("impute", False), "unseen": d.string("unseen", "refuse", choices=("refuse", "zeros"))}
+    return {
+        "dataset": path.name,
+        "path": str(path.resolve()),
+        "label": d.string("label"),
+        "features": _names(d, "features"),
+        "categorical": _names(d, "categorical") or (),
+        "impute": d.boolean("impute", False),
+        "unseen": d.string("unseen", "refuse", choices=("refuse", "zeros")),
+    }
 
 
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
@@ -263,14 +269,20 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         **{k: v for k, v in records.items() if k != "dataset"},
     )
     if data.probe_size > data.public_size:
-        d.fail("probe_size", f"must be at most public_size ({data.public_size}): probe sets are drawn from the public data")
+        d.fail(
+            "probe_size", f"must be at most public_size ({data.public_size}): probe sets are drawn from the public data"
+        )
 
     from peer.nn.architectures import ACTIVATIONS  # torch: only once a scenario is parsed, not for --help
 
     m = root.section("model")
     m.known([f.name for f in ModelSpec.__dataclass_fields__.values()])
     hidden = m.raw("hidden", list(ModelSpec.hidden))
-    if not isinstance(hidden, list) or not hidden or not all(isinstance(h, int) and not isinstance(h, bool) and 1 <= h <= 4096 for h in hidden):
+    if (
+        not isinstance(hidden, list)
+        or not hidden
+        or not all(isinstance(h, int) and not isinstance(h, bool) and 1 <= h <= 4096 for h in hidden)
+    ):
         m.fail("hidden", f"must be a non-empty array of layer widths (integers 1..4096), got {hidden!r}")
     model = ModelSpec(
         hidden=tuple(hidden),
@@ -285,7 +297,9 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         q = root.section("pool")
         q.known([f.name for f in PoolSpec.__dataclass_fields__.values()])
         pool = PoolSpec(
-            noise_multipliers=tuple(q.numbers("noise_multipliers", list(PoolSpec.noise_multipliers), exclusive_minimum=0.0)),
+            noise_multipliers=tuple(
+                q.numbers("noise_multipliers", list(PoolSpec.noise_multipliers), exclusive_minimum=0.0)
+            ),
             steps=q.integer("steps", PoolSpec.steps, minimum=1, maximum=100_000),
             learning_rate=q.number("learning_rate", PoolSpec.learning_rate, exclusive_minimum=0.0),
             clip_norm=q.number("clip_norm", PoolSpec.clip_norm, exclusive_minimum=0.0),
@@ -298,7 +312,9 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     pol.known([f.name for f in PolicySpec.__dataclass_fields__.values()])
     policy = PolicySpec(
         model_epsilon=pol.number("model_epsilon", PolicySpec.model_epsilon, exclusive_minimum=0.0),
-        model_epsilon_per_peer=pol.number("model_epsilon_per_peer", PolicySpec.model_epsilon_per_peer, exclusive_minimum=0.0),
+        model_epsilon_per_peer=pol.number(
+            "model_epsilon_per_peer", PolicySpec.model_epsilon_per_peer, exclusive_minimum=0.0
+        ),
         model_delta=pol.number("model_delta", PolicySpec.model_delta, minimum=0.0, exclusive_maximum=1.0),
         data_epsilon=pol.number("data_epsilon", PolicySpec.data_epsilon, exclusive_minimum=0.0),
         data_delta=pol.number("data_delta", PolicySpec.data_delta, minimum=0.0, exclusive_maximum=1.0),
@@ -309,7 +325,12 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     eps = {"exclusive_minimum": 0.0, "maximum": 1000.0}
     dlt = {"exclusive_minimum": 0.0, "maximum": 0.1}
     methods = r.raw("methods", list(RoundSpec.methods))
-    if not isinstance(methods, list) or not methods or not all(x in ("ldp", "merged") for x in methods) or len(set(methods)) != len(methods):
+    if (
+        not isinstance(methods, list)
+        or not methods
+        or not all(x in ("ldp", "merged") for x in methods)
+        or len(set(methods)) != len(methods)
+    ):
         r.fail("methods", f"must be a non-empty array of distinct methods among ['ldp', 'merged'], got {methods!r}")
     rnd = RoundSpec(
         alpha=r.number("alpha", RoundSpec.alpha, minimum=0.0, maximum=1.0),
@@ -330,11 +351,17 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         health_timeout_s=r.number("health_timeout_s", RoundSpec.health_timeout_s, exclusive_minimum=0.0, maximum=60.0),
     )
     if "merged" in rnd.methods and pool is None:
-        r.fail("methods", "includes 'merged' but the scenario has no [pool] table (merges come from the sites' DP-SGD pools)")
+        r.fail(
+            "methods",
+            "includes 'merged' but the scenario has no [pool] table (merges come from the sites' DP-SGD pools)",
+        )
     for scale in rnd.frontier:
         for key in ("activation_epsilon", "weight_epsilon", "weights_epsilon"):
             if getattr(rnd, key) * scale > 1000.0:
-                r.fail("frontier", f"scale {scale:g} takes {key} to {getattr(rnd, key) * scale:g}, above the 1000 a peer accepts")
+                r.fail(
+                    "frontier",
+                    f"scale {scale:g} takes {key} to {getattr(rnd, key) * scale:g}, above the 1000 a peer accepts",
+                )
 
     sites = []
     for site_name, t in root.sections("sites").items():

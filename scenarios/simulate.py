@@ -35,17 +35,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from coordinator_free.roster import write_roster
 from coordinator_free.rounds import fusion_weights
 from peer.base.errors import FailedPrecondition, InvalidArgument
-from peer.ldp.pipeline import align
 from peer.ldp.fusion import average_arrays
+from peer.ldp.pipeline import align
 from peer.nn.architectures import accuracy, model_from_arrays
 from peer.nn.graph import extract_graph
 from scenarios.schema import Scenario
@@ -138,22 +139,43 @@ def _policy_toml(sc: Scenario) -> str:
     p = sc.policy
     lines = ["[policy]", 'show_remaining = "own"']
     if sc.pool is not None:
-        lines += ["", "[policy.data]", f'unit = "record:{sc.pool.adjacency}"', f"epsilon = {p.data_epsilon!r}",
-                  f"delta = {p.data_delta!r}"]
-    lines += ["", "[policy.model]", f"total = {{ epsilon = {p.model_epsilon!r}, delta = {p.model_delta!r} }}",
-              f"per_counterparty = {{ epsilon = {p.model_epsilon_per_peer!r}, delta = {p.model_delta!r} }}",
-              "", '[policy.peers."*"]', 'allow = ["features", "weights", "merge", "ledger"]']
+        lines += [
+            "",
+            "[policy.data]",
+            f'unit = "record:{sc.pool.adjacency}"',
+            f"epsilon = {p.data_epsilon!r}",
+            f"delta = {p.data_delta!r}",
+        ]
+    lines += [
+        "",
+        "[policy.model]",
+        f"total = {{ epsilon = {p.model_epsilon!r}, delta = {p.model_delta!r} }}",
+        f"per_counterparty = {{ epsilon = {p.model_epsilon_per_peer!r}, delta = {p.model_delta!r} }}",
+        "",
+        '[policy.peers."*"]',
+        'allow = ["features", "weights", "merge", "ledger"]',
+    ]
     return "\n".join(lines) + "\n"
 
 
-def site_toml(sc: Scenario, s: SiteWorld, listen: str = "127.0.0.1:0", round_table: str = "",
-              fixed_seed: bool = True) -> str:
+def site_toml(
+    sc: Scenario, s: SiteWorld, listen: str = "127.0.0.1:0", round_table: str = "", fixed_seed: bool = True
+) -> str:
     """A site's site.toml: where it listens, its files, its pool and policy, optionally a
     ``[round]`` table, and — in simulations only — its fixed noise seed (reported in every
     release record; without it every release draws CSPRNG noise)."""
     lo, hi = sc.round.activation_clip
-    lines = ["[site]", f'name = "{s.name}"', f'listen = "{listen}"', 'identity = "identity"', 'models = "models"',
-             'ledger = "ledger.sqlite"', 'probe = "probe.safetensors"', "workers = 16", "shutdown_grace_s = 5"]
+    lines = [
+        "[site]",
+        f'name = "{s.name}"',
+        f'listen = "{listen}"',
+        'identity = "identity"',
+        'models = "models"',
+        'ledger = "ledger.sqlite"',
+        'probe = "probe.safetensors"',
+        "workers = 16",
+        "shutdown_grace_s = 5",
+    ]
     if fixed_seed:
         lines.append(f"seed = {s.seed}")
     lines += ["", "[site.mechanisms]", f"activation_clip = [{lo!r}, {hi!r}]", f'calibration = "{sc.round.calibration}"']
@@ -165,14 +187,33 @@ def site_toml(sc: Scenario, s: SiteWorld, listen: str = "127.0.0.1:0", round_tab
 
 def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float, roster: Path) -> str:
     r = sc.round
-    lines = ["[round]", f'roster = "{roster}"', f'model = "{MODEL}"', f"alpha = {s.alpha!r}", f"quorum = {r.quorum}",
-             f'method = "{method}"', f'out = "rounds"', f'label = "{label}"', f"call_timeout_s = {r.call_timeout_s!r}",
-             f"health_timeout_s = {r.health_timeout_s!r}", "", "[round.features]",
-             f"activation_epsilon = {r.activation_epsilon * scale!r}", f"weight_epsilon = {r.weight_epsilon * scale!r}",
-             f'unit = "{r.unit}"',
-             f"activation_clip = [{r.activation_clip[0]!r}, {r.activation_clip[1]!r}]", "", "[round.weights]",
-             f"epsilon = {r.weights_epsilon * scale!r}", f"delta = {r.weights_delta!r}", "", "[round.merge]",
-             f'method = "{r.merge_method}"', f"epsilon = {r.merge_epsilon!r}", f"delta = {r.merge_delta!r}"]
+    lines = [
+        "[round]",
+        f'roster = "{roster}"',
+        f'model = "{MODEL}"',
+        f"alpha = {s.alpha!r}",
+        f"quorum = {r.quorum}",
+        f'method = "{method}"',
+        'out = "rounds"',
+        f'label = "{label}"',
+        f"call_timeout_s = {r.call_timeout_s!r}",
+        f"health_timeout_s = {r.health_timeout_s!r}",
+        "",
+        "[round.features]",
+        f"activation_epsilon = {r.activation_epsilon * scale!r}",
+        f"weight_epsilon = {r.weight_epsilon * scale!r}",
+        f'unit = "{r.unit}"',
+        f"activation_clip = [{r.activation_clip[0]!r}, {r.activation_clip[1]!r}]",
+        "",
+        "[round.weights]",
+        f"epsilon = {r.weights_epsilon * scale!r}",
+        f"delta = {r.weights_delta!r}",
+        "",
+        "[round.merge]",
+        f'method = "{r.merge_method}"',
+        f"epsilon = {r.merge_epsilon!r}",
+        f"delta = {r.merge_delta!r}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -195,7 +236,9 @@ def _public_order(sc: Scenario, n: int, rng: np.random.Generator) -> np.ndarray:
     """A permutation of the n training examples: the first ``public_size`` are the public set."""
     d = sc.data
     if d.public_size >= n - d.min_per_site * len(sc.sites):
-        raise InvalidArgument("data.public_size", f"{d.public_size} leaves too few of the {n} training examples for the sites")
+        raise InvalidArgument(
+            "data.public_size", f"{d.public_size} leaves too few of the {n} training examples for the sites"
+        )
     return rng.permutation(n)
 
 
@@ -211,8 +254,13 @@ def split_data(sc: Scenario) -> ScenarioData:
     else:
         from peer.nn.tables import Preprocessing, read_table
 
-        table = read_table(d.path, label=d.label, features=d.features, categorical=d.categorical,
-                           missing="impute" if d.impute else "refuse")
+        table = read_table(
+            d.path,
+            label=d.label,
+            features=d.features,
+            categorical=d.categorical,
+            missing="impute" if d.impute else "refuse",
+        )
         rest, test = table.split(d.test_fraction, seed=sc.seed)
         order = _public_order(sc, len(rest), rng)
         # Fitted on the public set only: the sites' DP-SGD pools are private for one record
@@ -220,16 +268,31 @@ def split_data(sc: Scenario) -> ScenarioData:
         prep = Preprocessing.fit(rest.take(np.sort(order[: d.public_size])), unseen=d.unseen, split="public")
         (x_tr, y_tr), (x_te, y_te) = prep.transform(rest), prep.transform(test)
         ds = Dataset(d.dataset, x_tr, y_tr, x_te, y_te, prep.num_classes, None)
-    public, protected = order[: d.public_size], np.sort(order[d.public_size:])
+    public, protected = order[: d.public_size], np.sort(order[d.public_size :])
     x_prot, y_prot = ds.x_train[protected], ds.y_train[protected]
     if d.split == "dirichlet":
-        idx = split_dirichlet(y_prot, len(sc.sites), concentration=d.concentration, seed=sc.seed, min_per_site=d.min_per_site)
+        idx = split_dirichlet(
+            y_prot, len(sc.sites), concentration=d.concentration, seed=sc.seed, min_per_site=d.min_per_site
+        )
     else:
         idx = split_homogeneous(y_prot, len(sc.sites), seed=sc.seed)
-    arch = {"kind": "mlp", "input_dim": ds.input_dim, "hidden": list(sc.model.hidden), "output_dim": ds.num_classes,
-            "activation": sc.model.activation}
-    return ScenarioData(ds.x_test, ds.y_test, ds.x_train[public], ds.y_train[public],
-                        tuple((x_prot[i], y_prot[i]) for i in idx), arch, ds.num_classes, prep)
+    arch = {
+        "kind": "mlp",
+        "input_dim": ds.input_dim,
+        "hidden": list(sc.model.hidden),
+        "output_dim": ds.num_classes,
+        "activation": sc.model.activation,
+    }
+    return ScenarioData(
+        ds.x_test,
+        ds.y_test,
+        ds.x_train[public],
+        ds.y_train[public],
+        tuple((x_prot[i], y_prot[i]) for i in idx),
+        arch,
+        ds.num_classes,
+        prep,
+    )
 
 
 def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> SiteWorld:
@@ -247,16 +310,40 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> Sit
     seed = sc.seed * 1000 + index + 1
     root.mkdir(parents=True, exist_ok=True)
     x, y = data.parts[index]
-    probe = data.x_public[np.random.default_rng(seed).choice(len(data.x_public), size=sc.data.probe_size, replace=False)]
+    probe = data.x_public[
+        np.random.default_rng(seed).choice(len(data.x_public), size=sc.data.probe_size, replace=False)
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small models: thread hand-offs cost more than they save
     try:
-        model = train_classifier(data.architecture, x, y, seed=seed, epochs=sc.model.epochs,
-                                 batch_size=sc.model.batch_size, learning_rate=sc.model.learning_rate)
-        s = SiteWorld(name, root, seed, sc.round.alpha if spec.alpha is None else spec.alpha, x, y,
-                      np.ascontiguousarray(probe, dtype=np.float32), data.architecture, state_arrays(model))
-        save_model(root / "models", MODEL, data.architecture, s.arrays, {"trained_on": int(len(y)), "seed": seed},
-                   data.preprocessing)
+        model = train_classifier(
+            data.architecture,
+            x,
+            y,
+            seed=seed,
+            epochs=sc.model.epochs,
+            batch_size=sc.model.batch_size,
+            learning_rate=sc.model.learning_rate,
+        )
+        s = SiteWorld(
+            name,
+            root,
+            seed,
+            sc.round.alpha if spec.alpha is None else spec.alpha,
+            x,
+            y,
+            np.ascontiguousarray(probe, dtype=np.float32),
+            data.architecture,
+            state_arrays(model),
+        )
+        save_model(
+            root / "models",
+            MODEL,
+            data.architecture,
+            s.arrays,
+            {"trained_on": len(y), "seed": seed},
+            data.preprocessing,
+        )
         save_file({"x": s.probe}, str(root / "probe.safetensors"))
         np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
         if sc.pool is not None:
@@ -292,25 +379,46 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
 
 
 def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None) -> list[dict]:
-    from peer.dp.accounting import TrainingRecord
-    from peer.nn.architectures import accuracy, model_from_arrays
-    from peer.dp.pools import save_trained
     from peer.base.rng import make_randomness
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.pools import save_trained
     from peer.dp.training import train_pool
+    from peer.nn.architectures import accuracy, model_from_arrays
 
     p = sc.pool
-    trainings = [TrainingRecord.constant(p.adjacency, p.steps, p.learning_rate, p.clip_norm, nm, p.sample_rate)
-                 for nm in p.noise_multipliers]
-    models = train_pool(s.architecture, s.x, s.y, trainings, init_seed=s.seed + 500_000,
-                        randomness=make_randomness(s.seed), delta=p.delta)
+    trainings = [
+        TrainingRecord.constant(p.adjacency, p.steps, p.learning_rate, p.clip_norm, nm, p.sample_rate)
+        for nm in p.noise_multipliers
+    ]
+    models = train_pool(
+        s.architecture,
+        s.x,
+        s.y,
+        trainings,
+        init_seed=s.seed + 500_000,
+        randomness=make_randomness(s.seed),
+        delta=p.delta,
+    )
     out = []
-    for nm, m in zip(p.noise_multipliers, models):
+    for nm, m in zip(p.noise_multipliers, models, strict=True):
         name = f"dpsgd-sigma{nm:g}"
         module = model_from_arrays(s.architecture, m.arrays)
-        save_trained(s.root / "pool", name, m, accuracy=accuracy(s.architecture, module, x_val, y_val),
-                     preprocessing=preprocessing)
-        out.append({"name": name, "noise_multiplier": nm, "epsilon": m.record.epsilon, "delta": m.record.delta,
-                    "accuracy": accuracy(s.architecture, module, x_test, y_test)})
+        save_trained(
+            s.root / "pool",
+            name,
+            m,
+            accuracy=accuracy(s.architecture, module, x_val, y_val),
+            preprocessing=preprocessing,
+        )
+        out.append(
+            {
+                "name": name,
+                "noise_multiplier": nm,
+                "epsilon": m.record.epsilon,
+                "delta": m.record.delta,
+                "accuracy": accuracy(s.architecture, module, x_test, y_test),
+            }
+        )
     return out
 
 
@@ -319,8 +427,13 @@ def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, prepro
 
 def _child_env() -> dict:
     # One BLAS/torch thread per process: eight processes share two cores.
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                PRIVFUSION_LOG_LEVEL=os.environ.get("PRIVFUSION_LOG_LEVEL", "INFO"))
+    return dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PRIVFUSION_LOG_LEVEL=os.environ.get("PRIVFUSION_LOG_LEVEL", "INFO"),
+    )
 
 
 class Daemon:
@@ -330,11 +443,26 @@ class Daemon:
         self.site = site
         self.ready = site.root / "daemon.ready.json"
         self.ready.unlink(missing_ok=True)
-        self.log = open(site.root / "daemon.log", "ab")
+        # held for the daemon's lifetime (its stderr), closed when it is stopped
+        self.log = open(site.root / "daemon.log", "ab")  # noqa: SIM115
         # --simulation: the sites' fixed noise seeds (refused by a production `peer serve`)
-        self.proc = subprocess.Popen([sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(site.config),
-                                      "--simulation", "--ready-file", str(self.ready)],
-                                     stdout=self.log, stderr=self.log, env=_child_env())
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "peer.cli",
+                "peer",
+                "serve",
+                "--config",
+                str(site.config),
+                "--simulation",
+                "--ready-file",
+                str(self.ready),
+            ],
+            stdout=self.log,
+            stderr=self.log,
+            env=_child_env(),
+        )
         self.address: str | None = None
         self.killed_at: str | None = None
 
@@ -342,9 +470,13 @@ class Daemon:
         deadline = time.monotonic() + timeout
         while not self.ready.exists():
             if self.proc.poll() is not None:
-                raise FailedPrecondition(f"the daemon of {self.site.name} exited with {self.proc.returncode}; see {self.site.root / 'daemon.log'}")
+                raise FailedPrecondition(
+                    f"the daemon of {self.site.name} exited with {self.proc.returncode}; see {self.site.root / 'daemon.log'}"
+                )
             if time.monotonic() > deadline:
-                raise FailedPrecondition(f"the daemon of {self.site.name} was not ready after {timeout:g}s; see {self.site.root / 'daemon.log'}")
+                raise FailedPrecondition(
+                    f"the daemon of {self.site.name} was not ready after {timeout:g}s; see {self.site.root / 'daemon.log'}"
+                )
             time.sleep(0.05)
         self.address = f"127.0.0.1:{json.loads(self.ready.read_text())['port']}"
         return self.address
@@ -376,7 +508,8 @@ class RoundProcess:
     def __init__(self, site: SiteWorld, round_files: list[Path], on_event: Callable[[dict], None]):
         self.site = site
         self.events: list[dict] = []
-        self.log = open(site.root / "rounds.log", "ab")
+        # held for the process's lifetime (its stderr), closed when it has ended
+        self.log = open(site.root / "rounds.log", "ab")  # noqa: SIM115
         args = [sys.executable, "-m", "peer.cli", "round", "--config", str(site.config), "--events"]
         for f in round_files:
             args += ["--round", str(f)]
@@ -435,10 +568,14 @@ def run_sites(world: World, progress: Progress) -> dict:
         for s in world.sites.values():
             daemons[s.name] = Daemon(s)
         for name, d in daemons.items():
-            progress(f"{name}: daemon serving on {d.wait_ready()} (pid {d.proc.pid}, mutual TLS, ledger {d.site.ledger.name})")
+            progress(
+                f"{name}: daemon serving on {d.wait_ready()} (pid {d.proc.pid}, mutual TLS, ledger {d.site.ledger.name})"
+            )
         world.timings["daemons_start_s"] = time.monotonic() - t0
         roster = world.out / "roster.toml"
-        write_roster(roster, [(n, d.address, str((world.sites[n].identity / "site.crt").resolve())) for n, d in daemons.items()])
+        write_roster(
+            roster, [(n, d.address, str((world.sites[n].identity / "site.crt").resolve())) for n, d in daemons.items()]
+        )
 
         def on_event(e: dict) -> None:
             if e["event"] not in QUIET:
@@ -452,7 +589,7 @@ def run_sites(world: World, progress: Progress) -> dict:
                 f.write_text(round_toml(sc, s, label, method, scale, roster.resolve()), encoding="utf-8")
                 files.append(f)
             rounds[s.name] = RoundProcess(s, files, on_event)
-        progress(f"every site started its rounds ({', '.join(l for l, _, _ in world.plan)}) at once")
+        progress(f"every site started its rounds ({', '.join(label for label, _, _ in world.plan)}) at once")
 
         if sc.failure is not None:
             victim = sc.failure.site
@@ -460,15 +597,24 @@ def run_sites(world: World, progress: Progress) -> dict:
                 if _ledger_count(world.sites[victim].ledger) >= sc.failure.after_releases:
                     daemons[victim].kill()
                     rounds[victim].kill()
-                    failure = {"site": victim, "killed_at": daemons[victim].killed_at, "signal": "SIGKILL",
-                               "trigger": f"scripted: once its ledger held {sc.failure.after_releases} charge(s)",
-                               "ledger_entries_at_kill": _ledger_count(world.sites[victim].ledger)}
-                    progress(f"FAILURE: SIGKILL {victim} (daemon and round) at {failure['killed_at']}: {failure['trigger']}")
+                    failure = {
+                        "site": victim,
+                        "killed_at": daemons[victim].killed_at,
+                        "signal": "SIGKILL",
+                        "trigger": f"scripted: once its ledger held {sc.failure.after_releases} charge(s)",
+                        "ledger_entries_at_kill": _ledger_count(world.sites[victim].ledger),
+                    }
+                    progress(
+                        f"FAILURE: SIGKILL {victim} (daemon and round) at {failure['killed_at']}: {failure['trigger']}"
+                    )
                     break
                 time.sleep(0.02)
             if not failure:
-                failure = {"site": victim, "killed_at": None,
-                           "trigger": f"not reached: its ledger never held {sc.failure.after_releases} charges"}
+                failure = {
+                    "site": victim,
+                    "killed_at": None,
+                    "trigger": f"not reached: its ledger never held {sc.failure.after_releases} charges",
+                }
                 progress(f"FAILURE not triggered: {failure['trigger']}")
         codes = {n: r.wait() for n, r in rounds.items()}
         world.timings["rounds_s"] = time.monotonic() - t0
@@ -481,8 +627,7 @@ def run_sites(world: World, progress: Progress) -> dict:
             d.terminate()
         for d in daemons.values():
             d.stop()
-    return {"exit_codes": codes, "failure": failure,
-            "addresses": {n: d.address for n, d in daemons.items()}}
+    return {"exit_codes": codes, "failure": failure, "addresses": {n: d.address for n, d in daemons.items()}}
 
 
 # ------------------------------------------------------------------------------------- evaluation
@@ -507,7 +652,7 @@ def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> f
         other = world.sites[name]
         g = extract_graph(arch, model_from_arrays(arch, other.arrays), site.probe)
         aligned.append(align(arch, own, g, other.arrays)[0])
-    fused = average_arrays([site.arrays] + aligned, fusion_weights(site.alpha, len(aligned)))
+    fused = average_arrays([site.arrays, *aligned], fusion_weights(site.alpha, len(aligned)))
     return accuracy(arch, model_from_arrays(arch, fused), world.x_test, world.y_test)
 
 
@@ -523,29 +668,48 @@ def evaluate(world: World) -> dict[str, dict]:
         for label, method, scale in world.plan:
             r = reports.get(label)
             if r is None:
-                rounds[label] = {"status": "missing", "method": method, "scale": scale, "accuracy": None,
-                                 "reason": "no round report (the site was killed before it finished this round)"}
+                rounds[label] = {
+                    "status": "missing",
+                    "method": method,
+                    "scale": scale,
+                    "accuracy": None,
+                    "reason": "no round report (the site was killed before it finished this round)",
+                }
                 continue
             acc = None
             if r["status"] == "fused":
                 m = load_model(s.root / "rounds" / "models", r["fused_model"])
                 acc = accuracy(arch, model_from_arrays(arch, m.arrays), world.x_test, world.y_test)
             drops = [p["drop"] for p in r["peers"].values() if p["drop"] is not None]
-            rounds[label] = {"status": r["status"], "reason": r["reason"], "method": method, "scale": scale,
-                             "round_id": r["round_id"], "accuracy": acc, "contributors": r["contributors"],
-                             "weights": r["weights"], "dropped": drops, "started_at": r["started_at"],
-                             "finished_at": r["finished_at"],
-                             "released_epsilon_per_peer": released_epsilon(world.scenario, scale) if method == "ldp" else None,
-                             "methods": {p: v["method"] for p, v in r["peers"].items() if v["state"] == "contributed"}}
-        main = next((rounds[l] for l, m, sc in world.plan if m == "ldp" and sc == 1.0), None)
-        contributors = main["contributors"] if main and main.get("contributors") else \
-            [n for n in world.sites if n != name]
+            rounds[label] = {
+                "status": r["status"],
+                "reason": r["reason"],
+                "method": method,
+                "scale": scale,
+                "round_id": r["round_id"],
+                "accuracy": acc,
+                "contributors": r["contributors"],
+                "weights": r["weights"],
+                "dropped": drops,
+                "started_at": r["started_at"],
+                "finished_at": r["finished_at"],
+                "released_epsilon_per_peer": released_epsilon(world.scenario, scale) if method == "ldp" else None,
+                "methods": {p: v["method"] for p, v in r["peers"].items() if v["state"] == "contributed"},
+            }
+        main = next((rounds[label] for label, m, sc in world.plan if m == "ldp" and sc == 1.0), None)
+        contributors = (
+            main["contributors"] if main and main.get("contributors") else [n for n in world.sites if n != name]
+        )
         out[name] = {
-            "records": int(len(s.y)), "alpha": s.alpha,
+            "records": len(s.y),
+            "alpha": s.alpha,
             "own_accuracy": accuracy(arch, model_from_arrays(arch, s.arrays), world.x_test, world.y_test),
             "rounds": rounds,
-            "oracle": {"accuracy": oracle_accuracy(world, s, contributors), "contributors": contributors,
-                       "label": "ORACLE (non-private): graph matching on exact features, computed by the simulator"},
+            "oracle": {
+                "accuracy": oracle_accuracy(world, s, contributors),
+                "contributors": contributors,
+                "label": "ORACLE (non-private): graph matching on exact features, computed by the simulator",
+            },
             "pool": s.pool,
         }
     return out
@@ -586,17 +750,28 @@ def reconcile(world: World, evaluation: dict, ledgers: dict) -> dict[str, dict]:
     for name, s in world.sites.items():
         for r in round_reports(s).values():
             for c in r["charges"]:
-                receipts[c["peer"]][c["release_id"]] = {"requester": name, "round": r["label"], "step": c["step"],
-                                                        "entry_id": c["entry_id"]}
+                receipts[c["peer"]][c["release_id"]] = {
+                    "requester": name,
+                    "round": r["label"],
+                    "step": c["step"],
+                    "entry_id": c["entry_id"],
+                }
     out = {}
     for name in world.sites:
         entries = {e["release_id"]: e for e in ledgers[name]["entries"]}
         missing = sorted(set(receipts[name]) - set(entries))
-        unreported = [{"entry_id": e["entry_id"], "counterparty": e["counterparty"], "mechanism": e["mechanism"]}
-                      for rid, e in entries.items() if rid not in receipts[name]]
-        out[name] = {"ledger_entries": len(entries), "receipts_reported": len(receipts[name]),
-                     "receipts_missing_from_ledger": missing, "entries_without_reported_receipt": unreported,
-                     "consistent": not missing}
+        unreported = [
+            {"entry_id": e["entry_id"], "counterparty": e["counterparty"], "mechanism": e["mechanism"]}
+            for rid, e in entries.items()
+            if rid not in receipts[name]
+        ]
+        out[name] = {
+            "ledger_entries": len(entries),
+            "receipts_reported": len(receipts[name]),
+            "receipts_missing_from_ledger": missing,
+            "entries_without_reported_receipt": unreported,
+            "consistent": not missing,
+        }
     return out
 
 
@@ -622,11 +797,17 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     world.timings["evaluate_s"] = time.monotonic() - t0
     world.timings["total_s"] = time.monotonic() - started
     report = {
-        "scenario": sc.to_dict(), "plan": [{"label": l, "method": m, "scale": s} for l, m, s in world.plan],
-        "sites": evaluation, "ledgers": ledgers, "reconciliation": reconcile(world, evaluation, ledgers),
-        "failure": processes["failure"], "round_exit_codes": processes["exit_codes"],
-        "addresses": processes["addresses"], "timings": world.timings,
-        "test_examples": int(len(world.y_test)), "public_examples": int(len(world.y_public)),
+        "scenario": sc.to_dict(),
+        "plan": [{"label": label, "method": m, "scale": s} for label, m, s in world.plan],
+        "sites": evaluation,
+        "ledgers": ledgers,
+        "reconciliation": reconcile(world, evaluation, ledgers),
+        "failure": processes["failure"],
+        "round_exit_codes": processes["exit_codes"],
+        "addresses": processes["addresses"],
+        "timings": world.timings,
+        "test_examples": len(world.y_test),
+        "public_examples": len(world.y_public),
     }
     write_report(report, out)
     return report

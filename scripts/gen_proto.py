@@ -33,15 +33,24 @@ def generate(out_root: Path) -> list[Path]:
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] != "grpc_tools":
             raise
-        raise SystemExit("scripts/gen_proto.py needs grpcio-tools, which is not installed: install the 'dev' extra "
-                         "(pip install -e '.[dev]')") from None
+        raise SystemExit(
+            "scripts/gen_proto.py needs grpcio-tools, which is not installed: install the 'dev' extra "
+            "(pip install -e '.[dev]')"
+        ) from None
 
     out_root = Path(out_root)
     (out_root / PACKAGE_DIR).mkdir(parents=True, exist_ok=True)
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={out_root}",
-            f"--pyi_out={out_root}", f"--grpc_python_out={out_root}", *files]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{well_known}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *files,
+    ]
     rc = protoc.main(args)
     if rc != 0:
         raise SystemExit(f"protoc failed with status {rc}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install PrivFusion with its test dependencies (the 'test' extra, which holds the 'plots' and
-# 'dev' ones too) into .venv, then run the whole test suite,
-# slow end-to-end tests included. Extra arguments go to pytest (e.g. -m "not slow", -k ledger).
+# 'dev' ones too) into .venv, check lint and formatting (ruff, configured in pyproject.toml),
+# then run the whole test suite, slow end-to-end tests included. Extra arguments go to pytest
+# (e.g. -m "not slow", -k ledger).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The several-hosts test puts sites in network namespaces (ip netns, as root): install iproute2
@@ -11,4 +12,7 @@ if ! command -v ip > /dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get 
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+# lint before the tests: a finding fails the script (set -e) before any test runs
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest --run-slow "$@"

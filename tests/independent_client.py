@@ -18,6 +18,7 @@ import json
 import math
 import struct
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 PROJECT_MODULES = ("peer", "coordinator_free", "scenarios")
@@ -30,8 +31,16 @@ def generate_stubs(proto_root: Path, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     files = sorted(str(p.relative_to(proto_root)) for p in (proto_root / "privfusion" / "v1").glob("*.proto"))
-    rc = protoc.main(["protoc", f"-I{proto_root}", f"-I{Path(grpc_tools.__file__).parent / '_proto'}",
-                      f"--python_out={out}", f"--grpc_python_out={out}", *files])
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{proto_root}",
+            f"-I{Path(grpc_tools.__file__).parent / '_proto'}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            *files,
+        ]
+    )
     if rc != 0:
         raise SystemExit(f"protoc failed: {rc}")
     for d in (out / "privfusion", out / "privfusion" / "v1"):
@@ -65,15 +74,27 @@ def digest32(b: bytes) -> bytes:
 
 
 def receipt_payload(r) -> bytes:
-    out = b"privfusion.v1/receipt/2\n" + text(r.signer) + text(r.ledger_entry_id) + blob(r.record_json) + u32(len(r.tensors))
+    out = (
+        b"privfusion.v1/receipt/2\n"
+        + text(r.signer)
+        + text(r.ledger_entry_id)
+        + blob(r.record_json)
+        + u32(len(r.tensors))
+    )
     for t in r.tensors:
         out += text(t.name) + digest32(t.sha256)
     return out + digest32(r.manifest_sha256)
 
 
 def manifest_bytes(m) -> bytes:
-    out = (b"privfusion.v1/manifest/2\n" + text(m.kind) + text(m.model) + text(m.architecture_json)
-           + text(m.metadata_json) + u32(len(m.tensors)))
+    out = (
+        b"privfusion.v1/manifest/2\n"
+        + text(m.kind)
+        + text(m.model)
+        + text(m.architecture_json)
+        + text(m.metadata_json)
+        + u32(len(m.tensors))
+    )
     for t in m.tensors:
         out += text(t.name) + u32(t.dtype) + u32(len(t.shape)) + b"".join(u64(d) for d in t.shape)
         out += u64(t.nbytes) + digest32(t.sha256)
@@ -126,12 +147,20 @@ class Client:
         self.pb = peer_pb2
         self.cfg = cfg
         self.peer_cert = Path(cfg["peer_cert"]).read_bytes()
-        creds = grpc.ssl_channel_credentials(root_certificates=self.peer_cert,
-                                             private_key=Path(cfg["key"]).read_bytes(),
-                                             certificate_chain=Path(cfg["cert"]).read_bytes())
-        self.channel = grpc.secure_channel(cfg["address"], creds, options=[
-            ("grpc.ssl_target_name_override", cfg["peer"]),
-            ("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)])
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=self.peer_cert,
+            private_key=Path(cfg["key"]).read_bytes(),
+            certificate_chain=Path(cfg["cert"]).read_bytes(),
+        )
+        self.channel = grpc.secure_channel(
+            cfg["address"],
+            creds,
+            options=[
+                ("grpc.ssl_target_name_override", cfg["peer"]),
+                ("grpc.max_receive_message_length", 16 << 20),
+                ("grpc.max_send_message_length", 16 << 20),
+            ],
+        )
         self.stub = peer_pb2_grpc.PeerStub(self.channel)
 
     def header(self):
@@ -171,26 +200,46 @@ class Client:
         import numpy as np
 
         raw = np.ascontiguousarray(probe, dtype="<f8").tobytes()
-        head = self.pb.FeaturesRequest(probe={"name": "probe", "dtype": 2, "shape": list(probe.shape), "nbytes": len(raw),
-                                                  "sha256": hashlib.sha256(raw).digest()})  # the WHOLE probe's digest
+        head = self.pb.FeaturesRequest(
+            probe={
+                "name": "probe",
+                "dtype": 2,
+                "shape": list(probe.shape),
+                "nbytes": len(raw),
+                "sha256": hashlib.sha256(raw).digest(),
+            }
+        )  # the WHOLE probe's digest
 
         def requests():
-            yield self.pb.FeaturesRequest(params=self.pb.FeaturesParams(
-                header=self.header(), model=model, activation_epsilon=2.0, weight_epsilon=2.0,
-                activation_clip_low=0.0, activation_clip_high=4.0))
+            yield self.pb.FeaturesRequest(
+                params=self.pb.FeaturesParams(
+                    header=self.header(),
+                    model=model,
+                    activation_epsilon=2.0,
+                    weight_epsilon=2.0,
+                    activation_clip_low=0.0,
+                    activation_clip_high=4.0,
+                )
+            )
             yield head
             for i in range(0, len(raw), chunk):
-                yield self.pb.FeaturesRequest(chunk={"data": raw[i:i + chunk]})
+                yield self.pb.FeaturesRequest(chunk={"data": raw[i : i + chunk]})
 
         return self.read(self.stub.ReleaseFeatures(requests(), timeout=120))
 
     def weights(self, model: str):
-        return self.read(self.stub.ReleaseWeights(self.pb.WeightsRequest(
-            header=self.header(), model=model, epsilon=2.0, delta=1e-5), timeout=120))
+        return self.read(
+            self.stub.ReleaseWeights(
+                self.pb.WeightsRequest(header=self.header(), model=model, epsilon=2.0, delta=1e-5), timeout=120
+            )
+        )
 
     def merged(self, pool: str):
-        return self.read(self.stub.ReleaseMerged(self.pb.MergeRequest(
-            header=self.header(), pool=pool, method="rs", epsilon=8.0, delta=1e-5), timeout=120))
+        return self.read(
+            self.stub.ReleaseMerged(
+                self.pb.MergeRequest(header=self.header(), pool=pool, method="rs", epsilon=8.0, delta=1e-5), timeout=120
+            )
+        )
 
 
 def array(manifest, tensors: dict[str, bytes], name: str):
@@ -213,8 +262,11 @@ def main(config_path: str, out_path: str) -> int:
     [model] = [m for m in info.models if m.name == cfg["model"]]
     layers = list(model.layers)
     probe = np.random.default_rng(0).random((7, json.loads(model.architecture_json)["input_dim"]))
-    kept = {"features": c.features(model.name, probe, chunk=1000), "weights": c.weights(model.name),
-            "merged": c.merged(cfg["pool"])}
+    kept = {
+        "features": c.features(model.name, probe, chunk=1000),
+        "weights": c.weights(model.name),
+        "merged": c.merged(cfg["pool"]),
+    }
     c.channel.close()
 
     # ---- offline: only the kept bytes and the pinned certificate from here on
@@ -222,15 +274,23 @@ def main(config_path: str, out_path: str) -> int:
     for kind, (receipt, manifest, tensors, chunks) in kept.items():
         record = verify_offline(receipt, manifest, tensors, c.peer_cert, cfg["peer"], cfg["me"])
         assert manifest.kind == kind
-        out["releases"][kind] = {"entry": receipt.ledger_entry_id, "release_id": record["release_id"],
-                                 "epsilon": record["epsilon"], "level": record["level"], "chunks": chunks,
-                                 "names": [t.name for t in manifest.tensors],
-                                 "shapes": {t.name: list(t.shape) for t in manifest.tensors},
-                                 "metadata": json.loads(manifest.metadata_json)}
+        out["releases"][kind] = {
+            "entry": receipt.ledger_entry_id,
+            "release_id": record["release_id"],
+            "epsilon": record["epsilon"],
+            "level": record["level"],
+            "chunks": chunks,
+            "names": [t.name for t in manifest.tensors],
+            "shapes": {t.name: list(t.shape) for t in manifest.tensors},
+            "metadata": json.loads(manifest.metadata_json),
+        }
         # a verifier that cannot fail proves nothing: each edit below must be refused
         refused = []
-        for field, value in (("metadata_json", manifest.metadata_json + " "), ("kind", "fused"),
-                             ("architecture_json", manifest.architecture_json.replace("10", "11"))):
+        for field, value in (
+            ("metadata_json", manifest.metadata_json + " "),
+            ("kind", "fused"),
+            ("architecture_json", manifest.architecture_json.replace("10", "11")),
+        ):
             edited = type(manifest)()
             edited.CopyFrom(manifest)
             setattr(edited, field, value)
@@ -257,34 +317,33 @@ def main(config_path: str, out_path: str) -> int:
     # ---- the layouts of section 5, checked against PeerInfo's layers
     _, fm, ft, _ = kept["features"]
     meta = json.loads(fm.metadata_json)
-    hidden = [l for l in layers if l.hidden]
-    assert [l["name"] for l in meta["layers"]] == [l.name for l in hidden]
+    hidden = [layer for layer in layers if layer.hidden]
+    assert [layer["name"] for layer in meta["layers"]] == [layer.name for layer in hidden]
     want = []
-    for l in hidden:
-        want += [f"hidden.{l.name}.activations", f"hidden.{l.name}.incoming", f"hidden.{l.name}.bias"]
-    assert [t.name for t in fm.tensors] == want + ["output.incoming", "output.bias"]
+    for layer in hidden:
+        want += [f"hidden.{layer.name}.activations", f"hidden.{layer.name}.incoming", f"hidden.{layer.name}.bias"]
+    assert [t.name for t in fm.tensors] == [*want, "output.incoming", "output.bias"]
     n_prev = meta["input_size"]
-    for l in hidden:
-        n = l.weight_shape[0]
-        assert array(fm, ft, f"hidden.{l.name}.activations").shape == (n, probe.shape[0])
-        incoming = array(fm, ft, f"hidden.{l.name}.incoming")
-        assert incoming.shape == (n, n_prev, 1) == (n, l.weight_shape[1], 1)  # Linear -> Linear: e = 1
-        assert array(fm, ft, f"hidden.{l.name}.bias").shape == (n,)
+    for layer in hidden:
+        n = layer.weight_shape[0]
+        assert array(fm, ft, f"hidden.{layer.name}.activations").shape == (n, probe.shape[0])
+        incoming = array(fm, ft, f"hidden.{layer.name}.incoming")
+        assert incoming.shape == (n, n_prev, 1) == (n, layer.weight_shape[1], 1)  # Linear -> Linear: e = 1
+        assert array(fm, ft, f"hidden.{layer.name}.bias").shape == (n,)
         n_prev = n
     assert array(fm, ft, "output.incoming").shape == (layers[-1].weight_shape[0], n_prev, 1)
     _, wm, wt, _ = kept["weights"]
     names = [t.name for t in wm.tensors]
-    assert names == sorted(names) == sorted(f"{l.name}.{p}" for l in layers for p in ("weight", "bias"))
-    for l in layers:
-        assert array(wm, wt, f"{l.name}.weight").shape == tuple(l.weight_shape)
-        assert array(wm, wt, f"{l.name}.bias").shape == tuple(l.bias_shape)
+    assert names == sorted(names) == sorted(f"{layer.name}.{p}" for layer in layers for p in ("weight", "bias"))
+    for layer in layers:
+        assert array(wm, wt, f"{layer.name}.weight").shape == tuple(layer.weight_shape)
+        assert array(wm, wt, f"{layer.name}.bias").shape == tuple(layer.bias_shape)
     _, mm, mt, _ = kept["merged"]
     arch = json.loads(mm.architecture_json)
     names = [t.name for t in mm.tensors]
     assert names == sorted(names) and arch["kind"] == "mlp"
     widths = [arch["input_dim"], *arch["hidden"], arch["output_dim"]]
-    assert [array(mm, mt, n).shape for n in names if n.endswith(".weight")] == [
-        (o, i) for i, o in zip(widths[:-1], widths[1:])]
+    assert [array(mm, mt, n).shape for n in names if n.endswith(".weight")] == [(o, i) for i, o in pairwise(widths)]
     out["project_modules_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT_MODULES)
     Path(out_path).write_text(json.dumps(out, indent=2))
     return 0

@@ -38,23 +38,35 @@ def filter_admits(orders, rdp_total, pure_total, epsilon, delta):
     if delta == 0:
         return False
     share = delta / len(orders)
-    return any(compute_epsilon([o], [r], share)[0] <= epsilon * (1 + 1e-12) for o, r in zip(orders, rdp_total))
+    return any(
+        compute_epsilon([o], [r], share)[0] <= epsilon * (1 + 1e-12) for o, r in zip(orders, rdp_total, strict=True)
+    )
 
 
 def filter_spent(orders, rdp_total, pure_total, delta):
     best = pure_total
     if delta > 0:
         share = delta / len(orders)
-        best = min([best] + [compute_epsilon([o], [r], share)[0] for o, r in zip(orders, rdp_total)])
+        best = min([best] + [compute_epsilon([o], [r], share)[0] for o, r in zip(orders, rdp_total, strict=True)])
     return best
 
 
 def gaussian_record(subject="m", noise_std=10.0, sensitivity=1.0, level="model", unit="neuron", **kw) -> ReleaseRecord:
     eps = get_epsilon_gaussian(noise_std / sensitivity, 1e-5)
     return ReleaseRecord(
-        mechanism="gaussian", level=level, unit=unit, epsilon=eps, delta=1e-5, sensitivity=sensitivity,
-        sensitivity_norm="l2", parameters={"noise_std": noise_std, "clip_norm": sensitivity, "calibration": "analytic"},
-        randomness="fixed-seed", seed=0, subject=subject, **kw)
+        mechanism="gaussian",
+        level=level,
+        unit=unit,
+        epsilon=eps,
+        delta=1e-5,
+        sensitivity=sensitivity,
+        sensitivity_norm="l2",
+        parameters={"noise_std": noise_std, "clip_norm": sensitivity, "calibration": "analytic"},
+        randomness="fixed-seed",
+        seed=0,
+        subject=subject,
+        **kw,
+    )
 
 
 def laplace_record(subject="m", epsilon=0.5, clip=(0.0, 1.0), shape=(4, 3), unit="neuron", **kw) -> ReleaseRecord:
@@ -62,10 +74,19 @@ def laplace_record(subject="m", epsilon=0.5, clip=(0.0, 1.0), shape=(4, 3), unit
     sensitivity = (hi - lo) * (shape[1] if unit == "neuron" else 1)
     scale = sensitivity / epsilon
     return ReleaseRecord(
-        mechanism="laplace", level="model", unit=unit, epsilon=sensitivity / scale, delta=0.0,
-        sensitivity=sensitivity, sensitivity_norm="l1",
+        mechanism="laplace",
+        level="model",
+        unit=unit,
+        epsilon=sensitivity / scale,
+        delta=0.0,
+        sensitivity=sensitivity,
+        sensitivity_norm="l1",
         parameters={"scale": scale, "clip": list(clip), "shape": list(shape)},
-        randomness="fixed-seed", seed=0, subject=subject, **kw)
+        randomness="fixed-seed",
+        seed=0,
+        subject=subject,
+        **kw,
+    )
 
 
 def isclose(a, b, rel=1e-12):

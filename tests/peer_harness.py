@@ -64,10 +64,21 @@ def model_arrays(arch=ARCH, seed=0) -> dict[str, np.ndarray]:
     return state_arrays(build_model(arch, seed=seed))
 
 
-def make_site(root: Path, name: str, *, models: dict | None = None, policy: str = OPEN_POLICY,
-              peers: dict[str, str] | None = None, probe: np.ndarray | None = None, seed: int | None = None,
-              workers: int = 8, activation_clip=(0.0, 4.0), grace: float = 5.0, extra_site: str = "",
-              pools: dict[str, Path] | None = None) -> SiteFiles:
+def make_site(
+    root: Path,
+    name: str,
+    *,
+    models: dict | None = None,
+    policy: str = OPEN_POLICY,
+    peers: dict[str, str] | None = None,
+    probe: np.ndarray | None = None,
+    seed: int | None = None,
+    workers: int = 8,
+    activation_clip=(0.0, 4.0),
+    grace: float = 5.0,
+    extra_site: str = "",
+    pools: dict[str, Path] | None = None,
+) -> SiteFiles:
     """A site directory with an identity, a model store, site.toml (and its [policy])."""
     d = root / name
     d.mkdir(parents=True)
@@ -107,14 +118,16 @@ LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
 
 def make_pool(directory: Path, noise=(4.0, 12.0), steps: int = 3, arch=LOGREG, seed: int = 1) -> Path:
     """A small real DP-SGD pool (full batch, replace-one) on digits, as `privfusion pool train` makes."""
+    from peer.base.rng import make_randomness
     from peer.dp.accounting import TrainingRecord
     from peer.dp.pools import load_splits, save_trained
-    from peer.base.rng import make_randomness
     from peer.dp.training import train_pool
 
     s = load_splits("digits")
     trainings = [TrainingRecord.constant("replace-one", steps, 2.0, 1.0, sigma) for sigma in noise]
-    models = train_pool(arch, s.x_train, s.y_train, trainings, init_seed=0, randomness=make_randomness(seed), delta=1e-5)
+    models = train_pool(
+        arch, s.x_train, s.y_train, trainings, init_seed=0, randomness=make_randomness(seed), delta=1e-5
+    )
     for i, m in enumerate(models):
         save_trained(directory, f"m{i}", m, data=s.description)
     return directory
@@ -158,13 +171,25 @@ def client(site: SiteFiles, address: str, peer: str | None = None, **kw):
 class DaemonProcess:
     """``privfusion peer serve`` in its own process (for SIGTERM / SIGKILL tests)."""
 
-    def __init__(self, site: SiteFiles, log_path: Path | None = None, insecure: bool = False,
-                 simulation: bool | None = None):
+    def __init__(
+        self, site: SiteFiles, log_path: Path | None = None, insecure: bool = False, simulation: bool | None = None
+    ):
         self.site = site
         self.ready = site.root / f"ready-{time.monotonic_ns()}.json"
         self.log_path = log_path or site.root / "daemon.log"
-        self.log = open(self.log_path, "ab")
-        args = [sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(site.config), "--ready-file", str(self.ready)]
+        # held for the daemon's lifetime (its output), closed when it is stopped
+        self.log = open(self.log_path, "ab")  # noqa: SIM115
+        args = [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "peer",
+            "serve",
+            "--config",
+            str(site.config),
+            "--ready-file",
+            str(self.ready),
+        ]
         if insecure:
             args.append("--insecure")
         if simulation is None:  # a site made with a fixed seed is a simulation
@@ -210,17 +235,31 @@ class ForkedDaemons:
         import multiprocessing
 
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["peer.net.daemon", "peer.ldp.mechanisms", "peer.ldp.fusion", "peer.ldp.matching", "peer.dp.pools",
-                                          "peer.dp.accounting", "peer.net.client", "peer_harness"])
+        self.ctx.set_forkserver_preload(
+            [
+                "peer.net.daemon",
+                "peer.ldp.mechanisms",
+                "peer.ldp.fusion",
+                "peer.ldp.matching",
+                "peer.dp.pools",
+                "peer.dp.accounting",
+                "peer.net.client",
+                "peer_harness",
+            ]
+        )
 
     def start(self, site: SiteFiles, timeout: float = 60.0):
         ready = site.root / f"ready-{time.monotonic_ns()}.json"
-        proc = self.ctx.Process(target=serve_in_child, args=(str(site.config), str(ready), str(site.root / "daemon.log")))
+        proc = self.ctx.Process(
+            target=serve_in_child, args=(str(site.config), str(ready), str(site.root / "daemon.log"))
+        )
         proc.start()
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if not proc.is_alive():
-                raise RuntimeError(f"daemon exited with {proc.exitcode}: {(site.root / 'daemon.log').read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"daemon exited with {proc.exitcode}: {(site.root / 'daemon.log').read_text()[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 proc.kill()
                 raise TimeoutError("daemon not ready")

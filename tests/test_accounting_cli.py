@@ -5,17 +5,47 @@ import re
 
 import pytest
 
-from peer.dp.accounting import TrainingRecord, lc_epsilon, rs_epsilon
 from peer.cli import main
 from peer.cli.account import parse_models
+from peer.dp.accounting import TrainingRecord, lc_epsilon, rs_epsilon
 
-MODELS = {"adjacency": "replace", "models": [
-    {"name": "m1", "steps": 200, "noise_multiplier": 30.0, "clip": 1.0, "learning_rate": 0.1, "sample_rate": 1.0, "accuracy": 0.95},
-    {"name": "m2", "steps": 200, "noise_multiplier": 60.0, "clip": 1.0, "learning_rate": 0.1, "sample_rate": 1.0, "accuracy": 0.9},
-    {"name": "m3", "steps": 100, "noise_multiplier": 20.0, "clip": 2.0, "learning_rate": 0.05, "sample_rate": 1.0, "accuracy": 0.85},
-]}
-RECORDS = [TrainingRecord.constant("replace-one", 200, 0.1, 1.0, 30.0), TrainingRecord.constant("replace-one", 200, 0.1, 1.0, 60.0),
-           TrainingRecord.constant("replace-one", 100, 0.05, 2.0, 20.0)]
+MODELS = {
+    "adjacency": "replace",
+    "models": [
+        {
+            "name": "m1",
+            "steps": 200,
+            "noise_multiplier": 30.0,
+            "clip": 1.0,
+            "learning_rate": 0.1,
+            "sample_rate": 1.0,
+            "accuracy": 0.95,
+        },
+        {
+            "name": "m2",
+            "steps": 200,
+            "noise_multiplier": 60.0,
+            "clip": 1.0,
+            "learning_rate": 0.1,
+            "sample_rate": 1.0,
+            "accuracy": 0.9,
+        },
+        {
+            "name": "m3",
+            "steps": 100,
+            "noise_multiplier": 20.0,
+            "clip": 2.0,
+            "learning_rate": 0.05,
+            "sample_rate": 1.0,
+            "accuracy": 0.85,
+        },
+    ],
+}
+RECORDS = [
+    TrainingRecord.constant("replace-one", 200, 0.1, 1.0, 30.0),
+    TrainingRecord.constant("replace-one", 200, 0.1, 1.0, 60.0),
+    TrainingRecord.constant("replace-one", 100, 0.05, 2.0, 20.0),
+]
 
 
 def run_cli(tmp_path, capsys, data, *args):
@@ -27,58 +57,121 @@ def run_cli(tmp_path, capsys, data, *args):
 
 
 def test_rs_with_weights_json(tmp_path, capsys):
-    code, out, _ = run_cli(tmp_path, capsys, MODELS, "rs", "--weights", "0.2,0.3,0.5", "--delta", "1e-5", "--json", "--interval", "1e-3")
+    code, out, _ = run_cli(
+        tmp_path, capsys, MODELS, "rs", "--weights", "0.2,0.3,0.5", "--delta", "1e-5", "--json", "--interval", "1e-3"
+    )
     assert code == 0
     result = json.loads(out)
     assert result["method"] == "rs" and result["weights"] == [0.2, 0.3, 0.5] and result["delta"] == 1e-5
     expected = rs_epsilon(RECORDS, [0.2, 0.3, 0.5], 1e-5, value_discretization_interval=1e-3)
-    assert result["epsilon"]["pld"] == pytest.approx(expected.pld) and result["epsilon"]["rdp"] == pytest.approx(expected.rdp)
+    assert result["epsilon"]["pld"] == pytest.approx(expected.pld) and result["epsilon"]["rdp"] == pytest.approx(
+        expected.rdp
+    )
     assert result["expected_accuracy"] == pytest.approx(0.2 * 0.95 + 0.3 * 0.9 + 0.5 * 0.85)
 
 
 def test_lc_target_json_and_table(tmp_path, capsys):
-    code, out, _ = run_cli(tmp_path, capsys, MODELS, "lc", "--target-epsilon", "2.5", "--delta", "1e-5", "--json", "--interval", "1e-3")
+    code, out, _ = run_cli(
+        tmp_path, capsys, MODELS, "lc", "--target-epsilon", "2.5", "--delta", "1e-5", "--json", "--interval", "1e-3"
+    )
     assert code == 0
     result = json.loads(out)
     assert result["epsilon"]["pld"] <= 2.5 and "proxy" in result["accuracy_note"]
-    assert result["epsilon"]["pld"] == pytest.approx(lc_epsilon(RECORDS, result["weights"], 1e-5, value_discretization_interval=1e-3).pld)
+    assert result["epsilon"]["pld"] == pytest.approx(
+        lc_epsilon(RECORDS, result["weights"], 1e-5, value_discretization_interval=1e-3).pld
+    )
     # composition bound + linear proxy: the most accurate model meeting 2.5 alone (m2: μ = 2·sqrt(200)/60)
     assert result["bound"] == "composition" and result["weights"] == [0.0, 1.0, 0.0] and result["accuracy_proxy"] == 0.9
-    code, out, _ = run_cli(tmp_path, capsys, MODELS, "lc", "--weights", "0.5,0.5,0", "--delta", "1e-5", "--interval", "1e-3")
+    code, out, _ = run_cli(
+        tmp_path, capsys, MODELS, "lc", "--weights", "0.5,0.5,0", "--delta", "1e-5", "--interval", "1e-3"
+    )
     assert code == 0 and "closed form" in out and "m3" in out
 
 
 def test_per_step_lists_are_accepted(tmp_path, capsys):
-    data = {"adjacency": "add-remove", "models": [
-        {"name": "a", "steps": 3, "noise_multiplier": [2.0, 2.0, 3.0], "clip": 1.0, "learning_rate": [0.1, 0.2, 0.2], "sample_rate": 1.0}]}
+    data = {
+        "adjacency": "add-remove",
+        "models": [
+            {
+                "name": "a",
+                "steps": 3,
+                "noise_multiplier": [2.0, 2.0, 3.0],
+                "clip": 1.0,
+                "learning_rate": [0.1, 0.2, 0.2],
+                "sample_rate": 1.0,
+            }
+        ],
+    }
     _, _, models, _ = parse_models(data)
     assert [s.noise_multiplier for s in models[0].steps] == [2.0, 2.0, 3.0]
     assert len(models[0].runs) == 3
 
 
-@pytest.mark.parametrize("mutate, args, message", [
-    (lambda d: d, ("rs", "--weights", "0.5,0.6,0", "--delta", "1e-5"), "sum to 1"),
-    (lambda d: d, ("rs", "--weights", "1.2,-0.2,0", "--delta", "1e-5"), r"pi\[1\]: must be >= 0"),
-    (lambda d: d, ("rs", "--weights", "0.5,0.5", "--delta", "1e-5"), "one weight per model"),
-    (lambda d: d, ("rs", "--weights", "1,0,0", "--delta", "1.5"), r"--delta: must be a number in \(0, 1\)"),
-    (lambda d: d, ("rs", "--weights", "1,0,0", "--delta", "0"), "--delta"),
-    (lambda d: {**d, "adjacency": "swap"}, ("rs", "--weights", "1,0,0", "--delta", "1e-5"), "adjacency: must be"),
-    (lambda d: {**d, "models": [{k: v for k, v in m.items() if k != "clip"} if i == 1 else m for i, m in enumerate(d["models"])]},
-     ("rs", "--weights", "1,0,0", "--delta", "1e-5"), r"models\[1\]\.clip: is required"),
-    (lambda d: {**d, "models": [{**m, "noise_multiplier": [1.0, 2.0]} if i == 2 else m for i, m in enumerate(d["models"])]},
-     ("rs", "--weights", "1,0,0", "--delta", "1e-5"), r"models\[2\]\.noise_multiplier: has 2 values for 100 steps"),
-    (lambda d: {**d, "models": [{**m, "learning_rate": -1} if i == 0 else m for i, m in enumerate(d["models"])]},
-     ("rs", "--weights", "1,0,0", "--delta", "1e-5"), r"models\[0\]\.learning_rate: must be > 0"),
-    (lambda d: {**d, "models": [{**m, "state_independent_gradients": "yes"} if i == 0 else m for i, m in enumerate(d["models"])]},
-     ("lc", "--weights", "1,0,0", "--delta", "1e-5"), r"models\[0\]\.state_independent_gradients: must be true or false"),
-    (lambda d: {**d, "models": d["models"][:2] + [{"name": "old", "epsilon": 1.0, "delta": 1e-6}]},
-     ("lc", "--weights", "0.5,0.5,0", "--delta", "1e-5"), "No free lunch"),
-    (lambda d: {**d, "models": [{k: v for k, v in m.items() if k != "accuracy"} if i == 0 else m for i, m in enumerate(d["models"])]},
-     ("rs", "--target-epsilon", "3", "--delta", "1e-5"), r"models\[0\]\.accuracy: is required with --target-epsilon"),
-    (lambda d: d, ("rs", "--target-epsilon", "0.1", "--delta", "1e-5"), "most private reachable is epsilon = "),
-    (lambda d: {**d, "models": [{**m, "clip_norm": 1.0} if i == 0 else m for i, m in enumerate(d["models"])]},
-     ("rs", "--weights", "1,0,0", "--delta", "1e-5"), r"models\[0\]: unknown fields \['clip_norm'\]"),
-])
+@pytest.mark.parametrize(
+    "mutate, args, message",
+    [
+        (lambda d: d, ("rs", "--weights", "0.5,0.6,0", "--delta", "1e-5"), "sum to 1"),
+        (lambda d: d, ("rs", "--weights", "1.2,-0.2,0", "--delta", "1e-5"), r"pi\[1\]: must be >= 0"),
+        (lambda d: d, ("rs", "--weights", "0.5,0.5", "--delta", "1e-5"), "one weight per model"),
+        (lambda d: d, ("rs", "--weights", "1,0,0", "--delta", "1.5"), r"--delta: must be a number in \(0, 1\)"),
+        (lambda d: d, ("rs", "--weights", "1,0,0", "--delta", "0"), "--delta"),
+        (lambda d: {**d, "adjacency": "swap"}, ("rs", "--weights", "1,0,0", "--delta", "1e-5"), "adjacency: must be"),
+        (
+            lambda d: {
+                **d,
+                "models": [
+                    {k: v for k, v in m.items() if k != "clip"} if i == 1 else m for i, m in enumerate(d["models"])
+                ],
+            },
+            ("rs", "--weights", "1,0,0", "--delta", "1e-5"),
+            r"models\[1\]\.clip: is required",
+        ),
+        (
+            lambda d: {
+                **d,
+                "models": [{**m, "noise_multiplier": [1.0, 2.0]} if i == 2 else m for i, m in enumerate(d["models"])],
+            },
+            ("rs", "--weights", "1,0,0", "--delta", "1e-5"),
+            r"models\[2\]\.noise_multiplier: has 2 values for 100 steps",
+        ),
+        (
+            lambda d: {**d, "models": [{**m, "learning_rate": -1} if i == 0 else m for i, m in enumerate(d["models"])]},
+            ("rs", "--weights", "1,0,0", "--delta", "1e-5"),
+            r"models\[0\]\.learning_rate: must be > 0",
+        ),
+        (
+            lambda d: {
+                **d,
+                "models": [
+                    {**m, "state_independent_gradients": "yes"} if i == 0 else m for i, m in enumerate(d["models"])
+                ],
+            },
+            ("lc", "--weights", "1,0,0", "--delta", "1e-5"),
+            r"models\[0\]\.state_independent_gradients: must be true or false",
+        ),
+        (
+            lambda d: {**d, "models": [*d["models"][:2], {"name": "old", "epsilon": 1.0, "delta": 1e-06}]},
+            ("lc", "--weights", "0.5,0.5,0", "--delta", "1e-5"),
+            "No free lunch",
+        ),
+        (
+            lambda d: {
+                **d,
+                "models": [
+                    {k: v for k, v in m.items() if k != "accuracy"} if i == 0 else m for i, m in enumerate(d["models"])
+                ],
+            },
+            ("rs", "--target-epsilon", "3", "--delta", "1e-5"),
+            r"models\[0\]\.accuracy: is required with --target-epsilon",
+        ),
+        (lambda d: d, ("rs", "--target-epsilon", "0.1", "--delta", "1e-5"), "most private reachable is epsilon = "),
+        (
+            lambda d: {**d, "models": [{**m, "clip_norm": 1.0} if i == 0 else m for i, m in enumerate(d["models"])]},
+            ("rs", "--weights", "1,0,0", "--delta", "1e-5"),
+            r"models\[0\]: unknown fields \['clip_norm'\]",
+        ),
+    ],
+)
 def test_bad_input_is_a_clear_error(tmp_path, capsys, mutate, args, message):
     code, out, err = run_cli(tmp_path, capsys, mutate(json.loads(json.dumps(MODELS))), *args, "--interval", "1e-3")
     assert code == 2 and out == ""
@@ -88,8 +181,13 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, mutate, args, message):
 
 
 def test_rs_with_an_epsilon_delta_model(tmp_path, capsys):
-    data = {**MODELS, "models": MODELS["models"][:2] + [{"name": "legacy", "epsilon": 1.0, "delta": 1e-7, "accuracy": 0.99}]}
-    code, out, _ = run_cli(tmp_path, capsys, data, "rs", "--target-epsilon", "2.0", "--delta", "1e-5", "--json", "--interval", "1e-3")
+    data = {
+        **MODELS,
+        "models": [*MODELS["models"][:2], {"name": "legacy", "epsilon": 1.0, "delta": 1e-07, "accuracy": 0.99}],
+    }
+    code, out, _ = run_cli(
+        tmp_path, capsys, data, "rs", "--target-epsilon", "2.0", "--delta", "1e-5", "--json", "--interval", "1e-3"
+    )
     result = json.loads(out)
     assert code == 0 and result["weights"][2] > 0.5
     assert result["epsilon"]["rdp"] == "inf" and result["epsilon"]["pld"] <= 2.0

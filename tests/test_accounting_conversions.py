@@ -11,11 +11,16 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import DEFAULT_ORDERS, gdp_delta, gdp_epsilon, gdp_mu, rdp_to_delta, rdp_to_epsilon
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.rdp import (rdp_laplace, rdp_mixture, rdp_numerical_subsampled_gaussian, rdp_pure,
-                                 rdp_subsampled_gaussian)
-from peer.base.errors import InvalidArgument
+from peer.dp.accounting.rdp import (
+    rdp_laplace,
+    rdp_mixture,
+    rdp_numerical_subsampled_gaussian,
+    rdp_pure,
+    rdp_subsampled_gaussian,
+)
 
 ORDERS = np.array(DEFAULT_ORDERS)
 
@@ -24,7 +29,9 @@ ORDERS = np.array(DEFAULT_ORDERS)
 @pytest.mark.parametrize("delta", [1e-3, 1e-5, 1e-10])
 def test_gdp_matches_analytic_gaussian(mu, delta):
     # dp-accounting's analytic Gaussian (Balle & Wang 2018) with σ = 1/μ is an independent implementation.
-    assert gdp_epsilon(mu, delta) == pytest.approx(gaussian_mechanism.get_epsilon_gaussian(1 / mu, delta), rel=1e-9, abs=1e-12)
+    assert gdp_epsilon(mu, delta) == pytest.approx(
+        gaussian_mechanism.get_epsilon_gaussian(1 / mu, delta), rel=1e-9, abs=1e-12
+    )
     eps = gdp_epsilon(mu, delta)
     if eps > 0:
         assert gdp_delta(mu, eps) == pytest.approx(delta, rel=1e-8)
@@ -85,7 +92,7 @@ def test_pure_dp_rdp_is_randomised_response(epsilon):
     acc.compose(dp_event.RandomizedResponseDpEvent(2 / (1 + math.exp(epsilon)), 2))
     ours = rdp_pure(epsilon, ORDERS)
     np.testing.assert_allclose(ours, acc.rdp, rtol=1e-9, atol=1e-14)
-    assert np.all(ours <= epsilon + 1e-12) and np.all(ours <= ORDERS * epsilon ** 2 / 2 + 1e-12)
+    assert np.all(ours <= epsilon + 1e-12) and np.all(ours <= ORDERS * epsilon**2 / 2 + 1e-12)
 
 
 @pytest.mark.parametrize("sigma, q", [(1.1, 0.01), (0.8, 0.3), (3.0, 0.5), (5.0, 0.001)])
@@ -94,15 +101,18 @@ def test_numerical_rdp_reproduces_dp_accounting_add_remove(sigma, q):
     # values; at fractional orders dp-accounting's series is an upper bound, so ours is <= it.
     ours = rdp_numerical_subsampled_gaussian(sigma, q, ORDERS, p_shift=1.0, q_shift=0.0)
     ref = np.array([rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(q, sigma, [a])[0] for a in ORDERS])
-    integer = (ORDERS == np.round(ORDERS)) & np.isfinite(ref)
+    integer = (np.round(ORDERS) == ORDERS) & np.isfinite(ref)
     np.testing.assert_allclose(ours[integer], ref[integer], rtol=1e-6, atol=1e-12)
     frac = ~integer & np.isfinite(ref)
     assert np.all(ours[frac] <= ref[frac] * (1 + 1e-6) + 1e-12)
 
 
 def test_replace_one_rdp_full_batch_limit_and_ordering():
-    np.testing.assert_allclose(rdp_numerical_subsampled_gaussian(1.3, 1.0, [2, 10, 1024], -1.0, 1.0),
-                               2 * np.array([2, 10, 1024]) / 1.3 ** 2, rtol=1e-8)
+    np.testing.assert_allclose(
+        rdp_numerical_subsampled_gaussian(1.3, 1.0, [2, 10, 1024], -1.0, 1.0),
+        2 * np.array([2, 10, 1024]) / 1.3**2,
+        rtol=1e-8,
+    )
     add = rdp_subsampled_gaussian(1.1, 0.05, ORDERS, "add-remove")
     rep = rdp_subsampled_gaussian(1.1, 0.05, ORDERS, "replace-one")
     full = rdp_subsampled_gaussian(1.1, 1.0, ORDERS, "replace-one")
@@ -119,7 +129,7 @@ def test_replace_one_rdp_monte_carlo(order):
     x = centre + sigma * rng.standard_normal(n)
 
     def log_mix(x, shift):
-        return np.logaddexp(math.log1p(-q) - x ** 2 / (2 * sigma ** 2), math.log(q) - (x - shift) ** 2 / (2 * sigma ** 2))
+        return np.logaddexp(math.log1p(-q) - x**2 / (2 * sigma**2), math.log(q) - (x - shift) ** 2 / (2 * sigma**2))
 
     ratio = np.exp(order * (log_mix(x, -1.0) - log_mix(x, 1.0)))
     mean, se = ratio.mean(), ratio.std() / math.sqrt(n)
@@ -131,24 +141,32 @@ def test_rs_rdp_mixture_in_log_space():
     rdps = [np.array([1.0, 500.0, 2000.0]), np.array([0.5, 1.0, 3.0])]
     orders = [2.0, 64.0, 1024.0]
     mixed = rdp_mixture([0.5, 0.5], rdps, orders)
-    assert np.all(np.isfinite(mixed))     # exp((order-1)·2000) would overflow
+    assert np.all(np.isfinite(mixed))  # exp((order-1)·2000) would overflow
     a = np.array(orders)
     np.testing.assert_allclose(mixed[0], math.log(0.5 * math.exp(1.0) + 0.5 * math.exp(0.5)), rtol=1e-12)
     np.testing.assert_allclose(mixed[2], 2000.0 + math.log(0.5) / (a[2] - 1), rtol=1e-12)
     np.testing.assert_allclose(rdp_mixture([1.0, 0.0], [rdps[0], np.full(3, np.inf)], orders), rdps[0])
 
 
-@pytest.mark.parametrize("sigma, sens, q, relation", [
-    (1.0, 1.0, 1.0, NeighboringRelation.ADD_OR_REMOVE_ONE), (1.0, 3.0, 1.0, NeighboringRelation.ADD_OR_REMOVE_ONE),
-    (1.1, 1.0, 0.01, NeighboringRelation.ADD_OR_REMOVE_ONE), (0.7, 1.0, 0.3, NeighboringRelation.ADD_OR_REMOVE_ONE),
-    (1.1, 1.0, 0.01, NeighboringRelation.REPLACE_ONE), (0.5, 1.0, 0.2, NeighboringRelation.REPLACE_ONE),
-    (2.0, 1.0, 1.0, NeighboringRelation.REPLACE_ONE), (0.4, 1.0, 0.99, NeighboringRelation.REPLACE_ONE),
-])
+@pytest.mark.parametrize(
+    "sigma, sens, q, relation",
+    [
+        (1.0, 1.0, 1.0, NeighboringRelation.ADD_OR_REMOVE_ONE),
+        (1.0, 3.0, 1.0, NeighboringRelation.ADD_OR_REMOVE_ONE),
+        (1.1, 1.0, 0.01, NeighboringRelation.ADD_OR_REMOVE_ONE),
+        (0.7, 1.0, 0.3, NeighboringRelation.ADD_OR_REMOVE_ONE),
+        (1.1, 1.0, 0.01, NeighboringRelation.REPLACE_ONE),
+        (0.5, 1.0, 0.2, NeighboringRelation.REPLACE_ONE),
+        (2.0, 1.0, 1.0, NeighboringRelation.REPLACE_ONE),
+        (0.4, 1.0, 0.99, NeighboringRelation.REPLACE_ONE),
+    ],
+)
 def test_fast_gaussian_pld_is_dp_accountings(sigma, sens, q, relation):
-    ref = pldlib.from_gaussian_mechanism(sigma, sens, value_discretization_interval=1e-3, sampling_prob=q,
-                                         neighboring_relation=relation)
+    ref = pldlib.from_gaussian_mechanism(
+        sigma, sens, value_discretization_interval=1e-3, sampling_prob=q, neighboring_relation=relation
+    )
     ours = pldm.fast_gaussian_pld(sigma, sens, 1e-3, sampling_prob=q, neighboring_relation=relation)
-    for a, b in zip(pldm.directions(ref), pldm.directions(ours)):
+    for a, b in zip(pldm.directions(ref), pldm.directions(ours), strict=True):
         da, db = a.to_dense_pmf(), b.to_dense_pmf()
         assert da._lower_loss == db._lower_loss and da._probs.size == db._probs.size
         np.testing.assert_allclose(db._probs, da._probs, rtol=0, atol=1e-11)
@@ -180,7 +198,7 @@ def test_non_private_parts():
 def test_directional_deltas_match_dp_accounting():
     p = pldm.subsampled_gaussian_pld(0.8, 0.1, "add-remove", 1e-3).self_compose(50)
     eps = np.linspace(0.0, 6.0, 200)
-    for mine, theirs in zip(pldm.directional_deltas(p, eps), pldm.directions(p)):
+    for mine, theirs in zip(pldm.directional_deltas(p, eps), pldm.directions(p), strict=True):
         np.testing.assert_allclose(mine, np.clip(theirs.get_delta_for_epsilon(eps), 0, 1), rtol=1e-9, atol=1e-15)
     few = pldm.directional_deltas(p, eps[::40])
     np.testing.assert_allclose(few[0], pldm.directional_deltas(p, eps)[0][::40], rtol=1e-9, atol=1e-15)

@@ -14,12 +14,30 @@ from dp_accounting import dp_event, pld, rdp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.dp.accounting import (DEFAULT_ORDERS, ApproxDP, GaussianStep, TrainingRecord, gdp_epsilon, lc_delta,
-                             lc_epsilon, lc_rdp, lc_report, lc_segments, model_epsilon, privacy_profile,
-                             rdp_to_epsilon)
-from peer.dp.accounting.lc import (lc_composition_rdp, lc_surrogate_delta, lc_surrogate_epsilon, lc_surrogate_mu,
-                                lc_surrogate_rdp, surrogate_is_bound)
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import (
+    DEFAULT_ORDERS,
+    ApproxDP,
+    GaussianStep,
+    TrainingRecord,
+    gdp_epsilon,
+    lc_delta,
+    lc_epsilon,
+    lc_rdp,
+    lc_report,
+    lc_segments,
+    model_epsilon,
+    privacy_profile,
+    rdp_to_epsilon,
+)
+from peer.dp.accounting.lc import (
+    lc_composition_rdp,
+    lc_surrogate_delta,
+    lc_surrogate_epsilon,
+    lc_surrogate_mu,
+    lc_surrogate_rdp,
+    surrogate_is_bound,
+)
 
 
 def piecewise(adjacency, phases):
@@ -44,7 +62,7 @@ def brute_force_mu(models, lam, k):
     total = 0.0
     for t in range(T):
         delta = std2 = 0.0
-        for m, w in zip(models, lam):
+        for m, w in zip(models, lam, strict=True):
             if t < m.num_steps:
                 s = m.steps[t]
                 delta += k * w * s.learning_rate * s.clip_norm
@@ -71,7 +89,9 @@ def test_lc_of_one_model_is_its_own_gaussian_composition():
 @pytest.mark.parametrize("lam", [(1 / 3, 1 / 3, 1 / 3), (0.6, 0.1, 0.3), (0.0, 0.2, 0.8), (0.0, 0.0, 1.0)])
 def test_segments_match_step_by_step_definition(lam):
     assert lc_surrogate_mu(HETERO, lam) == pytest.approx(brute_force_mu(HETERO, lam, 2.0), rel=1e-12)
-    assert lc_surrogate_mu(HETERO, lam, adjacency="add-remove") == pytest.approx(brute_force_mu(HETERO, lam, 1.0), rel=1e-12)
+    assert lc_surrogate_mu(HETERO, lam, adjacency="add-remove") == pytest.approx(
+        brute_force_mu(HETERO, lam, 1.0), rel=1e-12
+    )
 
 
 def test_padding_adds_no_noise():
@@ -92,9 +112,9 @@ def test_two_identical_independent_runs_combine_to_sqrt_two_times_mu():
 def test_closed_form_equals_fft_composition_heterogeneous():
     for lam in ((1 / 3, 1 / 3, 1 / 3), (0.1, 0.8, 0.1)):
         eps = lc_surrogate_epsilon(HETERO, lam, 1e-5)
-        assert not eps.notes                       # exact grouping, no rounding
+        assert not eps.notes  # exact grouping, no rounding
         assert eps.pld == pytest.approx(eps.closed_form, rel=1e-3)
-        assert eps.pld >= eps.closed_form * (1 - 1e-6)   # pessimistic discretisation
+        assert eps.pld >= eps.closed_form * (1 - 1e-6)  # pessimistic discretisation
         d = lc_surrogate_delta(HETERO, lam, eps.closed_form)
         assert d.pld == pytest.approx(1e-5, rel=1e-2) and d.closed_form == pytest.approx(1e-5, rel=1e-6)
 
@@ -128,14 +148,19 @@ def test_lc_equals_dp_accounting_pld_of_the_composed_gaussians():
     seg = lc_segments(HETERO)
     mu_s = seg.step_ratios(np.array(lam))
     acc = pld.PLDAccountant(value_discretization_interval=1e-3)
-    for n, m in zip(seg.counts, mu_s):
+    for n, m in zip(seg.counts, mu_s, strict=True):
         acc.compose(dp_event.GaussianDpEvent(1 / m), int(n))
-    assert lc_surrogate_epsilon(HETERO, lam, 1e-5, value_discretization_interval=1e-3).pld == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
+    assert lc_surrogate_epsilon(HETERO, lam, 1e-5, value_discretization_interval=1e-3).pld == pytest.approx(
+        acc.get_epsilon(1e-5), rel=1e-3
+    )
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.lists(st.floats(0.0, 1.0).map(lambda w: 0.0 if w < 1e-9 else w), min_size=3, max_size=3)
-       .filter(lambda w: sum(w) > 0.05))
+@given(
+    st.lists(st.floats(0.0, 1.0).map(lambda w: 0.0 if w < 1e-9 else w), min_size=3, max_size=3).filter(
+        lambda w: sum(w) > 0.05
+    )
+)
 def test_lc_mu_invariants(weights):
     lam = np.array(weights) / sum(weights)
     seg = lc_segments(HETERO)
@@ -154,7 +179,7 @@ def test_lc_mu_invariants(weights):
 
 def test_lc_refusals():
     for fn in (lc_epsilon, lc_surrogate_epsilon):
-        with pytest.raises(InvalidArgument, match="no free lunch|No free lunch") as e:
+        with pytest.raises(InvalidArgument, match=r"no free lunch|No free lunch") as e:
             fn([HETERO[0], ApproxDP(1.0, 1e-6, "replace-one")], [0.5, 0.5], 1e-5)
         assert e.value.field == "models[1]"
         with pytest.raises(InvalidArgument, match="mix adjacencies"):
@@ -184,6 +209,7 @@ def test_unnoised_model_alone_is_non_private():
 
 
 # ---------------------------------------------------------------- the charged bound: composition
+
 
 def _declared(record):
     return TrainingRecord(record.adjacency, record.steps, state_independent_gradients=True)
@@ -226,17 +252,24 @@ def test_composition_matches_dp_accounting():
     acc = pld.PLDAccountant(value_discretization_interval=1e-3)
     racc = rdp.RdpAccountant(list(DEFAULT_ORDERS))
     for a in (acc, racc):
-        a.compose(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.2)), 300).compose(dp_event.GaussianDpEvent(12.0), 50)
+        a.compose(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.2)), 300).compose(
+            dp_event.GaussianDpEvent(12.0), 50
+        )
     assert eps.pld == pytest.approx(acc.get_epsilon(1e-5), rel=1e-2)
     assert eps.rdp == pytest.approx(racc.get_epsilon(1e-5), rel=1e-6)
 
 
 def test_only_models_with_positive_weight_are_composed():
-    assert lc_epsilon([PAPER_A, PAPER_B], [0.0, 1.0], 1e-5).closed_form == pytest.approx(model_epsilon(PAPER_B, 1e-5).closed_form)
-    np.testing.assert_allclose(lc_rdp(HETERO, [0.5, 0.0, 0.5]),
-                               privacy_profile(HETERO[0]).rdp + privacy_profile(HETERO[2]).rdp, rtol=1e-12)
+    assert lc_epsilon([PAPER_A, PAPER_B], [0.0, 1.0], 1e-5).closed_form == pytest.approx(
+        model_epsilon(PAPER_B, 1e-5).closed_form
+    )
+    np.testing.assert_allclose(
+        lc_rdp(HETERO, [0.5, 0.0, 0.5]), privacy_profile(HETERO[0]).rdp + privacy_profile(HETERO[2]).rdp, rtol=1e-12
+    )
     # two runs with the same hyperparameters are two releases: both count
-    assert lc_epsilon([PAPER_A, PAPER_A], [0.5, 0.5], 1e-5).closed_form == pytest.approx(gdp_epsilon(math.sqrt(8), 1e-5))
+    assert lc_epsilon([PAPER_A, PAPER_A], [0.5, 0.5], 1e-5).closed_form == pytest.approx(
+        gdp_epsilon(math.sqrt(8), 1e-5)
+    )
 
 
 def test_the_declaration_decides_the_bound():
@@ -244,7 +277,9 @@ def test_the_declaration_decides_the_bound():
     assert surrogate_is_bound([a, b]) and not surrogate_is_bound([a, PAPER_B])
     both = lc_report([a, b], [0.5, 0.5], 1e-5)
     assert both.bound == "surrogate" and both.surrogate.valid and both.epsilon == both.surrogate.epsilon
-    assert lc_epsilon([a, b], [0.5, 0.5], 1e-5).closed_form == pytest.approx(gdp_epsilon(0.970142500145332, 1e-5), rel=1e-9)
+    assert lc_epsilon([a, b], [0.5, 0.5], 1e-5).closed_form == pytest.approx(
+        gdp_epsilon(0.970142500145332, 1e-5), rel=1e-9
+    )
     np.testing.assert_allclose(lc_rdp([a, b], [0.5, 0.5]), lc_surrogate_rdp([a, b], [0.5, 0.5]), rtol=1e-12)
     mixed = lc_report([a, PAPER_B], [0.5, 0.5], 1e-5)
     assert mixed.bound == "composition" and not mixed.surrogate.valid
@@ -257,8 +292,11 @@ def test_the_declaration_decides_the_bound():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.floats(0.0, 1.0).map(lambda w: 0.0 if w < 1e-6 else w), min_size=3, max_size=3)
-       .filter(lambda w: sum(w) > 0.05))
+@given(
+    st.lists(st.floats(0.0, 1.0).map(lambda w: 0.0 if w < 1e-6 else w), min_size=3, max_size=3).filter(
+        lambda w: sum(w) > 0.05
+    )
+)
 def test_surrogate_never_exceeds_the_composition(weights):
     """Per step, Δ_t/s_t ≤ sqrt(Σ_i (k/σ_i)²) over the active models (Cauchy–Schwarz), so the
     surrogate is always below the composition: declaring state independence can only lower the
@@ -267,7 +305,7 @@ def test_surrogate_never_exceeds_the_composition(weights):
     support = [i for i in range(3) if lam[i] > 0]
     composed = math.sqrt(sum(privacy_profile(HETERO[i]).mu ** 2 for i in support))
     assert lc_surrogate_mu(HETERO, lam) <= composed * (1 + 1e-12)
-    np.testing.assert_allclose(lc_composition_rdp(HETERO, lam), np.array(DEFAULT_ORDERS) * composed ** 2 / 2, rtol=1e-9)
+    np.testing.assert_allclose(lc_composition_rdp(HETERO, lam), np.array(DEFAULT_ORDERS) * composed**2 / 2, rtol=1e-9)
 
 
 # ---------------------------------------------- the counterexample: the surrogate is not a bound
@@ -298,7 +336,7 @@ def simulate(n, clip, steps, eta, sigma, lam, a_changed, replicas, rng):
     far = 0.0
     for _ in range(steps):
         g1 = np.full(replicas, float(np.clip(a_changed, -clip, clip)))
-        g2 = n * (t2 - 0.3)                     # Σ_j of the unclipped per-record gradient t − 0.3
+        g2 = n * (t2 - 0.3)  # Σ_j of the unclipped per-record gradient t − 0.3
         far = max(far, float(np.max(np.abs(t2 - 0.3))))
         t1 = t1 - eta * (g1 + sigma[0] * clip * rng.standard_normal(replicas)) / n
         t2 = t2 - eta * (g2 + sigma[1] * clip * rng.standard_normal(replicas)) / n
@@ -306,9 +344,12 @@ def simulate(n, clip, steps, eta, sigma, lam, a_changed, replicas, rng):
 
 
 def _counterexample_models(declare_second=False):
-    m1 = TrainingRecord.constant("replace-one", CE["steps"], CE["eta"], CE["clip"], CE["sigma"][0], state_independent_gradients=True)
-    m2 = TrainingRecord.constant("replace-one", CE["steps"], CE["eta"], CE["clip"], CE["sigma"][1],
-                                 state_independent_gradients=declare_second)
+    m1 = TrainingRecord.constant(
+        "replace-one", CE["steps"], CE["eta"], CE["clip"], CE["sigma"][0], state_independent_gradients=True
+    )
+    m2 = TrainingRecord.constant(
+        "replace-one", CE["steps"], CE["eta"], CE["clip"], CE["sigma"][1], state_independent_gradients=declare_second
+    )
     return [m1, m2]
 
 
@@ -328,48 +369,73 @@ def test_counterexample_monte_carlo_matches_the_exact_mu():
     replicas = 50_000
     theta_d, far_d = simulate(**CE, a_changed=-CE["clip"], replicas=replicas, rng=rng)
     theta_e, far_e = simulate(**CE, a_changed=+CE["clip"], replicas=replicas, rng=rng)
-    assert max(far_d, far_e) < CE["clip"]                       # model 2 is never clipped
+    assert max(far_d, far_e) < CE["clip"]  # model 2 is never clipped
     mu = exact_mu(**CE)
     n, eta, clip, steps, lam = CE["n"], CE["eta"], CE["clip"], CE["steps"], CE["lam"]
     var = (lam[0] * eta * steps * 2 * clip / n / mu) ** 2
     for theta in (theta_d, theta_e):
         assert theta.var() == pytest.approx(var, rel=5 * math.sqrt(1 / replicas))
     pooled = math.sqrt((theta_d.var() + theta_e.var()) / 2)
-    mu_hat = (theta_d.mean() - theta_e.mean()) / pooled        # model 1 moves against its gradient
+    mu_hat = (theta_d.mean() - theta_e.mean()) / pooled  # model 1 moves against its gradient
     assert abs(mu_hat - mu) < 5 * math.sqrt(2 / replicas + mu * mu / (4 * replicas))
 
 
 def test_counterexample_the_charged_bound_covers_the_truth_and_the_surrogate_is_flagged():
     models = _counterexample_models()
-    exact = gdp_epsilon(exact_mu(**CE), 1e-5)                   # 35.32
+    exact = gdp_epsilon(exact_mu(**CE), 1e-5)  # 35.32
     report = lc_report(models, list(CE["lam"]), 1e-5)
     assert report.bound == "composition"
-    assert report.epsilon.closed_form == pytest.approx(gdp_epsilon(math.sqrt(8 ** 2 + 0.4 ** 2), 1e-5), rel=1e-9)
+    assert report.epsilon.closed_form == pytest.approx(gdp_epsilon(math.sqrt(8**2 + 0.4**2), 1e-5), rel=1e-9)
     assert report.epsilon.pld >= exact and report.epsilon.rdp >= exact and report.epsilon.closed_form >= exact
     assert rdp_to_epsilon(DEFAULT_ORDERS, lc_rdp(models, list(CE["lam"])), 1e-5) >= exact
     sur = report.surrogate
-    assert not sur.valid and sur.mu == pytest.approx(0.799, abs=5e-4) and sur.epsilon.pld == pytest.approx(3.38, abs=5e-3)
-    assert sur.epsilon.pld < exact / 10                       # it understates the true cost tenfold
+    assert (
+        not sur.valid and sur.mu == pytest.approx(0.799, abs=5e-4) and sur.epsilon.pld == pytest.approx(3.38, abs=5e-3)
+    )
+    assert sur.epsilon.pld < exact / 10  # it understates the true cost tenfold
     # A false declaration on model 2 would make the surrogate the charge: the declaration carries the proof.
     assert lc_report(_counterexample_models(declare_second=True), list(CE["lam"]), 1e-5).epsilon.pld < exact
 
 
 # ------------------------------------------------------------------------------- the CLI
 
+
 def test_account_lc_cli_reports_the_composition_and_the_surrogate(tmp_path):
-    models = {"adjacency": "replace", "models": [
-        {"name": "a", "steps": 100, "noise_multiplier": 10, "clip": 1, "learning_rate": 0.1, "sample_rate": 1},
-        {"name": "b", "steps": 100, "noise_multiplier": 40, "clip": 1, "learning_rate": 0.1, "sample_rate": 1}]}
+    models = {
+        "adjacency": "replace",
+        "models": [
+            {"name": "a", "steps": 100, "noise_multiplier": 10, "clip": 1, "learning_rate": 0.1, "sample_rate": 1},
+            {"name": "b", "steps": 100, "noise_multiplier": 40, "clip": 1, "learning_rate": 0.1, "sample_rate": 1},
+        ],
+    }
     path = tmp_path / "M.json"
     path.write_text(json.dumps(models))
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "account", "lc", "--models", str(path), "--weights", "0.5,0.5",
-                          "--delta", "1e-5", "--json"], capture_output=True, text=True, env=dict(os.environ), timeout=120,
-                         check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "account",
+            "lc",
+            "--models",
+            str(path),
+            "--weights",
+            "0.5,0.5",
+            "--delta",
+            "1e-5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["bound"] == "composition"
     assert result["epsilon"]["pld"] == pytest.approx(10.378, abs=1e-3)
-    assert result["epsilon"]["closed_form"] == pytest.approx(gdp_epsilon(math.sqrt(2 ** 2 + 0.5 ** 2), 1e-5), rel=1e-9)
+    assert result["epsilon"]["closed_form"] == pytest.approx(gdp_epsilon(math.sqrt(2**2 + 0.5**2), 1e-5), rel=1e-9)
     sur = result["surrogate"]
     assert set(sur) >= {"mu", "pld", "rdp", "valid_when"} and sur["valid"] is False
     assert sur["mu"] == pytest.approx(0.970, abs=5e-4) and sur["pld"] == pytest.approx(4.226, abs=1e-3)
@@ -378,9 +444,27 @@ def test_account_lc_cli_reports_the_composition_and_the_surrogate(tmp_path):
     for m in models["models"]:
         m["state_independent_gradients"] = True
     path.write_text(json.dumps(models))
-    out = subprocess.run([sys.executable, "-m", "peer.cli", "account", "lc", "--models", str(path), "--weights", "0.5,0.5",
-                          "--delta", "1e-5", "--json"], capture_output=True, text=True, env=dict(os.environ), timeout=120,
-                         check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "account",
+            "lc",
+            "--models",
+            str(path),
+            "--weights",
+            "0.5,0.5",
+            "--delta",
+            "1e-5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+        check=False,
+    )
     result = json.loads(out.stdout)
     assert result["bound"] == "surrogate" and result["surrogate"]["valid"] is True
     assert result["epsilon"]["pld"] == pytest.approx(4.226, abs=1e-3)

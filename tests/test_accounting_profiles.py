@@ -7,9 +7,17 @@ import pytest
 from dp_accounting import dp_event, pld, rdp
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from peer.dp.accounting import (DEFAULT_ORDERS, ApproxDP, GaussianStep, TrainingRecord, model_delta, model_epsilon,
-                             privacy_profile, privacy_profiles)
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import (
+    DEFAULT_ORDERS,
+    ApproxDP,
+    GaussianStep,
+    TrainingRecord,
+    model_delta,
+    model_epsilon,
+    privacy_profile,
+    privacy_profiles,
+)
 
 ORDERS = np.array(DEFAULT_ORDERS)
 
@@ -22,13 +30,17 @@ def test_references_poisson_figures():
     assert eps.closed_form is None
 
 
-@pytest.mark.parametrize("T, pld_ref, rdp_ref", [(1, 4.377178, 4.728507), (10, 17.856587, 19.053598),
-                                                  (100, 91.817290, 96.116308), (1000, 633.929851, 654.861260)])
+@pytest.mark.parametrize(
+    "T, pld_ref, rdp_ref",
+    [(1, 4.377178, 4.728507), (10, 17.856587, 19.053598), (100, 91.817290, 96.116308), (1000, 633.929851, 654.861260)],
+)
 def test_references_sigma_one_compositions(T, pld_ref, rdp_ref):
     # A composed Gaussian with large μ spans a wide loss range; the interval is scaled so the PMF
     # stays ~10^5 points (the connect-the-dots error stays far below the 2e-6 asked here).
     interval = 1e-4 if T <= 10 else 1e-3 if T <= 100 else 1e-2
-    eps = model_epsilon(TrainingRecord.constant("add-remove", T, 0.1, 1.0, 1.0), 1e-5, value_discretization_interval=interval)
+    eps = model_epsilon(
+        TrainingRecord.constant("add-remove", T, 0.1, 1.0, 1.0), 1e-5, value_discretization_interval=interval
+    )
     assert eps.pld == pytest.approx(pld_ref, abs=2e-6)
     assert eps.closed_form == pytest.approx(pld_ref, abs=1e-6)
     assert eps.rdp == pytest.approx(rdp_ref, abs=1e-6)
@@ -38,9 +50,12 @@ def test_poisson_profile_matches_pld_and_rdp_accountants():
     # Two phases with different (σ, q) and learning rates (which must not matter for one model).
     steps = (GaussianStep(0.1, 1.0, 0.9, 0.05),) * 300 + (GaussianStep(0.05, 2.0, 1.4, 0.02),) * 500
     record = TrainingRecord("add-remove", steps)
-    event = dp_event.ComposedDpEvent([
-        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(0.9)), 300),
-        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.4)), 500)])
+    event = dp_event.ComposedDpEvent(
+        [
+            dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(0.9)), 300),
+            dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.4)), 500),
+        ]
+    )
     pld_acc = pld.PLDAccountant(value_discretization_interval=1e-3)
     pld_acc.compose(event)
     rdp_acc = rdp.RdpAccountant(list(DEFAULT_ORDERS))
@@ -126,9 +141,11 @@ def test_rdp_alone_is_the_profiles_rdp_without_building_a_pld():
     from peer.dp.accounting.profiles import _derived_profile, model_rdp
 
     orders = [1.5, 2.0, 3.0, 8.0, 32.0]
-    for model in (TrainingRecord.constant("add-remove", 300, 0.1, 1.0, 1.3, 0.02),
-                  TrainingRecord.constant("replace-one", 40, 0.1, 1.0, 3.0),
-                  ApproxDP(1.0, 0.0, "add-remove")):
+    for model in (
+        TrainingRecord.constant("add-remove", 300, 0.1, 1.0, 1.3, 0.02),
+        TrainingRecord.constant("replace-one", 40, 0.1, 1.0, 3.0),
+        ApproxDP(1.0, 0.0, "add-remove"),
+    ):
         before = _derived_profile.cache_info().currsize
         rdp = model_rdp(model, orders=orders)
         assert _derived_profile.cache_info().currsize == before  # no PLD was built for it

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import integrate, stats
 
-from peer.dp.accounting import (ApproxDP, TrainingRecord, model_epsilon, rs_delta, rs_epsilon, rs_profiles)
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import ApproxDP, TrainingRecord, model_epsilon, rs_delta, rs_epsilon, rs_profiles
 
 INTERVAL = 1e-3
 POOL = [TrainingRecord.constant("add-remove", 60, 0.1, 1.0, s) for s in (3.0, 6.0, 12.0)]
@@ -32,12 +32,14 @@ def test_single_model_rs_is_the_model(pool_profiles):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.floats(0.0, 1.0), min_size=5, max_size=5).filter(lambda w: sum(w) > 0.05),
-       st.sampled_from([1e-3, 1e-5, 1e-8]))
+@given(
+    st.lists(st.floats(0.0, 1.0), min_size=5, max_size=5).filter(lambda w: sum(w) > 0.05),
+    st.sampled_from([1e-3, 1e-5, 1e-8]),
+)
 def test_rs_between_most_and_least_private(pool_profiles, weights, delta):
     pi = np.array(weights) / sum(weights)
     rs = rs_epsilon(pool_profiles, pi, delta, value_discretization_interval=INTERVAL)
-    used = [p.epsilon(delta) for p, w in zip(pool_profiles, pi) if w > 0]
+    used = [p.epsilon(delta) for p, w in zip(pool_profiles, pi, strict=True) if w > 0]
     for acc in ("pld", "rdp"):
         vals = [getattr(e, acc) for e in used]
         assert min(vals) - 1e-9 <= getattr(rs, acc) <= max(vals) + 1e-9
@@ -63,15 +65,22 @@ def test_rs_bound_is_sound_against_exact_mixture_divergence():
     pi = (0.4, 0.6)
     models = [TrainingRecord.constant("add-remove", 1, 0.1, 1.0, sigma) for sigma in s]
     for eps in (0.5, 2.0):
-        def hockey(x, sign):
-            p = sum(w * stats.norm.pdf(x, 0 if sign > 0 else 1, sd) for w, sd in zip(pi, s))
-            q = sum(w * stats.norm.pdf(x, 1 if sign > 0 else 0, sd) for w, sd in zip(pi, s))
+
+        def hockey(x, sign, eps=eps):
+            p = sum(w * stats.norm.pdf(x, 0 if sign > 0 else 1, sd) for w, sd in zip(pi, s, strict=True))
+            q = sum(w * stats.norm.pdf(x, 1 if sign > 0 else 0, sd) for w, sd in zip(pi, s, strict=True))
             return max(p - math.exp(eps) * q, 0.0)
+
         exact = max(integrate.quad(hockey, -30, 30, args=(sign,), limit=400, points=[0, 1])[0] for sign in (1, -1))
         bound = rs_delta(models, pi, eps, value_discretization_interval=1e-4)
         assert exact <= bound.pld + 1e-9
-        assert bound.pld == pytest.approx(sum(w * stats.norm.sf(eps * sd - 1 / (2 * sd)) - w * math.exp(eps) * stats.norm.sf(eps * sd + 1 / (2 * sd))
-                                              for w, sd in zip(pi, s)), rel=1e-3)
+        assert bound.pld == pytest.approx(
+            sum(
+                w * stats.norm.sf(eps * sd - 1 / (2 * sd)) - w * math.exp(eps) * stats.norm.sf(eps * sd + 1 / (2 * sd))
+                for w, sd in zip(pi, s, strict=True)
+            ),
+            rel=1e-3,
+        )
 
 
 def test_approx_dp_models_in_rs():
@@ -94,14 +103,23 @@ def test_mixed_adjacency_rs_needs_an_explicit_unit():
         rs_epsilon([a, b], [0.5, 0.5], 1e-5)
     # Under replace-one the add-remove (0.5, 1e-7) model counts as (1.0, (1+e^0.5)·1e-7).
     rep = rs_epsilon([a, b], [0.0, 1.0], 1e-5, adjacency="replace-one", value_discretization_interval=1e-4)
-    assert rep.pld == pytest.approx(model_epsilon(ApproxDP(1.0, (1 + math.exp(0.5)) * 1e-7, "replace-one"), 1e-5).pld, abs=1e-9)
+    assert rep.pld == pytest.approx(
+        model_epsilon(ApproxDP(1.0, (1 + math.exp(0.5)) * 1e-7, "replace-one"), 1e-5).pld, abs=1e-9
+    )
     with pytest.raises(InvalidArgument):
         rs_epsilon([a, ApproxDP(0.5, 1e-7, "replace-one")], [0.5, 0.5], 1e-5, adjacency="add-remove")
 
 
-@pytest.mark.parametrize("pi, message", [([0.5, 0.6, 0.0], "sum to 1"), ([1.2, -0.2, 0.0], r"pi\[1\]"),
-                                         ([0.5, 0.5], "one weight per model"), ([0.5, math.nan, 0.5], "finite"),
-                                         ("0.5,0.5,0", "list")])
+@pytest.mark.parametrize(
+    "pi, message",
+    [
+        ([0.5, 0.6, 0.0], "sum to 1"),
+        ([1.2, -0.2, 0.0], r"pi\[1\]"),
+        ([0.5, 0.5], "one weight per model"),
+        ([0.5, math.nan, 0.5], "finite"),
+        ("0.5,0.5,0", "list"),
+    ],
+)
 def test_bad_weights(pi, message):
     with pytest.raises(InvalidArgument, match=message):
         rs_epsilon(POOL, pi, 1e-5)

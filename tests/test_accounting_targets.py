@@ -9,16 +9,28 @@ import math
 import numpy as np
 import pytest
 
-from peer.dp.accounting import (ApproxDP, TrainingRecord, UnreachableTarget, choose_lam, choose_pi, gdp_epsilon,
-                             lc_epsilon, lc_segments, rs_epsilon, rs_profiles)
-from peer.dp.accounting.targets import lc_feasible_subsets, lc_mu_for_target, rs_most_private_epsilon
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import (
+    ApproxDP,
+    TrainingRecord,
+    UnreachableTarget,
+    choose_lam,
+    choose_pi,
+    gdp_epsilon,
+    lc_epsilon,
+    lc_segments,
+    rs_epsilon,
+    rs_profiles,
+)
+from peer.dp.accounting.targets import lc_feasible_subsets, lc_mu_for_target, rs_most_private_epsilon
 
 INTERVAL = 1e-3
 POOL = [TrainingRecord.constant("add-remove", 100, 0.1, 1.0, s) for s in (5.0, 10.0, 20.0)]
 # the same runs, declared state-independent (e.g. mean estimation with a linear loss)
-DECLARED = [TrainingRecord.constant("add-remove", 100, 0.1, 1.0, s, state_independent_gradients=True) for s in (5.0, 10.0, 20.0)]
-OWN_MU = [2.0, 1.0, 0.5]   # sqrt(100)/σ, add-remove
+DECLARED = [
+    TrainingRecord.constant("add-remove", 100, 0.1, 1.0, s, state_independent_gradients=True) for s in (5.0, 10.0, 20.0)
+]
+OWN_MU = [2.0, 1.0, 0.5]  # sqrt(100)/σ, add-remove
 ACC = [0.9, 0.8, 0.7]
 
 
@@ -40,8 +52,11 @@ def test_choose_pi_is_feasible_optimal_and_saturating(profiles, accountant, targ
     assert achieved <= target + 1e-9
     assert choice.utility == pytest.approx(np.dot(ACC, choice.weights))
     # No grid point that meets the target does better.
-    best_grid = max(np.dot(ACC, pi) for pi in simplex_grid(3, 10)
-                    if getattr(rs_epsilon(profiles, pi, 1e-5, value_discretization_interval=INTERVAL), accountant) <= target)
+    best_grid = max(
+        np.dot(ACC, pi)
+        for pi in simplex_grid(3, 10)
+        if getattr(rs_epsilon(profiles, pi, 1e-5, value_discretization_interval=INTERVAL), accountant) <= target
+    )
     assert choice.utility >= best_grid - 1e-9
     # The most useful model alone misses the target, so the budget is spent.
     assert choice.saturated and achieved == pytest.approx(target, rel=1e-4)
@@ -65,6 +80,7 @@ def test_mixtures_can_beat_every_single_model():
     # both directions, so RS reaches an ε no single model reaches; the bisection finds it.
     from peer.dp.accounting import pld as pldm
     from peer.dp.accounting.profiles import PrivacyProfile
+
     orders = (2.0,)
     a = pldm.non_private_pld(INTERVAL)
     remove_only = pldm.PLD(pldm.directions(a)[0], pldm.directions(pldm.identity_pld(INTERVAL))[0])
@@ -75,7 +91,7 @@ def test_mixtures_can_beat_every_single_model():
 
 
 def test_choose_pi_with_approx_dp_models():
-    models = POOL[:2] + [ApproxDP(1.5, 1e-7, "add-remove")]
+    models = [*POOL[:2], ApproxDP(1.5, 1e-07, "add-remove")]
     choice = choose_pi(models, ACC, 3.0, 1e-5, value_discretization_interval=INTERVAL)
     assert choice.epsilon.pld <= 3.0 and choice.weights[2] > 0
     with pytest.raises(UnreachableTarget):
@@ -113,7 +129,9 @@ def test_choose_lam_surrogate_rdp_and_unreachable():
     assert choice.epsilon.rdp <= 4.0 + 1e-9 and choice.epsilon.rdp == pytest.approx(4.0, rel=1e-4)
     with pytest.raises(UnreachableTarget) as e:
         choose_lam(DECLARED, ACC, 1.0, 1e-5, value_discretization_interval=INTERVAL)
-    assert e.value.most_private_epsilon == pytest.approx(rs_profiles(POOL[2:], value_discretization_interval=INTERVAL)[0].epsilon(1e-5).pld, rel=1e-4)
+    assert e.value.most_private_epsilon == pytest.approx(
+        rs_profiles(POOL[2:], value_discretization_interval=INTERVAL)[0].epsilon(1e-5).pld, rel=1e-4
+    )
 
 
 def _composition_closed_form(subset):
@@ -124,7 +142,9 @@ def _composition_closed_form(subset):
 def test_feasible_subsets_are_the_compositions_meeting_the_target(target):
     found = lc_feasible_subsets(POOL, target, 1e-5, value_discretization_interval=INTERVAL)
     # brute force over every subset with the closed form (the PLD figure is pessimistic by ≤ 1e-2 here)
-    expected = {s for k in (1, 2, 3) for s in itertools.combinations(range(3), k) if _composition_closed_form(s) <= target}
+    expected = {
+        s for k in (1, 2, 3) for s in itertools.combinations(range(3), k) if _composition_closed_form(s) <= target
+    }
     assert set(found) == expected
     for s, eps in found.items():
         assert eps == pytest.approx(_composition_closed_form(s), abs=2e-2) and eps <= target
@@ -133,7 +153,7 @@ def test_feasible_subsets_are_the_compositions_meeting_the_target(target):
 @pytest.mark.parametrize("target", [2.5, 5.0, 9.5])
 def test_choose_lam_composition_linear_proxy_picks_the_best_single_feasible_model(target):
     choice = choose_lam(POOL, ACC, target, 1e-5, value_discretization_interval=INTERVAL)
-    best = min(i for i in range(3) if _composition_closed_form((i,)) <= target)   # ACC decreases with i
+    best = min(i for i in range(3) if _composition_closed_form((i,)) <= target)  # ACC decreases with i
     assert choice.bound == "composition" and choice.weights == tuple(np.eye(3)[best])
     assert choice.utility == ACC[best] and choice.epsilon.pld <= target
     assert choice.epsilon.closed_form == pytest.approx(_composition_closed_form((best,)), rel=1e-9)
@@ -151,23 +171,29 @@ def test_choose_lam_composition_callable_is_best_over_the_feasible_faces():
 
     choice = choose_lam(POOL, utility, 5.0, 1e-5, value_discretization_interval=INTERVAL, max_points=200)
     assert choice.bound == "composition" and choice.weights[0] == 0.0 and choice.saturated
-    assert all(c[0] == 0.0 for c in calls)                    # never a λ that puts weight on model 0
+    assert all(c[0] == 0.0 for c in calls)  # never a λ that puts weight on model 0
     assert choice.weights[1] == pytest.approx(0.4, abs=0.02) and choice.weights[2] == pytest.approx(0.6, abs=0.02)
     assert choice.epsilon.closed_form == pytest.approx(_composition_closed_form((1, 2)), rel=1e-9)
     # the cost does not depend on λ over the support
-    assert lc_epsilon(POOL, [0, 0.9, 0.1], 1e-5).closed_form == pytest.approx(lc_epsilon(POOL, [0, 0.1, 0.9], 1e-5).closed_form)
+    assert lc_epsilon(POOL, [0, 0.9, 0.1], 1e-5).closed_form == pytest.approx(
+        lc_epsilon(POOL, [0, 0.1, 0.9], 1e-5).closed_form
+    )
     # not saturated: a single model while a pair would fit
-    single = choose_lam(POOL, lambda lam: float(lam[2]), 5.0, 1e-5, value_discretization_interval=INTERVAL, max_points=50)
+    single = choose_lam(
+        POOL, lambda lam: float(lam[2]), 5.0, 1e-5, value_discretization_interval=INTERVAL, max_points=50
+    )
     assert single.weights == (0.0, 0.0, 1.0) and not single.saturated
 
 
 def test_choose_lam_composition_rdp_and_unreachable():
     choice = choose_lam(POOL, ACC, 6.0, 1e-5, accountant="rdp", value_discretization_interval=INTERVAL)
     assert choice.epsilon.rdp <= 6.0
-    assert choice.weights == (0.0, 1.0, 0.0)                  # model 0 alone: RDP ε ≈ 9 > 6
+    assert choice.weights == (0.0, 1.0, 0.0)  # model 0 alone: RDP ε ≈ 9 > 6
     with pytest.raises(UnreachableTarget) as e:
         choose_lam(POOL, ACC, 1.0, 1e-5, value_discretization_interval=INTERVAL)
-    assert e.value.most_private_epsilon == pytest.approx(rs_profiles(POOL[2:], value_discretization_interval=INTERVAL)[0].epsilon(1e-5).pld, rel=1e-4)
+    assert e.value.most_private_epsilon == pytest.approx(
+        rs_profiles(POOL[2:], value_discretization_interval=INTERVAL)[0].epsilon(1e-5).pld, rel=1e-4
+    )
 
 
 def test_target_input_errors(profiles):
@@ -177,5 +203,5 @@ def test_target_input_errors(profiles):
         choose_pi(profiles, ACC, -1.0, 1e-5, value_discretization_interval=INTERVAL)
     with pytest.raises(InvalidArgument, match="accountant"):
         choose_pi(profiles, ACC, 3.0, 1e-5, accountant="moments", value_discretization_interval=INTERVAL)
-    with pytest.raises(InvalidArgument, match="No free lunch|no free lunch"):
-        choose_lam(POOL[:2] + [ApproxDP(1.0, 1e-6, "add-remove")], ACC, 3.0, 1e-5)
+    with pytest.raises(InvalidArgument, match=r"No free lunch|no free lunch"):
+        choose_lam([*POOL[:2], ApproxDP(1.0, 1e-06, "add-remove")], ACC, 3.0, 1e-5)

@@ -1,17 +1,25 @@
 import json
 import math
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.dp.accounting import ApproxDP, GaussianStep, TrainingRecord
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import ApproxDP, GaussianStep, TrainingRecord
 
 steps_strategy = st.lists(
-    st.tuples(st.sampled_from([0.05, 0.1]), st.sampled_from([0.5, 1.0]), st.sampled_from([0.0, 1.1, 2.0]),
-              st.sampled_from([0.01, 1.0]), st.integers(1, 5)),
-    min_size=1, max_size=8)
+    st.tuples(
+        st.sampled_from([0.05, 0.1]),
+        st.sampled_from([0.5, 1.0]),
+        st.sampled_from([0.0, 1.1, 2.0]),
+        st.sampled_from([0.01, 1.0]),
+        st.integers(1, 5),
+    ),
+    min_size=1,
+    max_size=8,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -27,25 +35,38 @@ def test_run_length_round_trip(runs, adjacency):
     assert back.num_steps == len(steps)
     # Maximal runs: neighbouring entries always differ.
     entries = data["steps"]
-    assert all({k: v for k, v in a.items() if k != "count"} != {k: v for k, v in b.items() if k != "count"}
-               for a, b in zip(entries, entries[1:]))
+    assert all(
+        {k: v for k, v in a.items() if k != "count"} != {k: v for k, v in b.items() if k != "count"}
+        for a, b in pairwise(entries)
+    )
     assert sum(e["count"] for e in entries) == len(steps)
 
 
 def test_constant_record_is_small_and_flags():
     record = TrainingRecord.constant("add-remove", 10_000, 0.1, 1.0, 1.1, 0.01)
-    assert record.to_dict() == {"adjacency": "add-remove", "steps": [
-        {"count": 10_000, "learning_rate": 0.1, "clip_norm": 1.0, "noise_multiplier": 1.1, "sample_rate": 0.01}]}
+    assert record.to_dict() == {
+        "adjacency": "add-remove",
+        "steps": [
+            {"count": 10_000, "learning_rate": 0.1, "clip_norm": 1.0, "noise_multiplier": 1.1, "sample_rate": 0.01}
+        ],
+    }
     assert not record.full_batch and record.private and record.num_steps == 10_000
     assert TrainingRecord.constant("replace-one", 3, 0.1, 1.0, 0.0).private is False
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"learning_rate": 0}, "learning_rate"), ({"clip_norm": -1}, "clip_norm"),
-    ({"noise_multiplier": -0.1}, "noise_multiplier"), ({"sample_rate": 0}, "sample_rate"),
-    ({"sample_rate": 1.5}, "sample_rate"), ({"learning_rate": math.nan}, "learning_rate"),
-    ({"clip_norm": "1"}, "clip_norm"), ({"noise_multiplier": True}, "noise_multiplier"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"learning_rate": 0}, "learning_rate"),
+        ({"clip_norm": -1}, "clip_norm"),
+        ({"noise_multiplier": -0.1}, "noise_multiplier"),
+        ({"sample_rate": 0}, "sample_rate"),
+        ({"sample_rate": 1.5}, "sample_rate"),
+        ({"learning_rate": math.nan}, "learning_rate"),
+        ({"clip_norm": "1"}, "clip_norm"),
+        ({"noise_multiplier": True}, "noise_multiplier"),
+    ],
+)
 def test_step_validation_names_the_field(kwargs, field):
     base = {"learning_rate": 0.1, "clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 1.0}
     with pytest.raises(InvalidArgument) as e:
@@ -59,16 +80,28 @@ def test_record_validation():
     with pytest.raises(InvalidArgument, match="steps"):
         TrainingRecord("add-remove", ())
     with pytest.raises(InvalidArgument) as e:
-        TrainingRecord.from_dict({"adjacency": "add-remove", "steps": [
-            {"count": 2, "learning_rate": 0.1, "clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 1.0},
-            {"count": 1, "learning_rate": 0.1, "clip_norm": 0.0, "noise_multiplier": 1.0, "sample_rate": 1.0}]})
+        TrainingRecord.from_dict(
+            {
+                "adjacency": "add-remove",
+                "steps": [
+                    {"count": 2, "learning_rate": 0.1, "clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 1.0},
+                    {"count": 1, "learning_rate": 0.1, "clip_norm": 0.0, "noise_multiplier": 1.0, "sample_rate": 1.0},
+                ],
+            }
+        )
     assert e.value.field == "training.steps[1].clip_norm"
     with pytest.raises(InvalidArgument) as e:
         TrainingRecord.from_dict({"adjacency": "add-remove", "steps": [{"count": 2, "learning_rate": 0.1}]})
     assert e.value.field == "training.steps[0].clip_norm"
     with pytest.raises(InvalidArgument) as e:
-        TrainingRecord.from_dict({"adjacency": "add-remove", "steps": [
-            {"count": 0, "learning_rate": 0.1, "clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 1.0}]})
+        TrainingRecord.from_dict(
+            {
+                "adjacency": "add-remove",
+                "steps": [
+                    {"count": 0, "learning_rate": 0.1, "clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 1.0}
+                ],
+            }
+        )
     assert e.value.field == "training.steps[0].count"
 
 

@@ -14,9 +14,33 @@ from peer.nn.architectures import build_model, hidden_sizes, weight_layers, weig
 ARCHS = [
     {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4},
     {"kind": "mlp", "input_dim": 3, "hidden": [], "output_dim": 2},
-    {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4},
-    {"kind": "cnn", "input_shape": [2, 8, 6], "channels": [3, 4, 2], "kernel_size": 5, "pool": [2, 1, 1], "hidden": [], "output_dim": 4},
-    {"kind": "cnn", "input_shape": [3, 4, 4], "channels": [3], "kernel_size": 1, "hidden": [7, 3], "output_dim": 4, "activation": "tanh"},
+    {
+        "kind": "cnn",
+        "input_shape": [1, 8, 8],
+        "channels": [3, 4],
+        "kernel_size": 3,
+        "pool": [2, 2],
+        "hidden": [5],
+        "output_dim": 4,
+    },
+    {
+        "kind": "cnn",
+        "input_shape": [2, 8, 6],
+        "channels": [3, 4, 2],
+        "kernel_size": 5,
+        "pool": [2, 1, 1],
+        "hidden": [],
+        "output_dim": 4,
+    },
+    {
+        "kind": "cnn",
+        "input_shape": [3, 4, 4],
+        "channels": [3],
+        "kernel_size": 1,
+        "hidden": [7, 3],
+        "output_dim": 4,
+        "activation": "tanh",
+    },
 ]
 
 
@@ -24,16 +48,16 @@ ARCHS = [
 def test_weight_layers_describe_the_built_model(arch):
     layers = weight_layers(arch)
     built = [(name, m) for name, m in build_model(arch).named_children() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    assert [l.name for l in layers] == [name for name, _ in built]
-    for layer, (_, mod) in zip(layers, built):
+    assert [layer.name for layer in layers] == [name for name, _ in built]
+    for layer, (_, mod) in zip(layers, built, strict=True):
         assert layer.kind == ("conv" if isinstance(mod, nn.Conv2d) else "linear")
         assert layer.weight_shape == tuple(mod.weight.shape)
         assert layer.fan_in == math.prod(mod.weight.shape[1:])
         assert layer.units == mod.weight.shape[0]
-    assert [l.is_output for l in layers] == [False] * (len(layers) - 1) + [True]
+    assert [layer.is_output for layer in layers] == [False] * (len(layers) - 1) + [True]
     # every layer's inputs are the previous layer's units (the first: input features/channels)
     first = arch["input_shape"][0] if arch["kind"] == "cnn" else arch["input_dim"]
-    assert [l.inputs for l in layers] == [first] + [l.units for l in layers[:-1]]
+    assert [layer.inputs for layer in layers] == [first] + [layer.units for layer in layers[:-1]]
     assert hidden_sizes(arch) == arch.get("channels", []) + arch["hidden"]
 
 
@@ -51,18 +75,22 @@ def test_weight_modules_pairs_layers_with_modules_and_refuses_misfits():
     arch = ARCHS[0]
     model = build_model(arch, seed=0)
     pairs = weight_modules(arch, model)
-    assert [(l.name, m) for l, m in pairs] == [(n, m) for n, m in model.named_children() if isinstance(m, nn.Linear)]
-    wider = nn.Sequential(nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 4))
+    assert [(layer.name, m) for layer, m in pairs] == [
+        (n, m) for n, m in model.named_children() if isinstance(m, nn.Linear)
+    ]
+    wider = nn.Sequential(
+        nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 4)
+    )
     with pytest.raises(InvalidArgument, match=r"model\[2\]"):
         weight_modules(arch, wider)
     shorter = nn.Sequential(nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 4))
     with pytest.raises(InvalidArgument, match="has 2 weight layers, the architecture describes 4"):
         weight_modules(arch, shorter)
-    with pytest.raises(InvalidArgument, match="architecture.hidden"):
+    with pytest.raises(InvalidArgument, match=r"architecture\.hidden"):
         weight_layers({**arch, "hidden": [6, -1]})
 
 
 def test_build_model_is_deterministic_given_a_seed():
     a, b = build_model(ARCHS[2], seed=3), build_model(ARCHS[2], seed=3)
-    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and np.array_equal(va.numpy(), vb.numpy())

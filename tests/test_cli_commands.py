@@ -50,18 +50,24 @@ def test_nothing_under_peer_imports_the_layers_above():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
-            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
-                          if n.split(".")[0] in ("coordinator_free", "scenarios")]
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {n}"
+                for n in names
+                if n.split(".")[0] in ("coordinator_free", "scenarios")
+            ]
     assert offenders == []
 
 
-@pytest.mark.parametrize("argv,command", [
-    (["round", "--config", "x"], "round"),
-    (["--log-level", "DEBUG", "simulate", "--out", "d"], "simulate"),
-    (["--log-level=INFO", "peer", "serve"], "peer"),
-    (["--help"], None),
-    ([], None),
-])
+@pytest.mark.parametrize(
+    "argv,command",
+    [
+        (["round", "--config", "x"], "round"),
+        (["--log-level", "DEBUG", "simulate", "--out", "d"], "simulate"),
+        (["--log-level=INFO", "peer", "serve"], "peer"),
+        (["--help"], None),
+        ([], None),
+    ],
+)
 def test_command_of(argv, command):
     assert command_of(argv) == command
 
@@ -73,8 +79,13 @@ def dist(tmp_path_factory):
     info = top / f"privfusion-{PROJECT['version']}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: privfusion\nVersion: {PROJECT['version']}\n")
-    lines = ["[console_scripts]", *(f"{k} = {v}" for k, v in PROJECT["scripts"].items()), "", f"[{COMMAND_GROUP}]",
-             *(f"{k} = {v}" for k, v in DECLARED.items())]
+    lines = [
+        "[console_scripts]",
+        *(f"{k} = {v}" for k, v in PROJECT["scripts"].items()),
+        "",
+        f"[{COMMAND_GROUP}]",
+        *(f"{k} = {v}" for k, v in DECLARED.items()),
+    ]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     return top
 
@@ -98,12 +109,15 @@ print(json.dumps([parser.format_help(), loaded]))
 """
 
 
-@pytest.mark.parametrize("command,loaded", [
-    (None, {"coordinator_free.cli", "scenarios.cli"}),        # --help: the whole list
-    ("round", {"coordinator_free.cli"}),
-    ("simulate", {"scenarios.cli"}),
-    ("ledger", set()),                                      # a built-in command: no entry point
-])
+@pytest.mark.parametrize(
+    "command,loaded",
+    [
+        (None, {"coordinator_free.cli", "scenarios.cli"}),  # --help: the whole list
+        ("round", {"coordinator_free.cli"}),
+        ("simulate", {"scenarios.cli"}),
+        ("ledger", set()),  # a built-in command: no entry point
+    ],
+)
 def test_entry_points_are_found_and_loaded_only_when_asked(dist, command, loaded):
     r = _run(dist, PROBE.format(command=command))
     assert r.returncode == 0, r.stderr
@@ -127,8 +141,26 @@ def test_without_the_entry_points_the_error_says_to_install(tmp_path):
 
 def test_python_m_peer_cli_runs_an_entry_point_command(dist, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dist), str(ROOT), str(ROOT / "proto")]))
-    r = subprocess.run([sys.executable, "-m", "peer.cli", "demo", "site", "--scenario", "nonexistent.toml",
-                        "--site", "a", "--dir", str(tmp_path), "--roster", "r.toml"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "demo",
+            "site",
+            "--scenario",
+            "nonexistent.toml",
+            "--site",
+            "a",
+            "--dir",
+            str(tmp_path),
+            "--roster",
+            "r.toml",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     # argparse got as far as the demo command's own choices: the command was registered
     assert r.returncode == 2 and "argument --scenario: invalid choice" in r.stderr, r.stderr

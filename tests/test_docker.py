@@ -109,16 +109,22 @@ def test_init_script_is_valid_sh():
 def test_init_script_makes_sites_that_fuse(tmp_path):
     """Run init-sites.sh as the compose `init` service would (paths moved to tmp), then start
     the three daemons from the files it wrote and run hospital-a's round."""
-    from peer.net.identity import load_identity
     from coordinator_free.roster import Roster, write_roster
     from coordinator_free.runner import load_local_site, load_round_config, run_round
-    from peer.net.trust import TrustStore
     from peer.net.daemon import Daemon, open_site
+    from peer.net.identity import load_identity
+    from peer.net.trust import TrustStore
 
     sites, certs = tmp_path / "sites", tmp_path / "certs"
     certs.mkdir()
-    env = dict(os.environ, SITES=" ".join(HOSPITALS), SITES_DIR=str(sites), CERTS_DIR=str(certs),
-               SCENARIO=str(DOCKER / "scenario.toml"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        SITES=" ".join(HOSPITALS),
+        SITES_DIR=str(sites),
+        CERTS_DIR=str(certs),
+        SCENARIO=str(DOCKER / "scenario.toml"),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     first = subprocess.run(["sh", str(DOCKER / "init-sites.sh")], env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     # the shared volume holds certificates and the roster, never a key
@@ -135,9 +141,27 @@ def test_init_script_makes_sites_that_fuse(tmp_path):
     assert {n: s.address for n, s in roster.sites.items()} == {h: f"{h}:50051" for h in HOSPITALS}
     # what makes a second run harmless: an existing identity and site are left as they are
     assert 'if [ ! -f "$dir/identity/site.key" ]' in (DOCKER / "init-sites.sh").read_text()
-    assert "exists: leaving" in subprocess.run(
-        ["privfusion", "demo", "site", str(DOCKER / "scenario.toml"), "--site", "hospital-a", "--dir", str(sites / "hospital-a"),
-         "--roster", str(certs / "roster.toml")], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert (
+        "exists: leaving"
+        in subprocess.run(
+            [
+                "privfusion",
+                "demo",
+                "site",
+                str(DOCKER / "scenario.toml"),
+                "--site",
+                "hospital-a",
+                "--dir",
+                str(sites / "hospital-a"),
+                "--roster",
+                str(certs / "roster.toml"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    )
     assert load_identity(sites / "hospital-a" / "identity").fingerprint == fingerprints["hospital-a"]
 
     # The compose network would resolve hospital-X:50051; here each daemon listens on loopback.
@@ -145,11 +169,15 @@ def test_init_script_makes_sites_that_fuse(tmp_path):
         addresses = {}
         for h in HOSPITALS:
             local = sites / h / "site-loopback.toml"
-            local.write_text((sites / h / "site.toml").read_text().replace('listen = "0.0.0.0:50051"', 'listen = "127.0.0.1:0"'))
+            local.write_text(
+                (sites / h / "site.toml").read_text().replace('listen = "0.0.0.0:50051"', 'listen = "127.0.0.1:0"')
+            )
             daemon = Daemon(open_site(local))
             addresses[h] = f"127.0.0.1:{daemon.start()}"
             stack.callback(daemon.stop, 1.0)
-        loop = write_roster(tmp_path / "roster-loopback.toml", [(h, addresses[h], str(certs / f"{h}.crt")) for h in HOSPITALS])
+        loop = write_roster(
+            tmp_path / "roster-loopback.toml", [(h, addresses[h], str(certs / f"{h}.crt")) for h in HOSPITALS]
+        )
         cfg = load_round_config(sites / "hospital-a" / "site.toml")
         assert cfg.roster == certs / "roster.toml"  # what the init script told `demo site`
         cfg = dataclasses.replace(cfg, roster=loop, out=tmp_path / "rounds")

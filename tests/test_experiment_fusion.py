@@ -9,8 +9,13 @@ from peer.cli import main
 from peer.cli.experiment_fusion import format_fusion_table
 from peer.experiments.fusion import FusionConfig, run
 
-SMALL = FusionConfig(architecture={"kind": "mlp", "input_dim": 64, "hidden": [24, 16], "output_dim": 10},
-                     epochs=4, probe_size=32, epsilons=(1.0, 0.1), alphas=(0.0, 0.5, 1.0))
+SMALL = FusionConfig(
+    architecture={"kind": "mlp", "input_dim": 64, "hidden": [24, 16], "output_dim": 10},
+    epochs=4,
+    probe_size=32,
+    epsilons=(1.0, 0.1),
+    alphas=(0.0, 0.5, 1.0),
+)
 ONE_TEST_EXAMPLE = 1 / 450  # digits' test split: a prediction flipped by rounding moves accuracy by this
 
 
@@ -22,8 +27,15 @@ def small():
 def test_json_has_the_issue_layout(small):
     for split in ("homogeneous", "heterogeneous"):
         r = small[split]
-        assert set(r["methods"]) == {"model_a", "model_b", "vanilla_averaging", "prediction_ensemble",
-                                     "weight_matching", "graph_matching", "graph_matching_repair"}
+        assert set(r["methods"]) == {
+            "model_a",
+            "model_b",
+            "vanilla_averaging",
+            "prediction_ensemble",
+            "weight_matching",
+            "graph_matching",
+            "graph_matching_repair",
+        }
         assert set(r["privfusion"]) == set(r["privfusion_per_neuron"]) == {"1", "0.1"}
         assert set(r["privfusion_repair"]) == set(r["privfusion_per_neuron_repair"]) == {"1", "0.1"}
         for name, sweep in r["alpha_sweep"].items():
@@ -41,9 +53,16 @@ def test_alpha_end_points_are_the_two_models(small):
         r = small[split]
         for name, sweep in r["alpha_sweep"].items():
             assert dict(sweep)[1.0] == pytest.approx(r["methods"]["model_a"], abs=ONE_TEST_EXAMPLE), name
-        for name in ("vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching",
-                     "graph_matching_repair"):
-            assert dict(r["alpha_sweep"][name])[0.0] == pytest.approx(r["methods"]["model_b"], abs=ONE_TEST_EXAMPLE), name
+        for name in (
+            "vanilla_averaging",
+            "prediction_ensemble",
+            "weight_matching",
+            "graph_matching",
+            "graph_matching_repair",
+        ):
+            assert dict(r["alpha_sweep"][name])[0.0] == pytest.approx(r["methods"]["model_b"], abs=ONE_TEST_EXAMPLE), (
+                name
+            )
 
 
 def test_non_private_matching_recovers_a_permuted_copy(small):
@@ -77,8 +96,15 @@ def test_resnet_rows():
     out = run(FusionConfig(model="resnet", epochs=3, probe_size=32, alphas=(0.0, 0.5, 1.0), epsilons=(1.0,)))
     for split in ("homogeneous", "heterogeneous"):
         m = out[split]["methods"]
-        assert set(m) == {"model_a", "model_b", "vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble",
-                          "group_matching", "group_matching_repair"}
+        assert set(m) == {
+            "model_a",
+            "model_b",
+            "vanilla_averaging",
+            "vanilla_averaging_repair",
+            "prediction_ensemble",
+            "group_matching",
+            "group_matching_repair",
+        }
         assert out[split]["privfusion"] == {}  # per-entry is not offered over groups
         assert set(out[split]["privfusion_per_neuron"]) == set(out[split]["privfusion_per_neuron_repair"]) == {"1"}
         for name in ("group_matching", "group_matching_repair"):

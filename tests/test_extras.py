@@ -32,8 +32,9 @@ sys.meta_path.insert(0, _NoExtras())
 
 def _run(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
-    return subprocess.run([sys.executable, "-c", BLOCK + code], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK + code], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def _names(reqs: list[str]) -> set[str]:
@@ -105,7 +106,8 @@ def test_a_container_s_commands_work_without_the_extras(tmp_path):
     """What docker/init-sites.sh and the compose services run: demo site, peer init, roster pin,
     and the daemon's modules."""
     site = tmp_path / "hospital-a"
-    r = _run(f"""
+    r = _run(
+        f"""
 from scenarios.cli import register_demo
 from peer.cli.app import main
 import argparse
@@ -118,5 +120,7 @@ assert main(["peer", "init", "--name", "hospital-a", "--dir", {str(site / "ident
 import peer.net.daemon
 peer.net.daemon.SiteConfig.load({str(site / "site.toml")!r})
 assert "matplotlib" not in sys.modules and "grpc_tools" not in sys.modules
-""", timeout=600)
+""",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr

@@ -17,22 +17,30 @@ from typing import ClassVar
 import numpy as np
 import pytest
 from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
-from privfusion.v1 import peer_pb2 as pb
 
-from peer.net.client import PeerError
 from peer.budget.ledger import Ledger
+from peer.net.client import PeerError
 from peer.net.receipts import verify_receipt
 from peer.net.service import PeerService
+from privfusion.v1 import peer_pb2 as pb
 
 PROBE = np.random.default_rng(5).random((32, 64))
 #: one Fuse of these parameters costs ε ≈ 7.8 at δ = 1e-3 by the filter (8 by basic
 #: composition); two cost ≈ 13.5: a per-counterparty budget of 10 admits exactly one
-FUSE = {"partner": "site-x", "partner_model": "mx", "alpha": 0.5, "activation_epsilon": 2.0, "weight_epsilon": 2.0,
-            "weights_epsilon": 4.0, "weights_delta": 1e-5}
+FUSE = {
+    "partner": "site-x",
+    "partner_model": "mx",
+    "alpha": 0.5,
+    "activation_epsilon": 2.0,
+    "weight_epsilon": 2.0,
+    "weights_epsilon": 4.0,
+    "weights_delta": 1e-5,
+}
 
 
-def policy(allow_x: str = '"*" = { allow = ["features", "weights", "fuse", "ledger"] }', per_cp: float = 10.0,
-           caps: str = "") -> str:
+def policy(
+    allow_x: str = '"*" = { allow = ["features", "weights", "fuse", "ledger"] }', per_cp: float = 10.0, caps: str = ""
+) -> str:
     return f"""
 [policy]
 show_remaining = "own"
@@ -60,6 +68,7 @@ class Recording(PeerService):
             for m in request_iterator:
                 self._keep("ReleaseFeatures", m)
                 yield m
+
         yield from super().ReleaseFeatures(tap(), context)
 
     def ReleaseWeights(self, request, context):
@@ -94,14 +103,27 @@ def recording(monkeypatch):
 
 
 @contextlib.contextmanager
-def three_sites(tmp_path, *, x_policy: str | None = None, b_policy: str | None = None, x_models=None,
-                x_address: str | None = None):
+def three_sites(
+    tmp_path, *, x_policy: str | None = None, b_policy: str | None = None, x_models=None, x_address: str | None = None
+):
     """X, B and C running; yields (x, b, c, b_address, x_address)."""
-    x = make_site(tmp_path, "site-x", models=x_models or {"mx": (ARCH, model_arrays(seed=2))}, seed=21,
-                  policy=x_policy or policy())
+    x = make_site(
+        tmp_path,
+        "site-x",
+        models=x_models or {"mx": (ARCH, model_arrays(seed=2))},
+        seed=21,
+        policy=x_policy or policy(),
+    )
     with running(x) as (_, real_x_address):
-        b = make_site(tmp_path, "site-b", models={"mb": (ARCH, model_arrays(seed=1))}, seed=12, probe=PROBE,
-                      peers={"site-x": x_address or real_x_address}, policy=b_policy or policy(caps="fuse = 10.0"))
+        b = make_site(
+            tmp_path,
+            "site-b",
+            models={"mb": (ARCH, model_arrays(seed=1))},
+            seed=12,
+            probe=PROBE,
+            peers={"site-x": x_address or real_x_address},
+            policy=b_policy or policy(caps="fuse = 10.0"),
+        )
         c = make_site(tmp_path, "site-c", models={})
         pin_each_other(b, x)
         pin_each_other(b, c)
@@ -115,8 +137,12 @@ def ledger_state(site) -> tuple[list, list]:
     must leave as it found."""
     con = sqlite3.connect(site.ledger)
     try:
-        live = [r[0] for r in con.execute(
-            "SELECT release_id FROM charges WHERE seq NOT IN (SELECT seq FROM cancellations) ORDER BY seq")]
+        live = [
+            r[0]
+            for r in con.execute(
+                "SELECT release_id FROM charges WHERE seq NOT IN (SELECT seq FROM cancellations) ORDER BY seq"
+            )
+        ]
         totals = con.execute("SELECT budget, count, rdp, pure_epsilon FROM totals ORDER BY budget").fetchall()
         return live, totals
     finally:
@@ -234,8 +260,9 @@ def test_every_refusal_before_the_charge_leaves_both_ledgers_empty(tmp_path):
             with pytest.raises(PeerError) as e:
                 cl.fuse("nope", **FUSE)
             assert e.value.status == "NOT_FOUND"
-            req = pb.FuseRequest(header=pb.RequestHeader(sender="site-c", receiver="site-b", on_behalf_of="site-z"),
-                                 model="mb", **FUSE)
+            req = pb.FuseRequest(
+                header=pb.RequestHeader(sender="site-c", receiver="site-b", on_behalf_of="site-z"), model="mb", **FUSE
+            )
             with pytest.raises(PeerError) as e:
                 cl._read(cl._release["Fuse"](req, timeout=30), "fused", "mb")
             assert e.value.status == "INVALID_ARGUMENT" and "on_behalf_of" in str(e.value)
@@ -261,12 +288,27 @@ PARTNER_REFUSALS = {
     # C's own per-counterparty budget at X is what runs out (B's at X is untouched)
     "the final caller's budget at the partner": ({}, exhaust_c_at_x, "RESOURCE_EXHAUSTED", "model/mx/peer/site-c"),
     "the partner's policy refuses the final caller": (
-        {"x_policy": policy(allow_x='"site-b" = { allow = ["features", "weights"] }')}, None, "PERMISSION_DENIED", "site-c"),
+        {"x_policy": policy(allow_x='"site-b" = { allow = ["features", "weights"] }')},
+        None,
+        "PERMISSION_DENIED",
+        "site-c",
+    ),
     "the partner's policy refuses the relay": (
-        {"x_policy": policy(allow_x='"site-c" = { allow = ["features", "weights"] }\n"site-b" = { allow = ["features"] }')},
-        None, "PERMISSION_DENIED", "site-b"),
+        {
+            "x_policy": policy(
+                allow_x='"site-c" = { allow = ["features", "weights"] }\n"site-b" = { allow = ["features"] }'
+            )
+        },
+        None,
+        "PERMISSION_DENIED",
+        "site-b",
+    ),
     "the partner's per-request cap on the weights part": (
-        {"x_policy": policy(caps="weights = 3.0")}, None, "INVALID_ARGUMENT", "cap 3 for weights"),
+        {"x_policy": policy(caps="weights = 3.0")},
+        None,
+        "INVALID_ARGUMENT",
+        "cap 3 for weights",
+    ),
     "the partner has no such model": ({"x_models": {"other": (ARCH, model_arrays(seed=2))}}, None, "NOT_FOUND", "mx"),
     "the partner is unreachable": ({"x_address": "127.0.0.1:1"}, None, "UNAVAILABLE", "site-x"),
 }
@@ -316,12 +358,28 @@ def test_relayed_requests_are_allowed_and_charged_for_both_sites(tmp_path):
                 cl.weights("mx", epsilon=2.0, delta=1e-5, on_behalf_of="site-z")
             assert e.value.status == "PERMISSION_DENIED" and "site-z" in str(e.value)
             with pytest.raises(PeerError) as e:
-                cl.features("mx", PROBE, activation_epsilon=1.0, weight_epsilon=1.0, activation_clip=(0.0, 4.0),
-                            weights_epsilon=1.0, weights_delta=1e-5, on_behalf_of="site-b")
+                cl.features(
+                    "mx",
+                    PROBE,
+                    activation_epsilon=1.0,
+                    weight_epsilon=1.0,
+                    activation_clip=(0.0, 4.0),
+                    weights_epsilon=1.0,
+                    weights_delta=1e-5,
+                    on_behalf_of="site-b",
+                )
             assert e.value.status == "INVALID_ARGUMENT" and "on_behalf_of" in str(e.value)
             with pytest.raises(PeerError) as e:
-                cl.features("mx", PROBE, activation_epsilon=1.0, weight_epsilon=1.0, activation_clip=(0.0, 4.0),
-                            weights_epsilon=1.0, weights_delta=1e-5, on_behalf_of="site-x")
+                cl.features(
+                    "mx",
+                    PROBE,
+                    activation_epsilon=1.0,
+                    weight_epsilon=1.0,
+                    activation_clip=(0.0, 4.0),
+                    weights_epsilon=1.0,
+                    weights_delta=1e-5,
+                    on_behalf_of="site-x",
+                )
             assert e.value.status == "INVALID_ARGUMENT" and "on_behalf_of" in str(e.value)
             merge = pb.MergeRequest(header=cl.header("site-c"), pool="p", method="rs", epsilon=1.0, delta=1e-5)
             with pytest.raises(PeerError) as e:

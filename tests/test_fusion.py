@@ -3,16 +3,31 @@ import pytest
 import torch
 
 from peer.base.errors import InvalidArgument
-from peer.ldp.fusion import (average_arrays, ensemble_proba, fuse_arrays, fuse_many, permute_arrays,
-                         vanilla_average, weight_matching)
+from peer.ldp.fusion import (
+    average_arrays,
+    ensemble_proba,
+    fuse_arrays,
+    fuse_many,
+    permute_arrays,
+    vanilla_average,
+    weight_matching,
+)
 from peer.nn.architectures import build_model, input_tensor, model_from_arrays, state_arrays
 
 MLP = {"kind": "mlp", "input_dim": 20, "hidden": [16, 12], "output_dim": 5}
-CNN = {"kind": "cnn", "input_shape": [2, 8, 8], "channels": [4, 6], "kernel_size": 3, "pool": [2, 2], "hidden": [10], "output_dim": 5}
+CNN = {
+    "kind": "cnn",
+    "input_shape": [2, 8, 8],
+    "channels": [4, 6],
+    "kernel_size": 3,
+    "pool": [2, 2],
+    "hidden": [10],
+    "output_dim": 5,
+}
 
 
 def random_perms(arch, rng):
-    sizes = (arch.get("channels", []) + arch["hidden"])
+    sizes = arch.get("channels", []) + arch["hidden"]
     return [rng.permutation(n) for n in sizes]
 
 

@@ -4,11 +4,19 @@ import torch
 from torch import nn
 
 from peer.base.errors import InvalidArgument
-from peer.nn.graph import extract_graph
 from peer.nn.architectures import build_model
+from peer.nn.graph import extract_graph
 
 MLP = {"kind": "mlp", "input_dim": 64, "hidden": [32, 16], "output_dim": 10}
-CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "kernel_size": 3, "pool": [2, 2], "hidden": [16], "output_dim": 10}
+CNN = {
+    "kind": "cnn",
+    "input_shape": [1, 8, 8],
+    "channels": [4, 8],
+    "kernel_size": 3,
+    "pool": [2, 2],
+    "hidden": [16],
+    "output_dim": 10,
+}
 
 
 def test_mlp_graph_shapes_and_features():
@@ -30,7 +38,7 @@ def test_cnn_graph_pools_spatially_and_groups_flatten_columns():
     assert g.sizes == (4, 8, 16) and g.input_size == 1
     assert g.hidden[0].incoming.shape == (4, 1, 9)
     assert g.hidden[1].incoming.shape == (8, 4, 9)
-    assert g.hidden[2].incoming.shape == (16, 8, 4)   # 2x2 spatial positions per channel
+    assert g.hidden[2].incoming.shape == (16, 8, 4)  # 2x2 spatial positions per channel
     assert g.hidden[1].activations.shape == (8, 5)
     x = torch.tensor(probe, dtype=torch.float32).reshape(5, 1, 8, 8)
     c1 = torch.relu(m[0](x))

@@ -42,7 +42,9 @@ def test_fuse_state_interpolates_floats_and_keeps_counters():
     a = _arrays(model)
     b = _arrays(randomise(networks.SmallResNet(), seed=5))
     f = fuse_state(s, a, b, 0.25)
-    np.testing.assert_allclose(f["stage1.bn1.running_var"], 0.25 * a["stage1.bn1.running_var"] + 0.75 * b["stage1.bn1.running_var"], rtol=1e-6)
+    np.testing.assert_allclose(
+        f["stage1.bn1.running_var"], 0.25 * a["stage1.bn1.running_var"] + 0.75 * b["stage1.bn1.running_var"], rtol=1e-6
+    )
     assert f["stage1.bn1.num_batches_tracked"].dtype == a["stage1.bn1.num_batches_tracked"].dtype
     with pytest.raises(InvalidArgument, match="alpha"):
         fuse_state(s, a, b, -0.1)

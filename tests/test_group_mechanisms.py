@@ -65,8 +65,9 @@ def test_weight_noise_matches_its_calibration(resnet):
     _, s, arrays = resnet
     diffs = []
     for seed in range(24):
-        out, record = perturb_group_weights(s, arrays, epsilon=1.0, delta=1e-5, smoothing=False,
-                                            randomness=make_randomness(seed))
+        out, record = perturb_group_weights(
+            s, arrays, epsilon=1.0, delta=1e-5, smoothing=False, randomness=make_randomness(seed)
+        )
         stem = next(c for c in record.components if c.parameters["unit_owner"] == "stem")
         scale = stem.parameters["scales"][stem.parameters["parameters"].index("stage1.conv2.weight")]
         # entries are small against their box and the row's norm is below the clip: nothing clipped

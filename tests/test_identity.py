@@ -8,11 +8,17 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from peer.net.identity import (fingerprint, format_fingerprint, init_identity, load_certificate,
-                                       load_identity, verify_signature)
-from peer.net.trust import TrustStore
-from peer.cli import main
 from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
+from peer.cli import main
+from peer.net.identity import (
+    fingerprint,
+    format_fingerprint,
+    init_identity,
+    load_certificate,
+    load_identity,
+    verify_signature,
+)
+from peer.net.trust import TrustStore
 
 
 def test_init_makes_a_private_key_and_a_pinnable_certificate(tmp_path):
@@ -85,8 +91,7 @@ def test_trust_store_pins_by_name_and_fingerprint(tmp_path):
 
 
 def test_trust_refuses_expired_and_ca_certificates(tmp_path):
-    old = init_identity(tmp_path / "old", "old", days=1,
-                        not_before=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=3))
+    old = init_identity(tmp_path / "old", "old", days=1, not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=3))
     store = TrustStore(tmp_path / "trusted")
     with pytest.raises(FailedPrecondition, match="expired"):
         store.add(old.cert_pem)

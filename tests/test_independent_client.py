@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from peer_harness import make_pool, make_site, pin_each_other, running
 
 from peer.budget.ledger import Ledger
-from peer_harness import make_pool, make_site, pin_each_other, running
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,9 +27,17 @@ def test_an_independent_client_runs_releases_and_verifies_them_from_the_spec(tmp
     a = make_site(tmp_path, "site-a", seed=5, pools={"dp": pool})
     b = make_site(tmp_path, "site-b", models={})
     pin_each_other(a, b)
-    config = {"proto_root": str(ROOT / "proto"), "stubs": str(tmp_path / "stubs"), "me": "site-b", "peer": "site-a",
-              "key": str(b.identity_dir / "site.key"), "cert": str(b.identity_dir / "site.crt"),
-              "peer_cert": str(b.identity_dir / "trusted" / "site-a.crt"), "model": "mlp", "pool": "dp"}
+    config = {
+        "proto_root": str(ROOT / "proto"),
+        "stubs": str(tmp_path / "stubs"),
+        "me": "site-b",
+        "peer": "site-a",
+        "key": str(b.identity_dir / "site.key"),
+        "cert": str(b.identity_dir / "site.crt"),
+        "peer_cert": str(b.identity_dir / "trusted" / "site-a.crt"),
+        "model": "mlp",
+        "pool": "dp",
+    }
     for f in ("key", "cert", "peer_cert"):
         assert Path(config[f]).is_file(), config[f]
     out = tmp_path / "independent.json"
@@ -38,8 +46,15 @@ def test_an_independent_client_runs_releases_and_verifies_them_from_the_spec(tmp
         config["address"] = address
         (tmp_path / "config.json").write_text(json.dumps(config))
         started = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "independent_client.py"), str(tmp_path / "config.json"),
-                               str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "independent_client.py"), str(tmp_path / "config.json"), str(out)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         seconds = time.perf_counter() - started
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())

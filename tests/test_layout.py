@@ -20,8 +20,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.experiments", "peer.cli",
-          "coordinator_free", "scenarios"]
+LAYERS = [
+    "peer.base",
+    "peer.nn",
+    "peer.ldp",
+    "peer.dp",
+    "peer.budget",
+    "peer.net",
+    "peer.experiments",
+    "peer.cli",
+    "coordinator_free",
+    "scenarios",
+]
 # Which layer may import which (its own and those listed). ldp and dp are side by side.
 ALLOWED = {
     "peer.base": set(),
@@ -33,8 +43,16 @@ ALLOWED = {
     "peer.experiments": {"peer.base", "peer.nn", "peer.ldp", "peer.dp"},
     "peer.cli": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.experiments"},
     "coordinator_free": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.cli"},
-    "scenarios": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.cli",
-                  "coordinator_free"},
+    "scenarios": {
+        "peer.base",
+        "peer.nn",
+        "peer.ldp",
+        "peer.dp",
+        "peer.budget",
+        "peer.net",
+        "peer.cli",
+        "coordinator_free",
+    },
 }
 CORE = ("peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget")
 SHELL_ONLY = ("grpc", "grpc_status", "grpc_health", "grpc_reflection", "google.protobuf", "google.rpc", "privfusion")
@@ -99,14 +117,24 @@ def test_layers_import_only_what_is_below_them():
 
 
 def test_peer_never_imports_coordinator_free_or_scenarios():
-    bad = [f"{m} imports {n}" for m, p in modules().items() if m.startswith("peer")
-           for n in imports_of(p, m) if n.split(".")[0] in ("coordinator_free", "scenarios")]
+    bad = [
+        f"{m} imports {n}"
+        for m, p in modules().items()
+        if m.startswith("peer")
+        for n in imports_of(p, m)
+        if n.split(".")[0] in ("coordinator_free", "scenarios")
+    ]
     assert not bad, bad
 
 
 def test_the_core_imports_no_grpc_and_no_protobuf():
-    bad = [f"{m} imports {n}" for m, p in modules().items() if layer_of(m) in CORE
-           for n in imports_of(p, m) if any(n == s or n.startswith(s + ".") for s in SHELL_ONLY)]
+    bad = [
+        f"{m} imports {n}"
+        for m, p in modules().items()
+        if layer_of(m) in CORE
+        for n in imports_of(p, m)
+        if any(n == s or n.startswith(s + ".") for s in SHELL_ONLY)
+    ]
     assert not bad, bad
 
 
@@ -123,14 +151,14 @@ def test_no_import_cycle_between_modules():
 
     def visit(m: str) -> None:
         if m in stack:
-            cycles.append(stack[stack.index(m):] + [m])
+            cycles.append([*stack[stack.index(m) :], m])
             return
         if m in seen:
             return
         seen.add(m)
         stack.append(m)
         for n in graph[m]:
-            if not (n.startswith(m + ".") or m.startswith(n + ".") and n in _packages()):
+            if not (n.startswith(m + ".") or (m.startswith(n + ".") and n in _packages())):
                 visit(n)
         stack.pop()
 

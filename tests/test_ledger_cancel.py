@@ -23,9 +23,13 @@ from peer.budget.policy import Policy
 
 
 def policy(total=(100.0, 1e-5), per_cp=(100.0, 1e-5), caps=None, peers=None) -> Policy:
-    d = {"model": {"total": {"epsilon": total[0], "delta": total[1]},
-                   "per_counterparty": {"epsilon": per_cp[0], "delta": per_cp[1]}},
-         "peers": peers or {"*": {"allow": ["features", "weights", "fuse"]}}}
+    d = {
+        "model": {
+            "total": {"epsilon": total[0], "delta": total[1]},
+            "per_counterparty": {"epsilon": per_cp[0], "delta": per_cp[1]},
+        },
+        "peers": peers or {"*": {"allow": ["features", "weights", "fuse"]}},
+    }
     if caps:
         d["caps"] = caps
     return Policy.from_mapping(d)
@@ -194,8 +198,10 @@ def test_a_relayed_charge_touches_the_relays_and_the_final_callers_budgets_at_on
 
 
 def test_a_relayed_charge_must_name_whom_it_is_for_and_everyone_must_be_allowed(tmp_path):
-    pol = policy(caps={"features": 1.0, "weights": 2.0},
-                 peers={"b": {"allow": ["features", "weights"]}, "c": {"allow": ["features"]}})
+    pol = policy(
+        caps={"features": 1.0, "weights": 2.0},
+        peers={"b": {"allow": ["features", "weights"]}, "c": {"allow": ["features"]}},
+    )
     led = Ledger(tmp_path / "n.db", pol)
     with pytest.raises(InvalidArgument, match="on_behalf_of"):
         led.charge(laplace_record(epsilon=0.5), "b", also_counterparties=("c",))  # the record does not say so
@@ -212,25 +218,35 @@ def test_a_relayed_charge_must_name_whom_it_is_for_and_everyone_must_be_allowed(
 
 
 def composite(parts, relay_for=None):
-    from peer.ldp.mechanisms import composite_record
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import composite_record
 
     rec = composite_record(parts, "sequential", randomness=make_randomness(0)).with_(subject="m")
     return relayed(rec, relay_for) if relay_for else rec
 
 
 def test_parts_of_one_release_meet_their_own_caps(tmp_path):
-    pol = policy(total=(100.0, 0.5), per_cp=(100.0, 0.5), caps={"features": 1.0, "weights": 2.0},
-                 peers={"b": {"allow": ["features", "weights"]}, "f": {"allow": ["features"]}})
+    pol = policy(
+        total=(100.0, 0.5),
+        per_cp=(100.0, 0.5),
+        caps={"features": 1.0, "weights": 2.0},
+        peers={"b": {"allow": ["features", "weights"]}, "f": {"allow": ["features"]}},
+    )
     led = Ledger(tmp_path / "p.db", pol)
     ok = composite([laplace_record(epsilon=1.0), laplace_record(epsilon=2.0)])
     led.charge(ok, "b", kind=("features", "weights"))  # 3 in all: each part within its cap
     with pytest.raises(InvalidArgument, match="cap 1 for features"):
-        led.charge(composite([laplace_record(epsilon=1.5), laplace_record(epsilon=0.5)]), "b", kind=("features", "weights"))
+        led.charge(
+            composite([laplace_record(epsilon=1.5), laplace_record(epsilon=0.5)]), "b", kind=("features", "weights")
+        )
     with pytest.raises(InvalidArgument, match="cap 2 for weights"):
-        led.charge(composite([laplace_record(epsilon=0.5), laplace_record(epsilon=2.5)]), "b", kind=("features", "weights"))
+        led.charge(
+            composite([laplace_record(epsilon=0.5), laplace_record(epsilon=2.5)]), "b", kind=("features", "weights")
+        )
     with pytest.raises(PermissionDenied, match="weights"):
-        led.charge(composite([laplace_record(epsilon=0.5), laplace_record(epsilon=0.5)]), "f", kind=("features", "weights"))
+        led.charge(
+            composite([laplace_record(epsilon=0.5), laplace_record(epsilon=0.5)]), "f", kind=("features", "weights")
+        )
     with pytest.raises(InvalidArgument, match="kind"):
         led.charge(laplace_record(epsilon=0.5), "b", kind=("features", "weights"))
     assert [e.release_id for e in led.entries()] == [ok.release_id]

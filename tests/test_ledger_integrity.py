@@ -25,9 +25,11 @@ from peer.budget.policy import Policy
 
 
 def policy(**over) -> Policy:
-    d = {"peers": {"*": {"allow": ["features", "weights", "merge", "fuse", "ledger"]}},
-         "model": {"total": {"epsilon": 6.0, "delta": 1e-6}, "per_counterparty": {"epsilon": 4.0, "delta": 1e-6}},
-         "data": {"unit": "record:add-remove", "epsilon": 50.0, "delta": 1e-5}}
+    d = {
+        "peers": {"*": {"allow": ["features", "weights", "merge", "fuse", "ledger"]}},
+        "model": {"total": {"epsilon": 6.0, "delta": 1e-6}, "per_counterparty": {"epsilon": 4.0, "delta": 1e-6}},
+        "data": {"unit": "record:add-remove", "epsilon": 50.0, "delta": 1e-5},
+    }
     d.update(over)
     return Policy.from_mapping(d)
 
@@ -73,15 +75,20 @@ def tweak(column: str, value):
         parsed[0] = first / 2 if isinstance(first, (int, float)) and first else (first or "") + "x"
         return json.dumps(parsed, separators=(",", ":"))
     if isinstance(parsed, dict):
-        key = next(k for k, v in sorted(parsed.items()) if isinstance(v, (int, float)) and not isinstance(v, bool) and v)
+        key = next(
+            k for k, v in sorted(parsed.items()) if isinstance(v, (int, float)) and not isinstance(v, bool) and v
+        )
         parsed[key] = parsed[key] / 2
         return json.dumps(parsed, separators=(",", ":"), sort_keys=True)
     return value + "x"
 
 
 TABLES = {
-    "charges": "seq", "charge_budgets": "seq, budget", "charge_models": "seq, model",
-    "totals": "budget", "events": "id",
+    "charges": "seq",
+    "charge_budgets": "seq, budget",
+    "charge_models": "seq, model",
+    "totals": "budget",
+    "events": "id",
 }
 # meta is covered by its own tests below: the filter's orders and the schema version
 # (meta.created_at decides nothing).
@@ -129,7 +136,11 @@ def test_the_pristine_file_opens(pristine, tmp_path):
     with Ledger(copy, policy()) as led:
         assert len(led.entries()) == 5 and len(led.events()) == 2
         assert {s.key.name for s in led.budget_states()} == {
-            "data/record:add-remove", "model/m/total", "model/m/peer/b", "model/m/peer/c"}
+            "data/record:add-remove",
+            "model/m/total",
+            "model/m/peer/b",
+            "model/m/peer/c",
+        }
     with Ledger(copy) as led:
         led.verify()
 
@@ -141,28 +152,35 @@ def test_every_column_of_every_table_is_covered(pristine, tmp_path):
         shutil.copy(pristine, copy)
         con = sqlite3.connect(copy)
         direction = "ASC" if which == "first" else "DESC"
-        rowid, value = con.execute(f"SELECT rowid, {column} FROM {table} ORDER BY {order.replace(',', f' {direction},')} {direction} LIMIT 1").fetchone()
+        rowid, value = con.execute(
+            f"SELECT rowid, {column} FROM {table} ORDER BY {order.replace(',', f' {direction},')} {direction} LIMIT 1"
+        ).fetchone()
         con.close()
         tamper(copy, f"UPDATE {table} SET {column} = ? WHERE rowid = ?", (tweak(column, value), rowid))
         try:
             refuses(copy)
         except pytest.fail.Exception:
-            pytest.fail(f"an edit of {table}.{column} ({which} row: {value!r} -> {tweak(column, value)!r}) went unnoticed")
+            pytest.fail(
+                f"an edit of {table}.{column} ({which} row: {value!r} -> {tweak(column, value)!r}) went unnoticed"
+            )
         done.append((table, column))
     # every column of the five tables, the charges table's seventeen among them
     assert len({c for t, c in done if t == "charges"}) == 17 and len(done) == 2 * (17 + 8 + 3 + 9 + 7)
 
 
-@pytest.mark.parametrize("sql", [
-    "DELETE FROM charges WHERE seq = 2",
-    "DELETE FROM charge_budgets WHERE seq = 2 AND budget = 'model/m/peer/c'",
-    "DELETE FROM charge_models WHERE seq = 3 AND model = 'pool/m0'",
-    "INSERT INTO charge_models VALUES (2, 'pool/m0', 0)",
-    "INSERT INTO charge_budgets VALUES (1, 'model/m/peer/c', 'model', 'neuron', 'm', 'c', 4.0, 1e-6)",
-    "DELETE FROM totals WHERE budget = 'model/m/peer/b'",
-    "DELETE FROM events WHERE id = 1",
-    "UPDATE meta SET value = '1' WHERE key = 'schema_version'",
-])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "DELETE FROM charges WHERE seq = 2",
+        "DELETE FROM charge_budgets WHERE seq = 2 AND budget = 'model/m/peer/c'",
+        "DELETE FROM charge_models WHERE seq = 3 AND model = 'pool/m0'",
+        "INSERT INTO charge_models VALUES (2, 'pool/m0', 0)",
+        "INSERT INTO charge_budgets VALUES (1, 'model/m/peer/c', 'model', 'neuron', 'm', 'c', 4.0, 1e-6)",
+        "DELETE FROM totals WHERE budget = 'model/m/peer/b'",
+        "DELETE FROM events WHERE id = 1",
+        "UPDATE meta SET value = '1' WHERE key = 'schema_version'",
+    ],
+)
 def test_deleted_and_inserted_rows_are_noticed(pristine, tmp_path, sql):
     copy = tmp_path / "rows.db"
     shutil.copy(pristine, copy)
@@ -210,7 +228,7 @@ def test_a_schema_1_ledger_is_refused_with_the_reason(pristine, tmp_path):
     copy = tmp_path / "v1.db"
     shutil.copy(pristine, copy)
     tamper(copy, "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    with pytest.raises(FailedPrecondition, match="schema version 1.*not migrated.*start a new ledger"):
+    with pytest.raises(FailedPrecondition, match=r"schema version 1.*not migrated.*start a new ledger"):
         Ledger(copy, policy())
 
 
@@ -223,7 +241,7 @@ def _charging_child(path, n, queue):
             for i in range(n):
                 led.charge(gaussian_record(noise_std=400.0), "b" if i % 2 else "c")
         queue.put(("ok", n))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which fails fast
+    except BaseException:
         queue.put(("error", traceback.format_exc()))
 
 

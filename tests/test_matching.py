@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +16,8 @@ from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 import peer.ldp.matching as matching
-from peer.nn.data import load_dataset
-from peer.base.errors import InvalidArgument
-from peer.nn.graph import HiddenLayer, extract_graph
-from peer.ldp.matching.expansion import _chebyshev_core
 import peer.ldp.matching.operators as operators
-from peer.ldp.matching.operators import _Stacked
+from peer.base.errors import InvalidArgument
 from peer.ldp.matching import (
     Affinity,
     MatchOptions,
@@ -30,10 +27,29 @@ from peer.ldp.matching import (
     gaussian_kernel,
     match_graphs,
 )
-from peer.nn.architectures import accuracy, build_model, model_from_arrays, state_arrays, train_classifier, weight_layers
+from peer.ldp.matching.expansion import _chebyshev_core
+from peer.ldp.matching.operators import _Stacked
+from peer.nn.architectures import (
+    accuracy,
+    build_model,
+    model_from_arrays,
+    state_arrays,
+    train_classifier,
+    weight_layers,
+)
+from peer.nn.data import load_dataset
+from peer.nn.graph import extract_graph
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4}
-CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [3, 4], "kernel_size": 3, "pool": [2, 2], "hidden": [5], "output_dim": 4}
+CNN = {
+    "kind": "cnn",
+    "input_shape": [1, 8, 8],
+    "channels": [3, 4],
+    "kernel_size": 3,
+    "pool": [2, 2],
+    "hidden": [5],
+    "output_dim": 4,
+}
 TIGHT = MatchOptions(expansion_tol=1e-11)
 
 
@@ -41,11 +57,15 @@ def graphs(arch, seed_a=1, seed_b=2, probes=9):
     rng = np.random.default_rng(0)
     width = 64 if arch["kind"] == "cnn" else arch["input_dim"]
     probe = rng.random((probes, width))
-    return extract_graph(arch, build_model(arch, seed=seed_a), probe), extract_graph(arch, build_model(arch, seed=seed_b), probe)
+    return extract_graph(arch, build_model(arch, seed=seed_a), probe), extract_graph(
+        arch, build_model(arch, seed=seed_b), probe
+    )
 
 
 def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_matching", Path(__file__).resolve().parents[1] / "benchmarks" / "matching.py")
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_matching", Path(__file__).resolve().parents[1] / "benchmarks" / "matching.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -56,7 +76,10 @@ BENCH = _load_benchmark()
 
 def noisy(g, epsilon, seed):
     """g with its weight features released by the multi-bit mechanism (three values per layer)."""
-    hidden = tuple(dataclasses.replace(h, incoming=BENCH.multibit_output(h.incoming, epsilon, seed + k)) for k, h in enumerate(g.hidden))
+    hidden = tuple(
+        dataclasses.replace(h, incoming=BENCH.multibit_output(h.incoming, epsilon, seed + k))
+        for k, h in enumerate(g.hidden)
+    )
     return g.with_layers(hidden, BENCH.multibit_output(g.output_incoming, epsilon, seed + 100))
 
 
@@ -86,7 +109,12 @@ def row_error_budget(aff: Affinity) -> np.ndarray:
         if ell == 0:
             b += blocks[0].error_bound * blocks[0].scale * blocks[0].weights_a.shape[1] * blocks[0].weights_a.shape[2]
         if ell == len(aff.sizes) - 1:
-            b += blocks[-1].error_bound * blocks[-1].scale * blocks[-1].weights_a.shape[0] * blocks[-1].weights_a.shape[2]
+            b += (
+                blocks[-1].error_bound
+                * blocks[-1].scale
+                * blocks[-1].weights_a.shape[0]
+                * blocks[-1].weights_a.shape[2]
+            )
         for hb in aff.hidden_blocks:
             rows, cols, e = hb.weights_a.shape
             if rows == n or cols == n:
@@ -101,14 +129,20 @@ def row_error_budget(aff: Affinity) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", [MLP, CNN], ids=["mlp", "cnn"])
-@pytest.mark.parametrize("case", CASES + ["noisy-m1"])
+@pytest.mark.parametrize("case", [*CASES, "noisy-m1"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-store", "sparse-store"])
 def test_factorised_kv_equals_dense_k_times_v(arch, case, sparse, monkeypatch):
     if sparse:
         monkeypatch.setattr(operators, "SPARSE_MAX_DENSITY", 1.0)  # small layers: force the sparse code
     a, b = pair(arch, case)
     aff = Affinity(a, b, TIGHT)
-    expected_kind = {"exact": "chebyshev", "noisy": "table", "noisy-m1": "table", "mixed-a": "table-a", "mixed-b": "table-b"}[case]
+    expected_kind = {
+        "exact": "chebyshev",
+        "noisy": "table",
+        "noisy-m1": "table",
+        "mixed-a": "table-a",
+        "mixed-b": "table-b",
+    }[case]
     assert all(blk.expansion == expected_kind for blk in aff.blocks)
     k = aff.dense()
     assert np.array_equal(k, k.T) and k.min() >= 0
@@ -143,7 +177,9 @@ def test_dense_layout_is_pygmtools_build_aff_mat_restricted_to_within_layer_pair
         return np.array(conn)[None], np.array(feats, dtype=float)[None]
 
     def node_feats():
-        return np.concatenate([np.stack([np.full(n, ell), np.arange(n)], 1) for ell, n in enumerate(sizes)])[None].astype(float)
+        return np.concatenate([np.stack([np.full(n, ell), np.arange(n)], 1) for ell, n in enumerate(sizes)])[
+            None
+        ].astype(float)
 
     def node_aff(f1, f2):
         out = np.zeros((1, f1.shape[1], f2.shape[1]))
@@ -162,9 +198,24 @@ def test_dense_layout_is_pygmtools_build_aff_mat_restricted_to_within_layer_pair
     c1, e1 = union_edges(ga)
     c2, e2 = union_edges(gb)
     n = int(offs[-1])
-    big = pygmtools.utils.build_aff_mat(node_feats(), e1, c1, node_feats(), e2, c2, np.array([n]), None, np.array([n]), None,
-                                        node_aff_fn=node_aff, edge_aff_fn=edge_aff, backend="numpy")[0]
-    within = np.concatenate([[(offs[ell] + j) * n + offs[ell] + i for j in range(sz) for i in range(sz)] for ell, sz in enumerate(sizes)])
+    big = pygmtools.utils.build_aff_mat(
+        node_feats(),
+        e1,
+        c1,
+        node_feats(),
+        e2,
+        c2,
+        np.array([n]),
+        None,
+        np.array([n]),
+        None,
+        node_aff_fn=node_aff,
+        edge_aff_fn=edge_aff,
+        backend="numpy",
+    )[0]
+    within = np.concatenate(
+        [[(offs[ell] + j) * n + offs[ell] + i for j in range(sz) for i in range(sz)] for ell, sz in enumerate(sizes)]
+    )
     ours = aff.dense()
     assert np.allclose(big[np.ix_(within, within)], ours, rtol=1e-12, atol=1e-14)
     rest = np.setdiff1d(np.arange(n * n), within)
@@ -186,9 +237,9 @@ def same_up_to_ties(r1, r2) -> bool:
     """The same permutations — or, where two nodes carry identical features (dead neurons, equal
     noisy rows), permutations that differ only among exactly tied choices: the same assignment
     value on the relaxed solution and the same QAP objective."""
-    if all(np.array_equal(p, q) for p, q in zip(r1.permutations, r2.permutations)):
+    if all(np.array_equal(p, q) for p, q in zip(r1.permutations, r2.permutations, strict=True)):
         return True
-    for x, p, q in zip(r1.relaxed, r1.permutations, r2.permutations):
+    for x, p, q in zip(r1.relaxed, r1.permutations, r2.permutations, strict=True):
         rows = np.arange(len(p))
         if not math.isclose(x[rows, p].sum(), x[rows, q].sum(), rel_tol=1e-12):
             return False
@@ -271,7 +322,7 @@ def test_shift_is_what_makes_power_iteration_converge():
     plain = match_graphs(a, b, MatchOptions(shift=0.0, max_iter=1000))
     shifted = match_graphs(a, b, MatchOptions(max_iter=1000))
     assert plain.converged and shifted.converged  # the same limit, ...
-    assert all(np.array_equal(p, q) for p, q in zip(plain.permutations, shifted.permutations))
+    assert all(np.array_equal(p, q) for p, q in zip(plain.permutations, shifted.permutations, strict=True))
     assert np.linalg.norm(flat(plain.relaxed) - flat(shifted.relaxed)) < 1e-4
     assert 4 * shifted.iterations < plain.iterations  # ... reached several times faster
     assert shifted.diagnostics["shift"] > 0
@@ -296,7 +347,16 @@ def test_linear_cases_solve_the_assignment_on_the_diagonal(solver):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lo,hi,sigma,tol", [(-0.4, 0.4, 0.1, 1e-4), (-1.0, 2.0, 0.3, 1e-6), (-3.0, 3.0, 0.5, 1e-3), (0.0, 0.1, 5.0, 1e-10), (-0.2, 0.3, 0.01, 1e-5)])
+@pytest.mark.parametrize(
+    "lo,hi,sigma,tol",
+    [
+        (-0.4, 0.4, 0.1, 1e-4),
+        (-1.0, 2.0, 0.3, 1e-6),
+        (-3.0, 3.0, 0.5, 1e-3),
+        (0.0, 0.1, 5.0, 1e-10),
+        (-0.2, 0.3, 0.01, 1e-5),
+    ],
+)
 def test_expansion_error_is_within_its_bound_and_the_bound_within_tol(lo, hi, sigma, tol):
     ex = gaussian_expansion(lo, hi, sigma, tol)
     x = np.linspace(lo, hi, 601)
@@ -322,7 +382,7 @@ def test_expansion_bound_holds_on_random_intervals(lo, width, sigma, log_tol):
 def test_interpolation_bound_decreases_and_bounds_the_full_interpolant():
     beta = 4.0
     bounds = [chebyshev_interpolation_bound(beta, p) for p in range(4, 30, 5)]
-    assert all(x > y for x, y in zip(bounds, bounds[1:]))
+    assert all(x > y for x, y in pairwise(bounds))
     # the uncompressed interpolant (every core term kept) is within the interpolation bound
     p = 12
     core = _chebyshev_core(beta, p)
@@ -343,11 +403,13 @@ def test_block_expansion_reported_in_diagnostics(monkeypatch):
     # 4·R·n·m·(n + m) flops
     groups = sum(math.ceil(blk["terms"] / _Stacked.GROUP) for blk in blocks[1:3])
     assert r.diagnostics["dense_products_per_iteration"] == 4 * groups
-    want = sum(4 * blk["terms"] * n * m * (n + m) for blk, (n, m) in zip(blocks[1:3], [(7, 6), (5, 7)]))
+    want = sum(4 * blk["terms"] * n * m * (n + m) for blk, (n, m) in zip(blocks[1:3], [(7, 6), (5, 7)], strict=True))
     assert r.diagnostics["flops_per_iteration"] == want
     monkeypatch.setattr(operators, "SPARSE_MAX_DENSITY", 1.0)  # these small layers would be stored dense
     noisy_r = match_graphs(*pair(MLP, "noisy"))
-    assert noisy_r.diagnostics["dense_products_per_iteration"] == 0 and noisy_r.diagnostics["expansion_error_bound"] == 0
+    assert (
+        noisy_r.diagnostics["dense_products_per_iteration"] == 0 and noisy_r.diagnostics["expansion_error_bound"] == 0
+    )
 
 
 def test_few_values():
@@ -370,7 +432,9 @@ def test_bandwidth_rules_read_only_the_given_arrays():
     assert Affinity(a, b).activation_sigma[1] == pytest.approx(centred.std(), rel=1e-9)
     wa, wb = ha.incoming.reshape(-1), hb.incoming.reshape(-1)
     assert aff.blocks[1].sigma == pytest.approx(np.mean((wa[:, None] - wb[None, :]) ** 2), rel=1e-12)
-    assert aff.blocks[1].mean_kernel == pytest.approx(np.mean(gaussian_kernel(wa[:, None], wb[None, :], aff.blocks[1].sigma)), rel=1e-12)
+    assert aff.blocks[1].mean_kernel == pytest.approx(
+        np.mean(gaussian_kernel(wa[:, None], wb[None, :], aff.blocks[1].sigma)), rel=1e-12
+    )
     assert aff.blocks[1].mean_kernel >= math.exp(-1)  # Jensen
 
 
@@ -399,15 +463,28 @@ def permuted_copy(arch, model, rng):
     return model_from_arrays(arch, arrays), perms
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def digits():
     return load_dataset("digits")
 
 
 @pytest.mark.parametrize(
     "arch,epochs",
-    [({"kind": "mlp", "input_dim": 64, "hidden": [64, 64, 64], "output_dim": 10}, 5),
-     ({"kind": "cnn", "input_shape": [1, 8, 8], "channels": [8, 16], "kernel_size": 3, "pool": [2, 2], "hidden": [32], "output_dim": 10}, 5)],
+    [
+        ({"kind": "mlp", "input_dim": 64, "hidden": [64, 64, 64], "output_dim": 10}, 5),
+        (
+            {
+                "kind": "cnn",
+                "input_shape": [1, 8, 8],
+                "channels": [8, 16],
+                "kernel_size": 3,
+                "pool": [2, 2],
+                "hidden": [32],
+                "output_dim": 10,
+            },
+            5,
+        ),
+    ],
     ids=["mlp", "cnn"],
 )
 def test_exact_recovery_of_a_permuted_trained_network(arch, epochs):
@@ -418,7 +495,7 @@ def test_exact_recovery_of_a_permuted_trained_network(arch, epochs):
     probe = ds.x_train[:100]
     r = match_graphs(extract_graph(arch, model, probe), extract_graph(arch, copy, probe))
     assert r.converged
-    for got, p in zip(r.permutations, perms):
+    for got, p in zip(r.permutations, perms, strict=True):
         assert np.array_equal(p[got], np.arange(len(p)))  # B[perm] is A again
 
 
@@ -434,21 +511,27 @@ def test_recovery_from_a_local_dp_release_is_mostly_right_and_balancing_is_what_
     # the public [0, 2], multi-bit weights; per-entry ε = 1), many public probes. Balancing the
     # unary affinities (MatchOptions.balance) is what lets the activations' signal through:
     # without it the released rows' noisy norms scale whole columns of the kernel.
-    from peer.ldp.mechanisms import perturb_graph
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import perturb_graph
 
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10}
     ds = digits()
     model = train_classifier(arch, ds.x_train[512:], ds.y_train[512:], seed=1, epochs=20)
     copy, perms = permuted_copy(arch, model, np.random.default_rng(0))
     probe = shifted_probes(ds.x_train[:512])
-    released, _ = perturb_graph(extract_graph(arch, copy, probe), epsilon_x=1.0, epsilon_w=1.0,
-                                activation_clip=(0.0, 2.0), unit="entry", randomness=make_randomness(1))
+    released, _ = perturb_graph(
+        extract_graph(arch, copy, probe),
+        epsilon_x=1.0,
+        epsilon_w=1.0,
+        activation_clip=(0.0, 2.0),
+        unit="entry",
+        randomness=make_randomness(1),
+    )
     own = extract_graph(arch, model, probe)
 
     def fraction(options):
         r = match_graphs(own, released, options)
-        return [float(np.mean(p[got] == np.arange(len(p)))) for got, p in zip(r.permutations, perms)]
+        return [float(np.mean(p[got] == np.arange(len(p)))) for got, p in zip(r.permutations, perms, strict=True)]
 
     balanced = fraction(MatchOptions())
     unbalanced = fraction(MatchOptions(balance=False))
@@ -516,23 +599,42 @@ def test_bad_inputs_are_named():
         match_graphs(a, b, MatchOptions(solver="dense", dense_memory_cap=1000))
 
 
-@pytest.mark.parametrize("field,value", [("solver", "magic"), ("dtype", "float16"), ("activation_weight", -1.0), ("edge_weight", math.nan),
-                                         ("activation_sigma", 0.0), ("weight_sigma", -2.0), ("max_iter", 0), ("tol", 0.0),
-                                         ("expansion_tol", 1e-20), ("few_valued", 1), ("dense_memory_cap", 0), ("shift", -1.0),
-                                         ("threads", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("solver", "magic"),
+        ("dtype", "float16"),
+        ("activation_weight", -1.0),
+        ("edge_weight", math.nan),
+        ("activation_sigma", 0.0),
+        ("weight_sigma", -2.0),
+        ("max_iter", 0),
+        ("tol", 0.0),
+        ("expansion_tol", 1e-20),
+        ("few_valued", 1),
+        ("dense_memory_cap", 0),
+        ("shift", -1.0),
+        ("threads", 0),
+    ],
+)
 def test_bad_options_are_named(field, value):
     with pytest.raises(InvalidArgument, match=rf"options\.{field}"):
         MatchOptions(**{field: value})
 
 
 def test_both_weights_zero_is_refused():
-    with pytest.raises(InvalidArgument, match="options.edge_weight"):
+    with pytest.raises(InvalidArgument, match=r"options\.edge_weight"):
         MatchOptions(activation_weight=0.0, edge_weight=0.0)
 
 
 @pytest.mark.parametrize("features", ["exact", "noisy", "mixed"])
 def test_benchmark_case_runs_and_both_solvers_agree(features):
-    rows = [BENCH.run_case({"width": 8, "layers": 2, "features": features, "solver": solver}) for solver in ("factorised", "dense")]
-    assert rows[0]["permutations"] == rows[1]["permutations"] or rows[0]["objective"] == pytest.approx(rows[1]["objective"], rel=1e-12)
+    rows = [
+        BENCH.run_case({"width": 8, "layers": 2, "features": features, "solver": solver})
+        for solver in ("factorised", "dense")
+    ]
+    assert rows[0]["permutations"] == rows[1]["permutations"] or rows[0]["objective"] == pytest.approx(
+        rows[1]["objective"], rel=1e-12
+    )
     for r in rows:
         assert r["converged"] and r["peak_rss_mb"] > 0 and r["wall_s"] > 0 and 0 <= r["recovered"] <= 1

@@ -13,15 +13,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from peer.ldp import mechanisms as M
 from peer.base.errors import InvalidArgument
-from peer.nn.graph import extract_graph
-from peer.nn.architectures import build_model, state_arrays, weight_layers
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
+from peer.ldp import mechanisms as M
+from peer.nn.architectures import build_model, state_arrays, weight_layers
+from peer.nn.graph import extract_graph
 
 MLP = {"kind": "mlp", "input_dim": 12, "hidden": [8, 6], "output_dim": 3}
-CNN = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "kernel_size": 3, "pool": [2, 2], "hidden": [16], "output_dim": 10}
+CNN = {
+    "kind": "cnn",
+    "input_shape": [1, 8, 8],
+    "channels": [4, 8],
+    "kernel_size": 3,
+    "pool": [2, 2],
+    "hidden": [16],
+    "output_dim": 10,
+}
 P_FAIL = 1e-5  # per-test false-failure budget of the statistical tests below
 
 
@@ -77,8 +85,9 @@ def test_laplace_is_pure_dp_at_its_epsilon_by_dp_accounting():
     from dp_accounting.pld import privacy_loss_distribution as pld
 
     _, rec = M.laplace_activations(np.zeros((3, 4)), epsilon=0.8, clip=(0, 1), randomness=rnd())
-    dist = pld.from_laplace_mechanism(rec.parameters["scale"], sensitivity=rec.sensitivity,
-                                      value_discretization_interval=1e-4)
+    dist = pld.from_laplace_mechanism(
+        rec.parameters["scale"], sensitivity=rec.sensitivity, value_discretization_interval=1e-4
+    )
     assert dist.get_delta_for_epsilon(rec.epsilon + 1e-3) == pytest.approx(0, abs=1e-12)
     assert dist.get_delta_for_epsilon(rec.epsilon - 0.1) > 1e-3
 
@@ -96,10 +105,14 @@ def test_gaussian_calibration_reference_values():
     assert M.classical_gaussian_sigma(1 - 1e-12, 1e-5, 1.0) == pytest.approx(4.844805, abs=1e-6)
     assert M.classical_gaussian_sigma(1 - 1e-12, 1e-10, 1.0) == pytest.approx(6.818943, abs=1e-6)
     # linear in the sensitivity
-    assert M.analytic_gaussian_sigma(0.3, 1e-6, 2.5) == pytest.approx(2.5 * M.analytic_gaussian_sigma(0.3, 1e-6, 1.0), rel=1e-12)
+    assert M.analytic_gaussian_sigma(0.3, 1e-6, 2.5) == pytest.approx(
+        2.5 * M.analytic_gaussian_sigma(0.3, 1e-6, 1.0), rel=1e-12
+    )
 
 
-@pytest.mark.parametrize("epsilon,delta", [(0.1, 1e-5), (0.5, 1e-3), (1.0, 1e-5), (2.0, 1e-8), (3.0, 1e-6), (10.0, 1e-5)])
+@pytest.mark.parametrize(
+    "epsilon,delta", [(0.1, 1e-5), (0.5, 1e-3), (1.0, 1e-5), (2.0, 1e-8), (3.0, 1e-6), (10.0, 1e-5)]
+)
 def test_analytic_sigma_against_dp_accounting_hockey_stick(epsilon, delta):
     # dp-accounting's PLD of the Gaussian mechanism (pessimistic discretisation with interval h)
     # gives δ(ε) between the exact δ and δ(ε − h): that bracket is the tolerance.
@@ -107,8 +120,9 @@ def test_analytic_sigma_against_dp_accounting_hockey_stick(epsilon, delta):
 
     h, sens = 1e-4, 2.0
     sigma = M.analytic_gaussian_sigma(epsilon, delta, sens)
-    got = pld.from_gaussian_mechanism(standard_deviation=sigma, sensitivity=sens,
-                                      value_discretization_interval=h).get_delta_for_epsilon(epsilon)
+    got = pld.from_gaussian_mechanism(
+        standard_deviation=sigma, sensitivity=sens, value_discretization_interval=h
+    ).get_delta_for_epsilon(epsilon)
     upper = M.gaussian_delta(epsilon - h, sigma, sens)
     assert delta * (1 - 1e-9) <= got <= upper
     # the exact δ(ε) is a strictly decreasing function of σ: 0.1 % less noise breaks δ
@@ -131,7 +145,9 @@ def test_classical_is_looser_than_analytic_and_refuses_large_epsilon():
         with pytest.raises(InvalidArgument, match="epsilon"):
             M.classical_gaussian_sigma(eps, 1e-5, 1.0)
     with pytest.raises(InvalidArgument, match="epsilon"):
-        M.gaussian_perturbation(np.zeros((2, 3)), epsilon=2.0, delta=1e-5, clip_norm=1.0, calibration="classical", randomness=rnd())
+        M.gaussian_perturbation(
+            np.zeros((2, 3)), epsilon=2.0, delta=1e-5, clip_norm=1.0, calibration="classical", randomness=rnd()
+        )
 
 
 def test_gaussian_noise_matches_sigma():
@@ -144,10 +160,10 @@ def test_gaussian_noise_matches_sigma():
     assert rec.sensitivity == pytest.approx(3.0)
     x = noisy.ravel()
     n = x.size
-    t = np.sum(x ** 2) / sigma ** 2  # ~ chi2(n): the mean is known (0)
+    t = np.sum(x**2) / sigma**2  # ~ chi2(n): the mean is known (0)
     assert stats.chi2.ppf(P_FAIL / 4, n) < t < stats.chi2.isf(P_FAIL / 4, n)
     assert stats.kstest(x, stats.norm(0, sigma).cdf).pvalue > P_FAIL / 2
-    assert not stats.chi2.ppf(P_FAIL / 4, n) < np.sum(x ** 2) / (1.05 * sigma) ** 2 < stats.chi2.isf(P_FAIL / 4, n)
+    assert not stats.chi2.ppf(P_FAIL / 4, n) < np.sum(x**2) / (1.05 * sigma) ** 2 < stats.chi2.isf(P_FAIL / 4, n)
 
 
 def test_gaussian_clips_before_noise():
@@ -163,15 +179,20 @@ def test_gaussian_clips_before_noise():
 
 
 def test_gaussian_entry_unit_sensitivity_from_public_box():
-    _, rec = M.gaussian_perturbation(np.zeros((2, 9)), epsilon=1.0, delta=1e-5, clip_norm=2.0, entry_bound=0.25,
-                                     unit="entry", randomness=rnd())
+    _, rec = M.gaussian_perturbation(
+        np.zeros((2, 9)), epsilon=1.0, delta=1e-5, clip_norm=2.0, entry_bound=0.25, unit="entry", randomness=rnd()
+    )
     assert rec.unit == "entry" and rec.sensitivity == pytest.approx(0.5)
     assert rec.parameters["noise_std"] == pytest.approx(M.analytic_gaussian_sigma(1.0, 1e-5, 0.5))
     # without a box, one entry can move the row anywhere in the ball
-    _, rec = M.gaussian_perturbation(np.zeros((2, 9)), epsilon=1.0, delta=1e-5, clip_norm=2.0, unit="entry", randomness=rnd())
+    _, rec = M.gaussian_perturbation(
+        np.zeros((2, 9)), epsilon=1.0, delta=1e-5, clip_norm=2.0, unit="entry", randomness=rnd()
+    )
     assert rec.sensitivity == pytest.approx(4.0)
     # per neuron: the diameter of box ∩ ball, 2·min(C, c·sqrt(k))
-    _, rec = M.gaussian_perturbation(np.zeros((2, 9)), epsilon=1.0, delta=1e-5, clip_norm=2.0, entry_bound=0.25, randomness=rnd())
+    _, rec = M.gaussian_perturbation(
+        np.zeros((2, 9)), epsilon=1.0, delta=1e-5, clip_norm=2.0, entry_bound=0.25, randomness=rnd()
+    )
     assert rec.sensitivity == pytest.approx(2 * 0.25 * 3)
 
 
@@ -179,8 +200,7 @@ finite = st.floats(-1e3, 1e3, allow_nan=False)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(finite, min_size=1, max_size=12), st.integers(0, 11), finite,
-       st.floats(0.01, 10), st.floats(0.01, 10))
+@given(st.lists(finite, min_size=1, max_size=12), st.integers(0, 11), finite, st.floats(0.01, 10), st.floats(0.01, 10))
 def test_clip_rows_realises_the_stated_sensitivities(v, j, new, clip_norm, bound):
     # The sensitivity argument, checked directly: two rows differing in one entry are at most
     # 2·min(c, C) apart after clipping; any two rows at most 2·min(C, c·sqrt(k)).
@@ -192,9 +212,15 @@ def test_clip_rows_realises_the_stated_sensitivities(v, j, new, clip_norm, bound
     k = a.shape[1]
     slack = 1 + 1e-9
     assert np.linalg.norm(ca) <= clip_norm * slack and np.all(np.abs(ca) <= bound * slack)
-    assert np.linalg.norm(ca - cb) <= M.gaussian_sensitivity("entry", clip_norm=clip_norm, entry_bound=bound, length=k) * slack
+    assert (
+        np.linalg.norm(ca - cb)
+        <= M.gaussian_sensitivity("entry", clip_norm=clip_norm, entry_bound=bound, length=k) * slack
+    )
     far = M.clip_rows(-np.sign(a + 0.5) * 1e6, clip_norm=clip_norm, entry_bound=bound)
-    assert np.linalg.norm(ca - far) <= M.gaussian_sensitivity("neuron", clip_norm=clip_norm, entry_bound=bound, length=k) * slack
+    assert (
+        np.linalg.norm(ca - far)
+        <= M.gaussian_sensitivity("neuron", clip_norm=clip_norm, entry_bound=bound, length=k) * slack
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +258,7 @@ def test_multibit_is_unbiased_with_the_stated_variance(epsilon, d, m):
     mu4 = ((values - xc) ** 4 * probs).sum(0)
     z = z_two_sided(P_FAIL / (2 * d))
     assert np.all(np.abs(out.mean(0) - xc) <= z * np.sqrt(var / n))
-    assert np.all(np.abs(out.var(0, ddof=1) - var) <= z * np.sqrt(np.maximum(mu4 - var ** 2, 1e-300) / n) + 1e-12)
+    assert np.all(np.abs(out.var(0, ddof=1) - var) <= z * np.sqrt(np.maximum(mu4 - var**2, 1e-300) / n) + 1e-12)
 
 
 def test_multibit_three_valued_structure_and_bernoulli_probability():
@@ -285,11 +311,18 @@ def test_multibit_handles_large_epsilon_and_large_inputs():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 40), st.floats(1e-3, 300), finite, st.floats(1e-3, 100),
-       st.sampled_from(["neuron", "entry"]), st.integers(0, 2**32))
+@given(
+    st.integers(1, 6),
+    st.integers(1, 40),
+    st.floats(1e-3, 300),
+    finite,
+    st.floats(1e-3, 100),
+    st.sampled_from(["neuron", "entry"]),
+    st.integers(0, 2**32),
+)
 def test_multibit_outputs_lie_on_the_three_levels(n, d, eps, lo, width, unit, seed):
     x = np.random.default_rng(seed).uniform(lo - width, lo + 2 * width, size=(n, d))
-    out, rec = M.multibit(x, epsilon=eps, bounds=(lo, lo + width), unit=unit, randomness=rnd(seed))
+    out, _rec = M.multibit(x, epsilon=eps, bounds=(lo, lo + width), unit=unit, randomness=rnd(seed))
     r = M.multibit_rectifier(d, epsilon=eps, bounds=(lo, lo + width), unit=unit)
     assert out.shape == x.shape and np.all(np.isfinite(out))
     assert np.all(np.isin(r.codes(out), (-1, 0, 1)))
@@ -297,8 +330,14 @@ def test_multibit_outputs_lie_on_the_three_levels(n, d, eps, lo, width, unit, se
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 30), st.floats(1e-3, 1e3), finite, st.floats(1e-3, 100),
-       st.sampled_from(["neuron", "entry"]))
+@given(
+    st.integers(1, 5),
+    st.integers(1, 30),
+    st.floats(1e-3, 1e3),
+    finite,
+    st.floats(1e-3, 100),
+    st.sampled_from(["neuron", "entry"]),
+)
 def test_laplace_outputs_are_finite_with_the_same_shape(n, p, eps, lo, width, unit):
     x = np.random.default_rng(0).uniform(lo - width, lo + 2 * width, size=(n, p))
     out, rec = M.laplace_activations(x, epsilon=eps, clip=(lo, lo + width), unit=unit, randomness=rnd())
@@ -335,7 +374,7 @@ def test_truncated_normal_mean_against_scipy_and_its_tails():
     def reference(mu, sd, lo, hi):
         mu, sd = mpmath.mpf(mu), mpmath.mpf(sd)
         a, b = (lo - mu) / sd, (hi - mu) / sd
-        pdf = lambda t: mpmath.exp(-t ** 2 / 2) / mpmath.sqrt(2 * mpmath.pi)  # noqa: E731
+        pdf = lambda t: mpmath.exp(-(t**2) / 2) / mpmath.sqrt(2 * mpmath.pi)  # noqa: E731
         upper_tail = lambda t: mpmath.erfc(t / mpmath.sqrt(2)) / 2  # noqa: E731
         mass = upper_tail(a) - upper_tail(b) if a > 0 else upper_tail(-b) - upper_tail(-a)
         return float(mu + sd * (pdf(a) - pdf(b)) / mass)
@@ -364,14 +403,14 @@ def test_filter_is_close_to_bayes_optimal_for_gaussian_weights():
     w = np.clip(g.normal(0.05, s, n), -1, 1)
     noisy = w + g.normal(0, sigma, n)
     out, params = M.smoothing_filter(noisy, noise_std=sigma, entry_bound=1.0)
-    bayes = s ** 2 * sigma ** 2 / (s ** 2 + sigma ** 2)
+    bayes = s**2 * sigma**2 / (s**2 + sigma**2)
     assert np.mean((out - w) ** 2) <= bayes * (1 + 12 * math.sqrt(2 / n))
     assert params["entry_bound"] == 1.0 and params["standardise"] is False
     # standardisation restores the clean spread ŝ, estimated from noisy moments only:
     # ŝ² = var(w′) − σ² has sd sqrt(2/N)(s² + σ²), so ŝ has relative sd ½·sqrt(2/N)(s²+σ²)/s²;
     # 6 of those (false-failure rate 2e-9)
     out_std, _ = M.smoothing_filter(noisy, noise_std=sigma, entry_bound=1.0, standardise=True)
-    assert out_std.std() == pytest.approx(s, rel=6 * 0.5 * math.sqrt(2 / n) * (s ** 2 + sigma ** 2) / s ** 2)
+    assert out_std.std() == pytest.approx(s, rel=6 * 0.5 * math.sqrt(2 / n) * (s**2 + sigma**2) / s**2)
 
 
 def test_filter_falls_back_to_a_constant_when_noise_swamps_the_spread():
@@ -395,8 +434,8 @@ def test_filter_falls_back_to_a_constant_when_noise_swamps_the_spread():
 
 @pytest.fixture(scope="module")
 def trained_digits_mlp():
-    from peer.nn.data import load_dataset
     from peer.nn.architectures import train_classifier
+    from peer.nn.data import load_dataset
 
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [64], "output_dim": 10}
     ds = load_dataset("digits")
@@ -419,13 +458,23 @@ def test_filter_lowers_the_error_on_trained_weights(trained_digits_mlp, unit, ep
     # with probability 3e-7; the observed z values are 15–45 (so the
     # true gain is ≥ 10 standard errors: a fresh seed fails with probability far below P_FAIL).
     arch, arrays = trained_digits_mlp
-    raw, rec_raw = M.perturb_model_weights(arch, arrays, epsilon=epsilon, delta=1e-5, unit=unit, smoothing=False, randomness=rnd(9))
-    filt, rec = M.perturb_model_weights(arch, arrays, epsilon=epsilon, delta=1e-5, unit=unit, smoothing=True, randomness=rnd(9))
+    raw, rec_raw = M.perturb_model_weights(
+        arch, arrays, epsilon=epsilon, delta=1e-5, unit=unit, smoothing=False, randomness=rnd(9)
+    )
+    filt, rec = M.perturb_model_weights(
+        arch, arrays, epsilon=epsilon, delta=1e-5, unit=unit, smoothing=True, randomness=rnd(9)
+    )
     gains = []
-    for spec, comp in zip(weight_layers(arch), rec.components):
-        def rows(a):
-            return np.concatenate([a[f"{spec.name}.weight"].reshape(spec.units, -1), a[f"{spec.name}.bias"][:, None]], axis=1)
-        clean = M.clip_rows(rows(arrays), clip_norm=comp.parameters["clip_norm"], entry_bound=comp.parameters["entry_bound"])
+    for spec, comp in zip(weight_layers(arch), rec.components, strict=True):
+
+        def rows(a, spec=spec):
+            return np.concatenate(
+                [a[f"{spec.name}.weight"].reshape(spec.units, -1), a[f"{spec.name}.bias"][:, None]], axis=1
+            )
+
+        clean = M.clip_rows(
+            rows(arrays), clip_norm=comp.parameters["clip_norm"], entry_bound=comp.parameters["entry_bound"]
+        )
         gains.append(((rows(raw) - clean) ** 2 - (rows(filt) - clean) ** 2).ravel())
     g = np.concatenate(gains)
     assert g.mean() > 5 * g.std(ddof=1) / math.sqrt(g.size)
@@ -476,7 +525,8 @@ def test_perturb_graph_touches_every_neuron_and_composes(arch):
     assert rec.parameters["parallel_over"] == "neurons"  # layers: other neurons
     assert len(rec.components) == len(graph.hidden) + 1
     assert rec.epsilon == pytest.approx(2.5) and rec.delta == 0 and rec.seed == 8
-    for h, hn, comp, spec in zip(graph.hidden, noisy.hidden, rec.components, specs):
+    hidden = len(graph.hidden)  # the hidden layers' components and specs; the output layer's come last
+    for h, hn, comp, spec in zip(graph.hidden, noisy.hidden, rec.components[:hidden], specs[:hidden], strict=True):
         assert comp.parameters["composition"] == "sequential" and comp.epsilon == pytest.approx(2.5)
         lap, mb = comp.components
         assert (lap.mechanism, lap.parameters["part"], lap.parameters["layer"]) == ("laplace", "activations", h.name)
@@ -500,8 +550,15 @@ def test_perturb_graph_entry_unit_is_parallel_throughout_and_bounds_per_layer():
     a, graph, _ = small_graph()
     names = [s.name for s in weight_layers(a)]
     wb = {n: (-0.5 - i, 0.5 + i) for i, n in enumerate(names)}
-    noisy, rec = M.perturb_graph(graph, epsilon_x=0.5, epsilon_w=2.0, activation_clip={"0": (0, 1), "2": (0, 2)},
-                                 weight_bounds=wb, unit="entry", randomness=rnd())
+    _noisy, rec = M.perturb_graph(
+        graph,
+        epsilon_x=0.5,
+        epsilon_w=2.0,
+        activation_clip={"0": (0, 1), "2": (0, 2)},
+        weight_bounds=wb,
+        unit="entry",
+        randomness=rnd(),
+    )
     assert rec.unit == "entry" and rec.epsilon == pytest.approx(2.0)
     assert all(c.parameters["composition"] == "parallel" for c in rec.components[:-1])
     # parallel per entry only: a layer's activations and weights are entries of the same neurons
@@ -535,7 +592,7 @@ def test_perturb_model_weights_releases_every_layer(arch):
     assert rec.parameters["parallel_over"] == "neurons"
     assert [c.parameters["layer"] for c in rec.components] == [s.name for s in specs]
     assert specs[-1].is_output and rec.epsilon == 3.0 and rec.delta == 1e-5
-    for c, s in zip(rec.components, specs):
+    for c, s in zip(rec.components, specs, strict=True):
         assert c.mechanism == "gaussian" and c.parameters["shape"] == (s.units, s.fan_in + 1)
         assert c.parameters["clip_norm"] == M.DEFAULT_CLIP_NORM
         assert c.parameters["entry_bound"] == pytest.approx(M.default_entry_bound(s.fan_in))
@@ -549,10 +606,21 @@ def test_perturb_model_weights_releases_every_layer(arch):
 def test_perturb_model_weights_per_layer_bounds_and_classical_calibration():
     arrays = state_arrays(build_model(MLP, seed=1))
     norms = {"0": 1.0, "2": 2.0, "4": 3.0}
-    _, rec = M.perturb_model_weights(MLP, arrays, epsilon=0.5, delta=1e-5, clip_norm=norms, entry_bound=10.0,
-                                     calibration="classical", smoothing=False, randomness=rnd())
+    _, rec = M.perturb_model_weights(
+        MLP,
+        arrays,
+        epsilon=0.5,
+        delta=1e-5,
+        clip_norm=norms,
+        entry_bound=10.0,
+        calibration="classical",
+        smoothing=False,
+        randomness=rnd(),
+    )
     for c in rec.components:
-        assert c.parameters["calibration"] == "classical" and c.sensitivity == pytest.approx(2 * norms[c.parameters["layer"]])
+        assert c.parameters["calibration"] == "classical" and c.sensitivity == pytest.approx(
+            2 * norms[c.parameters["layer"]]
+        )
         assert c.parameters["noise_std"] == pytest.approx(M.classical_gaussian_sigma(0.5, 1e-5, c.sensitivity))
     with pytest.raises(InvalidArgument, match="clip_norm"):
         M.perturb_model_weights(MLP, arrays, epsilon=1, delta=1e-5, clip_norm={"0": 1.0})
@@ -572,41 +640,44 @@ def test_perturb_model_weights_per_layer_bounds_and_classical_calibration():
 X = np.ones((3, 4))
 
 
-@pytest.mark.parametrize("call,field", [
-    (lambda: M.laplace_activations(np.full((2, 2), np.nan), epsilon=1, clip=(0, 1)), "activations"),
-    (lambda: M.laplace_activations(np.array([[1.0, np.inf]]), epsilon=1, clip=(0, 1)), "activations"),
-    (lambda: M.laplace_activations(np.zeros((0, 3)), epsilon=1, clip=(0, 1)), "activations"),
-    (lambda: M.laplace_activations(np.zeros(3), epsilon=1, clip=(0, 1)), "activations"),
-    (lambda: M.laplace_activations(X, epsilon=0, clip=(0, 1)), "epsilon"),
-    (lambda: M.laplace_activations(X, epsilon=-1, clip=(0, 1)), "epsilon"),
-    (lambda: M.laplace_activations(X, epsilon=math.inf, clip=(0, 1)), "epsilon"),
-    (lambda: M.laplace_activations(X, epsilon=math.nan, clip=(0, 1)), "epsilon"),
-    (lambda: M.laplace_activations(X, epsilon=1, clip=(1, 1)), "clip"),
-    (lambda: M.laplace_activations(X, epsilon=1, clip=(2, 1)), "clip"),
-    (lambda: M.laplace_activations(X, epsilon=1, clip=(0, math.inf)), "clip"),
-    (lambda: M.laplace_activations(X, epsilon=1, clip=(0,)), "clip"),
-    (lambda: M.laplace_activations(X, epsilon=1, clip=(0, 1), unit="person"), "unit"),
-    (lambda: M.multibit(np.full((2, 2), np.nan), epsilon=1, bounds=(0, 1)), "features"),
-    (lambda: M.multibit(np.zeros((2, 0)), epsilon=1, bounds=(0, 1)), "features"),
-    (lambda: M.multibit(X, epsilon=0, bounds=(0, 1)), "epsilon"),
-    (lambda: M.multibit(X, epsilon=1, bounds=(1, 0)), "bounds"),
-    (lambda: M.multibit(X, epsilon=1, bounds=(0, 1), unit="layer"), "unit"),
-    (lambda: M.gaussian_perturbation(X, epsilon=1, delta=0, clip_norm=1), "delta"),
-    (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1, clip_norm=1), "delta"),
-    (lambda: M.gaussian_perturbation(X, epsilon=1, delta=-0.1, clip_norm=1), "delta"),
-    (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1e-5, clip_norm=0), "clip_norm"),
-    (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1e-5, clip_norm=1, entry_bound=-1), "entry_bound"),
-    (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1e-5, clip_norm=1, calibration="rdp"), "calibration"),
-    (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1e-5, clip_norm=1, unit="x"), "unit"),
-    (lambda: M.gaussian_perturbation(np.full((2, 2), np.inf), epsilon=1, delta=1e-5, clip_norm=1), "vectors"),
-    (lambda: M.analytic_gaussian_sigma(0, 1e-5, 1), "epsilon"),
-    (lambda: M.analytic_gaussian_sigma(1, 1e-5, 0), "sensitivity"),
-    (lambda: M.analytic_gaussian_sigma(1, 1.5, 1), "delta"),
-    (lambda: M.classical_gaussian_sigma(0.5, 0, 1), "delta"),
-    (lambda: M.smoothing_filter(np.array([np.nan]), noise_std=1, entry_bound=1), "noisy"),
-    (lambda: M.smoothing_filter(np.ones(3), noise_std=0, entry_bound=1), "noise_std"),
-    (lambda: M.laplace_activations(X, epsilon=1, clip=(0, 1), randomness=np.random.default_rng(0)), "randomness"),
-])
+@pytest.mark.parametrize(
+    "call,field",
+    [
+        (lambda: M.laplace_activations(np.full((2, 2), np.nan), epsilon=1, clip=(0, 1)), "activations"),
+        (lambda: M.laplace_activations(np.array([[1.0, np.inf]]), epsilon=1, clip=(0, 1)), "activations"),
+        (lambda: M.laplace_activations(np.zeros((0, 3)), epsilon=1, clip=(0, 1)), "activations"),
+        (lambda: M.laplace_activations(np.zeros(3), epsilon=1, clip=(0, 1)), "activations"),
+        (lambda: M.laplace_activations(X, epsilon=0, clip=(0, 1)), "epsilon"),
+        (lambda: M.laplace_activations(X, epsilon=-1, clip=(0, 1)), "epsilon"),
+        (lambda: M.laplace_activations(X, epsilon=math.inf, clip=(0, 1)), "epsilon"),
+        (lambda: M.laplace_activations(X, epsilon=math.nan, clip=(0, 1)), "epsilon"),
+        (lambda: M.laplace_activations(X, epsilon=1, clip=(1, 1)), "clip"),
+        (lambda: M.laplace_activations(X, epsilon=1, clip=(2, 1)), "clip"),
+        (lambda: M.laplace_activations(X, epsilon=1, clip=(0, math.inf)), "clip"),
+        (lambda: M.laplace_activations(X, epsilon=1, clip=(0,)), "clip"),
+        (lambda: M.laplace_activations(X, epsilon=1, clip=(0, 1), unit="person"), "unit"),
+        (lambda: M.multibit(np.full((2, 2), np.nan), epsilon=1, bounds=(0, 1)), "features"),
+        (lambda: M.multibit(np.zeros((2, 0)), epsilon=1, bounds=(0, 1)), "features"),
+        (lambda: M.multibit(X, epsilon=0, bounds=(0, 1)), "epsilon"),
+        (lambda: M.multibit(X, epsilon=1, bounds=(1, 0)), "bounds"),
+        (lambda: M.multibit(X, epsilon=1, bounds=(0, 1), unit="layer"), "unit"),
+        (lambda: M.gaussian_perturbation(X, epsilon=1, delta=0, clip_norm=1), "delta"),
+        (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1, clip_norm=1), "delta"),
+        (lambda: M.gaussian_perturbation(X, epsilon=1, delta=-0.1, clip_norm=1), "delta"),
+        (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1e-5, clip_norm=0), "clip_norm"),
+        (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1e-5, clip_norm=1, entry_bound=-1), "entry_bound"),
+        (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1e-5, clip_norm=1, calibration="rdp"), "calibration"),
+        (lambda: M.gaussian_perturbation(X, epsilon=1, delta=1e-5, clip_norm=1, unit="x"), "unit"),
+        (lambda: M.gaussian_perturbation(np.full((2, 2), np.inf), epsilon=1, delta=1e-5, clip_norm=1), "vectors"),
+        (lambda: M.analytic_gaussian_sigma(0, 1e-5, 1), "epsilon"),
+        (lambda: M.analytic_gaussian_sigma(1, 1e-5, 0), "sensitivity"),
+        (lambda: M.analytic_gaussian_sigma(1, 1.5, 1), "delta"),
+        (lambda: M.classical_gaussian_sigma(0.5, 0, 1), "delta"),
+        (lambda: M.smoothing_filter(np.array([np.nan]), noise_std=1, entry_bound=1), "noisy"),
+        (lambda: M.smoothing_filter(np.ones(3), noise_std=0, entry_bound=1), "noise_std"),
+        (lambda: M.laplace_activations(X, epsilon=1, clip=(0, 1), randomness=np.random.default_rng(0)), "randomness"),
+    ],
+)
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(InvalidArgument) as info:
         call()
@@ -614,9 +685,12 @@ def test_bad_input_names_the_field(call, field):
 
 
 def test_whole_model_bad_input():
-    a, graph, _ = small_graph()
-    for kwargs, field in [({"epsilon_x": 0, "epsilon_w": 1}, "epsilon_x"), ({"epsilon_x": 1, "epsilon_w": -1}, "epsilon_w"),
-                          ({"epsilon_x": 1, "epsilon_w": 1, "unit": "layer"}, "unit")]:
+    _a, graph, _ = small_graph()
+    for kwargs, field in [
+        ({"epsilon_x": 0, "epsilon_w": 1}, "epsilon_x"),
+        ({"epsilon_x": 1, "epsilon_w": -1}, "epsilon_w"),
+        ({"epsilon_x": 1, "epsilon_w": 1, "unit": "layer"}, "unit"),
+    ]:
         with pytest.raises(InvalidArgument) as info:
             M.perturb_graph(graph, activation_clip=(0, 1), **kwargs)
         assert info.value.field == field

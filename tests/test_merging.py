@@ -11,11 +11,11 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
-from peer.dp.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
 from peer.base.errors import InvalidArgument
+from peer.base.rng import make_randomness
+from peer.dp.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
 from peer.dp.merging import PoolModel, combine, draw_index, merge_lc, merge_rs
 from peer.nn.architectures import build_model, state_arrays
-from peer.base.rng import make_randomness
 
 ARCH = {"kind": "mlp", "input_dim": 4, "hidden": [3], "output_dim": 2, "activation": "relu"}
 DELTA = 1e-5
@@ -27,12 +27,19 @@ HYPER = [(2.0, 6.0), (1.0, 15.0), (0.5, 40.0)]
 def _pool(hyper=HYPER, sample_rate=1.0, sizes=None, declared=False):
     pool = []
     for i, (c, s) in enumerate(hyper):
-        training = TrainingRecord.constant("replace-one", T, LR, c, s, sample_rate, state_independent_gradients=declared)
-        pool.append(PoolModel(f"m{i}", ARCH, state_arrays(build_model(ARCH, seed=i)), training, 500 if sizes is None else sizes[i]))
+        training = TrainingRecord.constant(
+            "replace-one", T, LR, c, s, sample_rate, state_independent_gradients=declared
+        )
+        pool.append(
+            PoolModel(
+                f"m{i}", ARCH, state_arrays(build_model(ARCH, seed=i)), training, 500 if sizes is None else sizes[i]
+            )
+        )
     return pool
 
 
 # ---- independent accounting (closed forms, no peer.dp.accounting) ----
+
 
 def _gdp_delta(mu, eps):
     """δ(ε) of μ-GDP (Dong, Roth & Su 2022, Cor. 2.13)."""
@@ -50,19 +57,19 @@ def _model_mu(c_s):
 
 def _lc_mu(lam, hyper=HYPER):
     """Surrogate μ of θ_λ: per step Δ = 2 Σ λ_i η C_i, s = sqrt(Σ (λ_i η σ_i C_i)²), T identical steps."""
-    sens = 2 * sum(l * LR * c for l, (c, s) in zip(lam, hyper))
-    std = math.sqrt(sum((l * LR * s * c) ** 2 for l, (c, s) in zip(lam, hyper)))
+    sens = 2 * sum(lam_i * LR * c for lam_i, (c, s) in zip(lam, hyper, strict=True))
+    std = math.sqrt(sum((lam_i * LR * s * c) ** 2 for lam_i, (c, s) in zip(lam, hyper, strict=True)))
     return math.sqrt(T) * sens / std
 
 
 def _composition_mu(lam, hyper=HYPER):
     """μ of releasing every model with λ_i > 0: sqrt(Σ μ_i²)."""
-    return math.sqrt(sum(_model_mu(h) ** 2 for l, h in zip(lam, hyper) if l > 0))
+    return math.sqrt(sum(_model_mu(h) ** 2 for lam_i, h in zip(lam, hyper, strict=True) if lam_i > 0))
 
 
 def _rs_pld_delta(pi, eps):
     """Full-batch Gaussian models are symmetric, so the RS hockey-stick bound is Σ π_i δ_i(ε)."""
-    return sum(p * _gdp_delta(_model_mu(h), eps) for p, h in zip(pi, HYPER))
+    return sum(p * _gdp_delta(_model_mu(h), eps) for p, h in zip(pi, HYPER, strict=True))
 
 
 def _rs_rdp_epsilon(pi, delta):
@@ -83,6 +90,7 @@ def test_independent_accounting_sanity():
 
 # ---- RS ----
 
+
 def test_rs_meets_and_saturates_the_target_and_prefers_accurate_models():
     target = 0.5 * (EPS[1] + EPS[2])
     merged = merge_rs(_pool(), UTIL, target, DELTA, randomness=make_randomness(0))
@@ -100,7 +108,7 @@ def test_rs_meets_and_saturates_the_target_and_prefers_accurate_models():
     # brute force over a fine grid of π: nothing feasible is more useful (to the LP's tolerance)
     best = -1.0
     for a in np.linspace(0, 1, 41):
-        for b in np.linspace(0, 1 - a, int(round((1 - a) * 40)) + 1):
+        for b in np.linspace(0, 1 - a, round((1 - a) * 40) + 1):
             p = [a, b, max(0.0, 1 - a - b)]
             if _rs_pld_delta(p, target) <= DELTA * (1 - 1e-3):
                 best = max(best, float(np.dot(p, UTIL)))
@@ -160,6 +168,7 @@ def test_rs_accepts_models_known_only_by_epsilon_delta():
 
 # ---- LC ----
 
+
 def _distance_utility(reference):
     """A smooth utility: closeness to ``reference`` (stands for 'accuracy of θ_λ')."""
     return lambda arrays: -math.sqrt(sum(float(np.sum((arrays[k] - reference[k]) ** 2)) for k in arrays))
@@ -172,7 +181,7 @@ def test_lc_surrogate_combination_is_the_weighted_sum_meets_and_saturates():
     lam = np.asarray(merged.choice.weights)
     assert lam.sum() == pytest.approx(1.0) and np.all(lam >= 0)
     for k in merged.arrays:
-        expected = sum(l * pool[i].arrays[k].astype(np.float64) for i, l in enumerate(lam))
+        expected = sum(lam_i * pool[i].arrays[k].astype(np.float64) for i, lam_i in enumerate(lam))
         np.testing.assert_allclose(merged.arrays[k], expected, rtol=1e-6, atol=1e-7)
     e = _gdp_epsilon(_lc_mu(lam), DELTA)
     assert e <= target * (1 + 1e-6) and e >= target * (1 - 1e-3)
@@ -184,17 +193,17 @@ def test_lc_surrogate_combination_is_the_weighted_sum_meets_and_saturates():
 
 def test_lc_is_charged_the_composition_of_the_models_it_combines():
     pool = _pool()
-    target = 1.02 * _gdp_epsilon(_composition_mu([0, 1, 1]), DELTA)    # {1, 2} fit together, model 0 never
+    target = 1.02 * _gdp_epsilon(_composition_mu([0, 1, 1]), DELTA)  # {1, 2} fit together, model 0 never
     merged = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
     lam = np.asarray(merged.choice.weights)
     for k in merged.arrays:
-        expected = sum(l * pool[i].arrays[k].astype(np.float64) for i, l in enumerate(lam))
+        expected = sum(lam_i * pool[i].arrays[k].astype(np.float64) for i, lam_i in enumerate(lam))
         np.testing.assert_allclose(merged.arrays[k], expected, rtol=1e-6, atol=1e-7)
     # model 0 alone already exceeds the target: it can take no weight
     assert lam[0] == 0.0 and merged.choice.bound == "composition"
     proven = _gdp_epsilon(_composition_mu(lam), DELTA)
     assert proven <= target and merged.record.epsilon == pytest.approx(proven, abs=2e-3)
-    assert merged.record.epsilon >= proven * (1 - 1e-9)       # the PLD figure is pessimistic
+    assert merged.record.epsilon >= proven * (1 - 1e-9)  # the PLD figure is pessimistic
     params = merged.record.parameters
     assert params["bound"] == "composition" and params["surrogate"]["valid"] is False
     assert params["surrogate"]["mu"] == pytest.approx(_lc_mu(lam), rel=1e-9)
@@ -233,13 +242,18 @@ def test_lc_beats_rs_on_a_gaussian_pool():
 def test_refusals(method):
     def go(pool, target=5.0, delta=DELTA, accountant="pld"):
         if method == "rs":
-            return merge_rs(pool, [0.5] * len(pool), target, delta, randomness=make_randomness(0), accountant=accountant)
+            return merge_rs(
+                pool, [0.5] * len(pool), target, delta, randomness=make_randomness(0), accountant=accountant
+            )
         return merge_lc(pool, lambda a: 0.0, target, delta, accountant=accountant)
 
     with pytest.raises(InvalidArgument, match="empty"):
         go([])
     other = dict(ARCH, hidden=[5])
-    mismatched = _pool()[:2] + [PoolModel("x", other, state_arrays(build_model(other, seed=0)), _pool()[0].privacy, 500)]
+    mismatched = [
+        *_pool()[:2],
+        PoolModel("x", other, state_arrays(build_model(other, seed=0)), _pool()[0].privacy, 500),
+    ]
     with pytest.raises(InvalidArgument, match="architecture"):
         go(mismatched)
     with pytest.raises(InvalidArgument, match="delta"):
@@ -267,7 +281,7 @@ def test_unreachable_by_pld_names_the_most_private_model(method):
 def test_lc_refuses_epsilon_delta_only_models_and_mixed_sizes_under_the_surrogate():
     pool = _pool()
     pool[1] = PoolModel("approx", ARCH, pool[1].arrays, ApproxDP(1.0, 1e-6, "replace-one"))
-    with pytest.raises(InvalidArgument, match="(?i)no free lunch"):
+    with pytest.raises(InvalidArgument, match=r"(?i)no free lunch"):
         merge_lc(pool, lambda a: 0.0, 5.0, DELTA)
     with pytest.raises(InvalidArgument, match="dataset size"):
         merge_lc(_pool(sizes=[500, 500, 400], declared=True), lambda a: 0.0, 5.0, DELTA)
@@ -283,8 +297,9 @@ def test_lc_of_subsampled_models_is_charged_by_composition():
     assert merged.choice.bound == "composition" and "surrogate" not in merged.record.parameters
     acc = rdp_privacy_accountant.RdpAccountant(list(DEFAULT_ORDERS))
     from dp_accounting import dp_event
-    for (c, s), l in zip(HYPER, merged.choice.weights):
-        if l > 0:
+
+    for (_c, s), lam_i in zip(HYPER, merged.choice.weights, strict=True):
+        if lam_i > 0:
             acc.compose(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(s)), T)
     # dp-accounting's Poisson event is add-remove; these models are replace-one, whose RDP is larger
     assert merged.record.parameters["epsilon_rdp"] >= acc.get_epsilon(DELTA)
@@ -300,4 +315,4 @@ def test_combine_checks_weights_and_shapes():
     lam = [0.2, 0.3, 0.5]
     out = combine(arrays, lam)
     for k in out:
-        np.testing.assert_allclose(out[k], sum(l * a[k] for l, a in zip(lam, arrays)), rtol=1e-6)
+        np.testing.assert_allclose(out[k], sum(lam_i * a[k] for lam_i, a in zip(lam, arrays, strict=True)), rtol=1e-6)

@@ -26,9 +26,14 @@ from peer.nn.store import load_model
 NETWORKS = Path(networks.__file__)
 
 
-@pytest.mark.parametrize("factory,cls,shape", [("clinic_mlp", networks.ClinicMLP, [64]),
-                                               ("residual_mlp", networks.ResidualMLP, [64]),
-                                               ("small_resnet", networks.SmallResNet, [1, 8, 8])])
+@pytest.mark.parametrize(
+    "factory,cls,shape",
+    [
+        ("clinic_mlp", networks.ClinicMLP, [64]),
+        ("residual_mlp", networks.ResidualMLP, [64]),
+        ("small_resnet", networks.SmallResNet, [1, 8, 8]),
+    ],
+)
 def test_import_export_round_trip_through_the_cli(tmp_path, capsys, factory, cls, shape):
     trained = randomise(getattr(networks, factory)(), seed=4)
     torch.manual_seed(11)
@@ -38,8 +43,19 @@ def test_import_export_round_trip_through_the_cli(tmp_path, capsys, factory, cls
     weights = tmp_path / "site_weights.pt"
     torch.save(trained.state_dict(), weights)
     site = tmp_path / "site"
-    argv = ["model", "import", "--site", str(site), "--name", "m1", "--factory", f"{NETWORKS}:{factory}",
-            "--weights", str(weights), "--json"]
+    argv = [
+        "model",
+        "import",
+        "--site",
+        str(site),
+        "--name",
+        "m1",
+        "--factory",
+        f"{NETWORKS}:{factory}",
+        "--weights",
+        str(weights),
+        "--json",
+    ]
     if len(shape) > 1:
         argv += ["--input-shape", *map(str, shape)]
     assert main(argv) == 0
@@ -51,12 +67,16 @@ def test_import_export_round_trip_through_the_cli(tmp_path, capsys, factory, cls
 
     for fmt in ("pt", "safetensors"):
         out_file = tmp_path / f"export.{fmt}"
-        assert main(["model", "export", "--site", str(site), "--model", "m1", "--format", fmt, "--out", str(out_file)]) == 0
+        assert (
+            main(["model", "export", "--site", str(site), "--model", "m1", "--format", fmt, "--out", str(out_file)])
+            == 0
+        )
         fresh = cls().eval()
-        state = (torch.load(out_file, weights_only=True) if fmt == "pt"
-                 else read_weights(out_file))
+        state = torch.load(out_file, weights_only=True) if fmt == "pt" else read_weights(out_file)
         # the site's own keys (a .pt keeps its order too; safetensors sorts its header)
-        assert (list(state) if fmt == "pt" else sorted(state)) == (list(trained.state_dict()) if fmt == "pt" else sorted(trained.state_dict()))
+        assert (list(state) if fmt == "pt" else sorted(state)) == (
+            list(trained.state_dict()) if fmt == "pt" else sorted(trained.state_dict())
+        )
         fresh.load_state_dict(state)
         x = torch.randn(7, *shape, generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
@@ -82,7 +102,7 @@ def test_safetensors_weights_and_module_factory_by_name(tmp_path):
 def test_bad_inputs_are_refused_clearly(tmp_path, capsys):
     model = networks.clinic_mlp()
     state = model.state_dict()
-    renamed = {("enc." + k[len("encoder."):] if k.startswith("encoder.") else k): v for k, v in state.items()}
+    renamed = {("enc." + k[len("encoder.") :] if k.startswith("encoder.") else k): v for k, v in state.items()}
     with pytest.raises(InvalidArgument, match=r"missing \['encoder.bias', 'encoder.weight'\]"):
         load_site_state(networks.clinic_mlp(), renamed)
     state = dict(state)
@@ -100,12 +120,30 @@ def test_bad_inputs_are_refused_clearly(tmp_path, capsys):
     # an unsupported network is refused at import by the CLI, naming the node
     weights = tmp_path / "attn.pt"
     torch.save(networks.WithAttention().state_dict(), weights)
-    (tmp_path / "f.py").write_text("from site_models.networks import WithAttention\n\ndef make():\n    return WithAttention()\n")
+    (tmp_path / "f.py").write_text(
+        "from site_models.networks import WithAttention\n\ndef make():\n    return WithAttention()\n"
+    )
     import sys
+
     sys.path.insert(0, str(NETWORKS.parent.parent))
     try:
-        rc = main(["model", "import", "--site", str(tmp_path / "s"), "--name", "a", "--factory", f"{tmp_path / 'f.py'}:make",
-                   "--weights", str(weights), "--input-shape", "5", "16"])
+        rc = main(
+            [
+                "model",
+                "import",
+                "--site",
+                str(tmp_path / "s"),
+                "--name",
+                "a",
+                "--factory",
+                f"{tmp_path / 'f.py'}:make",
+                "--weights",
+                str(weights),
+                "--input-shape",
+                "5",
+                "16",
+            ]
+        )
     finally:
         sys.path.remove(str(NETWORKS.parent.parent))
     assert rc == 2 and "model.node[attn]" in capsys.readouterr().err

@@ -16,17 +16,15 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
+from peer_harness import make_site, model_arrays, pin_each_other
 
 from coordinator_free.roster import write_roster
 from peer.budget.ledger import Ledger
-from peer_harness import make_site, model_arrays, pin_each_other
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +61,7 @@ class Network:
         self.address = {n: f"{SUBNET}.{i + 1}" for i, n in enumerate(names)}
         self.created: list[str] = []
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         try:
             self._add(self.hub)
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
@@ -122,39 +120,72 @@ def _entries(site):
 def test_sites_in_separate_namespaces_survive_a_cut_link(tmp_path, netns_available):
     rng = np.random.default_rng(0)
     probe = rng.uniform(0, 1, size=(100, 64)).astype(np.float32)
-    sites = [make_site(tmp_path, name, models={"mlp": (ARCH, model_arrays(ARCH, seed=i))}, policy=POLICY, probe=probe,
-                       seed=10 + i, activation_clip=(0.0, 4.0)) for i, name in enumerate(SITES)]
+    sites = [
+        make_site(
+            tmp_path,
+            name,
+            models={"mlp": (ARCH, model_arrays(ARCH, seed=i))},
+            policy=POLICY,
+            probe=probe,
+            seed=10 + i,
+            activation_clip=(0.0, 4.0),
+        )
+        for i, name in enumerate(SITES)
+    ]
     pin_each_other(*sites)
     by_name = {s.name: s for s in sites}
     procs: list[subprocess.Popen] = []
     with Network(SITES) as net, contextlib.ExitStack() as stack:
+
         def stop_all():
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                 p.wait()
+
         stack.callback(stop_all)
         for s in sites:
-            s.config.write_text(s.config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "{net.address[s.name]}:50051"'))
+            s.config.write_text(
+                s.config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "{net.address[s.name]}:50051"')
+            )
             ready = s.root / "ready.json"
-            log = open(s.root / "daemon.log", "wb")
-            stack.callback(log.close)
-            procs.append(net.run(s.name, [sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(s.config),
-                                          "--simulation", "--ready-file", str(ready)], stdout=log, stderr=log, env=_env()))
+            log = stack.enter_context(open(s.root / "daemon.log", "wb"))
+            procs.append(
+                net.run(
+                    s.name,
+                    [
+                        sys.executable,
+                        "-m",
+                        "peer.cli",
+                        "peer",
+                        "serve",
+                        "--config",
+                        str(s.config),
+                        "--simulation",
+                        "--ready-file",
+                        str(ready),
+                    ],
+                    stdout=log,
+                    stderr=log,
+                    env=_env(),
+                )
+            )
         deadline = time.monotonic() + 120
         for s in sites:
             while not (s.root / "ready.json").exists():
                 assert time.monotonic() < deadline, (s.root / "daemon.log").read_text()[-2000:]
                 time.sleep(0.05)
-        roster = write_roster(tmp_path / "roster.toml", [(s.name, f"{net.address[s.name]}:50051", str(s.identity_dir / "site.crt"))
-                                                         for s in sites])
+        roster = write_roster(
+            tmp_path / "roster.toml",
+            [(s.name, f"{net.address[s.name]}:50051", str(s.identity_dir / "site.crt")) for s in sites],
+        )
         rounds = {}
         for name in ("site-a", "site-b"):
             f = tmp_path / f"round-{name}.toml"
             f.write_text(f"""[round]
 roster = "{roster}"
 model = "mlp"
-out = "{tmp_path / ('rounds-' + name)}"
+out = "{tmp_path / ("rounds-" + name)}"
 call_timeout_s = 10.0
 health_timeout_s = 3.0
 [round.features]
@@ -163,9 +194,24 @@ weight_epsilon = 100.0
 [round.weights]
 epsilon = 100.0
 """)
-            rounds[name] = net.run(name, [sys.executable, "-m", "peer.cli", "round", "--config", str(by_name[name].config),
-                                          "--round", str(f), "--events"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   env=_env(), text=True)
+            rounds[name] = net.run(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "peer.cli",
+                    "round",
+                    "--config",
+                    str(by_name[name].config),
+                    "--round",
+                    str(f),
+                    "--events",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=_env(),
+                text=True,
+            )
             procs.append(rounds[name])
 
         # cut site-c's link as soon as its ledger holds a release: mid-round
@@ -189,7 +235,9 @@ epsilon = 100.0
         other = "site-b" if name == "site-a" else "site-a"
         assert other in r["contributors"]
         assert any(e["event"] == "fused" for e in events)
-    dropped = {name: r["peers"]["site-c"]["drop"] for name, r in reports.items() if r["peers"]["site-c"]["state"] == "dropped"}
+    dropped = {
+        name: r["peers"]["site-c"]["drop"] for name, r in reports.items() if r["peers"]["site-c"]["state"] == "dropped"
+    }
     assert dropped, "the cut link must have dropped site-c from at least one round"
     for d in dropped.values():
         assert d["status"] in ("DEADLINE_EXCEEDED", "UNAVAILABLE") and d["step"] in ("features", "weights")

@@ -9,11 +9,11 @@ import time
 
 import grpc
 import pytest
+from peer_harness import DaemonProcess, ForkedDaemons, client, make_site, model_arrays, pin_each_other
 
+from peer.budget.ledger import Ledger
 from peer.net import wire
 from peer.net.client import PeerError
-from peer.budget.ledger import Ledger
-from peer_harness import (DaemonProcess, ForkedDaemons, client, make_site, model_arrays, pin_each_other)
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
@@ -52,8 +52,11 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
         # that every run sees completions) or a first receipt (a charge made, bytes leaving).
         # Progress is waited for; only the moment of the kill after it is random.
         reached = {"receipt": threading.Event(), "complete": threading.Event()}
+        pause = rng.uniform(0.0, 0.1)
 
-        def work():
+        # This round's objects are bound here: a client thread that outlives its join below must
+        # not pick up the next round's address, stop event or counters.
+        def work(address=address, stop=stop, state=state, reached=reached, pause=pause):
             seen_here = []
 
             def on_receipt(r):
@@ -62,6 +65,7 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
                 seen_here.append(r.ledger_entry_id)
                 reached["receipt"].set()
                 time.sleep(pause)  # a slow reader: the release stays in flight after its charge
+
             try:
                 with client(b, address, on_receipt=on_receipt) as c:
                     while not stop.is_set():
@@ -78,7 +82,6 @@ def crash_rounds(tmp_path, forked, rounds, seed, clients=3):
             except PeerError:
                 return
 
-        pause = rng.uniform(0.0, 0.1)
         threads = [threading.Thread(target=work) for _ in range(clients)]
         for t in threads:
             t.start()
@@ -119,14 +122,15 @@ def test_sigkill_during_releases_never_loses_a_charge_short(tmp_path, forked):
 
 @pytest.mark.slow
 def test_sigkill_during_releases_never_loses_a_charge_50_times(tmp_path, forked):
-    receipts, complete, cut = crash_rounds(tmp_path, forked, rounds=50, seed=2)
+    _receipts, complete, cut = crash_rounds(tmp_path, forked, rounds=50, seed=2)
     # the kills did land between a charge and the end of its stream, where it matters
     assert cut > 0 and complete > 0
 
 
 def health_channel(b, a, address):
-    creds = grpc.ssl_channel_credentials(root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem,
-                                         certificate_chain=b.identity.cert_pem)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem, certificate_chain=b.identity.cert_pem
+    )
     return grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "site-a")])
 
 
@@ -134,7 +138,11 @@ def health_of(channel):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="privfusion.v1.Peer"), timeout=5).status
+        status = (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service="privfusion.v1.Peer"), timeout=5)
+            .status
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     except grpc.RpcError as e:
         return e.code().name
@@ -143,9 +151,12 @@ def health_of(channel):
 def slow_reader(b, a, address, request, pause_s, out):
     """Read a weights release, pausing ``pause_s`` after the receipt (the server's sends back up
     behind flow control meanwhile); report the frames and the final status."""
-    creds = grpc.ssl_channel_credentials(root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem,
-                                         certificate_chain=b.identity.cert_pem)
-    with grpc.secure_channel(address, creds, options=wire.grpc_options() + [("grpc.ssl_target_name_override", "site-a")]) as ch:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem, certificate_chain=b.identity.cert_pem
+    )
+    with grpc.secure_channel(
+        address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", "site-a")]
+    ) as ch:
         frames = []
         try:
             for f in pb_grpc.PeerStub(ch).ReleaseWeights(request, timeout=60):
@@ -183,7 +194,9 @@ def test_sigterm_lets_in_flight_releases_finish_and_refuses_new_ones(tmp_path):
     daemon = DaemonProcess(a)  # the real `privfusion peer serve` command
     try:
         address = daemon.wait_ready()
-        req = pb.WeightsRequest(header=pb.RequestHeader(sender="site-b", receiver="site-a"), model="huge", epsilon=1.0, delta=1e-6)
+        req = pb.WeightsRequest(
+            header=pb.RequestHeader(sender="site-b", receiver="site-a"), model="huge", epsilon=1.0, delta=1e-6
+        )
         out = {}
         health = health_channel(b, a, address)
         assert health_of(health) == "SERVING"
@@ -216,7 +229,9 @@ def test_sigterm_lets_in_flight_releases_finish_and_refuses_new_ones(tmp_path):
 def test_sigterm_after_the_grace_period_aborts_but_keeps_the_charge(tmp_path, forked):
     a, b = huge_sites(tmp_path, grace=0.5)
     proc, address = forked.start(a)
-    req = pb.WeightsRequest(header=pb.RequestHeader(sender="site-b", receiver="site-a"), model="huge", epsilon=1.0, delta=1e-6)
+    req = pb.WeightsRequest(
+        header=pb.RequestHeader(sender="site-b", receiver="site-a"), model="huge", epsilon=1.0, delta=1e-6
+    )
     out = {}
     t = threading.Thread(target=slow_reader, args=(b, a, address, req, 4.0, out))
     t.start()
@@ -249,7 +264,9 @@ def test_logs_are_structured_and_hold_nothing_private(tmp_path, forked):
         proc.join(30)
     text = (a.root / "daemon.log").read_text()
     records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    assert records and all({"ts", "level", "event"} <= set(r) for r in records if r.get("logger", "").startswith("privfusion"))
+    assert records and all(
+        {"ts", "level", "event"} <= set(r) for r in records if r.get("logger", "").startswith("privfusion")
+    )
     events = [r.get("event") for r in records]
     assert {"serving", "charged", "released", "refused", "stopped"} <= set(events)
     # no key material, no tensor values: the private key's base64 body and sample weights never appear

@@ -15,13 +15,13 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from peer_harness import DaemonProcess, client, make_site, pin_each_other, running
 
-from peer.net.identity import init_identity, load_certificate
+from peer.budget.ledger import Ledger
 from peer.net import wire
 from peer.net.client import PeerError
-from peer.budget.ledger import Ledger
+from peer.net.identity import init_identity, load_certificate
 from peer.net.limits import StreamTimeout, paced
-from peer_harness import DaemonProcess, client, make_site, pin_each_other, running
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
@@ -81,8 +81,12 @@ def test_paced_hands_on_the_stream_error():
 def stalled_upload(stub, sender: str, release: threading.Event):
     """A ReleaseFeatures call that sends params, the probe header and half the probe, then
     nothing until ``release`` is set (an operator's stalled peer)."""
-    params = pb.FeaturesParams(header=pb.RequestHeader(sender=sender, receiver="site-a"), model="mlp",
-                               activation_epsilon=1.0, weight_epsilon=1.0)
+    params = pb.FeaturesParams(
+        header=pb.RequestHeader(sender=sender, receiver="site-a"),
+        model="mlp",
+        activation_epsilon=1.0,
+        weight_epsilon=1.0,
+    )
 
     def requests():
         yield pb.FeaturesRequest(params=params)
@@ -132,8 +136,12 @@ def test_stalled_uploads_of_one_peer_cannot_starve_the_others(tmp_path):
     """20 stalled uploads from site-b at a site with 16 workers: 16 are admitted and hold every
     release worker, 4 are refused at once; site-c's GetPeerInfo, health checks and (once the
     idle limit has cut the stalled ones) releases are answered within 1 s throughout."""
-    a = make_site(tmp_path, "site-a", workers=16,
-                  extra_site="max_calls_per_peer = 64\nstream_idle_s = 2.5\nstream_deadline_s = 60")
+    a = make_site(
+        tmp_path,
+        "site-a",
+        workers=16,
+        extra_site="max_calls_per_peer = 64\nstream_idle_s = 2.5\nstream_deadline_s = 60",
+    )
     b = make_site(tmp_path, "site-b", models={})
     c = make_site(tmp_path, "site-c", models={})
     pin_each_other(a, b, c)
@@ -146,8 +154,11 @@ def test_stalled_uploads_of_one_peer_cannot_starve_the_others(tmp_path):
         started = time.monotonic()
         results, threads = run_stalled([stalled_upload(stub, "site-b", release) for _ in range(20)])
         try:
-            wait_until(lambda: daemon.limits.in_progress() == 16 and sum(r is not None for r in results) == 4,
-                       10, "16 stalled uploads admitted and 4 refused")
+            wait_until(
+                lambda: daemon.limits.in_progress() == 16 and sum(r is not None for r in results) == 4,
+                10,
+                "16 stalled uploads admitted and 4 refused",
+            )
             refused = [r for r in results if r is not None]
             assert {r[0] for r in refused} == {"RESOURCE_EXHAUSTED"}
             assert all("site.workers" in r[1] and "nothing was charged" in r[1] for r in refused)
@@ -155,15 +166,19 @@ def test_stalled_uploads_of_one_peer_cannot_starve_the_others(tmp_path):
             while time.monotonic() - started < 2.0:  # while every release worker is held
                 info, seconds = timed(lambda: cc.info(timeout=1.0))
                 assert info.name == "site-a" and seconds < 1.0
-                reply, seconds = timed(lambda: health.Check(health_pb2.HealthCheckRequest(service="privfusion.v1.Peer"),
-                                                            timeout=1.0))
+                reply, seconds = timed(
+                    lambda: health.Check(health_pb2.HealthCheckRequest(service="privfusion.v1.Peer"), timeout=1.0)
+                )
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING and seconds < 1.0
             assert daemon.limits.in_progress() == 16  # still stalled, still held
             for t in threads:
                 t.join(15)
             # the calls are over while their clients still hold back: the readers have exited too
-            wait_until(lambda: not any(t.name == "stream-reader" and t not in earlier for t in threading.enumerate()),
-                       15, "the stream readers to exit")
+            wait_until(
+                lambda: not any(t.name == "stream-reader" and t not in earlier for t in threading.enumerate()),
+                15,
+                "the stream readers to exit",
+            )
         finally:
             release.set()
         cut = [r for r in results if r[0] != "RESOURCE_EXHAUSTED"]
@@ -188,12 +203,17 @@ def test_one_peer_cannot_have_more_than_its_share_of_calls(tmp_path):
         stub = pb_grpc.PeerStub(cb.channel)
         results, threads = run_stalled([stalled_upload(stub, "site-b", release) for _ in range(6)])
         try:
-            wait_until(lambda: daemon.limits.in_progress() == 4 and sum(r is not None for r in results) == 2,
-                       10, "4 uploads admitted and 2 refused")
+            wait_until(
+                lambda: daemon.limits.in_progress() == 4 and sum(r is not None for r in results) == 2,
+                10,
+                "4 uploads admitted and 2 refused",
+            )
             refused = [r for r in results if r is not None]
             assert {r[0] for r in refused} == {"RESOURCE_EXHAUSTED"}
-            assert all("'site-b' already has 4 calls in progress" in r[1] and "site.max_calls_per_peer" in r[1]
-                       for r in refused)
+            assert all(
+                "'site-b' already has 4 calls in progress" in r[1] and "site.max_calls_per_peer" in r[1]
+                for r in refused
+            )
             # the cap is per peer: site-b itself may not even ask for info now; site-c is served
             with pytest.raises(PeerError) as e:
                 cb.info(timeout=1.0)
@@ -218,16 +238,21 @@ def test_a_certificate_that_expires_on_an_open_connection_is_refused_at_its_next
     a = make_site(tmp_path, "site-a")
     b = make_site(tmp_path, "site-b", models={})
     shutil.rmtree(b.identity_dir)
-    now = dt.datetime.now(dt.timezone.utc)
-    init_identity(b.identity_dir, "site-b", ["127.0.0.1"], not_before=now - dt.timedelta(seconds=1),
-                  valid_for=dt.timedelta(seconds=5))
+    now = dt.datetime.now(dt.UTC)
+    init_identity(
+        b.identity_dir,
+        "site-b",
+        ["127.0.0.1"],
+        not_before=now - dt.timedelta(seconds=1),
+        valid_for=dt.timedelta(seconds=5),
+    )
     pin_each_other(a, b)
     expires = load_certificate(b.identity.cert_pem).not_valid_after_utc
     with running(a) as (_, address), client(b, address, "site-a") as cb:
         assert cb.weights("mlp", epsilon=2.0, delta=1e-5).receipt is not None
         assert len(entries(a)) == 1
         # X.509 times have whole seconds: wait until the certificate has certainly expired
-        while dt.datetime.now(dt.timezone.utc) < expires + dt.timedelta(seconds=1.2):
+        while dt.datetime.now(dt.UTC) < expires + dt.timedelta(seconds=1.2):
             time.sleep(0.1)
         with pytest.raises(PeerError) as e:
             cb.weights("mlp", epsilon=2.0, delta=1e-5)
@@ -245,8 +270,13 @@ def test_a_certificate_that_expires_on_an_open_connection_is_refused_at_its_next
 def serve(config, timeout: float = 10.0):
     """``privfusion peer serve`` in a subprocess that is expected to fail fast."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(config)],
-                          capture_output=True, text=True, timeout=timeout + 20, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout + 20,
+        check=False,
+    )
     return proc, time.monotonic() - started
 
 
@@ -281,13 +311,16 @@ def test_a_second_daemon_on_the_same_ledger_is_refused_by_the_lock(tmp_path):
         assert address
 
 
-@pytest.mark.parametrize("listen, message", [
-    # a malformed address is refused naming the file and the line (3 in make_site's site.toml)
-    ("localhost", "site.listen ({config}, line 3): must be HOST:PORT"),
-    ("127.0.0.1:99999", "site.listen ({config}, line 3): must be HOST:PORT with a port in 0..65535"),
-    ("::1:50051", "site.listen ({config}, line 3): an IPv6 host is written in brackets"),
-    ("192.0.2.1:50051", "'192.0.2.1' is not an address of this machine"),
-])
+@pytest.mark.parametrize(
+    "listen, message",
+    [
+        # a malformed address is refused naming the file and the line (3 in make_site's site.toml)
+        ("localhost", "site.listen ({config}, line 3): must be HOST:PORT"),
+        ("127.0.0.1:99999", "site.listen ({config}, line 3): must be HOST:PORT with a port in 0..65535"),
+        ("::1:50051", "site.listen ({config}, line 3): an IPv6 host is written in brackets"),
+        ("192.0.2.1:50051", "'192.0.2.1' is not an address of this machine"),
+    ],
+)
 def test_a_bad_listen_address_is_a_clear_error(tmp_path, listen, message):
     a = make_site(tmp_path, "site-a")
     a.config.write_text(a.config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "{listen}"'))
@@ -296,15 +329,18 @@ def test_a_bad_listen_address_is_a_clear_error(tmp_path, listen, message):
     assert message.format(config=a.config) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("extra, message", [
-    # make_site writes the extra [site] line as line 9
-    ("reserve_workers = 0", r"site\.reserve_workers \(.*site\.toml, line 9\): must be >= 1, got 0"),
-    ("stream_idle_s = 700", r"site\.stream_idle_s \(.*line 9\): must be at most site\.stream_deadline_s \(600\)"),
-    ("max_calls_per_peer = -1", r"site\.max_calls_per_peer \(.*line 9\): must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        # make_site writes the extra [site] line as line 9
+        ("reserve_workers = 0", r"site\.reserve_workers \(.*site\.toml, line 9\): must be >= 1, got 0"),
+        ("stream_idle_s = 700", r"site\.stream_idle_s \(.*line 9\): must be at most site\.stream_deadline_s \(600\)"),
+        ("max_calls_per_peer = -1", r"site\.max_calls_per_peer \(.*line 9\): must be >= 1"),
+    ],
+)
 def test_bad_limits_are_refused_at_start(tmp_path, extra, message):
-    from peer.net.site import SiteConfig
     from peer.base.errors import InvalidArgument
+    from peer.net.site import SiteConfig
 
     a = make_site(tmp_path, "site-a", extra_site=extra)
     with pytest.raises(InvalidArgument, match=message):

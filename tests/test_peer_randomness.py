@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import pytest
-
-from peer.budget.ledger import Ledger
-from peer.base.records import FIXED_SEED_WARNING
 from peer_harness import DaemonProcess, client, make_site, pin_each_other
+
+from peer.base.records import FIXED_SEED_WARNING
+from peer.budget.ledger import Ledger
 
 PROBE = np.random.default_rng(0).random((8, 64))
 
@@ -125,9 +125,9 @@ def test_dpsgd_noise_and_poisson_batches_are_the_releases_pcg64_stream():
 
 def test_a_fixed_seed_record_says_not_private_wherever_it_is_serialised():
     from peer.base.errors import InvalidArgument
-    from peer.ldp.mechanisms import laplace_activations
     from peer.base.records import ReleaseRecord
     from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms import laplace_activations
 
     _, fixed = laplace_activations(np.zeros((2, 3)), epsilon=1.0, clip=(0.0, 1.0), randomness=make_randomness(4))
     _, fresh = laplace_activations(np.zeros((2, 3)), epsilon=1.0, clip=(0.0, 1.0))

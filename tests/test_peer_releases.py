@@ -4,18 +4,18 @@ import json
 
 import numpy as np
 import pytest
+from peer_harness import ARCH, client, make_pool, make_site, model_arrays, pin_each_other, running
 
-from peer.net.client import PeerError, save_release
-from peer.ldp.fusion import fuse_arrays, permute_arrays
-from peer.nn.graph import extract_graph
+from peer.base.rng import make_randomness
 from peer.budget.ledger import Ledger
+from peer.dp.merging import combine
+from peer.dp.pools import load_pool
+from peer.ldp.fusion import fuse_arrays, permute_arrays
 from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
-from peer.dp.merging import combine
+from peer.net.client import PeerError, save_release
 from peer.nn.architectures import model_from_arrays
-from peer.dp.pools import load_pool
-from peer.base.rng import make_randomness
-from peer_harness import ARCH, client, make_pool, make_site, model_arrays, pin_each_other, running
+from peer.nn.graph import extract_graph
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,11 @@ def test_lc_merge_is_the_convex_combination_it_reports_and_cannot_share_models(p
         with pytest.raises(PeerError) as e:
             c.merged("digits", method="rs", epsilon=50.0, delta=1e-5)
         assert e.value.status == "FAILED_PRECONDITION"
-        for kw, field, status in ((dict(pool="nope"), "pool", "NOT_FOUND"), (dict(method="avg"), "method", "INVALID_ARGUMENT"),
-                                  (dict(epsilon=-1.0), "epsilon", "INVALID_ARGUMENT")):
+        for kw, field, status in (
+            (dict(pool="nope"), "pool", "NOT_FOUND"),
+            (dict(method="avg"), "method", "INVALID_ARGUMENT"),
+            (dict(epsilon=-1.0), "epsilon", "INVALID_ARGUMENT"),
+        ):
             args = dict(pool="digits", method="rs", epsilon=50.0, delta=1e-5) | kw
             with pytest.raises(PeerError) as e:
                 c.merged(args.pop("pool"), **args)
@@ -90,8 +93,25 @@ def test_merge_command_via_a_peer(pool_sites, tmp_path, capsys):
 
     a, b = pool_sites
     with running(a) as (_, address):
-        code = main(["merge", "--via", address, "--identity", str(b.identity_dir), "--pool", "digits",
-                     "--target-epsilon", "50", "--delta", "1e-5", "--method", "rs", "--out", str(tmp_path / "m.safetensors")])
+        code = main(
+            [
+                "merge",
+                "--via",
+                address,
+                "--identity",
+                str(b.identity_dir),
+                "--pool",
+                "digits",
+                "--target-epsilon",
+                "50",
+                "--delta",
+                "1e-5",
+                "--method",
+                "rs",
+                "--out",
+                str(tmp_path / "m.safetensors"),
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 0 and "rs-merge" in out and (tmp_path / "m.safetensors").exists()
     doc = json.loads((tmp_path / "m.json").read_text())
@@ -107,21 +127,41 @@ def test_fuse_dials_the_partner_matches_and_fuses_exactly_as_the_math_says(tmp_p
     arrays_b, arrays_x = model_arrays(seed=1), model_arrays(seed=2)
     x = make_site(tmp_path, "site-x", models={"mx": (ARCH, arrays_x)}, seed=21)
     with running(x) as (_, x_address):
-        b = make_site(tmp_path, "site-b", models={"mb": (ARCH, arrays_b)}, seed=12, probe=PROBE, peers={"site-x": x_address})
+        b = make_site(
+            tmp_path, "site-b", models={"mb": (ARCH, arrays_b)}, seed=12, probe=PROBE, peers={"site-x": x_address}
+        )
         c = make_site(tmp_path, "site-c", models={})
         pin_each_other(b, x)
         pin_each_other(b, c)
         with running(b) as (_, b_address), client(c, b_address) as cl:
-            got = cl.fuse("mb", partner="site-x", partner_model="mx", alpha=0.3, activation_epsilon=4.0, weight_epsilon=4.0,
-                          weights_epsilon=8.0, weights_delta=1e-5)
+            got = cl.fuse(
+                "mb",
+                partner="site-x",
+                partner_model="mx",
+                alpha=0.3,
+                activation_epsilon=4.0,
+                weight_epsilon=4.0,
+                weights_epsilon=8.0,
+                weights_delta=1e-5,
+            )
     # the same computation from the two models, B's probe set and both sites' fixed-seed streams
     # (X serves features and weights as one release: one stream, features first)
     clip = (0.0, 4.0)
     rb, rx = make_randomness(12).spawn(), make_randomness(21).spawn()
-    own_noisy, _ = perturb_graph(extract_graph(ARCH, model_from_arrays(ARCH, arrays_b), PROBE), epsilon_x=4.0, epsilon_w=4.0,
-                                 activation_clip=clip, randomness=rb)
-    their_noisy, _ = perturb_graph(extract_graph(ARCH, model_from_arrays(ARCH, arrays_x), PROBE), epsilon_x=4.0, epsilon_w=4.0,
-                                   activation_clip=clip, randomness=rx)
+    own_noisy, _ = perturb_graph(
+        extract_graph(ARCH, model_from_arrays(ARCH, arrays_b), PROBE),
+        epsilon_x=4.0,
+        epsilon_w=4.0,
+        activation_clip=clip,
+        randomness=rb,
+    )
+    their_noisy, _ = perturb_graph(
+        extract_graph(ARCH, model_from_arrays(ARCH, arrays_x), PROBE),
+        epsilon_x=4.0,
+        epsilon_w=4.0,
+        activation_clip=clip,
+        randomness=rx,
+    )
     perms = match_graphs(own_noisy, their_noisy).permutations
     their_weights, _ = perturb_model_weights(ARCH, arrays_x, epsilon=8.0, delta=1e-5, randomness=rx)
     own_weights, _ = perturb_model_weights(ARCH, arrays_b, epsilon=8.0, delta=1e-5, randomness=rb)
@@ -140,7 +180,9 @@ def test_fuse_dials_the_partner_matches_and_fuses_exactly_as_the_math_says(tmp_p
     assert got.metadata["upstream"] == [upstream.ledger_entry_id]
     with Ledger(x.ledger) as led:
         [entry] = led.entries()
-        assert (entry.counterparty, entry.subject) == ("site-b", "mx") and str(entry.entry_id) == upstream.ledger_entry_id
+        assert (entry.counterparty, entry.subject) == ("site-b", "mx") and str(
+            entry.entry_id
+        ) == upstream.ledger_entry_id
         assert sorted(entry.budgets) == ["model/mx/peer/site-b", "model/mx/peer/site-c", "model/mx/total"]
     with Ledger(b.ledger) as led:
         [entry] = led.entries()
@@ -152,8 +194,15 @@ def test_fuse_refusals(tmp_path):
     c = make_site(tmp_path, "site-c", models={})
     x = make_site(tmp_path, "site-x", models={})
     pin_each_other(b, c)
-    kw = dict(partner="site-x", partner_model="mx", alpha=0.5, activation_epsilon=1.0, weight_epsilon=1.0,
-              weights_epsilon=1.0, weights_delta=1e-5)
+    kw = dict(
+        partner="site-x",
+        partner_model="mx",
+        alpha=0.5,
+        activation_epsilon=1.0,
+        weight_epsilon=1.0,
+        weights_epsilon=1.0,
+        weights_delta=1e-5,
+    )
     with running(b) as (_, address), client(c, address) as cl:
         with pytest.raises(PeerError) as e:
             cl.fuse("mb", **kw)  # no probe set at b
@@ -164,7 +213,9 @@ def test_fuse_refusals(tmp_path):
         with pytest.raises(PeerError) as e:
             cl.fuse("mb", **(kw | {"partner": "site-b"}))
         assert e.value.status == "INVALID_ARGUMENT" and "partner" in str(e.value)
-    b2 = make_site(tmp_path / "2", "site-b", models={"mb": (ARCH, model_arrays())}, probe=PROBE, peers={"site-x": "127.0.0.1:1"})
+    b2 = make_site(
+        tmp_path / "2", "site-b", models={"mb": (ARCH, model_arrays())}, probe=PROBE, peers={"site-x": "127.0.0.1:1"}
+    )
     c2 = make_site(tmp_path / "2", "site-c", models={})
     pin_each_other(b2, c2)
     with running(b2) as (_, address), client(c2, address, peer="site-b") as cl:

@@ -37,7 +37,9 @@ def imported_modules(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("path", ["peer/net/site.py", "peer/ldp/pipeline.py"])
 def test_the_site_and_the_pipeline_import_no_protobuf_and_no_grpc(path):
-    wire = {m for m in imported_modules(ROOT / path) if m.split(".")[0] in ("privfusion", "grpc", "google", "grpc_status")}
+    wire = {
+        m for m in imported_modules(ROOT / path) if m.split(".")[0] in ("privfusion", "grpc", "google", "grpc_status")
+    }
     assert wire == set()
 
 
@@ -75,20 +77,28 @@ def test_a_good_site_toml_is_read_with_its_paths_resolved(tmp_path):
     assert cfg.peers == {"site-b": "127.0.0.1:50052"} and cfg.limits.threads == 8 + 8
 
 
-@pytest.mark.parametrize("old, new, key, line, rule", [
-    ("activation_clip = [0.0, 4.0]", "activation_clip = [4.0, 0.0]", "site.mechanisms.activation_clip", 10,
-     "must be [low, high] with low < high"),
-    ('calibration = "analytic"', 'calibration = "exact"', "site.mechanisms.calibration", 11, "must be one of"),
-    ('calibration = "analytic"', "clip = 3", "site.mechanisms.clip", 11, "unknown key"),
-    ("workers = 8", 'workers = "8"', "site.workers", 7, "must be an integer"),
-    ("workers = 8", "workers = 0", "site.workers", 7, "must be >= 1"),
-    ("workers = 8", "shutdown_grace_s = -1", "site.shutdown_grace_s", 7, "must be >= 0"),
-    ("workers = 8", "wokers = 8", "site.wokers", 7, "unknown key"),
-    ('name = "site-a"', 'name = "Site A"', "site.name", 2, "must be"),
-    ('listen = "127.0.0.1:0"', 'listen = "localhost"', "site.listen", 3, "must be HOST:PORT"),
-    ("[site.peers.site-b]", "[site.peers.Site_B]", "site.peers.Site_B", 13, "must be"),
-    ('address = "127.0.0.1:50052"', "port = 50052", "site.peers.site-b.port", 14, "unknown key"),
-])
+@pytest.mark.parametrize(
+    "old, new, key, line, rule",
+    [
+        (
+            "activation_clip = [0.0, 4.0]",
+            "activation_clip = [4.0, 0.0]",
+            "site.mechanisms.activation_clip",
+            10,
+            "must be [low, high] with low < high",
+        ),
+        ('calibration = "analytic"', 'calibration = "exact"', "site.mechanisms.calibration", 11, "must be one of"),
+        ('calibration = "analytic"', "clip = 3", "site.mechanisms.clip", 11, "unknown key"),
+        ("workers = 8", 'workers = "8"', "site.workers", 7, "must be an integer"),
+        ("workers = 8", "workers = 0", "site.workers", 7, "must be >= 1"),
+        ("workers = 8", "shutdown_grace_s = -1", "site.shutdown_grace_s", 7, "must be >= 0"),
+        ("workers = 8", "wokers = 8", "site.wokers", 7, "unknown key"),
+        ('name = "site-a"', 'name = "Site A"', "site.name", 2, "must be"),
+        ('listen = "127.0.0.1:0"', 'listen = "localhost"', "site.listen", 3, "must be HOST:PORT"),
+        ("[site.peers.site-b]", "[site.peers.Site_B]", "site.peers.Site_B", 13, "must be"),
+        ('address = "127.0.0.1:50052"', "port = 50052", "site.peers.site-b.port", 14, "unknown key"),
+    ],
+)
 def test_a_bad_value_is_refused_naming_file_line_and_key(tmp_path, old, new, key, line, rule):
     assert old in SITE
     with pytest.raises(InvalidArgument) as e:
@@ -107,10 +117,10 @@ def test_the_probe_set_loader_names_the_problem(tmp_path):
     from safetensors.numpy import save_file
 
     save_file({"y": np.zeros((2, 3))}, str(tmp_path / "p.safetensors"))
-    with pytest.raises(InvalidArgument, match="site.probe: .* must hold the probe inputs as tensor 'x'"):
+    with pytest.raises(InvalidArgument, match=r"site\.probe: .* must hold the probe inputs as tensor 'x'"):
         site.load_probe(tmp_path / "p.safetensors")
     save_file({"x": np.array([[0.0, np.nan]])}, str(tmp_path / "p.safetensors"))
-    with pytest.raises(InvalidArgument, match="site.probe: contains NaN"):
+    with pytest.raises(InvalidArgument, match=r"site\.probe: contains NaN"):
         site.load_probe(tmp_path / "p.safetensors")
     save_file({"x": np.ones((2, 3))}, str(tmp_path / "p.safetensors"))
     assert site.load_probe(tmp_path / "p.safetensors").shape == (2, 3)
@@ -124,24 +134,35 @@ def test_the_site_answers_in_plain_values_and_the_codec_makes_the_message(tmp_pa
     s = open_site(files.config)
     try:
         info = s.peer_info("site-b")
-        assert isinstance(info, site.SiteInfo) and not any(type(v).__module__.startswith("privfusion")
-                                                           for v in vars(info).values())
+        assert isinstance(info, site.SiteInfo) and not any(
+            type(v).__module__.startswith("privfusion") for v in vars(info).values()
+        )
         [m] = info.models
-        assert m.hidden_sizes == (16, 12) and [l.hidden for l in m.layers] == [True, True, False]
-        assert m.layers[0].weight_shape == (16, 64) and m.parameter_count == sum(a.size for a in model_arrays().values())
+        assert m.hidden_sizes == (16, 12) and [layer.hidden for layer in m.layers] == [True, True, False]
+        assert m.layers[0].weight_shape == (16, 64) and m.parameter_count == sum(
+            a.size for a in model_arrays().values()
+        )
         message = codec.peer_info_message(info)
         assert isinstance(message, pb.PeerInfo) and message.name == "site-a" and message.protocol
-        assert [list(l.weight_shape) for l in message.models[0].layers] == [[16, 64], [12, 16], [10, 12]]
+        assert [list(layer.weight_shape) for layer in message.models[0].layers] == [[16, 64], [12, 16], [10, 12]]
         assert message.mechanisms[-1].startswith("randomness:fixed-seed") and not message.has_probe_set
         # a features release with weights: one record for both parts, tensors in the codec's names
         probe = np.random.default_rng(0).random((20, 64))
-        release = s.features(s.model("mlp"), probe, activation_epsilon=1.0, weight_epsilon=1.0,
-                             activation_clip=s.activation_clip(), weights=(2.0, 1e-5))
+        release = s.features(
+            s.model("mlp"),
+            probe,
+            activation_epsilon=1.0,
+            weight_epsilon=1.0,
+            activation_clip=s.activation_clip(),
+            weights=(2.0, 1e-5),
+        )
         assert release.record.mechanism == "composite" and release.record.parameters["release"] == "features+weights"
         tensors, meta = codec.features_tensors(release.graph, release.weights)
         arrays = dict(tensors)
         back = codec.graph_from_release(ARCH, meta, arrays)
-        assert all(np.array_equal(a.activations, b.activations) for a, b in zip(back.hidden, release.graph.hidden))
+        assert all(
+            np.array_equal(a.activations, b.activations) for a, b in zip(back.hidden, release.graph.hidden, strict=True)
+        )
         weights = codec.weights_from_release(ARCH, arrays)
         assert weights.keys() == release.weights.keys() and meta["weights"] == sorted(f"weights.{k}" for k in weights)
         del arrays["weights.2.bias"]
@@ -165,7 +186,7 @@ def test_the_pipeline_recovers_a_permuted_copy_exactly_and_fuses_it_back_to_itse
 
     aligned, alignment = pipeline.align(ARCH, g_own, g_theirs, theirs)
     assert [p.dtype for p in alignment.permutations] == [np.int64, np.int64]
-    assert all(np.array_equal(p, np.argsort(qq)) for p, qq in zip(alignment.permutations, q))
+    assert all(np.array_equal(p, np.argsort(qq)) for p, qq in zip(alignment.permutations, q, strict=True))
     assert all(np.array_equal(aligned[k], own[k]) for k in own)
     assert alignment.objective == pytest.approx(float(alignment.match.objective))
     # match first, weights later (a round's ldp step): the same alignment

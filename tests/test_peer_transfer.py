@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import transfer  # noqa: E402
+import transfer
 
 
 @pytest.mark.slow

@@ -18,12 +18,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from peer_harness import client, make_site, pin, pin_each_other, running
 
-from peer.net.identity import init_identity
-from peer.net.trust import TrustStore
 from peer.net import wire
 from peer.net.client import PeerClient, PeerError
-from peer_harness import client, make_site, pin, pin_each_other, running
+from peer.net.identity import init_identity
+from peer.net.trust import TrustStore
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
@@ -37,9 +37,12 @@ def two_sites(tmp_path):
 
 
 def raw_stub(identity, server_cert, server_name, address):
-    creds = grpc.ssl_channel_credentials(root_certificates=server_cert, private_key=identity.key_pem,
-                                         certificate_chain=identity.cert_pem)
-    ch = grpc.secure_channel(address, creds, options=wire.grpc_options() + [("grpc.ssl_target_name_override", server_name)])
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=server_cert, private_key=identity.key_pem, certificate_chain=identity.cert_pem
+    )
+    ch = grpc.secure_channel(
+        address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", server_name)]
+    )
     return ch, pb_grpc.PeerStub(ch)
 
 
@@ -59,32 +62,39 @@ def test_unpinned_client_is_refused_at_the_handshake(two_sites, tmp_path):
     a, _ = two_sites
     stranger = make_site(tmp_path, "stranger", models={})
     pin(stranger, a)  # the stranger trusts a, but a does not know it
-    with running(a) as (_, address):
-        with client(stranger, address) as c, pytest.raises(PeerError) as e:
-            c.info()
+    with running(a) as (_, address), client(stranger, address) as c, pytest.raises(PeerError) as e:
+        c.info()
     assert e.value.status == "UNAVAILABLE" and "TLS handshake" in str(e.value)
 
 
 def test_no_client_certificate_and_plaintext_are_refused(two_sites):
     a, _ = two_sites
     with running(a) as (_, address):
-        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=a.identity.cert_pem),
-                                 options=[("grpc.ssl_target_name_override", "site-a")])
+        ch = grpc.secure_channel(
+            address,
+            grpc.ssl_channel_credentials(root_certificates=a.identity.cert_pem),
+            options=[("grpc.ssl_target_name_override", "site-a")],
+        )
         with pytest.raises(grpc.RpcError) as e:
-            pb_grpc.PeerStub(ch).GetPeerInfo(pb.GetPeerInfoRequest(header=pb.RequestHeader(sender="site-b", receiver="site-a")), timeout=10)
+            pb_grpc.PeerStub(ch).GetPeerInfo(
+                pb.GetPeerInfoRequest(header=pb.RequestHeader(sender="site-b", receiver="site-a")), timeout=10
+            )
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         ch.close()
         ch = grpc.insecure_channel(address)
         with pytest.raises(grpc.RpcError) as e:
-            pb_grpc.PeerStub(ch).GetPeerInfo(pb.GetPeerInfoRequest(header=pb.RequestHeader(sender="site-b", receiver="site-a")), timeout=10)
+            pb_grpc.PeerStub(ch).GetPeerInfo(
+                pb.GetPeerInfoRequest(header=pb.RequestHeader(sender="site-b", receiver="site-a")), timeout=10
+            )
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         ch.close()
 
 
 def test_expired_certificate_is_refused_even_when_pinned(two_sites, tmp_path):
     a, _ = two_sites
-    old = init_identity(tmp_path / "old", "site-old", ["127.0.0.1"], days=1,
-                        not_before=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=3))
+    old = init_identity(
+        tmp_path / "old", "site-old", ["127.0.0.1"], days=1, not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=3)
+    )
     fresh = init_identity(tmp_path / "fresh", "site-fresh", ["127.0.0.1"])
     # pinned while it was valid: put it in the trust directory as `trust add` did back then
     # (the same way for a valid certificate, the control)
@@ -106,11 +116,15 @@ def test_claiming_another_sites_name_is_permission_denied(two_sites, tmp_path):
     with running(a) as (_, address):
         ch, stub = raw_stub(b.identity, a.identity.cert_pem, "site-a", address)
         with pytest.raises(grpc.RpcError) as e:
-            stub.GetPeerInfo(pb.GetPeerInfoRequest(header=pb.RequestHeader(sender="site-c", receiver="site-a")), timeout=10)
+            stub.GetPeerInfo(
+                pb.GetPeerInfoRequest(header=pb.RequestHeader(sender="site-c", receiver="site-a")), timeout=10
+            )
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "header.sender" in e.value.details() and "site-b" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
-            stub.GetPeerInfo(pb.GetPeerInfoRequest(header=pb.RequestHeader(sender="site-b", receiver="site-z")), timeout=10)
+            stub.GetPeerInfo(
+                pb.GetPeerInfoRequest(header=pb.RequestHeader(sender="site-b", receiver="site-z")), timeout=10
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "header.receiver" in e.value.details()
         ch.close()
 
@@ -137,13 +151,12 @@ def test_unpinning_an_open_connection_is_unauthenticated_and_pinning_needs_no_re
 
 
 def test_client_refuses_a_server_that_is_not_the_pinned_one(two_sites, tmp_path):
-    a, b = two_sites
+    _a, b = two_sites
     impostor = make_site(tmp_path, "impostor")
     # the impostor has its own key but is dialled where b expects site-a
     pin(impostor, b)
-    with running(impostor) as (_, address):
-        with client(b, address, peer="site-a") as c, pytest.raises(PeerError) as e:
-            c.info()
+    with running(impostor) as (_, address), client(b, address, peer="site-a") as c, pytest.raises(PeerError) as e:
+        c.info()
     assert e.value.status == "UNAVAILABLE"
 
 
@@ -153,12 +166,21 @@ def test_health_and_reflection_answer_standard_clients(two_sites):
         ch, _ = raw_stub(b.identity, a.identity.cert_pem, "site-a", address)
         health = health_pb2_grpc.HealthStub(ch)
         for service in ("", "privfusion.v1.Peer"):
-            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        answers = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        answers = list(
+            refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        )
         names = {s.name for s in answers[0].list_services_response.service}
         assert {"privfusion.v1.Peer", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
-        files = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="privfusion.v1.Peer")]), timeout=10))
+        files = list(
+            refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="privfusion.v1.Peer")]), timeout=10
+            )
+        )
         assert files[0].file_descriptor_response.file_descriptor_proto
         ch.close()
 
@@ -191,8 +213,8 @@ def test_rotation_keeps_working_through_the_overlap_and_retires_the_old_certific
     """site-b rolls its certificate with the command: stage, site-a pins the new one beside the
     old, site-b activates (restart), site-a retires the old pin. Calls work in both directions
     at every step; after the promote the old certificate is refused, even on an open connection."""
-    from peer.net.identity import load_identity
     from peer.cli import main
+    from peer.net.identity import load_identity
 
     a = make_site(tmp_path, "site-a")
     b = make_site(tmp_path, "site-b")
@@ -203,8 +225,20 @@ def test_rotation_keeps_working_through_the_overlap_and_retires_the_old_certific
     assert staged.name == "site-b" and staged.fingerprint != old_b.fingerprint
     assert b.identity.fingerprint == old_b.fingerprint  # not in use yet
     assert main(["peer", "rotate", "--dir", str(b.identity_dir)]) == 2  # one rotation at a time
-    assert main(["peer", "trust", "add", str(b.identity_dir / "next" / "site.crt"), "--beside",
-                 "--dir", str(a.identity_dir)]) == 0
+    assert (
+        main(
+            [
+                "peer",
+                "trust",
+                "add",
+                str(b.identity_dir / "next" / "site.crt"),
+                "--beside",
+                "--dir",
+                str(a.identity_dir),
+            ]
+        )
+        == 0
+    )
     assert main(["peer", "trust", "list", "--dir", str(a.identity_dir)]) == 0
     listing = capsys.readouterr().out
     assert listing.count("site-b\t") == 2 and "next (rotation)" in listing

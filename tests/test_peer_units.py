@@ -4,10 +4,10 @@ neurons (other layers) compose in parallel."""
 
 import numpy as np
 import pytest
-
-from peer.net.client import PeerError
-from peer.budget.ledger import Ledger
 from peer_harness import client, make_site, model_arrays, pin_each_other, running
+
+from peer.budget.ledger import Ledger
+from peer.net.client import PeerError
 
 ARCH31 = {"kind": "mlp", "input_dim": 31, "hidden": [32, 32], "output_dim": 10, "activation": "relu"}
 

@@ -31,13 +31,16 @@ def test_a_good_file_with_dotted_keys_parses(tmp_path):
     assert p.model.total == FilterBudget(4.0, 1e-6) and p.caps == {"features": 2.0}
 
 
-@pytest.mark.parametrize("change,key,line,rule", [
-    (("epsilon = 4.0", "epsilon = -4.0"), "policy.model.total.epsilon", 6, "must be a finite number > 0"),
-    (("delta = 1e-6", "delta = 1"), "policy.model.total.delta", 6, "must be a number in [0, 1)"),
-    (("features = 2.0", "features = 0"), "policy.caps.features", 9, "must be a finite number > 0"),
-    (("features = 2.0", "features = true"), "policy.caps.features", 9, "got True"),
-    (('show_remaining = "own"', "show_remaining = 3"), "policy.show_remaining", 5, "non-empty string"),
-])
+@pytest.mark.parametrize(
+    "change,key,line,rule",
+    [
+        (("epsilon = 4.0", "epsilon = -4.0"), "policy.model.total.epsilon", 6, "must be a finite number > 0"),
+        (("delta = 1e-6", "delta = 1"), "policy.model.total.delta", 6, "must be a number in [0, 1)"),
+        (("features = 2.0", "features = 0"), "policy.caps.features", 9, "must be a finite number > 0"),
+        (("features = 2.0", "features = true"), "policy.caps.features", 9, "got True"),
+        (('show_remaining = "own"', "show_remaining = 3"), "policy.show_remaining", 5, "non-empty string"),
+    ],
+)
 def test_errors_name_file_line_and_key(tmp_path, change, key, line, rule):
     path = tmp_path / "site.toml"
     text = TEXT.replace(*change)

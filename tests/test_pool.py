@@ -5,15 +5,15 @@ import json
 import numpy as np
 import pytest
 
-from peer.dp.accounting import TrainingRecord
-from peer.dp.accounting.release_accounting import record_epsilon
-from peer.cli import main
 from peer.base.errors import InvalidArgument
-from peer.dp.pools import load_pool, load_splits, save_trained
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
-from peer.nn.store import load_model
+from peer.cli import main
+from peer.dp.accounting import TrainingRecord
+from peer.dp.accounting.release_accounting import record_epsilon
+from peer.dp.pools import load_pool, load_splits, save_trained
 from peer.dp.training import train_pool
+from peer.nn.store import load_model
 
 LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
 
@@ -39,7 +39,7 @@ def test_pool_round_trip_and_record_consistency(tmp_path):
     manifest = json.loads((tmp_path / "m1.json").read_text())
     manifest["metadata"]["training"] = trainings[0].to_dict()
     (tmp_path / "m1.json").write_text(json.dumps(manifest))
-    with pytest.raises(InvalidArgument, match="m1.metadata.record"):
+    with pytest.raises(InvalidArgument, match=r"m1\.metadata\.record"):
         load_pool(tmp_path)
 
 
@@ -51,8 +51,22 @@ def _run(capsys, *argv):
 
 def test_cli_trains_a_pool_and_merges_it(tmp_path, capsys):
     pool_dir = tmp_path / "pool"
-    code, out, _ = _run(capsys, "pool", "train", "--out", str(pool_dir), "--steps", "8", "--seed", "3",
-                        "--model", "name=a,noise=3,clip=1", "--model", "name=b,noise=12,clip=0.5", "--json")
+    code, out, _ = _run(
+        capsys,
+        "pool",
+        "train",
+        "--out",
+        str(pool_dir),
+        "--steps",
+        "8",
+        "--seed",
+        "3",
+        "--model",
+        "name=a,noise=3,clip=1",
+        "--model",
+        "name=b,noise=12,clip=0.5",
+        "--json",
+    )
     assert code == 0
     summary = json.loads(out)
     eps = {m["name"]: m["epsilon"]["pld"] for m in summary["models"]}
@@ -62,8 +76,23 @@ def test_cli_trains_a_pool_and_merges_it(tmp_path, capsys):
     pool = {m.name: m for m in load_pool(pool_dir)}
     for method in ("lc", "rs"):
         out_file = tmp_path / "out" / f"{method}-merged.safetensors"
-        code, out, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", str(target), "--delta", "1e-5",
-                              "--method", method, "--out", str(out_file), "--seed", "0", "--json")
+        code, out, err = _run(
+            capsys,
+            "merge",
+            "--pool",
+            str(pool_dir),
+            "--target-epsilon",
+            str(target),
+            "--delta",
+            "1e-5",
+            "--method",
+            method,
+            "--out",
+            str(out_file),
+            "--seed",
+            "0",
+            "--json",
+        )
         assert code == 0, err
         result = json.loads(out)
         assert out_file.is_file() and (tmp_path / "out" / f"{method}-merged.record.json").is_file()
@@ -88,36 +117,128 @@ def test_cli_trains_a_pool_and_merges_it(tmp_path, capsys):
     # an explicit validation file works the same way
     s = load_splits("digits")
     np.savez(tmp_path / "val.npz", x=s.x_val, y=s.y_val)
-    code, _, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", str(target), "--delta", "1e-5",
-                        "--method", "lc", "--out", str(tmp_path / "v.safetensors"), "--validation", str(tmp_path / "val.npz"))
+    code, _, err = _run(
+        capsys,
+        "merge",
+        "--pool",
+        str(pool_dir),
+        "--target-epsilon",
+        str(target),
+        "--delta",
+        "1e-5",
+        "--method",
+        "lc",
+        "--out",
+        str(tmp_path / "v.safetensors"),
+        "--validation",
+        str(tmp_path / "val.npz"),
+    )
     assert code == 0, err
 
 
 def test_cli_refusals_are_one_clear_line(tmp_path, capsys):
     pool_dir = tmp_path / "poisson"
-    code, _, _ = _run(capsys, "pool", "train", "--out", str(pool_dir), "--steps", "4", "--seed", "1", "--sample-rate", "0.2",
-                      "--model", "noise=5,clip=1", "--model", "noise=9,clip=1")
+    code, _, _ = _run(
+        capsys,
+        "pool",
+        "train",
+        "--out",
+        str(pool_dir),
+        "--steps",
+        "4",
+        "--seed",
+        "1",
+        "--sample-rate",
+        "0.2",
+        "--model",
+        "noise=5,clip=1",
+        "--model",
+        "noise=9,clip=1",
+    )
     assert code == 0
     # LC of a Poisson-subsampled pool is charged the composition of the models it combines
-    code, _, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "5", "--delta", "1e-5",
-                        "--method", "lc", "--out", str(tmp_path / "lc.safetensors"))
+    code, _, err = _run(
+        capsys,
+        "merge",
+        "--pool",
+        str(pool_dir),
+        "--target-epsilon",
+        "5",
+        "--delta",
+        "1e-5",
+        "--method",
+        "lc",
+        "--out",
+        str(tmp_path / "lc.safetensors"),
+    )
     assert code == 0, err
     record = json.loads((tmp_path / "lc.record.json").read_text())
     assert record["parameters"]["bound"] == "composition" and record["epsilon"] <= 5
-    assert "surrogate" not in record["parameters"]          # not defined for subsampled runs
-    code, _, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "1e-3", "--delta", "1e-5",
-                        "--method", "lc", "--out", str(tmp_path / "x.safetensors"))
+    assert "surrogate" not in record["parameters"]  # not defined for subsampled runs
+    code, _, err = _run(
+        capsys,
+        "merge",
+        "--pool",
+        str(pool_dir),
+        "--target-epsilon",
+        "1e-3",
+        "--delta",
+        "1e-5",
+        "--method",
+        "lc",
+        "--out",
+        str(tmp_path / "x.safetensors"),
+    )
     assert code == 2 and "most private reachable" in err and len(err.strip().splitlines()) == 1
     # RS serves the same Poisson-subsampled pool
-    code, out, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "5", "--delta", "1e-5",
-                          "--method", "rs", "--out", str(tmp_path / "rs.safetensors"), "--json")
+    code, out, err = _run(
+        capsys,
+        "merge",
+        "--pool",
+        str(pool_dir),
+        "--target-epsilon",
+        "5",
+        "--delta",
+        "1e-5",
+        "--method",
+        "rs",
+        "--out",
+        str(tmp_path / "rs.safetensors"),
+        "--json",
+    )
     assert code == 0, err
     assert json.loads(out)["epsilon"]["pld"] <= 5 and (tmp_path / "rs.record.json").is_file()
-    code, _, err = _run(capsys, "merge", "--pool", str(pool_dir), "--target-epsilon", "1e-3", "--delta", "1e-5",
-                        "--method", "rs", "--accountant", "rdp", "--out", str(tmp_path / "x.safetensors"))
+    code, _, err = _run(
+        capsys,
+        "merge",
+        "--pool",
+        str(pool_dir),
+        "--target-epsilon",
+        "1e-3",
+        "--delta",
+        "1e-5",
+        "--method",
+        "rs",
+        "--accountant",
+        "rdp",
+        "--out",
+        str(tmp_path / "x.safetensors"),
+    )
     assert code == 2 and "most private reachable" in err
-    code, _, err = _run(capsys, "merge", "--pool", str(tmp_path / "nothing"), "--target-epsilon", "5", "--delta", "1e-5",
-                        "--method", "rs", "--out", str(tmp_path / "x.safetensors"))
+    code, _, err = _run(
+        capsys,
+        "merge",
+        "--pool",
+        str(tmp_path / "nothing"),
+        "--target-epsilon",
+        "5",
+        "--delta",
+        "1e-5",
+        "--method",
+        "rs",
+        "--out",
+        str(tmp_path / "x.safetensors"),
+    )
     assert code == 2 and "does not exist" in err
     code, _, err = _run(capsys, "pool", "train", "--out", str(pool_dir), "--model", "noise=5")
     assert code == 2 and "clip" in err

@@ -37,14 +37,14 @@ import torch
 from scipy import stats
 
 import peer.dp.accounting as accounting
-from peer.budget.filter import FILTER_ORDERS
-from peer.nn.graph import HiddenLayer, NetworkGraph
-from peer.budget.ledger import per_neuron_record
-from peer.ldp.mechanisms import gaussian_perturbation, laplace_activations, multibit, perturb_graph
-from peer.nn.architectures import weight_layers
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
+from peer.budget.filter import FILTER_ORDERS
+from peer.budget.ledger import per_neuron_record
 from peer.dp.training import run_dpsgd
+from peer.ldp.mechanisms import gaussian_perturbation, laplace_activations, multibit, perturb_graph
+from peer.nn.architectures import weight_layers
+from peer.nn.graph import HiddenLayer, NetworkGraph
 
 N = 200_000  # runs per neighbour (half to fit the threshold, half to bound ε)
 CONFIDENCE = 0.95
@@ -61,7 +61,7 @@ def epsilon_lower_bounds(s0: np.ndarray, s1: np.ndarray, thresholds: np.ndarray,
     """ε_LB of the tests "S > t ⇒ D′" for every t, from samples of S under D (s0) and D′ (s1)."""
     s0, s1 = np.sort(s0), np.sort(s1)
     false_pos = s0.size - np.searchsorted(s0, thresholds, side="right")  # S_D > t
-    false_neg = np.searchsorted(s1, thresholds, side="right")            # S_D′ <= t
+    false_neg = np.searchsorted(s1, thresholds, side="right")  # S_D′ <= t
     fpr_hi = clopper_pearson_upper(false_pos, s0.size)
     fnr_hi = clopper_pearson_upper(false_neg, s1.size)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -184,7 +184,9 @@ def test_per_entry_row_converted_per_neuron_is_not_undercut():
     y1, _ = laplace_activations(rows(1.0, 2), epsilon=0.5, clip=clip, unit="entry", randomness=make_randomness(10))
     charged = ledger_epsilon(record, 0.0)
     lb = audit(np.clip(y0, *clip).sum(axis=1), np.clip(y1, *clip).sum(axis=1), 0.0)
-    print(f"per-entry row of 2: record ε = {record.epsilon}, ledger ε per neuron = {charged:.4f}, audited ε_LB = {lb:.4f}")
+    print(
+        f"per-entry row of 2: record ε = {record.epsilon}, ledger ε per neuron = {charged:.4f}, audited ε_LB = {lb:.4f}"
+    )
     assert charged == pytest.approx(1.0)
     assert record.epsilon < 0.85 * charged <= lb <= charged
 
@@ -200,7 +202,9 @@ def test_per_entry_graph_neuron_converted_per_neuron_is_not_undercut():
     names = [s.name for s in weight_layers(arch)]
 
     def graph(value: float) -> NetworkGraph:
-        hidden = HiddenLayer(names[0], "linear", np.full((N, 1), max(value, 0.0)), np.full((N, 1, 1), value), np.full(N, value))
+        hidden = HiddenLayer(
+            names[0], "linear", np.full((N, 1), max(value, 0.0)), np.full((N, 1, 1), value), np.full(N, value)
+        )
         return NetworkGraph(arch, 1, (hidden,), np.zeros((1, N, 1)), np.zeros(1))
 
     kw = dict(epsilon_x=eps_x, epsilon_w=eps_w, activation_clip=(0.0, 1.0), weight_bounds=(-1.0, 1.0), unit="entry")
@@ -217,6 +221,8 @@ def test_per_entry_graph_neuron_converted_per_neuron_is_not_undercut():
     layer = record.components[0]  # the hidden layer's release: the audited neurons
     charged = ledger_epsilon(layer, 0.0)
     lb = audit(statistic(g0), statistic(g1), 0.0)
-    print(f"per-entry graph neuron: record ε = {layer.epsilon}, ledger ε per neuron = {charged:.4f}, audited ε_LB = {lb:.4f}")
+    print(
+        f"per-entry graph neuron: record ε = {layer.epsilon}, ledger ε per neuron = {charged:.4f}, audited ε_LB = {lb:.4f}"
+    )
     assert charged == pytest.approx(eps_x + 2 * eps_w)
     assert layer.epsilon == max(eps_x, eps_w) < 0.85 * charged <= lb <= charged

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import gen_proto  # noqa: E402
@@ -20,12 +19,15 @@ def test_committed_code_matches_the_proto(tmp_path):
     assert names == committed, "generated files differ from the committed set: run scripts/gen_proto.py"
     for p in generated:
         assert filecmp.cmp(p, committed_dir / p.name, shallow=False), (
-            f"{p.name} drifted from the .proto: run `.venv/bin/python scripts/gen_proto.py` and commit")
+            f"{p.name} drifted from the .proto: run `.venv/bin/python scripts/gen_proto.py` and commit"
+        )
 
 
 def test_generated_package_imports_from_anywhere(tmp_path):
-    code = ("from privfusion.v1 import peer_pb2, peer_pb2_grpc, tensor_pb2; "
-            "print(peer_pb2.DESCRIPTOR.package, peer_pb2.DESCRIPTOR.services_by_name['Peer'].full_name)")
+    code = (
+        "from privfusion.v1 import peer_pb2, peer_pb2_grpc, tensor_pb2; "
+        "print(peer_pb2.DESCRIPTOR.package, peer_pb2.DESCRIPTOR.services_by_name['Peer'].full_name)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["privfusion.v1", "privfusion.v1.Peer"]
 

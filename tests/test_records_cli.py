@@ -30,7 +30,9 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300, check=False
+    )
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -40,8 +42,11 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def files(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("records")
     rows = records(300, seed=11)
-    return {"private": write_csv(d / "private.csv", rows[:240], COLUMNS),
-            "public": write_csv(d / "public.csv", rows[240:], COLUMNS), "dir": d}
+    return {
+        "private": write_csv(d / "private.csv", rows[:240], COLUMNS),
+        "public": write_csv(d / "public.csv", rows[240:], COLUMNS),
+        "dir": d,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +54,44 @@ def site(files) -> dict:
     """A site with a model and a two-model pool trained on its own records (what the commands
     printed, too)."""
     root = files["dir"] / "site"
-    model = cli("model", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
-                "--categorical", "sex", "--name", "own", "--epochs", "5", "--hidden", "16")
-    pool = cli("pool", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
-               "--public", str(files["public"]), "--categorical", "sex", "--model", "name=a,noise=2,clip=1", "--model", "name=b,noise=6,clip=1",
-               "--steps", "20")
+    model = cli(
+        "model",
+        "train",
+        "--site",
+        str(root),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--categorical",
+        "sex",
+        "--name",
+        "own",
+        "--epochs",
+        "5",
+        "--hidden",
+        "16",
+    )
+    pool = cli(
+        "pool",
+        "train",
+        "--site",
+        str(root),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--public",
+        str(files["public"]),
+        "--categorical",
+        "sex",
+        "--model",
+        "name=a,noise=2,clip=1",
+        "--model",
+        "name=b,noise=6,clip=1",
+        "--steps",
+        "20",
+    )
     return {"root": root, "model": model, "pool": pool}
 
 
@@ -62,9 +100,27 @@ def test_model_train_saves_the_model_with_its_preprocessing(files, tmp_path, cap
     from peer.nn.store import load_model
     from peer.nn.tables import prepare_records
 
-    proc = cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
-               "--name", "m", "--epochs", "40", "--hidden", "16", "--learning-rate", "0.01", "--validation-fraction", "0.25",
-               "--json")
+    proc = cli(
+        "model",
+        "train",
+        "--site",
+        str(tmp_path),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--name",
+        "m",
+        "--epochs",
+        "40",
+        "--hidden",
+        "16",
+        "--learning-rate",
+        "0.01",
+        "--validation-fraction",
+        "0.25",
+        "--json",
+    )
     out = json.loads(proc.stdout)
     stored = load_model(tmp_path / "models", "m")
     assert stored.preprocessing is not None and stored.preprocessing.fitted_on["rows"] == 180
@@ -76,8 +132,21 @@ def test_model_train_saves_the_model_with_its_preprocessing(files, tmp_path, cap
     # the labels are a near-deterministic function of the features: far above chance (a
     # fixed-seed run; chance is about 0.5)
     assert out["validation_accuracy"] >= 0.8 and out["training_accuracy"] >= 0.8
-    code, _, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label",
-                       "outcome", "--name", "m", "--epochs", "2")
+    code, _, err = run(
+        capsys,
+        "model",
+        "train",
+        "--site",
+        str(tmp_path),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--name",
+        "m",
+        "--epochs",
+        "2",
+    )
     assert code == 2 and "model 'm' is already in" in err and "--force" in err
 
 
@@ -93,11 +162,24 @@ def test_model_train_refuses_bad_records_naming_the_row(files, tmp_path, capsys)
     rows[6][0] = "sixty"  # data row 7
     rows[9][2] = "12,5"
     bad = write_csv(tmp_path / "bad.csv", rows, COLUMNS)
-    proc = cli("model", "train", "--site", str(tmp_path), "--data", str(bad), "--label", "outcome", "--name", "m", check=False)
+    proc = cli(
+        "model", "train", "--site", str(tmp_path), "--data", str(bad), "--label", "outcome", "--name", "m", check=False
+    )
     assert proc.returncode == 2
     assert "bad.csv, column 'age', data row 7 (spreadsheet row 8): a non-numeric value 'sixty'" in proc.stderr
-    code, _, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label",
-                       "death", "--name", "m")
+    code, _, err = run(
+        capsys,
+        "model",
+        "train",
+        "--site",
+        str(tmp_path),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "death",
+        "--name",
+        "m",
+    )
     assert code == 2 and "no column 'death'; the file's columns are ['age', 'ward', 'bp', 'sex', 'outcome']" in err
     assert not (tmp_path / "models" / "m.json").exists()
 
@@ -109,8 +191,24 @@ def test_model_train_on_image_arrays_with_the_cnn_preset(tmp_path, capsys):
     y = np.arange(60) % 3
     x = rng.normal(size=(60, 1, 8, 8)).astype(np.float32) + y[:, None, None, None]
     np.savez(tmp_path / "img.npz", x=x, y=y)
-    code, out, err = run(capsys, "model", "train", "--site", str(tmp_path), "--data", str(tmp_path / "img.npz"),
-                         "--label", "y", "--preset", "cnn", "--name", "c", "--epochs", "3", "--json")
+    code, out, err = run(
+        capsys,
+        "model",
+        "train",
+        "--site",
+        str(tmp_path),
+        "--data",
+        str(tmp_path / "img.npz"),
+        "--label",
+        "y",
+        "--preset",
+        "cnn",
+        "--name",
+        "c",
+        "--epochs",
+        "3",
+        "--json",
+    )
     assert code == 0, err
     stored = load_model(tmp_path / "models", "c")
     assert stored.architecture["kind"] == "cnn" and stored.architecture["input_shape"] == [1, 8, 8]
@@ -122,22 +220,67 @@ def test_the_store_is_where_site_toml_says(files, tmp_path, capsys):
         code, _, err = run(capsys, *args)
         assert code == 0, err
 
-    (tmp_path / "site.toml").write_text('[site]\nname = "h"\nlisten = "127.0.0.1:0"\nidentity = "id"\n'
-                                        'models = "store"\nledger = "l.sqlite"\n\n[site.pools.main]\nmodels = "dp"\n'
-                                        'validation = "public/val.npz"\n')
-    cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
-        "--name", "m", "--epochs", "1")
+    (tmp_path / "site.toml").write_text(
+        '[site]\nname = "h"\nlisten = "127.0.0.1:0"\nidentity = "id"\n'
+        'models = "store"\nledger = "l.sqlite"\n\n[site.pools.main]\nmodels = "dp"\n'
+        'validation = "public/val.npz"\n'
+    )
+    cli(
+        "model",
+        "train",
+        "--site",
+        str(tmp_path),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--name",
+        "m",
+        "--epochs",
+        "1",
+    )
     assert (tmp_path / "store" / "m.json").is_file() and not (tmp_path / "models").exists()
-    cli("model", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
-        "--public", str(files["public"]), "--name", "p", "--epochs", "1")
+    cli(
+        "model",
+        "train",
+        "--site",
+        str(tmp_path),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--public",
+        str(files["public"]),
+        "--name",
+        "p",
+        "--epochs",
+        "1",
+    )
     from peer.nn.store import load_model
 
     assert load_model(tmp_path / "store", "m").preprocessing.fitted_on["split"] == "training"
     assert load_model(tmp_path / "store", "p").preprocessing.fitted_on == {
-        "file": "public.csv", "sha256": load_model(tmp_path / "store", "p").preprocessing.fitted_on["sha256"],
-        "rows": 60, "split": "public"}
-    cli("pool", "train", "--site", str(tmp_path), "--data", str(files["private"]), "--label", "outcome",
-        "--public", str(files["public"]), "--model", "noise=2,clip=1", "--steps", "2")
+        "file": "public.csv",
+        "sha256": load_model(tmp_path / "store", "p").preprocessing.fitted_on["sha256"],
+        "rows": 60,
+        "split": "public",
+    }
+    cli(
+        "pool",
+        "train",
+        "--site",
+        str(tmp_path),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--public",
+        str(files["public"]),
+        "--model",
+        "noise=2,clip=1",
+        "--steps",
+        "2",
+    )
     assert (tmp_path / "dp" / "dpsgd-0.json").is_file()
     code, _, err = run(capsys, "probe", "make", "--site", str(tmp_path), "--data", str(files["public"]))
     assert code == 2 and "name the model the probe set serves" in err and "['m', 'p']" in err
@@ -159,8 +302,9 @@ def test_pool_train_declares_n_as_the_training_records(site, files, capsys):
         assert m.dataset_size == 192 and m.metadata["record"]["parameters"]["dataset_size"] == 192
         assert m.metadata["data"]["training_rows"] == 192 and m.metadata["data"]["file"] == "private.csv"
     # the held-out part of protected records never judges merges
-    with pytest.raises(InvalidArgument, match="own records.*probe make"):
+    with pytest.raises(InvalidArgument, match=r"own records.*probe make"):
         pool_validation(pool)
+
 
 def test_pool_train_prints_n_and_refuses_what_it_cannot_do(site, files, capsys):
     proc = site["pool"]
@@ -168,15 +312,48 @@ def test_pool_train_prints_n_and_refuses_what_it_cannot_do(site, files, capsys):
     assert "a: epsilon(pld)=" in proc.stdout and "declared dataset size n = 192" in proc.stdout
     code, _, err = run(capsys, "pool", "train", "--out", str(files["dir"] / "p3"), "--data", str(files["private"]))
     assert code == 2 and "--label: is required with --data" in err
-    code, _, err = run(capsys, "pool", "train", "--site", str(site["root"]), "--data", str(files["private"]), "--label",
-                       "outcome", "--public", str(files["public"]), "--model", "name=a,noise=2,clip=1")
+    code, _, err = run(
+        capsys,
+        "pool",
+        "train",
+        "--site",
+        str(site["root"]),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--public",
+        str(files["public"]),
+        "--model",
+        "name=a,noise=2,clip=1",
+    )
     assert code == 2 and "models ['a'] are already in the pool" in err
     # a pool's preprocessing never comes from its protected records
-    code, _, err = run(capsys, "pool", "train", "--out", str(files["dir"] / "p4"), "--data", str(files["private"]),
-                       "--label", "outcome")
+    code, _, err = run(
+        capsys,
+        "pool",
+        "train",
+        "--out",
+        str(files["dir"] / "p4"),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+    )
     assert code == 2 and "--public: a DP pool's preprocessing must not come from its protected records" in err
-    code, _, err = run(capsys, "pool", "train", "--out", str(files["dir"] / "p4"), "--data", str(files["private"]),
-                       "--label", "outcome", "--preprocessing", str(site["root"] / "models" / "own.json"))
+    code, _, err = run(
+        capsys,
+        "pool",
+        "train",
+        "--out",
+        str(files["dir"] / "p4"),
+        "--data",
+        str(files["private"]),
+        "--label",
+        "outcome",
+        "--preprocessing",
+        str(site["root"] / "models" / "own.json"),
+    )
     assert code == 2 and "fitted on the training split of private.csv, the pool's own protected records" in err
     assert not (files["dir"] / "p4").exists()
 
@@ -188,8 +365,19 @@ def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):
     from peer.nn.store import load_model
 
     site = site["root"]
-    proc = cli("probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "outcome",
-               "--rows", "25", "--force")
+    proc = cli(
+        "probe",
+        "make",
+        "--site",
+        str(site),
+        "--data",
+        str(files["public"]),
+        "--label",
+        "outcome",
+        "--rows",
+        "25",
+        "--force",
+    )
     assert "PUBLIC" in proc.stdout and "becomes public" in proc.stdout
     assert "can recover those statistics" in proc.stdout  # the model's preprocessing came from its training split
     probe = load_file(str(site / "probe.safetensors"))["x"]
@@ -204,7 +392,9 @@ def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):
     assert merged.record.level == "data"
     code, _, err = run(capsys, "probe", "make", "--site", str(site), "--data", str(files["public"]))
     assert code == 2 and "give --force" in err
-    code, _, err = run(capsys, "probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "ward", "--force")
+    code, _, err = run(
+        capsys, "probe", "make", "--site", str(site), "--data", str(files["public"]), "--label", "ward", "--force"
+    )
     assert code == 2 and "trained with label 'outcome'" in err
 
 
@@ -263,8 +453,10 @@ def test_scenario_data_from_a_csv_is_split_and_prepared(tmp_path):
     (tmp_path / "bad.toml").write_text(SCENARIO.format(csv="nowhere.csv"))
     with pytest.raises(InvalidArgument, match=r"data\.path \(.*bad\.toml, line 7\): .*nowhere\.csv' is not a file"):
         load_scenario(tmp_path / "bad.toml")
-    (tmp_path / "both.toml").write_text(SCENARIO.format(csv="data/recs.csv").replace("[data]\n", '[data]\ndataset = "digits"\n'))
-    with pytest.raises(InvalidArgument, match="data.dataset.*not both"):
+    (tmp_path / "both.toml").write_text(
+        SCENARIO.format(csv="data/recs.csv").replace("[data]\n", '[data]\ndataset = "digits"\n')
+    )
+    with pytest.raises(InvalidArgument, match=r"data\.dataset.*not both"):
         load_scenario(tmp_path / "both.toml")
 
 

@@ -11,13 +11,13 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from peer_harness import client, make_pool, make_site, pin_each_other, running
-from privfusion.v1 import peer_pb2 as pb
-from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from test_rounds import add_pool, build, config, roster_for, trained  # noqa: F401 - trained is a fixture
 
+from peer.budget.ledger import Ledger
 from peer.net import wire
 from peer.net.client import PeerError
-from peer.budget.ledger import Ledger
+from privfusion.v1 import peer_pb2 as pb
+from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
 BUDGET_POLICY = """
 [policy]
@@ -53,9 +53,10 @@ def sites(tmp_path, pool_dir):
 def plain_call(b, a, address, method: str, request) -> grpc.RpcError:
     """Call ``method`` with nothing but grpcio (mutual TLS with b's key, a's pinned certificate)
     and return the error it ends with."""
-    creds = grpc.ssl_channel_credentials(root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem,
-                                         certificate_chain=b.identity.cert_pem)
-    options = wire.grpc_options() + [("grpc.ssl_target_name_override", a.name)]
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem, certificate_chain=b.identity.cert_pem
+    )
+    options = [*wire.grpc_options(), ("grpc.ssl_target_name_override", a.name)]
     with grpc.secure_channel(address, creds, options=options) as ch:
         try:
             for _ in getattr(pb_grpc.PeerStub(ch), method)(request, timeout=60):
@@ -90,14 +91,24 @@ def header():
 def test_a_bad_field_is_named_in_a_bad_request_violation(sites):
     a, b = sites
     with running(a) as (_, address):
-        err = plain_call(b, a, address, "ReleaseMerged",
-                         pb.MergeRequest(header=header(), pool="digits", method="avg", epsilon=1.0, delta=1e-5))
+        err = plain_call(
+            b,
+            a,
+            address,
+            "ReleaseMerged",
+            pb.MergeRequest(header=header(), pool="digits", method="avg", epsilon=1.0, delta=1e-5),
+        )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         violations, info = details_of(err)
         assert [f for f, _ in violations] == ["method"] and "'rs'" in violations[0][1] and info == {}
         method_rule = violations[0][1]
-        err = plain_call(b, a, address, "ReleaseWeights",
-                         pb.WeightsRequest(header=header(), model="mlp", epsilon=float("nan"), delta=1e-6))
+        err = plain_call(
+            b,
+            a,
+            address,
+            "ReleaseWeights",
+            pb.WeightsRequest(header=header(), model="mlp", epsilon=float("nan"), delta=1e-6),
+        )
         violations, _ = details_of(err)
         assert [f for f, _ in violations] == ["epsilon"]
         with client(b, address) as c, pytest.raises(PeerError) as e:
@@ -109,8 +120,13 @@ def test_a_bad_field_is_named_in_a_bad_request_violation(sites):
 def test_a_refused_merge_carries_the_pools_reachable_range(sites):
     a, b = sites
     with running(a) as (_, address):
-        err = plain_call(b, a, address, "ReleaseMerged",
-                         pb.MergeRequest(header=header(), pool="digits", method="rs", epsilon=0.01, delta=1e-5))
+        err = plain_call(
+            b,
+            a,
+            address,
+            "ReleaseMerged",
+            pb.MergeRequest(header=header(), pool="digits", method="rs", epsilon=0.01, delta=1e-5),
+        )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         violations, info = details_of(err)
         assert [f for f, _ in violations] == ["target_epsilon"]
@@ -135,8 +151,9 @@ def test_a_budget_refusal_carries_spent_and_remaining(sites):
     with running(a) as (_, address):
         with client(b, address) as c:
             c.weights("mlp", epsilon=2.0, delta=1e-6)
-        err = plain_call(b, a, address, "ReleaseWeights",
-                         pb.WeightsRequest(header=header(), model="mlp", epsilon=2.0, delta=1e-6))
+        err = plain_call(
+            b, a, address, "ReleaseWeights", pb.WeightsRequest(header=header(), model="mlp", epsilon=2.0, delta=1e-6)
+        )
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         violations, info = details_of(err)
         with client(b, address) as c, pytest.raises(PeerError) as e:
@@ -147,23 +164,28 @@ def test_a_budget_refusal_carries_spent_and_remaining(sites):
         state = {s.key.name: s for s in led.budget_states()}[md["budget"]]
     # ε at the budget's δ, the figures `privfusion ledger show` prints for that budget
     assert float(md["delta_limit"]) == 1e-5 and float(md["epsilon_limit"]) == 3.0
-    assert float(md["spent_epsilon"]) == state.spent_epsilon and float(md["remaining_epsilon"]) == state.remaining_epsilon
+    assert (
+        float(md["spent_epsilon"]) == state.spent_epsilon and float(md["remaining_epsilon"]) == state.remaining_epsilon
+    )
     assert 0 < float(md["remaining_epsilon"]) < float(md["request_epsilon"])
     assert e.value.status == "RESOURCE_EXHAUSTED" and e.value.reason == "BUDGET_EXHAUSTED"
     assert e.value.metadata["spent_epsilon"] == md["spent_epsilon"]
 
 
 def test_the_round_report_and_its_cli_line_carry_the_reachable_range(tmp_path, trained):  # noqa: F811
-    from coordinator_free.runner import load_local_site, run_round
     from coordinator_free.events import describe
+    from coordinator_free.runner import load_local_site, run_round
 
     sites_, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
     a, b = sites_
     add_pool(b, trained, data_epsilon=20.0)
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
         roster = roster_for(tmp_path, sites_, {"hospital-a": addr_a, "hospital-b": addr_b})
-        result = run_round(load_local_site(a.config, "mlp"), roster,
-                           config(tmp_path, method="merged", merge_epsilon=0.001, merge_delta=1e-5, quorum=1))
+        result = run_round(
+            load_local_site(a.config, "mlp"),
+            roster,
+            config(tmp_path, method="merged", merge_epsilon=0.001, merge_delta=1e-5, quorum=1),
+        )
     drop = result.report["peers"]["hospital-b"]["drop"]
     assert drop["status"] == "INVALID_ARGUMENT" and drop["charged"] == "no"
     details = drop["details"]
@@ -172,4 +194,6 @@ def test_the_round_report_and_its_cli_line_carry_the_reachable_range(tmp_path, t
     assert lo > 0.001
     [event] = [e for e in result.report["events"] if e["event"] == "dropped" and e.get("peer") == "hospital-b"]
     line = describe(event)
-    assert "TARGET_UNREACHABLE" in line and f"reachable_epsilon_min={details['metadata']['reachable_epsilon_min']}" in line
+    assert (
+        "TARGET_UNREACHABLE" in line and f"reachable_epsilon_min={details['metadata']['reachable_epsilon_min']}" in line
+    )

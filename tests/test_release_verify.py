@@ -6,12 +6,12 @@ import shutil
 
 import numpy as np
 import pytest
+from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
 
-from peer.net.trust import TrustStore
+from peer.base.errors import InvalidArgument, NotFound
 from peer.cli import main as cli
 from peer.net.client import save_release, verify_saved_release
-from peer.base.errors import InvalidArgument, NotFound
-from peer_harness import ARCH, client, make_site, model_arrays, pin_each_other, running
+from peer.net.trust import TrustStore
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,12 @@ def copy_of(saved, tmp_path):
 def test_a_saved_release_verifies_offline_by_function_and_command(saved, capsys):
     root, tensors, doc, trust, got, _ = saved
     report = verify_saved_release(root / "got" / "mlp-a", TrustStore(trust))
-    assert (report["signer"], report["counterparty"], report["kind"], report["model"]) == ("site-a", "site-b", "weights", "mlp")
+    assert (report["signer"], report["counterparty"], report["kind"], report["model"]) == (
+        "site-a",
+        "site-b",
+        "weights",
+        "mlp",
+    )
     assert report["release_id"] == got.receipt.record.release_id and report["tensors"] == len(got.arrays)
     assert cli(["release", "verify", str(tensors), "--trust", str(trust), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ledger_entry_id"] == got.receipt.ledger_entry_id
@@ -52,17 +57,20 @@ def _edit_doc(doc, edit):
     doc.write_text(json.dumps(d))
 
 
-@pytest.mark.parametrize("edit, field", [
-    # the document's architecture is what peer.nn.store.load_model builds the model from
-    (lambda d: d["architecture"].update(hidden=[16, 13]), "architecture"),
-    (lambda d: d["metadata"]["release"]["metadata"].update(permuted=True), "metadata.release"),
-    # a manifest edited anywhere (metadata text, a shape, a dtype) no longer has the signed digest
-    (lambda d: d["metadata"]["manifest"].update(metadata_json='{"permuted": true}'), "manifest"),
-    (lambda d: d["metadata"]["manifest"]["tensors"][0].update(shape=[1, 12 * 16]), "manifest"),
-    (lambda d: d["metadata"]["manifest"]["tensors"][0].update(dtype="DTYPE_FLOAT64"), "manifest"),
-    (lambda d: d["metadata"]["receipt"].update(ledger_entry_id="999"), "receipt.signature"),
-    (lambda d: d["metadata"]["receipt"].update(manifest_sha256="00" * 32), "receipt.signature"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        # the document's architecture is what peer.nn.store.load_model builds the model from
+        (lambda d: d["architecture"].update(hidden=[16, 13]), "architecture"),
+        (lambda d: d["metadata"]["release"]["metadata"].update(permuted=True), "metadata.release"),
+        # a manifest edited anywhere (metadata text, a shape, a dtype) no longer has the signed digest
+        (lambda d: d["metadata"]["manifest"].update(metadata_json='{"permuted": true}'), "manifest"),
+        (lambda d: d["metadata"]["manifest"]["tensors"][0].update(shape=[1, 12 * 16]), "manifest"),
+        (lambda d: d["metadata"]["manifest"]["tensors"][0].update(dtype="DTYPE_FLOAT64"), "manifest"),
+        (lambda d: d["metadata"]["receipt"].update(ledger_entry_id="999"), "receipt.signature"),
+        (lambda d: d["metadata"]["receipt"].update(manifest_sha256="00" * 32), "receipt.signature"),
+    ],
+)
 def test_any_edit_of_the_document_is_refused_naming_the_field(saved, tmp_path, edit, field):
     _, doc = copy_of(saved, tmp_path)
     _edit_doc(doc, edit)
@@ -91,11 +99,15 @@ def test_peer_info_lists_every_layer_with_its_shapes_before_any_charged_call(sav
     *_, info = saved
     [m] = info.models
     arrays = model_arrays()
-    layers = [(l.name, l.kind, list(l.weight_shape), list(l.bias_shape), l.hidden) for l in m.layers]
-    assert layers == [(n, "linear", list(arrays[f"{n}.weight"].shape), list(arrays[f"{n}.bias"].shape), n != "4")
-                      for n in ("0", "2", "4")]
-    assert [l.weight_shape[0] for l in m.layers if l.hidden] == list(m.hidden_sizes) == ARCH["hidden"]
-    assert np.sum([np.prod(l.weight_shape) + np.prod(l.bias_shape) for l in m.layers]) == m.parameter_count
+    layers = [
+        (layer.name, layer.kind, list(layer.weight_shape), list(layer.bias_shape), layer.hidden) for layer in m.layers
+    ]
+    assert layers == [
+        (n, "linear", list(arrays[f"{n}.weight"].shape), list(arrays[f"{n}.bias"].shape), n != "4")
+        for n in ("0", "2", "4")
+    ]
+    assert [layer.weight_shape[0] for layer in m.layers if layer.hidden] == list(m.hidden_sizes) == ARCH["hidden"]
+    assert np.sum([np.prod(layer.weight_shape) + np.prod(layer.bias_shape) for layer in m.layers]) == m.parameter_count
 
 
 def test_a_saved_fused_release_verifies_with_its_upstream_receipts(tmp_path):
@@ -104,14 +116,28 @@ def test_a_saved_fused_release_verifies_with_its_upstream_receipts(tmp_path):
     probe = np.random.default_rng(5).random((16, 64))
     x = make_site(tmp_path, "site-x", models={"mx": (ARCH, model_arrays(seed=2))}, seed=21)
     with running(x) as (_, x_address):
-        b = make_site(tmp_path, "site-b", models={"mb": (ARCH, model_arrays(seed=1))}, seed=12, probe=probe,
-                      peers={"site-x": x_address})
+        b = make_site(
+            tmp_path,
+            "site-b",
+            models={"mb": (ARCH, model_arrays(seed=1))},
+            seed=12,
+            probe=probe,
+            peers={"site-x": x_address},
+        )
         c = make_site(tmp_path, "site-c", models={})
         pin_each_other(b, x)
         pin_each_other(b, c)
         with running(b) as (_, b_address), client(c, b_address) as cl:
-            got = cl.fuse("mb", partner="site-x", partner_model="mx", alpha=0.5, activation_epsilon=4.0,
-                          weight_epsilon=4.0, weights_epsilon=8.0, weights_delta=1e-5)
+            got = cl.fuse(
+                "mb",
+                partner="site-x",
+                partner_model="mx",
+                alpha=0.5,
+                activation_epsilon=4.0,
+                weight_epsilon=4.0,
+                weights_epsilon=8.0,
+                weights_delta=1e-5,
+            )
     assert got.upstream
     save_release(got, tmp_path / "got" / "fused")
     trust = c.identity_dir / "trusted"

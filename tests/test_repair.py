@@ -26,8 +26,9 @@ from peer.nn.tracing import (
 def _fuse(a: nn.Module, b_state: dict, alpha: float, template: nn.Module) -> nn.Module:
     fused = template
     sa = a.state_dict()
-    fused.load_state_dict({k: (alpha * v + (1 - alpha) * b_state[k]) if v.is_floating_point() else v
-                           for k, v in sa.items()})
+    fused.load_state_dict(
+        {k: (alpha * v + (1 - alpha) * b_state[k]) if v.is_floating_point() else v for k, v in sa.items()}
+    )
     return fused.eval()
 
 
@@ -53,7 +54,10 @@ def test_repair_sets_exactly_the_interpolated_moments():
         np.testing.assert_allclose(after[p.module].mean, targets[p.module].mean, atol=1e-4)
         np.testing.assert_allclose(after[p.module].std, targets[p.module].std, rtol=1e-4, atol=1e-6)
     # the input is untouched: repair works on a copy
-    assert torch.equal(fused.state_dict()["stem.weight"], _fuse(a, b.state_dict(), 0.5, networks.ResidualMLP()).state_dict()["stem.weight"])
+    assert torch.equal(
+        fused.state_dict()["stem.weight"],
+        _fuse(a, b.state_dict(), 0.5, networks.ResidualMLP()).state_dict()["stem.weight"],
+    )
 
 
 def test_batchnorm_points_get_the_fused_networks_actual_statistics():
@@ -115,8 +119,15 @@ def test_repair_improves_a_graph_matched_fused_pair_on_digits():
     from peer.nn.data import load_dataset, split_homogeneous
     from peer.nn.graph import extract_graph
 
-    arch = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [8, 16], "kernel_size": 3, "pool": [2, 2],
-            "hidden": [32], "output_dim": 10}
+    arch = {
+        "kind": "cnn",
+        "input_shape": [1, 8, 8],
+        "channels": [8, 16],
+        "kernel_size": 3,
+        "pool": [2, 2],
+        "hidden": [32],
+        "output_dim": 10,
+    }
     ds = load_dataset("digits", seed=0)
     order = np.random.default_rng(0).permutation(len(ds.y_train))
     probe = public_probes(ds.x_train[order[:64]], True)

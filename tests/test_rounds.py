@@ -11,19 +11,19 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from peer.base.config import ConfigError, Section, key_line, parse_toml
-from coordinator_free.roster import Roster, write_roster
-from coordinator_free.rounds import (RoundConfig, RoundState, charged_status, fusion_weights, public_view)
-from coordinator_free.runner import load_local_site, load_round_config, run_round
-from peer.nn.data import load_dataset
-from peer.base.errors import FailedPrecondition
-from peer.ldp.fusion import permute_arrays
-from peer.nn.graph import extract_graph
-from peer.budget.ledger import Ledger
-from peer.nn.architectures import model_from_arrays, state_arrays, train_classifier
-from peer.nn.store import load_model
 from peer_harness import DaemonProcess, make_site, pin_each_other, running
+
+from coordinator_free.roster import Roster, write_roster
+from coordinator_free.rounds import RoundConfig, RoundState, charged_status, fusion_weights, public_view
+from coordinator_free.runner import load_local_site, load_round_config, run_round
+from peer.base.config import ConfigError, Section, key_line, parse_toml
+from peer.base.errors import FailedPrecondition
+from peer.budget.ledger import Ledger
+from peer.ldp.fusion import permute_arrays
+from peer.nn.architectures import model_from_arrays, state_arrays, train_classifier
+from peer.nn.data import load_dataset
+from peer.nn.graph import extract_graph
+from peer.nn.store import load_model
 
 ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [16], "output_dim": 10, "activation": "relu"}
 CLIP = (0.0, 8.0)
@@ -67,21 +67,41 @@ def build(root, trained, names, perms=None, policies=None):
         p = np.arange(16) if i == 0 else (perms or {}).get(name, rng.permutation(16))
         truth[name] = p
         arrays = permute_arrays(ARCH, base, [p])
-        sites.append(make_site(root, name, models={"mlp": (ARCH, arrays)}, probe=probe, seed=100 + i,
-                               policy=(policies or {}).get(name, policy()), activation_clip=CLIP))
+        sites.append(
+            make_site(
+                root,
+                name,
+                models={"mlp": (ARCH, arrays)},
+                probe=probe,
+                seed=100 + i,
+                policy=(policies or {}).get(name, policy()),
+                activation_clip=CLIP,
+            )
+        )
     pin_each_other(*sites)
     return sites, truth
 
 
 def roster_for(root, sites, addresses) -> Roster:
-    path = write_roster(root / "roster.toml", [(s.name, addresses[s.name], str(s.identity_dir / "site.crt")) for s in sites])
+    path = write_roster(
+        root / "roster.toml", [(s.name, addresses[s.name], str(s.identity_dir / "site.crt")) for s in sites]
+    )
     return Roster.load(path)
 
 
 def config(root, **kw) -> RoundConfig:
-    base = dict(roster=root / "roster.toml", model="mlp", activation_epsilon=500.0, weight_epsilon=500.0,
-                weights_epsilon=200.0, weights_delta=1e-5, activation_clip=CLIP, out=root / "out",
-                health_timeout_s=2.0, call_timeout_s=60.0)
+    base = dict(
+        roster=root / "roster.toml",
+        model="mlp",
+        activation_epsilon=500.0,
+        weight_epsilon=500.0,
+        weights_epsilon=200.0,
+        weights_delta=1e-5,
+        activation_clip=CLIP,
+        out=root / "out",
+        health_timeout_s=2.0,
+        call_timeout_s=60.0,
+    )
     base.update(kw)
     return RoundConfig(**base)
 
@@ -121,15 +141,18 @@ def test_fusion_weights_keep_alpha_and_share_the_rest():
         fusion_weights(1.5, 2)
 
 
-@pytest.mark.parametrize("status,seen,connected,expected", [
-    ("UNAVAILABLE", True, True, "yes"),           # the receipt arrived: the peer charged
-    ("RESOURCE_EXHAUSTED", False, True, "no"),    # refused before charging
-    ("PERMISSION_DENIED", False, True, "no"),
-    ("UNAVAILABLE", False, False, "no"),          # never connected
-    ("UNAVAILABLE", False, True, "unknown"),      # connection broke: it may have charged
-    ("DEADLINE_EXCEEDED", False, True, "unknown"),
-    ("INTERNAL", False, True, "unknown"),
-])
+@pytest.mark.parametrize(
+    "status,seen,connected,expected",
+    [
+        ("UNAVAILABLE", True, True, "yes"),  # the receipt arrived: the peer charged
+        ("RESOURCE_EXHAUSTED", False, True, "no"),  # refused before charging
+        ("PERMISSION_DENIED", False, True, "no"),
+        ("UNAVAILABLE", False, False, "no"),  # never connected
+        ("UNAVAILABLE", False, True, "unknown"),  # connection broke: it may have charged
+        ("DEADLINE_EXCEEDED", False, True, "unknown"),
+        ("INTERNAL", False, True, "unknown"),
+    ],
+)
 def test_charged_status(status, seen, connected, expected):
     assert charged_status(status, seen, connected) == expected
 
@@ -188,12 +211,19 @@ x = 2
 """
 
 
-@pytest.mark.parametrize("key,line", [
-    (("round",), 2), (("round", "alpha"), 4), (("round", "features", "activation_epsilon"), 7),
-    (("round", "features", "weights", "b"), 8),  # inside an inline table: the table's line
-    (("round", "extra", 1, "x"), 13), (("round", "extra", 1, "quoted key"), 14), (("round", "extra", 0), 10),
-    (("nowhere",), None),
-])
+@pytest.mark.parametrize(
+    "key,line",
+    [
+        (("round",), 2),
+        (("round", "alpha"), 4),
+        (("round", "features", "activation_epsilon"), 7),
+        (("round", "features", "weights", "b"), 8),  # inside an inline table: the table's line
+        (("round", "extra", 1, "x"), 13),
+        (("round", "extra", 1, "quoted key"), 14),
+        (("round", "extra", 0), 10),
+        (("nowhere",), None),
+    ],
+)
 def test_key_line_follows_tables_arrays_and_inline_tables(key, line):
     assert key_line(TOML, key) == line
 
@@ -201,12 +231,16 @@ def test_key_line_follows_tables_arrays_and_inline_tables(key, line):
 def test_round_config_errors_name_key_and_line(tmp_path):
     text = '[round]\nroster = "r.toml"\nmodel = "mlp"\n\n[round.weights]\nepsilon = 2.0\ndelta = 0.5\n'
     with pytest.raises(ConfigError) as e:
-        RoundConfig.from_section(Section(parse_toml(text, "x.toml", "round"), (), text, "x.toml").section("round"), tmp_path)
+        RoundConfig.from_section(
+            Section(parse_toml(text, "x.toml", "round"), (), text, "x.toml").section("round"), tmp_path
+        )
     assert e.value.key == "round.weights.delta" and e.value.line == 7
     assert "line 7" in str(e.value) and "x.toml" in str(e.value)
     text = '[round]\nroster = "r.toml"\nmodel = "mlp"\nmethod = "magic"\n'
     with pytest.raises(ConfigError, match=r"round.method \(x.toml, line 4\): must be one of"):
-        RoundConfig.from_section(Section(parse_toml(text, "x.toml", "round"), (), text, "x.toml").section("round"), tmp_path)
+        RoundConfig.from_section(
+            Section(parse_toml(text, "x.toml", "round"), (), text, "x.toml").section("round"), tmp_path
+        )
     with pytest.raises(ConfigError, match=r"line 2"):
         parse_toml("[round]\nmodel = = 1\n", "x.toml", "round")
 
@@ -215,8 +249,10 @@ def test_roster_errors_and_pins(tmp_path, trained):
     sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
     a, b = sites
     path = tmp_path / "roster.toml"
-    path.write_text(f'[sites.hospital-a]\naddress = "127.0.0.1:1"\ncertificate = "{a.identity_dir}/site.crt"\n\n'
-                    f'[sites.hospital-b]\naddress = "127.0.0.1"\ncertificate = "{b.identity_dir}/site.crt"\n')
+    path.write_text(
+        f'[sites.hospital-a]\naddress = "127.0.0.1:1"\ncertificate = "{a.identity_dir}/site.crt"\n\n'
+        f'[sites.hospital-b]\naddress = "127.0.0.1"\ncertificate = "{b.identity_dir}/site.crt"\n'
+    )
     with pytest.raises(ConfigError) as e:
         Roster.load(path)
     assert e.value.key == "sites.hospital-b.address" and e.value.line == 6
@@ -282,8 +318,9 @@ def test_rounds_run_at_every_site_at_once(tmp_path, trained):
         results = {}
 
         def go(site):
-            results[site.name] = run_round(load_local_site(site.config, "mlp"), roster,
-                                           config(tmp_path, out=tmp_path / f"out-{site.name}"))
+            results[site.name] = run_round(
+                load_local_site(site.config, "mlp"), roster, config(tmp_path, out=tmp_path / f"out-{site.name}")
+            )
 
         threads = [threading.Thread(target=go, args=(s,)) for s in sites]
         for t in threads:
@@ -302,11 +339,14 @@ def test_rounds_run_at_every_site_at_once(tmp_path, trained):
 def round_with_a_dead_peer(tmp_path, trained, quorum: int):
     """hospital-a's round over b and d, whose daemon is not running (nothing listens there)."""
     sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-d"])
-    a, b, d = sites
+    a, b, _d = sites
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
-        roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b,
-                                               "hospital-d": f"127.0.0.1:{free_port()}"})
-        result = run_round(load_local_site(a.config, "mlp"), roster, config(tmp_path, quorum=quorum, health_timeout_s=1.0))
+        roster = roster_for(
+            tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b, "hospital-d": f"127.0.0.1:{free_port()}"}
+        )
+        result = run_round(
+            load_local_site(a.config, "mlp"), roster, config(tmp_path, quorum=quorum, health_timeout_s=1.0)
+        )
     return result, b
 
 
@@ -328,10 +368,12 @@ def test_quorum_abort_before_anything_is_requested(tmp_path, trained):
 
 def kill_after(proc: DaemonProcess, peer: str, step: str, event: str = "received"):
     """An on_event hook that SIGKILLs ``peer``'s daemon process at a scripted point."""
+
     def hook(e):
         if e["event"] == event and e.get("peer") == peer and e.get("step") == step and proc.proc.poll() is None:
             proc.proc.kill()
             proc.proc.wait()
+
     return hook
 
 
@@ -345,16 +387,19 @@ def round_losing_a_peer(tmp_path, trained, quorum: int):
         addr_c = victim.wait_ready()
         with running(a) as (_, addr_a), running(b) as (_, addr_b):
             roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b, "hospital-c": addr_c})
-            result = run_round(load_local_site(a.config, "mlp"), roster,
-                               config(tmp_path, quorum=quorum, call_timeout_s=20.0),
-                               on_event=kill_after(victim, "hospital-c", "features"))
+            result = run_round(
+                load_local_site(a.config, "mlp"),
+                roster,
+                config(tmp_path, quorum=quorum, call_timeout_s=20.0),
+                on_event=kill_after(victim, "hospital-c", "features"),
+            )
     finally:
         victim.close()
     return result, sites
 
 
 def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_path, trained):
-    result, (a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=2)
+    result, (_a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=2)
     r = result.report
     assert result.status == "fused" and r["contributors"] == ["hospital-b"]
     dropped = r["peers"]["hospital-c"]
@@ -369,7 +414,7 @@ def test_a_peer_killed_mid_round_is_dropped_and_its_release_stays_charged(tmp_pa
 
 
 def test_quorum_lost_mid_round_aborts_and_keeps_what_was_charged(tmp_path, trained):
-    result, (a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=3)
+    result, (_a, b, c) = round_losing_a_peer(tmp_path, trained, quorum=3)
     assert result.status == "aborted" and "quorum 3" in result.reason
     assert result.arrays is None and not (tmp_path / "out" / "models").exists()
     # b may have released features (and weights, if it got there first); whatever it released
@@ -381,9 +426,10 @@ def test_quorum_lost_mid_round_aborts_and_keeps_what_was_charged(tmp_path, train
 def test_a_refusal_drops_the_peer_and_the_earlier_release_stays_charged(tmp_path, trained):
     # hospital-b's budget for each counterparty fits the features (ε = 1000 per neuron, pure)
     # but not the weights on top of them
-    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"],
-                     policies={"hospital-b": policy(per_peer=1050.0)})
-    a, b, c = sites
+    sites, _ = build(
+        tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"], policies={"hospital-b": policy(per_peer=1050.0)}
+    )
+    a, b, _c = sites
     with contextlib.ExitStack() as stack:
         addresses = {s.name: stack.enter_context(running(s))[1] for s in sites}
         result = run_round(load_local_site(a.config, "mlp"), roster_for(tmp_path, sites, addresses), config(tmp_path))
@@ -402,9 +448,11 @@ def test_round_command_runs_from_site_toml(tmp_path, trained, capsys):
     a, b = sites
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
         roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
-        a.config.write_text(a.config.read_text() + f"""
+        a.config.write_text(
+            a.config.read_text()
+            + f"""
 [round]
-roster = "{tmp_path / 'roster.toml'}"
+roster = "{tmp_path / "roster.toml"}"
 model = "mlp"
 out = "rounds"
 [round.features]
@@ -412,7 +460,8 @@ activation_epsilon = 50.0
 weight_epsilon = 50.0
 [round.weights]
 epsilon = 20.0
-""")
+"""
+        )
         assert load_round_config(a.config).activation_clip is None  # the site's default applies at run time
         code = main(["round", "--config", str(a.config)])
     out = capsys.readouterr()
@@ -427,29 +476,50 @@ epsilon = 20.0
 
 def add_pool(site, trained, data_epsilon: float) -> None:
     """A small DP-SGD pool of the site's architecture, judged on a public validation file."""
+    from peer.base.rng import make_randomness
     from peer.dp.accounting import TrainingRecord
     from peer.dp.pools import save_trained
-    from peer.base.rng import make_randomness
     from peer.dp.training import train_pool
 
-    _, probe, ds = trained
+    _, _probe, ds = trained
     trainings = [TrainingRecord.constant("add-remove", 10, 1.0, 1.0, nm, 1.0) for nm in (3.0, 6.0)]
-    for i, m in enumerate(train_pool(ARCH, ds.x_train[400:500], ds.y_train[400:500], trainings, init_seed=5,
-                                     randomness=make_randomness(9), delta=1e-5)):
+    for i, m in enumerate(
+        train_pool(
+            ARCH,
+            ds.x_train[400:500],
+            ds.y_train[400:500],
+            trainings,
+            init_seed=5,
+            randomness=make_randomness(9),
+            delta=1e-5,
+        )
+    ):
         save_trained(site.root / "pool", f"m{i}", m)
     np.savez(site.root / "validation.npz", x=ds.x_test[30:130], y=ds.y_test[30:130])
-    text = site.config.read_text().replace("[policy]\n", """[site.pools.dp]
+    text = (
+        site.config.read_text()
+        .replace(
+            "[policy]\n",
+            """[site.pools.dp]
 models = "pool"
 validation = "validation.npz"
 
 [policy]
-""", 1).replace("[policy.model]\n", f"""[policy.data]
+""",
+            1,
+        )
+        .replace(
+            "[policy.model]\n",
+            f"""[policy.data]
 unit = "record:add-remove"
 epsilon = {data_epsilon}
 delta = 1e-4
 
 [policy.model]
-""", 1)
+""",
+            1,
+        )
+    )
     site.config.write_text(text)
 
 
@@ -460,8 +530,11 @@ def round_with_a_pool(tmp_path, trained, method: str, data_epsilon: float):
     add_pool(b, trained, data_epsilon=data_epsilon)
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
         roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
-        result = run_round(load_local_site(a.config, "mlp"), roster,
-                           config(tmp_path, method=method, merge_epsilon=4.0, merge_delta=1e-5))
+        result = run_round(
+            load_local_site(a.config, "mlp"),
+            roster,
+            config(tmp_path, method=method, merge_epsilon=4.0, merge_delta=1e-5),
+        )
     return result, b
 
 
@@ -527,9 +600,11 @@ def test_an_interrupted_round_writes_its_report_with_every_receipt(tmp_path, tra
     try:
         addresses = {n: d.wait_ready() for n, d in daemons.items()}
         roster_for(tmp_path, sites, {"hospital-a": "127.0.0.1:1", **addresses})
-        a.config.write_text(a.config.read_text() + f"""
+        a.config.write_text(
+            a.config.read_text()
+            + f"""
 [round]
-roster = "{tmp_path / 'roster.toml'}"
+roster = "{tmp_path / "roster.toml"}"
 model = "mlp"
 quorum = 2
 out = "rounds"
@@ -539,10 +614,15 @@ activation_epsilon = 50.0
 weight_epsilon = 50.0
 [round.weights]
 epsilon = 20.0
-""")
-        proc = subprocess.Popen([sys.executable, "-m", "peer.cli", "round", "--config", str(a.config), "--events"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+"""
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "peer.cli", "round", "--config", str(a.config), "--events"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
         stopped = False
         try:
             for line in proc.stdout:

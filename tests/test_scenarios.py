@@ -82,19 +82,26 @@ def _line_of(text: str, fragment: str) -> int:
     return next(i for i, line in enumerate(text.splitlines(), start=1) if fragment in line)
 
 
-@pytest.mark.parametrize("text,key,fragment", [
-    (_replace('dataset = "breast_cancer"', 'dataset = "mnist"'), "data.dataset", 'dataset = "mnist"'),
-    (_replace("epochs = 20", "epochs = -1"), "model.epochs", "epochs = -1"),
-    (_replace("hidden = [8]", "hidden = [0]"), "model.hidden", "hidden = [0]"),
-    (_replace("frontier = []", "frontier = []\nalpah = 0.5"), "round.alpah", "alpah = 0.5"),
-    (_replace('methods = ["ldp"]', 'methods = ["ldp", "merged"]'), "round.methods", "methods ="),
-    (_replace("probe_size = 20", "probe_size = 400"), "data.probe_size", "probe_size = 400"),
-    (_replace("alpha = 0.7", "alpha = 1.7"), "sites.site-b.alpha", "alpha = 1.7"),
-    (_replace("[sites.site-c]", "[sites.Site_C]"), 'sites.Site_C', "[sites.Site_C]"),
-    (TINY + '\n[failure]\nsite = "nobody"\n', "failure.site", 'site = "nobody"'),
-    (_replace("activation_epsilon = 50.0", "activation_epsilon = 0"), "round.activation_epsilon", "activation_epsilon = 0"),
-    (_replace("frontier = []", "frontier = [100.0]"), "round.frontier", "frontier = [100.0]"),
-])
+@pytest.mark.parametrize(
+    "text,key,fragment",
+    [
+        (_replace('dataset = "breast_cancer"', 'dataset = "mnist"'), "data.dataset", 'dataset = "mnist"'),
+        (_replace("epochs = 20", "epochs = -1"), "model.epochs", "epochs = -1"),
+        (_replace("hidden = [8]", "hidden = [0]"), "model.hidden", "hidden = [0]"),
+        (_replace("frontier = []", "frontier = []\nalpah = 0.5"), "round.alpah", "alpah = 0.5"),
+        (_replace('methods = ["ldp"]', 'methods = ["ldp", "merged"]'), "round.methods", "methods ="),
+        (_replace("probe_size = 20", "probe_size = 400"), "data.probe_size", "probe_size = 400"),
+        (_replace("alpha = 0.7", "alpha = 1.7"), "sites.site-b.alpha", "alpha = 1.7"),
+        (_replace("[sites.site-c]", "[sites.Site_C]"), "sites.Site_C", "[sites.Site_C]"),
+        (TINY + '\n[failure]\nsite = "nobody"\n', "failure.site", 'site = "nobody"'),
+        (
+            _replace("activation_epsilon = 50.0", "activation_epsilon = 0"),
+            "round.activation_epsilon",
+            "activation_epsilon = 0",
+        ),
+        (_replace("frontier = []", "frontier = [100.0]"), "round.frontier", "frontier = [100.0]"),
+    ],
+)
 def test_a_bad_value_is_refused_with_its_key_and_line(text, key, fragment):
     with pytest.raises(ConfigError) as e:
         parse_scenario(text, "bad.toml")
@@ -172,7 +179,7 @@ def test_tiny_simulation_end_to_end(tmp_path):
     assert rec["mechanism"] == "composite"
     table = summary_table(report)
     assert "oracle (non-private)" in table and "site-b" in table
-    assert any("daemon serving" in l for l in lines) and any("fused with" in l for l in lines)
+    assert any("daemon serving" in line for line in lines) and any("fused with" in line for line in lines)
     assert "ORACLE (non-private)" in (out / "report.md").read_text()
 
 
@@ -180,8 +187,13 @@ def test_tiny_simulation_end_to_end(tmp_path):
 def test_default_simulation_from_the_command_line(tmp_path):
     out = tmp_path / "hospitals"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "peer.cli", "simulate", "--out", str(out)], capture_output=True,
-                          text=True, timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "simulate", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hospital-a" in proc.stdout and "oracle (non-private)" in proc.stdout

@@ -10,6 +10,7 @@ import tomllib
 
 import numpy as np
 import pytest
+from peer_harness import ARCH, SiteFiles, client, make_pool, make_site, model_arrays, pin_each_other, running
 
 from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.budget.policy import Policy
@@ -18,7 +19,6 @@ from peer.cli.site import export_model, new_site
 from peer.net.client import PeerError
 from peer.net.site import SiteConfig
 from peer.nn.store import load_model, save_model, site_unusable_files, unusable_files, write_sidecar
-from peer_harness import ARCH, SiteFiles, client, make_pool, make_site, model_arrays, pin_each_other, running
 
 
 def cli(*args, check=True):
@@ -38,8 +38,18 @@ def new(tmp_path, name="hospital-a", listen="127.0.0.1:0") -> SiteFiles:
 
 
 def test_site_new_makes_a_servable_site_with_commented_conservative_budgets(tmp_path):
-    r = cli("site", "new", "--name", "hospital-a", "--dir", str(tmp_path / "a"), "--listen", "0.0.0.0:50051",
-            "--address", "a.example.org")
+    r = cli(
+        "site",
+        "new",
+        "--name",
+        "hospital-a",
+        "--dir",
+        str(tmp_path / "a"),
+        "--listen",
+        "0.0.0.0:50051",
+        "--address",
+        "a.example.org",
+    )
     assert "fingerprint" in r.stdout
     d = tmp_path / "a"
     assert (d / "identity" / "site.key").stat().st_mode & 0o777 == 0o600
@@ -49,7 +59,11 @@ def test_site_new_makes_a_servable_site_with_commented_conservative_budgets(tmp_
     data = tomllib.loads(text)
     config = SiteConfig.load(d / "site.toml")
     assert (config.name, config.listen, config.models, config.ledger) == (
-        "hospital-a", "0.0.0.0:50051", (d / "models").resolve(), (d / "ledger.sqlite").resolve())
+        "hospital-a",
+        "0.0.0.0:50051",
+        (d / "models").resolve(),
+        (d / "ledger.sqlite").resolve(),
+    )
     policy = Policy.from_toml(d / "site.toml")
     assert (policy.data.unit, policy.data.epsilon, policy.data.delta) == ("record:replace-one", 4.0, 1e-5)
     assert policy.model.total.epsilon == 24.0 and policy.model.per_counterparty.epsilon == 12.0
@@ -86,13 +100,23 @@ def test_a_new_site_serves_at_once_and_lists_what_it_cannot_use(tmp_path, caplog
     (site.root / "models" / "archive").mkdir()
     save_model(site.root / "models", "bent", ARCH, model_arrays())
     (site.root / "models" / "bent.json").write_text("{not json")
-    with caplog.at_level("WARNING", logger="privfusion.peer"), running(site) as (_, address):
-        with client(other, address, peer="hospital-a") as c:
-            info = c.info()
+    with (
+        caplog.at_level("WARNING", logger="privfusion.peer"),
+        running(site) as (_, address),
+        client(other, address, peer="hospital-a") as c,
+    ):
+        info = c.info()
     assert [m.name for m in info.models] == ["mlp"] and not info.pools and not info.has_probe_set
     listed = {u.path: u.reason for u in info.unusable}
-    assert set(listed) == {"models/old.pt", "models/records.csv", "models/half.safetensors", "models/archive", "pool",
-                           "probe.safetensors", "models/bent.json"}
+    assert set(listed) == {
+        "models/old.pt",
+        "models/records.csv",
+        "models/half.safetensors",
+        "models/archive",
+        "pool",
+        "probe.safetensors",
+        "models/bent.json",
+    }
     assert "does not load, not served" in listed["models/bent.json"] and "not valid JSON" in listed["models/bent.json"]
     assert "not a model file" in listed["models/old.pt"] and "has no half.json" in listed["models/half.safetensors"]
     assert "holds no model yet" in listed["pool"] and "privfusion probe make" in listed["probe.safetensors"]
@@ -118,8 +142,7 @@ def test_unusable_files_names_every_stray_entry_and_why(tmp_path):
     checked = {p.name: why for p, why in unusable_files(d, check=True)}
     assert "does not load" in checked["broken.json"] and "good.json" not in checked
     assert unusable_files(tmp_path / "nope") == [(tmp_path / "nope", "does not exist")]
-    assert site_unusable_files(d, {"p": tmp_path / "empty"}, base=tmp_path)[-1] == (
-        "empty", "pool 'p': does not exist")
+    assert site_unusable_files(d, {"p": tmp_path / "empty"}, base=tmp_path)[-1] == ("empty", "pool 'p': does not exist")
 
 
 def test_a_missing_model_store_is_refused_naming_the_fix(tmp_path):
@@ -213,7 +236,10 @@ def test_export_writes_a_plain_state_dict(tmp_path, fmt):
 
         state = load_file(str(out))
         with safe_open(str(out), "np") as f:
-            assert json.loads(f.metadata()["privfusion_architecture"]) == load_model(site.root / "models", "mlp").architecture
+            assert (
+                json.loads(f.metadata()["privfusion_architecture"])
+                == load_model(site.root / "models", "mlp").architecture
+            )
     model = build_model(ARCH)
     model.load_state_dict(state)  # strict: exactly the architecture's keys and shapes
     for k, v in arrays.items():
@@ -240,11 +266,11 @@ def _site_with_records_model(tmp_path, name, csv_path):
 def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path):
     import shutil
 
+    from test_site_e2e import synthesise
+
     from peer.cli.evaluate import evaluate
     from peer.cli.site import adopt_model
-    from peer.net.client import save_release
-    from peer.net.client import PeerClient
-    from test_site_e2e import synthesise
+    from peer.net.client import PeerClient, save_release
 
     rng = np.random.default_rng(5)
     for f, rows in (("a.csv", 200), ("b.csv", 200), ("test.csv", 200)):
@@ -253,24 +279,32 @@ def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path
     b = _site_with_records_model(tmp_path, "site-b", tmp_path / "b.csv")
     pin_each_other(a, b)
     probe = np.random.default_rng(0).normal(size=(16, load_model(a.root / "models", "readmission").preprocessing.width))
-    with running(b) as (_, address):
-        with PeerClient(a.identity, address, peer="site-b") as c:
-            save_release(c.weights("readmission", epsilon=4.0, delta=1e-5), tmp_path / "got" / "weights-b")
-            save_release(c.features("readmission", probe, activation_epsilon=1.0, weight_epsilon=1.0), tmp_path / "got" / "features-b")
+    with running(b) as (_, address), PeerClient(a.identity, address, peer="site-b") as c:
+        save_release(c.weights("readmission", epsilon=4.0, delta=1e-5), tmp_path / "got" / "weights-b")
+        save_release(
+            c.features("readmission", probe, activation_epsilon=1.0, weight_epsilon=1.0),
+            tmp_path / "got" / "features-b",
+        )
     release = str(tmp_path / "got" / "weights-b")
     test = str(tmp_path / "test.csv")
 
     # a release carries no preprocessing: the site's default (its one model's), said so; or the named one
     scored = evaluate(release, test, "readmitted_30d", site=str(a.root))
-    assert scored["kind"] == "release" and "site's default" in scored["preprocessing"] and "carries none" in scored["preprocessing"]
-    named = evaluate(release + ".safetensors", test, "readmitted_30d", site=str(a.root), preprocessing_from="readmission")
+    assert (
+        scored["kind"] == "release"
+        and "site's default" in scored["preprocessing"]
+        and "carries none" in scored["preprocessing"]
+    )
+    named = evaluate(
+        release + ".safetensors", test, "readmitted_30d", site=str(a.root), preprocessing_from="readmission"
+    )
     assert "'readmission'" in named["preprocessing"] and named["accuracy"] == scored["accuracy"]
     with pytest.raises(InvalidArgument, match="--site"):
         evaluate(release, test, "readmitted_30d")
     with pytest.raises(InvalidArgument, match="holds no model"):
         evaluate(str(tmp_path / "got" / "features-b"), test, "readmitted_30d", site=str(a.root))
 
-    path, adopted = adopt_model(a.root, release, "readmission-b")
+    _path, adopted = adopt_model(a.root, release, "readmission-b")
     assert adopted["kind"] == "release" and adopted["signer"] == "site-b" and adopted["verified"]
     assert (adopted["level"], adopted["epsilon"], adopted["delta"]) == ("model", 4.0, 1e-5)
     provenance = json.loads((a.root / "models" / "readmission-b.provenance.json").read_text())
@@ -294,6 +328,8 @@ def test_releases_are_scored_and_adopted_with_their_verified_provenance(tmp_path
 
 
 def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preprocessing(tmp_path):
+    from test_site_e2e import synthesise
+
     from peer.base.rng import make_randomness
     from peer.cli.app import main
     from peer.cli.evaluate import evaluate
@@ -302,7 +338,6 @@ def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preproce
     from peer.dp.pools import save_trained
     from peer.dp.training import train_pool
     from peer.nn.tables import prepare_records
-    from test_site_e2e import synthesise
 
     rng = np.random.default_rng(9)
     for f in ("a.csv", "test.csv"):
@@ -311,16 +346,37 @@ def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preproce
     records = prepare_records(tmp_path / "a.csv", label="readmitted_30d")
     arch = load_model(a.root / "models", "readmission").architecture
     trainings = [TrainingRecord.constant("replace-one", 5, 2.0, 1.0, sigma) for sigma in (4.0, 8.0)]
-    for i, m in enumerate(train_pool(arch, records.x_train, records.y_train, trainings, init_seed=0,
-                                     randomness=make_randomness(1), delta=1e-5)):
+    for i, m in enumerate(
+        train_pool(
+            arch, records.x_train, records.y_train, trainings, init_seed=0, randomness=make_randomness(1), delta=1e-5
+        )
+    ):
         save_trained(a.root / "pool", f"p{i}", m, data=records.description, preprocessing=records.preprocessing)
     np.savez(a.root / "validation.npz", x=records.x_val, y=records.y_val)
     merged = tmp_path / "out" / "merged.safetensors"
-    assert main(["merge", "--pool", str(a.root / "pool"), "--target-epsilon", "50", "--delta", "1e-5", "--method", "rs",
-                 "--out", str(merged), "--validation", str(a.root / "validation.npz")]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                "--pool",
+                str(a.root / "pool"),
+                "--target-epsilon",
+                "50",
+                "--delta",
+                "1e-5",
+                "--method",
+                "rs",
+                "--out",
+                str(merged),
+                "--validation",
+                str(a.root / "validation.npz"),
+            ]
+        )
+        == 0
+    )
     scored = evaluate(str(merged), str(tmp_path / "test.csv"), "readmitted_30d", site=str(a.root))
     assert scored["kind"] == "merge" and "pool 'dpsgd'" in scored["preprocessing"]
-    path, adopted = adopt_model(a.root, merged, "readmission-merged")
+    _path, adopted = adopt_model(a.root, merged, "readmission-merged")
     assert adopted["kind"] == "merge" and adopted["mechanism"] == "rs-merge" and adopted["level"] == "data"
     assert "pool 'dpsgd'" in adopted["preprocessing_from"]
     assert load_model(a.root / "models", "readmission-merged").preprocessing == records.preprocessing
@@ -338,14 +394,18 @@ def test_every_command_of_the_site_guide_parses(capsys):
     from peer.cli.app import build_parser
 
     text = Path(__file__).resolve().parent.parent.joinpath("docs", "deployment.md").read_text()
-    guide = text[text.index("## 1. At every site"): text.index("## 4.")]
-    lines = [l.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", guide, re.S) for l in block.splitlines()]
-    commands = [l for l in lines if l.startswith("privfusion ")]
+    guide = text[text.index("## 1. At every site") : text.index("## 4.")]
+    lines = [
+        line.split("#")[0].strip()
+        for block in re.findall(r"```bash\n(.*?)```", guide, re.S)
+        for line in block.splitlines()
+    ]
+    commands = [line for line in lines if line.startswith("privfusion ")]
     assert len(commands) >= 12
     parser = build_parser()
     for c in commands:
         try:
             args = parser.parse_args(shlex.split(c)[1:])
         except SystemExit:
-            raise AssertionError(f"docs/deployment.md: {c!r} does not parse: {capsys.readouterr().err}")
+            raise AssertionError(f"docs/deployment.md: {c!r} does not parse: {capsys.readouterr().err}") from None
         assert callable(args.func), c

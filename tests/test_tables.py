@@ -70,19 +70,41 @@ def test_kinds_follow_the_rule(tmp_path):
 
 BAD_INPUTS = [
     # (rows, read kwargs, fit?, fragments the message must hold)
-    (with_cell(3, "age", "12,5"), {}, False,
-     ["r.csv, column 'age', data row 3 (spreadsheet row 4)", "non-numeric value '12,5' (a decimal comma?",
-      "--categorical age"]),
-    (with_cell(1, "bp", "n/a?"), {}, False, ["column 'bp', data row 1 (spreadsheet row 2): a non-numeric value 'n/a?' in"]),
+    (
+        with_cell(3, "age", "12,5"),
+        {},
+        False,
+        [
+            "r.csv, column 'age', data row 3 (spreadsheet row 4)",
+            "non-numeric value '12,5' (a decimal comma?",
+            "--categorical age",
+        ],
+    ),
+    (
+        with_cell(1, "bp", "n/a?"),
+        {},
+        False,
+        ["column 'bp', data row 1 (spreadsheet row 2): a non-numeric value 'n/a?' in"],
+    ),
     (with_cell(2, "bp", "inf"), {}, False, ["column 'bp', data row 2", "infinite value 'inf'"]),
-    (with_cell(4, "bp", ""), {}, False, ["column 'bp', data row 4 (spreadsheet row 5)", "empty or missing", "--impute"]),
+    (
+        with_cell(4, "bp", ""),
+        {},
+        False,
+        ["column 'bp', data row 4 (spreadsheet row 5)", "empty or missing", "--impute"],
+    ),
     (with_cell(5, "ward", "NA"), {}, False, ["column 'ward', data row 5", "empty or missing"]),
-    (with_cell(2, "outcome", ""), {"missing": "impute"}, False, ["column 'outcome', data row 2", "labels are never imputed"]),
+    (
+        with_cell(2, "outcome", ""),
+        {"missing": "impute"},
+        False,
+        ["column 'outcome', data row 2", "labels are never imputed"],
+    ),
     (ROWS, {"label": "death"}, False, ["r.csv: label", "no column 'death'", "['age', 'ward', 'bp', 'outcome']"]),
     (ROWS, {"features": ["age", "weight"]}, False, ["r.csv: features", "unknown columns ['weight']"]),
     (ROWS, {"features": ["age", "outcome"]}, False, ["include the label column 'outcome'"]),
     (ROWS, {"categorical": ["outcome"]}, False, ["r.csv: categorical", "not features"]),
-    ([r[:3] + ["yes"] for r in ROWS], {}, True, ["label 'outcome'", "one class ('yes')", "at least two"]),
+    ([[*r[:3], "yes"] for r in ROWS], {}, True, ["label 'outcome'", "one class ('yes')", "at least two"]),
 ]
 
 
@@ -113,8 +135,12 @@ def test_spreadsheet_exports_read_alike(tmp_path):
     """A UTF-8 byte-order mark and semicolon or tab separators, as spreadsheets save them."""
     reference = Preprocessing.fit(read_table(write_csv(tmp_path / "r.csv"), label="outcome"))
     text = "\n".join(",".join(r) for r in [HEADER, *ROWS]) + "\n"
-    for name, body in (("bom.csv", "\ufeff" + text), ("semi.csv", text.replace(",", ";")),
-                       ("tab.csv", text.replace(",", "\t")), ("t.tsv", text.replace(",", "\t"))):
+    for name, body in (
+        ("bom.csv", "\ufeff" + text),
+        ("semi.csv", text.replace(",", ";")),
+        ("tab.csv", text.replace(",", "\t")),
+        ("t.tsv", text.replace(",", "\t")),
+    ):
         (tmp_path / name).write_text(body, encoding="utf-8")
         p = Preprocessing.fit(read_table(tmp_path / name, label="outcome"))
         assert p.columns == reference.columns and p.classes == reference.classes, name
@@ -142,7 +168,9 @@ def test_transform_prepares_as_documented(tmp_path):
     assert p.classes == ("no", "yes") and y.tolist() == [1, 0, 1, 0, 0, 1]
     assert x[:, 1:4].sum(axis=1).tolist() == [1.0] * 6 and x[3, 3] == 1.0  # ward C of row 4
     # a column missing from a later file is named
-    other = read_table(write_csv(tmp_path / "o.csv", [r[:1] + r[2:] for r in ROWS], ["age", "bp", "outcome"]), label="outcome")
+    other = read_table(
+        write_csv(tmp_path / "o.csv", [r[:1] + r[2:] for r in ROWS], ["age", "bp", "outcome"]), label="outcome"
+    )
     with pytest.raises(InvalidArgument, match="no column 'ward', which the model was trained with"):
         p.transform(other)
 
@@ -162,17 +190,17 @@ def test_imputation_uses_training_statistics_and_is_recorded(tmp_path):
     assert json.loads(json.dumps(p.to_dict()))["columns"][2]["fill"] == pytest.approx(bp.mean())
     # a preprocessing fitted without imputation refuses the same file
     strict = Preprocessing.fit(read_table(write_csv(tmp_path / "s.csv"), label="outcome"))
-    with pytest.raises(InvalidArgument, match="column .ward., data row 5.*fitted without imputation"):
+    with pytest.raises(InvalidArgument, match=r"column .ward., data row 5.*fitted without imputation"):
         strict.transform(t)
 
 
 def test_integer_labels_are_classes_in_numeric_order(tmp_path):
-    rows = [r[:3] + [lab] for r, lab in zip(ROWS, ["10", "2", "10", "2", "2.0", "10"])]
+    rows = [[*r[:3], lab] for r, lab in zip(ROWS, ["10", "2", "10", "2", "2.0", "10"], strict=True)]
     t = read_table(write_csv(tmp_path / "r.csv", rows), label="outcome")
     p = Preprocessing.fit(t)
     assert p.classes == (2, 10)
     assert p.transform(t)[1].tolist() == [1, 0, 1, 0, 0, 1]
-    later = read_table(write_csv(tmp_path / "l.csv", [r[:3] + ["3"] for r in ROWS]), label="outcome")
+    later = read_table(write_csv(tmp_path / "l.csv", [[*r[:3], "3"] for r in ROWS]), label="outcome")
     with pytest.raises(InvalidArgument, match=r"data row 1.*label '3' is not one of the model's classes \[2, 10\]"):
         p.transform(later)
 
@@ -180,9 +208,14 @@ def test_integer_labels_are_classes_in_numeric_order(tmp_path):
 def test_parquet_and_csv_read_alike(tmp_path):
     import pandas as pd
 
-    frame = pd.DataFrame({"age": [50, 61, 45, 70, 66, 52], "ward": list("ABACBC"),
-                          "bp": [120.5, 130.0, 118.0, 140.0, 135.0, 121.0],
-                          "outcome": ["yes", "no", "yes", "no", "no", "yes"]})
+    frame = pd.DataFrame(
+        {
+            "age": [50, 61, 45, 70, 66, 52],
+            "ward": list("ABACBC"),
+            "bp": [120.5, 130.0, 118.0, 140.0, 135.0, 121.0],
+            "outcome": ["yes", "no", "yes", "no", "no", "yes"],
+        }
+    )
     frame.to_parquet(tmp_path / "r.parquet")
     a = read_table(tmp_path / "r.parquet", label="outcome")
     b = read_table(write_csv(tmp_path / "r.csv"), label="outcome")
@@ -200,7 +233,7 @@ def test_npz_records_and_image_shape(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.random((20, 1, 4, 4)).astype(np.float32)
     np.savez(tmp_path / "img.npz", x=x, target=np.arange(20) % 3)
-    with pytest.raises(InvalidArgument, match="no array 'y'.*\\['target', 'x'\\]"):
+    with pytest.raises(InvalidArgument, match=r"no array 'y'.*\['target', 'x'\]"):
         read_table(tmp_path / "img.npz", label="y")
     t = read_table(tmp_path / "img.npz", label="target")
     assert t.features[:2] == ("x0", "x1") and len(t.features) == 16 and t.input_shape == (1, 4, 4)
@@ -258,7 +291,9 @@ def test_a_category_seen_only_in_held_out_records_is_refused(tmp_path):
     _, held = table.split(0.25, seed=0)
     rows[int(held.rows[0]) - 1][1] = "Z"  # a ward only a held-out record has
     write_csv(path, rows, ["age", "ward", "bp", "sex", "outcome"])
-    with pytest.raises(InvalidArgument, match=f"data row {int(held.rows[0])}.*category 'Z' was not in the training split"):
+    with pytest.raises(
+        InvalidArgument, match=f"data row {int(held.rows[0])}.*category 'Z' was not in the training split"
+    ):
         prepare_records(path, label="outcome", validation_fraction=0.25, split_seed=0)
     r = prepare_records(path, label="outcome", validation_fraction=0.25, split_seed=0, unseen="zeros")
     assert "Z" not in r.preprocessing.columns[1].categories
@@ -323,7 +358,7 @@ def small_tables(draw):
     cats = draw(st.lists(st.sampled_from(["a", "b", "c d", "é"]), min_size=n, max_size=n))
     labels = draw(st.lists(st.sampled_from(["0", "1", "2"]), min_size=n, max_size=n).filter(lambda v: len(set(v)) >= 2))
     holes = draw(st.lists(st.booleans(), min_size=n, max_size=n))
-    return [[("" if h else repr(x)), c, y] for x, c, y, h in zip(numbers, cats, labels, holes)]
+    return [[("" if h else repr(x)), c, y] for x, c, y, h in zip(numbers, cats, labels, holes, strict=True)]
 
 
 @settings(max_examples=40, deadline=None)
@@ -332,7 +367,7 @@ def test_prepared_training_records_are_standardised_and_one_hot(tmp_path_factory
     path = write_csv(tmp_path_factory.mktemp("h") / "r.csv", rows, ["x", "c", "y"])
     present = [r for r in rows if r[0] != ""]
     if not present:
-        with pytest.raises(InvalidArgument, match="no values|empty or missing"):
+        with pytest.raises(InvalidArgument, match=r"no values|empty or missing"):
             Preprocessing.fit(read_table(path, label="y", missing="impute"))
         return
     p = Preprocessing.fit(read_table(path, label="y", missing="impute"))
@@ -344,6 +379,10 @@ def test_prepared_training_records_are_standardised_and_one_hot(tmp_path_factory
     filled = x[[r[0] != "" for r in rows], 0].astype(np.float64)
     if v.std() > 0:
         np.testing.assert_allclose(filled, (v - v.mean()) / v.std(), rtol=1e-4, atol=1e-4)
-    assert np.all(x[[r[0] == "" for r in rows], 0] == np.float32((p.columns[0].fill - p.columns[0].mean) / p.columns[0].std))
+    assert np.all(
+        x[[r[0] == "" for r in rows], 0] == np.float32((p.columns[0].fill - p.columns[0].mean) / p.columns[0].std)
+    )
     assert np.all(x[:, 1:].sum(axis=1) == 1.0)  # every category was seen: exactly one entry set
-    assert sorted(set(y.tolist())) == list(range(len(p.classes))) and p.classes == tuple(sorted({int(r[2]) for r in rows}))
+    assert sorted(set(y.tolist())) == list(range(len(p.classes))) and p.classes == tuple(
+        sorted({int(r[2]) for r in rows})
+    )

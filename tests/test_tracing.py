@@ -30,7 +30,11 @@ def test_mlp_with_its_own_key_names():
     s = import_structure(networks.clinic_mlp(), [64])
     assert [g.name for g in s.groups] == ["encoder", "hidden_layer"] and s.sizes == (32, 32)
     assert axes_of(s, "encoder") == {("encoder.weight", 0, 1), ("encoder.bias", 0, 1), ("hidden_layer.weight", 1, 1)}
-    assert axes_of(s, "hidden_layer") == {("hidden_layer.weight", 0, 1), ("hidden_layer.bias", 0, 1), ("classifier.weight", 1, 1)}
+    assert axes_of(s, "hidden_layer") == {
+        ("hidden_layer.weight", 0, 1),
+        ("hidden_layer.bias", 0, 1),
+        ("classifier.weight", 1, 1),
+    }
     # input and output units are fixed: nothing permutes encoder.weight's columns or the classes
     assert all((a.param, a.axis) != ("classifier.weight", 0) for g in s.groups for a in g.axes)
     assert set(s.parameters) == set(networks.clinic_mlp().state_dict())
@@ -40,8 +44,15 @@ def test_residual_stream_is_one_group_with_its_layernorm():
     s = import_structure(networks.residual_mlp(), [64])
     stream = s.group("stem")
     assert stream.size == 32 and stream.producers == ("stem", "block1.2", "block2_out")
-    assert {("norm.weight", 0, 1), ("norm.bias", 0, 1), ("block1.0.weight", 1, 1), ("block2_in.weight", 1, 1),
-            ("head.weight", 1, 1), ("block1.2.bias", 0, 1), ("block2_out.weight", 0, 1)} <= axes_of(s, "stem")
+    assert {
+        ("norm.weight", 0, 1),
+        ("norm.bias", 0, 1),
+        ("block1.0.weight", 1, 1),
+        ("block2_in.weight", 1, 1),
+        ("head.weight", 1, 1),
+        ("block1.2.bias", 0, 1),
+        ("block2_out.weight", 0, 1),
+    } <= axes_of(s, "stem")
     assert sorted(g.name for g in s.groups) == ["block1.0", "block2_in", "stem"]
 
 
@@ -50,20 +61,32 @@ def test_resnet_with_batchnorm_flatten_block_group():
     s = import_structure(model, [1, 8, 8])
     assert s.sizes == (8, 8, 16, 16)
     stage1_stream = axes_of(s, "stem")
-    assert {("stem_bn.running_mean", 0, 1), ("stem_bn.running_var", 0, 1), ("stage1.bn2.weight", 0, 1),
-            ("stage1.conv2.weight", 0, 1), ("widen.weight", 1, 1)} <= stage1_stream
+    assert {
+        ("stem_bn.running_mean", 0, 1),
+        ("stem_bn.running_var", 0, 1),
+        ("stage1.bn2.weight", 0, 1),
+        ("stage1.conv2.weight", 0, 1),
+        ("widen.weight", 1, 1),
+    } <= stage1_stream
     # after view(N, -1) the 16 channels of a 4×4 map are 16 blocks of 16 columns of fc
     assert ("fc.weight", 1, 16) in axes_of(s, "widen")
     assert "stage1.bn1.num_batches_tracked" in s.parameters and all(
-        "num_batches_tracked" not in a.param for g in s.groups for a in g.axes)
+        "num_batches_tracked" not in a.param for g in s.groups for a in g.axes
+    )
     # BatchNorm'd convolutions are repaired through their BatchNorm, the plain one directly
     assert [(p.module, p.kind) for p in s.stat_points] == [
-        ("stem_bn", "batchnorm"), ("stage1.bn1", "batchnorm"), ("stage1.bn2", "batchnorm"),
-        ("widen", "affine"), ("stage2.bn1", "batchnorm"), ("stage2.bn2", "batchnorm")]
+        ("stem_bn", "batchnorm"),
+        ("stage1.bn1", "batchnorm"),
+        ("stage1.bn2", "batchnorm"),
+        ("widen", "affine"),
+        ("stage2.bn1", "batchnorm"),
+        ("stage2.bn2", "batchnorm"),
+    ]
 
 
-@pytest.mark.parametrize("factory,shape", [(networks.clinic_mlp, [64]), (networks.residual_mlp, [64]),
-                                           (networks.small_resnet, [1, 8, 8])])
+@pytest.mark.parametrize(
+    "factory,shape", [(networks.clinic_mlp, [64]), (networks.residual_mlp, [64]), (networks.small_resnet, [1, 8, 8])]
+)
 def test_permuted_state_computes_the_same_function(factory, shape):
     """Independent of the self-check's own loop: permute every group, compare in float32."""
     model = randomise(factory())
@@ -73,7 +96,9 @@ def test_permuted_state_computes_the_same_function(factory, shape):
     other = randomise(factory())
     other.load_state_dict(permute_state(s, model.state_dict(), perms))
     with torch.no_grad():
-        assert not torch.equal(other.state_dict()[s.groups[0].axes[0].param], model.state_dict()[s.groups[0].axes[0].param])
+        assert not torch.equal(
+            other.state_dict()[s.groups[0].axes[0].param], model.state_dict()[s.groups[0].axes[0].param]
+        )
         torch.testing.assert_close(other(x), model(x), rtol=1e-4, atol=1e-5)
 
 
@@ -88,8 +113,15 @@ def test_torchvision_style_resnet():
 
 
 def test_builtin_sequential_architectures_trace_too():
-    cnn = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [4, 6], "kernel_size": 3, "pool": [2, 2],
-           "hidden": [5], "output_dim": 3}
+    cnn = {
+        "kind": "cnn",
+        "input_shape": [1, 8, 8],
+        "channels": [4, 6],
+        "kernel_size": 3,
+        "pool": [2, 2],
+        "hidden": [5],
+        "output_dim": 3,
+    }
     s = import_structure(build_model(cnn, seed=0), [1, 8, 8])
     assert s.sizes == (4, 6, 5) and ("7.weight", 1, 4) in axes_of(s, "3")
 
@@ -167,13 +199,16 @@ class DataDependent(nn.Module):
         return self.fc(x) if x.sum() > 0 else -self.fc(x)
 
 
-@pytest.mark.parametrize("model,shape,node,why", [
-    (networks.WithAttention(), [5, 16], "attn", "MultiheadAttention"),
-    (networks.WithConcat(), [8], "cat", "cat"),
-    (Transposing(), [1, 8, 8], "reshape", "mixes axes"),
-    (GroupNormed(4), [1, 8, 8], "norm", "groups"),
-    (UsesParameterDirectly(), [8], "w", "directly"),
-])
+@pytest.mark.parametrize(
+    "model,shape,node,why",
+    [
+        (networks.WithAttention(), [5, 16], "attn", "MultiheadAttention"),
+        (networks.WithConcat(), [8], "cat", "cat"),
+        (Transposing(), [1, 8, 8], "reshape", "mixes axes"),
+        (GroupNormed(4), [1, 8, 8], "norm", "groups"),
+        (UsesParameterDirectly(), [8], "w", "directly"),
+    ],
+)
 def test_unsupported_operations_are_refused_by_node(model, shape, node, why):
     with pytest.raises(Unsupported) as e:
         derive_structure(model, shape)

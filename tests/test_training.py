@@ -11,12 +11,20 @@ import torch
 from scipy import stats
 
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import build_model, input_tensor
 from peer.base.rng import make_randomness
 from peer.dp.training import classifier_loss, clipped_sum, dpsgd_step, per_example_gradients, run_dpsgd
+from peer.nn.architectures import build_model, input_tensor
 
 MLP = {"kind": "mlp", "input_dim": 6, "hidden": [5], "output_dim": 3}
-CNN = {"kind": "cnn", "input_shape": [1, 4, 4], "channels": [2], "kernel_size": 3, "pool": [2], "hidden": [], "output_dim": 3}
+CNN = {
+    "kind": "cnn",
+    "input_shape": [1, 4, 4],
+    "channels": [2],
+    "kernel_size": 3,
+    "pool": [2],
+    "hidden": [],
+    "output_dim": 3,
+}
 
 
 @dataclass(frozen=True)
@@ -89,13 +97,25 @@ def test_step_follows_the_stated_rule_exactly():
     params = _params(model)
     z = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(7)) for k, v in params.items()}
     lr, clip, sigma, denom = 0.7, 0.3, 1.9, 37.0
-    got = dpsgd_step(classifier_loss(model), params, x, y, learning_rate=lr, clip_norm=clip, noise_multiplier=sigma, denominator=denom, noise=z)
+    got = dpsgd_step(
+        classifier_loss(model),
+        params,
+        x,
+        y,
+        learning_rate=lr,
+        clip_norm=clip,
+        noise_multiplier=sigma,
+        denominator=denom,
+        noise=z,
+    )
     summed = {k: torch.zeros_like(v) for k, v in params.items()}
     for g in _naive_gradients(model, x, y):
         f = min(1.0, clip / float(_flat(g).norm()))
         summed = {k: summed[k] + f * g[k] for k in summed}
     for k in params:
-        torch.testing.assert_close(got[k], params[k] - lr * (summed[k] + sigma * clip * z[k]) / denom, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            got[k], params[k] - lr * (summed[k] + sigma * clip * z[k]) / denom, rtol=1e-5, atol=1e-6
+        )
 
 
 def _zero_loss(params, x_i, y_i):
@@ -160,7 +180,14 @@ def test_full_batch_uses_every_record_every_step():
     def linear(params, x_i, y_i):
         return (params["w"] * x_i).sum()
 
-    run = run_dpsgd(linear, {"w": torch.zeros(n)}, x, torch.zeros(n, dtype=torch.long), [Step(1.0, 1.0, 0.0)] * T, randomness=make_randomness(0))
+    run = run_dpsgd(
+        linear,
+        {"w": torch.zeros(n)},
+        x,
+        torch.zeros(n, dtype=torch.long),
+        [Step(1.0, 1.0, 0.0)] * T,
+        randomness=make_randomness(0),
+    )
     torch.testing.assert_close(run.params["w"], torch.full((n,), -T / n))
     assert run.batch_sizes is None
 
@@ -170,7 +197,15 @@ def test_replicas_are_independent_runs_with_the_same_noise_law():
     (χ² bound on all R·m entries, false-failure rate 1e-6) and no two replicas coincide."""
     R, m, n = 16, 2000, 10
     steps = [Step(1.0, 1.0, 2.0)] * 3
-    run = run_dpsgd(_zero_loss, {"w": torch.zeros(m)}, torch.zeros(n, 1), torch.zeros(n, dtype=torch.long), steps, randomness=make_randomness(3), replicas=R)
+    run = run_dpsgd(
+        _zero_loss,
+        {"w": torch.zeros(m)},
+        torch.zeros(n, 1),
+        torch.zeros(n, dtype=torch.long),
+        steps,
+        randomness=make_randomness(3),
+        replicas=R,
+    )
     w = run.params["w"].double().numpy()
     assert w.shape == (R, m)
     lo, hi = _variance_bounds(R * m, 1e-6)
@@ -215,8 +250,13 @@ def test_the_record_describes_exactly_the_run():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 6)).astype(np.float32)
     y = rng.integers(0, 3, size=40)
-    training = TrainingRecord.from_runs("add-remove", [(TrainingRecord.constant("add-remove", 1, 0.5, 1.0, 3.0, 0.5).steps[0], 4),
-                                                       (TrainingRecord.constant("add-remove", 1, 0.2, 0.5, 5.0, 0.5).steps[0], 3)])
+    training = TrainingRecord.from_runs(
+        "add-remove",
+        [
+            (TrainingRecord.constant("add-remove", 1, 0.5, 1.0, 3.0, 0.5).steps[0], 4),
+            (TrainingRecord.constant("add-remove", 1, 0.2, 0.5, 5.0, 0.5).steps[0], 3),
+        ],
+    )
     model = train_dpsgd_classifier(MLP, x, y, training, init_seed=7, randomness=make_randomness(21), delta=1e-5)
     rec = model.record
     assert rec.mechanism == "dpsgd" and rec.level == "data" and rec.unit == "record:add-remove"
@@ -227,7 +267,14 @@ def test_the_record_describes_exactly_the_run():
     assert rec.epsilon == pytest.approx(model_epsilon(training, 1e-5).pld, rel=1e-12)
     arch = dict(rec.parameters["architecture"])
     init = build_model(arch, seed=rec.parameters["init_seed"])
-    again = run_dpsgd(classifier_loss(init), _params(init), input_tensor(arch, x), torch.as_tensor(y), replayed_steps.steps,
-                      randomness=make_randomness(rec.seed), dataset_size=rec.parameters["dataset_size"])
+    again = run_dpsgd(
+        classifier_loss(init),
+        _params(init),
+        input_tensor(arch, x),
+        torch.as_tensor(y),
+        replayed_steps.steps,
+        randomness=make_randomness(rec.seed),
+        dataset_size=rec.parameters["dataset_size"],
+    )
     for k, v in again.params.items():
         assert np.array_equal(v.numpy(), model.arrays[k])

@@ -30,12 +30,17 @@ def _real(value: Any) -> float | None:
     return float(value)
 
 
-def check_epsilon(value: Any, field: str = "epsilon", *, zero: bool = False, infinite: bool = False,
-                  maximum: float = math.inf) -> float:
+def check_epsilon(
+    value: Any, field: str = "epsilon", *, zero: bool = False, infinite: bool = False, maximum: float = math.inf
+) -> float:
     """ε as a float: a number > 0 (≥ 0 with ``zero``), finite (unless ``infinite``), ≤ ``maximum``."""
     v = _real(value)
-    ok = v is not None and (v >= 0 if zero else v > 0) and (math.isfinite(v) or (infinite and v == math.inf)) \
+    ok = (
+        v is not None
+        and (v >= 0 if zero else v > 0)
+        and (math.isfinite(v) or (infinite and v == math.inf))
         and v <= maximum
+    )
     if not ok:
         lower = ">= 0" if zero else "> 0"
         upper = f" and <= {maximum:g}" if maximum < math.inf else ""

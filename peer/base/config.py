@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 import re
 import tomllib
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from peer.base.errors import InvalidArgument, NotFound
 
@@ -83,8 +84,7 @@ def key_line(text: str, key: Sequence[str | int]) -> int | None:
 class ConfigError(InvalidArgument):
     """A bad configuration value: names the file, the line (when it can be found) and the key."""
 
-    def __init__(self, key: Sequence[str | int] | str, rule: str, line: int | None = None,
-                 source: str | None = None):
+    def __init__(self, key: Sequence[str | int] | str, rule: str, line: int | None = None, source: str | None = None):
         self.key = key if isinstance(key, str) else dotted(key)
         self.line = line
         self.source = source
@@ -138,17 +138,17 @@ class Section:
     def __contains__(self, name: str) -> bool:
         return name in self.data
 
-    def section(self, name: str, required: bool = False) -> "Section":
+    def section(self, name: str, required: bool = False) -> Section:
         if name not in self.data:
             if required:
                 self.fail(name, "is required (a table)")
-            return Section({}, self.key + (name,), self.text, self.source)
-        return Section(self.data[name], self.key + (name,), self.text, self.source)
+            return Section({}, (*self.key, name), self.text, self.source)
+        return Section(self.data[name], (*self.key, name), self.text, self.source)
 
-    def sections(self, name: str) -> dict[str, "Section"]:
+    def sections(self, name: str) -> dict[str, Section]:
         """A table of tables (``[sites.a]``, ``[sites.b]``) as name → Section, in file order."""
         outer = self.section(name)
-        return {k: Section(v, outer.key + (k,), self.text, self.source) for k, v in outer.data.items()}
+        return {k: Section(v, (*outer.key, k), self.text, self.source) for k, v in outer.data.items()}
 
     def raw(self, name: str, default: Any = ...) -> Any:
         """The value as written (required unless a default is given), unchecked."""
@@ -184,27 +184,49 @@ class Section:
             self.fail(name, f"must be {_range(minimum, maximum)}, got {v!r}")
         return v
 
-    def number(self, name: str, default: Any = ..., *, minimum: float | None = None, maximum: float | None = None,
-               exclusive_minimum: float | None = None, exclusive_maximum: float | None = None) -> Any:
+    def number(
+        self,
+        name: str,
+        default: Any = ...,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+        exclusive_minimum: float | None = None,
+        exclusive_maximum: float | None = None,
+    ) -> Any:
         v = self.raw(name, default)
         if name not in self.data:
             return v
         return self._check_number(name, v, minimum, maximum, exclusive_minimum, exclusive_maximum)
 
-    def _check_number(self, sub, v, minimum=None, maximum=None, exclusive_minimum=None, exclusive_maximum=None) -> float:
+    def _check_number(
+        self, sub, v, minimum=None, maximum=None, exclusive_minimum=None, exclusive_maximum=None
+    ) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             self.fail(sub, f"must be a finite number, got {v!r}")
-        ok = ((minimum is None or v >= minimum) and (maximum is None or v <= maximum)
-              and (exclusive_minimum is None or v > exclusive_minimum)
-              and (exclusive_maximum is None or v < exclusive_maximum))
+        ok = (
+            (minimum is None or v >= minimum)
+            and (maximum is None or v <= maximum)
+            and (exclusive_minimum is None or v > exclusive_minimum)
+            and (exclusive_maximum is None or v < exclusive_maximum)
+        )
         if not ok:
-            lo = f"> {exclusive_minimum:g}" if exclusive_minimum is not None else (f">= {minimum:g}" if minimum is not None else "")
-            hi = f"< {exclusive_maximum:g}" if exclusive_maximum is not None else (f"<= {maximum:g}" if maximum is not None else "")
+            lo = (
+                f"> {exclusive_minimum:g}"
+                if exclusive_minimum is not None
+                else (f">= {minimum:g}" if minimum is not None else "")
+            )
+            hi = (
+                f"< {exclusive_maximum:g}"
+                if exclusive_maximum is not None
+                else (f"<= {maximum:g}" if maximum is not None else "")
+            )
             self.fail(sub, f"must be {' and '.join(p for p in (lo, hi) if p)}, got {v!r}")
         return float(v)
 
-    def numbers(self, name: str, default: Any = ..., *, length: int | None = None, min_length: int = 1,
-                **bounds: float) -> Any:
+    def numbers(
+        self, name: str, default: Any = ..., *, length: int | None = None, min_length: int = 1, **bounds: float
+    ) -> Any:
         v = self.raw(name, default)
         if name not in self.data:
             return v
@@ -232,5 +254,11 @@ def _range(lo, hi) -> str:
 
 
 def _kind(v: Any) -> str:
-    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number"}.get(type(v), type(v).__name__)
+    return {
+        dict: "a table",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+    }.get(type(v), type(v).__name__)

@@ -25,8 +25,10 @@ class MissingExtra(FailedPrecondition):
 
     def __init__(self, module: str, extra: str, purpose: str):
         self.module, self.extra = module, extra
-        super().__init__(f"{purpose} needs {module}, which is not installed: install the {extra!r} extra "
-                         f"(pip install 'privfusion[{extra}]', or pip install -e '.[{extra}]' from a checkout)")
+        super().__init__(
+            f"{purpose} needs {module}, which is not installed: install the {extra!r} extra "
+            f"(pip install 'privfusion[{extra}]', or pip install -e '.[{extra}]' from a checkout)"
+        )
 
 
 def require(module: str, extra: str, purpose: str) -> ModuleType:

@@ -31,10 +31,11 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
@@ -72,7 +73,7 @@ def _thaw(value: Any) -> Any:
 
 
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 @dataclass(frozen=True, eq=True)
@@ -100,7 +101,7 @@ class ReleaseRecord:
     counterparty: str | None = None
     created_at: str = field(default_factory=now_rfc3339)
     release_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    components: tuple["ReleaseRecord", ...] = ()
+    components: tuple[ReleaseRecord, ...] = ()
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -122,7 +123,7 @@ class ReleaseRecord:
         object.__setattr__(self, "parameters", _freeze(dict(self.parameters)))
         object.__setattr__(self, "components", tuple(self.components))
 
-    def with_(self, **changes: Any) -> "ReleaseRecord":
+    def with_(self, **changes: Any) -> ReleaseRecord:
         """A copy with some fields changed (records themselves never change)."""
         return replace(self, **changes)
 
@@ -142,7 +143,7 @@ class ReleaseRecord:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ReleaseRecord":
+    def from_dict(cls, data: Mapping[str, Any]) -> ReleaseRecord:
         if not isinstance(data, Mapping):
             raise InvalidArgument("record", "must be a JSON object")
         known = {f.name for f in fields(cls)} | {"randomness_warning"}
@@ -154,8 +155,11 @@ class ReleaseRecord:
         # that contradicts it is refused
         warning = kwargs.pop("randomness_warning", None)
         if warning is not None and (warning != FIXED_SEED_WARNING or kwargs.get("randomness") != "fixed-seed"):
-            raise InvalidArgument("randomness_warning", f"only a 'fixed-seed' record carries it, as {FIXED_SEED_WARNING!r}; "
-                                  f"got {warning!r} with randomness {kwargs.get('randomness')!r}")
+            raise InvalidArgument(
+                "randomness_warning",
+                f"only a 'fixed-seed' record carries it, as {FIXED_SEED_WARNING!r}; "
+                f"got {warning!r} with randomness {kwargs.get('randomness')!r}",
+            )
         if kwargs.get("epsilon") == "inf":
             kwargs["epsilon"] = math.inf
         kwargs["components"] = tuple(cls.from_dict(c) for c in kwargs.get("components", ()))
@@ -169,7 +173,7 @@ class ReleaseRecord:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> "ReleaseRecord":
+    def from_json(cls, raw: bytes | str) -> ReleaseRecord:
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:

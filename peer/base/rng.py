@@ -32,7 +32,7 @@ class Randomness:
         """The fields a release record carries about this randomness."""
         return {"randomness": self.source, "seed": self.seed}
 
-    def spawn(self) -> "Randomness":
+    def spawn(self) -> Randomness:
         """An independent child stream with the same provenance (for sub-mechanisms)."""
         child = self.generator.spawn(1)[0]
         return Randomness(child, self.source, self.seed)

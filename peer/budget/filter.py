@@ -68,8 +68,9 @@ of the state, while the guarantee is the filter's (ε_G, δ_G).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import pairwise
 
 import numpy as np
 
@@ -80,8 +81,26 @@ from peer.base.errors import InvalidArgument
 # (log(20) ≈ 3 nats beside log(1/δ) ≈ 11.5 at δ = 1e-5), spread enough to fit Gaussian and
 # Laplace curves from ε ≈ 0.1 to ε ≈ 30. All > 1.01, where dp-accounting's conversion holds.
 FILTER_ORDERS: tuple[float, ...] = (
-    1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0,
-    10.0, 12.0, 16.0, 20.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0,
+    1.25,
+    1.5,
+    1.75,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    8.0,
+    10.0,
+    12.0,
+    16.0,
+    20.0,
+    24.0,
+    32.0,
+    48.0,
+    64.0,
+    128.0,
+    256.0,
 )
 
 
@@ -98,7 +117,7 @@ def validate_orders(orders: Sequence[float], field: str = "orders") -> tuple[flo
     for o in out:
         if not (math.isfinite(o) and o > 1.01):
             raise InvalidArgument(field, f"every order must be finite and > 1.01, got {o!r}")
-    if any(b <= a for a, b in zip(out, out[1:])):
+    if any(b <= a for a, b in pairwise(out)):
         raise InvalidArgument(field, "must be strictly increasing")
     return out
 
@@ -161,7 +180,8 @@ class FilterBudget:
         """One line on where the state stands against the budget (for refusal messages)."""
         slack = self.rdp_budget() - np.asarray(rdp_total, dtype=float)
         i = int(np.argmax(slack))
-        parts = [f"closest order {self.orders[i]:g}: RDP {float(rdp_total[i]):.6g} vs budget {float(self.rdp_budget()[i]):.6g}"]
+        parts = [
+            f"closest order {self.orders[i]:g}: RDP {float(rdp_total[i]):.6g} vs budget {float(self.rdp_budget()[i]):.6g}"
+        ]
         parts.append(f"pure track: ε {pure_total:.6g} vs {self.epsilon:g}")
         return "; ".join(parts)
-

@@ -97,17 +97,18 @@ import math
 import os
 import sqlite3
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from peer.base.records import ReleaseRecord, now_rfc3339
 from peer.budget.filter import FilterBudget, validate_orders
 from peer.budget.policy import Policy
-from peer.base.records import ReleaseRecord, now_rfc3339
 
 log = logging.getLogger("peer.budget.ledger")
 
@@ -242,14 +243,19 @@ def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
         if how_per_neuron == "sequential":
             eps, delta = sum(c.epsilon for c in components), min(1.0, sum(c.delta for c in components))
         else:
-            eps, delta = max((c.epsilon for c in components), default=0.0), max((c.delta for c in components), default=0.0)
+            eps, delta = (
+                max((c.epsilon for c in components), default=0.0),
+                max((c.delta for c in components), default=0.0),
+            )
         if delta >= 1:
             raise InvalidArgument("delta", "the composed per-neuron δ reaches 1: the release has no guarantee")
         parameters = record.parameters
         if how_per_neuron != how:
             parameters = {k: v for k, v in record.parameters.items() if k != "parallel_over"}
-            parameters.update(composition="sequential",
-                              restated="per entry parallel over other entries of the same neurons: sequential per neuron")
+            parameters.update(
+                composition="sequential",
+                restated="per entry parallel over other entries of the same neurons: sequential per neuron",
+            )
         return record.with_(unit="neuron", components=components, epsilon=eps, delta=delta, parameters=parameters)
     if record.unit == "neuron":
         return record
@@ -279,8 +285,11 @@ def _composition_per_neuron(record: ReleaseRecord, how: str) -> str:
         raise InvalidArgument("parameters.parallel_over", f"must be 'neurons' or 'entries', got {over!r}")
     if record.unit == "neuron":
         if over == "entries":
-            raise InvalidArgument("parameters.parallel_over", "a per-neuron composite cannot be parallel over entries "
-                                  "of the same neurons: everything released about one neuron composes sequentially")
+            raise InvalidArgument(
+                "parameters.parallel_over",
+                "a per-neuron composite cannot be parallel over entries "
+                "of the same neurons: everything released about one neuron composes sequentially",
+            )
         return "parallel"
     return "parallel" if over == "neurons" else "sequential"
 
@@ -289,7 +298,9 @@ def _row_length(record: ReleaseRecord) -> int:
     try:
         n, row = (int(v) for v in record.parameters["shape"])
     except (KeyError, TypeError, ValueError):
-        raise InvalidArgument("parameters.shape", f"a per-entry {record.mechanism} record needs its shape [n, P]") from None
+        raise InvalidArgument(
+            "parameters.shape", f"a per-entry {record.mechanism} record needs its shape [n, P]"
+        ) from None
     if n < 1 or row < 1:
         raise InvalidArgument("parameters.shape", f"must be positive, got {[n, row]}")
     return row
@@ -297,7 +308,10 @@ def _row_length(record: ReleaseRecord) -> int:
 
 def _check_entry_sensitivity(record: ReleaseRecord, expected: float, rule: str) -> None:
     if record.sensitivity is None or not math.isclose(record.sensitivity, expected, rel_tol=1e-9):
-        raise InvalidArgument("sensitivity", f"a per-entry {record.mechanism} record's sensitivity must be {rule} = {expected:g}, got {record.sensitivity!r}")
+        raise InvalidArgument(
+            "sensitivity",
+            f"a per-entry {record.mechanism} record's sensitivity must be {rule} = {expected:g}, got {record.sensitivity!r}",
+        )
 
 
 def _laplace_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
@@ -308,7 +322,9 @@ def _laplace_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
     except (KeyError, TypeError, ValueError):
         raise InvalidArgument("parameters", "a Laplace record needs 'scale' and 'clip' [lo, hi]") from None
     if not (scale > 0 and math.isfinite(scale)) or not hi > lo:
-        raise InvalidArgument("parameters", f"Laplace needs scale > 0 and clip hi > lo, got scale={scale}, clip={[lo, hi]}")
+        raise InvalidArgument(
+            "parameters", f"Laplace needs scale > 0 and clip hi > lo, got scale={scale}, clip={[lo, hi]}"
+        )
     row = _row_length(record)
     _check_entry_sensitivity(record, hi - lo, "hi − lo")
     sensitivity = row * (hi - lo)
@@ -324,7 +340,9 @@ def _gaussian_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
         bound = p.get("entry_bound")
         bound = None if bound is None else float(bound)
     except (KeyError, TypeError, ValueError):
-        raise InvalidArgument("parameters", "a Gaussian record needs 'noise_std', 'clip_norm' (and 'entry_bound' or null)") from None
+        raise InvalidArgument(
+            "parameters", "a Gaussian record needs 'noise_std', 'clip_norm' (and 'entry_bound' or null)"
+        ) from None
     if not (noise_std > 0 and clip_norm > 0 and (bound is None or bound > 0)):
         raise InvalidArgument("parameters", "Gaussian noise_std, clip_norm and entry_bound must be > 0")
     row = _row_length(record)
@@ -332,16 +350,26 @@ def _gaussian_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
     _check_entry_sensitivity(record, entry, "2·min(entry_bound, clip_norm)")
     sensitivity = min(2 * clip_norm, math.inf if bound is None else 2 * bound * math.sqrt(row))
     epsilon = get_epsilon_gaussian(noise_std / sensitivity, record.delta) if record.delta > 0 else math.inf
-    return record.with_(unit="neuron", sensitivity=sensitivity, epsilon=epsilon,
-                        parameters={**record.parameters, "adjacency": "replace-one"})
+    return record.with_(
+        unit="neuron",
+        sensitivity=sensitivity,
+        epsilon=epsilon,
+        parameters={**record.parameters, "adjacency": "replace-one"},
+    )
 
 
 def _multibit_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
     row = _row_length(record)
     coordinate = record.with_(unit="neuron")
-    return record.with_(mechanism="composite", unit="neuron", epsilon=row * record.epsilon, sensitivity=None,
-                        sensitivity_norm="none", parameters={"composition": "sequential"},
-                        components=(coordinate,) * row)
+    return record.with_(
+        mechanism="composite",
+        unit="neuron",
+        epsilon=row * record.epsilon,
+        sensitivity=None,
+        sensitivity_norm="none",
+        parameters={"composition": "sequential"},
+        components=(coordinate,) * row,
+    )
 
 
 _ENTRY_TO_NEURON = {"laplace": _laplace_per_neuron, "gaussian": _gaussian_per_neuron, "multibit": _multibit_per_neuron}
@@ -424,8 +452,13 @@ class LedgerEntry:
 
     def to_dict(self) -> dict:
         out = self.receipt()
-        out.update(level=self.level, counterparty=self.counterparty, subject=self.subject,
-                   mechanism=self.mechanism, record_unit=self.record.unit)
+        out.update(
+            level=self.level,
+            counterparty=self.counterparty,
+            subject=self.subject,
+            mechanism=self.mechanism,
+            record_unit=self.record.unit,
+        )
         return out
 
 
@@ -451,15 +484,21 @@ class BudgetState:
 
     def to_dict(self) -> dict:
         return {
-            "budget": self.key.name, "scope": self.key.scope, "level": self.key.level,
-            "unit": self.key.unit, "model": self.key.subject or None,
-            "counterparty": self.key.counterparty or None, "epsilon_limit": self.epsilon_limit,
-            "delta_limit": self.delta_limit, "count": self.count,
+            "budget": self.key.name,
+            "scope": self.key.scope,
+            "level": self.key.level,
+            "unit": self.key.unit,
+            "model": self.key.subject or None,
+            "counterparty": self.key.counterparty or None,
+            "epsilon_limit": self.epsilon_limit,
+            "delta_limit": self.delta_limit,
+            "count": self.count,
             "spent_epsilon_filter": self.spent_epsilon,
             "spent_order": None if math.isinf(self.spent_order) else self.spent_order,
             "spent_track": "pure" if math.isinf(self.spent_order) else "rdp",
             "remaining_epsilon_filter": self.remaining_epsilon,
-            "spent_epsilon_pld": self.pld_epsilon, "pld_note": self.pld_note,
+            "spent_epsilon_pld": self.pld_epsilon,
+            "pld_note": self.pld_note,
         }
 
 
@@ -501,12 +540,32 @@ def _cancel_hash(prev: str, seq: int, release_id: str, charge_hash: str, head_ha
 # The columns the hash chain covers, in hashing order, with the Python type of their SQLite
 # storage class: every value is normalised to it before hashing (SQLite reads an integer ε back
 # as 1.0 and −0.0 as 0.0), so the hash computed at insert equals the one recomputed from the file.
-_CHARGE_COLS = (("seq", int), ("release_id", str), ("charged_at", str), ("level", str), ("unit", str),
-                ("record_unit", str), ("counterparty", str), ("subject", str), ("mechanism", str),
-                ("epsilon", float), ("delta", float), ("rdp", str), ("pure_epsilon", float), ("budgets", str),
-                ("record", str))
-_BUDGET_COLS = (("budget", str), ("level", str), ("unit", str), ("subject", str), ("counterparty", str),
-                ("epsilon_limit", float), ("delta_limit", float))
+_CHARGE_COLS = (
+    ("seq", int),
+    ("release_id", str),
+    ("charged_at", str),
+    ("level", str),
+    ("unit", str),
+    ("record_unit", str),
+    ("counterparty", str),
+    ("subject", str),
+    ("mechanism", str),
+    ("epsilon", float),
+    ("delta", float),
+    ("rdp", str),
+    ("pure_epsilon", float),
+    ("budgets", str),
+    ("record", str),
+)
+_BUDGET_COLS = (
+    ("budget", str),
+    ("level", str),
+    ("unit", str),
+    ("subject", str),
+    ("counterparty", str),
+    ("epsilon_limit", float),
+    ("delta_limit", float),
+)
 _MODEL_COLS = (("model", str), ("lc", int))
 _EVENT_COLS = (("id", int), ("release_id", str), ("at", str), ("kind", str), ("detail", str))
 
@@ -515,7 +574,7 @@ def _normalised(cols: tuple[tuple[str, type], ...], values: tuple) -> list:
     if len(values) != len(cols):
         raise ValueError(f"expected {len(cols)} values, got {len(values)}")
     out = []
-    for (_, kind), v in zip(cols, values):
+    for (_, kind), v in zip(cols, values, strict=True):
         if kind is float:
             v = float(v) + 0.0  # −0.0 → 0.0, as SQLite stores it
         out.append(kind(v))
@@ -536,9 +595,15 @@ def _genesis(orders: tuple[float, ...]) -> str:
 def _chain_hash(prev: str, charge: tuple, budgets: list[tuple], models: list[tuple]) -> str:
     """SHA-256 over the previous hash, every column of the charge row (``_CHARGE_COLS``) and its
     charge_budgets and charge_models rows (sorted): every stored value that decides a budget."""
-    return _sha256_json(["privfusion-ledger-charge", prev, _normalised(_CHARGE_COLS, charge),
-                         sorted(_normalised(_BUDGET_COLS, b) for b in budgets),
-                         sorted(_normalised(_MODEL_COLS, m) for m in models)])
+    return _sha256_json(
+        [
+            "privfusion-ledger-charge",
+            prev,
+            _normalised(_CHARGE_COLS, charge),
+            sorted(_normalised(_BUDGET_COLS, b) for b in budgets),
+            sorted(_normalised(_MODEL_COLS, m) for m in models),
+        ]
+    )
 
 
 def _event_hash(prev: str, event: tuple) -> str:
@@ -557,8 +622,15 @@ class Ledger:
     to open from several processes at once.
     """
 
-    def __init__(self, path: str | os.PathLike, policy: Policy | None = None, *, accountant: Any = None,
-                 busy_timeout_s: float = 30.0, verify: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        policy: Policy | None = None,
+        *,
+        accountant: Any = None,
+        busy_timeout_s: float = 30.0,
+        verify: bool = True,
+    ):
         self.path = Path(path)
         self.policy = policy
         self._accountant = accountant
@@ -590,8 +662,9 @@ class Ledger:
         if con is None:
             uri = f"file:{self.path}?mode={'rwc' if self.policy is not None else 'rw'}"
             try:
-                con = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=self._busy_timeout_s,
-                                      check_same_thread=False)
+                con = sqlite3.connect(
+                    uri, uri=True, isolation_level=None, timeout=self._busy_timeout_s, check_same_thread=False
+                )
             except sqlite3.OperationalError as e:
                 raise FailedPrecondition(f"cannot open ledger {self.path}: {e}") from None
             con.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
@@ -644,7 +717,7 @@ class Ledger:
             self._all.clear()
         self._local = threading.local()
 
-    def __enter__(self) -> "Ledger":
+    def __enter__(self) -> Ledger:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -654,8 +727,11 @@ class Ledger:
         with self._write() as c:
             for statement in _schema_statements():
                 c.execute(statement)
-            for key, value in (("schema_version", SCHEMA_VERSION), ("orders", _dumps(list(orders))),
-                               ("created_at", now_rfc3339())):
+            for key, value in (
+                ("schema_version", SCHEMA_VERSION),
+                ("orders", _dumps(list(orders))),
+                ("created_at", now_rfc3339()),
+            ):
                 c.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
     def _read_orders(self, con: sqlite3.Connection) -> tuple[float, ...]:
@@ -709,28 +785,39 @@ class Ledger:
             raise FailedPrecondition(f"the site's policy sets no model-level budget for {charged.subject!r}: refused")
         return tuple(out)
 
-    def _relayed_budgets(self, charged: ReleaseRecord, counterparty: str,
-                         also: tuple[str, ...]) -> tuple[tuple[BudgetKey, FilterBudget], ...]:
+    def _relayed_budgets(
+        self, charged: ReleaseRecord, counterparty: str, also: tuple[str, ...]
+    ) -> tuple[tuple[BudgetKey, FilterBudget], ...]:
         """The per-counterparty budgets of the sites a relayed release is finally for."""
         if isinstance(also, str) or not all(isinstance(c, str) and c for c in also):
             raise InvalidArgument("also_counterparties", f"must be a tuple of site names, got {also!r}")
         if not also:
             return ()
         if len(set(also)) != len(also) or counterparty in also:
-            raise InvalidArgument("also_counterparties", f"must be distinct sites other than the counterparty {counterparty!r}, got {list(also)}")
+            raise InvalidArgument(
+                "also_counterparties",
+                f"must be distinct sites other than the counterparty {counterparty!r}, got {list(also)}",
+            )
         named = charged.parameters.get("on_behalf_of")
         named = (named,) if isinstance(named, str) else tuple(named or ())
         if sorted(named) != sorted(also):
-            raise InvalidArgument("parameters.on_behalf_of", f"the record names {list(named)}; a relayed charge must name every site it is for ({list(also)})")
+            raise InvalidArgument(
+                "parameters.on_behalf_of",
+                f"the record names {list(named)}; a relayed charge must name every site it is for ({list(also)})",
+            )
         if charged.level != "model":
-            raise InvalidArgument("also_counterparties", "only model-level releases have per-counterparty budgets to charge a relayed release to")
+            raise InvalidArgument(
+                "also_counterparties",
+                "only model-level releases have per-counterparty budgets to charge a relayed release to",
+            )
         per = self.policy.model_budgets(charged.subject).per_counterparty
         if per is None:
             return ()
         return tuple((BudgetKey("model", "neuron", charged.subject, c), per) for c in also)
 
-    def interpret(self, record: ReleaseRecord, counterparty: str, *,
-                  also_counterparties: tuple[str, ...] = ()) -> _Interpreted:
+    def interpret(
+        self, record: ReleaseRecord, counterparty: str, *, also_counterparties: tuple[str, ...] = ()
+    ) -> _Interpreted:
         """What charging ``record`` to ``counterparty`` (and, for a relayed release, to the
         per-counterparty budgets of ``also_counterparties``) would cost, and to which budgets
         (no I/O)."""
@@ -741,11 +828,14 @@ class Ledger:
         if not isinstance(counterparty, str) or not counterparty:
             raise InvalidArgument("counterparty", "must name the peer the release goes to")
         if record.counterparty not in (None, counterparty):
-            raise InvalidArgument("counterparty", f"the record names {record.counterparty!r}, the charge {counterparty!r}")
+            raise InvalidArgument(
+                "counterparty", f"the record names {record.counterparty!r}, the charge {counterparty!r}"
+            )
         charged = per_neuron_record(record)
         models, lc = pool_models(charged)
-        budgets = self._budgets_for(charged, counterparty) + self._relayed_budgets(charged, counterparty,
-                                                                                  also_counterparties)
+        budgets = self._budgets_for(charged, counterparty) + self._relayed_budgets(
+            charged, counterparty, also_counterparties
+        )
         try:
             rdp = np.asarray(self._acct().rdp_of_record(charged, self.orders), dtype=float).reshape(-1)
         except (TypeError, ValueError) as e:
@@ -756,19 +846,29 @@ class Ledger:
         # forgiven (and charged as 0); anything more negative is a malformed record.
         rdp = np.where((rdp < 0) & (rdp > -1e-12), 0.0, rdp)
         if rdp.shape != (len(self.orders),) or np.any(np.isnan(rdp)) or np.any(rdp < 0):
-            raise InvalidArgument("record", f"its RDP at the filter's orders must be {len(self.orders)} numbers >= 0, got {rdp!r}")
+            raise InvalidArgument(
+                "record", f"its RDP at the filter's orders must be {len(self.orders)} numbers >= 0, got {rdp!r}"
+            )
         pure = math.inf
         if charged.delta == 0:
             pure = charged.epsilon
             # Pure ε-DP bounds every Rényi divergence by ε; a larger RDP means the record lies.
             if np.any(rdp > pure * (1 + 1e-9) + 1e-12):
-                raise InvalidArgument("epsilon", f"the record claims pure ε = {pure:g} but its RDP reaches {float(rdp.max()):g}")
+                raise InvalidArgument(
+                    "epsilon", f"the record claims pure ε = {pure:g} but its RDP reaches {float(rdp.max()):g}"
+                )
         return _Interpreted(record, charged, rdp, pure, budgets, models, lc)
 
     # ---- charging -------------------------------------------------------------------------------
 
-    def charge(self, record: ReleaseRecord, counterparty: str, *, kind: str | tuple[str, ...] | None = None,
-               also_counterparties: tuple[str, ...] = ()) -> LedgerEntry:
+    def charge(
+        self,
+        record: ReleaseRecord,
+        counterparty: str,
+        *,
+        kind: str | tuple[str, ...] | None = None,
+        also_counterparties: tuple[str, ...] = (),
+    ) -> LedgerEntry:
         """Check and charge one release, atomically; the caller sends only after this returns.
 
         ``kind`` ("features", "weights", "merge", "fuse"), when given, is also checked against
@@ -788,10 +888,13 @@ class Ledger:
                 self.policy.check_request_parts(peer, self._parts(kind, it.charged))
         record_json = record.canonical_json().decode()
         with self._write() as con:
-            row = con.execute("SELECT seq, record, counterparty FROM charges WHERE release_id = ?",
-                              (record.release_id,)).fetchone()
+            row = con.execute(
+                "SELECT seq, record, counterparty FROM charges WHERE release_id = ?", (record.release_id,)
+            ).fetchone()
             if row is not None and self._is_cancelled(con, row[0]):
-                raise FailedPrecondition(f"release {record.release_id} was cancelled; a cancelled release is never charged again")
+                raise FailedPrecondition(
+                    f"release {record.release_id} was cancelled; a cancelled release is never charged again"
+                )
             if row is not None:
                 if row[1] == record_json and row[2] == counterparty:
                     log.info("already-charged release_id=%s entry=%d", record.release_id, row[0])
@@ -800,8 +903,14 @@ class Ledger:
             self._check_pool(con, it)
             updates = []
             for key, budget in it.budgets:
-                total = con.execute("SELECT count, rdp, pure_epsilon FROM totals WHERE budget = ?", (key.name,)).fetchone()
-                count, rdp0, pure0 = (total[0], np.asarray(json.loads(total[1]), float), total[2]) if total else (0, np.zeros(len(self.orders)), 0.0)
+                total = con.execute(
+                    "SELECT count, rdp, pure_epsilon FROM totals WHERE budget = ?", (key.name,)
+                ).fetchone()
+                count, rdp0, pure0 = (
+                    (total[0], np.asarray(json.loads(total[1]), float), total[2])
+                    if total
+                    else (0, np.zeros(len(self.orders)), 0.0)
+                )
                 rdp1, pure1 = rdp0 + it.rdp, pure0 + it.pure_epsilon
                 if not budget.admits(rdp1, pure1):
                     self._refuse(key, budget, rdp0, pure0, it, counterparty, kind)
@@ -810,12 +919,27 @@ class Ledger:
             # this charge to the previous one covers all of it, so the rows are complete when inserted.
             prev = con.execute("SELECT seq, hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
             seq, prev_hash = (prev[0] + 1, prev[1]) if prev else (1, _genesis(self.orders))
-            charge_row = (seq, record.release_id, now_rfc3339(), it.charged.level, it.charged.unit, record.unit,
-                          counterparty, record.subject, record.mechanism, it.charged.epsilon, it.charged.delta,
-                          _dumps(it.rdp.tolist()), it.pure_epsilon, _dumps([k.name for k, _ in it.budgets]),
-                          record_json)
-            budget_rows = [(key.name, key.level, key.unit, key.subject, key.counterparty, budget.epsilon, budget.delta)
-                           for key, budget, *_ in updates]
+            charge_row = (
+                seq,
+                record.release_id,
+                now_rfc3339(),
+                it.charged.level,
+                it.charged.unit,
+                record.unit,
+                counterparty,
+                record.subject,
+                record.mechanism,
+                it.charged.epsilon,
+                it.charged.delta,
+                _dumps(it.rdp.tolist()),
+                it.pure_epsilon,
+                _dumps([k.name for k, _ in it.budgets]),
+                record_json,
+            )
+            budget_rows = [
+                (key.name, key.level, key.unit, key.subject, key.counterparty, budget.epsilon, budget.delta)
+                for key, budget, *_ in updates
+            ]
             model_rows = [(model, int(it.lc)) for model in sorted(it.models)]
             h = _chain_hash(prev_hash, charge_row, budget_rows, model_rows)
             con.execute(
@@ -823,24 +947,46 @@ class Ledger:
                 f" VALUES ({', '.join('?' * (len(_CHARGE_COLS) + 2))})",
                 (*charge_row, prev_hash, h),
             )
-            for (key, budget, count, rdp1, pure1), row in zip(updates, budget_rows):
+            for (key, _budget, count, rdp1, pure1), row in zip(updates, budget_rows, strict=True):
                 con.execute("INSERT INTO charge_budgets VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (seq, *row))
                 con.execute(
                     "INSERT INTO totals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (budget) DO UPDATE SET"
                     " count = excluded.count, rdp = excluded.rdp, pure_epsilon = excluded.pure_epsilon,"
                     " last_seq = excluded.last_seq",
-                    (key.name, key.level, key.unit, key.subject, key.counterparty, count, _dumps(rdp1.tolist()), pure1, seq),
+                    (
+                        key.name,
+                        key.level,
+                        key.unit,
+                        key.subject,
+                        key.counterparty,
+                        count,
+                        _dumps(rdp1.tolist()),
+                        pure1,
+                        seq,
+                    ),
                 )
             for row in model_rows:
                 con.execute("INSERT INTO charge_models VALUES (?, ?, ?)", (seq, *row))
             # Read the rows back and hash them as verify() will: a value SQLite stores differently
             # from what was hashed fails this charge now (rolled back), not the next open.
             if self._stored_hash(con, seq, prev_hash) != h:
-                raise FailedPrecondition(f"ledger {self.path}: charge {seq} does not read back as hashed; nothing was charged")
+                raise FailedPrecondition(
+                    f"ledger {self.path}: charge {seq} does not read back as hashed; nothing was charged"
+                )
             entry = self._entry(con, seq)
-        log.info("charged release_id=%s entry=%d mechanism=%s level=%s unit=%s counterparty=%s subject=%s epsilon=%.6g delta=%.3g budgets=%s",
-                 record.release_id, seq, record.mechanism, it.charged.level, it.charged.unit, counterparty,
-                 record.subject, it.charged.epsilon, it.charged.delta, ",".join(k.name for k, _ in it.budgets))
+        log.info(
+            "charged release_id=%s entry=%d mechanism=%s level=%s unit=%s counterparty=%s subject=%s epsilon=%.6g delta=%.3g budgets=%s",
+            record.release_id,
+            seq,
+            record.mechanism,
+            it.charged.level,
+            it.charged.unit,
+            counterparty,
+            record.subject,
+            it.charged.epsilon,
+            it.charged.delta,
+            ",".join(k.name for k, _ in it.budgets),
+        )
         return entry
 
     @staticmethod
@@ -849,11 +995,17 @@ class Ledger:
         if isinstance(kind, str):
             return [(kind, charged.epsilon)]
         kinds = tuple(kind)
-        if (charged.mechanism != "composite" or charged.parameters.get("composition") != "sequential"
-                or len(charged.components) != len(kinds)):
-            raise InvalidArgument("kind", f"{list(kinds)} names the parts of a sequential composite of {len(kinds)} releases; "
-                                  f"the record is a {charged.mechanism!r} with {len(charged.components)} components")
-        return [(k, c.epsilon) for k, c in zip(kinds, charged.components)]
+        if (
+            charged.mechanism != "composite"
+            or charged.parameters.get("composition") != "sequential"
+            or len(charged.components) != len(kinds)
+        ):
+            raise InvalidArgument(
+                "kind",
+                f"{list(kinds)} names the parts of a sequential composite of {len(kinds)} releases; "
+                f"the record is a {charged.mechanism!r} with {len(charged.components)} components",
+            )
+        return [(k, c.epsilon) for k, c in zip(kinds, charged.components, strict=True)]
 
     def _check_pool(self, con: sqlite3.Connection, it: _Interpreted) -> None:
         if not it.models:
@@ -864,16 +1016,28 @@ class Ledger:
             sql += " AND lc = 1"
         clash = sorted(r[0] for r in con.execute(sql, sorted(it.models)))
         if clash:
-            what = "an LC merge cannot share models with earlier data-level releases" if it.lc else \
-                "a release cannot share models with an earlier LC merge"
+            what = (
+                "an LC merge cannot share models with earlier data-level releases"
+                if it.lc
+                else "a release cannot share models with an earlier LC merge"
+            )
             raise FailedPrecondition(
                 f"release {it.record.release_id} refused: {what} (shared: {clash}); their RDP does not add up "
                 "to a valid bound (see peer.budget.ledger)",
-                reason="POOL_MODELS_SHARED", metadata={"shared_models": ",".join(clash), "lc": it.lc},
+                reason="POOL_MODELS_SHARED",
+                metadata={"shared_models": ",".join(clash), "lc": it.lc},
             )
 
-    def _refuse(self, key: BudgetKey, budget: FilterBudget, rdp0: np.ndarray, pure0: float, it: _Interpreted,
-                counterparty: str, kind: str | None) -> None:
+    def _refuse(
+        self,
+        key: BudgetKey,
+        budget: FilterBudget,
+        rdp0: np.ndarray,
+        pure0: float,
+        it: _Interpreted,
+        counterparty: str,
+        kind: str | None,
+    ) -> None:
         """Raise BudgetExhausted. The requester is told the budget, its limits, this release's
         own ε at the budget's δ and the policy's per-request cap for this kind (if any); what is
         spent and remaining only as far as the policy shows that budget to it (``show_remaining``:
@@ -886,13 +1050,20 @@ class Ledger:
 
         spent, _ = budget.spent_epsilon(rdp0, pure0)
         # one fixed release's own ε at the δ each order holds in the filter (not the filter's guarantee)
-        alone = min(rdp_to_epsilon(self.orders, it.rdp, budget.delta_per_order) if budget.delta > 0 else math.inf,
-                    it.pure_epsilon)
+        alone = min(
+            rdp_to_epsilon(self.orders, it.rdp, budget.delta_per_order) if budget.delta > 0 else math.inf,
+            it.pure_epsilon,
+        )
         show = self.policy.shows_remaining(counterparty)
         visible = show == "all" or (show == "own" and key.counterparty == counterparty)
-        metadata: dict[str, Any] = {"budget": key.name, "level": key.level, "unit": key.unit,
-                                    "epsilon_limit": budget.epsilon, "delta_limit": budget.delta,
-                                    "request_epsilon": alone}
+        metadata: dict[str, Any] = {
+            "budget": key.name,
+            "level": key.level,
+            "unit": key.unit,
+            "epsilon_limit": budget.epsilon,
+            "delta_limit": budget.delta,
+            "request_epsilon": alone,
+        }
         cap = self.policy.caps.get(kind) if kind is not None else None
         if cap is not None:
             metadata["request_cap_epsilon"] = cap
@@ -900,13 +1071,23 @@ class Ledger:
         if visible:
             remaining = max(0.0, budget.epsilon - spent)
             metadata.update(spent_epsilon=spent, remaining_epsilon=remaining)
-            standing = (f"spent ε={spent:.4g}, remaining ε={remaining:.4g} at δ={budget.delta:g} (by the filter; "
-                        f"{budget.explain(rdp0 + it.rdp, pure0 + it.pure_epsilon)})")
-        msg = (f"privacy budget {key.name} ({key.scope}) is exhausted for this request: limit (ε={budget.epsilon:g}, "
-               f"δ={budget.delta:g}), this release alone ε={alone:.4g} at that δ "
-               f"(its record: ε={it.charged.epsilon:.4g}, δ={it.charged.delta:.3g}); {standing}. Nothing was released.")
-        log.warning("refused release_id=%s mechanism=%s budget=%s spent_epsilon=%.6g limit_epsilon=%g",
-                    it.record.release_id, it.record.mechanism, key.name, spent, budget.epsilon)
+            standing = (
+                f"spent ε={spent:.4g}, remaining ε={remaining:.4g} at δ={budget.delta:g} (by the filter; "
+                f"{budget.explain(rdp0 + it.rdp, pure0 + it.pure_epsilon)})"
+            )
+        msg = (
+            f"privacy budget {key.name} ({key.scope}) is exhausted for this request: limit (ε={budget.epsilon:g}, "
+            f"δ={budget.delta:g}), this release alone ε={alone:.4g} at that δ "
+            f"(its record: ε={it.charged.epsilon:.4g}, δ={it.charged.delta:.3g}); {standing}. Nothing was released."
+        )
+        log.warning(
+            "refused release_id=%s mechanism=%s budget=%s spent_epsilon=%.6g limit_epsilon=%g",
+            it.record.release_id,
+            it.record.mechanism,
+            key.name,
+            spent,
+            budget.epsilon,
+        )
         raise BudgetExhausted(msg, metadata=metadata)
 
     def record_event(self, release_id: str, kind: str, detail: str = "") -> None:
@@ -922,8 +1103,10 @@ class Ledger:
             last = con.execute("SELECT id, hash FROM events ORDER BY id DESC LIMIT 1").fetchone()
             event = ((last[0] if last else 0) + 1, release_id, now_rfc3339(), kind, str(detail))
             prev_hash = last[1] if last else GENESIS
-            con.execute("INSERT INTO events (id, release_id, at, kind, detail, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (*event, prev_hash, _event_hash(prev_hash, event)))
+            con.execute(
+                "INSERT INTO events (id, release_id, at, kind, detail, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (*event, prev_hash, _event_hash(prev_hash, event)),
+            )
 
     # ---- cancelling -----------------------------------------------------------------------------
 
@@ -940,57 +1123,96 @@ class Ledger:
         if not isinstance(reason, str) or not reason.strip():
             raise InvalidArgument("reason", "must say why the charge is cancelled")
         with self._write() as con:
-            row = con.execute("SELECT seq, hash, budgets, counterparty FROM charges WHERE release_id = ?",
-                              (release_id,)).fetchone()
+            row = con.execute(
+                "SELECT seq, hash, budgets, counterparty FROM charges WHERE release_id = ?", (release_id,)
+            ).fetchone()
             if row is None:
                 raise NotFound(f"no charge for release {release_id}")
             seq, charge_hash, budgets, counterparty = row
             if self._is_cancelled(con, seq):
                 raise FailedPrecondition(f"release {release_id} is already cancelled")
-            sent = con.execute("SELECT kind FROM events WHERE release_id = ? AND kind IN ('sent', 'send-failed') LIMIT 1",
-                               (release_id,)).fetchone()
+            sent = con.execute(
+                "SELECT kind FROM events WHERE release_id = ? AND kind IN ('sent', 'send-failed') LIMIT 1",
+                (release_id,),
+            ).fetchone()
             if sent is not None:
-                raise FailedPrecondition(f"release {release_id} has a {sent[0]!r} event: its bytes may have left, "
-                                         "and a charge is never refunded once they may have")
+                raise FailedPrecondition(
+                    f"release {release_id} has a {sent[0]!r} event: its bytes may have left, "
+                    "and a charge is never refunded once they may have"
+                )
             head = con.execute("SELECT hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()[0]
             last = con.execute("SELECT hash FROM cancellations ORDER BY id DESC LIMIT 1").fetchone()
             prev = last[0] if last else GENESIS
             at = now_rfc3339()
             h = _cancel_hash(prev, seq, release_id, charge_hash, head, at, reason)
-            con.execute("INSERT INTO cancellations (seq, release_id, at, reason, head_hash, prev_hash, hash)"
-                        " VALUES (?, ?, ?, ?, ?, ?, ?)", (seq, release_id, at, reason, head, prev, h))
+            con.execute(
+                "INSERT INTO cancellations (seq, release_id, at, reason, head_hash, prev_hash, hash)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (seq, release_id, at, reason, head, prev, h),
+            )
             for budget in json.loads(budgets):
                 self._recompute_total(con, budget)
-        log.info("cancelled release_id=%s entry=%d counterparty=%s budgets=%s", release_id, seq, counterparty,
-                 ",".join(json.loads(budgets)))
-        return {"entry_id": seq, "release_id": release_id, "counterparty": counterparty, "at": at, "reason": reason,
-                "budgets": json.loads(budgets), "hash": h}
+        log.info(
+            "cancelled release_id=%s entry=%d counterparty=%s budgets=%s",
+            release_id,
+            seq,
+            counterparty,
+            ",".join(json.loads(budgets)),
+        )
+        return {
+            "entry_id": seq,
+            "release_id": release_id,
+            "counterparty": counterparty,
+            "at": at,
+            "reason": reason,
+            "budgets": json.loads(budgets),
+            "hash": h,
+        }
 
     def cancellations(self) -> list[dict]:
         """Every cancelled charge, in cancellation order."""
         with self._read() as con:
             if not self._has_cancellations(con):
                 return []
-            rows = con.execute("SELECT x.seq, x.release_id, c.counterparty, x.at, x.reason, c.budgets, x.hash"
-                           " FROM cancellations x JOIN charges c ON c.seq = x.seq ORDER BY x.id").fetchall()
-        return [{"entry_id": r[0], "release_id": r[1], "counterparty": r[2], "at": r[3], "reason": r[4],
-                 "budgets": json.loads(r[5]), "hash": r[6]} for r in rows]
+            rows = con.execute(
+                "SELECT x.seq, x.release_id, c.counterparty, x.at, x.reason, c.budgets, x.hash"
+                " FROM cancellations x JOIN charges c ON c.seq = x.seq ORDER BY x.id"
+            ).fetchall()
+        return [
+            {
+                "entry_id": r[0],
+                "release_id": r[1],
+                "counterparty": r[2],
+                "at": r[3],
+                "reason": r[4],
+                "budgets": json.loads(r[5]),
+                "hash": r[6],
+            }
+            for r in rows
+        ]
 
     @staticmethod
     def _has_cancellations(con: sqlite3.Connection) -> bool:
         # a ledger written before cancellations existed and opened read-only has no such table
-        return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'cancellations'").fetchone() is not None
+        return (
+            con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'cancellations'").fetchone()
+            is not None
+        )
 
     def _is_cancelled(self, con: sqlite3.Connection, seq: int) -> bool:
-        return self._has_cancellations(con) and con.execute(
-            "SELECT 1 FROM cancellations WHERE seq = ?", (seq,)).fetchone() is not None
+        return (
+            self._has_cancellations(con)
+            and con.execute("SELECT 1 FROM cancellations WHERE seq = ?", (seq,)).fetchone() is not None
+        )
 
     def _recompute_total(self, con: sqlite3.Connection, budget: str) -> None:
         """Rewrite one budget's cached totals from its charges that are not cancelled, summed in
         charge order exactly as :meth:`verify` sums them (so the cache stays bit-equal)."""
         rows = con.execute(
             "SELECT c.seq, c.rdp, c.pure_epsilon FROM charges c JOIN charge_budgets b ON b.seq = c.seq"
-            " WHERE b.budget = ? AND c.seq NOT IN (SELECT seq FROM cancellations) ORDER BY c.seq", (budget,)).fetchall()
+            " WHERE b.budget = ? AND c.seq NOT IN (SELECT seq FROM cancellations) ORDER BY c.seq",
+            (budget,),
+        ).fetchall()
         if not rows:
             con.execute("DELETE FROM totals WHERE budget = ?", (budget,))
             return
@@ -998,8 +1220,10 @@ class Ledger:
         for _, vec, p in rows:
             rdp = rdp + np.asarray(json.loads(vec), float)
             pure = pure + p
-        con.execute("UPDATE totals SET count = ?, rdp = ?, pure_epsilon = ?, last_seq = ? WHERE budget = ?",
-                    (len(rows), _dumps(rdp.tolist()), pure, rows[-1][0], budget))
+        con.execute(
+            "UPDATE totals SET count = ?, rdp = ?, pure_epsilon = ?, last_seq = ? WHERE budget = ?",
+            (len(rows), _dumps(rdp.tolist()), pure, rows[-1][0], budget),
+        )
 
     def _verify_cancellations(self, con: sqlite3.Connection, problems: list[str]) -> set[int]:
         """Check the cancellations' own hash chain (each link covers the cancelled charge's hash);
@@ -1008,8 +1232,9 @@ class Ledger:
             return set()
         prev, out = GENESIS, set()
         for seq, release_id, at, reason, head, prev_hash, h, charge_hash, charge_release in con.execute(
-                "SELECT x.seq, x.release_id, x.at, x.reason, x.head_hash, x.prev_hash, x.hash, c.hash, c.release_id"
-                " FROM cancellations x LEFT JOIN charges c ON c.seq = x.seq ORDER BY x.id"):
+            "SELECT x.seq, x.release_id, x.at, x.reason, x.head_hash, x.prev_hash, x.hash, c.hash, c.release_id"
+            " FROM cancellations x LEFT JOIN charges c ON c.seq = x.seq ORDER BY x.id"
+        ):
             if charge_hash is None or charge_release != release_id:
                 problems.append(f"cancellation of entry {seq} names no such charge")
             elif prev_hash != prev or h != _cancel_hash(prev_hash, seq, release_id, charge_hash, head, at, reason):
@@ -1025,14 +1250,34 @@ class Ledger:
 
     @staticmethod
     def _to_entry(r: tuple) -> LedgerEntry:
-        return LedgerEntry(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9],
-                           tuple(json.loads(r[10])), tuple(json.loads(r[11])), ReleaseRecord.from_json(r[12]), r[13])
+        return LedgerEntry(
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            r[4],
+            r[5],
+            r[6],
+            r[7],
+            r[8],
+            r[9],
+            tuple(json.loads(r[10])),
+            tuple(json.loads(r[11])),
+            ReleaseRecord.from_json(r[12]),
+            r[13],
+        )
 
     def _entry(self, con: sqlite3.Connection, seq: int) -> LedgerEntry:
         return self._to_entry(con.execute(f"SELECT {self._ENTRY_COLS} FROM charges WHERE seq = ?", (seq,)).fetchone())
 
-    def entries(self, *, counterparty: str | None = None, level: str | None = None,
-                subject: str | None = None, include_cancelled: bool = False) -> list[LedgerEntry]:
+    def entries(
+        self,
+        *,
+        counterparty: str | None = None,
+        level: str | None = None,
+        subject: str | None = None,
+        include_cancelled: bool = False,
+    ) -> list[LedgerEntry]:
         """Charged releases in charge order, optionally only those to one counterparty / level /
         model; cancelled charges (see :meth:`cancel`) only with ``include_cancelled``."""
         where, args = [], []
@@ -1053,7 +1298,10 @@ class Ledger:
         if release_id is not None:
             sql, args = sql + " WHERE release_id = ?", (release_id,)
         with self._read() as con:
-            return [dict(zip(("id", "release_id", "at", "kind", "detail"), r)) for r in con.execute(sql + " ORDER BY id", args)]
+            return [
+                dict(zip(("id", "release_id", "at", "kind", "detail"), r, strict=True))
+                for r in con.execute(sql + " ORDER BY id", args)
+            ]
 
     def _limits(self, con: sqlite3.Connection, key: BudgetKey) -> FilterBudget | None:
         """The budget's limits: from the policy if there is one, else as recorded at the last charge."""
@@ -1062,12 +1310,15 @@ class Ledger:
                 return self.policy.data_filter() if self.policy.data and self.policy.data.unit == key.unit else None
             mb = self.policy.model_budgets(key.subject)
             return mb.per_counterparty if key.counterparty else mb.total
-        row = con.execute("SELECT epsilon_limit, delta_limit FROM charge_budgets WHERE budget = ? ORDER BY seq DESC LIMIT 1",
-                          (key.name,)).fetchone()
+        row = con.execute(
+            "SELECT epsilon_limit, delta_limit FROM charge_budgets WHERE budget = ? ORDER BY seq DESC LIMIT 1",
+            (key.name,),
+        ).fetchone()
         return FilterBudget(row[0], row[1], self.orders) if row else None
 
-    def budget_states(self, *, pld: bool = False, counterparty: str | None = None,
-                      scope: str = "all") -> list[BudgetState]:
+    def budget_states(
+        self, *, pld: bool = False, counterparty: str | None = None, scope: str = "all"
+    ) -> list[BudgetState]:
         """Every budget that has charges (and the data budget the policy sets, even if unused).
 
         ``counterparty`` keeps the budgets that concern that peer (its own per-counterparty
@@ -1077,8 +1328,12 @@ class Ledger:
         with self._read() as con:
             return self._budget_states(con, pld, counterparty, scope)
 
-    def _budget_states(self, con: sqlite3.Connection, pld: bool, counterparty: str | None, scope: str) -> list[BudgetState]:
-        rows = con.execute("SELECT budget, level, unit, subject, counterparty, count, rdp, pure_epsilon FROM totals ORDER BY budget").fetchall()
+    def _budget_states(
+        self, con: sqlite3.Connection, pld: bool, counterparty: str | None, scope: str
+    ) -> list[BudgetState]:
+        rows = con.execute(
+            "SELECT budget, level, unit, subject, counterparty, count, rdp, pure_epsilon FROM totals ORDER BY budget"
+        ).fetchall()
         states = []
         seen = set()
         for name, level, unit, subject, cp, count, rdp, pure in rows:
@@ -1091,13 +1346,25 @@ class Ledger:
         if self.policy is not None and self.policy.data is not None and scope == "all":
             key = BudgetKey("data", self.policy.data.unit)
             if key.name not in seen:
-                states.insert(0, self._state(con, key, self.policy.data_filter(), 0, np.zeros(len(self.orders)), 0.0, pld))
+                states.insert(
+                    0, self._state(con, key, self.policy.data_filter(), 0, np.zeros(len(self.orders)), 0.0, pld)
+                )
         return states
 
-    def _state(self, con: sqlite3.Connection, key: BudgetKey, limits: FilterBudget | None, count: int,
-               rdp: np.ndarray, pure: float, pld: bool) -> BudgetState:
+    def _state(
+        self,
+        con: sqlite3.Connection,
+        key: BudgetKey,
+        limits: FilterBudget | None,
+        count: int,
+        rdp: np.ndarray,
+        pure: float,
+        pld: bool,
+    ) -> BudgetState:
         if limits is None:
-            return BudgetState(key, math.nan, math.nan, count, math.nan, math.nan, None, "no limit known for this budget")
+            return BudgetState(
+                key, math.nan, math.nan, count, math.nan, math.nan, None, "no limit known for this budget"
+            )
         spent, order = limits.spent_epsilon(rdp, pure)
         pld_eps, note = None, ""
         if pld:
@@ -1105,10 +1372,15 @@ class Ledger:
         return BudgetState(key, limits.epsilon, limits.delta, count, spent, order, pld_eps, note)
 
     def _pld_epsilon(self, con: sqlite3.Connection, key: BudgetKey, delta: float) -> tuple[float | None, str]:
-        records = [ReleaseRecord.from_json(r[0]) for r in con.execute(
-            "SELECT c.record FROM charges c JOIN charge_budgets b ON b.seq = c.seq WHERE b.budget = ?"
-            + (" AND c.seq NOT IN (SELECT seq FROM cancellations)" if self._has_cancellations(con) else "")
-            + " ORDER BY c.seq", (key.name,))]
+        records = [
+            ReleaseRecord.from_json(r[0])
+            for r in con.execute(
+                "SELECT c.record FROM charges c JOIN charge_budgets b ON b.seq = c.seq WHERE b.budget = ?"
+                + (" AND c.seq NOT IN (SELECT seq FROM cancellations)" if self._has_cancellations(con) else "")
+                + " ORDER BY c.seq",
+                (key.name,),
+            )
+        ]
         note = "PLD composition of the charged releases as one fixed sequence; not the adaptive guarantee"
         if not records:
             return 0.0, note
@@ -1131,22 +1403,32 @@ class Ledger:
     def summary(self, *, counterparty: str | None = None, pld: bool = True) -> dict:
         """Everything ``privfusion ledger show`` prints, as JSON-ready data."""
         with self._read():  # entries and budgets from one snapshot
-            return _jsonable({
-                "ledger": str(self.path),
-                "orders": list(self.orders),
-                "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
-                "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
-                "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
-                "cancelled": [c for c in self.cancellations() if counterparty is None or c["counterparty"] == counterparty],
-            })
+            return _jsonable(
+                {
+                    "ledger": str(self.path),
+                    "orders": list(self.orders),
+                    "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
+                    "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
+                    "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
+                    "cancelled": [
+                        c for c in self.cancellations() if counterparty is None or c["counterparty"] == counterparty
+                    ],
+                }
+            )
 
     # ---- consistency ----------------------------------------------------------------------------
 
     def _stored_hash(self, con: sqlite3.Connection, seq: int, prev_hash: str) -> str:
         """The chain hash of charge ``seq`` recomputed from what the file holds."""
-        charge = con.execute(f"SELECT {', '.join(c for c, _ in _CHARGE_COLS)} FROM charges WHERE seq = ?", (seq,)).fetchone()
-        budgets = con.execute(f"SELECT {', '.join(c for c, _ in _BUDGET_COLS)} FROM charge_budgets WHERE seq = ?", (seq,)).fetchall()
-        models = con.execute(f"SELECT {', '.join(c for c, _ in _MODEL_COLS)} FROM charge_models WHERE seq = ?", (seq,)).fetchall()
+        charge = con.execute(
+            f"SELECT {', '.join(c for c, _ in _CHARGE_COLS)} FROM charges WHERE seq = ?", (seq,)
+        ).fetchone()
+        budgets = con.execute(
+            f"SELECT {', '.join(c for c, _ in _BUDGET_COLS)} FROM charge_budgets WHERE seq = ?", (seq,)
+        ).fetchall()
+        models = con.execute(
+            f"SELECT {', '.join(c for c, _ in _MODEL_COLS)} FROM charge_models WHERE seq = ?", (seq,)
+        ).fetchall()
         return _chain_hash(prev_hash, charge, budgets, models)
 
     def verify(self) -> None:
@@ -1177,10 +1459,18 @@ class Ledger:
             model_rows: dict[int, list[tuple]] = {}
             for seq, *row in con.execute(f"SELECT seq, {', '.join(c for c, _ in _MODEL_COLS)} FROM charge_models"):
                 model_rows.setdefault(seq, []).append(tuple(row))
-            charges = con.execute(f"SELECT {', '.join(c for c, _ in _CHARGE_COLS)}, prev_hash, hash FROM charges ORDER BY seq").fetchall()
-            totals = {r[0]: r[1:] for r in con.execute(
-                "SELECT budget, level, unit, subject, counterparty, count, rdp, pure_epsilon, last_seq FROM totals")}
-            events = con.execute(f"SELECT {', '.join(c for c, _ in _EVENT_COLS)}, prev_hash, hash FROM events ORDER BY id").fetchall()
+            charges = con.execute(
+                f"SELECT {', '.join(c for c, _ in _CHARGE_COLS)}, prev_hash, hash FROM charges ORDER BY seq"
+            ).fetchall()
+            totals = {
+                r[0]: r[1:]
+                for r in con.execute(
+                    "SELECT budget, level, unit, subject, counterparty, count, rdp, pure_epsilon, last_seq FROM totals"
+                )
+            }
+            events = con.execute(
+                f"SELECT {', '.join(c for c, _ in _EVENT_COLS)}, prev_hash, hash FROM events ORDER BY id"
+            ).fetchall()
         prev = _genesis(self.orders)
         sums: dict[str, list] = {}
         keys: dict[str, tuple] = {}
@@ -1189,8 +1479,9 @@ class Ledger:
             *charge, prev_hash, h = row
             seq, budgets, rdp, pure = charge[0], charge[13], charge[11], charge[12]
             try:
-                ok = prev_hash == prev and h == _chain_hash(prev_hash, tuple(charge), budget_rows.get(seq, []),
-                                                            model_rows.get(seq, []))
+                ok = prev_hash == prev and h == _chain_hash(
+                    prev_hash, tuple(charge), budget_rows.get(seq, []), model_rows.get(seq, [])
+                )
             except (TypeError, ValueError):
                 ok = False
             if not ok:
@@ -1226,8 +1517,13 @@ class Ledger:
             if c is None:
                 continue
             try:
-                same = (tuple(c[:4]) == keys[b] and c[4] == count and json.loads(c[5]) == rdp.tolist()
-                        and c[6] == pure and c[7] == last)
+                same = (
+                    tuple(c[:4]) == keys[b]
+                    and c[4] == count
+                    and json.loads(c[5]) == rdp.tolist()
+                    and c[6] == pure
+                    and c[7] == last
+                )
             except (TypeError, ValueError):
                 same = False
             if not same:

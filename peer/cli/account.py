@@ -39,25 +39,39 @@ from typing import Any
 from peer.base.errors import InvalidArgument
 
 ADJACENCY_NAMES = {"replace": "replace-one", "replace-one": "replace-one", "add-remove": "add-remove"}
-STEP_FIELDS = {"learning_rate": "learning_rate", "clip": "clip_norm", "noise_multiplier": "noise_multiplier",
-               "sample_rate": "sample_rate"}
+STEP_FIELDS = {
+    "learning_rate": "learning_rate",
+    "clip": "clip_norm",
+    "noise_multiplier": "noise_multiplier",
+    "sample_rate": "sample_rate",
+}
 MODEL_FIELDS = {"name", "steps", "accuracy", "epsilon", "delta", "state_independent_gradients", *STEP_FIELDS}
-LC_PROXY_NOTE = ("LC weights maximise the linear proxy sum(lam_i * accuracy_i): the accuracy of a combination "
-                 "is only known by evaluating the combined model (privfusion merge does that); under the "
-                 "composition bound the proxy picks the most accurate model that meets the target alone")
+LC_PROXY_NOTE = (
+    "LC weights maximise the linear proxy sum(lam_i * accuracy_i): the accuracy of a combination "
+    "is only known by evaluating the combined model (privfusion merge does that); under the "
+    "composition bound the proxy picks the most accurate model that meets the target alone"
+)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("account", help="privacy of an RS or LC merge of DP-SGD models",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "account",
+        help="privacy of an RS or LC merge of DP-SGD models",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("method", choices=("rs", "lc"), help="rs: random selection; lc: linear combination")
     p.add_argument("--models", required=True, type=Path, help="JSON file describing the models (see above)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--weights", help="comma-separated weights, one per model, summing to 1")
     group.add_argument("--target-epsilon", type=float, help="choose weights meeting this epsilon (uses 'accuracy')")
     p.add_argument("--delta", type=float, required=True, help="delta, in (0, 1)")
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
-                   help="accountant that must meet --target-epsilon (default pld, the tight one)")
+    p.add_argument(
+        "--accountant",
+        choices=("pld", "rdp"),
+        default="pld",
+        help="accountant that must meet --target-epsilon (default pld, the tight one)",
+    )
     p.add_argument("--interval", type=float, default=1e-4, help="PLD value discretisation interval (default 1e-4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -81,6 +95,7 @@ def parse_models(data: Any) -> tuple[str, list[str], list, list[float | None]]:
     """(adjacency, names, models, accuracies) from the M.json object; every error names the model
     index and the field."""
     from peer.dp.accounting import ApproxDP, GaussianStep, TrainingRecord
+
     if not isinstance(data, dict):
         raise InvalidArgument("models file", "must be a JSON object with 'adjacency' and 'models'")
     unknown = set(data) - {"adjacency", "models"}
@@ -111,7 +126,9 @@ def parse_models(data: Any) -> tuple[str, list[str], list, list[float | None]]:
         if "epsilon" in m or "delta" in m:
             extra = set(m) & ({"steps", "state_independent_gradients"} | set(STEP_FIELDS))
             if extra:
-                raise InvalidArgument(where, f"give either (epsilon, delta) or DP-SGD hyperparameters, not both ({sorted(extra)})")
+                raise InvalidArgument(
+                    where, f"give either (epsilon, delta) or DP-SGD hyperparameters, not both ({sorted(extra)})"
+                )
             for f in ("epsilon", "delta"):
                 if f not in m:
                     raise InvalidArgument(f"{where}.{f}", "is required for an (epsilon, delta) model")
@@ -141,7 +158,9 @@ def parse_models(data: Any) -> tuple[str, list[str], list, list[float | None]]:
                 seq.append(cache[key])
             declared = m.get("state_independent_gradients", False)
             if not isinstance(declared, bool):
-                raise InvalidArgument(f"{where}.state_independent_gradients", f"must be true or false, got {declared!r}")
+                raise InvalidArgument(
+                    f"{where}.state_independent_gradients", f"must be true or false, got {declared!r}"
+                )
             models.append(TrainingRecord(adjacency, tuple(seq), declared))
         names.append(name)
         accuracies.append(acc)
@@ -158,20 +177,34 @@ def _weights(text: str, count: int) -> list[float]:
     return values
 
 
-def account(method: str, data: Any, *, delta: float, weights: list[float] | None = None,
-            target_epsilon: float | None = None, accountant: str = "pld", interval: float = 1e-4) -> dict:
+def account(
+    method: str,
+    data: Any,
+    *,
+    delta: float,
+    weights: list[float] | None = None,
+    target_epsilon: float | None = None,
+    accountant: str = "pld",
+    interval: float = 1e-4,
+) -> dict:
     """The JSON-ready result of ``privfusion account`` (pure: file contents in, dict out)."""
+    from peer.base.checks import check_delta, check_epsilon
     from peer.dp.accounting import ApproxDP, choose_lam, choose_pi, lc_report, privacy_profile, rs_epsilon, rs_profiles
     from peer.dp.accounting.lc import NO_FREE_LUNCH
-    from peer.base.checks import check_delta, check_epsilon
+
     delta = check_delta(delta, "--delta")
     adjacency, names, models, accuracies = parse_models(data)
     if method == "lc":
         for i, m in enumerate(models):
             if isinstance(m, ApproxDP):
                 raise InvalidArgument(f"models[{i}]", NO_FREE_LUNCH)
-    out: dict[str, Any] = {"method": method, "adjacency": adjacency, "names": names, "delta": delta,
-                           "value_discretization_interval": interval}
+    out: dict[str, Any] = {
+        "method": method,
+        "adjacency": adjacency,
+        "names": names,
+        "delta": delta,
+        "value_discretization_interval": interval,
+    }
     if target_epsilon is not None:
         target_epsilon = check_epsilon(target_epsilon, "--target-epsilon", zero=True)
         missing = [i for i, a in enumerate(accuracies) if a is None]
@@ -181,30 +214,51 @@ def account(method: str, data: Any, *, delta: float, weights: list[float] | None
         profiles = rs_profiles(models, adjacency=adjacency, value_discretization_interval=interval)
         singles = [p.epsilon(delta) for p in profiles]
         if target_epsilon is not None:
-            choice = choose_pi(profiles, accuracies, target_epsilon, delta, accountant=accountant,
-                               value_discretization_interval=interval)
+            choice = choose_pi(
+                profiles,
+                accuracies,
+                target_epsilon,
+                delta,
+                accountant=accountant,
+                value_discretization_interval=interval,
+            )
             weights, eps = list(choice.weights), choice.epsilon
-            out.update(target_epsilon=target_epsilon, accountant=accountant, saturated=choice.saturated,
-                       expected_accuracy=choice.utility)
+            out.update(
+                target_epsilon=target_epsilon,
+                accountant=accountant,
+                saturated=choice.saturated,
+                expected_accuracy=choice.utility,
+            )
         else:
             eps = rs_epsilon(profiles, weights, delta, value_discretization_interval=interval)
     else:
         singles = [privacy_profile(m, value_discretization_interval=interval).epsilon(delta) for m in models]
         if target_epsilon is not None:
-            choice = choose_lam(models, accuracies, target_epsilon, delta, accountant=accountant,
-                                value_discretization_interval=interval)
+            choice = choose_lam(
+                models, accuracies, target_epsilon, delta, accountant=accountant, value_discretization_interval=interval
+            )
             weights = list(choice.weights)
-            out.update(target_epsilon=target_epsilon, accountant=accountant, saturated=choice.saturated,
-                       accuracy_proxy=choice.utility, accuracy_note=LC_PROXY_NOTE)
+            out.update(
+                target_epsilon=target_epsilon,
+                accountant=accountant,
+                saturated=choice.saturated,
+                accuracy_proxy=choice.utility,
+                accuracy_note=LC_PROXY_NOTE,
+            )
         report = lc_report(models, weights, delta, value_discretization_interval=interval)
         eps = report.epsilon
         out["bound"] = report.bound
         out["surrogate"] = None if report.surrogate is None else report.surrogate.to_dict()
-    if weights is not None and all(a is not None for a in accuracies) and "expected_accuracy" not in out and method == "rs":
-        out["expected_accuracy"] = sum(w * a for w, a in zip(weights, accuracies))
+    if (
+        weights is not None
+        and all(a is not None for a in accuracies)
+        and "expected_accuracy" not in out
+        and method == "rs"
+    ):
+        out["expected_accuracy"] = sum(w * a for w, a in zip(weights, accuracies, strict=True))
     out["weights"] = [float(w) for w in weights]
     out["epsilon"] = eps.to_dict()
-    out["per_model"] = [{"name": n, "epsilon": e.to_dict()} for n, e in zip(names, singles)]
+    out["per_model"] = [{"name": n, "epsilon": e.to_dict()} for n, e in zip(names, singles, strict=True)]
     return out
 
 
@@ -227,8 +281,15 @@ def run(args) -> int:
     data = _read(args.models)
     count = len(data.get("models", [])) if isinstance(data, dict) and isinstance(data.get("models"), list) else 0
     weights = _weights(args.weights, count) if args.weights is not None else None
-    result = account(args.method, data, delta=args.delta, weights=weights, target_epsilon=args.target_epsilon,
-                     accountant=args.accountant, interval=args.interval)
+    result = account(
+        args.method,
+        data,
+        delta=args.delta,
+        weights=weights,
+        target_epsilon=args.target_epsilon,
+        accountant=args.accountant,
+        interval=args.interval,
+    )
     if args.json:
         json.dump(result, sys.stdout, indent=2, allow_nan=False)
         sys.stdout.write("\n")
@@ -236,7 +297,7 @@ def run(args) -> int:
     name_width = max(5, *(len(n) for n in result["names"]))
     print(f"{result['method'].upper()} merge, unit: one record ({result['adjacency']}), delta = {result['delta']:g}")
     print(f"{'model':<{name_width}}  {'weight':>8}  {'eps (PLD)':>10}  {'eps (RDP)':>10}")
-    for name, w, single in zip(result["names"], result["weights"], result["per_model"]):
+    for name, w, single in zip(result["names"], result["weights"], result["per_model"], strict=True):
         e = single["epsilon"]
         print(f"{name:<{name_width}}  {w:>8.4f}  {_fmt(e['pld']):>10}  {_fmt(e['rdp']):>10}")
     e = result["epsilon"]
@@ -245,16 +306,23 @@ def run(args) -> int:
         line += f", {_fmt(e['closed_form'])} (closed form)"
     print(line)
     if result["method"] == "lc":
-        what = ("composition of the models with weight > 0: proven for any training" if result["bound"] == "composition"
-                else "per-step surrogate: every merged model declares state-independent gradients")
+        what = (
+            "composition of the models with weight > 0: proven for any training"
+            if result["bound"] == "composition"
+            else "per-step surrogate: every merged model declares state-independent gradients"
+        )
         print(f"charged bound: {what}")
         sur = result["surrogate"]
         if sur is not None and result["bound"] != "surrogate":
-            print(f"per-step surrogate (NOT a bound for these models): mu = {_fmt(sur['mu'])}, epsilon = {_fmt(sur['pld'])} (PLD), "
-                  f"{_fmt(sur['rdp'])} (RDP); valid only when {sur['valid_when']}")
+            print(
+                f"per-step surrogate (NOT a bound for these models): mu = {_fmt(sur['mu'])}, epsilon = {_fmt(sur['pld'])} (PLD), "
+                f"{_fmt(sur['rdp'])} (RDP); valid only when {sur['valid_when']}"
+            )
     if "target_epsilon" in result:
-        print(f"target epsilon {result['target_epsilon']:g} by {result['accountant']}: "
-              f"{'budget saturated' if result['saturated'] else 'met with room to spare'}")
+        print(
+            f"target epsilon {result['target_epsilon']:g} by {result['accountant']}: "
+            f"{'budget saturated' if result['saturated'] else 'met with room to spare'}"
+        )
     if "expected_accuracy" in result:
         print(f"expected accuracy: {result['expected_accuracy']:.4f}")
     if "accuracy_note" in result:
@@ -264,4 +332,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["register", "run", "account", "parse_models"]
+__all__ = ["account", "parse_models", "register", "run"]

@@ -28,14 +28,28 @@ from importlib.metadata import EntryPoint, entry_points
 from peer.base.errors import PrivFusionError
 
 # Modules in peer.cli, each with register(subparsers).
-COMMAND_MODULES: tuple[str, ...] = ("ledger", "account", "pool", "merge", "experiment", "peer", "release", "model", "probe", "site", "evaluate")
+COMMAND_MODULES: tuple[str, ...] = (
+    "ledger",
+    "account",
+    "pool",
+    "merge",
+    "experiment",
+    "peer",
+    "release",
+    "model",
+    "probe",
+    "site",
+    "evaluate",
+)
 
 # Entry points: name = the command, object = register(subparsers) adding that command.
 COMMAND_GROUP = "privfusion.commands"
 # What this project's pyproject.toml declares there (named only to explain their absence).
 PROJECT_ENTRY_COMMANDS: tuple[str, ...] = ("round", "roster", "simulate", "demo")
-_NOT_INSTALLED = (f"the commands of the entry-point group {COMMAND_GROUP!r} ({', '.join(PROJECT_ENTRY_COMMANDS)}) "
-                  "are not installed: install the privfusion package (pip install -e .)")
+_NOT_INSTALLED = (
+    f"the commands of the entry-point group {COMMAND_GROUP!r} ({', '.join(PROJECT_ENTRY_COMMANDS)}) "
+    "are not installed: install the privfusion package (pip install -e .)"
+)
 
 
 def command_entry_points() -> dict[str, EntryPoint]:

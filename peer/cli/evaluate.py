@@ -31,8 +31,9 @@ not differentially private (do not publish them as such).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,21 +49,23 @@ MODEL_RELEASE_KINDS = ("weights", "merged", "fused")
 def classification_metrics(y_true: np.ndarray, proba: np.ndarray, classes: Sequence[Any]) -> dict:
     """The scores of predicted class probabilities ``proba`` (m, K) against labels ``y_true``
     (class indices 0..K−1); see the module docstring for the definitions."""
-    from sklearn.metrics import (accuracy_score, confusion_matrix, f1_score, precision_score, recall_score,
-                                 roc_auc_score)
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_score, recall_score, roc_auc_score
 
     y_true = np.asarray(y_true, dtype=np.int64)
     proba = np.asarray(proba, dtype=np.float64)
     k = len(classes)
     if proba.ndim != 2 or proba.shape != (len(y_true), k):
-        raise InvalidArgument("model", f"gives {proba.shape[1] if proba.ndim == 2 else '?'} outputs per record but the "
-                                       f"preprocessing has {k} classes {list(classes)}: they do not belong together")
+        raise InvalidArgument(
+            "model",
+            f"gives {proba.shape[1] if proba.ndim == 2 else '?'} outputs per record but the "
+            f"preprocessing has {k} classes {list(classes)}: they do not belong together",
+        )
     if len(y_true) == 0:
         raise InvalidArgument("--data", "holds no records")
     y_pred = proba.argmax(axis=1)
     labels = list(range(k))
     out = {
-        "records": int(len(y_true)),
+        "records": len(y_true),
         "classes": [c if isinstance(c, (int, str)) else str(c) for c in classes],
         "accuracy": float(accuracy_score(y_true, y_pred)),
         "macro_f1": float(f1_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)),
@@ -77,8 +80,6 @@ def classification_metrics(y_true: np.ndarray, proba: np.ndarray, classes: Seque
 
 
 # ------------------------------------------------------------------------------ what to score
-
-
 
 
 def site_models_dir(site: str | Path) -> Path:
@@ -110,11 +111,15 @@ def site_default_preprocessing(site: str | Path, name: str | None = None):
             key = json.dumps(p.to_dict(), sort_keys=True)
             found.setdefault(key, (p, []))[1].append(n)
     if not found:
-        raise FailedPrecondition(f"--site: no model in {store} holds a preprocessing (train one with privfusion model train)")
+        raise FailedPrecondition(
+            f"--site: no model in {store} holds a preprocessing (train one with privfusion model train)"
+        )
     if len(found) > 1:
         groups = [names for _, names in found.values()]
-        raise FailedPrecondition(f"--preprocessing-from: the site's models were prepared differently ({groups}); name the one "
-                                 "whose preprocessing the probe set was made with")
+        raise FailedPrecondition(
+            f"--preprocessing-from: the site's models were prepared differently ({groups}); name the one "
+            "whose preprocessing the probe set was made with"
+        )
     p, names = next(iter(found.values()))
     return p, f"the site's default (shared by its models {names})"
 
@@ -144,8 +149,11 @@ def describe_file_model(metadata: Mapping[str, Any]) -> str:
     if isinstance(release, Mapping):
         kind = release.get("kind")
         if kind not in MODEL_RELEASE_KINDS:
-            raise InvalidArgument("--model", f"is a {kind!r} release, which holds no model; "
-                                             f"a model is in a {' / '.join(MODEL_RELEASE_KINDS)} release")
+            raise InvalidArgument(
+                "--model",
+                f"is a {kind!r} release, which holds no model; "
+                f"a model is in a {' / '.join(MODEL_RELEASE_KINDS)} release",
+            )
         return "release"
     if "round" in metadata:
         return "round"
@@ -184,9 +192,15 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
         if "adopted" in stored.metadata:  # where an adopted model came from (privfusion model adopt)
             described["adopted"] = stored.metadata["adopted"]
         return stored, prep, described
-    if store is not None and NAME_RULE.match(model) and not Path(model + ".json").exists() \
-            and not Path(model).with_suffix(".json").exists():
-        raise NotFound(f"--model: {model!r} is neither a model of the site's store {str(store)!r} nor a model file pair")
+    if (
+        store is not None
+        and NAME_RULE.match(model)
+        and not Path(model + ".json").exists()
+        and not Path(model).with_suffix(".json").exists()
+    ):
+        raise NotFound(
+            f"--model: {model!r} is neither a model of the site's store {str(store)!r} nor a model file pair"
+        )
     directory, name = release_pair(model)
     stored = load_model_pair(directory / name)
     kind = describe_file_model(stored.metadata)
@@ -194,23 +208,30 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
     source = f"stored with the model {name!r}"
     if prep is None or preprocessing_from is not None:
         if site is None:
-            raise InvalidArgument("--site", f"{model} ({kind}) carries no preprocessing: give --site DIR (and "
-                                            "--preprocessing-from NAME) to prepare the file as that site's model was")
+            raise InvalidArgument(
+                "--site",
+                f"{model} ({kind}) carries no preprocessing: give --site DIR (and "
+                "--preprocessing-from NAME) to prepare the file as that site's model was",
+            )
         pooled = site_pool_preprocessing(site) if kind == "merge" and preprocessing_from is None else None
         prep, source = pooled or site_default_preprocessing(site, preprocessing_from)
         source += f" (a {kind} carries none)" if preprocessing_from is None else ""
     return stored, prep, {"model": str(model), "kind": kind, "preprocessing": source}
 
 
-def evaluate(model: str, data: str, label: str, site: str | None = None,
-             preprocessing_from: str | None = None) -> dict:
+def evaluate(model: str, data: str, label: str, site: str | None = None, preprocessing_from: str | None = None) -> dict:
     """Score ``model`` on the labelled file ``data`` (see the module docstring)."""
     from peer.nn.architectures import predict_proba
     from peer.nn.tables import read_table
 
     stored, prep, described = load_for_scoring(model, site, preprocessing_from)
-    table = read_table(data, label=label, features=prep.features, categorical=prep.categorical,
-                       missing="impute" if prep.imputes else "refuse")
+    table = read_table(
+        data,
+        label=label,
+        features=prep.features,
+        categorical=prep.categorical,
+        missing="impute" if prep.imputes else "refuse",
+    )
     x, y = prep.transform(table)
     if prep.input_shape is not None:
         x = x.reshape((len(x), *prep.input_shape))
@@ -227,7 +248,9 @@ def _evaluate(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
         return 0
-    print(f"{result['kind']} {result['model']} on {result['data']} ({result['records']} records, label {result['label']!r})")
+    print(
+        f"{result['kind']} {result['model']} on {result['data']} ({result['records']} records, label {result['label']!r})"
+    )
     print(f"preprocessing: {result['preprocessing']}")
     for key in ("accuracy", "macro_f1", "weighted_f1", "macro_recall", "macro_precision", "auroc"):
         if key in result:
@@ -240,13 +263,24 @@ def _evaluate(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("evaluate", help="score a model (own, adopted, fused, merged or a release) on local held-out records")
+    p = subparsers.add_parser(
+        "evaluate", help="score a model (own, adopted, fused, merged or a release) on local held-out records"
+    )
     p.add_argument("--site", metavar="DIR", help="the site directory (its models, and the preprocessing of a release)")
-    p.add_argument("--model", required=True, metavar="NAME|FILE",
-                   help="a model of --site, or a model file pair FILE(.safetensors + .json): a release or a round's fused model")
-    p.add_argument("--data", required=True, metavar="FILE", help="labelled held-out records (.csv, .tsv, .parquet, .npz)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME|FILE",
+        help="a model of --site, or a model file pair FILE(.safetensors + .json): a release or a round's fused model",
+    )
+    p.add_argument(
+        "--data", required=True, metavar="FILE", help="labelled held-out records (.csv, .tsv, .parquet, .npz)"
+    )
     p.add_argument("--label", required=True, metavar="COL", help="the label column")
-    p.add_argument("--preprocessing-from", metavar="NAME",
-                   help="a model of --site whose preprocessing prepares the file (default: the model's own, else the site's)")
+    p.add_argument(
+        "--preprocessing-from",
+        metavar="NAME",
+        help="a model of --site whose preprocessing prepares the file (default: the model's own, else the site's)",
+    )
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.set_defaults(func=_evaluate)

@@ -1,6 +1,6 @@
 """``privfusion experiment fusion``: the paper's Table I — fusion methods on digits.
 
-    privfusion experiment fusion --dataset digits [--model mlp|cnn] [--json] [--seed N]
+privfusion experiment fusion --dataset digits [--model mlp|cnn] [--json] [--seed N]
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ import sys
 def register_experiment(group) -> None:
     f = group.add_parser("fusion", help="Table I: fusion methods on digits, homogeneous and heterogeneous splits")
     f.add_argument("--dataset", choices=["digits"], default="digits")
-    f.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp",
-                   help="MLP 64-128-128-10, CNN 16-32 conv + 128, or a residual CNN with BatchNorm (16, 32 channels)")
+    f.add_argument(
+        "--model",
+        choices=["mlp", "cnn", "resnet"],
+        default="mlp",
+        help="MLP 64-128-128-10, CNN 16-32 conv + 128, or a residual CNN with BatchNorm (16, 32 channels)",
+    )
     f.add_argument("--seed", type=int, default=0, help="seed for data splits, training and (fixed, reported) noise")
     f.add_argument("--epochs", type=int, default=40)
     f.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
@@ -24,7 +28,10 @@ def _fusion(args) -> int:
     from peer.experiments.fusion import FusionConfig, run
 
     cfg = FusionConfig(model=args.model, seed=args.seed, epochs=args.epochs)
-    progress = (lambda s: print(f"  {s}", file=sys.stderr, flush=True))
+
+    def progress(s: str) -> None:
+        print(f"  {s}", file=sys.stderr, flush=True)
+
     results = run(cfg, progress)
     if args.json:
         json.dump(results, sys.stdout, indent=2)
@@ -43,8 +50,18 @@ def format_fusion_table(results: dict) -> str:
         a, v = max(sweep, key=lambda t: t[1])
         return f"{100 * v:5.1f} (α={a:.1f})"
 
-    names = ["model_a", "model_b", "vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble",
-             "weight_matching", "graph_matching", "graph_matching_repair", "group_matching", "group_matching_repair"]
+    names = [
+        "model_a",
+        "model_b",
+        "vanilla_averaging",
+        "vanilla_averaging_repair",
+        "prediction_ensemble",
+        "weight_matching",
+        "graph_matching",
+        "graph_matching_repair",
+        "group_matching",
+        "group_matching_repair",
+    ]
     for name in (n for n in names if n in results[splits[0]]["methods"]):
         cells = []
         for s in splits:
@@ -60,15 +77,22 @@ def format_fusion_table(results: dict) -> str:
             for s in splits:
                 r = results[s]
                 sweep = r["alpha_sweep"].get(f"{key}_eps{eps}")  # the resnet rows have α = ½ only
-                cells.append(f"{100 * r[key][eps]:5.1f}" + (f"   best {best(sweep)}" if sweep else "")
-                             + f"   perm. agreement {100 * r['permutation_agreement'][f'{key}_eps{eps}']:.0f}%")
+                cells.append(
+                    f"{100 * r[key][eps]:5.1f}"
+                    + (f"   best {best(sweep)}" if sweep else "")
+                    + f"   perm. agreement {100 * r['permutation_agreement'][f'{key}_eps{eps}']:.0f}%"
+                )
             rows.append((f"{label} ε={eps}", cells))
         for eps in results[splits[0]].get(f"{key}_repair", {}):
-            rows.append((f"{label} ε={eps} + REPAIR", [f"{100 * results[s][f'{key}_repair'][eps]:5.1f}" for s in splits]))
+            rows.append(
+                (f"{label} ε={eps} + REPAIR", [f"{100 * results[s][f'{key}_repair'][eps]:5.1f}" for s in splits])
+            )
     width = max(len(r[0]) for r in rows)
     colw = max(len(c) for _, cells in rows for c in cells)
-    lines = [f"{'method':<{width}}  " + "  ".join(f"{s:<{colw}}" for s in splits),
-             f"{'':<{width}}  " + "  ".join(f"{'acc % at α=0.5':<{colw}}" for _ in splits)]
+    lines = [
+        f"{'method':<{width}}  " + "  ".join(f"{s:<{colw}}" for s in splits),
+        f"{'':<{width}}  " + "  ".join(f"{'acc % at α=0.5':<{colw}}" for _ in splits),
+    ]
     lines.append("-" * len(lines[0]))
     for name, cells in rows:
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c:<{colw}}" for c in cells))

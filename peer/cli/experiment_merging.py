@@ -16,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 
 
-
 def run_merging(args: argparse.Namespace) -> int:
     from peer.nn.architectures import torch_threads
+
     with torch_threads(1):
         return _run_merging(args)
 
@@ -33,7 +33,9 @@ def _run_merging(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = run(settings)
-    result["files"] = {name: str(out / name) for name in ("merging.json", "merging.md", "mean_estimation.png", "digits_frontier.png")}
+    result["files"] = {
+        name: str(out / name) for name in ("merging.json", "merging.md", "mean_estimation.png", "digits_frontier.png")
+    }
     plot_mean_estimation(result["mean_estimation"], out / "mean_estimation.png", settings.delta)
     plot_digits(result["digits"], out / "digits_frontier.png", settings.delta)
     (out / "merging.md").write_text(markdown(result))
@@ -45,26 +47,37 @@ def _run_merging(args: argparse.Namespace) -> int:
         sv = result["digits"]["pld_savings"]
         f = result["mean_estimation"]["findings"]
         fb = result["digits"]["findings"]
-        print(f"(a) state-independent gradients, LC charged by the surrogate: LC dominates RS: {f['lc_dominates_rs']}; "
-              f"PLD no worse than RDP: {f['pld_no_worse_than_rdp']}")
+        print(
+            f"(a) state-independent gradients, LC charged by the surrogate: LC dominates RS: {f['lc_dominates_rs']}; "
+            f"PLD no worse than RDP: {f['pld_no_worse_than_rdp']}"
+        )
         beats = ", ".join(f"{t:.3g}" for t in fb["lc_beats_rs_at"]) or "no target"
         print(f"(b) networks, LC charged by composition (the surrogate is not a bound): LC beats RS at {beats}")
         for r in fb["surrogate_releases_proven_cost"]:
-            print(f"(b) the surrogate's release at target {r['target_epsilon']:.3g} claims epsilon {r['surrogate_epsilon']:.3g}, "
-                  f"proven cost {r['proven_epsilon']:.3g}")
+            print(
+                f"(b) the surrogate's release at target {r['target_epsilon']:.3g} claims epsilon {r['surrogate_epsilon']:.3g}, "
+                f"proven cost {r['proven_epsilon']:.3g}"
+            )
         for method in ("rs", "lc"):
             if sv[method]["saving_mean"] is not None:
-                print(f"(b) {method.upper()}: PLD saves {100 * sv[method]['saving_mean']:.1f}% of the budget on average "
-                      f"({100 * sv[method]['saving_vs_classical_mean']:.1f}% against the classical RDP conversion)")
+                print(
+                    f"(b) {method.upper()}: PLD saves {100 * sv[method]['saving_mean']:.1f}% of the budget on average "
+                    f"({100 * sv[method]['saving_vs_classical_mean']:.1f}% against the classical RDP conversion)"
+                )
         print(f"wrote {', '.join(result['files'].values())}")
     return 0
 
 
 def register_experiment(sub) -> None:
-    p = sub.add_parser("merging", help="DP model merging: Gaussian mean estimation and digits logistic regression (RS vs LC, PLD vs RDP)")
+    p = sub.add_parser(
+        "merging",
+        help="DP model merging: Gaussian mean estimation and digits logistic regression (RS vs LC, PLD vs RDP)",
+    )
     p.add_argument("--out", required=True, help="directory for the JSON, markdown tables and PNG figures")
     p.add_argument("--json", action="store_true", help="also print the JSON result on stdout")
     p.add_argument("--quick", action="store_true", help="reduced sizes (seconds; for tests)")
-    p.add_argument("--seed", type=int, default=0, help="fixed seed of data, training noise and draws (reported; default 0)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="fixed seed of data, training noise and draws (reported; default 0)"
+    )
     p.add_argument("--delta", type=float, default=1e-5)
     p.set_defaults(func=run_merging)

@@ -6,8 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from peer.base.errors import NotFound
+
+if TYPE_CHECKING:  # for annotations only: the commands import the ledger when they run
+    from peer.budget.ledger import Ledger
+    from peer.budget.policy import Policy
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,12 +23,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "show",
         help="entries and spent budgets (filter ε and PLD ε) of a ledger file",
         description="Show a ledger's entries and, per budget (level, unit, model, counterparty), what "
-                    "was spent by the filter's RDP-derived ε and by PLD composition, and what remains.",
+        "was spent by the filter's RDP-derived ε and by PLD composition, and what remains.",
     )
     show.add_argument("--db", required=True, help="the ledger's SQLite file")
     show.add_argument("--counterparty", help="only entries to this peer and the budgets that concern it")
-    show.add_argument("--policy", help="a site.toml whose [policy] gives the limits (default: the limits "
-                                       "recorded with the last charge of each budget)")
+    show.add_argument(
+        "--policy",
+        help="a site.toml whose [policy] gives the limits (default: the limits "
+        "recorded with the last charge of each budget)",
+    )
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.add_argument("--no-pld", action="store_true", help="skip the PLD composition (faster)")
     show.set_defaults(func=run_show)
@@ -32,6 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_show(args: argparse.Namespace) -> int:
     from peer.budget.ledger import Ledger
     from peer.budget.policy import Policy
+
     policy = Policy.from_toml(args.policy) if args.policy else None
     ledger = Ledger(args.db) if policy is None else _open_with_policy(args.db, policy)
     try:
@@ -48,17 +57,23 @@ def run_show(args: argparse.Namespace) -> int:
     print(f"{'budget':40} {'limit (ε, δ)':>18} {'n':>5} {'spent ε filter':>15} {'spent ε PLD':>12} {'remaining ε':>12}")
     for b in summary["budgets"]:
         limit = "unknown" if b["epsilon_limit"] is None else f"({b['epsilon_limit']:g}, {b['delta_limit']:g})"
-        print(f"{b['budget']:40} {limit:>18} {b['count']:>5} {_num(b['spent_epsilon_filter']):>15} "
-              f"{_num(b['spent_epsilon_pld']):>12} {_num(b['remaining_epsilon_filter']):>12}")
+        print(
+            f"{b['budget']:40} {limit:>18} {b['count']:>5} {_num(b['spent_epsilon_filter']):>15} "
+            f"{_num(b['spent_epsilon_pld']):>12} {_num(b['remaining_epsilon_filter']):>12}"
+        )
     notes = {b["pld_note"] for b in summary["budgets"] if b["pld_note"]}
     for note in sorted(notes):
         print(f"  PLD: {note}")
     print()
-    print(f"{'#':>5} {'charged at':27} {'release':32} {'mechanism':10} {'level':6} {'unit':18} "
-          f"{'counterparty':14} {'subject':14} {'ε':>8} {'δ':>8}")
+    print(
+        f"{'#':>5} {'charged at':27} {'release':32} {'mechanism':10} {'level':6} {'unit':18} "
+        f"{'counterparty':14} {'subject':14} {'ε':>8} {'δ':>8}"
+    )
     for e in summary["entries"]:
-        print(f"{e['entry_id']:>5} {e['charged_at']:27} {e['release_id'][:32]:32} {e['mechanism']:10} {e['level']:6} "
-              f"{e['unit']:18} {e['counterparty'][:14]:14} {e['subject'][:14]:14} {e['epsilon']:>8.4g} {e['delta']:>8.2g}")
+        print(
+            f"{e['entry_id']:>5} {e['charged_at']:27} {e['release_id'][:32]:32} {e['mechanism']:10} {e['level']:6} "
+            f"{e['unit']:18} {e['counterparty'][:14]:14} {e['subject'][:14]:14} {e['epsilon']:>8.4g} {e['delta']:>8.2g}"
+        )
     return 0
 
 
@@ -68,6 +83,7 @@ def _num(x: float | None) -> str:
 
 def _open_with_policy(path: str, policy: Policy) -> Ledger:
     from peer.budget.ledger import Ledger
+
     if not Path(path).exists():  # showing must never create a ledger
         raise NotFound(f"no ledger at {path}")
     return Ledger(path, policy)

@@ -20,8 +20,12 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from peer.base.errors import InvalidArgument
+
+if TYPE_CHECKING:  # for annotations only: the merge code (torch) is imported when a command runs
+    from peer.dp.merging import MergedModel
 
 
 @dataclass(frozen=True)
@@ -40,51 +44,73 @@ def merge_request(args: argparse.Namespace) -> MergeRequest:
 
 def obtain_merge(request: MergeRequest, args: argparse.Namespace) -> MergedModel:
     """Serve the request from the local pool ``args.pool``."""
-    from peer.dp.pools import load_pool, load_validation_file, merge_pool
     from peer.base.rng import make_randomness
+    from peer.dp.pools import load_pool, load_validation_file, merge_pool
+
     pool = load_pool(args.pool)
     validation = None if args.validation == "pool" else load_validation_file(args.validation)
-    return merge_pool(pool, request.method, request.target_epsilon, request.delta, validation=validation,
-                      accountant=request.accountant, randomness=make_randomness(args.seed))
+    return merge_pool(
+        pool,
+        request.method,
+        request.target_epsilon,
+        request.delta,
+        validation=validation,
+        accountant=request.accountant,
+        randomness=make_randomness(args.seed),
+    )
 
 
 def run_via(request: MergeRequest, args: argparse.Namespace) -> int:
     """Ask the peer at ``args.via`` for a merge of its pool ``args.pool`` (the remote form)."""
-    from peer.net.client import save_release, verify_upstream
     from peer.cli.peer import client_from_args
+    from peer.net.client import save_release, verify_upstream
 
     if not args.identity:
         raise InvalidArgument("--identity", "is required with --via (this site's identity directory)")
     if args.validation != "pool" or args.seed is not None:
-        raise InvalidArgument("--via", "the peer merges with its own validation split and CSPRNG; --validation and --seed are local options")
+        raise InvalidArgument(
+            "--via",
+            "the peer merges with its own validation split and CSPRNG; --validation and --seed are local options",
+        )
     with client_from_args(args) as c:
-        release = c.merged(args.pool, method=request.method, epsilon=request.target_epsilon, delta=request.delta, out=args.out)
+        release = c.merged(
+            args.pool, method=request.method, epsilon=request.target_epsilon, delta=request.delta, out=args.out
+        )
         weights_path, doc_path = save_release(release, args.out, verify_upstream(release, c.trust))
     record = release.receipt.record
     choice = release.metadata.get("choice", {})
-    out = {**choice, "weights_name": "pi" if request.method == "rs" else "lam", "record": record.to_dict(),
-           "signer": release.receipt.signer, "ledger_entry_id": release.receipt.ledger_entry_id,
-           "files": {"weights": str(weights_path), "release": str(doc_path)}}
+    out = {
+        **choice,
+        "weights_name": "pi" if request.method == "rs" else "lam",
+        "record": record.to_dict(),
+        "signer": release.receipt.signer,
+        "ledger_entry_id": release.receipt.ledger_entry_id,
+        "files": {"weights": str(weights_path), "release": str(doc_path)},
+    }
     if args.json:
         json.dump(out, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
         weights = ", ".join(f"{w:.4f}" for w in choice.get("weights", []))
-        print(f"{request.method.upper()} merge of {release.receipt.signer}:{args.pool}: {out['weights_name']} = [{weights}] -> "
-              f"{record.mechanism}, epsilon {record.epsilon:.4f} (PLD) at delta {record.delta:g}; "
-              f"charged to {release.receipt.signer}'s ledger as entry {release.receipt.ledger_entry_id}; signature verified")
+        print(
+            f"{request.method.upper()} merge of {release.receipt.signer}:{args.pool}: {out['weights_name']} = [{weights}] -> "
+            f"{record.mechanism}, epsilon {record.epsilon:.4f} (PLD) at delta {record.delta:g}; "
+            f"charged to {release.receipt.signer}'s ledger as entry {release.receipt.ledger_entry_id}; signature verified"
+        )
         print(f"wrote {weights_path} and {doc_path}")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from peer.nn.architectures import torch_threads
+
     with torch_threads(1):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
     from peer.dp.pools import save_merged
+
     request = merge_request(args)
     if args.via:
         return run_via(request, args)
@@ -102,23 +128,37 @@ def _run(args: argparse.Namespace) -> int:
     else:
         eps = merged.choice.epsilon
         weights = ", ".join(f"{w:.4f}" for w in merged.choice.weights)
-        print(f"{request.method.upper()} merge: {out['weights_name']} = [{weights}] -> epsilon {eps.pld:.4f} (PLD), "
-              f"{eps.rdp:.4f} (RDP) at delta {request.delta:g}; validation utility {merged.choice.utility:.4f}")
+        print(
+            f"{request.method.upper()} merge: {out['weights_name']} = [{weights}] -> epsilon {eps.pld:.4f} (PLD), "
+            f"{eps.rdp:.4f} (RDP) at delta {request.delta:g}; validation utility {merged.choice.utility:.4f}"
+        )
         print(f"wrote {weights_path} and {record_path}")
     return 0
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("merge", help="release an RS or LC merge of a DP-SGD pool at a target (epsilon, delta)")
-    p.add_argument("--pool", required=True, help="pool directory (privfusion pool train); with --via, the peer's pool name")
+    p.add_argument(
+        "--pool", required=True, help="pool directory (privfusion pool train); with --via, the peer's pool name"
+    )
     p.add_argument("--target-epsilon", type=float, required=True)
     p.add_argument("--delta", type=float, required=True)
-    p.add_argument("--method", required=True, choices=("rs", "lc"), help="rs: random selection; lc: linear combination (full-batch models only)")
+    p.add_argument(
+        "--method",
+        required=True,
+        choices=("rs", "lc"),
+        help="rs: random selection; lc: linear combination (full-batch models only)",
+    )
     p.add_argument("--out", required=True, help="output weights file (FILE.safetensors; the stem names the model)")
-    p.add_argument("--validation", default="pool",
-                   help="data judging candidates: 'pool' (the held-out split the pool was trained beside; default) or an .npz with x and y. "
-                        "It must not be part of the protected training data")
-    p.add_argument("--accountant", default="pld", choices=("pld", "rdp"), help="the accountant the target is met by (default pld)")
+    p.add_argument(
+        "--validation",
+        default="pool",
+        help="data judging candidates: 'pool' (the held-out split the pool was trained beside; default) or an .npz with x and y. "
+        "It must not be part of the protected training data",
+    )
+    p.add_argument(
+        "--accountant", default="pld", choices=("pld", "rdp"), help="the accountant the target is met by (default pld)"
+    )
     p.add_argument("--seed", type=int, default=None, help="fixed seed for the RS draw (tests only; default: CSPRNG)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     remote = p.add_argument_group("asking a peer instead (the peer merges its own pool and charges its ledger)")

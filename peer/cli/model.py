@@ -57,7 +57,9 @@ class SitePaths:
         if name is not None:
             if self.configured and self.pools:
                 if name not in self.pools:
-                    raise InvalidArgument("--pool", f"site.toml has no [site.pools.{name}]; it has {sorted(self.pools)}")
+                    raise InvalidArgument(
+                        "--pool", f"site.toml has no [site.pools.{name}]; it has {sorted(self.pools)}"
+                    )
                 return name, self.pools[name]
             return name, self.root / name
         if len(self.pools) == 1:
@@ -80,27 +82,59 @@ def site_paths(directory: str | Path) -> SitePaths:
     from peer.net.site import SiteConfig
 
     c = SiteConfig.load(config)
-    return SitePaths(root, c.models, c.probe or root / "probe.safetensors", dict(c.pools), dict(c.pool_validation), True)
+    return SitePaths(
+        root, c.models, c.probe or root / "probe.safetensors", dict(c.pools), dict(c.pool_validation), True
+    )
 
 
 def add_record_options(p: argparse.ArgumentParser, *, required: bool = True) -> None:
-    p.add_argument("--data", required=required, metavar="FILE", help="the site's records: .csv, .tsv, .parquet or .npz (arrays x and the label)")
-    p.add_argument("--label", required=required, metavar="COL", help="the label column (for .npz: the label array, usually y)")
-    p.add_argument("--features", nargs="+", metavar="COL", help="feature columns, in order (default: every column but the label)")
-    p.add_argument("--categorical", nargs="+", default=[], metavar="COL",
-                   help="columns to one-hot even though they hold numbers (codes); a column with no numbers is categorical anyway")
-    p.add_argument("--impute", action="store_true",
-                   help="fill missing cells (training mean / most frequent category, recorded in the preprocessing) instead of refusing them")
-    p.add_argument("--allow-unseen", action="store_true",
-                   help="later records may hold categories the training split never saw: they become all-zero one-hot (default: refused)")
-    p.add_argument("--preprocessing", metavar="JSON",
-                   help="use this preprocessing (a JSON file of one, or a model manifest NAME.json holding one) instead of fitting one, "
-                        "e.g. one fitted on public data that several sites share")
-    p.add_argument("--public", metavar="FILE",
-                   help="fit the preprocessing on these PUBLIC records (same columns) instead of the training split "
-                        "(required for a DP pool; the statistics then reveal nothing of the protected records)")
-    p.add_argument("--validation-fraction", type=float, default=0.2,
-                   help="share of the records held out to report accuracy (default 0.2); never trained on")
+    p.add_argument(
+        "--data",
+        required=required,
+        metavar="FILE",
+        help="the site's records: .csv, .tsv, .parquet or .npz (arrays x and the label)",
+    )
+    p.add_argument(
+        "--label", required=required, metavar="COL", help="the label column (for .npz: the label array, usually y)"
+    )
+    p.add_argument(
+        "--features", nargs="+", metavar="COL", help="feature columns, in order (default: every column but the label)"
+    )
+    p.add_argument(
+        "--categorical",
+        nargs="+",
+        default=[],
+        metavar="COL",
+        help="columns to one-hot even though they hold numbers (codes); a column with no numbers is categorical anyway",
+    )
+    p.add_argument(
+        "--impute",
+        action="store_true",
+        help="fill missing cells (training mean / most frequent category, recorded in the preprocessing) instead of refusing them",
+    )
+    p.add_argument(
+        "--allow-unseen",
+        action="store_true",
+        help="later records may hold categories the training split never saw: they become all-zero one-hot (default: refused)",
+    )
+    p.add_argument(
+        "--preprocessing",
+        metavar="JSON",
+        help="use this preprocessing (a JSON file of one, or a model manifest NAME.json holding one) instead of fitting one, "
+        "e.g. one fitted on public data that several sites share",
+    )
+    p.add_argument(
+        "--public",
+        metavar="FILE",
+        help="fit the preprocessing on these PUBLIC records (same columns) instead of the training split "
+        "(required for a DP pool; the statistics then reveal nothing of the protected records)",
+    )
+    p.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.2,
+        help="share of the records held out to report accuracy (default 0.2); never trained on",
+    )
     p.add_argument("--split-seed", type=int, default=0, help="public seed of the train/validation split (default 0)")
 
 
@@ -128,10 +162,18 @@ def records_from_args(args: argparse.Namespace):
     if args.preprocessing and args.public:
         raise InvalidArgument("--public", "give --preprocessing or --public (a file to fit one on), not both")
     given = read_preprocessing(args.preprocessing) if args.preprocessing else None
-    return prepare_records(args.data, label=args.label, features=args.features, categorical=args.categorical,
-                           missing="impute" if args.impute else "refuse", unseen="zeros" if args.allow_unseen else "refuse",
-                           validation_fraction=args.validation_fraction, split_seed=args.split_seed, preprocessing=given,
-                           public=args.public)
+    return prepare_records(
+        args.data,
+        label=args.label,
+        features=args.features,
+        categorical=args.categorical,
+        missing="impute" if args.impute else "refuse",
+        unseen="zeros" if args.allow_unseen else "refuse",
+        validation_fraction=args.validation_fraction,
+        split_seed=args.split_seed,
+        preprocessing=given,
+        public=args.public,
+    )
 
 
 @contextmanager
@@ -193,51 +235,109 @@ def _train(args: argparse.Namespace) -> int:
         raise InvalidArgument("--epochs", f"must be >= 1, got {args.epochs}")
     paths = site_paths(args.site)
     if (paths.models / f"{args.name}.json").exists() and not args.force:
-        raise InvalidArgument("--name", f"model {args.name!r} is already in {str(paths.models)!r}; give another name or --force")
+        raise InvalidArgument(
+            "--name", f"model {args.name!r} is already in {str(paths.models)!r}; give another name or --force"
+        )
     records = records_from_args(args)
     prep = records.preprocessing
     arch = architecture_arg(args.arch, args.preset, prep, args.hidden)
     with progress_bar(args.epochs, f"training {args.name}", "epoch") as step:
-        model = train_classifier(arch, records.x_train, records.y_train, seed=args.seed, epochs=args.epochs,
-                                 batch_size=args.batch_size, learning_rate=args.learning_rate, progress=step)
+        model = train_classifier(
+            arch,
+            records.x_train,
+            records.y_train,
+            seed=args.seed,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            progress=step,
+        )
     train_acc = accuracy(arch, model, records.x_train, records.y_train)
     val_acc = accuracy(arch, model, records.x_val, records.y_val)
-    metadata = {"trained_on": len(records.y_train), "seed": args.seed, "data": records.description,
-                "accuracy": {"training": train_acc, "validation": val_acc},
-                "plain_training": {"private": False, "epochs": args.epochs, "batch_size": args.batch_size,
-                                   "learning_rate": args.learning_rate, "optimizer": "adam"}}
+    metadata = {
+        "trained_on": len(records.y_train),
+        "seed": args.seed,
+        "data": records.description,
+        "accuracy": {"training": train_acc, "validation": val_acc},
+        "plain_training": {
+            "private": False,
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "learning_rate": args.learning_rate,
+            "optimizer": "adam",
+        },
+    }
     path = save_model(paths.models, args.name, arch, state_arrays(model), metadata, prep)
-    out = {"model": args.name, "path": str(path), "architecture": arch, "input_width": prep.width,
-           "classes": list(prep.classes), "data": records.description,
-           "training_accuracy": train_acc, "validation_accuracy": val_acc}
-    emit(out, args.json, [
-        (f"model {args.name}: {records.description['training_rows']} training records, "
-        f"{records.description['validation_rows']} held out (of {records.description['rows']} in {records.description['file']})"),
-        (f"inputs: {prep.width} entries from {len(prep.columns)} columns ({len(prep.categorical)} categorical, one-hot); "
-        f"classes {list(prep.classes)}"),
-        f"accuracy: training {train_acc:.4f}, validation {val_acc:.4f}",
-        f"saved to {path} with its preprocessing ({records.description['preprocessing']})",
-    ])
+    out = {
+        "model": args.name,
+        "path": str(path),
+        "architecture": arch,
+        "input_width": prep.width,
+        "classes": list(prep.classes),
+        "data": records.description,
+        "training_accuracy": train_acc,
+        "validation_accuracy": val_acc,
+    }
+    emit(
+        out,
+        args.json,
+        [
+            (
+                f"model {args.name}: {records.description['training_rows']} training records, "
+                f"{records.description['validation_rows']} held out (of {records.description['rows']} in {records.description['file']})"
+            ),
+            (
+                f"inputs: {prep.width} entries from {len(prep.columns)} columns ({len(prep.categorical)} categorical, one-hot); "
+                f"classes {list(prep.classes)}"
+            ),
+            f"accuracy: training {train_acc:.4f}, validation {val_acc:.4f}",
+            f"saved to {path} with its preprocessing ({records.description['preprocessing']})",
+        ],
+    )
     return 0
 
 
 def register(subparsers) -> None:
-    m = subparsers.add_parser("model", help="a site's own models: train one on the site's records",
-                              description="A site's own models, kept in its model store (models/).")
+    m = subparsers.add_parser(
+        "model",
+        help="a site's own models: train one on the site's records",
+        description="A site's own models, kept in its model store (models/).",
+    )
     sub = m.add_subparsers(dest="model_command", metavar="ACTION")
     sub.required = True
 
-    t = sub.add_parser("train", help="train a (non-private) model on the site's own records into its model store",
-                       description="Train a plain classifier on the site's own records. The records are split into "
-                                   "training and held-out validation parts; the preprocessing (standardisation, one-hot "
-                                   "categories, label classes, fill values) is fitted on the training part only (or on "
-                                   "public records: --public) and stored with the model.")
-    t.add_argument("--site", required=True, metavar="DIR", help="the site's directory (its site.toml says where the model store is; default DIR/models)")
+    t = sub.add_parser(
+        "train",
+        help="train a (non-private) model on the site's own records into its model store",
+        description="Train a plain classifier on the site's own records. The records are split into "
+        "training and held-out validation parts; the preprocessing (standardisation, one-hot "
+        "categories, label classes, fill values) is fitted on the training part only (or on "
+        "public records: --public) and stored with the model.",
+    )
+    t.add_argument(
+        "--site",
+        required=True,
+        metavar="DIR",
+        help="the site's directory (its site.toml says where the model store is; default DIR/models)",
+    )
     add_record_options(t)
     arch = t.add_mutually_exclusive_group()
-    arch.add_argument("--preset", choices=("mlp", "cnn"), help="a built-in architecture sized by the records (default mlp)")
-    arch.add_argument("--arch", metavar="JSON", help="architecture JSON or a .json file (peer.nn.architectures); input and output sizes may be left out")
-    t.add_argument("--hidden", type=int, nargs="+", default=[64], metavar="WIDTH", help="hidden layer widths of a preset (default 64)")
+    arch.add_argument(
+        "--preset", choices=("mlp", "cnn"), help="a built-in architecture sized by the records (default mlp)"
+    )
+    arch.add_argument(
+        "--arch",
+        metavar="JSON",
+        help="architecture JSON or a .json file (peer.nn.architectures); input and output sizes may be left out",
+    )
+    t.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        default=[64],
+        metavar="WIDTH",
+        help="hidden layer widths of a preset (default 64)",
+    )
     t.add_argument("--name", required=True, help="the model's name in the store")
     t.add_argument("--epochs", type=int, default=60, help="training epochs (default 60)")
     t.add_argument("--batch-size", type=int, default=64)
@@ -263,13 +363,17 @@ def _adopt(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": args.name, "manifest": str(path), **adopted}, indent=2, sort_keys=True, default=str))
         return 0
-    where = (f"round {adopted['round_id'][:12]} of {adopted['site']} (contributors {', '.join(adopted['contributors'])})"
-             if adopted["kind"] == "round" else
-             f"{adopted['release_kind']} release of {adopted['signer']} (ledger entry {adopted['ledger_entry_id']}, "
-             f"{adopted['level']} level, ε={adopted['epsilon']:g}, δ={adopted['delta']:g} per {adopted['unit']}; signature verified)")
+    where = (
+        f"round {adopted['round_id'][:12]} of {adopted['site']} (contributors {', '.join(adopted['contributors'])})"
+        if adopted["kind"] == "round"
+        else f"{adopted['release_kind']} release of {adopted['signer']} (ledger entry {adopted['ledger_entry_id']}, "
+        f"{adopted['level']} level, ε={adopted['epsilon']:g}, δ={adopted['delta']:g} per {adopted['unit']}; signature verified)"
+    )
     print(f"adopted {args.name!r} into {path.parent}: from {where}")
-    print(f"preprocessing: {adopted['preprocessing_from']}; provenance: {path.parent / (args.name + '.provenance.json')}")
-    print(f"restart the daemon to offer it; a round with [round] model = \"{args.name}\" starts from it")
+    print(
+        f"preprocessing: {adopted['preprocessing_from']}; provenance: {path.parent / (args.name + '.provenance.json')}"
+    )
+    print(f'restart the daemon to offer it; a round with [round] model = "{args.name}" starts from it')
     return 0
 
 
@@ -287,18 +391,31 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def register_adopt_export(sub) -> None:
-    a = sub.add_parser("adopt", help="make a round's fused model or a merged/fused release one of the site's models, with its provenance")
+    a = sub.add_parser(
+        "adopt",
+        help="make a round's fused model or a merged/fused release one of the site's models, with its provenance",
+    )
     a.add_argument("--site", required=True, metavar="DIR", help="the site's directory")
-    a.add_argument("--from", required=True, metavar="MODEL", dest="from",
-                   help="rounds/models/NAME (a round's fused model) or a release OUT(.safetensors + .json)")
+    a.add_argument(
+        "--from",
+        required=True,
+        metavar="MODEL",
+        dest="from",
+        help="rounds/models/NAME (a round's fused model) or a release OUT(.safetensors + .json)",
+    )
     a.add_argument("--name", required=True, help="the model's name in the site's store")
-    a.add_argument("--preprocessing-from", metavar="NAME",
-                   help="the site model whose preprocessing goes with it (default: the round's own model, else the site's default)")
+    a.add_argument(
+        "--preprocessing-from",
+        metavar="NAME",
+        help="the site model whose preprocessing goes with it (default: the round's own model, else the site's default)",
+    )
     a.add_argument("--json", action="store_true", help="print what was adopted as JSON")
     a.set_defaults(func=_adopt)
     e = sub.add_parser("export", help="write a site model's weights for use outside PrivFusion (a plain state_dict)")
     e.add_argument("--site", required=True, metavar="DIR", help="the site's directory")
     e.add_argument("--model", required=True, metavar="NAME", help="a model of the site")
-    e.add_argument("--format", required=True, choices=("safetensors", "pt"), help="safetensors, or pt (torch.save of tensors only)")
+    e.add_argument(
+        "--format", required=True, choices=("safetensors", "pt"), help="safetensors, or pt (torch.save of tensors only)"
+    )
     e.add_argument("--out", required=True, metavar="FILE", help="the file to write (never overwritten)")
     e.set_defaults(func=_export)

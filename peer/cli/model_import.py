@@ -33,12 +33,15 @@ def _input_shape(args, module) -> list[int]:
     if args.input_shape:
         return list(args.input_shape)
     from torch import nn
+
     for m in module.modules():
         if isinstance(m, nn.Linear):
             return [m.in_features]
         if isinstance(m, (nn.Conv1d, nn.Conv2d)):
             break
-    raise InvalidArgument("input_shape", "is needed for this model (one example's shape without the batch axis, e.g. --input-shape 1 8 8)")
+    raise InvalidArgument(
+        "input_shape", "is needed for this model (one example's shape without the batch axis, e.g. --input-shape 1 8 8)"
+    )
 
 
 def import_command(args: argparse.Namespace) -> int:
@@ -54,18 +57,31 @@ def import_command(args: argparse.Namespace) -> int:
     with torch_threads(1):
         module = build_module(load_factory(args.factory, [args.site]), args.factory)
         load_site_state(module, read_weights(args.weights))
-        model = import_model(_store(args.site), args.name, module, _input_shape(args, module),
-                             factory=args.factory, metadata={"source": Path(args.weights).name})
+        model = import_model(
+            _store(args.site),
+            args.name,
+            module,
+            _input_shape(args, module),
+            factory=args.factory,
+            metadata={"source": Path(args.weights).name},
+        )
     s = model.structure
-    out = {"name": model.name, "store": str(_store(args.site)), "input_shape": list(s.input_shape),
-           "groups": [{"name": g.name, "size": g.size, "axes": len(g.axes)} for g in s.groups],
-           "parameters": len(s.parameters), "self_check": "passed"}
+    out = {
+        "name": model.name,
+        "store": str(_store(args.site)),
+        "input_shape": list(s.input_shape),
+        "groups": [{"name": g.name, "size": g.size, "axes": len(g.axes)} for g in s.groups],
+        "parameters": len(s.parameters),
+        "self_check": "passed",
+    }
     if args.json:
         json.dump(out, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
-        print(f"imported {model.name}: {len(s.groups)} permutation groups "
-              f"({', '.join(f'{g.name}[{g.size}]' for g in s.groups)}), self-check passed")
+        print(
+            f"imported {model.name}: {len(s.groups)} permutation groups "
+            f"({', '.join(f'{g.name}[{g.size}]' for g in s.groups)}), self-check passed"
+        )
     return 0
 
 
@@ -87,8 +103,14 @@ def register_import(sub) -> None:
     i.add_argument("--site", required=True, help="site directory (models go to DIR/own_models)")
     i.add_argument("--name", required=True, help="name of the model in the store")
     i.add_argument("--factory", required=True, help="MODULE:FUNCTION or FILE.py:FUNCTION returning the torch.nn.Module")
-    i.add_argument("--weights", required=True, help="state dict: .safetensors, or .pt read with torch.load(weights_only=True)")
-    i.add_argument("--input-shape", type=int, nargs="+", help="one example's shape without the batch axis (default: a leading Linear's in_features)")
+    i.add_argument(
+        "--weights", required=True, help="state dict: .safetensors, or .pt read with torch.load(weights_only=True)"
+    )
+    i.add_argument(
+        "--input-shape",
+        type=int,
+        nargs="+",
+        help="one example's shape without the batch axis (default: a leading Linear's in_features)",
+    )
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=import_command)
-

@@ -1,15 +1,15 @@
 """``privfusion peer ...``: a site's identity, its pinned peers, and its daemon.
 
-    privfusion peer init --name hospital-a --dir site/identity --address 10.0.0.1 --address a.example.org
-    privfusion peer trust add other.crt [--dir site/identity] [--replace | --beside]
-    privfusion peer trust list [--dir site/identity]
-    privfusion peer trust remove hospital-b [--dir site/identity]
-    privfusion peer trust promote hospital-b [--dir site/identity]   # end of hospital-b's rotation
-    privfusion peer rotate --dir site/identity [--address ...] [--days N]   # stage a new key + certificate
-    privfusion peer rotate --dir site/identity --activate                   # switch to it (then restart)
-    privfusion peer serve --config site.toml [--simulation]
-    privfusion peer info --via HOST:PORT --identity DIR [--peer NAME]
-    privfusion peer ledger --via HOST:PORT --identity DIR [--peer NAME]
+privfusion peer init --name hospital-a --dir site/identity --address 10.0.0.1 --address a.example.org
+privfusion peer trust add other.crt [--dir site/identity] [--replace | --beside]
+privfusion peer trust list [--dir site/identity]
+privfusion peer trust remove hospital-b [--dir site/identity]
+privfusion peer trust promote hospital-b [--dir site/identity]   # end of hospital-b's rotation
+privfusion peer rotate --dir site/identity [--address ...] [--days N]   # stage a new key + certificate
+privfusion peer rotate --dir site/identity --activate                   # switch to it (then restart)
+privfusion peer serve --config site.toml [--simulation]
+privfusion peer info --via HOST:PORT --identity DIR [--peer NAME]
+privfusion peer ledger --via HOST:PORT --identity DIR [--peer NAME]
 """
 
 from __future__ import annotations
@@ -18,17 +18,28 @@ import argparse
 import json
 from pathlib import Path
 
-from peer.net.identity import (CERT_FILE, KEY_FILE, NEXT_DIR, activate_rotation, format_fingerprint,
-                                       init_identity, load_certificate, load_identity, stage_rotation)
-from peer.net.trust import TrustStore
 from peer.base.errors import InvalidArgument
+from peer.net.identity import (
+    CERT_FILE,
+    KEY_FILE,
+    NEXT_DIR,
+    activate_rotation,
+    format_fingerprint,
+    init_identity,
+    load_certificate,
+    load_identity,
+    stage_rotation,
+)
+from peer.net.trust import TrustStore
 
 
 def _init(args) -> int:
     ident = init_identity(args.dir, args.name, args.address, days=args.days)
     print(f"identity of {ident.name!r} in {args.dir}: {KEY_FILE} (mode 600), {CERT_FILE}")
     print(f"certificate SHA-256 fingerprint: {format_fingerprint(ident.fingerprint)}")
-    print(f"give {Path(args.dir) / CERT_FILE} to the sites you work with; read them this fingerprint over another channel")
+    print(
+        f"give {Path(args.dir) / CERT_FILE} to the sites you work with; read them this fingerprint over another channel"
+    )
     return 0
 
 
@@ -38,8 +49,11 @@ def _trust_add(args) -> int:
     except OSError as e:
         raise InvalidArgument("CERT", f"cannot read {args.cert}: {e.strerror}") from None
     if args.replace and args.beside:
-        raise InvalidArgument("--beside", "pins a rotating site's next certificate next to its current one; "
-                                          "--replace swaps the current one: give one of them")
+        raise InvalidArgument(
+            "--beside",
+            "pins a rotating site's next certificate next to its current one; "
+            "--replace swaps the current one: give one of them",
+        )
     pinned = TrustStore(Path(args.dir) / "trusted").add(pem, name=args.name, replace=args.replace, beside=args.beside)
     print(f"pinned {pinned.name!r} ({pinned.path})")
     print(f"SHA-256 fingerprint: {format_fingerprint(pinned.fingerprint)}")
@@ -57,8 +71,10 @@ def _trust_list(args) -> int:
 
 def _trust_promote(args) -> int:
     pinned = TrustStore(Path(args.dir) / "trusted").promote(args.name)
-    print(f"{args.name!r} is now pinned only with SHA-256 {format_fingerprint(pinned.fingerprint)}; its old "
-          "certificate is no longer accepted (open connections are refused at their next call)")
+    print(
+        f"{args.name!r} is now pinned only with SHA-256 {format_fingerprint(pinned.fingerprint)}; its old "
+        "certificate is no longer accepted (open connections are refused at their next call)"
+    )
     return 0
 
 
@@ -66,16 +82,22 @@ def _rotate(args) -> int:
     d = Path(args.dir)
     if args.activate:
         old, new, retired = activate_rotation(d)
-        print(f"{new.name!r} now uses the certificate SHA-256 {format_fingerprint(new.fingerprint)}; the old one "
-              f"({format_fingerprint(old.fingerprint)}) is in {retired}")
-        print("restart the daemon (privfusion peer serve) to serve it; then ask every peer to run "
-              f"`privfusion peer trust promote {new.name}` to retire the old pin")
+        print(
+            f"{new.name!r} now uses the certificate SHA-256 {format_fingerprint(new.fingerprint)}; the old one "
+            f"({format_fingerprint(old.fingerprint)}) is in {retired}"
+        )
+        print(
+            "restart the daemon (privfusion peer serve) to serve it; then ask every peer to run "
+            f"`privfusion peer trust promote {new.name}` to retire the old pin"
+        )
         return 0
     new = stage_rotation(d, args.address or None, days=args.days)
     print(f"staged a new key and certificate for {new.name!r} in {d / NEXT_DIR} (not in use yet)")
     print(f"certificate SHA-256 fingerprint: {format_fingerprint(new.fingerprint)}")
-    print(f"1. give {d / NEXT_DIR / CERT_FILE} to every peer: `privfusion peer trust add site.crt --beside` "
-          "(both certificates are then accepted); read them this fingerprint over another channel")
+    print(
+        f"1. give {d / NEXT_DIR / CERT_FILE} to every peer: `privfusion peer trust add site.crt --beside` "
+        "(both certificates are then accepted); read them this fingerprint over another channel"
+    )
     print(f"2. when all have, run `privfusion peer rotate --dir {d} --activate` and restart the daemon")
     print(f"3. then each peer runs `privfusion peer trust promote {new.name}`")
     return 0
@@ -102,8 +124,14 @@ def client_from_args(args):
 
 def add_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--via", required=True, metavar="HOST:PORT", help="the peer to ask")
-    p.add_argument("--identity", required=True, metavar="DIR", help="this site's identity directory (privfusion peer init)")
-    p.add_argument("--peer", metavar="NAME", help="the pinned site expected at --via (default: the one pinned certificate naming that host)")
+    p.add_argument(
+        "--identity", required=True, metavar="DIR", help="this site's identity directory (privfusion peer init)"
+    )
+    p.add_argument(
+        "--peer",
+        metavar="NAME",
+        help="the pinned site expected at --via (default: the one pinned certificate naming that host)",
+    )
     p.add_argument("--insecure", action="store_true", help="no TLS (test networks only; loud)")
 
 
@@ -119,7 +147,11 @@ def _info(args) -> int:
 def _ledger(args) -> int:
     with client_from_args(args) as c:
         entries = c.ledger()
-    print(json.dumps([{"entry_id": e, "created_at": at, "record": r.to_dict()} for e, r, at in entries], indent=2, sort_keys=True))
+    print(
+        json.dumps(
+            [{"entry_id": e, "created_at": at, "record": r.to_dict()} for e, r, at in entries], indent=2, sort_keys=True
+        )
+    )
     return 0
 
 
@@ -143,8 +175,11 @@ def register(subparsers) -> None:
     p.add_argument("--dir", default=".", help="this site's identity directory (default .)")
     p.add_argument("--name", help="expected site name (must be the certificate's CN)")
     p.add_argument("--replace", action="store_true", help="replace a different certificate pinned under that name")
-    p.add_argument("--beside", action="store_true",
-                   help="the site is rotating its certificate: pin the new one next to the old (both accepted)")
+    p.add_argument(
+        "--beside",
+        action="store_true",
+        help="the site is rotating its certificate: pin the new one next to the old (both accepted)",
+    )
     p.set_defaults(func=_trust_add)
     p = tsub.add_parser("list", help="list pinned sites and fingerprints")
     p.add_argument("--dir", default=".", help="this site's identity directory (default .)")
@@ -161,18 +196,28 @@ def register(subparsers) -> None:
     p = sub.add_parser("rotate", help="roll this site's certificate with an overlap window (stage, then --activate)")
     p.add_argument("--dir", required=True, help="this site's identity directory")
     p.add_argument("--activate", action="store_true", help="switch to the staged key and certificate")
-    p.add_argument("--address", action="append", default=[],
-                   help="a host or IP the site is dialled by (repeatable; default: those of the current certificate)")
+    p.add_argument(
+        "--address",
+        action="append",
+        default=[],
+        help="a host or IP the site is dialled by (repeatable; default: those of the current certificate)",
+    )
     p.add_argument("--days", type=int, default=730, help="validity of the new certificate in days (default 730)")
     p.set_defaults(func=_rotate)
 
     p = sub.add_parser("serve", help="run this site's peer daemon")
     p.add_argument("--config", required=True, help="site.toml")
-    p.add_argument("--insecure", action="store_true",
-                   help="serve WITHOUT TLS: no authentication, no encryption (sealed test networks only; warns loudly)")
-    p.add_argument("--simulation", action="store_true",
-                   help="allow a fixed noise seed (site.seed) for simulations and tests: NOT PRIVATE, said in logs, "
-                        "peer info and every record; without this flag a seed is refused")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve WITHOUT TLS: no authentication, no encryption (sealed test networks only; warns loudly)",
+    )
+    p.add_argument(
+        "--simulation",
+        action="store_true",
+        help="allow a fixed noise seed (site.seed) for simulations and tests: NOT PRIVATE, said in logs, "
+        "peer info and every record; without this flag a seed is refused",
+    )
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
 

@@ -29,17 +29,21 @@ SPEC_KEYS = {"name": str, "noise": float, "clip": float, "lr": float, "steps": i
 
 
 def parse_model_spec(spec: str, defaults: dict, index: int) -> tuple[str, dict]:
-    """"noise=2,clip=1[,lr=..][,steps=..][,q=..][,name=..]" -> (name, hyperparameters)."""
+    """ "noise=2,clip=1[,lr=..][,steps=..][,q=..][,name=..]" -> (name, hyperparameters)."""
     values = dict(defaults)
     name = f"dpsgd-{index}"
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, raw = part.partition("=")
         if not sep or key not in SPEC_KEYS:
-            raise InvalidArgument(f"model[{index}]", f"entries are key=value with keys {sorted(SPEC_KEYS)}, got {part!r}")
+            raise InvalidArgument(
+                f"model[{index}]", f"entries are key=value with keys {sorted(SPEC_KEYS)}, got {part!r}"
+            )
         try:
             value = SPEC_KEYS[key](raw)
         except ValueError:
-            raise InvalidArgument(f"model[{index}].{key}", f"must be a {SPEC_KEYS[key].__name__}, got {raw!r}") from None
+            raise InvalidArgument(
+                f"model[{index}].{key}", f"must be a {SPEC_KEYS[key].__name__}, got {raw!r}"
+            ) from None
         if key == "name":
             name = value
         else:
@@ -74,7 +78,9 @@ def train(args: argparse.Namespace) -> int:
         if args.label is None:
             raise InvalidArgument("--label", "is required with --data")
         if (args.site is None) == (args.out is None):
-            raise InvalidArgument("--site", "give the site's directory (--site) or a pool directory (--out), one of them")
+            raise InvalidArgument(
+                "--site", "give the site's directory (--site) or a pool directory (--out), one of them"
+            )
         with torch_threads(1):
             return _train_records(args)
     for flag in ("label", "features", "preprocessing", "public", "site"):
@@ -95,7 +101,9 @@ def _specs(args: argparse.Namespace):
     names = [n for n, _ in specs]
     if len(set(names)) != len(names):
         raise InvalidArgument("model", f"names must be distinct, got {names}")
-    trainings = [TrainingRecord.constant(args.adjacency, v["steps"], v["lr"], v["clip"], v["noise"], v["q"]) for _, v in specs]
+    trainings = [
+        TrainingRecord.constant(args.adjacency, v["steps"], v["lr"], v["clip"], v["noise"], v["q"]) for _, v in specs
+    ]
     return names, trainings
 
 
@@ -116,79 +124,147 @@ def _train_records(args: argparse.Namespace) -> int:
     else:
         pool_name, directory = args.pool or "pool", args.out
     if not args.public and not args.preprocessing:
-        raise InvalidArgument("--public", "a DP pool's preprocessing must not come from its protected records (their means, "
-                                          "category lists and classes would change with one record and travel inside every "
-                                          "released model, outside the guarantee): give --public FILE, public records with "
-                                          "the same columns to fit it on, or --preprocessing JSON")
+        raise InvalidArgument(
+            "--public",
+            "a DP pool's preprocessing must not come from its protected records (their means, "
+            "category lists and classes would change with one record and travel inside every "
+            "released model, outside the guarantee): give --public FILE, public records with "
+            "the same columns to fit it on, or --preprocessing JSON",
+        )
     names, trainings = _specs(args)
     taken = [n for n in names if (Path(directory) / f"{n}.json").exists()]
     if taken and not args.force:
-        raise InvalidArgument("--model", f"models {taken} are already in the pool {str(directory)!r}; give other names or --force")
+        raise InvalidArgument(
+            "--model", f"models {taken} are already in the pool {str(directory)!r}; give other names or --force"
+        )
     records = records_from_args(args)
     prep = records.preprocessing
     if prep.fitted_on.get("split") == "training" and prep.fitted_on.get("sha256") == records.description["sha256"]:
-        raise InvalidArgument("--preprocessing", f"was fitted on the training split of {records.description['file']}, the "
-                                                 "pool's own protected records; fit one on public records (--public FILE)")
+        raise InvalidArgument(
+            "--preprocessing",
+            f"was fitted on the training split of {records.description['file']}, the "
+            "pool's own protected records; fit one on public records (--public FILE)",
+        )
     arch = architecture_arg(args.architecture, None, prep, [])
     n = len(records.y_train)
-    print(f"DP-SGD on {n} training records of {records.description['file']} "
-          f"({records.description['validation_rows']} held out): declared dataset size n = {n} "
-          f"(public; the unit of privacy is one training record, {args.adjacency})", file=sys.stderr)
+    print(
+        f"DP-SGD on {n} training records of {records.description['file']} "
+        f"({records.description['validation_rows']} held out): declared dataset size n = {n} "
+        f"(public; the unit of privacy is one training record, {args.adjacency})",
+        file=sys.stderr,
+    )
     randomness = make_randomness(args.seed)
     with progress_bar(sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "step") as step:
-        models = train_pool(arch, records.x_train, records.y_train, trainings, init_seed=args.init_seed,
-                            randomness=randomness, delta=args.delta, progress=step)
+        models = train_pool(
+            arch,
+            records.x_train,
+            records.y_train,
+            trainings,
+            init_seed=args.init_seed,
+            randomness=randomness,
+            delta=args.delta,
+            progress=step,
+        )
     summary = []
-    for name, model in zip(names, models):
+    for name, model in zip(names, models, strict=True):
         module = model_from_arrays(model.architecture, model.arrays)
         val = accuracy(model.architecture, module, records.x_val, records.y_val)
         save_trained(directory, name, model, accuracy=val, data=records.description, preprocessing=prep)
-        summary.append({"name": name, "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
-                        "delta": model.record.delta, "training": model.training.to_dict(), "validation_accuracy": val})
-    out = {"pool": str(directory), "pool_name": pool_name, "data": records.description, "architecture": arch,
-           "init_seed": args.init_seed, "dataset_size": models[0].dataset_size, "input_width": prep.width,
-           "classes": list(prep.classes), **randomness.record_fields(), "models": summary}
+        summary.append(
+            {
+                "name": name,
+                "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
+                "delta": model.record.delta,
+                "training": model.training.to_dict(),
+                "validation_accuracy": val,
+            }
+        )
+    out = {
+        "pool": str(directory),
+        "pool_name": pool_name,
+        "data": records.description,
+        "architecture": arch,
+        "init_seed": args.init_seed,
+        "dataset_size": models[0].dataset_size,
+        "input_width": prep.width,
+        "classes": list(prep.classes),
+        **randomness.record_fields(),
+        "models": summary,
+    }
     _emit(out, args.json)
     if not args.json:
-        print(f"pool {pool_name} in {directory}: declared dataset size n = {models[0].dataset_size}; preprocessing stored with "
-              f"every model. Validation accuracy is on the held-out part of the site's own records (site-local); "
-              f"merges are judged on a public validation file (privfusion probe make --label {prep.label} --pool {pool_name})")
+        print(
+            f"pool {pool_name} in {directory}: declared dataset size n = {models[0].dataset_size}; preprocessing stored with "
+            f"every model. Validation accuracy is on the held-out part of the site's own records (site-local); "
+            f"merges are judged on a public validation file (privfusion probe make --label {prep.label} --pool {pool_name})"
+        )
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
-    from peer.nn.architectures import accuracy, model_from_arrays
-    from peer.dp.pools import load_splits, save_trained
     from peer.base.rng import make_randomness
+    from peer.dp.pools import load_splits, save_trained
     from peer.dp.training import train_pool
+    from peer.nn.architectures import accuracy, model_from_arrays
+
     splits = load_splits(args.dataset, split_seed=args.split_seed, validation_fraction=args.validation_fraction)
     arch = _architecture(args.architecture, splits)
     names, trainings = _specs(args)
     randomness = make_randomness(args.seed)
-    models = train_pool(arch, splits.x_train, splits.y_train, trainings, init_seed=args.init_seed, randomness=randomness, delta=args.delta)
+    models = train_pool(
+        arch,
+        splits.x_train,
+        splits.y_train,
+        trainings,
+        init_seed=args.init_seed,
+        randomness=randomness,
+        delta=args.delta,
+    )
     summary = []
-    for name, model in zip(names, models):
+    for name, model in zip(names, models, strict=True):
         module = model_from_arrays(model.architecture, model.arrays)
         val = accuracy(model.architecture, module, splits.x_val, splits.y_val)
         test = accuracy(model.architecture, module, splits.x_test, splits.y_test)
         save_trained(args.out, name, model, accuracy=val, data=splits.description)
-        summary.append({"name": name, "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
-                        "delta": model.record.delta, "training": model.training.to_dict(),
-                        "validation_accuracy": val, "test_accuracy": test})
-    out = {"pool": str(args.out), "dataset": args.dataset, "architecture": arch, "init_seed": args.init_seed,
-           "dataset_size": models[0].dataset_size, **randomness.record_fields(), "models": summary}
+        summary.append(
+            {
+                "name": name,
+                "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
+                "delta": model.record.delta,
+                "training": model.training.to_dict(),
+                "validation_accuracy": val,
+                "test_accuracy": test,
+            }
+        )
+    out = {
+        "pool": str(args.out),
+        "dataset": args.dataset,
+        "architecture": arch,
+        "init_seed": args.init_seed,
+        "dataset_size": models[0].dataset_size,
+        **randomness.record_fields(),
+        "models": summary,
+    }
     _emit(out, args.json)
     return 0
 
 
 def list_pool(args: argparse.Namespace) -> int:
     from peer.dp.pools import load_pool
+
     pool = load_pool(args.pool)
     rows = []
     for m in pool:
         record = m.metadata.get("record", {})
-        rows.append({"name": m.name, "privacy": m.privacy.to_dict(), "epsilon": record.get("epsilon"),
-                     "delta": record.get("delta"), "validation_accuracy": m.metadata.get("accuracy")})
+        rows.append(
+            {
+                "name": m.name,
+                "privacy": m.privacy.to_dict(),
+                "epsilon": record.get("epsilon"),
+                "delta": record.get("delta"),
+                "validation_accuracy": m.metadata.get("accuracy"),
+            }
+        )
     _emit({"pool": str(args.pool), "models": rows}, args.json)
     return 0
 
@@ -200,9 +276,14 @@ def _emit(out: dict, as_json: bool) -> None:
         return
     for row in out["models"]:
         eps = row["epsilon"]
-        eps_text = f"epsilon(pld)={eps['pld']:.4g} (rdp {eps['rdp']:.4g})" if isinstance(eps, dict) else f"epsilon={eps}"
+        eps_text = (
+            f"epsilon(pld)={eps['pld']:.4g} (rdp {eps['rdp']:.4g})" if isinstance(eps, dict) else f"epsilon={eps}"
+        )
         acc = row.get("validation_accuracy")
-        print(f"{row['name']}: {eps_text} delta={row['delta']:g}" + ("" if acc is None else f" validation accuracy={acc:.4f}"))
+        print(
+            f"{row['name']}: {eps_text} delta={row['delta']:g}"
+            + ("" if acc is None else f" validation accuracy={acc:.4f}")
+        )
 
 
 def register(subparsers) -> None:
@@ -212,26 +293,50 @@ def register(subparsers) -> None:
     sub = pool.add_subparsers(dest="pool_command", metavar="ACTION")
     sub.required = True
 
-    t = sub.add_parser("train", help="train DP-SGD models on the site's own records (or a bundled dataset) into a pool",
-                       description="Train a pool of DP-SGD models from one public initialisation. With --data: on the "
-                                   "site's own records (the declared dataset size n is the number of training records; "
-                                   "the preprocessing is fitted on public records, --public, and stored with every "
-                                   "model). With --dataset: on a bundled scikit-learn set (demonstrations).")
-    t.add_argument("--site", metavar="DIR", help="the site's directory: the pool goes where its site.toml says (default DIR/pool)")
-    t.add_argument("--pool", metavar="NAME", help="which of the site's pools ([site.pools.NAME]); default: its only one")
-    t.add_argument("--dataset", default=None, choices=("digits", "breast_cancer"), help="a bundled dataset (default digits when --data is not given)")
+    t = sub.add_parser(
+        "train",
+        help="train DP-SGD models on the site's own records (or a bundled dataset) into a pool",
+        description="Train a pool of DP-SGD models from one public initialisation. With --data: on the "
+        "site's own records (the declared dataset size n is the number of training records; "
+        "the preprocessing is fitted on public records, --public, and stored with every "
+        "model). With --dataset: on a bundled scikit-learn set (demonstrations).",
+    )
+    t.add_argument(
+        "--site", metavar="DIR", help="the site's directory: the pool goes where its site.toml says (default DIR/pool)"
+    )
+    t.add_argument(
+        "--pool", metavar="NAME", help="which of the site's pools ([site.pools.NAME]); default: its only one"
+    )
+    t.add_argument(
+        "--dataset",
+        default=None,
+        choices=("digits", "breast_cancer"),
+        help="a bundled dataset (default digits when --data is not given)",
+    )
     t.add_argument("--out", help="pool directory (a model store), instead of --site")
     add_record_options(t, required=False)
-    t.add_argument("--architecture", "--arch", default='{"kind": "mlp", "hidden": []}',
-                   help="architecture JSON (peer.nn.architectures); input/output sizes are filled in from the data. Default: logistic regression")
-    t.add_argument("--model", action="append", metavar="SPEC",
-                   help="one model: noise=SIGMA,clip=C[,lr=ETA][,steps=T][,q=RATE][,name=NAME]; repeat for several "
-                        f"(default: {' '.join(DEFAULT_MODELS)})")
+    t.add_argument(
+        "--architecture",
+        "--arch",
+        default='{"kind": "mlp", "hidden": []}',
+        help="architecture JSON (peer.nn.architectures); input/output sizes are filled in from the data. Default: logistic regression",
+    )
+    t.add_argument(
+        "--model",
+        action="append",
+        metavar="SPEC",
+        help="one model: noise=SIGMA,clip=C[,lr=ETA][,steps=T][,q=RATE][,name=NAME]; repeat for several "
+        f"(default: {' '.join(DEFAULT_MODELS)})",
+    )
     t.add_argument("--steps", type=int, default=60, help="default steps T per model (default 60)")
     t.add_argument("--learning-rate", type=float, default=4.0, help="default learning rate eta (default 4.0)")
-    t.add_argument("--sample-rate", type=float, default=1.0, help="default Poisson sample rate q; 1 = full batch (default)")
+    t.add_argument(
+        "--sample-rate", type=float, default=1.0, help="default Poisson sample rate q; 1 = full batch (default)"
+    )
     t.add_argument("--adjacency", default="replace-one", choices=("replace-one", "add-remove"))
-    t.add_argument("--delta", type=float, default=1e-5, help="delta at which each model's epsilon is recorded (default 1e-5)")
+    t.add_argument(
+        "--delta", type=float, default=1e-5, help="delta at which each model's epsilon is recorded (default 1e-5)"
+    )
     t.add_argument("--init-seed", type=int, default=0, help="public seed of the common initialisation (default 0)")
     t.add_argument("--seed", type=int, default=None, help="fixed noise seed (tests/simulations only; default: CSPRNG)")
     t.add_argument("--force", action="store_true", help="replace models of the same names (with --data)")

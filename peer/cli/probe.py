@@ -45,24 +45,47 @@ def make(args: argparse.Namespace) -> int:
     if want_probe:
         name = args.model
         if name is None:
-            names = [n for n in list_models(paths.models) if load_model(paths.models, n).preprocessing is not None] \
-                if paths.models.is_dir() else []
+            names = (
+                [n for n in list_models(paths.models) if load_model(paths.models, n).preprocessing is not None]
+                if paths.models.is_dir()
+                else []
+            )
             if len(names) != 1:
-                raise InvalidArgument("--model", f"name the model the probe set serves (models with a preprocessing in "
-                                                 f"{str(paths.models)!r}: {names})")
+                raise InvalidArgument(
+                    "--model",
+                    f"name the model the probe set serves (models with a preprocessing in "
+                    f"{str(paths.models)!r}: {names})",
+                )
             name = names[0]
-        jobs.append(("probe", _prepared_by(load_model(paths.models, name).preprocessing, f"model {name}"), f"model {name}",
-                     Path(args.probe_out) if args.probe_out else paths.probe))
+        jobs.append(
+            (
+                "probe",
+                _prepared_by(load_model(paths.models, name).preprocessing, f"model {name}"),
+                f"model {name}",
+                Path(args.probe_out) if args.probe_out else paths.probe,
+            )
+        )
     if args.label is not None:
         pool_name, directory = paths.pool(args.pool)
         if not directory.is_dir() or not list_models(directory):
-            raise InvalidArgument("--pool", f"the site has no trained pool in {str(directory)!r} (privfusion pool train --site "
-                                            f"{args.site} --data ...); the validation set is prepared as its models' inputs")
-        jobs.append(("validation", _prepared_by(pool_preprocessing(directory), f"pool {pool_name}"), f"pool {pool_name}",
-                     Path(args.validation_out) if args.validation_out else paths.validation_file(pool_name)))
+            raise InvalidArgument(
+                "--pool",
+                f"the site has no trained pool in {str(directory)!r} (privfusion pool train --site "
+                f"{args.site} --data ...); the validation set is prepared as its models' inputs",
+            )
+        jobs.append(
+            (
+                "validation",
+                _prepared_by(pool_preprocessing(directory), f"pool {pool_name}"),
+                f"pool {pool_name}",
+                Path(args.validation_out) if args.validation_out else paths.validation_file(pool_name),
+            )
+        )
         for _, prep, served, _ in jobs:
             if args.label != prep.label:
-                raise InvalidArgument("--label", f"is {args.label!r} but {served} was trained with label {prep.label!r}")
+                raise InvalidArgument(
+                    "--label", f"is {args.label!r} but {served} was trained with label {prep.label!r}"
+                )
     for what, _, _, p in jobs:
         if p.exists() and not args.force:
             raise InvalidArgument(f"--{what}-out", f"{str(p)!r} exists; give --force to replace it")
@@ -77,19 +100,25 @@ def make(args: argparse.Namespace) -> int:
             rows = min(len(x), args.rows or 256)
             chosen = np.sort(np.random.default_rng(args.seed).choice(len(x), size=rows, replace=False))
             _atomic_write(p, save({"x": np.ascontiguousarray(x[chosen], dtype=np.float32)}))
-            lines.append(f"probe set: {rows} of the {len(table)} records, prepared as {served} prepares its inputs "
-                         f"({prep.width} entries), written to {p}: fusion sends it to every peer asked for features")
+            lines.append(
+                f"probe set: {rows} of the {len(table)} records, prepared as {served} prepares its inputs "
+                f"({prep.width} entries), written to {p}: fusion sends it to every peer asked for features"
+            )
             if prep.fitted_on.get("split") != "public":
-                lines.append(f"note: {served}'s preprocessing was fitted on its training records; a peer who knows "
-                             f"{Path(args.data).name} can recover those statistics (means, standard deviations, "
-                             "categories) from the prepared rows. Train with --public FILE to keep them in.")
+                lines.append(
+                    f"note: {served}'s preprocessing was fitted on its training records; a peer who knows "
+                    f"{Path(args.data).name} can recover those statistics (means, standard deviations, "
+                    "categories) from the prepared rows. Train with --public FILE to keep them in."
+                )
         else:
             rows = len(y)
             buffer = io.BytesIO()
             np.savez(buffer, x=x.astype(np.float32), y=y)
             _atomic_write(p, buffer.getvalue())
-            lines.append(f"validation set: all {rows} labelled records, prepared as {served} prepares its inputs, written "
-                         f"to {p}: merges choose their weights by accuracy on it")
+            lines.append(
+                f"validation set: all {rows} labelled records, prepared as {served} prepares its inputs, written "
+                f"to {p}: merges choose their weights by accuracy on it"
+            )
         out[what] = {"path": str(p), "rows": rows, "served": served, "input_width": prep.width}
     emit(out, args.json, lines)
     return 0
@@ -97,8 +126,11 @@ def make(args: argparse.Namespace) -> int:
 
 def _prepared_by(prep, served: str):
     if prep is None:
-        raise InvalidArgument("--data", f"{served} was not trained on a table of records (it has no preprocessing); "
-                                        "its files cannot be made from one")
+        raise InvalidArgument(
+            "--data",
+            f"{served} was not trained on a table of records (it has no preprocessing); "
+            "its files cannot be made from one",
+        )
     return prep
 
 
@@ -106,19 +138,47 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("probe", help="make a site's probe set (and merge-validation set) from PUBLIC records")
     sub = p.add_subparsers(dest="probe_command", metavar="ACTION")
     sub.required = True
-    m = sub.add_parser("make", help="write probe.safetensors (and validation.npz with --label) from a public file",
-                       description="Make the probe set fusion sends to peers and, with --label, a pool's merge-validation "
-                                   "set, from a file the site declares PUBLIC, prepared with the preprocessing of the model "
-                                   "or pool they serve. Everything written becomes public.")
-    m.add_argument("--site", required=True, metavar="DIR", help="the site's directory (its site.toml says where the files go)")
-    m.add_argument("--data", required=True, metavar="PUBLIC_FILE", help="public records (.csv, .tsv, .parquet, .npz) with the model's feature columns")
-    m.add_argument("--model", metavar="NAME", help="the model the probe set serves (default: the store's only model with a preprocessing)")
-    m.add_argument("--pool", metavar="NAME", help="the pool the validation set serves (default: the site's only pool); alone, only the validation set is written")
-    m.add_argument("--label", metavar="COL", help="the label column: also write the pool's validation set (x, y) of every record")
+    m = sub.add_parser(
+        "make",
+        help="write probe.safetensors (and validation.npz with --label) from a public file",
+        description="Make the probe set fusion sends to peers and, with --label, a pool's merge-validation "
+        "set, from a file the site declares PUBLIC, prepared with the preprocessing of the model "
+        "or pool they serve. Everything written becomes public.",
+    )
+    m.add_argument(
+        "--site", required=True, metavar="DIR", help="the site's directory (its site.toml says where the files go)"
+    )
+    m.add_argument(
+        "--data",
+        required=True,
+        metavar="PUBLIC_FILE",
+        help="public records (.csv, .tsv, .parquet, .npz) with the model's feature columns",
+    )
+    m.add_argument(
+        "--model",
+        metavar="NAME",
+        help="the model the probe set serves (default: the store's only model with a preprocessing)",
+    )
+    m.add_argument(
+        "--pool",
+        metavar="NAME",
+        help="the pool the validation set serves (default: the site's only pool); alone, only the validation set is written",
+    )
+    m.add_argument(
+        "--label", metavar="COL", help="the label column: also write the pool's validation set (x, y) of every record"
+    )
     m.add_argument("--rows", type=int, help="rows of the probe set (default: all, at most 256)")
     m.add_argument("--seed", type=int, default=0, help="public seed of the probe rows' draw (default 0)")
-    m.add_argument("--probe-out", metavar="PATH", help="where the probe set goes (default: site.toml's probe, else DIR/probe.safetensors)")
-    m.add_argument("--validation-out", metavar="PATH", help="where the validation set goes (default: the pool's validation file, else DIR/validation.npz)")
+    m.add_argument(
+        "--probe-out",
+        metavar="PATH",
+        help="where the probe set goes (default: site.toml's probe, else DIR/probe.safetensors)",
+    )
+    m.add_argument(
+        "--validation-out",
+        metavar="PATH",
+        help="where the validation set goes (default: the pool's validation file, else DIR/validation.npz)",
+    )
     m.add_argument("--force", action="store_true", help="replace existing files")
     m.add_argument("--json", action="store_true", help="print the summary as JSON")
     m.set_defaults(func=make)

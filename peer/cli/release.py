@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from peer.cli.peer import add_client_options, client_from_args
 from peer.base.errors import InvalidArgument
+from peer.cli.peer import add_client_options, client_from_args
 
 
 def load_probe(path: str) -> np.ndarray:
@@ -52,23 +52,35 @@ def write(release, out: str, client) -> int:
     checks = verify_upstream(release, client.trust)
     tensors, doc = save_release(release, out, checks)
     r = release.receipt.record
-    print(f"{release.kind} of {release.receipt.signer}:{release.model}: {len(release.receipt.tensors)} tensors, "
-          f"{release.total_bytes} bytes -> {tensors}")
-    print(f"record {r.release_id}: {r.mechanism}, level {r.level}, unit {r.unit}, epsilon {r.epsilon:g}, delta {r.delta:g}; "
-          f"ledger entry {release.receipt.ledger_entry_id}; signature verified -> {doc}")
+    print(
+        f"{release.kind} of {release.receipt.signer}:{release.model}: {len(release.receipt.tensors)} tensors, "
+        f"{release.total_bytes} bytes -> {tensors}"
+    )
+    print(
+        f"record {r.release_id}: {r.mechanism}, level {r.level}, unit {r.unit}, epsilon {r.epsilon:g}, delta {r.delta:g}; "
+        f"ledger entry {release.receipt.ledger_entry_id}; signature verified -> {doc}"
+    )
     for c in checks:
-        print(f"upstream receipt of {c['signer']} (entry {c['ledger_entry_id']}): "
-              + ("signature verified" if c["verified"] else f"NOT verified: {c['reason']}"))
+        print(
+            f"upstream receipt of {c['signer']} (entry {c['ledger_entry_id']}): "
+            + ("signature verified" if c["verified"] else f"NOT verified: {c['reason']}")
+        )
     return 0
 
 
 def _features(args) -> int:
     probe = load_probe(args.probe)
     with client_from_args(args) as c:
-        release = c.features(args.model, probe, activation_epsilon=args.activation_epsilon,
-                             weight_epsilon=args.weight_epsilon, unit=args.unit,
-                             activation_clip=tuple(args.activation_clip) if args.activation_clip else None,
-                             weight_bound=args.weight_bound, out=args.out)
+        release = c.features(
+            args.model,
+            probe,
+            activation_epsilon=args.activation_epsilon,
+            weight_epsilon=args.weight_epsilon,
+            unit=args.unit,
+            activation_clip=tuple(args.activation_clip) if args.activation_clip else None,
+            weight_bound=args.weight_bound,
+            out=args.out,
+        )
         return write(release, args.out, c)
 
 
@@ -80,15 +92,23 @@ def _weights(args) -> int:
 
 def _fuse(args) -> int:
     with client_from_args(args) as c:
-        release = c.fuse(args.model, partner=args.partner, partner_model=args.partner_model, alpha=args.alpha,
-                         activation_epsilon=args.activation_epsilon, weight_epsilon=args.weight_epsilon,
-                         weights_epsilon=args.weights_epsilon, weights_delta=args.weights_delta, out=args.out)
+        release = c.fuse(
+            args.model,
+            partner=args.partner,
+            partner_model=args.partner_model,
+            alpha=args.alpha,
+            activation_epsilon=args.activation_epsilon,
+            weight_epsilon=args.weight_epsilon,
+            weights_epsilon=args.weights_epsilon,
+            weights_delta=args.weights_delta,
+            out=args.out,
+        )
         return write(release, args.out, c)
 
 
 def _verify(args) -> int:
-    from peer.net.trust import TrustStore
     from peer.net.client import verify_saved_release
+    from peer.net.trust import TrustStore
 
     if not Path(args.trust).is_dir():
         raise InvalidArgument("--trust", f"{args.trust} is not a directory of pinned certificates")
@@ -96,12 +116,16 @@ def _verify(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
-    print(f"{report['kind']} of {report['signer']}:{report['model']} to {report['counterparty']}: "
-          f"{report['tensors']} tensors, {report['total_bytes']} bytes; ledger entry {report['ledger_entry_id']}, "
-          f"release {report['release_id']}: signature, manifest and tensor checksums verified")
+    print(
+        f"{report['kind']} of {report['signer']}:{report['model']} to {report['counterparty']}: "
+        f"{report['tensors']} tensors, {report['total_bytes']} bytes; ledger entry {report['ledger_entry_id']}, "
+        f"release {report['release_id']}: signature, manifest and tensor checksums verified"
+    )
     for c in report["upstream"]:
-        print(f"upstream receipt of {c['signer']} (entry {c['ledger_entry_id']}): "
-              + ("signature verified" if c["verified"] else f"NOT verified: {c['reason']}"))
+        print(
+            f"upstream receipt of {c['signer']} (entry {c['ledger_entry_id']}): "
+            + ("signature verified" if c["verified"] else f"NOT verified: {c['reason']}")
+        )
     return 0
 
 
@@ -111,8 +135,12 @@ def register(subparsers) -> None:
     sub.required = True
     v = sub.add_parser("verify", help="check a saved release offline against pinned certificates")
     v.add_argument("file", metavar="FILE", help="the saved release: OUT, OUT.json or OUT.safetensors")
-    v.add_argument("--trust", required=True, metavar="DIR",
-                   help="directory of pinned certificates (e.g. IDENTITY/trusted) holding the signer's")
+    v.add_argument(
+        "--trust",
+        required=True,
+        metavar="DIR",
+        help="directory of pinned certificates (e.g. IDENTITY/trusted) holding the signer's",
+    )
     v.add_argument("--json", action="store_true", help="print what was verified as JSON")
     v.set_defaults(func=_verify)
 

@@ -123,11 +123,12 @@ def default_addresses(listen: str) -> list[str]:
     return [] if host in ("0.0.0.0", "::", "") else [host]
 
 
-def new_site(name: str, directory: str | Path, listen: str, addresses: list[str] | None = None,
-             days: int = 730) -> Path:
+def new_site(
+    name: str, directory: str | Path, listen: str, addresses: list[str] | None = None, days: int = 730
+) -> Path:
     """Make a site directory (see the module docstring); the path of its site.toml."""
-    from peer.net.site import check_listen
     from peer.net.identity import check_site_name, init_identity
+    from peer.net.site import check_listen
 
     check_site_name(name, "--name")
     check_listen(listen, "--listen")
@@ -141,8 +142,12 @@ def new_site(name: str, directory: str | Path, listen: str, addresses: list[str]
     (d / "models").mkdir()
     (d / "pool").mkdir()
     path = d / "site.toml"
-    path.write_text(SITE_TOML.format(name=name, name_line=f'name = "{name}"'.ljust(34),
-                                     listen_line=f'listen = "{listen}"'.ljust(34)), encoding="utf-8")
+    path.write_text(
+        SITE_TOML.format(
+            name=name, name_line=f'name = "{name}"'.ljust(34), listen_line=f'listen = "{listen}"'.ljust(34)
+        ),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -154,12 +159,16 @@ def _new(args) -> int:
     ident = load_identity(d / "identity")
     print(f"site {args.name!r} in {d}: identity/ (key mode 600), models/ (empty), pool/ (empty), {path.name}")
     print(f"certificate SHA-256 fingerprint: {format_fingerprint(ident.fingerprint)}")
-    print(f"give {d / 'identity' / CERT_FILE} to the sites you work with; read them this fingerprint over another channel")
+    print(
+        f"give {d / 'identity' / CERT_FILE} to the sites you work with; read them this fingerprint over another channel"
+    )
     print("next (docs/deployment.md, section 1):")
     print(f"  privfusion peer trust add OTHER.crt --dir {d / 'identity'}        # each site you work with")
     print(f"  privfusion model train --site {d} --data RECORDS.csv --label COL --name NAME")
-    print(f"  privfusion pool train --site {d} --data RECORDS.csv --label COL --architecture '{{\"kind\": \"mlp\", \"hidden\": [64]}}'"
-          "   # the model's architecture")
+    print(
+        f'  privfusion pool train --site {d} --data RECORDS.csv --label COL --architecture \'{{"kind": "mlp", "hidden": [64]}}\''
+        "   # the model's architecture"
+    )
     print(f"  privfusion probe make --site {d} --data PUBLIC.csv --label COL")
     print(f"  privfusion peer serve --config {path}")
     return 0
@@ -189,15 +198,21 @@ def _check(args) -> int:
 
 
 def register(subparsers) -> None:
-    site = subparsers.add_parser("site", help="make a new site's directory (identity, model store, site.toml); check it")
+    site = subparsers.add_parser(
+        "site", help="make a new site's directory (identity, model store, site.toml); check it"
+    )
     sub = site.add_subparsers(dest="site_command", metavar="ACTION")
     sub.required = True
     p = sub.add_parser("new", help="identity, empty model store and pool, ledger path and a commented site.toml")
     p.add_argument("--name", required=True, help="the site name (certificate CN; how peers pin it)")
     p.add_argument("--dir", required=True, help="the site directory to create (must not exist or be empty)")
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where the daemon listens, e.g. 0.0.0.0:50051")
-    p.add_argument("--address", action="append", default=[],
-                   help="a host or IP peers dial this site by (repeatable; default: the host of --listen unless a wildcard)")
+    p.add_argument(
+        "--address",
+        action="append",
+        default=[],
+        help="a host or IP peers dial this site by (repeatable; default: the host of --listen unless a wildcard)",
+    )
     p.add_argument("--days", type=int, default=730, help="certificate validity in days (default 730)")
     p.set_defaults(func=_new)
     p = sub.add_parser("check", help="what the site's daemon would not serve (files in models/ or pools), and why")
@@ -209,7 +224,9 @@ def register(subparsers) -> None:
 # ------------------------------------------------------------------------------ adopt, export
 
 
-def adopt_model(site: str | Path, source: str | Path, name: str, preprocessing_from: str | None = None) -> tuple[Path, dict]:
+def adopt_model(
+    site: str | Path, source: str | Path, name: str, preprocessing_from: str | None = None
+) -> tuple[Path, dict]:
     """Put a fused or merged model into the site's store as ``name``, with its provenance.
 
     ``source`` is a round's fused model (``rounds/models/MODEL-fused-ID``; its round
@@ -250,38 +267,63 @@ def adopt_model(site: str | Path, source: str | Path, name: str, preprocessing_f
         check = verify_saved_release(Path(directory) / stem, TrustStore(config.identity / "trusted"))
         meta = stored.metadata
         record = meta.get("record", {})
-        adopted.update(release_kind=meta["release"]["kind"], signer=meta["release"]["signer"],
-                       ledger_entry_id=meta["release"]["ledger_entry_id"], release_id=record.get("release_id"),
-                       level=record.get("level"), unit=record.get("unit"), epsilon=record.get("epsilon"),
-                       delta=record.get("delta"), verified=True)
-        provenance = {"kind": "release", "verification": check, "document": json.loads((Path(directory) / f"{stem}.json").read_text())}
+        adopted.update(
+            release_kind=meta["release"]["kind"],
+            signer=meta["release"]["signer"],
+            ledger_entry_id=meta["release"]["ledger_entry_id"],
+            release_id=record.get("release_id"),
+            level=record.get("level"),
+            unit=record.get("unit"),
+            epsilon=record.get("epsilon"),
+            delta=record.get("delta"),
+            verified=True,
+        )
+        provenance = {
+            "kind": "release",
+            "verification": check,
+            "document": json.loads((Path(directory) / f"{stem}.json").read_text()),
+        }
     elif kind == "round":
         round_meta = stored.metadata["round"]
         report_path = Path(directory).parent / f"round-{round_meta['round_id']}.json"
         if not report_path.is_file():
-            raise NotFound(f"--from: the round report {report_path} of {stem!r} is missing; it is the model's provenance")
+            raise NotFound(
+                f"--from: the round report {report_path} of {stem!r} is missing; it is the model's provenance"
+            )
         report = json.loads(report_path.read_text(encoding="utf-8"))
-        adopted.update(round_id=round_meta["round_id"], site=round_meta.get("site"), base_model=report.get("model"),
-                       contributors=round_meta.get("contributors"), weights=round_meta.get("weights"),
-                       report=str(report_path))
+        adopted.update(
+            round_id=round_meta["round_id"],
+            site=round_meta.get("site"),
+            base_model=report.get("model"),
+            contributors=round_meta.get("contributors"),
+            weights=round_meta.get("weights"),
+            report=str(report_path),
+        )
         provenance = {"kind": "round", "report": report}
         if preprocessing_from is None and report.get("model"):
             base = load_model(store, report["model"]) if (store / f"{report['model']}.json").is_file() else None
             prep = base.preprocessing if base is not None else None
             prep_source = f"the round's own model {report['model']!r}" if prep is not None else None
     elif kind == "merge":  # a local RS/LC merge of this site's own pool (privfusion merge --pool)
-        adopted.update(release_id=stored.metadata["record"].get("release_id"),
-                       mechanism=stored.metadata["record"].get("mechanism"), level=stored.metadata["record"].get("level"),
-                       unit=stored.metadata["record"].get("unit"), epsilon=stored.metadata["record"].get("epsilon"),
-                       delta=stored.metadata["record"].get("delta"))
+        adopted.update(
+            release_id=stored.metadata["record"].get("release_id"),
+            mechanism=stored.metadata["record"].get("mechanism"),
+            level=stored.metadata["record"].get("level"),
+            unit=stored.metadata["record"].get("unit"),
+            epsilon=stored.metadata["record"].get("epsilon"),
+            delta=stored.metadata["record"].get("delta"),
+        )
         provenance = {"kind": "merge", "document": json.loads((Path(directory) / f"{stem}.json").read_text())}
         if preprocessing_from is None:
             from peer.cli.evaluate import site_pool_preprocessing
 
             prep, prep_source = site_pool_preprocessing(site) or (None, None)
     else:
-        raise InvalidArgument("--from", f"{source} is neither a round's fused model, a release nor a merge; "
-                                        "a site's own models are already in its store")
+        raise InvalidArgument(
+            "--from",
+            f"{source} is neither a round's fused model, a release nor a merge; "
+            "a site's own models are already in its store",
+        )
     if prep is None:
         prep = stored.preprocessing
         prep_source = "stored with it" if prep is not None else None
@@ -320,8 +362,14 @@ def export_model(site: str | Path, name: str, fmt: str, out: str | Path) -> Path
     if fmt == "safetensors":
         from safetensors.numpy import save_file
 
-        save_file(arrays, str(out), metadata={"privfusion_architecture": json.dumps(stored.architecture, sort_keys=True),
-                                              "privfusion_model": name})
+        save_file(
+            arrays,
+            str(out),
+            metadata={
+                "privfusion_architecture": json.dumps(stored.architecture, sort_keys=True),
+                "privfusion_model": name,
+            },
+        )
     else:
         import torch
 

@@ -39,20 +39,28 @@ Pure: no I/O; randomness passed in.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
-from peer.dp.accounting import (ApproxDP, TrainingRecord, WeightChoice, choose_lam, choose_pi, lc_segments,
-                             surrogate_is_bound)
-from peer.dp.accounting.release_accounting import lc_merge_record, rs_merge_record
-from peer.dp.accounting.rs import check_weights
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import validate_architecture
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness
+from peer.dp.accounting import (
+    ApproxDP,
+    TrainingRecord,
+    WeightChoice,
+    choose_lam,
+    choose_pi,
+    lc_segments,
+    surrogate_is_bound,
+)
+from peer.dp.accounting.release_accounting import lc_merge_record, rs_merge_record
+from peer.dp.accounting.rs import check_weights
+from peer.nn.architectures import validate_architecture
 
 METHODS = ("rs", "lc")
 # LC candidates whose utility is measured: about this many simplex grid points (≈ 20 steps per
@@ -103,9 +111,14 @@ def check_pool(pool: Sequence[PoolModel]) -> dict:
     shapes0 = {k: np.shape(v) for k, v in pool[0].arrays.items()}
     for m in pool[1:]:
         if validate_architecture(m.architecture) != arch:
-            raise InvalidArgument("pool", f"models must share one architecture: {m.name!r} has {m.architecture}, {pool[0].name!r} has {arch}")
+            raise InvalidArgument(
+                "pool",
+                f"models must share one architecture: {m.name!r} has {m.architecture}, {pool[0].name!r} has {arch}",
+            )
         if {k: np.shape(v) for k, v in m.arrays.items()} != shapes0:
-            raise InvalidArgument("pool", f"model {m.name!r} has parameter names or shapes different from {pool[0].name!r}")
+            raise InvalidArgument(
+                "pool", f"model {m.name!r} has parameter names or shapes different from {pool[0].name!r}"
+            )
     return arch
 
 
@@ -118,7 +131,10 @@ def combine(arrays: Sequence[Mapping[str, np.ndarray]], lam: Sequence[float]) ->
     for i, a in enumerate(arrays):
         if sorted(a) != sorted(keys) or any(np.shape(a[k]) != np.shape(arrays[0][k]) for k in keys):
             raise InvalidArgument(f"pool[{i}]", "has parameter names or shapes different from pool[0]")
-    return {k: sum(float(w[i]) * np.asarray(a[k], dtype=np.float64) for i, a in enumerate(arrays)).astype(np.float32) for k in keys}
+    return {
+        k: sum(float(w[i]) * np.asarray(a[k], dtype=np.float64) for i, a in enumerate(arrays)).astype(np.float32)
+        for k in keys
+    }
 
 
 def draw_index(pi: Sequence[float], randomness: Randomness) -> int:
@@ -150,7 +166,15 @@ def merge_rs(
     models = [m.privacy for m in pool]
     choice = choose_pi(models, utilities, float(target_epsilon), float(delta), accountant=accountant)
     drawn = pool[draw_index(choice.weights, randomness)]
-    record = rs_merge_record(models, choice.weights, float(delta), names=[m.name for m in pool], randomness=randomness.record_fields(), subject=subject, counterparty=counterparty)
+    record = rs_merge_record(
+        models,
+        choice.weights,
+        float(delta),
+        names=[m.name for m in pool],
+        randomness=randomness.record_fields(),
+        subject=subject,
+        counterparty=counterparty,
+    )
     # the drawn model's own arrays, as read-only views: no copy of what may be a large model
     return MergedModel(arch, {k: _read_only(v) for k, v in drawn.arrays.items()}, record, choice)
 
@@ -167,7 +191,8 @@ def _check_lc_pool(pool: Sequence[PoolModel]) -> None:
         raise InvalidArgument(
             "pool",
             f"an LC merge charged by the per-step surrogate combines runs with one declared dataset size n; got sizes "
-            f"{sorted(sizes, key=str)} (the surrogate's per-step noise and sensitivity assume a common 1/n)")
+            f"{sorted(sizes, key=str)} (the surrogate's per-step noise and sensitivity assume a common 1/n)",
+        )
 
 
 def merge_lc(
@@ -200,13 +225,18 @@ def merge_lc(
             measured[tuple(np.round(lam, 12))] = u
             return u + TIE_BREAK * segments.mu(lam) / (1.0 + segments.mu(lam))
     else:
+
         def ranked(lam: np.ndarray) -> float:
             u = float(utility(combine(arrays, lam)))
             measured[tuple(np.round(lam, 12))] = u
             return u
 
-    choice = choose_lam(models, ranked, float(target_epsilon), float(delta), accountant=accountant, max_points=candidates)
+    choice = choose_lam(
+        models, ranked, float(target_epsilon), float(delta), accountant=accountant, max_points=candidates
+    )
     lam_key = tuple(np.round(np.asarray(choice.weights), 12))
     choice = replace(choice, utility=measured.get(lam_key, float(utility(combine(arrays, choice.weights)))))
-    record = lc_merge_record(models, choice.weights, float(delta), names=[m.name for m in pool], subject=subject, counterparty=counterparty)
+    record = lc_merge_record(
+        models, choice.weights, float(delta), names=[m.name for m in pool], subject=subject, counterparty=counterparty
+    )
     return MergedModel(arch, combine(arrays, choice.weights), record, choice)

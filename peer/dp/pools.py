@@ -28,22 +28,23 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from peer.dp.accounting import ApproxDP, TrainingRecord
-from peer.nn.data import load_dataset
 from peer.base.errors import InvalidArgument
-from peer.dp.merging import METHODS, MergedModel, PoolModel, check_pool, merge_lc, merge_rs
-from peer.nn.architectures import accuracy, model_from_arrays
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
+from peer.dp.accounting import ApproxDP, TrainingRecord
+from peer.dp.merging import METHODS, MergedModel, PoolModel, check_pool, merge_lc, merge_rs
+from peer.dp.training import TrainedModel
+from peer.nn.architectures import accuracy, model_from_arrays
+from peer.nn.data import load_dataset
 from peer.nn.store import _atomic_write, list_models, load_model, save_model
 from peer.nn.tables import Preprocessing
-from peer.dp.training import TrainedModel
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,9 @@ class Splits:
     description: dict
 
 
-def load_splits(dataset: str, *, split_seed: int = 0, validation_fraction: float = 0.2, test_fraction: float = 0.25) -> Splits:
+def load_splits(
+    dataset: str, *, split_seed: int = 0, validation_fraction: float = 0.2, test_fraction: float = 0.25
+) -> Splits:
     """The bundled dataset split into protected training records, a held-out validation split
     (stratified, ``validation_fraction`` of the training part) and the test split."""
     from sklearn.model_selection import train_test_split
@@ -69,8 +72,15 @@ def load_splits(dataset: str, *, split_seed: int = 0, validation_fraction: float
     if not 0 < validation_fraction < 1:
         raise InvalidArgument("validation_fraction", f"must be in (0, 1), got {validation_fraction!r}")
     ds = load_dataset(dataset, test_fraction=test_fraction, seed=split_seed)
-    x_tr, x_val, y_tr, y_val = train_test_split(ds.x_train, ds.y_train, test_size=validation_fraction, stratify=ds.y_train, random_state=split_seed)
-    description = {"dataset": dataset, "split_seed": split_seed, "validation_fraction": validation_fraction, "test_fraction": test_fraction}
+    x_tr, x_val, y_tr, y_val = train_test_split(
+        ds.x_train, ds.y_train, test_size=validation_fraction, stratify=ds.y_train, random_state=split_seed
+    )
+    description = {
+        "dataset": dataset,
+        "split_seed": split_seed,
+        "validation_fraction": validation_fraction,
+        "test_fraction": test_fraction,
+    }
     return Splits(dataset, x_tr, y_tr, x_val, y_val, ds.x_test, ds.y_test, ds.num_classes, description)
 
 
@@ -91,11 +101,21 @@ def splits_from_description(description: Mapping[str, Any]) -> Splits:
         raise InvalidArgument("metadata.data", f"is malformed: {e}") from None
 
 
-def save_trained(directory: str | os.PathLike, name: str, model: TrainedModel, *, accuracy: float | None = None,
-                 data: Mapping[str, Any] | None = None, preprocessing: Preprocessing | None = None) -> Path:
+def save_trained(
+    directory: str | os.PathLike,
+    name: str,
+    model: TrainedModel,
+    *,
+    accuracy: float | None = None,
+    data: Mapping[str, Any] | None = None,
+    preprocessing: Preprocessing | None = None,
+) -> Path:
     """Store one DP-SGD model with its training record and release record (and the
     preprocessing of the records it was trained on, when they were a site's own table)."""
-    metadata: dict[str, Any] = {"training": model.training.to_dict(), "record": model.record.with_(subject=name).to_dict()}
+    metadata: dict[str, Any] = {
+        "training": model.training.to_dict(),
+        "record": model.record.with_(subject=name).to_dict(),
+    }
     if accuracy is not None:
         metadata["accuracy"] = float(accuracy)
     if data is not None:
@@ -112,7 +132,9 @@ def pool_preprocessing(directory: str | os.PathLike) -> Preprocessing | None:
     dicts = {name: None if p is None else p.to_dict() for name, p in preps.items()}
     first = next(iter(dicts.values()))
     if any(d != first for d in dicts.values()):
-        raise InvalidArgument("pool", f"the models of {str(directory)!r} were trained with different preprocessing; a pool shares one")
+        raise InvalidArgument(
+            "pool", f"the models of {str(directory)!r} were trained with different preprocessing; a pool shares one"
+        )
     return next(iter(preps.values()))
 
 
@@ -124,13 +146,23 @@ def _privacy_of(name: str, metadata: Mapping[str, Any]) -> tuple[TrainingRecord 
         training = TrainingRecord.from_dict(metadata["training"], f"{name}.metadata.training")
         if record is None:
             return training, None
-        if record.mechanism != "dpsgd" or TrainingRecord.from_dict(record.parameters.get("training", {}), f"{name}.metadata.record.parameters.training") != training:
-            raise InvalidArgument(f"{name}.metadata.record", "must be the dpsgd record of the model's own training record")
+        if (
+            record.mechanism != "dpsgd"
+            or TrainingRecord.from_dict(
+                record.parameters.get("training", {}), f"{name}.metadata.record.parameters.training"
+            )
+            != training
+        ):
+            raise InvalidArgument(
+                f"{name}.metadata.record", "must be the dpsgd record of the model's own training record"
+            )
         size = record.parameters.get("dataset_size")
         return training, (int(size) if size is not None else None)
     if record is not None and record.level == "data" and record.unit.startswith("record:"):
         return ApproxDP(record.epsilon, record.delta, record.unit.split(":", 1)[1]), None
-    raise InvalidArgument(f"{name}.metadata", "holds neither a DP-SGD training record nor a data-level (epsilon, delta) release record")
+    raise InvalidArgument(
+        f"{name}.metadata", "holds neither a DP-SGD training record nor a data-level (epsilon, delta) release record"
+    )
 
 
 def load_pool(directory: str | os.PathLike) -> list[PoolModel]:
@@ -151,14 +183,22 @@ def pool_validation(pool: Sequence[PoolModel]) -> tuple[np.ndarray, np.ndarray]:
     entry, which must be the same for every model)."""
     described = [m.metadata.get("data") for m in pool]
     if any(d is None for d in described):
-        missing = [m.name for m, d in zip(pool, described) if d is None]
-        raise InvalidArgument("validation", f"models {missing} do not say which data they were trained on; give a validation file (x, y held out from the protected data)")
+        missing = [m.name for m, d in zip(pool, described, strict=True) if d is None]
+        raise InvalidArgument(
+            "validation",
+            f"models {missing} do not say which data they were trained on; give a validation file (x, y held out from the protected data)",
+        )
     if any(dict(d) != dict(described[0]) for d in described[1:]):
-        raise InvalidArgument("validation", "the pool's models were trained on different data splits; give a validation file")
+        raise InvalidArgument(
+            "validation", "the pool's models were trained on different data splits; give a validation file"
+        )
     if "dataset" not in described[0] and "file" in described[0]:
-        raise InvalidArgument("validation", f"the pool was trained on the site's own records ({described[0]['file']}); its held-out part is "
-                                            "not public. Make a validation file from public records with `privfusion probe make "
-                                            "--data PUBLIC --label COL --pool NAME` and name it in [site.pools.NAME] validation")
+        raise InvalidArgument(
+            "validation",
+            f"the pool was trained on the site's own records ({described[0]['file']}); its held-out part is "
+            "not public. Make a validation file from public records with `privfusion probe make "
+            "--data PUBLIC --label COL --pool NAME` and name it in [site.pools.NAME] validation",
+        )
     s = splits_from_description(described[0])
     return s.x_val, s.y_val
 
@@ -174,7 +214,9 @@ def load_validation_file(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarra
     except (KeyError, ValueError, OSError) as e:
         raise InvalidArgument("validation", f"{str(p)!r} must be an .npz file with arrays 'x' and 'y': {e}") from None
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
-        raise InvalidArgument("validation", f"needs x of shape (m, ...) and y of shape (m,) with m > 0, got {x.shape} and {y.shape}")
+        raise InvalidArgument(
+            "validation", f"needs x of shape (m, ...) and y of shape (m,) with m > 0, got {x.shape} and {y.shape}"
+        )
     if not np.issubdtype(y.dtype, np.integer):
         raise InvalidArgument("validation", f"labels y must be integers, got {y.dtype}")
     return x, y.astype(np.int64)
@@ -212,9 +254,28 @@ def merge_pool(
         if utilities is None:
             utilities = rs_utilities(pool, (x_val, y_val))
         elif len(utilities) != len(pool):
-            raise InvalidArgument("utilities", f"must give one accuracy per pool model ({len(pool)}), got {len(utilities)}")
-        return merge_rs(pool, utilities, target_epsilon, delta, randomness=randomness or make_randomness(), accountant=accountant, subject=subject, counterparty=counterparty)
-    return merge_lc(pool, lambda arrays: accuracy(arch, model_from_arrays(arch, arrays), x_val, y_val), target_epsilon, delta, accountant=accountant, subject=subject, counterparty=counterparty)
+            raise InvalidArgument(
+                "utilities", f"must give one accuracy per pool model ({len(pool)}), got {len(utilities)}"
+            )
+        return merge_rs(
+            pool,
+            utilities,
+            target_epsilon,
+            delta,
+            randomness=randomness or make_randomness(),
+            accountant=accountant,
+            subject=subject,
+            counterparty=counterparty,
+        )
+    return merge_lc(
+        pool,
+        lambda arrays: accuracy(arch, model_from_arrays(arch, arrays), x_val, y_val),
+        target_epsilon,
+        delta,
+        accountant=accountant,
+        subject=subject,
+        counterparty=counterparty,
+    )
 
 
 def save_merged(path: str | os.PathLike, merged: MergedModel) -> tuple[Path, Path]:

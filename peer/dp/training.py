@@ -41,29 +41,34 @@ DP noise in this package — drawn in float64 and cast to the parameters' dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from peer.dp.accounting import TrainingRecord
-from peer.dp.accounting.release_accounting import dpsgd_record
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import build_model, input_tensor, validate_architecture
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness
+from peer.dp.accounting import TrainingRecord
+from peer.dp.accounting.release_accounting import dpsgd_record
+from peer.nn.architectures import build_model, input_tensor, validate_architecture
 
 # A per-example loss: (parameters, one input, one label) -> scalar tensor.
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
 
-def per_example_gradients(loss_fn: LossFn, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+
+def per_example_gradients(
+    loss_fn: LossFn, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """∇_θ ℓ(θ; x_i, y_i) for every i at once (torch.func vmap over grad): arrays of shape (n, *p.shape)."""
     return vmap(grad(loss_fn), in_dims=(None, 0, 0))(dict(params), x, y)
 
 
-def clipped_sum(per_example: Mapping[str, torch.Tensor], clip_norm: float, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def clipped_sum(
+    per_example: Mapping[str, torch.Tensor], clip_norm: float, mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Σ_{i: mask_i} clip_C(g_i) with clip_C(g) = g · min(1, C/‖g‖₂), the norm taken over all
     parameters together. ``mask`` (n,) of 0/1 selects the records of a Poisson batch."""
     n = next(iter(per_example.values())).shape[0]
@@ -164,7 +169,9 @@ def run_dpsgd(
     if replicas is not None:
         params = {k: v.unsqueeze(0).repeat(replicas, *([1] * v.dim())) for k, v in params.items()}
         step_fn = vmap(
-            lambda p, z, m, lr, c, s, d: dpsgd_step(loss_fn, p, x, y, learning_rate=lr, clip_norm=c, noise_multiplier=s, denominator=d, noise=z, mask=m),
+            lambda p, z, m, lr, c, s, d: dpsgd_step(
+                loss_fn, p, x, y, learning_rate=lr, clip_norm=c, noise_multiplier=s, denominator=d, noise=z, mask=m
+            ),
             in_dims=(0, 0, 0, None, None, None, None),
         )
     batch_sizes: list[int] | None = None
@@ -182,7 +189,18 @@ def run_dpsgd(
         lr, c, sigma = float(s.learning_rate), float(s.clip_norm), float(s.noise_multiplier)
         with torch.no_grad():
             if replicas is None:
-                params = dpsgd_step(loss_fn, params, x, y, learning_rate=lr, clip_norm=c, noise_multiplier=sigma, denominator=denominator, noise=noise, mask=mask)
+                params = dpsgd_step(
+                    loss_fn,
+                    params,
+                    x,
+                    y,
+                    learning_rate=lr,
+                    clip_norm=c,
+                    noise_multiplier=sigma,
+                    denominator=denominator,
+                    noise=noise,
+                    mask=mask,
+                )
             else:
                 params = step_fn(params, noise, mask, lr, c, sigma, denominator)
         if progress is not None:
@@ -220,18 +238,29 @@ class TrainedModel:
     init_seed: int
 
 
-def dpsgd_release_record(training: TrainingRecord, *, delta: float, dataset_size: int, randomness: Randomness, init_seed: int, architecture: Mapping, subject: str = "") -> ReleaseRecord:
+def dpsgd_release_record(
+    training: TrainingRecord,
+    *,
+    delta: float,
+    dataset_size: int,
+    randomness: Randomness,
+    init_seed: int,
+    architecture: Mapping,
+    subject: str = "",
+) -> ReleaseRecord:
     """The "dpsgd" release record of one run (built by the accountant: ε by PLD
     at ``delta``, RDP and closed form in parameters), plus the public constants of this run's
     update: the declared ``dataset_size`` n, the public ``init_seed`` and the architecture."""
     record = dpsgd_record(training, delta, randomness=randomness.record_fields(), subject=subject)
     params = record.to_dict()["parameters"]
-    params.update({
-        "dataset_size": int(dataset_size),
-        "init_seed": int(init_seed),
-        "architecture": dict(architecture),
-        "update": "theta <- theta - lr_t * (sum_{i in B_t} clip_{C_t}(grad_i) + sigma_t * C_t * z_t) / (q_t * n)",
-    })
+    params.update(
+        {
+            "dataset_size": int(dataset_size),
+            "init_seed": int(init_seed),
+            "architecture": dict(architecture),
+            "update": "theta <- theta - lr_t * (sum_{i in B_t} clip_{C_t}(grad_i) + sigma_t * C_t * z_t) / (q_t * n)",
+        }
+    )
     return record.with_(parameters=params)
 
 
@@ -257,9 +286,26 @@ def train_dpsgd_classifier(
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
     n = len(xt) if dataset_size is None else dataset_size
     params0 = {k: v.detach() for k, v in model.named_parameters()}
-    run = run_dpsgd(classifier_loss(model), params0, xt, yt, training.steps, randomness=randomness, dataset_size=n, progress=progress)
+    run = run_dpsgd(
+        classifier_loss(model),
+        params0,
+        xt,
+        yt,
+        training.steps,
+        randomness=randomness,
+        dataset_size=n,
+        progress=progress,
+    )
     arrays = {k: v.numpy().astype(np.float32) for k, v in run.params.items()}
-    record = dpsgd_release_record(training, delta=delta, dataset_size=n, randomness=randomness, init_seed=init_seed, architecture=arch, subject=subject)
+    record = dpsgd_release_record(
+        training,
+        delta=delta,
+        dataset_size=n,
+        randomness=randomness,
+        init_seed=init_seed,
+        architecture=arch,
+        subject=subject,
+    )
     return TrainedModel(arch, arrays, training, record, int(n), int(init_seed))
 
 
@@ -283,7 +329,16 @@ def train_pool(
     if len(adjacencies) > 1:
         raise InvalidArgument("trainings", f"one pool has one unit of privacy; got adjacencies {sorted(adjacencies)}")
     return [
-        train_dpsgd_classifier(architecture, x, y, t, init_seed=init_seed, randomness=randomness.spawn(), delta=delta, dataset_size=dataset_size,
-                               progress=progress)
+        train_dpsgd_classifier(
+            architecture,
+            x,
+            y,
+            t,
+            init_seed=init_seed,
+            randomness=randomness.spawn(),
+            delta=delta,
+            dataset_size=dataset_size,
+            progress=progress,
+        )
         for t in trainings
     ]

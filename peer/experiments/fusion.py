@@ -30,8 +30,9 @@ are public constants (``FusionConfig``), chosen before seeing any model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,16 +45,32 @@ from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
 from peer.ldp.mechanisms.groups import perturb_group_activations, perturb_group_weights
 from peer.ldp.repair import fine_tune, repair_fusion
-from peer.nn.architectures import (accuracy, hidden_sizes, input_tensor, model_from_arrays, state_arrays, torch_threads,
-                                   train_classifier, weight_layers)
+from peer.nn.architectures import (
+    accuracy,
+    hidden_sizes,
+    input_tensor,
+    model_from_arrays,
+    state_arrays,
+    torch_threads,
+    train_classifier,
+    weight_layers,
+)
 from peer.nn.data import load_dataset, split_homogeneous, split_label_skew
 from peer.nn.graph import extract_graph
 from peer.nn.tracing import derive_structure, import_structure, permute_state, random_permutations
 
 ARCHITECTURES = {
     "mlp": {"kind": "mlp", "input_dim": 64, "hidden": [128, 128], "output_dim": 10, "activation": "relu"},
-    "cnn": {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [16, 32], "kernel_size": 3, "pool": [2, 2],
-            "hidden": [128], "output_dim": 10, "activation": "relu"},
+    "cnn": {
+        "kind": "cnn",
+        "input_shape": [1, 8, 8],
+        "channels": [16, 32],
+        "kernel_size": 3,
+        "pool": [2, 2],
+        "hidden": [128],
+        "output_dim": 10,
+        "activation": "relu",
+    },
 }
 ALPHAS = tuple(round(a, 2) for a in np.linspace(0.0, 1.0, 11))
 #: the paper's grid (1, 0.1, 0.01), and two larger ε that show where the released weights
@@ -121,7 +138,7 @@ def _sites(cfg: FusionConfig, split: str):
     ds = load_dataset("digits", seed=cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(ds.y_train))
-    probe_idx, train_idx = order[: cfg.probe_size], order[cfg.probe_size:]
+    probe_idx, train_idx = order[: cfg.probe_size], order[cfg.probe_size :]
     x_probe = public_probes(ds.x_train[probe_idx], cfg.probe_shifts)
     x_tr, y_tr = ds.x_train[train_idx], ds.y_train[train_idx]
     if split == "homogeneous":
@@ -138,7 +155,7 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
     ds = load_dataset("digits", seed=cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(ds.y_train))
-    probe_idx, train_idx = order[: cfg.probe_size], order[cfg.probe_size:]
+    probe_idx, train_idx = order[: cfg.probe_size], order[cfg.probe_size :]
     x_probe = public_probes(ds.x_train[probe_idx], cfg.probe_shifts)
     x_tr, y_tr = ds.x_train[train_idx], ds.y_train[train_idx]
     if split == "homogeneous":
@@ -146,7 +163,9 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
     else:
         parts = split_label_skew(y_tr, majority=cfg.label_skew, seed=cfg.seed)
     progress(f"{split}: training two {cfg.model.upper()}s")
-    models = [train_classifier(arch, x_tr[p], y_tr[p], seed=cfg.seed + 1 + i, epochs=cfg.epochs) for i, p in enumerate(parts)]
+    models = [
+        train_classifier(arch, x_tr[p], y_tr[p], seed=cfg.seed + 1 + i, epochs=cfg.epochs) for i, p in enumerate(parts)
+    ]
     a, b = (state_arrays(m) for m in models)
     acc = _acc_of(arch, ds.x_test, ds.y_test)
     res = SplitResult()
@@ -154,8 +173,9 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
     res.methods["model_b"] = acc(b)
 
     res.alpha_sweep["vanilla_averaging"] = _sweep(cfg.alphas, lambda al: acc(vanilla_average(a, b, al)))
-    res.alpha_sweep["prediction_ensemble"] = _sweep(cfg.alphas, lambda al: float(np.mean(
-        ensemble_proba(arch, a, b, ds.x_test, al).argmax(1) == ds.y_test)))
+    res.alpha_sweep["prediction_ensemble"] = _sweep(
+        cfg.alphas, lambda al: float(np.mean(ensemble_proba(arch, a, b, ds.x_test, al).argmax(1) == ds.y_test))
+    )
 
     progress(f"{split}: weight matching and graph matching")
     wm = weight_matching(arch, a, b, seed=cfg.seed)
@@ -174,23 +194,36 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
         for k, eps in enumerate(cfg.epsilons):
             progress(f"{split}: PrivFusion, per-{unit}, epsilon={eps:g}")
             randomness = make_randomness(_noise_seed(cfg, u, k))
-            noisy_gb, _ = perturb_graph(gb, epsilon_x=eps, epsilon_w=eps,
-                                        activation_clip=cfg.activation_clip,
-                                        weight_bounds=_weight_bounds(arch, cfg), unit=unit, randomness=randomness)
+            noisy_gb, _ = perturb_graph(
+                gb,
+                epsilon_x=eps,
+                epsilon_w=eps,
+                activation_clip=cfg.activation_clip,
+                weight_bounds=_weight_bounds(arch, cfg),
+                unit=unit,
+                randomness=randomness,
+            )
             pm = match_graphs(ga, noisy_gb)
             # PFA with the mechanisms' public defaults: each neuron's incoming vector (+bias)
             # L2-clipped to 2, entries to ±4/sqrt(fan_in)
-            noisy_b, _ = perturb_model_weights(arch, b, epsilon=eps, delta=cfg.delta, unit=unit,
-                                               randomness=randomness.spawn())
+            noisy_b, _ = perturb_model_weights(
+                arch, b, epsilon=eps, delta=cfg.delta, unit=unit, randomness=randomness.spawn()
+            )
             b_pf = permute_arrays(arch, noisy_b, pm.permutations)
-            sweep = _sweep(cfg.alphas, lambda al: acc(fuse_arrays(a, b_pf, al)))
+            sweep = _sweep(cfg.alphas, lambda al, b_pf=b_pf: acc(fuse_arrays(a, b_pf, al)))
             res.alpha_sweep[f"{key}_eps{eps:g}"] = sweep
             getattr(res, key)[f"{eps:g}"] = dict(sweep)[0.5]
             if 0.5 in cfg.alphas:
                 getattr(res, f"{key}_repair")[f"{eps:g}"] = repaired(b_pf, 0.5)
             res.permutation_agreement[f"{key}_eps{eps:g}"] = _agreement(pm.permutations, gm.permutations)
 
-    for name in ("vanilla_averaging", "prediction_ensemble", "weight_matching", "graph_matching", "graph_matching_repair"):
+    for name in (
+        "vanilla_averaging",
+        "prediction_ensemble",
+        "weight_matching",
+        "graph_matching",
+        "graph_matching_repair",
+    ):
         res.methods[name] = dict(res.alpha_sweep[name])[0.5]
     res.permutation_agreement["weight_matching"] = _agreement(wm.permutations, gm.permutations)
     return res
@@ -209,6 +242,7 @@ def _repairer(arch, a, x_own, x_test, y_test) -> Callable[[dict, float], float]:
         fused = model_from_arrays(arch, fuse_arrays(a, b_aligned, alpha))
         out = repair_fusion(fused, model_a, model_from_arrays(arch, b_aligned), points, alpha, x)
         return accuracy(arch, out, x_test, y_test)
+
     return repaired
 
 
@@ -219,7 +253,7 @@ def _noise_seed(cfg: FusionConfig, unit_index: int, epsilon_index: int) -> int:
 
 def _agreement(p, q) -> float:
     """Fraction of hidden nodes that two alignments map the same way."""
-    same = sum(int(np.sum(np.asarray(x) == np.asarray(y))) for x, y in zip(p, q))
+    same = sum(int(np.sum(np.asarray(x) == np.asarray(y))) for x, y in zip(p, q, strict=True))
     return same / sum(len(x) for x in p)
 
 
@@ -243,7 +277,7 @@ def permutation_recovery(cfg: FusionConfig, progress: Callable[[str], None] = la
     ds = load_dataset("digits", seed=cfg.seed)
     rng = np.random.default_rng(cfg.seed + 7)
     order = rng.permutation(len(ds.y_train))
-    probe_idx, train_idx = order[: cfg.probe_size], order[cfg.probe_size:]
+    probe_idx, train_idx = order[: cfg.probe_size], order[cfg.probe_size :]
     progress(f"permutation recovery: training one {cfg.model.upper()}")
     model = train_classifier(arch, ds.x_train[train_idx], ds.y_train[train_idx], seed=cfg.seed + 11, epochs=cfg.epochs)
     a = state_arrays(model)
@@ -256,14 +290,22 @@ def permutation_recovery(cfg: FusionConfig, progress: Callable[[str], None] = la
     gb = extract_graph(arch, model_from_arrays(arch, b), probe)
     out: dict[str, Any] = {"original_accuracy": acc(a)}
     exact = match_graphs(ga, gb)
-    out["graph_matching"] = {"fraction_correct": _agreement(exact.permutations, truth),
-                             "fused_accuracy": acc(fuse_arrays(a, permute_arrays(arch, b, exact.permutations), 0.5))}
+    out["graph_matching"] = {
+        "fraction_correct": _agreement(exact.permutations, truth),
+        "fused_accuracy": acc(fuse_arrays(a, permute_arrays(arch, b, exact.permutations), 0.5)),
+    }
     for u, unit in enumerate(("entry", "neuron")):
         for k, eps in enumerate(cfg.epsilons):
             progress(f"permutation recovery: per-{unit}, epsilon={eps:g}")
-            noisy_gb, _ = perturb_graph(gb, epsilon_x=eps, epsilon_w=eps, activation_clip=cfg.activation_clip,
-                                        weight_bounds=_weight_bounds(arch, cfg), unit=unit,
-                                        randomness=make_randomness(_noise_seed(cfg, u, k) + 7919))
+            noisy_gb, _ = perturb_graph(
+                gb,
+                epsilon_x=eps,
+                epsilon_w=eps,
+                activation_clip=cfg.activation_clip,
+                weight_bounds=_weight_bounds(arch, cfg),
+                unit=unit,
+                randomness=make_randomness(_noise_seed(cfg, u, k) + 7919),
+            )
             pm = match_graphs(ga, noisy_gb)
             out[f"privfusion_{unit}_eps{eps:g}"] = {"fraction_correct": _agreement(pm.permutations, truth)}
     return out
@@ -337,8 +379,17 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
     ds, x_probe, x_tr, y_tr, parts = _sites(cfg, split)
     progress(f"{split}: training two ResNets")
     with torch_threads(1):
-        models = [fine_tune(_resnet(seed=cfg.seed + 1 + i), _images(x_tr[p]), y_tr[p], seed=cfg.seed + 1 + i,
-                            epochs=cfg.epochs, learning_rate=1e-3) for i, p in enumerate(parts)]
+        models = [
+            fine_tune(
+                _resnet(seed=cfg.seed + 1 + i),
+                _images(x_tr[p]),
+                y_tr[p],
+                seed=cfg.seed + 1 + i,
+                epochs=cfg.epochs,
+                learning_rate=1e-3,
+            )
+            for i, p in enumerate(parts)
+        ]
         structure = import_structure(models[0], [1, 8, 8])
         a, b = ({k: v.numpy() for k, v in m.state_dict().items()} for m in models)
         x_own = _images(x_tr[parts[0]])
@@ -355,13 +406,21 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
         res = SplitResult()
         res.methods["model_a"], res.methods["model_b"] = acc(models[0]), acc(models[1])
         pa, pb = _proba(models[0], ds.x_test), _proba(models[1], ds.x_test)
-        res.alpha_sweep["prediction_ensemble"] = _sweep(cfg.alphas, lambda al: float(np.mean((al * pa + (1 - al) * pb).argmax(1) == ds.y_test)))
+        res.alpha_sweep["prediction_ensemble"] = _sweep(
+            cfg.alphas, lambda al: float(np.mean((al * pa + (1 - al) * pb).argmax(1) == ds.y_test))
+        )
         res.alpha_sweep["vanilla_averaging"] = _sweep(cfg.alphas, lambda al: fused(b, al, False))
         res.alpha_sweep["vanilla_averaging_repair"] = _sweep(cfg.alphas, lambda al: fused(b, al, True))
         progress(f"{split}: group matching")
         probes = _images(x_probe)
-        perms = match_groups(structure, a, b, group_activations(models[0], structure, probes),
-                             group_activations(models[1], structure, probes), seed=cfg.seed)
+        perms = match_groups(
+            structure,
+            a,
+            b,
+            group_activations(models[0], structure, probes),
+            group_activations(models[1], structure, probes),
+            seed=cfg.seed,
+        )
         b_gm = permute_state(structure, b, perms)
         res.alpha_sweep["group_matching"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, False))
         res.alpha_sweep["group_matching_repair"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, True))
@@ -372,16 +431,26 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
             # PFA weights at ε each; A matches against them and fuses the released weights
             progress(f"{split}: PrivFusion over groups, epsilon={eps:g}")
             randomness = make_randomness(_noise_seed(cfg, 1, k))
-            noisy_acts, _ = perturb_group_activations(acts_b, epsilon=eps, clip=cfg.group_activation_clip,
-                                                      randomness=randomness)
-            noisy_b, _ = perturb_group_weights(structure, b, epsilon=eps, delta=cfg.delta, randomness=randomness.spawn())
+            noisy_acts, _ = perturb_group_activations(
+                acts_b, epsilon=eps, clip=cfg.group_activation_clip, randomness=randomness
+            )
+            noisy_b, _ = perturb_group_weights(
+                structure, b, epsilon=eps, delta=cfg.delta, randomness=randomness.spawn()
+            )
             found = match_groups(structure, a, noisy_b, acts_a, noisy_acts, seed=cfg.seed)
             b_pf = permute_state(structure, noisy_b, found)
             res.privfusion_per_neuron[f"{eps:g}"] = fused(b_pf, 0.5, False)
             res.privfusion_per_neuron_repair[f"{eps:g}"] = fused(b_pf, 0.5, True)
             res.permutation_agreement[f"privfusion_per_neuron_eps{eps:g}"] = float(
-                sum(int(np.sum(found[g] == perms[g])) for g in perms) / sum(len(p) for p in perms.values()))
-    for name in ("vanilla_averaging", "vanilla_averaging_repair", "prediction_ensemble", "group_matching", "group_matching_repair"):
+                sum(int(np.sum(found[g] == perms[g])) for g in perms) / sum(len(p) for p in perms.values())
+            )
+    for name in (
+        "vanilla_averaging",
+        "vanilla_averaging_repair",
+        "prediction_ensemble",
+        "group_matching",
+        "group_matching_repair",
+    ):
         res.methods[name] = dict(res.alpha_sweep[name])[0.5]
     return res
 
@@ -392,21 +461,32 @@ def permutation_recovery_resnet(cfg: FusionConfig, progress: Callable[[str], Non
     ds, x_probe, x_tr, y_tr, _ = _sites(cfg, "homogeneous")
     progress("permutation recovery: training one ResNet")
     with torch_threads(1):
-        model = fine_tune(_resnet(seed=cfg.seed + 11), _images(x_tr), y_tr, seed=cfg.seed + 11, epochs=cfg.epochs,
-                          learning_rate=1e-3)
+        model = fine_tune(
+            _resnet(seed=cfg.seed + 11), _images(x_tr), y_tr, seed=cfg.seed + 11, epochs=cfg.epochs, learning_rate=1e-3
+        )
         structure = import_structure(model, [1, 8, 8])
         a = {k: v.numpy() for k, v in model.state_dict().items()}
         perms = random_permutations(structure, np.random.default_rng(cfg.seed + 7))
         b = permute_state(structure, a, perms)
         probes = _images(x_probe)
-        found = match_groups(structure, a, b, group_activations(model, structure, probes),
-                             group_activations(_resnet(b), structure, probes), seed=cfg.seed)
+        found = match_groups(
+            structure,
+            a,
+            b,
+            group_activations(model, structure, probes),
+            group_activations(_resnet(b), structure, probes),
+            seed=cfg.seed,
+        )
         truth = {g: np.argsort(p) for g, p in perms.items()}
         correct = sum(int(np.sum(found[g] == truth[g])) for g in truth) / sum(len(p) for p in truth.values())
         fused = _resnet(fuse_state(structure, a, permute_state(structure, b, found), 0.5))
-        return {"original_accuracy": float(np.mean(_proba(model, ds.x_test).argmax(1) == ds.y_test)),
-                "group_matching": {"fraction_correct": correct,
-                                   "fused_accuracy": float(np.mean(_proba(fused, ds.x_test).argmax(1) == ds.y_test))}}
+        return {
+            "original_accuracy": float(np.mean(_proba(model, ds.x_test).argmax(1) == ds.y_test)),
+            "group_matching": {
+                "fraction_correct": correct,
+                "fused_accuracy": float(np.mean(_proba(fused, ds.x_test).argmax(1) == ds.y_test)),
+            },
+        }
 
 
 def run(cfg: FusionConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:

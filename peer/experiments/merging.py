@@ -46,13 +46,15 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from peer.base.extras import pyplot, require
+from peer.base.rng import make_randomness
 from peer.dp.accounting import TrainingRecord, UnreachableTarget, choose_pi, privacy_profiles, rdp_to_epsilon
 from peer.dp.accounting.conversions import pld_epsilon
 from peer.dp.accounting.lc import lc_composition_epsilon, lc_composition_rdp, surrogate_is_bound
@@ -60,10 +62,9 @@ from peer.dp.accounting.pld import compose_plds
 from peer.dp.accounting.rdp import rdp_mixture
 from peer.dp.accounting.targets import choose_lam_composition, choose_lam_surrogate
 from peer.dp.merging import PoolModel, combine, merge_lc, merge_rs
-from peer.nn.architectures import accuracy, model_from_arrays
 from peer.dp.pools import load_splits
-from peer.base.rng import make_randomness
 from peer.dp.training import run_dpsgd, train_pool
+from peer.nn.architectures import accuracy, model_from_arrays
 
 INTERVAL = 1e-3
 ACCOUNTANTS = ("pld", "rdp")
@@ -77,7 +78,7 @@ class Settings:
     # (a) mean estimation
     mean_n: int = 100
     mean_steps: int = 10
-    mean_learning_rate: float = 0.1   # = 1/mean_steps: θ_T is x̄ plus noise
+    mean_learning_rate: float = 0.1  # = 1/mean_steps: θ_T is x̄ plus noise
     mean_clip: float = 1.0
     mean_noise: tuple[float, ...] = (3.0, 9.0)
     mean_replicas: int = 20_000
@@ -85,15 +86,21 @@ class Settings:
     # (b) digits
     digits_steps: int = 60
     digits_learning_rate: float = 4.0
-    digits_models: tuple[tuple[float, float], ...] = ((2.0, 8.0), (1.0, 20.0), (0.5, 50.0))  # (clip_norm, noise_multiplier)
+    digits_models: tuple[tuple[float, float], ...] = (
+        (2.0, 8.0),
+        (1.0, 20.0),
+        (0.5, 50.0),
+    )  # (clip_norm, noise_multiplier)
     digits_targets: int = 10
     lc_candidates: int = 256
     joint_grid: int = 10
 
     @classmethod
-    def quick(cls) -> "Settings":
+    def quick(cls) -> Settings:
         """A reduced run for the default test suite (same code, smaller sizes)."""
-        return cls(mean_replicas=2000, mean_targets=4, digits_steps=15, digits_targets=3, lc_candidates=30, joint_grid=3)
+        return cls(
+            mean_replicas=2000, mean_targets=4, digits_steps=15, digits_targets=3, lc_candidates=30, joint_grid=3
+        )
 
 
 def classical_rdp_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
@@ -106,7 +113,9 @@ def _targets(lo: float, hi: float, count: int) -> list[float]:
     return [float(v) for v in np.geomspace(lo, hi, count)]
 
 
-def _frontiers(profiles, trainings, targets, delta, key, *, rs_utilities, rs_value, lc_utility, lc_value, lc_candidates=2000) -> dict:
+def _frontiers(
+    profiles, trainings, targets, delta, key, *, rs_utilities, rs_value, lc_utility, lc_value, lc_candidates=2000
+) -> dict:
     """For each target and accountant: π chosen by ``rs_utilities`` (linear), λ chosen by
     ``lc_utility(λ)`` under the composition bound and under the per-step surrogate, each reported
     with ``key`` = rs_value(π) / lc_value(λ). Unreachable targets are left out of that curve."""
@@ -115,14 +124,23 @@ def _frontiers(profiles, trainings, targets, delta, key, *, rs_utilities, rs_val
     for target in targets:
         for acc in ACCOUNTANTS:
             try:
-                rs = choose_pi(profiles, rs_utilities, target, delta, accountant=acc, value_discretization_interval=INTERVAL)
+                rs = choose_pi(
+                    profiles, rs_utilities, target, delta, accountant=acc, value_discretization_interval=INTERVAL
+                )
                 curves["rs"][acc].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
             except UnreachableTarget:
                 pass
             for method, choose in choosers.items():
                 try:
-                    lc = choose(trainings, lc_utility, target, delta, accountant=acc, value_discretization_interval=INTERVAL,
-                                max_points=lc_candidates)
+                    lc = choose(
+                        trainings,
+                        lc_utility,
+                        target,
+                        delta,
+                        accountant=acc,
+                        value_discretization_interval=INTERVAL,
+                        max_points=lc_candidates,
+                    )
                     curves[method][acc].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
                 except UnreachableTarget:
                     pass
@@ -136,8 +154,13 @@ def _lc_labels(trainings) -> dict:
 
 
 def _choice_row(choice, value_name: str, value: float) -> dict:
-    return {"target_epsilon": choice.target_epsilon, "weights": list(choice.weights), "epsilon": choice.epsilon.to_dict(),
-            "saturated": choice.saturated, value_name: value}
+    return {
+        "target_epsilon": choice.target_epsilon,
+        "weights": list(choice.weights),
+        "epsilon": choice.epsilon.to_dict(),
+        "saturated": choice.saturated,
+        value_name: value,
+    }
 
 
 # ------------------------------------------------------------------------------------ (a)
@@ -154,12 +177,24 @@ def mean_estimation(s: Settings) -> dict:
         # gradient −x_i: a function of the record alone (state-independent), |x_i| ≤ 1 = C
         return -(params["mean"] * x_i).sum()
 
-    trainings = [TrainingRecord.constant("replace-one", s.mean_steps, s.mean_learning_rate, s.mean_clip, sigma,
-                                         state_independent_gradients=True) for sigma in s.mean_noise]
+    trainings = [
+        TrainingRecord.constant(
+            "replace-one", s.mean_steps, s.mean_learning_rate, s.mean_clip, sigma, state_independent_gradients=True
+        )
+        for sigma in s.mean_noise
+    ]
     randomness = make_randomness(s.seed)
     bias, var, mse, closed = [], [], [], []
     for t in trainings:
-        run = run_dpsgd(linear_loss, {"mean": torch.zeros(1)}, x, y, t.steps, randomness=randomness.spawn(), replicas=s.mean_replicas)
+        run = run_dpsgd(
+            linear_loss,
+            {"mean": torch.zeros(1)},
+            x,
+            y,
+            t.steps,
+            randomness=randomness.spawn(),
+            replicas=s.mean_replicas,
+        )
         err = run.params["mean"].double().numpy()[:, 0] - x_bar
         bias.append(float(err.mean()))
         var.append(float(err.var()))
@@ -174,21 +209,40 @@ def mean_estimation(s: Settings) -> dict:
     profiles = privacy_profiles(trainings, value_discretization_interval=INTERVAL)
     singles = [p.epsilon(s.delta) for p in profiles]
     targets = _targets(min(e.pld for e in singles) * 1.001, max(e.rdp for e in singles) * 1.15, s.mean_targets)
-    curves = _frontiers(profiles, trainings, targets, s.delta, "mse",
-                        rs_utilities=[-m for m in mse], rs_value=lambda pi: float(np.dot(pi, mse)),
-                        lc_utility=lambda lam: -lc_mse(np.asarray(lam)), lc_value=lambda lam: lc_mse(np.asarray(lam)))
+    curves = _frontiers(
+        profiles,
+        trainings,
+        targets,
+        s.delta,
+        "mse",
+        rs_utilities=[-m for m in mse],
+        rs_value=lambda pi: float(np.dot(pi, mse)),
+        lc_utility=lambda lam: -lc_mse(np.asarray(lam)),
+        lc_value=lambda lam: lc_mse(np.asarray(lam)),
+    )
     return {
         "n": s.mean_n,
         "estimand": "sample mean of the protected records; MSE = E(theta - mean)^2",
         "loss": "linear, l(theta; x) = -theta * x: clipped gradient -x_i independent of theta (declared state-independent)",
         "mse_method": f"Monte Carlo over {s.mean_replicas} independent DP-GD runs per model (real training code); "
-                      "RS and LC MSE exact functions of the per-model moments",
+        "RS and LC MSE exact functions of the per-model moments",
         **_lc_labels(trainings),
-        "models": [{"noise_multiplier": t.steps[0].noise_multiplier, "clip_norm": s.mean_clip, "learning_rate": s.mean_learning_rate,
-                    "steps": s.mean_steps, "epsilon": e.to_dict(), "mse": m, "mse_closed_form": c, "bias": b, "variance": v,
-                    "mse_standard_error": float(np.sqrt(2.0 / s.mean_replicas) * m),
-                    "max_gradient_norm": float(np.max(np.abs(data)))}
-                   for t, e, m, c, b, v in zip(trainings, singles, mse, closed, bias, var)],
+        "models": [
+            {
+                "noise_multiplier": t.steps[0].noise_multiplier,
+                "clip_norm": s.mean_clip,
+                "learning_rate": s.mean_learning_rate,
+                "steps": s.mean_steps,
+                "epsilon": e.to_dict(),
+                "mse": m,
+                "mse_closed_form": c,
+                "bias": b,
+                "variance": v,
+                "mse_standard_error": float(np.sqrt(2.0 / s.mean_replicas) * m),
+                "max_gradient_norm": float(np.max(np.abs(data))),
+            }
+            for t, e, m, c, b, v in zip(trainings, singles, mse, closed, bias, var, strict=True)
+        ],
         "curves": curves,
         "findings": _mean_findings(curves),
     }
@@ -196,7 +250,11 @@ def mean_estimation(s: Settings) -> dict:
 
 def _paired(curve_a: list[dict], curve_b: list[dict], key: str) -> list[tuple[float, float, float]]:
     b = {round(r["target_epsilon"], 12): r[key] for r in curve_b}
-    return [(r["target_epsilon"], r[key], b[round(r["target_epsilon"], 12)]) for r in curve_a if round(r["target_epsilon"], 12) in b]
+    return [
+        (r["target_epsilon"], r[key], b[round(r["target_epsilon"], 12)])
+        for r in curve_a
+        if round(r["target_epsilon"], 12) in b
+    ]
 
 
 def _mean_findings(curves: dict) -> dict:
@@ -204,11 +262,15 @@ def _mean_findings(curves: dict) -> dict:
     and against LC by composition (what LC would cost without the declaration)."""
     lc_vs_rs = _paired(curves["lc_surrogate"]["pld"], curves["rs"]["pld"], "mse")
     surrogate_vs_composition = _paired(curves["lc_surrogate"]["pld"], curves["lc_composition"]["pld"], "mse")
-    pld_vs_rdp = [(t, a, b) for method in METHODS for t, a, b in _paired(curves[method]["pld"], curves[method]["rdp"], "mse")]
+    pld_vs_rdp = [
+        (t, a, b) for method in METHODS for t, a, b in _paired(curves[method]["pld"], curves[method]["rdp"], "mse")
+    ]
     return {
         "lc_dominates_rs": all(lc <= rs * (1 + 1e-9) for _, lc, rs in lc_vs_rs),
         "lc_over_rs_mse": [{"target_epsilon": t, "ratio": lc / rs} for t, lc, rs in lc_vs_rs],
-        "surrogate_over_composition_mse": [{"target_epsilon": t, "ratio": a / b} for t, a, b in surrogate_vs_composition],
+        "surrogate_over_composition_mse": [
+            {"target_epsilon": t, "ratio": a / b} for t, a, b in surrogate_vs_composition
+        ],
         "pld_no_worse_than_rdp": all(p <= r * (1 + 1e-9) for _, p, r in pld_vs_rdp),
         "pld_over_rdp_mse": [{"target_epsilon": t, "ratio": p / r} for t, p, r in pld_vs_rdp],
     }
@@ -221,8 +283,14 @@ def _digits_findings(curves: dict, trainings, delta: float) -> dict:
     understated = []
     for r in curves["lc_surrogate"]["pld"]:
         proven = lc_composition_epsilon(trainings, r["weights"], delta, value_discretization_interval=INTERVAL).pld
-        understated.append({"target_epsilon": r["target_epsilon"], "weights": r["weights"], "surrogate_epsilon": r["epsilon"]["pld"],
-                            "proven_epsilon": proven})
+        understated.append(
+            {
+                "target_epsilon": r["target_epsilon"],
+                "weights": r["weights"],
+                "surrogate_epsilon": r["epsilon"]["pld"],
+                "proven_epsilon": proven,
+            }
+        )
     return {
         "lc_minus_rs_test_accuracy": [{"target_epsilon": t, "difference": lc - rs} for t, lc, rs in lc_vs_rs],
         "lc_beats_rs_at": [t for t, lc, rs in lc_vs_rs if lc > rs + 1e-12],
@@ -236,8 +304,19 @@ def _digits_findings(curves: dict, trainings, delta: float) -> dict:
 def digits_logreg(s: Settings) -> dict:
     splits = load_splits("digits", split_seed=s.seed)
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
-    trainings = [TrainingRecord.constant("replace-one", s.digits_steps, s.digits_learning_rate, c, sigma) for c, sigma in s.digits_models]
-    trained = train_pool(arch, splits.x_train, splits.y_train, trainings, init_seed=s.seed, randomness=make_randomness(s.seed), delta=s.delta)
+    trainings = [
+        TrainingRecord.constant("replace-one", s.digits_steps, s.digits_learning_rate, c, sigma)
+        for c, sigma in s.digits_models
+    ]
+    trained = train_pool(
+        arch,
+        splits.x_train,
+        splits.y_train,
+        trainings,
+        init_seed=s.seed,
+        randomness=make_randomness(s.seed),
+        delta=s.delta,
+    )
     arrays = [m.arrays for m in trained]
 
     def acc_of(weights, x, yy):
@@ -250,27 +329,53 @@ def digits_logreg(s: Settings) -> dict:
 
     lo = min(e.pld for e in singles) * 1.001
     targets = _targets(lo, max(e.rdp for e in singles) * 1.1, s.digits_targets)
-    curves = _frontiers(profiles, trainings, targets, s.delta, "test_accuracy",
-                        rs_utilities=val, rs_value=lambda pi: float(np.dot(pi, test)),
-                        lc_utility=lambda lam: acc_of(combine(arrays, lam), splits.x_val, splits.y_val),
-                        lc_value=lambda lam: acc_of(combine(arrays, lam), splits.x_test, splits.y_test),
-                        lc_candidates=s.lc_candidates)
+    curves = _frontiers(
+        profiles,
+        trainings,
+        targets,
+        s.delta,
+        "test_accuracy",
+        rs_utilities=val,
+        rs_value=lambda pi: float(np.dot(pi, test)),
+        lc_utility=lambda lam: acc_of(combine(arrays, lam), splits.x_val, splits.y_val),
+        lc_value=lambda lam: acc_of(combine(arrays, lam), splits.x_test, splits.y_test),
+        lc_candidates=s.lc_candidates,
+    )
 
-    joint = _joint_releases(profiles, arrays, lambda w: acc_of(w, splits.x_val, splits.y_val),
-                            lambda w: acc_of(w, splits.x_test, splits.y_test), s)
+    joint = _joint_releases(
+        profiles,
+        arrays,
+        lambda w: acc_of(w, splits.x_val, splits.y_val),
+        lambda w: acc_of(w, splits.x_test, splits.y_test),
+        s,
+    )
     # One real release of each kind through peer.dp.merging (records as a peer would send them).
-    pool = [PoolModel(f"dpsgd-{i}", arch, a, t, m.dataset_size) for i, (a, t, m) in enumerate(zip(arrays, trainings, trained))]
+    pool = [
+        PoolModel(f"dpsgd-{i}", arch, a, t, m.dataset_size)
+        for i, (a, t, m) in enumerate(zip(arrays, trainings, trained, strict=True))
+    ]
     example_target = float(np.sqrt(lo * max(e.pld for e in singles)))
     rs_release = merge_rs(pool, val, example_target, s.delta, randomness=make_randomness(s.seed))
-    lc_release = merge_lc(pool, lambda w: acc_of(w, splits.x_val, splits.y_val), example_target, s.delta, candidates=s.lc_candidates)
+    lc_release = merge_lc(
+        pool, lambda w: acc_of(w, splits.x_val, splits.y_val), example_target, s.delta, candidates=s.lc_candidates
+    )
     return {
         "dataset": "digits",
         "architecture": arch,
         "split": splits.description,
         "sizes": {"protected_train": len(splits.x_train), "validation": len(splits.x_val), "test": len(splits.x_test)},
-        "models": [{"clip_norm": c, "noise_multiplier": sigma, "learning_rate": s.digits_learning_rate, "steps": s.digits_steps,
-                    "epsilon": e.to_dict(), "validation_accuracy": v, "test_accuracy": t}
-                   for (c, sigma), e, v, t in zip(s.digits_models, singles, val, test)],
+        "models": [
+            {
+                "clip_norm": c,
+                "noise_multiplier": sigma,
+                "learning_rate": s.digits_learning_rate,
+                "steps": s.digits_steps,
+                "epsilon": e.to_dict(),
+                "validation_accuracy": v,
+                "test_accuracy": t,
+            }
+            for (c, sigma), e, v, t in zip(s.digits_models, singles, val, test, strict=True)
+        ],
         **_lc_labels(trainings),
         "curves": curves,
         "findings": _digits_findings(curves, trainings, s.delta),
@@ -278,8 +383,14 @@ def digits_logreg(s: Settings) -> dict:
         "pld_savings": _savings(curves, profiles, trainings, s.delta),
         "example_releases": {
             "target_epsilon": example_target,
-            "rs": {"record": rs_release.record.to_dict(), "expected_test_accuracy": float(np.dot(rs_release.choice.weights, test))},
-            "lc": {"record": lc_release.record.to_dict(), "test_accuracy": acc_of(lc_release.arrays, splits.x_test, splits.y_test)},
+            "rs": {
+                "record": rs_release.record.to_dict(),
+                "expected_test_accuracy": float(np.dot(rs_release.choice.weights, test)),
+            },
+            "lc": {
+                "record": lc_release.record.to_dict(),
+                "test_accuracy": acc_of(lc_release.arrays, splits.x_test, splits.y_test),
+            },
         },
     }
 
@@ -301,9 +412,15 @@ def _joint_releases(profiles, arrays, val_of, test_of, s: Settings) -> list[dict
                 v = val_of(combine(arrays, lam))
                 if v > best_val:
                     best_val, best_w = v, lam
-            rows.append({"models": list(subset), "epsilon": {"pld": pld_epsilon(pld, s.delta), "rdp": rdp_to_epsilon(orders, rdp, s.delta)},
-                         "post_processing_weights": best_w.tolist(), "validation_accuracy": best_val,
-                         "test_accuracy": test_of(combine(arrays, best_w))})
+            rows.append(
+                {
+                    "models": list(subset),
+                    "epsilon": {"pld": pld_epsilon(pld, s.delta), "rdp": rdp_to_epsilon(orders, rdp, s.delta)},
+                    "post_processing_weights": best_w.tolist(),
+                    "validation_accuracy": best_val,
+                    "test_accuracy": test_of(combine(arrays, best_w)),
+                }
+            )
     return rows
 
 
@@ -327,24 +444,40 @@ def _savings(curves: dict, profiles, trainings, delta: float) -> dict:
                 rdp_curve = rdp_mixture(w, [p.rdp for p in profiles], orders)
             e_pld, e_rdp = r["epsilon"]["pld"], r["epsilon"]["rdp"]
             e_classical = classical_rdp_epsilon(orders, rdp_curve, delta)
-            rows.append({"weights": list(w), "accuracy": r["test_accuracy"], "epsilon_pld": e_pld, "epsilon_rdp": e_rdp,
-                         "epsilon_rdp_classical": e_classical, "saving": 1 - e_pld / e_rdp, "saving_vs_classical": 1 - e_pld / e_classical})
+            rows.append(
+                {
+                    "weights": list(w),
+                    "accuracy": r["test_accuracy"],
+                    "epsilon_pld": e_pld,
+                    "epsilon_rdp": e_rdp,
+                    "epsilon_rdp_classical": e_classical,
+                    "saving": 1 - e_pld / e_rdp,
+                    "saving_vs_classical": 1 - e_pld / e_classical,
+                }
+            )
         savings = [r["saving"] for r in rows]
         classical = [r["saving_vs_classical"] for r in rows]
-        out[method] = {"releases": rows,
-                       "saving_mean": float(np.mean(savings)) if rows else None,
-                       "saving_range": [float(np.min(savings)), float(np.max(savings))] if rows else None,
-                       "saving_vs_classical_mean": float(np.mean(classical)) if rows else None,
-                       "saving_vs_classical_range": [float(np.min(classical)), float(np.max(classical))] if rows else None}
+        out[method] = {
+            "releases": rows,
+            "saving_mean": float(np.mean(savings)) if rows else None,
+            "saving_range": [float(np.min(savings)), float(np.max(savings))] if rows else None,
+            "saving_vs_classical_mean": float(np.mean(classical)) if rows else None,
+            "saving_vs_classical_range": [float(np.min(classical)), float(np.max(classical))] if rows else None,
+        }
     return out
 
 
 # ------------------------------------------------------------------------------ figures and tables
 
 
-STYLES = {("rs", "pld"): ("tab:blue", "-"), ("rs", "rdp"): ("tab:blue", "--"),
-          ("lc_composition", "pld"): ("tab:orange", "-"), ("lc_composition", "rdp"): ("tab:orange", "--"),
-          ("lc_surrogate", "pld"): ("tab:red", ":"), ("lc_surrogate", "rdp"): ("tab:red", "-.")}
+STYLES = {
+    ("rs", "pld"): ("tab:blue", "-"),
+    ("rs", "rdp"): ("tab:blue", "--"),
+    ("lc_composition", "pld"): ("tab:orange", "-"),
+    ("lc_composition", "rdp"): ("tab:orange", "--"),
+    ("lc_surrogate", "pld"): ("tab:red", ":"),
+    ("lc_surrogate", "rdp"): ("tab:red", "-."),
+}
 
 
 def _method_label(method: str, result: dict) -> str:
@@ -364,11 +497,20 @@ def _figure(result: dict, key: str, model_label, delta: float):
     for (method, acc), (color, ls) in STYLES.items():
         rows = result["curves"][method][acc]
         if rows:
-            ax.plot([r["target_epsilon"] for r in rows], [r[key] for r in rows], ls, color=color, marker="o", ms=3,
-                    label=f"{_method_label(method, result)} ({acc.upper()})")
+            ax.plot(
+                [r["target_epsilon"] for r in rows],
+                [r[key] for r in rows],
+                ls,
+                color=color,
+                marker="o",
+                ms=3,
+                label=f"{_method_label(method, result)} ({acc.upper()})",
+            )
     for m in result["models"]:
         ax.plot([m["epsilon"]["pld"]], [m[key]], "k^", ms=7)
-        ax.annotate(model_label(m), (m["epsilon"]["pld"], m[key]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.annotate(
+            model_label(m), (m["epsilon"]["pld"], m[key]), textcoords="offset points", xytext=(5, 4), fontsize=8
+        )
     ax.set_xlabel(f"target ε′ (δ′ = {delta:g})")
     ax.grid(True, which="both", alpha=0.3)
     return plt, fig, ax
@@ -390,7 +532,9 @@ def plot_mean_estimation(result: dict, path, delta: float) -> None:
 
 
 def plot_digits(result: dict, path, delta: float) -> None:
-    plt, fig, ax = _figure(result, "test_accuracy", lambda m: f"C={m['clip_norm']:g}, σ={m['noise_multiplier']:g}", delta)
+    plt, fig, ax = _figure(
+        result, "test_accuracy", lambda m: f"C={m['clip_norm']:g}, σ={m['noise_multiplier']:g}", delta
+    )
     for acc, ls in (("pld", "-"), ("rdp", "--")):
         xs, ys = _joint_frontier(result["joint"], acc)
         ax.step(xs, ys, ls, where="post", color="tab:gray", label=f"joint release ({acc.upper()})")
@@ -419,62 +563,128 @@ def _joint_frontier(joint: list[dict], acc: str) -> tuple[list[float], list[floa
     return xs, ys
 
 
-COLUMNS = (("rs", "pld"), ("rs", "rdp"), ("lc_composition", "pld"), ("lc_composition", "rdp"),
-           ("lc_surrogate", "pld"), ("lc_surrogate", "rdp"))
-TABLE_HEAD = ["| target ε′ | RS (PLD) | RS (RDP) | LC composition (PLD) | LC composition (RDP) | LC surrogate (PLD) | LC surrogate (RDP) |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+COLUMNS = (
+    ("rs", "pld"),
+    ("rs", "rdp"),
+    ("lc_composition", "pld"),
+    ("lc_composition", "rdp"),
+    ("lc_surrogate", "pld"),
+    ("lc_surrogate", "rdp"),
+)
+TABLE_HEAD = [
+    "| target ε′ | RS (PLD) | RS (RDP) | LC composition (PLD) | LC composition (RDP) | LC surrogate (PLD) | LC surrogate (RDP) |",
+    "| --- | --- | --- | --- | --- | --- | --- |",
+]
 
 
 def markdown(result: dict) -> str:
     a, b = result["mean_estimation"], result["digits"]
-    lines = ["# DP model merging: RS vs LC, PLD vs RDP", "", f"δ′ = {result['settings']['delta']:g}; seed {result['settings']['seed']}.", "",
-             ("LC is shown under two accountings. *Composition*: θ_λ is a post-processing of releasing every model with "
-              "λ_i > 0, so it costs their composition — proven for any training, and what the ledger charges unless "
-              "every merged model declares state-independent gradients. *Surrogate*: the per-step Gaussian surrogate "
-              "(noise sqrt(Σ(λ_i η_i σ_i C_i)²), sensitivity 2Σλ_i η_i C_i per step), a bound only for state-independent "
-              "gradients; for networks it can understate the cost several-fold."), "",
-             f"## (a) Gaussian mean estimation (n = {a['n']}; gradients state-independent: the surrogate is the charged bound)", "",
-             a["mse_method"] + ".", "",
-             "| model σ | ε (PLD) | ε (RDP) | MSE (Monte Carlo) | MSE (closed form) |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "# DP model merging: RS vs LC, PLD vs RDP",
+        "",
+        f"δ′ = {result['settings']['delta']:g}; seed {result['settings']['seed']}.",
+        "",
+        (
+            "LC is shown under two accountings. *Composition*: θ_λ is a post-processing of releasing every model with "
+            "λ_i > 0, so it costs their composition — proven for any training, and what the ledger charges unless "
+            "every merged model declares state-independent gradients. *Surrogate*: the per-step Gaussian surrogate "
+            "(noise sqrt(Σ(λ_i η_i σ_i C_i)²), sensitivity 2Σλ_i η_i C_i per step), a bound only for state-independent "
+            "gradients; for networks it can understate the cost several-fold."
+        ),
+        "",
+        f"## (a) Gaussian mean estimation (n = {a['n']}; gradients state-independent: the surrogate is the charged bound)",
+        "",
+        a["mse_method"] + ".",
+        "",
+        "| model σ | ε (PLD) | ε (RDP) | MSE (Monte Carlo) | MSE (closed form) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for m in a["models"]:
-        lines.append(f"| {m['noise_multiplier']:g} | {m['epsilon']['pld']:.3f} | {m['epsilon']['rdp']:.3f} | {m['mse']:.3e} | {m['mse_closed_form']:.3e} |")
+        lines.append(
+            f"| {m['noise_multiplier']:g} | {m['epsilon']['pld']:.3f} | {m['epsilon']['rdp']:.3f} | {m['mse']:.3e} | {m['mse_closed_form']:.3e} |"
+        )
     lines += ["", *TABLE_HEAD]
     lines += _table_by_target(a["curves"], "mse", "{:.3e}")
     f = a["findings"]
     ratios = [r["ratio"] for r in f["surrogate_over_composition_mse"]]
-    lines += ["", f"LC (surrogate, valid here) dominates RS: **{f['lc_dominates_rs']}**; PLD no worse than RDP: "
-              f"**{f['pld_no_worse_than_rdp']}**. Here LC pays off: θ_λ is one Gaussian mechanism, averaging the "
-              "models' noise" + (f"; charged by composition instead, its MSE would be {1 / min(ratios):.2f}× to "
-                                 f"{1 / max(ratios):.2f}× the surrogate's." if ratios else "."), "",
-              "## (b) digits, logistic regression (gradients depend on the weights: LC is charged by composition)", "",
-              "| C | σ | ε (PLD) | ε (RDP) | validation acc. | test acc. |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"LC (surrogate, valid here) dominates RS: **{f['lc_dominates_rs']}**; PLD no worse than RDP: "
+        f"**{f['pld_no_worse_than_rdp']}**. Here LC pays off: θ_λ is one Gaussian mechanism, averaging the "
+        "models' noise"
+        + (
+            f"; charged by composition instead, its MSE would be {1 / min(ratios):.2f}× to "
+            f"{1 / max(ratios):.2f}× the surrogate's."
+            if ratios
+            else "."
+        ),
+        "",
+        "## (b) digits, logistic regression (gradients depend on the weights: LC is charged by composition)",
+        "",
+        "| C | σ | ε (PLD) | ε (RDP) | validation acc. | test acc. |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for m in b["models"]:
-        lines.append(f"| {m['clip_norm']:g} | {m['noise_multiplier']:g} | {m['epsilon']['pld']:.3f} | {m['epsilon']['rdp']:.3f} | {m['validation_accuracy']:.3f} | {m['test_accuracy']:.3f} |")
-    lines += ["", ("Test accuracy at each target (RS: expected accuracy Σ π_i acc_i; LC surrogate: NOT a valid release "
-                   "here, shown for what it would have claimed):"), "", *TABLE_HEAD]
+        lines.append(
+            f"| {m['clip_norm']:g} | {m['noise_multiplier']:g} | {m['epsilon']['pld']:.3f} | {m['epsilon']['rdp']:.3f} | {m['validation_accuracy']:.3f} | {m['test_accuracy']:.3f} |"
+        )
+    lines += [
+        "",
+        (
+            "Test accuracy at each target (RS: expected accuracy Σ π_i acc_i; LC surrogate: NOT a valid release "
+            "here, shown for what it would have claimed):"
+        ),
+        "",
+        *TABLE_HEAD,
+    ]
     lines += _table_by_target(b["curves"], "test_accuracy", "{:.3f}")
     fb = b["findings"]
     beats = fb["lc_beats_rs_at"]
-    lines += ["", ("LC by composition beats RS at ε′ = " + ", ".join(f"{t:.3f}" for t in beats) + ": there a measured "
-                   "combination of the models that fit the budget together is more accurate than any mixture RS may draw from."
-                   if beats else "LC by composition never beats RS here: what fits the budget together is no more "
-                   "accurate than what RS may draw."),
-              "", "Releases the surrogate would have chosen, and what they really cost (proven ε, PLD):", "",
-              "| target ε′ | weights | surrogate ε | proven ε |", "| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        (
+            "LC by composition beats RS at ε′ = " + ", ".join(f"{t:.3f}" for t in beats) + ": there a measured "
+            "combination of the models that fit the budget together is more accurate than any mixture RS may draw from."
+            if beats
+            else "LC by composition never beats RS here: what fits the budget together is no more "
+            "accurate than what RS may draw."
+        ),
+        "",
+        "Releases the surrogate would have chosen, and what they really cost (proven ε, PLD):",
+        "",
+        "| target ε′ | weights | surrogate ε | proven ε |",
+        "| --- | --- | --- | --- |",
+    ]
     for r in fb["surrogate_releases_proven_cost"]:
-        lines.append(f"| {r['target_epsilon']:.3f} | {', '.join(f'{w:.2f}' for w in r['weights'])} | {r['surrogate_epsilon']:.3f} | {r['proven_epsilon']:.3f} |")
-    lines += ["", "Joint release of a subset (composition), best post-processing chosen on validation:", "",
-              "| models | ε (PLD) | ε (RDP) | test acc. |", "| --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['target_epsilon']:.3f} | {', '.join(f'{w:.2f}' for w in r['weights'])} | {r['surrogate_epsilon']:.3f} | {r['proven_epsilon']:.3f} |"
+        )
+    lines += [
+        "",
+        "Joint release of a subset (composition), best post-processing chosen on validation:",
+        "",
+        "| models | ε (PLD) | ε (RDP) | test acc. |",
+        "| --- | --- | --- | --- |",
+    ]
     for r in b["joint"]:
-        lines.append(f"| {r['models']} | {r['epsilon']['pld']:.3f} | {r['epsilon']['rdp']:.3f} | {r['test_accuracy']:.3f} |")
-    lines += ["", "Budget saved by PLD at equal accuracy (the same release certified by PLD instead of RDP):", "",
-              "| method | vs improved RDP conversion: mean [min, max] | vs classical RDP conversion: mean [min, max] |", "| --- | --- | --- |"]
+        lines.append(
+            f"| {r['models']} | {r['epsilon']['pld']:.3f} | {r['epsilon']['rdp']:.3f} | {r['test_accuracy']:.3f} |"
+        )
+    lines += [
+        "",
+        "Budget saved by PLD at equal accuracy (the same release certified by PLD instead of RDP):",
+        "",
+        "| method | vs improved RDP conversion: mean [min, max] | vs classical RDP conversion: mean [min, max] |",
+        "| --- | --- | --- |",
+    ]
     for method in ("rs", "lc"):
         sv = b["pld_savings"][method]
         if sv["saving_mean"] is None:
             continue
-        lines.append(f"| {method.upper()} | {100 * sv['saving_mean']:.1f}% [{100 * sv['saving_range'][0]:.1f}, {100 * sv['saving_range'][1]:.1f}] | "
-                     f"{100 * sv['saving_vs_classical_mean']:.1f}% [{100 * sv['saving_vs_classical_range'][0]:.1f}, {100 * sv['saving_vs_classical_range'][1]:.1f}] |")
+        lines.append(
+            f"| {method.upper()} | {100 * sv['saving_mean']:.1f}% [{100 * sv['saving_range'][0]:.1f}, {100 * sv['saving_range'][1]:.1f}] | "
+            f"{100 * sv['saving_vs_classical_mean']:.1f}% [{100 * sv['saving_vs_classical_range'][0]:.1f}, {100 * sv['saving_vs_classical_range'][1]:.1f}] |"
+        )
     lines.append("")
     return "\n".join(lines)
 
@@ -498,8 +708,13 @@ def run(settings: Settings) -> dict:
     t_a = time.perf_counter() - start
     b = digits_logreg(settings)
     t_b = time.perf_counter() - start - t_a
-    return {"experiment": "merging", "settings": _jsonable(asdict(settings)), "mean_estimation": a, "digits": b,
-            "seconds": {"mean_estimation": t_a, "digits": t_b}}
+    return {
+        "experiment": "merging",
+        "settings": _jsonable(asdict(settings)),
+        "mean_estimation": a,
+        "digits": b,
+        "seconds": {"mean_estimation": t_a, "digits": t_b},
+    }
 
 
 def _jsonable(v: Any) -> Any:

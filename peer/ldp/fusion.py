@@ -14,8 +14,9 @@ unchanged (``test_fusion`` checks this). Input and output layers are never permu
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -29,7 +30,7 @@ def check_permutations(arch: Mapping[str, Any], permutations: Sequence[np.ndarra
     if len(permutations) != len(sizes):
         raise InvalidArgument("permutations", f"need one per hidden layer ({len(sizes)}), got {len(permutations)}")
     out = []
-    for i, (p, n) in enumerate(zip(permutations, sizes)):
+    for i, (p, n) in enumerate(zip(permutations, sizes, strict=True)):
         p = np.asarray(p)
         if p.shape != (n,) or not np.issubdtype(p.dtype, np.integer) or not np.array_equal(np.sort(p), np.arange(n)):
             raise InvalidArgument(f"permutations[{i}]", f"must be a permutation of 0..{n - 1}")
@@ -47,8 +48,9 @@ def _permute_input_axis(w: np.ndarray, perm: np.ndarray, layer: WeightLayer) -> 
     return blocks[:, perm, :].reshape(n_out, -1)
 
 
-def permute_arrays(arch: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-                   permutations: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+def permute_arrays(
+    arch: Mapping[str, Any], arrays: Mapping[str, np.ndarray], permutations: Sequence[np.ndarray]
+) -> dict[str, np.ndarray]:
     """Model B's arrays re-indexed so that its hidden nodes line up with model A's."""
     perms = check_permutations(arch, permutations)
     layers = weight_layers(arch)
@@ -73,8 +75,9 @@ def _check_same_shapes(arrays_a: Mapping[str, np.ndarray], arrays_b: Mapping[str
             raise InvalidArgument(f"arrays[{k}]", f"shapes differ: {np.shape(arrays_a[k])} vs {np.shape(arrays_b[k])}")
 
 
-def fuse_arrays(arrays_a: Mapping[str, np.ndarray], arrays_b_aligned: Mapping[str, np.ndarray],
-                alpha: float) -> dict[str, np.ndarray]:
+def fuse_arrays(
+    arrays_a: Mapping[str, np.ndarray], arrays_b_aligned: Mapping[str, np.ndarray], alpha: float
+) -> dict[str, np.ndarray]:
     """α·A + (1 − α)·B for every parameter (B already aligned to A)."""
     if not (0.0 <= alpha <= 1.0):
         raise InvalidArgument("alpha", f"must be in [0, 1], got {alpha!r}")
@@ -90,34 +93,48 @@ def average_arrays(models: Sequence[Mapping[str, np.ndarray]], weights: Sequence
         raise InvalidArgument("weights", f"must be non-negative and sum to 1, got {list(weights)}")
     for m in models[1:]:
         _check_same_shapes(models[0], m)
-    return {k: sum(float(wi) * np.asarray(m[k], dtype=np.float64) for wi, m in zip(w, models)).astype(np.float32)
-            for k in models[0]}
+    return {
+        k: sum(float(wi) * np.asarray(m[k], dtype=np.float64) for wi, m in zip(w, models, strict=True)).astype(
+            np.float32
+        )
+        for k in models[0]
+    }
 
 
-def fuse_many(arch: Mapping[str, Any], models: Sequence[Mapping[str, np.ndarray]],
-              permutations_to_reference: Sequence[Sequence[np.ndarray] | None],
-              weights: Sequence[float]) -> dict[str, np.ndarray]:
+def fuse_many(
+    arch: Mapping[str, Any],
+    models: Sequence[Mapping[str, np.ndarray]],
+    permutations_to_reference: Sequence[Sequence[np.ndarray] | None],
+    weights: Sequence[float],
+) -> dict[str, np.ndarray]:
     """Multi-model fusion: every model aligned to the reference (entry 0, whose permutations
     are None/identity) by its permutations, then the weighted average."""
     if len(models) != len(permutations_to_reference):
         raise InvalidArgument("permutations_to_reference", "need one entry per model")
     aligned = [dict(models[0])] + [
         dict(m) if p is None else permute_arrays(arch, m, p)
-        for m, p in zip(models[1:], permutations_to_reference[1:])
+        for m, p in zip(models[1:], permutations_to_reference[1:], strict=True)
     ]
     return average_arrays(aligned, weights)
 
 
 # --- baselines -------------------------------------------------------------------------------
 
-def vanilla_average(arrays_a: Mapping[str, np.ndarray], arrays_b: Mapping[str, np.ndarray],
-                    alpha: float = 0.5) -> dict[str, np.ndarray]:
+
+def vanilla_average(
+    arrays_a: Mapping[str, np.ndarray], arrays_b: Mapping[str, np.ndarray], alpha: float = 0.5
+) -> dict[str, np.ndarray]:
     """Weight averaging with no alignment (McMahan et al.'s FedAvg step for two models)."""
     return fuse_arrays(arrays_a, arrays_b, alpha)
 
 
-def ensemble_proba(arch: Mapping[str, Any], arrays_a: Mapping[str, np.ndarray],
-                   arrays_b: Mapping[str, np.ndarray], x: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+def ensemble_proba(
+    arch: Mapping[str, Any],
+    arrays_a: Mapping[str, np.ndarray],
+    arrays_b: Mapping[str, np.ndarray],
+    x: np.ndarray,
+    alpha: float = 0.5,
+) -> np.ndarray:
     """Prediction ensemble: α·p_A(y|x) + (1 − α)·p_B(y|x) (needs both models at inference)."""
     if not (0.0 <= alpha <= 1.0):
         raise InvalidArgument("alpha", f"must be in [0, 1], got {alpha!r}")
@@ -134,9 +151,14 @@ class WeightMatchingResult:
     objective: float
 
 
-def weight_matching(arch: Mapping[str, Any], arrays_a: Mapping[str, np.ndarray],
-                    arrays_b: Mapping[str, np.ndarray], *, max_sweeps: int = 100,
-                    seed: int = 0) -> WeightMatchingResult:
+def weight_matching(
+    arch: Mapping[str, Any],
+    arrays_a: Mapping[str, np.ndarray],
+    arrays_b: Mapping[str, np.ndarray],
+    *,
+    max_sweeps: int = 100,
+    seed: int = 0,
+) -> WeightMatchingResult:
     """Git Re-Basin weight matching (Ainsworth et al. 2023, Algorithm 1): maximise
     Σ_ℓ ⟨W_A^ℓ, P_ℓ W_B^ℓ P_{ℓ−1}ᵀ⟩ (+ biases) by coordinate descent over layers in random
     order, each step a linear assignment (Hungarian) on
@@ -157,29 +179,30 @@ def weight_matching(arch: Mapping[str, Any], arrays_a: Mapping[str, np.ndarray],
         w3 = w.reshape(w.shape[0], layer.inputs, layer.entries_per_input)
         return w3 if perm_prev is None else w3[:, perm_prev, :]
 
-    def score(l):
-        prev = perms[l - 1] if l > 0 else None
-        wa, wb = in_blocks(A, l, None), in_blocks(B, l, prev)
+    def score(ell):
+        prev = perms[ell - 1] if ell > 0 else None
+        wa, wb = in_blocks(A, ell, None), in_blocks(B, ell, prev)
         s = wa.reshape(wa.shape[0], -1) @ wb.reshape(wb.shape[0], -1).T
-        s += np.outer(A[f"{layers[l].name}.bias"], B[f"{layers[l].name}.bias"])
-        na, nb = in_blocks(A, l + 1, None), in_blocks(B, l + 1, None)
-        if l + 1 < len(sizes):
-            nb = nb[perms[l + 1]]
+        s += np.outer(A[f"{layers[ell].name}.bias"], B[f"{layers[ell].name}.bias"])
+        na, nb = in_blocks(A, ell + 1, None), in_blocks(B, ell + 1, None)
+        if ell + 1 < len(sizes):
+            nb = nb[perms[ell + 1]]
         # outgoing: columns (input nodes) of the next layer
         s += np.einsum("oie,oje->ij", na, nb)
         return s
 
     converged = False
     sweeps = 0
-    for sweeps in range(1, max_sweeps + 1):
+    # the loop variable is the result: the number of sweeps run (B007 sees it unused in the body)
+    for sweeps in range(1, max_sweeps + 1):  # noqa: B007
         changed = False
-        for l in rng.permutation(len(sizes)):
-            s = score(l)
+        for ell in rng.permutation(len(sizes)):
+            s = score(ell)
             _, col = linear_sum_assignment(s, maximize=True)
-            if not np.array_equal(col, perms[l]):
-                gain = s[np.arange(len(col)), col].sum() - s[np.arange(len(col)), perms[l]].sum()
+            if not np.array_equal(col, perms[ell]):
+                gain = s[np.arange(len(col)), col].sum() - s[np.arange(len(col)), perms[ell]].sum()
                 if gain > 1e-12:
-                    perms[l] = col
+                    perms[ell] = col
                     changed = True
         if not changed:
             converged = True

@@ -52,6 +52,7 @@ def _correlation(fa: np.ndarray, fb: np.ndarray) -> np.ndarray:
         f = f - f.mean(axis=1, keepdims=True)
         norm = np.linalg.norm(f, axis=1, keepdims=True)
         return f / np.where(norm > 0, norm, 1.0)
+
     return standardise(fa) @ standardise(fb).T
 
 
@@ -59,9 +60,16 @@ def _unfold(t: np.ndarray, axis: int, size: int) -> np.ndarray:
     return np.moveaxis(np.asarray(t, dtype=np.float64), axis, 0).reshape(size, -1)
 
 
-def match_groups(structure: PermutationStructure, arrays_a: Mapping[str, Any], arrays_b: Mapping[str, Any],
-                 activations_a: Mapping[str, np.ndarray] | None = None, activations_b: Mapping[str, np.ndarray] | None = None,
-                 *, sweeps: int = 30, seed: int = 0) -> dict[str, np.ndarray]:
+def match_groups(
+    structure: PermutationStructure,
+    arrays_a: Mapping[str, Any],
+    arrays_b: Mapping[str, Any],
+    activations_a: Mapping[str, np.ndarray] | None = None,
+    activations_b: Mapping[str, np.ndarray] | None = None,
+    *,
+    sweeps: int = 30,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
     """Permutations of B's groups aligning it to A (see the module docstring)."""
     structure.check_arrays(arrays_a, "arrays_a")
     structure.check_arrays(arrays_b, "arrays_b")
@@ -99,8 +107,9 @@ def match_groups(structure: PermutationStructure, arrays_a: Mapping[str, Any], a
     return perms
 
 
-def fuse_state(structure: PermutationStructure, arrays_a: Mapping[str, Any], arrays_b_aligned: Mapping[str, Any],
-               alpha: float) -> dict[str, np.ndarray]:
+def fuse_state(
+    structure: PermutationStructure, arrays_a: Mapping[str, Any], arrays_b_aligned: Mapping[str, Any], alpha: float
+) -> dict[str, np.ndarray]:
     """α·A + (1 − α)·B_aligned on every floating-point entry of the state (weights, biases,
     BatchNorm affine and running statistics); integer buffers (``num_batches_tracked``) keep A's."""
     if not 0.0 <= alpha <= 1.0:

@@ -56,17 +56,27 @@ def align_graphs(own: NetworkGraph, theirs: NetworkGraph, options: MatchOptions 
     return Alignment(tuple(np.asarray(p, dtype=np.int64) for p in result.permutations), result)
 
 
-def align(architecture: Mapping[str, Any], own: NetworkGraph, theirs: NetworkGraph,
-          their_arrays: Mapping[str, np.ndarray], options: MatchOptions | None = None
-          ) -> tuple[dict[str, np.ndarray], Alignment]:
+def align(
+    architecture: Mapping[str, Any],
+    own: NetworkGraph,
+    theirs: NetworkGraph,
+    their_arrays: Mapping[str, np.ndarray],
+    options: MatchOptions | None = None,
+) -> tuple[dict[str, np.ndarray], Alignment]:
     """Steps 1 and 2: their weights aligned to our model, and the alignment that did it."""
     alignment = align_graphs(own, theirs, options)
     return alignment.apply(architecture, their_arrays), alignment
 
 
-def align_and_fuse(architecture: Mapping[str, Any], own: NetworkGraph, own_arrays: Mapping[str, np.ndarray],
-                   theirs: NetworkGraph, their_arrays: Mapping[str, np.ndarray], alpha: float,
-                   options: MatchOptions | None = None) -> tuple[dict[str, np.ndarray], Alignment]:
+def align_and_fuse(
+    architecture: Mapping[str, Any],
+    own: NetworkGraph,
+    own_arrays: Mapping[str, np.ndarray],
+    theirs: NetworkGraph,
+    their_arrays: Mapping[str, np.ndarray],
+    alpha: float,
+    options: MatchOptions | None = None,
+) -> tuple[dict[str, np.ndarray], Alignment]:
     """Steps 1–3 for two models: W = α·W_own + (1 − α)·P(W_theirs) for every weight and bias
     (α ∈ [0, 1], the fusion scale), and the alignment P."""
     aligned, alignment = align(architecture, own, theirs, their_arrays, options)

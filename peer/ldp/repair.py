@@ -71,7 +71,7 @@ def _moments(t: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor, in
 def _batches(x: np.ndarray | torch.Tensor, batch_size: int):
     t = torch.as_tensor(np.asarray(x, dtype=np.float32)) if not isinstance(x, torch.Tensor) else x
     for i in range(0, t.shape[0], batch_size):
-        yield t[i:i + batch_size]
+        yield t[i : i + batch_size]
 
 
 @torch.no_grad()
@@ -89,8 +89,11 @@ def _measure(model: nn.Module, module_name: str, x, *, inputs: bool, batch_size:
         acc[1] = acc[1] + s2
         acc[2] += n
 
-    handle = (mod.register_forward_pre_hook(lambda m, a: record(a[0])) if inputs
-              else mod.register_forward_hook(lambda m, a, out: record(out)))
+    handle = (
+        mod.register_forward_pre_hook(lambda m, a: record(a[0]))
+        if inputs
+        else mod.register_forward_hook(lambda m, a, out: record(out))
+    )
     was_training = model.training
     model.eval()
     try:
@@ -106,23 +109,36 @@ def _measure(model: nn.Module, module_name: str, x, *, inputs: bool, batch_size:
     return UnitStatistics(mean, np.sqrt(var))
 
 
-def unit_statistics(model: nn.Module, stat_points: Sequence[StatPoint], x, *, batch_size: int = 512) -> dict[str, UnitStatistics]:
+def unit_statistics(
+    model: nn.Module, stat_points: Sequence[StatPoint], x, *, batch_size: int = 512
+) -> dict[str, UnitStatistics]:
     """Each statistic point's per-unit mean and std of its output, on data ``x``."""
     return {p.module: _measure(model, p.module, x, inputs=False, batch_size=batch_size) for p in stat_points}
 
 
-def interpolated_statistics(a: Mapping[str, UnitStatistics], b: Mapping[str, UnitStatistics], alpha: float) -> dict[str, UnitStatistics]:
+def interpolated_statistics(
+    a: Mapping[str, UnitStatistics], b: Mapping[str, UnitStatistics], alpha: float
+) -> dict[str, UnitStatistics]:
     """μ* = α·μ_A + (1 − α)·μ_B and σ* = α·σ_A + (1 − α)·σ_B for every point."""
     if not 0.0 <= alpha <= 1.0:
         raise InvalidArgument("alpha", f"must lie in [0, 1], got {alpha}")
     if set(a) != set(b):
         raise InvalidArgument("statistics", f"endpoints measured at different points: {sorted(set(a) ^ set(b))}")
-    return {k: UnitStatistics(alpha * a[k].mean + (1 - alpha) * b[k].mean, alpha * a[k].std + (1 - alpha) * b[k].std) for k in a}
+    return {
+        k: UnitStatistics(alpha * a[k].mean + (1 - alpha) * b[k].mean, alpha * a[k].std + (1 - alpha) * b[k].std)
+        for k in a
+    }
 
 
 @torch.no_grad()
-def repair(fused: nn.Module, stat_points: Sequence[StatPoint], targets: Mapping[str, UnitStatistics], x, *,
-           batch_size: int = 512) -> nn.Module:
+def repair(
+    fused: nn.Module,
+    stat_points: Sequence[StatPoint],
+    targets: Mapping[str, UnitStatistics],
+    x,
+    *,
+    batch_size: int = 512,
+) -> nn.Module:
     """A copy of ``fused`` whose units at every statistic point have the ``targets``' moments
     on data ``x`` (affine points), or whose BatchNorms carry the fused network's actual
     statistics on ``x`` (batchnorm points). See the module docstring for the formulas."""
@@ -137,14 +153,16 @@ def repair(fused: nn.Module, stat_points: Sequence[StatPoint], targets: Mapping[
                 raise InvalidArgument("stat_points", f"{p.module!r} is not a BatchNorm with running statistics")
             st = _measure(model, p.module, x, inputs=True, batch_size=batch_size)
             mod.running_mean.copy_(torch.as_tensor(st.mean, dtype=mod.running_mean.dtype))
-            mod.running_var.copy_(torch.as_tensor(st.std ** 2, dtype=mod.running_var.dtype))
+            mod.running_var.copy_(torch.as_tensor(st.std**2, dtype=mod.running_var.dtype))
             continue
         if p.module not in targets:
             raise InvalidArgument("targets", f"no target statistics for {p.module!r}")
         tgt = targets[p.module]
         cur = _measure(model, p.module, x, inputs=False, batch_size=batch_size)
         if cur.mean.shape != tgt.mean.shape:
-            raise InvalidArgument(f"targets[{p.module}]", f"has {tgt.mean.shape[0]} units, the module {cur.mean.shape[0]}")
+            raise InvalidArgument(
+                f"targets[{p.module}]", f"has {tgt.mean.shape[0]} units, the module {cur.mean.shape[0]}"
+            )
         ok = cur.std > MIN_STD_RATIO * np.maximum(tgt.std, 1e-12)
         scale = np.where(ok, tgt.std / np.where(ok, cur.std, 1.0), 1.0)
         w = mod.weight
@@ -157,20 +175,40 @@ def repair(fused: nn.Module, stat_points: Sequence[StatPoint], targets: Mapping[
     return model
 
 
-def repair_fusion(fused: nn.Module, model_a: nn.Module, model_b_aligned: nn.Module, stat_points: Sequence[StatPoint],
-                  alpha: float, x_a, x_b=None, x_fused=None, *, batch_size: int = 512) -> nn.Module:
+def repair_fusion(
+    fused: nn.Module,
+    model_a: nn.Module,
+    model_b_aligned: nn.Module,
+    stat_points: Sequence[StatPoint],
+    alpha: float,
+    x_a,
+    x_b=None,
+    x_fused=None,
+    *,
+    batch_size: int = 512,
+) -> nn.Module:
     """REPAIR in one call: A's statistics on ``x_a`` (A's own records), aligned B's on ``x_b``
     (default ``x_a``; A's records or the public probe set), the fused network measured on
     ``x_fused`` (default ``x_a``)."""
     sa = unit_statistics(model_a, [p for p in stat_points if p.kind == "affine"], x_a, batch_size=batch_size)
-    sb = unit_statistics(model_b_aligned, [p for p in stat_points if p.kind == "affine"], x_a if x_b is None else x_b,
-                         batch_size=batch_size)
-    return repair(fused, stat_points, interpolated_statistics(sa, sb, alpha), x_a if x_fused is None else x_fused,
-                  batch_size=batch_size)
+    sb = unit_statistics(
+        model_b_aligned,
+        [p for p in stat_points if p.kind == "affine"],
+        x_a if x_b is None else x_b,
+        batch_size=batch_size,
+    )
+    return repair(
+        fused,
+        stat_points,
+        interpolated_statistics(sa, sb, alpha),
+        x_a if x_fused is None else x_fused,
+        batch_size=batch_size,
+    )
 
 
-def fine_tune(model: nn.Module, x, y, *, seed: int, epochs: int = 5, batch_size: int = 64,
-              learning_rate: float = 1e-4) -> nn.Module:
+def fine_tune(
+    model: nn.Module, x, y, *, seed: int, epochs: int = 5, batch_size: int = 64, learning_rate: float = 1e-4
+) -> nn.Module:
     """A copy of ``model`` trained a few Adam epochs with cross-entropy on the requester's own
     records (``x`` shaped as the model expects, integer labels ``y``); deterministic given
     ``seed``. Local training on one's own data: it touches no other site's release beyond
@@ -186,7 +224,7 @@ def fine_tune(model: nn.Module, x, y, *, seed: int, epochs: int = 5, batch_size:
     for _ in range(epochs):
         order = torch.randperm(len(xt), generator=gen)
         for i in range(0, len(xt), batch_size):
-            idx = order[i:i + batch_size]
+            idx = order[i : i + batch_size]
             opt.zero_grad()
             loss = nn.functional.cross_entropy(m(xt[idx]), yt[idx])
             loss.backward()

@@ -20,18 +20,19 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 
-from peer.net.identity import Identity
-from peer.net.trust import PinnedPeer, TrustStore
-from peer.net import wire
 from peer.base.errors import InvalidArgument, NotFound, PrivFusionError
-from peer.net.receipts import Manifest, SignedReceipt, receipt_digest, verify_receipt
 from peer.base.records import ReleaseRecord
+from peer.net import wire
+from peer.net.identity import Identity
+from peer.net.receipts import Manifest, SignedReceipt, receipt_digest, verify_receipt
+from peer.net.trust import PinnedPeer, TrustStore
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from privfusion.v1 import tensor_pb2 as tpb
@@ -50,9 +51,16 @@ class PeerError(PrivFusionError):
     — an ``ErrorInfo``'s (e.g. ``BUDGET_EXHAUSTED`` with the ε spent and remaining, or
     ``TARGET_UNREACHABLE`` with the pool's reachable ε range)."""
 
-    def __init__(self, status: str, message: str, details: str = "", *,
-                 violations: tuple[tuple[str, str], ...] = (), reason: str = "",
-                 metadata: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        status: str,
+        message: str,
+        details: str = "",
+        *,
+        violations: tuple[tuple[str, str], ...] = (),
+        reason: str = "",
+        metadata: Mapping[str, str] | None = None,
+    ):
         self.status = status
         self.details = details
         self._violations = tuple(violations)
@@ -115,7 +123,7 @@ _MESSAGES = {
     "RESOURCE_EXHAUSTED": "{peer!r} refused: privacy budget exhausted; nothing was released ({details})",
     "PERMISSION_DENIED": "{peer!r} refused: not permitted ({details})",
     "UNAUTHENTICATED": "{peer!r} does not recognise this site's certificate ({details}); ask it to pin yours "
-                       "(`privfusion peer trust add`)",
+    "(`privfusion peer trust add`)",
     "INVALID_ARGUMENT": "{peer!r} rejected the request: {details}",
     "NOT_FOUND": "{peer!r} has no such thing: {details}",
     "FAILED_PRECONDITION": "{peer!r} cannot serve this now: {details}",
@@ -135,14 +143,18 @@ def explain(error: grpc.RpcError, peer: str, address: str) -> PeerError:
         if "connection refused" in low or not handshake:
             msg = f"peer {peer!r} at {address} is down or unreachable (no connection: {details})"
         else:
-            msg = (f"peer {peer!r} at {address} closed the connection during the TLS handshake: it does not accept this "
-                   f"site's certificate (not pinned there, or expired), or it is not the {peer!r} you pinned ({details})")
+            msg = (
+                f"peer {peer!r} at {address} closed the connection during the TLS handshake: it does not accept this "
+                f"site's certificate (not pinned there, or expired), or it is not the {peer!r} you pinned ({details})"
+            )
     elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent rpc limit" in details.lower():
         msg = f"{peer!r} is busy (too many calls at once); nothing was charged, try again ({details})"
     elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details.lower():
         msg = f"a message to or from {peer!r} exceeded gRPC's size limit ({details})"
     else:
-        msg = _MESSAGES.get(name, "{peer!r} failed with {name}: {details}").format(peer=peer, name=name, details=details)
+        msg = _MESSAGES.get(name, "{peer!r} failed with {name}: {details}").format(
+            peer=peer, name=name, details=details
+        )
     violations, reason, metadata = status_details(error)
     extra = describe_details((), reason, metadata)  # the peer's message already says "field: rule"
     if extra:
@@ -153,7 +165,7 @@ def explain(error: grpc.RpcError, peer: str, address: str) -> PeerError:
 def _host_of(address: str) -> str:
     """The host part of HOST:PORT (IPv6 in brackets)."""
     if address.startswith("[") and "]" in address:
-        return address[1:address.index("]")]
+        return address[1 : address.index("]")]
     return address.rsplit(":", 1)[0]
 
 
@@ -171,22 +183,37 @@ def resolve_peer(trust: TrustStore, address: str, peer: str | None) -> PinnedPee
         want = host.lower()
     matches = []
     for p in trust.peers().values():
-        sans = x509.load_pem_x509_certificate(p.cert_pem).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        names = [str(n).lower() for n in sans.get_values_for_type(x509.DNSName)] + list(sans.get_values_for_type(x509.IPAddress))
+        sans = (
+            x509.load_pem_x509_certificate(p.cert_pem)
+            .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+            .value
+        )
+        names = [str(n).lower() for n in sans.get_values_for_type(x509.DNSName)] + list(
+            sans.get_values_for_type(x509.IPAddress)
+        )
         if want in names:
             matches.append(p)
     if len(matches) != 1:
         found = ", ".join(m.name for m in matches) or "none"
-        raise NotFound(f"cannot tell which pinned peer serves {address} (pinned certificates naming {host!r}: {found}); give --peer NAME")
+        raise NotFound(
+            f"cannot tell which pinned peer serves {address} (pinned certificates naming {host!r}: {found}); give --peer NAME"
+        )
     return matches[0]
 
 
 class PeerClient:
     """A mutually authenticated connection to one pinned peer."""
 
-    def __init__(self, identity: Identity, address: str, peer: str | None = None, insecure: bool = False,
-                 trust: TrustStore | None = None, max_release_bytes: int = wire.MAX_RELEASE_BYTES,
-                 on_receipt: Callable[[SignedReceipt], None] | None = None):
+    def __init__(
+        self,
+        identity: Identity,
+        address: str,
+        peer: str | None = None,
+        insecure: bool = False,
+        trust: TrustStore | None = None,
+        max_release_bytes: int = wire.MAX_RELEASE_BYTES,
+        on_receipt: Callable[[SignedReceipt], None] | None = None,
+    ):
         """``on_receipt`` is called with each verified receipt as soon as it arrives, before any
         tensor byte (the peer has charged its ledger by then, whatever happens next)."""
         self.identity = identity
@@ -197,8 +224,14 @@ class PeerClient:
         self.max_release_bytes = max_release_bytes
         if insecure:
             if not peer:
-                raise InvalidArgument("peer", "is required with --insecure (there is no certificate to tell who answers)")
-            log.warning("INSECURE: talking to %s at %s without TLS; anyone on the path can read and alter everything", peer, address)
+                raise InvalidArgument(
+                    "peer", "is required with --insecure (there is no certificate to tell who answers)"
+                )
+            log.warning(
+                "INSECURE: talking to %s at %s without TLS; anyone on the path can read and alter everything",
+                peer,
+                address,
+            )
             self.peer_name = peer
             pinned = self.trust.peers().get(peer)
             self.peer_cert = pinned.cert_pem if pinned else None
@@ -209,11 +242,14 @@ class PeerClient:
             self.peer_cert = pinned.cert_pem
             # while the peer rotates its certificate both pins are accepted (TLS and receipts)
             self._next_certs = [p.cert_pem for p in self.trust.pins_of(pinned.name)[1:]]
-            creds = grpc.ssl_channel_credentials(root_certificates=b"".join([pinned.cert_pem, *self._next_certs]),
-                                                 private_key=identity.key_pem,
-                                                 certificate_chain=identity.cert_pem)
-            self.channel = grpc.secure_channel(address, creds, options=wire.grpc_options() + [
-                ("grpc.ssl_target_name_override", pinned.name)])
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=b"".join([pinned.cert_pem, *self._next_certs]),
+                private_key=identity.key_pem,
+                certificate_chain=identity.cert_pem,
+            )
+            self.channel = grpc.secure_channel(
+                address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", pinned.name)]
+            )
         self.stub = pb_grpc.PeerStub(self.channel)
         # release streams decode chunk frames without copying them (peer.net.wire.decode_frame)
         self._release = {
@@ -225,13 +261,16 @@ class PeerClient:
 
     @staticmethod
     def _release_call(make, name: str, request_type):
-        return make(f"/privfusion.v1.Peer/{name}", request_serializer=request_type.SerializeToString,
-                    response_deserializer=wire.decode_frame)
+        return make(
+            f"/privfusion.v1.Peer/{name}",
+            request_serializer=request_type.SerializeToString,
+            response_deserializer=wire.decode_frame,
+        )
 
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "PeerClient":
+    def __enter__(self) -> PeerClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -248,12 +287,20 @@ class PeerClient:
             raise InvalidArgument("receipt.signature", f"cannot be checked: {self.peer_name!r} is not pinned")
         record = _verify_with_any(receipt, [self.peer_cert, *getattr(self, "_next_certs", [])], self.peer_name)
         if record.counterparty != self.identity.name:
-            raise InvalidArgument("receipt.record.counterparty", f"is {record.counterparty!r}, not this site ({self.identity.name!r})")
+            raise InvalidArgument(
+                "receipt.record.counterparty", f"is {record.counterparty!r}, not this site ({self.identity.name!r})"
+            )
         if self.on_receipt is not None:
             self.on_receipt(receipt)
 
-    def _read(self, call, expected_kind: str, model: str, out: str | os.PathLike | None = None,
-              on_behalf_of: str | None = None) -> wire.Release:
+    def _read(
+        self,
+        call,
+        expected_kind: str,
+        model: str,
+        out: str | os.PathLike | None = None,
+        on_behalf_of: str | None = None,
+    ) -> wire.Release:
         """Read a release stream, checking as it comes: the receipt's signature and counterparty
         (:meth:`_check_receipt`, before any tensor byte), then that the manifest is the one the
         receipt signed (its digest: kind, model, architecture, metadata, dtypes, shapes, upstream
@@ -273,12 +320,19 @@ class PeerClient:
             call.cancel()
             raise
         if release.kind != expected_kind or release.model != model:
-            raise InvalidArgument("manifest", f"announces a {release.kind!r} release of {release.model!r}, asked for {expected_kind!r} of {model!r}")
+            raise InvalidArgument(
+                "manifest",
+                f"announces a {release.kind!r} release of {release.model!r}, asked for {expected_kind!r} of {model!r}",
+            )
         if release.receipt.record.subject != model:
-            raise InvalidArgument("receipt.record.subject", f"is {release.receipt.record.subject!r}, asked for {model!r}")
+            raise InvalidArgument(
+                "receipt.record.subject", f"is {release.receipt.record.subject!r}, asked for {model!r}"
+            )
         named = release.receipt.record.parameters.get("on_behalf_of")
         if named != on_behalf_of:
-            raise InvalidArgument("receipt.record.parameters.on_behalf_of", f"is {named!r}, asked on behalf of {on_behalf_of!r}")
+            raise InvalidArgument(
+                "receipt.record.parameters.on_behalf_of", f"is {named!r}, asked on behalf of {on_behalf_of!r}"
+            )
         return release
 
     def _unary(self, method, request, timeout):
@@ -297,26 +351,47 @@ class PeerClient:
     # releases larger than memory should hold; write the JSON beside with save_release. An
     # object with the sink methods of peer.net.wire (start, writer, done, finish, abort) is used as is.
 
-    def features(self, model: str, probe: np.ndarray, *, activation_epsilon: float, weight_epsilon: float,
-                 unit: str = "neuron", activation_clip: tuple[float, float] | None = None,
-                 weight_bound: float | None = None, weights_epsilon: float | None = None,
-                 weights_delta: float | None = None, on_behalf_of: str | None = None,
-                 timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
+    def features(
+        self,
+        model: str,
+        probe: np.ndarray,
+        *,
+        activation_epsilon: float,
+        weight_epsilon: float,
+        unit: str = "neuron",
+        activation_clip: tuple[float, float] | None = None,
+        weight_bound: float | None = None,
+        weights_epsilon: float | None = None,
+        weights_delta: float | None = None,
+        on_behalf_of: str | None = None,
+        timeout: float = RELEASE_TIMEOUT_S,
+        out=None,
+    ) -> wire.Release:
         """Noisy graph features of ``model`` on our ``probe`` set (streamed to the peer).
 
         With ``weights_epsilon`` and ``weights_delta`` the same release also holds the model's
         PFA-perturbed, unpermuted weights (kind "features+weights", tensors "weights.<name>";
         ``peer.net.codec.weights_from_release`` reads them), charged with the features as one.
         ``on_behalf_of``: we relay this request for that site (the peer charges it too)."""
-        params = pb.FeaturesParams(header=self.header(on_behalf_of), model=model, activation_epsilon=activation_epsilon,
-                                   weight_epsilon=weight_epsilon, unit=unit)
+        params = pb.FeaturesParams(
+            header=self.header(on_behalf_of),
+            model=model,
+            activation_epsilon=activation_epsilon,
+            weight_epsilon=weight_epsilon,
+            unit=unit,
+        )
         if (weights_epsilon is None) != (weights_delta is None):
-            raise InvalidArgument("weights_delta" if weights_epsilon is not None else "weights_epsilon",
-                                  "give both weights_epsilon and weights_delta, or neither")
+            raise InvalidArgument(
+                "weights_delta" if weights_epsilon is not None else "weights_epsilon",
+                "give both weights_epsilon and weights_delta, or neither",
+            )
         if weights_epsilon is not None:
             params.weights_epsilon, params.weights_delta = float(weights_epsilon), float(weights_delta)
         if activation_clip is not None:
-            params.activation_clip_low, params.activation_clip_high = float(activation_clip[0]), float(activation_clip[1])
+            params.activation_clip_low, params.activation_clip_high = (
+                float(activation_clip[0]),
+                float(activation_clip[1]),
+            )
         if weight_bound is not None:
             params.weight_bound = float(weight_bound)
         probe = np.ascontiguousarray(probe)
@@ -326,38 +401,70 @@ class PeerClient:
         def requests() -> Iterator[pb.FeaturesRequest]:
             yield pb.FeaturesRequest(params=params)
             for m in wire.tensor_messages("probe", probe):
-                yield pb.FeaturesRequest(probe=m) if m.DESCRIPTOR.name == "TensorHeader" else pb.FeaturesRequest(chunk=m)
+                yield (
+                    pb.FeaturesRequest(probe=m) if m.DESCRIPTOR.name == "TensorHeader" else pb.FeaturesRequest(chunk=m)
+                )
 
         kind = "features" if weights_epsilon is None else "features+weights"
         return self._read(self._release["ReleaseFeatures"](requests(), timeout=timeout), kind, model, out, on_behalf_of)
 
-    def weights(self, model: str, *, epsilon: float, delta: float, on_behalf_of: str | None = None,
-                timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
+    def weights(
+        self,
+        model: str,
+        *,
+        epsilon: float,
+        delta: float,
+        on_behalf_of: str | None = None,
+        timeout: float = RELEASE_TIMEOUT_S,
+        out=None,
+    ) -> wire.Release:
         """PFA-perturbed weights of ``model``, unpermuted: align them to our model here
         (``peer.ldp.fusion.permute_arrays``); a match computed from our model never leaves us."""
         req = pb.WeightsRequest(header=self.header(on_behalf_of), model=model, epsilon=epsilon, delta=delta)
         return self._read(self._release["ReleaseWeights"](req, timeout=timeout), "weights", model, out, on_behalf_of)
 
-    def merged(self, pool: str, *, method: str, epsilon: float, delta: float,
-               timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
+    def merged(
+        self, pool: str, *, method: str, epsilon: float, delta: float, timeout: float = RELEASE_TIMEOUT_S, out=None
+    ) -> wire.Release:
         """A model merged from ``pool`` by RS or LC at the target (ε, δ)."""
         req = pb.MergeRequest(header=self.header(), pool=pool, method=method, epsilon=epsilon, delta=delta)
         return self._read(self._release["ReleaseMerged"](req, timeout=timeout), "merged", pool, out)
 
-    def fuse(self, model: str, *, partner: str, partner_model: str, alpha: float, activation_epsilon: float,
-             weight_epsilon: float, weights_epsilon: float, weights_delta: float,
-             timeout: float = RELEASE_TIMEOUT_S, out=None) -> wire.Release:
+    def fuse(
+        self,
+        model: str,
+        *,
+        partner: str,
+        partner_model: str,
+        alpha: float,
+        activation_epsilon: float,
+        weight_epsilon: float,
+        weights_epsilon: float,
+        weights_delta: float,
+        timeout: float = RELEASE_TIMEOUT_S,
+        out=None,
+    ) -> wire.Release:
         """The peer's ``model`` fused with ``partner``'s ``partner_model`` (the peer dials the partner)."""
-        req = pb.FuseRequest(header=self.header(), model=model, partner=partner, partner_model=partner_model, alpha=alpha,
-                             activation_epsilon=activation_epsilon, weight_epsilon=weight_epsilon,
-                             weights_epsilon=weights_epsilon, weights_delta=weights_delta)
+        req = pb.FuseRequest(
+            header=self.header(),
+            model=model,
+            partner=partner,
+            partner_model=partner_model,
+            alpha=alpha,
+            activation_epsilon=activation_epsilon,
+            weight_epsilon=weight_epsilon,
+            weights_epsilon=weights_epsilon,
+            weights_delta=weights_delta,
+        )
         return self._read(self._release["Fuse"](req, timeout=timeout), "fused", model, out)
 
     def ledger(self, timeout: float = INFO_TIMEOUT_S) -> list[tuple[str, ReleaseRecord, str]]:
         """The peer's ledger entries charged to this site: (entry id, record, created at)."""
         try:
-            return [(e.entry_id, ReleaseRecord.from_json(e.record_json), e.created_at)
-                    for e in self.stub.ListLedger(pb.LedgerRequest(header=self.header()), timeout=timeout)]
+            return [
+                (e.entry_id, ReleaseRecord.from_json(e.record_json), e.created_at)
+                for e in self.stub.ListLedger(pb.LedgerRequest(header=self.header()), timeout=timeout)
+            ]
         except grpc.RpcError as e:
             raise explain(e, self.peer_name, self.address) from None
 
@@ -381,8 +488,14 @@ def verify_upstream(release: wire.Release, trust: TrustStore) -> list[dict]:
     for r in release.upstream:
         pinned = trust.peers().get(r.signer)
         if pinned is None:
-            out.append({"signer": r.signer, "ledger_entry_id": r.ledger_entry_id, "verified": False,
-                        "reason": f"{r.signer!r} is not pinned here"})
+            out.append(
+                {
+                    "signer": r.signer,
+                    "ledger_entry_id": r.ledger_entry_id,
+                    "verified": False,
+                    "reason": f"{r.signer!r} is not pinned here",
+                }
+            )
             continue
         _verify_with_any(r, [p.cert_pem for p in trust.pins_of(r.signer)], None)
         out.append({"signer": r.signer, "ledger_entry_id": r.ledger_entry_id, "verified": True})
@@ -397,7 +510,9 @@ def release_paths(path: str | os.PathLike) -> tuple[Path, Path]:
     return p.with_name(p.name + ".safetensors"), p.with_name(p.name + ".json")
 
 
-def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks: list[dict] | None = None) -> tuple[Path, Path]:
+def save_release(
+    release: wire.Release, path: str | os.PathLike, upstream_checks: list[dict] | None = None
+) -> tuple[Path, Path]:
     """Write ``PATH.safetensors`` (unless the release was streamed there) and the release
     document ``PATH.json`` beside it.
 
@@ -414,10 +529,17 @@ def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks
     tensors_path.parent.mkdir(parents=True, exist_ok=True)
     if release.path is None:
         sink = wire.SafetensorsSink(tensors_path)
-        sink.start([wire.TensorSpec(n, a.dtype.newbyteorder("<"), a.shape, a.nbytes, d)
-                    for (n, a), (_, d) in zip(release.arrays.items(), release.receipt.tensors)],
-                   {"privfusion_signer": release.receipt.signer, "privfusion_ledger_entry": release.receipt.ledger_entry_id,
-                    "privfusion_release": release.receipt.record.release_id})
+        sink.start(
+            [
+                wire.TensorSpec(n, a.dtype.newbyteorder("<"), a.shape, a.nbytes, d)
+                for (n, a), (_, d) in zip(release.arrays.items(), release.receipt.tensors, strict=True)
+            ],
+            {
+                "privfusion_signer": release.receipt.signer,
+                "privfusion_ledger_entry": release.receipt.ledger_entry_id,
+                "privfusion_release": release.receipt.record.release_id,
+            },
+        )
         try:
             for i, a in enumerate(release.arrays.values()):
                 sink.writer(i)(0, wire.raw_bytes(a))
@@ -432,8 +554,13 @@ def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks
         "name": tensors_path.name[: -len(".safetensors")],
         "architecture": release.architecture,
         "metadata": {
-            "release": {"kind": release.kind, "model": release.model, "signer": release.receipt.signer,
-                        "ledger_entry_id": release.receipt.ledger_entry_id, "metadata": release.metadata},
+            "release": {
+                "kind": release.kind,
+                "model": release.model,
+                "signer": release.receipt.signer,
+                "ledger_entry_id": release.receipt.ledger_entry_id,
+                "metadata": release.metadata,
+            },
             "record": release.receipt.record.to_dict(),
             "receipt": json.loads(release.receipt.to_json()),
             "manifest": release.manifest.to_dict(),
@@ -452,7 +579,12 @@ def save_release(release: wire.Release, path: str | os.PathLike, upstream_checks
 
 # ---------------------------------------------------------------------- checking saved releases
 
-_SAFETENSORS_DTYPES = {"F32": tpb.DTYPE_FLOAT32, "F64": tpb.DTYPE_FLOAT64, "I32": tpb.DTYPE_INT32, "I64": tpb.DTYPE_INT64}
+_SAFETENSORS_DTYPES = {
+    "F32": tpb.DTYPE_FLOAT32,
+    "F64": tpb.DTYPE_FLOAT64,
+    "I32": tpb.DTYPE_INT32,
+    "I64": tpb.DTYPE_INT64,
+}
 _HASH_BLOCK = 4 << 20
 
 
@@ -508,12 +640,19 @@ def verify_saved_release(path: str | os.PathLike, trust: TrustStore) -> dict:
         raise InvalidArgument("architecture", f"{doc_path}: differs from the signed manifest's architecture")
     release_meta = meta.get("release", {})
     if (release_meta.get("kind"), release_meta.get("model"), release_meta.get("metadata")) != (
-            manifest.kind, manifest.model, json.loads(manifest.metadata_json or "{}")):
-        raise InvalidArgument("metadata.release", f"{doc_path}: kind, model or metadata differ from the signed manifest")
+        manifest.kind,
+        manifest.model,
+        json.loads(manifest.metadata_json or "{}"),
+    ):
+        raise InvalidArgument(
+            "metadata.release", f"{doc_path}: kind, model or metadata differ from the signed manifest"
+        )
 
     index, base = _safetensors_index(tensors_path)
     if set(index) != {t.name for t in manifest.tensors} or len(index) != len(manifest.tensors):
-        raise InvalidArgument("tensors", f"{tensors_path} holds {sorted(index)}, the signed manifest {[t.name for t in manifest.tensors]}")
+        raise InvalidArgument(
+            "tensors", f"{tensors_path} holds {sorted(index)}, the signed manifest {[t.name for t in manifest.tensors]}"
+        )
     with open(tensors_path, "rb") as f:
         for t in manifest.tensors:
             entry = index[t.name]
@@ -523,8 +662,11 @@ def verify_saved_release(path: str | os.PathLike, trust: TrustStore) -> dict:
             except (KeyError, TypeError, ValueError):
                 raise InvalidArgument(f"tensor[{t.name}]", f"{tensors_path}: malformed safetensors entry") from None
             if dtype != t.dtype or shape != list(t.shape) or end - start != t.nbytes:
-                raise InvalidArgument(f"tensor[{t.name}]", f"{tensors_path}: dtype {entry['dtype']} shape {shape} "
-                                                           f"differ from the signed {tpb.DType.Name(t.dtype)} {list(t.shape)}")
+                raise InvalidArgument(
+                    f"tensor[{t.name}]",
+                    f"{tensors_path}: dtype {entry['dtype']} shape {shape} "
+                    f"differ from the signed {tpb.DType.Name(t.dtype)} {list(t.shape)}",
+                )
             f.seek(base + start)
             h, left = hashlib.sha256(), t.nbytes
             while left:
@@ -534,23 +676,41 @@ def verify_saved_release(path: str | os.PathLike, trust: TrustStore) -> dict:
                 h.update(block)
                 left -= len(block)
             if h.digest() != t.sha256:
-                raise InvalidArgument(f"tensor[{t.name}].sha256", f"{tensors_path}: the bytes do not match the signed checksum")
+                raise InvalidArgument(
+                    f"tensor[{t.name}].sha256", f"{tensors_path}: the bytes do not match the signed checksum"
+                )
 
     if [receipt_digest(u) for u in upstream] != list(manifest.upstream):
-        raise InvalidArgument("upstream", f"{doc_path}: the saved upstream receipts are not the ones the manifest signed")
+        raise InvalidArgument(
+            "upstream", f"{doc_path}: the saved upstream receipts are not the ones the manifest signed"
+        )
     checks = []
     for i, u in enumerate(upstream):
         pin = trust.peers().get(u.signer)
         if pin is None:
-            checks.append({"signer": u.signer, "ledger_entry_id": u.ledger_entry_id, "verified": False,
-                           "reason": f"{u.signer!r} is not pinned here"})
+            checks.append(
+                {
+                    "signer": u.signer,
+                    "ledger_entry_id": u.ledger_entry_id,
+                    "verified": False,
+                    "reason": f"{u.signer!r} is not pinned here",
+                }
+            )
             continue
         try:
             verify_receipt(u, pin.cert_pem)
         except InvalidArgument as e:
             raise InvalidArgument(f"upstream[{i}].{e.field}", e.rule) from None
         checks.append({"signer": u.signer, "ledger_entry_id": u.ledger_entry_id, "verified": True})
-    return {"signer": receipt.signer, "ledger_entry_id": receipt.ledger_entry_id, "release_id": record.release_id,
-            "counterparty": record.counterparty, "kind": manifest.kind, "model": manifest.model,
-            "tensors": len(manifest.tensors), "total_bytes": manifest.total_bytes, "upstream": checks,
-            "files": [str(tensors_path), str(doc_path)]}
+    return {
+        "signer": receipt.signer,
+        "ledger_entry_id": receipt.ledger_entry_id,
+        "release_id": record.release_id,
+        "counterparty": record.counterparty,
+        "kind": manifest.kind,
+        "model": manifest.model,
+        "tensors": len(manifest.tensors),
+        "total_bytes": manifest.total_bytes,
+        "upstream": checks,
+        "files": [str(tensors_path), str(doc_path)],
+    }

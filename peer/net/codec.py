@@ -24,13 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from privfusion.v1 import peer_pb2 as pb
 
 from peer.base.errors import InvalidArgument
 from peer.net import wire
 from peer.net.site import SiteInfo
 from peer.nn.architectures import validate_architecture, weight_layers
 from peer.nn.graph import HiddenLayer, NetworkGraph
+from privfusion.v1 import peer_pb2 as pb
 
 WEIGHTS_PREFIX = "weights."
 
@@ -42,24 +42,40 @@ def graph_tensors(graph: NetworkGraph) -> tuple[list[tuple[str, np.ndarray]], di
     """A (noisy) graph as named tensors plus the public facts needed to rebuild it."""
     tensors: list[tuple[str, np.ndarray]] = []
     for h in graph.hidden:
-        tensors += [(f"hidden.{h.name}.activations", h.activations), (f"hidden.{h.name}.incoming", h.incoming),
-                    (f"hidden.{h.name}.bias", h.bias)]
+        tensors += [
+            (f"hidden.{h.name}.activations", h.activations),
+            (f"hidden.{h.name}.incoming", h.incoming),
+            (f"hidden.{h.name}.bias", h.bias),
+        ]
     tensors += [("output.incoming", graph.output_incoming), ("output.bias", graph.output_bias)]
     meta = {"input_size": graph.input_size, "layers": [{"name": h.name, "kind": h.kind} for h in graph.hidden]}
     return tensors, meta
 
 
-def graph_from_release(architecture: Mapping[str, Any], metadata: Mapping[str, Any],
-                       arrays: Mapping[str, np.ndarray]) -> NetworkGraph:
+def graph_from_release(
+    architecture: Mapping[str, Any], metadata: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+) -> NetworkGraph:
     """Rebuild a graph sent by :func:`graph_tensors` (checks names and shapes)."""
     try:
-        layers = [(str(l["name"]), str(l["kind"])) for l in metadata["layers"]]
+        layers = [(str(layer["name"]), str(layer["kind"])) for layer in metadata["layers"]]
         input_size = int(metadata["input_size"])
-        hidden = tuple(HiddenLayer(name, kind, np.asarray(arrays[f"hidden.{name}.activations"]),
-                                   np.asarray(arrays[f"hidden.{name}.incoming"]), np.asarray(arrays[f"hidden.{name}.bias"]))
-                       for name, kind in layers)
-        graph = NetworkGraph(validate_architecture(architecture), input_size, hidden,
-                             np.asarray(arrays["output.incoming"]), np.asarray(arrays["output.bias"]))
+        hidden = tuple(
+            HiddenLayer(
+                name,
+                kind,
+                np.asarray(arrays[f"hidden.{name}.activations"]),
+                np.asarray(arrays[f"hidden.{name}.incoming"]),
+                np.asarray(arrays[f"hidden.{name}.bias"]),
+            )
+            for name, kind in layers
+        )
+        graph = NetworkGraph(
+            validate_architecture(architecture),
+            input_size,
+            hidden,
+            np.asarray(arrays["output.incoming"]),
+            np.asarray(arrays["output.bias"]),
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise InvalidArgument("release", f"is not a graph release: {e}") from None
     prev = input_size
@@ -81,8 +97,9 @@ def weights_tensors(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndar
     return [(WEIGHTS_PREFIX + k, arrays[k]) for k in sorted(arrays)]
 
 
-def features_tensors(graph: NetworkGraph, weights: Mapping[str, np.ndarray] | None = None
-                     ) -> tuple[list[tuple[str, np.ndarray]], dict]:
+def features_tensors(
+    graph: NetworkGraph, weights: Mapping[str, np.ndarray] | None = None
+) -> tuple[list[tuple[str, np.ndarray]], dict]:
     """A features release: the graph's tensors, and with ``weights`` (a "features+weights"
     release) the weights' tensors after them, listed in the metadata under ``"weights"``."""
     tensors, meta = graph_tensors(graph)
@@ -95,13 +112,18 @@ def features_tensors(graph: NetworkGraph, weights: Mapping[str, np.ndarray] | No
 
 def weights_from_release(architecture: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The weights of a "features+weights" release, checked against the architecture."""
-    got = {k[len(WEIGHTS_PREFIX):]: np.asarray(v) for k, v in arrays.items() if k.startswith(WEIGHTS_PREFIX)}
+    got = {k[len(WEIGHTS_PREFIX) :]: np.asarray(v) for k, v in arrays.items() if k.startswith(WEIGHTS_PREFIX)}
     for s in weight_layers(architecture):
         w, b = got.get(f"{s.name}.weight"), got.get(f"{s.name}.bias")
         if w is None or b is None:
-            raise InvalidArgument("release", f"holds no weights of layer {s.name!r} (tensors {WEIGHTS_PREFIX}{s.name}.weight/.bias)")
+            raise InvalidArgument(
+                "release", f"holds no weights of layer {s.name!r} (tensors {WEIGHTS_PREFIX}{s.name}.weight/.bias)"
+            )
         if w.ndim < 2 or w.shape[0] != s.units or math.prod(w.shape[1:]) != s.fan_in or b.shape != (s.units,):
-            raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", f"shapes {list(w.shape)}, {list(b.shape)} do not fit the architecture")
+            raise InvalidArgument(
+                f"tensor[{WEIGHTS_PREFIX}{s.name}]",
+                f"shapes {list(w.shape)}, {list(b.shape)} do not fit the architecture",
+            )
         if w.dtype.kind != "f" or b.dtype.kind != "f" or not (np.all(np.isfinite(w)) and np.all(np.isfinite(b))):
             raise InvalidArgument(f"tensor[{WEIGHTS_PREFIX}{s.name}]", "must hold finite floating-point values")
     expected = {f"{s.name}.{p}" for s in weight_layers(architecture) for p in ("weight", "bias")}
@@ -120,17 +142,56 @@ def _architecture_json(architecture: Mapping[str, Any]) -> str:
 def peer_info_message(info: SiteInfo) -> pb.PeerInfo:
     """``GetPeerInfo``'s answer: the site's description plus the wire's own facts (protocol,
     largest chunk)."""
-    models = [pb.ModelInfo(name=m.name, architecture_json=_architecture_json(m.architecture),
-                           parameter_count=m.parameter_count, hidden_sizes=list(m.hidden_sizes),
-                           layers=[pb.LayerInfo(name=l.name, kind=l.kind, weight_shape=list(l.weight_shape),
-                                                bias_shape=list(l.bias_shape), hidden=l.hidden) for l in m.layers])
-              for m in info.models]
-    pools = [pb.PoolInfo(name=p.name, architecture_json=_architecture_json(p.architecture), members=list(p.members),
-                         methods=list(p.methods)) for p in info.pools]
-    budgets = [pb.BudgetInfo(budget=b.budget, scope=b.scope, epsilon_limit=b.epsilon_limit, delta_limit=b.delta_limit,
-                             epsilon_spent=b.epsilon_spent, epsilon_remaining=b.epsilon_remaining, releases=b.releases)
-               for b in info.budgets]
-    return pb.PeerInfo(name=info.name, certificate_sha256=info.certificate_sha256, protocol=wire.PROTOCOL,
-                       insecure=info.insecure, models=models, pools=pools, mechanisms=list(info.mechanisms),
-                       budgets=budgets, has_probe_set=info.has_probe_set, max_chunk_bytes=wire.MAX_CHUNK_BYTES,
-                       unusable=[pb.UnusableFile(path=p, reason=why) for p, why in info.unusable])
+    models = [
+        pb.ModelInfo(
+            name=m.name,
+            architecture_json=_architecture_json(m.architecture),
+            parameter_count=m.parameter_count,
+            hidden_sizes=list(m.hidden_sizes),
+            layers=[
+                pb.LayerInfo(
+                    name=layer.name,
+                    kind=layer.kind,
+                    weight_shape=list(layer.weight_shape),
+                    bias_shape=list(layer.bias_shape),
+                    hidden=layer.hidden,
+                )
+                for layer in m.layers
+            ],
+        )
+        for m in info.models
+    ]
+    pools = [
+        pb.PoolInfo(
+            name=p.name,
+            architecture_json=_architecture_json(p.architecture),
+            members=list(p.members),
+            methods=list(p.methods),
+        )
+        for p in info.pools
+    ]
+    budgets = [
+        pb.BudgetInfo(
+            budget=b.budget,
+            scope=b.scope,
+            epsilon_limit=b.epsilon_limit,
+            delta_limit=b.delta_limit,
+            epsilon_spent=b.epsilon_spent,
+            epsilon_remaining=b.epsilon_remaining,
+            releases=b.releases,
+        )
+        for b in info.budgets
+    ]
+    return pb.PeerInfo(
+        name=info.name,
+        certificate_sha256=info.certificate_sha256,
+        protocol=wire.PROTOCOL,
+        insecure=info.insecure,
+        models=models,
+        pools=pools,
+        mechanisms=list(info.mechanisms),
+        budgets=budgets,
+        has_probe_set=info.has_probe_set,
+        max_chunk_bytes=wire.MAX_CHUNK_BYTES,
+        unusable=[pb.UnusableFile(path=p, reason=why) for p, why in info.unusable],
+    )

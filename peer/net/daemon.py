@@ -65,8 +65,11 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, and the event's fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-               "level": record.levelname.lower(), "logger": record.name}
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
         message = record.getMessage()
         try:
             fields = json.loads(message)
@@ -78,7 +81,9 @@ class JsonFormatter(logging.Formatter):
             out["msg"] = message
         if record.exc_info and record.levelno >= logging.ERROR and record.exc_info[2] is not None:
             # where it failed (file:line function), never the message or locals: they may hold values
-            out["where"] = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(record.exc_info[2])[-6:]]
+            out["where"] = [
+                f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(record.exc_info[2])[-6:]
+            ]
         return json.dumps(out, sort_keys=True, default=str)
 
 
@@ -96,13 +101,17 @@ def configure_logging(level: str = "INFO") -> None:
         lg.propagate = False
 
 
-SEED_WARNING = ("FIXED SEED: NOT PRIVATE. site.seed makes every release's noise reproducible by anyone who "
-                "knows the seed, who can then subtract it. Simulations and tests only; every record says "
-                f"{FIXED_SEED_WARNING!r}.")
+SEED_WARNING = (
+    "FIXED SEED: NOT PRIVATE. site.seed makes every release's noise reproducible by anyone who "
+    "knows the seed, who can then subtract it. Simulations and tests only; every record says "
+    f"{FIXED_SEED_WARNING!r}."
+)
 
-INSECURE_WARNING = ("INSECURE MODE: this peer serves without TLS. Callers are not authenticated (any claimed "
-                    "sender is believed), nothing is encrypted, and receipts are the only integrity check. "
-                    "Never use this outside a sealed test network.")
+INSECURE_WARNING = (
+    "INSECURE MODE: this peer serves without TLS. Callers are not authenticated (any claimed "
+    "sender is believed), nothing is encrypted, and receipts are the only integrity check. "
+    "Never use this outside a sealed test network."
+)
 
 
 class Daemon:
@@ -118,11 +127,13 @@ class Daemon:
         # one thread per call for its whole life: `workers` for streaming calls, the reserve for
         # health checks and GetPeerInfo (peer.net.limits); the error interceptor wraps the limits,
         # so their refusals are mapped and logged like every other
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="peer"),
-                                  interceptors=[self.interceptor, self.limits],
-                                  # no SO_REUSEPORT: a second daemon on a taken port must fail, not share it
-                                  options=wire.grpc_options() + [("grpc.so_reuseport", 0)],
-                                  maximum_concurrent_rpcs=limits.threads * 4)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="peer"),
+            interceptors=[self.interceptor, self.limits],
+            # no SO_REUSEPORT: a second daemon on a taken port must fail, not share it
+            options=[*wire.grpc_options(), ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=limits.threads * 4,
+        )
         add_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
@@ -175,10 +186,18 @@ class Daemon:
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log_event("serving", site=self.site.name, listen=self.site.config.listen, port=self.port,
-                  tls=not self.site.insecure, models=sorted(self.site.models), pools=sorted(self.site.pools),
-                  pinned=sorted(self.site.pinned()), probe_set=self.site.probe is not None,
-                  fixed_seed=self.site.config.seed is not None)
+        log_event(
+            "serving",
+            site=self.site.name,
+            listen=self.site.config.listen,
+            port=self.port,
+            tls=not self.site.insecure,
+            models=sorted(self.site.models),
+            pools=sorted(self.site.pools),
+            pinned=sorted(self.site.pinned()),
+            probe_set=self.site.probe is not None,
+            fixed_seed=self.site.config.seed is not None,
+        )
         return self.port
 
     def stop(self, grace: float | None = None) -> None:
@@ -245,11 +264,13 @@ def check_seed_allowed(config: SiteConfig, simulation: bool) -> None:
         raise FailedPrecondition(
             f"site.seed{where}: a fixed noise seed is not private (anyone who knows it can subtract the noise); "
             "remove it for production (noise is then CSPRNG-seeded, fresh per release) or start the daemon with "
-            "--simulation for tests and simulations")
+            "--simulation for tests and simulations"
+        )
 
 
-def serve(config_path: str | os.PathLike, insecure: bool = False, ready_file: str | None = None,
-          simulation: bool = False) -> int:
+def serve(
+    config_path: str | os.PathLike, insecure: bool = False, ready_file: str | None = None, simulation: bool = False
+) -> int:
     """Run a daemon until SIGTERM/SIGINT (the ``privfusion peer serve`` command). A ``seed`` in
     site.toml is refused unless ``simulation`` (:func:`check_seed_allowed`)."""
     configure_logging(os.environ.get("PRIVFUSION_LOG_LEVEL", "INFO"))

@@ -49,10 +49,22 @@ class Fused:
     upstream: SignedReceipt
 
 
-def fuse_with_partner(site: Site, caller: str, stored: StoredModel, probe: np.ndarray, *, partner: str,
-                      partner_model: str, alpha: float, activation_epsilon: float, weight_epsilon: float,
-                      weights_epsilon: float, weights_delta: float, admit: Callable[[], None],
-                      caller_active: Callable[[], bool]) -> Fused:
+def fuse_with_partner(
+    site: Site,
+    caller: str,
+    stored: StoredModel,
+    probe: np.ndarray,
+    *,
+    partner: str,
+    partner_model: str,
+    alpha: float,
+    activation_epsilon: float,
+    weight_epsilon: float,
+    weights_epsilon: float,
+    weights_delta: float,
+    admit: Callable[[], None],
+    caller_active: Callable[[], bool],
+) -> Fused:
     """Steps 1–4 of the module doc, for ``caller``, with ``stored`` (this site's model) and
     ``probe`` (its public probe set, checked against the model's input).
 
@@ -68,26 +80,49 @@ def fuse_with_partner(site: Site, caller: str, stored: StoredModel, probe: np.nd
         # 1. our own contribution, charged before anything is asked of the partner. We match on
         # our *noisy* features too: everything the caller receives is then post-processing of
         # noisy releases (ours charged here, the partner's charged by the partner).
-        own = site.features(stored, probe, activation_epsilon=activation_epsilon, weight_epsilon=weight_epsilon,
-                            activation_clip=clip, weights=(weights_epsilon, weights_delta), release="fusion")
+        own = site.features(
+            stored,
+            probe,
+            activation_epsilon=activation_epsilon,
+            weight_epsilon=weight_epsilon,
+            activation_clip=clip,
+            weights=(weights_epsilon, weights_delta),
+            release="fusion",
+        )
         record = stamp(own.record, caller, stored.name, alpha=alpha, partner=partner, partner_model=partner_model)
         admit()
         entry_id = site.charge(record, caller, "fuse")
-        log_event("charged-before-partner", method="Fuse", caller=caller, entry=entry_id, release=record.release_id,
-                  epsilon=record.epsilon, delta=record.delta, model=stored.name, partner=partner)
+        log_event(
+            "charged-before-partner",
+            method="Fuse",
+            caller=caller,
+            entry=entry_id,
+            release=record.release_id,
+            epsilon=record.epsilon,
+            delta=record.delta,
+            model=stored.name,
+            partner=partner,
+        )
         try:
             # 2. the one call out: what leaves is our public probe set and public parameters
             try:
-                theirs = client.features(partner_model, probe, activation_epsilon=activation_epsilon,
-                                         weight_epsilon=weight_epsilon, activation_clip=clip,
-                                         weights_epsilon=weights_epsilon, weights_delta=weights_delta,
-                                         on_behalf_of=caller)
+                theirs = client.features(
+                    partner_model,
+                    probe,
+                    activation_epsilon=activation_epsilon,
+                    weight_epsilon=weight_epsilon,
+                    activation_clip=clip,
+                    weights_epsilon=weights_epsilon,
+                    weights_delta=weights_delta,
+                    on_behalf_of=caller,
+                )
             except InvalidArgument as e:  # its receipt, checksums or record failed our checks
                 raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None
             their_graph, their_weights = _partner_release(stored, partner, partner_model, theirs)
             # 4. (before anything is sent) match, permute their weights here, fuse
-            fused, alignment = align_and_fuse(stored.architecture, own.graph, own.weights, their_graph,
-                                              their_weights, alpha)
+            fused, alignment = align_and_fuse(
+                stored.architecture, own.graph, own.weights, their_graph, their_weights, alpha
+            )
             if not caller_active():  # the caller left while we waited: nothing of ours was sent
                 raise FailedPrecondition("the caller cancelled the Fuse before anything was sent")
         except BaseException as e:
@@ -95,9 +130,16 @@ def fuse_with_partner(site: Site, caller: str, stored: StoredModel, probe: np.nd
             reason = f"Fuse with partner {partner!r} failed before any byte was sent ({type(e).__name__})"
             try:
                 site.cancel(record, reason)
-                log_event("cancelled", method="Fuse", caller=caller, entry=entry_id, release=record.release_id,
-                          partner=partner, error_type=type(e).__name__)
-            except Exception as c:  # noqa: BLE001 - the charge then stands (conservative); say so
+                log_event(
+                    "cancelled",
+                    method="Fuse",
+                    caller=caller,
+                    entry=entry_id,
+                    release=record.release_id,
+                    partner=partner,
+                    error_type=type(e).__name__,
+                )
+            except Exception as c:
                 log_event("cancel-failed", method="Fuse", entry=entry_id, error_type=type(c).__name__)
             raise
     finally:
@@ -105,14 +147,19 @@ def fuse_with_partner(site: Site, caller: str, stored: StoredModel, probe: np.nd
     return Fused(record, entry_id, fused, alignment.objective, theirs.receipt)
 
 
-def _partner_release(stored: StoredModel, partner: str, partner_model: str,
-                     theirs: Release) -> tuple[NetworkGraph, dict[str, np.ndarray]]:
+def _partner_release(
+    stored: StoredModel, partner: str, partner_model: str, theirs: Release
+) -> tuple[NetworkGraph, dict[str, np.ndarray]]:
     """The partner's noisy graph and weights, checked; a release that fails the checks is the
     partner's failure (FAILED_PRECONDITION), not the caller's."""
     try:
         if theirs.architecture is None or validate_architecture(theirs.architecture) != stored.architecture:
-            raise FailedPrecondition(f"partner_model: {partner}'s {partner_model!r} has another architecture than {stored.name!r}")
-        return (graph_from_release(theirs.architecture, theirs.metadata, theirs.arrays),
-                weights_from_release(stored.architecture, theirs.arrays))
+            raise FailedPrecondition(
+                f"partner_model: {partner}'s {partner_model!r} has another architecture than {stored.name!r}"
+            )
+        return (
+            graph_from_release(theirs.architecture, theirs.metadata, theirs.arrays),
+            weights_from_release(stored.architecture, theirs.arrays),
+        )
     except InvalidArgument as e:
         raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None

@@ -37,9 +37,9 @@ import hashlib
 import ipaddress
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -62,8 +62,11 @@ SITE_NAME_RULE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9]
 
 def check_site_name(name: str, field: str = "name") -> str:
     if not isinstance(name, str) or len(name) > 253 or not SITE_NAME_RULE.match(name):
-        raise InvalidArgument(field, "must be a DNS-style site name (lowercase letters, digits, '-', '.'; "
-                                     f"labels start and end with a letter or digit), got {name!r}")
+        raise InvalidArgument(
+            field,
+            "must be a DNS-style site name (lowercase letters, digits, '-', '.'; "
+            f"labels start and end with a letter or digit), got {name!r}",
+        )
     return name
 
 
@@ -74,7 +77,7 @@ def fingerprint(cert_pem: bytes) -> str:
 
 def format_fingerprint(fp: str) -> str:
     """The fingerprint as colon-separated upper-case byte pairs (how people compare them)."""
-    return ":".join(fp[i:i + 2] for i in range(0, len(fp), 2)).upper()
+    return ":".join(fp[i : i + 2] for i in range(0, len(fp), 2)).upper()
 
 
 def load_certificate(cert_pem: bytes, field: str = "certificate") -> x509.Certificate:
@@ -105,9 +108,14 @@ def _san_entry(address: str) -> x509.GeneralName:
     return x509.DNSName(host.lower())
 
 
-def make_certificate(name: str, key: ec.EllipticCurvePrivateKey, addresses: Iterable[str] = (),
-                     not_before: _dt.datetime | None = None, days: int = DEFAULT_VALIDITY_DAYS,
-                     valid_for: _dt.timedelta | None = None) -> bytes:
+def make_certificate(
+    name: str,
+    key: ec.EllipticCurvePrivateKey,
+    addresses: Iterable[str] = (),
+    not_before: _dt.datetime | None = None,
+    days: int = DEFAULT_VALIDITY_DAYS,
+    valid_for: _dt.timedelta | None = None,
+) -> bytes:
     """A self-signed certificate for ``name`` (PEM), valid for ``days`` (or exactly
     ``valid_for``, e.g. seconds in tests of expiry) from ``not_before``."""
     check_site_name(name)
@@ -115,7 +123,7 @@ def make_certificate(name: str, key: ec.EllipticCurvePrivateKey, addresses: Iter
         raise InvalidArgument("days", f"must be a positive integer, got {days!r}")
     if valid_for is not None and valid_for <= _dt.timedelta(0):
         raise InvalidArgument("valid_for", f"must be a positive duration, got {valid_for!r}")
-    start = not_before or (_dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=5))
+    start = not_before or (_dt.datetime.now(_dt.UTC) - _dt.timedelta(minutes=5))
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     sans: list[x509.GeneralName] = [x509.DNSName(name)]
     for a in addresses:
@@ -132,11 +140,23 @@ def make_certificate(name: str, key: ec.EllipticCurvePrivateKey, addresses: Iter
         .not_valid_after(start + (valid_for if valid_for is not None else _dt.timedelta(days=days)))
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -144,7 +164,7 @@ def make_certificate(name: str, key: ec.EllipticCurvePrivateKey, addresses: Iter
 
 
 def check_validity(cert: x509.Certificate, field: str = "certificate", now: _dt.datetime | None = None) -> None:
-    now = now or _dt.datetime.now(_dt.timezone.utc)
+    now = now or _dt.datetime.now(_dt.UTC)
     if now < cert.not_valid_before_utc:
         raise FailedPrecondition(f"{field}: not valid before {cert.not_valid_before_utc.isoformat()}")
     if now > cert.not_valid_after_utc:
@@ -198,9 +218,14 @@ def _write_private(path: Path, data: bytes) -> None:
     os.chmod(path, 0o600)  # the umask cannot widen it, but make the mode explicit
 
 
-def init_identity(directory: str | os.PathLike, name: str, addresses: Iterable[str] = (),
-                  days: int = DEFAULT_VALIDITY_DAYS, not_before: _dt.datetime | None = None,
-                  valid_for: _dt.timedelta | None = None) -> Identity:
+def init_identity(
+    directory: str | os.PathLike,
+    name: str,
+    addresses: Iterable[str] = (),
+    days: int = DEFAULT_VALIDITY_DAYS,
+    not_before: _dt.datetime | None = None,
+    valid_for: _dt.timedelta | None = None,
+) -> Identity:
     """Create a key pair and a self-signed certificate for site ``name`` in ``directory``.
 
     Refuses to overwrite an existing identity (a new key would silently invalidate every pin
@@ -209,17 +234,22 @@ def init_identity(directory: str | os.PathLike, name: str, addresses: Iterable[s
     check_site_name(name)
     d = Path(directory)
     if (d / KEY_FILE).exists() or (d / CERT_FILE).exists():
-        raise FailedPrecondition(f"{d}: already holds an identity ({KEY_FILE}/{CERT_FILE}); remove it first to make a new one")
+        raise FailedPrecondition(
+            f"{d}: already holds an identity ({KEY_FILE}/{CERT_FILE}); remove it first to make a new one"
+        )
     d.mkdir(parents=True, exist_ok=True)
     (d / TRUST_DIR).mkdir(exist_ok=True)
     return _write_identity(d, name, addresses, days, not_before, valid_for)
 
 
-def _write_identity(d: Path, name: str, addresses: Iterable[str], days: int, not_before=None, valid_for=None) -> Identity:
+def _write_identity(
+    d: Path, name: str, addresses: Iterable[str], days: int, not_before=None, valid_for=None
+) -> Identity:
     key = ec.generate_private_key(ec.SECP256R1())
     cert_pem = make_certificate(name, key, addresses, not_before=not_before, days=days, valid_for=valid_for)
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     _write_private(d / KEY_FILE, key_pem)
     (d / CERT_FILE).write_bytes(cert_pem)
     return Identity(name, d, key_pem, cert_pem)
@@ -233,11 +263,16 @@ def certificate_addresses(cert: x509.Certificate) -> list[str]:
         return []
     name = certificate_name(cert)
     return [str(v) for v in sans.get_values_for_type(x509.IPAddress)] + [
-        v for v in sans.get_values_for_type(x509.DNSName) if v != name]
+        v for v in sans.get_values_for_type(x509.DNSName) if v != name
+    ]
 
 
-def stage_rotation(directory: str | os.PathLike, addresses: Iterable[str] | None = None,
-                   days: int = DEFAULT_VALIDITY_DAYS, valid_for: _dt.timedelta | None = None) -> Identity:
+def stage_rotation(
+    directory: str | os.PathLike,
+    addresses: Iterable[str] | None = None,
+    days: int = DEFAULT_VALIDITY_DAYS,
+    valid_for: _dt.timedelta | None = None,
+) -> Identity:
     """Start a certificate rotation: a new key and certificate in ``DIR/next`` (same site name;
     the current certificate's addresses unless ``addresses`` are given). The current pair stays
     in use until :func:`activate_rotation`; meanwhile the peers pin the new certificate beside
@@ -245,8 +280,10 @@ def stage_rotation(directory: str | os.PathLike, addresses: Iterable[str] | None
     current = load_identity(directory)
     nxt = current.directory / NEXT_DIR
     if (nxt / KEY_FILE).exists() or (nxt / CERT_FILE).exists():
-        raise FailedPrecondition(f"{nxt}: a rotation is already staged; activate it (`privfusion peer rotate "
-                                 f"--activate`) or remove {nxt} to start over")
+        raise FailedPrecondition(
+            f"{nxt}: a rotation is already staged; activate it (`privfusion peer rotate "
+            f"--activate`) or remove {nxt} to start over"
+        )
     if addresses is None:
         addresses = certificate_addresses(load_certificate(current.cert_pem))
     nxt.mkdir(exist_ok=True)
@@ -262,7 +299,7 @@ def activate_rotation(directory: str | os.PathLike) -> tuple[Identity, Identity,
     if staged.name != current.name:
         raise FailedPrecondition(f"{d / NEXT_DIR} holds an identity of {staged.name!r}, not {current.name!r}")
     check_validity(load_certificate(staged.cert_pem), f"{d / NEXT_DIR / CERT_FILE}")
-    retired = d / RETIRED_DIR / _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    retired = d / RETIRED_DIR / _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     retired.mkdir(parents=True)
     for f in (KEY_FILE, CERT_FILE):
         os.replace(d / f, retired / f)
@@ -286,6 +323,9 @@ def load_identity(directory: str | os.PathLike) -> Identity:
     except (ValueError, TypeError) as e:
         raise InvalidArgument(KEY_FILE, f"is not a PEM private key: {e}") from None
     cert = load_certificate(cert_pem, CERT_FILE)
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key().public_numbers() != cert.public_key().public_numbers():
+    if (
+        not isinstance(key, ec.EllipticCurvePrivateKey)
+        or key.public_key().public_numbers() != cert.public_key().public_numbers()
+    ):
         raise InvalidArgument(CERT_FILE, f"does not belong to the key in {KEY_FILE}")
     return Identity(check_site_name(certificate_name(cert), CERT_FILE), d, key_pem, cert_pem)

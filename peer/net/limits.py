@@ -30,8 +30,8 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import grpc
 
@@ -75,8 +75,10 @@ class Limits:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
                 raise InvalidArgument(f"site.{key}", f"must be a finite number of seconds > 0, got {v!r}")
         if self.stream_idle_s > self.stream_deadline_s:
-            raise InvalidArgument("site.stream_idle_s", f"must be at most site.stream_deadline_s "
-                                                        f"({self.stream_deadline_s:g}), got {self.stream_idle_s:g}")
+            raise InvalidArgument(
+                "site.stream_idle_s",
+                f"must be at most site.stream_deadline_s ({self.stream_deadline_s:g}), got {self.stream_idle_s:g}",
+            )
 
     @property
     def threads(self) -> int:
@@ -122,20 +124,25 @@ class LimitsInterceptor(grpc.ServerInterceptor):
             with self._lock:
                 if self._per_peer[key] >= self.limits.max_calls_per_peer:
                     who = self._describe(context)
-                    raise Busy(f"{who} already has {self._per_peer[key]} calls in progress at {self.site!r}, "
-                               f"the most one peer may have (site.max_calls_per_peer = "
-                               f"{self.limits.max_calls_per_peer}); nothing was charged — retry when one has finished")
+                    raise Busy(
+                        f"{who} already has {self._per_peer[key]} calls in progress at {self.site!r}, "
+                        f"the most one peer may have (site.max_calls_per_peer = "
+                        f"{self.limits.max_calls_per_peer}); nothing was charged — retry when one has finished"
+                    )
                 self._per_peer[key] += 1
         heavy = method not in LIGHT_METHODS
         if heavy and not self._heavy.acquire(blocking=False):
             self._leave(key)
-            raise Busy(f"{self.site!r} is serving {self.limits.workers} streaming calls, all it serves at once "
-                       f"(site.workers); nothing was charged — retry later")
+            raise Busy(
+                f"{self.site!r} is serving {self.limits.workers} streaming calls, all it serves at once "
+                f"(site.workers); nothing was charged — retry later"
+            )
 
         def release() -> None:
             if heavy:
                 self._heavy.release()
             self._leave(key)
+
         return release
 
     def _leave(self, key: str | None) -> None:
@@ -160,6 +167,7 @@ class LimitsInterceptor(grpc.ServerInterceptor):
                     return behavior(request, context)
                 finally:
                     release()
+
             return run
 
         def streaming(behavior):
@@ -169,15 +177,24 @@ class LimitsInterceptor(grpc.ServerInterceptor):
                     yield from behavior(request, context)
                 finally:
                     release()
+
             return run
 
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(
+                unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+        )
 
 
 _END = object()
@@ -209,7 +226,7 @@ def paced(requests: Iterable, idle_s: float, deadline_s: float, what: str = "the
                 if not hand_over((message, None)):
                     return
             hand_over((_END, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the handler thread, which raises it
+        except BaseException as e:
             hand_over((None, e))
 
     threading.Thread(target=pump, name="stream-reader", daemon=True).start()
@@ -217,8 +234,9 @@ def paced(requests: Iterable, idle_s: float, deadline_s: float, what: str = "the
     try:
         while True:
             left = deadline_s - (time.monotonic() - started)
-            late = StreamTimeout(f"{what} did not finish within {deadline_s:g} s (site.stream_deadline_s); "
-                                 "nothing was charged")
+            late = StreamTimeout(
+                f"{what} did not finish within {deadline_s:g} s (site.stream_deadline_s); nothing was charged"
+            )
             if left <= 0:
                 raise late
             wait = min(idle_s, left)
@@ -227,8 +245,9 @@ def paced(requests: Iterable, idle_s: float, deadline_s: float, what: str = "the
             except queue.Empty:
                 if wait < idle_s:
                     raise late from None
-                raise StreamTimeout(f"{what} sent nothing for {idle_s:g} s (site.stream_idle_s); "
-                                    "nothing was charged") from None
+                raise StreamTimeout(
+                    f"{what} sent nothing for {idle_s:g} s (site.stream_idle_s); nothing was charged"
+                ) from None
             if error is not None:
                 raise error
             if message is _END:

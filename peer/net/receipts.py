@@ -38,12 +38,13 @@ import base64
 import hashlib
 import json
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from peer.net.identity import SIGNATURE_ALGORITHM, Identity, verify_signature
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
+from peer.net.identity import SIGNATURE_ALGORITHM, Identity, verify_signature
 from privfusion.v1 import tensor_pb2 as tpb
 
 CONTEXT = b"privfusion.v1/receipt/2\n"
@@ -114,9 +115,14 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """``manifest_bytes`` of the module docstring."""
-        out = [MANIFEST_CONTEXT, _str(self.kind, "manifest.kind"), _str(self.model, "manifest.model"),
-               _str(self.architecture_json, "manifest.architecture_json"),
-               _str(self.metadata_json, "manifest.metadata_json"), _u32(len(self.tensors), "manifest.tensor_count")]
+        out = [
+            MANIFEST_CONTEXT,
+            _str(self.kind, "manifest.kind"),
+            _str(self.model, "manifest.model"),
+            _str(self.architecture_json, "manifest.architecture_json"),
+            _str(self.metadata_json, "manifest.metadata_json"),
+            _u32(len(self.tensors), "manifest.tensor_count"),
+        ]
         for i, t in enumerate(self.tensors):
             f = f"manifest.tensors[{i}]"
             out += [_str(t.name, f"{f}.name"), _u32(t.dtype, f"{f}.dtype"), _u32(len(t.shape), f"{f}.shape")]
@@ -131,29 +137,62 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON form for saved releases (the strings kept byte for byte)."""
-        return {"kind": self.kind, "model": self.model, "architecture_json": self.architecture_json,
-                "metadata_json": self.metadata_json, "total_bytes": self.total_bytes,
-                "tensors": [{"name": t.name, "dtype": tpb.DType.Name(t.dtype) if t.dtype in tpb.DType.values() else t.dtype,
-                             "shape": list(t.shape), "nbytes": t.nbytes, "sha256": t.sha256.hex()} for t in self.tensors],
-                "upstream": [d.hex() for d in self.upstream]}
+        return {
+            "kind": self.kind,
+            "model": self.model,
+            "architecture_json": self.architecture_json,
+            "metadata_json": self.metadata_json,
+            "total_bytes": self.total_bytes,
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": tpb.DType.Name(t.dtype) if t.dtype in tpb.DType.values() else t.dtype,
+                    "shape": list(t.shape),
+                    "nbytes": t.nbytes,
+                    "sha256": t.sha256.hex(),
+                }
+                for t in self.tensors
+            ],
+            "upstream": [d.hex() for d in self.upstream],
+        }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
+    def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
         try:
-            tensors = tuple(TensorEntry(str(t["name"]), t["dtype"] if isinstance(t["dtype"], int) else tpb.DType.Value(t["dtype"]),
-                                        tuple(int(x) for x in t["shape"]), int(t["nbytes"]), bytes.fromhex(t["sha256"]))
-                            for t in d["tensors"])
-            return cls(str(d["kind"]), str(d["model"]), str(d["architecture_json"]), str(d["metadata_json"]), tensors,
-                       int(d["total_bytes"]), tuple(bytes.fromhex(u) for u in d["upstream"]))
+            tensors = tuple(
+                TensorEntry(
+                    str(t["name"]),
+                    t["dtype"] if isinstance(t["dtype"], int) else tpb.DType.Value(t["dtype"]),
+                    tuple(int(x) for x in t["shape"]),
+                    int(t["nbytes"]),
+                    bytes.fromhex(t["sha256"]),
+                )
+                for t in d["tensors"]
+            )
+            return cls(
+                str(d["kind"]),
+                str(d["model"]),
+                str(d["architecture_json"]),
+                str(d["metadata_json"]),
+                tensors,
+                int(d["total_bytes"]),
+                tuple(bytes.fromhex(u) for u in d["upstream"]),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgument("manifest", f"is not a PrivFusion release manifest: {e}") from None
 
 
-def signing_payload(signer: str, ledger_entry_id: str, record_json: bytes,
-                    tensors: Sequence[tuple[str, bytes]], manifest_sha256: bytes) -> bytes:
+def signing_payload(
+    signer: str, ledger_entry_id: str, record_json: bytes, tensors: Sequence[tuple[str, bytes]], manifest_sha256: bytes
+) -> bytes:
     """The exact bytes a receipt's signature is over (``signing_payload`` of the module docstring)."""
-    out = [CONTEXT, _str(signer, "receipt.signer"), _str(ledger_entry_id, "receipt.ledger_entry_id"),
-           _bytes(record_json, "receipt.record_json"), _u32(len(tensors), "receipt.tensors")]
+    out = [
+        CONTEXT,
+        _str(signer, "receipt.signer"),
+        _str(ledger_entry_id, "receipt.ledger_entry_id"),
+        _bytes(record_json, "receipt.record_json"),
+        _u32(len(tensors), "receipt.tensors"),
+    ]
     for i, (name, sha) in enumerate(tensors):
         out += [_str(name, f"receipt.tensors[{i}].name"), _digest32(sha, f"receipt.tensors[{i}].sha256")]
     out.append(_digest32(manifest_sha256, "receipt.manifest_sha256"))
@@ -182,25 +221,34 @@ class SignedReceipt:
 
     def to_json(self) -> str:
         """A self-contained JSON document (saved beside the released tensors)."""
-        return json.dumps({
-            "signer": self.signer,
-            "ledger_entry_id": self.ledger_entry_id,
-            "record": json.loads(self.record_json),
-            "record_json": self.record_json.decode(),
-            "tensors": [{"name": n, "sha256": d.hex()} for n, d in self.tensors],
-            "manifest_sha256": self.manifest_sha256.hex(),
-            "signature_algorithm": self.signature_algorithm,
-            "signature": base64.b64encode(self.signature).decode(),
-        }, indent=2, sort_keys=True)
+        return json.dumps(
+            {
+                "signer": self.signer,
+                "ledger_entry_id": self.ledger_entry_id,
+                "record": json.loads(self.record_json),
+                "record_json": self.record_json.decode(),
+                "tensors": [{"name": n, "sha256": d.hex()} for n, d in self.tensors],
+                "manifest_sha256": self.manifest_sha256.hex(),
+                "signature_algorithm": self.signature_algorithm,
+                "signature": base64.b64encode(self.signature).decode(),
+            },
+            indent=2,
+            sort_keys=True,
+        )
 
     @classmethod
-    def from_json(cls, text: str | bytes | Mapping) -> "SignedReceipt":
+    def from_json(cls, text: str | bytes | Mapping) -> SignedReceipt:
         try:
             d = text if isinstance(text, Mapping) else json.loads(text)
-            return cls(d["signer"], d["ledger_entry_id"], d["record_json"].encode(),
-                       tuple((t["name"], bytes.fromhex(t["sha256"])) for t in d["tensors"]),
-                       bytes.fromhex(d["manifest_sha256"]),
-                       base64.b64decode(d["signature"], validate=True), d["signature_algorithm"])
+            return cls(
+                d["signer"],
+                d["ledger_entry_id"],
+                d["record_json"].encode(),
+                tuple((t["name"], bytes.fromhex(t["sha256"])) for t in d["tensors"]),
+                bytes.fromhex(d["manifest_sha256"]),
+                base64.b64decode(d["signature"], validate=True),
+                d["signature_algorithm"],
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgument("receipt", f"is not a PrivFusion receipt document: {e}") from None
 
@@ -228,14 +276,20 @@ def check_manifest(receipt: SignedReceipt, manifest: Manifest) -> None:
 
     Raises ``InvalidArgument`` naming the field at fault."""
     if [(t.name, bytes(t.sha256)) for t in manifest.tensors] != [(n, bytes(d)) for n, d in receipt.tensors]:
-        raise InvalidArgument("manifest.tensors", "do not match the tensors the receipt signed (names, checksums, order)")
+        raise InvalidArgument(
+            "manifest.tensors", "do not match the tensors the receipt signed (names, checksums, order)"
+        )
     if manifest.digest() != receipt.manifest_sha256:
-        raise InvalidArgument("manifest", "does not match the manifest digest the receipt signed (kind, model, "
-                                          "architecture, metadata, tensor dtypes/shapes/sizes or upstream receipts differ)")
+        raise InvalidArgument(
+            "manifest",
+            "does not match the manifest digest the receipt signed (kind, model, "
+            "architecture, metadata, tensor dtypes/shapes/sizes or upstream receipts differ)",
+        )
 
 
-def verify_receipt(receipt: SignedReceipt, cert_pem: bytes, expected_signer: str | None = None,
-                   manifest: Manifest | None = None) -> ReleaseRecord:
+def verify_receipt(
+    receipt: SignedReceipt, cert_pem: bytes, expected_signer: str | None = None, manifest: Manifest | None = None
+) -> ReleaseRecord:
     """Check the signature against the signer's pinned certificate (and, when given, that
     ``manifest`` is the one signed); return the record.
 
@@ -246,12 +300,16 @@ def verify_receipt(receipt: SignedReceipt, cert_pem: bytes, expected_signer: str
     if expected_signer is not None and receipt.signer != expected_signer:
         raise InvalidArgument("receipt.signer", f"is {receipt.signer!r}, expected {expected_signer!r}")
     if receipt.signature_algorithm != SIGNATURE_ALGORITHM:
-        raise InvalidArgument("receipt.signature_algorithm", f"must be {SIGNATURE_ALGORITHM!r}, got {receipt.signature_algorithm!r}")
+        raise InvalidArgument(
+            "receipt.signature_algorithm", f"must be {SIGNATURE_ALGORITHM!r}, got {receipt.signature_algorithm!r}"
+        )
     payload = receipt.payload()  # malformed fields are refused by name here, before the signature
     try:
         verify_signature(cert_pem, payload, receipt.signature)
     except InvalidArgument:
-        raise InvalidArgument("receipt.signature", f"does not verify against {receipt.signer!r}'s pinned certificate") from None
+        raise InvalidArgument(
+            "receipt.signature", f"does not verify against {receipt.signer!r}'s pinned certificate"
+        ) from None
     if manifest is not None:
         check_manifest(receipt, manifest)
     return receipt.record

@@ -26,7 +26,8 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import grpc
 import numpy as np
@@ -34,16 +35,16 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from peer.base import checks
-from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.base.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
+from peer.base.records import ReleaseRecord
+from peer.net import wire
 from peer.net.codec import features_tensors, peer_info_message
 from peer.net.fuse import fuse_with_partner
+from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.net.limits import paced
-from peer.nn.architectures import validate_architecture
 from peer.net.receipts import sign_receipt
-from peer.base.records import ReleaseRecord
 from peer.net.site import Site, log_event, stamp
-from peer.net import wire
+from peer.nn.architectures import validate_architecture
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from privfusion.v1 import tensor_pb2 as tpb
@@ -111,12 +112,16 @@ def rich_status_of(error: BaseException, message: str | None = None) -> status_p
     if code == grpc.StatusCode.INTERNAL or not isinstance(error, PrivFusionError):
         return status
     if error.violations:
-        bad = error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=f, description=rule) for f, rule in error.violations])
+        bad = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=f, description=rule) for f, rule in error.violations
+            ]
+        )
         status.details.add().Pack(bad)
     if error.reason:
-        status.details.add().Pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN,
-                                                               metadata=dict(error.metadata)))
+        status.details.add().Pack(
+            error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=dict(error.metadata))
+        )
     return status
 
 
@@ -139,8 +144,17 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             code, message = status_of(error)
             if code == grpc.StatusCode.INTERNAL:
                 incident = uuid.uuid4().hex[:12]
-                log.error(json.dumps({"event": "internal-error", "method": method, "incident": incident,
-                                      "error_type": type(error).__name__}), exc_info=error)
+                log.error(
+                    json.dumps(
+                        {
+                            "event": "internal-error",
+                            "method": method,
+                            "incident": incident,
+                            "error_type": type(error).__name__,
+                        }
+                    ),
+                    exc_info=error,
+                )
                 message = f"internal error (incident {incident})"
             log_event("refused", method=method, status=code.name, reason=message)
             context.abort_with_status(rpc_status.to_status(rich_status_of(error, message)))
@@ -154,10 +168,11 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     return behavior(request, context)
                 except PrivFusionError as e:
                     fail(context, e)
-                except Exception as e:  # noqa: BLE001 - the one place unexpected errors end a call
+                except Exception as e:
                     fail(context, e)
                 finally:
                     calls.exit()
+
             return run
 
         def streaming(behavior):
@@ -167,19 +182,28 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     yield from behavior(request, context)
                 except PrivFusionError as e:
                     fail(context, e)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     fail(context, e)
                 finally:
                     calls.exit()
+
             return run
 
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(
+                unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+        )
 
 
 # ------------------------------------------------------------------------ request checks
@@ -212,7 +236,8 @@ def probe_input(arch: Mapping[str, Any], probe: np.ndarray) -> np.ndarray:
         raise InvalidArgument("probe.shape", f"has {probe.shape[0]} rows, at most {MAX_PROBE_ROWS} are accepted")
     need = a["input_dim"] if a["kind"] == "mlp" else math.prod(a["input_shape"])
     shape_ok = (probe.ndim == 2 and probe.shape[1] == need) or (
-        a["kind"] == "cnn" and list(probe.shape[1:]) == list(a["input_shape"]))
+        a["kind"] == "cnn" and list(probe.shape[1:]) == list(a["input_shape"])
+    )
     if not shape_ok:
         want = f"(n, {need})" + (f" or (n, {', '.join(map(str, a['input_shape']))})" if a["kind"] == "cnn" else "")
         raise InvalidArgument("probe.shape", f"must be {want} for this model, got {list(probe.shape)}")
@@ -228,8 +253,10 @@ def requested_clip(params: pb.FeaturesParams) -> tuple[float, float] | None:
     if not (has_low or has_high):
         return None
     if not (has_low and has_high):
-        raise InvalidArgument("activation_clip_high" if has_low else "activation_clip_low",
-                              "give both ends of the activation range, or neither")
+        raise InvalidArgument(
+            "activation_clip_high" if has_low else "activation_clip_low",
+            "give both ends of the activation range, or neither",
+        )
     lo, hi = params.activation_clip_low, params.activation_clip_high
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
         raise InvalidArgument("activation_clip_low", f"the range must be finite with low < high, got [{lo}, {hi}]")
@@ -239,7 +266,7 @@ def requested_clip(params: pb.FeaturesParams) -> tuple[float, float] | None:
 # ------------------------------------------------------------------------ registration
 
 
-def add_to_server(service: "PeerService", server: grpc.Server) -> None:
+def add_to_server(service: PeerService, server: grpc.Server) -> None:
     """Register privfusion.v1.Peer like the generated ``add_PeerServicer_to_server``, except that
     release streams go through :func:`peer.net.wire.serialize_frame` (chunk frames are pre-encoded
     protobuf bytes; the wire format is the same)."""
@@ -249,11 +276,15 @@ def add_to_server(service: "PeerService", server: grpc.Server) -> None:
         request = getattr(pb, method.input_type.name)
         response = getattr(pb, method.output_type.name)
         serialize = wire.serialize_frame if response is pb.ReleaseFrame else response.SerializeToString
-        kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}[
-            (method.client_streaming, method.server_streaming)]
-        handlers[method.name] = kind(getattr(service, method.name), request_deserializer=request.FromString,
-                                     response_serializer=serialize)
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(
+            getattr(service, method.name), request_deserializer=request.FromString, response_serializer=serialize
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
 
 
@@ -299,14 +330,18 @@ class PeerService(pb_grpc.PeerServicer):
                 raise Unauthenticated("the call carries no client certificate")
             pinned = self.site.pinned_by_fingerprint(fingerprint(pems[0]))
             if pinned is None:
-                raise Unauthenticated(f"the client certificate (SHA-256 {fingerprint(pems[0])}) is not pinned at {self.site.name!r}")
+                raise Unauthenticated(
+                    f"the client certificate (SHA-256 {fingerprint(pems[0])}) is not pinned at {self.site.name!r}"
+                )
             try:
                 # TLS checked validity at the handshake only; a connection outlives the certificate
                 check_validity(load_certificate(pems[0]), f"the client certificate of {pinned.name!r}")
             except FailedPrecondition as e:
                 raise Unauthenticated(f"{e}; nothing was charged") from None
             if sender != pinned.name:
-                raise PermissionDenied(f"header.sender: claims {sender!r}, but the TLS certificate is pinned as {pinned.name!r}")
+                raise PermissionDenied(
+                    f"header.sender: claims {sender!r}, but the TLS certificate is pinned as {pinned.name!r}"
+                )
             caller = pinned.name
         if header.receiver != self.site.name:
             raise InvalidArgument("header.receiver", f"must be this site, {self.site.name!r}; got {header.receiver!r}")
@@ -314,10 +349,21 @@ class PeerService(pb_grpc.PeerServicer):
 
     # ------------------------------------------------------------------ releases
 
-    def _release(self, method: str, caller: str, record: ReleaseRecord, kind: str, model: str,
-                 architecture: Mapping | None, metadata: Mapping, tensors: list[tuple[str, np.ndarray]],
-                 upstream=(), policy_kind: str | tuple[str, ...] | None = None, on_behalf_of: str | None = None,
-                 charged_entry: str | None = None) -> Iterator[pb.ReleaseFrame]:
+    def _release(
+        self,
+        method: str,
+        caller: str,
+        record: ReleaseRecord,
+        kind: str,
+        model: str,
+        architecture: Mapping | None,
+        metadata: Mapping,
+        tensors: list[tuple[str, np.ndarray]],
+        upstream=(),
+        policy_kind: str | tuple[str, ...] | None = None,
+        on_behalf_of: str | None = None,
+        charged_entry: str | None = None,
+    ) -> Iterator[pb.ReleaseFrame]:
         """Charge, then stream receipt → manifest → tensors → end. The charge is never undone.
 
         ``policy_kind`` is the request kind the policy's per-request cap is checked for (in
@@ -336,26 +382,51 @@ class PeerService(pb_grpc.PeerServicer):
         finished = False
         started = time.perf_counter()
         try:
-            entry_id = charged_entry if charged_entry is not None else \
-                self.site.charge(record, caller, policy_kind or kind, on_behalf_of)
-            log_event("charged", method=method, caller=caller, entry=entry_id, release=record.release_id,
-                      mechanism=record.mechanism, privacy_level=record.level, unit=record.unit,
-                      epsilon=record.epsilon, delta=record.delta, model=model)
-            receipt = sign_receipt(self.site.identity, entry_id, record,
-                                   wire.release_manifest(kind, model, architecture, metadata, tensors, upstream, digests))
+            entry_id = (
+                charged_entry
+                if charged_entry is not None
+                else self.site.charge(record, caller, policy_kind or kind, on_behalf_of)
+            )
+            log_event(
+                "charged",
+                method=method,
+                caller=caller,
+                entry=entry_id,
+                release=record.release_id,
+                mechanism=record.mechanism,
+                privacy_level=record.level,
+                unit=record.unit,
+                epsilon=record.epsilon,
+                delta=record.delta,
+                model=model,
+            )
+            receipt = sign_receipt(
+                self.site.identity,
+                entry_id,
+                record,
+                wire.release_manifest(kind, model, architecture, metadata, tensors, upstream, digests),
+            )
             yield from wire.release_frames(receipt, kind, model, architecture, metadata, tensors, upstream)
             finished = True
             self.site.release_event(record, "sent")
-            log_event("released", method=method, caller=caller, entry=entry_id, release=record.release_id,
-                      bytes=sum(a.nbytes for _, a in tensors), seconds=round(time.perf_counter() - started, 3))
+            log_event(
+                "released",
+                method=method,
+                caller=caller,
+                entry=entry_id,
+                release=record.release_id,
+                bytes=sum(a.nbytes for _, a in tensors),
+                seconds=round(time.perf_counter() - started, 3),
+            )
         finally:
             if entry_id is not None and not finished:
                 # the client went away or the server is stopping: the charge stands (bytes may have left)
-                log_event("aborted-after-charge", method=method, caller=caller, entry=entry_id,
-                          release=record.release_id)
+                log_event(
+                    "aborted-after-charge", method=method, caller=caller, entry=entry_id, release=record.release_id
+                )
                 try:
                     self.site.release_event(record, "send-failed", "stream ended before ReleaseEnd")
-                except Exception as e:  # noqa: BLE001 - the charge stands either way; say why the note is missing
+                except Exception as e:
                     log_event("event-not-recorded", entry=entry_id, error_type=type(e).__name__)
             self.releases.exit()
 
@@ -383,10 +454,15 @@ class PeerService(pb_grpc.PeerServicer):
         if not final:
             return None
         if method not in ("ReleaseFeatures", "ReleaseWeights"):
-            raise InvalidArgument("header.on_behalf_of", f"is accepted by ReleaseFeatures and ReleaseWeights only (relayed releases), not by {method}")
+            raise InvalidArgument(
+                "header.on_behalf_of",
+                f"is accepted by ReleaseFeatures and ReleaseWeights only (relayed releases), not by {method}",
+            )
         check_site_name(final, "header.on_behalf_of")
         if final == caller:
-            raise InvalidArgument("header.on_behalf_of", f"names the sender {caller!r}; it is for the site a relay asks on behalf of")
+            raise InvalidArgument(
+                "header.on_behalf_of", f"names the sender {caller!r}; it is for the site a relay asks on behalf of"
+            )
         if final == self.site.name:
             raise InvalidArgument("header.on_behalf_of", f"must not name this site ({self.site.name!r})")
         return final
@@ -410,7 +486,9 @@ class PeerService(pb_grpc.PeerServicer):
     def ReleaseFeatures(self, request_iterator: Iterable[pb.FeaturesRequest], context) -> Iterator[pb.ReleaseFrame]:
         # a stalled or endless upload must not hold a worker: per-frame idle limit, overall deadline
         limits = self.site.config.limits
-        messages = paced(request_iterator, limits.stream_idle_s, limits.stream_deadline_s, "the ReleaseFeatures request stream")
+        messages = paced(
+            request_iterator, limits.stream_idle_s, limits.stream_deadline_s, "the ReleaseFeatures request stream"
+        )
         first = next(messages, None)
         if first is None or first.WhichOneof("part") != "params":
             raise InvalidArgument("params", "the request stream must start with FeaturesParams")
@@ -429,8 +507,10 @@ class PeerService(pb_grpc.PeerServicer):
                 raise InvalidArgument("weight_bound", f"must be a finite number > 0, got {bound!r}")
             bound = (-bound, bound)
         if p.HasField("weights_epsilon") != p.HasField("weights_delta"):
-            raise InvalidArgument("weights_delta" if p.HasField("weights_epsilon") else "weights_epsilon",
-                                  "give both weights_epsilon and weights_delta (features with weights), or neither")
+            raise InvalidArgument(
+                "weights_delta" if p.HasField("weights_epsilon") else "weights_epsilon",
+                "give both weights_epsilon and weights_delta (features with weights), or neither",
+            )
         with_weights = p.HasField("weights_epsilon")
         if with_weights:
             weights_eps = check_epsilon(p.weights_epsilon, "weights_epsilon")
@@ -441,23 +521,43 @@ class PeerService(pb_grpc.PeerServicer):
         header = next(messages, None)
         if header is None or header.WhichOneof("part") != "probe":
             raise InvalidArgument("probe", "FeaturesParams must be followed by the probe tensor's header")
-        receiver = wire.TensorReceiver(header.probe, "probe", allowed=(tpb.DTYPE_FLOAT32, tpb.DTYPE_FLOAT64),
-                                       max_bytes=MAX_PROBE_BYTES)
+        receiver = wire.TensorReceiver(
+            header.probe, "probe", allowed=(tpb.DTYPE_FLOAT32, tpb.DTYPE_FLOAT64), max_bytes=MAX_PROBE_BYTES
+        )
         for m in messages:
             if m.WhichOneof("part") != "chunk":
-                raise InvalidArgument("chunk", f"only probe chunks may follow the probe header, got {m.WhichOneof('part')!r}")
+                raise InvalidArgument(
+                    "chunk", f"only probe chunks may follow the probe header, got {m.WhichOneof('part')!r}"
+                )
             receiver.add(m.chunk)
         probe = probe_input(stored.architecture, receiver.finish())
 
-        release = self.site.features(stored, probe, activation_epsilon=eps_x, weight_epsilon=eps_w, activation_clip=clip,
-                                     weight_bounds=bound, unit=unit,
-                                     weights=(weights_eps, weights_dlt) if with_weights else None)
+        release = self.site.features(
+            stored,
+            probe,
+            activation_epsilon=eps_x,
+            weight_epsilon=eps_w,
+            activation_clip=clip,
+            weight_bounds=bound,
+            unit=unit,
+            weights=(weights_eps, weights_dlt) if with_weights else None,
+        )
         tensors, meta = features_tensors(release.graph, release.weights)
         kind = "features+weights" if with_weights else "features"
         relayed = {"on_behalf_of": final} if final else {}
         record = stamp(release.record, caller, p.model, probe_rows=int(probe.shape[0]), **relayed)
-        yield from self._release("ReleaseFeatures", caller, record, kind, p.model, stored.architecture, meta, tensors,
-                                 policy_kind=kinds if with_weights else "features", on_behalf_of=final)
+        yield from self._release(
+            "ReleaseFeatures",
+            caller,
+            record,
+            kind,
+            p.model,
+            stored.architecture,
+            meta,
+            tensors,
+            policy_kind=kinds if with_weights else "features",
+            on_behalf_of=final,
+        )
 
     def ReleaseWeights(self, request: pb.WeightsRequest, context) -> Iterator[pb.ReleaseFrame]:
         caller = self.bind_caller(context, request.header)
@@ -468,8 +568,17 @@ class PeerService(pb_grpc.PeerServicer):
         self._policy_allows(caller, final, "weights")
         arrays, record = self.site.weights(stored, eps, dlt, caller, on_behalf_of=final)
         tensors = [(k, arrays.pop(k)) for k in sorted(arrays)]
-        yield from self._release("ReleaseWeights", caller, record, "weights", request.model,
-                                 stored.architecture, {}, tensors, on_behalf_of=final)
+        yield from self._release(
+            "ReleaseWeights",
+            caller,
+            record,
+            "weights",
+            request.model,
+            stored.architecture,
+            {},
+            tensors,
+            on_behalf_of=final,
+        )
 
     def Fuse(self, request: pb.FuseRequest, context) -> Iterator[pb.ReleaseFrame]:
         """Relay: fuse our model with the partner's, for the caller (see the .proto).
@@ -490,8 +599,11 @@ class PeerService(pb_grpc.PeerServicer):
         if partner == self.site.name:
             raise InvalidArgument("partner", "must be another site")
         if partner == caller:
-            raise InvalidArgument("partner", f"must not be the caller ({caller!r}): fusing with your own model needs no "
-                                  "relay; ask for this site's features and weights and fuse locally")
+            raise InvalidArgument(
+                "partner",
+                f"must not be the caller ({caller!r}): fusing with your own model needs no "
+                "relay; ask for this site's features and weights and fuse locally",
+            )
         if not request.partner_model:
             raise InvalidArgument("partner_model", "is required")
         alpha = request.alpha
@@ -515,16 +627,41 @@ class PeerService(pb_grpc.PeerServicer):
             admitted = True
 
         try:
-            fused = fuse_with_partner(self.site, caller, stored, probe, partner=partner,
-                                      partner_model=request.partner_model, alpha=alpha, activation_epsilon=eps_x,
-                                      weight_epsilon=eps_w, weights_epsilon=eps, weights_delta=dlt, admit=admit,
-                                      caller_active=context.is_active)
+            fused = fuse_with_partner(
+                self.site,
+                caller,
+                stored,
+                probe,
+                partner=partner,
+                partner_model=request.partner_model,
+                alpha=alpha,
+                activation_epsilon=eps_x,
+                weight_epsilon=eps_w,
+                weights_epsilon=eps,
+                weights_delta=dlt,
+                admit=admit,
+                caller_active=context.is_active,
+            )
             # the caller's release, under the charge fuse_with_partner made
             tensors = [(k, fused.arrays.pop(k)) for k in sorted(fused.arrays)]
-            yield from self._release("Fuse", caller, fused.record, "fused", request.model, stored.architecture,
-                                     {"alpha": alpha, "partner": partner, "partner_model": request.partner_model,
-                                      "upstream": [fused.upstream.ledger_entry_id], "match_objective": fused.objective},
-                                     tensors, upstream=(fused.upstream,), charged_entry=fused.entry_id)
+            yield from self._release(
+                "Fuse",
+                caller,
+                fused.record,
+                "fused",
+                request.model,
+                stored.architecture,
+                {
+                    "alpha": alpha,
+                    "partner": partner,
+                    "partner_model": request.partner_model,
+                    "upstream": [fused.upstream.ledger_entry_id],
+                    "match_objective": fused.objective,
+                },
+                tensors,
+                upstream=(fused.upstream,),
+                charged_entry=fused.entry_id,
+            )
         finally:
             if admitted:
                 self.releases.exit()
@@ -534,20 +671,32 @@ class PeerService(pb_grpc.PeerServicer):
         self._on_behalf_of(request.header, caller, "ReleaseMerged")
         self.site.pool(request.pool)  # an unknown pool is NOT_FOUND before the other checks
         if request.method not in ("rs", "lc"):
-            raise InvalidArgument("method", f"must be 'rs' (random selection) or 'lc' (linear combination), got {request.method!r}")
+            raise InvalidArgument(
+                "method", f"must be 'rs' (random selection) or 'lc' (linear combination), got {request.method!r}"
+            )
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
         self.site.policy_allows(caller, "merge")
         merged = self.site.merge(request.pool, request.method, eps, dlt, caller)
         tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
         # public: the method, π or λ, the ε each accountant reports, the validation utility
-        yield from self._release("ReleaseMerged", caller, merged.record, "merged", request.pool,
-                                 merged.architecture, {"choice": merged.choice.to_dict()}, tensors, policy_kind="merge")
+        yield from self._release(
+            "ReleaseMerged",
+            caller,
+            merged.record,
+            "merged",
+            request.pool,
+            merged.architecture,
+            {"choice": merged.choice.to_dict()},
+            tensors,
+            policy_kind="merge",
+        )
 
     def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:
         caller = self.bind_caller(context, request.header)
         self._on_behalf_of(request.header, caller, "ListLedger")
         self.site.policy_allows(caller, "ledger")
         for entry_id, record, created_at in self.site.ledger_entries(caller):
-            yield pb.LedgerEntry(entry_id=entry_id, record_json=record.canonical_json(), counterparty=caller,
-                                 created_at=created_at)
+            yield pb.LedgerEntry(
+                entry_id=entry_id, record_json=record.canonical_json(), counterparty=caller, created_at=created_at
+            )

@@ -46,6 +46,7 @@ service converts at its edge (``peer.net.codec``) and the site can be driven wit
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -90,9 +91,24 @@ def log_event(event: str, **fields: Any) -> None:
 # ------------------------------------------------------------------------ configuration
 
 #: The keys of ``[site]``.
-SITE_KEYS = ("name", "listen", "identity", "models", "ledger", "probe", "workers", "reserve_workers",
-             "max_calls_per_peer", "stream_idle_s", "stream_deadline_s", "shutdown_grace_s", "seed",
-             "mechanisms", "pools", "peers")
+SITE_KEYS = (
+    "name",
+    "listen",
+    "identity",
+    "models",
+    "ledger",
+    "probe",
+    "workers",
+    "reserve_workers",
+    "max_calls_per_peer",
+    "stream_idle_s",
+    "stream_deadline_s",
+    "shutdown_grace_s",
+    "seed",
+    "mechanisms",
+    "pools",
+    "peers",
+)
 
 
 @dataclass(frozen=True)
@@ -169,30 +185,41 @@ class SiteConfig:
         return cls(
             name=checked(site, "name", check_site_name),
             listen=checked(site, "listen", check_listen),
-            identity=rel(site, "identity"), models=rel(site, "models"), ledger=rel(site, "ledger"),
+            identity=rel(site, "identity"),
+            models=rel(site, "models"),
+            ledger=rel(site, "ledger"),
             probe=rel(site, "probe", None),
             workers=site.integer("workers", 32, minimum=1),
             reserve_workers=site.integer("reserve_workers", 8, minimum=1),
             max_calls_per_peer=site.integer("max_calls_per_peer", 8, minimum=1),
-            stream_idle_s=idle, stream_deadline_s=deadline,
+            stream_idle_s=idle,
+            stream_deadline_s=deadline,
             shutdown_grace_s=site.number("shutdown_grace_s", 20.0, minimum=0.0),
-            seed=site.integer("seed", None), activation_clip=clip, calibration=calibration,
-            pools=pools, peers=peers, path=path, pool_validation=pool_validation,
+            seed=site.integer("seed", None),
+            activation_clip=clip,
+            calibration=calibration,
+            pools=pools,
+            peers=peers,
+            path=path,
+            pool_validation=pool_validation,
         )
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.workers, self.reserve_workers, self.max_calls_per_peer, self.stream_idle_s,
-                      self.stream_deadline_s)
+        return Limits(
+            self.workers, self.reserve_workers, self.max_calls_per_peer, self.stream_idle_s, self.stream_deadline_s
+        )
 
 
 def check_listen(listen: str, field: str = "site.listen") -> str:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6; port 0 = any free port), else a clear error."""
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise InvalidArgument(field, f"must be HOST:PORT with a port in 0..65535 (e.g. \"0.0.0.0:50051\"), got {listen!r}")
+        raise InvalidArgument(
+            field, f'must be HOST:PORT with a port in 0..65535 (e.g. "0.0.0.0:50051"), got {listen!r}'
+        )
     if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
-        raise InvalidArgument(field, f"an IPv6 host is written in brackets, e.g. \"[::]:50051\"; got {listen!r}")
+        raise InvalidArgument(field, f'an IPv6 host is written in brackets, e.g. "[::]:50051"; got {listen!r}')
     return listen
 
 
@@ -217,8 +244,10 @@ class SiteLock:
                 self._fd = None
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise FailedPrecondition(f"site.ledger: cannot lock {self.path}: {e.strerror}") from None
-            raise FailedPrecondition(f"site.ledger: {ledger} is in use by another daemon (pid {owner}, lock "
-                                     f"{self.path}); two daemons must never share one ledger") from None
+            raise FailedPrecondition(
+                f"site.ledger: {ledger} is in use by another daemon (pid {owner}, lock "
+                f"{self.path}); two daemons must never share one ledger"
+            ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -333,7 +362,9 @@ class Site:
         self.insecure = insecure
         self.identity: Identity = load_identity(config.identity)
         if self.identity.name != config.name:
-            raise FailedPrecondition(f"site.name is {config.name!r} but the identity in {config.identity} is {self.identity.name!r}")
+            raise FailedPrecondition(
+                f"site.name is {config.name!r} but the identity in {config.identity} is {self.identity.name!r}"
+            )
         self.name = config.name
         self.lock = SiteLock(config.ledger)  # before anything opens the ledger
         try:
@@ -350,8 +381,13 @@ class Site:
         # model that does not load, a pool with no model yet or a probe set not made yet is
         # left out rather than fatal
         self.models, failed = load_store(config.models)
-        self.unusable = site_unusable_files(config.models, config.pools, config.probe,
-                                            config.path.resolve().parent if config.path else config.models.parent, failed)
+        self.unusable = site_unusable_files(
+            config.models,
+            config.pools,
+            config.probe,
+            config.path.resolve().parent if config.path else config.models.parent,
+            failed,
+        )
         for path, why in self.unusable:
             log.warning(json.dumps({"event": "unusable-file", "path": path, "reason": why}))
         pools = {n: d for n, d in config.pools.items() if d.is_dir() and list_models(d)}
@@ -369,17 +405,20 @@ class Site:
                 check_pool(pool)
             # the held-out split each pool was trained beside, or the site's validation file
             # (judges RS/LC candidates; public)
-            self._validation = {name: load_validation_file(config.pool_validation[name]) if name in config.pool_validation
-                                else pool_validation(pool) for name, pool in self.pools.items()}
+            self._validation = {
+                name: load_validation_file(config.pool_validation[name])
+                if name in config.pool_validation
+                else pool_validation(pool)
+                for name, pool in self.pools.items()
+            }
             # each model's accuracy there: what RS maximises; fixed while the daemon runs
             self._rs_utilities = {name: rs_utilities(pool, self._validation[name]) for name, pool in self.pools.items()}
             # and the models' privacy profiles (PLD + RDP, kept by peer.dp.accounting for models
             # seen before): an RS request then pays for choosing π, not for T-step compositions
             for pool in self.pools.values():
-                try:
+                # a pool RS cannot account (mixed adjacencies) is skipped here: each request says why
+                with contextlib.suppress(InvalidArgument):
                     rs_profiles([m.privacy for m in pool])
-                except InvalidArgument:
-                    pass  # a pool RS cannot account (mixed adjacencies): each request says why
         self.probe = load_probe(config.probe) if config.probe and config.probe.exists() else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
@@ -415,7 +454,9 @@ class Site:
         """A client of a pinned partner this site knows the address of (site.toml [site.peers])."""
         address = self.config.peers.get(partner)
         if address is None:
-            raise FailedPrecondition(f"partner: {self.name!r} does not know where {partner!r} listens (site.toml [site.peers.{partner}])")
+            raise FailedPrecondition(
+                f"partner: {self.name!r} does not know where {partner!r} listens (site.toml [site.peers.{partner}])"
+            )
         if partner not in self.pinned():
             raise FailedPrecondition(f"partner: {partner!r} is not pinned at {self.name!r}")
         return PartnerClient(PeerClient(self.identity, address, peer=partner, insecure=self.insecure, trust=self.trust))
@@ -466,17 +507,33 @@ class Site:
 
     # ---- releases (computed, not yet charged) -------------------------------------------------
 
-    def perturbed_weights(self, stored: StoredModel, epsilon: float, delta: float, randomness: Randomness | None = None):
+    def perturbed_weights(
+        self, stored: StoredModel, epsilon: float, delta: float, randomness: Randomness | None = None
+    ):
         """PFA-perturbed, unpermuted weights of ``stored`` ((ε, δ) per neuron, the site's
         Gaussian calibration) and their record."""
-        return perturb_model_weights(stored.architecture, stored.arrays, epsilon=epsilon, delta=delta,
-                                     calibration=self.config.calibration,
-                                     randomness=randomness or self.randomness())
+        return perturb_model_weights(
+            stored.architecture,
+            stored.arrays,
+            epsilon=epsilon,
+            delta=delta,
+            calibration=self.config.calibration,
+            randomness=randomness or self.randomness(),
+        )
 
-    def features(self, stored: StoredModel, probe: np.ndarray, *, activation_epsilon: float, weight_epsilon: float,
-                 activation_clip: tuple[float, float] | None, weight_bounds: tuple[float, float] | None = None,
-                 unit: str = "neuron", weights: tuple[float, float] | None = None,
-                 release: str = "features+weights") -> FeaturesRelease:
+    def features(
+        self,
+        stored: StoredModel,
+        probe: np.ndarray,
+        *,
+        activation_epsilon: float,
+        weight_epsilon: float,
+        activation_clip: tuple[float, float] | None,
+        weight_bounds: tuple[float, float] | None = None,
+        unit: str = "neuron",
+        weights: tuple[float, float] | None = None,
+        release: str = "features+weights",
+    ) -> FeaturesRelease:
         """Noisy graph features of ``stored`` on ``probe`` (Laplace on activations clipped to
         ``activation_clip``, multi-bit on weight features, per ``unit``) and, with ``weights`` =
         (ε, δ), its perturbed weights from the same randomness stream. Both parts touch every
@@ -484,18 +541,26 @@ class Site:
         ``release``): one release, one charge, and a refusal of either leaves nothing charged."""
         graph = extract_graph(stored.architecture, stored.module(), probe)
         rnd = self.randomness()
-        noisy, record = perturb_graph(graph, epsilon_x=activation_epsilon, epsilon_w=weight_epsilon,
-                                      activation_clip=activation_clip, weight_bounds=weight_bounds, unit=unit,
-                                      randomness=rnd)
+        noisy, record = perturb_graph(
+            graph,
+            epsilon_x=activation_epsilon,
+            epsilon_w=weight_epsilon,
+            activation_clip=activation_clip,
+            weight_bounds=weight_bounds,
+            unit=unit,
+            randomness=rnd,
+        )
         arrays = None
         if weights is not None:
             arrays, weights_record = self.perturbed_weights(stored, *weights, randomness=rnd)
-            record = composite_record([record, weights_record], "sequential", randomness=rnd,
-                                      parameters={"release": release})
+            record = composite_record(
+                [record, weights_record], "sequential", randomness=rnd, parameters={"release": release}
+            )
         return FeaturesRelease(noisy, arrays, record)
 
-    def weights(self, stored: StoredModel, epsilon: float, delta: float, caller: str,
-                on_behalf_of: str | None = None) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
+    def weights(
+        self, stored: StoredModel, epsilon: float, delta: float, caller: str, on_behalf_of: str | None = None
+    ) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
         """Perturbed weights for ``caller``, always unpermuted: a requester aligns them itself,
         so its match never leaves it. The record is stamped."""
         arrays, record = self.perturbed_weights(stored, epsilon, delta)
@@ -508,9 +573,17 @@ class Site:
         # lazy: peer.dp loads dp_accounting (slow to import); the site has pools, so it is loaded
         from peer.dp.pools import merge_pool
 
-        return merge_pool(self.pool(pool), method, epsilon, delta, validation=self.pool_validation(pool),
-                          utilities=self.rs_utilities(pool) if method == "rs" else None,
-                          randomness=self.randomness(), subject=pool, counterparty=caller)
+        return merge_pool(
+            self.pool(pool),
+            method,
+            epsilon,
+            delta,
+            validation=self.pool_validation(pool),
+            utilities=self.rs_utilities(pool) if method == "rs" else None,
+            randomness=self.randomness(),
+            subject=pool,
+            counterparty=caller,
+        )
 
     # ---- policy and ledger --------------------------------------------------------------------
 
@@ -522,8 +595,9 @@ class Site:
         if not self.policy.allows(caller, kind):
             raise PermissionDenied(f"{self.name!r}'s policy does not let {caller!r} ask for {kind}")
 
-    def charge(self, record: ReleaseRecord, caller: str, kind: str | tuple[str, ...],
-               on_behalf_of: str | None = None) -> str:
+    def charge(
+        self, record: ReleaseRecord, caller: str, kind: str | tuple[str, ...], on_behalf_of: str | None = None
+    ) -> str:
         """Charge ``record`` to ``caller`` (and, for a relayed release, also to the site it is
         finally for); the entry id."""
         also = (on_behalf_of,) if on_behalf_of else ()
@@ -548,14 +622,22 @@ class Site:
 
         def model_info(name: str, m: StoredModel) -> ModelInfo:
             layers = weight_layers(m.architecture)
-            return ModelInfo(name=name, architecture=m.architecture,
-                             parameter_count=sum(int(a.size) for a in m.arrays.values()),
-                             hidden_sizes=tuple(hidden_sizes(m.architecture)),
-                             layers=tuple(LayerInfo(name=l.name, kind=l.kind,
-                                                    weight_shape=tuple(m.arrays[f"{l.name}.weight"].shape),
-                                                    bias_shape=tuple(m.arrays[f"{l.name}.bias"].shape),
-                                                    hidden=i < len(layers) - 1)
-                                          for i, l in enumerate(layers)))
+            return ModelInfo(
+                name=name,
+                architecture=m.architecture,
+                parameter_count=sum(int(a.size) for a in m.arrays.values()),
+                hidden_sizes=tuple(hidden_sizes(m.architecture)),
+                layers=tuple(
+                    LayerInfo(
+                        name=layer.name,
+                        kind=layer.kind,
+                        weight_shape=tuple(m.arrays[f"{layer.name}.weight"].shape),
+                        bias_shape=tuple(m.arrays[f"{layer.name}.bias"].shape),
+                        hidden=i < len(layers) - 1,
+                    )
+                    for i, layer in enumerate(layers)
+                ),
+            )
 
         pools = []
         if self.pools:
@@ -564,16 +646,37 @@ class Site:
 
             for name, members in self.pools.items():
                 lc = all(isinstance(m.privacy, TrainingRecord) for m in members)  # LC needs full training records
-                pools.append(PoolInfo(name=name, architecture=members[0].architecture,
-                                      members=tuple(m.name for m in members), methods=("rs", "lc") if lc else ("rs",)))
-        budgets = tuple(BudgetInfo(budget=s.key.name, scope=s.key.scope, epsilon_limit=s.epsilon_limit,
-                                   delta_limit=s.delta_limit, epsilon_spent=s.spent_epsilon,
-                                   epsilon_remaining=s.remaining_epsilon, releases=s.count)
-                        for s in self.ledger.remaining_for(caller))
-        return SiteInfo(name=self.name, certificate_sha256=self.identity.fingerprint, insecure=self.insecure,
-                        models=tuple(model_info(n, m) for n, m in sorted(self.models.items())), pools=tuple(pools),
-                        mechanisms=(*MECHANISMS, self.randomness_mechanism()), budgets=budgets,
-                        has_probe_set=self.probe is not None, unusable=tuple(self.unusable))
+                pools.append(
+                    PoolInfo(
+                        name=name,
+                        architecture=members[0].architecture,
+                        members=tuple(m.name for m in members),
+                        methods=("rs", "lc") if lc else ("rs",),
+                    )
+                )
+        budgets = tuple(
+            BudgetInfo(
+                budget=s.key.name,
+                scope=s.key.scope,
+                epsilon_limit=s.epsilon_limit,
+                delta_limit=s.delta_limit,
+                epsilon_spent=s.spent_epsilon,
+                epsilon_remaining=s.remaining_epsilon,
+                releases=s.count,
+            )
+            for s in self.ledger.remaining_for(caller)
+        )
+        return SiteInfo(
+            name=self.name,
+            certificate_sha256=self.identity.fingerprint,
+            insecure=self.insecure,
+            models=tuple(model_info(n, m) for n, m in sorted(self.models.items())),
+            pools=tuple(pools),
+            mechanisms=(*MECHANISMS, self.randomness_mechanism()),
+            budgets=budgets,
+            has_probe_set=self.probe is not None,
+            unusable=tuple(self.unusable),
+        )
 
 
 class PartnerClient:
@@ -593,5 +696,8 @@ class PartnerClient:
                 return method(*args, **kwargs)
             except PeerError as e:
                 status = "UNAVAILABLE" if e.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "FAILED_PRECONDITION"
-                raise PeerError(status, f"partner {self._client.peer_name!r} refused or failed ({e.status}): {e}", e.details) from None
+                raise PeerError(
+                    status, f"partner {self._client.peer_name!r} refused or failed ({e.status}): {e}", e.details
+                ) from None
+
         return call

@@ -26,9 +26,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from peer.net.identity import (certificate_name, check_site_name, check_validity, fingerprint,
-                                       load_certificate)
 from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
+from peer.net.identity import certificate_name, check_site_name, check_validity, fingerprint, load_certificate
 
 SUFFIX = ".crt"
 NEXT = "+next"  # NAME+next.crt: the certificate NAME is rotating to
@@ -46,7 +45,9 @@ def _check_profile(cert: x509.Certificate, field: str) -> None:
     """A pinnable certificate is a self-signed end-entity certificate whose CN is a site name."""
     check_site_name(certificate_name(cert), f"{field}.subject.CN")
     if cert.issuer != cert.subject:
-        raise InvalidArgument(field, "must be self-signed (issuer == subject); PrivFusion pins site certificates, not CAs")
+        raise InvalidArgument(
+            field, "must be self-signed (issuer == subject); PrivFusion pins site certificates, not CAs"
+        )
     try:
         bc = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
     except x509.ExtensionNotFound:
@@ -90,8 +91,10 @@ class TrustStore:
             if old == fp:
                 return PinnedPeer(cn, fp, pem, path)
             if not replace:
-                raise FailedPrecondition(f"{cn!r} is already pinned with fingerprint {old}; the new certificate has {fp} "
-                                         "(use --replace only if that site really changed its key)")
+                raise FailedPrecondition(
+                    f"{cn!r} is already pinned with fingerprint {old}; the new certificate has {fp} "
+                    "(use --replace only if that site really changed its key)"
+                )
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{cn}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -112,8 +115,10 @@ class TrustStore:
         """End a rotation: ``NAME+next.crt`` becomes NAME's only pin (the old one is retired)."""
         following = self._path(name, next_=True)
         if not following.exists():
-            raise NotFound(f"{name!r} has no next certificate pinned in {str(self.directory)!r} "
-                           "(pin it first with `privfusion peer trust add CERT --beside`)")
+            raise NotFound(
+                f"{name!r} has no next certificate pinned in {str(self.directory)!r} "
+                "(pin it first with `privfusion peer trust add CERT --beside`)"
+            )
         pem = following.read_bytes()
         check_validity(load_certificate(pem, str(following)), str(following))
         os.replace(following, self._path(name))
@@ -131,8 +136,11 @@ class TrustStore:
             name = certificate_name(cert)
             stem = path.stem.removesuffix(NEXT)
             if stem != name:
-                raise InvalidArgument(str(path), f"holds the certificate of {name!r}; pinned files are named "
-                                                 f"NAME{SUFFIX} (or NAME{NEXT}{SUFFIX} during a rotation)")
+                raise InvalidArgument(
+                    str(path),
+                    f"holds the certificate of {name!r}; pinned files are named "
+                    f"NAME{SUFFIX} (or NAME{NEXT}{SUFFIX} during a rotation)",
+                )
             out.append(PinnedPeer(name, fingerprint(pem), pem, path))
         return out
 

@@ -24,9 +24,10 @@ import math
 import os
 import struct
 import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +72,9 @@ def grpc_options() -> list[tuple[str, Any]]:
 def dtype_code(dtype: np.dtype) -> int:
     code = _CODES.get(np.dtype(dtype).newbyteorder("<").str)
     if code is None:
-        raise InvalidArgument("dtype", f"{np.dtype(dtype)} cannot travel; use one of {[str(d) for d in DTYPES.values()]}")
+        raise InvalidArgument(
+            "dtype", f"{np.dtype(dtype)} cannot travel; use one of {[str(d) for d in DTYPES.values()]}"
+        )
     return code
 
 
@@ -88,16 +91,22 @@ def digest(array: np.ndarray) -> bytes:
     return hashlib.sha256(raw_bytes(array)).digest()
 
 
-def tensor_messages(name: str, array: np.ndarray, sha256: bytes | None = None,
-                    chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[tpb.TensorHeader | tpb.TensorChunk]:
+def tensor_messages(
+    name: str, array: np.ndarray, sha256: bytes | None = None, chunk_bytes: int = MAX_CHUNK_BYTES
+) -> Iterator[tpb.TensorHeader | tpb.TensorChunk]:
     """The header, then the chunks, of one tensor."""
     a = np.asarray(array)
     code = dtype_code(a.dtype)
     raw = raw_bytes(a)
-    yield tpb.TensorHeader(name=name, dtype=code, shape=list(a.shape), nbytes=raw.nbytes,
-                           sha256=sha256 if sha256 is not None else hashlib.sha256(raw).digest())
+    yield tpb.TensorHeader(
+        name=name,
+        dtype=code,
+        shape=list(a.shape),
+        nbytes=raw.nbytes,
+        sha256=sha256 if sha256 is not None else hashlib.sha256(raw).digest(),
+    )
     for start in range(0, raw.nbytes, chunk_bytes):
-        yield tpb.TensorChunk(data=raw[start:start + chunk_bytes].tobytes())
+        yield tpb.TensorChunk(data=raw[start : start + chunk_bytes].tobytes())
 
 
 @dataclass(frozen=True)
@@ -111,8 +120,12 @@ class TensorSpec:
     sha256: bytes
 
 
-def check_header(header: tpb.TensorHeader, field: str = "tensor", allowed: Sequence[int] | None = None,
-                 max_bytes: int = MAX_RELEASE_BYTES) -> TensorSpec:
+def check_header(
+    header: tpb.TensorHeader,
+    field: str = "tensor",
+    allowed: Sequence[int] | None = None,
+    max_bytes: int = MAX_RELEASE_BYTES,
+) -> TensorSpec:
     """Validate a header before anything is allocated for it."""
     if header.dtype not in DTYPES or (allowed is not None and header.dtype not in allowed):
         names = [tpb.DType.Name(c) for c in (allowed or DTYPES)]
@@ -123,11 +136,15 @@ def check_header(header: tpb.TensorHeader, field: str = "tensor", allowed: Seque
         raise InvalidArgument(f"{field}.shape", f"must be non-negative, got {list(header.shape)}")
     count = math.prod(header.shape)
     if count > MAX_TENSOR_ELEMENTS:
-        raise InvalidArgument(f"{field}.shape", f"{list(header.shape)} has {count} elements, more than {MAX_TENSOR_ELEMENTS}")
+        raise InvalidArgument(
+            f"{field}.shape", f"{list(header.shape)} has {count} elements, more than {MAX_TENSOR_ELEMENTS}"
+        )
     dtype = DTYPES[header.dtype]
     nbytes = count * dtype.itemsize
     if header.nbytes != nbytes:
-        raise InvalidArgument(f"{field}.nbytes", f"is {header.nbytes}, but shape {list(header.shape)} of {dtype} needs {nbytes}")
+        raise InvalidArgument(
+            f"{field}.nbytes", f"is {header.nbytes}, but shape {list(header.shape)} of {dtype} needs {nbytes}"
+        )
     if nbytes > max_bytes:
         raise InvalidArgument(f"{field}.nbytes", f"{nbytes} exceeds the limit of {max_bytes} bytes")
     if len(header.sha256) != 32:
@@ -143,18 +160,31 @@ class TensorReceiver:
     Bytes go into a new array, or to ``write(offset, data)`` when given (e.g. into a file).
     """
 
-    def __init__(self, header: tpb.TensorHeader | TensorSpec, field: str = "tensor", allowed: Sequence[int] | None = None,
-                 max_bytes: int = MAX_RELEASE_BYTES, write: Callable[[int, memoryview], None] | None = None):
+    def __init__(
+        self,
+        header: tpb.TensorHeader | TensorSpec,
+        field: str = "tensor",
+        allowed: Sequence[int] | None = None,
+        max_bytes: int = MAX_RELEASE_BYTES,
+        write: Callable[[int, memoryview], None] | None = None,
+    ):
         self.field = field
         spec = header if isinstance(header, TensorSpec) else check_header(header, field, allowed, max_bytes)
-        self.name, self.dtype, self.shape, self.nbytes, self.expected = spec.name, spec.dtype, spec.shape, spec.nbytes, spec.sha256
+        self.name, self.dtype, self.shape, self.nbytes, self.expected = (
+            spec.name,
+            spec.dtype,
+            spec.shape,
+            spec.nbytes,
+            spec.sha256,
+        )
         self.array = None
         if write is None:
             self.array = np.empty(self.shape, dtype=self.dtype)
             view = memoryview(self.array.reshape(-1).view(np.uint8)) if self.nbytes else memoryview(b"")
 
             def write(offset: int, data: memoryview) -> None:
-                view[offset:offset + len(data)] = data
+                view[offset : offset + len(data)] = data
+
         self._write = write
         self._hash = hashlib.sha256()
         self.received = 0
@@ -171,7 +201,9 @@ class TensorReceiver:
         if n > MAX_CHUNK_BYTES:
             raise InvalidArgument("chunk.data", f"{n} bytes exceeds the chunk limit of {MAX_CHUNK_BYTES}")
         if self.received + n > self.nbytes:
-            raise InvalidArgument("chunk.data", f"overruns {self.field}: {self.received + n} bytes for a {self.nbytes}-byte tensor")
+            raise InvalidArgument(
+                "chunk.data", f"overruns {self.field}: {self.received + n} bytes for a {self.nbytes}-byte tensor"
+            )
         self._write(self.received, data)
         self._hash.update(data)
         self.received += n
@@ -229,8 +261,11 @@ class SafetensorsSink:
         self.offsets = []
         pos = 0
         for spec in specs:
-            header[spec.name] = {"dtype": _ST_DTYPES[spec.dtype.str], "shape": list(spec.shape),
-                                 "data_offsets": [pos, pos + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": _ST_DTYPES[spec.dtype.str],
+                "shape": list(spec.shape),
+                "data_offsets": [pos, pos + spec.nbytes],
+            }
             self.offsets.append(pos)
             pos += spec.nbytes
         head = json.dumps(header, separators=(",", ":")).encode()
@@ -249,6 +284,7 @@ class SafetensorsSink:
             while len(view):
                 n = os.pwrite(fd, view, pos)  # regular files may take less than asked (> 2 GiB)
                 view, pos = view[n:], pos + n
+
         return write
 
     def done(self, spec: TensorSpec, array: np.ndarray | None) -> None:
@@ -323,11 +359,11 @@ class ChunkFrame:
     def __init__(self, data: memoryview):
         self.data = data
 
-    def WhichOneof(self, _name: str) -> str:  # noqa: N802 - the protobuf method name
+    def WhichOneof(self, _name: str) -> str:
         return "chunk"
 
     @property
-    def chunk(self) -> "ChunkFrame":
+    def chunk(self) -> ChunkFrame:
         return self
 
 
@@ -351,16 +387,27 @@ def serialize_frame(frame: pb.ReleaseFrame | bytes) -> bytes:
 
 
 def receipt_to_proto(r: SignedReceipt) -> pb.Receipt:
-    return pb.Receipt(signer=r.signer, ledger_entry_id=r.ledger_entry_id, record_json=r.record_json,
-                      tensors=[tpb.TensorDigest(name=n, sha256=d) for n, d in r.tensors],
-                      signature_algorithm=r.signature_algorithm, signature=r.signature,
-                      manifest_sha256=r.manifest_sha256)
+    return pb.Receipt(
+        signer=r.signer,
+        ledger_entry_id=r.ledger_entry_id,
+        record_json=r.record_json,
+        tensors=[tpb.TensorDigest(name=n, sha256=d) for n, d in r.tensors],
+        signature_algorithm=r.signature_algorithm,
+        signature=r.signature,
+        manifest_sha256=r.manifest_sha256,
+    )
 
 
 def receipt_from_proto(m: pb.Receipt) -> SignedReceipt:
-    return SignedReceipt(m.signer, m.ledger_entry_id, bytes(m.record_json),
-                         tuple((t.name, bytes(t.sha256)) for t in m.tensors), bytes(m.manifest_sha256),
-                         bytes(m.signature), m.signature_algorithm)
+    return SignedReceipt(
+        m.signer,
+        m.ledger_entry_id,
+        bytes(m.record_json),
+        tuple((t.name, bytes(t.sha256)) for t in m.tensors),
+        bytes(m.manifest_sha256),
+        bytes(m.signature),
+        m.signature_algorithm,
+    )
 
 
 # ------------------------------------------------------------------------------ manifests
@@ -372,9 +419,15 @@ def _json_text(value: Mapping | None) -> str:
     return json.dumps(dict(value), sort_keys=True) if value is not None else ""
 
 
-def release_manifest(kind: str, model: str, architecture: Mapping | None, metadata: Mapping,
-                     tensors: Sequence[tuple[str, np.ndarray]], upstream: Sequence[SignedReceipt] = (),
-                     digests: Sequence[tuple[str, bytes]] | None = None) -> Manifest:
+def release_manifest(
+    kind: str,
+    model: str,
+    architecture: Mapping | None,
+    metadata: Mapping,
+    tensors: Sequence[tuple[str, np.ndarray]],
+    upstream: Sequence[SignedReceipt] = (),
+    digests: Sequence[tuple[str, bytes]] | None = None,
+) -> Manifest:
     """The manifest of a release about to be sent (what its receipt signs).
 
     ``digests`` are the tensors' SHA-256 in the same order when already computed (the service
@@ -385,25 +438,50 @@ def release_manifest(kind: str, model: str, architecture: Mapping | None, metada
     for i, (name, array) in enumerate(tensors):
         a = np.asarray(array)
         sha = digests[i][1] if digests is not None else digest(a)
-        entries.append(TensorEntry(name, dtype_code(a.dtype), tuple(int(d) for d in a.shape), int(a.nbytes), bytes(sha)))
-    return Manifest(kind, model, _json_text(architecture), _json_text(metadata), tuple(entries),
-                    sum(e.nbytes for e in entries), tuple(receipt_digest(u) for u in upstream))
+        entries.append(
+            TensorEntry(name, dtype_code(a.dtype), tuple(int(d) for d in a.shape), int(a.nbytes), bytes(sha))
+        )
+    return Manifest(
+        kind,
+        model,
+        _json_text(architecture),
+        _json_text(metadata),
+        tuple(entries),
+        sum(e.nbytes for e in entries),
+        tuple(receipt_digest(u) for u in upstream),
+    )
 
 
 def manifest_to_proto(m: Manifest, upstream: Sequence[SignedReceipt] = ()) -> pb.ReleaseManifest:
     return pb.ReleaseManifest(
-        kind=m.kind, model=m.model, architecture_json=m.architecture_json, metadata_json=m.metadata_json,
-        tensor_count=len(m.tensors), total_bytes=m.total_bytes, upstream=[receipt_to_proto(u) for u in upstream],
-        tensors=[tpb.TensorHeader(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes, sha256=t.sha256)
-                 for t in m.tensors])
+        kind=m.kind,
+        model=m.model,
+        architecture_json=m.architecture_json,
+        metadata_json=m.metadata_json,
+        tensor_count=len(m.tensors),
+        total_bytes=m.total_bytes,
+        upstream=[receipt_to_proto(u) for u in upstream],
+        tensors=[
+            tpb.TensorHeader(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes, sha256=t.sha256)
+            for t in m.tensors
+        ],
+    )
 
 
 def manifest_from_proto(m: pb.ReleaseManifest) -> Manifest:
     """The signed view of a received manifest (strings as received; upstream by digest)."""
-    return Manifest(m.kind, m.model, m.architecture_json, m.metadata_json,
-                    tuple(TensorEntry(t.name, int(t.dtype), tuple(int(d) for d in t.shape), int(t.nbytes), bytes(t.sha256))
-                          for t in m.tensors),
-                    int(m.total_bytes), tuple(receipt_digest(receipt_from_proto(u)) for u in m.upstream))
+    return Manifest(
+        m.kind,
+        m.model,
+        m.architecture_json,
+        m.metadata_json,
+        tuple(
+            TensorEntry(t.name, int(t.dtype), tuple(int(d) for d in t.shape), int(t.nbytes), bytes(t.sha256))
+            for t in m.tensors
+        ),
+        int(m.total_bytes),
+        tuple(receipt_digest(receipt_from_proto(u)) for u in m.upstream),
+    )
 
 
 # ------------------------------------------------------------------------------ releases
@@ -427,10 +505,16 @@ class Release:
     manifest: Manifest | None = None
 
 
-def release_frames(receipt: SignedReceipt, kind: str, model: str, architecture: Mapping | None,
-                   metadata: Mapping, tensors: Sequence[tuple[str, np.ndarray]],
-                   upstream: Sequence[SignedReceipt] = (), chunk_bytes: int = MAX_CHUNK_BYTES
-                   ) -> Iterator[pb.ReleaseFrame]:
+def release_frames(
+    receipt: SignedReceipt,
+    kind: str,
+    model: str,
+    architecture: Mapping | None,
+    metadata: Mapping,
+    tensors: Sequence[tuple[str, np.ndarray]],
+    upstream: Sequence[SignedReceipt] = (),
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> Iterator[pb.ReleaseFrame]:
     """The frames of one release; the receipt's digests must be those of ``tensors``.
 
     Chunk frames come out already serialized (bytes, :func:`encode_chunk_frame`); the other
@@ -445,11 +529,11 @@ def release_frames(receipt: SignedReceipt, kind: str, model: str, architecture: 
     total = manifest.total_bytes
     yield pb.ReleaseFrame(receipt=receipt_to_proto(receipt))
     yield pb.ReleaseFrame(manifest=message)
-    for (_, array), header in zip(tensors, headers):
+    for (_, array), header in zip(tensors, headers, strict=True):
         raw = raw_bytes(array)
         yield pb.ReleaseFrame(tensor=header)
         for start in range(0, raw.nbytes, chunk_bytes):
-            yield encode_chunk_frame(raw[start:start + chunk_bytes])
+            yield encode_chunk_frame(raw[start : start + chunk_bytes])
     yield pb.ReleaseFrame(end=pb.ReleaseEnd(tensor_count=len(tensors), total_bytes=total))
 
 
@@ -489,13 +573,20 @@ class ReleaseReader:
 
     def _start(self, receipt: SignedReceipt, manifest: pb.ReleaseManifest) -> list[TensorSpec]:
         if manifest.total_bytes > self.max_bytes:
-            raise InvalidArgument("manifest.total_bytes", f"{manifest.total_bytes} exceeds the limit of {self.max_bytes}")
+            raise InvalidArgument(
+                "manifest.total_bytes", f"{manifest.total_bytes} exceeds the limit of {self.max_bytes}"
+            )
         if manifest.tensor_count != len(receipt.tensors) or len(manifest.tensors) != len(receipt.tensors):
-            raise InvalidArgument("manifest.tensors", f"announces {len(manifest.tensors)} tensors (count {manifest.tensor_count}); the receipt lists {len(receipt.tensors)}")
+            raise InvalidArgument(
+                "manifest.tensors",
+                f"announces {len(manifest.tensors)} tensors (count {manifest.tensor_count}); the receipt lists {len(receipt.tensors)}",
+            )
         specs, total = [], 0
-        for i, (h, (name, sha)) in enumerate(zip(manifest.tensors, receipt.tensors)):
+        for i, (h, (name, sha)) in enumerate(zip(manifest.tensors, receipt.tensors, strict=True)):
             if h.name != name or bytes(h.sha256) != sha:
-                raise InvalidArgument(f"manifest.tensors[{i}]", f"does not match the receipt's tensor {i} ({name!r} and its checksum)")
+                raise InvalidArgument(
+                    f"manifest.tensors[{i}]", f"does not match the receipt's tensor {i} ({name!r} and its checksum)"
+                )
             spec = check_header(h, f"tensor[{h.name}]", max_bytes=self.max_bytes - total)
             total += spec.nbytes
             specs.append(spec)
@@ -506,8 +597,14 @@ class ReleaseReader:
         # the signed manifest: kind, model, architecture, metadata, dtypes, shapes, upstream
         self.manifest = manifest_from_proto(manifest)
         check_manifest(receipt, self.manifest)
-        self.sink.start(specs, {"privfusion_signer": receipt.signer, "privfusion_ledger_entry": receipt.ledger_entry_id,
-                                "privfusion_release": receipt.record.release_id})
+        self.sink.start(
+            specs,
+            {
+                "privfusion_signer": receipt.signer,
+                "privfusion_ledger_entry": receipt.ledger_entry_id,
+                "privfusion_release": receipt.record.release_id,
+            },
+        )
         return specs
 
     def _read(self, frames: Iterable[pb.ReleaseFrame]) -> Release:
@@ -533,7 +630,10 @@ class ReleaseReader:
                 continue
             if which == "tensor":
                 if current is not None:
-                    raise InvalidArgument(f"tensor[{current.name}]", f"truncated: {current.received} of {current.nbytes} bytes before the next tensor")
+                    raise InvalidArgument(
+                        f"tensor[{current.name}]",
+                        f"truncated: {current.received} of {current.nbytes} bytes before the next tensor",
+                    )
                 if done >= len(specs):
                     raise InvalidArgument("tensor", f"more tensors than announced ({len(specs)})")
                 if frame.tensor != manifest.tensors[done]:
@@ -545,12 +645,19 @@ class ReleaseReader:
                 current.add(frame.chunk)
             elif which == "end":
                 if current is not None:
-                    raise InvalidArgument(f"tensor[{current.name}]", f"truncated: {current.received} of {current.nbytes} bytes")
+                    raise InvalidArgument(
+                        f"tensor[{current.name}]", f"truncated: {current.received} of {current.nbytes} bytes"
+                    )
                 end = frame.end
                 if done != len(specs) or end.tensor_count != done:
-                    raise InvalidArgument("end.tensor_count", f"{len(specs)} tensors were announced, {done} arrived, the end frame says {end.tensor_count}")
+                    raise InvalidArgument(
+                        "end.tensor_count",
+                        f"{len(specs)} tensors were announced, {done} arrived, the end frame says {end.tensor_count}",
+                    )
                 if end.total_bytes != manifest.total_bytes:
-                    raise InvalidArgument("end.total_bytes", f"{manifest.total_bytes} bytes arrived, {end.total_bytes} announced")
+                    raise InvalidArgument(
+                        "end.total_bytes", f"{manifest.total_bytes} bytes arrived, {end.total_bytes} announced"
+                    )
                 # read on to the stream's own end: nothing may follow ReleaseEnd, and a call's
                 # status arrives only after the sender has finished (so its ledger notes the
                 # release as sent, not cut off by a client that hung up on the last frame)
@@ -558,16 +665,26 @@ class ReleaseReader:
                     raise InvalidArgument("frame", f"{extra.WhichOneof('frame')!r} after ReleaseEnd")
                 result = self.sink.finish()
                 arrays = result if isinstance(result, dict) else {}
-                return Release(receipt, manifest.kind, manifest.model,
-                               _json_object(manifest.architecture_json, "manifest.architecture_json", True),
-                               _json_object(manifest.metadata_json or "{}", "manifest.metadata_json", False) or {},
-                               arrays, tuple(receipt_from_proto(u) for u in manifest.upstream), manifest.total_bytes,
-                               None if isinstance(result, dict) else result, self.manifest)
+                return Release(
+                    receipt,
+                    manifest.kind,
+                    manifest.model,
+                    _json_object(manifest.architecture_json, "manifest.architecture_json", True),
+                    _json_object(manifest.metadata_json or "{}", "manifest.metadata_json", False) or {},
+                    arrays,
+                    tuple(receipt_from_proto(u) for u in manifest.upstream),
+                    manifest.total_bytes,
+                    None if isinstance(result, dict) else result,
+                    self.manifest,
+                )
             else:
                 raise InvalidArgument("frame", f"unexpected {which!r} inside a release")
             if current is not None and current.complete:
                 self.sink.done(specs[done], current.finish())
                 current = None
                 done += 1
-        raise InvalidArgument("release", "truncated: the stream ended before ReleaseEnd"
-                              + (f" (in tensor {current.name!r}, {current.received} of {current.nbytes} bytes)" if current else ""))
+        raise InvalidArgument(
+            "release",
+            "truncated: the stream ended before ReleaseEnd"
+            + (f" (in tensor {current.name!r}, {current.received} of {current.nbytes} bytes)" if current else ""),
+        )

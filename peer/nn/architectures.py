@@ -28,9 +28,10 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +69,10 @@ def _positive_int(arch: Mapping, key: str) -> int:
 def _positive_int_list(arch: Mapping, key: str, allow_empty: bool = True) -> list[int]:
     v = arch.get(key, [])
     if not isinstance(v, (list, tuple)) or (not allow_empty and not v):
-        raise InvalidArgument(f"architecture.{key}", f"must be a {'non-empty ' if not allow_empty else ''}list of positive integers, got {v!r}")
+        raise InvalidArgument(
+            f"architecture.{key}",
+            f"must be a {'non-empty ' if not allow_empty else ''}list of positive integers, got {v!r}",
+        )
     for i, x in enumerate(v):
         if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
             raise InvalidArgument(f"architecture.{key}[{i}]", f"must be a positive integer, got {x!r}")
@@ -95,19 +99,29 @@ def validate_architecture(arch: Mapping[str, Any]) -> dict:
     elif kind == "cnn":
         allowed = {"kind", "input_shape", "channels", "kernel_size", "pool", "hidden", "output_dim", "activation"}
         shape = arch.get("input_shape")
-        if not isinstance(shape, (list, tuple)) or len(shape) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
-            raise InvalidArgument("architecture.input_shape", f"must be [channels, height, width] of positive integers, got {shape!r}")
+        if (
+            not isinstance(shape, (list, tuple))
+            or len(shape) != 3
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)
+        ):
+            raise InvalidArgument(
+                "architecture.input_shape", f"must be [channels, height, width] of positive integers, got {shape!r}"
+            )
         channels = _positive_int_list(arch, "channels", allow_empty=False)
         k = arch.get("kernel_size", 3)
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0 or k % 2 == 0:
             raise InvalidArgument("architecture.kernel_size", f"must be a positive odd integer, got {k!r}")
         pool = _positive_int_list({"pool": arch.get("pool", [1] * len(channels))}, "pool")
         if len(pool) != len(channels):
-            raise InvalidArgument("architecture.pool", f"must give one factor per conv block ({len(channels)}), got {len(pool)}")
+            raise InvalidArgument(
+                "architecture.pool", f"must give one factor per conv block ({len(channels)}), got {len(pool)}"
+            )
         h, w = shape[1], shape[2]
         for i, p in enumerate(pool):
             if h % p or w % p:
-                raise InvalidArgument(f"architecture.pool[{i}]", f"factor {p} does not divide the spatial size {h}x{w} at block {i}")
+                raise InvalidArgument(
+                    f"architecture.pool[{i}]", f"factor {p} does not divide the spatial size {h}x{w} at block {i}"
+                )
             h, w = h // p, w // p
         out = {
             "kind": "cnn",
@@ -146,7 +160,7 @@ def _layout(a: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         widths = [a["input_dim"], *a["hidden"]]
     else:
         c_in = a["input_shape"][0]
-        for c, p in zip(a["channels"], a["pool"]):
+        for c, p in zip(a["channels"], a["pool"], strict=True):
             out += [("conv", (c_in, c, a["kernel_size"])), ("act", ())]
             if p > 1:
                 out.append(("pool", (p,)))
@@ -254,24 +268,34 @@ def weight_modules(arch: Mapping[str, Any], model: nn.Module) -> list[tuple[Weig
     convolutions, every weight layer with a bias, and the names and weight shapes listed."""
     layers = weight_layers(arch)
     if not isinstance(model, nn.Sequential):
-        raise Unsupported("model", f"must be an nn.Sequential built by peer.nn.architectures, got {type(model).__name__}")
+        raise Unsupported(
+            "model", f"must be an nn.Sequential built by peer.nn.architectures, got {type(model).__name__}"
+        )
     found = []
     allowed = (nn.Linear, nn.Conv2d, nn.MaxPool2d, nn.Flatten, *ACTIVATIONS.values())
     for name, mod in model.named_children():
         if not isinstance(mod, allowed):
-            raise Unsupported(f"model[{name}]", f"layer type {type(mod).__name__} is not supported by the graph extractor (Linear, Conv2d, MaxPool2d, Flatten, {'/'.join(ACTIVATIONS)})")
+            raise Unsupported(
+                f"model[{name}]",
+                f"layer type {type(mod).__name__} is not supported by the graph extractor (Linear, Conv2d, MaxPool2d, Flatten, {'/'.join(ACTIVATIONS)})",
+            )
         if isinstance(mod, nn.Conv2d) and (mod.groups != 1 or mod.stride != (1, 1) or mod.dilation != (1, 1)):
-            raise Unsupported(f"model[{name}]", "only plain convolutions (groups=1, stride=1, dilation=1) are supported")
+            raise Unsupported(
+                f"model[{name}]", "only plain convolutions (groups=1, stride=1, dilation=1) are supported"
+            )
         if isinstance(mod, (nn.Linear, nn.Conv2d)):
             if mod.bias is None:
                 raise Unsupported(f"model[{name}]", "layers without bias are not supported")
             found.append((name, mod))
     if len(found) != len(layers):
         raise InvalidArgument("model", f"has {len(found)} weight layers, the architecture describes {len(layers)}")
-    for layer, (name, mod) in zip(layers, found):
+    for layer, (name, mod) in zip(layers, found, strict=True):
         if name != layer.name or tuple(mod.weight.shape) != layer.weight_shape:
-            raise InvalidArgument(f"model[{name}]", f"has weight {tuple(mod.weight.shape)}, the architecture has layer {layer.name!r} with weight {layer.weight_shape}")
-    return [(layer, mod) for layer, (_, mod) in zip(layers, found)]
+            raise InvalidArgument(
+                f"model[{name}]",
+                f"has weight {tuple(mod.weight.shape)}, the architecture has layer {layer.name!r} with weight {layer.weight_shape}",
+            )
+    return [(layer, mod) for layer, (_, mod) in zip(layers, found, strict=True)]
 
 
 def input_tensor(arch: Mapping[str, Any], x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -295,12 +319,16 @@ def model_from_arrays(arch: Mapping[str, Any], arrays: Mapping[str, np.ndarray])
     missing = set(expected) - set(arrays)
     extra = set(arrays) - set(expected)
     if missing or extra:
-        raise InvalidArgument("weights", f"do not fit the architecture: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        raise InvalidArgument(
+            "weights", f"do not fit the architecture: missing {sorted(missing)}, unexpected {sorted(extra)}"
+        )
     state = {}
     for k, ref in expected.items():
         arr = np.asarray(arrays[k])
         if tuple(arr.shape) != tuple(ref.shape):
-            raise InvalidArgument(f"weights[{k}]", f"has shape {tuple(arr.shape)}, the architecture needs {tuple(ref.shape)}")
+            raise InvalidArgument(
+                f"weights[{k}]", f"has shape {tuple(arr.shape)}, the architecture needs {tuple(ref.shape)}"
+            )
         if not np.all(np.isfinite(arr)):
             raise InvalidArgument(f"weights[{k}]", "contains NaN or infinite values")
         with warnings.catch_warnings():
@@ -342,8 +370,18 @@ def train_classifier(
     if len(x) == 0:
         raise InvalidArgument("x", "training set is empty")
     with torch_threads(threads):
-        return _train(arch, x, y, seed=seed, epochs=epochs, batch_size=batch_size,
-                      learning_rate=learning_rate, weight_decay=weight_decay, init=init, progress=progress)
+        return _train(
+            arch,
+            x,
+            y,
+            seed=seed,
+            epochs=epochs,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            init=init,
+            progress=progress,
+        )
 
 
 def _train(arch, x, y, *, seed, epochs, batch_size, learning_rate, weight_decay, init, progress=None) -> nn.Sequential:

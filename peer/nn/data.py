@@ -81,13 +81,15 @@ def split_label_skew(y: np.ndarray, *, majority: float = 0.8, seed: int) -> list
     b: list[int] = []
     for c in classes:
         idx = rng.permutation(np.flatnonzero(y == c))
-        k = int(round(len(idx) * (majority if int(c) in lower else 1 - majority)))
+        k = round(len(idx) * (majority if int(c) in lower else 1 - majority))
         a.extend(idx[:k].tolist())
         b.extend(idx[k:].tolist())
     return [np.sort(np.array(a, dtype=np.int64)), np.sort(np.array(b, dtype=np.int64))]
 
 
-def split_dirichlet(y: np.ndarray, n_sites: int, *, concentration: float, seed: int, min_per_site: int = 10) -> list[np.ndarray]:
+def split_dirichlet(
+    y: np.ndarray, n_sites: int, *, concentration: float, seed: int, min_per_site: int = 10
+) -> list[np.ndarray]:
     """Non-IID split by Dirichlet label skew: for each class, the share of each site is drawn
     from Dir(concentration · 1). Small concentration = strong skew. Redraws (bounded) until every
     site has at least ``min_per_site`` examples."""

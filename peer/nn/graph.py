@@ -25,8 +25,9 @@ graph:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,10 +80,15 @@ class NetworkGraph:
     def sizes(self) -> tuple[int, ...]:
         return tuple(h.size for h in self.hidden)
 
-    def with_layers(self, hidden: tuple[HiddenLayer, ...], output_incoming: np.ndarray | None = None) -> "NetworkGraph":
+    def with_layers(self, hidden: tuple[HiddenLayer, ...], output_incoming: np.ndarray | None = None) -> NetworkGraph:
         """The same graph with some feature arrays replaced (e.g. by their noisy versions)."""
-        return NetworkGraph(self.architecture, self.input_size, tuple(hidden),
-                            self.output_incoming if output_incoming is None else output_incoming, self.output_bias)
+        return NetworkGraph(
+            self.architecture,
+            self.input_size,
+            tuple(hidden),
+            self.output_incoming if output_incoming is None else output_incoming,
+            self.output_bias,
+        )
 
 
 def _edge_tensor(weight: torch.Tensor, n_prev: int) -> np.ndarray:
@@ -114,7 +120,7 @@ def extract_graph(arch: Mapping[str, Any], model: nn.Sequential, probe_x: np.nda
     acts: dict[str, np.ndarray] = {}
     children = list(model.named_children())
     h = x
-    for i, (name, mod) in enumerate(children):
+    for i, (_name, mod) in enumerate(children):
         h = mod(h)
         if isinstance(mod, tuple(ACTIVATIONS.values())):
             # the weight layer just before this activation
@@ -124,11 +130,23 @@ def extract_graph(arch: Mapping[str, Any], model: nn.Sequential, probe_x: np.nda
 
     hidden = []
     for layer, mod in layers[:-1]:
-        hidden.append(HiddenLayer(layer.name, layer.kind, acts[layer.name], _edge_tensor(mod.weight, layer.inputs),
-                                  mod.bias.detach().cpu().numpy().astype(np.float64)))
+        hidden.append(
+            HiddenLayer(
+                layer.name,
+                layer.kind,
+                acts[layer.name],
+                _edge_tensor(mod.weight, layer.inputs),
+                mod.bias.detach().cpu().numpy().astype(np.float64),
+            )
+        )
     out_layer, out_mod = layers[-1]
-    return NetworkGraph(a, layers[0][0].inputs, tuple(hidden), _edge_tensor(out_mod.weight, out_layer.inputs),
-                        out_mod.bias.detach().cpu().numpy().astype(np.float64))
+    return NetworkGraph(
+        a,
+        layers[0][0].inputs,
+        tuple(hidden),
+        _edge_tensor(out_mod.weight, out_layer.inputs),
+        out_mod.bias.detach().cpu().numpy().astype(np.float64),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +216,7 @@ def extract_group_graph(module: nn.Module, structure, probe_x) -> GroupGraph:
                 t = out.detach().double()
                 t = t.movedim(-1, 1) if linear and t.dim() > 2 else t
                 seen[name] = t.reshape(t.shape[0], t.shape[1], -1).mean(dim=2)
+
             hooks.append(mods[name].register_forward_hook(record))
     was_training = module.training
     module.eval()

@@ -112,10 +112,15 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses anything but tensors and plain containers
-        raise InvalidArgument("weights", f"{p.name} is not a state dict readable with torch.load(weights_only=True): {type(e).__name__}: {e}") from None
+        raise InvalidArgument(
+            "weights",
+            f"{p.name} is not a state dict readable with torch.load(weights_only=True): {type(e).__name__}: {e}",
+        ) from None
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
-    if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
         raise InvalidArgument("weights", f"{p.name} must hold a dict of parameter name -> tensor")
     return dict(obj)
 
@@ -126,7 +131,9 @@ def load_site_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Non
     missing = set(expected) - set(state)
     extra = set(state) - set(expected)
     if missing or extra:
-        raise InvalidArgument("weights", f"do not fit the module: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        raise InvalidArgument(
+            "weights", f"do not fit the module: missing {sorted(missing)}, unexpected {sorted(extra)}"
+        )
     for k, ref in expected.items():
         t = state[k]
         if tuple(t.shape) != tuple(ref.shape):
@@ -145,8 +152,15 @@ def _arrays(module: nn.Module) -> dict[str, np.ndarray]:
     return {k: _c(v.detach().cpu().numpy()) for k, v in module.state_dict().items()}
 
 
-def import_model(directory: str | os.PathLike, name: str, module: nn.Module, input_shape: Sequence[int], *,
-                 factory: str, metadata: Mapping[str, Any] | None = None) -> ImportedModel:
+def import_model(
+    directory: str | os.PathLike,
+    name: str,
+    module: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    factory: str,
+    metadata: Mapping[str, Any] | None = None,
+) -> ImportedModel:
     """Prove ``module``'s permutation structure and store it with its weights under ``name``.
     The weights must already be loaded (:func:`load_site_state`)."""
     check_name(name)
@@ -156,8 +170,14 @@ def import_model(directory: str | os.PathLike, name: str, module: nn.Module, inp
     return ImportedModel(name, factory, structure, arrays, dict(metadata or {}))
 
 
-def save_imported(directory: str | os.PathLike, name: str, factory: str, structure: PermutationStructure,
-                  arrays: Mapping[str, Any], metadata: Mapping[str, Any] | None = None) -> Path:
+def save_imported(
+    directory: str | os.PathLike,
+    name: str,
+    factory: str,
+    structure: PermutationStructure,
+    arrays: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
     """Write an imported model (weights first, manifest last, both atomic)."""
     check_name(name)
     structure.check_arrays(arrays)
@@ -169,8 +189,12 @@ def save_imported(directory: str | os.PathLike, name: str, factory: str, structu
     d.mkdir(parents=True, exist_ok=True)
     tensors = {k: _c(v) for k, v in arrays.items()}
     _atomic_write(d / f"{name}.safetensors", save(tensors))
-    manifest = {"format": FORMAT, "name": name, "imported": {"factory": factory, "structure": structure.to_json()},
-                "metadata": dict(metadata or {})}
+    manifest = {
+        "format": FORMAT,
+        "name": name,
+        "imported": {"factory": factory, "structure": structure.to_json()},
+        "metadata": dict(metadata or {}),
+    }
     _atomic_write(d / f"{name}.json", json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode())
     return d / f"{name}.json"
 
@@ -210,6 +234,7 @@ def export_model(model: ImportedModel, out: str | os.PathLike, fmt: str) -> Path
         data = save({k: _c(model.arrays[k]) for k in model.structure.parameters})
     else:
         import io
+
         buf = io.BytesIO()
         torch.save(model.state_dict(), buf)
         data = buf.getvalue()

@@ -55,7 +55,10 @@ class StoredModel:
 
 def check_name(name: str, field_name: str = "name") -> str:
     if not isinstance(name, str) or not NAME_RULE.match(name):
-        raise InvalidArgument(field_name, f"must be 1-128 characters of letters, digits, '_', '.', '-' starting with a letter or digit, got {name!r}")
+        raise InvalidArgument(
+            field_name,
+            f"must be 1-128 characters of letters, digits, '_', '.', '-' starting with a letter or digit, got {name!r}",
+        )
     return name
 
 
@@ -78,19 +81,27 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def _check_preprocessing(preprocessing: Preprocessing | Mapping[str, Any] | None, arch: Mapping[str, Any],
-                         where: str) -> Preprocessing | None:
+def _check_preprocessing(
+    preprocessing: Preprocessing | Mapping[str, Any] | None, arch: Mapping[str, Any], where: str
+) -> Preprocessing | None:
     if preprocessing is None:
         return None
     prep = preprocessing if isinstance(preprocessing, Preprocessing) else Preprocessing.from_dict(preprocessing, where)
     if prep.width != input_size(arch):
-        raise InvalidArgument(where, f"prepares {prep.width} input entries but the architecture takes {input_size(arch)}")
+        raise InvalidArgument(
+            where, f"prepares {prep.width} input entries but the architecture takes {input_size(arch)}"
+        )
     return prep
 
 
-def save_model(directory: str | os.PathLike, name: str, architecture: Mapping[str, Any],
-               arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | None = None,
-               preprocessing: Preprocessing | Mapping[str, Any] | None = None) -> Path:
+def save_model(
+    directory: str | os.PathLike,
+    name: str,
+    architecture: Mapping[str, Any],
+    arrays: Mapping[str, np.ndarray],
+    metadata: Mapping[str, Any] | None = None,
+    preprocessing: Preprocessing | Mapping[str, Any] | None = None,
+) -> Path:
     """Write a model (weights first, manifest last: a model exists once its manifest does),
     with the preprocessing of the records it was trained on when there is one."""
     check_name(name)
@@ -122,7 +133,9 @@ def load_model(directory: str | os.PathLike, name: str) -> StoredModel:
         raise InvalidArgument(f"{mpath.name}", f"must have format {FORMAT} and name {name!r}")
     if "imported" in manifest:
         # a site's own network (peer.nn.imported): its structure replaces the architecture
-        raise InvalidArgument(f"{mpath.name}", "describes an imported model; read it with peer.nn.imported.load_imported")
+        raise InvalidArgument(
+            f"{mpath.name}", "describes an imported model; read it with peer.nn.imported.load_imported"
+        )
     try:
         arrays = load_file(str(wpath))
     except (SafetensorError, OSError) as e:
@@ -137,9 +150,13 @@ def list_models(directory: str | os.PathLike) -> list[str]:
     """Names of the complete models in a store directory, sorted."""
     d = Path(directory)
     if not d.is_dir():
-        raise NotFound(f"model store {str(d)!r} does not exist (make it: `privfusion site new` creates a site's "
-                       "empty store; or correct the path, e.g. [site].models in site.toml)")
-    return sorted(p.stem for p in d.glob("*.json") if (d / f"{p.stem}.safetensors").is_file() and NAME_RULE.match(p.stem))
+        raise NotFound(
+            f"model store {str(d)!r} does not exist (make it: `privfusion site new` creates a site's "
+            "empty store; or correct the path, e.g. [site].models in site.toml)"
+        )
+    return sorted(
+        p.stem for p in d.glob("*.json") if (d / f"{p.stem}.safetensors").is_file() and NAME_RULE.match(p.stem)
+    )
 
 
 #: Files beside a model that belong to it without being part of it (not "unusable"):
@@ -155,8 +172,9 @@ def _sidecar_of(filename: str) -> str | None:
     return None
 
 
-def unusable_files(directory: str | os.PathLike, *, check: bool = False,
-                   empty: str | None = None) -> list[tuple[Path, str]]:
+def unusable_files(
+    directory: str | os.PathLike, *, check: bool = False, empty: str | None = None
+) -> list[tuple[Path, str]]:
     """Every entry of a store directory that is not part of a usable model, and why.
 
     A model is exactly the pair ``NAME.safetensors`` + ``NAME.json`` with a valid ``NAME``;
@@ -177,8 +195,11 @@ def unusable_files(directory: str | os.PathLike, *, check: bool = False,
         return [(d, "does not exist" if not d.exists() else "is not a directory")]
     entries = sorted(d.iterdir())
     names = {p.name for p in entries}
-    models = {p.name[: -len(".json")] for p in entries
-              if p.name.endswith(".json") and _sidecar_of(p.name) is None and p.is_file()}
+    models = {
+        p.name[: -len(".json")]
+        for p in entries
+        if p.name.endswith(".json") and _sidecar_of(p.name) is None and p.is_file()
+    }
     complete = {n for n in models if f"{n}.safetensors" in names and NAME_RULE.match(n)}
     out: list[tuple[Path, str]] = []
     for p in entries:
@@ -196,12 +217,24 @@ def unusable_files(directory: str | os.PathLike, *, check: bool = False,
         elif name.endswith(".json"):
             stem, other = name[: -len(".json")], f"{name[: -len('.json')]}.safetensors"
         else:
-            why = "a hidden file (a temporary file a crash left behind?)" if name.startswith(".") else "not a model file"
-            out.append((p, f"{why}: a model is NAME.safetensors (weights) + NAME.json (manifest); "
-                           "other formats are not read (convert them, e.g. with privfusion model train)"))
+            why = (
+                "a hidden file (a temporary file a crash left behind?)" if name.startswith(".") else "not a model file"
+            )
+            out.append(
+                (
+                    p,
+                    f"{why}: a model is NAME.safetensors (weights) + NAME.json (manifest); "
+                    "other formats are not read (convert them, e.g. with privfusion model train)",
+                )
+            )
             continue
         if not NAME_RULE.match(stem):
-            out.append((p, f"{stem!r} is not a valid model name (1-128 letters, digits, '_', '.', '-', starting with a letter or digit)"))
+            out.append(
+                (
+                    p,
+                    f"{stem!r} is not a valid model name (1-128 letters, digits, '_', '.', '-', starting with a letter or digit)",
+                )
+            )
         elif other not in names:
             out.append((p, f"has no {other} beside it: a model is both files"))
         elif check and name.endswith(".json"):  # once per pair
@@ -214,9 +247,13 @@ def unusable_files(directory: str | os.PathLike, *, check: bool = False,
     return out
 
 
-def site_unusable_files(models: str | os.PathLike, pools: Mapping[str, str | os.PathLike] | None = None,
-                        probe: str | os.PathLike | None = None, base: str | os.PathLike | None = None,
-                        failed: list[tuple[Path, str]] = ()) -> list[tuple[str, str]]:
+def site_unusable_files(
+    models: str | os.PathLike,
+    pools: Mapping[str, str | os.PathLike] | None = None,
+    probe: str | os.PathLike | None = None,
+    base: str | os.PathLike | None = None,
+    failed: list[tuple[Path, str]] = (),
+) -> list[tuple[str, str]]:
     """What a daemon configured with this model store, these pools and this probe set will not
     serve, and why: :func:`unusable_files` of the store, the pairs that did not load
     (``failed``, from :func:`load_store`), :func:`unusable_files` of every pool (a pool directory
@@ -236,14 +273,21 @@ def site_unusable_files(models: str | os.PathLike, pools: Mapping[str, str | os.
                 pass
         return str(p)
 
-    out = [(shown(p), f"model store {why}" if p == Path(models) else why)
-           for p, why in sorted([*unusable_files(models), *failed])]
+    out = [
+        (shown(p), f"model store {why}" if p == Path(models) else why)
+        for p, why in sorted([*unusable_files(models), *failed])
+    ]
     for name, d in (pools or {}).items():
         for p, why in unusable_files(d, empty="holds no model yet: the pool is not offered (privfusion pool train)"):
             out.append((shown(p), f"pool {name!r}: {why}"))
     if probe is not None and not Path(probe).exists():
-        out.append((shown(Path(probe)), "the probe set does not exist yet: the daemon serves without one "
-                                        "(rounds from this site and Fuse need it: privfusion probe make)"))
+        out.append(
+            (
+                shown(Path(probe)),
+                "the probe set does not exist yet: the daemon serves without one "
+                "(rounds from this site and Fuse need it: privfusion probe make)",
+            )
+        )
     return out
 
 

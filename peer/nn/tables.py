@@ -61,6 +61,7 @@ guarantee. Two consequences:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -110,15 +111,15 @@ class Table:
     """Raw records read from one file: the label column (None for unlabelled public data),
     the feature columns in order, and each row's 1-based data row number in the file."""
 
-    source: str                     # the file, as named in messages
+    source: str  # the file, as named in messages
     label: str | None
     features: tuple[str, ...]
-    columns: Mapping[str, Column]   # features and label
-    rows: np.ndarray                # 1-based data row of each record in the file
+    columns: Mapping[str, Column]  # features and label
+    rows: np.ndarray  # 1-based data row of each record in the file
     missing: Missing = "refuse"
-    spreadsheet: bool = False       # CSV: also say the spreadsheet row (header = row 1)
+    spreadsheet: bool = False  # CSV: also say the spreadsheet row (header = row 1)
     input_shape: tuple[int, ...] | None = None  # npz images: (channels, height, width)
-    digest: str = ""                # sha256 of the file's bytes
+    digest: str = ""  # sha256 of the file's bytes
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -146,7 +147,10 @@ class Table:
         n = len(self)
         k = round(n * fraction)
         if k < 1 or k > n - 1:
-            raise InvalidArgument("validation_fraction", f"{fraction:g} of {n} records leaves an empty part; a split needs at least 2 records")
+            raise InvalidArgument(
+                "validation_fraction",
+                f"{fraction:g} of {n} records leaves an empty part; a split needs at least 2 records",
+            )
         from sklearn.model_selection import train_test_split
 
         idx = np.arange(n)
@@ -178,10 +182,8 @@ def _cells_from_text(values: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         if s.lower() in MISSING_TEXT:
             continue
         text[i] = s
-        try:
+        with contextlib.suppress(ValueError):  # not a number: the text stays
             numbers[i] = float(s)
-        except ValueError:
-            pass
     return text, numbers
 
 
@@ -200,8 +202,15 @@ def _cells_from_array(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _cells_from_text(list(values))
 
 
-def _kind_of(table_name: str, name: str, text: np.ndarray, numbers: np.ndarray, rows: np.ndarray,
-             declared_categorical: bool, spreadsheet: bool) -> Literal["numeric", "categorical"]:
+def _kind_of(
+    table_name: str,
+    name: str,
+    text: np.ndarray,
+    numbers: np.ndarray,
+    rows: np.ndarray,
+    declared_categorical: bool,
+    spreadsheet: bool,
+) -> Literal["numeric", "categorical"]:
     present = np.array([t is not None for t in text], dtype=bool)
     is_number = present & ~np.isnan(numbers)
     infinite = is_number & ~np.isfinite(numbers)
@@ -216,11 +225,16 @@ def _kind_of(table_name: str, name: str, text: np.ndarray, numbers: np.ndarray, 
         r = int(rows[i])
         sheet = f" (spreadsheet row {r + 1})" if spreadsheet else ""
         what = "an infinite value" if infinite[i] else "a non-numeric value"
-        hint = " (a decimal comma? numbers are written with a point: 12.5)" if re.fullmatch(r"[-+]?\d+,\d+", text[i]) else ""
+        hint = (
+            " (a decimal comma? numbers are written with a point: 12.5)"
+            if re.fullmatch(r"[-+]?\d+,\d+", text[i])
+            else ""
+        )
         raise InvalidArgument(
             f"{table_name}, column {name!r}, data row {r}{sheet}",
             f"{what} {text[i]!r}{hint} in a numeric column ({int(is_number.sum())} of its cells are numbers; "
-            f"{len(bad)} are not): fix the cell, or declare the column categorical (--categorical {name})")
+            f"{len(bad)} are not): fix the cell, or declare the column categorical (--categorical {name})",
+        )
     return "numeric"
 
 
@@ -250,13 +264,24 @@ def _frame_cells(path: Path, suffix: str) -> tuple[list[str], dict[str, tuple[np
             # Every cell as text: the kinds are decided here, by the rule of the module
             # docstring, not by pandas' guess (which turns "12,5" in a numeric column into
             # a whole column of strings without saying where).
-            frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False, sep=_separator(path, suffix),
-                                skipinitialspace=True, encoding="utf-8-sig")
+            frame = pd.read_csv(
+                path,
+                dtype=str,
+                keep_default_na=False,
+                na_filter=False,
+                sep=_separator(path, suffix),
+                skipinitialspace=True,
+                encoding="utf-8-sig",
+            )
             cells = {str(c): _cells_from_text(frame[c].tolist()) for c in frame.columns}
     except pd.errors.EmptyDataError:
-        raise InvalidArgument(str(path), "is empty: expected a header line with the column names, then one line per record") from None
+        raise InvalidArgument(
+            str(path), "is empty: expected a header line with the column names, then one line per record"
+        ) from None
     except (pd.errors.ParserError, UnicodeDecodeError, ValueError, OSError) as e:
-        raise InvalidArgument(str(path), f"cannot be read as {'Parquet' if suffix in ('.parquet', '.pq') else 'CSV'}: {e}") from None
+        raise InvalidArgument(
+            str(path), f"cannot be read as {'Parquet' if suffix in ('.parquet', '.pq') else 'CSV'}: {e}"
+        ) from None
     names = [str(c) for c in frame.columns]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -264,7 +289,9 @@ def _frame_cells(path: Path, suffix: str) -> tuple[list[str], dict[str, tuple[np
     return names, cells, len(frame)
 
 
-def _npz_cells(path: Path, label: str | None) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray]], int, tuple[int, ...] | None]:
+def _npz_cells(
+    path: Path, label: str | None
+) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray]], int, tuple[int, ...] | None]:
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: np.asarray(data[k]) for k in data.files}
@@ -297,8 +324,14 @@ def _npz_cells(path: Path, label: str | None) -> tuple[list[str], dict[str, tupl
     return names, cells, m, shape
 
 
-def read_table(path: str | os.PathLike, *, label: str | None, features: Sequence[str] | None = None,
-               categorical: Sequence[str] = (), missing: Missing = "refuse") -> Table:
+def read_table(
+    path: str | os.PathLike,
+    *,
+    label: str | None,
+    features: Sequence[str] | None = None,
+    categorical: Sequence[str] = (),
+    missing: Missing = "refuse",
+) -> Table:
     """Read a site's records from ``path`` (``.csv``, ``.tsv``, ``.parquet``/``.pq`` or ``.npz``).
 
     ``label``: the label column (for ``.npz``, the label array; ``"y"`` by convention), or None
@@ -316,7 +349,9 @@ def read_table(path: str | os.PathLike, *, label: str | None, features: Sequence
     if not p.is_file():
         raise InvalidArgument(str(p), "is not a file")
     if p.stat().st_size == 0:
-        raise InvalidArgument(str(p), "is empty: expected a header line with the column names, then one line per record")
+        raise InvalidArgument(
+            str(p), "is empty: expected a header line with the column names, then one line per record"
+        )
     shape = None
     if suffix == ".npz":
         names, cells, m, shape = _npz_cells(p, label)
@@ -342,7 +377,9 @@ def read_table(path: str | os.PathLike, *, label: str | None, features: Sequence
         raise InvalidArgument(f"{source}: features", "no feature columns (the file holds only the label)")
     stray = [c for c in categorical if c not in chosen]
     if stray:
-        raise InvalidArgument(f"{source}: categorical", f"names columns that are not features: {stray}; features are {chosen}")
+        raise InvalidArgument(
+            f"{source}: categorical", f"names columns that are not features: {stray}; features are {chosen}"
+        )
     rows = np.arange(1, m + 1, dtype=np.int64)
     spreadsheet = suffix in (".csv", ".tsv", ".txt")
     columns: dict[str, Column] = {}
@@ -359,7 +396,10 @@ def read_table(path: str | os.PathLike, *, label: str | None, features: Sequence
         holes = np.flatnonzero(columns[name].missing)
         if len(holes):
             fix = "labels are never imputed" if name == label else "fill it, or impute missing values (--impute)"
-            raise InvalidArgument(table.where(name, int(holes[0])), f"is empty or missing ({len(holes)} missing cell(s) in this column): {fix}")
+            raise InvalidArgument(
+                table.where(name, int(holes[0])),
+                f"is empty or missing ({len(holes)} missing cell(s) in this column): {fix}",
+            )
     return table
 
 
@@ -441,13 +481,20 @@ class Preprocessing:
     def read(self, path: str | os.PathLike, *, labelled: bool = True) -> Table:
         """:func:`read_table` of a file with this preprocessing's columns, kinds and missing
         policy (and its label column when ``labelled``)."""
-        return read_table(path, label=self.label if labelled else None, features=self.features,
-                          categorical=self.categorical, missing="impute" if self.imputes else "refuse")
+        return read_table(
+            path,
+            label=self.label if labelled else None,
+            features=self.features,
+            categorical=self.categorical,
+            missing="impute" if self.imputes else "refuse",
+        )
 
     # ---- fit ------------------------------------------------------------------------------
 
     @classmethod
-    def fit(cls, table: Table, *, unseen: Unseen = "refuse", split: Literal["training", "public"] = "training") -> Preprocessing:
+    def fit(
+        cls, table: Table, *, unseen: Unseen = "refuse", split: Literal["training", "public"] = "training"
+    ) -> Preprocessing:
         """Statistics of ``table`` — the site's TRAINING split only, or public records
         (``split="public"``; never validation or test records) — for every feature column, and
         the label's class list. Missing cells get fill values when the table was read with
@@ -468,7 +515,10 @@ class Preprocessing:
             if not present.any():
                 raise InvalidArgument(f"{table.source}, column {name!r}", "has no values in the training split")
             if col.missing.any() and not impute:
-                raise InvalidArgument(table.where(name, int(np.flatnonzero(col.missing)[0])), "is empty or missing: fill it, or impute (--impute)")
+                raise InvalidArgument(
+                    table.where(name, int(np.flatnonzero(col.missing)[0])),
+                    "is empty or missing: fill it, or impute (--impute)",
+                )
             if col.kind == "numeric":
                 v = col.numbers[present]
                 mean, std = float(v.mean()), float(v.std())
@@ -481,11 +531,15 @@ class Preprocessing:
                 columns.append(ColumnPrep(name, "categorical", categories=categories, fill=fill))
         classes = _classes(table)
         if len(classes) < 2:
-            raise InvalidArgument(f"{table.source}: label {table.label!r}",
-                                  f"has one class ({classes[0]!r}) in the training split; a classifier needs at least two")
+            raise InvalidArgument(
+                f"{table.source}: label {table.label!r}",
+                f"has one class ({classes[0]!r}) in the training split; a classifier needs at least two",
+            )
         fitted_on = {"file": Path(table.source).name, "sha256": table.digest, "rows": len(table), "split": split}
         width = sum(c.width for c in columns)
-        shape = table.input_shape if table.input_shape is not None and int(np.prod(table.input_shape)) == width else None
+        shape = (
+            table.input_shape if table.input_shape is not None and int(np.prod(table.input_shape)) == width else None
+        )
         return cls(table.label, classes, tuple(columns), unseen, shape, fitted_on)
 
     # ---- transform ------------------------------------------------------------------------
@@ -499,16 +553,24 @@ class Preprocessing:
         for c in self.columns:
             col = table.columns.get(c.name)
             if col is None:
-                raise InvalidArgument(f"{table.source}: features", f"no column {c.name!r}, which the model was trained with; it needs {list(self.features)}")
+                raise InvalidArgument(
+                    f"{table.source}: features",
+                    f"no column {c.name!r}, which the model was trained with; it needs {list(self.features)}",
+                )
             holes = col.missing
             if holes.any() and c.fill is None:
-                raise InvalidArgument(table.where(c.name, int(np.flatnonzero(holes)[0])),
-                                      "is empty or missing, and the model's preprocessing was fitted without imputation")
+                raise InvalidArgument(
+                    table.where(c.name, int(np.flatnonzero(holes)[0])),
+                    "is empty or missing, and the model's preprocessing was fitted without imputation",
+                )
             if c.kind == "numeric":
                 values = col.numbers.copy()
                 bad = np.flatnonzero(~holes & ~np.isfinite(values))
                 if len(bad):
-                    raise InvalidArgument(table.where(c.name, int(bad[0])), f"{col.text[int(bad[0])]!r} is not a finite number (the column is numeric)")
+                    raise InvalidArgument(
+                        table.where(c.name, int(bad[0])),
+                        f"{col.text[int(bad[0])]!r} is not a finite number (the column is numeric)",
+                    )
                 values[holes] = float(c.fill) if c.fill is not None else 0.0
                 x[:, offset] = (values - c.mean) / c.std
             else:
@@ -518,9 +580,11 @@ class Preprocessing:
                     k = index.get(t)
                     if k is None:
                         if self.unseen == "refuse":
-                            raise InvalidArgument(table.where(c.name, i),
-                                                  f"category {t!r} was not in the training split (known: {list(c.categories)}); "
-                                                  "the preprocessing was fitted to refuse unseen categories")
+                            raise InvalidArgument(
+                                table.where(c.name, i),
+                                f"category {t!r} was not in the training split (known: {list(c.categories)}); "
+                                "the preprocessing was fitted to refuse unseen categories",
+                            )
                         continue  # all-zero one-hot, as the training asked
                     x[i, offset + k] = 1.0
             offset += c.width
@@ -543,21 +607,29 @@ class Preprocessing:
                 key = int(v) if math.isfinite(v) and float(v).is_integer() else t
             k = index.get(key)
             if k is None:
-                raise InvalidArgument(table.where(table.label, i), f"label {t!r} is not one of the model's classes {list(self.classes)}")
+                raise InvalidArgument(
+                    table.where(table.label, i), f"label {t!r} is not one of the model's classes {list(self.classes)}"
+                )
             y[i] = k
         return y
 
     # ---- JSON -----------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "label": self.label, "classes": list(self.classes),
-                "columns": [c.to_dict() for c in self.columns], "unseen": self.unseen,
-                "input_shape": None if self.input_shape is None else list(self.input_shape),
-                "fitted_on": dict(self.fitted_on)}
+        return {
+            "format": FORMAT,
+            "label": self.label,
+            "classes": list(self.classes),
+            "columns": [c.to_dict() for c in self.columns],
+            "unseen": self.unseen,
+            "input_shape": None if self.input_shape is None else list(self.input_shape),
+            "fitted_on": dict(self.fitted_on),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "preprocessing") -> Preprocessing:
         """Check and rebuild a preprocessing from its JSON form."""
+
         def bad(key: str, rule: str):
             raise InvalidArgument(f"{where}.{key}", rule)
 
@@ -569,8 +641,15 @@ class Preprocessing:
         if not isinstance(label, str) or not label:
             bad("label", f"must be a non-empty string, got {label!r}")
         classes = data.get("classes")
-        if (not isinstance(classes, list) or len(classes) < 2 or len(set(classes)) != len(classes)
-                or not (all(isinstance(v, int) and not isinstance(v, bool) for v in classes) or all(isinstance(v, str) for v in classes))):
+        if (
+            not isinstance(classes, list)
+            or len(classes) < 2
+            or len(set(classes)) != len(classes)
+            or not (
+                all(isinstance(v, int) and not isinstance(v, bool) for v in classes)
+                or all(isinstance(v, str) for v in classes)
+            )
+        ):
             bad("classes", f"must be at least two distinct labels, all integers or all strings, got {classes!r}")
         unseen = data.get("unseen", "refuse")
         if unseen not in ("refuse", "zeros"):
@@ -581,7 +660,11 @@ class Preprocessing:
         columns = []
         for i, c in enumerate(raw):
             w = f"columns[{i}]"
-            if not isinstance(c, Mapping) or not isinstance(c.get("name"), str) or c.get("kind") not in ("numeric", "categorical"):
+            if (
+                not isinstance(c, Mapping)
+                or not isinstance(c.get("name"), str)
+                or c.get("kind") not in ("numeric", "categorical")
+            ):
                 bad(w, f"must have a name and kind 'numeric' or 'categorical', got {c!r}")
             fill = c.get("fill")
             if c["kind"] == "numeric":
@@ -591,12 +674,21 @@ class Preprocessing:
                         bad(f"{w}.{key}", f"must be a finite number, got {v!r}")
                 if not std > 0:
                     bad(f"{w}.std", f"must be > 0, got {std!r}")
-                if fill is not None and (isinstance(fill, bool) or not isinstance(fill, (int, float)) or not math.isfinite(fill)):
+                if fill is not None and (
+                    isinstance(fill, bool) or not isinstance(fill, (int, float)) or not math.isfinite(fill)
+                ):
                     bad(f"{w}.fill", f"must be a finite number or null, got {fill!r}")
-                columns.append(ColumnPrep(c["name"], "numeric", float(mean), float(std), (), None if fill is None else float(fill)))
+                columns.append(
+                    ColumnPrep(c["name"], "numeric", float(mean), float(std), (), None if fill is None else float(fill))
+                )
             else:
                 cats = c.get("categories")
-                if not isinstance(cats, list) or not cats or not all(isinstance(v, str) for v in cats) or len(set(cats)) != len(cats):
+                if (
+                    not isinstance(cats, list)
+                    or not cats
+                    or not all(isinstance(v, str) for v in cats)
+                    or len(set(cats)) != len(cats)
+                ):
                     bad(f"{w}.categories", f"must be a non-empty list of distinct strings, got {cats!r}")
                 if fill is not None and fill not in cats:
                     bad(f"{w}.fill", f"must be one of the categories or null, got {fill!r}")
@@ -606,7 +698,9 @@ class Preprocessing:
             bad("columns", f"names must be distinct and differ from the label, got {names}")
         shape = data.get("input_shape")
         if shape is not None:
-            if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
+            if not isinstance(shape, list) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape
+            ):
                 bad("input_shape", f"must be null or a list of positive integers, got {shape!r}")
             shape = tuple(shape)
         fitted_on = data.get("fitted_on", {})
@@ -624,7 +718,9 @@ def _classes(table: Table) -> tuple[int | str, ...]:
     return tuple(sorted(set(text)))
 
 
-def architecture_for(spec: Mapping[str, Any] | str, preprocessing: Preprocessing, *, hidden: Sequence[int] = (64,)) -> dict:
+def architecture_for(
+    spec: Mapping[str, Any] | str, preprocessing: Preprocessing, *, hidden: Sequence[int] = (64,)
+) -> dict:
     """An architecture (``peer.nn.architectures``) whose input and output sizes come from the
     preprocessing. ``spec``: a preset name (``"mlp"``, ``"cnn"``) or an architecture object
     whose ``input_dim``/``input_shape`` and ``output_dim`` may be left out (given, they must
@@ -643,15 +739,24 @@ def architecture_for(spec: Mapping[str, Any] | str, preprocessing: Preprocessing
     if kind == "mlp":
         arch.setdefault("input_dim", preprocessing.width)
         if arch["input_dim"] != preprocessing.width:
-            raise InvalidArgument("architecture.input_dim", f"is {arch['input_dim']!r} but the prepared records have {preprocessing.width} entries ({preprocessing.input_names()[:8]}…)")
+            raise InvalidArgument(
+                "architecture.input_dim",
+                f"is {arch['input_dim']!r} but the prepared records have {preprocessing.width} entries ({preprocessing.input_names()[:8]}…)",
+            )
     elif kind == "cnn":
         shape = preprocessing.input_shape
         if "input_shape" not in arch:
             if shape is None or len(shape) != 3:
-                raise InvalidArgument("architecture.input_shape", "a CNN needs image records ([channels, height, width]); these records are a table: use an MLP, or give input_shape")
+                raise InvalidArgument(
+                    "architecture.input_shape",
+                    "a CNN needs image records ([channels, height, width]); these records are a table: use an MLP, or give input_shape",
+                )
             arch["input_shape"] = list(shape)
         if int(np.prod(arch["input_shape"])) != preprocessing.width:
-            raise InvalidArgument("architecture.input_shape", f"{arch['input_shape']} does not hold the {preprocessing.width} prepared entries")
+            raise InvalidArgument(
+                "architecture.input_shape",
+                f"{arch['input_shape']} does not hold the {preprocessing.width} prepared entries",
+            )
         if "pool" not in arch:
             h, w = arch["input_shape"][1], arch["input_shape"][2]
             pool = []
@@ -662,7 +767,10 @@ def architecture_for(spec: Mapping[str, Any] | str, preprocessing: Preprocessing
             arch["pool"] = pool
     arch.setdefault("output_dim", preprocessing.num_classes)
     if arch["output_dim"] != preprocessing.num_classes:
-        raise InvalidArgument("architecture.output_dim", f"is {arch['output_dim']!r} but the label has {preprocessing.num_classes} classes {list(preprocessing.classes)}")
+        raise InvalidArgument(
+            "architecture.output_dim",
+            f"is {arch['output_dim']!r} but the label has {preprocessing.num_classes} classes {list(preprocessing.classes)}",
+        )
     return validate_architecture(arch)
 
 
@@ -691,10 +799,19 @@ class PreparedRecords:
     description: dict
 
 
-def prepare_records(path: str | os.PathLike, *, label: str, features: Sequence[str] | None = None,
-                    categorical: Sequence[str] = (), missing: Missing = "refuse", unseen: Unseen = "refuse",
-                    validation_fraction: float = 0.2, split_seed: int = 0,
-                    preprocessing: Preprocessing | None = None, public: str | os.PathLike | None = None) -> PreparedRecords:
+def prepare_records(
+    path: str | os.PathLike,
+    *,
+    label: str,
+    features: Sequence[str] | None = None,
+    categorical: Sequence[str] = (),
+    missing: Missing = "refuse",
+    unseen: Unseen = "refuse",
+    validation_fraction: float = 0.2,
+    split_seed: int = 0,
+    preprocessing: Preprocessing | None = None,
+    public: str | os.PathLike | None = None,
+) -> PreparedRecords:
     """Read ``path``, hold out ``validation_fraction`` of the records (stratified, seeded by the
     public ``split_seed``), fit the preprocessing on the rest (the training split) — or on the
     records of the ``public`` file, or use the given one — and prepare both parts."""
@@ -707,16 +824,29 @@ def prepare_records(path: str | os.PathLike, *, label: str, features: Sequence[s
         table = read_table(path, label=label, features=features, categorical=categorical, missing=missing)
     else:
         if label != preprocessing.label:
-            raise InvalidArgument("label", f"is {label!r} but the given preprocessing was fitted for label {preprocessing.label!r}")
+            raise InvalidArgument(
+                "label", f"is {label!r} but the given preprocessing was fitted for label {preprocessing.label!r}"
+            )
         table = preprocessing.read(path)
     train, val = table.split(validation_fraction, seed=split_seed)
     prep = preprocessing if preprocessing is not None else Preprocessing.fit(train, unseen=unseen)
     x_train, y_train = prep.transform(train)
     x_val, y_val = prep.transform(val)
-    description = {"file": Path(table.source).name, "sha256": table.digest, "label": label, "rows": len(table),
-                   "training_rows": len(train), "validation_rows": len(val),
-                   "validation_fraction": validation_fraction, "split_seed": split_seed,
-                   "preprocessing": ("fitted on the training split" if preprocessing is None
-                                     else f"fitted on public records ({preprocessing.fitted_on.get('file')})"
-                                     if preprocessing.fitted_on.get("split") == "public" else "given")}
+    description = {
+        "file": Path(table.source).name,
+        "sha256": table.digest,
+        "label": label,
+        "rows": len(table),
+        "training_rows": len(train),
+        "validation_rows": len(val),
+        "validation_fraction": validation_fraction,
+        "split_seed": split_seed,
+        "preprocessing": (
+            "fitted on the training split"
+            if preprocessing is None
+            else f"fitted on public records ({preprocessing.fitted_on.get('file')})"
+            if preprocessing.fitted_on.get("split") == "public"
+            else "given"
+        ),
+    }
     return PreparedRecords(prep, x_train, y_train, x_val, y_val, description)

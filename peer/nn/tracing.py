@@ -78,19 +78,77 @@ STRUCTURE_FORMAT = 1
 #: the self-check's tolerance on ‖f(x) − f_π(x)‖_∞ / ‖f(x)‖_∞ (float64 arithmetic)
 SELF_CHECK_TOLERANCE = 1e-5
 
-_ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
-                        nn.Softplus, nn.Mish, nn.Hardswish, nn.Hardtanh, nn.Identity, nn.Dropout,
-                        nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout)
-_ELEMENTWISE_FUNCTIONS = {F.relu, F.relu6, F.gelu, F.silu, F.tanh, F.sigmoid, F.leaky_relu, F.elu, F.softplus,
-                          F.mish, F.hardswish, F.hardtanh, F.dropout, F.dropout1d, F.dropout2d,
-                          torch.relu, torch.tanh, torch.sigmoid, torch.nn.functional.relu_}
+_ELEMENTWISE_MODULES = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Softplus,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Hardtanh,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.AlphaDropout,
+)
+_ELEMENTWISE_FUNCTIONS = {
+    F.relu,
+    F.relu6,
+    F.gelu,
+    F.silu,
+    F.tanh,
+    F.sigmoid,
+    F.leaky_relu,
+    F.elu,
+    F.softplus,
+    F.mish,
+    F.hardswish,
+    F.hardtanh,
+    F.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    torch.relu,
+    torch.tanh,
+    torch.sigmoid,
+    torch.nn.functional.relu_,
+}
 _ELEMENTWISE_METHODS = {"relu", "relu_", "tanh", "sigmoid", "contiguous", "float", "clone", "detach"}
-_POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
-                 nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
-_POOL_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d,
-                   F.adaptive_avg_pool2d, F.adaptive_max_pool1d, F.adaptive_max_pool2d}
-_BINARY_FUNCTIONS = {operator.add, torch.add, operator.sub, torch.sub, operator.mul, torch.mul,
-                     operator.iadd, operator.truediv}
+_POOL_MODULES = (
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+)
+_POOL_FUNCTIONS = {
+    F.max_pool1d,
+    F.max_pool2d,
+    F.avg_pool1d,
+    F.avg_pool2d,
+    F.adaptive_avg_pool1d,
+    F.adaptive_avg_pool2d,
+    F.adaptive_max_pool1d,
+    F.adaptive_max_pool2d,
+}
+_BINARY_FUNCTIONS = {
+    operator.add,
+    torch.add,
+    operator.sub,
+    torch.sub,
+    operator.mul,
+    torch.mul,
+    operator.iadd,
+    operator.truediv,
+}
 _BINARY_METHODS = {"add", "add_", "sub", "mul", "mul_"}
 _FIXED = -1
 
@@ -156,12 +214,20 @@ class PermutationStructure:
         return {
             "format": STRUCTURE_FORMAT,
             "input_shape": list(self.input_shape),
-            "groups": [{"name": g.name, "size": g.size, "producers": list(g.producers),
-                        "axes": [{"param": a.param, "axis": a.axis, "block": a.block} for a in g.axes]}
-                       for g in self.groups],
+            "groups": [
+                {
+                    "name": g.name,
+                    "size": g.size,
+                    "producers": list(g.producers),
+                    "axes": [{"param": a.param, "axis": a.axis, "block": a.block} for a in g.axes],
+                }
+                for g in self.groups
+            ],
             # a list, not an object: the site's own key order survives any JSON writer
-            "parameters": [{"name": k, "shape": list(v), "dtype": self.dtypes.get(k, "float32")}
-                           for k, v in self.parameters.items()],
+            "parameters": [
+                {"name": k, "shape": list(v), "dtype": self.dtypes.get(k, "float32")}
+                for k, v in self.parameters.items()
+            ],
             "stat_points": [{"module": s.module, "kind": s.kind, "group": s.group} for s in self.stat_points],
         }
 
@@ -180,28 +246,46 @@ class PermutationStructure:
             groups = []
             for g in data["groups"]:
                 axes = tuple(AxisRef(str(a["param"]), int(a["axis"]), int(a.get("block", 1))) for a in g["axes"])
-                groups.append(PermutationGroup(str(g["name"]), int(g["size"]), axes, tuple(str(p) for p in g.get("producers", ()))))
-            stats = tuple(StatPoint(str(s["module"]), str(s["kind"]), str(s["group"])) for s in data.get("stat_points", ()))
+                groups.append(
+                    PermutationGroup(
+                        str(g["name"]), int(g["size"]), axes, tuple(str(p) for p in g.get("producers", ()))
+                    )
+                )
+            stats = tuple(
+                StatPoint(str(s["module"]), str(s["kind"]), str(s["group"])) for s in data.get("stat_points", ())
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InvalidArgument("structure", f"is malformed: {e!r}") from None
         names = set()
         seen_axes: dict[tuple[str, int], str] = {}
         for i, g in enumerate(groups):
             if g.name in names or g.size <= 0:
-                raise InvalidArgument(f"structure.groups[{i}]", f"names must be distinct and sizes positive (group {g.name!r})")
+                raise InvalidArgument(
+                    f"structure.groups[{i}]", f"names must be distinct and sizes positive (group {g.name!r})"
+                )
             names.add(g.name)
             for a in g.axes:
                 shape = params.get(a.param)
                 if shape is None:
-                    raise InvalidArgument(f"structure.groups[{i}].axes", f"parameter {a.param!r} is not in the structure's parameters")
+                    raise InvalidArgument(
+                        f"structure.groups[{i}].axes", f"parameter {a.param!r} is not in the structure's parameters"
+                    )
                 if not 0 <= a.axis < len(shape) or a.block <= 0 or shape[a.axis] != g.size * a.block:
-                    raise InvalidArgument(f"structure.groups[{i}].axes", f"{a.param!r} axis {a.axis} (shape {shape}) does not hold {g.size} units of {a.block}")
+                    raise InvalidArgument(
+                        f"structure.groups[{i}].axes",
+                        f"{a.param!r} axis {a.axis} (shape {shape}) does not hold {g.size} units of {a.block}",
+                    )
                 if (a.param, a.axis) in seen_axes:
-                    raise InvalidArgument(f"structure.groups[{i}].axes", f"{a.param!r} axis {a.axis} is already permuted by group {seen_axes[(a.param, a.axis)]!r}")
+                    raise InvalidArgument(
+                        f"structure.groups[{i}].axes",
+                        f"{a.param!r} axis {a.axis} is already permuted by group {seen_axes[(a.param, a.axis)]!r}",
+                    )
                 seen_axes[(a.param, a.axis)] = g.name
         for s in stats:
             if s.group not in names or s.kind not in ("affine", "batchnorm"):
-                raise InvalidArgument("structure.stat_points", f"{s.module!r}: kind must be affine/batchnorm and group a known group")
+                raise InvalidArgument(
+                    "structure.stat_points", f"{s.module!r}: kind must be affine/batchnorm and group a known group"
+                )
         return cls(input_shape, tuple(groups), params, stats, dtypes)
 
     def check_arrays(self, arrays: Mapping[str, Any], field_name: str = "weights") -> None:
@@ -209,10 +293,14 @@ class PermutationStructure:
         missing = set(self.parameters) - set(arrays)
         extra = set(arrays) - set(self.parameters)
         if missing or extra:
-            raise InvalidArgument(field_name, f"do not fit the structure: missing {sorted(missing)}, unexpected {sorted(extra)}")
+            raise InvalidArgument(
+                field_name, f"do not fit the structure: missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
         for k, shape in self.parameters.items():
             if tuple(np.shape(arrays[k])) != tuple(shape):
-                raise InvalidArgument(f"{field_name}[{k}]", f"has shape {tuple(np.shape(arrays[k]))}, the structure needs {tuple(shape)}")
+                raise InvalidArgument(
+                    f"{field_name}[{k}]", f"has shape {tuple(np.shape(arrays[k]))}, the structure needs {tuple(shape)}"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +368,10 @@ def trace_module(module: nn.Module, input_shape: Sequence[int]) -> fx.GraphModul
     try:
         gm = fx.symbolic_trace(module)
     except Exception as e:  # any tracing failure is a refusal, with its reason
-        raise Unsupported("model", f"cannot be traced by torch.fx (data-dependent control flow or untraceable code): {type(e).__name__}: {e}") from None
+        raise Unsupported(
+            "model",
+            f"cannot be traced by torch.fx (data-dependent control flow or untraceable code): {type(e).__name__}: {e}",
+        ) from None
     example = torch.zeros((2, *input_shape), dtype=next((p.dtype for p in module.parameters()), torch.float32))
     was_training = gm.training
     gm.eval()
@@ -288,7 +379,9 @@ def trace_module(module: nn.Module, input_shape: Sequence[int]) -> fx.GraphModul
         with torch.no_grad():
             ShapeProp(gm).propagate(example)
     except Exception as e:
-        raise InvalidArgument("input_shape", f"{list(input_shape)} does not fit the model: {type(e).__name__}: {e}") from None
+        raise InvalidArgument(
+            "input_shape", f"{list(input_shape)} does not fit the model: {type(e).__name__}: {e}"
+        ) from None
     finally:
         gm.train(was_training)
     return gm
@@ -338,7 +431,10 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
             layouts[node] = _Layout(_FIXED, 1)
             continue
         if node.op == "get_attr":
-            raise _refuse(node, f"uses the parameter or buffer {node.target!r} directly; only nn modules' own parameters can be permuted")
+            raise _refuse(
+                node,
+                f"uses the parameter or buffer {node.target!r} directly; only nn modules' own parameters can be permuted",
+            )
         if node.op == "output":
             returned: list[fx.Node] = []
             fx.node.map_arg(node.args, returned.append)
@@ -350,14 +446,23 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
         if shape is None:
             # a non-tensor value (x.size(0), a shape tuple): allowed only as reshape arguments
             src = node.args[0] if node.args else None
-            if (node.op == "call_method" and node.target in ("size", "dim")) or (
-                    node.op == "call_function" and node.target is operator.getitem
-                    and isinstance(src, fx.Node) and _shape(src) is None) or (
-                    node.op == "call_function" and node.target is getattr and node.args[1] == "shape"):
+            if (
+                (node.op == "call_method" and node.target in ("size", "dim"))
+                or (
+                    node.op == "call_function"
+                    and node.target is operator.getitem
+                    and isinstance(src, fx.Node)
+                    and _shape(src) is None
+                )
+                or (node.op == "call_function" and node.target is getattr and node.args[1] == "shape")
+            ):
                 layouts[node] = None
                 continue
             if node.op == "call_module":
-                raise _refuse(node, f"module {node.target!r} of type {type(modules[node.target]).__name__} is not supported (it returns no single tensor)")
+                raise _refuse(
+                    node,
+                    f"module {node.target!r} of type {type(modules[node.target]).__name__} is not supported (it returns no single tensor)",
+                )
             raise _refuse(node, f"{node.op} {_target_name(node)} does not produce a tensor and is not supported")
 
         if node.op == "call_module":
@@ -369,7 +474,9 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
             in_shape = _shape(node.args[0])
             if isinstance(mod, nn.Linear):
                 if not fixed(lay) and lay.dim != len(in_shape) - 1:
-                    raise _refuse(node, f"Linear {name!r} reads axis {len(in_shape) - 1} but the units are on axis {lay.dim}")
+                    raise _refuse(
+                        node, f"Linear {name!r} reads axis {len(in_shape) - 1} but the units are on axis {lay.dim}"
+                    )
                 param_axis(node, lay.group, f"{name}.weight", 1, lay.block)
                 g = uf.new(mod.out_features)
                 param_axis(node, g, f"{name}.weight", 0)
@@ -387,7 +494,10 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                 elif mod.groups == mod.in_channels == mod.out_channels:
                     g = lay.group  # depthwise: channel c reads only channel c
                 else:
-                    raise _refuse(node, f"grouped convolution {name!r} (groups={mod.groups}) ties channels to groups; only groups=1 or depthwise are supported")
+                    raise _refuse(
+                        node,
+                        f"grouped convolution {name!r} (groups={mod.groups}) ties channels to groups; only groups=1 or depthwise are supported",
+                    )
                 param_axis(node, g, f"{name}.weight", 0)
                 if mod.bias is not None:
                     param_axis(node, g, f"{name}.bias", 0)
@@ -404,7 +514,10 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                 layouts[node] = _Layout(lay.group, 1)
             elif isinstance(mod, nn.LayerNorm):
                 if len(mod.normalized_shape) != 1:
-                    raise _refuse(node, f"LayerNorm {name!r} over {len(mod.normalized_shape)} axes mixes the unit axis with others; only the last axis is supported")
+                    raise _refuse(
+                        node,
+                        f"LayerNorm {name!r} over {len(mod.normalized_shape)} axes mixes the unit axis with others; only the last axis is supported",
+                    )
                 if not fixed(lay) and lay.dim == len(in_shape) - 1:
                     if lay.block != 1:
                         raise _refuse(node, f"LayerNorm {name!r} over a flattened axis is not supported")
@@ -418,7 +531,10 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                 if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
                     raise _refuse(node, f"GroupNorm {name!r} needs its channels on axis 1 unflattened")
                 if mod.num_groups not in (1, mod.num_channels):
-                    raise _refuse(node, f"GroupNorm {name!r} with {mod.num_groups} groups of {mod.num_channels} channels: a permutation would have to keep channels in their groups (only 1 or C groups are supported)")
+                    raise _refuse(
+                        node,
+                        f"GroupNorm {name!r} with {mod.num_groups} groups of {mod.num_channels} channels: a permutation would have to keep channels in their groups (only 1 or C groups are supported)",
+                    )
                 if mod.affine:
                     for p in ("weight", "bias"):
                         param_axis(node, lay.group, f"{name}.{p}", 0)
@@ -432,12 +548,18 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
             elif isinstance(mod, nn.Flatten):
                 layouts[node] = _flatten_layout(node, lay, in_shape, shape, mod.start_dim, fixed(lay))
             else:
-                raise _refuse(node, f"module {name!r} of type {type(mod).__name__} is not supported (no permutation rule for it)")
+                raise _refuse(
+                    node, f"module {name!r} of type {type(mod).__name__} is not supported (no permutation rule for it)"
+                )
             continue
 
         if node.op in ("call_function", "call_method"):
             target = node.target
-            tensor_args = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, fx.Node) and layouts.get(a) is not None]
+            tensor_args = [
+                a
+                for a in list(node.args) + list(node.kwargs.values())
+                if isinstance(a, fx.Node) and layouts.get(a) is not None
+            ]
             first = node.args[0] if node.args else None
             lay = layout_of(first, node) if isinstance(first, fx.Node) else None
             is_fn = node.op == "call_function"
@@ -445,7 +567,7 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                 if lay is None or len(tensor_args) != 1:
                     raise _refuse(node, f"{_target_name(node)} must take one tensor")
                 layouts[node] = _Layout(lay.group, lay.dim, lay.block)
-            elif (is_fn and target in _POOL_FUNCTIONS):
+            elif is_fn and target in _POOL_FUNCTIONS:
                 if lay is None or (not fixed(lay) and (lay.dim != 1 or lay.block != 1)):
                     raise _refuse(node, f"{_target_name(node)} needs channels on axis 1 unflattened")
                 layouts[node] = _Layout(lay.group, 1)
@@ -453,8 +575,13 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                 lays = [layouts[a] for a in tensor_args]
                 if not lays:
                     raise _refuse(node, f"{_target_name(node)} has no tensor operand")
-                if tuple(shape) != tuple(_shape(tensor_args[0]) or ()) or any(tuple(_shape(a)) != tuple(shape) for a in tensor_args):
-                    raise _refuse(node, f"{_target_name(node)} broadcasts tensors of shapes {[list(_shape(a)) for a in tensor_args]}; only same-shape operands (a residual addition) or constants are supported")
+                if tuple(shape) != tuple(_shape(tensor_args[0]) or ()) or any(
+                    tuple(_shape(a)) != tuple(shape) for a in tensor_args
+                ):
+                    raise _refuse(
+                        node,
+                        f"{_target_name(node)} broadcasts tensors of shapes {[list(_shape(a)) for a in tensor_args]}; only same-shape operands (a residual addition) or constants are supported",
+                    )
                 if target in (operator.truediv,) and len(lays) > 1:
                     raise _refuse(node, "division of two tensors is not supported")
                 g = lays[0].group
@@ -478,8 +605,13 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                 elif tuple(shape) == tuple(in_shape):
                     layouts[node] = _Layout(lay.group, lay.dim, lay.block)
                 else:
-                    raise _refuse(node, f"reshape from {list(in_shape)} to {list(shape)} mixes axes; only flattening (N, C, ...) to (N, C·...) is supported")
-            elif (not is_fn and target in ("mean", "sum", "amax")) or (is_fn and target in (torch.mean, torch.sum, torch.amax)):
+                    raise _refuse(
+                        node,
+                        f"reshape from {list(in_shape)} to {list(shape)} mixes axes; only flattening (N, C, ...) to (N, C·...) is supported",
+                    )
+            elif (not is_fn and target in ("mean", "sum", "amax")) or (
+                is_fn and target in (torch.mean, torch.sum, torch.amax)
+            ):
                 dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
                 in_shape = _shape(first)
                 dims = (dims,) if isinstance(dims, int) else dims
@@ -490,7 +622,9 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
                     continue
                 dims = tuple(d % len(in_shape) for d in dims)
                 if lay.dim in dims or any(d < lay.dim for d in dims) or lay.block != 1:
-                    raise _refuse(node, f"{_target_name(node)} over axes {list(dims)} mixes the units on axis {lay.dim}")
+                    raise _refuse(
+                        node, f"{_target_name(node)} over axes {list(dims)} mixes the units on axis {lay.dim}"
+                    )
                 layouts[node] = _Layout(lay.group, lay.dim)
             else:
                 raise _refuse(node, f"function {_target_name(node)} is not supported (no permutation rule for it)")
@@ -530,8 +664,12 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
         prod = [n for g, n in producers if uf.find(g) == r]
         base = prod[0] if prod else f"group{r}"
         names[r] = base if base not in names.values() else f"{base}#{r}"
-    groups = tuple(PermutationGroup(names[r], uf.size[r], tuple(roots[r]),
-                                    tuple(dict.fromkeys(n for g, n in producers if uf.find(g) == r))) for r in order)
+    groups = tuple(
+        PermutationGroup(
+            names[r], uf.size[r], tuple(roots[r]), tuple(dict.fromkeys(n for g, n in producers if uf.find(g) == r))
+        )
+        for r in order
+    )
 
     # Statistic points: a Linear/Conv whose output goes straight into a BatchNorm has its
     # statistics set by that BatchNorm; every other Linear/Conv producing a group is rescaled.
@@ -542,14 +680,19 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
             continue
         if kind == "affine":
             users = list(node.users)
-            if len(users) == 1 and users[0].op == "call_module" and isinstance(
-                    modules[users[0].target], (nn.BatchNorm1d, nn.BatchNorm2d)):
+            if (
+                len(users) == 1
+                and users[0].op == "call_module"
+                and isinstance(modules[users[0].target], (nn.BatchNorm1d, nn.BatchNorm2d))
+            ):
                 continue
         stats.append(StatPoint(name, kind, names[r]))
     return PermutationStructure(input_shape, groups, params, tuple(stats), dtypes)
 
 
-def _flatten_layout(node: fx.Node, lay: _Layout | None, in_shape, out_shape, start_dim: int, fixed_units: bool) -> _Layout:
+def _flatten_layout(
+    node: fx.Node, lay: _Layout | None, in_shape, out_shape, start_dim: int, fixed_units: bool
+) -> _Layout:
     if lay is None:
         raise _refuse(node, "flatten needs a tensor")
     if fixed_units:
@@ -558,7 +701,10 @@ def _flatten_layout(node: fx.Node, lay: _Layout | None, in_shape, out_shape, sta
     if start == len(in_shape) - 1:
         return _Layout(lay.group, lay.dim, lay.block)
     if start != 1 or lay.dim != 1:
-        raise _refuse(node, f"flatten from axis {start_dim} of {list(in_shape)} with units on axis {lay.dim} mixes the units with the batch; only flattening (N, C, ...) to (N, C·...) is supported")
+        raise _refuse(
+            node,
+            f"flatten from axis {start_dim} of {list(in_shape)} with units on axis {lay.dim} mixes the units with the batch; only flattening (N, C, ...) to (N, C·...) is supported",
+        )
     inner = math.prod(in_shape[2:])
     return _Layout(lay.group, 1, lay.block * inner)
 
@@ -571,8 +717,9 @@ def _index(size: int, block: int, perm: np.ndarray) -> np.ndarray:
     return (perm[:, None] * block + np.arange(block)[None, :]).reshape(-1)
 
 
-def permute_state(structure: PermutationStructure, arrays: Mapping[str, Any],
-                  permutations: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def permute_state(
+    structure: PermutationStructure, arrays: Mapping[str, Any], permutations: Mapping[str, np.ndarray]
+) -> dict[str, Any]:
     """The state with every group g's axes re-indexed by ``permutations[g]`` (groups not named
     keep their order). Works on numpy arrays and torch tensors alike."""
     out = dict(arrays)
@@ -592,8 +739,9 @@ def permute_state(structure: PermutationStructure, arrays: Mapping[str, Any],
     return out
 
 
-def random_permutations(structure: PermutationStructure, rng: np.random.Generator,
-                        only: str | None = None) -> dict[str, np.ndarray]:
+def random_permutations(
+    structure: PermutationStructure, rng: np.random.Generator, only: str | None = None
+) -> dict[str, np.ndarray]:
     return {g.name: rng.permutation(g.size) for g in structure.groups if only is None or g.name == only}
 
 
@@ -602,8 +750,14 @@ def random_permutations(structure: PermutationStructure, rng: np.random.Generato
 
 
 @torch.no_grad()
-def self_check(module: nn.Module, structure: PermutationStructure, *, seed: int = 0, batch: int = 8,
-               tolerance: float = SELF_CHECK_TOLERANCE) -> None:
+def self_check(
+    module: nn.Module,
+    structure: PermutationStructure,
+    *,
+    seed: int = 0,
+    batch: int = 8,
+    tolerance: float = SELF_CHECK_TOLERANCE,
+) -> None:
     """Prove ``structure`` on ``module``'s own weights, or refuse naming the group that broke.
 
     For each group alone, then for all groups at once, a random permutation π (from ``seed``)
@@ -631,8 +785,10 @@ def self_check(module: nn.Module, structure: PermutationStructure, *, seed: int 
             err = float((m(x) - y).abs().max()) / scale
             if not err <= tolerance:
                 what = f"group {g!r}" if g is not None else "all groups together"
-                raise InvalidArgument(f"structure.groups[{g}]" if g is not None else "structure",
-                                      f"self-check failed: permuting {what} changed the outputs (relative error {err:.3g} > {tolerance:g}); the permutation structure is wrong for this model")
+                raise InvalidArgument(
+                    f"structure.groups[{g}]" if g is not None else "structure",
+                    f"self-check failed: permuting {what} changed the outputs (relative error {err:.3g} > {tolerance:g}); the permutation structure is wrong for this model",
+                )
     finally:
         m.load_state_dict(base_state)
 

@@ -8,24 +8,84 @@ all declare state-independent gradients), ``targets`` (choose π / λ for a targ
 the data-level ones).
 """
 
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, gdp_delta, gdp_epsilon, gdp_mu,
-                                         rdp_to_delta, rdp_to_epsilon)
-from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, GaussianStep, TrainingRecord
-from peer.dp.accounting.lc import (LCReport, LCSegments, lc_delta, lc_epsilon, lc_pld, lc_rdp, lc_report, lc_segments,
-                                lc_surrogate_epsilon, lc_surrogate_mu, surrogate_is_bound)
-from peer.dp.accounting.profiles import (PrivacyProfile, model_delta, model_epsilon, privacy_profile,
-                                      privacy_profiles)
-from peer.dp.accounting.release_accounting import (dpsgd_record, lc_merge_record, pld_of_record, rdp_of_record, record_epsilon,
-                                     rs_merge_record)
+from peer.dp.accounting.conversions import (
+    DEFAULT_ORDERS,
+    Deltas,
+    Epsilons,
+    gdp_delta,
+    gdp_epsilon,
+    gdp_mu,
+    rdp_to_delta,
+    rdp_to_epsilon,
+)
+from peer.dp.accounting.lc import (
+    LCReport,
+    LCSegments,
+    lc_delta,
+    lc_epsilon,
+    lc_pld,
+    lc_rdp,
+    lc_report,
+    lc_segments,
+    lc_surrogate_epsilon,
+    lc_surrogate_mu,
+    surrogate_is_bound,
+)
+from peer.dp.accounting.profiles import PrivacyProfile, model_delta, model_epsilon, privacy_profile, privacy_profiles
+from peer.dp.accounting.release_accounting import (
+    dpsgd_record,
+    lc_merge_record,
+    pld_of_record,
+    rdp_of_record,
+    record_epsilon,
+    rs_merge_record,
+)
 from peer.dp.accounting.rs import rs_delta, rs_epsilon, rs_pld, rs_profiles, rs_rdp
 from peer.dp.accounting.targets import UnreachableTarget, WeightChoice, choose_lam, choose_pi
+from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, GaussianStep, TrainingRecord
 
 __all__ = [
-    "ADJACENCIES", "ApproxDP", "DEFAULT_ORDERS", "Deltas", "Epsilons", "GaussianStep", "LCReport", "LCSegments",
-    "dpsgd_record", "lc_merge_record", "record_epsilon", "rs_merge_record",
-    "PrivacyProfile", "TrainingRecord", "UnreachableTarget", "WeightChoice", "choose_lam", "choose_pi",
-    "gdp_delta", "gdp_epsilon", "gdp_mu", "lc_delta", "lc_epsilon", "lc_pld", "lc_rdp", "lc_report",
-    "lc_segments", "lc_surrogate_epsilon", "lc_surrogate_mu", "surrogate_is_bound", "model_delta", "model_epsilon", "pld_of_record", "privacy_profile", "privacy_profiles",
-    "rdp_of_record", "rdp_to_delta", "rdp_to_epsilon", "rs_delta", "rs_epsilon", "rs_pld", "rs_profiles",
+    "ADJACENCIES",
+    "DEFAULT_ORDERS",
+    "ApproxDP",
+    "Deltas",
+    "Epsilons",
+    "GaussianStep",
+    "LCReport",
+    "LCSegments",
+    "PrivacyProfile",
+    "TrainingRecord",
+    "UnreachableTarget",
+    "WeightChoice",
+    "choose_lam",
+    "choose_pi",
+    "dpsgd_record",
+    "gdp_delta",
+    "gdp_epsilon",
+    "gdp_mu",
+    "lc_delta",
+    "lc_epsilon",
+    "lc_merge_record",
+    "lc_pld",
+    "lc_rdp",
+    "lc_report",
+    "lc_segments",
+    "lc_surrogate_epsilon",
+    "lc_surrogate_mu",
+    "model_delta",
+    "model_epsilon",
+    "pld_of_record",
+    "privacy_profile",
+    "privacy_profiles",
+    "rdp_of_record",
+    "rdp_to_delta",
+    "rdp_to_epsilon",
+    "record_epsilon",
+    "rs_delta",
+    "rs_epsilon",
+    "rs_merge_record",
+    "rs_pld",
+    "rs_profiles",
     "rs_rdp",
+    "surrogate_is_bound",
 ]

@@ -18,8 +18,8 @@ Statements relied on:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant

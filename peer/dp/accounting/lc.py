@@ -52,20 +52,31 @@ no surrogate figure, its LC is charged by composition).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_orders, gdp_delta, gdp_epsilon,
-                                            json_number, pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
-from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
+from peer.dp.accounting.conversions import (
+    DEFAULT_ORDERS,
+    Deltas,
+    Epsilons,
+    check_orders,
+    gdp_delta,
+    gdp_epsilon,
+    json_number,
+    pld_delta,
+    pld_epsilon,
+    rdp_to_delta,
+    rdp_to_epsilon,
+)
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, PrivacyProfile, model_rdp, privacy_profiles, resolve_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import check_weights
-from peer.base.errors import InvalidArgument
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
 
 DEFAULT_MAX_GROUPS = 32
 
@@ -73,7 +84,8 @@ NO_FREE_LUNCH = (
     "LC needs every model's per-step hyperparameters (learning_rate, clip_norm, noise_multiplier "
     "per step); this model is known only by its final (epsilon, delta). No free lunch: from final "
     "guarantees alone a linear combination can be no more private than releasing every model "
-    "together (their composition). Use RS, which works with (epsilon, delta)-only models.")
+    "together (their composition). Use RS, which works with (epsilon, delta)-only models."
+)
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,7 @@ class LCSegments:
         """μ_s = Δ_s / s_s per segment (0 where no weighted model is active; ∞ if unnoised)."""
         lam = _effective(lam)
         delta = self.k * (self.signal @ lam)
-        std = np.sqrt((self.noise ** 2) @ (lam ** 2))
+        std = np.sqrt((self.noise**2) @ (lam**2))
         with np.errstate(divide="ignore", invalid="ignore"):
             mu = np.where(delta == 0, 0.0, delta / std)
         return mu
@@ -111,15 +123,15 @@ class LCSegments:
         mu_s = self.step_ratios(lam)
         if np.any(np.isinf(mu_s)):
             return math.inf
-        return float(math.sqrt(float(np.dot(self.counts, mu_s ** 2))))
+        return float(math.sqrt(float(np.dot(self.counts, mu_s**2))))
 
     def mu_many(self, lams: np.ndarray) -> np.ndarray:
         """μ for each row of ``lams`` (m × k), vectorised (for searches over λ)."""
         lams = np.array([_effective(row) for row in np.atleast_2d(lams)])
         delta = self.k * (self.signal @ lams.T)
-        var = (self.noise ** 2) @ (lams ** 2).T
+        var = (self.noise**2) @ (lams**2).T
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio_sq = np.where(delta == 0, 0.0, delta ** 2 / var)
+            ratio_sq = np.where(delta == 0, 0.0, delta**2 / var)
         return np.sqrt(self.counts @ ratio_sq)
 
 
@@ -144,7 +156,9 @@ def check_lc_models(models: Sequence, adjacency: str | None) -> tuple[list[Train
         if isinstance(m, ApproxDP) or (isinstance(m, PrivacyProfile) and m.source == "approx-dp"):
             raise InvalidArgument(f"models[{i}]", NO_FREE_LUNCH)
         if isinstance(m, PrivacyProfile):
-            raise InvalidArgument(f"models[{i}]", "LC needs the TrainingRecord (per-step hyperparameters), not a precomputed profile")
+            raise InvalidArgument(
+                f"models[{i}]", "LC needs the TrainingRecord (per-step hyperparameters), not a precomputed profile"
+            )
         if not isinstance(m, TrainingRecord):
             raise InvalidArgument(f"models[{i}]", f"must be a TrainingRecord, got {type(m).__name__}")
     adjacency = resolve_adjacency(list(models), adjacency)
@@ -153,12 +167,13 @@ def check_lc_models(models: Sequence, adjacency: str | None) -> tuple[list[Train
 
 def _check_full_batch(records: Sequence[TrainingRecord]) -> None:
     for i, m in enumerate(records):
-        for t_start, (step, count) in zip(np.cumsum([0] + [n for _, n in m.runs]), m.runs):
+        for t_start, (step, _count) in zip(np.cumsum([0] + [n for _, n in m.runs])[:-1], m.runs, strict=True):
             if step.sample_rate != 1.0:
                 raise InvalidArgument(
                     f"models[{i}].steps[{int(t_start)}].sample_rate",
                     f"the LC per-step surrogate is defined for full-batch DP-SGD only (sample_rate 1), got "
-                    f"{step.sample_rate}; the LC of Poisson-subsampled models is charged by composition")
+                    f"{step.sample_rate}; the LC of Poisson-subsampled models is charged by composition",
+                )
 
 
 def lc_segments(models: Sequence[TrainingRecord], *, adjacency: str | None = None) -> LCSegments:
@@ -171,8 +186,13 @@ def lc_segments(models: Sequence[TrainingRecord], *, adjacency: str | None = Non
     for r in records:
         ends = np.cumsum([n for _, n in r.runs])
         bounds.update(int(e) for e in ends)
-        per_model.append((ends, np.array([s.learning_rate * s.clip_norm for s, _ in r.runs]),
-                          np.array([s.learning_rate * s.noise_multiplier * s.clip_norm for s, _ in r.runs])))
+        per_model.append(
+            (
+                ends,
+                np.array([s.learning_rate * s.clip_norm for s, _ in r.runs]),
+                np.array([s.learning_rate * s.noise_multiplier * s.clip_norm for s, _ in r.runs]),
+            )
+        )
     ends = np.array(sorted(bounds))
     starts = np.concatenate([[0], ends[:-1]])
     counts = (ends - starts).astype(float)
@@ -193,14 +213,21 @@ def _segments_and_weights(models, lam, adjacency) -> tuple[LCSegments, np.ndarra
     return segments, check_weights(lam, segments.num_models, "lam")
 
 
-def lc_surrogate_mu(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float], *, adjacency: str | None = None) -> float:
+def lc_surrogate_mu(
+    models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float], *, adjacency: str | None = None
+) -> float:
     """The surrogate μ = sqrt(Σ_t (Δ_t/s_t)²) of θ_λ (μ-GDP only for state-independent gradients)."""
     segments, lam = _segments_and_weights(models, lam, adjacency)
     return segments.mu(lam)
 
 
-def lc_surrogate_rdp(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float], *, adjacency: str | None = None,
-           orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+def lc_surrogate_rdp(
+    models: Sequence[TrainingRecord] | LCSegments,
+    lam: Sequence[float],
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+) -> np.ndarray:
     """The surrogate RDP Σ_t order·Δ_t²/(2 s_t²) at every order."""
     return rdp_gaussian(lc_surrogate_mu(models, lam, adjacency=adjacency), check_orders(orders))
 
@@ -211,7 +238,7 @@ def _split_blocks(values: np.ndarray, counts: np.ndarray, max_groups: int) -> li
     of μ² when every step in it takes the block's largest value: v_j²·Σn − Σ n v²."""
     w = counts.astype(float)
     cum_n = np.concatenate([[0.0], np.cumsum(w)])
-    cum_s = np.concatenate([[0.0], np.cumsum(w * values ** 2)])
+    cum_s = np.concatenate([[0.0], np.cumsum(w * values**2)])
 
     def cost(i, j):
         return values[j] ** 2 * (cum_n[j + 1] - cum_n[i]) - (cum_s[j + 1] - cum_s[i])
@@ -243,18 +270,25 @@ def _group_ratios(counts: np.ndarray, mu_s: np.ndarray, max_groups: int) -> tupl
     values, inverse = np.unique(mu_s[keep], return_inverse=True)
     totals = np.bincount(inverse, weights=counts[keep]).astype(np.int64) if values.size else np.zeros(0, np.int64)
     if values.size <= max_groups:
-        return [(float(v), int(n)) for v, n in zip(values, totals)], None
+        return [(float(v), int(n)) for v, n in zip(values, totals, strict=True)], None
     blocks = _split_blocks(values, totals, max_groups)
-    groups = [(float(values[j]), int(totals[i:j + 1].sum())) for i, j in blocks]
-    exact = math.sqrt(float(np.dot(totals, values ** 2)))
+    groups = [(float(values[j]), int(totals[i : j + 1].sum())) for i, j in blocks]
+    exact = math.sqrt(float(np.dot(totals, values**2)))
     rounded = math.sqrt(sum(n * v * v for v, n in groups))
-    return groups, (f"FFT composition rounded {values.size} distinct per-step ratios up into {len(groups)} groups: "
-                    f"mu {exact:.6g} -> {rounded:.6g} (sound, conservative by {rounded / exact - 1:.2e} relative)")
+    return groups, (
+        f"FFT composition rounded {values.size} distinct per-step ratios up into {len(groups)} groups: "
+        f"mu {exact:.6g} -> {rounded:.6g} (sound, conservative by {rounded / exact - 1:.2e} relative)"
+    )
 
 
-def lc_surrogate_pld(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float], *, adjacency: str | None = None,
-               value_discretization_interval: float = DEFAULT_INTERVAL,
-               max_groups: int = DEFAULT_MAX_GROUPS) -> tuple[pldm.PLD, tuple[str, ...]]:
+def lc_surrogate_pld(
+    models: Sequence[TrainingRecord] | LCSegments,
+    lam: Sequence[float],
+    *,
+    adjacency: str | None = None,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> tuple[pldm.PLD, tuple[str, ...]]:
     """The surrogate PLD of θ_λ by numerical composition of the per-step Gaussian PLDs (dp-accounting
     PLD per distinct Δ_t/s_t, ``self_compose`` per group, FFT ``compose`` across groups).
     Returns (pld, notes); a note is present when steps had to be rounded into groups."""
@@ -279,27 +313,51 @@ def _surrogate_bounds(models, lam, adjacency, orders, interval, max_groups):
     return pld, orders, rdp_gaussian(mu, orders), mu, notes
 
 
-def lc_surrogate_epsilon(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float], delta: float, *,
-               adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-               value_discretization_interval: float = DEFAULT_INTERVAL,
-               max_groups: int = DEFAULT_MAX_GROUPS) -> Epsilons:
+def lc_surrogate_epsilon(
+    models: Sequence[TrainingRecord] | LCSegments,
+    lam: Sequence[float],
+    delta: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> Epsilons:
     """The surrogate ε of θ_λ at ``delta`` (a bound only for state-independent gradients, module
     docstring): ``pld`` (FFT composition), ``closed_form`` (μ-GDP), ``rdp``."""
     delta = check_delta(delta)
-    pld, orders, rdp, mu, notes = _surrogate_bounds(models, lam, adjacency, orders, value_discretization_interval, max_groups)
-    return Epsilons(pld=pld_epsilon(pld, delta), rdp=rdp_to_epsilon(orders, rdp, delta),
-                    closed_form=gdp_epsilon(mu, delta), notes=notes)
+    pld, orders, rdp, mu, notes = _surrogate_bounds(
+        models, lam, adjacency, orders, value_discretization_interval, max_groups
+    )
+    return Epsilons(
+        pld=pld_epsilon(pld, delta),
+        rdp=rdp_to_epsilon(orders, rdp, delta),
+        closed_form=gdp_epsilon(mu, delta),
+        notes=notes,
+    )
 
 
-def lc_surrogate_delta(models: Sequence[TrainingRecord] | LCSegments, lam: Sequence[float], epsilon: float, *,
-             adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-             value_discretization_interval: float = DEFAULT_INTERVAL,
-             max_groups: int = DEFAULT_MAX_GROUPS) -> Deltas:
+def lc_surrogate_delta(
+    models: Sequence[TrainingRecord] | LCSegments,
+    lam: Sequence[float],
+    epsilon: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> Deltas:
     """The surrogate δ of θ_λ at ``epsilon`` by the three accountants (same caveat)."""
     epsilon = check_epsilon(epsilon, zero=True)
-    pld, orders, rdp, mu, notes = _surrogate_bounds(models, lam, adjacency, orders, value_discretization_interval, max_groups)
-    return Deltas(pld=pld_delta(pld, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon),
-                  closed_form=gdp_delta(mu, epsilon), notes=notes)
+    pld, orders, rdp, mu, notes = _surrogate_bounds(
+        models, lam, adjacency, orders, value_discretization_interval, max_groups
+    )
+    return Deltas(
+        pld=pld_delta(pld, epsilon),
+        rdp=rdp_to_delta(orders, rdp, epsilon),
+        closed_form=gdp_delta(mu, epsilon),
+        notes=notes,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,7 +367,8 @@ BOUNDS = ("composition", "surrogate")
 SURROGATE_VALID_WHEN = (
     "every merged model's clipped per-example gradients do not depend on its own parameters "
     "(state-independent gradients, e.g. Gaussian mean estimation with a linear loss), declared in its "
-    "training record; not a bound for DP-SGD on a neural network")
+    "training record; not a bound for DP-SGD on a neural network"
+)
 
 
 def lc_support(lam: Sequence[float], count: int) -> tuple[int, ...]:
@@ -324,8 +383,10 @@ def surrogate_is_bound(models: Sequence, lam: Sequence[float] | None = None) -> 
     state-independent gradients."""
     models = list(models)
     chosen = range(len(models)) if lam is None else lc_support(lam, len(models))
-    return bool(models) and all(isinstance(models[i], TrainingRecord) and models[i].state_independent_gradients
-                                and models[i].full_batch for i in chosen)
+    return bool(models) and all(
+        isinstance(models[i], TrainingRecord) and models[i].state_independent_gradients and models[i].full_batch
+        for i in chosen
+    )
 
 
 def _composition_parts(models, lam, adjacency):
@@ -334,8 +395,13 @@ def _composition_parts(models, lam, adjacency):
     return records, adjacency, support
 
 
-def lc_composition_rdp(models: Sequence[TrainingRecord], lam: Sequence[float], *, adjacency: str | None = None,
-                       orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+def lc_composition_rdp(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+) -> np.ndarray:
     """Σ_{i: λ_i>0} ε_order,i: the RDP of releasing every model θ_λ depends on (each model's own
     curve, ``profiles.model_rdp``; cached, so a ledger charge builds no PLD)."""
     orders = check_orders(orders)
@@ -354,22 +420,33 @@ def _composition_pld(records, adjacency, support, interval) -> tuple[pldm.PLD, f
         return pldm.identity_pld(interval), 0.0
     profiles = privacy_profiles([records[i] for i in support], adjacency, value_discretization_interval=interval)
     if all(p.mu is not None for p in profiles):
-        mu = math.sqrt(sum(p.mu ** 2 for p in profiles))
+        mu = math.sqrt(sum(p.mu**2 for p in profiles))
         return pldm.gaussian_pld(mu, interval), mu
     return pldm.compose_plds([p.pld for p in profiles], interval), None
 
 
-def lc_composition_pld(models: Sequence[TrainingRecord], lam: Sequence[float], *, adjacency: str | None = None,
-                       value_discretization_interval: float = DEFAULT_INTERVAL) -> pldm.PLD:
+def lc_composition_pld(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    *,
+    adjacency: str | None = None,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> pldm.PLD:
     """The PLD of releasing every model θ_λ depends on (``_composition_pld``)."""
     interval = pldm.check_interval(value_discretization_interval)
     records, adjacency, support = _composition_parts(models, lam, adjacency)
     return _composition_pld(records, adjacency, support, interval)[0]
 
 
-def lc_composition_epsilon(models: Sequence[TrainingRecord], lam: Sequence[float], delta: float, *,
-                           adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-                           value_discretization_interval: float = DEFAULT_INTERVAL) -> Epsilons:
+def lc_composition_epsilon(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    delta: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> Epsilons:
     """ε at ``delta`` of the composition of the models with λ_i > 0 (proven for any training):
     ``pld``, ``rdp`` and, when they are all full-batch Gaussians, ``closed_form`` (μ-GDP)."""
     delta = check_delta(delta)
@@ -378,8 +455,11 @@ def lc_composition_epsilon(models: Sequence[TrainingRecord], lam: Sequence[float
     records, adjacency, support = _composition_parts(models, lam, adjacency)
     pld, mu = _composition_pld(records, adjacency, support, interval)
     rdp = lc_composition_rdp(records, lam, adjacency=adjacency, orders=orders)
-    return Epsilons(pld=pld_epsilon(pld, delta), rdp=rdp_to_epsilon(orders, rdp, delta),
-                    closed_form=None if mu is None else gdp_epsilon(mu, delta))
+    return Epsilons(
+        pld=pld_epsilon(pld, delta),
+        rdp=rdp_to_epsilon(orders, rdp, delta),
+        closed_form=None if mu is None else gdp_epsilon(mu, delta),
+    )
 
 
 def lc_bound(models: Sequence[TrainingRecord], lam: Sequence[float], *, adjacency: str | None = None) -> str:
@@ -397,8 +477,13 @@ def _restrict(records: list[TrainingRecord], lam: Sequence[float]) -> tuple[list
     return [records[i] for i in support], w[support]
 
 
-def lc_rdp(models: Sequence[TrainingRecord], lam: Sequence[float], *, adjacency: str | None = None,
-           orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+def lc_rdp(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+) -> np.ndarray:
     """The charged RDP of θ_λ: the surrogate's order·μ²/2 when ``surrogate_is_bound``, else the
     composition Σ_{i: λ_i>0} ε_order,i."""
     records, adjacency = check_lc_models(models, adjacency)
@@ -407,49 +492,93 @@ def lc_rdp(models: Sequence[TrainingRecord], lam: Sequence[float], *, adjacency:
     return lc_composition_rdp(records, lam, adjacency=adjacency, orders=orders)
 
 
-def lc_pld(models: Sequence[TrainingRecord], lam: Sequence[float], *, adjacency: str | None = None,
-           value_discretization_interval: float = DEFAULT_INTERVAL,
-           max_groups: int = DEFAULT_MAX_GROUPS) -> tuple[pldm.PLD, tuple[str, ...]]:
+def lc_pld(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    *,
+    adjacency: str | None = None,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> tuple[pldm.PLD, tuple[str, ...]]:
     """The charged PLD of θ_λ and notes (the surrogate's FFT when ``surrogate_is_bound``, else the
     composition's)."""
     records, adjacency = check_lc_models(models, adjacency)
     if surrogate_is_bound(records, lam):
-        return lc_surrogate_pld(*_restrict(records, lam), adjacency=adjacency, value_discretization_interval=value_discretization_interval,
-                                max_groups=max_groups)
-    return lc_composition_pld(records, lam, adjacency=adjacency, value_discretization_interval=value_discretization_interval), ()
+        return lc_surrogate_pld(
+            *_restrict(records, lam),
+            adjacency=adjacency,
+            value_discretization_interval=value_discretization_interval,
+            max_groups=max_groups,
+        )
+    return lc_composition_pld(
+        records, lam, adjacency=adjacency, value_discretization_interval=value_discretization_interval
+    ), ()
 
 
-def lc_epsilon(models: Sequence[TrainingRecord], lam: Sequence[float], delta: float, *,
-               adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-               value_discretization_interval: float = DEFAULT_INTERVAL,
-               max_groups: int = DEFAULT_MAX_GROUPS) -> Epsilons:
+def lc_epsilon(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    delta: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> Epsilons:
     """The charged ε of θ_λ at ``delta`` (a proven bound): the surrogate when every model with
     λ_i > 0 declares state-independent gradients, else the composition of those models."""
     records, adjacency = check_lc_models(models, adjacency)
     if surrogate_is_bound(records, lam):
-        return lc_surrogate_epsilon(*_restrict(records, lam), delta, adjacency=adjacency, orders=orders,
-                                    value_discretization_interval=value_discretization_interval, max_groups=max_groups)
-    return lc_composition_epsilon(records, lam, delta, adjacency=adjacency, orders=orders,
-                                  value_discretization_interval=value_discretization_interval)
+        return lc_surrogate_epsilon(
+            *_restrict(records, lam),
+            delta,
+            adjacency=adjacency,
+            orders=orders,
+            value_discretization_interval=value_discretization_interval,
+            max_groups=max_groups,
+        )
+    return lc_composition_epsilon(
+        records,
+        lam,
+        delta,
+        adjacency=adjacency,
+        orders=orders,
+        value_discretization_interval=value_discretization_interval,
+    )
 
 
-def lc_delta(models: Sequence[TrainingRecord], lam: Sequence[float], epsilon: float, *,
-             adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-             value_discretization_interval: float = DEFAULT_INTERVAL,
-             max_groups: int = DEFAULT_MAX_GROUPS) -> Deltas:
+def lc_delta(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    epsilon: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> Deltas:
     """The charged δ of θ_λ at ``epsilon`` (same rule as ``lc_epsilon``)."""
     epsilon = check_epsilon(epsilon, zero=True)
     records, adjacency = check_lc_models(models, adjacency)
     if surrogate_is_bound(records, lam):
-        return lc_surrogate_delta(*_restrict(records, lam), epsilon, adjacency=adjacency, orders=orders,
-                                  value_discretization_interval=value_discretization_interval, max_groups=max_groups)
+        return lc_surrogate_delta(
+            *_restrict(records, lam),
+            epsilon,
+            adjacency=adjacency,
+            orders=orders,
+            value_discretization_interval=value_discretization_interval,
+            max_groups=max_groups,
+        )
     interval = pldm.check_interval(value_discretization_interval)
     orders = check_orders(orders)
     _, _, support = _composition_parts(records, lam, adjacency)
     pld, mu = _composition_pld(records, adjacency, support, interval)
     rdp = lc_composition_rdp(records, lam, adjacency=adjacency, orders=orders)
-    return Deltas(pld=pld_delta(pld, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon),
-                  closed_form=None if mu is None else gdp_delta(mu, epsilon))
+    return Deltas(
+        pld=pld_delta(pld, epsilon),
+        rdp=rdp_to_delta(orders, rdp, epsilon),
+        closed_form=None if mu is None else gdp_delta(mu, epsilon),
+    )
 
 
 @dataclass(frozen=True)
@@ -464,8 +593,13 @@ class SurrogateFigure:
 
     def to_dict(self) -> dict:
         e = self.epsilon
-        out = {"mu": json_number(self.mu), "pld": json_number(e.pld), "rdp": json_number(e.rdp),
-               "valid": self.valid, "valid_when": self.valid_when}
+        out = {
+            "mu": json_number(self.mu),
+            "pld": json_number(e.pld),
+            "rdp": json_number(e.rdp),
+            "valid": self.valid,
+            "valid_when": self.valid_when,
+        }
         if e.notes:
             out["notes"] = list(e.notes)
         return out
@@ -483,10 +617,16 @@ class LCReport:
     support: tuple[int, ...]
 
 
-def lc_report(models: Sequence[TrainingRecord], lam: Sequence[float], delta: float, *,
-              adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-              value_discretization_interval: float = DEFAULT_INTERVAL,
-              max_groups: int = DEFAULT_MAX_GROUPS) -> LCReport:
+def lc_report(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    delta: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> LCReport:
     """The charged bound of θ_λ at ``delta`` and the surrogate figure beside it."""
     delta = check_delta(delta)
     records, adjacency = check_lc_models(models, adjacency)
@@ -495,17 +635,51 @@ def lc_report(models: Sequence[TrainingRecord], lam: Sequence[float], delta: flo
     active, weights = _restrict(records, lam)
     if all(m.full_batch for m in active):
         segments = lc_segments(active, adjacency=adjacency)
-        eps = lc_surrogate_epsilon(segments, weights, delta, orders=orders,
-                                   value_discretization_interval=value_discretization_interval, max_groups=max_groups)
+        eps = lc_surrogate_epsilon(
+            segments,
+            weights,
+            delta,
+            orders=orders,
+            value_discretization_interval=value_discretization_interval,
+            max_groups=max_groups,
+        )
         surrogate = SurrogateFigure(segments.mu(weights), eps, surrogate_is_bound(records, lam))
     if surrogate is not None and surrogate.valid:
         return LCReport("surrogate", surrogate.epsilon, surrogate, support)
-    eps = lc_composition_epsilon(records, lam, delta, adjacency=adjacency, orders=orders,
-                                 value_discretization_interval=value_discretization_interval)
+    eps = lc_composition_epsilon(
+        records,
+        lam,
+        delta,
+        adjacency=adjacency,
+        orders=orders,
+        value_discretization_interval=value_discretization_interval,
+    )
     return LCReport("composition", eps, surrogate, support)
 
 
-__all__ = ["BOUNDS", "LCReport", "LCSegments", "NO_FREE_LUNCH", "SURROGATE_VALID_WHEN", "SurrogateFigure", "check_lc_models",
-           "lc_bound", "lc_composition_epsilon", "lc_composition_pld", "lc_composition_rdp", "lc_delta", "lc_epsilon",
-           "lc_pld", "lc_rdp", "lc_report", "lc_segments", "lc_support", "lc_surrogate_delta", "lc_surrogate_epsilon",
-           "lc_surrogate_mu", "lc_surrogate_pld", "lc_surrogate_rdp", "surrogate_is_bound"]
+__all__ = [
+    "BOUNDS",
+    "NO_FREE_LUNCH",
+    "SURROGATE_VALID_WHEN",
+    "LCReport",
+    "LCSegments",
+    "SurrogateFigure",
+    "check_lc_models",
+    "lc_bound",
+    "lc_composition_epsilon",
+    "lc_composition_pld",
+    "lc_composition_rdp",
+    "lc_delta",
+    "lc_epsilon",
+    "lc_pld",
+    "lc_rdp",
+    "lc_report",
+    "lc_segments",
+    "lc_support",
+    "lc_surrogate_delta",
+    "lc_surrogate_epsilon",
+    "lc_surrogate_mu",
+    "lc_surrogate_pld",
+    "lc_surrogate_rdp",
+    "surrogate_is_bound",
+]

@@ -22,7 +22,7 @@ and reports the larger δ of the two. Statements relied on:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from dp_accounting.pld import common as pld_common
@@ -30,8 +30,8 @@ from dp_accounting.pld import pld_pmf, privacy_loss_mechanism
 from dp_accounting.pld import privacy_loss_distribution as pldlib
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from peer.dp.accounting.training_records import check_adjacency
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting.training_records import check_adjacency
 
 PLD = pldlib.PrivacyLossDistribution
 
@@ -57,13 +57,13 @@ def directions(pld: PLD):
     """(REMOVE PMF, ADD PMF) of a PLD. dp-accounting 0.6.0 (pinned) keeps them as
     ``_pmf_remove`` / ``_pmf_add`` (the same object when symmetric); this is the one place we
     read them, to evaluate the two RS constraints separately."""
-    return pld._pmf_remove, pld._pmf_add  # noqa: SLF001 — see docstring
+    return pld._pmf_remove, pld._pmf_add
 
 
 def infinity_mass(pld: PLD) -> float:
     """P(privacy loss = +∞), the larger of the two directions."""
     remove, add = directions(pld)
-    return max(float(remove._infinity_mass), float(add._infinity_mass))  # noqa: SLF001
+    return max(float(remove._infinity_mass), float(add._infinity_mass))
 
 
 def is_non_private(pld: PLD) -> bool:
@@ -77,10 +77,10 @@ def _pmf_deltas(pmf, eps: np.ndarray) -> np.ndarray:
     (l* the largest finite loss), valid while the loss range keeps e^{l*−l} finite; otherwise
     dp-accounting's own evaluation."""
     dense = pmf.to_dense_pmf()
-    h = dense._discretization                     # noqa: SLF001 — dp-accounting 0.6.0 fields
-    probs = dense._probs                          # noqa: SLF001
-    inf_mass = float(dense._infinity_mass)        # noqa: SLF001
-    losses = (dense._lower_loss + np.arange(probs.size)) * h  # noqa: SLF001
+    h = dense._discretization
+    probs = dense._probs
+    inf_mass = float(dense._infinity_mass)
+    losses = (dense._lower_loss + np.arange(probs.size)) * h
     if eps.size <= 16:
         out = np.empty(eps.size)
         for i, e in enumerate(eps):
@@ -122,7 +122,7 @@ def _gaussian_inverse_loss(loss: privacy_loss_mechanism.GaussianPrivacyLoss, eps
       gives −2 sinh(u + ε/2) = 2a sinh(ε/2) with a = e^c (1−q)/q, so
       x = σ²/Δ · (−asinh(a sinh(ε/2)) − ε/2)  (at q = 1: x = −εσ²/(2Δ)).
     """
-    sigma2 = loss._standard_deviation ** 2  # noqa: SLF001 — the mechanism's own σ
+    sigma2 = loss._standard_deviation**2
     sens, q = loss.sensitivity, loss.sampling_prob
     kind = loss.adjacency_type
     if kind == privacy_loss_mechanism.AdjacencyType.REPLACE:
@@ -164,15 +164,23 @@ def _fast_gaussian_pmf(loss: privacy_loss_mechanism.GaussianPrivacyLoss, interva
     return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(interval, lo, hi, np.clip(deltas, 0, 1))
 
 
-def fast_gaussian_pld(standard_deviation: float, sensitivity: float, value_discretization_interval: float,
-                      sampling_prob: float = 1.0,
-                      neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE) -> PLD:
+def fast_gaussian_pld(
+    standard_deviation: float,
+    sensitivity: float,
+    value_discretization_interval: float,
+    sampling_prob: float = 1.0,
+    neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
+) -> PLD:
     """Same PLD as dp-accounting's ``from_gaussian_mechanism`` (pessimistic, connect-the-dots,
     default log-mass truncation −50), built with ``_fast_gaussian_pmf``."""
+
     def pmf(kind):
-        return _fast_gaussian_pmf(privacy_loss_mechanism.GaussianPrivacyLoss(
-            standard_deviation, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=kind),
-            value_discretization_interval)
+        return _fast_gaussian_pmf(
+            privacy_loss_mechanism.GaussianPrivacyLoss(
+                standard_deviation, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=kind
+            ),
+            value_discretization_interval,
+        )
 
     if neighboring_relation == NeighboringRelation.REPLACE_ONE:
         return PLD(pmf(privacy_loss_mechanism.AdjacencyType.REPLACE))
@@ -194,8 +202,9 @@ def gaussian_pld(mu: float, value_discretization_interval: float) -> PLD:
     return fast_gaussian_pld(1.0, mu, value_discretization_interval)
 
 
-def subsampled_gaussian_pld(noise_multiplier: float, sample_rate: float, adjacency: str,
-                            value_discretization_interval: float) -> PLD:
+def subsampled_gaussian_pld(
+    noise_multiplier: float, sample_rate: float, adjacency: str, value_discretization_interval: float
+) -> PLD:
     """PLD of one DP-SGD step: clipped sum (clip norm = unit sensitivity), noise std σ, Poisson
     rate q, under ``adjacency``. dp-accounting's pairs: add-remove, REMOVE: (1−q)N(0)+qN(−1) vs
     N(0) and ADD: N(0) vs (1−q)N(0)+qN(1); replace-one: (1−q)N(0)+qN(−1) vs (1−q)N(0)+qN(1)
@@ -204,8 +213,7 @@ def subsampled_gaussian_pld(noise_multiplier: float, sample_rate: float, adjacen
     sigma, q = float(noise_multiplier), float(sample_rate)
     if sigma == 0:
         return non_private_pld(value_discretization_interval)
-    relation = (NeighboringRelation.REPLACE_ONE if adjacency == "replace-one"
-                else NeighboringRelation.ADD_OR_REMOVE_ONE)
+    relation = NeighboringRelation.REPLACE_ONE if adjacency == "replace-one" else NeighboringRelation.ADD_OR_REMOVE_ONE
     return fast_gaussian_pld(sigma, 1.0, value_discretization_interval, sampling_prob=q, neighboring_relation=relation)
 
 
@@ -216,16 +224,19 @@ def laplace_pld(epsilon: float, value_discretization_interval: float) -> PLD:
         return identity_pld(value_discretization_interval)
     if math.isinf(epsilon):
         return non_private_pld(value_discretization_interval)
-    return pldlib.from_laplace_mechanism(1.0 / epsilon, sensitivity=1.0,
-                                         value_discretization_interval=value_discretization_interval)
+    return pldlib.from_laplace_mechanism(
+        1.0 / epsilon, sensitivity=1.0, value_discretization_interval=value_discretization_interval
+    )
 
 
 def approx_dp_pld(epsilon: float, delta: float, value_discretization_interval: float) -> PLD:
     """Worst-case PLD of an (ε, δ)-DP mechanism (dp-accounting ``from_privacy_parameters``:
     +∞ w.p. δ, ±ε otherwise — randomised response with an extra δ of catastrophe). With δ = 0 it
     is exactly binary randomised response, the dominating pair of pure ε-DP."""
-    return pldlib.from_privacy_parameters(pld_common.DifferentialPrivacyParameters(epsilon, delta),
-                                          value_discretization_interval=value_discretization_interval)
+    return pldlib.from_privacy_parameters(
+        pld_common.DifferentialPrivacyParameters(epsilon, delta),
+        value_discretization_interval=value_discretization_interval,
+    )
 
 
 def self_compose(pld: PLD, count: int) -> PLD:
@@ -252,7 +263,7 @@ def compose_plds(plds: Sequence[PLD], value_discretization_interval: float) -> P
 
 def mixture_pld(plds: Sequence[PLD], weights: Sequence[float]) -> PLD:
     """Σ_i w_i · PLD_i, direction by direction (the RS hockey-stick bound; module docstring)."""
-    pairs = [(p, float(w)) for p, w in zip(plds, weights) if w > 0]
+    pairs = [(p, float(w)) for p, w in zip(plds, weights, strict=True) if w > 0]
     if not pairs:
         raise InvalidArgument("pi", "must put positive weight on some model")
     mixed, total = pairs[0]

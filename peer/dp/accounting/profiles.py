@@ -21,18 +21,28 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
-from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, check_orders, gdp_delta, gdp_epsilon,
-                                            pld_delta, pld_epsilon, rdp_to_delta, rdp_to_epsilon)
-from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
-from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.conversions import (
+    DEFAULT_ORDERS,
+    Deltas,
+    Epsilons,
+    check_orders,
+    gdp_delta,
+    gdp_epsilon,
+    pld_delta,
+    pld_epsilon,
+    rdp_to_delta,
+    rdp_to_epsilon,
+)
+from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
+from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
 
 DEFAULT_INTERVAL = 1e-4
 # profiles kept for models seen before (a daemon's pools, a ledger's records): at most this many
@@ -54,22 +64,30 @@ class PrivacyProfile:
 
     def epsilon(self, delta: float) -> Epsilons:
         delta = check_delta(delta)
-        return Epsilons(pld=pld_epsilon(self.pld, delta), rdp=rdp_to_epsilon(self.orders, self.rdp, delta),
-                        closed_form=None if self.mu is None else gdp_epsilon(self.mu, delta))
+        return Epsilons(
+            pld=pld_epsilon(self.pld, delta),
+            rdp=rdp_to_epsilon(self.orders, self.rdp, delta),
+            closed_form=None if self.mu is None else gdp_epsilon(self.mu, delta),
+        )
 
     def delta(self, epsilon: float) -> Deltas:
         epsilon = check_epsilon(epsilon, zero=True)
-        return Deltas(pld=pld_delta(self.pld, epsilon), rdp=rdp_to_delta(self.orders, self.rdp, epsilon),
-                      closed_form=None if self.mu is None else gdp_delta(self.mu, epsilon))
+        return Deltas(
+            pld=pld_delta(self.pld, epsilon),
+            rdp=rdp_to_delta(self.orders, self.rdp, epsilon),
+            closed_form=None if self.mu is None else gdp_delta(self.mu, epsilon),
+        )
 
 
-Model = Union[TrainingRecord, ApproxDP, PrivacyProfile]
+Model = TrainingRecord | ApproxDP | PrivacyProfile
 
 
 def model_adjacency(model: Model, field_name: str = "model") -> str:
     if isinstance(model, (TrainingRecord, ApproxDP, PrivacyProfile)):
         return model.adjacency
-    raise InvalidArgument(field_name, f"must be a TrainingRecord, ApproxDP or PrivacyProfile, got {type(model).__name__}")
+    raise InvalidArgument(
+        field_name, f"must be a TrainingRecord, ApproxDP or PrivacyProfile, got {type(model).__name__}"
+    )
 
 
 def resolve_adjacency(models: Sequence[Model], adjacency: str | None) -> str:
@@ -84,12 +102,15 @@ def resolve_adjacency(models: Sequence[Model], adjacency: str | None) -> str:
     if adjacency is not None:
         return check_adjacency(adjacency)
     if len(set(found)) > 1:
-        groups = "; ".join(f"{a} for models {[i for i, f in enumerate(found) if f == a]}" for a in ADJACENCIES if a in found)
+        groups = "; ".join(
+            f"{a} for models {[i for i, f in enumerate(found) if f == a]}" for a in ADJACENCIES if a in found
+        )
         raise InvalidArgument(
             "adjacency",
             f"models mix adjacencies ({groups}): pass adjacency='replace-one' or 'add-remove' to "
             "account them all under one unit (DP-SGD records are re-derived exactly; an "
-            "add-remove (epsilon, delta) model converts to replace-one by group privacy)")
+            "add-remove (epsilon, delta) model converts to replace-one by group privacy)",
+        )
     return found[0]
 
 
@@ -128,8 +149,9 @@ def _training_profile(record: TrainingRecord, adjacency: str, orders: np.ndarray
         if q != 1.0:
             parts.append(pldm.self_compose(pldm.subsampled_gaussian_pld(sigma, q, adjacency, interval), count))
     full_batch = all(q == 1.0 for _, q in groups)
-    return PrivacyProfile(adjacency, tuple(orders), rdp, pldm.compose_plds(parts, interval), interval,
-                          mu_full if full_batch else None)
+    return PrivacyProfile(
+        adjacency, tuple(orders), rdp, pldm.compose_plds(parts, interval), interval, mu_full if full_batch else None
+    )
 
 
 def _approx_rdp(model: ApproxDP, adjacency: str, orders: np.ndarray) -> np.ndarray:
@@ -139,8 +161,15 @@ def _approx_rdp(model: ApproxDP, adjacency: str, orders: np.ndarray) -> np.ndarr
 
 def _approx_profile(model: ApproxDP, adjacency: str, orders: np.ndarray, interval: float) -> PrivacyProfile:
     m = model.under(adjacency)
-    return PrivacyProfile(adjacency, tuple(orders), _derived_rdp(model, adjacency, tuple(float(a) for a in orders)),
-                          pldm.approx_dp_pld(m.epsilon, m.delta, interval), interval, None, source="approx-dp")
+    return PrivacyProfile(
+        adjacency,
+        tuple(orders),
+        _derived_rdp(model, adjacency, tuple(float(a) for a in orders)),
+        pldm.approx_dp_pld(m.epsilon, m.delta, interval),
+        interval,
+        None,
+        source="approx-dp",
+    )
 
 
 def model_rdp(model: Model, adjacency: str | None = None, *, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
@@ -149,7 +178,9 @@ def model_rdp(model: Model, adjacency: str | None = None, *, orders: Sequence[fl
     orders = check_orders(orders)
     adjacency = check_adjacency(model_adjacency(model) if adjacency is None else adjacency)
     if isinstance(model, PrivacyProfile):
-        return privacy_profile(model, adjacency, orders=orders, value_discretization_interval=model.value_discretization_interval).rdp
+        return privacy_profile(
+            model, adjacency, orders=orders, value_discretization_interval=model.value_discretization_interval
+        ).rdp
     return _derived_rdp(model, adjacency, tuple(float(a) for a in orders))
 
 
@@ -162,8 +193,13 @@ def _derived_rdp(model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple
     return rdp
 
 
-def privacy_profile(model: Model, adjacency: str | None = None, *, orders: Sequence[float] = DEFAULT_ORDERS,
-                    value_discretization_interval: float = DEFAULT_INTERVAL) -> PrivacyProfile:
+def privacy_profile(
+    model: Model,
+    adjacency: str | None = None,
+    *,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> PrivacyProfile:
     """The privacy profile of one model under ``adjacency`` (default: the model's own).
 
     A ``PrivacyProfile`` passes through when its adjacency, orders and interval match (it cannot
@@ -174,9 +210,14 @@ def privacy_profile(model: Model, adjacency: str | None = None, *, orders: Seque
     adjacency = check_adjacency(model_adjacency(model) if adjacency is None else adjacency)
     if isinstance(model, PrivacyProfile):
         if model.adjacency != adjacency:
-            raise InvalidArgument("adjacency", f"a precomputed profile is for {model.adjacency}; recompute it from the model for {adjacency}")
+            raise InvalidArgument(
+                "adjacency",
+                f"a precomputed profile is for {model.adjacency}; recompute it from the model for {adjacency}",
+            )
         if tuple(orders) != tuple(model.orders) or model.value_discretization_interval != interval:
-            raise InvalidArgument("orders", "a precomputed profile must use the same orders and value_discretization_interval")
+            raise InvalidArgument(
+                "orders", "a precomputed profile must use the same orders and value_discretization_interval"
+            )
         return model
     if isinstance(model, (ApproxDP, TrainingRecord)):
         return _derived_profile(model, adjacency, tuple(float(a) for a in orders), interval)
@@ -184,7 +225,9 @@ def privacy_profile(model: Model, adjacency: str | None = None, *, orders: Seque
 
 
 @functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)
-def _derived_profile(model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple[float, ...], interval: float) -> PrivacyProfile:
+def _derived_profile(
+    model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple[float, ...], interval: float
+) -> PrivacyProfile:
     """A model's profile, kept for the next request that names the same model: a daemon's pool
     is fixed, and a T = 10,000-step Poisson profile takes about half a second to build (PLD
     self-composition). Models are frozen dataclasses and so are the profiles (their RDP arrays
@@ -195,9 +238,13 @@ def _derived_profile(model: TrainingRecord | ApproxDP, adjacency: str, orders: t
     return _training_profile(model, adjacency, grid, interval)
 
 
-def privacy_profiles(models: Sequence[Model], adjacency: str | None = None, *,
-                     orders: Sequence[float] = DEFAULT_ORDERS,
-                     value_discretization_interval: float = DEFAULT_INTERVAL) -> list[PrivacyProfile]:
+def privacy_profiles(
+    models: Sequence[Model],
+    adjacency: str | None = None,
+    *,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> list[PrivacyProfile]:
     """Profiles of several models under one adjacency (``resolve_adjacency``); identical models
     are profiled once."""
     adjacency = resolve_adjacency(models, adjacency)
@@ -207,28 +254,48 @@ def privacy_profiles(models: Sequence[Model], adjacency: str | None = None, *,
         key = id(m) if isinstance(m, PrivacyProfile) else m
         if key not in cache:
             try:
-                cache[key] = privacy_profile(m, adjacency, orders=orders,
-                                             value_discretization_interval=value_discretization_interval)
+                cache[key] = privacy_profile(
+                    m, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+                )
             except InvalidArgument as e:
                 raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
         out.append(cache[key])
     return out
 
 
-def model_epsilon(model: Model, delta: float, *, adjacency: str | None = None,
-                  orders: Sequence[float] = DEFAULT_ORDERS,
-                  value_discretization_interval: float = DEFAULT_INTERVAL) -> Epsilons:
+def model_epsilon(
+    model: Model,
+    delta: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> Epsilons:
     """ε of one model at ``delta`` by PLD, RDP and (full batch) the closed form."""
-    return privacy_profile(model, adjacency, orders=orders,
-                           value_discretization_interval=value_discretization_interval).epsilon(delta)
+    return privacy_profile(
+        model, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    ).epsilon(delta)
 
 
-def model_delta(model: Model, epsilon: float, *, adjacency: str | None = None,
-                orders: Sequence[float] = DEFAULT_ORDERS,
-                value_discretization_interval: float = DEFAULT_INTERVAL) -> Deltas:
-    return privacy_profile(model, adjacency, orders=orders,
-                           value_discretization_interval=value_discretization_interval).delta(epsilon)
+def model_delta(
+    model: Model,
+    epsilon: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> Deltas:
+    return privacy_profile(
+        model, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    ).delta(epsilon)
 
 
-__all__ = ["PrivacyProfile", "privacy_profile", "privacy_profiles", "model_epsilon", "model_delta",
-           "resolve_adjacency", "DEFAULT_INTERVAL"]
+__all__ = [
+    "DEFAULT_INTERVAL",
+    "PrivacyProfile",
+    "model_delta",
+    "model_epsilon",
+    "privacy_profile",
+    "privacy_profiles",
+    "resolve_adjacency",
+]

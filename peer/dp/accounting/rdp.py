@@ -37,16 +37,16 @@ Statements relied on (one function each):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import special
 
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting.conversions import check_orders
 from peer.dp.accounting.training_records import ADJACENCIES, check_adjacency
-from peer.base.errors import InvalidArgument
 
 
 def rdp_gaussian(mu: float, orders: Sequence[float]) -> np.ndarray:
@@ -75,8 +75,7 @@ def rdp_laplace(epsilon: float, orders: Sequence[float]) -> np.ndarray:
     if edge is not None:
         return edge
     a = orders
-    log_terms = np.logaddexp(np.log(a / (2 * a - 1)) + (a - 1) * epsilon,
-                             np.log((a - 1) / (2 * a - 1)) - a * epsilon)
+    log_terms = np.logaddexp(np.log(a / (2 * a - 1)) + (a - 1) * epsilon, np.log((a - 1) / (2 * a - 1)) - a * epsilon)
     return np.minimum(log_terms / (a - 1), epsilon)
 
 
@@ -86,8 +85,8 @@ def rdp_pure(epsilon: float, orders: Sequence[float]) -> np.ndarray:
     edge = _edge_rdp(epsilon, orders)
     if edge is not None:
         return edge
-    log_p = -np.logaddexp(0.0, -epsilon)      # log e^ε/(1+e^ε)
-    log_1mp = -np.logaddexp(0.0, epsilon)     # log 1/(1+e^ε)
+    log_p = -np.logaddexp(0.0, -epsilon)  # log e^ε/(1+e^ε)
+    log_1mp = -np.logaddexp(0.0, epsilon)  # log 1/(1+e^ε)
     a = orders
     out = np.logaddexp(log_1mp + a * epsilon, log_p - a * epsilon) / (a - 1)
     return np.clip(out, 0.0, epsilon)
@@ -101,12 +100,12 @@ def _log_mixture(x: np.ndarray, sigma: float, q: float, shift: float) -> np.ndar
     """log[(1−q)·N(x; 0, σ²) + q·N(x; shift, σ²)]."""
     if q == 1.0:
         return _log_normal_pdf(x, shift, sigma)
-    return np.logaddexp(math.log1p(-q) + _log_normal_pdf(x, 0.0, sigma),
-                        math.log(q) + _log_normal_pdf(x, shift, sigma))
+    return np.logaddexp(math.log1p(-q) + _log_normal_pdf(x, 0.0, sigma), math.log(q) + _log_normal_pdf(x, shift, sigma))
 
 
-def rdp_numerical_subsampled_gaussian(sigma: float, q: float, orders: Sequence[float],
-                                      p_shift: float, q_shift: float) -> np.ndarray:
+def rdp_numerical_subsampled_gaussian(
+    sigma: float, q: float, orders: Sequence[float], p_shift: float, q_shift: float
+) -> np.ndarray:
     """D_order(P ‖ Q) for P = (1−q)N(0,σ²) + qN(p_shift,σ²), Q = (1−q)N(0,σ²) + qN(q_shift,σ²),
     by log-space trapezoid integration of P^order · Q^(1−order).
 
@@ -151,8 +150,7 @@ def rdp_numerical_subsampled_gaussian(sigma: float, q: float, orders: Sequence[f
             log_ratio = _log_mixture(x, sigma, q, p_shift) - log_q
             t = a * log_ratio
             small = t < 30.0
-            terms = np.where(small, np.exp(log_q) * np.expm1(np.minimum(t, 30.0)),
-                             np.exp(g) - np.exp(log_q))
+            terms = np.where(small, np.exp(log_q) * np.expm1(np.minimum(t, 30.0)), np.exp(g) - np.exp(log_q))
             excess = h * float(np.sum(terms))
             log_integral = math.log1p(excess) if excess > -1 else log_integral
         out[k] = max(0.0, log_integral / (a - 1))
@@ -160,8 +158,9 @@ def rdp_numerical_subsampled_gaussian(sigma: float, q: float, orders: Sequence[f
     return out * (1 + 1e-9) + 1e-12
 
 
-def rdp_subsampled_gaussian(noise_multiplier: float, sample_rate: float, orders: Sequence[float],
-                            adjacency: str) -> np.ndarray:
+def rdp_subsampled_gaussian(
+    noise_multiplier: float, sample_rate: float, orders: Sequence[float], adjacency: str
+) -> np.ndarray:
     """RDP of one DP-SGD step: Gaussian noise σ·C on a clipped sum, Poisson rate q.
 
     Full batch (q = 1): sensitivity/noise ratio 1/σ (add-remove) or 2/σ (replace-one), so
@@ -198,8 +197,9 @@ def rdp_mixture(pi: Sequence[float], rdps: Sequence[np.ndarray], orders: Sequenc
         raise InvalidArgument("pi", "must put positive weight on some model")
     r = rdps[keep]
     if np.any(np.isinf(r)):
-        return np.where(np.any(np.isinf(r), axis=0), math.inf,
-                        _mix_finite(pi[keep], np.where(np.isinf(r), 0.0, r), orders))
+        return np.where(
+            np.any(np.isinf(r), axis=0), math.inf, _mix_finite(pi[keep], np.where(np.isinf(r), 0.0, r), orders)
+        )
     return _mix_finite(pi[keep], r, orders)
 
 
@@ -208,5 +208,12 @@ def _mix_finite(pi: np.ndarray, r: np.ndarray, orders: np.ndarray) -> np.ndarray
     return special.logsumexp(a1[None, :] * r + np.log(pi)[:, None], axis=0) / a1
 
 
-__all__ = ["ADJACENCIES", "rdp_gaussian", "rdp_laplace", "rdp_pure", "rdp_subsampled_gaussian",
-           "rdp_numerical_subsampled_gaussian", "rdp_mixture"]
+__all__ = [
+    "ADJACENCIES",
+    "rdp_gaussian",
+    "rdp_laplace",
+    "rdp_mixture",
+    "rdp_numerical_subsampled_gaussian",
+    "rdp_pure",
+    "rdp_subsampled_gaussian",
+]

@@ -29,20 +29,27 @@ The accountant reads only the record: mechanism, parameters, sensitivity and uni
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from peer.base.checks import check_delta
-from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, pld_epsilon, rdp_to_epsilon
-from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
-from peer.dp.accounting.lc import DEFAULT_MAX_GROUPS, lc_pld, lc_rdp, lc_report
-from peer.dp.accounting.profiles import DEFAULT_INTERVAL, model_rdp, privacy_profile, privacy_profiles, resolve_adjacency
-from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
-from peer.dp.accounting.rs import check_weights, rs_epsilon
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, pld_epsilon, rdp_to_epsilon
+from peer.dp.accounting.lc import DEFAULT_MAX_GROUPS, lc_pld, lc_rdp, lc_report
+from peer.dp.accounting.profiles import (
+    DEFAULT_INTERVAL,
+    model_rdp,
+    privacy_profile,
+    privacy_profiles,
+    resolve_adjacency,
+)
+from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
+from peer.dp.accounting.rs import check_weights, rs_epsilon
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 
 DATA_UNITS = {"record:replace-one": "replace-one", "record:add-remove": "add-remove"}
 
@@ -63,7 +70,9 @@ def _sensitivity(record: ReleaseRecord, norm: str) -> float:
     if record.sensitivity is None:
         raise InvalidArgument("sensitivity", f"is required for a {record.mechanism!r} record")
     if record.sensitivity_norm != norm:
-        raise InvalidArgument("sensitivity_norm", f"must be {norm!r} for a {record.mechanism!r} record, got {record.sensitivity_norm!r}")
+        raise InvalidArgument(
+            "sensitivity_norm", f"must be {norm!r} for a {record.mechanism!r} record, got {record.sensitivity_norm!r}"
+        )
     return float(record.sensitivity)
 
 
@@ -83,7 +92,10 @@ def _pure_epsilon(record: ReleaseRecord) -> float:
 
 def _data_adjacency(record: ReleaseRecord) -> str:
     if record.level != "data" or record.unit not in DATA_UNITS:
-        raise InvalidArgument("unit", f"a {record.mechanism!r} record is data-level with unit in {sorted(DATA_UNITS)}, got level={record.level!r} unit={record.unit!r}")
+        raise InvalidArgument(
+            "unit",
+            f"a {record.mechanism!r} record is data-level with unit in {sorted(DATA_UNITS)}, got level={record.level!r} unit={record.unit!r}",
+        )
     return DATA_UNITS[record.unit]
 
 
@@ -95,8 +107,10 @@ def _dpsgd_training(record: ReleaseRecord) -> tuple[TrainingRecord, str]:
     adjacency = _data_adjacency(record)
     training = _training(_param(record, "training"), "parameters.training")
     if training.adjacency != adjacency:
-        raise InvalidArgument("parameters.training.adjacency",
-                              f"the training says {training.adjacency!r} but the record's unit is {record.unit!r}")
+        raise InvalidArgument(
+            "parameters.training.adjacency",
+            f"the training says {training.adjacency!r} but the record's unit is {record.unit!r}",
+        )
     return training, adjacency
 
 
@@ -236,6 +250,7 @@ def pld_of_record(record: ReleaseRecord, value_discretization_interval: float = 
 
 # ----- builders of the data-level records (fields: peer.base.records and peer.dp.training) -----
 
+
 def _randomness_fields(randomness: Mapping[str, Any] | None, default: str) -> dict:
     if randomness is None:
         return {"randomness": default, "seed": None}
@@ -251,9 +266,15 @@ def _names(names: Sequence[str] | None, count: int) -> list[str]:
     return names
 
 
-def dpsgd_record(training: TrainingRecord, delta: float, *, randomness: Mapping[str, Any] | None = None,
-                 subject: str = "", counterparty: str | None = None,
-                 value_discretization_interval: float = DEFAULT_INTERVAL) -> ReleaseRecord:
+def dpsgd_record(
+    training: TrainingRecord,
+    delta: float,
+    *,
+    randomness: Mapping[str, Any] | None = None,
+    subject: str = "",
+    counterparty: str | None = None,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> ReleaseRecord:
     """The "dpsgd" record of one trained model: epsilon = PLD ε at ``delta`` under the training's
     adjacency; sensitivity = the largest per-step L2 sensitivity of the clipped gradient sum
     (k·C_t, k = 2 replace-one, 1 add-remove); parameters carry the training record and ε by RDP
@@ -266,10 +287,19 @@ def dpsgd_record(training: TrainingRecord, delta: float, *, randomness: Mapping[
     params = {"training": training.to_dict(), "epsilon_rdp": _finite_or_str(eps.rdp)}
     if eps.closed_form is not None:
         params["epsilon_closed_form"] = _finite_or_str(eps.closed_form)
-    return ReleaseRecord(mechanism="dpsgd", level="data", unit=f"record:{training.adjacency}",
-                         epsilon=eps.pld, delta=delta, sensitivity=k * max(s.clip_norm for s, _ in training.runs),
-                         sensitivity_norm="l2", parameters=params, subject=subject, counterparty=counterparty,
-                         **_randomness_fields(randomness, "csprng"))
+    return ReleaseRecord(
+        mechanism="dpsgd",
+        level="data",
+        unit=f"record:{training.adjacency}",
+        epsilon=eps.pld,
+        delta=delta,
+        sensitivity=k * max(s.clip_norm for s, _ in training.runs),
+        sensitivity_norm="l2",
+        parameters=params,
+        subject=subject,
+        counterparty=counterparty,
+        **_randomness_fields(randomness, "csprng"),
+    )
 
 
 def _model_dict(m) -> dict:
@@ -284,29 +314,60 @@ def _finite_or_str(x: float) -> float | str:
     return "inf" if math.isinf(x) else float(x)
 
 
-def rs_merge_record(models: Sequence, pi: Sequence[float], delta: float, *, names: Sequence[str] | None = None,
-                    adjacency: str | None = None, randomness: Mapping[str, Any] | None = None,
-                    subject: str = "", counterparty: str | None = None,
-                    value_discretization_interval: float = DEFAULT_INTERVAL) -> ReleaseRecord:
+def rs_merge_record(
+    models: Sequence,
+    pi: Sequence[float],
+    delta: float,
+    *,
+    names: Sequence[str] | None = None,
+    adjacency: str | None = None,
+    randomness: Mapping[str, Any] | None = None,
+    subject: str = "",
+    counterparty: str | None = None,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> ReleaseRecord:
     """The "rs-merge" record: epsilon = RS PLD ε at ``delta``; parameters {pi, models, names,
     epsilon_rdp}. It must not say which model was drawn: ``randomness`` describes the draw's
     generator only (``Randomness.record_fields()``)."""
     delta = check_delta(delta)
     models = list(models)
-    eps = rs_epsilon(models, pi, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval)
+    eps = rs_epsilon(
+        models, pi, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval
+    )
     adjacency = resolve_adjacency(models, adjacency)
-    params = {"pi": [float(p) for p in check_weights(pi, len(models))], "models": [_model_dict(m) for m in models],
-              "names": _names(names, len(models)), "epsilon_rdp": _finite_or_str(eps.rdp)}
-    return ReleaseRecord(mechanism="rs-merge", level="data", unit=f"record:{adjacency}", epsilon=eps.pld,
-                         delta=delta, sensitivity=None, sensitivity_norm="none", parameters=params,
-                         subject=subject, counterparty=counterparty, **_randomness_fields(randomness, "csprng"))
+    params = {
+        "pi": [float(p) for p in check_weights(pi, len(models))],
+        "models": [_model_dict(m) for m in models],
+        "names": _names(names, len(models)),
+        "epsilon_rdp": _finite_or_str(eps.rdp),
+    }
+    return ReleaseRecord(
+        mechanism="rs-merge",
+        level="data",
+        unit=f"record:{adjacency}",
+        epsilon=eps.pld,
+        delta=delta,
+        sensitivity=None,
+        sensitivity_norm="none",
+        parameters=params,
+        subject=subject,
+        counterparty=counterparty,
+        **_randomness_fields(randomness, "csprng"),
+    )
 
 
-def lc_merge_record(models: Sequence[TrainingRecord], lam: Sequence[float], delta: float, *,
-                    names: Sequence[str] | None = None, adjacency: str | None = None,
-                    subject: str = "", counterparty: str | None = None,
-                    value_discretization_interval: float = DEFAULT_INTERVAL,
-                    max_groups: int = DEFAULT_MAX_GROUPS) -> ReleaseRecord:
+def lc_merge_record(
+    models: Sequence[TrainingRecord],
+    lam: Sequence[float],
+    delta: float,
+    *,
+    names: Sequence[str] | None = None,
+    adjacency: str | None = None,
+    subject: str = "",
+    counterparty: str | None = None,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> ReleaseRecord:
     """The "lc-merge" record: epsilon = the charged, proven bound's PLD ε at ``delta``
     (``lc.lc_report``); parameters {lam, models, names, bound ("composition" or "surrogate"),
     epsilon_rdp, epsilon_closed_form (when it exists), surrogate {mu, epsilon_pld, epsilon_rdp,
@@ -314,33 +375,66 @@ def lc_merge_record(models: Sequence[TrainingRecord], lam: Sequence[float], delt
     (randomness "none")."""
     delta = check_delta(delta)
     models = list(models)
-    report = lc_report(models, lam, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval,
-                       max_groups=max_groups)
+    report = lc_report(
+        models,
+        lam,
+        delta,
+        adjacency=adjacency,
+        value_discretization_interval=value_discretization_interval,
+        max_groups=max_groups,
+    )
     eps = report.epsilon
     adjacency = resolve_adjacency(models, adjacency)
-    params = {"lam": [float(x) for x in check_weights(lam, len(models), "lam")], "models": [_model_dict(m) for m in models],
-              "names": _names(names, len(models)), "bound": report.bound, "epsilon_rdp": _finite_or_str(eps.rdp)}
+    params = {
+        "lam": [float(x) for x in check_weights(lam, len(models), "lam")],
+        "models": [_model_dict(m) for m in models],
+        "names": _names(names, len(models)),
+        "bound": report.bound,
+        "epsilon_rdp": _finite_or_str(eps.rdp),
+    }
     if eps.closed_form is not None:
         params["epsilon_closed_form"] = _finite_or_str(eps.closed_form)
     if report.surrogate is not None:
         sur = report.surrogate
-        params["surrogate"] = {"mu": _finite_or_str(sur.mu), "epsilon_pld": _finite_or_str(sur.epsilon.pld),
-                               "epsilon_rdp": _finite_or_str(sur.epsilon.rdp), "valid": sur.valid,
-                               "valid_when": sur.valid_when}
+        params["surrogate"] = {
+            "mu": _finite_or_str(sur.mu),
+            "epsilon_pld": _finite_or_str(sur.epsilon.pld),
+            "epsilon_rdp": _finite_or_str(sur.epsilon.rdp),
+            "valid": sur.valid,
+            "valid_when": sur.valid_when,
+        }
     if eps.notes:
         params["notes"] = list(eps.notes)
-    return ReleaseRecord(mechanism="lc-merge", level="data", unit=f"record:{adjacency}", epsilon=eps.pld,
-                         delta=delta, sensitivity=None, sensitivity_norm="none", parameters=params,
-                         subject=subject, counterparty=counterparty, randomness="none", seed=None)
+    return ReleaseRecord(
+        mechanism="lc-merge",
+        level="data",
+        unit=f"record:{adjacency}",
+        epsilon=eps.pld,
+        delta=delta,
+        sensitivity=None,
+        sensitivity_norm="none",
+        parameters=params,
+        subject=subject,
+        counterparty=counterparty,
+        randomness="none",
+        seed=None,
+    )
 
 
-def record_epsilon(record: ReleaseRecord, delta: float, *, orders: Sequence[float] = DEFAULT_ORDERS,
-                   value_discretization_interval: float = DEFAULT_INTERVAL) -> tuple[float, float]:
+def record_epsilon(
+    record: ReleaseRecord,
+    delta: float,
+    *,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> tuple[float, float]:
     """(ε by PLD, ε by RDP) of any interpretable record at ``delta``."""
     delta = check_delta(delta)
     orders = check_orders(orders)
-    return (pld_epsilon(pld_of_record(record, value_discretization_interval), delta),
-            rdp_to_epsilon(orders, rdp_of_record(record, orders), delta))
+    return (
+        pld_epsilon(pld_of_record(record, value_discretization_interval), delta),
+        rdp_to_epsilon(orders, rdp_of_record(record, orders), delta),
+    )
 
 
-__all__ = ["rdp_of_record", "pld_of_record", "record_epsilon", "dpsgd_record", "rs_merge_record", "lc_merge_record"]
+__all__ = ["dpsgd_record", "lc_merge_record", "pld_of_record", "rdp_of_record", "record_epsilon", "rs_merge_record"]

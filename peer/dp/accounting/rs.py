@@ -17,17 +17,24 @@ A model known only by (ε_i, δ_i) enters with the worst-case profile of an (ε_
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import (DEFAULT_ORDERS, Deltas, Epsilons, pld_delta, pld_epsilon, rdp_to_delta,
-                                            rdp_to_epsilon)
+from peer.dp.accounting.conversions import (
+    DEFAULT_ORDERS,
+    Deltas,
+    Epsilons,
+    pld_delta,
+    pld_epsilon,
+    rdp_to_delta,
+    rdp_to_epsilon,
+)
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile, privacy_profiles
 from peer.dp.accounting.rdp import rdp_mixture
-from peer.base.errors import InvalidArgument
 
 WEIGHT_TOLERANCE = 1e-6
 
@@ -40,7 +47,11 @@ def check_weights(weights: Sequence[float], count: int, field_name: str = "pi") 
         raise InvalidArgument(field_name, f"must have one weight per model ({count}), got {len(weights)}")
     out = np.empty(count)
     for i, w in enumerate(weights):
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) or not math.isfinite(float(w)):
+        if (
+            isinstance(w, bool)
+            or not isinstance(w, (int, float, np.integer, np.floating))
+            or not math.isfinite(float(w))
+        ):
             raise InvalidArgument(f"{field_name}[{i}]", f"must be a finite number, got {w!r}")
         if w < 0:
             raise InvalidArgument(f"{field_name}[{i}]", f"must be >= 0, got {w!r}")
@@ -51,27 +62,48 @@ def check_weights(weights: Sequence[float], count: int, field_name: str = "pi") 
     return out / total
 
 
-def rs_profiles(models: Sequence[Model], *, adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-                value_discretization_interval: float = DEFAULT_INTERVAL) -> list[PrivacyProfile]:
+def rs_profiles(
+    models: Sequence[Model],
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> list[PrivacyProfile]:
     """The models' profiles under one adjacency: compute once, then pass them (instead of the
     models) to ``rs_epsilon`` / ``rs_delta`` / ``targets.choose_pi`` for every candidate π."""
-    return privacy_profiles(models, adjacency, orders=orders, value_discretization_interval=value_discretization_interval)
+    return privacy_profiles(
+        models, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
 
 
-def rs_rdp(models: Sequence[Model], pi: Sequence[float], *, adjacency: str | None = None,
-           orders: Sequence[float] = DEFAULT_ORDERS,
-           value_discretization_interval: float = DEFAULT_INTERVAL) -> np.ndarray:
+def rs_rdp(
+    models: Sequence[Model],
+    pi: Sequence[float],
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> np.ndarray:
     """RS RDP at every order."""
-    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval)
+    profiles = rs_profiles(
+        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
     pi = check_weights(pi, len(profiles))
     return rdp_mixture(pi, [p.rdp for p in profiles], profiles[0].orders)
 
 
-def rs_pld(models: Sequence[Model], pi: Sequence[float], *, adjacency: str | None = None,
-           orders: Sequence[float] = DEFAULT_ORDERS,
-           value_discretization_interval: float = DEFAULT_INTERVAL) -> pldm.PLD:
+def rs_pld(
+    models: Sequence[Model],
+    pi: Sequence[float],
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> pldm.PLD:
     """The mixed PLD Σ π_i PLD_i (both directions)."""
-    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval)
+    profiles = rs_profiles(
+        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
     pi = check_weights(pi, len(profiles))
     return pldm.mixture_pld([p.pld for p in profiles], pi)
 
@@ -84,22 +116,34 @@ def _rs_bounds(models, pi, adjacency, orders, interval):
     return mixed, profiles[0].orders, rdp_mixture(pi, [p.rdp for p in profiles], profiles[0].orders)
 
 
-def rs_epsilon(models: Sequence[Model], pi: Sequence[float], delta: float, *, adjacency: str | None = None,
-               orders: Sequence[float] = DEFAULT_ORDERS,
-               value_discretization_interval: float = DEFAULT_INTERVAL) -> Epsilons:
+def rs_epsilon(
+    models: Sequence[Model],
+    pi: Sequence[float],
+    delta: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> Epsilons:
     """ε of releasing θ_I, I ~ Cat(π), at ``delta``: PLD bound and RDP bound (no closed form)."""
     delta = check_delta(delta)
     mixed, orders, rdp = _rs_bounds(models, pi, adjacency, orders, value_discretization_interval)
     return Epsilons(pld=pld_epsilon(mixed, delta), rdp=rdp_to_epsilon(orders, rdp, delta))
 
 
-def rs_delta(models: Sequence[Model], pi: Sequence[float], epsilon: float, *, adjacency: str | None = None,
-             orders: Sequence[float] = DEFAULT_ORDERS,
-             value_discretization_interval: float = DEFAULT_INTERVAL) -> Deltas:
+def rs_delta(
+    models: Sequence[Model],
+    pi: Sequence[float],
+    epsilon: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> Deltas:
     """δ of the RS release at ``epsilon``: max over directions of Σ π_i δ_i(ε), and by RDP."""
     epsilon = check_epsilon(epsilon, zero=True)
     mixed, orders, rdp = _rs_bounds(models, pi, adjacency, orders, value_discretization_interval)
     return Deltas(pld=pld_delta(mixed, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon))
 
 
-__all__ = ["check_weights", "rs_profiles", "rs_rdp", "rs_pld", "rs_epsilon", "rs_delta"]
+__all__ = ["check_weights", "rs_delta", "rs_epsilon", "rs_pld", "rs_profiles", "rs_rdp"]

@@ -44,27 +44,34 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
-from typing import Callable, Sequence, Union
 
 import numpy as np
 from scipy import optimize
 
 from peer.base.checks import check_delta, check_epsilon
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
 from peer.dp.accounting.conversions import DEFAULT_ORDERS, Epsilons, check_orders, gdp_mu, json_number, rdp_to_epsilon
-from peer.dp.accounting.lc import (DEFAULT_MAX_GROUPS, LCSegments, check_lc_models, lc_composition_epsilon, lc_segments,
-                                lc_surrogate_epsilon, surrogate_is_bound)
+from peer.dp.accounting.lc import (
+    DEFAULT_MAX_GROUPS,
+    LCSegments,
+    check_lc_models,
+    lc_composition_epsilon,
+    lc_segments,
+    lc_surrogate_epsilon,
+    surrogate_is_bound,
+)
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import rs_epsilon, rs_profiles
-from peer.base.errors import InvalidArgument
 
 ACCOUNTANTS = ("pld", "rdp")
 # LC under the composition bound enumerates subsets of the pool (2^k − 1 of them)
 MAX_LC_MODELS = 12
-Utility = Union[Sequence[float], Callable[[np.ndarray], float]]
+Utility = Sequence[float] | Callable[[np.ndarray], float]
 
 
 class UnreachableTarget(InvalidArgument):
@@ -87,9 +94,15 @@ class UnreachableTarget(InvalidArgument):
             f"no {method.upper()} weighting of these models reaches epsilon <= {target_epsilon:g} at delta = {delta:g} "
             f"({accountant}); the most private reachable is epsilon = {most_private_epsilon:.6g}",
             reason="TARGET_UNREACHABLE",
-            metadata={"method": method, "accountant": accountant, "target_epsilon": float(target_epsilon),
-                      "delta": float(delta), "reachable_epsilon_min": float(most_private_epsilon),
-                      "reachable_epsilon_max": math.inf})
+            metadata={
+                "method": method,
+                "accountant": accountant,
+                "target_epsilon": float(target_epsilon),
+                "delta": float(delta),
+                "reachable_epsilon_min": float(most_private_epsilon),
+                "reachable_epsilon_max": math.inf,
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -110,9 +123,16 @@ class WeightChoice:
     bound: str | None = None
 
     def to_dict(self) -> dict:
-        out = {"method": self.method, "weights": list(self.weights), "target_epsilon": self.target_epsilon,
-               "delta": self.delta, "accountant": self.accountant, "epsilon": self.epsilon.to_dict(),
-               "utility": json_number(self.utility), "saturated": self.saturated}
+        out = {
+            "method": self.method,
+            "weights": list(self.weights),
+            "target_epsilon": self.target_epsilon,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "epsilon": self.epsilon.to_dict(),
+            "utility": json_number(self.utility),
+            "saturated": self.saturated,
+        }
         if self.bound is not None:
             out["bound"] = self.bound
         return out
@@ -129,7 +149,11 @@ def _check_utilities(utilities: Sequence[float], count: int) -> np.ndarray:
         raise InvalidArgument("utilities", f"must give one number per model ({count})")
     out = np.empty(count)
     for i, u in enumerate(utilities):
-        if isinstance(u, bool) or not isinstance(u, (int, float, np.integer, np.floating)) or not math.isfinite(float(u)):
+        if (
+            isinstance(u, bool)
+            or not isinstance(u, (int, float, np.integer, np.floating))
+            or not math.isfinite(float(u))
+        ):
             raise InvalidArgument(f"utilities[{i}]", f"must be a finite number, got {u!r}")
         out[i] = float(u)
     return out
@@ -142,6 +166,7 @@ def _clean(weights: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------- RS
 
+
 def _rs_lp(coeffs: np.ndarray, utilities: np.ndarray, bound: float) -> np.ndarray | None:
     """argmax u·π over the simplex subject to coeffs @ π ≤ bound (rows: the two directions).
 
@@ -149,16 +174,22 @@ def _rs_lp(coeffs: np.ndarray, utilities: np.ndarray, bound: float) -> np.ndarra
     1e-10), and the solution is then repaired exactly: if a row still exceeds the bound, the
     solution is mixed with the most private π (``_rs_min_t``), just enough."""
     scaled = coeffs / bound
-    res = optimize.linprog(-utilities, A_ub=scaled, b_ub=np.ones(coeffs.shape[0]),
-                           A_eq=np.ones((1, utilities.size)), b_eq=[1.0], bounds=[(0, None)] * utilities.size,
-                           method="highs")
+    res = optimize.linprog(
+        -utilities,
+        A_ub=scaled,
+        b_ub=np.ones(coeffs.shape[0]),
+        A_eq=np.ones((1, utilities.size)),
+        b_eq=[1.0],
+        bounds=[(0, None)] * utilities.size,
+        method="highs",
+    )
     if res.status != 0:
         return None
     pi = _clean(np.clip(res.x, 0, None))
     load = scaled @ pi
     if np.all(load <= 1.0):
         return pi
-    t_min, pi_min = _rs_min_t(coeffs, bound)
+    _t_min, pi_min = _rs_min_t(coeffs, bound)
     load_min = scaled @ pi_min
     if np.any(load_min >= 1.0):
         return None
@@ -176,8 +207,15 @@ def _rs_min_t(coeffs: np.ndarray, delta: float) -> tuple[float, np.ndarray]:
     c[-1] = 1.0
     a_ub = np.hstack([coeffs, -np.ones((coeffs.shape[0], 1))])
     a_eq = np.hstack([np.ones((1, k)), np.zeros((1, 1))])
-    res = optimize.linprog(c, A_ub=a_ub, b_ub=np.zeros(coeffs.shape[0]), A_eq=a_eq, b_eq=[1.0],
-                           bounds=[(0, None)] * k + [(None, None)], method="highs")
+    res = optimize.linprog(
+        c,
+        A_ub=a_ub,
+        b_ub=np.zeros(coeffs.shape[0]),
+        A_eq=a_eq,
+        b_eq=[1.0],
+        bounds=[(0, None)] * k + [(None, None)],
+        method="highs",
+    )
     pi = _clean(np.clip(res.x[:k], 0, None))
     return float(np.max(coeffs @ pi)), pi
 
@@ -196,6 +234,7 @@ def rs_most_private_epsilon(profiles: Sequence[PrivacyProfile], delta: float, ac
     singles = [p.epsilon(delta) for p in profiles]
     if accountant == "rdp":
         return min(s.rdp for s in singles)
+
     def feasible(e: float) -> bool:
         return _rs_min_t(_pld_coeffs(profiles, e), delta)[0] <= 1.0
 
@@ -217,16 +256,18 @@ def rs_most_private_epsilon(profiles: Sequence[PrivacyProfile], delta: float, ac
     return hi
 
 
-def _rs_rdp_choice(profiles: Sequence[PrivacyProfile], utilities: np.ndarray, target: float, delta: float) -> np.ndarray | None:
+def _rs_rdp_choice(
+    profiles: Sequence[PrivacyProfile], utilities: np.ndarray, target: float, delta: float
+) -> np.ndarray | None:
     orders = np.asarray(profiles[0].orders)
-    rdp = np.array([p.rdp for p in profiles])            # k × orders
+    rdp = np.array([p.rdp for p in profiles])  # k × orders
     best, best_value = None, -math.inf
     for j, a in enumerate(orders):
         if a <= 1.01:
-            continue                                      # compute_epsilon's improved bound needs order > 1.01
+            continue  # compute_epsilon's improved bound needs order > 1.01
         e_order = target - math.log1p(-1 / a) + math.log(delta * a) / (a - 1)
         with np.errstate(invalid="ignore"):
-            log_w = (a - 1) * (rdp[:, j] - e_order)      # log of the constraint coefficients
+            log_w = (a - 1) * (rdp[:, j] - e_order)  # log of the constraint coefficients
         log_w = np.where(np.isnan(log_w), math.inf, log_w)
         feasible = np.flatnonzero(log_w <= 0)
         if feasible.size == 0:
@@ -240,7 +281,9 @@ def _rs_rdp_choice(profiles: Sequence[PrivacyProfile], utilities: np.ndarray, ta
                 if math.isinf(log_w[jj]):
                     continue
                 w_i = math.exp(log_w[i])
-                log_pj = math.log1p(-w_i) - log_w[jj] - math.log1p(-math.exp(log_w[i] - log_w[jj])) if w_i < 1 else -math.inf
+                log_pj = (
+                    math.log1p(-w_i) - log_w[jj] - math.log1p(-math.exp(log_w[i] - log_w[jj])) if w_i < 1 else -math.inf
+                )
                 pj = math.exp(log_pj) * (1 - 1e-12)
                 value = (1 - pj) * utilities[i] + pj * utilities[jj]
                 if value > best_value:
@@ -250,9 +293,17 @@ def _rs_rdp_choice(profiles: Sequence[PrivacyProfile], utilities: np.ndarray, ta
     return best
 
 
-def choose_pi(models: Sequence[Model], utilities: Sequence[float], target_epsilon: float, delta: float, *,
-              accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-              value_discretization_interval: float = DEFAULT_INTERVAL) -> WeightChoice:
+def choose_pi(
+    models: Sequence[Model],
+    utilities: Sequence[float],
+    target_epsilon: float,
+    delta: float,
+    *,
+    accountant: str = "pld",
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> WeightChoice:
     """π maximising Σ π_i utilities_i subject to ε^RS(π) ≤ target_epsilon at ``delta`` by
     ``accountant`` ("pld" or "rdp"); exact (linear programming, module docstring).
 
@@ -262,7 +313,9 @@ def choose_pi(models: Sequence[Model], utilities: Sequence[float], target_epsilo
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
     accountant = _check_accountant(accountant)
-    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval)
+    profiles = rs_profiles(
+        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
     u = _check_utilities(utilities, len(profiles))
     pi = None
     if accountant == "pld":
@@ -271,7 +324,9 @@ def choose_pi(models: Sequence[Model], utilities: Sequence[float], target_epsilo
             pi = _rs_lp(coeffs, u, delta * (1 - shrink))
             if pi is None:
                 break
-            achieved = rs_epsilon(profiles, pi, delta, orders=orders, value_discretization_interval=value_discretization_interval)
+            achieved = rs_epsilon(
+                profiles, pi, delta, orders=orders, value_discretization_interval=value_discretization_interval
+            )
             if achieved.pld <= target:
                 break
         else:
@@ -281,19 +336,25 @@ def choose_pi(models: Sequence[Model], utilities: Sequence[float], target_epsilo
         pi = _rs_rdp_choice(profiles, u, target, delta)
         if pi is not None:
             pi = _clean(pi)
-            achieved = rs_epsilon(profiles, pi, delta, orders=orders, value_discretization_interval=value_discretization_interval)
+            achieved = rs_epsilon(
+                profiles, pi, delta, orders=orders, value_discretization_interval=value_discretization_interval
+            )
             if achieved.rdp > target:
                 pi = None
         saturated = pi is not None and achieved.rdp >= target * (1 - 1e-6)
     if pi is None:
         raise UnreachableTarget("rs", target, delta, accountant, rs_most_private_epsilon(profiles, delta, accountant))
-    return WeightChoice("rs", tuple(float(x) for x in pi), target, delta, accountant, achieved, float(u @ pi), bool(saturated))
+    return WeightChoice(
+        "rs", tuple(float(x) for x in pi), target, delta, accountant, achieved, float(u @ pi), bool(saturated)
+    )
 
 
 # ----------------------------------------------------------------------------------------- LC
 
-def lc_mu_for_target(target_epsilon: float, delta: float, accountant: str = "pld",
-                     orders: Sequence[float] = DEFAULT_ORDERS) -> float:
+
+def lc_mu_for_target(
+    target_epsilon: float, delta: float, accountant: str = "pld", orders: Sequence[float] = DEFAULT_ORDERS
+) -> float:
     """The largest μ whose Gaussian mechanism meets (target_epsilon, delta) by ``accountant``:
     the exact μ-GDP inversion ("pld") or the RDP curve order·μ²/2 with the improved conversion
     ("rdp", bisection on the increasing map μ ↦ ε)."""
@@ -335,8 +396,14 @@ def lc_most_private(segments: LCSegments) -> tuple[np.ndarray, float]:
     best_mu = segments.mu(best)
     cons = [{"type": "eq", "fun": lambda x: x.sum() - 1.0}]
     for x0 in starts:
-        res = optimize.minimize(lambda x: segments.mu(np.clip(x, 0, None)) ** 2, x0, method="SLSQP",
-                                bounds=[(0, 1)] * k, constraints=cons, options={"maxiter": 200, "ftol": 1e-12})
+        res = optimize.minimize(
+            lambda x: segments.mu(np.clip(x, 0, None)) ** 2,
+            x0,
+            method="SLSQP",
+            bounds=[(0, 1)] * k,
+            constraints=cons,
+            options={"maxiter": 200, "ftol": 1e-12},
+        )
         x = _clean(np.clip(res.x, 0, None))
         mu = segments.mu(x)
         if mu < best_mu:
@@ -344,8 +411,9 @@ def lc_most_private(segments: LCSegments) -> tuple[np.ndarray, float]:
     return best, best_mu
 
 
-def lc_boundary_candidates(segments: LCSegments, mu_max: float, *, lam_private: np.ndarray | None = None,
-                           max_points: int = 2000) -> np.ndarray:
+def lc_boundary_candidates(
+    segments: LCSegments, mu_max: float, *, lam_private: np.ndarray | None = None, max_points: int = 2000
+) -> np.ndarray:
     """Feasible λ's (μ(λ) ≤ mu_max) on a simplex grid; each infeasible grid point is replaced by
     the last feasible point on the segment from the most private λ towards it (bisection, 40
     halvings): the feasible boundary the utility search runs on."""
@@ -366,15 +434,24 @@ def lc_boundary_candidates(segments: LCSegments, mu_max: float, *, lam_private: 
             lo = np.where(ok, mid, lo)
             hi = np.where(ok, hi, mid)
         out.append((1 - lo)[:, None] * lam_private[None, :] + lo[:, None] * bad)
-    cand = np.vstack(out + [lam_private[None, :]])
+    cand = np.vstack([*out, lam_private[None, :]])
     cand = cand / cand.sum(axis=1, keepdims=True)
     return np.unique(np.round(cand, 12), axis=0)
 
 
-def choose_lam_surrogate(models: Sequence | LCSegments, utility: Utility, target_epsilon: float, delta: float, *,
-                         accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-                         value_discretization_interval: float = DEFAULT_INTERVAL, max_groups: int = DEFAULT_MAX_GROUPS,
-                         max_points: int = 2000) -> WeightChoice:
+def choose_lam_surrogate(
+    models: Sequence | LCSegments,
+    utility: Utility,
+    target_epsilon: float,
+    delta: float,
+    *,
+    accountant: str = "pld",
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+    max_points: int = 2000,
+) -> WeightChoice:
     """λ maximising ``utility`` subject to the per-step surrogate ε(λ) ≤ target_epsilon at
     ``delta`` (module docstring). A proven choice only when every model declares state-independent
     gradients (``choose_lam`` calls it then); otherwise the figure is not a bound.
@@ -388,16 +465,19 @@ def choose_lam_surrogate(models: Sequence | LCSegments, utility: Utility, target
     accountant = _check_accountant(accountant)
     segments = models if isinstance(models, LCSegments) else lc_segments(models, adjacency=adjacency)
     k = segments.num_models
-    if callable(utility):
-        linear = None
-    else:
-        linear = _check_utilities(utility, k)
+    linear = None if callable(utility) else _check_utilities(utility, k)
     mu_max = lc_mu_for_target(target, delta, accountant, orders)
     lam_private, mu_private = lc_most_private(segments)
 
     def achieved_of(lam):
-        return lc_surrogate_epsilon(segments, lam, delta, orders=orders, value_discretization_interval=value_discretization_interval,
-                          max_groups=max_groups)
+        return lc_surrogate_epsilon(
+            segments,
+            lam,
+            delta,
+            orders=orders,
+            value_discretization_interval=value_discretization_interval,
+            max_groups=max_groups,
+        )
 
     if mu_private > mu_max:
         eps = achieved_of(lam_private)
@@ -417,8 +497,17 @@ def choose_lam_surrogate(models: Sequence | LCSegments, utility: Utility, target
         figure = achieved.pld if accountant == "pld" else achieved.rdp
         if figure <= target:
             saturated = segments.mu(lam) >= mu_max * (1 - 1e-6)
-            return WeightChoice("lc", tuple(float(x) for x in lam), target, delta, accountant, achieved, value, bool(saturated),
-                                "surrogate")
+            return WeightChoice(
+                "lc",
+                tuple(float(x) for x in lam),
+                target,
+                delta,
+                accountant,
+                achieved,
+                value,
+                bool(saturated),
+                "surrogate",
+            )
         # The FFT figure is pessimistic by its discretisation: aim slightly lower and retry.
         mu_max *= 1 - 2 * (figure - target) / max(target, 1e-12) - 1e-6
         if mu_max < mu_private:
@@ -427,22 +516,35 @@ def choose_lam_surrogate(models: Sequence | LCSegments, utility: Utility, target
     raise UnreachableTarget("lc", target, delta, accountant, eps.pld if accountant == "pld" else eps.rdp)
 
 
-def _subset_figure(records, adjacency: str, subset: tuple[int, ...], delta: float, accountant: str, orders, interval) -> float:
+def _subset_figure(
+    records, adjacency: str, subset: tuple[int, ...], delta: float, accountant: str, orders, interval
+) -> float:
     lam = np.zeros(len(records))
     lam[list(subset)] = 1.0 / len(subset)
-    eps = lc_composition_epsilon(records, lam, delta, adjacency=adjacency, orders=orders, value_discretization_interval=interval)
+    eps = lc_composition_epsilon(
+        records, lam, delta, adjacency=adjacency, orders=orders, value_discretization_interval=interval
+    )
     return eps.pld if accountant == "pld" else eps.rdp
 
 
-def lc_feasible_subsets(models: Sequence, target_epsilon: float, delta: float, *, accountant: str = "pld",
-                        adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-                        value_discretization_interval: float = DEFAULT_INTERVAL) -> dict[tuple[int, ...], float]:
+def lc_feasible_subsets(
+    models: Sequence,
+    target_epsilon: float,
+    delta: float,
+    *,
+    accountant: str = "pld",
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> dict[tuple[int, ...], float]:
     """{subset: its composition's ε by ``accountant``} for every non-empty subset of the models
     whose composition meets (target_epsilon, delta). Supersets of an infeasible subset are skipped
     (composition only grows)."""
     records, adjacency = check_lc_models(models, adjacency)
     if len(records) > MAX_LC_MODELS:
-        raise InvalidArgument("models", f"LC searches every subset of the pool: at most {MAX_LC_MODELS} models, got {len(records)}")
+        raise InvalidArgument(
+            "models", f"LC searches every subset of the pool: at most {MAX_LC_MODELS} models, got {len(records)}"
+        )
     feasible: dict[tuple[int, ...], float] = {}
     k = len(records)
     for size in range(1, k + 1):
@@ -450,7 +552,9 @@ def lc_feasible_subsets(models: Sequence, target_epsilon: float, delta: float, *
         for subset in itertools.combinations(range(k), size):
             if size > 1 and any(sub not in feasible for sub in itertools.combinations(subset, size - 1)):
                 continue
-            figure = _subset_figure(records, adjacency, subset, delta, accountant, orders, value_discretization_interval)
+            figure = _subset_figure(
+                records, adjacency, subset, delta, accountant, orders, value_discretization_interval
+            )
             if figure <= target_epsilon:
                 feasible[subset] = figure
                 found = True
@@ -459,10 +563,18 @@ def lc_feasible_subsets(models: Sequence, target_epsilon: float, delta: float, *
     return feasible
 
 
-def choose_lam_composition(models: Sequence, utility: Utility, target_epsilon: float, delta: float, *,
-                           accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-                           value_discretization_interval: float = DEFAULT_INTERVAL,
-                           max_points: int = 2000) -> WeightChoice:
+def choose_lam_composition(
+    models: Sequence,
+    utility: Utility,
+    target_epsilon: float,
+    delta: float,
+    *,
+    accountant: str = "pld",
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_points: int = 2000,
+) -> WeightChoice:
     """λ maximising ``utility`` subject to the composition of the models with λ_i > 0 meeting
     target_epsilon at ``delta`` (a proven bound for any training; module docstring). Linear
     utilities: the most useful single feasible model. A callable: evaluated on a simplex grid over
@@ -474,10 +586,20 @@ def choose_lam_composition(models: Sequence, utility: Utility, target_epsilon: f
     records, adjacency = check_lc_models(models, adjacency)
     k = len(records)
     linear = None if callable(utility) else _check_utilities(utility, k)
-    feasible = lc_feasible_subsets(records, target, delta, accountant=accountant, adjacency=adjacency, orders=orders,
-                                   value_discretization_interval=value_discretization_interval)
+    feasible = lc_feasible_subsets(
+        records,
+        target,
+        delta,
+        accountant=accountant,
+        adjacency=adjacency,
+        orders=orders,
+        value_discretization_interval=value_discretization_interval,
+    )
     if not feasible:
-        singles = [_subset_figure(records, adjacency, (i,), delta, accountant, orders, value_discretization_interval) for i in range(k)]
+        singles = [
+            _subset_figure(records, adjacency, (i,), delta, accountant, orders, value_discretization_interval)
+            for i in range(k)
+        ]
         raise UnreachableTarget("lc", target, delta, accountant, min(singles))
     maximal = [s for s in feasible if not any(set(s) < set(t) for t in feasible)]
     if linear is not None:
@@ -500,47 +622,111 @@ def choose_lam_composition(models: Sequence, utility: Utility, target_epsilon: f
                 if u > value:
                     lam, value = cand, u
     support = tuple(int(i) for i in np.flatnonzero(lam > 0))
-    achieved = lc_composition_epsilon(records, lam, delta, adjacency=adjacency, orders=orders,
-                                      value_discretization_interval=value_discretization_interval)
-    return WeightChoice("lc", tuple(float(x) for x in lam), target, delta, accountant, achieved, value,
-                        support in maximal, "composition")
+    achieved = lc_composition_epsilon(
+        records,
+        lam,
+        delta,
+        adjacency=adjacency,
+        orders=orders,
+        value_discretization_interval=value_discretization_interval,
+    )
+    return WeightChoice(
+        "lc",
+        tuple(float(x) for x in lam),
+        target,
+        delta,
+        accountant,
+        achieved,
+        value,
+        support in maximal,
+        "composition",
+    )
 
 
-def choose_lam(models: Sequence, utility: Utility, target_epsilon: float, delta: float, *,
-               accountant: str = "pld", adjacency: str | None = None, orders: Sequence[float] = DEFAULT_ORDERS,
-               value_discretization_interval: float = DEFAULT_INTERVAL, max_groups: int = DEFAULT_MAX_GROUPS,
-               max_points: int = 2000) -> WeightChoice:
+def choose_lam(
+    models: Sequence,
+    utility: Utility,
+    target_epsilon: float,
+    delta: float,
+    *,
+    accountant: str = "pld",
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+    max_points: int = 2000,
+) -> WeightChoice:
     """λ maximising ``utility`` subject to the charged LC bound meeting target_epsilon at ``delta``:
     ``choose_lam_surrogate`` when every model declares state-independent gradients (full batch),
     else ``choose_lam_composition`` (the cost is the composition of λ's support, whatever λ is on
     it; module docstring)."""
     if isinstance(models, LCSegments):
-        raise InvalidArgument("models", "choose_lam needs the TrainingRecords (their declarations decide the bound); "
-                                        "choose_lam_surrogate takes segments")
+        raise InvalidArgument(
+            "models",
+            "choose_lam needs the TrainingRecords (their declarations decide the bound); "
+            "choose_lam_surrogate takes segments",
+        )
     models = list(models)
     if models and surrogate_is_bound(models):
-        return choose_lam_surrogate(models, utility, target_epsilon, delta, accountant=accountant, adjacency=adjacency,
-                                    orders=orders, value_discretization_interval=value_discretization_interval,
-                                    max_groups=max_groups, max_points=max_points)
-    return choose_lam_composition(models, utility, target_epsilon, delta, accountant=accountant, adjacency=adjacency,
-                                  orders=orders, value_discretization_interval=value_discretization_interval,
-                                  max_points=max_points)
+        return choose_lam_surrogate(
+            models,
+            utility,
+            target_epsilon,
+            delta,
+            accountant=accountant,
+            adjacency=adjacency,
+            orders=orders,
+            value_discretization_interval=value_discretization_interval,
+            max_groups=max_groups,
+            max_points=max_points,
+        )
+    return choose_lam_composition(
+        models,
+        utility,
+        target_epsilon,
+        delta,
+        accountant=accountant,
+        adjacency=adjacency,
+        orders=orders,
+        value_discretization_interval=value_discretization_interval,
+        max_points=max_points,
+    )
 
 
 def _polish_linear(segments: LCSegments, linear: np.ndarray, lam0: np.ndarray, mu_max: float) -> np.ndarray:
     """SLSQP on max linear·λ s.t. μ(λ)² ≤ mu_max², from the best grid candidate; kept only if
     feasible and better."""
     k = segments.num_models
-    cons = [{"type": "eq", "fun": lambda x: x.sum() - 1.0},
-            {"type": "ineq", "fun": lambda x: mu_max ** 2 - segments.mu(np.clip(x, 0, None)) ** 2}]
-    res = optimize.minimize(lambda x: -float(linear @ x), lam0, method="SLSQP", bounds=[(0, 1)] * k,
-                            constraints=cons, options={"maxiter": 200, "ftol": 1e-12})
+    cons = [
+        {"type": "eq", "fun": lambda x: x.sum() - 1.0},
+        {"type": "ineq", "fun": lambda x: mu_max**2 - segments.mu(np.clip(x, 0, None)) ** 2},
+    ]
+    res = optimize.minimize(
+        lambda x: -float(linear @ x),
+        lam0,
+        method="SLSQP",
+        bounds=[(0, 1)] * k,
+        constraints=cons,
+        options={"maxiter": 200, "ftol": 1e-12},
+    )
     x = _clean(np.clip(res.x, 0, None))
     if segments.mu(x) <= mu_max and linear @ x > linear @ lam0:
         return x
     return lam0
 
 
-__all__ = ["ACCOUNTANTS", "MAX_LC_MODELS", "UnreachableTarget", "WeightChoice", "choose_pi", "choose_lam",
-           "choose_lam_composition", "choose_lam_surrogate", "lc_feasible_subsets", "rs_most_private_epsilon",
-           "lc_mu_for_target", "lc_most_private", "lc_boundary_candidates"]
+__all__ = [
+    "ACCOUNTANTS",
+    "MAX_LC_MODELS",
+    "UnreachableTarget",
+    "WeightChoice",
+    "choose_lam",
+    "choose_lam_composition",
+    "choose_lam_surrogate",
+    "choose_pi",
+    "lc_boundary_candidates",
+    "lc_feasible_subsets",
+    "lc_most_private",
+    "lc_mu_for_target",
+    "rs_most_private_epsilon",
+]

@@ -31,8 +31,9 @@ different: its guarantee holds for its own adjacency only (see ``ApproxDP.under`
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
@@ -49,7 +50,7 @@ def check_adjacency(adjacency: Any, field_name: str = "adjacency") -> str:
 
 
 def _number(value: Any, field_name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+    if isinstance(value, bool) or (not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
         raise InvalidArgument(field_name, f"must be a number, got {value!r}")
     try:
         v = float(value)
@@ -84,7 +85,7 @@ class GaussianStep:
             raise InvalidArgument("noise_multiplier", f"must be >= 0, got {self.noise_multiplier!r}")
         if not 0 < q <= 1:
             raise InvalidArgument("sample_rate", f"must be in (0, 1], got {self.sample_rate!r}")
-        for name, v in zip(_STEP_FIELDS, (lr, clip, sigma, q)):
+        for name, v in zip(_STEP_FIELDS, (lr, clip, sigma, q), strict=True):
             object.__setattr__(self, name, v)
 
     def to_dict(self) -> dict:
@@ -113,8 +114,9 @@ class TrainingRecord:
     def __post_init__(self) -> None:
         check_adjacency(self.adjacency)
         if not isinstance(self.state_independent_gradients, bool):
-            raise InvalidArgument("state_independent_gradients",
-                                  f"must be true or false, got {self.state_independent_gradients!r}")
+            raise InvalidArgument(
+                "state_independent_gradients", f"must be true or false, got {self.state_independent_gradients!r}"
+            )
         steps = tuple(self.steps)
         if not steps:
             raise InvalidArgument("steps", "must contain at least one step")
@@ -136,18 +138,30 @@ class TrainingRecord:
         return f"TrainingRecord(adjacency={self.adjacency!r}, runs=[{runs}]{declared})"
 
     @classmethod
-    def constant(cls, adjacency: str, steps: int, learning_rate: float, clip_norm: float,
-                 noise_multiplier: float, sample_rate: float = 1.0, *,
-                 state_independent_gradients: bool = False) -> "TrainingRecord":
+    def constant(
+        cls,
+        adjacency: str,
+        steps: int,
+        learning_rate: float,
+        clip_norm: float,
+        noise_multiplier: float,
+        sample_rate: float = 1.0,
+        *,
+        state_independent_gradients: bool = False,
+    ) -> TrainingRecord:
         """``steps`` identical steps."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
             raise InvalidArgument("steps", f"must be a positive integer, got {steps!r}")
-        return cls(adjacency, (GaussianStep(learning_rate, clip_norm, noise_multiplier, sample_rate),) * steps,
-                   state_independent_gradients)
+        return cls(
+            adjacency,
+            (GaussianStep(learning_rate, clip_norm, noise_multiplier, sample_rate),) * steps,
+            state_independent_gradients,
+        )
 
     @classmethod
-    def from_runs(cls, adjacency: str, runs: Iterable[tuple[GaussianStep, int]], *,
-                  state_independent_gradients: bool = False) -> "TrainingRecord":
+    def from_runs(
+        cls, adjacency: str, runs: Iterable[tuple[GaussianStep, int]], *, state_independent_gradients: bool = False
+    ) -> TrainingRecord:
         steps: list[GaussianStep] = []
         for i, (s, n) in enumerate(runs):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
@@ -174,14 +188,13 @@ class TrainingRecord:
         return all(s.noise_multiplier > 0 for s, _ in self._runs)
 
     def to_dict(self) -> dict:
-        out = {"adjacency": self.adjacency,
-               "steps": [{"count": n, **s.to_dict()} for s, n in self._runs]}
+        out = {"adjacency": self.adjacency, "steps": [{"count": n, **s.to_dict()} for s, n in self._runs]}
         if self.state_independent_gradients:
             out["state_independent_gradients"] = True
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], field_name: str = "training") -> "TrainingRecord":
+    def from_dict(cls, data: Mapping[str, Any], field_name: str = "training") -> TrainingRecord:
         """Inverse of ``to_dict``; every error names the offending entry (``training.steps[2].clip_norm``)."""
         if not isinstance(data, Mapping):
             raise InvalidArgument(field_name, "must be an object with 'adjacency' and 'steps'")
@@ -191,7 +204,9 @@ class TrainingRecord:
         adjacency = check_adjacency(data.get("adjacency"), f"{field_name}.adjacency")
         declared = data.get("state_independent_gradients", False)
         if not isinstance(declared, bool):
-            raise InvalidArgument(f"{field_name}.state_independent_gradients", f"must be true or false, got {declared!r}")
+            raise InvalidArgument(
+                f"{field_name}.state_independent_gradients", f"must be true or false, got {declared!r}"
+            )
         raw = data.get("steps")
         if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
             raise InvalidArgument(f"{field_name}.steps", "must be a non-empty list of runs")
@@ -237,7 +252,7 @@ class ApproxDP:
         object.__setattr__(self, "epsilon", eps)
         object.__setattr__(self, "delta", delta)
 
-    def under(self, adjacency: str) -> "ApproxDP":
+    def under(self, adjacency: str) -> ApproxDP:
         """The guarantee under ``adjacency``.
 
         add-remove → replace-one: a replacement is a removal then an addition, so by group
@@ -252,13 +267,15 @@ class ApproxDP:
             raise InvalidArgument(
                 "adjacency",
                 "an (epsilon, delta) guarantee for replace-one implies nothing for add-remove "
-                "(the mechanism may reveal the dataset size); account the merge under replace-one")
+                "(the mechanism may reveal the dataset size); account the merge under replace-one",
+            )
         delta = (1.0 + math.exp(self.epsilon)) * self.delta
         if delta >= 1:
             raise InvalidArgument(
                 "adjacency",
                 f"converting ({self.epsilon}, {self.delta}) add-remove to replace-one by group "
-                f"privacy gives delta = {delta:.3g} >= 1: no guarantee; account under add-remove")
+                f"privacy gives delta = {delta:.3g} >= 1: no guarantee; account under add-remove",
+            )
         return ApproxDP(2.0 * self.epsilon, delta, "replace-one")
 
     def to_dict(self) -> dict:

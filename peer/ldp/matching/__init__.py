@@ -24,15 +24,45 @@ bandwidth rule reads only the arrays it is given.
 """
 
 from peer.ldp.matching.affinity import Affinity
-from peer.ldp.matching.expansion import FEW_VALUED_MAX, MAX_CHEBYSHEV_DEGREE, ChebyshevExpansion, chebyshev_interpolation_bound, few_values, gaussian_expansion, gaussian_kernel
+from peer.ldp.matching.expansion import (
+    FEW_VALUED_MAX,
+    MAX_CHEBYSHEV_DEGREE,
+    ChebyshevExpansion,
+    chebyshev_interpolation_bound,
+    few_values,
+    gaussian_expansion,
+    gaussian_kernel,
+)
 from peer.ldp.matching.normalisation import sinkhorn_factors
 from peer.ldp.matching.operators import SPARSE_MAX_DENSITY
-from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, AUTO_SINGLE_THREAD_MAX_WIDTH, BANDWIDTH_RULES, DTYPES, SOLVERS, MatchOptions, MatchResult
+from peer.ldp.matching.options import (
+    AUTO_FLOAT64_MAX_WIDTH,
+    AUTO_SINGLE_THREAD_MAX_WIDTH,
+    BANDWIDTH_RULES,
+    DTYPES,
+    SOLVERS,
+    MatchOptions,
+    MatchResult,
+)
 from peer.ldp.matching.solvers import match_graphs
 
 __all__ = [
-    "AUTO_FLOAT64_MAX_WIDTH", "AUTO_SINGLE_THREAD_MAX_WIDTH", "BANDWIDTH_RULES", "DTYPES", "FEW_VALUED_MAX",
-    "MAX_CHEBYSHEV_DEGREE", "SOLVERS", "SPARSE_MAX_DENSITY", "Affinity", "ChebyshevExpansion", "MatchOptions",
-    "MatchResult", "chebyshev_interpolation_bound", "few_values", "gaussian_expansion", "gaussian_kernel",
-    "match_graphs", "sinkhorn_factors",
+    "AUTO_FLOAT64_MAX_WIDTH",
+    "AUTO_SINGLE_THREAD_MAX_WIDTH",
+    "BANDWIDTH_RULES",
+    "DTYPES",
+    "FEW_VALUED_MAX",
+    "MAX_CHEBYSHEV_DEGREE",
+    "SOLVERS",
+    "SPARSE_MAX_DENSITY",
+    "Affinity",
+    "ChebyshevExpansion",
+    "MatchOptions",
+    "MatchResult",
+    "chebyshev_interpolation_bound",
+    "few_values",
+    "gaussian_expansion",
+    "gaussian_kernel",
+    "match_graphs",
+    "sinkhorn_factors",
 ]

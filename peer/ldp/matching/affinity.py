@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -37,7 +37,14 @@ class Affinity:
     reported expansion error bound in each kernel value otherwise.
     """
 
-    def __init__(self, graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions | None = None, *, build_operator: bool = True):
+    def __init__(
+        self,
+        graph_a: NetworkGraph,
+        graph_b: NetworkGraph,
+        options: MatchOptions | None = None,
+        *,
+        build_operator: bool = True,
+    ):
         t0 = time.perf_counter()
         self.options = options = MatchOptions() if options is None else options
         if not isinstance(options, MatchOptions):
@@ -58,7 +65,7 @@ class Affinity:
         self.activation_mean: list[float] = []
         self._activation: list[np.ndarray] = []
         self._activation_factors: list[tuple[np.ndarray, np.ndarray]] = []
-        for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden)):
+        for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden, strict=True)):
             if options.activation_sigma is not None:
                 sigma = options.activation_sigma
             elif options.activation_bandwidth == "spread":
@@ -76,7 +83,10 @@ class Affinity:
             na = np.exp(-(sq - offsets[0][:, None] - offsets[1][None, :] + offsets[2]) / sigma)
             mean = float(na.mean())
             if not mean > 0 or not np.all(np.isfinite(na)):
-                raise InvalidArgument("options.activation_sigma", f"{sigma:g} makes the activation affinities of hidden layer {ell} underflow to 0 or overflow")
+                raise InvalidArgument(
+                    "options.activation_sigma",
+                    f"{sigma:g} makes the activation affinities of hidden layer {ell} underflow to 0 or overflow",
+                )
             if options.balance:
                 r, c = sinkhorn_factors(na, f"activation affinity of hidden layer {ell}")
             else:
@@ -94,7 +104,9 @@ class Affinity:
         specs.append((f"{L - 1}->output", "output", graph_a.output_incoming, graph_b.output_incoming))
         self.blocks: list[_Block] = []
         for name, kind, wa, wb in specs:
-            self.blocks.append(_make_block(name, kind, np.asarray(wa, dtype=np.float64), np.asarray(wb, dtype=np.float64), options))
+            self.blocks.append(
+                _make_block(name, kind, np.asarray(wa, dtype=np.float64), np.asarray(wb, dtype=np.float64), options)
+            )
         self.hidden_blocks = [b for b in self.blocks if b.kind == "hidden"]
 
         # Normalisers (shared by both solvers): ν = (neighbours) · κ̄, κ̄ in float64. The factorised
@@ -105,7 +117,10 @@ class Affinity:
             terms = _block_terms(b, self.dtype) if build else []
             b.mean_kernel = _mean_kernel(b)
             if not b.mean_kernel > 0:
-                raise InvalidArgument("options.weight_sigma", f"{b.sigma:g} is so small that every weight affinity of block {b.name} underflows to 0")
+                raise InvalidArgument(
+                    "options.weight_sigma",
+                    f"{b.sigma:g} is so small that every weight affinity of block {b.name} underflows to 0",
+                )
             n_rows, n_cols = b.weights_a.shape[:2]
             neighbours = {"input": n_cols, "output": n_rows, "hidden": math.sqrt(n_rows * n_cols)}[b.kind]
             b.normaliser = neighbours * b.mean_kernel
@@ -131,7 +146,6 @@ class Affinity:
 
     # -- construction helpers ----------------------------------------------------------------
 
-
     def _factorised_unary(self) -> list[torch.Tensor]:
         opts = self.options
         cost = _Cost()
@@ -142,10 +156,14 @@ class Affinity:
         if opts.edge_weight > 0:
             eye_in = torch.eye(inp.weights_a.shape[1], dtype=self.dtype)
             u_in = _apply_block(inp.terms, eye_in, self.sizes[0], cost)
-            unary[0] += torch.as_tensor(self._balanced_fixed("input", u_in.numpy().astype(np.float64)), dtype=self.dtype)
+            unary[0] += torch.as_tensor(
+                self._balanced_fixed("input", u_in.numpy().astype(np.float64)), dtype=self.dtype
+            )
             eye_out = torch.eye(out.weights_a.shape[0], dtype=self.dtype)
             u_out = _apply_block([_transposed(t) for t in out.terms], eye_out, self.sizes[-1], cost)
-            unary[-1] += torch.as_tensor(self._balanced_fixed("output", u_out.numpy().astype(np.float64)), dtype=self.dtype)
+            unary[-1] += torch.as_tensor(
+                self._balanced_fixed("output", u_out.numpy().astype(np.float64)), dtype=self.dtype
+            )
         return unary
 
     def _balanced_fixed(self, which: str, u: np.ndarray) -> torch.Tensor | np.ndarray:
@@ -166,7 +184,7 @@ class Affinity:
         if self._unary is None:
             raise InvalidArgument("affinity", "was built without its factorised operator")
         cost = _Cost() if cost is None else cost
-        out = [d * x for d, x in zip(self._unary, v)]
+        out = [d * x for d, x in zip(self._unary, v, strict=True)]
         for ell, b in enumerate(self.hidden_blocks, start=1):
             if not b.terms:
                 continue
@@ -183,7 +201,7 @@ class Affinity:
     def to_layers(self, vec: np.ndarray) -> list[np.ndarray]:
         """Split a vector in the stacked pygmtools layout into per-layer [i, j] matrices."""
         vec = np.asarray(vec)
-        return [vec[o : o + n * n].reshape(n, n).T for o, n in zip(self.offsets, self.sizes)]
+        return [vec[o : o + n * n].reshape(n, n).T for o, n in zip(self.offsets[:-1], self.sizes, strict=True)]
 
     def from_layers(self, layers: Sequence[np.ndarray]) -> np.ndarray:
         """Stack per-layer [i, j] matrices into one vector in the pygmtools layout (vec column-major)."""
@@ -211,7 +229,7 @@ class Affinity:
             )
         opts = self.options
         diagonals = []
-        for ell, n in enumerate(self.sizes):
+        for ell, _n in enumerate(self.sizes):
             d = self._activation[ell] * opts.activation_weight
             if opts.edge_weight > 0:
                 if ell == 0:

@@ -65,9 +65,12 @@ class _Block:
             "error_bound": self.error_bound,
         }
         if self.chebyshev is not None:
-            d.update(degree=self.chebyshev.degree, interval=[self.chebyshev.lo, self.chebyshev.hi],
-                     interpolation_bound=self.chebyshev.interpolation_bound,
-                     truncation_bound=self.chebyshev.truncation_bound)
+            d.update(
+                degree=self.chebyshev.degree,
+                interval=[self.chebyshev.lo, self.chebyshev.hi],
+                interpolation_bound=self.chebyshev.interpolation_bound,
+                truncation_bound=self.chebyshev.truncation_bound,
+            )
         if self.values_a is not None:
             d["values_a"] = self.values_a.tolist()
         if self.values_b is not None:
@@ -145,14 +148,18 @@ def _block_terms(block: _Block, dtype: torch.dtype) -> list:
             terms.append((_Factor(shape, ones=1.0), _Factor(shape, dense=torch.as_tensor(k0, dtype=dtype))))
             for p in range(1, len(va)):
                 diff = gaussian_kernel(va[p], wb, sigma) - k0
-                terms.append((_indicator_factor(wa == va[p], dtype), _Factor(shape, dense=torch.as_tensor(diff, dtype=dtype))))
+                terms.append(
+                    (_indicator_factor(wa == va[p], dtype), _Factor(shape, dense=torch.as_tensor(diff, dtype=dtype)))
+                )
         elif block.expansion == "table-b":
             vb = block.values_b
             k0 = gaussian_kernel(wa, vb[0], sigma)
             terms.append((_Factor(shape, dense=torch.as_tensor(k0, dtype=dtype)), _Factor(shape, ones=1.0)))
             for q in range(1, len(vb)):
                 diff = gaussian_kernel(wa, vb[q], sigma) - k0
-                terms.append((_Factor(shape, dense=torch.as_tensor(diff, dtype=dtype)), _indicator_factor(wb == vb[q], dtype)))
+                terms.append(
+                    (_Factor(shape, dense=torch.as_tensor(diff, dtype=dtype)), _indicator_factor(wb == vb[q], dtype))
+                )
         else:
             ch = block.chebyshev
             phi, means_a = _stacked_functions(ch, wa, dtype)
@@ -165,7 +172,9 @@ def _block_terms(block: _Block, dtype: torch.dtype) -> list:
     return terms
 
 
-def _stacked_functions(ch: ChebyshevExpansion, w: np.ndarray, dtype: torch.dtype) -> tuple[list[torch.Tensor], np.ndarray]:
+def _stacked_functions(
+    ch: ChebyshevExpansion, w: np.ndarray, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], np.ndarray]:
     """φ_r(w) for a 2-D w (n, n′), as groups of _Stacked.GROUP terms laid out (n, group, n′),
     built a few rows at a time (no full-size temporary); and the float64 mean of each φ_r(w)."""
     n, m = w.shape
@@ -185,7 +194,9 @@ def _make_block(name: str, kind: str, wa: np.ndarray, wb: np.ndarray, opts: Matc
     """The block of weights wa, wb (n_rows, n_cols, e) with its bandwidth σ_w (given, or the
     mean-squared-difference rule) and its expansion: the exact table where a side is few-valued,
     else a Chebyshev expansion on the interval holding both sides' values."""
-    sigma = opts.weight_sigma if opts.weight_sigma is not None else _mean_sq_bandwidth(wa.reshape(-1, 1), wb.reshape(-1, 1))
+    sigma = (
+        opts.weight_sigma if opts.weight_sigma is not None else _mean_sq_bandwidth(wa.reshape(-1, 1), wb.reshape(-1, 1))
+    )
     va = few_values(wa) if opts.few_valued else None
     vb = few_values(wb) if opts.few_valued else None
     cheb = None

@@ -32,30 +32,52 @@ def _check_graphs(graph_a, graph_b) -> None:
             _check_array(f"{gname}.hidden[{ell}].incoming", h.incoming, 3)
         _check_array(f"{gname}.output_incoming", g.output_incoming, 3)
     if dict(graph_a.architecture) != dict(graph_b.architecture):
-        raise InvalidArgument("graph_b.architecture", f"differs from graph_a's: {dict(graph_b.architecture)} vs {dict(graph_a.architecture)}")
+        raise InvalidArgument(
+            "graph_b.architecture",
+            f"differs from graph_a's: {dict(graph_b.architecture)} vs {dict(graph_a.architecture)}",
+        )
     if len(graph_a.hidden) != len(graph_b.hidden):
-        raise InvalidArgument("graph_b.hidden", f"has {len(graph_b.hidden)} hidden layers, graph_a has {len(graph_a.hidden)}")
+        raise InvalidArgument(
+            "graph_b.hidden", f"has {len(graph_b.hidden)} hidden layers, graph_a has {len(graph_a.hidden)}"
+        )
     if graph_a.input_size != graph_b.input_size:
         raise InvalidArgument("graph_b.input_size", f"is {graph_b.input_size}, graph_a's is {graph_a.input_size}")
     n_prev = graph_a.input_size
     probes = np.asarray(graph_a.hidden[0].activations).shape[1]
-    for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden)):
+    for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden, strict=True)):
         if ha.kind != hb.kind:
             raise InvalidArgument(f"graph_b.hidden[{ell}].kind", f"is {hb.kind!r}, graph_a's is {ha.kind!r}")
         for gname, h in (("graph_a", ha), ("graph_b", hb)):
             w = np.asarray(h.incoming)
             if w.shape[1] != n_prev:
-                raise InvalidArgument(f"{gname}.hidden[{ell}].incoming", f"has {w.shape[1]} inputs per node, the previous layer has {n_prev} nodes")
+                raise InvalidArgument(
+                    f"{gname}.hidden[{ell}].incoming",
+                    f"has {w.shape[1]} inputs per node, the previous layer has {n_prev} nodes",
+                )
             act = np.asarray(h.activations)
             if act.shape[0] != w.shape[0]:
-                raise InvalidArgument(f"{gname}.hidden[{ell}].activations", f"has {act.shape[0]} rows for {w.shape[0]} nodes")
+                raise InvalidArgument(
+                    f"{gname}.hidden[{ell}].activations", f"has {act.shape[0]} rows for {w.shape[0]} nodes"
+                )
             if act.shape[1] != probes:
-                raise InvalidArgument(f"{gname}.hidden[{ell}].activations", f"has {act.shape[1]} probes, graph_a.hidden[0] has {probes}: both graphs must use the same probe set")
+                raise InvalidArgument(
+                    f"{gname}.hidden[{ell}].activations",
+                    f"has {act.shape[1]} probes, graph_a.hidden[0] has {probes}: both graphs must use the same probe set",
+                )
         if np.asarray(ha.incoming).shape != np.asarray(hb.incoming).shape:
-            raise InvalidArgument(f"graph_b.hidden[{ell}].incoming", f"has shape {np.asarray(hb.incoming).shape}, graph_a's is {np.asarray(ha.incoming).shape}")
+            raise InvalidArgument(
+                f"graph_b.hidden[{ell}].incoming",
+                f"has shape {np.asarray(hb.incoming).shape}, graph_a's is {np.asarray(ha.incoming).shape}",
+            )
         n_prev = np.asarray(ha.incoming).shape[0]
     for gname, g in (("graph_a", graph_a), ("graph_b", graph_b)):
         if np.asarray(g.output_incoming).shape[1] != n_prev:
-            raise InvalidArgument(f"{gname}.output_incoming", f"has {np.asarray(g.output_incoming).shape[1]} inputs per output, the last hidden layer has {n_prev} nodes")
+            raise InvalidArgument(
+                f"{gname}.output_incoming",
+                f"has {np.asarray(g.output_incoming).shape[1]} inputs per output, the last hidden layer has {n_prev} nodes",
+            )
     if np.asarray(graph_a.output_incoming).shape != np.asarray(graph_b.output_incoming).shape:
-        raise InvalidArgument("graph_b.output_incoming", f"has shape {np.asarray(graph_b.output_incoming).shape}, graph_a's is {np.asarray(graph_a.output_incoming).shape}")
+        raise InvalidArgument(
+            "graph_b.output_incoming",
+            f"has shape {np.asarray(graph_b.output_incoming).shape}, graph_a's is {np.asarray(graph_a.output_incoming).shape}",
+        )

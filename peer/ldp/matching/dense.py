@@ -6,7 +6,7 @@ against and benchmarked with (docs/matching.md, "The dense reference").
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -15,8 +15,9 @@ from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.options import MatchOptions
 
 
-def dense_matrix(sizes: Sequence[int], offsets: Sequence[int], diagonals: Sequence[np.ndarray],
-                 hidden_blocks: Sequence[_Block]) -> np.ndarray:
+def dense_matrix(
+    sizes: Sequence[int], offsets: Sequence[int], diagonals: Sequence[np.ndarray], hidden_blocks: Sequence[_Block]
+) -> np.ndarray:
     """K as a dense float64 (M×M) matrix, M = Σ n_ℓ², from the per-layer diagonals D_ℓ
     ([i, j] = pair (A node i, B node j)) and the scaled hidden–hidden blocks (none when the
     edge weight is 0).
@@ -62,7 +63,8 @@ def power_iteration_dense(k: np.ndarray, options: MatchOptions):
     diag = np.arange(m)
     k[diag, diag] += shift
     converged, it, residual = False, 0, float("inf")
-    for it in range(1, opts.max_iter + 1):
+    # the loop variable is the result: the number of iterations run (B007 sees it unused in the body)
+    for it in range(1, opts.max_iter + 1):  # noqa: B007
         x = pygmtools.sm(k, n1max=m, n2max=1, x0=v.reshape(1, m, 1), max_iter=1, backend="numpy")
         w = np.asarray(x).reshape(m)
         residual = float(np.linalg.norm(w - v))

@@ -55,7 +55,9 @@ def _interpolation_bounds(beta: float, degrees: np.ndarray) -> np.ndarray:
     rho = np.exp(_LOG_RHO)[None, :]
     b = (rho - 1.0 / rho) / 2.0
     lebesgue = 2.0 / math.pi * np.log(p + 1.0) + 1.0
-    log_b = np.log1p(lebesgue) + math.log(4.0) + beta * b * b - p * _LOG_RHO[None, :] - np.log(np.expm1(_LOG_RHO))[None, :]
+    log_b = (
+        np.log1p(lebesgue) + math.log(4.0) + beta * b * b - p * _LOG_RHO[None, :] - np.log(np.expm1(_LOG_RHO))[None, :]
+    )
     return np.exp(np.minimum(log_b.min(axis=1), 700.0))
 
 
@@ -177,7 +179,11 @@ def gaussian_expansion(lo: float, hi: float, sigma: float, tol: float) -> Chebys
         keep = np.sort(order[n_drop:])
         keep = keep[np.argsort(-np.abs(lam[keep]))]
         cand = ChebyshevExpansion(lo, hi, sigma, p, lam[keep].copy(), vec[:, keep].copy(), interp, trunc)
-        if best is None or cand.terms < best.terms or (cand.terms == best.terms and cand.error_bound < best.error_bound):
+        if (
+            best is None
+            or cand.terms < best.terms
+            or (cand.terms == best.terms and cand.error_bound < best.error_bound)
+        ):
             best = cand
     assert best is not None
     return best

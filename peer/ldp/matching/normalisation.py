@@ -17,18 +17,25 @@ def _mean_sq_bandwidth(x: np.ndarray, y: np.ndarray) -> float:
     """Mean of ‖x_i − y_j‖² over all pairs of rows (closed form); 1.0 when it is 0."""
     x = x.reshape(x.shape[0], -1)
     y = y.reshape(y.shape[0], -1)
-    s = float(np.mean(np.sum(x * x, axis=1)) + np.mean(np.sum(y * y, axis=1)) - 2.0 * np.dot(x.mean(axis=0), y.mean(axis=0)))
+    s = float(
+        np.mean(np.sum(x * x, axis=1)) + np.mean(np.sum(y * y, axis=1)) - 2.0 * np.dot(x.mean(axis=0), y.mean(axis=0))
+    )
     return s if s > 1e-300 else 1.0
 
 
-def sinkhorn_factors(m: np.ndarray, what: str, *, tol: float = 1e-10, max_iter: int = 10_000) -> tuple[np.ndarray, np.ndarray]:
+def sinkhorn_factors(
+    m: np.ndarray, what: str, *, tol: float = 1e-10, max_iter: int = 10_000
+) -> tuple[np.ndarray, np.ndarray]:
     """Positive r, c with diag(r)·m·diag(c) doubly stochastic up to scale: every row sums to
     the number of columns and every column to the number of rows (so the mean entry is 1, for
     square m). Sinkhorn–Knopp iterations; they converge for every strictly positive m (Sinkhorn
     1967). Stops when every row and column sum is within ``tol`` (relative) of its target."""
     m = np.asarray(m, dtype=np.float64)
     if not np.all(np.isfinite(m)) or np.any(m < 0) or not np.all(m.sum(axis=1) > 0) or not np.all(m.sum(axis=0) > 0):
-        raise InvalidArgument("options.balance", f"cannot balance the {what}: it needs finite, non-negative values with no all-zero row or column (a bandwidth too small?)")
+        raise InvalidArgument(
+            "options.balance",
+            f"cannot balance the {what}: it needs finite, non-negative values with no all-zero row or column (a bandwidth too small?)",
+        )
     n_rows, n_cols = m.shape
     r = np.ones(n_rows)
     c = np.ones(n_cols)

@@ -29,7 +29,7 @@ class _Sparse:
     non-empty rows and ``local`` maps each non-zero to its position in ``touched``.
     """
 
-    __slots__ = ("shape", "rows", "cols", "vals", "unit", "touched", "local", "one_per_row", "full")
+    __slots__ = ("cols", "full", "local", "one_per_row", "rows", "shape", "touched", "unit", "vals")
 
     def __init__(self, shape, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor):
         self.shape = (int(shape[0]), int(shape[1]))
@@ -45,10 +45,10 @@ class _Sparse:
     def nnz(self) -> int:
         return int(self.rows.shape[0])
 
-    def t(self) -> "_Sparse":
+    def t(self) -> _Sparse:
         return _Sparse((self.shape[1], self.shape[0]), self.cols, self.rows, self.vals)
 
-    def scaled(self, s: float) -> "_Sparse":
+    def scaled(self, s: float) -> _Sparse:
         return _Sparse(self.shape, self.rows, self.cols, self.vals * s)
 
     def _chunks(self, other: int):
@@ -88,7 +88,7 @@ class _Sparse:
 class _Factor:
     """A matrix c·J + R (J all ones; R a _Sparse, a dense tensor, or absent)."""
 
-    __slots__ = ("shape", "ones", "sparse", "dense")
+    __slots__ = ("dense", "ones", "shape", "sparse")
 
     def __init__(self, shape, ones: float = 0.0, sparse: _Sparse | None = None, dense: torch.Tensor | None = None):
         self.shape = (int(shape[0]), int(shape[1]))
@@ -96,15 +96,21 @@ class _Factor:
         self.sparse = sparse
         self.dense = dense
 
-    def t(self) -> "_Factor":
-        return _Factor((self.shape[1], self.shape[0]), self.ones,
-                       None if self.sparse is None else self.sparse.t(),
-                       None if self.dense is None else self.dense.T)
+    def t(self) -> _Factor:
+        return _Factor(
+            (self.shape[1], self.shape[0]),
+            self.ones,
+            None if self.sparse is None else self.sparse.t(),
+            None if self.dense is None else self.dense.T,
+        )
 
-    def scaled(self, s: float) -> "_Factor":
-        return _Factor(self.shape, self.ones * s,
-                       None if self.sparse is None else self.sparse.scaled(s),
-                       None if self.dense is None else self.dense * s)
+    def scaled(self, s: float) -> _Factor:
+        return _Factor(
+            self.shape,
+            self.ones * s,
+            None if self.sparse is None else self.sparse.scaled(s),
+            None if self.dense is None else self.dense * s,
+        )
 
     def matvec_rest(self, u: torch.Tensor) -> torch.Tensor | None:
         """R u (the non-constant part times a vector), or None when R is absent."""
@@ -121,7 +127,7 @@ class _Cost:
     torch's ``index_add_`` is much slower on several threads, while a large product can use them
     (docs/matching.md, "Threads")."""
 
-    __slots__ = ("products", "flops", "product_threads")
+    __slots__ = ("flops", "product_threads", "products")
 
     def __init__(self, product_threads: int | None = None):
         self.products = 0
@@ -141,7 +147,7 @@ class _RankOne:
     """V's sums, computed once per block application, and the rank-one parts of the result
     (c·J, w 1ᵀ, 1 wᵀ) accumulated as a scalar and two vectors, added to the output once."""
 
-    __slots__ = ("total", "col_sums", "row_sums", "scalar", "per_row", "per_col")
+    __slots__ = ("col_sums", "per_col", "per_row", "row_sums", "scalar", "total")
 
     def __init__(self, v: torch.Tensor, n_rows: int):
         self.total = v.sum()
@@ -174,7 +180,7 @@ def _apply_term(f: _Factor, h: _Factor, v: torch.Tensor, ones: _RankOne, out: to
         w = f.matvec_rest(ones.row_sums)
         if w is not None:
             ones.per_row += h.ones * w
-    if f.sparse is None and f.dense is None or h.sparse is None and h.dense is None:
+    if (f.sparse is None and f.dense is None) or (h.sparse is None and h.dense is None):
         return
     if f.sparse is not None:
         m = f.sparse.touched_rows_times(v)  # the touched rows of R_F V
@@ -215,11 +221,11 @@ class _Stacked:
     def __init__(self, phi: list[torch.Tensor], psi: list[torch.Tensor], transposed: bool = False):
         self.phi, self.psi, self.transposed = phi, psi, transposed
 
-    def t(self) -> "_Stacked":
+    def t(self) -> _Stacked:
         return _Stacked(self.phi, self.psi, not self.transposed)
 
     def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
-        for phi_g, psi_g in zip(self.phi, self.psi):
+        for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
             n, r, m = phi_g.shape
             phi = phi_g.reshape(n * r, m)
             psi = psi_g.reshape(n, r * m)
@@ -236,8 +242,12 @@ class _Stacked:
 
 def _sparse_indicator(mask: np.ndarray, dtype: torch.dtype, coef: float = 1.0) -> _Sparse:
     r, c = np.nonzero(mask)
-    return _Sparse(mask.shape, torch.as_tensor(r, dtype=torch.int64), torch.as_tensor(c, dtype=torch.int64),
-                   torch.full((r.shape[0],), coef, dtype=dtype))
+    return _Sparse(
+        mask.shape,
+        torch.as_tensor(r, dtype=torch.int64),
+        torch.as_tensor(c, dtype=torch.int64),
+        torch.full((r.shape[0],), coef, dtype=dtype),
+    )
 
 
 def _indicator_factor(mask: np.ndarray, dtype: torch.dtype) -> _Factor:
@@ -253,8 +263,12 @@ def _table_right_factor(w: np.ndarray, values: np.ndarray, coefs: np.ndarray, dt
         return _Factor(w.shape, ones=coefs[0])
     if sum(int(np.count_nonzero(m)) for m, _ in masks) <= SPARSE_MAX_DENSITY * w.size:
         parts = [_sparse_indicator(m, dtype, c) for m, c in masks]  # disjoint supports
-        sp = _Sparse(w.shape, torch.cat([p.rows for p in parts]), torch.cat([p.cols for p in parts]),
-                     torch.cat([p.vals for p in parts]))
+        sp = _Sparse(
+            w.shape,
+            torch.cat([p.rows for p in parts]),
+            torch.cat([p.cols for p in parts]),
+            torch.cat([p.vals for p in parts]),
+        )
         return _Factor(w.shape, ones=coefs[0], sparse=sp)
     dense = np.zeros(w.shape)
     for m, c in masks:

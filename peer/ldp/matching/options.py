@@ -6,8 +6,9 @@ Every option is public (it travels in reports); docs/matching.md gives the math 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -77,7 +78,9 @@ class MatchOptions:
         if not isinstance(self.balance, bool):
             raise InvalidArgument("options.balance", f"must be true or false, got {self.balance!r}")
         if self.activation_bandwidth not in BANDWIDTH_RULES:
-            raise InvalidArgument("options.activation_bandwidth", f"must be one of {BANDWIDTH_RULES}, got {self.activation_bandwidth!r}")
+            raise InvalidArgument(
+                "options.activation_bandwidth", f"must be one of {BANDWIDTH_RULES}, got {self.activation_bandwidth!r}"
+            )
         if self.dtype not in DTYPES:
             raise InvalidArgument("options.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("activation_weight", "edge_weight"):
@@ -89,7 +92,9 @@ class MatchOptions:
         for name in ("activation_sigma", "weight_sigma"):
             v = getattr(self, name)
             if v is not None and (not _is_real(v) or not math.isfinite(v) or v <= 0):
-                raise InvalidArgument(f"options.{name}", f"must be None (public rule) or a finite number > 0, got {v!r}")
+                raise InvalidArgument(
+                    f"options.{name}", f"must be None (public rule) or a finite number > 0, got {v!r}"
+                )
         if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, (int, np.integer)) or self.max_iter < 1:
             raise InvalidArgument("options.max_iter", f"must be a positive integer, got {self.max_iter!r}")
         if not _is_real(self.tol) or not 0 < self.tol < 1:
@@ -99,11 +104,23 @@ class MatchOptions:
         if not isinstance(self.few_valued, bool):
             raise InvalidArgument("options.few_valued", f"must be a bool, got {self.few_valued!r}")
         if self.shift is not None and (not _is_real(self.shift) or not math.isfinite(self.shift) or self.shift < 0):
-            raise InvalidArgument("options.shift", f"must be None (the rule) or a finite number >= 0, got {self.shift!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, (int, np.integer)) or self.threads < 1):
-            raise InvalidArgument("options.threads", f"must be None (the rule) or a positive integer, got {self.threads!r}")
-        if isinstance(self.dense_memory_cap, bool) or not isinstance(self.dense_memory_cap, (int, np.integer)) or self.dense_memory_cap <= 0:
-            raise InvalidArgument("options.dense_memory_cap", f"must be a positive number of bytes, got {self.dense_memory_cap!r}")
+            raise InvalidArgument(
+                "options.shift", f"must be None (the rule) or a finite number >= 0, got {self.shift!r}"
+            )
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, (int, np.integer)) or self.threads < 1
+        ):
+            raise InvalidArgument(
+                "options.threads", f"must be None (the rule) or a positive integer, got {self.threads!r}"
+            )
+        if (
+            isinstance(self.dense_memory_cap, bool)
+            or not isinstance(self.dense_memory_cap, (int, np.integer))
+            or self.dense_memory_cap <= 0
+        ):
+            raise InvalidArgument(
+                "options.dense_memory_cap", f"must be a positive number of bytes, got {self.dense_memory_cap!r}"
+            )
 
 
 @dataclass(frozen=True)

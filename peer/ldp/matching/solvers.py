@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -51,19 +51,20 @@ def _power_iteration_factorised(aff: Affinity, product_threads: int):
     v = [torch.full((n, n), 1.0 / aff.pairs, dtype=aff.dtype) for n in aff.sizes]
     shift = opts.shift
     converged, it, residual, norm, cost = False, 0, float("inf"), 0.0, _Cost()
-    for it in range(1, opts.max_iter + 1):
+    # the loop variable is the result: the number of iterations run (B007 sees it unused in the body)
+    for it in range(1, opts.max_iter + 1):  # noqa: B007
         cost = _Cost(product_threads)
         w = aff.apply(v, cost)
         if shift is None:
             shift = 0.5 * _norm(w) / _norm(v)
-        for x, y in zip(w, v):
+        for x, y in zip(w, v, strict=True):
             x.add_(y, alpha=shift)
         norm = _norm(w)
         if not norm > 0:
             break
         for x in w:
             x.div_(norm)
-        residual = math.sqrt(sum(float(torch.dist(x, y)) ** 2 for x, y in zip(w, v)))
+        residual = math.sqrt(sum(float(torch.dist(x, y)) ** 2 for x, y in zip(w, v, strict=True)))
         v = w
         if residual < opts.tol:
             converged = True

@@ -20,18 +20,61 @@ caller passes one, and it is reported in the record.
 """
 
 from peer.ldp.mechanisms.checks import UNITS
-from peer.ldp.mechanisms.gaussian import CALIBRATIONS, analytic_gaussian_sigma, classical_gaussian_sigma, clip_rows, gaussian_delta, gaussian_perturbation, gaussian_sensitivity, gaussian_sigma
+from peer.ldp.mechanisms.gaussian import (
+    CALIBRATIONS,
+    analytic_gaussian_sigma,
+    classical_gaussian_sigma,
+    clip_rows,
+    gaussian_delta,
+    gaussian_perturbation,
+    gaussian_sensitivity,
+    gaussian_sigma,
+)
 from peer.ldp.mechanisms.laplace import laplace_activations
-from peer.ldp.mechanisms.multibit import MULTIBIT_EPSILON_PER_COORDINATE, MultibitRectifier, multibit, multibit_rectifier, multibit_variance
-from peer.ldp.mechanisms.network import DEFAULT_BOUND_FACTOR, DEFAULT_CLIP_NORM, default_clip_norm, default_entry_bound, perturb_graph, perturb_model_weights
+from peer.ldp.mechanisms.multibit import (
+    MULTIBIT_EPSILON_PER_COORDINATE,
+    MultibitRectifier,
+    multibit,
+    multibit_rectifier,
+    multibit_variance,
+)
+from peer.ldp.mechanisms.network import (
+    DEFAULT_BOUND_FACTOR,
+    DEFAULT_CLIP_NORM,
+    default_clip_norm,
+    default_entry_bound,
+    perturb_graph,
+    perturb_model_weights,
+)
 from peer.ldp.mechanisms.records import COMPOSITIONS, PARALLEL_OVER, composite_record
 from peer.ldp.mechanisms.smoothing import SPREAD_MARGIN, smoothing_filter, truncated_normal_mean
 
 __all__ = [
-    "CALIBRATIONS", "COMPOSITIONS", "DEFAULT_BOUND_FACTOR", "DEFAULT_CLIP_NORM", "MULTIBIT_EPSILON_PER_COORDINATE",
-    "PARALLEL_OVER", "SPREAD_MARGIN", "UNITS", "MultibitRectifier", "analytic_gaussian_sigma",
-    "classical_gaussian_sigma", "clip_rows", "composite_record", "default_clip_norm", "default_entry_bound",
-    "gaussian_delta", "gaussian_perturbation", "gaussian_sensitivity", "gaussian_sigma", "laplace_activations",
-    "multibit", "multibit_rectifier", "multibit_variance", "perturb_graph", "perturb_model_weights",
-    "smoothing_filter", "truncated_normal_mean",
+    "CALIBRATIONS",
+    "COMPOSITIONS",
+    "DEFAULT_BOUND_FACTOR",
+    "DEFAULT_CLIP_NORM",
+    "MULTIBIT_EPSILON_PER_COORDINATE",
+    "PARALLEL_OVER",
+    "SPREAD_MARGIN",
+    "UNITS",
+    "MultibitRectifier",
+    "analytic_gaussian_sigma",
+    "classical_gaussian_sigma",
+    "clip_rows",
+    "composite_record",
+    "default_clip_norm",
+    "default_entry_bound",
+    "gaussian_delta",
+    "gaussian_perturbation",
+    "gaussian_sensitivity",
+    "gaussian_sigma",
+    "laplace_activations",
+    "multibit",
+    "multibit_rectifier",
+    "multibit_variance",
+    "perturb_graph",
+    "perturb_model_weights",
+    "smoothing_filter",
+    "truncated_normal_mean",
 ]

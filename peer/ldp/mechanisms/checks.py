@@ -7,7 +7,8 @@ release may state (docs/mechanisms.md, "Unit of privacy").
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,9 @@ def _randomness(randomness: Randomness | None) -> Randomness:
     if randomness is None:
         return make_randomness()
     if not isinstance(randomness, Randomness):
-        raise InvalidArgument("randomness", f"must be a peer.base.rng.Randomness or None, got {type(randomness).__name__}")
+        raise InvalidArgument(
+            "randomness", f"must be a peer.base.rng.Randomness or None, got {type(randomness).__name__}"
+        )
     return randomness
 
 
@@ -79,8 +82,9 @@ def _check_matrix(values: Any, field: str) -> np.ndarray:
     return x
 
 
-def _release_inputs(values: Any, field: str, epsilon: Any, bounds: Any, bounds_field: str, unit: Any,
-                    randomness: Randomness | None) -> tuple[np.ndarray, float, float, float, str, Randomness]:
+def _release_inputs(
+    values: Any, field: str, epsilon: Any, bounds: Any, bounds_field: str, unit: Any, randomness: Randomness | None
+) -> tuple[np.ndarray, float, float, float, str, Randomness]:
     """The checked inputs of a pure-ε mechanism on a clipped box, in the order every such
     mechanism reports errors: (values, ε, lo, hi, unit, randomness)."""
     x = _check_matrix(values, field)

@@ -81,7 +81,10 @@ def classical_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -
     dlt = _check_delta(delta)
     sens = _positive_finite(sensitivity, "sensitivity")
     if eps >= 1:
-        raise InvalidArgument("epsilon", f"the classical Gaussian calibration holds only for epsilon < 1, got {epsilon!r}; use calibration='analytic'")
+        raise InvalidArgument(
+            "epsilon",
+            f"the classical Gaussian calibration holds only for epsilon < 1, got {epsilon!r}; use calibration='analytic'",
+        )
     return math.sqrt(2 * math.log(1.25 / dlt)) * sens / eps
 
 
@@ -126,10 +129,17 @@ def gaussian_sensitivity(unit: str, *, clip_norm: float, entry_bound: float | No
     return 2 * c2 if entry_bound is None else 2 * min(float(entry_bound), c2)
 
 
-def gaussian_perturbation(vectors: Any, *, epsilon: float, delta: float, clip_norm: float,
-                          entry_bound: float | None = None, unit: str = "neuron",
-                          calibration: str = "analytic", randomness: Randomness | None = None
-                          ) -> tuple[np.ndarray, ReleaseRecord]:
+def gaussian_perturbation(
+    vectors: Any,
+    *,
+    epsilon: float,
+    delta: float,
+    clip_norm: float,
+    entry_bound: float | None = None,
+    unit: str = "neuron",
+    calibration: str = "analytic",
+    randomness: Randomness | None = None,
+) -> tuple[np.ndarray, ReleaseRecord]:
     """The PFA's randomized perturbation unit: ``clip_rows(v) + N(0, σ² I)``, σ calibrated to Δ₂.
 
     ``vectors`` is (n, k): one row per neuron (its incoming weights, its bias appended), projected
@@ -157,9 +167,21 @@ def gaussian_perturbation(vectors: Any, *, epsilon: float, delta: float, clip_no
     sigma = gaussian_sigma(eps, dlt, sensitivity, calibration)
     noisy = clip_rows(x, clip_norm=c2, entry_bound=c) + rnd.generator.normal(0.0, sigma, size=x.shape)
     record = ReleaseRecord(
-        mechanism="gaussian", level="model", unit=unit, epsilon=eps, delta=dlt,
-        sensitivity=sensitivity, sensitivity_norm="l2",
-        parameters={"noise_std": sigma, "clip_norm": c2, "entry_bound": c, "calibration": calibration,
-                    "adjacency": "replace-one" if unit == "neuron" else "replace-entry", "shape": [n, k]},
-        **rnd.record_fields())
+        mechanism="gaussian",
+        level="model",
+        unit=unit,
+        epsilon=eps,
+        delta=dlt,
+        sensitivity=sensitivity,
+        sensitivity_norm="l2",
+        parameters={
+            "noise_std": sigma,
+            "clip_norm": c2,
+            "entry_bound": c,
+            "calibration": calibration,
+            "adjacency": "replace-one" if unit == "neuron" else "replace-entry",
+            "shape": [n, k],
+        },
+        **rnd.record_fields(),
+    )
     return noisy, record

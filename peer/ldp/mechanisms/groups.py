@@ -82,8 +82,9 @@ def _scale(structure: PermutationStructure, param: str) -> float:
     return VECTOR_BOUND
 
 
-def perturb_group_activations(activations: Mapping[str, Any], *, epsilon: float, clip: tuple[float, float],
-                              randomness: Randomness | None = None) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
+def perturb_group_activations(
+    activations: Mapping[str, Any], *, epsilon: float, clip: tuple[float, float], randomness: Randomness | None = None
+) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
     """Laplace on every group's (n, P·m) activation rows; one unit = one group element."""
     rnd = _randomness(randomness)
     if not activations:
@@ -93,14 +94,27 @@ def perturb_group_activations(activations: Mapping[str, Any], *, epsilon: float,
         noisy, rec = laplace_activations(rows, epsilon=epsilon, clip=clip, unit="neuron", randomness=rnd)
         out[g] = noisy
         records.append(rec.with_(parameters={**rec.parameters, "group": g}))
-    record = composite_record(records, "parallel", randomness=rnd, over="neurons",
-                              parameters={"release": "group_activations", "unit_is": "one group element"})
+    record = composite_record(
+        records,
+        "parallel",
+        randomness=rnd,
+        over="neurons",
+        parameters={"release": "group_activations", "unit_is": "one group element"},
+    )
     return out, record
 
 
-def perturb_group_weights(structure: PermutationStructure, arrays: Mapping[str, Any], *, epsilon: float, delta: float,
-                          clip_scale: float = CLIP_SCALE, smoothing: bool = True, calibration: str = "analytic",
-                          randomness: Randomness | None = None) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
+def perturb_group_weights(
+    structure: PermutationStructure,
+    arrays: Mapping[str, Any],
+    *,
+    epsilon: float,
+    delta: float,
+    clip_scale: float = CLIP_SCALE,
+    smoothing: bool = True,
+    calibration: str = "analytic",
+    randomness: Randomness | None = None,
+) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
     """The PFA on a whole state, one row per group element (see the module docstring).
     Returns arrays with the site's names, shapes and dtypes, and a parallel composite record."""
     structure.check_arrays(arrays, "arrays")
@@ -122,14 +136,25 @@ def perturb_group_weights(structure: PermutationStructure, arrays: Mapping[str, 
         n = structure.parameters[params[0]][0]
         scales = [_scale(structure, p) for p in params]
         widths = [math.prod(structure.parameters[p][1:]) for p in params]
-        rows = np.concatenate([np.asarray(arrays[p], dtype=np.float64).reshape(n, -1) / s for p, s in zip(params, scales, strict=True)], axis=1)
+        rows = np.concatenate(
+            [np.asarray(arrays[p], dtype=np.float64).reshape(n, -1) / s for p, s in zip(params, scales, strict=True)],
+            axis=1,
+        )
         clip_norm = cs * math.sqrt(rows.shape[1])
-        noisy, rec = gaussian_perturbation(rows, epsilon=eps, delta=dlt, clip_norm=clip_norm, entry_bound=1.0,
-                                           unit="neuron", calibration=calibration, randomness=rnd)
+        noisy, rec = gaussian_perturbation(
+            rows,
+            epsilon=eps,
+            delta=dlt,
+            clip_norm=clip_norm,
+            entry_bound=1.0,
+            unit="neuron",
+            calibration=calibration,
+            randomness=rnd,
+        )
         sigma = rec.parameters["noise_std"]
         start = 0
         for p, s, w in zip(params, scales, widths, strict=True):
-            part = noisy[:, start:start + w]
+            part = noisy[:, start : start + w]
             start += w
             if smoothing:
                 part, _ = smoothing_filter(part, noise_std=sigma, entry_bound=1.0)
@@ -138,9 +163,26 @@ def perturb_group_weights(structure: PermutationStructure, arrays: Mapping[str, 
                 value = np.maximum(value, MIN_VARIANCE)
             ref = np.asarray(arrays[p])
             out[p] = value.reshape(structure.parameters[p]).astype(ref.dtype if ref.dtype.kind == "f" else np.float64)
-        records.append(rec.with_(parameters={**rec.parameters, "unit_owner": unit, "parameters": params,
-                                             "scales": scales, "smoothing": smoothing}))
-    record = composite_record(records, "parallel", randomness=rnd, over="neurons",
-                              parameters={"release": "group_weights", "unit_is": "one group element",
-                                          "unreleased_scalars": [p for p, s in structure.parameters.items() if len(s) == 0]})
+        records.append(
+            rec.with_(
+                parameters={
+                    **rec.parameters,
+                    "unit_owner": unit,
+                    "parameters": params,
+                    "scales": scales,
+                    "smoothing": smoothing,
+                }
+            )
+        )
+    record = composite_record(
+        records,
+        "parallel",
+        randomness=rnd,
+        over="neurons",
+        parameters={
+            "release": "group_weights",
+            "unit_is": "one group element",
+            "unreleased_scalars": [p for p, s in structure.parameters.items() if len(s) == 0],
+        },
+    )
     return out, record

@@ -15,9 +15,14 @@ from peer.base.rng import Randomness
 from peer.ldp.mechanisms.checks import _release_inputs
 
 
-def laplace_activations(activations: Any, *, epsilon: float, clip: tuple[float, float],
-                        unit: str = "neuron", randomness: Randomness | None = None
-                        ) -> tuple[np.ndarray, ReleaseRecord]:
+def laplace_activations(
+    activations: Any,
+    *,
+    epsilon: float,
+    clip: tuple[float, float],
+    unit: str = "neuron",
+    randomness: Randomness | None = None,
+) -> tuple[np.ndarray, ReleaseRecord]:
     """Laplace mechanism on node features: ``clip(a, lo, hi) + Laplace(0, b)`` entrywise, b = Δ₁/ε.
 
     ``activations`` is (n, P): one row per neuron, one column per probe. Unit ``"neuron"``
@@ -34,8 +39,14 @@ def laplace_activations(activations: Any, *, epsilon: float, clip: tuple[float, 
     scale = sensitivity / eps
     noisy = np.clip(x, lo, hi) + rnd.generator.laplace(0.0, scale, size=x.shape)
     record = ReleaseRecord(
-        mechanism="laplace", level="model", unit=unit, epsilon=eps, delta=0.0,
-        sensitivity=sensitivity, sensitivity_norm="l1",
+        mechanism="laplace",
+        level="model",
+        unit=unit,
+        epsilon=eps,
+        delta=0.0,
+        sensitivity=sensitivity,
+        sensitivity_norm="l1",
         parameters={"scale": scale, "clip": [lo, hi], "shape": [n, p]},
-        **rnd.record_fields())
+        **rnd.record_fields(),
+    )
     return noisy, record

@@ -60,8 +60,9 @@ class MultibitRectifier:
         return codes.astype(np.int8)
 
 
-def multibit_rectifier(d: int, *, epsilon: float, bounds: tuple[float, float],
-                       unit: str = "neuron") -> MultibitRectifier:
+def multibit_rectifier(
+    d: int, *, epsilon: float, bounds: tuple[float, float], unit: str = "neuron"
+) -> MultibitRectifier:
     """The rectifier of LPGNN's multi-bit mechanism for vectors of length ``d``.
 
     m = max(1, min(d, ⌊ε/2.18⌋)); x′ = d(β−α)/(2m) · (e+1)/(e−1) · x* + (α+β)/2 with e = exp(ε/m), so
@@ -80,8 +81,9 @@ def multibit_rectifier(d: int, *, epsilon: float, bounds: tuple[float, float],
     return MultibitRectifier(d=d, m=m, epsilon=eps, centre=(lo + hi) / 2, half_step=half_step)
 
 
-def multibit_variance(features: Any, *, epsilon: float, bounds: tuple[float, float],
-                      unit: str = "neuron") -> np.ndarray:
+def multibit_variance(
+    features: Any, *, epsilon: float, bounds: tuple[float, float], unit: str = "neuron"
+) -> np.ndarray:
     """Per-entry variance of the rectified multi-bit output (LPGNN's variance of the rectifier).
 
     Var[x′_i] = (d/m)·((β−α)/2)²·((e+1)/(e−1))² − (x_i − (α+β)/2)², for x clipped to [α, β].
@@ -90,11 +92,17 @@ def multibit_variance(features: Any, *, epsilon: float, bounds: tuple[float, flo
     lo, hi = _check_interval(bounds, "bounds")
     r = multibit_rectifier(x.shape[1], epsilon=epsilon, bounds=bounds, unit=unit)
     x = np.clip(x, lo, hi)
-    return r.half_step ** 2 * r.m / r.d - (x - r.centre) ** 2
+    return r.half_step**2 * r.m / r.d - (x - r.centre) ** 2
 
 
-def multibit(features: Any, *, epsilon: float, bounds: tuple[float, float], unit: str = "neuron",
-             randomness: Randomness | None = None) -> tuple[np.ndarray, ReleaseRecord]:
+def multibit(
+    features: Any,
+    *,
+    epsilon: float,
+    bounds: tuple[float, float],
+    unit: str = "neuron",
+    randomness: Randomness | None = None,
+) -> tuple[np.ndarray, ReleaseRecord]:
     """The multi-bit mechanism of LPGNN (Sajadmanesh & Gatica-Perez, CCS 2021) on weight features.
 
     ``features`` is (n, d), one row per neuron, clipped to the public box [α, β]^d (``bounds``);
@@ -125,19 +133,31 @@ def multibit(features: Any, *, epsilon: float, bounds: tuple[float, float], unit
     else:
         block = max(1, _MULTIBIT_BLOCK_ELEMENTS // d)
         for start in range(0, n, block):
-            ub = u[start:start + block]
+            ub = u[start : start + block]
             rows = np.arange(ub.shape[0])[:, None]
             # the m smallest of d i.i.d. uniform keys form a uniformly random m-subset
             keys = gen.random(ub.shape)
             sampled = np.argpartition(keys, m - 1, axis=1)[:, :m]
             t = gen.random(sampled.shape) < p_floor + ub[rows, sampled] * p_slope
-            ob = out[start:start + block]
+            ob = out[start : start + block]
             ob.fill(rect.centre)
             ob[rows, sampled] = np.where(t, rect.levels[2], rect.levels[0])
     record = ReleaseRecord(
-        mechanism="multibit", level="model", unit=unit, epsilon=eps, delta=0.0,
-        sensitivity=hi - lo, sensitivity_norm="range",
-        parameters={"bounds": [lo, hi], "m": m, "d": rect.d, "shape": [n, d],
-                    "centre": rect.centre, "half_step": rect.half_step},
-        **rnd.record_fields())
+        mechanism="multibit",
+        level="model",
+        unit=unit,
+        epsilon=eps,
+        delta=0.0,
+        sensitivity=hi - lo,
+        sensitivity_norm="range",
+        parameters={
+            "bounds": [lo, hi],
+            "m": m,
+            "d": rect.d,
+            "shape": [n, d],
+            "centre": rect.centre,
+            "half_step": rect.half_step,
+        },
+        **rnd.record_fields(),
+    )
     return out, record

@@ -6,7 +6,8 @@ Why a parallel composite must say what its parts are disjoint in: docs/mechanism
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
@@ -17,8 +18,14 @@ COMPOSITIONS = ("sequential", "parallel")
 PARALLEL_OVER = ("neurons", "entries")
 
 
-def composite_record(components: Sequence[ReleaseRecord], composition: str, *, randomness: Randomness,
-                     parameters: Mapping[str, Any] | None = None, over: str | None = None) -> ReleaseRecord:
+def composite_record(
+    components: Sequence[ReleaseRecord],
+    composition: str,
+    *,
+    randomness: Randomness,
+    parameters: Mapping[str, Any] | None = None,
+    over: str | None = None,
+) -> ReleaseRecord:
     """The record of several releases made together (mechanism ``"composite"``), with the
     components' records unchanged.
 
@@ -40,9 +47,14 @@ def composite_record(components: Sequence[ReleaseRecord], composition: str, *, r
     extra: dict[str, Any] = {}
     if composition == "parallel":
         if over not in PARALLEL_OVER:
-            raise InvalidArgument("over", f"a parallel composite must say what its components are disjoint in, one of {PARALLEL_OVER}; got {over!r}")
+            raise InvalidArgument(
+                "over",
+                f"a parallel composite must say what its components are disjoint in, one of {PARALLEL_OVER}; got {over!r}",
+            )
         if over == "entries" and unit != "entry":
-            raise InvalidArgument("over", f"components disjoint only in entries are not parallel per {unit!r}; compose them sequentially")
+            raise InvalidArgument(
+                "over", f"components disjoint only in entries are not parallel per {unit!r}; compose them sequentially"
+            )
         extra["parallel_over"] = over
     elif over is not None:
         raise InvalidArgument("over", f"applies to parallel composites only, got {over!r} for {composition!r}")
@@ -51,8 +63,14 @@ def composite_record(components: Sequence[ReleaseRecord], composition: str, *, r
     if delta >= 1:
         raise InvalidArgument("components", f"compose to δ = {delta} >= 1")
     return ReleaseRecord(
-        mechanism="composite", level="model", unit=unit,
-        epsilon=combine(c.epsilon for c in comps), delta=delta,
-        sensitivity=None, sensitivity_norm="none",
+        mechanism="composite",
+        level="model",
+        unit=unit,
+        epsilon=combine(c.epsilon for c in comps),
+        delta=delta,
+        sensitivity=None,
+        sensitivity_norm="none",
         parameters={"composition": composition, **extra, **(parameters or {})},
-        components=comps, **randomness.record_fields())
+        components=comps,
+        **randomness.record_fields(),
+    )

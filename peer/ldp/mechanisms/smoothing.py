@@ -66,12 +66,12 @@ def truncated_normal_mean(mean: Any, std: Any, lo: float, hi: float) -> np.ndarr
         # the lower tail mirrors the upper one: the shift changes sign
         shift[lower] = -_upper_mills_shift(-b[lower], -a[lower])
         am, bm = a[middle], b[middle]
-        dens = (np.expm1(-am ** 2 / 2) - np.expm1(-bm ** 2 / 2)) / math.sqrt(2 * math.pi)
+        dens = (np.expm1(-(am**2) / 2) - np.expm1(-(bm**2) / 2)) / math.sqrt(2 * math.pi)
         shift[middle] = dens / ((special.erf(bm / _SQRT2) - special.erf(am / _SQRT2)) / 2)
         res = m + sd * shift
         mid = (lo + hi) / 2
         hn, cn = half[narrow], centre[narrow]
-        res[narrow] = mid + (mid - m[narrow]) * hn ** 2 * (-1 / 3 + (2 + cn ** 2) * hn ** 2 / 45)
+        res[narrow] = mid + (mid - m[narrow]) * hn**2 * (-1 / 3 + (2 + cn**2) * hn**2 / 45)
     # when the interval lies so far in a tail that a and b coincide in floating point, the
     # truncated law has collapsed onto the interval's near end
     bad = ~np.isfinite(res)
@@ -85,8 +85,9 @@ def truncated_normal_mean(mean: Any, std: Any, lo: float, hi: float) -> np.ndarr
 SPREAD_MARGIN = 3.0
 
 
-def smoothing_filter(noisy: Any, *, noise_std: float, entry_bound: float, standardise: bool = False
-                     ) -> tuple[np.ndarray, dict]:
+def smoothing_filter(
+    noisy: Any, *, noise_std: float, entry_bound: float, standardise: bool = False
+) -> tuple[np.ndarray, dict]:
     """The PFA's smoothing filter unit: an empirical-Bayes posterior mean (pure post-processing).
 
     Prior w ~ N(μ, s²) truncated to the public box [−c, c], with μ and s² = var(w′) − σ² estimated
@@ -117,14 +118,18 @@ def smoothing_filter(noisy: Any, *, noise_std: float, entry_bound: float, standa
     # mean" would scatter pure noise across the box.
     var = float(w.var())
     standard_error = var * math.sqrt(2.0 / max(w.size - 1, 1))
-    prior_var = max(var - sigma ** 2 - SPREAD_MARGIN * standard_error, 0.0)
-    post_mean = (prior_var * w + sigma ** 2 * mu) / (prior_var + sigma ** 2)
-    post_std = math.sqrt(prior_var * sigma ** 2 / (prior_var + sigma ** 2))
+    prior_var = max(var - sigma**2 - SPREAD_MARGIN * standard_error, 0.0)
+    post_mean = (prior_var * w + sigma**2 * mu) / (prior_var + sigma**2)
+    post_std = math.sqrt(prior_var * sigma**2 / (prior_var + sigma**2))
     out = truncated_normal_mean(post_mean, post_std, -c, c)
     if standardise:
         spread = float(np.std(out))
         if spread > 0:
             out = np.clip(mu + (out - mu) * (math.sqrt(prior_var) / spread), -c, c)
-    params = {"filter": "posterior-mean", "prior": "empirical-gaussian-in-box", "entry_bound": c,
-              "standardise": bool(standardise)}
+    params = {
+        "filter": "posterior-mean",
+        "prior": "empirical-gaussian-in-box",
+        "entry_bound": c,
+        "standardise": bool(standardise),
+    }
     return out, params
