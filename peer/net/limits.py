@@ -180,21 +180,27 @@ class LimitsInterceptor(grpc.ServerInterceptor):
 
             return run
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+        return wrap_handler(handler, unary, streaming)
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour wrapped by ``unary`` (calls answered by one message) or
+    ``streaming`` (calls answered by a stream): what a server interceptor returns."""
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(
+            unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
         )
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+        )
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(
+            unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+    )
 
 
 _END = object()

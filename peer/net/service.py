@@ -41,7 +41,7 @@ from peer.net import wire
 from peer.net.codec import features_tensors, peer_info_message
 from peer.net.fuse import fuse_with_partner
 from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
-from peer.net.limits import paced
+from peer.net.limits import paced, wrap_handler
 from peer.net.receipts import sign_receipt
 from peer.net.site import Site, log_event, stamp
 from peer.nn.architectures import validate_architecture
@@ -166,9 +166,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 calls.enter()
                 try:
                     return behavior(request, context)
-                except PrivFusionError as e:
-                    fail(context, e)
-                except Exception as e:
+                except Exception as e:  # domain errors map to their status, anything else to INTERNAL
                     fail(context, e)
                 finally:
                     calls.exit()
@@ -180,30 +178,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 calls.enter()
                 try:
                     yield from behavior(request, context)
-                except PrivFusionError as e:
-                    fail(context, e)
-                except Exception as e:
+                except Exception as e:  # domain errors map to their status, anything else to INTERNAL
                     fail(context, e)
                 finally:
                     calls.exit()
 
             return run
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
-        )
+        return wrap_handler(handler, unary, streaming)
 
 
 # ------------------------------------------------------------------------ request checks

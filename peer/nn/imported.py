@@ -35,7 +35,7 @@ from safetensors.numpy import load_file, save
 from torch import nn
 
 from peer.base.errors import InvalidArgument, NotFound, Unsupported
-from peer.nn.store import FORMAT, _atomic_write, check_name
+from peer.nn.store import FORMAT, _atomic_write, check_name, read_pair, store_pair
 from peer.nn.tracing import PermutationStructure, import_structure
 
 EXPORT_FORMATS = ("pt", "safetensors")
@@ -200,25 +200,11 @@ def save_imported(
 
 
 def load_imported(directory: str | os.PathLike, name: str) -> ImportedModel:
-    check_name(name)
-    d = Path(directory)
-    mpath, wpath = d / f"{name}.json", d / f"{name}.safetensors"
-    if not mpath.is_file() or not wpath.is_file():
-        raise NotFound(f"model {name!r} is not in the store {str(d)!r}")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except ValueError as e:
-        raise InvalidArgument(mpath.name, f"is not valid JSON: {e}") from None
-    if manifest.get("format") != FORMAT or manifest.get("name") != name:
-        raise InvalidArgument(mpath.name, f"must have format {FORMAT} and name {name!r}")
+    manifest, arrays = read_pair(*store_pair(directory, name), name)
     imported = manifest.get("imported")
     if not isinstance(imported, Mapping):
         raise Unsupported("model", f"{name!r} is a built-in architecture, not an imported model")
     structure = PermutationStructure.from_json(imported.get("structure"))
-    try:
-        arrays = load_file(str(wpath))
-    except (SafetensorError, OSError) as e:
-        raise InvalidArgument(wpath.name, f"is not a readable safetensors file: {e}") from None
     structure.check_arrays(arrays)
     return ImportedModel(name, str(imported.get("factory", "")), structure, arrays, manifest.get("metadata", {}))
 

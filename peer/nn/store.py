@@ -119,27 +119,42 @@ def save_model(
     return d / f"{name}.json"
 
 
-def load_model(directory: str | os.PathLike, name: str) -> StoredModel:
+def read_pair(mpath: Path, wpath: Path, name: str | None) -> tuple[dict, dict[str, np.ndarray]]:
+    """The manifest and the tensors of one model file pair, checked for format (and, when
+    ``name`` is given, that the manifest names it); every model reader goes through here."""
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise InvalidArgument(f"{mpath.name}", f"is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise InvalidArgument(f"{mpath.name}", f"must be a model manifest of format {FORMAT}")
+    if name is not None and manifest.get("name") != name:
+        raise InvalidArgument(f"{mpath.name}", f"must have format {FORMAT} and name {name!r}")
+    try:
+        arrays = load_file(str(wpath))
+    except (SafetensorError, OSError) as e:
+        raise InvalidArgument(f"{wpath.name}", f"is not a readable safetensors file: {e}") from None
+    return manifest, arrays
+
+
+def store_pair(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
+    """The manifest and weights paths of model ``name`` in a store (NotFound unless both exist)."""
     check_name(name)
     d = Path(directory)
     mpath, wpath = d / f"{name}.json", d / f"{name}.safetensors"
     if not mpath.is_file() or not wpath.is_file():
         raise NotFound(f"model {name!r} is not in the store {str(d)!r}")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except ValueError as e:
-        raise InvalidArgument(f"{mpath.name}", f"is not valid JSON: {e}") from None
-    if manifest.get("format") != FORMAT or manifest.get("name") != name:
-        raise InvalidArgument(f"{mpath.name}", f"must have format {FORMAT} and name {name!r}")
+    return mpath, wpath
+
+
+def load_model(directory: str | os.PathLike, name: str) -> StoredModel:
+    mpath, wpath = store_pair(directory, name)
+    manifest, arrays = read_pair(mpath, wpath, name)
     if "imported" in manifest:
         # a site's own network (peer.nn.imported): its structure replaces the architecture
         raise InvalidArgument(
             f"{mpath.name}", "describes an imported model; read it with peer.nn.imported.load_imported"
         )
-    try:
-        arrays = load_file(str(wpath))
-    except (SafetensorError, OSError) as e:
-        raise InvalidArgument(f"{wpath.name}", f"is not a readable safetensors file: {e}") from None
     arch = validate_architecture(manifest.get("architecture"))
     model_from_arrays(arch, arrays)
     prep = _check_preprocessing(manifest.get("preprocessing"), arch, f"{mpath.name}: preprocessing")
@@ -317,16 +332,7 @@ def load_model_pair(path: str | os.PathLike) -> StoredModel:
     mpath, wpath = p.with_name(p.name + ".json"), p.with_name(p.name + ".safetensors")
     if not mpath.is_file() or not wpath.is_file():
         raise NotFound(f"{str(p)!r} is not a model pair ({p.name}.safetensors + {p.name}.json side by side)")
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise InvalidArgument(f"{mpath.name}", f"is not valid JSON: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise InvalidArgument(f"{mpath.name}", f"must be a model manifest of format {FORMAT}")
-    try:
-        arrays = load_file(str(wpath))
-    except (SafetensorError, OSError) as e:
-        raise InvalidArgument(f"{wpath.name}", f"is not a readable safetensors file: {e}") from None
+    manifest, arrays = read_pair(mpath, wpath, None)  # a renamed pair keeps its manifest's name
     arch = validate_architecture(manifest.get("architecture"))
     model_from_arrays(arch, arrays)
     prep = _check_preprocessing(manifest.get("preprocessing"), arch, f"{mpath.name}: preprocessing")
