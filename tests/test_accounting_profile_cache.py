@@ -202,3 +202,13 @@ def test_pool_cache_directory_is_a_hidden_sibling(tmp_path):
     from peer.dp.pools import profile_cache_directory
 
     assert profile_cache_directory(tmp_path / "pool") == tmp_path.resolve() / ".pool.profiles"
+
+
+def test_record_hash_follows_equality():
+    from peer.dp.accounting import GaussianStep
+
+    step = GaussianStep(0.1, 1.0, 1.0, 0.01)
+    explicit = TrainingRecord("add-remove", tuple([step] * 2000))
+    assert explicit == POISSON and hash(explicit) == hash(POISSON)
+    longer = TrainingRecord.constant("add-remove", 2001, 0.1, 1.0, 1.0, 0.01)
+    assert longer != POISSON and hash(longer) != hash(POISSON)
