@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import ApproxDP, TrainingRecord
 from peer.dp.accounting import profile_cache as pc
 from peer.dp.accounting.conversions import DEFAULT_ORDERS
@@ -212,3 +213,24 @@ def test_record_hash_follows_equality():
     assert explicit == POISSON and hash(explicit) == hash(POISSON)
     longer = TrainingRecord.constant("add-remove", 2001, 0.1, 1.0, 1.0, 0.01)
     assert longer != POISSON and hash(longer) != hash(POISSON)
+
+
+def test_pool_warm_up_writes_beside_the_pool_and_a_restart_reads_it(tmp_path):
+    from peer.dp.merging import PoolModel
+    from peer.dp.pools import profile_cache_directory, warm_pool_profiles
+
+    pool_dir = tmp_path / "pool"
+    pool_dir.mkdir()
+    pool = [PoolModel(f"p{i}", {}, {}, m) for i, m in enumerate(MODELS[:2])]
+    # the models mix adjacencies: refused (the daemon skips such a pool), nothing written
+    with pytest.raises(InvalidArgument, match="adjacenc"):
+        warm_pool_profiles(pool, pool_dir)
+    pool = [PoolModel("p0", {}, {}, POISSON), PoolModel("p1", {}, {}, MODELS[3])]
+    first = warm_pool_profiles(pool, pool_dir)
+    assert len(list(profile_cache_directory(pool_dir).glob("*.npz"))) == 2
+    assert list(pool_dir.iterdir()) == []  # the pool directory itself holds models only
+    forget_profiles()  # a restart
+    again = warm_pool_profiles(pool, pool_dir)
+    assert _derived_profile.cache_info().currsize == 0
+    for a, b in zip(first, again, strict=True):
+        assert_same_privacy(b, a)
