@@ -178,6 +178,25 @@ def load_pool(directory: str | os.PathLike) -> list[PoolModel]:
     return out
 
 
+def profile_cache_directory(directory: str | os.PathLike) -> Path:
+    """Where the privacy profiles (PLD + RDP) of a pool's models are kept on disk: the hidden
+    sibling ``.NAME.profiles`` of the pool directory ``NAME`` (beside the pool, not in it: a pool
+    directory holds models only). Entries are keyed by each model's training record and checked
+    when read (``peer.dp.accounting.profile_cache``); deleting the directory only costs time."""
+    d = Path(directory).resolve()
+    return d.parent / f".{d.name}.profiles"
+
+
+def warm_pool_profiles(pool: Sequence[PoolModel], directory: str | os.PathLike) -> list:
+    """The privacy profiles of ``pool`` (stored at ``directory``) under their common adjacency,
+    read from the pool's profile cache or built and written there, and kept in memory: later RS
+    and LC requests on the pool then pay for choosing π / λ, not for T-step PLD compositions.
+    Raises InvalidArgument when the pool mixes adjacencies (each request then says why)."""
+    from peer.dp.accounting.profile_cache import cached_profiles
+
+    return cached_profiles([m.privacy for m in pool], profile_cache_directory(directory))
+
+
 def pool_validation(pool: Sequence[PoolModel]) -> tuple[np.ndarray, np.ndarray]:
     """The held-out validation split the pool was trained beside (its models' metadata "data"
     entry, which must be the same for every model)."""

@@ -396,9 +396,8 @@ class Site:
         self._rs_utilities: dict[str, list[float]] = {}
         if pools:
             # lazy: peer.dp loads dp_accounting (slow to import), needed only by a site with pools
-            from peer.dp.accounting import rs_profiles
             from peer.dp.merging import check_pool
-            from peer.dp.pools import load_pool, load_validation_file, pool_validation, rs_utilities
+            from peer.dp.pools import load_pool, load_validation_file, pool_validation, rs_utilities, warm_pool_profiles
 
             self.pools = {name: load_pool(d) for name, d in pools.items()}
             for pool in self.pools.values():
@@ -415,10 +414,12 @@ class Site:
             self._rs_utilities = {name: rs_utilities(pool, self._validation[name]) for name, pool in self.pools.items()}
             # and the models' privacy profiles (PLD + RDP, kept by peer.dp.accounting for models
             # seen before): an RS request then pays for choosing π, not for T-step compositions
-            for pool in self.pools.values():
+            # (read from each pool's profile cache on disk when a valid entry is there: a restart
+            # does not compose them again)
+            for name, pool in self.pools.items():
                 # a pool RS cannot account (mixed adjacencies) is skipped here: each request says why
                 with contextlib.suppress(InvalidArgument):
-                    rs_profiles([m.privacy for m in pool])
+                    warm_pool_profiles(pool, pools[name])
         self.probe = load_probe(config.probe) if config.probe and config.probe.exists() else None
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)

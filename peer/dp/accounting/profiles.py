@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -220,8 +221,75 @@ def privacy_profile(
             )
         return model
     if isinstance(model, (ApproxDP, TrainingRecord)):
-        return _derived_profile(model, adjacency, tuple(float(a) for a in orders), interval)
+        orders_t = tuple(float(a) for a in orders)
+        known = remembered_profile(model, adjacency, orders_t, interval)
+        return known if known is not None else _derived_profile(model, adjacency, orders_t, interval)
     raise InvalidArgument("model", f"must be a TrainingRecord, ApproxDP or PrivacyProfile, got {type(model).__name__}")
+
+
+# profiles handed in by ``peer.dp.accounting.profile_cache`` (read from disk, or built and stored
+# there): consulted before building, at most PROFILE_CACHE_SIZE of them, least recently used out
+_REMEMBERED: OrderedDict = OrderedDict()
+_REMEMBERED_LOCK = threading.Lock()
+
+
+def remembered_profile(
+    model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple[float, ...], interval: float
+) -> PrivacyProfile | None:
+    key = (model, adjacency, orders, interval)
+    with _REMEMBERED_LOCK:
+        found = _REMEMBERED.get(key)
+        if found is not None:
+            _REMEMBERED.move_to_end(key)
+        return found
+
+
+def remember_profile(
+    model: TrainingRecord | ApproxDP,
+    adjacency: str,
+    orders: tuple[float, ...],
+    interval: float,
+    profile: PrivacyProfile,
+) -> None:
+    """Keep ``profile`` as the profile of (model, adjacency, orders, interval) for later calls.
+    The caller vouches that it is (``profile_cache`` checks a stored PLD before handing it in)."""
+    if (profile.adjacency, profile.orders, profile.value_discretization_interval) != (adjacency, orders, interval):
+        raise InvalidArgument("profile", "must be for the adjacency, orders and interval it is remembered under")
+    with _REMEMBERED_LOCK:
+        _REMEMBERED[(model, adjacency, orders, interval)] = profile
+        _REMEMBERED.move_to_end((model, adjacency, orders, interval))
+        while len(_REMEMBERED) > PROFILE_CACHE_SIZE:
+            _REMEMBERED.popitem(last=False)
+
+
+def forget_profiles() -> None:
+    """Drop every remembered and every built profile (tests; a process that wants cold timings)."""
+    with _REMEMBERED_LOCK:
+        _REMEMBERED.clear()
+    _derived_profile.cache_clear()
+    _derived_rdp.cache_clear()
+
+
+def profile_from_pld(
+    model: TrainingRecord | ApproxDP,
+    adjacency: str,
+    orders: tuple[float, ...],
+    interval: float,
+    pld: pldm.PLD,
+    rdp: np.ndarray,
+) -> PrivacyProfile:
+    """The profile of ``model`` with a PLD and RDP curve obtained elsewhere (a checked disk cache
+    entry); μ and the source are derived from the record as ``privacy_profile`` derives them."""
+    if isinstance(model, ApproxDP):
+        return PrivacyProfile(adjacency, orders, rdp, pld, interval, None, source="approx-dp")
+    groups = _step_groups(model)
+    if any(sigma == 0 for sigma, _ in groups):
+        mu = math.inf
+    elif all(q == 1.0 for _, q in groups):
+        mu = _full_batch_mu(groups, adjacency)
+    else:
+        mu = None
+    return PrivacyProfile(adjacency, orders, rdp, pld, interval, mu)
 
 
 @functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)

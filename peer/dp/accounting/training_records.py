@@ -132,6 +132,11 @@ class TrainingRecord:
         object.__setattr__(self, "steps", steps)
         object.__setattr__(self, "_runs", tuple((s, n) for s, n in runs))
 
+    def __hash__(self) -> int:
+        # the runs (maximal runs of equal steps) determine the steps and are short: hashing them
+        # instead of 10,000 steps makes a profile cache lookup cheap; equal records have equal runs
+        return hash((self.adjacency, self._runs, self.state_independent_gradients))
+
     def __repr__(self) -> str:
         runs = ", ".join(f"{n}x{s!r}" for s, n in self._runs)
         declared = ", state_independent_gradients=True" if self.state_independent_gradients else ""

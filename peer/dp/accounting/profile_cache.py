@@ -1,0 +1,251 @@
+"""Models' PLDs kept on disk, so a restarted daemon does not compose T-step PLDs again.
+
+A T = 10,000-step Poisson-subsampled DP-SGD model's PLD takes a few hundred milliseconds to
+build (FFT self-composition of the per-step PLD); a pool's profiles are fixed while the pool is,
+so they are built once and stored in a directory beside the pool (``peer.dp.pools``).
+
+An entry is keyed by ``profile_key``: SHA-256 of the canonical JSON of the model's training
+record (``TrainingRecord.to_dict`` / ``ApproxDP.to_dict``), the adjacency, the RDP orders, the
+PLD's value discretisation interval, this format's version and dp-accounting's version. It is two
+files, ``KEY.npz`` (the arrays of each direction's dense PMF: probabilities, lower loss index,
++∞ mass, interval, pessimistic flag) and ``KEY.json`` (the key's inputs, a SHA-256 of the
+arrays, and each direction's δ at ``CHECK_EPSILONS`` read from the PLD when it was built). The
+RDP curve at the orders is stored beside the PMFs (a subsampled Gaussian's RDP costs tens of
+milliseconds per model). Nothing is pickled: the PLD object is rebuilt from the arrays.
+
+A wrong PLD would under-charge, so an entry is never trusted blindly. It is used only when its
+JSON names the same key inputs, the arrays hash to the stored digest, every array has the shape
+and range a PMF must (finite, non-negative probabilities up to FFT noise; total mass at least 1 − ``MASS_TOLERANCE``;
+the requested interval; pessimistic; one non-negative RDP value per order), and the rebuilt PLD
+gives the stored δ at ``CHECK_EPSILONS`` exactly (a cheap evaluation: one dot product per ε).
+Anything else (missing, corrupt, tampered, another version) is ignored, rebuilt from the record
+and written again.
+
+What is stored is public: a model's PLD is a function of its public training record only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import math
+import os
+import tempfile
+import zipfile
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+from dp_accounting.pld import pld_pmf
+
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting import profiles
+from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
+
+FORMAT = "privfusion-pld-cache/1"
+# the fixed ε at which an entry's δ (each direction) is recorded at build time and checked at load
+CHECK_EPSILONS = (0.5, 2.0, 8.0)
+# a PMF's probabilities plus its +∞ mass sum to at least 1 up to floating-point error of the FFT
+# (pessimistic rounding only ever adds mass: dp-accounting's ADD direction of a subsampled
+# Gaussian holds up to ~2e-4 extra at T = 10k), and at most 1 + MASS_EXCESS; FFT noise leaves
+# probabilities as low as about -1e-17, so down to -NEGATIVE_NOISE is accepted
+MASS_TOLERANCE = 1e-6
+MASS_EXCESS = 0.05
+NEGATIVE_NOISE = 1e-12
+_DIRECTIONS = ("remove", "add")
+
+
+def _dp_accounting_version() -> str:
+    try:
+        return metadata.version("dp-accounting")
+    except metadata.PackageNotFoundError:  # pragma: no cover - installed without metadata
+        return "unknown"
+
+
+def key_inputs(model: TrainingRecord | ApproxDP, adjacency: str, orders: Sequence[float], interval: float) -> dict:
+    """Everything the PLD of ``model`` depends on, as canonical JSON-able data."""
+    return {
+        "format": FORMAT,
+        "dp_accounting": _dp_accounting_version(),
+        "model": {"kind": type(model).__name__, **model.to_dict()},
+        "adjacency": adjacency,
+        "orders": [float(a) for a in orders],
+        "value_discretization_interval": float(interval),
+    }
+
+
+def profile_key(model: TrainingRecord | ApproxDP, adjacency: str, orders: Sequence[float], interval: float) -> str:
+    canonical = json.dumps(key_inputs(model, adjacency, orders, interval), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _arrays(pld: pldm.PLD) -> dict[str, np.ndarray]:
+    remove, add = pldm.directions(pld)
+    out = {}
+    for name, pmf in zip(_DIRECTIONS, (remove, add) if add is not remove else (remove,), strict=False):
+        dense = pmf.to_dense_pmf()
+        out[f"{name}_probs"] = np.ascontiguousarray(dense._probs, dtype=np.float64)
+        out[f"{name}_meta"] = np.array(
+            [float(dense._lower_loss), float(dense._infinity_mass), float(dense._discretization),
+             1.0 if dense._pessimistic_estimate else 0.0],
+            dtype=np.float64,
+        )  # fmt: skip
+    return out
+
+
+def _digest(arrays: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_deltas(pld: pldm.PLD) -> list[list[float]]:
+    return [[float(v) for v in d] for d in pldm.directional_deltas(pld, CHECK_EPSILONS)]
+
+
+def save_entry(
+    directory: str | os.PathLike, model, adjacency: str, orders, interval: float, pld: pldm.PLD, rdp: np.ndarray
+) -> Path:
+    """Write ``pld`` as the entry of (model, adjacency, orders, interval); returns the JSON path.
+    The arrays are written first and the JSON last (each atomically), so a crash leaves no JSON
+    that names arrays which are not there."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    key = profile_key(model, adjacency, orders, interval)
+    arrays = {**_arrays(pld), "rdp": np.asarray(rdp, dtype=np.float64)}
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    _atomic_write(d / f"{key}.npz", buf.getvalue())
+    entry = {
+        "key": key,
+        "inputs": key_inputs(model, adjacency, orders, interval),
+        "arrays_sha256": _digest(arrays),
+        "check_epsilons": list(CHECK_EPSILONS),
+        "deltas_at_check_epsilons": _check_deltas(pld),
+    }
+    _atomic_write(d / f"{key}.json", json.dumps(entry, sort_keys=True, indent=1).encode())
+    return d / f"{key}.json"
+
+
+def _pmf_from(arrays, name: str, interval: float):
+    probs, meta = arrays[f"{name}_probs"], arrays[f"{name}_meta"]
+    if probs.dtype != np.float64 or probs.ndim != 1 or meta.shape != (4,) or meta.dtype != np.float64:
+        return None
+    lower, inf_mass, h, pessimistic = (float(v) for v in meta)
+    if not (np.all(np.isfinite(probs)) and math.isfinite(lower) and lower == int(lower)):
+        return None
+    if h != interval or pessimistic != 1.0 or not 0.0 <= inf_mass <= 1.0 or np.any(probs < -NEGATIVE_NOISE):
+        return None
+    if not 1.0 - MASS_TOLERANCE <= float(probs.sum()) + inf_mass <= 1.0 + MASS_EXCESS:
+        return None
+    return pld_pmf.DensePLDPmf(h, int(lower), probs, inf_mass, True)
+
+
+def load_entry(
+    directory: str | os.PathLike, model, adjacency: str, orders, interval: float
+) -> tuple[pldm.PLD, np.ndarray] | None:
+    """The stored (PLD, RDP curve) of (model, adjacency, orders, interval), or None when there is no entry or
+    the entry fails any check (module docstring): the caller then builds it anew."""
+    d = Path(directory)
+    key = profile_key(model, adjacency, orders, interval)
+    try:
+        entry = json.loads((d / f"{key}.json").read_text())
+        if (
+            not isinstance(entry, dict)
+            or entry.get("key") != key
+            or entry.get("inputs") != key_inputs(model, adjacency, orders, interval)
+            or entry.get("check_epsilons") != list(CHECK_EPSILONS)
+        ):
+            return None
+        with np.load(d / f"{key}.npz", allow_pickle=False) as z:
+            arrays = {name: z[name] for name in z.files}
+        expected = {f"{n}_{p}" for n in _DIRECTIONS[: 2 if "add_probs" in arrays else 1] for p in ("probs", "meta")}
+        expected.add("rdp")
+        if set(arrays) != expected or _digest(arrays) != entry.get("arrays_sha256"):
+            return None
+        remove = _pmf_from(arrays, "remove", interval)
+        add = _pmf_from(arrays, "add", interval) if "add_probs" in arrays else None
+        if remove is None or ("add_probs" in arrays and add is None):
+            return None
+        rdp = arrays["rdp"]
+        if rdp.dtype != np.float64 or rdp.shape != (len(orders),) or np.any(np.isnan(rdp)) or np.any(rdp < 0):
+            return None
+        pld = pldm.PLD(remove, add)
+        if _check_deltas(pld) != entry.get("deltas_at_check_epsilons"):
+            return None
+        rdp.flags.writeable = False
+        return pld, rdp
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):  # missing or corrupt
+        return None
+
+
+def cached_profile(
+    model: TrainingRecord | ApproxDP | profiles.PrivacyProfile,
+    directory: str | os.PathLike,
+    adjacency: str | None = None,
+    *,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = profiles.DEFAULT_INTERVAL,
+) -> profiles.PrivacyProfile:
+    """``profiles.privacy_profile`` of ``model``, read from ``directory`` when a valid entry is
+    there (else built and written there), and kept in memory for later ``privacy_profile`` calls.
+    A ``PrivacyProfile`` passes through untouched."""
+    if isinstance(model, profiles.PrivacyProfile):
+        return profiles.privacy_profile(
+            model, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+        )
+    orders_t = tuple(float(a) for a in check_orders(orders))
+    interval = pldm.check_interval(value_discretization_interval)
+    adjacency = check_adjacency(profiles.model_adjacency(model) if adjacency is None else adjacency)
+    known = profiles.remembered_profile(model, adjacency, orders_t, interval)
+    if known is not None:
+        return known
+    stored = load_entry(directory, model, adjacency, orders_t, interval)
+    if stored is None:
+        profile = profiles.privacy_profile(model, adjacency, orders=orders_t, value_discretization_interval=interval)
+        # a read-only site still serves; the next start builds the profile again
+        with contextlib.suppress(OSError):
+            save_entry(directory, model, adjacency, orders_t, interval, profile.pld, profile.rdp)
+    else:
+        profile = profiles.profile_from_pld(model, adjacency, orders_t, interval, *stored)
+    profiles.remember_profile(model, adjacency, orders_t, interval, profile)
+    return profile
+
+
+def cached_profiles(
+    models: Sequence,
+    directory: str | os.PathLike,
+    adjacency: str | None = None,
+    *,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = profiles.DEFAULT_INTERVAL,
+) -> list[profiles.PrivacyProfile]:
+    """``cached_profile`` of each model under one adjacency (``profiles.resolve_adjacency``)."""
+    adjacency = profiles.resolve_adjacency(models, adjacency)
+    return [
+        cached_profile(
+            m, directory, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+        )
+        for m in models
+    ]
+
+
+__all__ = ["CHECK_EPSILONS", "cached_profile", "cached_profiles", "load_entry", "profile_key", "save_entry"]

@@ -1,0 +1,236 @@
+"""The on-disk profile cache: a stored PLD gives exactly the ε of a fresh one, a bad entry is
+never used (rebuilt instead, and the ε is then right), and a new process reads the entry."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from peer.base.errors import InvalidArgument
+from peer.dp.accounting import ApproxDP, TrainingRecord
+from peer.dp.accounting import profile_cache as pc
+from peer.dp.accounting.conversions import DEFAULT_ORDERS
+from peer.dp.accounting.profiles import _derived_profile, forget_profiles, privacy_profile
+
+ORDERS = tuple(float(a) for a in DEFAULT_ORDERS)
+INTERVAL = 1e-4
+POISSON = TrainingRecord.constant("add-remove", 2000, 0.1, 1.0, 1.0, 0.01)
+MODELS = [
+    POISSON,
+    TrainingRecord.constant("replace-one", 500, 0.1, 1.0, 1.5, 0.02),
+    TrainingRecord.constant("replace-one", 100, 0.1, 1.0, 10.0, 1.0),
+    ApproxDP(1.0, 1e-6, "add-remove"),
+]
+DELTAS = (1e-3, 1e-5, 1e-8)
+
+
+@pytest.fixture(autouse=True)
+def _cold():
+    forget_profiles()
+    yield
+    forget_profiles()
+
+
+def fresh(model):
+    """The profile built from the record, bypassing every cache."""
+    return _derived_profile.__wrapped__(model, model.adjacency, ORDERS, INTERVAL)
+
+
+def assert_same_privacy(profile, reference):
+    for d in DELTAS:
+        got, want = profile.epsilon(d), reference.epsilon(d)
+        assert got.pld == want.pld and got.rdp == want.rdp and got.closed_form == want.closed_form
+    np.testing.assert_array_equal(profile.rdp, reference.rdp)
+    assert profile.mu == reference.mu and profile.source == reference.source
+
+
+@pytest.mark.parametrize("model", MODELS, ids=["poisson", "poisson-replace", "full-batch", "approx-dp"])
+def test_stored_profile_gives_the_fresh_epsilon_exactly(tmp_path, model):
+    written = pc.cached_profile(model, tmp_path)
+    assert pc.load_entry(tmp_path, model, model.adjacency, ORDERS, INTERVAL) is not None
+    forget_profiles()
+    loaded = pc.cached_profile(model, tmp_path)
+    assert _derived_profile.cache_info().currsize == 0  # read from disk, not built
+    assert loaded is not written
+    assert_same_privacy(loaded, fresh(model))
+    # and later requests in the process get it from memory
+    assert privacy_profile(model) is loaded
+
+
+def test_key_covers_record_adjacency_orders_interval():
+    base = pc.profile_key(POISSON, "add-remove", ORDERS, INTERVAL)
+    other_record = TrainingRecord.constant("add-remove", 2001, 0.1, 1.0, 1.0, 0.01)
+    assert pc.profile_key(other_record, "add-remove", ORDERS, INTERVAL) != base
+    assert pc.profile_key(POISSON, "replace-one", ORDERS, INTERVAL) != base
+    assert pc.profile_key(POISSON, "add-remove", ORDERS[:-1], INTERVAL) != base
+    assert pc.profile_key(POISSON, "add-remove", ORDERS, 1e-3) != base
+    assert pc.profile_key(POISSON, "add-remove", ORDERS, INTERVAL) == base
+
+
+def _paths(directory: Path, model=POISSON):
+    key = pc.profile_key(model, model.adjacency, ORDERS, INTERVAL)
+    return directory / f"{key}.json", directory / f"{key}.npz"
+
+
+def _rewrite(directory: Path, change_arrays=None, change_entry=None, model=POISSON):
+    """Rewrite the entry of ``model`` with changed arrays and/or JSON, keeping it self-consistent
+    (digest recomputed) unless ``change_entry`` says otherwise: each check is tested alone."""
+    json_path, npz_path = _paths(directory, model)
+    with np.load(npz_path) as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    if change_arrays:
+        change_arrays(arrays)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    npz_path.write_bytes(buf.getvalue())
+    entry = json.loads(json_path.read_text())
+    entry["arrays_sha256"] = pc._digest(arrays)
+    if change_entry:
+        change_entry(entry)
+    json_path.write_text(json.dumps(entry))
+
+
+def _shift_mass_down(arrays):
+    # move 1% of the mass from the top half of the losses to the bottom: a PLD that under-charges
+    p = arrays["remove_probs"]
+    half = p.size // 2
+    moved = 0.01 * p[half:].sum() / p[half:].sum() * p[half:]
+    p[half:] -= moved
+    p[:half] += moved.sum() / half
+
+
+def _drop_mass(arrays):
+    arrays["remove_probs"][arrays["remove_probs"].size // 2 :] = 0.0
+
+
+def _other_version(entry):
+    entry["inputs"]["dp_accounting"] = "0.0.1"
+
+
+def _other_model(entry):
+    entry["inputs"]["model"]["steps"][0]["count"] = 1000
+
+
+def _stale_digest(entry):
+    entry["arrays_sha256"] = "0" * 64
+
+
+def _bad_rdp(arrays):
+    arrays["rdp"] = arrays["rdp"][:-1]
+
+
+def _coarser(arrays):
+    arrays["remove_meta"][2] = 1e-3
+
+
+BAD_ENTRIES = {
+    "mass-shifted-down": (_shift_mass_down, None),
+    "mass-dropped": (_drop_mass, None),
+    "stale-digest": (None, _stale_digest),
+    "other-dp-accounting-version": (None, _other_version),
+    "other-model-under-this-key": (None, _other_model),
+    "rdp-wrong-shape": (_bad_rdp, None),
+    "other-interval": (_coarser, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ENTRIES))
+def test_bad_entry_is_ignored_and_rebuilt(tmp_path, case):
+    pc.cached_profile(POISSON, tmp_path)
+    _rewrite(tmp_path, *BAD_ENTRIES[case])
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+    forget_profiles()
+    profile = pc.cached_profile(POISSON, tmp_path)
+    assert_same_privacy(profile, fresh(POISSON))
+    # and the rebuilt entry was written back, valid
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is not None
+
+
+@pytest.mark.parametrize("damage", ["truncated-npz", "garbage-json", "missing-npz", "pickle-in-npz"])
+def test_corrupt_files_are_ignored_and_rebuilt(tmp_path, damage):
+    pc.cached_profile(POISSON, tmp_path)
+    json_path, npz_path = _paths(tmp_path)
+    if damage == "truncated-npz":
+        npz_path.write_bytes(npz_path.read_bytes()[:1000])
+    elif damage == "garbage-json":
+        json_path.write_text("{not json")
+    elif damage == "missing-npz":
+        npz_path.unlink()
+    else:  # an object array would need pickle to load: refused, never unpickled
+        buf = io.BytesIO()
+        np.savez(buf, remove_probs=np.array([object()]), remove_meta=np.zeros(4), rdp=np.zeros(len(ORDERS)))
+        npz_path.write_bytes(buf.getvalue())
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+    forget_profiles()
+    assert_same_privacy(pc.cached_profile(POISSON, tmp_path), fresh(POISSON))
+
+
+def test_unwritable_directory_still_gives_the_profile(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the directory should be: writing fails with OSError
+    assert_same_privacy(pc.cached_profile(POISSON, blocked / "cache"), fresh(POISSON))
+
+
+def test_a_new_process_reads_the_entry(tmp_path):
+    pc.cached_profile(POISSON, tmp_path)
+    want = fresh(POISSON).epsilon(1e-5).pld
+    script = (
+        "import sys, json\n"
+        "from peer.dp.accounting import TrainingRecord\n"
+        "from peer.dp.accounting import profile_cache as pc\n"
+        "from peer.dp.accounting.profiles import _derived_profile\n"
+        "m = TrainingRecord.constant('add-remove', 2000, 0.1, 1.0, 1.0, 0.01)\n"
+        "p = pc.cached_profile(m, sys.argv[1])\n"
+        "print(json.dumps({'built': _derived_profile.cache_info().currsize, 'eps': p.epsilon(1e-5).pld}))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "proto")])}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, check=True, timeout=120
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"built": 0, "eps": want}
+
+
+def test_pool_cache_directory_is_a_hidden_sibling(tmp_path):
+    from peer.dp.pools import profile_cache_directory
+
+    assert profile_cache_directory(tmp_path / "pool") == tmp_path.resolve() / ".pool.profiles"
+
+
+def test_record_hash_follows_equality():
+    from peer.dp.accounting import GaussianStep
+
+    step = GaussianStep(0.1, 1.0, 1.0, 0.01)
+    explicit = TrainingRecord("add-remove", tuple([step] * 2000))
+    assert explicit == POISSON and hash(explicit) == hash(POISSON)
+    longer = TrainingRecord.constant("add-remove", 2001, 0.1, 1.0, 1.0, 0.01)
+    assert longer != POISSON and hash(longer) != hash(POISSON)
+
+
+def test_pool_warm_up_writes_beside_the_pool_and_a_restart_reads_it(tmp_path):
+    from peer.dp.merging import PoolModel
+    from peer.dp.pools import profile_cache_directory, warm_pool_profiles
+
+    pool_dir = tmp_path / "pool"
+    pool_dir.mkdir()
+    pool = [PoolModel(f"p{i}", {}, {}, m) for i, m in enumerate(MODELS[:2])]
+    # the models mix adjacencies: refused (the daemon skips such a pool), nothing written
+    with pytest.raises(InvalidArgument, match="adjacenc"):
+        warm_pool_profiles(pool, pool_dir)
+    pool = [PoolModel("p0", {}, {}, POISSON), PoolModel("p1", {}, {}, MODELS[3])]
+    first = warm_pool_profiles(pool, pool_dir)
+    assert len(list(profile_cache_directory(pool_dir).glob("*.npz"))) == 2
+    assert list(pool_dir.iterdir()) == []  # the pool directory itself holds models only
+    forget_profiles()  # a restart
+    again = warm_pool_profiles(pool, pool_dir)
+    assert _derived_profile.cache_info().currsize == 0
+    for a, b in zip(first, again, strict=True):
+        assert_same_privacy(b, a)
