@@ -149,3 +149,34 @@ def test_verify_detects_an_edited_served_again_row(sites):
     con.close()
     with pytest.raises(FailedPrecondition, match="served-again hash chain broken"):
         Ledger(a.ledger)
+
+
+def test_a_served_again_receipt_verifies_only_as_signed(tmp_path):
+    from dataclasses import replace
+
+    from peer.base.errors import InvalidArgument
+    from peer.base.records import ReleaseRecord
+    from peer.net.identity import init_identity, load_identity
+    from peer.net.receipts import Manifest, TensorEntry, sign_receipt, verify_receipt
+
+    init_identity(tmp_path / "id", "site-a", ["127.0.0.1"])
+    me = load_identity(tmp_path / "id")
+    cert = (tmp_path / "id" / "site.crt").read_bytes()
+    record = ReleaseRecord.from_json(
+        b'{"counterparty":"site-b","delta":1e-05,"epsilon":1.0,"level":"data","mechanism":"rs-merge",'
+        b'"release_id":"r1","sensitivity":1.0,"sensitivity_norm":"l2","unit":"record:replace-one"}'
+    )
+    manifest = Manifest("merged", "digits", "{}", "{}", (TensorEntry("w", 1, (2,), 8, bytes(32)),), 8)
+    fresh = sign_receipt(me, "7", record, manifest)
+    again = sign_receipt(me, "7", record, manifest, "3", "site-c")
+    assert verify_receipt(again, cert, "site-a", manifest) == record and again.recipient == "site-c"
+    assert fresh.recipient == "site-b" and fresh.payload() != again.payload()
+    for edited in (
+        replace(again, served_to="site-b"),
+        replace(again, served_again="4"),
+        replace(again, served_again="", served_to=""),  # not a fresh receipt either
+        replace(fresh, served_again="3", served_to="site-c", signature=fresh.signature),
+    ):
+        with pytest.raises(InvalidArgument, match=r"receipt\.signature"):
+            verify_receipt(edited, cert, "site-a")
+    assert type(again).from_json(again.to_json()) == again
