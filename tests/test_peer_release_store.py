@@ -180,3 +180,24 @@ def test_a_served_again_receipt_verifies_only_as_signed(tmp_path):
         with pytest.raises(InvalidArgument, match=r"receipt\.signature"):
             verify_receipt(edited, cert, "site-a")
     assert type(again).from_json(again.to_json()) == again
+
+
+def test_concurrent_requests_for_one_merge_are_charged_once(sites):
+    """One lock per request key: the first request makes, stores and charges; the others wait
+    and are served the stored bytes again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a, b, c = sites
+    with (
+        running(a) as (_, address),
+        client(b, address, peer="site-a") as cb,
+        client(c, address, peer="site-a") as cc,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        got = list(pool.map(lambda cl: cl.merged("digits", **MERGE), [cb, cc, cb, cc]))
+    assert sum(1 for r in got if not r.receipt.served_again) == 1
+    assert len({r.receipt.ledger_entry_id for r in got}) == 1
+    assert all(tensors(r) == tensors(got[0]) for r in got)
+    assert sums(a.ledger)[1] == 1
+    with Ledger(a.ledger) as led:
+        assert len(led.served_again()) == 3
