@@ -12,7 +12,7 @@ from peer.budget.ledger import Ledger
 from peer.net import wire
 from peer.net.client import PeerError
 from peer.net.daemon import open_site
-from peer.net.releases import StoredRelease, release_key, release_sha256
+from peer.net.releases import StoredRelease, pool_fingerprint, release_key, release_sha256
 
 MERGE = dict(method="rs", epsilon=50.0, delta=1e-5)
 
@@ -125,13 +125,14 @@ def test_an_entry_stored_but_never_charged_is_replaced_not_served(sites):
         tensors_ = [(k, merged.arrays[k]) for k in sorted(merged.arrays)]
         digest = release_sha256([(n, wire.digest(t)) for n, t in tensors_])
         record = merged.record.with_(parameters={**merged.record.parameters, "release_sha256": digest})
-        key = release_key("digits", **MERGE)
+        key = release_key("digits", **MERGE, pool_fingerprint=pool_fingerprint(site.pool("digits")))
         site.releases.put(key, {}, StoredRelease(key, record, merged.architecture, {}, tensors_))
     finally:
         site.close()
     with running(a) as (_, address), client(b, address, peer="site-a") as cb:
         got = cb.merged("digits", **MERGE)
     assert got.receipt.served_again == "" and got.receipt.record.release_id != record.release_id
+    assert len(store_files(a)) == 1  # the orphan's entry (same key) was replaced, not left beside
     with Ledger(a.ledger) as led:
         assert [e.release_id for e in led.entries()] == [got.receipt.record.release_id]
         assert led.served_again() == []

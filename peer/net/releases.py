@@ -54,9 +54,10 @@ from peer.base.records import ReleaseRecord
 from peer.net import wire
 
 
-def release_key(pool: str, method: str, epsilon: float, delta: float) -> str:
+def release_key(pool: str, method: str, epsilon: float, delta: float, pool_fingerprint: str = "") -> str:
     """The store key of a merge request: SHA-256 of its public parameters (floats by repr, so
-    only the exact same target is reused)."""
+    only the exact same target is reused) and of the pool's contents (:func:`pool_fingerprint`:
+    a pool retrained under the same name is a different pool, whose merges are made anew)."""
     text = json.dumps(
         {
             "kind": "merged",
@@ -64,10 +65,21 @@ def release_key(pool: str, method: str, epsilon: float, delta: float) -> str:
             "method": method,
             "epsilon": repr(float(epsilon)),
             "delta": repr(float(delta)),
+            "pool_fingerprint": pool_fingerprint,
         },
         sort_keys=True,
     )
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def pool_fingerprint(members) -> str:
+    """SHA-256 over a pool's models (``peer.dp.merging.PoolModel``): names and every tensor's bytes."""
+    h = hashlib.sha256(b"privfusion.v1/pool/1\n")
+    for m in members:
+        h.update(m.name.encode() + b"\0")
+        for k in sorted(m.arrays):
+            h.update(k.encode() + b"\0" + wire.digest(np.asarray(m.arrays[k])))
+    return h.hexdigest()
 
 
 def release_sha256(tensors: list[tuple[str, bytes]]) -> str:

@@ -623,10 +623,13 @@ class Site:
         left) or cancelled is discarded and replaced; a tampered one is refused
         (FailedPrecondition), never served. BudgetExhausted from the charge leaves the new entry
         uncharged (discarded by the next request)."""
-        from peer.net.releases import StoredRelease, release_key, release_sha256
+        from peer.net.releases import StoredRelease, pool_fingerprint, release_key, release_sha256
 
-        self.pool(pool)
-        key = release_key(pool, method, epsilon, delta)
+        members = self.pool(pool)
+        prints = self.__dict__.setdefault("_pool_fingerprints", {})
+        if pool not in prints:  # pools are fixed while the daemon runs
+            prints[pool] = pool_fingerprint(members)
+        key = release_key(pool, method, epsilon, delta, prints[pool])
         with self.releases.lock(key):
             stored = self.releases.get(key)
             if stored is not None:
