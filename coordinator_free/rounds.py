@@ -258,6 +258,9 @@ class Charge:
     received_at: str
     receipt: str  # the signed receipt (JSON), checkable offline with the peer's certificate
     delivered: bool = False
+    # the peer's "served again" ledger row when it served the identical bytes of an earlier
+    # charge (``entry_id``, maybe another requester's) at no new charge; "" for a release made
+    served_again: str = ""
 
 
 @dataclass
@@ -395,10 +398,11 @@ class RoundState:
                 r.delta,
                 now_rfc3339(),
                 receipt.to_json(),
+                served_again=receipt.served_again,
             )
             self.peers[peer].charges.append(c)
         self.event(
-            "charged",
+            "served-again" if c.served_again else "charged",
             peer,
             c.step,
             entry_id=c.entry_id,
@@ -469,6 +473,13 @@ class RoundState:
     def charges(self) -> list[Charge]:
         with self._lock:
             return [c for p in self.peers.values() for c in p.charges]
+
+    def release_counts(self) -> dict[str, int]:
+        """Releases received this round: ``made`` (charged for this request) and ``served_again``
+        (a data-level release the peer had made before, served again with no new charge)."""
+        charges = self.charges()
+        again = sum(1 for c in charges if c.served_again)
+        return {"made": len(charges) - again, "served_again": again}
 
     def may_have_charged(self) -> dict[str, str]:
         """Per peer: "yes" (a signed receipt arrived), "unknown" (a call broke off before its

@@ -469,6 +469,7 @@ def run_round(
         "weights": dict(zip([me, *contributors], weights, strict=True)) if fused is not None else {},
         "peers": state.peers_dict(),
         "charges": [vars(c) for c in state.charges()],
+        "releases": state.release_counts(),
         "events": state.events,
     }
     result = RoundResult(round_id, report["status"], report["reason"], report, fused)

@@ -74,8 +74,9 @@ def digest32(b: bytes) -> bytes:
 
 
 def receipt_payload(r) -> bytes:
+    # docs/wire.md 6.3: a release served again is signed under its own context, with its two fields last
     out = (
-        b"privfusion.v1/receipt/2\n"
+        (b"privfusion.v1/receipt-served-again/1\n" if r.served_again else b"privfusion.v1/receipt/2\n")
         + text(r.signer)
         + text(r.ledger_entry_id)
         + blob(r.record_json)
@@ -83,7 +84,10 @@ def receipt_payload(r) -> bytes:
     )
     for t in r.tensors:
         out += text(t.name) + digest32(t.sha256)
-    return out + digest32(r.manifest_sha256)
+    out += digest32(r.manifest_sha256)
+    if r.served_again:
+        out += text(r.served_again) + text(r.served_to)
+    return out
 
 
 def manifest_bytes(m) -> bytes:
@@ -130,7 +134,10 @@ def verify_offline(receipt, manifest, tensors: dict[str, bytes], cert_pem: bytes
     if manifest.total_bytes != sum(t.nbytes for t in manifest.tensors):
         raise ValueError("manifest.total_bytes")
     record = json.loads(receipt.record_json)
-    if record["counterparty"] != me:
+    if receipt.served_again:
+        if receipt.served_to != me:
+            raise ValueError("receipt.served_to: not this site")
+    elif record["counterparty"] != me:
         raise ValueError("record.counterparty: not this site")
     return record
 
@@ -266,6 +273,7 @@ def main(config_path: str, out_path: str) -> int:
         "features": c.features(model.name, probe, chunk=1000),
         "weights": c.weights(model.name),
         "merged": c.merged(cfg["pool"]),
+        "merged_again": c.merged(cfg["pool"]),  # the same request: served again, not charged
     }
     c.channel.close()
 
@@ -273,9 +281,11 @@ def main(config_path: str, out_path: str) -> int:
     out: dict = {"stubs": peer_pb2.__file__, "releases": {}}
     for kind, (receipt, manifest, tensors, chunks) in kept.items():
         record = verify_offline(receipt, manifest, tensors, c.peer_cert, cfg["peer"], cfg["me"])
-        assert manifest.kind == kind
+        assert manifest.kind == kind.removesuffix("_again")
         out["releases"][kind] = {
             "entry": receipt.ledger_entry_id,
+            "served_again": receipt.served_again,
+            "tensors_sha256": hashlib.sha256(b"".join(tensors[t.name] for t in manifest.tensors)).hexdigest(),
             "release_id": record["release_id"],
             "epsilon": record["epsilon"],
             "level": record["level"],

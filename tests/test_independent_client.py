@@ -63,16 +63,23 @@ def test_an_independent_client_runs_releases_and_verifies_them_from_the_spec(tmp
     # it used its own protoc-generated stubs and none of the project's modules
     assert got["stubs"].startswith(config["stubs"]) and got["project_modules_loaded"] == []
     releases = got["releases"]
-    for kind in ("features", "weights", "merged"):
+    for kind in ("features", "weights", "merged", "merged_again"):
         # the offline verifier refused every edit of the manifest and of the bytes
         assert releases[kind]["refused_edits"] == ["metadata_json", "kind", "architecture_json", "shape", "bytes"]
     # the probe went in 1000-byte chunks under one header carrying the whole probe's SHA-256
     assert releases["features"]["shapes"]["hidden.0.activations"] == [16, 7]
     assert releases["merged"]["level"] == "data" and releases["features"]["level"] == "model"
 
+    # the same merge asked again: the identical bytes, served again under the original entry
+    again = releases.pop("merged_again")
+    assert again["served_again"] and releases["merged"]["served_again"] == ""
+    assert again["entry"] == releases["merged"]["entry"]
+    assert again["tensors_sha256"] == releases["merged"]["tensors_sha256"]
+
     # every release it verified is the entry the daemon charged it for, under the same id
     with Ledger(a.ledger) as ledger:
         entries = {str(e.entry_id): e for e in ledger.entries(counterparty="site-b")}
+        assert [str(s["id"]) for s in ledger.served_again()] == [again["served_again"]]
     assert sorted(entries) == sorted(r["entry"] for r in releases.values())
     for r in releases.values():
         assert entries[r["entry"]].release_id == r["release_id"]

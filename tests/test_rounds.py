@@ -550,6 +550,27 @@ def test_a_peer_answers_with_a_merge_and_the_requester_aligns_it_locally(tmp_pat
     assert_ledger_matches_report(b, "hospital-a", [r])
 
 
+def test_a_second_round_gets_the_same_merge_served_again_without_a_charge(tmp_path, trained):
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b"])
+    a, b = sites
+    add_pool(b, trained, data_epsilon=20.0)
+    with running(a) as (_, addr_a), running(b) as (_, addr_b):
+        roster = roster_for(tmp_path, sites, {"hospital-a": addr_a, "hospital-b": addr_b})
+        cfg = config(tmp_path, method="merged", merge_epsilon=4.0, merge_delta=1e-5)
+        first, second = (run_round(load_local_site(a.config, "mlp"), roster, cfg) for _ in range(2))
+    assert first.status == second.status == "fused", (first.reason, second.reason)
+    assert first.report["releases"] == {"made": 1, "served_again": 0}
+    assert second.report["releases"] == {"made": 0, "served_again": 1}
+    [made], [again] = charges_of(first.report, "hospital-b"), charges_of(second.report, "hospital-b")
+    assert again["served_again"] and not made["served_again"]
+    assert (again["entry_id"], again["release_id"]) == (made["entry_id"], made["release_id"])
+    assert any(e["event"] == "served-again" for e in second.report["events"])
+    # one charge in the peer's ledger for both rounds, and one served-again row naming it
+    assert [e.release_id for e in ledger_entries(b, "hospital-a")] == [made["release_id"]]
+    with Ledger(b.ledger) as led:
+        assert [s["entry_id"] for s in led.served_again()] == [int(made["entry_id"])]
+
+
 def test_auto_falls_back_to_features_and_weights_only_when_the_merge_was_not_charged(tmp_path, trained):
     # a data budget of 0.5 fits no merge at ε′ = 4: refused before any charge
     result, b = round_with_a_pool(tmp_path, trained, "auto", data_epsilon=0.5)

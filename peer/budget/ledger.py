@@ -51,6 +51,17 @@ the charge chain's head at the time; the totals of every budget the charge touch
 recomputed from the remaining rows in the same transaction, and ``verify()`` sums only charges
 that are not cancelled.
 
+Serving a release again
+-----------------------
+A data-level release (a DP-SGD pool model or an RS/LC merge) is a DP output of the site's
+training records; handing the *identical* bytes out again is post-processing and costs nothing.
+``serve_again(release_id, counterparty)`` records such a re-serving as a row of ``served_again``
+(append-only, chained by its own hash over the original charge's hash and the charge chain's
+head): it names the original charge and never enters a budget's sums, so ``verify()`` checks
+its chain and that it names a data-level charge that is not cancelled. Model-level (LDP)
+releases are per counterparty and are never served again; a charge that was served again can
+no longer be cancelled.
+
 The two budgets, kept apart
 ---------------------------
 - **Data level** (``level="data"``: DP-SGD models, RS/LC merges; central DP on the site's
@@ -191,8 +202,20 @@ CREATE TABLE IF NOT EXISTS cancellations (
     prev_hash TEXT NOT NULL,
     hash TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS served_again (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq INTEGER NOT NULL REFERENCES charges (seq),
+    release_id TEXT NOT NULL REFERENCES charges (release_id),
+    counterparty TEXT NOT NULL,
+    at TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    head_hash TEXT NOT NULL,
+    prev_hash TEXT NOT NULL,
+    hash TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS served_again_release ON served_again (release_id);
 """
-_APPEND_ONLY = ("meta", "charges", "charge_budgets", "charge_models", "events", "cancellations")
+_APPEND_ONLY = ("meta", "charges", "charge_budgets", "charge_models", "events", "cancellations", "served_again")
 
 
 def _schema_statements() -> list[str]:
@@ -527,6 +550,16 @@ def _jsonable(value: Any) -> Any:
 def _dumps(value: Any) -> str:
     # repr-exact floats; ±inf as Infinity (read back by json.loads).
     return json.dumps(value, separators=(",", ":"))
+
+
+def _served_again_hash(
+    prev: str, seq: int, release_id: str, charge_hash: str, counterparty: str, head_hash: str, at: str, detail: str
+) -> str:
+    h = hashlib.sha256(b"served-again\n")
+    for part in (prev, str(seq), release_id, charge_hash, counterparty, head_hash, at, detail):
+        h.update(part.encode())
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 def _cancel_hash(prev: str, seq: int, release_id: str, charge_hash: str, head_hash: str, at: str, reason: str) -> str:
@@ -1140,6 +1173,11 @@ class Ledger:
                     f"release {release_id} has a {sent[0]!r} event: its bytes may have left, "
                     "and a charge is never refunded once they may have"
                 )
+            if (
+                self._has_served_again(con)
+                and con.execute("SELECT 1 FROM served_again WHERE release_id = ? LIMIT 1", (release_id,)).fetchone()
+            ):
+                raise FailedPrecondition(f"release {release_id} was served again: its bytes have left")
             head = con.execute("SELECT hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()[0]
             last = con.execute("SELECT hash FROM cancellations ORDER BY id DESC LIMIT 1").fetchone()
             prev = last[0] if last else GENESIS
@@ -1190,6 +1228,101 @@ class Ledger:
             }
             for r in rows
         ]
+
+    # ---- serving a data-level release again ------------------------------------------------------
+
+    def serve_again(self, release_id: str, counterparty: str, detail: str = "") -> dict:
+        """Record that the identical bytes of the charged release ``release_id`` are served
+        again to ``counterparty``, at no charge: a data-level release is a DP output of the
+        site's training records, and handing the same output out again is post-processing, so
+        no budget's sums change. Append-only: a row of ``served_again`` chained by its own hash,
+        which also covers the original charge's hash and the charge chain's head at the time.
+
+        Refused: NotFound if ``release_id`` was never charged; FailedPrecondition if the charge
+        was cancelled (its bytes must never leave) or is not data-level (a model-level release
+        is per counterparty and never reused). Returns the row as :meth:`served_again` lists it.
+        """
+        if not isinstance(counterparty, str) or not counterparty:
+            raise InvalidArgument("counterparty", "is required")
+        with self._write() as con:
+            row = con.execute("SELECT seq, hash, level FROM charges WHERE release_id = ?", (release_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no charge for release {release_id}")
+            seq, charge_hash, level = row
+            if self._is_cancelled(con, seq):
+                raise FailedPrecondition(f"release {release_id} was cancelled: it may not be served")
+            if level != "data":
+                raise FailedPrecondition(
+                    f"release {release_id} is {level}-level: only data-level releases are served again"
+                )
+            head = con.execute("SELECT hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()[0]
+            last = con.execute("SELECT id, hash FROM served_again ORDER BY id DESC LIMIT 1").fetchone()
+            prev = last[1] if last else GENESIS
+            at = now_rfc3339()
+            detail = str(detail)
+            h = _served_again_hash(prev, seq, release_id, charge_hash, counterparty, head, at, detail)
+            cur = con.execute(
+                "INSERT INTO served_again (seq, release_id, counterparty, at, detail, head_hash, prev_hash, hash)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (seq, release_id, counterparty, at, detail, head, prev, h),
+            )
+            served_id = cur.lastrowid
+        log.info("served-again release_id=%s entry=%d counterparty=%s id=%d", release_id, seq, counterparty, served_id)
+        return {
+            "id": served_id,
+            "entry_id": seq,
+            "release_id": release_id,
+            "counterparty": counterparty,
+            "at": at,
+            "detail": detail,
+            "hash": h,
+        }
+
+    def served_again(self, *, counterparty: str | None = None, release_id: str | None = None) -> list[dict]:
+        """Every release served again (no charge), in order; each names its original entry."""
+        with self._read() as con:
+            if not self._has_served_again(con):
+                return []
+            where, args = [], []
+            for col, value in (("counterparty", counterparty), ("release_id", release_id)):
+                if value is not None:
+                    where.append(f"{col} = ?")
+                    args.append(value)
+            sql = "SELECT id, seq, release_id, counterparty, at, detail, hash FROM served_again"
+            if where:
+                sql += " WHERE " + " AND ".join(where)
+            rows = con.execute(sql + " ORDER BY id", args).fetchall()
+        keys = ("id", "entry_id", "release_id", "counterparty", "at", "detail", "hash")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    @staticmethod
+    def _has_served_again(con: sqlite3.Connection) -> bool:
+        # a ledger written before releases were served again and opened read-only has no such table
+        return (
+            con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'served_again'").fetchone()
+            is not None
+        )
+
+    def _verify_served_again(self, con: sqlite3.Connection, cancelled: set[int], problems: list[str]) -> None:
+        """Check the served-again rows' own hash chain; each must name a data-level charge that
+        is not cancelled (they never enter a budget's sums)."""
+        if not self._has_served_again(con):
+            return
+        prev = GENESIS
+        for sid, seq, release_id, cp, at, detail, head, prev_hash, h, charge_hash, charge_release, level in con.execute(
+            "SELECT s.id, s.seq, s.release_id, s.counterparty, s.at, s.detail, s.head_hash, s.prev_hash, s.hash,"
+            " c.hash, c.release_id, c.level FROM served_again s LEFT JOIN charges c ON c.seq = s.seq ORDER BY s.id"
+        ):
+            if charge_hash is None or charge_release != release_id:
+                problems.append(f"served-again row {sid} names no such charge")
+            elif prev_hash != prev or h != _served_again_hash(
+                prev_hash, seq, release_id, charge_hash, cp, head, at, detail
+            ):
+                problems.append(f"served-again hash chain broken at row {sid}")
+                break
+            elif seq in cancelled or level != "data":
+                problems.append(f"served-again row {sid} names a cancelled or non-data-level charge (entry {seq})")
+            prev = h
 
     @staticmethod
     def _has_cancellations(con: sqlite3.Connection) -> bool:
@@ -1292,6 +1425,14 @@ class Ledger:
             sql += " WHERE " + " AND ".join(where)
         with self._read() as con:
             return [self._to_entry(r) for r in con.execute(sql + " ORDER BY seq", args)]
+
+    def charge_of(self, release_id: str) -> tuple[LedgerEntry, bool] | None:
+        """The charge of ``release_id`` and whether it was cancelled, or None if never charged."""
+        with self._read() as con:
+            row = con.execute(f"SELECT {self._ENTRY_COLS} FROM charges WHERE release_id = ?", (release_id,)).fetchone()
+            if row is None:
+                return None
+            return self._to_entry(row), self._is_cancelled(con, row[0])
 
     def events(self, release_id: str | None = None) -> list[dict]:
         sql, args = "SELECT id, release_id, at, kind, detail FROM events", ()
@@ -1413,6 +1554,7 @@ class Ledger:
                     "cancelled": [
                         c for c in self.cancellations() if counterparty is None or c["counterparty"] == counterparty
                     ],
+                    "served_again": self.served_again(counterparty=counterparty),
                 }
             )
 
@@ -1453,6 +1595,7 @@ class Ledger:
             if check != ["ok"]:
                 problems.append(f"integrity_check: {check[:5]}")
             cancelled = self._verify_cancellations(con, problems)
+            self._verify_served_again(con, cancelled, problems)
             budget_rows: dict[int, list[tuple]] = {}
             for seq, *row in con.execute(f"SELECT seq, {', '.join(c for c, _ in _BUDGET_COLS)} FROM charge_budgets"):
                 budget_rows.setdefault(seq, []).append(tuple(row))

@@ -286,7 +286,17 @@ class PeerClient:
         if self.peer_cert is None:
             raise InvalidArgument("receipt.signature", f"cannot be checked: {self.peer_name!r} is not pinned")
         record = _verify_with_any(receipt, [self.peer_cert, *getattr(self, "_next_certs", [])], self.peer_name)
-        if record.counterparty != self.identity.name:
+        if receipt.served_again:
+            # the identical bytes of an earlier charge (to whoever asked first), served to us again
+            if receipt.served_to != self.identity.name:
+                raise InvalidArgument(
+                    "receipt.served_to", f"is {receipt.served_to!r}, not this site ({self.identity.name!r})"
+                )
+            if record.level != "data":
+                raise InvalidArgument(
+                    "receipt.served_again", f"is set on a {record.level}-level release; only data-level ones are reused"
+                )
+        elif record.counterparty != self.identity.name:
             raise InvalidArgument(
                 "receipt.record.counterparty", f"is {record.counterparty!r}, not this site ({self.identity.name!r})"
             )

@@ -21,6 +21,13 @@ protobuf messages alone:
                       BYTES(record_json) U32(n) n×[STR(name) BYTES(sha256)]
                       BYTES(SHA-256(manifest_bytes))
 
+A data-level release served again from the site's release store (the identical bytes of an
+earlier charge, at no new charge) is signed over the same fields under the context
+"privfusion.v1/receipt-served-again/1\\n", followed by STR(served_again) STR(served_to): the
+ledger's served-again row and the requester. ``ledger_entry_id`` and the record stay those of
+the original charge, so a requester counts releases made (distinct ledger entries) and
+releases served again.
+
 with U32/U64 unsigned big-endian integers, STR(s) = U32(len(utf8(s))) utf8(s) and BYTES(b) =
 U32(len(b)) b. A receipt digest is SHA-256(signing_payload) of that receipt. The context strings
 keep a signature over one kind of message from being replayed as another, and their version
@@ -48,6 +55,9 @@ from peer.net.identity import SIGNATURE_ALGORITHM, Identity, verify_signature
 from privfusion.v1 import tensor_pb2 as tpb
 
 CONTEXT = b"privfusion.v1/receipt/2\n"
+#: The context of a receipt for a release served again from the site's release store (no new
+#: charge): the layout of ``CONTEXT`` followed by STR(served_again) STR(served_to).
+SERVED_AGAIN_CONTEXT = b"privfusion.v1/receipt-served-again/1\n"
 MANIFEST_CONTEXT = b"privfusion.v1/manifest/2\n"
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
@@ -183,11 +193,24 @@ class Manifest:
 
 
 def signing_payload(
-    signer: str, ledger_entry_id: str, record_json: bytes, tensors: Sequence[tuple[str, bytes]], manifest_sha256: bytes
+    signer: str,
+    ledger_entry_id: str,
+    record_json: bytes,
+    tensors: Sequence[tuple[str, bytes]],
+    manifest_sha256: bytes,
+    served_again: str = "",
+    served_to: str = "",
 ) -> bytes:
-    """The exact bytes a receipt's signature is over (``signing_payload`` of the module docstring)."""
+    """The exact bytes a receipt's signature is over (``signing_payload`` of the module docstring).
+
+    A release served again (``served_again``: the id of the ledger's served-again row; the
+    record and ``ledger_entry_id`` are the original charge's) is signed under
+    ``SERVED_AGAIN_CONTEXT`` with ``STR(served_again) STR(served_to)`` appended, so a receipt of
+    a fresh release keeps the "/2" layout byte for byte and neither kind verifies as the other."""
+    if bool(served_again) != bool(served_to):
+        raise InvalidArgument("receipt.served_to", "is given exactly when receipt.served_again is")
     out = [
-        CONTEXT,
+        SERVED_AGAIN_CONTEXT if served_again else CONTEXT,
         _str(signer, "receipt.signer"),
         _str(ledger_entry_id, "receipt.ledger_entry_id"),
         _bytes(record_json, "receipt.record_json"),
@@ -196,6 +219,8 @@ def signing_payload(
     for i, (name, sha) in enumerate(tensors):
         out += [_str(name, f"receipt.tensors[{i}].name"), _digest32(sha, f"receipt.tensors[{i}].sha256")]
     out.append(_digest32(manifest_sha256, "receipt.manifest_sha256"))
+    if served_again:
+        out += [_str(served_again, "receipt.served_again"), _str(served_to, "receipt.served_to")]
     return b"".join(out)
 
 
@@ -211,13 +236,31 @@ class SignedReceipt:
     manifest_sha256: bytes
     signature: bytes
     signature_algorithm: str = SIGNATURE_ALGORITHM
+    # a release served again from the site's store: the ledger's served-again row and whom to
+    # (empty for a release made and charged for this request)
+    served_again: str = ""
+    served_to: str = ""
 
     @property
     def record(self) -> ReleaseRecord:
         return ReleaseRecord.from_json(self.record_json)
 
+    @property
+    def recipient(self) -> str:
+        """Whom the bytes were sent to under this receipt: the record's counterparty, or for a
+        release served again the requester it was served to."""
+        return self.served_to or self.record.counterparty
+
     def payload(self) -> bytes:
-        return signing_payload(self.signer, self.ledger_entry_id, self.record_json, self.tensors, self.manifest_sha256)
+        return signing_payload(
+            self.signer,
+            self.ledger_entry_id,
+            self.record_json,
+            self.tensors,
+            self.manifest_sha256,
+            self.served_again,
+            self.served_to,
+        )
 
     def to_json(self) -> str:
         """A self-contained JSON document (saved beside the released tensors)."""
@@ -231,6 +274,7 @@ class SignedReceipt:
                 "manifest_sha256": self.manifest_sha256.hex(),
                 "signature_algorithm": self.signature_algorithm,
                 "signature": base64.b64encode(self.signature).decode(),
+                **({"served_again": self.served_again, "served_to": self.served_to} if self.served_again else {}),
             },
             indent=2,
             sort_keys=True,
@@ -248,6 +292,8 @@ class SignedReceipt:
                 bytes.fromhex(d["manifest_sha256"]),
                 base64.b64decode(d["signature"], validate=True),
                 d["signature_algorithm"],
+                d.get("served_again", ""),
+                d.get("served_to", ""),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgument("receipt", f"is not a PrivFusion receipt document: {e}") from None
@@ -261,14 +307,35 @@ def receipt_digest(receipt: SignedReceipt) -> bytes:
     return hashlib.sha256(receipt.payload()).digest()
 
 
-def sign_receipt(identity: Identity, ledger_entry_id: str, record: ReleaseRecord, manifest: Manifest) -> SignedReceipt:
+def sign_receipt(
+    identity: Identity,
+    ledger_entry_id: str,
+    record: ReleaseRecord,
+    manifest: Manifest,
+    served_again: str = "",
+    served_to: str = "",
+) -> SignedReceipt:
     """Sign a charged release: the record, the ledger entry and the manifest (which lists the
-    tensors' digests; the receipt repeats their names and digests in stream order)."""
+    tensors' digests; the receipt repeats their names and digests in stream order). With
+    ``served_again`` (the ledger's served-again row) and ``served_to``: the identical bytes of
+    the charge ``ledger_entry_id`` served again to ``served_to`` at no new charge."""
     record_json = record.canonical_json()
     tensors = tuple((t.name, bytes(t.sha256)) for t in manifest.tensors)
     manifest_sha256 = manifest.digest()
-    payload = signing_payload(identity.name, ledger_entry_id, record_json, tensors, manifest_sha256)
-    return SignedReceipt(identity.name, ledger_entry_id, record_json, tensors, manifest_sha256, identity.sign(payload))
+    payload = signing_payload(
+        identity.name, ledger_entry_id, record_json, tensors, manifest_sha256, served_again, served_to
+    )
+    return SignedReceipt(
+        identity.name,
+        ledger_entry_id,
+        record_json,
+        tensors,
+        manifest_sha256,
+        identity.sign(payload),
+        SIGNATURE_ALGORITHM,
+        served_again,
+        served_to,
+    )
 
 
 def check_manifest(receipt: SignedReceipt, manifest: Manifest) -> None:

@@ -345,6 +345,7 @@ class PeerService(pb_grpc.PeerServicer):
         policy_kind: str | tuple[str, ...] | None = None,
         on_behalf_of: str | None = None,
         charged_entry: str | None = None,
+        served_again: str | None = None,
     ) -> Iterator[pb.ReleaseFrame]:
         """Charge, then stream receipt → manifest → tensors → end. The charge is never undone.
 
@@ -353,7 +354,9 @@ class PeerService(pb_grpc.PeerServicer):
         sequential composite). ``on_behalf_of``: the site a relayed release is finally for
         (charged too). ``charged_entry``: the release was charged (and admitted past the
         drain check) by the caller of this function already — Fuse charges before it calls
-        its partner.
+        its partner (ReleaseMerged: the site charged it). ``served_again``: the ledger's
+        served-again row when ``charged_entry`` is an earlier charge whose identical bytes are
+        served again to ``caller`` (signed as such; no charge).
         """
         digests = [(name, wire.digest(a)) for name, a in tensors]
         with self._drain_lock:
@@ -370,7 +373,7 @@ class PeerService(pb_grpc.PeerServicer):
                 else self.site.charge(record, caller, policy_kind or kind, on_behalf_of)
             )
             log_event(
-                "charged",
+                "served-again" if served_again else "charged",
                 method=method,
                 caller=caller,
                 entry=entry_id,
@@ -387,10 +390,14 @@ class PeerService(pb_grpc.PeerServicer):
                 entry_id,
                 record,
                 wire.release_manifest(kind, model, architecture, metadata, tensors, upstream, digests),
+                served_again or "",
+                caller if served_again else "",
             )
             yield from wire.release_frames(receipt, kind, model, architecture, metadata, tensors, upstream)
             finished = True
-            self.site.release_event(record, "sent")
+            self.site.release_event(
+                record, "sent", f"served again ({served_again}) to {caller}" if served_again else ""
+            )
             log_event(
                 "released",
                 method=method,
@@ -659,9 +666,11 @@ class PeerService(pb_grpc.PeerServicer):
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
         self.site.policy_allows(caller, "merge")
-        merged = self.site.merge(request.pool, request.method, eps, dlt, caller)
-        tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
-        # public: the method, π or λ, the ε each accountant reports, the validation utility
+        with self._drain_lock:
+            if self._draining:
+                raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
+        # the site decides: serve its stored release again (no charge) or make, store and charge one
+        merged = self.site.merge_release(request.pool, request.method, eps, dlt, caller)
         yield from self._release(
             "ReleaseMerged",
             caller,
@@ -669,9 +678,11 @@ class PeerService(pb_grpc.PeerServicer):
             "merged",
             request.pool,
             merged.architecture,
-            {"choice": merged.choice.to_dict()},
-            tensors,
+            merged.metadata,
+            merged.tensors,
             policy_kind="merge",
+            charged_entry=merged.entry_id,
+            served_again=merged.served_again,
         )
 
     def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:

@@ -351,6 +351,19 @@ class FeaturesRelease:
     record: ReleaseRecord
 
 
+@dataclass(frozen=True)
+class MergeRelease:
+    """A merge ready to stream, already charged (``entry_id``) or, with ``served_again`` (the
+    ledger's served-again row), the identical bytes of the earlier charge ``entry_id``."""
+
+    architecture: Mapping[str, Any]
+    tensors: list[tuple[str, np.ndarray]]
+    record: ReleaseRecord
+    metadata: Mapping[str, Any]
+    entry_id: str
+    served_again: str | None
+
+
 # ------------------------------------------------------------------------ the site
 
 
@@ -570,7 +583,8 @@ class Site:
     def merge(self, pool: str, method: str, epsilon: float, delta: float, caller: str):
         """An RS or LC merge of ``pool`` at (ε, δ) for ``caller`` (``peer.dp.pools.merge_pool``:
         candidates judged on the pool's public validation split; RS maximises the models'
-        accuracy there), its record stamped."""
+        accuracy there), its record stamped. Not stored, not charged: :meth:`merge_release`
+        is what the service serves."""
         # lazy: peer.dp loads dp_accounting (slow to import); the site has pools, so it is loaded
         from peer.dp.pools import merge_pool
 
@@ -585,6 +599,81 @@ class Site:
             subject=pool,
             counterparty=caller,
         )
+
+    @property
+    def releases(self):
+        """The store of this site's data-level releases (``LEDGER_STEM.releases/`` beside the ledger)."""
+        store = self.__dict__.get("_releases")
+        if store is None:
+            from peer.net.releases import ReleaseStore
+
+            ledger = self.config.ledger
+            store = self.__dict__.setdefault("_releases", ReleaseStore(ledger.with_name(ledger.stem + ".releases")))
+        return store
+
+    def merge_release(self, pool: str, method: str, epsilon: float, delta: float, caller: str) -> MergeRelease:
+        """The merge of ``pool`` at (ε, δ) for ``caller``, charged once however often it is asked for.
+
+        A merge is a DP output of the pool's training records (data level), so the identical
+        bytes may be served again at no cost (post-processing). With one lock per request key:
+        an entry of the release store (``peer.net.releases``) whose charge stands in the ledger
+        is served again — ``Ledger.serve_again`` records it, naming the original charge, and no
+        budget changes; otherwise a new merge is made, its record binds its bytes
+        (``parameters.release_sha256``), it is stored atomically, *then* charged to ``caller``.
+        A stored entry whose charge is missing (a crash between store and charge: its bytes never
+        left) or cancelled is discarded and replaced; a tampered one is refused
+        (FailedPrecondition), never served. BudgetExhausted from the charge leaves the new entry
+        uncharged (discarded by the next request)."""
+        from peer.net.releases import StoredRelease, pool_fingerprint, release_key, release_sha256
+
+        members = self.pool(pool)
+        prints = self.__dict__.setdefault("_pool_fingerprints", {})
+        if pool not in prints:  # pools are fixed while the daemon runs
+            prints[pool] = pool_fingerprint(members)
+        key = release_key(pool, method, epsilon, delta, prints[pool])
+        with self.releases.lock(key):
+            stored = self.releases.get(key)
+            if stored is not None:
+                charge = self.ledger.charge_of(stored.record.release_id)
+                if charge is not None and not charge[1]:
+                    entry, _ = charge
+                    if entry.record.canonical_json() != stored.record.canonical_json():
+                        raise FailedPrecondition(
+                            f"release store: the record of entry {key} differs from the one ledger entry "
+                            f"{entry.entry_id} charged; it is not served"
+                        )
+                    served = self.ledger.serve_again(
+                        stored.record.release_id, caller, f"ReleaseMerged {pool} {method} to {caller}"
+                    )
+                    log_event(
+                        "served-again",
+                        caller=caller,
+                        entry=entry.entry_id,
+                        served_again=served["id"],
+                        release=stored.record.release_id,
+                        pool=pool,
+                    )
+                    return MergeRelease(
+                        stored.architecture,
+                        stored.tensors,
+                        stored.record,
+                        stored.metadata,
+                        str(entry.entry_id),
+                        str(served["id"]),
+                    )
+                self.releases.remove(key)  # never left the site (no charge) or withdrawn: make anew
+            merged = self.merge(pool, method, epsilon, delta, caller)
+            tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
+            from peer.net import wire
+
+            digest = release_sha256([(n, wire.digest(a)) for n, a in tensors])
+            record = merged.record.with_(parameters={**merged.record.parameters, "release_sha256": digest})
+            # public: the method, π or λ, the ε each accountant reports, the validation utility
+            metadata = {"choice": merged.choice.to_dict()}
+            parameters = {"pool": pool, "method": method, "epsilon": epsilon, "delta": delta}
+            self.releases.put(key, parameters, StoredRelease(key, record, merged.architecture, metadata, tensors))
+            entry_id = self.charge(record, caller, "merge")
+            return MergeRelease(merged.architecture, tensors, record, metadata, entry_id, None)
 
     # ---- policy and ledger --------------------------------------------------------------------
 

@@ -395,6 +395,8 @@ def receipt_to_proto(r: SignedReceipt) -> pb.Receipt:
         signature_algorithm=r.signature_algorithm,
         signature=r.signature,
         manifest_sha256=r.manifest_sha256,
+        served_again=r.served_again,
+        served_to=r.served_to,
     )
 
 
@@ -407,6 +409,8 @@ def receipt_from_proto(m: pb.Receipt) -> SignedReceipt:
         bytes(m.manifest_sha256),
         bytes(m.signature),
         m.signature_algorithm,
+        m.served_again,
+        m.served_to,
     )
 
 

@@ -18,7 +18,7 @@ class RequestHeader(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., receiver: _Optional[str] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
 
 class Receipt(_message.Message):
-    __slots__ = ("signer", "ledger_entry_id", "record_json", "tensors", "signature_algorithm", "signature", "manifest_sha256")
+    __slots__ = ("signer", "ledger_entry_id", "record_json", "tensors", "signature_algorithm", "signature", "manifest_sha256", "served_again", "served_to")
     SIGNER_FIELD_NUMBER: _ClassVar[int]
     LEDGER_ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class Receipt(_message.Message):
     SIGNATURE_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SERVED_AGAIN_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TO_FIELD_NUMBER: _ClassVar[int]
     signer: str
     ledger_entry_id: str
     record_json: bytes
@@ -33,7 +35,9 @@ class Receipt(_message.Message):
     signature_algorithm: str
     signature: bytes
     manifest_sha256: bytes
-    def __init__(self, signer: _Optional[str] = ..., ledger_entry_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorDigest, _Mapping]]] = ..., signature_algorithm: _Optional[str] = ..., signature: _Optional[bytes] = ..., manifest_sha256: _Optional[bytes] = ...) -> None: ...
+    served_again: str
+    served_to: str
+    def __init__(self, signer: _Optional[str] = ..., ledger_entry_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorDigest, _Mapping]]] = ..., signature_algorithm: _Optional[str] = ..., signature: _Optional[bytes] = ..., manifest_sha256: _Optional[bytes] = ..., served_again: _Optional[str] = ..., served_to: _Optional[str] = ...) -> None: ...
 
 class ReleaseManifest(_message.Message):
     __slots__ = ("kind", "model", "architecture_json", "metadata_json", "tensor_count", "total_bytes", "upstream", "tensors")
