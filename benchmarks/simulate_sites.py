@@ -171,6 +171,10 @@ def run_one(n: int, work: Path, python: str) -> dict:
         "sites": n,
         "wall_s": wall,
         "timings": report.get("timings", {}),
+        "rounds_fused": sum(
+            r["status"] == "fused" for s in report.get("sites", {}).values() for r in s["rounds"].values()
+        ),
+        "rounds_run": sum(len(s["rounds"]) for s in report.get("sites", {}).values()),
         "daemons": per_site,
         "daemon_idle_rss_max": max((d["idle_rss"] or 0) for d in per_site) if per_site else 0,
         "daemon_peak_max": max((d["peak"] for d in per_site), default=0),
@@ -203,6 +207,7 @@ def table(results: list[dict]) -> str:
         lines.append(
             "  " + ", ".join(f"{d['site']} {mb(d['idle_rss']).strip()}/{mb(d['peak']).strip()}" for d in r["daemons"])
         )
+        lines.append(f"  rounds fused: {r['rounds_fused']} of {r['rounds_run']}")
         lines.append(f"  timings: {json.dumps({k: round(v, 1) for k, v in r['timings'].items()})}")
     return "\n".join(lines)
 
