@@ -94,7 +94,7 @@ from peer.net.identity import check_site_name
 from peer.nn.data import DATASETS
 
 DEFAULT_SCENARIO = "hospitals.toml"
-BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml")
+BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml", "hospitals-12.toml")
 
 
 @dataclass(frozen=True)

@@ -231,3 +231,32 @@ def test_failure_scenario_completes_with_the_survivors(tmp_path):
     md = (out / "report.md").read_text()
     assert "**hospital-c** was killed with SIGKILL" in md and "dropped **hospital-c** at step" in md
     check_report_against_ledgers(out, report)
+
+
+@pytest.mark.slow
+def test_twelve_site_scenario_lays_out_its_sites(tmp_path):
+    """hospitals-12.toml: twelve sites, each with its share of the protected records (disjoint,
+    at least min_per_site), its own model, a pool of the scenario's size, an identity that pins
+    the eleven others, and a site.toml the daemon reads. The full run is
+    benchmarks/simulate_sites.py (minutes, not a test)."""
+    from peer.net.site import SiteConfig
+    from peer.net.trust import TrustStore
+    from scenarios.simulate import Progress, prepare, split_data
+
+    sc = load_scenario(bundled_path("hospitals-12.toml"))
+    names = [s.name for s in sc.sites]
+    assert len(names) == 12 and sc.round.quorum <= 12 and sc.pool is not None
+    data = split_data(sc)
+    sizes = [len(y) for _, y in data.parts]
+    assert len(sizes) == 12 and min(sizes) >= sc.data.min_per_site
+    rows = {tuple(r) for x, _ in data.parts for r in x.round(6)}
+    assert len(rows) == sum(sizes), "the sites' records overlap"
+    world = prepare(sc, tmp_path, Progress(lambda s: None))
+    assert list(world.sites) == names
+    for name, s in world.sites.items():
+        cfg = SiteConfig.load(s.config)
+        assert cfg.name == name and cfg.seed == s.seed
+        assert len(s.pool) == len(sc.pool.noise_multipliers)
+        assert (s.root / "models").is_dir() and (s.root / "probe.safetensors").is_file()
+        pinned = {p.name for p in TrustStore(s.identity / "trusted").peers().values()}
+        assert pinned == set(names) - {name}
