@@ -331,10 +331,14 @@ def test_own_csv_to_a_round_an_adopted_fused_model_and_its_scores(tmp_path):
     assert ledgers["st-anne"]["entries"] == []  # the requester released nothing
     for peer in ("riverside", "hillcrest"):
         entries = ledgers[peer]["entries"]
-        charged = [c for r in (report, second) for c in r["charges"] if c["peer"] == peer]
+        received = [c for r in (report, second) for c in r["charges"] if c["peer"] == peer]
+        # the second round asked for the same merge: served again, no new charge (charge-once)
+        charged = [c for c in received if not c.get("served_again")]
+        again = [c for c in received if c.get("served_again")]
         assert [(e["release_id"], str(e["entry_id"])) for e in entries] == [
             (c["release_id"], c["entry_id"]) for c in charged
         ]
+        assert {(c["release_id"], c["entry_id"]) for c in again} <= {(c["release_id"], c["entry_id"]) for c in charged}
         for e, c in zip(entries, charged, strict=True):
             assert (e["counterparty"], e["level"], e["mechanism"], e["epsilon"], e["delta"]) == (
                 "st-anne",
