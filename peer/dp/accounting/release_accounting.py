@@ -302,6 +302,24 @@ def dpsgd_record(
     )
 
 
+def _merge_record(mechanism, adjacency, epsilon, delta, params, subject, counterparty, randomness) -> ReleaseRecord:
+    """A data-level merge record: no sensitivity of its own (its ε comes from the merged models'
+    profiles, in ``params``)."""
+    return ReleaseRecord(
+        mechanism=mechanism,
+        level="data",
+        unit=f"record:{adjacency}",
+        epsilon=epsilon,
+        delta=delta,
+        sensitivity=None,
+        sensitivity_norm="none",
+        parameters=params,
+        subject=subject,
+        counterparty=counterparty,
+        **randomness,
+    )
+
+
 def _model_dict(m) -> dict:
     if isinstance(m, TrainingRecord):
         return m.to_dict()
@@ -341,18 +359,8 @@ def rs_merge_record(
         "names": _names(names, len(models)),
         "epsilon_rdp": _finite_or_str(eps.rdp),
     }
-    return ReleaseRecord(
-        mechanism="rs-merge",
-        level="data",
-        unit=f"record:{adjacency}",
-        epsilon=eps.pld,
-        delta=delta,
-        sensitivity=None,
-        sensitivity_norm="none",
-        parameters=params,
-        subject=subject,
-        counterparty=counterparty,
-        **_randomness_fields(randomness, "csprng"),
+    return _merge_record(
+        "rs-merge", adjacency, eps.pld, delta, params, subject, counterparty, _randomness_fields(randomness, "csprng")
     )
 
 
@@ -405,19 +413,8 @@ def lc_merge_record(
         }
     if eps.notes:
         params["notes"] = list(eps.notes)
-    return ReleaseRecord(
-        mechanism="lc-merge",
-        level="data",
-        unit=f"record:{adjacency}",
-        epsilon=eps.pld,
-        delta=delta,
-        sensitivity=None,
-        sensitivity_norm="none",
-        parameters=params,
-        subject=subject,
-        counterparty=counterparty,
-        randomness="none",
-        seed=None,
+    return _merge_record(
+        "lc-merge", adjacency, eps.pld, delta, params, subject, counterparty, {"randomness": "none", "seed": None}
     )
 
 

@@ -76,6 +76,14 @@ def rs_profiles(
     )
 
 
+def _weighted_profiles(models, pi, adjacency, orders, value_discretization_interval):
+    """The models' profiles and π checked against them (what every RS bound starts from)."""
+    profiles = rs_profiles(
+        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
+    return profiles, check_weights(pi, len(profiles))
+
+
 def rs_rdp(
     models: Sequence[Model],
     pi: Sequence[float],
@@ -85,10 +93,7 @@ def rs_rdp(
     value_discretization_interval: float = DEFAULT_INTERVAL,
 ) -> np.ndarray:
     """RS RDP at every order."""
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
-    pi = check_weights(pi, len(profiles))
+    profiles, pi = _weighted_profiles(models, pi, adjacency, orders, value_discretization_interval)
     return rdp_mixture(pi, [p.rdp for p in profiles], profiles[0].orders)
 
 
@@ -101,10 +106,7 @@ def rs_pld(
     value_discretization_interval: float = DEFAULT_INTERVAL,
 ) -> pldm.PLD:
     """The mixed PLD Σ π_i PLD_i (both directions)."""
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
-    pi = check_weights(pi, len(profiles))
+    profiles, pi = _weighted_profiles(models, pi, adjacency, orders, value_discretization_interval)
     return pldm.mixture_pld([p.pld for p in profiles], pi)
 
 
