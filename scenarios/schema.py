@@ -74,6 +74,18 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     [sites.hospital-b]
     ...
 
+    [iterate]                   # optional: multi-round peer-to-peer DP training (and the DP-FedAvg
+                                # baseline the simulator computes with the same numbers)
+    rounds = 20                 # rounds of local DP-SGD + release + fusion at every site
+    local_steps = 2             # full-batch DP-GD steps per round on a site's own records
+    learning_rate = 0.5
+    clip_norm = 1.0             # per-record gradient clip C
+    epsilon = 4.0               # per-record budget of the whole run at every site ...
+    delta = 1e-5                # ... at this δ (noise calibrated to it: peer.budget.calibration)
+    adjacency = "add-remove"
+    init_seed = 11              # PUBLIC seed of the shared initial model (no coordinator draws it)
+    baseline_seeds = [0, 1, 2]  # seeds of the simulator's DP-FedAvg baseline runs
+
     [failure]                   # optional: kill one site mid-round
     site = "hospital-c"
     after_releases = 2          # SIGKILL its daemon (and its own round) as soon as its ledger
@@ -164,6 +176,19 @@ class RoundSpec:
 
 
 @dataclass(frozen=True)
+class IterateSpec:
+    rounds: int = 20
+    local_steps: int = 2
+    learning_rate: float = 0.5
+    clip_norm: float = 1.0
+    epsilon: float = 4.0
+    delta: float = 1e-5
+    adjacency: str = "add-remove"
+    init_seed: int = 11
+    baseline_seeds: tuple[int, ...] = (0, 1, 2)
+
+
+@dataclass(frozen=True)
 class SiteSpec:
     name: str
     alpha: float | None = None
@@ -187,6 +212,7 @@ class Scenario:
     round: RoundSpec
     sites: tuple[SiteSpec, ...]
     failure: FailureSpec | None = None
+    iterate: IterateSpec | None = None
     source: str = ""
     text: str = field(default="", repr=False)
 
@@ -247,7 +273,7 @@ def _records(d: Section, base: Path) -> dict[str, Any]:
 
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     root = Section(parse_toml(text, source, "scenario"), (), text, source)
-    root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure"])
+    root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure", "iterate"])
 
     s = root.section("scenario")
     s.known(["name", "description", "seed"])
@@ -385,4 +411,29 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             f.fail("site", f"must be one of the scenario's sites {[s.name for s in sites]}, got {victim!r}")
         failure = FailureSpec(victim, f.integer("after_releases", 1, minimum=1))
 
-    return Scenario(name, description, seed, data, model, pool, policy, rnd, tuple(sites), failure, source, text)
+    iterate = None
+    if "iterate" in root:
+        it = root.section("iterate")
+        it.known([f.name for f in IterateSpec.__dataclass_fields__.values()])
+        seeds = it.raw("baseline_seeds", list(IterateSpec.baseline_seeds))
+        if (
+            not isinstance(seeds, list)
+            or not seeds
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seeds)
+        ):
+            it.fail("baseline_seeds", f"must be a non-empty array of integers ≥ 0, got {seeds!r}")
+        iterate = IterateSpec(
+            rounds=it.integer("rounds", IterateSpec.rounds, minimum=1, maximum=10_000),
+            local_steps=it.integer("local_steps", IterateSpec.local_steps, minimum=1, maximum=100_000),
+            learning_rate=it.number("learning_rate", IterateSpec.learning_rate, exclusive_minimum=0.0, maximum=100.0),
+            clip_norm=it.number("clip_norm", IterateSpec.clip_norm, exclusive_minimum=0.0),
+            epsilon=it.number("epsilon", IterateSpec.epsilon, exclusive_minimum=0.0, maximum=1000.0),
+            delta=it.number("delta", IterateSpec.delta, exclusive_minimum=0.0, maximum=0.1),
+            adjacency=it.string("adjacency", IterateSpec.adjacency, choices=("add-remove", "replace-one")),
+            init_seed=it.integer("init_seed", IterateSpec.init_seed, minimum=0),
+            baseline_seeds=tuple(seeds),
+        )
+
+    return Scenario(
+        name, description, seed, data, model, pool, policy, rnd, tuple(sites), failure, iterate, source, text
+    )

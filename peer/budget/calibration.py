@@ -1,0 +1,112 @@
+"""Noise for a planned run of DP-SGD steps: the smallest noise multiplier σ whose ``steps``
+steps fit a per-record budget (ε, δ), by one of three figures.
+
+A DP-SGD step adds N(0, σ²C²) to a sum of per-record gradients clipped to norm C; its
+sensitivity is C (add-remove) or 2C (replace-one); with Poisson rate q < 1 the step is the
+subsampled Gaussian. ``steps`` such steps compose (adaptively: each starts from what the last
+released). The figures, from loosest to tightest:
+
+- ``"filter"``: what this site's ledger *enforces*: the multi-order RDP filter over
+  ``FILTER_ORDERS`` with δ split evenly across the orders (``peer.budget.filter``). A run
+  calibrated here is admitted by a ledger whose data budget is (ε, δ) and that holds nothing
+  else; it is what a peer that charges every segment before it leaves can spend.
+- ``"rdp"``: the RDP curve converted at the whole δ (dp-accounting's improved conversion) over
+  dp-accounting's default orders — what an Opacus/TF-Privacy user calibrating a DP-FedAvg run
+  by RDP would report.
+- ``"pld"``: the exact privacy loss distribution; full batch in closed form (the composition
+  of ``steps`` Gaussians is the Gaussian with μ = √steps · Δ/σ), Poisson by dp-accounting's
+  PLD (discretised pessimistically).
+
+For the same (ε, δ): σ_filter ≥ σ_rdp ≥ σ_pld. The returned σ is rounded *up* (bisection keeps
+the feasible end), so the figure of the returned σ is ≤ ε.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from peer.base.checks import check_delta, check_epsilon
+from peer.base.errors import InvalidArgument
+from peer.budget.filter import FILTER_ORDERS, FilterBudget
+from peer.dp.accounting.conversions import gdp_mu, rdp_to_epsilon
+from peer.dp.accounting.rdp import rdp_subsampled_gaussian
+from peer.dp.accounting.training_records import check_adjacency
+
+FIGURES = ("filter", "rdp", "pld")
+
+# dp-accounting's default RDP orders (RdpAccountant's DEFAULT_RDP_ORDERS)
+RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024])
+
+
+def run_epsilon(
+    noise_multiplier: float,
+    steps: int,
+    delta: float,
+    *,
+    sample_rate: float = 1.0,
+    adjacency: str = "add-remove",
+    figure: str = "filter",
+    pld_interval: float = 1e-4,
+) -> float:
+    """ε at ``delta`` of ``steps`` DP-SGD steps with this noise multiplier, by ``figure``."""
+    if figure not in FIGURES:
+        raise InvalidArgument("figure", f"must be one of {list(FIGURES)}, got {figure!r}")
+    if not (isinstance(steps, int) and steps >= 1):
+        raise InvalidArgument("steps", f"must be an integer ≥ 1, got {steps!r}")
+    check_adjacency(adjacency)
+    delta = check_delta(delta)
+    sigma, q = float(noise_multiplier), float(sample_rate)
+    if not (sigma > 0 and math.isfinite(sigma)):
+        raise InvalidArgument("noise_multiplier", f"must be finite and > 0, got {noise_multiplier!r}")
+    if not (0 < q <= 1):
+        raise InvalidArgument("sample_rate", f"must be in (0, 1], got {sample_rate!r}")
+    if figure == "filter":
+        budget = FilterBudget(1.0, delta, FILTER_ORDERS)
+        rdp = steps * rdp_subsampled_gaussian(sigma, q, FILTER_ORDERS, adjacency)
+        eps, _ = budget.spent_epsilon(rdp, math.inf)
+        return eps
+    if figure == "rdp":
+        rdp = steps * rdp_subsampled_gaussian(sigma, q, RDP_ORDERS, adjacency)
+        return rdp_to_epsilon(RDP_ORDERS, rdp, delta)
+    from peer.dp.accounting.conversions import gdp_epsilon, pld_epsilon
+    from peer.dp.accounting.pld import self_compose, subsampled_gaussian_pld
+
+    if q == 1.0:
+        return gdp_epsilon(math.sqrt(steps) * (2.0 if adjacency == "replace-one" else 1.0) / sigma, delta)
+    return pld_epsilon(self_compose(subsampled_gaussian_pld(sigma, q, pld_interval, adjacency), steps), delta)
+
+
+def noise_multiplier_for(
+    epsilon: float,
+    delta: float,
+    steps: int,
+    *,
+    sample_rate: float = 1.0,
+    adjacency: str = "add-remove",
+    figure: str = "filter",
+    rtol: float = 1e-6,
+) -> float:
+    """The smallest σ (to ``rtol``, rounded up) with ``run_epsilon(σ, …) ≤ epsilon``."""
+    epsilon = check_epsilon(epsilon)
+    check_adjacency(adjacency)
+    if figure == "pld" and sample_rate == 1.0:
+        delta = check_delta(delta)
+        return (2.0 if adjacency == "replace-one" else 1.0) * math.sqrt(steps) / gdp_mu(epsilon, delta) * (1 + 1e-12)
+
+    def fits(sigma: float) -> bool:
+        return run_epsilon(sigma, steps, delta, sample_rate=sample_rate, adjacency=adjacency, figure=figure) <= epsilon
+
+    lo, hi = 1e-3, 1.0
+    while not fits(hi):
+        lo, hi = hi, hi * 2.0
+        if hi > 1e7:
+            raise InvalidArgument("epsilon", f"{epsilon:g} cannot be met by {steps} steps at any σ ≤ 1e7")
+    while hi - lo > rtol * hi:
+        mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return float(np.nextafter(hi, math.inf))
