@@ -46,7 +46,7 @@ def _simulate(args) -> int:
         from scenarios.report import comparison_table
 
         print("\n" + comparison_table(report))
-    print(f"\nreport: {args.out}/report.md (and report.json, accuracy.png, frontier.png, budget.png)")
+    print(f"\nreport: {args.out}/report.md (and report.json, {', '.join(report['plots'])})")
     return 0
 
 
