@@ -775,6 +775,20 @@ def reconcile(world: World, evaluation: dict, ledgers: dict) -> dict[str, dict]:
     return out
 
 
+def run_baselines(world: World, progress: Progress) -> dict:
+    """Central pooled training always, DP-FedAvg when the scenario has ``[iterate]``
+    (``scenarios.baselines``), on the sites' own split and the same test set."""
+    from scenarios.baselines import scenario_baselines
+
+    t0 = time.monotonic()
+    sites = [world.sites[s.name] for s in world.scenario.sites]
+    out = scenario_baselines(
+        world.scenario, sites[0].architecture, [(s.x, s.y) for s in sites], world.x_test, world.y_test, progress
+    )
+    world.timings["baselines_s"] = time.monotonic() - t0
+    return out
+
+
 def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = None) -> dict:
     """Run a scenario end to end and write its report into ``out``; returns the report."""
     from scenarios.report import write_report
@@ -795,6 +809,7 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     evaluation = evaluate(world)
     ledgers = read_ledgers(world)
     world.timings["evaluate_s"] = time.monotonic() - t0
+    baselines = run_baselines(world, progress)
     world.timings["total_s"] = time.monotonic() - started
     report = {
         "scenario": sc.to_dict(),
@@ -802,6 +817,7 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
         "sites": evaluation,
         "ledgers": ledgers,
         "reconciliation": reconcile(world, evaluation, ledgers),
+        "baselines": baselines,
         "failure": processes["failure"],
         "round_exit_codes": processes["exit_codes"],
         "addresses": processes["addresses"],
