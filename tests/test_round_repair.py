@@ -47,7 +47,12 @@ def test_after_fusion_is_off_by_default(tmp_path):
         ('[round.repair]\ndata = "magic"\n', "round.repair.data", 5, "must be one of"),
         ('[round.repair]\ndat = "own"\n', "round.repair.dat", 5, "unknown key"),
         ("[round.finetune]\nepochs = 3\n", "round.finetune.epochs", 5, "own records"),
-        ('[round.records]\npath = "r.npz"\n[round.finetune]\nepochs = -1\n', "round.finetune.epochs", 7, "between 0 and"),
+        (
+            '[round.records]\npath = "r.npz"\n[round.finetune]\nepochs = -1\n',
+            "round.finetune.epochs",
+            7,
+            "between 0 and",
+        ),
         (
             '[round.records]\npath = "r.npz"\n[round.finetune]\nlearning_rate = 0\n',
             "round.finetune.learning_rate",
