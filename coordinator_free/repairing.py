@@ -32,6 +32,7 @@ report's ``adopt`` says which, and why.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,7 @@ def after_fusion(
     from peer.ldp.repair import fine_tune, repair_fused
     from peer.nn.tracing import derive_structure
 
+    started = time.monotonic()
     out = AfterFusion()
     rep: dict[str, Any] = {}
     x_repair = None
@@ -256,19 +258,27 @@ def after_fusion(
         }
     if data.records is not None:
         rep["records"] = {"file": data.records_source, "count": len(data.records[1])}
-    rep["adopt"], rep["adopt_reason"] = _adopt(out.stages, fused, own, score if data.validation is not None else None)
+    scored = _stage_scores(out.stages, fused, own, score) if data.validation is not None else None
+    if scored is not None:
+        rep["validation_accuracy"] = scored  # before/after each stage, on the PUBLIC validation set
+    rep["adopt"], rep["adopt_reason"] = _adopt(out.stages, scored)
+    rep["wall_s"] = time.monotonic() - started
     out.report = rep
     return out
 
 
-def _adopt(stages, fused, own, score) -> tuple[str, str]:
-    """The stage a site should adopt (see the module docstring)."""
+def _stage_scores(stages, fused, own, score) -> dict[str, float]:
+    """Public-validation accuracy of the site's own model and of every stage, in stage order."""
     order = ["fused", *(s for s in ("selected", "repaired", "finetuned") if s in stages)]
-    last = order[-1]
-    if score is None:
+    return {"own": score(own), **{s: score(stages.get(s, fused)) for s in order}}
+
+
+def _adopt(stages, scored: dict[str, float] | None) -> tuple[str, str]:
+    """The stage a site should adopt (see the module docstring)."""
+    if scored is None:
+        last = next((s for s in ("finetuned", "repaired", "selected") if s in stages), "fused")
         return last, "the last stage run (no public validation set to compare stages on)"
-    scored = {"own": score(own), **{s: score(stages.get(s, fused)) for s in order}}
     best = max(scored.values())
     # the latest stage among the best: later stages use more of what the site may use
-    pick = next(s for s in reversed(["own", *order]) if scored[s] == best)
+    pick = next(s for s in reversed(list(scored)) if scored[s] == best)
     return pick, "best public-validation accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in scored.items())

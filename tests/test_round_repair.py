@@ -192,7 +192,10 @@ def test_selection_and_fine_tuning(three_models):
     assert not all(np.array_equal(after.stages["finetuned"][k], after.stages["repaired"][k]) for k in own_arrays)
     again = repairing.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, cfg, data, seed=7)
     assert all(np.array_equal(after.stages["finetuned"][k], again.stages["finetuned"][k]) for k in own_arrays)
-    assert after.report["adopt"] in ("own", "fused", "repaired", "finetuned")
+    scores = after.report["validation_accuracy"]  # before / after each stage, on public data
+    assert list(scores) == ["own", "fused", "repaired", "finetuned"]
+    assert scores["repaired"] == sel["validation_accuracy"]
+    assert after.report["adopt"] in scores and scores[after.report["adopt"]] == max(scores.values())
     assert "public-validation" in after.report["adopt_reason"]
 
 
