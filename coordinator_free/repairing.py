@@ -6,11 +6,11 @@ steps follow, each configured in the round file and recorded in the round report
 1. **select** (``[round.select] validation``): candidate fusions — every non-empty subset S of
    the contributions (at most ``MAX_EXHAUSTIVE`` peers; beyond, greedy forward selection) at
    every α of ``alphas`` (weights α for R, (1 − α)/|S| for each kept peer), each repaired as in
-   step 2 — are compared by accuracy on a PUBLIC labelled validation set, and the best is kept;
-   the candidates' validation accuracies go into the report (public data, public results). The
-   site's own model is scored too, so the report says when no fusion beat it. Never the test
-   set; never the site's own training records (its own model has seen them, so they would
-   always favour it).
+   step 2 — are compared by accuracy on a PUBLIC labelled validation set (ties broken by its
+   log-loss), and the best is kept; the candidates' validation accuracies and log-losses go
+   into the report (public data, public results). The site's own model is scored too, so the
+   report says when no fusion beat it. Never the test set; never the site's own training
+   records (its own model has seen them, so they would always favour it).
 2. **repair** (``[round.repair] data = "own" | "probe"``): REPAIR (``peer.ldp.repair``): every
    hidden unit of the fused network rescaled so that its pre-activation mean and standard
    deviation on the chosen data equal Σ_j w_j·μ_j and Σ_j w_j·σ_j — the endpoints' statistics
@@ -43,7 +43,7 @@ import numpy as np
 from coordinator_free.rounds import RoundConfig, fusion_weights
 from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.ldp.fusion import average_arrays
-from peer.nn.architectures import accuracy, input_tensor, model_from_arrays, state_arrays
+from peer.nn.architectures import input_tensor, model_from_arrays, predict_proba, state_arrays
 from peer.nn.store import StoredModel
 
 #: up to this many contributions every subset is a candidate (2^k − 1 of them); beyond it,
@@ -166,9 +166,18 @@ def after_fusion(
             )
         return _arrays(repaired), weights
 
-    def score(arrays) -> float:
+    def score(arrays) -> tuple[float, float]:
+        """(accuracy, mean log-loss) on the public validation set."""
         x, y = data.validation
-        return float(accuracy(arch, model_from_arrays(arch, arrays), x, y))
+        with torch.no_grad():
+            p = predict_proba(arch, model_from_arrays(arch, arrays), x)
+        acc = float(np.mean(p.argmax(axis=1) == y))
+        return acc, float(-np.mean(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
+
+    def rank(scores: tuple[float, float]) -> tuple[float, float]:
+        # accuracy first; with a few dozen public examples it ties often, so the log-loss
+        # (continuous) breaks the ties
+        return scores[0], -scores[1]
 
     kept, alpha = list(contributions), config.alpha
     chosen = None
@@ -179,48 +188,47 @@ def after_fusion(
 
         def consider(sub: Sequence[str], a: float):
             arrays, _ = candidate(sub, a)
-            acc = score(arrays)
-            tried.append({"kept": list(sub), "alpha": a, "validation_accuracy": acc})
-            return acc, arrays
+            sc = score(arrays)
+            tried.append({"kept": list(sub), "alpha": a, "validation_accuracy": sc[0], "validation_log_loss": sc[1]})
+            return sc, arrays
 
         best = None
         for a in alphas:
             if len(names) <= MAX_EXHAUSTIVE:
                 for sub in _subsets(names):
-                    acc, arrays = consider(sub, a)
-                    if best is None or acc > best[0]:
-                        best = (acc, list(sub), a, arrays)
+                    sc, arrays = consider(sub, a)
+                    if best is None or rank(sc) > rank(best[0]):
+                        best = (sc, list(sub), a, arrays)
             else:
                 current: list[str] = []
-                current_acc = -1.0
+                current_sc = None
                 while True:
                     step = None
                     for n in names:
                         if n in current:
                             continue
-                        acc, arrays = consider([*current, n], a)
-                        if step is None or acc > step[0]:
-                            step = (acc, [*current, n], arrays)
-                    if step is None or step[0] <= current_acc:
+                        sc, arrays = consider([*current, n], a)
+                        if step is None or rank(sc) > rank(step[0]):
+                            step = (sc, [*current, n], arrays)
+                    if step is None or (current_sc is not None and rank(step[0]) <= rank(current_sc)):
                         break
-                    current_acc, current = step[0], step[1]
-                    if best is None or step[0] > best[0]:
+                    current_sc, current = step[0], step[1]
+                    if best is None or rank(step[0]) > rank(best[0]):
                         best = (step[0], step[1], a, step[2])
-        acc, kept, alpha, chosen = best
-        own_acc = score(own)
+        best_sc, kept, alpha, chosen = best
         rep["select"] = {
             "validation": data.validation_source,
             "validation_examples": len(data.validation[1]),
             "alphas": alphas,
             "search": "exhaustive" if len(names) <= MAX_EXHAUSTIVE else "greedy forward",
+            "ranking": "validation accuracy, ties broken by validation log-loss",
             "candidates": tried,
-            "own_validation_accuracy": own_acc,
-            "fused_validation_accuracy": score(fused),
             "kept": kept,
             "dropped": [n for n in names if n not in kept],
             "alpha": alpha,
             "weights": dict(zip(["(own)", *kept], fusion_weights(alpha, len(kept)), strict=True)),
-            "validation_accuracy": acc,
+            "validation_accuracy": best_sc[0],
+            "validation_log_loss": best_sc[1],
         }
     if config.repair != "off":
         repaired = chosen if chosen is not None else candidate(kept, alpha)[0]
@@ -260,25 +268,30 @@ def after_fusion(
         rep["records"] = {"file": data.records_source, "count": len(data.records[1])}
     scored = _stage_scores(out.stages, fused, own, score) if data.validation is not None else None
     if scored is not None:
-        rep["validation_accuracy"] = scored  # before/after each stage, on the PUBLIC validation set
-    rep["adopt"], rep["adopt_reason"] = _adopt(out.stages, scored)
+        # before / after each stage, on the PUBLIC validation set
+        rep["validation_accuracy"] = {k: v[0] for k, v in scored.items()}
+        rep["validation_log_loss"] = {k: v[1] for k, v in scored.items()}
+    rep["adopt"], rep["adopt_reason"] = _adopt(out.stages, scored, rank)
     rep["wall_s"] = time.monotonic() - started
     out.report = rep
     return out
 
 
-def _stage_scores(stages, fused, own, score) -> dict[str, float]:
-    """Public-validation accuracy of the site's own model and of every stage, in stage order."""
+def _stage_scores(stages, fused, own, score) -> dict[str, tuple[float, float]]:
+    """Public-validation (accuracy, log-loss) of the site's own model and of every stage, in
+    stage order."""
     order = ["fused", *(s for s in ("selected", "repaired", "finetuned") if s in stages)]
     return {"own": score(own), **{s: score(stages.get(s, fused)) for s in order}}
 
 
-def _adopt(stages, scored: dict[str, float] | None) -> tuple[str, str]:
+def _adopt(stages, scored: dict[str, tuple[float, float]] | None, rank) -> tuple[str, str]:
     """The stage a site should adopt (see the module docstring)."""
     if scored is None:
         last = next((s for s in ("finetuned", "repaired", "selected") if s in stages), "fused")
         return last, "the last stage run (no public validation set to compare stages on)"
-    best = max(scored.values())
-    # the latest stage among the best: later stages use more of what the site may use
-    pick = next(s for s in reversed(list(scored)) if scored[s] == best)
-    return pick, "best public-validation accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in scored.items())
+    best = max(rank(v) for v in scored.values())
+    # the latest stage among equals: later stages use more of what the site may use
+    pick = next(s for s in reversed(list(scored)) if rank(scored[s]) == best)
+    return pick, "best public-validation accuracy (then log-loss): " + ", ".join(
+        f"{k} {v[0]:.3f} ({v[1]:.3f})" for k, v in scored.items()
+    )

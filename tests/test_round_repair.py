@@ -178,8 +178,9 @@ def test_selection_and_fine_tuning(three_models):
     sel = after.report["select"]
     # every non-empty subset of the two contributions at both α: 3 × 2 candidates, the best kept
     assert len(sel["candidates"]) == 6 and sel["search"] == "exhaustive"
-    best = max(sel["candidates"], key=lambda t: t["validation_accuracy"])
+    best = max(sel["candidates"], key=lambda t: (t["validation_accuracy"], -t["validation_log_loss"]))
     assert sel["validation_accuracy"] == best["validation_accuracy"]
+    assert sel["validation_log_loss"] == best["validation_log_loss"]
     assert (sel["kept"], sel["alpha"]) == (best["kept"], best["alpha"])
     assert sorted(sel["kept"] + sel["dropped"]) == ["b", "c"]
     # the repaired stage is the chosen candidate
@@ -195,7 +196,9 @@ def test_selection_and_fine_tuning(three_models):
     scores = after.report["validation_accuracy"]  # before / after each stage, on public data
     assert list(scores) == ["own", "fused", "repaired", "finetuned"]
     assert scores["repaired"] == sel["validation_accuracy"]
-    assert after.report["adopt"] in scores and scores[after.report["adopt"]] == max(scores.values())
+    losses = after.report["validation_log_loss"]
+    ranked = {k: (scores[k], -losses[k]) for k in scores}
+    assert after.report["adopt"] in scores and ranked[after.report["adopt"]] == max(ranked.values())
     assert "public-validation" in after.report["adopt_reason"]
 
 
