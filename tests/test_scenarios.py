@@ -71,6 +71,8 @@ def test_tiny_scenario_defaults_and_overrides():
     assert [s.name for s in sc.sites] == ["site-a", "site-b", "site-c"]
     assert sc.sites[1].alpha == 0.7 and sc.sites[0].alpha is None
     assert sc.pool is None and sc.round.quorum == 2 and sc.model.hidden == (8,)
+    # the steps after fusion are on by default in simulations
+    assert (sc.round.repair, sc.round.select, sc.round.finetune_epochs) == ("own", True, 5)
 
 
 def _replace(old: str, new: str) -> str:
@@ -100,6 +102,8 @@ def _line_of(text: str, fragment: str) -> int:
             "activation_epsilon = 0",
         ),
         (_replace("frontier = []", "frontier = [100.0]"), "round.frontier", "frontier = [100.0]"),
+        (_replace("frontier = []", 'frontier = []\nrepair = "all"'), "round.repair", 'repair = "all"'),
+        (_replace("frontier = []", "frontier = []\nfinetune_epochs = -2"), "round.finetune_epochs", "finetune_epochs"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_key_and_line(text, key, fragment):
