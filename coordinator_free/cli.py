@@ -112,6 +112,7 @@ def _round(args) -> int:
                 print(
                     f"round {result.round_id}: {result.status}"
                     + (f" -> {cfg.out / 'models' / result.model_name}" if result.model_name else f" ({result.reason})")
+                    + (f"; adopt {result.report['adopt_model']}" if result.report.get("adopt_model") else "")
                     + f"; report {result.report_path}"
                 )
             if result.status != "fused":

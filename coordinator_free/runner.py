@@ -19,13 +19,14 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator_free import repairing
 from coordinator_free.roster import Roster, RosterSite
 from coordinator_free.rounds import (
     CHARGED_STEPS,
@@ -79,6 +80,10 @@ class RoundResult:
     arrays: dict[str, np.ndarray] | None
     model_name: str | None = None
     report_path: Path | None = None
+    #: the fused model's later local stages ("selected", "repaired", "finetuned" → arrays)
+    stages: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    #: each contributor's aligned arrays as fused (in memory only: never written)
+    contributions: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 class _Failure:
@@ -216,6 +221,8 @@ def run_round(
     arch = validate_architecture(local.model.architecture)
     probe = np.asarray(local.probe)
     clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
+    # the files of the local steps after fusion are read first: a bad one costs nobody budget
+    local_data = repairing.load_local_data(config, local.model, probe) if repairing.enabled(config) else None
     own_graph = extract_graph(arch, local.model.module(), probe)
     own_public = public_view(own_graph, clip, _weight_boxes(arch, config.weight_bound))
     state.event(
@@ -432,7 +439,7 @@ def run_round(
         for c in clients.values():
             c.close()
 
-    fused = None
+    fused = after = None
     if state.aborted is None and state.interrupted():
         state.aborted = (
             "interrupted: nothing more was requested, the releases in flight were waited for; "
@@ -448,6 +455,21 @@ def run_round(
     if state.aborted is None:
         fused = average_arrays([local.model.arrays] + [contributions[n] for n in contributors], weights)
         state.event("fused", step="fuse", contributors=contributors, weights=weights)
+        if local_data is not None:
+            try:
+                after = repairing.after_fusion(
+                    arch,
+                    local.model.arrays,
+                    {n: contributions[n] for n in contributors},
+                    fused,
+                    config,
+                    local_data,
+                    seed=int(round_id[:8], 16),
+                )
+                state.event("after-fusion", step="fuse", stages=list(after.stages), adopt=after.report["adopt"])
+            except Exception as e:  # local steps only: the fused model (already paid for) is kept
+                after = repairing.AfterFusion(report={"error": f"{type(e).__name__}: {e}", "adopt": "fused"})
+                state.event("after-fusion", step="fuse", stages=[], adopt="fused", error=after.report["error"])
     elif state.interrupted():
         state.event("interrupted", step="fuse", reason=state.aborted)
     else:
@@ -472,7 +494,12 @@ def run_round(
         "releases": state.release_counts(),
         "events": state.events,
     }
+    if after is not None:
+        report["after_fusion"] = after.report
     result = RoundResult(round_id, report["status"], report["reason"], report, fused)
+    result.contributions = {n: contributions[n] for n in contributors}
+    if after is not None:
+        result.stages = after.stages
     if write:
         write_round(result, config.out, arch)
     return result
@@ -497,6 +524,26 @@ def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any]) -> None
         )
         result.model_name = name
         result.report["fused_model"] = name
+        for stage, arrays in result.stages.items():
+            # e.g. mlp-repaired-ID: the same round, after the local steps (coordinator_free.repairing)
+            staged = f"{result.report['model']}-{stage}-{result.round_id[:12]}"
+            save_model(
+                out / "models",
+                staged,
+                arch,
+                arrays,
+                metadata={
+                    "round": {
+                        k: result.report[k] for k in ("round_id", "label", "site", "contributors", "weights", "charges")
+                    },
+                    "after_fusion": result.report["after_fusion"],
+                    "stage": stage,
+                },
+            )
+            result.report[f"{stage}_model"] = staged
+        adopt = result.report.get("after_fusion", {}).get("adopt")
+        if adopt is not None:
+            result.report["adopt_model"] = result.report["model"] if adopt == "own" else result.report[f"{adopt}_model"]
     path = out / f"round-{result.round_id}.json"
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(result.report, indent=2, sort_keys=True, default=str), encoding="utf-8")

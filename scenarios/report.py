@@ -45,6 +45,33 @@ def spent(ledger: dict, level: str) -> dict:
     }
 
 
+def central_pooled_accuracy(report: dict) -> float | None:
+    """The NON-PRIVATE ceiling, when the report has the central pooled baseline (one model
+    trained on every site's records together; mean over its seeds)."""
+    c = (report.get("baselines") or {}).get("central_pooled")
+    return None if not c else c.get("accuracy_mean")
+
+
+def after_fusion_columns(site: dict, ldp: str | None, merged: str | None, central: float | None) -> dict:
+    """A site's rows after the local steps of its rounds: + REPAIR (after candidate selection on
+    public data) and + fine-tuning, for the LDP and the merge round; central pooled, and the
+    distance of the merge round's repaired model to it."""
+
+    def get(label: str | None, stage: str) -> float | None:
+        return site["rounds"][label].get(f"accuracy_{stage}") if label else None
+
+    out = {
+        "ldp_repaired": get(ldp, "repaired"),
+        "ldp_finetuned": get(ldp, "finetuned"),
+        "merged_repaired": get(merged, "repaired"),
+        "merged_finetuned": get(merged, "finetuned"),
+        "central": central,
+    }
+    base = out["merged_repaired"] if out["merged_repaired"] is not None else out["ldp_repaired"]
+    out["to_central"] = None if base is None or central is None else base - central
+    return out
+
+
 def summary_rows(report: dict) -> list[dict]:
     plan = report["plan"]
     main_ldp = next((p["label"] for p in plan if p["method"] == "ldp" and p["scale"] == 1.0), None)
@@ -68,6 +95,7 @@ def summary_rows(report: dict) -> list[dict]:
                 "ldp": s["rounds"][main_ldp]["accuracy"] if main_ldp else None,
                 "merged": s["rounds"][merged]["accuracy"] if merged else None,
                 "oracle": s["oracle"]["accuracy"],
+                **after_fusion_columns(s, main_ldp, merged, central_pooled_accuracy(report)),
                 "model_eps": model["epsilon_filter"],
                 "model_eps_sum": model["epsilon_sum"],
                 "model_releases": model["releases"],
@@ -86,8 +114,14 @@ def summary_table(report: dict) -> str:
         "records",
         "own",
         "fused (LDP)",
+        "+repair",
+        "+FT",
         "fused (merge)",
+        "+repair",
+        "+FT",
         ORACLE,
+        "central pooled",
+        "Δ central",
         "model ε spent (filter/Σ, n)",
         "data ε spent (n)",
         "notes",
@@ -100,8 +134,14 @@ def summary_table(report: dict) -> str:
                 str(r["records"]),
                 _fmt(r["own"]),
                 _fmt(r["ldp"]),
+                _fmt(r["ldp_repaired"]),
+                _fmt(r["ldp_finetuned"]),
                 _fmt(r["merged"]),
+                _fmt(r["merged_repaired"]),
+                _fmt(r["merged_finetuned"]),
                 _fmt(r["oracle"]),
+                _fmt(r["central"]),
+                _fmt(r["to_central"], "+.3f"),
                 f"{_fmt(r['model_eps'], '.4g')} / {_fmt(r['model_eps_sum'], '.4g')} ({r['model_releases']})",
                 f"{_fmt(r['data_eps'], '.4g')} ({r['data_releases']})",
                 r["notes"],
@@ -126,7 +166,9 @@ def plot_accuracy(report: dict, path: Path) -> None:
         ("own model", "own"),
         ("fused, LDP features + PFA weights", "ldp"),
         ("fused, DP merges", "merged"),
+        ("fused, DP merges + REPAIR", "merged_repaired"),
         ("ORACLE: exact-feature matching (non-private)", "oracle"),
+        ("central pooled (non-private)", "central"),
     ]
     series = [(label, k) for label, k in series if any(r[k] is not None for r in rows)]
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(rows)), 4))
@@ -138,7 +180,7 @@ def plot_accuracy(report: dict, path: Path) -> None:
             [r[key] if r[key] is not None else 0 for r in rows],
             width,
             label=label,
-            hatch="//" if key == "oracle" else None,
+            hatch="//" if key in ("oracle", "central") else None,
         )
     ax.set_xticks(range(len(rows)), [r["site"] for r in rows])
     ax.set_ylabel("test accuracy")
@@ -557,6 +599,14 @@ def markdown(report: dict) -> str:
         f"fused with α={r['alpha']:g} (own) and (1−α)/k for each of the k peers.",
         f"- **fused (merge)**: peers answered with an {r['merge_method'].upper()} merge of their DP-SGD pool at "
         f"(ε′={r['merge_epsilon']:g}, δ′={r['merge_delta']:g}) per training record; aligned locally and fused the same way.",
+        "- **+repair**, **+FT**: the same round after its local steps at the requester (nothing charged, nothing "
+        "sent): candidate fusions (subsets of the contributions × α) compared on the PUBLIC validation set, the best "
+        f"repaired by REPAIR on the site's `{r.get('repair', 'off')}` data (each hidden unit's mean/std reset to the "
+        "fusion-weighted mix of the endpoints' statistics), then fine-tuned on the site's own records "
+        f"({r.get('finetune_epochs', 0)} epochs). Each round report says which peers it kept, the α and the stage to "
+        "adopt.",
+        "- **central pooled (non-private)**: one model trained on every site's records together — the ceiling no "
+        "fusion can honestly beat (— when the report has no baselines); **Δ central**: fused (merge) + repair minus it.",
         "- **ORACLE (non-private)**: the same fusion aligned by graph matching on every model's EXACT features, "
         "computed by the simulator, which holds every exact model. No site could compute it; it is the ceiling the "
         "private fusion is measured against.",
@@ -592,14 +642,20 @@ def markdown(report: dict) -> str:
     lines += [
         "## Rounds",
         "",
-        "| site | round | status | contributors | accuracy | dropped |",
-        "|---|---|---|---|---|---|",
+        "| site | round | status | contributors | accuracy | + repair | + FT | kept (α) | adopt | dropped |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["sites"].items():
         for label, rr in s["rounds"].items():
             drops = ", ".join(f"{d['peer']}@{d['step']}" for d in rr.get("dropped") or []) or "—"
             contribs = ", ".join(f"{p} ({m})" for p, m in (rr.get("methods") or {}).items()) or "—"
-            lines.append(f"| {name} | {label} | {rr['status']} | {contribs} | {_fmt(rr['accuracy'])} | {drops} |")
+            af = rr.get("after_fusion") or {}
+            kept = f"{', '.join(af['kept'])} ({af['alpha']:g})" if af.get("kept") else "all"
+            lines.append(
+                f"| {name} | {label} | {rr['status']} | {contribs} | {_fmt(rr['accuracy'])} | "
+                f"{_fmt(rr.get('accuracy_repaired'))} | {_fmt(rr.get('accuracy_finetuned'))} | {kept} | "
+                f"{af.get('adopt') or '—'} | {drops} |"
+            )
     lines += [
         "",
         "## Budgets (from each site's ledger)",

@@ -173,6 +173,15 @@ class RoundSpec:
     frontier: tuple[float, ...] = (0.25, 4.0, 16.0)
     call_timeout_s: float = 60.0
     health_timeout_s: float = 2.0
+    # after fusion, at each requester (coordinator_free.repairing): REPAIR on "own" records /
+    # "probe" / "off"; candidate fusions compared on the PUBLIC validation set (subsets of the
+    # contributions × the site's α and select_alphas), unless select = false; fine-tuning on the
+    # site's own records for finetune_epochs (0: off)
+    repair: str = "own"
+    select: bool = True
+    select_alphas: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8)
+    finetune_epochs: int = 5
+    finetune_learning_rate: float = 1e-4
 
 
 @dataclass(frozen=True)
@@ -375,6 +384,13 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         frontier=tuple(r.numbers("frontier", list(RoundSpec.frontier), min_length=0, exclusive_minimum=0.0)),
         call_timeout_s=r.number("call_timeout_s", RoundSpec.call_timeout_s, exclusive_minimum=0.0, maximum=3600.0),
         health_timeout_s=r.number("health_timeout_s", RoundSpec.health_timeout_s, exclusive_minimum=0.0, maximum=60.0),
+        repair=r.string("repair", RoundSpec.repair, choices=("own", "probe", "off")),
+        select=r.boolean("select", RoundSpec.select),
+        select_alphas=tuple(r.numbers("select_alphas", list(RoundSpec.select_alphas), minimum=0.0, maximum=1.0)),
+        finetune_epochs=r.integer("finetune_epochs", RoundSpec.finetune_epochs, minimum=0, maximum=1000),
+        finetune_learning_rate=r.number(
+            "finetune_learning_rate", RoundSpec.finetune_learning_rate, exclusive_minimum=0.0, maximum=10.0
+        ),
     )
     if "merged" in rnd.methods and pool is None:
         r.fail(

@@ -214,7 +214,21 @@ def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float
         f"epsilon = {r.merge_epsilon!r}",
         f"delta = {r.merge_delta!r}",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _after_fusion_toml(sc, s)) + "\n"
+
+
+def _after_fusion_toml(sc: Scenario, s: SiteWorld) -> list[str]:
+    """The round's local steps after fusion (coordinator_free.repairing): the site's own records
+    (``records.npz`` in its own directory: they never leave it), REPAIR, candidate selection on
+    the PUBLIC validation set, fine-tuning."""
+    r = sc.round
+    lines = ["", "[round.records]", 'path = "records.npz"', "prepared = true"]
+    lines += ["", "[round.repair]", f'data = "{r.repair}"']
+    if r.select:
+        alphas = ", ".join(repr(a) for a in dict.fromkeys((s.alpha, *r.select_alphas)))
+        lines += ["", "[round.select]", 'validation = "validation.npz"', f"alphas = [{alphas}]"]
+    lines += ["", "[round.finetune]", f"epochs = {r.finetune_epochs}", f"learning_rate = {r.finetune_learning_rate!r}"]
+    return lines
 
 
 @dataclass(frozen=True)
@@ -345,6 +359,8 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> Sit
             data.preprocessing,
         )
         save_file({"x": s.probe}, str(root / "probe.safetensors"))
+        # the site's own prepared records, for its rounds' REPAIR and fine-tuning (never sent)
+        np.savez(root / "records.npz", x=x, y=y)
         np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
         if sc.pool is not None:
             s.pool = _train_pool(sc, s, data.x_public, data.y_public, data.x_test, data.y_test, data.preprocessing)
@@ -656,6 +672,32 @@ def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> f
     return accuracy(arch, model_from_arrays(arch, fused), world.x_test, world.y_test)
 
 
+def after_fusion_accuracies(world: World, site: SiteWorld, r: dict) -> dict:
+    """Test accuracy of each local stage after fusion the round saved (``selected``,
+    ``repaired``, ``finetuned``) and what the round did (kept peers, α, adopted stage)."""
+    from peer.nn.store import load_model
+
+    out: dict[str, Any] = {}
+    for stage in ("selected", "repaired", "finetuned"):
+        name = r.get(f"{stage}_model")
+        m = load_model(site.root / "rounds" / "models", name) if name else None
+        out[f"accuracy_{stage}"] = (
+            None if m is None else accuracy(site.architecture, m.module(), world.x_test, world.y_test)
+        )
+    a = r.get("after_fusion") or {}
+    sel = a.get("select") or {}
+    out["after_fusion"] = {
+        "repair": (a.get("repair") or {}).get("data", "off"),
+        "kept": sel.get("kept"),
+        "dropped": sel.get("dropped"),
+        "alpha": sel.get("alpha"),
+        "finetune_epochs": (a.get("finetune") or {}).get("epochs", 0),
+        "adopt": a.get("adopt"),
+        "error": a.get("error"),
+    }
+    return out
+
+
 def evaluate(world: World) -> dict[str, dict]:
     from peer.nn.architectures import accuracy, model_from_arrays
     from peer.nn.store import load_model
@@ -695,6 +737,7 @@ def evaluate(world: World) -> dict[str, dict]:
                 "finished_at": r["finished_at"],
                 "released_epsilon_per_peer": released_epsilon(world.scenario, scale) if method == "ldp" else None,
                 "methods": {p: v["method"] for p, v in r["peers"].items() if v["state"] == "contributed"},
+                **after_fusion_accuracies(world, s, r),
             }
         main = next((rounds[label] for label, m, sc in world.plan if m == "ldp" and sc == 1.0), None)
         contributors = (

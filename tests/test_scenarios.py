@@ -71,6 +71,8 @@ def test_tiny_scenario_defaults_and_overrides():
     assert [s.name for s in sc.sites] == ["site-a", "site-b", "site-c"]
     assert sc.sites[1].alpha == 0.7 and sc.sites[0].alpha is None
     assert sc.pool is None and sc.round.quorum == 2 and sc.model.hidden == (8,)
+    # the steps after fusion are on by default in simulations
+    assert (sc.round.repair, sc.round.select, sc.round.finetune_epochs) == ("own", True, 5)
 
 
 def _replace(old: str, new: str) -> str:
@@ -100,6 +102,8 @@ def _line_of(text: str, fragment: str) -> int:
             "activation_epsilon = 0",
         ),
         (_replace("frontier = []", "frontier = [100.0]"), "round.frontier", "frontier = [100.0]"),
+        (_replace("frontier = []", 'frontier = []\nrepair = "all"'), "round.repair", 'repair = "all"'),
+        (_replace("frontier = []", "frontier = []\nfinetune_epochs = -2"), "round.finetune_epochs", "finetune_epochs"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_key_and_line(text, key, fragment):
@@ -156,7 +160,7 @@ def check_report_against_ledgers(out: Path, report: dict) -> None:
 
 
 def test_tiny_simulation_end_to_end(tmp_path):
-    from scenarios.report import summary_table
+    from scenarios.report import summary_rows, summary_table
     from scenarios.simulate import Progress, simulate
 
     lines = []
@@ -179,6 +183,22 @@ def test_tiny_simulation_end_to_end(tmp_path):
     assert rec["mechanism"] == "composite"
     table = summary_table(report)
     assert "oracle (non-private)" in table and "site-b" in table
+    # after fusion (local, nothing charged — the ledgers above hold only features and weights):
+    # REPAIR on each site's own records after selection on the public set, then fine-tuning
+    for name, s in report["sites"].items():
+        r = s["rounds"]["ldp"]
+        assert 0.0 <= r["accuracy_repaired"] <= 1.0 and 0.0 <= r["accuracy_finetuned"] <= 1.0
+        af = r["after_fusion"]
+        assert af["repair"] == "own" and af["finetune_epochs"] == 5 and af["error"] is None
+        assert sorted(af["kept"] + af["dropped"]) == sorted(r["contributors"])
+        assert (out / "sites" / name / "records.npz").is_file()  # the site's records stay in its directory
+    for head in ("+repair", "+FT", "central pooled", "Δ central"):
+        assert head in table
+    rows = summary_rows(report)
+    assert all(r["central"] is None and r["to_central"] is None for r in rows)  # no baselines: "—"
+    with_central = {**report, "baselines": {"central_pooled": {"accuracy_mean": 0.95}}}
+    for r in summary_rows(with_central):
+        assert r["central"] == 0.95 and r["to_central"] == pytest.approx(r["ldp_repaired"] - 0.95)
     assert any("daemon serving" in line for line in lines) and any("fused with" in line for line in lines)
     assert "ORACLE (non-private)" in (out / "report.md").read_text()
 
