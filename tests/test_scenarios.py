@@ -195,7 +195,12 @@ def test_tiny_simulation_end_to_end(tmp_path):
     for head in ("+repair", "+FT", "central pooled", "Δ central"):
         assert head in table
     rows = summary_rows(report)
-    assert all(r["central"] is None and r["to_central"] is None for r in rows)  # no baselines: "—"
+    # central pooled training is always computed (the non-private ceiling); the distance to it
+    central = report["baselines"]["central_pooled"]["accuracy_mean"]
+    assert all(r["central"] == central for r in rows)
+    for r in rows:
+        base = r["merged_repaired"] if r["merged_repaired"] is not None else r["ldp_repaired"]
+        assert r["to_central"] == pytest.approx(base - central)
     with_central = {**report, "baselines": {"central_pooled": {"accuracy_mean": 0.95}}}
     for r in summary_rows(with_central):
         assert r["central"] == 0.95 and r["to_central"] == pytest.approx(r["ldp_repaired"] - 0.95)
