@@ -30,6 +30,10 @@ def _simulate(args) -> int:
     require("matplotlib", "plots", "privfusion simulate (the report's plots)")  # before the run, not after it
     report = simulate(scenario, args.out)
     print(summary_table(report))
+    from scenarios.report import iterate_table
+
+    if iterate_table(report):
+        print("\n" + iterate_table(report))
     print(f"\nreport: {args.out}/report.md (and report.json, accuracy.png, frontier.png, budget.png)")
     return 0
 
