@@ -790,13 +790,22 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     world = prepare(sc, out, progress)
     world.timings["prepare_s"] = time.monotonic() - t0
     processes = run_sites(world, progress)
+    # the iterate run's daemons and loops are processes of their own: they run while the
+    # rounds above are evaluated here
+    iterate = None
+    if sc.iterate is not None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=1)
+        iterate = pool.submit(run_iterate_sites, world, progress)
+        pool.shutdown(wait=False)
     t0 = time.monotonic()
     progress("evaluating models and the non-private oracle; reading every ledger")
     evaluation = evaluate(world)
     ledgers = read_ledgers(world)
     world.timings["evaluate_s"] = time.monotonic() - t0
-    if sc.iterate is not None:
-        for name, it in evaluate_iterate(world, run_iterate_sites(world, progress)).items():
+    if iterate is not None:
+        for name, it in evaluate_iterate(world, iterate.result()).items():
             evaluation[name]["iterate"] = it
     world.timings["total_s"] = time.monotonic() - started
     report = {

@@ -279,3 +279,28 @@ def test_tiny_simulation_with_iterate(tmp_path):
     finals = {s["iterate"]["final_accuracy"] for s in report["sites"].values()}
     assert len(finals) == 1
     assert "iterate" in iterate_table(report) and "Multi-round" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [('"default"', "default"), ('"planned"', "planned"), ("[2.0, 6.0]", (2.0, 6.0)), ("8", (8.0,))],
+)
+def test_scenario_ledger_orders(value, expected):
+    from test_scenarios import TINY
+
+    from scenarios.schema import parse_scenario
+
+    sc = parse_scenario(TINY + f"\n[iterate]\nledger_orders = {value}\n", "tiny.toml")
+    assert sc.iterate.ledger_orders == expected
+
+
+@pytest.mark.parametrize("value", ['"best"', "[6.0, 2.0]", "[1.0]", "[]"])
+def test_scenario_ledger_orders_refused_with_key_and_line(value):
+    from test_scenarios import TINY
+
+    from peer.base.config import ConfigError
+    from scenarios.schema import parse_scenario
+
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(TINY + f"\n[iterate]\nledger_orders = {value}\n", "tiny.toml")
+    assert "ledger_orders" in str(e.value) and e.value.line is not None
