@@ -189,7 +189,7 @@ def register(subparsers) -> None:
         "round",
         help='run a coordinator-free fusion round (or, method = "iterate", multi-round P2P DP training) for this site',
         description="Ask every live roster peer for noisy features and weights (or a DP merge), "
-        "align them to this site's model and fuse. A round file with method = \"iterate\" runs multi-round "
+        'align them to this site\'s model and fuse. A round file with method = "iterate" runs multi-round '
         "peer-to-peer DP training instead: local DP-GD segments on this site's records, each charged once to "
         "its ledger and published, fused with the peers' segments round after round (coordinator_free.iterate).",
     )
