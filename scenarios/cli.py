@@ -46,6 +46,10 @@ def _simulate(args) -> int:
         from scenarios.report import comparison_table
 
         print("\n" + comparison_table(report))
+    from scenarios.report import iterate_table
+
+    if iterate_table(report):
+        print("\n" + iterate_table(report))
     print(f"\nreport: {args.out}/report.md (and report.json, {', '.join(report['plots'])})")
     return 0
 

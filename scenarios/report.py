@@ -155,6 +155,55 @@ def summary_table(report: dict) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
 
+def iterate_table(report: dict) -> str:
+    """Per site, multi-round peer-to-peer DP training (``[iterate]``): rounds done, final test
+    accuracy, ε spent by the ledger's filter and by PLD (both from the ledger file), σ, bytes
+    sent and received. Empty when the scenario has no ``[iterate]``."""
+    rows = [(n, s["iterate"]) for n, s in report["sites"].items() if "iterate" in s]
+    if not rows:
+        return ""
+    head = [
+        "site",
+        "rounds",
+        "final acc",
+        "ε filter",
+        "ε PLD",
+        "ε limit",
+        "σ",
+        "charges",
+        "served again",
+        "sent",
+        "received",
+    ]
+    lines = []
+    for name, it in rows:
+        led = it.get("ledger", {})
+        lines.append(
+            [
+                name,
+                f"{it.get('rounds_done', 0)} ({it['status']})",
+                _fmt(it["final_accuracy"]),
+                _fmt(led.get("epsilon_filter"), ".4g"),
+                _fmt(led.get("epsilon_pld"), ".4g"),
+                _fmt(led.get("epsilon_limit"), "g"),
+                _fmt(it.get("noise_multiplier"), ".4g"),
+                str(led.get("charges", "-")),
+                str(led.get("served_again", "-")),
+                f"{(it.get('bytes_sent') or 0) / 1e6:.2f} MB",
+                f"{(it.get('bytes_received') or 0) / 1e6:.2f} MB",
+            ]
+        )
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    accs = [it["final_accuracy"] for _, it in rows if it["final_accuracy"] is not None]
+    mean = f"mean final accuracy {sum(accs) / len(accs):.4f}" if accs else "no site finished"
+    title = "multi-round peer-to-peer DP training (iterate; ε from each site's run ledger)"
+    return "\n".join([title, fmt(head), fmt(["-" * w for w in widths]), *(fmt(line) for line in lines), mean])
+
+
 # ------------------------------------------------------------------------------------- plots
 
 
@@ -688,6 +737,9 @@ def markdown(report: dict) -> str:
             f"requesters, missing from the ledger: {len(c['receipts_missing_from_ledger'])}; entries without a "
             f"reported receipt: {extra}"
         )
+    table = iterate_table(report)
+    if table:
+        lines += ["", "## Multi-round peer-to-peer DP training", "", "```", table, "```"]
     t = report["timings"]
     lines += [
         "",

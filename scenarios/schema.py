@@ -85,6 +85,11 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     adjacency = "add-remove"
     init_seed = 11              # PUBLIC seed of the shared initial model (no coordinator draws it)
     baseline_seeds = [0, 1, 2]  # seeds of the simulator's DP-FedAvg baseline runs
+    ledger_orders = "planned"   # Rényi orders of the ledger each site creates for the run:
+                                # "default" (the filter's 20 orders: δ split 20 ways), "planned"
+                                # (the one order that suits the planned run, chosen from its public
+                                # plan: peer.budget.calibration.planned_orders), or a list of orders
+                                # [default: "default"]
 
     [failure]                   # optional: kill one site mid-round
     site = "hospital-c"
@@ -195,6 +200,7 @@ class IterateSpec:
     adjacency: str = "add-remove"
     init_seed: int = 11
     baseline_seeds: tuple[int, ...] = (0, 1, 2)
+    ledger_orders: str | tuple[float, ...] = "default"
 
 
 @dataclass(frozen=True)
@@ -278,6 +284,19 @@ def _records(d: Section, base: Path) -> dict[str, Any]:
         "impute": d.boolean("impute", False),
         "unseen": d.string("unseen", "refuse", choices=("refuse", "zeros")),
     }
+
+
+def _ledger_orders(it: Section) -> str | tuple[float, ...]:
+    """``[iterate] ledger_orders``: "default", "planned" or a list of Rényi orders."""
+    v = it.raw("ledger_orders", IterateSpec.ledger_orders)
+    if isinstance(v, str):
+        return it.string("ledger_orders", choices=("default", "planned"))
+    from peer.budget.filter import validate_orders
+
+    try:
+        return validate_orders(v if isinstance(v, list) else [v], "iterate.ledger_orders")
+    except InvalidArgument as e:
+        it.fail("ledger_orders", f'must be "default", "planned" or a list of orders: {e.rule}')
 
 
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
@@ -448,6 +467,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             adjacency=it.string("adjacency", IterateSpec.adjacency, choices=("add-remove", "replace-one")),
             init_seed=it.integer("init_seed", IterateSpec.init_seed, minimum=0),
             baseline_seeds=tuple(seeds),
+            ledger_orders=_ledger_orders(it),
         )
 
     return Scenario(

@@ -675,6 +675,60 @@ class Site:
             entry_id = self.charge(record, caller, "merge")
             return MergeRelease(merged.architecture, tensors, record, metadata, entry_id, None)
 
+    def segment_release(self, run: str, min_round: int, caller: str, max_round: int | None = None) -> MergeRelease:
+        """This site's newest published segment of ``run`` with ``min_round`` ≤ round ≤
+        ``max_round`` (None: no upper limit), served
+        again to ``caller`` (no charge: ``coordinator_free.iterate`` charged it once when it
+        published it, ``peer.net.releases.publish_segment``). Never trains and never charges.
+
+        Only an entry whose charge stands in the ledger (not cancelled, same record byte for
+        byte) is served; one without (its publisher died between store and charge, or was
+        refused by the budget) is skipped. NotFound when no segment qualifies yet."""
+        from peer.net.releases import check_run_name, segment_rounds
+
+        check_run_name(run)
+        for number, key in segment_rounds(self.releases, run):
+            if max_round is not None and number > max_round:
+                continue
+            if number < min_round:
+                break
+            stored = self.releases.get(key)
+            if stored is None:
+                continue
+            charge = self.ledger.charge_of(stored.record.release_id)
+            if charge is None or charge[1]:
+                continue
+            entry, _ = charge
+            if entry.record.canonical_json() != stored.record.canonical_json():
+                raise FailedPrecondition(
+                    f"release store: the record of segment {run!r} round {number} differs from the one ledger "
+                    f"entry {entry.entry_id} charged; it is not served"
+                )
+            served = self.ledger.serve_again(
+                stored.record.release_id, caller, f"ReleaseSegment {run} round {number} to {caller}"
+            )
+            log_event(
+                "served-again",
+                caller=caller,
+                entry=entry.entry_id,
+                served_again=served["id"],
+                release=stored.record.release_id,
+                run=run,
+                round=number,
+            )
+            return MergeRelease(
+                stored.architecture,
+                stored.tensors,
+                stored.record,
+                stored.metadata,
+                str(entry.entry_id),
+                str(served["id"]),
+            )
+        upto = "" if max_round is None else f" and ≤ {max_round}"
+        raise NotFound(
+            f"segment: {self.name!r} has published no segment of run {run!r} at round ≥ {min_round}{upto} yet"
+        )
+
     # ---- policy and ledger --------------------------------------------------------------------
 
     def policy_allows(self, caller: str, kind: str) -> None:
