@@ -290,7 +290,7 @@ def _ledger_orders(it: Section) -> str | tuple[float, ...]:
     """``[iterate] ledger_orders``: "default", "planned" or a list of Rényi orders."""
     v = it.raw("ledger_orders", IterateSpec.ledger_orders)
     if isinstance(v, str):
-        return it.string("ledger_orders", choices=("default", "planned"))
+        return it.string("ledger_orders", IterateSpec.ledger_orders, choices=("default", "planned"))
     from peer.budget.filter import validate_orders
 
     try:
