@@ -204,3 +204,37 @@ def test_a_round_refuses_a_peer_whose_network_differs_before_anything_is_charged
             assert result.report["charges"] == []
     with Ledger(b.ledger) as ledger:
         assert ledger.entries() == []
+
+
+def test_a_merge_of_an_own_network_is_served_again_in_the_same_shapes(tmp_path):
+    """Charge-once for a pool of a site's own network: the second answer is the stored entry,
+    byte for byte and shape for shape — BatchNorm's 0-d ``num_batches_tracked`` included."""
+    _pool(tmp_path / "pool", f"{NETWORKS}:small_resnet")
+    a = make_site(tmp_path, "st-anne", pools={"dp": tmp_path / "pool"})
+    b = make_site(tmp_path, "riverside")
+    pin_each_other(a, b)
+    with running(a) as (_, address):
+        c = client(b, address, peer="st-anne")
+        try:
+            info = c.info()
+            (pool,) = info.pools
+            assert json.loads(pool.architecture_json)["kind"] == "imported" and list(pool.methods) == ["rs", "lc"]
+            first = c.merged("dp", method="rs", epsilon=30.0, delta=1e-5)
+            again = c.merged("dp", method="rs", epsilon=30.0, delta=1e-5)
+        finally:
+            c.close()
+    assert not first.receipt.served_again and again.receipt.served_again
+    assert first.architecture == again.architecture and first.architecture["kind"] == "imported"
+    assert np.shape(again.arrays["stem_bn.num_batches_tracked"]) == ()
+    for k, v in first.arrays.items():
+        assert np.shape(again.arrays[k]) == np.shape(v) and np.asarray(again.arrays[k]).tobytes() == v.tobytes(), k
+
+
+@pytest.mark.slow  # 256 LC candidates, each judged in a module rebuilt by the factory: ~30-100 s here
+def test_an_lc_merge_of_an_own_network_is_judged_in_the_sites_own_module(tmp_path):
+    from peer.dp.pools import load_pool, merge_pool
+
+    s = _pool(tmp_path / "pool", f"{NETWORKS}:small_resnet")
+    merged = merge_pool(load_pool(tmp_path / "pool"), "lc", 60.0, 1e-5, validation=(s.x_val, s.y_val))
+    assert merged.record.mechanism == "lc-merge" and merged.architecture["kind"] == "imported"
+    assert 0.0 <= merged.choice.utility <= 1.0 and set(merged.arrays) == set(SmallResNet().state_dict())
