@@ -133,7 +133,9 @@ class ReleaseStore:
         """Write an entry atomically (tensors first, the JSON that makes it an entry last)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         st, js = self._paths(key)
-        arrays = {name: np.ascontiguousarray(a) for name, a in release.tensors}
+        # np.asarray(order="C") keeps a 0-d tensor 0-d (BatchNorm's num_batches_tracked);
+        # np.ascontiguousarray would make it 1-d and the entry would be served in another shape
+        arrays = {name: np.asarray(a, order="C") for name, a in release.tensors}
         self._atomic_write(st, lambda p: save_file(arrays, p))
         doc = {
             "parameters": dict(parameters),

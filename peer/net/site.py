@@ -108,6 +108,7 @@ SITE_KEYS = (
     "mechanisms",
     "pools",
     "peers",
+    "own_models",
 )
 
 
@@ -134,6 +135,8 @@ class SiteConfig:
     peers: Mapping[str, str] = field(default_factory=dict)
     path: Path | None = None
     pool_validation: Mapping[str, Path] = field(default_factory=dict)
+    # the site's own networks (``privfusion model import``; default DIR/own_models when it exists)
+    own_models: Path | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SiteConfig:
@@ -202,6 +205,9 @@ class SiteConfig:
             peers=peers,
             path=path,
             pool_validation=pool_validation,
+            own_models=rel(site, "own_models", None)
+            if "own_models" in site
+            else ((base / "own_models").resolve() if (base / "own_models").is_dir() else None),
         )
 
     @property
@@ -434,10 +440,28 @@ class Site:
                 with contextlib.suppress(InvalidArgument):
                     warm_pool_profiles(pool, pools[name])
         self.probe = load_probe(config.probe) if config.probe and config.probe.exists() else None
+        self.imported = self._load_imported(config)
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
         self._master = make_randomness(config.seed) if config.seed is not None else None
         self._master_lock = threading.Lock()
+
+    def _load_imported(self, config: SiteConfig) -> dict:
+        """The site's own networks (``peer.nn.imported``) by name; one that does not load is
+        listed as unusable, not fatal (like a built-in model)."""
+        if config.own_models is None or not config.own_models.is_dir():
+            return {}
+        from peer.nn.imported import load_imported
+
+        out = {}
+        for name in list_models(config.own_models):
+            try:
+                out[name] = load_imported(config.own_models, name)
+            except (InvalidArgument, NotFound) as e:
+                why = f"own model does not load, not served: {e}"
+                self.unusable.append((f"{config.own_models.name}/{name}.json", why))
+                log.warning(json.dumps({"event": "unusable-file", "path": f"{name}.json", "reason": why}))
+        return out
 
     def close(self) -> None:
         try:
@@ -482,6 +506,13 @@ class Site:
             raise InvalidArgument(field_name, "is required")
         m = self.models.get(name)
         if m is None:
+            if name in self.imported:
+                # a site's own network is offered through its DP pools (ReleaseMerged); its
+                # features would be released per permutation-group element, not yet wired here
+                raise FailedPrecondition(
+                    f"{field_name}: {name!r} is a site's own network: features over permutation groups are "
+                    "not released yet; use method merged"
+                )
             raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
         return m
 
@@ -810,11 +841,31 @@ class Site:
             )
             for s in self.ledger.remaining_for(caller)
         )
+
+        def imported_info(name: str, m) -> ModelInfo:
+            # public: the traced structure (key names, shapes, groups) and its digest, no code;
+            # hidden sizes are the permutation groups' sizes; no plain layer chain to list
+            from peer.nn.imported import imported_architecture
+
+            return ModelInfo(
+                name=name,
+                architecture=imported_architecture(m.structure),
+                parameter_count=sum(int(np.size(a)) for a in m.arrays.values()),
+                hidden_sizes=m.structure.sizes,
+                layers=(),
+            )
+
         return SiteInfo(
             name=self.name,
             certificate_sha256=self.identity.fingerprint,
             insecure=self.insecure,
-            models=tuple(model_info(n, m) for n, m in sorted(self.models.items())),
+            models=tuple(
+                sorted(
+                    [model_info(n, m) for n, m in self.models.items()]
+                    + [imported_info(n, m) for n, m in self.imported.items() if n not in self.models],
+                    key=lambda i: i.name,
+                )
+            ),
             pools=tuple(pools),
             mechanisms=(*MECHANISMS, self.randomness_mechanism()),
             budgets=budgets,
