@@ -56,13 +56,7 @@ from peer.net.identity import format_fingerprint
 
 def _round(args) -> int:
     from coordinator_free.events import QUIET, describe
-    from coordinator_free.roster import Roster
-    from coordinator_free.runner import load_local_site, load_round_config
-    from peer.net.site import SiteConfig
-
-    site = SiteConfig.load(args.config)
-    files = args.round or [args.config]
-    configs = [load_round_config(f, site.activation_clip, site=site.name) for f in files]
+    from coordinator_free.runner import run_rounds
 
     def on_event(e: dict) -> None:
         if args.events:
@@ -92,12 +86,8 @@ def _round(args) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     status = 0
     try:
-        for cfg in configs:
-            from coordinator_free.runner import run_round
-
-            result = run_round(
-                load_local_site(args.config, cfg.model), Roster.load(cfg.roster), cfg, on_event=on_event, stop=stop
-            )
+        # the same rounds the simulator runs in its own process (scenarios.simulate.RoundThread)
+        for cfg, result in run_rounds(args.config, args.round, on_event, stop):
             if result.status == "interrupted":
                 unsure = {n: c for n, c in result.report["may_have_charged"].items() if c != "no"}
                 print(
