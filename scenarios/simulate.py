@@ -682,8 +682,7 @@ def run_sites(world: World, progress: Progress) -> dict:
 
         t0 = time.monotonic()
         victim = sc.failure.site if sc.failure is not None else None
-        # the victim's process first: no other round has opened a channel in this process yet
-        for s in sorted(world.sites.values(), key=lambda s: s.name != victim):
+        for s in world.sites.values():
             files = []
             for label, method, scale in world.plan:
                 f = s.root / f"round-{label}.toml"
