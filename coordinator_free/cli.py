@@ -62,18 +62,9 @@ from peer.net.identity import format_fingerprint
 
 def _round(args) -> int:
     from coordinator_free.events import QUIET, describe
+    from coordinator_free.iterate import IterateConfig
     from coordinator_free.iterate import describe as describe_iterate
-    from coordinator_free.iterate import is_iterate_file, load_iterate_config
-    from coordinator_free.roster import Roster
-    from coordinator_free.runner import load_local_site, load_round_config
-    from peer.net.site import SiteConfig
-
-    site = SiteConfig.load(args.config)
-    files = args.round or [args.config]
-    configs = [
-        load_iterate_config(f) if is_iterate_file(f) else load_round_config(f, site.activation_clip, site=site.name)
-        for f in files
-    ]
+    from coordinator_free.runner import run_rounds
 
     def on_event(e: dict) -> None:
         if args.events:
@@ -107,21 +98,14 @@ def _round(args) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     status = 0
     try:
-        for cfg in configs:
-            from coordinator_free.iterate import IterateConfig, run_iterate
-            from coordinator_free.runner import run_round
-
+        # the same rounds the simulator runs in its own process (scenarios.simulate.RoundThread)
+        for cfg, result in run_rounds(args.config, args.round, on_event, stop):
             if isinstance(cfg, IterateConfig):
-                it = run_iterate(args.config, cfg, on_event=on_event, stop=stop)
                 if not args.events:
-                    print(f"iterate run {cfg.run}: {it.status} ({it.reason}); report {it.report_path}")
-                if it.status == "interrupted":
+                    print(f"iterate run {cfg.run}: {result.status} ({result.reason}); report {result.report_path}")
+                if result.status == "interrupted":
                     return 128 + caught[0] if caught else 3
                 continue
-
-            result = run_round(
-                load_local_site(args.config, cfg.model), Roster.load(cfg.roster), cfg, on_event=on_event, stop=stop
-            )
             if result.status == "interrupted":
                 unsure = {n: c for n, c in result.report["may_have_charged"].items() if c != "no"}
                 print(

@@ -17,7 +17,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -720,3 +720,30 @@ def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any], own: Lo
     tmp.write_text(json.dumps(result.report, indent=2, sort_keys=True, default=str), encoding="utf-8")
     os.replace(tmp, path)
     result.report_path = path
+
+
+def run_rounds(
+    site_config: str | os.PathLike,
+    round_files: list[str | os.PathLike] | None = None,
+    on_event: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+) -> Iterator[tuple[RoundConfig, RoundResult]]:
+    """The rounds of ``privfusion round``: each file's ``[round]`` table (default: site.toml's),
+    run in sequence with this site's identity, trust store, model and probe set; yields each
+    round's config and result as it ends. Every file is read and checked before the first round
+    starts (a bad file fails before anything is requested). The caller decides what an
+    aborted or interrupted round means for the rest (the command stops after an interrupted
+    one); ``stop`` interrupts the round in progress (see :func:`run_round`)."""
+    from coordinator_free.iterate import IterateConfig, is_iterate_file, load_iterate_config, run_iterate
+
+    site = SiteConfig.load(site_config)
+    configs = [
+        load_iterate_config(f) if is_iterate_file(f) else load_round_config(f, site.activation_clip, site=site.name)
+        for f in round_files or [site_config]
+    ]
+    for cfg in configs:
+        if isinstance(cfg, IterateConfig):  # a multi-round peer-to-peer run (coordinator_free.iterate)
+            yield cfg, run_iterate(site_config, cfg, on_event=on_event, stop=stop)
+            continue
+        result = run_round(load_local_site(site_config, cfg.model), Roster.load(cfg.roster), cfg, on_event, stop=stop)
+        yield cfg, result

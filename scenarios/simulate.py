@@ -15,10 +15,15 @@ Everything a real deployment does happens for real, on loopback:
    release record — a simulation option, never production);
 3. **daemons** — each site's ``privfusion peer serve`` in its own process, on a free port,
    mutual TLS with the pinned certificates; a roster of all sites is written;
-4. **rounds** — every site runs ``privfusion round`` (its own process, its own identity) for
-   each round of the plan, all sites at once; their events stream back as progress. The
-   failure scenario SIGKILLs one site (daemon and round) once its ledger holds a given number
-   of charges;
+4. **rounds** — every site runs the rounds of the plan, all sites at once, with its own
+   identity, trust store, model and probe set (its site.toml); their events stream back as
+   progress. They run here, in the simulate process, one thread per site (``RoundThread``):
+   the same ``coordinator_free.runner.run_rounds`` as the ``privfusion round`` command, every
+   call still a mutual-TLS call to a peer's daemon, without one more process per site that
+   would load torch, gRPC and NumPy again (~330 MB resident each: at 12 sites, 4 GB). The
+   failure scenario SIGKILLs one site, daemon and round, once its ledger holds a given number
+   of charges: that site's rounds run as the ``privfusion round`` command in a process of its
+   own (``RoundProcess``), which is what a SIGKILL can take down;
 5. **evaluation** — own, privately fused and merged-fused models on the test set, and the
    non-private ORACLE (graph matching on exact features, computed here with every site's
    exact model — no real site could), with the same contributors and weights;
@@ -28,6 +33,8 @@ Everything a real deployment does happens for real, on loopback:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -397,7 +404,7 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
 def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None) -> list[dict]:
     from peer.base.rng import make_randomness
     from peer.dp.accounting import TrainingRecord
-    from peer.dp.pools import save_trained
+    from peer.dp.pools import load_pool, save_trained, warm_pool_profiles
     from peer.dp.training import train_pool
     from peer.nn.architectures import accuracy, model_from_arrays
 
@@ -435,6 +442,12 @@ def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, prepro
                 "accuracy": accuracy(s.architecture, module, x_test, y_test),
             }
         )
+    # The pool's privacy profiles (T-step PLD and RDP compositions) into the pool's profile
+    # cache, as its daemon would build them at start-up: built here, one site after another,
+    # rather than by every daemon at once (each would hold ~70 MB of composition buffers at
+    # its peak for it). The daemon reads them back, checked against each model's record.
+    with contextlib.suppress(InvalidArgument):  # a pool RS cannot account: each request says why
+        warm_pool_profiles(load_pool(s.root / "pool"), s.root / "pool")
     return out
 
 
@@ -543,6 +556,9 @@ class RoundProcess:
             self.events.append(e)
             on_event(e)
 
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.killed_at = _now()
@@ -553,6 +569,75 @@ class RoundProcess:
         self._reader.join(10)
         self.log.close()
         return code
+
+
+class RoundThread:
+    """One site's rounds run in this (the simulator's) process, on a thread: the same
+    ``coordinator_free.runner.run_rounds`` that ``privfusion round`` runs, with the site's own
+    site.toml — its identity, trust store, model and probe set — and round files, so every
+    call is still a mutual-TLS call between two sites. Why not a process per site: each
+    would import torch, gRPC and NumPy again (about 330 MB resident apiece; twelve sites
+    need twelve), while this process has them already. The command itself stays covered by
+    the failure scenario's victim (below) and by the round tests.
+
+    ``kill`` cannot SIGKILL a thread: it interrupts the rounds as SIGTERM would the command
+    (nothing more is requested, the report says ``interrupted``); the exit code is the one the
+    command would have (0 every round fused, 3 one did not, 143 interrupted, 2 refused input,
+    1 any other error — its traceback in the site's rounds.log)."""
+
+    def __init__(self, site: SiteWorld, round_files: list[Path], on_event: Callable[[dict], None]):
+        self.site = site
+        self.events: list[dict] = []
+        self.killed_at: str | None = None
+        self.code: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(round_files, on_event), name=f"rounds-{site.name}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, round_files: list[Path], on_event: Callable[[dict], None]) -> None:
+        import traceback
+
+        from coordinator_free.runner import run_rounds
+        from peer.base.errors import PrivFusionError
+
+        def emit(e: dict) -> None:
+            e = json.loads(json.dumps(e, sort_keys=True, default=str))  # as the command prints it
+            self.events.append(e)
+            on_event(e)
+
+        code = 0
+        try:
+            for _, result in run_rounds(self.site.config, round_files, emit, self._stop):
+                if result.status == "interrupted":
+                    code = 128 + signal.SIGTERM
+                    break
+                if result.status != "fused":
+                    code = 3
+        except PrivFusionError as e:
+            code = 2
+            self._log(f"privfusion round: error: {e}\n")
+        except Exception:
+            code = 1
+            self._log(traceback.format_exc())
+        self.code = code
+
+    def _log(self, text: str) -> None:
+        with open(self.site.root / "rounds.log", "a", encoding="utf-8") as f:
+            f.write(text)
+
+    def poll(self) -> int | None:
+        return None if self._thread.is_alive() else self.code
+
+    def kill(self) -> None:
+        if self._thread.is_alive():
+            self.killed_at = _now()
+            self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._thread.join(timeout)
+        return self.code
 
 
 def _ledger_count(path: Path) -> int:
@@ -573,19 +658,33 @@ def _ledger_count(path: Path) -> int:
 def run_sites(world: World, progress: Progress) -> dict:
     """Start every daemon, write the roster, run every site's rounds at once, stop the daemons.
     Returns what happened to processes (kills, exit codes)."""
+    import torch
+
     from coordinator_free.events import QUIET, describe
 
     sc = world.scenario
+    # The sites' rounds share this process (RoundThread): one torch thread each, as a round
+    # process has (OMP_NUM_THREADS=1); the ops are small and the cores are few.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # and glibc's arenas capped at two, as a daemon's are: by default each of the rounds' ~100
+    # threads that allocates while another holds the heap gets an arena that keeps what it
+    # freed (measured at 12 sites: the simulate process's peak 723 → 628 MiB); for the rest of
+    # this process, as glibc has no way back
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX (malloc.h)
     daemons: dict[str, Daemon] = {}
-    rounds: dict[str, RoundProcess] = {}
+    rounds: dict[str, RoundProcess | RoundThread] = {}
     failure: dict[str, Any] = {}
     try:
         t0 = time.monotonic()
         for s in world.sites.values():
             daemons[s.name] = Daemon(s)
+        # all start at once and share the cores: a start-up takes ~5 s of CPU (imports, pools)
+        ready_s = 60.0 + 15.0 * len(daemons)
         for name, d in daemons.items():
             progress(
-                f"{name}: daemon serving on {d.wait_ready()} (pid {d.proc.pid}, mutual TLS, ledger {d.site.ledger.name})"
+                f"{name}: daemon serving on {d.wait_ready(ready_s)} (pid {d.proc.pid}, mutual TLS, ledger {d.site.ledger.name})"
             )
         world.timings["daemons_start_s"] = time.monotonic() - t0
         roster = world.out / "roster.toml"
@@ -598,18 +697,19 @@ def run_sites(world: World, progress: Progress) -> dict:
                 progress(describe(e))
 
         t0 = time.monotonic()
+        victim = sc.failure.site if sc.failure is not None else None
         for s in world.sites.values():
             files = []
             for label, method, scale in world.plan:
                 f = s.root / f"round-{label}.toml"
                 f.write_text(round_toml(sc, s, label, method, scale, roster.resolve()), encoding="utf-8")
                 files.append(f)
-            rounds[s.name] = RoundProcess(s, files, on_event)
+            # a SIGKILL must take the victim's rounds down with its daemon: a process of its own
+            rounds[s.name] = (RoundProcess if s.name == victim else RoundThread)(s, files, on_event)
         progress(f"every site started its rounds ({', '.join(label for label, _, _ in world.plan)}) at once")
 
         if sc.failure is not None:
-            victim = sc.failure.site
-            while rounds[victim].proc.poll() is None:
+            while rounds[victim].poll() is None:
                 if _ledger_count(world.sites[victim].ledger) >= sc.failure.after_releases:
                     daemons[victim].kill()
                     rounds[victim].kill()
@@ -636,13 +736,14 @@ def run_sites(world: World, progress: Progress) -> dict:
         world.timings["rounds_s"] = time.monotonic() - t0
     finally:
         for r in rounds.values():
-            if r.proc.poll() is None:
+            if r.poll() is None:
                 r.kill()
                 r.wait()
         for d in daemons.values():
             d.terminate()
         for d in daemons.values():
             d.stop()
+        torch.set_num_threads(torch_threads)
     return {"exit_codes": codes, "failure": failure, "addresses": {n: d.address for n, d in daemons.items()}}
 
 

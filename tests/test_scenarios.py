@@ -177,6 +177,7 @@ def test_tiny_simulation_end_to_end(tmp_path):
         # every other site asked this one for features and weights
         assert report["ledgers"][name]["entries"] and len(report["ledgers"][name]["entries"]) == 4
     assert report["sites"]["site-b"]["rounds"]["ldp"]["weights"]["site-b"] == 0.7
+    assert report["round_exit_codes"] == {n: 0 for n in report["sites"]}  # as `privfusion round` exits
     check_report_against_ledgers(out, report)
     # every release was fixed-seed noise (a simulation option) and says so
     rec = json.loads(json.dumps(report["ledgers"]["site-a"]["entries"][0]))
@@ -206,6 +207,26 @@ def test_tiny_simulation_end_to_end(tmp_path):
         assert r["central"] == 0.95 and r["to_central"] == pytest.approx(r["ldp_repaired"] - 0.95)
     assert any("daemon serving" in line for line in lines) and any("fused with" in line for line in lines)
     assert "ORACLE (non-private)" in (out / "report.md").read_text()
+
+
+def test_a_round_thread_refusing_its_round_file_exits_as_the_command_would(tmp_path):
+    """The simulator runs a site's rounds on a thread of its own process (RoundThread): a round
+    file it refuses ends them with the command's status 2 and the reason, naming the file, in
+    the site's rounds.log, before anything is requested."""
+    import numpy as np
+
+    from scenarios.simulate import RoundThread, SiteWorld, site_toml
+
+    sc = parse_scenario(TINY, "tiny.toml")
+    empty = np.zeros((1, 1), dtype=np.float32)
+    site = SiteWorld("site-a", tmp_path, 1, 0.5, empty, np.zeros(1), empty, {}, {})
+    site.config.write_text(site_toml(sc, site), encoding="utf-8")
+    bad = tmp_path / "round-ldp.toml"
+    bad.write_text("[round]\nalpha = 0.5\n", encoding="utf-8")  # no roster, no model
+    events = []
+    thread = RoundThread(site, [bad], events.append)
+    assert thread.wait(60) == 2 and thread.poll() == 2
+    assert events == [] and str(bad) in (tmp_path / "rounds.log").read_text()
 
 
 @pytest.mark.slow
