@@ -599,6 +599,7 @@ class RoundThread:
     def _run(self, round_files: list[Path], on_event: Callable[[dict], None]) -> None:
         import traceback
 
+        from coordinator_free.iterate import IterateConfig
         from coordinator_free.runner import run_rounds
         from peer.base.errors import PrivFusionError
 
@@ -609,11 +610,11 @@ class RoundThread:
 
         code = 0
         try:
-            for _, result in run_rounds(self.site.config, round_files, emit, self._stop):
+            for cfg, result in run_rounds(self.site.config, round_files, emit, self._stop):
                 if result.status == "interrupted":
                     code = 128 + signal.SIGTERM
                     break
-                if result.status != "fused":
+                if result.status != "fused" and not isinstance(cfg, IterateConfig):  # as the command
                     code = 3
         except PrivFusionError as e:
             code = 2
@@ -1067,8 +1068,8 @@ def iterate_round_toml(sc: Scenario, roster: Path) -> str:
 
 
 def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
-    """Every site's iterate daemon and loop (its own processes), all at once; the sites'
-    iterate worlds (``SITE/iterate/``)."""
+    """Every site's iterate daemon (a process of its own) and loop (a thread of this process, as
+    the rounds: ``RoundThread``), all at once; the sites' iterate worlds (``SITE/iterate/``)."""
     import dataclasses
 
     from coordinator_free.iterate import describe as describe_iterate
@@ -1080,7 +1081,7 @@ def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
         np.savez(s.root / "records.npz", x=s.x, y=s.y)  # the site's own records, in its own directory
         s.config.write_text(iterate_site_toml(sc, s), encoding="utf-8")
     daemons: dict[str, Daemon] = {}
-    loops: dict[str, RoundProcess] = {}
+    loops: dict[str, RoundThread] = {}
     try:
         t0 = time.monotonic()
         for s in sites.values():
@@ -1101,7 +1102,7 @@ def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
         for s in sites.values():
             f = s.root / "round-iterate.toml"
             f.write_text(iterate_round_toml(sc, roster.resolve()), encoding="utf-8")
-            loops[s.name] = RoundProcess(s, [f], on_event)
+            loops[s.name] = RoundThread(s, [f], on_event)
         it = sc.iterate
         progress(
             f"iterate: every site runs {it.rounds} rounds × {it.local_steps} DP-GD steps at ε = {it.epsilon:g} "
@@ -1112,7 +1113,7 @@ def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
         world.timings["iterate_s"] = time.monotonic() - t0
     finally:
         for r in loops.values():
-            if r.proc.poll() is None:
+            if r.poll() is None:
                 r.kill()
                 r.wait()
         for d in daemons.values():
