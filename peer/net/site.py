@@ -642,6 +642,33 @@ class Site:
             store = self.__dict__.setdefault("_releases", ReleaseStore(ledger.with_name(ledger.stem + ".releases")))
         return store
 
+    def _serve_again(self, stored, caller: str, what: str, detail: str, **log_fields: Any) -> MergeRelease | None:
+        """``stored`` served again to ``caller`` at no charge (``Ledger.serve_again`` records it,
+        naming the original charge), or None when its charge is missing or cancelled (its bytes
+        never left, or must not: the caller makes anew or skips it). A stored record that differs
+        from the charged one is refused (FailedPrecondition), never served."""
+        charge = self.ledger.charge_of(stored.record.release_id)
+        if charge is None or charge[1]:
+            return None
+        entry, _ = charge
+        if entry.record.canonical_json() != stored.record.canonical_json():
+            raise FailedPrecondition(
+                f"release store: the record of {what} differs from the one ledger entry {entry.entry_id} "
+                "charged; it is not served"
+            )
+        served = self.ledger.serve_again(stored.record.release_id, caller, detail)
+        log_event(
+            "served-again",
+            caller=caller,
+            entry=entry.entry_id,
+            served_again=served["id"],
+            release=stored.record.release_id,
+            **log_fields,
+        )
+        return MergeRelease(
+            stored.architecture, stored.tensors, stored.record, stored.metadata, str(entry.entry_id), str(served["id"])
+        )
+
     def merge_release(self, pool: str, method: str, epsilon: float, delta: float, caller: str) -> MergeRelease:
         """The merge of ``pool`` at (ε, δ) for ``caller``, charged once however often it is asked for.
 
@@ -665,33 +692,11 @@ class Site:
         with self.releases.lock(key):
             stored = self.releases.get(key)
             if stored is not None:
-                charge = self.ledger.charge_of(stored.record.release_id)
-                if charge is not None and not charge[1]:
-                    entry, _ = charge
-                    if entry.record.canonical_json() != stored.record.canonical_json():
-                        raise FailedPrecondition(
-                            f"release store: the record of entry {key} differs from the one ledger entry "
-                            f"{entry.entry_id} charged; it is not served"
-                        )
-                    served = self.ledger.serve_again(
-                        stored.record.release_id, caller, f"ReleaseMerged {pool} {method} to {caller}"
-                    )
-                    log_event(
-                        "served-again",
-                        caller=caller,
-                        entry=entry.entry_id,
-                        served_again=served["id"],
-                        release=stored.record.release_id,
-                        pool=pool,
-                    )
-                    return MergeRelease(
-                        stored.architecture,
-                        stored.tensors,
-                        stored.record,
-                        stored.metadata,
-                        str(entry.entry_id),
-                        str(served["id"]),
-                    )
+                again = self._serve_again(
+                    stored, caller, f"entry {key}", f"ReleaseMerged {pool} {method} to {caller}", pool=pool
+                )
+                if again is not None:
+                    return again
                 self.releases.remove(key)  # never left the site (no charge) or withdrawn: make anew
             merged = self.merge(pool, method, epsilon, delta, caller)
             tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
@@ -726,35 +731,16 @@ class Site:
             stored = self.releases.get(key)
             if stored is None:
                 continue
-            charge = self.ledger.charge_of(stored.record.release_id)
-            if charge is None or charge[1]:
-                continue
-            entry, _ = charge
-            if entry.record.canonical_json() != stored.record.canonical_json():
-                raise FailedPrecondition(
-                    f"release store: the record of segment {run!r} round {number} differs from the one ledger "
-                    f"entry {entry.entry_id} charged; it is not served"
-                )
-            served = self.ledger.serve_again(
-                stored.record.release_id, caller, f"ReleaseSegment {run} round {number} to {caller}"
-            )
-            log_event(
-                "served-again",
-                caller=caller,
-                entry=entry.entry_id,
-                served_again=served["id"],
-                release=stored.record.release_id,
+            again = self._serve_again(
+                stored,
+                caller,
+                f"segment {run!r} round {number}",
+                f"ReleaseSegment {run} round {number} to {caller}",
                 run=run,
                 round=number,
             )
-            return MergeRelease(
-                stored.architecture,
-                stored.tensors,
-                stored.record,
-                stored.metadata,
-                str(entry.entry_id),
-                str(served["id"]),
-            )
+            if again is not None:
+                return again
         upto = "" if max_round is None else f" and ≤ {max_round}"
         raise NotFound(
             f"segment: {self.name!r} has published no segment of run {run!r} at round ≥ {min_round}{upto} yet"
