@@ -13,6 +13,10 @@ Site A then fuses its model with site B's by each method and reports test accura
   hidden unit's pre-activation mean and std reset to the α-interpolation of the endpoints',
   all measured by site A on its own training records (B's statistics from running the aligned
   model A received — post-processing);
+- ``activation_matching`` / ``activation_matching_repair``: REPAIR's own alignment as the
+  reference for the matchers — per-group correlations of A's and B's units over A's own
+  records and every spatial position (``peer.ldp.group_matching.group_correlations``), one
+  linear assignment per group, on the exact models; then α-fusion, and REPAIR as above;
 - PrivFusion at ε_x = ε_w = ε_f = ε: B releases Laplace activations and multi-bit weight
   features (site A matches against them) and PFA-perturbed weights (site A fuses them), under
   the per-entry unit (``privfusion``, the paper's proofs) and the per-neuron unit
@@ -408,7 +412,9 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
     permutation groups yet, so this model is aligned by :func:`peer.ldp.group_matching.match_groups`
     (activations on the public probes and weights, non-private: ``group_matching``), fused on
     every float entry of the state (BatchNorm statistics included) and repaired by resetting
-    its BatchNorms on A's own records (``group_matching_repair``). PrivFusion over groups, per
+    its BatchNorms on A's own records (``group_matching_repair``); aligned instead by REPAIR's
+    per-position activation correlations on A's own records (``activation_matching[_repair]``,
+    the far better alignment of the two). PrivFusion over groups, per
     group element (``peer.ldp.mechanisms.groups``): B releases Laplace group activations and PFA
     weights at ε each (sequential: 2ε per element); A matches its exact features against them,
     fuses the released weights at α = ½ (``privfusion_per_neuron``) and repairs

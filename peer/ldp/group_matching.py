@@ -25,6 +25,15 @@ no group). Result convention as everywhere: ``perm[g][i] = j`` says unit i of A 
 What it reads: both sites' exact activations and weights — the non-private baseline for
 networks the layered matcher cannot take yet (local-DP release of group features is not
 implemented here).
+
+:func:`group_correlations` and :func:`match_correlations` are REPAIR's own alignment, kept
+beside it as the reference: the correlation of every unit pair over every record *and spatial
+position*, taken where the next layers read the units, one assignment per group. On two
+independently trained digits ResNets (16-32 channels) it aligns far better than
+:func:`match_groups` — REPAIRed fusion 89% / 86% against 53% / 72% (homogeneous /
+heterogeneous split) — because a per-record spatial mean discards where a filter fires, and
+the weight terms, each scaled to its own maximum, give the rank-one products of BatchNorm
+statistics as much say as a convolution's filters.
 """
 
 from __future__ import annotations
