@@ -130,3 +130,16 @@ def test_resnet_rows():
         assert rec[name]["fused_accuracy"] == pytest.approx(rec["original_accuracy"], abs=ONE_TEST_EXAMPLE), name
     assert "group_matching_repair" in format_fusion_table(out)
     assert "activation_matching_repair" in format_fusion_table(out)
+
+
+def test_channels_option_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        main(["experiment", "fusion", "--model", "cnn", "--channels", "64"])
+    assert "--channels must be two positive integers C1,C2" in capsys.readouterr().err
+
+
+def test_channels_widen_the_cnn():
+    from peer.experiments.fusion import _architecture
+
+    assert _architecture(FusionConfig(model="cnn", channels=(64, 128)))["channels"] == [64, 128]
+    assert _architecture(FusionConfig(model="cnn"))["channels"] == [16, 32]

@@ -5,8 +5,19 @@ privfusion experiment fusion --dataset digits [--model mlp|cnn|resnet] [--channe
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+
+
+def _channels(value: str) -> tuple[int, int]:
+    try:
+        widths = tuple(int(c) for c in value.split(","))
+    except ValueError:
+        widths = ()
+    if len(widths) != 2 or min(widths) <= 0:
+        raise argparse.ArgumentTypeError(f"--channels must be two positive integers C1,C2, got {value!r}")
+    return widths
 
 
 def register_experiment(group) -> None:
@@ -20,7 +31,7 @@ def register_experiment(group) -> None:
     )
     f.add_argument(
         "--channels",
-        type=lambda v: tuple(int(c) for c in v.split(",")),
+        type=_channels,
         default=None,
         help="the two conv stages' widths of the cnn/resnet as C1,C2 (default 16,32), e.g. 64,128",
     )
