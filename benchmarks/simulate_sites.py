@@ -11,9 +11,11 @@ DIR`, one size after the other.
 Memory: while the simulation runs, its process tree (children of the simulate process, found
 through /proc/PID/task/*/children) is sampled every 0.1 s; each process's VmRSS and VmHWM come
 from /proc/PID/status (Linux). Per daemon (`peer serve`): *idle* RSS, its VmRSS once it is
-ready (imports, model, pool, ledger, warm-up; the largest sample before the first round
-process starts, or the first one after it is ready if that comes later), and *peak*,
-its last VmHWM. Also the round processes' largest peak, the parent's (simulate's) peak, and two
+ready (imports, model, pool, ledger, warm-up; the largest sample before the simulator's
+progress says the rounds started, or the first one after it is ready if that comes later), and
+*peak*, its last VmHWM. The sites' rounds run in the simulate process (threads), so there is no
+round process but in a failure scenario (its victim's). Also the round processes' largest peak
+(if any), the parent's (simulate's: data, training, the rounds, evaluation) peak, and two
 totals: the largest sum of the VmRSS of every process alive at one sample (what the machine had
 to hold if no page were shared; sampled, so a short spike between samples can be missed) and
 the sum of every process's own peak (an upper bound: the peaks need not coincide). Every process
@@ -42,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "hospitals-12.toml"
 MIB = 1 << 20
 SIZES = (4, 8, 12)
+ROUNDS_STARTED = b"started its rounds"  # simulate's progress line once every site's rounds run
 
 
 def vm(pid: int) -> dict[str, int] | None:
@@ -111,7 +114,8 @@ def run_one(n: int, work: Path, python: str) -> dict:
     scenario = work / f"sites-{n}.toml"
     scenario.write_text(variant(SCENARIO.read_text(encoding="utf-8"), n), encoding="utf-8")
     out = work / f"out-{n}"
-    log = open(work / f"simulate-{n}.log", "wb")  # noqa: SIM115 (closed below, after the run)
+    log_path = work / f"simulate-{n}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 (closed below, after the run)
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [python, "-m", "peer.cli", "simulate", str(scenario), "--out", str(out)],
@@ -124,6 +128,7 @@ def run_one(n: int, work: Path, python: str) -> dict:
     parent_hwm = 0
     total_rss = total_pss = 0
     samples = 0
+    rounds_started = False
     while proc.poll() is None:
         samples += 1
         with_pss = samples % 5 == 0  # smaps_rollup walks every mapping: every 0.5 s
@@ -150,8 +155,11 @@ def run_one(n: int, work: Path, python: str) -> dict:
             elif "round" in args:
                 r = rounds.setdefault(k, {"site": Path(args[args.index("--config") + 1]).parent.name, "peak": 0})
                 r["peak"] = max(r["peak"], m["VmHWM"])
+        # the rounds start when the simulator says so (they run in its process, a round process
+        # only for a failure scenario's victim)
+        rounds_started = rounds_started or bool(rounds) or ROUNDS_STARTED in log_path.read_bytes()
         for d in daemons.values():
-            if d.get("_ready") and (d["idle_rss"] is None or not rounds):
+            if d.get("_ready") and (d["idle_rss"] is None or not rounds_started):
                 # its first sample once ready, and the largest until the first round process
                 d["idle_rss"] = max(d["idle_rss"] or 0, d["_rss"])
         total_rss = max(total_rss, alive)

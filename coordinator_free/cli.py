@@ -3,6 +3,7 @@ pin or check the sites of a roster.
 
     privfusion round --config site.toml                  # the [round] table of site.toml
     privfusion round --config site.toml --round r1.toml --round r2.toml   # rounds in sequence
+    privfusion round --config site.toml --round iterate.toml   # multi-round P2P DP training
     privfusion roster pin --roster roster.toml --dir identity
     privfusion roster check --roster roster.toml --dir identity
 
@@ -35,6 +36,11 @@ A round needs this site's daemon config (identity, model store, public probe set
     epsilon = 2.0
     delta = 1e-5
 
+A round file whose ``[round]`` says ``method = "iterate"`` (with a ``[round.iterate]`` table)
+runs multi-round peer-to-peer DP training instead: local DP-GD segments on this site's own
+records, each charged once to its ledger and published, fused with the peers' segments, round
+after round, with no coordinator (``coordinator_free.iterate``; its report is OUT/RUN.json).
+
 Progress goes to stderr (``--events``: JSON lines on stdout instead); each round's report is
 written to OUT/round-ID.json. Exit status 0 when every round fused, 3 when one aborted.
 
@@ -56,17 +62,17 @@ from peer.net.identity import format_fingerprint
 
 def _round(args) -> int:
     from coordinator_free.events import QUIET, describe
-    from coordinator_free.roster import Roster
-    from coordinator_free.runner import load_local_site, load_round_config
-    from peer.net.site import SiteConfig
-
-    site = SiteConfig.load(args.config)
-    files = args.round or [args.config]
-    configs = [load_round_config(f, site.activation_clip, site=site.name) for f in files]
+    from coordinator_free.iterate import IterateConfig
+    from coordinator_free.iterate import describe as describe_iterate
+    from coordinator_free.runner import run_rounds
 
     def on_event(e: dict) -> None:
         if args.events:
             print(json.dumps(e, sort_keys=True, default=str), flush=True)
+        elif e["event"].startswith("iterate-") or e["event"] == "segment":
+            line = describe_iterate(e)
+            if line:
+                print(line, file=sys.stderr, flush=True)
         elif e["event"] not in QUIET:
             print(describe(e), file=sys.stderr, flush=True)
 
@@ -92,12 +98,14 @@ def _round(args) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     status = 0
     try:
-        for cfg in configs:
-            from coordinator_free.runner import run_round
-
-            result = run_round(
-                load_local_site(args.config, cfg.model), Roster.load(cfg.roster), cfg, on_event=on_event, stop=stop
-            )
+        # the same rounds the simulator runs in its own process (scenarios.simulate.RoundThread)
+        for cfg, result in run_rounds(args.config, args.round, on_event, stop):
+            if isinstance(cfg, IterateConfig):
+                if not args.events:
+                    print(f"iterate run {cfg.run}: {result.status} ({result.reason}); report {result.report_path}")
+                if result.status == "interrupted":
+                    return 128 + caught[0] if caught else 3
+                continue
             if result.status == "interrupted":
                 unsure = {n: c for n, c in result.report["may_have_charged"].items() if c != "no"}
                 print(
@@ -112,6 +120,7 @@ def _round(args) -> int:
                 print(
                     f"round {result.round_id}: {result.status}"
                     + (f" -> {cfg.out / 'models' / result.model_name}" if result.model_name else f" ({result.reason})")
+                    + (f"; adopt {result.report['adopt_model']}" if result.report.get("adopt_model") else "")
                     + f"; report {result.report_path}"
                 )
             if result.status != "fused":
@@ -163,9 +172,11 @@ def register(subparsers) -> None:
     """``privfusion round``."""
     p = subparsers.add_parser(
         "round",
-        help="run a coordinator-free fusion round for this site",
+        help='run a coordinator-free fusion round (or, method = "iterate", multi-round P2P DP training) for this site',
         description="Ask every live roster peer for noisy features and weights (or a DP merge), "
-        "align them to this site's model and fuse.",
+        'align them to this site\'s model and fuse. A round file with method = "iterate" runs multi-round '
+        "peer-to-peer DP training instead: local DP-GD segments on this site's records, each charged once to "
+        "its ledger and published, fused with the peers' segments round after round (coordinator_free.iterate).",
     )
     p.add_argument("--config", required=True, help="this site's site.toml (identity, models, probe set)")
     p.add_argument(

@@ -37,6 +37,10 @@ def describe(e: dict) -> str:
         return (
             f"{who} fused with {', '.join(e['contributors'])} (weights {', '.join(f'{w:.3g}' for w in e['weights'])})"
         )
+    if ev == "after-fusion":
+        if e.get("error"):
+            return f"{who} the local steps after fusion failed ({e['error']}); the fused model is kept"
+        return f"{who} after fusion: {', '.join(e['stages']) or 'nothing'}; adopt: {e['adopt']}"
     if ev == "aborted":
         return f"{who} round ABORTED: {e['reason']}"
     if ev == "interrupted":

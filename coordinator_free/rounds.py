@@ -40,6 +40,9 @@ ledger serialises the charges). A round of requester R over the live peers P_1..
    (α-fusion generalised to k models: R keeps weight α, the others share 1 − α equally).
    If fewer than ``quorum`` sites (R included) contributed, the round aborts: no model is
    written, and what the peers released stays charged.
+5. **after fusion** (optional, local, nothing charged) — ``coordinator_free.repairing``:
+   candidate selection on public data, REPAIR on R's own records or probe set, fine-tuning
+   on R's own records; each stage stored beside the plain fusion.
 
 Failures. A peer that fails or times out is dropped at that step with a record (step, time,
 gRPC status, message, and whether the failed call was charged: "yes" when its signed receipt
@@ -121,6 +124,15 @@ class RoundConfig:
     call_timeout_s: float = 60.0
     out: Path = Path("rounds")
     label: str = ""
+    # after fusion, all local (see coordinator_free.repairing): nothing here is charged
+    records: Path | None = None
+    records_prepared: bool = False
+    repair: str = "off"
+    select_validation: Path | None = None
+    select_alphas: tuple[float, ...] = ()
+    finetune_epochs: int = 0
+    finetune_learning_rate: float = 1e-4
+    finetune_batch_size: int = 64
 
     KEYS = (
         "roster",
@@ -135,6 +147,10 @@ class RoundConfig:
         "features",
         "weights",
         "merge",
+        "records",
+        "repair",
+        "select",
+        "finetune",
     )
 
     @classmethod
@@ -147,7 +163,9 @@ class RoundConfig:
         m.known(["method", "epsilon", "delta"])
         positive = {"exclusive_minimum": 0.0, "maximum": 1000.0}
         delta = {"exclusive_minimum": 0.0, "maximum": 0.1}
+        after = _after_fusion(s, base)
         return cls(
+            **after,
             roster=s.path("roster", base),
             model=s.string("model"),
             alpha=s.number("alpha", 0.5, minimum=0.0, maximum=1.0),
@@ -173,7 +191,49 @@ class RoundConfig:
         """The configuration as JSON-ready data (for reports)."""
         out = asdict(self)
         out["roster"], out["out"] = str(self.roster), str(self.out)
+        for k in ("records", "select_validation"):
+            out[k] = None if out[k] is None else str(out[k])
         return out
+
+
+REPAIR_DATA = ("off", "own", "probe")
+
+
+def _after_fusion(s: Section, base: Path) -> dict:
+    """The local steps after fusion (``coordinator_free.repairing``), from ``[round.records]``,
+    ``[round.repair]``, ``[round.select]`` and ``[round.finetune]``; errors name key and line.
+
+    ``[round.records] path`` is the site's own labelled records (they never leave the site):
+    raw records prepared with the model's stored preprocessing, or — ``prepared = true`` — an
+    .npz of prepared arrays ``x``/``y``. ``[round.repair] data`` = "own" (REPAIR statistics on
+    those records), "probe" (on the public probe set) or "off" (default). ``[round.select]
+    validation`` is a PUBLIC labelled .npz (``x``/``y``, prepared) on which candidate fusions
+    (subsets of the contributions × ``alphas``) are compared; absent: every contribution is
+    kept at ``alpha``. ``[round.finetune] epochs`` (default 0: off), ``learning_rate``,
+    ``batch_size``: local training of the fused model on the own records."""
+    r, rep, sel, ft = s.section("records"), s.section("repair"), s.section("select"), s.section("finetune")
+    r.known(["path", "prepared"])
+    rep.known(["data"])
+    sel.known(["validation", "alphas"])
+    ft.known(["epochs", "learning_rate", "batch_size"])
+    out = {
+        "records": r.path("path", base, None),
+        "records_prepared": r.boolean("prepared", False),
+        "repair": rep.string("data", "off", choices=REPAIR_DATA),
+        "select_validation": sel.path("validation", base, None),
+        "select_alphas": tuple(sel.numbers("alphas", [], minimum=0.0, maximum=1.0)),
+        "finetune_epochs": ft.integer("epochs", 0, minimum=0, maximum=10_000),
+        "finetune_learning_rate": ft.number("learning_rate", 1e-4, exclusive_minimum=0.0, maximum=10.0),
+        "finetune_batch_size": ft.integer("batch_size", 64, minimum=1),
+    }
+    if out["records"] is None:
+        if out["repair"] == "own":
+            rep.fail("data", '"own" needs the site\'s own records: give [round.records] path')
+        if out["finetune_epochs"] > 0:
+            ft.fail("epochs", "fine-tuning needs the site's own records: give [round.records] path")
+    if "alphas" in sel and out["select_validation"] is None:
+        sel.fail("alphas", "candidate α values are compared on public data: give [round.select] validation")
+    return out
 
 
 # ---------------------------------------------------------------------------------- pure helpers

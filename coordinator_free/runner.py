@@ -17,15 +17,16 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator_free import repairing
 from coordinator_free.roster import Roster, RosterSite
 from coordinator_free.rounds import (
     CHARGED_STEPS,
@@ -64,6 +65,12 @@ class LocalSite:
     model: StoredModel
     probe: np.ndarray
     activation_clip: tuple[float, float] | None = None
+    # a site's own network (peer.nn.imported.ImportedModel): ``model`` then carries its public
+    # architecture and state; ``factory`` (site code, run only here) rebuilds the module; the
+    # fused model is written to ``own_store`` under the site's key names
+    own: Any = None
+    factory: Callable[[], Any] | None = None
+    own_store: Path | None = None
 
     @property
     def name(self) -> str:
@@ -79,6 +86,12 @@ class RoundResult:
     arrays: dict[str, np.ndarray] | None
     model_name: str | None = None
     report_path: Path | None = None
+    #: the fused model's later local stages ("selected", "repaired", "finetuned" → arrays)
+    stages: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    #: each contributor's aligned arrays as fused (in memory only: never written)
+    contributions: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    # a site's own network: the fused state before REPAIR (``arrays`` is after it); kept in memory
+    unrepaired: dict[str, np.ndarray] | None = None
 
 
 class _Failure:
@@ -103,6 +116,21 @@ def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
     identity = load_identity(cfg.identity)
     if identity.name != cfg.name:
         raise FailedPrecondition(f"site.name is {cfg.name!r} but the identity in {cfg.identity} is {identity.name!r}")
+    if cfg.own_models is not None and (cfg.own_models / f"{model}.json").is_file():
+        from peer.nn.imported import imported_architecture, load_factory, load_imported
+
+        own = load_imported(cfg.own_models, model)
+        site_dir = cfg.path.resolve().parent if cfg.path else cfg.own_models.parent
+        return LocalSite(
+            identity,
+            TrustStore(identity.trust_dir),
+            StoredModel(own.name, imported_architecture(own.structure), dict(own.arrays), dict(own.metadata)),
+            load_probe(cfg.probe),
+            cfg.activation_clip,
+            own=own,
+            factory=load_factory(own.factory, [site_dir]),
+            own_store=cfg.own_models,
+        )
     return LocalSite(
         identity,
         TrustStore(identity.trust_dir),
@@ -150,8 +178,18 @@ def _weight_boxes(arch: Mapping[str, Any], bound: float | None) -> dict[str, tup
 
 
 def _same_architecture(json_text: str, arch: Mapping[str, Any]) -> bool:
+    from peer.nn.imported import is_imported_architecture, structure_of, structure_sha256
+
     try:
-        return validate_architecture(json.loads(json_text)) == validate_architecture(arch)
+        theirs = json.loads(json_text)
+        if is_imported_architecture(arch) or is_imported_architecture(theirs):
+            # a site's own network: the same traced structure, digest for digest
+            return (
+                is_imported_architecture(arch)
+                and is_imported_architecture(theirs)
+                and structure_sha256(structure_of(theirs)) == structure_sha256(structure_of(arch))
+            )
+        return validate_architecture(theirs) == validate_architecture(arch)
     except (ValueError, InvalidArgument):
         return False
 
@@ -173,6 +211,83 @@ def choose_pool(info, wanted: str | None, arch: Mapping[str, Any], method: str) 
     if wanted is not None:
         return wanted if wanted in fits else None
     return fits[0] if fits else None
+
+
+@dataclass(frozen=True)
+class _OwnNetwork:
+    """The requester's own network in a round (``peer.nn.imported``): its structure, its module
+    (built by its own factory), the probe set shaped as its input. A peer's merged model is run
+    in *this* module class, never in code from the peer."""
+
+    local: LocalSite
+    structure: Any
+    module: Any
+    probe_x: Any
+
+    @classmethod
+    def of(cls, local: LocalSite, probe: np.ndarray) -> _OwnNetwork:
+        from peer.nn.imported import input_batch, module_from_arrays
+
+        structure = local.own.structure
+        module = module_from_arrays(local.factory, structure, local.own.arrays)
+        return cls(local, structure, module, input_batch(structure, probe))
+
+    def mismatch(self, info, wanted: str | None, method: str) -> str | None:
+        """Why the peer's pool (the roster's, else any of a site's own network offering
+        ``method``) is not our network, naming the first difference; None when it offers none."""
+        from peer.base.errors import FailedPrecondition
+        from peer.nn.imported import check_same_structure, is_imported_architecture
+
+        for pool in info.pools:
+            if (wanted is not None and pool.name != wanted) or method not in pool.methods:
+                continue
+            try:
+                theirs = json.loads(pool.architecture_json)
+            except ValueError:
+                continue
+            if not is_imported_architecture(theirs) and wanted is None:
+                continue
+            try:
+                check_same_structure(self.structure, theirs, f"pool {pool.name!r}")
+            except FailedPrecondition as e:
+                return str(e)
+        return None
+
+    def align(self, architecture, arrays, who: str) -> tuple[dict[str, np.ndarray], dict]:
+        """The received state dict aligned to ours (group matching on the probe set), after
+        checking that its structure digest is ours (FailedPrecondition naming the first
+        difference) and loading it, strictly, into our own module."""
+        from peer.ldp.pipeline import align_groups
+        from peer.nn.imported import check_same_structure, module_from_arrays
+
+        check_same_structure(self.structure, architecture, f"{who}'s merged model")
+        theirs = module_from_arrays(self.local.factory, self.structure, arrays)
+        alignment = align_groups(self.structure, self.module, theirs, self.probe_x)
+        state = {k: v.detach().numpy().copy() for k, v in theirs.state_dict().items()}
+        aligned = alignment.apply(self.structure, state)
+        # the permutations stay in the requester's own report
+        return aligned, {
+            "matcher": "group matching (activations on the probe set + weight matching)",
+            "permutations": {g: p.tolist() for g, p in alignment.permutations.items()},
+        }
+
+    def fuse(self, contributions, weights) -> tuple[dict, dict, dict]:
+        """(fused, fused + REPAIR, what REPAIR did): the weighted average of our state and the
+        aligned contributions, then REPAIR on the public probe set (a round has no records)."""
+        from peer.ldp.pipeline import average_states, repair_states
+        from peer.nn.imported import module_from_arrays
+
+        own_state = {k: v.detach().numpy().copy() for k, v in self.module.state_dict().items()}
+        fused = average_states(self.structure, [own_state, *contributions], weights)
+        endpoints = [self.module] + [module_from_arrays(self.local.factory, self.structure, c) for c in contributions]
+        fused_module = module_from_arrays(self.local.factory, self.structure, fused)
+        repaired = repair_states(self.structure, fused_module, endpoints, weights, self.probe_x)
+        report = {
+            "data": f"the public probe set ({int(self.probe_x.shape[0])} rows)",
+            "batchnorm_reset": [p.module for p in self.structure.stat_points if p.kind == "batchnorm"],
+            "renormalised": [p.module for p in self.structure.stat_points if p.kind == "affine"],
+        }
+        return fused, {k: v.detach().numpy().copy() for k, v in repaired.state_dict().items()}, report
 
 
 def _match_report(own: NetworkGraph, alignment: Alignment) -> dict:
@@ -213,11 +328,19 @@ def run_round(
     peers: list[RosterSite] = roster.peers_of(me)
     state = RoundState(round_id, me, [(p.name, p.address) for p in peers], config.quorum, on_event, stop=stop)
     started = now_rfc3339()
-    arch = validate_architecture(local.model.architecture)
     probe = np.asarray(local.probe)
     clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
-    own_graph = extract_graph(arch, local.model.module(), probe)
-    own_public = public_view(own_graph, clip, _weight_boxes(arch, config.weight_bound))
+    # the files of the local steps after fusion are read first: a bad one costs nobody budget
+    own = _OwnNetwork.of(local, probe) if local.own is not None else None
+    if own is not None:
+        arch = local.model.architecture
+        own_graph = own_public = None
+        local_data = None
+    else:
+        arch = validate_architecture(local.model.architecture)
+        local_data = repairing.load_local_data(config, local.model, probe) if repairing.enabled(config) else None
+        own_graph = extract_graph(arch, local.model.module(), probe)
+        own_public = public_view(own_graph, clip, _weight_boxes(arch, config.weight_bound))
     state.event(
         "started",
         label=config.label,
@@ -340,6 +463,18 @@ def run_round(
         )
         if r is _STOP or isinstance(r, _Failure):
             return r
+        if own is not None:
+            state.begin(p.name, "align")
+            try:
+                aligned, report = own.align(r.architecture, r.arrays, p.name)
+            except FailedPrecondition as e:
+                state.drop(p.name, "align", "FAILED_PRECONDITION", str(e), "n/a")
+                return _STOP
+            except (InvalidArgument, ValueError) as e:
+                state.drop(p.name, "align", "ALIGNMENT_FAILED", f"the merged model cannot be aligned: {e}", "n/a")
+                return _STOP
+            state.contributed(p.name, "merged", report)
+            return aligned
         try:
             module = model_from_arrays(arch, r.arrays)
             state.begin(p.name, "align")
@@ -361,6 +496,11 @@ def run_round(
             return None
         model = choose_model(info, p.model, arch, local.model.name)
         pool = choose_pool(info, p.pool, arch, config.merge_method) if config.method != "ldp" else None
+        if own is not None and pool is None and config.method != "ldp":
+            why = own.mismatch(info, p.pool, config.merge_method)
+            if why is not None:  # refused before anything is asked: nothing is charged
+                state.drop(p.name, "info", "FAILED_PRECONDITION", why, "n/a")
+                return None
         state.chose(p.name, model, pool)
         if config.method in ("merged", "auto") and pool is not None:
             r = merged(p, c, pool)
@@ -383,6 +523,17 @@ def run_round(
                 "info",
                 "FAILED_PRECONDITION",
                 f"{p.name!r} offers no pool of this architecture for {config.merge_method!r} merges",
+                "n/a",
+            )
+            return None
+        if own is not None:
+            # features + weights of a site's own network would be released per permutation-group
+            # element; not wired through the daemons yet: refused before anything is asked
+            state.drop(
+                p.name,
+                "info",
+                "FAILED_PRECONDITION",
+                "features over permutation groups are not released yet; use method merged",
                 "n/a",
             )
             return None
@@ -432,7 +583,7 @@ def run_round(
         for c in clients.values():
             c.close()
 
-    fused = None
+    fused = after = None
     if state.aborted is None and state.interrupted():
         state.aborted = (
             "interrupted: nothing more was requested, the releases in flight were waited for; "
@@ -445,9 +596,28 @@ def run_round(
         )
     contributors = [n for n in state.contributors() if n in contributions]
     weights = fusion_weights(config.alpha, len(contributors))
-    if state.aborted is None:
+    repaired = None
+    if state.aborted is None and own is not None:
+        fused, repaired, repair_report = own.fuse([contributions[n] for n in contributors], weights)
+        state.event("fused", step="fuse", contributors=contributors, weights=weights, repair=repair_report)
+    elif state.aborted is None:
         fused = average_arrays([local.model.arrays] + [contributions[n] for n in contributors], weights)
         state.event("fused", step="fuse", contributors=contributors, weights=weights)
+        if local_data is not None:
+            try:
+                after = repairing.after_fusion(
+                    arch,
+                    local.model.arrays,
+                    {n: contributions[n] for n in contributors},
+                    fused,
+                    config,
+                    local_data,
+                    seed=int(round_id[:8], 16),
+                )
+                state.event("after-fusion", step="fuse", stages=list(after.stages), adopt=after.report["adopt"])
+            except Exception as e:  # local steps only: the fused model (already paid for) is kept
+                after = repairing.AfterFusion(report={"error": f"{type(e).__name__}: {e}", "adopt": "fused"})
+                state.event("after-fusion", step="fuse", stages=[], adopt="fused", error=after.report["error"])
     elif state.interrupted():
         state.event("interrupted", step="fuse", reason=state.aborted)
     else:
@@ -472,17 +642,45 @@ def run_round(
         "releases": state.release_counts(),
         "events": state.events,
     }
-    result = RoundResult(round_id, report["status"], report["reason"], report, fused)
+    if after is not None:
+        report["after_fusion"] = after.report
+    if own is not None and fused is not None:
+        report["repair"] = repair_report
+        # the fused model as stored: repaired (BatchNorm statistics reset, affine units renormalised)
+        result = RoundResult(round_id, report["status"], report["reason"], report, repaired, unrepaired=fused)
+    else:
+        result = RoundResult(round_id, report["status"], report["reason"], report, fused)
+    result.contributions = {n: contributions[n] for n in contributors}
+    if after is not None:
+        result.stages = after.stages
     if write:
-        write_round(result, config.out, arch)
+        write_round(result, config.out, arch, own=local if own is not None else None)
     return result
 
 
-def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any]) -> None:
-    """The report as ``OUT/round-ID.json`` and the fused model in the store ``OUT/models``."""
+def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any], own: LocalSite | None = None) -> None:
+    """The report as ``OUT/round-ID.json`` and the fused model in the store ``OUT/models`` (a
+    site's own network: in its own store, ``own_models``, under its key names, so that
+    ``privfusion model export`` writes it for the site's own class)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if result.arrays is not None:
+    if result.arrays is not None and own is not None:
+        from peer.nn.imported import save_imported
+
+        name = f"{result.report['model']}-fused-{result.round_id[:12]}"
+        round_meta = {k: result.report[k] for k in ("round_id", "label", "site", "contributors", "weights", "charges")}
+        save_imported(
+            own.own_store,
+            name,
+            own.own.factory,
+            own.own.structure,
+            result.arrays,
+            metadata={"round": {**round_meta, "repair": result.report.get("repair")}},
+        )
+        result.model_name = name
+        result.report["fused_model"] = name
+        result.report["fused_store"] = str(own.own_store)
+    elif result.arrays is not None:
         name = f"{result.report['model']}-fused-{result.round_id[:12]}"
         save_model(
             out / "models",
@@ -497,8 +695,55 @@ def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any]) -> None
         )
         result.model_name = name
         result.report["fused_model"] = name
+        for stage, arrays in result.stages.items():
+            # e.g. mlp-repaired-ID: the same round, after the local steps (coordinator_free.repairing)
+            staged = f"{result.report['model']}-{stage}-{result.round_id[:12]}"
+            save_model(
+                out / "models",
+                staged,
+                arch,
+                arrays,
+                metadata={
+                    "round": {
+                        k: result.report[k] for k in ("round_id", "label", "site", "contributors", "weights", "charges")
+                    },
+                    "after_fusion": result.report["after_fusion"],
+                    "stage": stage,
+                },
+            )
+            result.report[f"{stage}_model"] = staged
+        adopt = result.report.get("after_fusion", {}).get("adopt")
+        if adopt is not None:
+            result.report["adopt_model"] = result.report["model"] if adopt == "own" else result.report[f"{adopt}_model"]
     path = out / f"round-{result.round_id}.json"
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(result.report, indent=2, sort_keys=True, default=str), encoding="utf-8")
     os.replace(tmp, path)
     result.report_path = path
+
+
+def run_rounds(
+    site_config: str | os.PathLike,
+    round_files: list[str | os.PathLike] | None = None,
+    on_event: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+) -> Iterator[tuple[RoundConfig, RoundResult]]:
+    """The rounds of ``privfusion round``: each file's ``[round]`` table (default: site.toml's),
+    run in sequence with this site's identity, trust store, model and probe set; yields each
+    round's config and result as it ends. Every file is read and checked before the first round
+    starts (a bad file fails before anything is requested). The caller decides what an
+    aborted or interrupted round means for the rest (the command stops after an interrupted
+    one); ``stop`` interrupts the round in progress (see :func:`run_round`)."""
+    from coordinator_free.iterate import IterateConfig, is_iterate_file, load_iterate_config, run_iterate
+
+    site = SiteConfig.load(site_config)
+    configs = [
+        load_iterate_config(f) if is_iterate_file(f) else load_round_config(f, site.activation_clip, site=site.name)
+        for f in round_files or [site_config]
+    ]
+    for cfg in configs:
+        if isinstance(cfg, IterateConfig):  # a multi-round peer-to-peer run (coordinator_free.iterate)
+            yield cfg, run_iterate(site_config, cfg, on_event=on_event, stop=stop)
+            continue
+        result = run_round(load_local_site(site_config, cfg.model), Roster.load(cfg.roster), cfg, on_event, stop=stop)
+        yield cfg, result

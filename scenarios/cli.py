@@ -6,6 +6,8 @@ split by a Dirichlet label skew). ``--scenario NAME`` picks another bundled one 
 ``hospitals-failure.toml``). Progress goes to stderr; the summary table to stdout; the report
 (report.md, report.json, plots) and every site's files (identity, models, ledger, logs) to DIR.
 ``privfusion demo site`` writes one scenario site's files, to run it elsewhere (docker compose).
+``privfusion simulate --baselines-only [--json]`` computes only the baselines on the scenario's
+split (central pooled training; DP-FedAvg when the scenario has ``[iterate]``) and prints them.
 
 The commands reach ``privfusion`` (``peer.cli.app``) through the entry-point group
 ``privfusion.commands`` (``simulate`` → :func:`register`, ``demo`` → :func:`register_demo`), so
@@ -27,10 +29,48 @@ def _simulate(args) -> int:
         raise InvalidArgument("--scenario", "give a scenario file or a bundled scenario's name, not both")
     path = args.scenario_file or (bundled_path(args.scenario) if args.scenario else None)
     scenario = load_scenario(path)
+    if args.baselines_only:
+        return _baselines(scenario, args)
+    if args.json:
+        from peer.base.errors import InvalidArgument
+
+        raise InvalidArgument("--json", "goes with --baselines-only (a simulation writes report.json into --out)")
+    if args.out is None:
+        from peer.base.errors import InvalidArgument
+
+        raise InvalidArgument("--out", "is required (a new directory for the report), unless --baselines-only")
     require("matplotlib", "plots", "privfusion simulate (the report's plots)")  # before the run, not after it
     report = simulate(scenario, args.out)
     print(summary_table(report))
-    print(f"\nreport: {args.out}/report.md (and report.json, accuracy.png, frontier.png, budget.png)")
+    if report.get("baselines"):
+        from scenarios.report import comparison_table
+
+        print("\n" + comparison_table(report))
+    from scenarios.report import iterate_table
+
+    if iterate_table(report):
+        print("\n" + iterate_table(report))
+    print(f"\nreport: {args.out}/report.md (and report.json, {', '.join(report['plots'])})")
+    return 0
+
+
+def _baselines(scenario, args) -> int:
+    """Only the baselines (``scenarios.baselines``) on the scenario's split: no daemons, no files."""
+    import json
+
+    from scenarios.baselines import dp_fedavg_summary, scenario_baselines
+    from scenarios.simulate import Progress, split_data
+
+    if args.out is not None:
+        from peer.base.errors import InvalidArgument
+
+        raise InvalidArgument("--out", "writes a simulation's report; --baselines-only writes nothing (use --json)")
+    progress = Progress()
+    if scenario.iterate is None:
+        progress("the scenario has no [iterate] table: central pooled training only (DP-FedAvg needs [iterate])")
+    data = split_data(scenario)
+    out = scenario_baselines(scenario, data.architecture, data.parts, data.x_test, data.y_test, progress)
+    print(json.dumps(out, indent=2, sort_keys=True) if args.json else dp_fedavg_summary(out))
     return 0
 
 
@@ -86,7 +126,14 @@ def register(subparsers) -> None:
         "scenario_file", nargs="?", metavar="SCENARIO.toml", help="scenario file (default: the bundled hospitals.toml)"
     )
     p.add_argument("--scenario", choices=BUNDLED, help="a bundled scenario by name")
-    p.add_argument("--out", required=True, metavar="DIR", help="new directory for the report and the sites' files")
+    p.add_argument("--out", metavar="DIR", help="new directory for the report and the sites' files (required)")
+    p.add_argument(
+        "--baselines-only",
+        action="store_true",
+        help="compute only the baselines on the scenario's split (central pooled; DP-FedAvg with [iterate]) "
+        "and print them: no daemons, no files",
+    )
+    p.add_argument("--json", action="store_true", help="with --baselines-only: print the baselines as JSON")
     p.set_defaults(func=_simulate)
 
 

@@ -45,6 +45,33 @@ def spent(ledger: dict, level: str) -> dict:
     }
 
 
+def central_pooled_accuracy(report: dict) -> float | None:
+    """The NON-PRIVATE ceiling, when the report has the central pooled baseline (one model
+    trained on every site's records together; mean over its seeds)."""
+    c = (report.get("baselines") or {}).get("central_pooled")
+    return None if not c else c.get("accuracy_mean")
+
+
+def after_fusion_columns(site: dict, ldp: str | None, merged: str | None, central: float | None) -> dict:
+    """A site's rows after the local steps of its rounds: + REPAIR (after candidate selection on
+    public data) and + fine-tuning, for the LDP and the merge round; central pooled, and the
+    distance of the merge round's repaired model to it."""
+
+    def get(label: str | None, stage: str) -> float | None:
+        return site["rounds"][label].get(f"accuracy_{stage}") if label else None
+
+    out = {
+        "ldp_repaired": get(ldp, "repaired"),
+        "ldp_finetuned": get(ldp, "finetuned"),
+        "merged_repaired": get(merged, "repaired"),
+        "merged_finetuned": get(merged, "finetuned"),
+        "central": central,
+    }
+    base = out["merged_repaired"] if out["merged_repaired"] is not None else out["ldp_repaired"]
+    out["to_central"] = None if base is None or central is None else base - central
+    return out
+
+
 def summary_rows(report: dict) -> list[dict]:
     plan = report["plan"]
     main_ldp = next((p["label"] for p in plan if p["method"] == "ldp" and p["scale"] == 1.0), None)
@@ -68,6 +95,7 @@ def summary_rows(report: dict) -> list[dict]:
                 "ldp": s["rounds"][main_ldp]["accuracy"] if main_ldp else None,
                 "merged": s["rounds"][merged]["accuracy"] if merged else None,
                 "oracle": s["oracle"]["accuracy"],
+                **after_fusion_columns(s, main_ldp, merged, central_pooled_accuracy(report)),
                 "model_eps": model["epsilon_filter"],
                 "model_eps_sum": model["epsilon_sum"],
                 "model_releases": model["releases"],
@@ -86,8 +114,14 @@ def summary_table(report: dict) -> str:
         "records",
         "own",
         "fused (LDP)",
+        "+repair",
+        "+FT",
         "fused (merge)",
+        "+repair",
+        "+FT",
         ORACLE,
+        "central pooled",
+        "Δ central",
         "model ε spent (filter/Σ, n)",
         "data ε spent (n)",
         "notes",
@@ -100,8 +134,14 @@ def summary_table(report: dict) -> str:
                 str(r["records"]),
                 _fmt(r["own"]),
                 _fmt(r["ldp"]),
+                _fmt(r["ldp_repaired"]),
+                _fmt(r["ldp_finetuned"]),
                 _fmt(r["merged"]),
+                _fmt(r["merged_repaired"]),
+                _fmt(r["merged_finetuned"]),
                 _fmt(r["oracle"]),
+                _fmt(r["central"]),
+                _fmt(r["to_central"], "+.3f"),
                 f"{_fmt(r['model_eps'], '.4g')} / {_fmt(r['model_eps_sum'], '.4g')} ({r['model_releases']})",
                 f"{_fmt(r['data_eps'], '.4g')} ({r['data_releases']})",
                 r["notes"],
@@ -115,6 +155,55 @@ def summary_table(report: dict) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
 
+def iterate_table(report: dict) -> str:
+    """Per site, multi-round peer-to-peer DP training (``[iterate]``): rounds done, final test
+    accuracy, ε spent by the ledger's filter and by PLD (both from the ledger file), σ, bytes
+    sent and received. Empty when the scenario has no ``[iterate]``."""
+    rows = [(n, s["iterate"]) for n, s in report["sites"].items() if "iterate" in s]
+    if not rows:
+        return ""
+    head = [
+        "site",
+        "rounds",
+        "final acc",
+        "ε filter",
+        "ε PLD",
+        "ε limit",
+        "σ",
+        "charges",
+        "served again",
+        "sent",
+        "received",
+    ]
+    lines = []
+    for name, it in rows:
+        led = it.get("ledger", {})
+        lines.append(
+            [
+                name,
+                f"{it.get('rounds_done', 0)} ({it['status']})",
+                _fmt(it["final_accuracy"]),
+                _fmt(led.get("epsilon_filter"), ".4g"),
+                _fmt(led.get("epsilon_pld"), ".4g"),
+                _fmt(led.get("epsilon_limit"), "g"),
+                _fmt(it.get("noise_multiplier"), ".4g"),
+                str(led.get("charges", "-")),
+                str(led.get("served_again", "-")),
+                f"{(it.get('bytes_sent') or 0) / 1e6:.2f} MB",
+                f"{(it.get('bytes_received') or 0) / 1e6:.2f} MB",
+            ]
+        )
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    accs = [it["final_accuracy"] for _, it in rows if it["final_accuracy"] is not None]
+    mean = f"mean final accuracy {sum(accs) / len(accs):.4f}" if accs else "no site finished"
+    title = "multi-round peer-to-peer DP training (iterate; ε from each site's run ledger)"
+    return "\n".join([title, fmt(head), fmt(["-" * w for w in widths]), *(fmt(line) for line in lines), mean])
+
+
 # ------------------------------------------------------------------------------------- plots
 
 
@@ -126,7 +215,9 @@ def plot_accuracy(report: dict, path: Path) -> None:
         ("own model", "own"),
         ("fused, LDP features + PFA weights", "ldp"),
         ("fused, DP merges", "merged"),
+        ("fused, DP merges + REPAIR", "merged_repaired"),
         ("ORACLE: exact-feature matching (non-private)", "oracle"),
+        ("central pooled (non-private)", "central"),
     ]
     series = [(label, k) for label, k in series if any(r[k] is not None for r in rows)]
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(rows)), 4))
@@ -138,7 +229,7 @@ def plot_accuracy(report: dict, path: Path) -> None:
             [r[key] if r[key] is not None else 0 for r in rows],
             width,
             label=label,
-            hatch="//" if key == "oracle" else None,
+            hatch="//" if key in ("oracle", "central") else None,
         )
     ax.set_xticks(range(len(rows)), [r["site"] for r in rows])
     ax.set_ylabel("test accuracy")
@@ -253,6 +344,277 @@ def plot_budget(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------- baselines
+
+
+def _mean(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _p2p_bytes(it: dict) -> float:
+    return float(sum((r.get("bytes_sent") or 0) + (r.get("bytes_received") or 0) for r in it.get("rounds", [])))
+
+
+def comparison_rows(report: dict) -> list[dict]:
+    """One row per way of training, mean over sites: own, one-shot fusion (the plan's main ldp
+    and merged rounds), multi-round peer-to-peer (when sites report ``iterate``), DP-FedAvg at each
+    calibration, the non-private oracle and central pooled training (from ``report["baselines"]``).
+
+    ``accuracy_std`` is over baseline seeds (DP-FedAvg, central pooled); ``low``/``high`` over
+    sites. ε is per training record at every site (data level): filter and PLD figures."""
+    sites = report["sites"]
+    rows: list[dict] = []
+
+    def row(method, accs, std=None, eps_filter=None, eps_pld=None, rounds=None, nbytes=None, note=""):
+        accs = [a for a in accs if a is not None]
+        rows.append(
+            {
+                "method": method,
+                "accuracy": _mean(accs),
+                "accuracy_std": std,
+                "low": min(accs) if accs else None,
+                "high": max(accs) if accs else None,
+                "epsilon_filter": eps_filter,
+                "epsilon_pld": eps_pld,
+                "rounds": rounds,
+                "bytes_per_site": nbytes,
+                "note": note,
+            }
+        )
+
+    row(
+        "own model (local only)",
+        [s["own_accuracy"] for s in sites.values()],
+        eps_filter=0.0,
+        note="non-private, no exchange",
+    )
+    plan = report["plan"]
+    main_ldp = next((p["label"] for p in plan if p["method"] == "ldp" and p["scale"] == 1.0), None)
+    merged = next((p["label"] for p in plan if p["method"] == "merged"), None)
+    if main_ldp:
+        row(
+            f"one-shot fusion, LDP (`{main_ldp}`)",
+            [s["rounds"][main_ldp]["accuracy"] for s in sites.values()],
+            rounds=1,
+            note="model-level ε per neuron (see Budgets), not per record",
+        )
+    if merged:
+        data = [spent(report["ledgers"][n], "data")["epsilon_filter"] for n in sites]
+        row(
+            f"one-shot fusion, DP merges (`{merged}`)",
+            [s["rounds"][merged]["accuracy"] for s in sites.values()],
+            eps_filter=max(data) if data else None,
+            rounds=1,
+            note="ε: the busiest site's data-level ledger figure, every data-level release it made",
+        )
+    its = [s["iterate"] for s in sites.values() if s.get("iterate")]
+    if its:
+        row(
+            "multi-round peer-to-peer",
+            [it.get("final_accuracy") for it in its],
+            eps_filter=max((it.get("epsilon_filter") or 0.0) for it in its),
+            eps_pld=max((it.get("epsilon_pld") or 0.0) for it in its),
+            rounds=max(len(it.get("rounds", [])) for it in its),
+            nbytes=_mean([_p2p_bytes(it) for it in its]),
+            note="ε: the largest site ledger's figures",
+        )
+    b = report.get("baselines") or {}
+    fa = b.get("dp_fedavg")
+    if fa:
+        for figure, run in fa["calibrations"].items():
+            row(
+                f"DP-FedAvg, σ by {figure} (σ={run['noise_multiplier']:.3g})",
+                [run["final_accuracy_mean"]] * len(sites),
+                std=run["final_accuracy_std"],
+                eps_filter=run["epsilon_spent"]["filter"],
+                eps_pld=run["epsilon_spent"]["pld"],
+                rounds=fa["rounds"],
+                nbytes=run["bytes_per_site"]["total"],
+                note=f"central server; RDP ε {run['epsilon_spent']['rdp']:.3g}; {len(run['seeds'])} seeds",
+            )
+    row(ORACLE, [s["oracle"]["accuracy"] for s in sites.values()], note="exact-feature matching, simulator only")
+    c = b.get("central_pooled")
+    if c:
+        row(
+            "central pooled (non-private)",
+            [c["accuracy_mean"]] * len(sites),
+            std=c["accuracy_std"],
+            note=f"all {c['records']} records in one place; {len(c['seeds'])} seeds",
+        )
+    return rows
+
+
+def comparison_table(report: dict) -> str:
+    """The comparison of every way of training, as text (what ``privfusion simulate`` prints)."""
+    head = [
+        "method",
+        "accuracy",
+        "± seeds",
+        "sites min–max",
+        "ε/record filter",
+        "ε/record PLD",
+        "rounds",
+        "bytes/site",
+        "note",
+    ]
+    lines = [
+        [
+            r["method"],
+            _fmt(r["accuracy"]),
+            _fmt(r["accuracy_std"]),
+            f"{_fmt(r['low'])}–{_fmt(r['high'])}",
+            _fmt(r["epsilon_filter"], ".3g"),
+            _fmt(r["epsilon_pld"], ".3g"),
+            _fmt(r["rounds"], "d"),
+            _fmt(r["bytes_per_site"], ",.0f"),
+            r["note"],
+        ]
+        for r in comparison_rows(report)
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
+
+
+def baselines_markdown(report: dict) -> list[str]:
+    """The report's "Baselines" section (empty without baselines)."""
+    b = report.get("baselines")
+    if not b:
+        return []
+    lines = ["## Baselines and comparison", "", "```", comparison_table(report), "```", ""]
+    c = b.get("central_pooled")
+    if c:
+        hp = c["hyperparameters"]
+        lines.append(
+            f"- **central pooled (NON-PRIVATE)**: the sites' architecture trained on all {c['records']} protected records "
+            f"pooled ({hp['epochs']} epochs, batch {hp['batch_size']}, Adam lr {hp['learning_rate']:g}, the `[model]` "
+            f"hyperparameters): {c['accuracy_mean']:.3f} ± {c['accuracy_std']:.3f} over seeds {c['seeds']} — the "
+            "ceiling no fusion can honestly beat."
+        )
+    fa = b.get("dp_fedavg")
+    if fa:
+        lines.append(
+            f"- **DP-FedAvg** (simulated by the simulator, central server): {fa['rounds']} rounds; in each, every site "
+            f"runs {fa['local_steps']} full-batch DP-GD steps (clip {fa['clip_norm']:g}, lr {fa['learning_rate']:g}, "
+            f"{fa['adjacency']}) from the server model, which averages the results weighted by record counts. Every "
+            f"site spends ε = {fa['epsilon']:g} per record at δ = {fa['delta']:g} by the calibration's figure; σ is "
+            f"calibrated by RDP (what an Opacus / dp-accounting user reports) and by the ledger's RDP filter (what a "
+            f"site that charges its ledger can spend). Accountant: {fa['accountant']}. Noise: fixed seeds (simulation)."
+        )
+        lines += [
+            "",
+            "| calibration | σ | ε filter | ε RDP | ε PLD | accuracy (mean ± std over seeds) | per seed | bytes per site |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for figure, run in fa["calibrations"].items():
+            e = run["epsilon_spent"]
+            seeds = ", ".join(f"{v:.3f}" for v in run["final_accuracy_per_seed"].values())
+            lines.append(
+                f"| {figure} | {run['noise_multiplier']:.4g} | {e['filter']:.3f} | {e['rdp']:.3f} | {e['pld']:.3f} | "
+                f"{run['final_accuracy_mean']:.3f} ± {run['final_accuracy_std']:.3f} | {seeds} | "
+                f"{run['bytes_per_site']['total']:,} ({run['bytes_per_site']['rule']}) |"
+            )
+    if any(s.get("iterate") for s in report["sites"].values()):
+        lines += [
+            "",
+            "| site | P2P rounds | P2P final accuracy | ε filter | ε PLD | bytes sent | bytes received |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, s in report["sites"].items():
+            it = s.get("iterate")
+            if not it:
+                continue
+            rs = it.get("rounds", [])
+            lines.append(
+                f"| {name} | {len(rs)} | {_fmt(it.get('final_accuracy'))} | {_fmt(it.get('epsilon_filter'), '.3f')} | "
+                f"{_fmt(it.get('epsilon_pld'), '.3f')} | {sum(r.get('bytes_sent') or 0 for r in rs):,} | "
+                f"{sum(r.get('bytes_received') or 0 for r in rs):,} |"
+            )
+    if "baselines.png" in report.get("plots", []):
+        lines += ["", "![baselines](baselines.png)"]
+    return [*lines, ""]
+
+
+def _p2p_curve(report: dict) -> list[tuple[int, float, float | None, float | None]]:
+    """(round, mean accuracy, mean ε filter, mean ε PLD) over the sites that report the round."""
+    by_round: dict[int, list[dict]] = {}
+    for s in report["sites"].values():
+        for r in (s.get("iterate") or {}).get("rounds", []):
+            if r.get("accuracy") is not None:
+                by_round.setdefault(int(r["round"]), []).append(r)
+    return [
+        (
+            k,
+            _mean([r["accuracy"] for r in rs]),
+            _mean([r.get("epsilon_filter") for r in rs]),
+            _mean([r.get("epsilon_pld") for r in rs]),
+        )
+        for k, rs in sorted(by_round.items())
+    ]
+
+
+def plot_baselines(report: dict, path: Path) -> None:
+    """Accuracy against rounds and against ε spent per record: DP-FedAvg at each calibration
+    (mean ± std over seeds) and multi-round peer-to-peer (mean over sites, when present), with
+    the own-model, oracle and central pooled levels. ε: solid = filter, dotted = PLD."""
+    plt = pyplot("the simulator's plots")
+    import numpy as np
+
+    b = report.get("baselines") or {}
+    fa = b.get("dp_fedavg")
+    sites = report["sites"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colours = {"rdp": "C0", "filter": "C2"}
+    if fa:
+        for figure, run in fa["calibrations"].items():
+            pr = run["per_round"]
+            rs = np.array([p["round"] for p in pr])
+            m = np.array([p["accuracy_mean"] for p in pr])
+            sd = np.array([p["accuracy_std"] for p in pr])
+            label = f"DP-FedAvg, σ by {figure} ({len(run['seeds'])} seeds)"
+            col = colours.get(figure)
+            left.plot(rs, m, color=col, label=label)
+            left.fill_between(rs, m - sd, m + sd, color=col, alpha=0.2)
+            right.plot([p["epsilon_filter"] for p in pr], m, color=col, label=label + ", ε filter")
+            right.plot([p["epsilon_pld"] for p in pr], m, color=col, ls=":", label=label + ", ε PLD")
+    p2p = _p2p_curve(report)
+    if p2p:
+        left.plot(
+            [r for r, *_ in p2p],
+            [a for _, a, *_ in p2p],
+            color="C1",
+            marker=".",
+            label="peer-to-peer (mean over sites)",
+        )
+        pts = [(e, a) for _, a, e, _ in p2p if e is not None]
+        right.plot([e for e, _ in pts], [a for _, a in pts], color="C1", marker=".", label="peer-to-peer, ε filter")
+        pts = [(e, a) for _, a, _, e in p2p if e is not None]
+        right.plot([e for e, _ in pts], [a for _, a in pts], color="C1", ls=":", label="peer-to-peer, ε PLD")
+    levels = [("mean own model", _mean([s["own_accuracy"] for s in sites.values()]), "k", "--")]
+    levels.append((f"mean {ORACLE}", _mean([s["oracle"]["accuracy"] for s in sites.values()]), "C3", ":"))
+    if b.get("central_pooled"):
+        levels.append(("central pooled (non-private)", b["central_pooled"]["accuracy_mean"], "C4", "-."))
+    for label, y, col, ls in levels:
+        if y is not None:
+            for ax in (left, right):
+                ax.axhline(y, color=col, ls=ls, lw=1, label=label if ax is left else None)
+    left.set_xlabel("round")
+    left.set_ylabel("test accuracy")
+    left.set_title("accuracy against rounds")
+    right.set_xlabel("ε per training record spent by each site (δ fixed)")
+    right.set_title("accuracy against ε spent")
+    left.legend(fontsize=7, loc="lower right")
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------------------- markdown
 
 
@@ -286,6 +648,14 @@ def markdown(report: dict) -> str:
         f"fused with α={r['alpha']:g} (own) and (1−α)/k for each of the k peers.",
         f"- **fused (merge)**: peers answered with an {r['merge_method'].upper()} merge of their DP-SGD pool at "
         f"(ε′={r['merge_epsilon']:g}, δ′={r['merge_delta']:g}) per training record; aligned locally and fused the same way.",
+        "- **+repair**, **+FT**: the same round after its local steps at the requester (nothing charged, nothing "
+        "sent): candidate fusions (subsets of the contributions × α) compared on the PUBLIC validation set, the best "
+        f"repaired by REPAIR on the site's `{r.get('repair', 'off')}` data (each hidden unit's mean/std reset to the "
+        "fusion-weighted mix of the endpoints' statistics), then fine-tuned on the site's own records "
+        f"({r.get('finetune_epochs', 0)} epochs). Each round report says which peers it kept, the α and the stage to "
+        "adopt.",
+        "- **central pooled (non-private)**: one model trained on every site's records together — the ceiling no "
+        "fusion can honestly beat (— when the report has no baselines); **Δ central**: fused (merge) + repair minus it.",
         "- **ORACLE (non-private)**: the same fusion aligned by graph matching on every model's EXACT features, "
         "computed by the simulator, which holds every exact model. No site could compute it; it is the ceiling the "
         "private fusion is measured against.",
@@ -317,17 +687,24 @@ def markdown(report: dict) -> str:
                 if rr["status"] != "fused":
                     lines.append(f"- {name}, round `{label}`: {rr['status']} — {rr.get('reason', '')}")
         lines.append("")
+    lines += baselines_markdown(report)
     lines += [
         "## Rounds",
         "",
-        "| site | round | status | contributors | accuracy | dropped |",
-        "|---|---|---|---|---|---|",
+        "| site | round | status | contributors | accuracy | + repair | + FT | kept (α) | adopt | dropped |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["sites"].items():
         for label, rr in s["rounds"].items():
             drops = ", ".join(f"{d['peer']}@{d['step']}" for d in rr.get("dropped") or []) or "—"
             contribs = ", ".join(f"{p} ({m})" for p, m in (rr.get("methods") or {}).items()) or "—"
-            lines.append(f"| {name} | {label} | {rr['status']} | {contribs} | {_fmt(rr['accuracy'])} | {drops} |")
+            af = rr.get("after_fusion") or {}
+            kept = f"{', '.join(af['kept'])} ({af['alpha']:g})" if af.get("kept") else "all"
+            lines.append(
+                f"| {name} | {label} | {rr['status']} | {contribs} | {_fmt(rr['accuracy'])} | "
+                f"{_fmt(rr.get('accuracy_repaired'))} | {_fmt(rr.get('accuracy_finetuned'))} | {kept} | "
+                f"{af.get('adopt') or '—'} | {drops} |"
+            )
     lines += [
         "",
         "## Budgets (from each site's ledger)",
@@ -360,6 +737,9 @@ def markdown(report: dict) -> str:
             f"requesters, missing from the ledger: {len(c['receipts_missing_from_ledger'])}; entries without a "
             f"reported receipt: {extra}"
         )
+    table = iterate_table(report)
+    if table:
+        lines += ["", "## Multi-round peer-to-peer DP training", "", "```", table, "```"]
     t = report["timings"]
     lines += [
         "",
@@ -385,5 +765,8 @@ def write_report(report: dict, out: Path) -> None:
     plot_frontier(report, out / "frontier.png")
     plot_budget(report, out / "budget.png")
     report["plots"] = ["accuracy.png", "frontier.png", "budget.png"]
+    if report.get("baselines"):
+        plot_baselines(report, out / "baselines.png")
+        report["plots"].append("baselines.png")
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str), encoding="utf-8")
     (out / "report.md").write_text(markdown(report), encoding="utf-8")

@@ -85,6 +85,11 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     adjacency = "add-remove"
     init_seed = 11              # PUBLIC seed of the shared initial model (no coordinator draws it)
     baseline_seeds = [0, 1, 2]  # seeds of the simulator's DP-FedAvg baseline runs
+    ledger_orders = "planned"   # Rényi orders of the ledger each site creates for the run:
+                                # "default" (the filter's 20 orders: δ split 20 ways), "planned"
+                                # (the one order that suits the planned run, chosen from its public
+                                # plan: peer.budget.calibration.planned_orders), or a list of orders
+                                # [default: "default"]
 
     [failure]                   # optional: kill one site mid-round
     site = "hospital-c"
@@ -173,6 +178,15 @@ class RoundSpec:
     frontier: tuple[float, ...] = (0.25, 4.0, 16.0)
     call_timeout_s: float = 60.0
     health_timeout_s: float = 2.0
+    # after fusion, at each requester (coordinator_free.repairing): REPAIR on "own" records /
+    # "probe" / "off"; candidate fusions compared on the PUBLIC validation set (subsets of the
+    # contributions × the site's α and select_alphas), unless select = false; fine-tuning on the
+    # site's own records for finetune_epochs (0: off)
+    repair: str = "own"
+    select: bool = True
+    select_alphas: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8)
+    finetune_epochs: int = 5
+    finetune_learning_rate: float = 1e-4
 
 
 @dataclass(frozen=True)
@@ -186,6 +200,7 @@ class IterateSpec:
     adjacency: str = "add-remove"
     init_seed: int = 11
     baseline_seeds: tuple[int, ...] = (0, 1, 2)
+    ledger_orders: str | tuple[float, ...] = "default"
 
 
 @dataclass(frozen=True)
@@ -269,6 +284,19 @@ def _records(d: Section, base: Path) -> dict[str, Any]:
         "impute": d.boolean("impute", False),
         "unseen": d.string("unseen", "refuse", choices=("refuse", "zeros")),
     }
+
+
+def _ledger_orders(it: Section) -> str | tuple[float, ...]:
+    """``[iterate] ledger_orders``: "default", "planned" or a list of Rényi orders."""
+    v = it.raw("ledger_orders", IterateSpec.ledger_orders)
+    if isinstance(v, str):
+        return it.string("ledger_orders", IterateSpec.ledger_orders, choices=("default", "planned"))
+    from peer.budget.filter import validate_orders
+
+    try:
+        return validate_orders(v if isinstance(v, list) else [v], "iterate.ledger_orders")
+    except InvalidArgument as e:
+        it.fail("ledger_orders", f'must be "default", "planned" or a list of orders: {e.rule}')
 
 
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
@@ -375,6 +403,13 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         frontier=tuple(r.numbers("frontier", list(RoundSpec.frontier), min_length=0, exclusive_minimum=0.0)),
         call_timeout_s=r.number("call_timeout_s", RoundSpec.call_timeout_s, exclusive_minimum=0.0, maximum=3600.0),
         health_timeout_s=r.number("health_timeout_s", RoundSpec.health_timeout_s, exclusive_minimum=0.0, maximum=60.0),
+        repair=r.string("repair", RoundSpec.repair, choices=("own", "probe", "off")),
+        select=r.boolean("select", RoundSpec.select),
+        select_alphas=tuple(r.numbers("select_alphas", list(RoundSpec.select_alphas), minimum=0.0, maximum=1.0)),
+        finetune_epochs=r.integer("finetune_epochs", RoundSpec.finetune_epochs, minimum=0, maximum=1000),
+        finetune_learning_rate=r.number(
+            "finetune_learning_rate", RoundSpec.finetune_learning_rate, exclusive_minimum=0.0, maximum=10.0
+        ),
     )
     if "merged" in rnd.methods and pool is None:
         r.fail(
@@ -432,6 +467,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             adjacency=it.string("adjacency", IterateSpec.adjacency, choices=("add-remove", "replace-one")),
             init_seed=it.integer("init_seed", IterateSpec.init_seed, minimum=0),
             baseline_seeds=tuple(seeds),
+            ledger_orders=_ledger_orders(it),
         )
 
     return Scenario(

@@ -15,10 +15,15 @@ Everything a real deployment does happens for real, on loopback:
    release record — a simulation option, never production);
 3. **daemons** — each site's ``privfusion peer serve`` in its own process, on a free port,
    mutual TLS with the pinned certificates; a roster of all sites is written;
-4. **rounds** — every site runs ``privfusion round`` (its own process, its own identity) for
-   each round of the plan, all sites at once; their events stream back as progress. The
-   failure scenario SIGKILLs one site (daemon and round) once its ledger holds a given number
-   of charges;
+4. **rounds** — every site runs the rounds of the plan, all sites at once, with its own
+   identity, trust store, model and probe set (its site.toml); their events stream back as
+   progress. They run here, in the simulate process, one thread per site (``RoundThread``):
+   the same ``coordinator_free.runner.run_rounds`` as the ``privfusion round`` command, every
+   call still a mutual-TLS call to a peer's daemon, without one more process per site that
+   would load torch, gRPC and NumPy again (~330 MB resident each: at 12 sites, 4 GB). The
+   failure scenario SIGKILLs one site, daemon and round, once its ledger holds a given number
+   of charges: that site's rounds run as the ``privfusion round`` command in a process of its
+   own (``RoundProcess``), which is what a SIGKILL can take down;
 5. **evaluation** — own, privately fused and merged-fused models on the test set, and the
    non-private ORACLE (graph matching on exact features, computed here with every site's
    exact model — no real site could), with the same contributors and weights;
@@ -28,6 +33,8 @@ Everything a real deployment does happens for real, on loopback:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -214,7 +221,21 @@ def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float
         f"epsilon = {r.merge_epsilon!r}",
         f"delta = {r.merge_delta!r}",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _after_fusion_toml(sc, s)) + "\n"
+
+
+def _after_fusion_toml(sc: Scenario, s: SiteWorld) -> list[str]:
+    """The round's local steps after fusion (coordinator_free.repairing): the site's own records
+    (``records.npz`` in its own directory: they never leave it), REPAIR, candidate selection on
+    the PUBLIC validation set, fine-tuning."""
+    r = sc.round
+    lines = ["", "[round.records]", 'path = "records.npz"', "prepared = true"]
+    lines += ["", "[round.repair]", f'data = "{r.repair}"']
+    if r.select:
+        alphas = ", ".join(repr(a) for a in dict.fromkeys((s.alpha, *r.select_alphas)))
+        lines += ["", "[round.select]", 'validation = "validation.npz"', f"alphas = [{alphas}]"]
+    lines += ["", "[round.finetune]", f"epochs = {r.finetune_epochs}", f"learning_rate = {r.finetune_learning_rate!r}"]
+    return lines
 
 
 @dataclass(frozen=True)
@@ -345,6 +366,8 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> Sit
             data.preprocessing,
         )
         save_file({"x": s.probe}, str(root / "probe.safetensors"))
+        # the site's own prepared records, for its rounds' REPAIR and fine-tuning (never sent)
+        np.savez(root / "records.npz", x=x, y=y)
         np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
         if sc.pool is not None:
             s.pool = _train_pool(sc, s, data.x_public, data.y_public, data.x_test, data.y_test, data.preprocessing)
@@ -381,7 +404,7 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
 def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None) -> list[dict]:
     from peer.base.rng import make_randomness
     from peer.dp.accounting import TrainingRecord
-    from peer.dp.pools import save_trained
+    from peer.dp.pools import load_pool, save_trained, warm_pool_profiles
     from peer.dp.training import train_pool
     from peer.nn.architectures import accuracy, model_from_arrays
 
@@ -419,6 +442,12 @@ def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, prepro
                 "accuracy": accuracy(s.architecture, module, x_test, y_test),
             }
         )
+    # The pool's privacy profiles (T-step PLD and RDP compositions) into the pool's profile
+    # cache, as its daemon would build them at start-up: built here, one site after another,
+    # rather than by every daemon at once (each would hold ~70 MB of composition buffers at
+    # its peak for it). The daemon reads them back, checked against each model's record.
+    with contextlib.suppress(InvalidArgument):  # a pool RS cannot account: each request says why
+        warm_pool_profiles(load_pool(s.root / "pool"), s.root / "pool")
     return out
 
 
@@ -527,6 +556,9 @@ class RoundProcess:
             self.events.append(e)
             on_event(e)
 
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.killed_at = _now()
@@ -537,6 +569,75 @@ class RoundProcess:
         self._reader.join(10)
         self.log.close()
         return code
+
+
+class RoundThread:
+    """One site's rounds run in this (the simulator's) process, on a thread: the same
+    ``coordinator_free.runner.run_rounds`` that ``privfusion round`` runs, with the site's own
+    site.toml — its identity, trust store, model and probe set — and round files, so every
+    call is still a mutual-TLS call between two sites. Why not a process per site: each
+    would import torch, gRPC and NumPy again (about 330 MB resident apiece; twelve sites
+    need twelve), while this process has them already. The command itself stays covered by
+    the failure scenario's victim (below) and by the round tests.
+
+    ``kill`` cannot SIGKILL a thread: it interrupts the rounds as SIGTERM would the command
+    (nothing more is requested, the report says ``interrupted``); the exit code is the one the
+    command would have (0 every round fused, 3 one did not, 143 interrupted, 2 refused input,
+    1 any other error — its traceback in the site's rounds.log)."""
+
+    def __init__(self, site: SiteWorld, round_files: list[Path], on_event: Callable[[dict], None]):
+        self.site = site
+        self.events: list[dict] = []
+        self.killed_at: str | None = None
+        self.code: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(round_files, on_event), name=f"rounds-{site.name}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, round_files: list[Path], on_event: Callable[[dict], None]) -> None:
+        import traceback
+
+        from coordinator_free.runner import run_rounds
+        from peer.base.errors import PrivFusionError
+
+        def emit(e: dict) -> None:
+            e = json.loads(json.dumps(e, sort_keys=True, default=str))  # as the command prints it
+            self.events.append(e)
+            on_event(e)
+
+        code = 0
+        try:
+            for _, result in run_rounds(self.site.config, round_files, emit, self._stop):
+                if result.status == "interrupted":
+                    code = 128 + signal.SIGTERM
+                    break
+                if result.status != "fused":
+                    code = 3
+        except PrivFusionError as e:
+            code = 2
+            self._log(f"privfusion round: error: {e}\n")
+        except Exception:
+            code = 1
+            self._log(traceback.format_exc())
+        self.code = code
+
+    def _log(self, text: str) -> None:
+        with open(self.site.root / "rounds.log", "a", encoding="utf-8") as f:
+            f.write(text)
+
+    def poll(self) -> int | None:
+        return None if self._thread.is_alive() else self.code
+
+    def kill(self) -> None:
+        if self._thread.is_alive():
+            self.killed_at = _now()
+            self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._thread.join(timeout)
+        return self.code
 
 
 def _ledger_count(path: Path) -> int:
@@ -557,19 +658,33 @@ def _ledger_count(path: Path) -> int:
 def run_sites(world: World, progress: Progress) -> dict:
     """Start every daemon, write the roster, run every site's rounds at once, stop the daemons.
     Returns what happened to processes (kills, exit codes)."""
+    import torch
+
     from coordinator_free.events import QUIET, describe
 
     sc = world.scenario
+    # The sites' rounds share this process (RoundThread): one torch thread each, as a round
+    # process has (OMP_NUM_THREADS=1); the ops are small and the cores are few.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # and glibc's arenas capped at two, as a daemon's are: by default each of the rounds' ~100
+    # threads that allocates while another holds the heap gets an arena that keeps what it
+    # freed (measured at 12 sites: the simulate process's peak 723 → 628 MiB); for the rest of
+    # this process, as glibc has no way back
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX (malloc.h)
     daemons: dict[str, Daemon] = {}
-    rounds: dict[str, RoundProcess] = {}
+    rounds: dict[str, RoundProcess | RoundThread] = {}
     failure: dict[str, Any] = {}
     try:
         t0 = time.monotonic()
         for s in world.sites.values():
             daemons[s.name] = Daemon(s)
+        # all start at once and share the cores: a start-up takes ~5 s of CPU (imports, pools)
+        ready_s = 60.0 + 15.0 * len(daemons)
         for name, d in daemons.items():
             progress(
-                f"{name}: daemon serving on {d.wait_ready()} (pid {d.proc.pid}, mutual TLS, ledger {d.site.ledger.name})"
+                f"{name}: daemon serving on {d.wait_ready(ready_s)} (pid {d.proc.pid}, mutual TLS, ledger {d.site.ledger.name})"
             )
         world.timings["daemons_start_s"] = time.monotonic() - t0
         roster = world.out / "roster.toml"
@@ -582,18 +697,19 @@ def run_sites(world: World, progress: Progress) -> dict:
                 progress(describe(e))
 
         t0 = time.monotonic()
+        victim = sc.failure.site if sc.failure is not None else None
         for s in world.sites.values():
             files = []
             for label, method, scale in world.plan:
                 f = s.root / f"round-{label}.toml"
                 f.write_text(round_toml(sc, s, label, method, scale, roster.resolve()), encoding="utf-8")
                 files.append(f)
-            rounds[s.name] = RoundProcess(s, files, on_event)
+            # a SIGKILL must take the victim's rounds down with its daemon: a process of its own
+            rounds[s.name] = (RoundProcess if s.name == victim else RoundThread)(s, files, on_event)
         progress(f"every site started its rounds ({', '.join(label for label, _, _ in world.plan)}) at once")
 
         if sc.failure is not None:
-            victim = sc.failure.site
-            while rounds[victim].proc.poll() is None:
+            while rounds[victim].poll() is None:
                 if _ledger_count(world.sites[victim].ledger) >= sc.failure.after_releases:
                     daemons[victim].kill()
                     rounds[victim].kill()
@@ -620,13 +736,14 @@ def run_sites(world: World, progress: Progress) -> dict:
         world.timings["rounds_s"] = time.monotonic() - t0
     finally:
         for r in rounds.values():
-            if r.proc.poll() is None:
+            if r.poll() is None:
                 r.kill()
                 r.wait()
         for d in daemons.values():
             d.terminate()
         for d in daemons.values():
             d.stop()
+        torch.set_num_threads(torch_threads)
     return {"exit_codes": codes, "failure": failure, "addresses": {n: d.address for n, d in daemons.items()}}
 
 
@@ -654,6 +771,32 @@ def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> f
         aligned.append(align(arch, own, g, other.arrays)[0])
     fused = average_arrays([site.arrays, *aligned], fusion_weights(site.alpha, len(aligned)))
     return accuracy(arch, model_from_arrays(arch, fused), world.x_test, world.y_test)
+
+
+def after_fusion_accuracies(world: World, site: SiteWorld, r: dict) -> dict:
+    """Test accuracy of each local stage after fusion the round saved (``selected``,
+    ``repaired``, ``finetuned``) and what the round did (kept peers, α, adopted stage)."""
+    from peer.nn.store import load_model
+
+    out: dict[str, Any] = {}
+    for stage in ("selected", "repaired", "finetuned"):
+        name = r.get(f"{stage}_model")
+        m = load_model(site.root / "rounds" / "models", name) if name else None
+        out[f"accuracy_{stage}"] = (
+            None if m is None else accuracy(site.architecture, m.module(), world.x_test, world.y_test)
+        )
+    a = r.get("after_fusion") or {}
+    sel = a.get("select") or {}
+    out["after_fusion"] = {
+        "repair": (a.get("repair") or {}).get("data", "off"),
+        "kept": sel.get("kept"),
+        "dropped": sel.get("dropped"),
+        "alpha": sel.get("alpha"),
+        "finetune_epochs": (a.get("finetune") or {}).get("epochs", 0),
+        "adopt": a.get("adopt"),
+        "error": a.get("error"),
+    }
+    return out
 
 
 def evaluate(world: World) -> dict[str, dict]:
@@ -695,6 +838,7 @@ def evaluate(world: World) -> dict[str, dict]:
                 "finished_at": r["finished_at"],
                 "released_epsilon_per_peer": released_epsilon(world.scenario, scale) if method == "ldp" else None,
                 "methods": {p: v["method"] for p, v in r["peers"].items() if v["state"] == "contributed"},
+                **after_fusion_accuracies(world, s, r),
             }
         main = next((rounds[label] for label, m, sc in world.plan if m == "ldp" and sc == 1.0), None)
         contributors = (
@@ -775,6 +919,20 @@ def reconcile(world: World, evaluation: dict, ledgers: dict) -> dict[str, dict]:
     return out
 
 
+def run_baselines(world: World, progress: Progress) -> dict:
+    """Central pooled training always, DP-FedAvg when the scenario has ``[iterate]``
+    (``scenarios.baselines``), on the sites' own split and the same test set."""
+    from scenarios.baselines import scenario_baselines
+
+    t0 = time.monotonic()
+    sites = [world.sites[s.name] for s in world.scenario.sites]
+    out = scenario_baselines(
+        world.scenario, sites[0].architecture, [(s.x, s.y) for s in sites], world.x_test, world.y_test, progress
+    )
+    world.timings["baselines_s"] = time.monotonic() - t0
+    return out
+
+
 def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = None) -> dict:
     """Run a scenario end to end and write its report into ``out``; returns the report."""
     from scenarios.report import write_report
@@ -790,11 +948,24 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     world = prepare(sc, out, progress)
     world.timings["prepare_s"] = time.monotonic() - t0
     processes = run_sites(world, progress)
+    # the iterate run's daemons and loops are processes of their own: they run while the
+    # rounds above are evaluated here
+    iterate = None
+    if sc.iterate is not None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=1)
+        iterate = pool.submit(run_iterate_sites, world, progress)
+        pool.shutdown(wait=False)
     t0 = time.monotonic()
     progress("evaluating models and the non-private oracle; reading every ledger")
     evaluation = evaluate(world)
     ledgers = read_ledgers(world)
     world.timings["evaluate_s"] = time.monotonic() - t0
+    baselines = run_baselines(world, progress)
+    if iterate is not None:
+        for name, it in evaluate_iterate(world, iterate.result()).items():
+            evaluation[name]["iterate"] = it
     world.timings["total_s"] = time.monotonic() - started
     report = {
         "scenario": sc.to_dict(),
@@ -802,6 +973,7 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
         "sites": evaluation,
         "ledgers": ledgers,
         "reconciliation": reconcile(world, evaluation, ledgers),
+        "baselines": baselines,
         "failure": processes["failure"],
         "round_exit_codes": processes["exit_codes"],
         "addresses": processes["addresses"],
@@ -811,3 +983,208 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     }
     write_report(report, out)
     return report
+
+
+# ------------------------------------------------------------------------------------- iterate
+#
+# Multi-round peer-to-peer DP training (``coordinator_free.iterate``), run after the rounds
+# above as a deployment of its own: every site gets a fresh ledger whose data budget is the
+# run's (ε, δ) per record (``[iterate]``), so that the run is measured at the same per-record
+# cost as the DP-FedAvg baseline and its ledger holds nothing else; the site's identity, model
+# store and probe set are the ones above. Its records are written into its own directory (they
+# never leave it: the daemon serves only the charged segments).
+
+
+def iterate_orders(sc: Scenario) -> tuple[float, ...]:
+    """The Rényi orders of the run's ledgers (``[iterate] ledger_orders``)."""
+    from peer.budget.calibration import planned_orders
+    from peer.budget.filter import FILTER_ORDERS
+
+    it = sc.iterate
+    if it.ledger_orders == "default":
+        return FILTER_ORDERS
+    if it.ledger_orders == "planned":
+        return planned_orders(it.epsilon, it.delta, it.rounds * it.local_steps, adjacency=it.adjacency)
+    return tuple(it.ledger_orders)
+
+
+def iterate_site_toml(sc: Scenario, s: SiteWorld) -> str:
+    """site.toml of a site's iterate deployment (``SITE/iterate/``): the site's identity, models
+    and probe set, a fresh ledger with the run's data budget, segments allowed to every peer."""
+    it = sc.iterate
+    orders = ", ".join(repr(float(o)) for o in iterate_orders(sc))
+    lines = [
+        "[site]",
+        f'name = "{s.name}"',
+        'listen = "127.0.0.1:0"',
+        'identity = "../identity"',
+        'models = "../models"',
+        'ledger = "ledger.sqlite"',
+        'probe = "../probe.safetensors"',
+        "workers = 16",
+        "shutdown_grace_s = 5",
+        f"seed = {s.seed}",
+        "",
+        "[policy]",
+        'show_remaining = "own"',
+        f"orders = [{orders}]",
+        "",
+        "[policy.data]",
+        f'unit = "record:{it.adjacency}"',
+        f"epsilon = {it.epsilon!r}",
+        f"delta = {it.delta!r}",
+        "",
+        '[policy.peers."*"]',
+        'allow = ["segment", "ledger"]',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def iterate_round_toml(sc: Scenario, roster: Path) -> str:
+    it = sc.iterate
+    lines = [
+        "[round]",
+        f'roster = "{roster}"',
+        f'model = "{MODEL}"',
+        'method = "iterate"',
+        'out = "rounds"',
+        f"call_timeout_s = {sc.round.call_timeout_s!r}",
+        "",
+        "[round.iterate]",
+        'records = "records.npz"',
+        'run = "iterate"',
+        f"rounds = {it.rounds}",
+        f"local_steps = {it.local_steps}",
+        f"learning_rate = {it.learning_rate!r}",
+        f"clip_norm = {it.clip_norm!r}",
+        f"epsilon = {it.epsilon!r}",
+        f"delta = {it.delta!r}",
+        f'adjacency = "{it.adjacency}"',
+        f"init_seed = {it.init_seed}",
+        "wait_s = 30.0",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
+    """Every site's iterate daemon and loop (its own processes), all at once; the sites'
+    iterate worlds (``SITE/iterate/``)."""
+    import dataclasses
+
+    from coordinator_free.iterate import describe as describe_iterate
+
+    sc = world.scenario
+    sites = {n: dataclasses.replace(s, root=s.root / "iterate") for n, s in world.sites.items()}
+    for s in sites.values():
+        s.root.mkdir(parents=True, exist_ok=True)
+        np.savez(s.root / "records.npz", x=s.x, y=s.y)  # the site's own records, in its own directory
+        s.config.write_text(iterate_site_toml(sc, s), encoding="utf-8")
+    daemons: dict[str, Daemon] = {}
+    loops: dict[str, RoundProcess] = {}
+    try:
+        t0 = time.monotonic()
+        for s in sites.values():
+            daemons[s.name] = Daemon(s)
+        for d in daemons.values():
+            d.wait_ready()
+        roster = world.out / "roster-iterate.toml"
+        write_roster(
+            roster,
+            [(n, d.address, str((world.sites[n].identity / "site.crt").resolve())) for n, d in daemons.items()],
+        )
+
+        def on_event(e: dict) -> None:
+            line = describe_iterate(e) if str(e.get("event", "")).startswith("iterate-") else None
+            if line:
+                progress(line)
+
+        for s in sites.values():
+            f = s.root / "round-iterate.toml"
+            f.write_text(iterate_round_toml(sc, roster.resolve()), encoding="utf-8")
+            loops[s.name] = RoundProcess(s, [f], on_event)
+        it = sc.iterate
+        progress(
+            f"iterate: every site runs {it.rounds} rounds × {it.local_steps} DP-GD steps at ε = {it.epsilon:g} "
+            f"(δ = {it.delta:g}) per record, ledger orders {list(iterate_orders(sc))}"
+        )
+        for n, r in loops.items():
+            sites[n].exit_code = r.wait()
+        world.timings["iterate_s"] = time.monotonic() - t0
+    finally:
+        for r in loops.values():
+            if r.proc.poll() is None:
+                r.kill()
+                r.wait()
+        for d in daemons.values():
+            d.terminate()
+        for d in daemons.values():
+            d.stop()
+    return sites
+
+
+def evaluate_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[str, dict]:
+    """Per site: each round's fused model on the test set, ε spent by round (the ledger's
+    filter and the PLD of the steps so far), bytes, contributors; and the ledger's own figures
+    read back from the file after the run (filter and PLD of every charged segment)."""
+    from peer.budget.ledger import Ledger
+    from peer.nn.store import load_model
+
+    out = {}
+    for name, s in sites.items():
+        path = s.root / "rounds" / "iterate.json"
+        if not path.exists():
+            out[name] = {
+                "status": "missing",
+                "reason": f"no report (exit code {getattr(s, 'exit_code', None)}; see {s.root / 'rounds.log'})",
+                "rounds": [],
+                "final_accuracy": None,
+                "epsilon_filter": None,
+                "epsilon_pld": None,
+            }
+            continue
+        rep = json.loads(path.read_text())
+        rounds = []
+        for r in rep["rounds"]:
+            m = load_model(s.root / "rounds" / "models", r["model"])
+            acc = accuracy(s.architecture, model_from_arrays(s.architecture, m.arrays), world.x_test, world.y_test)
+            rounds.append(
+                {
+                    "round": r["round"],
+                    "accuracy": acc,
+                    "epsilon_filter": r["epsilon_filter"],
+                    "epsilon_pld": r["epsilon_pld"],
+                    "bytes_sent": r["bytes_sent"],
+                    "bytes_received": r["bytes_received"],
+                    "contributors": r["contributors"],
+                    "staleness": {p: v["staleness"] for p, v in r["peers"].items() if v.get("staleness") is not None},
+                }
+            )
+        ledger = Ledger(s.ledger)  # read-only, verified at open
+        try:
+            data = [b for b in ledger.budget_states(pld=True) if b.key.level == "data"]
+            charges = len(ledger.entries())
+            served = len(ledger.served_again())
+        finally:
+            ledger.close()
+        out[name] = {
+            "status": rep["status"],
+            "reason": rep["reason"],
+            "rounds": rounds,
+            "rounds_done": rep["rounds_done"],
+            "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
+            "epsilon_filter": rep["epsilon_filter"],
+            "epsilon_pld": rep["epsilon_pld"],
+            "noise_multiplier": rep["noise_multiplier"],
+            "ledger_orders": rep["plan"]["ledger_orders"],
+            "bytes_sent": rep["bytes_sent"],
+            "bytes_received": rep["bytes_received"],
+            "exit_code": getattr(s, "exit_code", None),
+            "ledger": {
+                "charges": charges,
+                "served_again": served,
+                "epsilon_limit": data[0].epsilon_limit if data else None,
+                "epsilon_filter": data[0].spent_epsilon if data else None,
+                "epsilon_pld": data[0].pld_epsilon if data else None,
+            },
+        }
+    return out

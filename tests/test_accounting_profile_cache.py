@@ -234,3 +234,42 @@ def test_pool_warm_up_writes_beside_the_pool_and_a_restart_reads_it(tmp_path):
     assert _derived_profile.cache_info().currsize == 0
     for a, b in zip(first, again, strict=True):
         assert_same_privacy(b, a)
+
+
+def _nudge_deltas(factor):
+    def change(entry):
+        entry["deltas_at_check_epsilons"] = [[d * factor for d in ds] for ds in entry["deltas_at_check_epsilons"]]
+
+    return change
+
+
+def test_recorded_deltas_are_checked_up_to_rounding_only(tmp_path):
+    """The δ recomputed at load may differ in their last bits (another BLAS thread count sums the
+    dot products in another order): 1e-12 relative is accepted, 1e-6 is not."""
+    pc.cached_profile(POISSON, tmp_path)
+    _rewrite(tmp_path, None, _nudge_deltas(1 + 1e-12))
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is not None
+    _rewrite(tmp_path, None, _nudge_deltas(1 + 1e-6))
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+
+
+def test_an_entry_written_with_other_blas_threads_is_read(tmp_path):
+    """A daemon runs with one BLAS thread; a cache written by a process with several is still its
+    cache (and the other way round)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    for writer, reader in ((None, 1), (1, None)):
+        forget_profiles()
+        d = tmp_path / f"w{writer}-r{reader}"
+        with threadpoolctl.threadpool_limits(writer):
+            pc.cached_profile(POISSON, d)
+        with threadpoolctl.threadpool_limits(reader):
+            assert pc.load_entry(d, POISSON, "add-remove", ORDERS, INTERVAL) is not None
+
+
+def test_a_profile_seen_before_is_still_written_beside_each_pool(tmp_path):
+    """Two pools trained with the same record (sites of one simulation): the second directory
+    gets its entry too, although the profile came from memory."""
+    first = pc.cached_profile(POISSON, tmp_path / "a")
+    again = pc.cached_profile(POISSON, tmp_path / "b")
+    assert again is first and _derived_profile.cache_info().currsize == 1
+    assert pc.load_entry(tmp_path / "b", POISSON, "add-remove", ORDERS, INTERVAL) is not None

@@ -46,7 +46,7 @@ def store_files(site):
     return sorted((site.root / "ledger.releases").glob("*.safetensors"))
 
 
-def test_a_merge_asked_again_is_served_from_the_store_without_a_charge(sites):
+def test_a_merge_asked_again_is_served_from_the_store_without_a_charge(sites, capsys):
     a, b, c = sites
     with running(a) as (_, address):
         with client(b, address, peer="site-a") as cb:
@@ -83,6 +83,13 @@ def test_a_merge_asked_again_is_served_from_the_store_without_a_charge(sites):
         with pytest.raises(FailedPrecondition):
             led.cancel(first.receipt.record.release_id, "test")
     assert len(store_files(a)) == 2
+    # what a site's operator reads: `privfusion ledger show` counts the releases served again
+    from peer.cli import main
+
+    assert main(["ledger", "show", "--db", str(a.ledger), "--no-pld"]) == 0
+    text = capsys.readouterr().out
+    assert "2 release(s) served again at no charge" in text
+    assert text.count(f"entry {first.receipt.ledger_entry_id} again to site-") == 2
 
 
 def test_a_tampered_store_entry_is_refused_and_never_served(sites):

@@ -72,6 +72,11 @@ def test_cli_trains_a_pool_and_merges_it(tmp_path, capsys):
     eps = {m["name"]: m["epsilon"]["pld"] for m in summary["models"]}
     assert eps["a"] > eps["b"]
     target = 0.5 * (eps["a"] + eps["b"])
+    # `pool train` built the pool's privacy profiles and cached them beside the pool, so a daemon
+    # loading it (and its first merge) reads them instead of composing the steps again
+    from peer.dp.pools import profile_cache_directory
+
+    assert len(list(profile_cache_directory(pool_dir).glob("*.npz"))) == 2
 
     pool = {m.name: m for m in load_pool(pool_dir)}
     for method in ("lc", "rs"):

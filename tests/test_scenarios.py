@@ -71,6 +71,8 @@ def test_tiny_scenario_defaults_and_overrides():
     assert [s.name for s in sc.sites] == ["site-a", "site-b", "site-c"]
     assert sc.sites[1].alpha == 0.7 and sc.sites[0].alpha is None
     assert sc.pool is None and sc.round.quorum == 2 and sc.model.hidden == (8,)
+    # the steps after fusion are on by default in simulations
+    assert (sc.round.repair, sc.round.select, sc.round.finetune_epochs) == ("own", True, 5)
 
 
 def _replace(old: str, new: str) -> str:
@@ -100,6 +102,8 @@ def _line_of(text: str, fragment: str) -> int:
             "activation_epsilon = 0",
         ),
         (_replace("frontier = []", "frontier = [100.0]"), "round.frontier", "frontier = [100.0]"),
+        (_replace("frontier = []", 'frontier = []\nrepair = "all"'), "round.repair", 'repair = "all"'),
+        (_replace("frontier = []", "frontier = []\nfinetune_epochs = -2"), "round.finetune_epochs", "finetune_epochs"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_key_and_line(text, key, fragment):
@@ -156,7 +160,7 @@ def check_report_against_ledgers(out: Path, report: dict) -> None:
 
 
 def test_tiny_simulation_end_to_end(tmp_path):
-    from scenarios.report import summary_table
+    from scenarios.report import summary_rows, summary_table
     from scenarios.simulate import Progress, simulate
 
     lines = []
@@ -173,14 +177,56 @@ def test_tiny_simulation_end_to_end(tmp_path):
         # every other site asked this one for features and weights
         assert report["ledgers"][name]["entries"] and len(report["ledgers"][name]["entries"]) == 4
     assert report["sites"]["site-b"]["rounds"]["ldp"]["weights"]["site-b"] == 0.7
+    assert report["round_exit_codes"] == {n: 0 for n in report["sites"]}  # as `privfusion round` exits
     check_report_against_ledgers(out, report)
     # every release was fixed-seed noise (a simulation option) and says so
     rec = json.loads(json.dumps(report["ledgers"]["site-a"]["entries"][0]))
     assert rec["mechanism"] == "composite"
     table = summary_table(report)
     assert "oracle (non-private)" in table and "site-b" in table
+    # after fusion (local, nothing charged — the ledgers above hold only features and weights):
+    # REPAIR on each site's own records after selection on the public set, then fine-tuning
+    for name, s in report["sites"].items():
+        r = s["rounds"]["ldp"]
+        assert 0.0 <= r["accuracy_repaired"] <= 1.0 and 0.0 <= r["accuracy_finetuned"] <= 1.0
+        af = r["after_fusion"]
+        assert af["repair"] == "own" and af["finetune_epochs"] == 5 and af["error"] is None
+        assert sorted(af["kept"] + af["dropped"]) == sorted(r["contributors"])
+        assert (out / "sites" / name / "records.npz").is_file()  # the site's records stay in its directory
+    for head in ("+repair", "+FT", "central pooled", "Δ central"):
+        assert head in table
+    rows = summary_rows(report)
+    # central pooled training is always computed (the non-private ceiling); the distance to it
+    central = report["baselines"]["central_pooled"]["accuracy_mean"]
+    assert all(r["central"] == central for r in rows)
+    for r in rows:
+        base = r["merged_repaired"] if r["merged_repaired"] is not None else r["ldp_repaired"]
+        assert r["to_central"] == pytest.approx(base - central)
+    with_central = {**report, "baselines": {"central_pooled": {"accuracy_mean": 0.95}}}
+    for r in summary_rows(with_central):
+        assert r["central"] == 0.95 and r["to_central"] == pytest.approx(r["ldp_repaired"] - 0.95)
     assert any("daemon serving" in line for line in lines) and any("fused with" in line for line in lines)
     assert "ORACLE (non-private)" in (out / "report.md").read_text()
+
+
+def test_a_round_thread_refusing_its_round_file_exits_as_the_command_would(tmp_path):
+    """The simulator runs a site's rounds on a thread of its own process (RoundThread): a round
+    file it refuses ends them with the command's status 2 and the reason, naming the file, in
+    the site's rounds.log, before anything is requested."""
+    import numpy as np
+
+    from scenarios.simulate import RoundThread, SiteWorld, site_toml
+
+    sc = parse_scenario(TINY, "tiny.toml")
+    empty = np.zeros((1, 1), dtype=np.float32)
+    site = SiteWorld("site-a", tmp_path, 1, 0.5, empty, np.zeros(1), empty, {}, {})
+    site.config.write_text(site_toml(sc, site), encoding="utf-8")
+    bad = tmp_path / "round-ldp.toml"
+    bad.write_text("[round]\nalpha = 0.5\n", encoding="utf-8")  # no roster, no model
+    events = []
+    thread = RoundThread(site, [bad], events.append)
+    assert thread.wait(60) == 2 and thread.poll() == 2
+    assert events == [] and str(bad) in (tmp_path / "rounds.log").read_text()
 
 
 @pytest.mark.slow

@@ -24,12 +24,13 @@ the feasible end), so the figure of the returned σ is ≤ ε.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
-from peer.budget.filter import FILTER_ORDERS, FilterBudget
+from peer.budget.filter import FILTER_ORDERS, FilterBudget, conversion_offset
 from peer.dp.accounting.conversions import gdp_mu, rdp_to_epsilon
 from peer.dp.accounting.rdp import rdp_subsampled_gaussian
 from peer.dp.accounting.training_records import check_adjacency
@@ -49,8 +50,10 @@ def run_epsilon(
     adjacency: str = "add-remove",
     figure: str = "filter",
     pld_interval: float = 1e-4,
+    orders: Sequence[float] = FILTER_ORDERS,
 ) -> float:
-    """ε at ``delta`` of ``steps`` DP-SGD steps with this noise multiplier, by ``figure``."""
+    """ε at ``delta`` of ``steps`` DP-SGD steps with this noise multiplier, by ``figure``
+    (``orders``: the filter's Rényi orders, for ``figure="filter"`` only)."""
     if figure not in FIGURES:
         raise InvalidArgument("figure", f"must be one of {list(FIGURES)}, got {figure!r}")
     if not (isinstance(steps, int) and steps >= 1):
@@ -63,8 +66,8 @@ def run_epsilon(
     if not (0 < q <= 1):
         raise InvalidArgument("sample_rate", f"must be in (0, 1], got {sample_rate!r}")
     if figure == "filter":
-        budget = FilterBudget(1.0, delta, FILTER_ORDERS)
-        rdp = steps * rdp_subsampled_gaussian(sigma, q, FILTER_ORDERS, adjacency)
+        budget = FilterBudget(1.0, delta, tuple(orders))
+        rdp = steps * rdp_subsampled_gaussian(sigma, q, budget.orders, adjacency)
         eps, _ = budget.spent_epsilon(rdp, math.inf)
         return eps
     if figure == "rdp":
@@ -87,6 +90,7 @@ def noise_multiplier_for(
     adjacency: str = "add-remove",
     figure: str = "filter",
     rtol: float = 1e-6,
+    orders: Sequence[float] = FILTER_ORDERS,
 ) -> float:
     """The smallest σ (to ``rtol``, rounded up) with ``run_epsilon(σ, …) ≤ epsilon``."""
     epsilon = check_epsilon(epsilon)
@@ -96,7 +100,10 @@ def noise_multiplier_for(
         return (2.0 if adjacency == "replace-one" else 1.0) * math.sqrt(steps) / gdp_mu(epsilon, delta) * (1 + 1e-12)
 
     def fits(sigma: float) -> bool:
-        return run_epsilon(sigma, steps, delta, sample_rate=sample_rate, adjacency=adjacency, figure=figure) <= epsilon
+        return (
+            run_epsilon(sigma, steps, delta, sample_rate=sample_rate, adjacency=adjacency, figure=figure, orders=orders)
+            <= epsilon
+        )
 
     lo, hi = 1e-3, 1.0
     while not fits(hi):
@@ -110,3 +117,34 @@ def noise_multiplier_for(
         else:
             lo = mid
     return float(np.nextafter(hi, math.inf))
+
+
+def planned_orders(
+    epsilon: float,
+    delta: float,
+    steps: int,
+    *,
+    sample_rate: float = 1.0,
+    adjacency: str = "add-remove",
+    candidates: Sequence[float] = RDP_ORDERS,
+) -> tuple[float, ...]:
+    """The one Rényi order (among ``candidates`` > 1.01) at which a ledger's filter needs the
+    least noise for a planned run of ``steps`` DP-SGD steps at (ε, δ): a ledger created with
+    these orders holds the whole δ at that order (no union-bound split, see
+    ``peer.budget.filter``), so the run's σ is the plain RDP figure at that order.
+
+    Legitimate only for a ledger created for that run: the orders are fixed before any release
+    and depend only on the run's public plan (ε, δ, steps, q, adjacency), never on data. Such a
+    ledger admits other releases only as far as they fit at that one order."""
+    epsilon = check_epsilon(epsilon)
+    delta = check_delta(delta)
+    check_adjacency(adjacency)
+    usable = [float(o) for o in candidates if o > 1.01]
+    if not usable:
+        raise InvalidArgument("candidates", "must hold at least one order > 1.01")
+    # ε(σ) at order α is increasing in the RDP, so the order needing the least σ is the one
+    # with the smallest ε at a fixed reference σ; one σ near the answer (the RDP figure) decides it.
+    sigma = noise_multiplier_for(epsilon, delta, steps, sample_rate=sample_rate, adjacency=adjacency, figure="rdp")
+    rdp = steps * rdp_subsampled_gaussian(sigma, float(sample_rate), usable, adjacency)
+    eps = np.asarray(rdp) + conversion_offset(usable, delta)
+    return (usable[int(np.argmin(eps))],)

@@ -30,8 +30,11 @@ Schema (every key optional; defaults in brackets)::
     fuse = 4.0
 
     [policy.peers."hospital-b"]        # what this peer may ask for [nothing]
-    allow = ["features", "weights", "merge", "fuse", "ledger"]
+    allow = ["features", "weights", "merge", "fuse", "ledger", "segment"]
     show_remaining = "all"             # overrides policy.show_remaining for this peer
+                                       # ("segment": the site's published DP-SGD segments of a
+                                       # multi-round run, coordinator_free.iterate; charged once
+                                       # when published, never on request)
     [policy.peers."*"]                 # any other pinned peer
     allow = ["features"]
 
@@ -60,7 +63,7 @@ from peer.base.config import ConfigError, Section, parse_toml
 from peer.base.errors import InvalidArgument, PermissionDenied
 from peer.budget.filter import FILTER_ORDERS, FilterBudget, validate_orders
 
-KINDS = ("features", "weights", "merge", "fuse", "ledger")
+KINDS = ("features", "weights", "merge", "fuse", "ledger", "segment")
 CAPPED_KINDS = ("features", "weights", "merge", "fuse")
 SHOW = ("none", "own", "all")
 DATA_UNITS = ("record:add-remove", "record:replace-one")

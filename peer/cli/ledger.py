@@ -74,6 +74,19 @@ def run_show(args: argparse.Namespace) -> int:
             f"{e['entry_id']:>5} {e['charged_at']:27} {e['release_id'][:32]:32} {e['mechanism']:10} {e['level']:6} "
             f"{e['unit']:18} {e['counterparty'][:14]:14} {e['subject'][:14]:14} {e['epsilon']:>8.4g} {e['delta']:>8.2g}"
         )
+    cancelled, served = summary.get("cancelled", []), summary.get("served_again", [])
+    if cancelled:
+        print()
+        print(f"{len(cancelled)} charge(s) cancelled (their releases never left; not in any budget's sums):")
+        for c in cancelled:
+            print(f"  entry {c['entry_id']} ({c['counterparty']}) at {c['at']}: {c['reason']}")
+    print()
+    print(
+        f"{len(served)} release(s) served again at no charge (identical bytes of an earlier data-level "
+        f"release; post-processing, never added to a budget)"
+    )
+    for r in served:
+        print(f"  {r['at']}: entry {r['entry_id']} again to {r['counterparty']}")
     return 0
 
 

@@ -6,10 +6,12 @@ network in and out of its store.
     privfusion model export --site DIR --model NAME --format pt|safetensors --out FILE
 
 The store is ``DIR/own_models``: kept apart from ``DIR/models``, the directory of built-in
-architectures a daemon loads and serves at start (the service cannot serve a site's own network
-yet, and a daemon finding one there would refuse to start). The factory is the
-site's code and runs here only: ``MODULE`` is importable from DIR or the current path, or is a
-``FILE.py``. Import refuses a model whose permutation structure cannot be derived or proven,
+architectures. A daemon serving DIR/site.toml lists these networks in GetPeerInfo (their traced
+structure and its digest, no code) and serves DP pools trained from them (``privfusion pool
+train --from-model NAME``); a round's fused model of one is written back here under the site's
+key names. The factory is the site's code and runs at this site only: ``MODULE`` is importable
+from DIR or the current path, or is a ``FILE.py`` (stored as an absolute path, so that the
+daemon, started from elsewhere, runs the same file). Import refuses a model whose permutation structure cannot be derived or proven,
 naming the node or group at fault.
 """
 
@@ -52,6 +54,7 @@ def import_command(args: argparse.Namespace) -> int:
         load_factory,
         load_site_state,
         read_weights,
+        resolve_factory,
     )
 
     with torch_threads(1):
@@ -62,7 +65,7 @@ def import_command(args: argparse.Namespace) -> int:
             args.name,
             module,
             _input_shape(args, module),
-            factory=args.factory,
+            factory=resolve_factory(args.factory),
             metadata={"source": Path(args.weights).name},
         )
     s = model.structure

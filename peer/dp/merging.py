@@ -104,13 +104,13 @@ def check_pool(pool: Sequence[PoolModel]) -> dict:
     architectures or parameter shapes differ."""
     if not pool:
         raise InvalidArgument("pool", "is empty: there is nothing to merge")
-    arch = validate_architecture(pool[0].architecture)
+    arch = _pool_architecture(pool[0].architecture)
     names = [m.name for m in pool]
     if len(set(names)) != len(names):
         raise InvalidArgument("pool", f"model names must be distinct, got {names}")
     shapes0 = {k: np.shape(v) for k, v in pool[0].arrays.items()}
     for m in pool[1:]:
-        if validate_architecture(m.architecture) != arch:
+        if _pool_architecture(m.architecture) != arch:
             raise InvalidArgument(
                 "pool",
                 f"models must share one architecture: {m.name!r} has {m.architecture}, {pool[0].name!r} has {arch}",
@@ -120,6 +120,16 @@ def check_pool(pool: Sequence[PoolModel]) -> dict:
                 "pool", f"model {m.name!r} has parameter names or shapes different from {pool[0].name!r}"
             )
     return arch
+
+
+def _pool_architecture(architecture: Mapping[str, Any]) -> dict:
+    """A built-in architecture normalised, or a site's own network's public description
+    (``peer.nn.imported``: its structure, checked against its digest)."""
+    from peer.nn.imported import imported_architecture, is_imported_architecture, structure_of
+
+    if is_imported_architecture(architecture):
+        return imported_architecture(structure_of(architecture))
+    return validate_architecture(architecture)
 
 
 def combine(arrays: Sequence[Mapping[str, np.ndarray]], lam: Sequence[float]) -> dict[str, np.ndarray]:

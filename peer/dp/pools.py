@@ -43,6 +43,16 @@ from peer.dp.merging import METHODS, MergedModel, PoolModel, check_pool, merge_l
 from peer.dp.training import TrainedModel
 from peer.nn.architectures import accuracy, model_from_arrays
 from peer.nn.data import load_dataset
+from peer.nn.imported import (
+    imported_architecture,
+    is_imported_architecture,
+    load_factory,
+    load_imported,
+    module_accuracy,
+    module_from_arrays,
+    save_imported,
+    structure_of,
+)
 from peer.nn.store import _atomic_write, list_models, load_model, save_model
 from peer.nn.tables import Preprocessing
 
@@ -109,6 +119,7 @@ def save_trained(
     accuracy: float | None = None,
     data: Mapping[str, Any] | None = None,
     preprocessing: Preprocessing | None = None,
+    factory: str | None = None,
 ) -> Path:
     """Store one DP-SGD model with its training record and release record (and the
     preprocessing of the records it was trained on, when they were a site's own table)."""
@@ -120,6 +131,12 @@ def save_trained(
         metadata["accuracy"] = float(accuracy)
     if data is not None:
         metadata["data"] = dict(data)
+    if is_imported_architecture(model.architecture):
+        # a site's own network: stored like an imported model (its structure and the factory
+        # that rebuilds it here), so that the pool's models keep the site's key names
+        if factory is None or preprocessing is not None:
+            raise InvalidArgument("factory", "a pool of a site's own network needs its factory (and no preprocessing)")
+        return save_imported(directory, name, factory, structure_of(model.architecture), model.arrays, metadata)
     return save_model(directory, name, model.architecture, model.arrays, metadata, preprocessing)
 
 
@@ -172,10 +189,56 @@ def load_pool(directory: str | os.PathLike) -> list[PoolModel]:
         raise InvalidArgument("pool", f"{str(directory)!r} holds no models")
     out = []
     for name in names:
+        if _is_imported_pair(directory, name):
+            # a pool of a site's own network: the public architecture is its structure; the
+            # factory (site code, run only here) is kept in the metadata to rebuild the module
+            imp = load_imported(directory, name)
+            metadata = {
+                **imp.metadata,
+                IMPORTED_FACTORY: imp.factory,
+                IMPORTED_SEARCH_PATH: str(Path(directory).parent),
+            }
+            privacy, size = _privacy_of(name, imp.metadata)
+            out.append(
+                PoolModel(
+                    name,
+                    imported_architecture(imp.structure),
+                    {k: imp.arrays[k] for k in imp.structure.parameters},  # the site's key order
+                    privacy,
+                    size,
+                    metadata,
+                )
+            )
+            continue
         m = load_model(directory, name)
         privacy, size = _privacy_of(name, m.metadata)
         out.append(PoolModel(name, m.architecture, m.arrays, privacy, size, m.metadata))
     return out
+
+
+#: PoolModel.metadata keys of a pool of a site's own network (added when loading, never stored):
+#: the factory that rebuilds the module and where a ``MODULE:FUNCTION`` factory is imported from
+IMPORTED_FACTORY = "imported_factory"
+IMPORTED_SEARCH_PATH = "imported_search_path"
+
+
+def _is_imported_pair(directory: str | os.PathLike, name: str) -> bool:
+    try:
+        return "imported" in json.loads((Path(directory) / f"{name}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # load_model says what is wrong with it
+
+
+def pool_accuracy(pool: Sequence[PoolModel], validation: tuple[np.ndarray, np.ndarray]):
+    """``arrays -> accuracy on validation`` for the pool's architecture: a built-in one, or a
+    site's own network rebuilt by its factory (eval mode)."""
+    arch = check_pool(pool)
+    x_val, y_val = validation
+    if is_imported_architecture(arch):
+        structure = structure_of(arch)
+        factory = load_factory(pool[0].metadata[IMPORTED_FACTORY], [pool[0].metadata.get(IMPORTED_SEARCH_PATH, ".")])
+        return lambda arrays: module_accuracy(module_from_arrays(factory, structure, arrays), structure, x_val, y_val)
+    return lambda arrays: accuracy(arch, model_from_arrays(arch, arrays), x_val, y_val)
 
 
 def profile_cache_directory(directory: str | os.PathLike) -> Path:
@@ -243,9 +306,8 @@ def load_validation_file(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarra
 
 def rs_utilities(pool: Sequence[PoolModel], validation: tuple[np.ndarray, np.ndarray]) -> list[float]:
     """Each pool model's accuracy on ``validation``: the utilities RS maximises (linear in π)."""
-    arch = check_pool(pool)
-    x_val, y_val = validation
-    return [accuracy(arch, model_from_arrays(arch, m.arrays), x_val, y_val) for m in pool]
+    judge = pool_accuracy(pool, validation)
+    return [judge(m.arrays) for m in pool]
 
 
 def merge_pool(
@@ -267,7 +329,7 @@ def merge_pool(
     them once per pool). RS draws from ``randomness`` (a fresh CSPRNG-seeded one when None)."""
     if method not in METHODS:
         raise InvalidArgument("method", f"must be one of {METHODS}, got {method!r}")
-    arch = check_pool(pool)
+    check_pool(pool)
     x_val, y_val = pool_validation(pool) if validation is None else validation
     if method == "rs":
         if utilities is None:
@@ -288,7 +350,7 @@ def merge_pool(
         )
     return merge_lc(
         pool,
-        lambda arrays: accuracy(arch, model_from_arrays(arch, arrays), x_val, y_val),
+        pool_accuracy(pool, (x_val, y_val)),
         target_epsilon,
         delta,
         accountant=accountant,

@@ -142,6 +142,7 @@ def run_dpsgd(
     dataset_size: int | None = None,
     replicas: int | None = None,
     progress: Callable[[], None] | None = None,
+    before_step: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> DPSGDRun:
     """Run DP-SGD from ``params0`` through ``steps`` (objects with ``learning_rate``,
     ``clip_norm``, ``noise_multiplier``, ``sample_rate``, e.g. the accountant's GaussianStep).
@@ -151,6 +152,10 @@ def run_dpsgd(
     module docstring). ``replicas=R`` runs R independent copies at once (params then carry a
     leading axis of size R; used for Monte Carlo studies), each with its own noise and batches.
     ``progress`` is called after every step (a progress bar; it sees nothing of the run).
+    ``before_step(params)`` is called before every step with the current iterate (already a DP
+    output of the steps before): what it changes must depend on public data only (e.g. norm
+    statistics measured on public records), so that each step stays the Gaussian mechanism
+    the accountant composes (adaptive composition).
     """
     n_records = int(x.shape[0])
     if n_records == 0:
@@ -176,6 +181,8 @@ def run_dpsgd(
         )
     batch_sizes: list[int] | None = None
     for s in steps:
+        if before_step is not None:
+            before_step(params)
         noise = {k: torch.from_numpy(gen.standard_normal(tuple(v.shape))).to(v.dtype) for k, v in params.items()}
         q = float(s.sample_rate)
         denominator = q * n
@@ -342,3 +349,142 @@ def train_pool(
         )
         for t in trainings
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# A site's own network (peer.nn.imported): DP-SGD on an arbitrary module
+
+
+def check_private_training(module: torch.nn.Module) -> None:
+    """Refuse, naming the module, what per-example DP-SGD cannot train.
+
+    DP-SGD's guarantee needs each record's gradient to depend on that record alone (the clipped
+    sum then has sensitivity C). A BatchNorm normalising with *batch* statistics mixes the
+    records of a batch: one record moves every other record's gradient, and per-example
+    clipping bounds nothing. Of the two known ways out — train with the norm layers in eval
+    mode (their running statistics frozen), or replace BatchNorm by GroupNorm as Opacus's
+    ``ModuleValidator.fix`` does — this project freezes: replacing layers would change the
+    network's parameters and structure, so the pool's models would no longer be the site's
+    architecture and could not be aligned or fused with its own model (their structure digest
+    would differ). So the whole module runs in eval mode during DP-SGD: BatchNorm normalises by
+    its running statistics, constants of each step (their initial values, or statistics of
+    public records: :func:`train_dpsgd_module`), and only its γ and β are trained; Dropout is
+    off. What eval mode cannot fix is refused: a BatchNorm without running statistics
+    (``track_running_stats=False`` normalises by the batch even in eval mode)."""
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and (
+            not m.track_running_stats or m.running_mean is None
+        ):
+            raise InvalidArgument(
+                f"model.{name}",
+                f"{type(m).__name__} without running statistics normalises each batch by its own records, "
+                "so per-example gradients (DP-SGD) are not defined; use track_running_stats=True (it is then "
+                "frozen during DP-SGD) or a per-example norm (GroupNorm, LayerNorm)",
+            )
+
+
+@torch.no_grad()
+def public_norm_statistics(module: torch.nn.Module, params: Mapping[str, torch.Tensor], public_x: torch.Tensor) -> None:
+    """Set every BatchNorm's running mean and variance to its input's per-channel mean and
+    variance on ``public_x`` under ``params``, measured in one pass in execution order (each
+    BatchNorm normalises by these statistics before the next is measured)."""
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    saved = [(m.momentum, m.training) for m in norms]
+    try:
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # cumulative average: one pass gives the exact statistics
+            m.train()
+        functional_call(module, dict(params), (public_x,))
+    finally:
+        for m, (momentum, training) in zip(norms, saved, strict=True):
+            m.momentum = momentum
+            m.train(training)
+
+
+def train_dpsgd_module(
+    factory: Callable[[], torch.nn.Module],
+    architecture: Mapping,
+    input_shape: Sequence[int],
+    x: np.ndarray,
+    y: np.ndarray,
+    training: TrainingRecord,
+    *,
+    init_seed: int,
+    randomness: Randomness,
+    delta: float,
+    dataset_size: int | None = None,
+    subject: str = "",
+    progress: Callable[[], None] | None = None,
+    public_x: np.ndarray | None = None,
+) -> TrainedModel:
+    """DP-SGD on a site's own network, exactly as :func:`train_dpsgd_classifier` but from the
+    module ``factory()`` builds under ``torch.manual_seed(init_seed)`` (a public
+    initialisation: never the site's imported weights, which were trained on records outside
+    any guarantee) and in eval mode (:func:`check_private_training` says why and what is
+    refused). Only parameters are trained. BatchNorm's running statistics are constants of
+    every step: their initial values (mean 0, variance 1), or, with ``public_x`` (records the
+    site declares public, e.g. the pool's validation split), the per-channel mean and variance
+    of the current iterate's activations on ``public_x``, measured before every step
+    (:func:`public_norm_statistics`; a function of public data and earlier DP outputs only,
+    so the accountant's per-step Gaussian mechanism is unchanged) — BatchNorm then normalises
+    as in ordinary training, and the released model carries statistics of public data only.
+    ``architecture`` is the public
+    description recorded (``peer.nn.imported.imported_architecture``); the unit of privacy is
+    one record of (x, y) under ``training.adjacency``."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(init_seed)
+    try:
+        module = factory()
+    finally:
+        torch.random.set_rng_state(state)
+    check_private_training(module)
+    module = module.float().eval()
+    xt = torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(len(x), *input_shape)
+    yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
+    n = len(xt) if dataset_size is None else dataset_size
+    params0 = {k: v.detach() for k, v in module.named_parameters()}
+    refresh = None
+    if public_x is not None:
+        px = torch.as_tensor(np.asarray(public_x, dtype=np.float32)).reshape(len(public_x), *input_shape)
+
+        def refresh(params: dict[str, torch.Tensor]) -> None:
+            public_norm_statistics(module, params, px)
+
+    run = run_dpsgd(
+        classifier_loss(module),
+        params0,
+        xt,
+        yt,
+        training.steps,
+        randomness=randomness,
+        dataset_size=n,
+        progress=progress,
+        before_step=refresh,
+    )
+    if refresh is not None:
+        refresh(run.params)
+    arrays = {}
+    for k, v in module.state_dict().items():  # the site's key order, buffers included
+        t = run.params.get(k, v)
+        arrays[k] = np.array(t.detach().numpy(), copy=True)
+    record = dpsgd_release_record(
+        training,
+        delta=delta,
+        dataset_size=n,
+        randomness=randomness,
+        init_seed=init_seed,
+        architecture=architecture,
+        subject=subject,
+    )
+    record = record.with_(
+        parameters={
+            **record.parameters,
+            "norm_layers": "eval mode; BatchNorm statistics measured on public records before every step"
+            if public_x is not None
+            else "eval mode: running statistics frozen at their initial values",
+        }
+    )
+    return TrainedModel(dict(architecture), arrays, training, record, int(n), int(init_seed))

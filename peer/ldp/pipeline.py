@@ -81,3 +81,80 @@ def align_and_fuse(
     (α ∈ [0, 1], the fusion scale), and the alignment P."""
     aligned, alignment = align(architecture, own, theirs, their_arrays, options)
     return fuse_arrays(own_arrays, aligned, alpha), alignment
+
+
+# ---------------------------------------------------------------------------------------------
+# A site's own network: the same three steps over permutation groups (peer.nn.tracing)
+
+
+@dataclass(frozen=True)
+class GroupAlignment:
+    """How their units line up with ours, group by group: ``permutations[g][i] = j`` (our unit
+    i of group g ↔ their unit j). Stays with the site that computed it."""
+
+    permutations: Mapping[str, np.ndarray]
+
+    def apply(self, structure, arrays: Mapping[str, Any]) -> dict[str, Any]:
+        from peer.nn.tracing import permute_state
+
+        return permute_state(structure, arrays, self.permutations)
+
+
+def align_groups(structure, own_module, theirs_module, probe_x) -> GroupAlignment:
+    """Step 1 for two networks of one permutation structure: group matching
+    (``peer.ldp.group_matching.match_groups``: activation correlations on the probe set, then
+    weight matching by coordinate descent). ``theirs_module`` is *our own* module class holding
+    the state dict we received (a DP release: reading it is post-processing); ``probe_x`` is
+    the public probe set shaped as the network's input."""
+    from peer.ldp.group_matching import group_activations, match_groups
+
+    own_arrays = {k: v.detach().numpy() for k, v in own_module.state_dict().items()}
+    their_arrays = {k: v.detach().numpy() for k, v in theirs_module.state_dict().items()}
+    perms = match_groups(
+        structure,
+        own_arrays,
+        their_arrays,
+        group_activations(own_module, structure, probe_x),
+        group_activations(theirs_module, structure, probe_x),
+    )
+    return GroupAlignment({g: np.asarray(p, dtype=np.int64) for g, p in perms.items()})
+
+
+def average_states(structure, states, weights) -> dict[str, np.ndarray]:
+    """Σ_k w_k·θ_k on every floating-point entry of aligned states (weights, biases, BatchNorm
+    affine and running statistics, in each entry's own dtype); integer buffers
+    (``num_batches_tracked``) keep the first state's (ours). Weights non-negative, summing to 1."""
+    from peer.base.errors import InvalidArgument
+
+    w = np.asarray(weights, dtype=np.float64)
+    if len(states) == 0 or len(states) != len(w) or np.any(~np.isfinite(w)) or np.any(w < 0) or abs(w.sum() - 1) > 1e-9:
+        raise InvalidArgument("weights", f"need one non-negative weight per state, summing to 1; got {list(weights)}")
+    out = {}
+    for k in structure.parameters:
+        first = np.asarray(states[0][k])
+        if not np.issubdtype(first.dtype, np.floating):
+            out[k] = first.copy()
+            continue
+        total = sum(float(wi) * np.asarray(s[k], dtype=np.float64) for wi, s in zip(w, states, strict=True))
+        out[k] = np.asarray(total, dtype=first.dtype)
+    return out
+
+
+def repair_states(structure, fused_module, endpoints, weights, x):
+    """REPAIR of a multi-model fusion (``peer.ldp.repair``): every affine statistic point's
+    target moments are the weighted average Σ_k w_k·(μ_k, σ_k) of the endpoints' (each measured
+    on ``x``: data the requester may use — its records, or the public probe set), BatchNorm
+    running statistics are reset to the fused network's own on ``x``. Returns the repaired
+    module (a copy)."""
+    from peer.ldp.repair import UnitStatistics, repair, unit_statistics
+
+    points = [p for p in structure.stat_points if p.kind == "affine"]
+    stats = [unit_statistics(m, points, x) for m in endpoints]
+    targets = {
+        p.module: UnitStatistics(
+            sum(float(w) * s[p.module].mean for w, s in zip(weights, stats, strict=True)),
+            sum(float(w) * s[p.module].std for w, s in zip(weights, stats, strict=True)),
+        )
+        for p in points
+    }
+    return repair(fused_module, structure.stat_points, targets, x)

@@ -122,11 +122,31 @@ def interpolated_statistics(
     """μ* = α·μ_A + (1 − α)·μ_B and σ* = α·σ_A + (1 − α)·σ_B for every point."""
     if not 0.0 <= alpha <= 1.0:
         raise InvalidArgument("alpha", f"must lie in [0, 1], got {alpha}")
-    if set(a) != set(b):
-        raise InvalidArgument("statistics", f"endpoints measured at different points: {sorted(set(a) ^ set(b))}")
+    return combined_statistics([a, b], [alpha, 1 - alpha])
+
+
+def combined_statistics(
+    endpoints: Sequence[Mapping[str, UnitStatistics]], weights: Sequence[float]
+) -> dict[str, UnitStatistics]:
+    """The k-model interpolation of the endpoints' statistics, with the fusion's own weights:
+    μ* = Σ_j w_j·μ_j and σ* = Σ_j w_j·σ_j for every point (w_j ≥ 0, Σ w_j = 1; two endpoints
+    with weights (α, 1 − α) are :func:`interpolated_statistics`). This is the target for a
+    fused network θ = Σ_j w_j·θ_j of k aligned models, as REPAIR's interpolation is for two."""
+    if len(endpoints) != len(weights) or not endpoints:
+        raise InvalidArgument("weights", f"need one weight per endpoint, got {len(weights)} for {len(endpoints)}")
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or abs(w.sum() - 1.0) > 1e-9:
+        raise InvalidArgument("weights", f"must be non-negative and sum to 1, got {list(weights)}")
+    points = set(endpoints[0])
+    for e in endpoints[1:]:
+        if set(e) != points:
+            raise InvalidArgument("statistics", f"endpoints measured at different points: {sorted(points ^ set(e))}")
     return {
-        k: UnitStatistics(alpha * a[k].mean + (1 - alpha) * b[k].mean, alpha * a[k].std + (1 - alpha) * b[k].std)
-        for k in a
+        k: UnitStatistics(
+            sum(wj * e[k].mean for wj, e in zip(w, endpoints, strict=True)),
+            sum(wj * e[k].std for wj, e in zip(w, endpoints, strict=True)),
+        )
+        for k in endpoints[0]
     }
 
 
@@ -204,6 +224,24 @@ def repair_fusion(
         x_a if x_fused is None else x_fused,
         batch_size=batch_size,
     )
+
+
+def repair_fused(
+    fused: nn.Module,
+    endpoints: Sequence[nn.Module],
+    weights: Sequence[float],
+    stat_points: Sequence[StatPoint],
+    x,
+    *,
+    batch_size: int = 512,
+) -> nn.Module:
+    """REPAIR of a k-model fusion θ = Σ_j w_j·θ_j: every endpoint (the requester's own model and
+    each aligned contribution) measured on ``x``, targets by :func:`combined_statistics` with
+    the fusion weights, the fused network repaired on the same ``x``. ``x`` is data the
+    requester may use: its own records, or the public probe set."""
+    affine = [p for p in stat_points if p.kind == "affine"]
+    stats = [unit_statistics(m, affine, x, batch_size=batch_size) for m in endpoints]
+    return repair(fused, stat_points, combined_statistics(stats, weights), x, batch_size=batch_size)
 
 
 def fine_tune(

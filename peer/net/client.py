@@ -257,6 +257,7 @@ class PeerClient:
             "ReleaseWeights": self._release_call(self.channel.unary_stream, "ReleaseWeights", pb.WeightsRequest),
             "ReleaseMerged": self._release_call(self.channel.unary_stream, "ReleaseMerged", pb.MergeRequest),
             "Fuse": self._release_call(self.channel.unary_stream, "Fuse", pb.FuseRequest),
+            "ReleaseSegment": self._release_call(self.channel.unary_stream, "ReleaseSegment", pb.SegmentRequest),
         }
 
     @staticmethod
@@ -439,6 +440,21 @@ class PeerClient:
         """A model merged from ``pool`` by RS or LC at the target (ε, δ)."""
         req = pb.MergeRequest(header=self.header(), pool=pool, method=method, epsilon=epsilon, delta=delta)
         return self._read(self._release["ReleaseMerged"](req, timeout=timeout), "merged", pool, out)
+
+    def segment(
+        self,
+        run: str,
+        *,
+        min_round: int = 0,
+        max_round: int | None = None,
+        timeout: float = RELEASE_TIMEOUT_S,
+        out=None,
+    ) -> wire.Release:
+        """The peer's newest published segment of ``run`` with min_round ≤ round ≤ max_round
+        (None: no limit), served again from its store (charged once when published). PeerError
+        NOT_FOUND while there is none."""
+        req = pb.SegmentRequest(header=self.header(), run=run, min_round=int(min_round), max_round=int(max_round or 0))
+        return self._read(self._release["ReleaseSegment"](req, timeout=timeout), "segment", run, out)
 
     def fuse(
         self,

@@ -49,7 +49,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from peer.base.errors import FailedPrecondition
+from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.net import wire
 
@@ -133,7 +133,9 @@ class ReleaseStore:
         """Write an entry atomically (tensors first, the JSON that makes it an entry last)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         st, js = self._paths(key)
-        arrays = {name: np.ascontiguousarray(a) for name, a in release.tensors}
+        # np.asarray(order="C") keeps a 0-d tensor 0-d (BatchNorm's num_batches_tracked);
+        # np.ascontiguousarray would make it 1-d and the entry would be served in another shape
+        arrays = {name: np.asarray(a, order="C") for name, a in release.tensors}
         self._atomic_write(st, lambda p: save_file(arrays, p))
         doc = {
             "parameters": dict(parameters),
@@ -182,3 +184,62 @@ class ReleaseStore:
                 f"release store: {js} lists tensors other than the ones its record binds; it is not served"
             )
         return StoredRelease(key, record, doc["architecture"], doc["metadata"], [(n, arrays[n]) for n, _ in listed])
+
+
+# ---------------------------------------------------------------- segments of a multi-round run
+
+#: The ledger counterparty of a published segment: it is charged once, when it is published,
+#: for every peer the policy lets ask for "segment" (each is served it again, at no charge).
+SEGMENT_AUDIENCE = "*"
+
+
+def check_run_name(run: str, field: str = "run") -> str:
+    """A run's name: 1–64 characters of letters, digits, ``.``, ``_`` and ``-``."""
+    if not isinstance(run, str) or not 1 <= len(run) <= 64 or not all(c.isalnum() or c in "._-" for c in run):
+        raise InvalidArgument(field, f"must be 1–64 letters, digits, '.', '_' or '-', got {run!r}")
+    return run
+
+
+def segment_key(run: str, round_number: int) -> str:
+    """The store key of round ``round_number``'s segment of ``run``."""
+    text = json.dumps({"kind": "segment", "run": run, "round": int(round_number)}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def segment_rounds(store: ReleaseStore, run: str) -> list[tuple[int, str]]:
+    """(round, key) of every segment of ``run`` in the store, newest first (whether or not its
+    charge stands: the caller checks that before serving)."""
+    out = []
+    if not store.directory.is_dir():
+        return out
+    for js in store.directory.glob("*.json"):
+        try:
+            params = json.loads(js.read_text())["parameters"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written (never: JSON is renamed into place) or broken: get() refuses it
+        if isinstance(params, dict) and params.get("kind") == "segment" and params.get("run") == run:
+            r = params.get("round")
+            if isinstance(r, int) and js.stem == segment_key(run, r):
+                out.append((r, js.stem))
+    return sorted(out, reverse=True)
+
+
+def publish_segment(store: ReleaseStore, ledger, run: str, round_number: int, release: StoredRelease) -> str:
+    """Store a segment, then charge it ONCE to ``ledger`` (counterparty :data:`SEGMENT_AUDIENCE`);
+    the ledger entry id. Before the charge returns nothing can be served (a daemon serves an
+    entry only when its charge stands), so the charge precedes every byte that leaves.
+
+    ``release.record`` must bind the tensors (``parameters.release_sha256``). BudgetExhausted
+    from the charge (or any refusal) leaves the entry uncharged — never served — and it is
+    removed here."""
+    key = segment_key(run, round_number)
+    if release.key != key:
+        raise InvalidArgument("release.key", f"a segment of {run!r} round {round_number} is stored under {key}")
+    with store.lock(key):
+        store.put(key, {"kind": "segment", "run": run, "round": int(round_number)}, release)
+        try:
+            entry = ledger.charge(release.record, SEGMENT_AUDIENCE)
+        except Exception:
+            store.remove(key)  # uncharged: never served; a charge that did commit stands (conservative)
+            raise
+    return str(entry.entry_id)

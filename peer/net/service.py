@@ -685,6 +685,35 @@ class PeerService(pb_grpc.PeerServicer):
             served_again=merged.served_again,
         )
 
+    def ReleaseSegment(self, request: pb.SegmentRequest, context) -> Iterator[pb.ReleaseFrame]:
+        caller = self.bind_caller(context, request.header)
+        self._on_behalf_of(request.header, caller, "ReleaseSegment")
+        if request.min_round < 0:
+            raise InvalidArgument("min_round", f"must be >= 0, got {request.min_round}")
+        if request.max_round < 0 or (request.max_round and request.max_round < request.min_round):
+            raise InvalidArgument(
+                "max_round", f"must be 0 (no limit) or >= min_round ({request.min_round}), got {request.max_round}"
+            )
+        self.site.policy_allows(caller, "segment")
+        with self._drain_lock:
+            if self._draining:
+                raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was served")
+        # served again from the store (charged once by the site's own run when it was published)
+        segment = self.site.segment_release(request.run, request.min_round, caller, request.max_round or None)
+        yield from self._release(
+            "ReleaseSegment",
+            caller,
+            segment.record,
+            "segment",
+            request.run,
+            segment.architecture,
+            segment.metadata,
+            segment.tensors,
+            policy_kind="segment",
+            charged_entry=segment.entry_id,
+            served_again=segment.served_again,
+        )
+
     def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:
         caller = self.bind_caller(context, request.header)
         self._on_behalf_of(request.header, caller, "ListLedger")

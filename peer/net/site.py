@@ -108,6 +108,7 @@ SITE_KEYS = (
     "mechanisms",
     "pools",
     "peers",
+    "own_models",
 )
 
 
@@ -134,6 +135,8 @@ class SiteConfig:
     peers: Mapping[str, str] = field(default_factory=dict)
     path: Path | None = None
     pool_validation: Mapping[str, Path] = field(default_factory=dict)
+    # the site's own networks (``privfusion model import``; default DIR/own_models when it exists)
+    own_models: Path | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SiteConfig:
@@ -202,6 +205,9 @@ class SiteConfig:
             peers=peers,
             path=path,
             pool_validation=pool_validation,
+            own_models=rel(site, "own_models", None)
+            if "own_models" in site
+            else ((base / "own_models").resolve() if (base / "own_models").is_dir() else None),
         )
 
     @property
@@ -434,10 +440,28 @@ class Site:
                 with contextlib.suppress(InvalidArgument):
                     warm_pool_profiles(pool, pools[name])
         self.probe = load_probe(config.probe) if config.probe and config.probe.exists() else None
+        self.imported = self._load_imported(config)
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
         self._master = make_randomness(config.seed) if config.seed is not None else None
         self._master_lock = threading.Lock()
+
+    def _load_imported(self, config: SiteConfig) -> dict:
+        """The site's own networks (``peer.nn.imported``) by name; one that does not load is
+        listed as unusable, not fatal (like a built-in model)."""
+        if config.own_models is None or not config.own_models.is_dir():
+            return {}
+        from peer.nn.imported import load_imported
+
+        out = {}
+        for name in list_models(config.own_models):
+            try:
+                out[name] = load_imported(config.own_models, name)
+            except (InvalidArgument, NotFound) as e:
+                why = f"own model does not load, not served: {e}"
+                self.unusable.append((f"{config.own_models.name}/{name}.json", why))
+                log.warning(json.dumps({"event": "unusable-file", "path": f"{name}.json", "reason": why}))
+        return out
 
     def close(self) -> None:
         try:
@@ -482,6 +506,13 @@ class Site:
             raise InvalidArgument(field_name, "is required")
         m = self.models.get(name)
         if m is None:
+            if name in self.imported:
+                # a site's own network is offered through its DP pools (ReleaseMerged); its
+                # features would be released per permutation-group element, not yet wired here
+                raise FailedPrecondition(
+                    f"{field_name}: {name!r} is a site's own network: features over permutation groups are "
+                    "not released yet; use method merged"
+                )
             raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
         return m
 
@@ -675,6 +706,60 @@ class Site:
             entry_id = self.charge(record, caller, "merge")
             return MergeRelease(merged.architecture, tensors, record, metadata, entry_id, None)
 
+    def segment_release(self, run: str, min_round: int, caller: str, max_round: int | None = None) -> MergeRelease:
+        """This site's newest published segment of ``run`` with ``min_round`` ≤ round ≤
+        ``max_round`` (None: no upper limit), served
+        again to ``caller`` (no charge: ``coordinator_free.iterate`` charged it once when it
+        published it, ``peer.net.releases.publish_segment``). Never trains and never charges.
+
+        Only an entry whose charge stands in the ledger (not cancelled, same record byte for
+        byte) is served; one without (its publisher died between store and charge, or was
+        refused by the budget) is skipped. NotFound when no segment qualifies yet."""
+        from peer.net.releases import check_run_name, segment_rounds
+
+        check_run_name(run)
+        for number, key in segment_rounds(self.releases, run):
+            if max_round is not None and number > max_round:
+                continue
+            if number < min_round:
+                break
+            stored = self.releases.get(key)
+            if stored is None:
+                continue
+            charge = self.ledger.charge_of(stored.record.release_id)
+            if charge is None or charge[1]:
+                continue
+            entry, _ = charge
+            if entry.record.canonical_json() != stored.record.canonical_json():
+                raise FailedPrecondition(
+                    f"release store: the record of segment {run!r} round {number} differs from the one ledger "
+                    f"entry {entry.entry_id} charged; it is not served"
+                )
+            served = self.ledger.serve_again(
+                stored.record.release_id, caller, f"ReleaseSegment {run} round {number} to {caller}"
+            )
+            log_event(
+                "served-again",
+                caller=caller,
+                entry=entry.entry_id,
+                served_again=served["id"],
+                release=stored.record.release_id,
+                run=run,
+                round=number,
+            )
+            return MergeRelease(
+                stored.architecture,
+                stored.tensors,
+                stored.record,
+                stored.metadata,
+                str(entry.entry_id),
+                str(served["id"]),
+            )
+        upto = "" if max_round is None else f" and ≤ {max_round}"
+        raise NotFound(
+            f"segment: {self.name!r} has published no segment of run {run!r} at round ≥ {min_round}{upto} yet"
+        )
+
     # ---- policy and ledger --------------------------------------------------------------------
 
     def policy_allows(self, caller: str, kind: str) -> None:
@@ -756,11 +841,31 @@ class Site:
             )
             for s in self.ledger.remaining_for(caller)
         )
+
+        def imported_info(name: str, m) -> ModelInfo:
+            # public: the traced structure (key names, shapes, groups) and its digest, no code;
+            # hidden sizes are the permutation groups' sizes; no plain layer chain to list
+            from peer.nn.imported import imported_architecture
+
+            return ModelInfo(
+                name=name,
+                architecture=imported_architecture(m.structure),
+                parameter_count=sum(int(np.size(a)) for a in m.arrays.values()),
+                hidden_sizes=m.structure.sizes,
+                layers=(),
+            )
+
         return SiteInfo(
             name=self.name,
             certificate_sha256=self.identity.fingerprint,
             insecure=self.insecure,
-            models=tuple(model_info(n, m) for n, m in sorted(self.models.items())),
+            models=tuple(
+                sorted(
+                    [model_info(n, m) for n, m in self.models.items()]
+                    + [imported_info(n, m) for n, m in self.imported.items() if n not in self.models],
+                    key=lambda i: i.name,
+                )
+            ),
             pools=tuple(pools),
             mechanisms=(*MECHANISMS, self.randomness_mechanism()),
             budgets=budgets,

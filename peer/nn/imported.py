@@ -226,3 +226,143 @@ def export_model(model: ImportedModel, out: str | os.PathLike, fmt: str) -> Path
         data = buf.getvalue()
     _atomic_write(path, data)
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The public description of an imported architecture (what the wire carries)
+
+#: ``architecture["kind"]`` of a site's own network wherever an architecture travels or is
+#: stored beside a release (PeerInfo's ModelInfo/PoolInfo ``architecture_json``, a release's
+#: manifest, a DP-SGD record): the traced structure and its digest, never the site's code.
+IMPORTED_KIND = "imported"
+
+
+def structure_json(structure: PermutationStructure) -> str:
+    """The canonical JSON text of a structure (sorted keys, no spaces, the site's parameter
+    order kept: it is a list): what :func:`structure_sha256` hashes."""
+    return json.dumps(structure.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def structure_sha256(structure: PermutationStructure) -> str:
+    """SHA-256 (hex) of :func:`structure_json`: two sites' networks are one architecture exactly
+    when these agree (same key names, shapes, dtypes, groups and axes, statistic points)."""
+    import hashlib
+
+    return hashlib.sha256(structure_json(structure).encode()).hexdigest()
+
+
+def imported_architecture(structure: PermutationStructure) -> dict:
+    """``{"kind": "imported", "structure": {...}, "structure_sha256": HEX}``: the public
+    architecture of a site's own network. Names, shapes and axes only; no code."""
+    return {"kind": IMPORTED_KIND, "structure": structure.to_json(), "structure_sha256": structure_sha256(structure)}
+
+
+def is_imported_architecture(architecture: Any) -> bool:
+    return isinstance(architecture, Mapping) and architecture.get("kind") == IMPORTED_KIND
+
+
+def structure_of(architecture: Any, field_name: str = "architecture") -> PermutationStructure:
+    """The structure an imported architecture describes, checked: known keys, a structure that
+    :meth:`PermutationStructure.from_json` accepts, and a digest that matches it."""
+    if not is_imported_architecture(architecture):
+        raise InvalidArgument(f"{field_name}.kind", f"must be {IMPORTED_KIND!r} for a site's own network")
+    extra = set(architecture) - {"kind", "structure", "structure_sha256"}
+    if extra:
+        raise InvalidArgument(field_name, f"unknown keys {sorted(extra)} for kind {IMPORTED_KIND!r}")
+    structure = PermutationStructure.from_json(architecture.get("structure"))
+    digest = architecture.get("structure_sha256")
+    if digest != structure_sha256(structure):
+        raise InvalidArgument(
+            f"{field_name}.structure_sha256",
+            "does not match the structure it travels with (SHA-256 of its canonical JSON)",
+        )
+    return structure
+
+
+def first_difference(ours: Any, theirs: Any, path: str = "structure") -> str | None:
+    """Where two JSON values first differ, as ``path: ours X, theirs Y`` (None when equal):
+    what a refusal names so that an operator sees *which* layer or axis disagrees."""
+    if isinstance(ours, Mapping) and isinstance(theirs, Mapping):
+        for k in sorted(set(ours) | set(theirs)):
+            if k not in ours or k not in theirs:
+                return f"{path}.{k}: {'missing here' if k not in ours else 'missing in theirs'}"
+            d = first_difference(ours[k], theirs[k], f"{path}.{k}")
+            if d is not None:
+                return d
+        return None
+    if isinstance(ours, list) and isinstance(theirs, list):
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+            d = first_difference(a, b, f"{path}[{i}]")
+            if d is not None:
+                return d
+        if len(ours) != len(theirs):
+            return f"{path}: {len(ours)} entries here, {len(theirs)} in theirs"
+        return None
+    if ours != theirs:
+        return f"{path}: ours {json.dumps(ours)}, theirs {json.dumps(theirs)}"
+    return None
+
+
+def check_same_structure(ours: PermutationStructure, theirs_architecture: Any, who: str = "the peer") -> None:
+    """Refuse (FailedPrecondition) a received architecture that is not exactly ours, naming the
+    first difference: a peer's network is run in *our* module (built by our factory), so its
+    state dict must have our key names, shapes and permutation groups, digest for digest."""
+    from peer.base.errors import FailedPrecondition
+
+    if not is_imported_architecture(theirs_architecture):
+        kind = theirs_architecture.get("kind") if isinstance(theirs_architecture, Mapping) else None
+        raise FailedPrecondition(f"architecture: {who} sent a {kind!r} architecture, ours is an imported network")
+    try:
+        theirs = structure_of(theirs_architecture)
+    except InvalidArgument as e:
+        raise FailedPrecondition(f"architecture: {who}'s structure is malformed: {e}") from None
+    if structure_sha256(theirs) != structure_sha256(ours):
+        diff = first_difference(ours.to_json(), theirs.to_json()) or "the canonical JSON differs"
+        raise FailedPrecondition(
+            f"architecture: {who}'s network is not ours (structure digest {structure_sha256(theirs)[:12]} vs "
+            f"{structure_sha256(ours)[:12]}); first difference at {diff}"
+        )
+
+
+def module_from_arrays(
+    factory: Callable[[], nn.Module], structure: PermutationStructure, arrays: Mapping[str, Any] | None = None
+) -> nn.Module:
+    """Our own module (built by our factory) holding ``arrays`` (a state dict keyed by our names,
+    checked strictly), in eval mode. With ``arrays`` None: the factory's own initialisation."""
+    module = build_module(factory)
+    structure.check_arrays({k: v.detach().numpy() for k, v in module.state_dict().items()}, "factory state dict")
+    if arrays is not None:
+        structure.check_arrays(arrays)
+        load_site_state(module, {k: torch.as_tensor(np.array(arrays[k])) for k in structure.parameters})
+    return module.eval()
+
+
+def input_batch(structure: PermutationStructure, x: Any) -> torch.Tensor:
+    """Rows of inputs (flat or already shaped) as the float32 batch the network takes."""
+    t = torch.as_tensor(np.asarray(x, dtype=np.float32))
+    size = int(np.prod(structure.input_shape))
+    if t.dim() == 0 or t[0].numel() != size:
+        raise InvalidArgument("x", f"rows must hold {size} values each (input shape {list(structure.input_shape)})")
+    return t.reshape(t.shape[0], *structure.input_shape)
+
+
+@torch.no_grad()
+def module_accuracy(module: nn.Module, structure: PermutationStructure, x: Any, y: Any) -> float:
+    """Top-1 accuracy in eval mode on (x, y)."""
+    module.eval()
+    logits = module(input_batch(structure, x))
+    return float(np.mean(logits.argmax(dim=1).numpy() == np.asarray(y)))
+
+
+def resolve_factory(spec: str, base: str | os.PathLike | None = None) -> str:
+    """``FILE.py:FUNCTION`` with FILE made absolute (against ``base``, default the current
+    directory), so that the daemon, started elsewhere, runs the same file; ``MODULE:FUNCTION``
+    unchanged (it is imported from the site's directory or sys.path)."""
+    if isinstance(spec, str) and spec.count(":") == 1:
+        mod, fn = spec.split(":")
+        if mod.endswith(".py"):
+            p = Path(mod)
+            if not p.is_absolute():
+                p = Path(base or ".") / p
+            return f"{p.resolve()}:{fn}"
+    return spec

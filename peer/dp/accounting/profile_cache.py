@@ -17,7 +17,8 @@ A wrong PLD would under-charge, so an entry is never trusted blindly. It is used
 JSON names the same key inputs, the arrays hash to the stored digest, every array has the shape
 and range a PMF must (finite, non-negative probabilities up to FFT noise; total mass at least 1 − ``MASS_TOLERANCE``;
 the requested interval; pessimistic; one non-negative RDP value per order), and the rebuilt PLD
-gives the stored δ at ``CHECK_EPSILONS`` exactly (a cheap evaluation: one dot product per ε).
+gives the stored δ at ``CHECK_EPSILONS`` (a cheap evaluation: one dot product per ε; equal up to
+``CHECK_RTOL``, the rounding of a sum in another order, as another BLAS thread count gives).
 Anything else (missing, corrupt, tampered, another version) is ignored, rebuilt from the record
 and written again.
 
@@ -56,6 +57,12 @@ CHECK_EPSILONS = (0.5, 2.0, 8.0)
 MASS_TOLERANCE = 1e-6
 MASS_EXCESS = 0.05
 NEGATIVE_NOISE = 1e-12
+# the δ recomputed at load may differ from the recorded ones in their last bits: each is a dot
+# product over the PMF, and BLAS splits a long dot among its threads, so a process with another
+# thread count (a daemon runs with OMP_NUM_THREADS=1) sums in another order (relative error at
+# most n·2⁻⁵³ ≈ 1e-10 at n = 10⁶ probabilities); 1e-9 relative is above that rounding and far
+# below any change of the arrays that would matter (those are hashed besides)
+CHECK_RTOL = 1e-9
 _DIRECTIONS = ("remove", "add")
 
 
@@ -189,7 +196,9 @@ def load_entry(
         if rdp.dtype != np.float64 or rdp.shape != (len(orders),) or np.any(np.isnan(rdp)) or np.any(rdp < 0):
             return None
         pld = pldm.PLD(remove, add)
-        if _check_deltas(pld) != entry.get("deltas_at_check_epsilons"):
+        stored = np.asarray(entry.get("deltas_at_check_epsilons"), dtype=np.float64)
+        got = np.asarray(_check_deltas(pld))
+        if stored.shape != got.shape or not np.allclose(got, stored, rtol=CHECK_RTOL, atol=0.0):
             return None
         rdp.flags.writeable = False
         return pld, rdp
@@ -217,6 +226,11 @@ def cached_profile(
     adjacency = check_adjacency(profiles.model_adjacency(model) if adjacency is None else adjacency)
     known = profiles.remembered_profile(model, adjacency, orders_t, interval)
     if known is not None:
+        # seen in this process (e.g. another pool trained with the same record): the entry is
+        # still written beside this pool when it has none, so its own daemon finds it there
+        if not (Path(directory) / f"{profile_key(model, adjacency, orders_t, interval)}.json").exists():
+            with contextlib.suppress(OSError):
+                save_entry(directory, model, adjacency, orders_t, interval, known.pld, known.rdp)
         return known
     stored = load_entry(directory, model, adjacency, orders_t, interval)
     if stored is None:

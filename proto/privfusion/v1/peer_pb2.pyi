@@ -239,6 +239,18 @@ class MergeRequest(_message.Message):
     delta: float
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., pool: _Optional[str] = ..., method: _Optional[str] = ..., epsilon: _Optional[float] = ..., delta: _Optional[float] = ...) -> None: ...
 
+class SegmentRequest(_message.Message):
+    __slots__ = ("header", "run", "min_round", "max_round")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROUND_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    run: str
+    min_round: int
+    max_round: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., run: _Optional[str] = ..., min_round: _Optional[int] = ..., max_round: _Optional[int] = ...) -> None: ...
+
 class FuseRequest(_message.Message):
     __slots__ = ("header", "model", "partner", "partner_model", "alpha", "activation_epsilon", "weight_epsilon", "weights_epsilon", "weights_delta")
     HEADER_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class PeerStub:
                 request_serializer=privfusion_dot_v1_dot_peer__pb2.LedgerRequest.SerializeToString,
                 response_deserializer=privfusion_dot_v1_dot_peer__pb2.LedgerEntry.FromString,
                 _registered_method=True)
+        self.ReleaseSegment = channel.unary_stream(
+                '/privfusion.v1.Peer/ReleaseSegment',
+                request_serializer=privfusion_dot_v1_dot_peer__pb2.SegmentRequest.SerializeToString,
+                response_deserializer=privfusion_dot_v1_dot_peer__pb2.ReleaseFrame.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -132,6 +137,17 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSegment(self, request, context):
+        """The owner's newest published segment of a multi-round DP-SGD run (its model after a
+        round of local DP-SGD on its records) at round >= min_round. Served from the owner's
+        release store: the segment was charged once when the owner published it, and every
+        request is served the identical bytes again at no charge (Receipt.served_again set);
+        a request never trains nor charges. NOT_FOUND while no such segment exists yet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +180,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ListLedger,
                     request_deserializer=privfusion_dot_v1_dot_peer__pb2.LedgerRequest.FromString,
                     response_serializer=privfusion_dot_v1_dot_peer__pb2.LedgerEntry.SerializeToString,
+            ),
+            'ReleaseSegment': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReleaseSegment,
+                    request_deserializer=privfusion_dot_v1_dot_peer__pb2.SegmentRequest.FromString,
+                    response_serializer=privfusion_dot_v1_dot_peer__pb2.ReleaseFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -328,6 +349,33 @@ class Peer:
             '/privfusion.v1.Peer/ListLedger',
             privfusion_dot_v1_dot_peer__pb2.LedgerRequest.SerializeToString,
             privfusion_dot_v1_dot_peer__pb2.LedgerEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/privfusion.v1.Peer/ReleaseSegment',
+            privfusion_dot_v1_dot_peer__pb2.SegmentRequest.SerializeToString,
+            privfusion_dot_v1_dot_peer__pb2.ReleaseFrame.FromString,
             options,
             channel_credentials,
             insecure,

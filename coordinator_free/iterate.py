@@ -1,0 +1,558 @@
+"""Multi-round peer-to-peer DP training with no coordinator (``method = "iterate"``).
+
+Every site runs this loop on its own, against its peers' daemons; nobody schedules anyone::
+
+    θ_0 = build_model(architecture, seed=init_seed)        # PUBLIC seed: all sites start equal
+    for r = 1 .. R:
+        θ_r^own = DP-GD(θ_{r−1}; own records, local_steps steps, σ, C, η)   # a "segment"
+        store θ_r^own, then CHARGE its training record to our ledger (one data-level charge)
+        publish: every peer that asks gets these identical bytes (served again, no charge)
+        fetch every peer's segment of round r (wait up to wait_s), else its newest older one
+        θ_r = Σ_j w_j θ_r^j / Σ_j w_j                        # fusion (weighted average)
+
+**The segment** is full-batch DP-GD (``peer.dp.training.run_dpsgd``): per step
+θ ← θ − η·(Σ_i clip_C(∇ℓ(θ; x_i, y_i)) + σ·C·z)/n with z ~ N(0, I) from the site's noise
+(CSPRNG-seeded; a fixed seed, reported, only in simulations). Unit of privacy: one of the
+site's training records, under ``adjacency``. Its record (``"dpsgd"``, steps, σ, C, q = 1,
+n, adjacency) is charged to the site's ledger *before* the bytes can leave: the daemon serves a
+segment only when its charge stands (``peer.net.releases.publish_segment``,
+``Site.segment_release``). A segment starts from θ_{r−1}, which is post-processing of what the
+site and its peers already released, so the segments compose *adaptively*: the ledger's RDP
+filter sums them order by order, and refuses the segment that would exceed the data budget —
+the loop then stops (nothing of that segment left the site). All segments together are
+``R·local_steps`` Gaussian steps: the PLD figure (tight; for full batch the composition is the
+Gaussian with μ = √(R·steps)/σ, add-remove) is reported beside the filter's.
+
+**Noise.** σ is the smallest one with which the whole planned run fits (ε, δ) *by the filter
+of this site's ledger* (``peer.budget.calibration.noise_multiplier_for(figure="filter",
+orders=the ledger's orders)``): what the ledger will admit. A ledger created for this run with
+the one order that suits it (``calibration.planned_orders``, a site's ``[policy] orders``)
+carries the whole δ at that order; the default 20 orders split δ twenty ways (σ ≈ 8.24 instead
+of 7.32 for 40 steps at (4, 1e-5), add-remove).
+
+**Fusion rule.** Peer j's segment of our round r is *fresh*; if it has not come within
+``wait_s`` we take its newest older one, *stale* by s = r − its round, and weigh it down by
+``staleness_decay``^s; a peer with no segment at all, unreachable or refusing, is *skipped*
+(and once unreachable, asked again without waiting in later rounds). Weights are
+w_j = n_j · staleness_decay^{s_j}, n_j = the record count each segment's record declares
+(public: the DP-GD denominator), ours included with s = 0. With ``alpha`` set our own weight is
+α and the peers share 1 − α in proportion to their w_j. When every peer is on time and α is
+left to the record counts, every site computes the same average Σ_j n_j θ_r^j / Σ_j n_j, which
+is DP-FedAvg's weighted average with local DP-GD: the same model at every site, with no server.
+No alignment is needed: every model descends from the same public θ_0.
+
+**Outputs** (``out``): each round's fused model in the model store ``OUT/models`` as
+``RUN-r{k}`` (metadata: the round, its contributors and weights) and the JSON report
+``OUT/RUN.json``: per round the segment's ledger entry, σ, ε spent (the ledger's filter figure
+and the PLD of the run's steps so far), bytes received and sent (segment bytes × times served
+again), and which peers contributed, with their staleness. Nothing private is logged: names,
+rounds, ledger ids, public ε and byte counts only.
+
+Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate]``)::
+
+    [round]
+    roster = "roster.toml"
+    model = "mlp"            # our stored model: its architecture (and stored preprocessing)
+    method = "iterate"
+    out = "rounds"
+    call_timeout_s = 60.0
+    [round.iterate]
+    records = "records.npz"  # our training records: .npz (x, y) prepared, or a table the
+                             # model's stored preprocessing reads (CSV/TSV/Parquet); never leave
+    run = "iterate"          # the run's name, the same at every site
+    rounds = 20
+    local_steps = 2
+    learning_rate = 0.5
+    clip_norm = 1.0
+    epsilon = 4.0            # the whole run's per-record budget (σ is calibrated to it) ...
+    delta = 1e-5             # ... at this δ; the ledger's own data budget is the hard stop
+    adjacency = "add-remove"
+    init_seed = 11           # PUBLIC seed of the shared initial model
+    # alpha = 0.5            # our own weight (default: by record counts, as FedAvg)
+    staleness_decay = 0.5    # weight factor per round a peer's segment is behind
+    wait_s = 30.0            # how long to wait for a peer's segment of our round
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator_free.roster import Roster
+from peer.base.config import Section, load_toml
+from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument
+from peer.base.records import now_rfc3339
+
+#: How often a peer's segment of our round is asked for again while we wait for it.
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class IterateConfig:
+    """``[round]`` (roster, model, out, call_timeout_s) + ``[round.iterate]`` of a round file."""
+
+    roster: Path
+    model: str
+    records: Path
+    out: Path
+    run: str = "iterate"
+    rounds: int = 20
+    local_steps: int = 2
+    learning_rate: float = 0.5
+    clip_norm: float = 1.0
+    epsilon: float = 4.0
+    delta: float = 1e-5
+    adjacency: str = "add-remove"
+    init_seed: int = 11
+    alpha: float | None = None
+    staleness_decay: float = 0.5
+    wait_s: float = 30.0
+    call_timeout_s: float = 60.0
+
+    @classmethod
+    def from_section(cls, r: Section, base: Path) -> IterateConfig:
+        from peer.net.releases import check_run_name
+
+        r.known(("roster", "model", "method", "out", "label", "call_timeout_s", "health_timeout_s", "iterate"))
+        if r.string("method") != "iterate":
+            r.fail("method", "must be 'iterate' here")
+        it = r.section("iterate", required=True)
+        it.known(tuple(f for f in cls.__dataclass_fields__ if f not in ("roster", "model", "out", "call_timeout_s")))
+        run = it.string("run", "iterate")
+        try:
+            check_run_name(run, "round.iterate.run")
+        except InvalidArgument as e:
+            it.fail("run", e.rule)
+        records = it.path("records", base)
+        if not records.is_file():
+            it.fail("records", f"{str(records)!r} is not a file (paths are relative to the round file)")
+        return cls(
+            roster=r.path("roster", base).resolve(),
+            model=r.string("model"),
+            records=records.resolve(),
+            out=r.path("out", base, base / "rounds").resolve(),
+            run=run,
+            rounds=it.integer("rounds", 20, minimum=1, maximum=10_000),
+            local_steps=it.integer("local_steps", 2, minimum=1, maximum=100_000),
+            learning_rate=it.number("learning_rate", 0.5, exclusive_minimum=0.0, maximum=100.0),
+            clip_norm=it.number("clip_norm", 1.0, exclusive_minimum=0.0),
+            epsilon=it.number("epsilon", 4.0, exclusive_minimum=0.0, maximum=1000.0),
+            delta=it.number("delta", 1e-5, exclusive_minimum=0.0, maximum=0.1),
+            adjacency=it.string("adjacency", "add-remove", choices=("add-remove", "replace-one")),
+            init_seed=it.integer("init_seed", 11, minimum=0),
+            alpha=it.number("alpha", None, minimum=0.0, maximum=1.0),
+            staleness_decay=it.number("staleness_decay", 0.5, minimum=0.0, maximum=1.0),
+            wait_s=it.number("wait_s", 30.0, minimum=0.0, maximum=3600.0),
+            call_timeout_s=r.number("call_timeout_s", 60.0, exclusive_minimum=0.0, maximum=3600.0),
+        )
+
+
+def is_iterate_file(path: str | os.PathLike) -> bool:
+    """Whether a round file's ``[round]`` says ``method = "iterate"``."""
+    data, _ = load_toml(Path(path), "round file")
+    r = data.get("round")
+    return isinstance(r, dict) and r.get("method") == "iterate"
+
+
+def load_iterate_config(path: str | os.PathLike) -> IterateConfig:
+    p = Path(path)
+    data, text = load_toml(p, "round file")
+    if "round" not in data:
+        raise InvalidArgument(f"round ({p})", "the file has no [round] table")
+    return IterateConfig.from_section(Section(data["round"], ("round",), text, str(p)), p.resolve().parent)
+
+
+# ------------------------------------------------------------------------------ the pure parts
+
+
+def fusion_weights_by_records(
+    records: list[int], staleness: list[int], decay: float, alpha: float | None = None
+) -> list[float]:
+    """Weights (summing to 1) of [own, peer_1, …]: w_j ∝ n_j · decay^{s_j} (own s = 0); with
+    ``alpha``, own gets α and the peers share 1 − α in proportion to their w_j. With every
+    s_j = 0 and no α: n_j / Σ n — DP-FedAvg's weighted average."""
+    raw = [float(n) * decay ** int(s) for n, s in zip(records, staleness, strict=True)]
+    if alpha is None or len(raw) == 1:
+        total = sum(raw)
+        return [w / total for w in raw]
+    peers = sum(raw[1:])
+    if peers <= 0:
+        return [1.0] + [0.0] * (len(raw) - 1)
+    return [alpha] + [(1.0 - alpha) * w / peers for w in raw[1:]]
+
+
+def load_records(path: Path, stored) -> tuple[np.ndarray, np.ndarray]:
+    """The site's own training records, prepared as its model expects: an ``.npz`` with
+    ``x`` (already prepared inputs) and ``y`` (integer labels), or a table file read and
+    prepared by the model's stored preprocessing (``peer.nn.tables``)."""
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            if "x" not in z or "y" not in z:
+                raise InvalidArgument("round.iterate.records", f"{path} must hold arrays 'x' and 'y'")
+            x, y = np.asarray(z["x"]), np.asarray(z["y"])
+    else:
+        if stored.preprocessing is None:
+            raise InvalidArgument(
+                "round.iterate.records",
+                f"{path.name} is a table, but model {stored.name!r} has no stored preprocessing to read it with "
+                "(give an .npz of prepared x, y)",
+            )
+        x, y = stored.preprocessing.transform(stored.preprocessing.read(path))
+    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
+        raise InvalidArgument("round.iterate.records", f"{path.name}: need x (n, …) and y (n,), n ≥ 1")
+    if not np.all(np.isfinite(x)):
+        raise InvalidArgument("round.iterate.records", f"{path.name}: x holds NaN or infinite values")
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def segment_training(cfg: IterateConfig, noise_multiplier: float):
+    """The accountant's TrainingRecord of one segment: local_steps full-batch Gaussian steps."""
+    from peer.dp.accounting import TrainingRecord
+
+    return TrainingRecord.constant(
+        cfg.adjacency, cfg.local_steps, cfg.learning_rate, cfg.clip_norm, noise_multiplier, 1.0
+    )
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+@dataclass
+class IterateResult:
+    status: str  # "finished" | "budget" (the ledger refused a segment) | "interrupted"
+    reason: str
+    rounds_done: int
+    report: dict
+    report_path: Path | None = None
+    models: list[str] = field(default_factory=list)
+
+
+def run_iterate(
+    site_config: str | os.PathLike,
+    cfg: IterateConfig,
+    *,
+    on_event: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+) -> IterateResult:
+    """Run the loop of the module docstring for the site of ``site_config`` (its identity,
+    model store, ledger and policy: the ledger is opened with the site's policy, as its daemon
+    does; SQLite makes the two processes' writes safe)."""
+    import torch
+
+    from peer.base.rng import make_randomness
+    from peer.budget.calibration import noise_multiplier_for, run_epsilon
+    from peer.budget.ledger import Ledger
+    from peer.budget.policy import Policy
+    from peer.dp.training import classifier_loss, dpsgd_release_record, run_dpsgd
+    from peer.ldp.fusion import average_arrays
+    from peer.net import wire
+    from peer.net.client import PeerClient, PeerError
+    from peer.net.identity import load_identity
+    from peer.net.releases import ReleaseStore, StoredRelease, publish_segment, release_sha256, segment_key
+    from peer.net.site import SiteConfig
+    from peer.nn.architectures import build_model, input_tensor
+    from peer.nn.store import load_model, save_model
+
+    emit = on_event or (lambda e: None)
+    stop = stop or threading.Event()
+    site = SiteConfig.load(site_config)
+    identity = load_identity(site.identity)
+    if identity.name != site.name:
+        raise FailedPrecondition(f"site.name is {site.name!r} but the identity in {site.identity} is {identity.name!r}")
+    me = site.name
+    policy = Policy.from_toml(Path(site_config))
+    if policy.data is None or policy.data.unit != f"record:{cfg.adjacency}":
+        raise FailedPrecondition(
+            f"{site_config}: the run's segments are data-level releases per record:{cfg.adjacency}; the site's "
+            f"policy needs a [policy.data] budget in that unit"
+        )
+    stored = load_model(site.models, cfg.model)
+    arch = dict(stored.architecture)
+    x, y = load_records(cfg.records, stored)
+    n = len(y)
+    ledger = Ledger(site.ledger, policy)
+    store = ReleaseStore(site.ledger.with_name(site.ledger.stem + ".releases"))
+    total_steps = cfg.rounds * cfg.local_steps
+    sigma = noise_multiplier_for(
+        cfg.epsilon, cfg.delta, total_steps, adjacency=cfg.adjacency, figure="filter", orders=ledger.orders
+    )
+    # Noise: fresh CSPRNG streams; a simulation's fixed site seed (reported) is moved off the
+    # daemon's own stream so that the two never draw the same numbers.
+    rnd_master = make_randomness(None if site.seed is None else site.seed + 2**31)
+    roster = Roster.load(cfg.roster)
+    peers = [p for p in roster.peers_of(me)]
+    clients = {p.name: PeerClient(identity, p.address, peer=p.name) for p in peers}
+    module = build_model(arch, seed=cfg.init_seed)
+    loss = classifier_loss(module)
+    xt = input_tensor(arch, x)
+    yt = torch.as_tensor(y, dtype=torch.long)
+    theta = {k: v.detach().numpy().astype(np.float32) for k, v in module.named_parameters()}
+    out_models = cfg.out / "models"
+    report: dict[str, Any] = {
+        "site": me,
+        "run": cfg.run,
+        "method": "iterate",
+        "started_at": now_rfc3339(),
+        "records": n,
+        "plan": {
+            "rounds": cfg.rounds,
+            "local_steps": cfg.local_steps,
+            "learning_rate": cfg.learning_rate,
+            "clip_norm": cfg.clip_norm,
+            "noise_multiplier": sigma,
+            "sample_rate": 1.0,
+            "adjacency": cfg.adjacency,
+            "epsilon": cfg.epsilon,
+            "delta": cfg.delta,
+            "init_seed": cfg.init_seed,
+            "ledger_orders": list(ledger.orders),
+            "alpha": cfg.alpha,
+            "staleness_decay": cfg.staleness_decay,
+            "wait_s": cfg.wait_s,
+            "noise_multiplier_figure": "filter of this site's ledger (its orders, δ split across them)",
+            "randomness": rnd_master.record_fields(),
+        },
+        "rounds": [],
+    }
+    emit({"event": "iterate-started", "site": me, "run": cfg.run, "peers": [p.name for p in peers], "sigma": sigma})
+    gone: set[str] = set()
+    status, reason = "finished", f"all {cfg.rounds} rounds done"
+    models: list[str] = []
+    try:
+        for r in range(1, cfg.rounds + 1):
+            if stop.is_set():
+                status, reason = "interrupted", f"stopped before round {r}"
+                break
+            t0 = time.monotonic()
+            # ---- the segment: local DP-GD from θ_{r−1} on our records
+            training = segment_training(cfg, sigma)
+            rnd = rnd_master.spawn()
+            params0 = {k: torch.from_numpy(np.array(v)) for k, v in theta.items()}
+            trained = run_dpsgd(loss, params0, xt, yt, training.steps, randomness=rnd, dataset_size=n)
+            own = {k: v.numpy().astype(np.float32) for k, v in trained.params.items()}
+            tensors = [(k, own[k]) for k in sorted(own)]
+            record = dpsgd_release_record(
+                training, delta=cfg.delta, dataset_size=n, randomness=rnd, init_seed=cfg.init_seed,
+                architecture=arch, subject=cfg.run,
+            )  # fmt: skip
+            digest = release_sha256([(k, wire.digest(a)) for k, a in tensors])
+            record = record.with_(
+                parameters={
+                    **record.parameters,
+                    "release_sha256": digest,
+                    "segment": {
+                        "run": cfg.run,
+                        "round": r,
+                        "start": "the site's fused model of the previous round (post-processing of released "
+                        "segments); round 1 starts from build_model(architecture, init_seed)",
+                    },
+                }
+            )
+            key = segment_key(cfg.run, r)
+            metadata = {"run": cfg.run, "round": r, "records": n}
+            try:
+                entry_id = publish_segment(
+                    store, ledger, cfg.run, r, StoredRelease(key, record, arch, metadata, tensors)
+                )
+            except BudgetExhausted as e:
+                status, reason = "budget", f"round {r}: the ledger refused the segment (nothing released): {e}"
+                emit({"event": "iterate-budget", "site": me, "round": r, "reason": str(e)})
+                break
+            spent = _data_spent(ledger)
+            eps_pld = run_epsilon(sigma, r * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld")
+            emit(
+                {"event": "segment", "site": me, "round": r, "entry_id": entry_id, "epsilon_filter": spent,
+                 "epsilon_pld": eps_pld}
+            )  # fmt: skip
+            # ---- fetch every peer's segment of round r (or its newest older one)
+
+            def fetch(name: str, r: int = r) -> dict:
+                return _fetch_segment(clients[name], name, cfg, r, name in gone, stop, PeerError)
+
+            with ThreadPoolExecutor(max_workers=max(1, len(peers))) as pool:
+                got = dict(zip([p.name for p in peers], pool.map(fetch, [p.name for p in peers]), strict=True))
+            arrays, counts, stale, contributors = [own], [n], [0], []
+            for name, g in got.items():
+                if g["state"] == "gone":
+                    gone.add(name)
+                elif name in gone and g["state"] in ("fresh", "stale"):
+                    gone.discard(name)
+                if g.get("arrays") is None:
+                    continue
+                arrays.append(g.pop("arrays"))
+                counts.append(g["records"])
+                stale.append(g["staleness"])
+                contributors.append(name)
+            for g in got.values():
+                g.pop("arrays", None)
+            weights = fusion_weights_by_records(counts, stale, cfg.staleness_decay, cfg.alpha)
+            theta = average_arrays(arrays, weights)
+            theta = {k: np.asarray(v, dtype=np.float32) for k, v in theta.items()}
+            name = f"{cfg.run}-r{r}"
+            save_model(
+                out_models,
+                name,
+                arch,
+                theta,
+                {"run": cfg.run, "round": r, "contributors": [me, *contributors], "weights": weights},
+                stored.preprocessing,
+            )
+            models.append(name)
+            for c, w in zip(contributors, weights[1:], strict=True):
+                got[c]["weight"] = w
+            report["rounds"].append(
+                {
+                    "round": r,
+                    "segment": {"entry_id": entry_id, "release_id": record.release_id, "bytes": _nbytes(tensors)},
+                    "epsilon_filter": spent,
+                    "epsilon_pld": eps_pld,
+                    "model": name,
+                    "contributors": contributors,
+                    "own_weight": weights[0],
+                    "peers": got,
+                    "bytes_received": int(sum(g.get("bytes", 0) for g in got.values())),
+                    "seconds": round(time.monotonic() - t0, 3),
+                }
+            )
+            emit(
+                {"event": "iterate-fused", "site": me, "round": r, "contributors": contributors,
+                 "stale": {c: got[c]["staleness"] for c in contributors if got[c]["staleness"]}}
+            )  # fmt: skip
+        if status == "finished":
+            # Our last segment is still wanted by peers finishing their last round: let them
+            # fetch it before we count bytes sent (their waiting is bounded by wait_s).
+            _linger(ledger, report, cfg, len(peers), stop)
+        _bytes_sent(ledger, report)
+        report["status"], report["reason"] = status, reason
+        report["rounds_done"] = len(report["rounds"])
+        report["finished_at"] = now_rfc3339()
+        report["noise_multiplier"] = sigma
+        report["epsilon_filter"] = _data_spent(ledger)
+        report["epsilon_pld"] = (
+            run_epsilon(
+                sigma, len(report["rounds"]) * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld"
+            )
+            if report["rounds"]
+            else 0.0
+        )
+        report["bytes_sent"] = int(sum(x["bytes_sent"] for x in report["rounds"]))
+        report["bytes_received"] = int(sum(x["bytes_received"] for x in report["rounds"]))
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        path = cfg.out / f"{cfg.run}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+        os.replace(tmp, path)
+        emit({"event": "iterate-finished", "site": me, "status": status, "rounds": len(report["rounds"])})
+        return IterateResult(status, reason, len(report["rounds"]), report, path, models)
+    finally:
+        for c in clients.values():
+            c.close()
+        ledger.close()
+
+
+def _nbytes(tensors) -> int:
+    return int(sum(a.nbytes for _, a in tensors))
+
+
+def _data_spent(ledger) -> float:
+    """The ledger's data-level filter figure: ε spent at the budget's δ (every data release)."""
+    for s in ledger.budget_states():
+        if s.key.level == "data":
+            return float(s.spent_epsilon)
+    return 0.0
+
+
+def _fetch_segment(client, name: str, cfg: IterateConfig, r: int, was_gone: bool, stop, PeerError) -> dict:
+    """Peer ``name``'s segment for our round ``r``: exactly round r if it comes within wait_s
+    (polling while the peer answers NOT_FOUND), else its newest older one; ``state`` is
+    "fresh", "stale" (with ``staleness`` = r − its round), "skipped" (nothing yet) or "gone"
+    (unreachable or refusing). A peer found gone before is asked once, without waiting."""
+    deadline = time.monotonic() + (0.0 if was_gone else cfg.wait_s)
+    t0 = time.monotonic()
+    while True:
+        try:
+            rel = client.segment(cfg.run, min_round=r, max_round=r, timeout=cfg.call_timeout_s)
+            break
+        except PeerError as e:
+            if e.status != "NOT_FOUND":
+                return {"state": "gone", "reason": f"{e.status}: {e}", "staleness": None, "arrays": None}
+            if time.monotonic() >= deadline or stop.is_set():
+                try:
+                    rel = client.segment(cfg.run, min_round=0, max_round=r, timeout=cfg.call_timeout_s)
+                    break
+                except PeerError as e2:
+                    state = "skipped" if e2.status == "NOT_FOUND" else "gone"
+                    return {"state": state, "reason": f"{e2.status}: {e2}", "staleness": None, "arrays": None}
+            time.sleep(POLL_S)
+    their = int(rel.metadata.get("round", rel.receipt.record.parameters.get("segment", {}).get("round", 0)))
+    records = int(rel.receipt.record.parameters.get("dataset_size", 0))
+    if records <= 0:
+        return {"state": "gone", "reason": "its segment's record declares no dataset_size", "staleness": None}
+    return {
+        "state": "fresh" if their == r else "stale",
+        "round": their,
+        "staleness": r - their,
+        "records": records,
+        "bytes": int(rel.total_bytes or sum(a.nbytes for a in rel.arrays.values())),
+        "entry_id": rel.receipt.ledger_entry_id,
+        "served_again": rel.receipt.served_again,
+        "waited_s": round(time.monotonic() - t0, 3),
+        "arrays": {k: np.asarray(v, dtype=np.float32) for k, v in rel.arrays.items()},
+    }
+
+
+def _linger(ledger, report: dict, cfg: IterateConfig, peers: int, stop) -> None:
+    """Keep the run open (the daemon serves; we only watch) until every peer fetched our last
+    segment or wait_s passed."""
+    if not report["rounds"] or peers == 0:
+        return
+    rid = report["rounds"][-1]["segment"]["release_id"]
+    deadline = time.monotonic() + cfg.wait_s
+    while time.monotonic() < deadline and not stop.is_set():
+        if len({s["counterparty"] for s in ledger.served_again(release_id=rid)}) >= peers:
+            return
+        time.sleep(POLL_S)
+
+
+def _bytes_sent(ledger, report: dict) -> None:
+    """Bytes of our segments served to peers: each served-again row is one full copy."""
+    for x in report["rounds"]:
+        rows = ledger.served_again(release_id=x["segment"]["release_id"])
+        x["served_to"] = sorted(s["counterparty"] for s in rows)
+        x["bytes_sent"] = int(x["segment"]["bytes"] * len(rows))
+
+
+def describe(e: dict) -> str | None:
+    """One human line for an iterate event (None: routine)."""
+    who = f"[{e['site']}]"
+    ev = e["event"]
+    if ev == "iterate-started":
+        return f"{who} iterate run {e['run']!r} started: peers {', '.join(e['peers'])}, σ = {e['sigma']:.4g}"
+    if ev == "iterate-budget":
+        return f"{who} round {e['round']}: the ledger refused the segment; the run stops at the budget"
+    if ev == "iterate-finished":
+        return f"{who} iterate run {e['status']} after {e['rounds']} rounds"
+    if ev == "iterate-fused" and e["round"] % 5 == 0:
+        return f"{who} round {e['round']} fused with {', '.join(e['contributors']) or 'nobody'}"
+    return None
+
+
+__all__ = [
+    "IterateConfig",
+    "IterateResult",
+    "fusion_weights_by_records",
+    "is_iterate_file",
+    "load_iterate_config",
+    "load_records",
+    "run_iterate",
+    "segment_training",
+]
