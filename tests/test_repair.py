@@ -146,3 +146,43 @@ def test_repair_improves_a_graph_matched_fused_pair_on_digits():
     assert after > before + 0.01, (before, after)
     tuned = fine_tune(repaired, xa, y_tr[parts[0]], seed=0, epochs=2)
     assert accuracy(arch, tuned, ds.x_test, ds.y_test) > 0.5
+
+
+def test_repair_of_a_cnn_sets_per_channel_moments_over_records_and_positions_and_is_idle_on_a_self_fusion():
+    """On a CNN without BatchNorm every conv (and the hidden Linear) is an affine point: after
+    REPAIR each channel's mean and std over (N, H, W) are the targets; and fusing a network with
+    a permuted copy of itself, re-aligned, leaves nothing to repair (targets = its own moments)."""
+    from peer.nn.architectures import build_model
+
+    arch = {"kind": "cnn", "input_shape": [1, 8, 8], "channels": [6, 12], "pool": [2, 2], "hidden": [20]}
+    arch["output_dim"] = 10
+    a, b = build_model(arch, seed=1).eval(), build_model(arch, seed=2).eval()
+    s = import_structure(a, [1, 8, 8])
+    assert [(p.module, p.kind) for p in s.stat_points] == [("0", "affine"), ("3", "affine"), ("7", "affine")]
+    x = torch.randn(200, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    fused = _fuse(a, b.state_dict(), 0.5, build_model(arch))
+    repaired = repair_fusion(fused, a, b, s.stat_points, 0.5, x)
+    targets = interpolated_statistics(unit_statistics(a, s.stat_points, x), unit_statistics(b, s.stat_points, x), 0.5)
+    outs = {}
+    hooks = [
+        dict(repaired.named_modules())[p.module].register_forward_hook(
+            lambda m, args, out, name=p.module: outs.__setitem__(name, out)
+        )
+        for p in s.stat_points
+    ]
+    with torch.no_grad():
+        repaired(x)
+    for h in hooks:
+        h.remove()
+    for name in ("0", "3"):  # conv outputs (N, C, H, W): moments per channel over N, H, W
+        t = outs[name].double()
+        np.testing.assert_allclose(t.mean(dim=(0, 2, 3)).numpy(), targets[name].mean, atol=1e-4)
+        np.testing.assert_allclose(t.std(dim=(0, 2, 3), unbiased=False).numpy(), targets[name].std, rtol=1e-4)
+    perms = random_permutations(s, np.random.default_rng(0))
+    copy = build_model(arch).eval()
+    copy.load_state_dict(permute_state(s, a.state_dict(), perms))
+    aligned = permute_state(s, copy.state_dict(), {g: np.argsort(p) for g, p in perms.items()})
+    self_fused = _fuse(a, aligned, 0.3, build_model(arch))
+    again = repair_fusion(self_fused, a, self_fused, s.stat_points, 0.3, x)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), a(x), rtol=1e-4, atol=1e-4)

@@ -1,12 +1,23 @@
 """``privfusion experiment fusion``: the paper's Table I — fusion methods on digits.
 
-privfusion experiment fusion --dataset digits [--model mlp|cnn] [--json] [--seed N]
+privfusion experiment fusion --dataset digits [--model mlp|cnn|resnet] [--channels C1,C2] [--json] [--seed N]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+
+
+def _channels(value: str) -> tuple[int, int]:
+    try:
+        widths = tuple(int(c) for c in value.split(","))
+    except ValueError:
+        widths = ()
+    if len(widths) != 2 or min(widths) <= 0:
+        raise argparse.ArgumentTypeError(f"--channels must be two positive integers C1,C2, got {value!r}")
+    return widths
 
 
 def register_experiment(group) -> None:
@@ -18,6 +29,12 @@ def register_experiment(group) -> None:
         default="mlp",
         help="MLP 64-128-128-10, CNN 16-32 conv + 128, or a residual CNN with BatchNorm (16, 32 channels)",
     )
+    f.add_argument(
+        "--channels",
+        type=_channels,
+        default=None,
+        help="the two conv stages' widths of the cnn/resnet as C1,C2 (default 16,32), e.g. 64,128",
+    )
     f.add_argument("--seed", type=int, default=0, help="seed for data splits, training and (fixed, reported) noise")
     f.add_argument("--epochs", type=int, default=40)
     f.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
@@ -27,7 +44,7 @@ def register_experiment(group) -> None:
 def _fusion(args) -> int:
     from peer.experiments.fusion import FusionConfig, run
 
-    cfg = FusionConfig(model=args.model, seed=args.seed, epochs=args.epochs)
+    cfg = FusionConfig(model=args.model, seed=args.seed, epochs=args.epochs, channels=args.channels)
 
     def progress(s: str) -> None:
         print(f"  {s}", file=sys.stderr, flush=True)
@@ -61,6 +78,8 @@ def format_fusion_table(results: dict) -> str:
         "graph_matching_repair",
         "group_matching",
         "group_matching_repair",
+        "activation_matching",
+        "activation_matching_repair",
     ]
     for name in (n for n in names if n in results[splits[0]]["methods"]):
         cells = []

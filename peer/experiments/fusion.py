@@ -13,6 +13,10 @@ Site A then fuses its model with site B's by each method and reports test accura
   hidden unit's pre-activation mean and std reset to the α-interpolation of the endpoints',
   all measured by site A on its own training records (B's statistics from running the aligned
   model A received — post-processing);
+- ``activation_matching`` / ``activation_matching_repair``: REPAIR's own alignment as the
+  reference for the matchers — per-group correlations of A's and B's units over A's own
+  records and every spatial position (``peer.ldp.group_matching.group_correlations``), one
+  linear assignment per group, on the exact models; then α-fusion, and REPAIR as above;
 - PrivFusion at ε_x = ε_w = ε_f = ε: B releases Laplace activations and multi-bit weight
   features (site A matches against them) and PFA-perturbed weights (site A fuses them), under
   the per-entry unit (``privfusion``, the paper's proofs) and the per-neuron unit
@@ -40,7 +44,13 @@ from torch import nn
 
 from peer.base.rng import make_randomness
 from peer.ldp.fusion import ensemble_proba, fuse_arrays, permute_arrays, vanilla_average, weight_matching
-from peer.ldp.group_matching import fuse_state, group_activations, match_groups
+from peer.ldp.group_matching import (
+    fuse_state,
+    group_activations,
+    group_correlations,
+    match_correlations,
+    match_groups,
+)
 from peer.ldp.matching import match_graphs
 from peer.ldp.mechanisms import perturb_graph, perturb_model_weights
 from peer.ldp.mechanisms.groups import perturb_group_activations, perturb_group_weights
@@ -99,6 +109,9 @@ class FusionConfig:
     #: public clip range of the resnet's group activations (pre-activation conv/BatchNorm outputs,
     #: spatially averaged: they take both signs)
     group_activation_clip: tuple[float, float] = (-2.0, 2.0)
+    #: the two conv stages' channels of the cnn and resnet models (None: 16, 32 — the defaults
+    #: of ``ARCHITECTURES`` and ``DigitsResNet``); wider networks fuse with a smaller barrier
+    channels: tuple[int, int] | None = None
 
 
 @dataclass
@@ -130,7 +143,12 @@ def _sweep(alphas, fn: Callable[[float], float]) -> list[list[float]]:
 
 
 def _architecture(cfg: FusionConfig) -> dict:
-    return cfg.architecture if cfg.architecture is not None else ARCHITECTURES[cfg.model]
+    if cfg.architecture is not None:
+        return cfg.architecture
+    arch = ARCHITECTURES[cfg.model]
+    if cfg.channels is not None and arch["kind"] == "cnn":
+        arch = {**arch, "channels": [int(c) for c in cfg.channels]}
+    return arch
 
 
 def _sites(cfg: FusionConfig, split: str):
@@ -190,6 +208,19 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
     repaired = _repairer(arch, a, x_tr[parts[0]], ds.x_test, ds.y_test)
     res.alpha_sweep["graph_matching_repair"] = _sweep(cfg.alphas, lambda al: repaired(b_gm, al))
 
+    progress(f"{split}: activation matching")
+    # REPAIR's own matching, as the reference for the graph matcher: correlations of every
+    # hidden unit pair over A's own records and every spatial position, on the exact models
+    x_own = input_tensor(arch, x_tr[parts[0]])
+    structure = derive_structure(models[0], x_own.shape[1:])
+    am = match_correlations(structure, group_correlations(models[0], models[1], structure, x_own))
+    b_am = permute_state(structure, b, am)
+    res.alpha_sweep["activation_matching"] = _sweep(cfg.alphas, lambda al: acc(fuse_arrays(a, b_am, al)))
+    res.alpha_sweep["activation_matching_repair"] = _sweep(cfg.alphas, lambda al: repaired(b_am, al))
+    res.permutation_agreement["activation_matching"] = _agreement(
+        [am[g.name] for g in structure.groups], gm.permutations
+    )
+
     for u, (unit, key) in enumerate((("entry", "privfusion"), ("neuron", "privfusion_per_neuron"))):
         for k, eps in enumerate(cfg.epsilons):
             progress(f"{split}: PrivFusion, per-{unit}, epsilon={eps:g}")
@@ -223,6 +254,8 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
         "weight_matching",
         "graph_matching",
         "graph_matching_repair",
+        "activation_matching",
+        "activation_matching_repair",
     ):
         res.methods[name] = dict(res.alpha_sweep[name])[0.5]
     res.permutation_agreement["weight_matching"] = _agreement(wm.permutations, gm.permutations)
@@ -294,6 +327,14 @@ def permutation_recovery(cfg: FusionConfig, progress: Callable[[str], None] = la
         "fraction_correct": _agreement(exact.permutations, truth),
         "fused_accuracy": acc(fuse_arrays(a, permute_arrays(arch, b, exact.permutations), 0.5)),
     }
+    copy = model_from_arrays(arch, b)
+    x_own = input_tensor(arch, ds.x_train[train_idx])
+    structure = derive_structure(model, x_own.shape[1:])
+    am = match_correlations(structure, group_correlations(model, copy, structure, x_own))
+    out["activation_matching"] = {
+        "fraction_correct": _agreement([am[g.name] for g in structure.groups], truth),
+        "fused_accuracy": acc(fuse_arrays(a, permute_state(structure, b, am), 0.5)),
+    }
     for u, unit in enumerate(("entry", "neuron")):
         for k, eps in enumerate(cfg.epsilons):
             progress(f"permutation recovery: per-{unit}, epsilon={eps:g}")
@@ -351,10 +392,10 @@ def _images(x) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(-1, 1, 8, 8)
 
 
-def _resnet(arrays: dict | None = None, seed: int | None = None) -> DigitsResNet:
+def _resnet(arrays: dict | None = None, seed: int | None = None, channels=None) -> DigitsResNet:
     if seed is not None:
         torch.manual_seed(seed)
-    m = DigitsResNet()
+    m = DigitsResNet(*(channels or ()))
     if arrays is not None:
         m.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in arrays.items()})
     return m.eval()
@@ -371,7 +412,9 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
     permutation groups yet, so this model is aligned by :func:`peer.ldp.group_matching.match_groups`
     (activations on the public probes and weights, non-private: ``group_matching``), fused on
     every float entry of the state (BatchNorm statistics included) and repaired by resetting
-    its BatchNorms on A's own records (``group_matching_repair``). PrivFusion over groups, per
+    its BatchNorms on A's own records (``group_matching_repair``); aligned instead by REPAIR's
+    per-position activation correlations on A's own records (``activation_matching[_repair]``,
+    the far better alignment of the two). PrivFusion over groups, per
     group element (``peer.ldp.mechanisms.groups``): B releases Laplace group activations and PFA
     weights at ε each (sequential: 2ε per element); A matches its exact features against them,
     fuses the released weights at α = ½ (``privfusion_per_neuron``) and repairs
@@ -381,7 +424,7 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
     with torch_threads(1):
         models = [
             fine_tune(
-                _resnet(seed=cfg.seed + 1 + i),
+                _resnet(seed=cfg.seed + 1 + i, channels=cfg.channels),
                 _images(x_tr[p]),
                 y_tr[p],
                 seed=cfg.seed + 1 + i,
@@ -398,9 +441,11 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
             return float(np.mean(_proba(m, ds.x_test).argmax(1) == ds.y_test))
 
         def fused(b_aligned, alpha, repaired):
-            f = _resnet(fuse_state(structure, a, b_aligned, alpha))
+            f = _resnet(fuse_state(structure, a, b_aligned, alpha), channels=cfg.channels)
             if repaired and 0.0 < alpha < 1.0:
-                f = repair_fusion(f, models[0], _resnet(b_aligned), structure.stat_points, alpha, x_own)
+                f = repair_fusion(
+                    f, models[0], _resnet(b_aligned, channels=cfg.channels), structure.stat_points, alpha, x_own
+                )
             return acc(f)
 
         res = SplitResult()
@@ -424,6 +469,11 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
         b_gm = permute_state(structure, b, perms)
         res.alpha_sweep["group_matching"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, False))
         res.alpha_sweep["group_matching_repair"] = _sweep(cfg.alphas, lambda al: fused(b_gm, al, True))
+        progress(f"{split}: activation matching")
+        am = match_correlations(structure, group_correlations(models[0], models[1], structure, x_own))
+        b_am = permute_state(structure, b, am)
+        res.alpha_sweep["activation_matching"] = _sweep(cfg.alphas, lambda al: fused(b_am, al, False))
+        res.alpha_sweep["activation_matching_repair"] = _sweep(cfg.alphas, lambda al: fused(b_am, al, True))
         acts_a = group_activations(models[0], structure, probes)
         acts_b = group_activations(models[1], structure, probes)
         for k, eps in enumerate(cfg.epsilons):
@@ -450,6 +500,8 @@ def run_split_resnet(cfg: FusionConfig, split: str, progress: Callable[[str], No
         "prediction_ensemble",
         "group_matching",
         "group_matching_repair",
+        "activation_matching",
+        "activation_matching_repair",
     ):
         res.methods[name] = dict(res.alpha_sweep[name])[0.5]
     return res
@@ -462,7 +514,12 @@ def permutation_recovery_resnet(cfg: FusionConfig, progress: Callable[[str], Non
     progress("permutation recovery: training one ResNet")
     with torch_threads(1):
         model = fine_tune(
-            _resnet(seed=cfg.seed + 11), _images(x_tr), y_tr, seed=cfg.seed + 11, epochs=cfg.epochs, learning_rate=1e-3
+            _resnet(seed=cfg.seed + 11, channels=cfg.channels),
+            _images(x_tr),
+            y_tr,
+            seed=cfg.seed + 11,
+            epochs=cfg.epochs,
+            learning_rate=1e-3,
         )
         structure = import_structure(model, [1, 8, 8])
         a = {k: v.numpy() for k, v in model.state_dict().items()}
@@ -474,19 +531,22 @@ def permutation_recovery_resnet(cfg: FusionConfig, progress: Callable[[str], Non
             a,
             b,
             group_activations(model, structure, probes),
-            group_activations(_resnet(b), structure, probes),
+            group_activations(_resnet(b, channels=cfg.channels), structure, probes),
             seed=cfg.seed,
         )
         truth = {g: np.argsort(p) for g, p in perms.items()}
-        correct = sum(int(np.sum(found[g] == truth[g])) for g in truth) / sum(len(p) for p in truth.values())
-        fused = _resnet(fuse_state(structure, a, permute_state(structure, b, found), 0.5))
-        return {
-            "original_accuracy": float(np.mean(_proba(model, ds.x_test).argmax(1) == ds.y_test)),
-            "group_matching": {
-                "fraction_correct": correct,
+        am = match_correlations(
+            structure, group_correlations(model, _resnet(b, channels=cfg.channels), structure, _images(x_tr))
+        )
+        out: dict[str, Any] = {"original_accuracy": float(np.mean(_proba(model, ds.x_test).argmax(1) == ds.y_test))}
+        for name, p in (("group_matching", found), ("activation_matching", am)):
+            fused = _resnet(fuse_state(structure, a, permute_state(structure, b, p), 0.5), channels=cfg.channels)
+            out[name] = {
+                "fraction_correct": sum(int(np.sum(p[g] == truth[g])) for g in truth)
+                / sum(len(t) for t in truth.values()),
                 "fused_accuracy": float(np.mean(_proba(fused, ds.x_test).argmax(1) == ds.y_test)),
-            },
-        }
+            }
+        return out
 
 
 def run(cfg: FusionConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
