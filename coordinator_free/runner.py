@@ -254,7 +254,7 @@ class _OwnNetwork:
         return None
 
     def align(self, architecture, arrays, who: str) -> tuple[dict[str, np.ndarray], dict]:
-        """The received state dict aligned to ours (group matching on the probe set), after
+        """The received state dict aligned to ours (activation matching on the probe set), after
         checking that its structure digest is ours (FailedPrecondition naming the first
         difference) and loading it, strictly, into our own module."""
         from peer.ldp.pipeline import align_groups
@@ -267,7 +267,7 @@ class _OwnNetwork:
         aligned = alignment.apply(self.structure, state)
         # the permutations stay in the requester's own report
         return aligned, {
-            "matcher": "group matching (activations on the probe set + weight matching)",
+            "matcher": "activation matching (unit correlations on the probe set, per permutation group)",
             "permutations": {g: p.tolist() for g, p in alignment.permutations.items()},
         }
 
