@@ -202,3 +202,41 @@ def test_directional_deltas_match_dp_accounting():
         np.testing.assert_allclose(mine, np.clip(theirs.get_delta_for_epsilon(eps), 0, 1), rtol=1e-9, atol=1e-15)
     few = pldm.directional_deltas(p, eps[::40])
     np.testing.assert_allclose(few[0], pldm.directional_deltas(p, eps)[0][::40], rtol=1e-9, atol=1e-15)
+
+
+def test_pmf_deltas_on_the_tail_only_are_the_whole_grid_computation():
+    """δ(ε) at a few ε is computed from the losses above ε alone; it must be the very same numbers
+    as the sum over the whole grid (np.searchsorted on all losses), bit for bit."""
+    import numpy as np
+
+    from peer.dp.accounting.pld import (
+        _first_above,
+        _pmf_deltas,
+        directions,
+        laplace_pld,
+        self_compose,
+        subsampled_gaussian_pld,
+    )
+
+    def whole_grid(pmf, eps):
+        d = pmf.to_dense_pmf()
+        losses = (d._lower_loss + np.arange(d._probs.size)) * d._discretization
+        out = []
+        for e in eps:
+            start = int(np.searchsorted(losses, e, side="right"))
+            out.append(float(d._infinity_mass) + float(np.dot(d._probs[start:], -np.expm1(e - losses[start:]))))
+        return np.array(out)
+
+    eps = np.array([-1.0, 0.0, 0.5, 1.0, 2.0, 3.7, 10.0, 100.0])
+    for pld in (
+        self_compose(subsampled_gaussian_pld(1.0, 0.02, "add-remove", 1e-4), 2000),
+        laplace_pld(1.0, 1e-4),
+        self_compose(subsampled_gaussian_pld(2.0, 1.0, "replace-one", 1e-3), 30),
+    ):
+        for pmf in directions(pld):
+            assert np.array_equal(_pmf_deltas(pmf, eps), whole_grid(pmf, eps))
+    rng = np.random.default_rng(0)
+    for lower, h, n in [(-500, 1e-4, 100_000), (3, 1e-3, 10), (-20, 0.1, 50)]:
+        losses = (lower + np.arange(n)) * h
+        for e in [*rng.uniform(losses[0] - 1, losses[-1] + 1, 500), *losses[:: max(1, n // 200)]]:
+            assert _first_above(lower, h, n, float(e)) == int(np.searchsorted(losses, e, side="right"))

@@ -70,6 +70,24 @@ def is_non_private(pld: PLD) -> bool:
     return infinity_mass(pld) >= 1.0
 
 
+def _first_above(lower_loss: int, h: float, n: int, e: float) -> int:
+    """The first k in [0, n] with (lower_loss + k)·h > e — what np.searchsorted(losses, e,
+    side="right") returns on the grid losses = (lower_loss + arange(n))·h — without making the
+    whole grid."""
+
+    def loss(k: int) -> float:
+        return float(((lower_loss + np.arange(k, k + 1)) * h)[0])  # the grid's own arithmetic
+
+    if n == 0 or not math.isfinite(e):
+        return 0 if e < 0 or n == 0 else n
+    k = min(max(math.floor(e / h) - lower_loss + 1, 0), n)
+    while k > 0 and loss(k - 1) > e:
+        k -= 1
+    while k < n and loss(k) <= e:
+        k += 1
+    return k
+
+
 def _pmf_deltas(pmf, eps: np.ndarray) -> np.ndarray:
     """δ(ε) = P(L = ∞) + Σ_{l > ε} p_l (1 − e^{ε − l}) of one direction's PMF, for sorted ε.
 
@@ -80,13 +98,18 @@ def _pmf_deltas(pmf, eps: np.ndarray) -> np.ndarray:
     h = dense._discretization
     probs = dense._probs
     inf_mass = float(dense._infinity_mass)
-    losses = (dense._lower_loss + np.arange(probs.size)) * h
+    lower_loss = dense._lower_loss
     if eps.size <= 16:
+        # only the losses above each ε are needed: the same grid values (lower_loss + k)·h, made
+        # for the tail alone (the first index with loss > ε is found on the grid, then checked
+        # against the very values np.searchsorted would compare)
         out = np.empty(eps.size)
         for i, e in enumerate(eps):
-            start = int(np.searchsorted(losses, e, side="right"))
-            out[i] = inf_mass + float(np.dot(probs[start:], -np.expm1(e - losses[start:])))
+            start = _first_above(lower_loss, h, probs.size, float(e))
+            tail = (lower_loss + np.arange(start, probs.size)) * h
+            out[i] = inf_mass + float(np.dot(probs[start:], -np.expm1(e - tail)))
         return out
+    losses = (lower_loss + np.arange(probs.size)) * h
     span = losses[-1] - losses[0] if losses.size else 0.0
     if span > 600:
         return np.asarray(pmf.get_delta_for_epsilon(eps), dtype=float)
