@@ -254,12 +254,17 @@ def cached_profiles(
 ) -> list[profiles.PrivacyProfile]:
     """``cached_profile`` of each model under one adjacency (``profiles.resolve_adjacency``)."""
     adjacency = profiles.resolve_adjacency(models, adjacency)
-    return [
-        cached_profile(
+    first: dict = {}
+    for m in models:
+        first.setdefault(m, m)
+    built = profiles.parallel_map(
+        lambda m: cached_profile(
             m, directory, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-        )
-        for m in models
-    ]
+        ),
+        list(first),
+    )
+    got = dict(zip(first, built, strict=True))
+    return [got[m] for m in models]
 
 
 __all__ = ["CHECK_EPSILONS", "cached_profile", "cached_profiles", "load_entry", "profile_key", "save_entry"]
