@@ -307,35 +307,6 @@ def test_no_baselines_no_section():
 # ---------------------------------------------------------------------------------- simulation
 
 
-@pytest.mark.slow
-def test_a_simulation_with_iterate_reports_the_baselines(tmp_path):
-    from scenarios.simulate import Progress, simulate
-
-    lines: list[str] = []
-    out = tmp_path / "run"
-    report = simulate(parse_scenario(TINY, "tiny.toml"), out, Progress(lines.append))
-    on_disk = json.loads((out / "report.json").read_text())
-    b = on_disk["baselines"]
-    assert set(b) == {"dp_fedavg", "central_pooled"}
-    assert set(b["dp_fedavg"]["calibrations"]) == {"rdp", "filter"}
-    for run in b["dp_fedavg"]["calibrations"].values():
-        assert len(run["per_round"]) == 3 and run["seeds"] == [0, 1]
-        assert set(run["per_site"]) == {"site-a", "site-b", "site-c"}
-    assert "baselines.png" in on_disk["plots"] and (out / "baselines.png").is_file()
-    assert "## Baselines and comparison" in (out / "report.md").read_text()
-    assert report["timings"]["baselines_s"] > 0
-    assert any("DP-FedAvg (rdp calibration" in line for line in lines)
-    # the report's baselines are the ones computed directly on the same split
-    from scenarios.simulate import split_data
-
-    sc = parse_scenario(TINY, "tiny.toml")
-    data = split_data(sc)
-    direct = scenario_baselines(sc, data.architecture, data.parts, data.x_test, data.y_test)
-    assert direct["central_pooled"]["accuracy_per_seed"] == b["central_pooled"]["accuracy_per_seed"]
-    for f in ("rdp", "filter"):
-        assert direct["dp_fedavg"]["calibrations"][f]["per_round"] == b["dp_fedavg"]["calibrations"][f]["per_round"]
-
-
 def test_the_command_prints_the_baselines_as_json(tmp_path, capsys):
     from peer.cli import main
 

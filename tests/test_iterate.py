@@ -232,55 +232,6 @@ def test_a_bad_iterate_table_names_the_key(tmp_path):
     assert "staleness_decay" in str(e.value)
 
 
-@pytest.mark.slow
-def test_tiny_simulation_with_iterate(tmp_path):
-    """privfusion simulate with [iterate]: every site runs the loop against the real daemons;
-    the report holds each round's accuracy, ε (filter and PLD) and bytes, in the shape the
-    baselines' plots read, and every site's run ledger stays within the run's ε."""
-    from test_scenarios import TINY
-
-    from scenarios.report import iterate_table
-    from scenarios.schema import parse_scenario
-    from scenarios.simulate import Progress, simulate
-
-    text = (
-        TINY
-        + '\n[iterate]\nrounds = 3\nlocal_steps = 2\nlearning_rate = 1.0\nepsilon = 4.0\nledger_orders = "planned"\n'
-    )
-    out = tmp_path / "run"
-    report = simulate(parse_scenario(text, "tiny.toml"), out, Progress(lambda s: None))
-    names = set(report["sites"])
-    for name, s in report["sites"].items():
-        it = s["iterate"]
-        assert it["status"] == "finished" and it["rounds_done"] == 3
-        assert [r["round"] for r in it["rounds"]] == [1, 2, 3]
-        for r in it["rounds"]:
-            assert set(r) >= {
-                "round",
-                "accuracy",
-                "epsilon_filter",
-                "epsilon_pld",
-                "bytes_sent",
-                "bytes_received",
-                "contributors",
-            }
-            assert sorted(r["contributors"]) == sorted(names - {name})  # everyone on time on loopback
-            assert 0.0 <= r["accuracy"] <= 1.0
-        assert it["final_accuracy"] == it["rounds"][-1]["accuracy"]
-        eps = [r["epsilon_filter"] for r in it["rounds"]]
-        assert eps == sorted(eps) and it["epsilon_filter"] <= 4.0 and it["epsilon_pld"] < it["epsilon_filter"]
-        led = it["ledger"]
-        assert led["charges"] == 3 and led["epsilon_limit"] == 4.0
-        assert led["epsilon_filter"] == pytest.approx(it["epsilon_filter"]) and led["epsilon_filter"] <= 4.0
-        assert led["epsilon_pld"] == pytest.approx(it["epsilon_pld"], abs=0.05)
-        assert led["served_again"] >= 3 * (len(names) - 1)
-        assert it["bytes_sent"] > 0 and it["bytes_received"] > 0
-    # on time everywhere: every site fused the same average (DP-FedAvg's) in the last round
-    finals = {s["iterate"]["final_accuracy"] for s in report["sites"].values()}
-    assert len(finals) == 1
-    assert "iterate" in iterate_table(report) and "Multi-round" in (out / "report.md").read_text()
-
-
 @pytest.mark.parametrize(
     ("value", "expected"),
     [('"default"', "default"), ('"planned"', "planned"), ("[2.0, 6.0]", (2.0, 6.0)), ("8", (8.0,))],

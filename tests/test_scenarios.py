@@ -249,6 +249,39 @@ def test_default_simulation_from_the_command_line(tmp_path):
     for s in report["sites"].values():
         assert s["rounds"]["ldp"]["status"] == "fused"
     check_report_against_ledgers(out, report)
+    # the bundled scenario's [iterate]: every site ran the multi-round peer-to-peer loop against
+    # the real daemons (one charge per segment in its run ledger, served again to every peer)
+    sc = load_scenario(bundled_path("hospitals.toml"))
+    rounds, names = sc.iterate.rounds, set(report["sites"])
+    for name, s in report["sites"].items():
+        it = s["iterate"]
+        assert it["status"] == "finished" and it["rounds_done"] == rounds
+        assert [r["round"] for r in it["rounds"]] == list(range(1, rounds + 1))
+        for r in it["rounds"]:
+            assert set(r) >= {"accuracy", "epsilon_filter", "epsilon_pld", "bytes_sent", "bytes_received"}
+            assert sorted(r["contributors"]) == sorted(names - {name})  # everyone on time on loopback
+        assert it["final_accuracy"] == it["rounds"][-1]["accuracy"]
+        eps = [r["epsilon_filter"] for r in it["rounds"]]
+        assert eps == sorted(eps) and it["epsilon_pld"] < it["epsilon_filter"] <= sc.iterate.epsilon
+        led = it["ledger"]
+        assert led["charges"] == rounds and led["epsilon_limit"] == sc.iterate.epsilon
+        assert led["epsilon_filter"] == pytest.approx(it["epsilon_filter"]) and led["epsilon_filter"] <= 4.0
+        assert led["epsilon_pld"] == pytest.approx(it["epsilon_pld"], abs=0.05)
+        assert led["served_again"] == rounds * (len(names) - 1)
+        assert it["bytes_sent"] > 0 and it["bytes_received"] > 0
+    # on time everywhere: every site fused the same average (DP-FedAvg's) in the last round
+    assert len({s["iterate"]["final_accuracy"] for s in report["sites"].values()}) == 1
+    # the baselines beside it: central pooled and DP-FedAvg at both calibrations, same rounds
+    b = report["baselines"]
+    assert set(b) == {"dp_fedavg", "central_pooled"}
+    assert set(b["dp_fedavg"]["calibrations"]) == {"rdp", "filter"}
+    for run in b["dp_fedavg"]["calibrations"].values():
+        assert len(run["per_round"]) == rounds and run["seeds"] == list(sc.iterate.baseline_seeds)
+        assert set(run["per_site"]) == names
+    assert "baselines.png" in report["plots"] and (out / "baselines.png").is_file()
+    md = (out / "report.md").read_text()
+    assert "## Baselines and comparison" in md and "Multi-round" in md
+    assert "multi-round peer-to-peer" in proc.stdout and "DP-FedAvg" in proc.stdout
     print(f"default simulation: {elapsed:.1f}s wall ({report['timings']})")
 
 
