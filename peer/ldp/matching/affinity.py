@@ -23,7 +23,7 @@ from peer.ldp.matching.checks import _check_graphs
 from peer.ldp.matching.dense import dense_matrix
 from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth, _spread_bandwidth, _squared_distances, sinkhorn_factors
-from peer.ldp.matching.operators import _apply_block, _Cost, _rescale, _transposed
+from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _transposed
 from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, MatchOptions
 from peer.nn.graph import NetworkGraph
 
@@ -190,6 +190,39 @@ class Affinity:
                 continue
             _apply_block(b.terms, v[ell - 1], self.sizes[ell], cost, out=out[ell])
             _apply_block(b.terms_t, v[ell], self.sizes[ell - 1], cost, out=out[ell - 1])
+        return out
+
+    def apply_by_source(
+        self, v: Sequence[torch.Tensor], cost: _Cost | None = None, *, constant: bool = False
+    ) -> list[dict[int, torch.Tensor]]:
+        """K applied to each hidden layer's block of v alone: entry ℓ maps a target layer to its
+        part of K(e_ℓ ⊗ v_ℓ) (layers ℓ−1, ℓ, ℓ+1), so that Σ_ℓ of them is K v. The same products
+        as :meth:`apply`, kept apart by source layer for the layer-wise Rayleigh–Ritz step.
+        ``constant``: every block of v is constant (c·J, c = its [0, 0] entry), applied with
+        matrix-vector work only."""
+        if self._unary is None:
+            raise InvalidArgument("affinity", "was built without its factorised operator")
+        cost = _Cost() if cost is None else cost
+        out = []
+        for ell, x in enumerate(v):
+            parts = {ell: self._unary[ell] * x}
+            for target, terms in ((ell + 1, "terms"), (ell - 1, "terms_t")):
+                if not 0 <= target < len(self.sizes):
+                    continue
+                b = self.hidden_blocks[min(ell, target)]
+                if not getattr(b, terms):
+                    continue
+                if constant:
+                    parts[target] = _apply_block_constant(
+                        getattr(b, terms),
+                        float(x[0, 0]),
+                        self.sizes[target],
+                        x.dtype,
+                        torch.zeros((self.sizes[target],) * 2, dtype=x.dtype),
+                    )
+                else:
+                    parts[target] = _apply_block(getattr(b, terms), x, self.sizes[target], cost)
+            out.append(parts)
         return out
 
     def diagonal(self) -> list[np.ndarray]:

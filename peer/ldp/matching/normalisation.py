@@ -39,11 +39,14 @@ def sinkhorn_factors(
     n_rows, n_cols = m.shape
     r = np.ones(n_rows)
     c = np.ones(n_cols)
+    mc = m @ c
     for _ in range(max_iter):
-        r = n_cols / (m @ c)
+        r = n_cols / mc
         col = m.T @ r
         c = n_rows / col
-        row = r * (m @ c)
+        # m @ c serves both this step's check and the next step's r: two products per step
+        mc = m @ c
+        row = r * mc
         if np.max(np.abs(row - n_cols)) <= tol * n_cols:
             break
     return r, c

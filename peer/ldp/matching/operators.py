@@ -112,6 +112,15 @@ class _Factor:
             None if self.dense is None else self.dense * s,
         )
 
+    def row_sums(self, dtype: torch.dtype) -> torch.Tensor:
+        """(c·J + R) 1: what the factor does to a constant vector, without a dense product."""
+        out = torch.full((self.shape[0],), self.ones * self.shape[1], dtype=dtype)
+        if self.sparse is not None:
+            out += self.sparse.matvec(torch.ones(self.shape[1], dtype=dtype))
+        elif self.dense is not None:
+            out += self.dense.sum(dim=1)
+        return out
+
     def matvec_rest(self, u: torch.Tensor) -> torch.Tensor | None:
         """R u (the non-constant part times a vector), or None when R is absent."""
         if self.sparse is not None:
@@ -239,6 +248,14 @@ class _Stacked:
                     cost.add(m, n * r, m)
                     out += phi.T @ (v @ psi).reshape(n * r, m)
 
+    def apply_constant(self, c: float, out: torch.Tensor) -> None:
+        """out += Σ_r F_r (c·J) H_rᵀ = c Σ_r (F_r 1)(H_r 1)ᵀ: matrix-vector work only."""
+        for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
+            if not self.transposed:
+                out += c * (phi_g.sum(dim=2) @ psi_g.sum(dim=2).T)  # (n, g) @ (g, n)
+            else:
+                out += c * (phi_g.sum(dim=0).T @ psi_g.sum(dim=0))  # (n′, g) @ (g, n′)
+
 
 def _sparse_indicator(mask: np.ndarray, dtype: torch.dtype, coef: float = 1.0) -> _Sparse:
     r, c = np.nonzero(mask)
@@ -302,6 +319,18 @@ def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost, out: torch.Te
             _apply_term(term[0], term[1], v, ones, out, cost)
     if ones is not None:
         ones.add_to(out)
+    return out
+
+
+def _apply_block_constant(terms, c: float, n_rows: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    """out += Σ_t F_t (c·J) H_tᵀ = c Σ_t (F_t 1)(H_t 1)ᵀ: the block applied to a constant matrix,
+    at the cost of matrix-vector products (no n³ product)."""
+    for term in terms:
+        if isinstance(term, _Stacked):
+            term.apply_constant(c, out)
+        else:
+            f, h = term
+            out += c * torch.outer(f.row_sums(dtype), h.row_sums(dtype))
     return out
 
 

@@ -16,6 +16,7 @@ from peer.base.errors import InvalidArgument
 
 BANDWIDTH_RULES = ("spread", "mean")
 SOLVERS = ("factorised", "dense")
+EIGENSOLVERS = ("ritz", "power")
 DTYPES = ("auto", "float32", "float64")
 # dtype="auto" computes in float64 while every hidden layer has at most this many nodes, float32
 # above, where it halves the memory and recovers the same matches (docs/matching.md, "Precision").
@@ -34,8 +35,13 @@ class MatchOptions:
     activation and weight affinities in the merged K (non-negative, not both zero).
     ``activation_sigma`` / ``weight_sigma``: Gaussian bandwidths σ (exp(−d²/σ), σ not squared);
     ``None`` = a public rule that reads only the arrays given (docs/matching.md, "Bandwidths").
-    ``max_iter`` / ``tol``: power iteration stops after ``max_iter`` steps or when
-    ‖v_k − v_{k−1}‖₂ < ``tol`` (pygmtools' rule and default tolerance).
+    ``eigensolver``: how the factorised solver finds the leading eigenvector of K: ``"ritz"``
+    (default; power iteration accelerated by a layer-wise Rayleigh–Ritz step, a few products of K)
+    or ``"power"`` (the reference: shifted power iteration from the uniform vector, pygmtools'
+    rule; docs/matching.md, "Spectral matching"). The dense solver is always power iteration.
+    ``max_iter`` / ``tol``: the iteration stops after ``max_iter`` steps or when
+    ‖v_k − v_{k−1}‖₂ < ``tol`` (``"power"``: pygmtools' rule and default tolerance) or
+    ‖K v − θ v‖₂ < ``tol``·θ (``"ritz"``, θ the Rayleigh quotient of the unit vector v).
     ``expansion_tol``: the largest error allowed in any kernel value κ ∈ (0, 1] by the separable
     expansion of exact weights (few-valued weights are expanded exactly).
     ``few_valued``: detect ≤ 3-valued weight arrays and use their exact sparse expansion.
@@ -57,6 +63,7 @@ class MatchOptions:
     """
 
     solver: str = "factorised"
+    eigensolver: str = "ritz"
     activation_weight: float = 1.0
     edge_weight: float = 1.0
     activation_sigma: float | None = None
@@ -75,6 +82,8 @@ class MatchOptions:
     def __post_init__(self):
         if self.solver not in SOLVERS:
             raise InvalidArgument("options.solver", f"must be one of {SOLVERS}, got {self.solver!r}")
+        if self.eigensolver not in EIGENSOLVERS:
+            raise InvalidArgument("options.eigensolver", f"must be one of {EIGENSOLVERS}, got {self.eigensolver!r}")
         if not isinstance(self.balance, bool):
             raise InvalidArgument("options.balance", f"must be true or false, got {self.balance!r}")
         if self.activation_bandwidth not in BANDWIDTH_RULES:
@@ -132,8 +141,8 @@ class MatchResult:
     ``objective``: xᵀKx of the discrete solution, computed from exact kernel values in the same
     way for both solvers (:meth:`Affinity.objective`). ``relaxed[ℓ]``: the leading-eigenvector
     estimate reshaped to n_ℓ×n_ℓ ([i, j] = pair (A node i, B node j)), unit norm over all
-    layers — what pygmtools' ``sm`` returns. ``iterations``: power-iteration steps taken;
-    ``converged``: whether ‖v_k − v_{k−1}‖ < tol was reached. ``diagnostics``: expansions and
+    layers — what pygmtools' ``sm`` returns. ``iterations``: eigensolver steps taken;
+    ``converged``: whether its stopping rule (``MatchOptions.tol``) was met. ``diagnostics``: expansions and
     their error bounds, bandwidths, normalisers, products per iteration, timings.
     """
 
