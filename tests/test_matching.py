@@ -372,6 +372,66 @@ def test_ritz_on_a_trained_network_matches_the_reference():
         assert ritz.converged and same_up_to_ties(ritz, power)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_operator_expansion_rms_and_sup_bounds_hold(seed):
+    """Every prefix of the operator-adapted expansion is within its rms bound over all pairs of
+    the two arrays' values, and the kept expansion within its sup bound on a grid of the
+    interval."""
+    rng = np.random.default_rng(seed)
+    wa = rng.normal(0.0, 0.3, (30, 20))
+    wb = rng.normal(0.05, 0.35, (30, 20)) if seed else wa + rng.normal(0.0, 0.03, wa.shape)
+    lo, hi = min(wa.min(), wb.min()), max(wa.max(), wb.max())
+    sigma = float(np.mean((wa.reshape(-1, 1) - wb.reshape(1, -1)) ** 2))
+    op = matching.operator_expansion(lo, hi, sigma, wa, wb, 1e-6)
+    exact = gaussian_kernel(wa.reshape(-1, 1), wb.reshape(1, -1), sigma)
+    fa, fb = op.functions(wa.reshape(-1), "a"), op.functions(wb.reshape(-1), "b")
+    assert op.rms_bound(op.terms) <= 1e-6
+    for k in range(op.terms + 1):
+        approx = fa[:k].T @ fb[:k]
+        rms = float(np.sqrt(np.mean((exact - approx) ** 2)))
+        assert rms <= op.rms_bound(k) * (1 + 1e-9) + 1e-13, k
+    grid = np.linspace(lo, hi, 201)
+    full = op.functions(grid, "a").T @ op.functions(grid, "b")
+    assert np.max(np.abs(full - gaussian_kernel(grid[:, None], grid[None, :], sigma))) <= op.error_bound + 1e-12
+    assert abs(op.mean_kernel - exact.mean()) <= op.interpolation_bound + 1e-12
+    # the mean-square optimum needs fewer terms than the uniform bound at the same tolerance
+    assert op.terms <= gaussian_expansion(lo, hi, sigma, 1e-6).terms
+
+
+@pytest.mark.parametrize("terms", [None, 2, 5])
+def test_operator_error_bounds_the_spectral_norm_of_the_block_change(terms):
+    """‖E_exact − E_k‖₂ ≤ Block.operator_error(k) for the dense n_ℓ²×n_{ℓ−1}² hidden block."""
+    a, b = pair(MLP, "exact")
+    aff = Affinity(a, b)
+    dense = Affinity(a, b, dataclasses.replace(TIGHT, expansion_rule="uniform")).dense()  # exact κ values
+    for k, blk in enumerate(aff.hidden_blocks):
+        assert blk.operator is not None
+        n, m = aff.sizes[k + 1], aff.sizes[k]
+        rows = slice(aff.offsets[k + 1], aff.offsets[k + 2])
+        cols = slice(aff.offsets[k], aff.offsets[k + 1])
+        approx = np.zeros((n * n, m * m))
+        for c in range(m * m):
+            e = np.zeros(m * m)
+            e[c] = 1.0
+            x = torch.as_tensor(e.reshape(m, m).T.copy(), dtype=aff.dtype)  # column-major vec
+            y = operators._apply_block(blk.terms, x, n, operators._Cost(), rank=terms)
+            approx[:, c] = y.numpy().T.reshape(-1)
+        change = np.linalg.norm(dense[rows, cols] - approx, 2)
+        assert change <= blk.operator_error(terms) * (1 + 1e-6), (k, change, blk.operator_error(terms))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ritz_reports_a_residual_bound_that_holds_for_the_exact_k(case):
+    a, b = pair(MLP, case)
+    r = match_graphs(a, b)
+    k = Affinity(a, b, dataclasses.replace(TIGHT, expansion_rule="uniform")).dense()
+    x = flat(r.relaxed)
+    theta = r.diagnostics["eigenvalue"]
+    true = np.linalg.norm(k @ x - theta * x) / theta
+    assert r.converged and true <= r.diagnostics["residual_bound"] * (1 + 1e-6) + 1e-12
+    assert r.diagnostics["residual_bound"] < 2e-5  # tol = 1e-5 and products within tol·θ/4
+
+
 def test_objective_is_xtkx_of_the_permutations():
     a, b = pair(MLP, "exact")
     aff = Affinity(a, b, TIGHT)
@@ -480,7 +540,7 @@ def test_interpolation_bound_decreases_and_bounds_the_full_interpolant():
 
 def test_block_expansion_reported_in_diagnostics(monkeypatch):
     a, b = pair(MLP, "exact")
-    r = match_graphs(a, b, MatchOptions(expansion_tol=1e-6, eigensolver="power"))
+    r = match_graphs(a, b, MatchOptions(expansion_tol=1e-6, eigensolver="power", expansion_rule="uniform"))
     blocks = r.diagnostics["blocks"]
     assert [blk["block"] for blk in blocks] == ["input->0", "0->1", "1->2", "2->output"]
     assert all(blk["expansion"] == "chebyshev" and 0 < blk["error_bound"] <= 1e-6 for blk in blocks)
@@ -702,6 +762,7 @@ def test_bad_inputs_are_named():
         ("shift", -1.0),
         ("threads", 0),
         ("eigensolver", "lanczos"),
+        ("expansion_rule", "sup"),
     ],
 )
 def test_bad_options_are_named(field, value):

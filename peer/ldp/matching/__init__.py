@@ -28,10 +28,12 @@ from peer.ldp.matching.expansion import (
     FEW_VALUED_MAX,
     MAX_CHEBYSHEV_DEGREE,
     ChebyshevExpansion,
+    OperatorExpansion,
     chebyshev_interpolation_bound,
     few_values,
     gaussian_expansion,
     gaussian_kernel,
+    operator_expansion,
 )
 from peer.ldp.matching.normalisation import sinkhorn_factors
 from peer.ldp.matching.operators import SPARSE_MAX_DENSITY
@@ -41,6 +43,7 @@ from peer.ldp.matching.options import (
     BANDWIDTH_RULES,
     DTYPES,
     EIGENSOLVERS,
+    EXPANSION_RULES,
     SOLVERS,
     MatchOptions,
     MatchResult,
@@ -53,6 +56,7 @@ __all__ = [
     "BANDWIDTH_RULES",
     "DTYPES",
     "EIGENSOLVERS",
+    "EXPANSION_RULES",
     "FEW_VALUED_MAX",
     "MAX_CHEBYSHEV_DEGREE",
     "SOLVERS",
@@ -61,10 +65,12 @@ __all__ = [
     "ChebyshevExpansion",
     "MatchOptions",
     "MatchResult",
+    "OperatorExpansion",
     "chebyshev_interpolation_bound",
     "few_values",
     "gaussian_expansion",
     "gaussian_kernel",
     "match_graphs",
+    "operator_expansion",
     "sinkhorn_factors",
 ]

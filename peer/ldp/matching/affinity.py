@@ -193,13 +193,20 @@ class Affinity:
         return out
 
     def apply_by_source(
-        self, v: Sequence[torch.Tensor], cost: _Cost | None = None, *, constant: bool = False
+        self,
+        v: Sequence[torch.Tensor],
+        cost: _Cost | None = None,
+        *,
+        constant: bool = False,
+        ranks: Sequence[int | None] | None = None,
     ) -> list[dict[int, torch.Tensor]]:
         """K applied to each hidden layer's block of v alone: entry ℓ maps a target layer to its
         part of K(e_ℓ ⊗ v_ℓ) (layers ℓ−1, ℓ, ℓ+1), so that Σ_ℓ of them is K v. The same products
         as :meth:`apply`, kept apart by source layer for the layer-wise Rayleigh–Ritz step.
         ``constant``: every block of v is constant (c·J, c = its [0, 0] entry), applied with
-        matrix-vector work only."""
+        matrix-vector work only. ``ranks[k]``: the number of stacked terms of hidden block k
+        (between layers k and k+1) to apply (all when None); :meth:`operator_error` bounds what
+        the rest would add."""
         if self._unary is None:
             raise InvalidArgument("affinity", "was built without its factorised operator")
         cost = _Cost() if cost is None else cost
@@ -209,7 +216,8 @@ class Affinity:
             for target, terms in ((ell + 1, "terms"), (ell - 1, "terms_t")):
                 if not 0 <= target < len(self.sizes):
                     continue
-                b = self.hidden_blocks[min(ell, target)]
+                k = min(ell, target)
+                b = self.hidden_blocks[k]
                 if not getattr(b, terms):
                     continue
                 if constant:
@@ -221,7 +229,8 @@ class Affinity:
                         torch.zeros((self.sizes[target],) * 2, dtype=x.dtype),
                     )
                 else:
-                    parts[target] = _apply_block(getattr(b, terms), x, self.sizes[target], cost)
+                    rank = None if ranks is None else ranks[k]
+                    parts[target] = _apply_block(getattr(b, terms), x, self.sizes[target], cost, rank=rank)
             out.append(parts)
         return out
 

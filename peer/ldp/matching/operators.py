@@ -233,8 +233,16 @@ class _Stacked:
     def t(self) -> _Stacked:
         return _Stacked(self.phi, self.psi, not self.transposed)
 
-    def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
+    def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost, terms: int | None = None) -> None:
+        """out += Σ_r F_r V H_rᵀ (or the transposed sum) over the first ``terms`` terms (all when None)."""
+        left = None if terms is None else int(terms)
         for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
+            if left is not None:
+                if left <= 0:
+                    break
+                if left < phi_g.shape[1]:
+                    phi_g, psi_g = phi_g[:, :left].contiguous(), psi_g[:, :left].contiguous()
+                left -= phi_g.shape[1]
             n, r, m = phi_g.shape
             phi = phi_g.reshape(n * r, m)
             psi = psi_g.reshape(n, r * m)
@@ -306,14 +314,17 @@ def _rescale(terms: list, s: float) -> list:
     return out
 
 
-def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out += Σ_t F_t V H_tᵀ (a new zero matrix when ``out`` is None), returned."""
+def _apply_block(
+    terms, v: torch.Tensor, n_rows: int, cost: _Cost, out: torch.Tensor | None = None, rank: int | None = None
+) -> torch.Tensor:
+    """out += Σ_t F_t V H_tᵀ (a new zero matrix when ``out`` is None), returned; ``rank``: apply
+    only the first ``rank`` stacked dense terms (all when None)."""
     if out is None:
         out = torch.zeros((n_rows, n_rows), dtype=v.dtype)
     ones = None
     for term in terms:
         if isinstance(term, _Stacked):
-            term.apply(v, out, cost)
+            term.apply(v, out, cost, rank)
         else:
             ones = ones or _RankOne(v, n_rows)
             _apply_term(term[0], term[1], v, ones, out, cost)

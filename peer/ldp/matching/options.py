@@ -17,6 +17,7 @@ from peer.base.errors import InvalidArgument
 BANDWIDTH_RULES = ("spread", "mean")
 SOLVERS = ("factorised", "dense")
 EIGENSOLVERS = ("ritz", "power")
+EXPANSION_RULES = ("operator", "uniform")
 DTYPES = ("auto", "float32", "float64")
 # dtype="auto" computes in float64 while every hidden layer has at most this many nodes, float32
 # above, where it halves the memory and recovers the same matches (docs/matching.md, "Precision").
@@ -42,7 +43,14 @@ class MatchOptions:
     ``max_iter`` / ``tol``: the iteration stops after ``max_iter`` steps or when
     ‖v_k − v_{k−1}‖₂ < ``tol`` (``"power"``: pygmtools' rule and default tolerance) or
     ‖K v − θ v‖₂ < ``tol``·θ (``"ritz"``, θ the Rayleigh quotient of the unit vector v).
-    ``expansion_tol``: the largest error allowed in any kernel value κ ∈ (0, 1] by the separable
+    ``expansion_rule``: how exact weights between two hidden layers are expanded:
+    ``"operator"`` (default) — the expansion optimal in the mean square over the block's weight
+    pairs, with as many terms as keep the spectral norm of the change it makes to K below
+    ``tol``·λ₁/8 per block, and fewer terms in the products with small residuals (docs/matching.md,
+    "Operator-adapted expansion"); ``"uniform"`` (the reference) — every kernel value within
+    ``expansion_tol``. Blocks to the fixed input and output layers, and blocks whose edges carry
+    several weights (convolutions), always use the uniform rule.
+    ``expansion_tol``: the largest error allowed in any kernel value κ ∈ (0, 1] by the uniform
     expansion of exact weights (few-valued weights are expanded exactly).
     ``few_valued``: detect ≤ 3-valued weight arrays and use their exact sparse expansion.
     ``dtype``: ``"auto"`` (float64 while every hidden layer has ≤ 512 nodes, else float32),
@@ -64,6 +72,7 @@ class MatchOptions:
 
     solver: str = "factorised"
     eigensolver: str = "ritz"
+    expansion_rule: str = "operator"
     activation_weight: float = 1.0
     edge_weight: float = 1.0
     activation_sigma: float | None = None
@@ -84,6 +93,10 @@ class MatchOptions:
             raise InvalidArgument("options.solver", f"must be one of {SOLVERS}, got {self.solver!r}")
         if self.eigensolver not in EIGENSOLVERS:
             raise InvalidArgument("options.eigensolver", f"must be one of {EIGENSOLVERS}, got {self.eigensolver!r}")
+        if self.expansion_rule not in EXPANSION_RULES:
+            raise InvalidArgument(
+                "options.expansion_rule", f"must be one of {EXPANSION_RULES}, got {self.expansion_rule!r}"
+            )
         if not isinstance(self.balance, bool):
             raise InvalidArgument("options.balance", f"must be true or false, got {self.balance!r}")
         if self.activation_bandwidth not in BANDWIDTH_RULES:

@@ -82,29 +82,46 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
     the Perron vector of K restricted to that space; its image is the same combination of the
     kept images, so every step costs one product of K (with the residual), and the first none
     (the start is constant per layer). Stops when ‖K v − θ v‖ < tol·θ, θ = vᵀKv (‖v‖ = 1).
-    Returns the same tuple as the power iteration, with the cost summed over all steps.
+
+    Each product with a residual applies only as many terms of an operator-adapted expansion as
+    its size needs (docs/matching.md, "Operator-adapted expansion"); every kept image carries a
+    bound on its distance from the exact-kernel image, combined with the Ritz coefficients, so
+    that ``bound`` bounds ‖(K̃ − K) v‖ for the returned v.
+    Returns the power iteration's tuple, with the cost summed over all steps, and a dict of
+    these diagnostics.
     """
     opts = aff.options
     layers = len(aff.sizes)
+    hidden = [b for b in aff.hidden_blocks if b.terms]
     tiny = 1e-12 if aff.dtype == torch.float64 else 1e-6  # relative Gram eigenvalue kept
     cost = _Cost(product_threads)
+
+    def adjacent(ell):
+        return [k for k in (ell - 1, ell) if 0 <= k < len(aff.hidden_blocks) and aff.hidden_blocks[k].terms]
+
     start = [torch.ones((n, n), dtype=aff.dtype) for n in aff.sizes]
+    full = [aff.hidden_blocks[k].operator_error() if aff.hidden_blocks[k].terms else 0.0 for k in range(layers - 1)]
     basis = [
-        (ell, x, im)
-        for ell, (x, im) in enumerate(zip(start, aff.apply_by_source(start, cost, constant=True), strict=True))
+        (ell, x, im, sum(full[k] for k in adjacent(ell)) * float(n))  # ‖ones(n, n)‖ = n
+        for ell, (x, im, n) in enumerate(
+            zip(start, aff.apply_by_source(start, cost, constant=True), aff.sizes, strict=True)
+        )
     ]
     previous: list = []
-    converged, it, residual, theta = False, 0, float("inf"), 0.0
+    ranks_used: list[list[int | None]] = []
+    converged, it, residual, theta, bound = False, 0, float("inf"), 0.0, 0.0
     v: list[torch.Tensor] = start
     # the loop variable is the result: the number of steps run (B007 sees it unused in the body)
     for it in range(1, opts.max_iter + 1):
-        theta, coef = _ritz_step(basis, layers, tiny)
+        theta, coef = _ritz_step(basis, tiny)
         v = [torch.zeros_like(x) for x in start]
         kv = [torch.zeros_like(x) for x in start]
         images: list[dict[int, torch.Tensor]] = [{} for _ in range(layers)]
-        for c, (ell, x, im) in zip(coef, basis, strict=True):
+        errors = [0.0] * layers
+        for c, (ell, x, im, err) in zip(coef, basis, strict=True):
             if c == 0.0:
                 continue
+            errors[ell] += abs(c) * err
             v[ell].add_(x, alpha=c)
             for target, y in im.items():
                 kv[target].add_(y, alpha=c)
@@ -113,35 +130,86 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
                 else:
                     images[ell][target] = y * c
         r = [k - theta * x for k, x in zip(kv, v, strict=True)]
-        residual = _norm(r) / theta if theta > 0 else float("inf")
+        bound = sum(errors)
+        rnorm = _norm(r)
+        residual = rnorm / theta if theta > 0 else float("inf")
         if residual < opts.tol or not theta > 0:
             converged = theta > 0
             break
         if it == opts.max_iter:
             break
         del kv
-        step = aff.apply_by_source(r, cost)
-        current = [(ell, v[ell], images[ell]) for ell in range(layers)]
-        fresh = [(ell, r[ell], step[ell]) for ell in range(layers)]
+        # the residual enters the next v with a coefficient of about 1/(θ − λ₂) ≤ 2/θ (for a gap
+        # of at least half of θ), so a block error ε adds about 2ε‖r‖/θ to ‖(K̃ − K)v‖: keep that
+        # ≤ tol·θ/(4·blocks)
+        budget = opts.tol * theta * theta / (8.0 * max(1, len(hidden)) * rnorm)
+        ranks = [_rank_for(b, budget) if b.terms else None for b in aff.hidden_blocks]
+        ranks_used.append(ranks)
+        step = aff.apply_by_source(r, cost, ranks=ranks)
+        rank_error = [
+            aff.hidden_blocks[k].operator_error(ranks[k]) if aff.hidden_blocks[k].terms else 0.0
+            for k in range(layers - 1)
+        ]
+        current = [(ell, v[ell], images[ell], errors[ell]) for ell in range(layers)]
+        fresh = [
+            (
+                ell,
+                r[ell],
+                step[ell],
+                sum(rank_error[k] for k in adjacent(ell))
+                * math.sqrt(float(torch.sum(r[ell] * r[ell], dtype=torch.float64))),
+            )
+            for ell in range(layers)
+        ]
         basis = current + fresh + previous
         previous = fresh
-    return [x.numpy() for x in v], it, converged, residual, theta, cost, 0.0
+    extra = {
+        "ranks": ranks_used,
+        "operator_error_bound": bound / theta if theta > 0 else float("inf"),
+        "residual_bound": residual + (bound / theta if theta > 0 else float("inf")),
+    }
+    return [x.numpy() for x in v], it, converged, residual, theta, cost, 0.0, extra
 
 
-def _ritz_step(basis, layers: int, tiny: float) -> tuple[float, np.ndarray]:
-    """The largest Ritz pair of K on span(basis) (entries (layer ℓ, x_ℓ, {target: K(e_ℓ ⊗ x_ℓ)})):
-    θ and the coefficients of its unit-norm Ritz vector, signed to have a positive sum. Inner
-    products in float64; near-dependent directions (relative Gram eigenvalue ≤ ``tiny``) dropped."""
+def _rank_for(block, budget: float) -> int | None:
+    """The fewest stacked terms of a hidden block whose operator error bound is ≤ budget (all of
+    them for blocks without an operator-adapted expansion)."""
+    if block.operator is None:
+        return None
+    for k in range(block.operator.terms + 1):
+        if block.operator_error(k) <= budget:
+            return k
+    return block.operator.terms
+
+
+def _ritz_step(basis, tiny: float) -> tuple[float, np.ndarray]:
+    """The largest Ritz pair of K on span(basis) (entries (layer ℓ, x_ℓ, {target: K(e_ℓ ⊗ x_ℓ)},
+    error bound of that image)): θ and the coefficients of its unit-norm Ritz vector, signed to
+    have a positive sum. Inner products in float64; near-dependent directions (relative Gram
+    eigenvalue ≤ ``tiny``) dropped.
+
+    K is symmetric, so x_iᵀ K x_j can be read from either image: it is read from the one with the
+    smaller error bound per unit norm. This matters: the coupling of v with its residual r is
+    vᵀKr = ‖r‖², second order in ‖r‖, and must come from v's accurate image, not from r's
+    (which may hold fewer expansion terms)."""
     m = len(basis)
     gram = np.zeros((m, m))
     kmat = np.zeros((m, m))
-    for i, (li, xi, _) in enumerate(basis):
-        for j, (lj, xj, imj) in enumerate(basis):
+    for i, (li, xi, _, _) in enumerate(basis):
+        for j, (lj, xj, _, _) in enumerate(basis):
             if li == lj and j >= i:
                 gram[i, j] = gram[j, i] = float(torch.sum(xi * xj, dtype=torch.float64))
-            if li in imj:
-                kmat[i, j] = float(torch.sum(xi * imj[li], dtype=torch.float64))
-    kmat = (kmat + kmat.T) / 2.0  # K is symmetric; float32 images are so only to rounding
+    norms = np.sqrt(np.diag(gram))
+    accuracy = [err / nrm if nrm > 0 else 0.0 for (_, _, _, err), nrm in zip(basis, norms, strict=True)]
+    for i, (li, xi, imi, _) in enumerate(basis):
+        for j in range(i, m):
+            lj, xj, imj, _ = basis[j]
+            # x_iᵀ (K x_j) from x_j's image, or x_jᵀ (K x_i) from x_i's: the more accurate one
+            if accuracy[j] <= accuracy[i]:
+                value = float(torch.sum(xi * imj[li], dtype=torch.float64)) if li in imj else 0.0
+            else:
+                value = float(torch.sum(xj * imi[lj], dtype=torch.float64)) if lj in imi else 0.0
+            kmat[i, j] = kmat[j, i] = value
     d = np.sqrt(np.diag(gram))
     keep_basis = d > 0
     d_k = d[keep_basis]
@@ -154,7 +222,7 @@ def _ritz_step(basis, layers: int, tiny: float) -> tuple[float, np.ndarray]:
     y = q @ u[:, -1]
     c = np.zeros(m)
     c[keep_basis] = y / d_k
-    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, _) in enumerate(basis))
+    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, _, _) in enumerate(basis))
     return float(lam[-1]), (-c if sums < 0 else c)
 
 
@@ -221,9 +289,12 @@ def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) 
         # (unless threads were given)
         product_threads = torch.get_num_threads()
         base = product_threads if options.threads is not None else 1
-        iterate = _ritz_factorised if options.eigensolver == "ritz" else _power_iteration_factorised
         with torch_threads(base):
-            layers, it, converged, residual, norm, cost, shift = iterate(aff, product_threads)
+            if options.eigensolver == "ritz":
+                layers, it, converged, residual, norm, cost, shift, extra = _ritz_factorised(aff, product_threads)
+                diag.update(extra)
+            else:
+                layers, it, converged, residual, norm, cost, shift = _power_iteration_factorised(aff, product_threads)
         diag["eigensolver"] = options.eigensolver
         diag["threads"] = {"setup": product_threads, "iteration": base, "products": product_threads}
     t_iter = time.perf_counter() - t0
