@@ -110,6 +110,7 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
     previous: list = []
     ranks_used: list[list[int | None]] = []
     converged, it, residual, theta, bound = False, 0, float("inf"), 0.0, 0.0
+    best: tuple = (float("inf"), 0.0, 0.0, start, 0)
     v: list[torch.Tensor] = start
     # the loop variable is the result: the number of steps run (B007 sees it unused in the body)
     for it in range(1, opts.max_iter + 1):
@@ -135,6 +136,14 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
         residual = rnorm / theta if theta > 0 else float("inf")
         if residual < opts.tol or not theta > 0:
             converged = theta > 0
+            break
+        # The images of v are running combinations, not recomputed: below the arithmetic's
+        # floor (a tol under float32's reach) their rounding would accumulate. Stop when the
+        # residual has not improved for STALL steps and return the best vector seen.
+        if residual < best[0]:
+            best = (residual, theta, bound, [x.clone() for x in v], it)
+        elif it - best[4] >= STALL:
+            residual, theta, bound, v, _ = best
             break
         if it == opts.max_iter:
             break
@@ -169,6 +178,10 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
         "residual_bound": residual + (bound / theta if theta > 0 else float("inf")),
     }
     return [x.numpy() for x in v], it, converged, residual, theta, cost, 0.0, extra
+
+
+# Rayleigh–Ritz steps without a smaller residual before the iteration stops (not converged).
+STALL = 3
 
 
 def _rank_for(block, budget: float) -> int | None:
