@@ -38,6 +38,7 @@ from peer.ldp.matching.expansion import (
 from peer.ldp.matching.normalisation import sinkhorn_factors
 from peer.ldp.matching.operators import SPARSE_MAX_DENSITY
 from peer.ldp.matching.options import (
+    AUTO_FAST_MIN_WIDTH,
     AUTO_FLOAT64_MAX_WIDTH,
     AUTO_SINGLE_THREAD_MAX_WIDTH,
     BANDWIDTH_RULES,
@@ -51,6 +52,7 @@ from peer.ldp.matching.options import (
 from peer.ldp.matching.solvers import match_graphs
 
 __all__ = [
+    "AUTO_FAST_MIN_WIDTH",
     "AUTO_FLOAT64_MAX_WIDTH",
     "AUTO_SINGLE_THREAD_MAX_WIDTH",
     "BANDWIDTH_RULES",

@@ -46,10 +46,11 @@ class Affinity:
         build_operator: bool = True,
     ):
         t0 = time.perf_counter()
-        self.options = options = MatchOptions() if options is None else options
+        options = MatchOptions() if options is None else options
         if not isinstance(options, MatchOptions):
             raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
         _check_graphs(graph_a, graph_b)
+        self.options = options = options.resolved(graph_a.sizes)
         self.graph_a, self.graph_b = graph_a, graph_b
         self.sizes = tuple(int(s) for s in graph_a.sizes)
         self.offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum([n * n for n in self.sizes])]))

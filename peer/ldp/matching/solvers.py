@@ -265,6 +265,7 @@ def match_graphs(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOpt
     if not isinstance(options, MatchOptions):
         raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
     _check_graphs(graph_a, graph_b)
+    options = options.resolved(graph_a.sizes)
     if options.threads is not None:
         threads = options.threads
     else:
