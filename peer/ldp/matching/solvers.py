@@ -130,7 +130,9 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
                     images[ell][target].add_(y, alpha=c)
                 else:
                     images[ell][target] = y * c
+        basis = None  # the old vectors and images are in v, its images and `previous` now: free them
         r = [k - theta * x for k, x in zip(kv, v, strict=True)]
+        del kv
         bound = sum(errors)
         rnorm = _norm(r)
         residual = rnorm / theta if theta > 0 else float("inf")
@@ -147,7 +149,6 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
             break
         if it == opts.max_iter:
             break
-        del kv
         # the residual enters the next v with a coefficient of about 1/(θ − λ₂) ≤ 2/θ (for a gap
         # of at least half of θ), so a block error ε adds about 2ε‖r‖/θ to ‖(K̃ − K)v‖: keep that
         # ≤ tol·θ/(4·blocks)
