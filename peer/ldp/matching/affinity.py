@@ -200,6 +200,7 @@ class Affinity:
         *,
         constant: bool = False,
         ranks: Sequence[int | None] | None = None,
+        unary: bool = True,
     ) -> list[dict[int, torch.Tensor]]:
         """K applied to each hidden layer's block of v alone: entry ℓ maps a target layer to its
         part of K(e_ℓ ⊗ v_ℓ) (layers ℓ−1, ℓ, ℓ+1), so that Σ_ℓ of them is K v. The same products
@@ -207,13 +208,14 @@ class Affinity:
         ``constant``: every block of v is constant (c·J, c = its [0, 0] entry), applied with
         matrix-vector work only. ``ranks[k]``: the number of stacked terms of hidden block k
         (between layers k and k+1) to apply (all when None); :meth:`operator_error` bounds what
-        the rest would add."""
+        the rest would add. ``unary=False``: leave out the diagonal part D_ℓ ∘ v_ℓ (the caller
+        forms it from v when it needs it, so it need not be stored)."""
         if self._unary is None:
             raise InvalidArgument("affinity", "was built without its factorised operator")
         cost = _Cost() if cost is None else cost
         out = []
         for ell, x in enumerate(v):
-            parts = {ell: self._unary[ell] * x}
+            parts = {ell: self._unary[ell] * x} if unary else {}
             for target, terms in ((ell + 1, "terms"), (ell - 1, "terms_t")):
                 if not 0 <= target < len(self.sizes):
                     continue
@@ -234,6 +236,13 @@ class Affinity:
                     parts[target] = _apply_block(getattr(b, terms), x, self.sizes[target], cost, rank=rank)
             out.append(parts)
         return out
+
+    @property
+    def unary(self) -> list[torch.Tensor]:
+        """D_ℓ per hidden layer as the factorised operator holds it (n_ℓ×n_ℓ, [i, j] = pair (i, j))."""
+        if self._unary is None:
+            raise InvalidArgument("affinity", "was built without its factorised operator")
+        return self._unary
 
     def diagonal(self) -> list[np.ndarray]:
         """D_ℓ (n_ℓ×n_ℓ, [i, j] = pair (A node i, B node j)) as the factorised operator uses it."""

@@ -104,33 +104,44 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
     basis = [
         (ell, x, im, sum(full[k] for k in adjacent(ell)) * float(n))  # ‖ones(n, n)‖ = n
         for ell, (x, im, n) in enumerate(
-            zip(start, aff.apply_by_source(start, cost, constant=True), aff.sizes, strict=True)
+            zip(start, aff.apply_by_source(start, cost, constant=True, unary=False), aff.sizes, strict=True)
         )
     ]
     previous: list = []
     ranks_used: list[list[int | None]] = []
     converged, it, residual, theta, bound = False, 0, float("inf"), 0.0, 0.0
-    best: tuple = (float("inf"), 0.0, 0.0, start, 0)
+    best, best_it = float("inf"), 0
     v: list[torch.Tensor] = start
-    # the loop variable is the result: the number of steps run (B007 sees it unused in the body)
     for it in range(1, opts.max_iter + 1):
-        theta, coef = _ritz_step(basis, tiny)
-        v = [torch.zeros_like(x) for x in start]
-        kv = [torch.zeros_like(x) for x in start]
-        images: list[dict[int, torch.Tensor]] = [{} for _ in range(layers)]
-        errors = [0.0] * layers
-        for c, (ell, x, im, err) in zip(coef, basis, strict=True):
+        theta, coef = _ritz_step(basis, aff.unary, tiny)
+        # the new v and its images, formed in place over the current ones (basis[ℓ] for layer ℓ),
+        # which nothing else holds: the peak is then one set of images fewer
+        v, images, errors = [], [], [0.0] * layers
+        for ell in range(layers):
+            _, x, im, err = basis[ell]
+            c = float(coef[ell])
+            x.mul_(c)
+            for y in im.values():
+                y.mul_(c)
+            v.append(x)
+            images.append(im)
+            errors[ell] += abs(c) * err
+        for c, (ell, x, im, err) in zip(coef[layers:], basis[layers:], strict=True):
             if c == 0.0:
                 continue
             errors[ell] += abs(c) * err
             v[ell].add_(x, alpha=c)
             for target, y in im.items():
-                kv[target].add_(y, alpha=c)
                 if target in images[ell]:
                     images[ell][target].add_(y, alpha=c)
                 else:
                     images[ell][target] = y * c
-        basis = None  # the old vectors and images are in v, its images and `previous` now: free them
+        basis = None  # what is left of the old basis is in `previous`
+        # K v: the diagonal part D∘v (not kept in the images) plus the edge images
+        kv = [d * x for d, x in zip(aff.unary, v, strict=True)]
+        for im in images:
+            for target, y in im.items():
+                kv[target].add_(y)
         r = [k - theta * x for k, x in zip(kv, v, strict=True)]
         del kv
         bound = sum(errors)
@@ -141,11 +152,10 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
             break
         # The images of v are running combinations, not recomputed: below the arithmetic's
         # floor (a tol under float32's reach) their rounding would accumulate. Stop when the
-        # residual has not improved for STALL steps and return the best vector seen.
-        if residual < best[0]:
-            best = (residual, theta, bound, [x.clone() for x in v], it)
-        elif it - best[4] >= STALL:
-            residual, theta, bound, v, _ = best
+        # residual has not improved for STALL steps.
+        if residual < best:
+            best, best_it = residual, it
+        elif it - best_it >= STALL:
             break
         if it == opts.max_iter:
             break
@@ -155,7 +165,7 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
         budget = opts.tol * theta * theta / (8.0 * max(1, len(hidden)) * rnorm)
         ranks = [_rank_for(b, budget) if b.terms else None for b in aff.hidden_blocks]
         ranks_used.append(ranks)
-        step = aff.apply_by_source(r, cost, ranks=ranks)
+        step = aff.apply_by_source(r, cost, ranks=ranks, unary=False)
         rank_error = [
             aff.hidden_blocks[k].operator_error(ranks[k]) if aff.hidden_blocks[k].terms else 0.0
             for k in range(layers - 1)
@@ -196,11 +206,13 @@ def _rank_for(block, budget: float) -> int | None:
     return block.operator.terms
 
 
-def _ritz_step(basis, tiny: float) -> tuple[float, np.ndarray]:
-    """The largest Ritz pair of K on span(basis) (entries (layer ℓ, x_ℓ, {target: K(e_ℓ ⊗ x_ℓ)},
-    error bound of that image)): θ and the coefficients of its unit-norm Ritz vector, signed to
-    have a positive sum. Inner products in float64; near-dependent directions (relative Gram
-    eigenvalue ≤ ``tiny``) dropped.
+def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
+    """The largest Ritz pair of K on span(basis) (entries (layer ℓ, x_ℓ, {target ≠ ℓ: the edge
+    part of K(e_ℓ ⊗ x_ℓ)}, error bound of that image); ``unary``: the diagonal D_ℓ, whose part
+    of every image is formed here): θ and the coefficients of its unit-norm Ritz vector, signed
+    to have a positive sum. Inner products in float64; near-dependent directions (relative Gram
+    eigenvalue ≤ ``tiny``) dropped. Within a layer K is its diagonal D_ℓ (edges join different
+    layers), so xᵢᵀ K xⱼ = Σ xᵢ D_ℓ xⱼ there, exactly.
 
     K is symmetric, so x_iᵀ K x_j can be read from either image: it is read from the one with the
     smaller error bound per unit norm. This matters: the coupling of v with its residual r is
@@ -218,8 +230,10 @@ def _ritz_step(basis, tiny: float) -> tuple[float, np.ndarray]:
     for i, (li, xi, imi, _) in enumerate(basis):
         for j in range(i, m):
             lj, xj, imj, _ = basis[j]
+            if li == lj:
+                value = float(torch.sum(xi * unary[li] * xj, dtype=torch.float64))
             # x_iᵀ (K x_j) from x_j's image, or x_jᵀ (K x_i) from x_i's: the more accurate one
-            if accuracy[j] <= accuracy[i]:
+            elif accuracy[j] <= accuracy[i]:
                 value = float(torch.sum(xi * imj[li], dtype=torch.float64)) if li in imj else 0.0
             else:
                 value = float(torch.sum(xj * imi[lj], dtype=torch.float64)) if lj in imi else 0.0
