@@ -78,10 +78,12 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
 
     The search space holds, for every hidden layer ℓ separately, the layer's block of the current
     vector v, of its residual r = K v − θ v and of the previous residual: up to 3L vectors
-    e_ℓ ⊗ x_ℓ, whose images K(e_ℓ ⊗ x_ℓ) are kept (they reach layers ℓ−1, ℓ, ℓ+1). The new v is
-    the Perron vector of K restricted to that space; its image is the same combination of the
-    kept images, so every step costs one product of K (with the residual), and the first none
-    (the start is constant per layer). Stops when ‖K v − θ v‖ < tol·θ, θ = vᵀKv (‖v‖ = 1).
+    e_ℓ ⊗ x_ℓ, whose images K(e_ℓ ⊗ x_ℓ) are kept (their edge parts, in layers ℓ−1 and ℓ+1; the
+    diagonal part D_ℓ ∘ x_ℓ is formed from x). The new v is the Perron vector of K restricted to
+    that space; its image is the same combination of the kept images, so every step costs one
+    product of K (with the residual), and the first none (the start is constant per layer).
+    Stops when ‖K v − θ v‖ < tol·θ, θ = vᵀKv (‖v‖ = 1), or, not converged, after STALL steps
+    without a smaller residual.
 
     Each product with a residual applies only as many terms of an operator-adapted expansion as
     its size needs (docs/matching.md, "Operator-adapted expansion"); every kept image carries a
