@@ -49,7 +49,8 @@ class MatchOptions:
     solver is always power iteration.
     ``max_iter`` / ``tol``: the iteration stops after ``max_iter`` steps or when
     ‖v_k − v_{k−1}‖₂ < ``tol`` (``"power"``: pygmtools' rule and default tolerance) or
-    ‖K v − θ v‖₂ < ``tol``·θ (``"ritz"``, θ the Rayleigh quotient of the unit vector v).
+    ‖K v − θ v‖₂ < ``tol``·θ/10 (``"ritz"``, θ the Rayleigh quotient of the unit vector v; why
+    a tenth: docs/matching.md, "Layer-wise Rayleigh–Ritz").
     ``expansion_rule``: how exact weights between two hidden layers are expanded:
     ``"operator"`` — the expansion optimal in the mean square over the block's weight
     pairs, with as many terms as keep the spectral norm of the change it makes to K below
