@@ -1,38 +1,49 @@
-"""Speed and memory of the factorised spectral matcher, side by side with pygmtools' dense ``sm``.
+"""Speed and memory of the factorised spectral matcher: against pygmtools' dense ``sm``, against
+its own reference path, and against the floor of the machine.
 
-    .venv/bin/python benchmarks/matching.py            # full run: prints a table, writes JSON
+    .venv/bin/python benchmarks/matching.py            # full run: prints tables, writes JSON
     .venv/bin/python benchmarks/matching.py --quick    # a smoke run (small widths only)
+    .venv/bin/python benchmarks/matching.py --part 2 --widths 4096 --features mixed exact
 
 Part 1, where the dense K fits: widths 16–96 with 2 hidden layers (the joint dense K has
 (2·n²)² float64 entries: 2.7 GB at n = 96; with 3 hidden layers it would be 6.1 GB), and
 3 hidden layers at widths 32 and 64 (1.2 GB). The same pair of graphs goes to both solvers.
-Part 2, the factorised solver alone at widths 256, 1024 and 4096 with 3 hidden layers.
+Part 2, 3 hidden layers at widths 256, 1024 and 4096: the default path (layer-wise
+Rayleigh–Ritz iteration with the operator-adapted expansion) and the reference path
+(``MatchOptions(eigensolver="power", expansion_rule="uniform")``: shifted power iteration, every
+kernel value within 1e-4 — the solver before) on the same pair, with the number of nodes they
+match differently, the speed-up, the n³-products each counted, the floor (one float32 n³
+product and one Hungarian assignment at that width, measured in the same run) and the ratio of
+the wall time to the floor of the counted work; the error bound each path reports (the default
+path: a certified ‖Kv − θv‖/θ against the exact-kernel K; the reference: its kernel-value
+bound). The reference path with exact weights at width 4096 (about 140 n³-products per step,
+minutes each here) runs ``--exact-4096-iterations`` steps (default 1) and is projected to the
+step count measured at width 1024, labelled as a projection.
+Part 3, permutation groups: a residual MLP (a stream written by the stem and two residual
+blocks, LayerNorm on it; peer.nn.tracing derives its groups) against a copy with every group
+permuted and 10% noise, matched by peer.ldp.group_matching.match_groups (activations + weight
+matching by coordinate descent), at stream widths 256 and 1024.
 
 Part 1 times each solver three times on the same pair and reports the minimum (the median is
-in the JSON); part 2 runs once. Every case runs in its own subprocess, after a warm-up match on a tiny pair of the same kind
+in the JSON); parts 2 and 3 run once. Every case runs in its own subprocess, after a warm-up match on a tiny pair of the same kind
 (first calls into torch, scipy and pygmtools pay one-off initialisation that a long-running peer
 pays once), so that peak memory is that case's: the peak resident
 set (VmHWM, which sees torch's and numpy's allocations alike) is reset after the graphs are
 built (``/proc/self/clear_refs``), so it is the peak while matching, graphs included; the
 resident size before matching is reported next to it. CPU time (user + system, both threads)
-is reported next to wall time: this machine is shared, and under load the wall time of a
-multi-threaded product can stretch while its CPU time does not.
+is reported next to wall time, and the load average next to each case: this machine is shared,
+and under load the wall time of a multi-threaded product can stretch while its CPU time does not.
 
 Graphs are synthetic (training 4096-wide networks is beside the point): A is a random MLP
 (64 inputs, Gaussian weights N(0, 1/fan_in), ReLU activations on 128 random probes, 10
 outputs); B is A with every hidden layer permuted and 10% Gaussian noise added to its weights
 and activations. Feature cases:
-  exact  — both graphs' exact weights (Chebyshev expansion, error bound ≤ expansion_tol);
+  exact  — both graphs' exact weights (Chebyshev expansions: operator-adapted on the default path);
   noisy  — both graphs' weight features through peer.ldp.mechanisms.multibit at ε = 1, bounds
            [−1, 1] (three values per layer, one non-zero per row): the exact few-valued
            expansion on both sides;
   mixed  — A exact (a site's own model), B noisy (what it receives): the usual PrivFusion case.
 ``recovered`` is the fraction of nodes matched to their true counterpart.
-
-Exact weights at width 4096 cost 8·R n³-products per iteration (R ≈ 20 expansion terms), about
-two minutes per iteration here; that case runs ``--exact-4096-iterations`` iterations (default
-2) and reports the measured time per iteration with the projection to the iteration count
-measured at width 1024, labelled as a projection.
 """
 
 from __future__ import annotations
@@ -125,6 +136,27 @@ def synthetic_pair(
     return graph_a, graph_b, perms
 
 
+# The reference path: today's shifted power iteration with every kernel value within
+# expansion_tol (what the factorised solver did before the Rayleigh–Ritz iteration).
+REFERENCE = {"eigensolver": "power", "expansion_rule": "uniform"}
+PERMS_DIR = ROOT / "benchmarks" / "results" / "matching-permutations"
+
+
+def _save_permutations(spec: dict, perms) -> str:
+    """Large cases' permutations go to a file so that the driver can compare the two paths."""
+    PERMS_DIR.mkdir(parents=True, exist_ok=True)
+    name = f"{spec['width']}-{spec['layers']}-{spec['features']}-{spec.get('variant', 'fast')}-{spec.get('max_iter', 100)}.npz"
+    np.savez(PERMS_DIR / name, *perms)
+    return str(PERMS_DIR / name)
+
+
+def _load_permutations(row: dict):
+    if row.get("permutations") is not None:
+        return [np.asarray(p) for p in row["permutations"]]
+    with np.load(row["permutations_file"]) as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -142,7 +174,8 @@ def run_case(spec: dict) -> dict:
     # Warm up on a tiny pair of the same kind: first calls into torch, scipy and pygmtools pay
     # one-off initialisation that a long-running peer pays once, not per match.
     tiny_a, tiny_b, _ = synthetic_pair(8, spec["layers"], spec["features"], seed=99)
-    match_graphs(tiny_a, tiny_b, MatchOptions(solver=spec["solver"]))
+    variant = REFERENCE if spec.get("variant") == "reference" else {}
+    match_graphs(tiny_a, tiny_b, MatchOptions(solver=spec["solver"], **variant))
     graph_a, graph_b, perms = synthetic_pair(spec["width"], spec["layers"], spec["features"])
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -156,6 +189,7 @@ def run_case(spec: dict) -> dict:
         dense_memory_cap=DENSE_CAP,
         max_iter=spec.get("max_iter", 100),
         threads=spec.get("threads"),
+        **variant,
     )
     walls, cpus = [], []
     for _ in range(spec.get("repeats", 1)):
@@ -187,8 +221,115 @@ def run_case(spec: dict) -> dict:
         "error_bound": d["expansion_error_bound"],
         "recovered": float(np.mean(np.concatenate([p == t for p, t in zip(result.permutations, truth, strict=True)]))),
         "permutations": [p.tolist() for p in result.permutations] if spec["width"] <= 128 else None,
+        "permutations_file": _save_permutations(spec, result.permutations) if spec["width"] > 128 else None,
+        "eigensolver": d.get("eigensolver"),
+        "expansion_rule": opts.expansion_rule,
+        "n3_products_total": d.get("n3_products_total"),
+        "ranks": d.get("ranks"),
+        "residual": d.get("residual"),
+        "residual_bound": d.get("residual_bound"),
+        "operator_error_bound": d.get("operator_error_bound"),
+        "load_average": os.getloadavg(),
         "objective": result.objective,
         "torch_threads": torch.get_num_threads(),
+    }
+
+
+def run_floor(width: int) -> dict:
+    """The floor at this width: one float32 n×n by n×n product (torch's threads, min of 3) and
+    scipy's linear_sum_assignment on a centred random n×n matrix (min of 3)."""
+    import torch
+    from scipy.optimize import linear_sum_assignment
+
+    from peer.ldp.matching import AUTO_SINGLE_THREAD_MAX_WIDTH
+
+    if width <= AUTO_SINGLE_THREAD_MAX_WIDTH:
+        torch.set_num_threads(1)  # the matcher's products run on one thread at these widths
+    rng = np.random.default_rng(0)
+    a = torch.as_tensor(rng.standard_normal((width, width)), dtype=torch.float32)
+    b = torch.as_tensor(rng.standard_normal((width, width)), dtype=torch.float32)
+    products, lsa = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        _ = a @ b
+        products.append(time.perf_counter() - t0)
+        x = rng.random((width, width))
+        x -= x.mean(axis=1, keepdims=True)
+        t0 = time.perf_counter()
+        linear_sum_assignment(x, maximize=True)
+        lsa.append(time.perf_counter() - t0)
+    return {"width": width, "product_s": min(products), "assignment_s": min(lsa), "load_average": os.getloadavg()}
+
+
+def residual_pair(width: int, seed: int = 0, noise: float = 0.1, probes: int = 128):
+    """A residual MLP (stem → stream of ``width`` units; two blocks Linear–ReLU–Linear added to
+    the stream, a LayerNorm on it; head), random Gaussian weights, and B = A with every
+    permutation group permuted and 10% Gaussian noise on its floating-point state. Returns the
+    structure (peer.nn.tracing), both states, both group activations, the true permutations."""
+    import torch
+    from torch import nn
+
+    from peer.ldp.group_matching import group_activations
+    from peer.nn.tracing import import_structure, permute_state, random_permutations
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Linear(64, width)
+            self.block1 = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+            self.norm = nn.LayerNorm(width)
+            self.block2 = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+            self.head = nn.Linear(width, 10)
+
+        def forward(self, x):
+            h = self.stem(x)
+            h = self.norm(h + self.block1(h))
+            return self.head(h + self.block2(h))
+
+    torch.manual_seed(seed)
+    model_a = Residual().eval()
+    structure = import_structure(model_a, [64], seed=seed)
+    arrays_a = {k: v.detach().numpy().copy() for k, v in model_a.state_dict().items()}
+    rng = np.random.default_rng(seed)
+    perms = random_permutations(structure, rng)
+    arrays_b = permute_state(structure, arrays_a, perms)
+    for k, v in arrays_b.items():
+        if np.issubdtype(v.dtype, np.floating) and v.std() > 0:
+            arrays_b[k] = (v + noise * v.std() * rng.standard_normal(v.shape)).astype(v.dtype)
+    model_b = Residual().eval()
+    model_b.load_state_dict({k: torch.as_tensor(v) for k, v in arrays_b.items()})
+    x = torch.as_tensor(rng.random((probes, 64)), dtype=torch.float32)
+    return (
+        structure,
+        arrays_a,
+        arrays_b,
+        group_activations(model_a, structure, x),
+        group_activations(model_b, structure, x),
+        perms,
+    )
+
+
+def run_groups(width: int) -> dict:
+    """Permutation-group matching (peer.ldp.group_matching.match_groups) of a residual pair."""
+    from peer.ldp.group_matching import match_groups
+
+    structure, arrays_a, arrays_b, act_a, act_b, perms = residual_pair(width)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    found = match_groups(structure, arrays_a, arrays_b, act_a, act_b)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    right = np.concatenate([found[g] == np.argsort(p) for g, p in perms.items()])
+    return {
+        "width": width,
+        "groups": {g.name: g.size for g in structure.groups},
+        "wall_s": wall,
+        "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
+        "peak_rss_mb": _status_kib("VmHWM") / 1024,
+        "recovered": float(np.mean(right)),
+        "load_average": os.getloadavg(),
     }
 
 
@@ -225,19 +366,33 @@ def main(argv=None) -> int:
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small widths only (a smoke run)")
     ap.add_argument(
-        "--exact-4096-iterations", type=int, default=2, help="iterations to time for exact weights at width 4096"
+        "--exact-4096-iterations",
+        type=int,
+        default=1,
+        help="iterations of the reference path to time for exact weights at width 4096 (it is projected)",
+    )
+    ap.add_argument("--widths", type=int, nargs="*", help="part 2 widths (default 256 1024 4096; --quick: 256)")
+    ap.add_argument(
+        "--features", nargs="*", default=["noisy", "mixed", "exact"], help="part 2 feature cases (noisy mixed exact)"
+    )
+    ap.add_argument("--no-reference", action="store_true", help="part 2: the default path only")
+    ap.add_argument(
+        "--group-widths", type=int, nargs="*", default=None, help="part 3 widths (default 256 1024; --quick: 64)"
     )
     ap.add_argument(
-        "--skip-exact-4096",
-        action="store_true",
-        help="leave out exact weights at width 4096 (minutes per iteration here)",
+        "--part", type=int, choices=(1, 2, 3), help="run only part 1 (against dense), 2 (large widths) or 3 (groups)"
     )
-    ap.add_argument("--part", type=int, choices=(1, 2), help="run only part 1 (against dense) or part 2 (large widths)")
     ap.add_argument("--threads", type=int, help="torch threads for the factorised solver (default: MatchOptions' rule)")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON")
     args = ap.parse_args(argv)
     if args.case:
-        print(json.dumps(run_case(json.loads(args.case))))
+        spec = json.loads(args.case)
+        if "floor" in spec:
+            print(json.dumps(run_floor(spec["floor"])))
+        elif "groups" in spec:
+            print(json.dumps(run_groups(spec["groups"])))
+        else:
+            print(json.dumps(run_case(spec)))
         return 0
 
     started = time.time()
@@ -245,11 +400,15 @@ def main(argv=None) -> int:
     dense_cases = [(2, w) for w in ((16, 32) if args.quick else (16, 32, 48, 64, 80, 96))] + [
         (3, w) for w in ((32,) if args.quick else (32, 64))
     ]
-    large_widths = (256,) if args.quick else (256, 1024, 4096)
-    if args.part == 2:
+    large_widths = args.widths if args.widths is not None else ((256,) if args.quick else (256, 1024, 4096))
+    if args.group_widths is None:
+        args.group_widths = [64] if args.quick else [256, 1024]
+    if args.part in (2, 3):
         dense_cases = []
-    if args.part == 1:
+    if args.part in (1, 3):
         large_widths = ()
+    if args.part in (1, 2):
+        args.group_widths = []
 
     print(
         "Part 1: factorised vs pygmtools' dense sm (same graphs; wall = min of 3 runs; 'same perm': yes, or tie = equal objective)"
@@ -285,48 +444,110 @@ def main(argv=None) -> int:
 
     print()
     print(
-        "Part 2: factorised alone, 3 hidden layers (products = dense matrix products per iteration; n³-eq = their flops / 2n³)"
+        "Part 2: 3 hidden layers, the default path ('fast': Rayleigh–Ritz, operator-adapted expansion) against the\n"
+        "reference ('ref': shifted power iteration, every kernel value within 1e-4). n³ = products counted in n³ units;\n"
+        "floor = one fp32 n³ product / Hungarian at this width, measured here; 'x floor' = wall / (n³ · product + 3 · Hungarian);\n"
+        "same = yes or the number of nodes matched differently; bound: fast = its certified ‖Kv − θv‖/θ against the exact-kernel K,\n"
+        "ref = its expansion's bound on every kernel value; load = 1-minute load average when the case ended (2 cores)."
     )
-    head = f"{'width':>5} {'features':>8} | {'wall s':>8} {'cpu s':>8} {'peak MB':>8} {'it':>3} {'products':>8} {'n³-eq':>6} {'terms':>12} | {'setup':>6} {'iter':>7} {'assign':>6} | {'recovered':>9}"
+    head = (
+        f"{'width':>5} {'features':>8} {'path':>4} | {'wall s':>7} {'cpu s':>7} {'peak MB':>7} {'it':>3} {'n³':>6} {'x floor':>7} | "
+        f"{'setup':>6} {'iter':>6} {'assign':>6} | {'recovered':>9} {'same':>6} {'speed-up':>8} {'bound':>8} {'load':>5}"
+    )
     print(head)
     print("-" * len(head))
-    large_rows = []
-    iterations_1024 = {}
+    large_rows, floors = [], {}
+    reference_iterations = {}
     for width in large_widths:
-        for features in ("noisy", "mixed", "exact"):
-            spec = {"width": width, "layers": 3, "features": features, "solver": "factorised", "threads": args.threads}
-            projected = width >= 4096 and features == "exact"
-            if projected and args.skip_exact_4096:
-                continue
-            if projected:
-                spec["max_iter"] = args.exact_4096_iterations
-            r = in_subprocess(spec, 3600)
-            if "error" in r:
-                print(f"{width:>5} {features:>8} | error: {r['error']}")
-                large_rows.append(r)
-                continue
-            if width == 1024:
-                iterations_1024[features] = r["iterations"]
-            if projected:
-                per_iter = r["seconds"]["iterations"] / max(1, r["iterations"])
-                its = iterations_1024.get("exact", r["iterations"])
-                r["projection"] = {
-                    "seconds_per_iteration": per_iter,
-                    "iterations_assumed": its,
-                    "projected_wall_s": r["seconds"]["setup"] + per_iter * its + r["seconds"]["assignment"],
-                    "note": f"ran {r['iterations']} iterations only; iterations assumed = those measured at width 1024",
-                }
-            s = r["seconds"]
+        floors[width] = in_subprocess({"floor": width}, 600)
+        fl = floors[width]
+        if "error" not in fl:
             print(
-                f"{width:>5} {features:>8} | {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r['peak_rss_mb']:>8.0f} {r['iterations']:>3} {r['products_per_iteration']:>8} "
-                f"{r['n3_products_per_iteration']:>6.2f} {r['terms']!s:>12} | {s['setup']:>6.2f} {s['iterations']:>7.2f} {s['assignment']:>6.2f} | {r['recovered']:>9.3f}"
-                + (
-                    f"   projected {r['projection']['projected_wall_s']:.0f} s for {r['projection']['iterations_assumed']} iterations"
-                    if projected
-                    else ""
-                )
+                f"{width:>5} floor: product {fl['product_s']:.4f} s, Hungarian {fl['assignment_s']:.3f} s (load {fl['load_average'][0]:.1f})"
             )
-            large_rows.append(r)
+        for features in [f for f in ("noisy", "mixed", "exact") if f in args.features]:
+            base = {"width": width, "layers": 3, "features": features, "solver": "factorised", "threads": args.threads}
+            fast = in_subprocess({**base, "variant": "fast"}, 3600)
+            ref = None
+            projected = width >= 4096 and features == "exact"
+            if not args.no_reference:
+                ref_spec = {**base, "variant": "reference"}
+                if projected:
+                    ref_spec["max_iter"] = args.exact_4096_iterations
+                ref = in_subprocess(ref_spec, 3600)
+                if "error" not in ref and projected:
+                    per_iter = ref["seconds"]["iterations"] / max(1, ref["iterations"])
+                    its = reference_iterations.get(features, 11)
+                    ref["projection"] = {
+                        "seconds_per_iteration": per_iter,
+                        "iterations_assumed": its,
+                        "projected_wall_s": ref["seconds"]["setup"] + per_iter * its + ref["seconds"]["assignment"],
+                        "note": f"ran {ref['iterations']} iterations only; iterations assumed = those measured at width 1024",
+                    }
+                elif "error" not in ref and width == 1024:
+                    reference_iterations[features] = ref["iterations"]
+            row = {"width": width, "features": features, "fast": fast, "reference": ref, "floor": fl}
+            for name, r in (("fast", fast), ("ref", ref)):
+                if r is None:
+                    continue
+                if "error" in r:
+                    print(f"{width:>5} {features:>8} {name:>4} | error: {r['error']}")
+                    continue
+                n3 = r["n3_products_total"]
+                if "error" not in fl:
+                    r["floor_ratio"] = r["wall_s"] / (n3 * fl["product_s"] + 3 * fl["assignment_s"])
+                    r["wall_in_products"] = r["wall_s"] / fl["product_s"]
+                s_ = r["seconds"]
+                same, speed = "", ""
+                if name == "fast" and ref is not None and "error" not in ref:
+                    if "projection" in ref:
+                        row["speedup_wall"] = ref["projection"]["projected_wall_s"] / r["wall_s"]
+                        speed = f"{row['speedup_wall']:.0f}x(p)"
+                        same = "-"
+                    else:
+                        pa, pb = _load_permutations(r), _load_permutations(ref)
+                        differ = int(sum(np.sum(x != y) for x, y in zip(pa, pb, strict=True)))
+                        row["nodes_differing"] = differ
+                        row["same_permutations"] = differ == 0
+                        row["speedup_wall"] = ref["wall_s"] / r["wall_s"]
+                        row["speedup_cpu"] = ref["cpu_s"] / max(r["cpu_s"], 1e-9)
+                        same = "yes" if differ == 0 else f"{differ}"
+                        speed = f"{row['speedup_wall']:.1f}x"
+                bound = (
+                    r["residual_bound"] if name == "fast" and r.get("residual_bound") is not None else r["error_bound"]
+                )
+                print(
+                    f"{width:>5} {features:>8} {name:>4} | {r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {r['peak_rss_mb']:>7.0f} {r['iterations']:>3} "
+                    f"{n3:>6.0f} {r.get('floor_ratio', float('nan')):>7.2f} | {s_['setup']:>6.2f} {s_['iterations']:>6.2f} {s_['assignment']:>6.2f} | "
+                    f"{r['recovered']:>9.3f} {same:>6} {speed:>8} {bound:>8.1e} {r['load_average'][0]:>5.1f}"
+                    + (
+                        f"   projected {r['projection']['projected_wall_s']:.0f} s for {r['projection']['iterations_assumed']} iterations"
+                        if "projection" in r
+                        else ""
+                    )
+                )
+            large_rows.append(row)
+
+    group_rows = []
+    if args.group_widths:
+        print()
+        print(
+            "Part 3: permutation groups (a residual MLP: stream + 2 inner groups), peer.ldp.group_matching.match_groups"
+        )
+        head = (
+            f"{'width':>5} | {'groups':>24} | {'wall s':>7} {'cpu s':>7} {'peak MB':>7} | {'recovered':>9} {'load':>5}"
+        )
+        print(head)
+        print("-" * len(head))
+        for width in args.group_widths:
+            r = in_subprocess({"groups": width}, 3600)
+            if "error" in r:
+                print(f"{width:>5} | error: {r['error']}")
+            else:
+                print(
+                    f"{width:>5} | {len(r['groups']):>24} | {r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {r['peak_rss_mb']:>7.0f} | {r['recovered']:>9.3f} {r['load_average'][0]:>5.1f}"
+                )
+            group_rows.append(r)
 
     report = {
         "command": "benchmarks/matching.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -334,6 +555,8 @@ def main(argv=None) -> int:
         "seconds": time.time() - started,
         "dense_comparison": dense_rows,
         "factorised": large_rows,
+        "floors": floors,
+        "groups": group_rows,
         "notes": [
             "Dense comparison: 2 hidden layers at widths 16-96 (joint dense K (2n²)² float64: 2.7 GB at 96) and 3 hidden layers at 32, 64 (1.2 GB at 64).",
             "Part 1 times each solver 3 times on the same pair in its process and reports the minimum (wall_median_s and walls_s hold the rest); part 2 runs once.",

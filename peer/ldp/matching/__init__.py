@@ -28,18 +28,23 @@ from peer.ldp.matching.expansion import (
     FEW_VALUED_MAX,
     MAX_CHEBYSHEV_DEGREE,
     ChebyshevExpansion,
+    OperatorExpansion,
     chebyshev_interpolation_bound,
     few_values,
     gaussian_expansion,
     gaussian_kernel,
+    operator_expansion,
 )
 from peer.ldp.matching.normalisation import sinkhorn_factors
 from peer.ldp.matching.operators import SPARSE_MAX_DENSITY
 from peer.ldp.matching.options import (
+    AUTO_FAST_MIN_WIDTH,
     AUTO_FLOAT64_MAX_WIDTH,
     AUTO_SINGLE_THREAD_MAX_WIDTH,
     BANDWIDTH_RULES,
     DTYPES,
+    EIGENSOLVERS,
+    EXPANSION_RULES,
     SOLVERS,
     MatchOptions,
     MatchResult,
@@ -47,10 +52,13 @@ from peer.ldp.matching.options import (
 from peer.ldp.matching.solvers import match_graphs
 
 __all__ = [
+    "AUTO_FAST_MIN_WIDTH",
     "AUTO_FLOAT64_MAX_WIDTH",
     "AUTO_SINGLE_THREAD_MAX_WIDTH",
     "BANDWIDTH_RULES",
     "DTYPES",
+    "EIGENSOLVERS",
+    "EXPANSION_RULES",
     "FEW_VALUED_MAX",
     "MAX_CHEBYSHEV_DEGREE",
     "SOLVERS",
@@ -59,10 +67,12 @@ __all__ = [
     "ChebyshevExpansion",
     "MatchOptions",
     "MatchResult",
+    "OperatorExpansion",
     "chebyshev_interpolation_bound",
     "few_values",
     "gaussian_expansion",
     "gaussian_kernel",
     "match_graphs",
+    "operator_expansion",
     "sinkhorn_factors",
 ]

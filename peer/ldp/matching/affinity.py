@@ -23,7 +23,7 @@ from peer.ldp.matching.checks import _check_graphs
 from peer.ldp.matching.dense import dense_matrix
 from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth, _spread_bandwidth, _squared_distances, sinkhorn_factors
-from peer.ldp.matching.operators import _apply_block, _Cost, _rescale, _transposed
+from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _transposed
 from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, MatchOptions
 from peer.nn.graph import NetworkGraph
 
@@ -46,10 +46,11 @@ class Affinity:
         build_operator: bool = True,
     ):
         t0 = time.perf_counter()
-        self.options = options = MatchOptions() if options is None else options
+        options = MatchOptions() if options is None else options
         if not isinstance(options, MatchOptions):
             raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
         _check_graphs(graph_a, graph_b)
+        self.options = options = options.resolved(graph_a.sizes)
         self.graph_a, self.graph_b = graph_a, graph_b
         self.sizes = tuple(int(s) for s in graph_a.sizes)
         self.offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum([n * n for n in self.sizes])]))
@@ -191,6 +192,57 @@ class Affinity:
             _apply_block(b.terms, v[ell - 1], self.sizes[ell], cost, out=out[ell])
             _apply_block(b.terms_t, v[ell], self.sizes[ell - 1], cost, out=out[ell - 1])
         return out
+
+    def apply_by_source(
+        self,
+        v: Sequence[torch.Tensor],
+        cost: _Cost | None = None,
+        *,
+        constant: bool = False,
+        ranks: Sequence[int | None] | None = None,
+        unary: bool = True,
+    ) -> list[dict[int, torch.Tensor]]:
+        """K applied to each hidden layer's block of v alone: entry ℓ maps a target layer to its
+        part of K(e_ℓ ⊗ v_ℓ) (layers ℓ−1, ℓ, ℓ+1), so that Σ_ℓ of them is K v. The same products
+        as :meth:`apply`, kept apart by source layer for the layer-wise Rayleigh–Ritz step.
+        ``constant``: every block of v is constant (c·J, c = its [0, 0] entry), applied with
+        matrix-vector work only. ``ranks[k]``: the number of stacked terms of hidden block k
+        (between layers k and k+1) to apply (all when None); :meth:`operator_error` bounds what
+        the rest would add. ``unary=False``: leave out the diagonal part D_ℓ ∘ v_ℓ (the caller
+        forms it from v when it needs it, so it need not be stored)."""
+        if self._unary is None:
+            raise InvalidArgument("affinity", "was built without its factorised operator")
+        cost = _Cost() if cost is None else cost
+        out = []
+        for ell, x in enumerate(v):
+            parts = {ell: self._unary[ell] * x} if unary else {}
+            for target, terms in ((ell + 1, "terms"), (ell - 1, "terms_t")):
+                if not 0 <= target < len(self.sizes):
+                    continue
+                k = min(ell, target)
+                b = self.hidden_blocks[k]
+                if not getattr(b, terms):
+                    continue
+                if constant:
+                    parts[target] = _apply_block_constant(
+                        getattr(b, terms),
+                        float(x[0, 0]),
+                        self.sizes[target],
+                        x.dtype,
+                        torch.zeros((self.sizes[target],) * 2, dtype=x.dtype),
+                    )
+                else:
+                    rank = None if ranks is None else ranks[k]
+                    parts[target] = _apply_block(getattr(b, terms), x, self.sizes[target], cost, rank=rank)
+            out.append(parts)
+        return out
+
+    @property
+    def unary(self) -> list[torch.Tensor]:
+        """D_ℓ per hidden layer as the factorised operator holds it (n_ℓ×n_ℓ, [i, j] = pair (i, j))."""
+        if self._unary is None:
+            raise InvalidArgument("affinity", "was built without its factorised operator")
+        return self._unary
 
     def diagonal(self) -> list[np.ndarray]:
         """D_ℓ (n_ℓ×n_ℓ, [i, j] = pair (A node i, B node j)) as the factorised operator uses it."""

@@ -9,12 +9,20 @@ affinity"); :func:`_block_terms` writes it as separable terms for the factorised
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from peer.ldp.matching.expansion import ChebyshevExpansion, few_values, gaussian_expansion, gaussian_kernel
+from peer.ldp.matching.expansion import (
+    ChebyshevExpansion,
+    OperatorExpansion,
+    few_values,
+    gaussian_expansion,
+    gaussian_kernel,
+    operator_expansion,
+)
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth
 from peer.ldp.matching.operators import _Factor, _indicator_factor, _Stacked, _table_right_factor
 from peer.ldp.matching.options import MatchOptions
@@ -39,10 +47,23 @@ class _Block:
     terms: list = field(default_factory=list)  # (F, H) pairs or a _Stacked, scaled by `scale`
     terms_t: list = field(default_factory=list)  # the same, transposed
     function_means: dict = field(default_factory=dict)  # component -> float64 means of φ_r(W_a), φ_r(W_b)
+    operator: OperatorExpansion | None = None  # expansion_rule "operator" (hidden blocks, e = 1)
 
     @property
     def error_bound(self) -> float:
+        if self.operator is not None:
+            return self.operator.error_bound
         return self.chebyshev.error_bound if self.chebyshev is not None else 0.0
+
+    def operator_error(self, terms: int | None = None) -> float:
+        """A bound on ‖ΔE‖₂, the spectral norm of this hidden block's scaled n_ℓ²×n_{ℓ−1}² part of K
+        minus the exact-kernel one, when its first ``terms`` terms are applied (all when None):
+        ‖ΔE‖₂ ≤ ‖ΔE‖_F = scale · n_ℓ n_{ℓ−1} · (root mean square of the kernel error over the pairs)."""
+        pairs = self.weights_a.shape[0] * self.weights_a.shape[1]
+        if self.operator is not None:
+            rank = self.operator.terms if terms is None else terms
+            return self.scale * pairs * self.operator.rms_bound(rank)
+        return self.scale * pairs * self.error_bound * self.weights_a.shape[2]
 
     @property
     def terms_per_component(self) -> int:
@@ -51,6 +72,8 @@ class _Block:
             return len(self.values_a)
         if self.expansion == "table-b":
             return len(self.values_b)
+        if self.operator is not None:
+            return self.operator.terms
         return self.chebyshev.terms
 
     def describe(self) -> dict:
@@ -64,7 +87,16 @@ class _Block:
             "normaliser": self.normaliser,
             "error_bound": self.error_bound,
         }
-        if self.chebyshev is not None:
+        if self.operator is not None:
+            d.update(
+                expansion="operator",
+                degree=self.operator.degree,
+                interval=[self.operator.lo, self.operator.hi],
+                interpolation_bound=self.operator.interpolation_bound,
+                rms_bound=self.operator.rms_bound(self.operator.terms),
+                operator_error_bound=self.operator_error(),
+            )
+        elif self.chebyshev is not None:
             d.update(
                 degree=self.chebyshev.degree,
                 interval=[self.chebyshev.lo, self.chebyshev.hi],
@@ -88,6 +120,9 @@ def _mean_kernel(block: _Block) -> float:
     for c in range(e):
         wa = block.weights_a[:, :, c]
         wb = block.weights_b[:, :, c]
+        if block.operator is not None:
+            total += block.operator.mean_kernel
+            continue
         if block.expansion == "chebyshev":
             ch = block.chebyshev
             means_a, means_b = block.function_means.get(c) or (_function_means(ch, wa), _function_means(ch, wb))
@@ -160,6 +195,10 @@ def _block_terms(block: _Block, dtype: torch.dtype) -> list:
                 terms.append(
                     (_Factor(shape, dense=torch.as_tensor(diff, dtype=dtype)), _indicator_factor(wb == vb[q], dtype))
                 )
+        elif block.operator is not None:
+            phi = _stacked_operator_functions(block.operator, wa, "a", dtype)
+            psi = _stacked_operator_functions(block.operator, wb, "b", dtype)
+            terms.append(_Stacked(phi, psi))
         else:
             ch = block.chebyshev
             phi, means_a = _stacked_functions(ch, wa, dtype)
@@ -190,6 +229,19 @@ def _stacked_functions(
     return groups, sums / w.size
 
 
+def _stacked_operator_functions(op: OperatorExpansion, w: np.ndarray, side: str, dtype: torch.dtype) -> list:
+    """σ_k f_k(w) (side "a") or h_k(w) (side "b") as groups of _Stacked.GROUP terms (n, group, n′)."""
+    n, m = w.shape
+    g = _Stacked.GROUP
+    groups = [torch.empty((n, min(g, op.terms - r), m), dtype=dtype) for r in range(0, op.terms, g)]
+    rows = max(1, (1 << 20) // max(1, m))
+    for i in range(0, n, rows):
+        vals = op.functions(w[i : i + rows], side)  # (R, rows, n′), float64
+        for k, grp in enumerate(groups):
+            grp[i : i + rows] = torch.as_tensor(vals[k * g : (k + 1) * g].transpose(1, 0, 2), dtype=dtype)
+    return groups
+
+
 def _make_block(name: str, kind: str, wa: np.ndarray, wb: np.ndarray, opts: MatchOptions) -> _Block:
     """The block of weights wa, wb (n_rows, n_cols, e) with its bandwidth σ_w (given, or the
     mean-squared-difference rule) and its expansion: the exact table where a side is few-valued,
@@ -210,6 +262,12 @@ def _make_block(name: str, kind: str, wa: np.ndarray, wb: np.ndarray, opts: Matc
         kind_exp = "chebyshev"
         lo = float(min(wa.min(), wb.min()))
         hi = float(max(wa.max(), wb.max()))
+        if opts.expansion_rule == "operator" and kind == "hidden" and wa.shape[2] == 1:
+            # κ̄ ≥ e⁻¹ under the default bandwidth rule, so rms ≤ tol·κ̄/8 holds with
+            # rms ≤ tol·e⁻¹/8; a given σ_w may make κ̄ smaller: then use its upper interval value
+            kbar = math.exp(-1.0) if opts.weight_sigma is None else math.exp(-((hi - lo) ** 2) / sigma)
+            op = operator_expansion(lo, hi, sigma, wa[:, :, 0], wb[:, :, 0], opts.tol * kbar / 8.0)
+            return _Block(name, kind, wa, wb, float(sigma), kind_exp, va, vb, None, operator=op)
         cheb = gaussian_expansion(lo, hi, sigma, opts.expansion_tol)
     return _Block(name, kind, wa, wb, float(sigma), kind_exp, va, vb, cheb)
 

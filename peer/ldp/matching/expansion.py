@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from peer.base.errors import InvalidArgument
+from peer.nn.architectures import torch_threads
 
 # Most distinct values a layer's weight array may take to use the exact few-valued expansion.
 FEW_VALUED_MAX = 3
@@ -95,20 +96,10 @@ class ChebyshevExpansion:
             return torch.as_tensor(self.functions(x.detach().cpu().numpy()), dtype=x.dtype)
         x = np.asarray(x, dtype=np.float64)
         flat = x.reshape(-1)
-        c = (self.hi + self.lo) / 2.0
-        h = (self.hi - self.lo) / 2.0
         out = np.empty((self.terms, flat.shape[0]))
         chunk = max(1, (1 << 22) // (self.degree + 1))
         for start in range(0, flat.shape[0], chunk):
-            s = (flat[start : start + chunk] - c) / h if h > 0 else np.zeros_like(flat[start : start + chunk])
-            cheb = np.empty((self.degree + 1, s.shape[0]))
-            cheb[0] = 1.0
-            if self.degree >= 1:
-                cheb[1] = s
-            for j in range(2, self.degree + 1):
-                np.multiply(s, cheb[j - 1], out=cheb[j])
-                cheb[j] *= 2.0
-                cheb[j] -= cheb[j - 2]
+            cheb = chebyshev_values(self.lo, self.hi, self.degree, flat[start : start + chunk])
             out[:, start : start + chunk] = _matmul(self.eigenvectors.T, cheb)
         return out.reshape((self.terms, *x.shape))
 
@@ -117,6 +108,159 @@ class ChebyshevExpansion:
         fx = self.functions(np.asarray(x, dtype=np.float64))
         fy = self.functions(np.asarray(y, dtype=np.float64))
         return np.einsum("r,ra,rb->ab", self.eigenvalues, fx, fy)
+
+
+def chebyshev_values(lo: float, hi: float, degree: int, x: np.ndarray) -> np.ndarray:
+    """T_j((x − c)/h) for j = 0 … degree (c, h the centre and half-width of [lo, hi]), by the
+    three-term recurrence: shape (degree + 1, x.size), float64."""
+    s = np.asarray(x, dtype=np.float64).reshape(-1)
+    c, h = (hi + lo) / 2.0, (hi - lo) / 2.0
+    s = torch.as_tensor((s - c) / h if h > 0 else np.zeros_like(s))
+    # elementwise work on one thread: on a shared machine a second thread only adds waiting
+    with torch_threads(1):
+        cheb = torch.empty((degree + 1, s.shape[0]), dtype=torch.float64)
+        cheb[0] = 1.0
+        if degree >= 1:
+            cheb[1] = s
+        two_s = 2.0 * s  # (2s)·T = 2·(s·T) exactly: the same values as the textbook recurrence
+        for j in range(2, degree + 1):
+            torch.mul(two_s, cheb[j - 1], out=cheb[j])
+            cheb[j] -= cheb[j - 2]
+    return cheb.numpy()
+
+
+def chebyshev_gram(lo: float, hi: float, degree: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The empirical Gram matrix G[j, l] = mean over w's entries of T_j T_l, and the means of
+    the T_j, in float64: from the moments μ_k = mean T_k (k ≤ 2·degree) by the product rule
+    T_j T_l = (T_{j+l} + T_{|j−l|})/2 — one pass of the recurrence instead of a Gram product."""
+    flat = np.asarray(w, dtype=np.float64).reshape(-1)
+    sums = np.zeros(2 * degree + 1)
+    chunk = max(1, (1 << 22) // (2 * degree + 1))
+    for start in range(0, flat.shape[0], chunk):
+        sums += chebyshev_values(lo, hi, 2 * degree, flat[start : start + chunk]).sum(axis=1)
+    mu = sums / flat.shape[0]
+    j = np.arange(degree + 1)
+    gram = (mu[j[:, None] + j[None, :]] + mu[np.abs(j[:, None] - j[None, :])]) / 2.0
+    return gram, mu[: degree + 1]
+
+
+@dataclass(frozen=True)
+class OperatorExpansion:
+    """κ(x, y) ≈ Σ_k σ_k f_k(x) h_k(y) on the weight pairs of one block, optimal in the mean square
+    over those pairs (docs/matching.md, "Operator-adapted expansion").
+
+    The degree-p Chebyshev interpolant T(x)ᵀ C T(y) is truncated in the inner products of the two
+    sides' empirical distributions: with G_A = S_A S_Aᵀ, G_B = S_B S_Bᵀ the Gram matrices of the T_j
+    over A's and B's weight values, S_Aᵀ C S_B = Y diag(σ) Zᵀ (SVD), f_k = T ᵀ S_A⁺ᵀ y_k,
+    h_k = Tᵀ S_B⁺ᵀ z_k. ``tails[k]`` is the root mean square, over every pair (x from A's weights,
+    y from B's), of the interpolant minus its first k terms (computed as ‖S_Aᵀ (C − C_k) S_B‖_F);
+    the interpolant itself is within ``interpolation_bound`` of κ everywhere. ``left`` and
+    ``right`` hold the coefficients of f_k and h_k (columns); only the first ``terms`` are kept.
+    ``error_bound``: a bound on |κ − expansion| at every point of [lo, hi]² (interpolation bound +
+    Σ|C − C_R| entrywise, since |T_j| ≤ 1 there).
+    """
+
+    lo: float
+    hi: float
+    sigma: float
+    degree: int
+    scales: np.ndarray
+    left: np.ndarray
+    right: np.ndarray
+    interpolation_bound: float
+    tails: np.ndarray
+    mean_kernel: float
+    sup_truncation_bound: float
+
+    @property
+    def terms(self) -> int:
+        return int(self.scales.shape[0])
+
+    @property
+    def error_bound(self) -> float:
+        return self.interpolation_bound + self.sup_truncation_bound
+
+    def rms_bound(self, terms: int) -> float:
+        """A bound on the root mean square over the block's weight pairs of κ minus the first
+        ``terms`` terms."""
+        return self.interpolation_bound + float(self.tails[min(int(terms), self.tails.shape[0] - 1)])
+
+    def functions(self, x, side: str) -> np.ndarray:
+        """σ_k f_k(x) (side "a") or h_k(x) (side "b") for the kept terms: (terms, *x.shape), float64."""
+        x = np.asarray(x, dtype=np.float64)
+        flat = x.reshape(-1)
+        coef = self.left * self.scales[None, :] if side == "a" else self.right
+        out = np.empty((self.terms, flat.shape[0]))
+        chunk = max(1, (1 << 22) // (self.degree + 1))
+        for start in range(0, flat.shape[0], chunk):
+            cheb = chebyshev_values(self.lo, self.hi, self.degree, flat[start : start + chunk])
+            out[:, start : start + chunk] = _matmul(coef.T, cheb)
+        return out.reshape((self.terms, *x.shape))
+
+
+def operator_expansion(
+    lo: float, hi: float, sigma: float, wa: np.ndarray, wb: np.ndarray, rms_tol: float
+) -> OperatorExpansion:
+    """The expansion of κ on the pairs of wa's and wb's values whose mean-square error over those
+    pairs is ≤ ``rms_tol`` (interpolation ≤ rms_tol/2, truncation the rest), with the fewest terms."""
+    lo, hi, sigma = float(lo), float(hi), float(sigma)
+    h = (hi - lo) / 2.0
+    beta = h * h / sigma
+    if beta == 0.0:
+        one = np.ones((1, 1))
+        return OperatorExpansion(lo, hi, sigma, 0, np.ones(1), one, one, 0.0, np.zeros(2), 1.0, 0.0)
+    p = None
+    for start in range(1, MAX_CHEBYSHEV_DEGREE + 1, 64):
+        degrees = np.arange(start, min(start + 64, MAX_CHEBYSHEV_DEGREE + 1))
+        ok = np.flatnonzero(_interpolation_bounds(beta, degrees) <= rms_tol / 2)
+        if ok.size:
+            p = int(degrees[ok[0]])
+            break
+    if p is None:
+        raise InvalidArgument(
+            "options.tol",
+            f"{rms_tol:g} needs a Chebyshev degree above {MAX_CHEBYSHEV_DEGREE} for weights spanning [{lo:g}, {hi:g}] "
+            f"with sigma {sigma:g}; raise tol or weight_sigma",
+        )
+    interp = chebyshev_interpolation_bound(beta, p)
+    core = _chebyshev_core(beta, p)
+    gram_a, mean_a = chebyshev_gram(lo, hi, p, wa)
+    gram_b, mean_b = chebyshev_gram(lo, hi, p, wb)
+
+    def root(g):  # S with S Sᵀ = G, and its pseudo-inverse transposed (kept directions only)
+        mu, q = np.linalg.eigh((g + g.T) / 2.0)
+        mu = np.maximum(mu, 0.0)
+        keep = mu > 1e-14 * mu.max()
+        return q * np.sqrt(mu), q[:, keep] / np.sqrt(mu[keep]), keep
+
+    s_a, inv_a, keep_a = root(gram_a)
+    s_b, inv_b, keep_b = root(gram_b)
+    m = s_a[:, keep_a].T @ core @ s_b[:, keep_b]
+    y, sv, zt = np.linalg.svd(m)
+    left = inv_a @ y  # T-coefficients of f_k (S_A⁺ᵀ y_k)
+    right = inv_b @ zt.T
+    # tails[k] = ‖S_Aᵀ (C − C_k) S_B‖_F, C_k the first k terms, computed from the coefficients
+    full = len(sv)
+    tails = np.zeros(full + 1)
+    for k in range(full + 1):
+        ck = (left[:, :k] * sv[:k]) @ right[:, :k].T
+        tails[k] = float(np.linalg.norm(s_a.T @ (core - ck) @ s_b))
+    terms = int(np.argmax(interp + tails <= rms_tol)) if np.any(interp + tails <= rms_tol) else full
+    terms = max(1, terms)
+    ck = (left[:, :terms] * sv[:terms]) @ right[:, :terms].T
+    return OperatorExpansion(
+        lo,
+        hi,
+        sigma,
+        p,
+        sv[:terms].copy(),
+        left[:, :terms].copy(),
+        right[:, :terms].copy(),
+        interp,
+        tails[: terms + 1].copy(),
+        float(mean_a @ core @ mean_b),
+        float(np.abs(core - ck).sum()),
+    )
 
 
 def _chebyshev_core(beta: float, degree: int) -> np.ndarray:

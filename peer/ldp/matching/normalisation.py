@@ -8,9 +8,11 @@ noise: docs/matching.md, "Normalisation" and "Bandwidths".
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from peer.base.errors import InvalidArgument
 from peer.ldp.matching.expansion import _matmul
+from peer.nn.architectures import torch_threads
 
 
 def _mean_sq_bandwidth(x: np.ndarray, y: np.ndarray) -> float:
@@ -37,16 +39,22 @@ def sinkhorn_factors(
             f"cannot balance the {what}: it needs finite, non-negative values with no all-zero row or column (a bandwidth too small?)",
         )
     n_rows, n_cols = m.shape
-    r = np.ones(n_rows)
-    c = np.ones(n_cols)
-    for _ in range(max_iter):
-        r = n_cols / (m @ c)
-        col = m.T @ r
-        c = n_rows / col
-        row = r * (m @ c)
-        if np.max(np.abs(row - n_cols)) <= tol * n_cols:
-            break
-    return r, c
+    # float64 matrix-vector products through torch on one thread, with the transpose made
+    # contiguous: numpy's m.T @ r on a shared machine was over 10× slower (docs/matching.md, "Threads")
+    with torch_threads(1):
+        mat = torch.as_tensor(m)
+        mat_t = mat.T.contiguous()
+        r = torch.ones(n_rows, dtype=torch.float64)
+        c = torch.ones(n_cols, dtype=torch.float64)
+        mc = torch.mv(mat, c)
+        for _ in range(max_iter):
+            r = n_cols / mc
+            c = n_rows / torch.mv(mat_t, r)
+            # m @ c serves both this step's check and the next step's r: two products per step
+            mc = torch.mv(mat, c)
+            if float(torch.max(torch.abs(r * mc - n_cols))) <= tol * n_cols:
+                break
+    return r.numpy(), c.numpy()
 
 
 def _spread_bandwidth(a: np.ndarray, b: np.ndarray) -> float:

@@ -112,6 +112,15 @@ class _Factor:
             None if self.dense is None else self.dense * s,
         )
 
+    def row_sums(self, dtype: torch.dtype) -> torch.Tensor:
+        """(c·J + R) 1: what the factor does to a constant vector, without a dense product."""
+        out = torch.full((self.shape[0],), self.ones * self.shape[1], dtype=dtype)
+        if self.sparse is not None:
+            out += self.sparse.matvec(torch.ones(self.shape[1], dtype=dtype))
+        elif self.dense is not None:
+            out += self.dense.sum(dim=1)
+        return out
+
     def matvec_rest(self, u: torch.Tensor) -> torch.Tensor | None:
         """R u (the non-constant part times a vector), or None when R is absent."""
         if self.sparse is not None:
@@ -224,8 +233,16 @@ class _Stacked:
     def t(self) -> _Stacked:
         return _Stacked(self.phi, self.psi, not self.transposed)
 
-    def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost) -> None:
+    def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost, terms: int | None = None) -> None:
+        """out += Σ_r F_r V H_rᵀ (or the transposed sum) over the first ``terms`` terms (all when None)."""
+        left = None if terms is None else int(terms)
         for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
+            if left is not None:
+                if left <= 0:
+                    break
+                if left < phi_g.shape[1]:
+                    phi_g, psi_g = phi_g[:, :left].contiguous(), psi_g[:, :left].contiguous()
+                left -= phi_g.shape[1]
             n, r, m = phi_g.shape
             phi = phi_g.reshape(n * r, m)
             psi = psi_g.reshape(n, r * m)
@@ -238,6 +255,14 @@ class _Stacked:
                     cost.add(n, n, r * m)
                     cost.add(m, n * r, m)
                     out += phi.T @ (v @ psi).reshape(n * r, m)
+
+    def apply_constant(self, c: float, out: torch.Tensor) -> None:
+        """out += Σ_r F_r (c·J) H_rᵀ = c Σ_r (F_r 1)(H_r 1)ᵀ: matrix-vector work only."""
+        for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
+            if not self.transposed:
+                out += c * (phi_g.sum(dim=2) @ psi_g.sum(dim=2).T)  # (n, g) @ (g, n)
+            else:
+                out += c * (phi_g.sum(dim=0).T @ psi_g.sum(dim=0))  # (n′, g) @ (g, n′)
 
 
 def _sparse_indicator(mask: np.ndarray, dtype: torch.dtype, coef: float = 1.0) -> _Sparse:
@@ -289,19 +314,34 @@ def _rescale(terms: list, s: float) -> list:
     return out
 
 
-def _apply_block(terms, v: torch.Tensor, n_rows: int, cost: _Cost, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out += Σ_t F_t V H_tᵀ (a new zero matrix when ``out`` is None), returned."""
+def _apply_block(
+    terms, v: torch.Tensor, n_rows: int, cost: _Cost, out: torch.Tensor | None = None, rank: int | None = None
+) -> torch.Tensor:
+    """out += Σ_t F_t V H_tᵀ (a new zero matrix when ``out`` is None), returned; ``rank``: apply
+    only the first ``rank`` stacked dense terms (all when None)."""
     if out is None:
         out = torch.zeros((n_rows, n_rows), dtype=v.dtype)
     ones = None
     for term in terms:
         if isinstance(term, _Stacked):
-            term.apply(v, out, cost)
+            term.apply(v, out, cost, rank)
         else:
             ones = ones or _RankOne(v, n_rows)
             _apply_term(term[0], term[1], v, ones, out, cost)
     if ones is not None:
         ones.add_to(out)
+    return out
+
+
+def _apply_block_constant(terms, c: float, n_rows: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    """out += Σ_t F_t (c·J) H_tᵀ = c Σ_t (F_t 1)(H_t 1)ᵀ: the block applied to a constant matrix,
+    at the cost of matrix-vector products (no n³ product)."""
+    for term in terms:
+        if isinstance(term, _Stacked):
+            term.apply_constant(c, out)
+        else:
+            f, h = term
+            out += c * torch.outer(f.row_sums(dtype), h.row_sums(dtype))
     return out
 
 

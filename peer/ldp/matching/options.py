@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,13 @@ from peer.base.errors import InvalidArgument
 
 BANDWIDTH_RULES = ("spread", "mean")
 SOLVERS = ("factorised", "dense")
+EIGENSOLVERS = ("auto", "ritz", "power")
+EXPANSION_RULES = ("auto", "operator", "uniform")
+# "auto" (both options): the Rayleigh–Ritz iteration with the operator-adapted expansion while some
+# hidden layer has more than this many nodes, the reference path (power iteration, uniform
+# expansion) up to it, where products are cheap and the fixed costs of the faster path dominate
+# (docs/matching.md, "Spectral matching").
+AUTO_FAST_MIN_WIDTH = 128
 DTYPES = ("auto", "float32", "float64")
 # dtype="auto" computes in float64 while every hidden layer has at most this many nodes, float32
 # above, where it halves the memory and recovers the same matches (docs/matching.md, "Precision").
@@ -34,9 +41,25 @@ class MatchOptions:
     activation and weight affinities in the merged K (non-negative, not both zero).
     ``activation_sigma`` / ``weight_sigma``: Gaussian bandwidths σ (exp(−d²/σ), σ not squared);
     ``None`` = a public rule that reads only the arrays given (docs/matching.md, "Bandwidths").
-    ``max_iter`` / ``tol``: power iteration stops after ``max_iter`` steps or when
-    ‖v_k − v_{k−1}‖₂ < ``tol`` (pygmtools' rule and default tolerance).
-    ``expansion_tol``: the largest error allowed in any kernel value κ ∈ (0, 1] by the separable
+    ``eigensolver``: how the factorised solver finds the leading eigenvector of K: ``"ritz"``
+    (power iteration accelerated by a layer-wise Rayleigh–Ritz step, a few products of K),
+    ``"power"`` (the reference: shifted power iteration from the uniform vector, pygmtools'
+    rule; docs/matching.md, "Spectral matching") or ``"auto"`` (default: ``"ritz"`` when some
+    hidden layer has more than ``AUTO_FAST_MIN_WIDTH`` (128) nodes, else ``"power"``). The dense
+    solver is always power iteration.
+    ``max_iter`` / ``tol``: the iteration stops after ``max_iter`` steps or when
+    ‖v_k − v_{k−1}‖₂ < ``tol`` (``"power"``: pygmtools' rule and default tolerance) or
+    ‖K v − θ v‖₂ < ``tol``·θ/10 (``"ritz"``, θ the Rayleigh quotient of the unit vector v; why
+    a tenth: docs/matching.md, "Layer-wise Rayleigh–Ritz").
+    ``expansion_rule``: how exact weights between two hidden layers are expanded:
+    ``"operator"`` — the expansion optimal in the mean square over the block's weight
+    pairs, with as many terms as keep the spectral norm of the change it makes to K below
+    ``tol``·λ₁/8 per block, and fewer terms in the products with small residuals (docs/matching.md,
+    "Operator-adapted expansion"); ``"uniform"`` (the reference) — every kernel value within
+    ``expansion_tol``; ``"auto"`` (default) — ``"operator"`` when some hidden layer has more
+    than ``AUTO_FAST_MIN_WIDTH`` nodes, else ``"uniform"``. Blocks to the fixed input and output layers, and blocks whose edges carry
+    several weights (convolutions), always use the uniform rule.
+    ``expansion_tol``: the largest error allowed in any kernel value κ ∈ (0, 1] by the uniform
     expansion of exact weights (few-valued weights are expanded exactly).
     ``few_valued``: detect ≤ 3-valued weight arrays and use their exact sparse expansion.
     ``dtype``: ``"auto"`` (float64 while every hidden layer has ≤ 512 nodes, else float32),
@@ -57,6 +80,8 @@ class MatchOptions:
     """
 
     solver: str = "factorised"
+    eigensolver: str = "auto"
+    expansion_rule: str = "auto"
     activation_weight: float = 1.0
     edge_weight: float = 1.0
     activation_sigma: float | None = None
@@ -72,9 +97,22 @@ class MatchOptions:
     balance: bool = True
     activation_bandwidth: str = "spread"
 
+    def resolved(self, sizes) -> MatchOptions:
+        """These options with "auto" replaced by what it means for hidden layers of ``sizes``."""
+        fast = max(int(n) for n in sizes) > AUTO_FAST_MIN_WIDTH
+        eigensolver = ("ritz" if fast else "power") if self.eigensolver == "auto" else self.eigensolver
+        rule = ("operator" if fast else "uniform") if self.expansion_rule == "auto" else self.expansion_rule
+        return replace(self, eigensolver=eigensolver, expansion_rule=rule)
+
     def __post_init__(self):
         if self.solver not in SOLVERS:
             raise InvalidArgument("options.solver", f"must be one of {SOLVERS}, got {self.solver!r}")
+        if self.eigensolver not in EIGENSOLVERS:
+            raise InvalidArgument("options.eigensolver", f"must be one of {EIGENSOLVERS}, got {self.eigensolver!r}")
+        if self.expansion_rule not in EXPANSION_RULES:
+            raise InvalidArgument(
+                "options.expansion_rule", f"must be one of {EXPANSION_RULES}, got {self.expansion_rule!r}"
+            )
         if not isinstance(self.balance, bool):
             raise InvalidArgument("options.balance", f"must be true or false, got {self.balance!r}")
         if self.activation_bandwidth not in BANDWIDTH_RULES:
@@ -132,8 +170,8 @@ class MatchResult:
     ``objective``: xᵀKx of the discrete solution, computed from exact kernel values in the same
     way for both solvers (:meth:`Affinity.objective`). ``relaxed[ℓ]``: the leading-eigenvector
     estimate reshaped to n_ℓ×n_ℓ ([i, j] = pair (A node i, B node j)), unit norm over all
-    layers — what pygmtools' ``sm`` returns. ``iterations``: power-iteration steps taken;
-    ``converged``: whether ‖v_k − v_{k−1}‖ < tol was reached. ``diagnostics``: expansions and
+    layers — what pygmtools' ``sm`` returns. ``iterations``: eigensolver steps taken;
+    ``converged``: whether its stopping rule (``MatchOptions.tol``) was met. ``diagnostics``: expansions and
     their error bounds, bandwidths, normalisers, products per iteration, timings.
     """
 
