@@ -32,6 +32,8 @@ report's ``adopt`` says which, and why.
 from __future__ import annotations
 
 import itertools
+import json
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,12 +45,31 @@ import numpy as np
 from coordinator_free.rounds import RoundConfig, fusion_weights
 from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.ldp.fusion import average_arrays
-from peer.nn.architectures import input_tensor, model_from_arrays, predict_proba, state_arrays
+from peer.nn.architectures import build_model, input_tensor, model_from_arrays, predict_proba, state_arrays
 from peer.nn.store import StoredModel
 
 #: up to this many contributions every subset is a candidate (2^k − 1 of them); beyond it,
 #: greedy forward selection (at most k(k+1)/2 candidates per α)
 MAX_EXHAUSTIVE = 4
+
+_POINTS: dict[str, tuple] = {}
+_POINTS_LOCK = threading.Lock()
+
+
+def stat_points_of(arch: Mapping[str, Any], input_shape: Sequence[int]) -> tuple:
+    """The REPAIR statistic points of a built-in architecture (``peer.nn.tracing``), traced once per
+    architecture and input shape in this process and remembered (they depend on neither weights
+    nor data). Why remembered, and traced under a lock: torch.fx replaces ``nn.Module.__call__``
+    *process-wide* while it traces, so a forward pass on another thread during a trace is caught
+    by the tracer ("module is not installed as a submodule"). A process that runs several sites'
+    rounds on threads (the simulator) calls this before starting them."""
+    from peer.nn.tracing import derive_structure
+
+    key = json.dumps([arch, list(input_shape)], sort_keys=True, default=str)
+    with _POINTS_LOCK:
+        if key not in _POINTS:
+            _POINTS[key] = tuple(derive_structure(build_model(arch), tuple(input_shape)).stat_points)
+        return _POINTS[key]
 
 
 @dataclass(frozen=True)
@@ -136,7 +157,6 @@ def after_fusion(
     import torch
 
     from peer.ldp.repair import fine_tune, repair_fused
-    from peer.nn.tracing import derive_structure
 
     started = time.monotonic()
     out = AfterFusion()
@@ -148,7 +168,7 @@ def after_fusion(
         rep["repair"] = {"data": config.repair, "examples": len(x_np)}
     points = ()
     if x_repair is not None:
-        points = derive_structure(model_from_arrays(arch, own), tuple(x_repair.shape[1:])).stat_points
+        points = stat_points_of(arch, tuple(x_repair.shape[1:]))
 
     def candidate(kept: Sequence[str], alpha: float) -> tuple[dict[str, np.ndarray], list[float]]:
         weights = fusion_weights(alpha, len(kept))

@@ -699,6 +699,16 @@ def run_sites(world: World, progress: Progress) -> dict:
 
         t0 = time.monotonic()
         victim = sc.failure.site if sc.failure is not None else None
+        if sc.round.repair != "off":
+            # REPAIR's statistic points come from a torch.fx trace, which hijacks nn.Module.__call__
+            # process-wide while it runs: trace the one architecture now, before the round threads
+            # run forward passes (coordinator_free.repairing.stat_points_of remembers it)
+            from coordinator_free.repairing import stat_points_of
+            from peer.nn.architectures import input_tensor
+
+            some = next(iter(world.sites.values()))
+            shape = tuple(input_tensor(some.architecture, np.asarray(some.x)[:1]).shape[1:])
+            stat_points_of(some.architecture, shape)
         for s in world.sites.values():
             files = []
             for label, method, scale in world.plan:

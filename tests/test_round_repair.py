@@ -252,3 +252,40 @@ def test_a_round_repairs_and_fine_tunes_without_charging_anything_more(tmp_path,
         assert len(ledger_entries(peer, "hospital-a")) == 2
     assert ledger_entries(a) == []
     assert any(e["event"] == "after-fusion" for e in r["events"])
+
+
+def test_statistic_points_are_traced_once_so_round_threads_never_meet_a_trace():
+    """torch.fx replaces nn.Module.__call__ process-wide while it traces: a forward pass on another
+    thread during a trace fails ("module is not installed as a submodule"). The simulator runs
+    several sites' rounds on threads, so the REPAIR points are traced once per architecture,
+    before those threads start, and remembered: later rounds trace nothing."""
+    import threading
+
+    import torch
+
+    from coordinator_free import repairing
+    from peer.nn.architectures import build_model
+
+    arch = {"kind": "mlp", "input_dim": 30, "hidden": [32], "output_dim": 2, "activation": "relu"}
+    first = repairing.stat_points_of(arch, (30,))
+    assert first  # one hidden layer: its statistic points
+    stop, errors = threading.Event(), []
+
+    def forward_passes():
+        model = build_model(arch)
+        while not stop.is_set():
+            try:
+                model(torch.zeros(4, 30))
+            except Exception as e:  # a trace running now would make this fail
+                errors.append(repr(e))
+                return
+
+    t = threading.Thread(target=forward_passes)
+    t.start()
+    try:
+        for _ in range(50):
+            assert repairing.stat_points_of(arch, (30,)) == first
+    finally:
+        stop.set()
+        t.join()
+    assert errors == []
