@@ -23,7 +23,7 @@ from peer.ldp.matching.checks import _check_graphs
 from peer.ldp.matching.dense import dense_matrix
 from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth, _spread_bandwidth, _squared_distances, sinkhorn_factors
-from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _transposed
+from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _Stacked, _transposed
 from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, MatchOptions
 from peer.nn.graph import NetworkGraph
 
@@ -233,6 +233,9 @@ class Affinity:
                     )
                 else:
                     rank = None if ranks is None else ranks[k]
+                    for t in getattr(b, terms):
+                        if isinstance(t, _Stacked):
+                            t.trim(rank)  # free lazily built terms this product does not use
                     parts[target] = _apply_block(getattr(b, terms), x, self.sizes[target], cost, rank=rank)
             out.append(parts)
         return out
