@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 import peer.ldp.matching as matching
+import peer.ldp.matching.affinity as matching_affinity
 import peer.ldp.matching.blocks as matching_blocks
 import peer.ldp.matching.operators as operators
 from peer.base.errors import InvalidArgument
@@ -506,6 +507,24 @@ def test_lazily_built_terms_match_the_terms_built_at_once():
         view.apply_constant(0.7, got)
         ref.apply_constant(0.7, want)
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_terms_freed_between_products_give_the_same_matching(monkeypatch):
+    """Over KEEP_BUILT_TERMS_BYTES a block's lazily built terms are freed after each product and
+    rebuilt by the next: nothing stays built, and the matching is the one that kept them."""
+    a, b, _ = BENCH.synthetic_pair(40, 3, "exact", seed=4)
+    opts = MatchOptions(eigensolver="ritz", expansion_rule="operator", dtype="float64")
+    kept = match_graphs(a, b, opts)
+    monkeypatch.setattr(matching_affinity, "KEEP_BUILT_TERMS_BYTES", 0)
+    freed = match_graphs(a, b, opts)
+    np.testing.assert_allclose(flat(freed.relaxed), flat(kept.relaxed), rtol=0, atol=1e-13)
+    assert all(np.array_equal(p, q) for p, q in zip(freed.permutations, kept.permutations, strict=True))
+    assert freed.diagnostics["ranks"] == kept.diagnostics["ranks"]
+    aff = Affinity(a, b, opts)
+    rng = np.random.default_rng(1)
+    v = [torch.as_tensor(rng.random((n, n))) for n in aff.sizes]
+    aff.apply_by_source(v, ranks=[3, 2])
+    assert all(t.source is not None and t._built() == 0 for blk in aff.hidden_blocks for t in blk.terms)
 
 
 def test_objective_is_xtkx_of_the_permutations():

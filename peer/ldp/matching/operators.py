@@ -243,6 +243,10 @@ class _Stacked:
     def _built(self) -> int:
         return sum(int(g.shape[1]) for g in self.phi)
 
+    def built_bytes(self) -> int:
+        """Bytes held by the built terms (both sides)."""
+        return sum(g.numel() * g.element_size() for g in (*self.phi, *self.psi))
+
     def ensure(self, terms: int | None) -> None:
         """Build the first ``terms`` terms (all when None) where they are built lazily."""
         if self.source is None:
