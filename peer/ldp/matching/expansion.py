@@ -29,6 +29,13 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (torch.as_tensor(np.asarray(a, dtype=np.float64)) @ torch.as_tensor(np.asarray(b, dtype=np.float64))).numpy()
 
 
+# Entries (times the recurrence's rows) evaluated at a time by the operator-adapted expansion's
+# passes over the weights: small enough that the Chebyshev rows stay in the cache (measured at
+# widths 2048–4096: about twice as fast as chunks of 2²² values).
+FUNCTION_CHUNK_BITS = 19
+GRAM_CHUNK_BITS = 20
+
+
 def gaussian_kernel(x, y, sigma: float):
     """κ(x, y) = exp(−(x − y)² / σ) elementwise (broadcasting); numpy or torch."""
     d = x - y
@@ -155,7 +162,7 @@ def chebyshev_gram_lines(
     sums = np.zeros(2 * degree + 1)
     rows_sum = np.empty((n, degree + 1))
     cols_sum = np.zeros((m, degree + 1))
-    rows = max(1, ((1 << 22) // (2 * degree + 1)) // max(1, m))
+    rows = max(1, ((1 << GRAM_CHUNK_BITS) // (2 * degree + 1)) // max(1, m))
     for start in range(0, n, rows):
         block = w[start : start + rows]
         cheb = chebyshev_values(lo, hi, 2 * degree, block)
@@ -233,10 +240,10 @@ class OperatorExpansion:
         flat = x.reshape(-1)
         coef = self.coefficients(side)[:, start:stop]
         out = np.empty((coef.shape[1], flat.shape[0]))
-        chunk = max(1, (1 << 22) // (self.degree + 1))
-        for start in range(0, flat.shape[0], chunk):
-            cheb = chebyshev_values(self.lo, self.hi, self.degree, flat[start : start + chunk])
-            out[:, start : start + chunk] = _matmul(coef.T, cheb)
+        chunk = max(1, (1 << FUNCTION_CHUNK_BITS) // (self.degree + 1))
+        for at in range(0, flat.shape[0], chunk):
+            cheb = chebyshev_values(self.lo, self.hi, self.degree, flat[at : at + chunk])
+            out[:, at : at + chunk] = _matmul(coef.T, cheb)
         return out.reshape((coef.shape[1], *x.shape))
 
 
