@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 import peer.ldp.matching as matching
+import peer.ldp.matching.affinity as matching_affinity
+import peer.ldp.matching.blocks as matching_blocks
 import peer.ldp.matching.operators as operators
 from peer.base.errors import InvalidArgument
 from peer.ldp.matching import (
@@ -458,6 +460,71 @@ def test_auto_takes_the_fast_path_above_128_nodes_and_the_reference_below():
     r = match_graphs(a, b)
     assert r.diagnostics["eigensolver"] == "ritz"
     assert [blk["expansion"] for blk in r.diagnostics["blocks"]] == ["chebyshev", "operator", "chebyshev"]
+
+
+def test_auto_routes_two_released_graphs_to_power_iteration():
+    """Both sides few-valued (two released graphs): "auto" takes power iteration above 128 nodes
+    too — its products are gathers, so the Rayleigh–Ritz step's fixed work does not pay — and is
+    then the reference path exactly; one released side (mixed) keeps the Rayleigh–Ritz step."""
+    a, b, _ = BENCH.synthetic_pair(130, 2, "mixed", seed=3)
+    assert match_graphs(a, b).diagnostics["eigensolver"] == "ritz"
+    a, b, _ = BENCH.synthetic_pair(130, 2, "noisy", seed=3)
+    auto = match_graphs(a, b)
+    ref = match_graphs(a, b, MatchOptions(eigensolver="power", expansion_rule="uniform"))
+    assert auto.diagnostics["eigensolver"] == "power" and auto.iterations == ref.iterations
+    assert all(np.array_equal(p, q) for p, q in zip(auto.permutations, ref.permutations, strict=True))
+    given = match_graphs(a, b, MatchOptions(eigensolver="ritz"))  # a given eigensolver is kept
+    assert given.diagnostics["eigensolver"] == "ritz"
+
+
+def test_lazily_built_terms_match_the_terms_built_at_once():
+    """The operator-adapted terms are built when a product first needs them: any prefix applied
+    (both directions) equals the same prefix of the terms built at once, after trimming to fewer
+    terms and growing again; only the terms in use are stored; and the constant start, from the
+    Gram pass's line sums, equals Σ_r (F_r 1)(H_r 1)ᵀ of the built terms."""
+    a, b, _ = BENCH.synthetic_pair(40, 3, "exact", seed=2)
+    aff = Affinity(a, b, MatchOptions(expansion_rule="operator", dtype="float64"))
+    blk = aff.hidden_blocks[0]
+    lazy, op = blk.terms[0], blk.operator
+    assert isinstance(lazy, _Stacked) and lazy.source is not None and lazy.phi == [] and op.terms > 5
+    wa, wb = blk.weights_a[:, :, 0], blk.weights_b[:, :, 0]
+    phi = matching_blocks._stacked_operator_functions(op, wa, "a", torch.float64)
+    psi = [g * blk.scale for g in matching_blocks._stacked_operator_functions(op, wb, "b", torch.float64)]
+    eager = _Stacked(phi, psi)
+    n, m = wa.shape
+    rng = np.random.default_rng(0)
+    v, u = torch.as_tensor(rng.random((m, m))), torch.as_tensor(rng.random((n, n)))
+    for k in (op.terms, 1, 5, 3, op.terms):
+        lazy.trim(k)
+        for view, ref, x, size in ((lazy, eager, v, n), (lazy.t(), eager.t(), u, m)):
+            got, want = torch.zeros((size, size), dtype=torch.float64), torch.zeros((size, size), dtype=torch.float64)
+            view.apply(x, got, operators._Cost(), k)
+            ref.apply(x, want, operators._Cost(), k)
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-14)
+        assert lazy._built() == k
+    for view, ref, size in ((lazy, eager, n), (lazy.t(), eager.t(), m)):
+        got, want = torch.zeros((size, size), dtype=torch.float64), torch.zeros((size, size), dtype=torch.float64)
+        view.apply_constant(0.7, got)
+        ref.apply_constant(0.7, want)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_terms_freed_between_products_give_the_same_matching(monkeypatch):
+    """Over KEEP_BUILT_TERMS_BYTES a block's lazily built terms are freed after each product and
+    rebuilt by the next: nothing stays built, and the matching is the one that kept them."""
+    a, b, _ = BENCH.synthetic_pair(40, 3, "exact", seed=4)
+    opts = MatchOptions(eigensolver="ritz", expansion_rule="operator", dtype="float64")
+    kept = match_graphs(a, b, opts)
+    monkeypatch.setattr(matching_affinity, "KEEP_BUILT_TERMS_BYTES", 0)
+    freed = match_graphs(a, b, opts)
+    np.testing.assert_allclose(flat(freed.relaxed), flat(kept.relaxed), rtol=0, atol=1e-13)
+    assert all(np.array_equal(p, q) for p, q in zip(freed.permutations, kept.permutations, strict=True))
+    assert freed.diagnostics["ranks"] == kept.diagnostics["ranks"]
+    aff = Affinity(a, b, opts)
+    rng = np.random.default_rng(1)
+    v = [torch.as_tensor(rng.random((n, n))) for n in aff.sizes]
+    aff.apply_by_source(v, ranks=[3, 2])
+    assert all(t.source is not None and t._built() == 0 for blk in aff.hidden_blocks for t in blk.terms)
 
 
 def test_objective_is_xtkx_of_the_permutations():

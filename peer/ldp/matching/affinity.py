@@ -23,9 +23,16 @@ from peer.ldp.matching.checks import _check_graphs
 from peer.ldp.matching.dense import dense_matrix
 from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth, _spread_bandwidth, _squared_distances, sinkhorn_factors
-from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _transposed
+from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _Stacked, _transposed
 from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, MatchOptions
 from peer.nn.graph import NetworkGraph
+
+# Lazily built expansion terms stay built between products while all blocks' together take at
+# most this many bytes; above it a block's terms are freed after each product and rebuilt by the
+# next: the peak then holds one block's terms (at width 4096 in float32, 12 terms per side of one
+# block are 1.5 GiB), at the price of building them again (docs/matching.md, "Operator-adapted
+# expansion").
+KEEP_BUILT_TERMS_BYTES = 512 << 20
 
 
 class Affinity:
@@ -64,7 +71,7 @@ class Affinity:
         # and column factors are kept: the objective applies them to exact kernel values.
         self.activation_sigma: list[float] = []
         self.activation_mean: list[float] = []
-        self._activation: list[np.ndarray] = []
+        self._activation: list[np.ndarray] | None = []
         self._activation_factors: list[tuple[np.ndarray, np.ndarray]] = []
         for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden, strict=True)):
             if options.activation_sigma is not None:
@@ -135,6 +142,7 @@ class Affinity:
         self._unary: list[torch.Tensor] | None = None
         if build_operator:
             self._unary = self._factorised_unary()
+            self._activation = None  # in the unary now; dense() recomputes it (n² float64 per layer)
             for b in self.blocks:
                 if b.kind != "hidden":
                     b.terms = []  # only the unary they produced is needed from now on
@@ -166,6 +174,17 @@ class Affinity:
                 self._balanced_fixed("output", u_out.numpy().astype(np.float64)), dtype=self.dtype
             )
         return unary
+
+    def _balanced_activation(self, ell: int) -> np.ndarray:
+        """The balanced activation affinity of hidden layer ℓ in float64: kept from the
+        construction, or recomputed the same way from its factors (the factorised operator keeps
+        it only inside its unary)."""
+        if self._activation is not None:
+            return self._activation[ell]
+        r, c, offsets = self._activation_factors[ell]
+        sq = _squared_distances(self.graph_a.hidden[ell].activations, self.graph_b.hidden[ell].activations)
+        na = np.exp(-(sq - offsets[0][:, None] - offsets[1][None, :] + offsets[2]) / self.activation_sigma[ell])
+        return r[:, None] * na * c[None, :]
 
     def _balanced_fixed(self, which: str, u: np.ndarray) -> torch.Tensor | np.ndarray:
         """A fixed-layer unary term (already scaled by its normaliser and edge_weight), balanced
@@ -213,19 +232,18 @@ class Affinity:
         if self._unary is None:
             raise InvalidArgument("affinity", "was built without its factorised operator")
         cost = _Cost() if cost is None else cost
-        out = []
-        for ell, x in enumerate(v):
-            parts = {ell: self._unary[ell] * x} if unary else {}
-            for target, terms in ((ell + 1, "terms"), (ell - 1, "terms_t")):
-                if not 0 <= target < len(self.sizes):
+        out = [{ell: self._unary[ell] * x} if unary else {} for ell, x in enumerate(v)]
+        kept = 0  # bytes of lazily built terms left built after their block was applied
+        # block by block, both directions, so that a block's terms can be freed before the next
+        # block's are built (the peak then holds one block's terms)
+        for k, b in enumerate(self.hidden_blocks):
+            for source, target, terms in ((k, k + 1, b.terms), (k + 1, k, b.terms_t)):
+                if not terms:
                     continue
-                k = min(ell, target)
-                b = self.hidden_blocks[k]
-                if not getattr(b, terms):
-                    continue
+                x = v[source]
                 if constant:
-                    parts[target] = _apply_block_constant(
-                        getattr(b, terms),
+                    out[source][target] = _apply_block_constant(
+                        terms,
                         float(x[0, 0]),
                         self.sizes[target],
                         x.dtype,
@@ -233,8 +251,17 @@ class Affinity:
                     )
                 else:
                     rank = None if ranks is None else ranks[k]
-                    parts[target] = _apply_block(getattr(b, terms), x, self.sizes[target], cost, rank=rank)
-            out.append(parts)
+                    for t in terms:
+                        if isinstance(t, _Stacked):
+                            t.trim(rank)  # free lazily built terms this product does not use
+                    out[source][target] = _apply_block(terms, x, self.sizes[target], cost, rank=rank)
+            for t in b.terms:
+                if isinstance(t, _Stacked) and t.source is not None:
+                    size = t.built_bytes()
+                    if kept + size > KEEP_BUILT_TERMS_BYTES:
+                        t.trim(0)  # rebuilt by the next product that needs them
+                    else:
+                        kept += size
         return out
 
     @property
@@ -282,7 +309,7 @@ class Affinity:
         opts = self.options
         diagonals = []
         for ell, _n in enumerate(self.sizes):
-            d = self._activation[ell] * opts.activation_weight
+            d = self._balanced_activation(ell) * opts.activation_weight
             if opts.edge_weight > 0:
                 if ell == 0:
                     d = d + self._balanced_fixed("input", _exact_fixed_unary(self.blocks[0], incoming=True))

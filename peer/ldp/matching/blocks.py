@@ -24,7 +24,7 @@ from peer.ldp.matching.expansion import (
     operator_expansion,
 )
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth
-from peer.ldp.matching.operators import _Factor, _indicator_factor, _Stacked, _table_right_factor
+from peer.ldp.matching.operators import _Factor, _indicator_factor, _LazyTerms, _Stacked, _table_right_factor
 from peer.ldp.matching.options import MatchOptions
 
 
@@ -196,9 +196,7 @@ def _block_terms(block: _Block, dtype: torch.dtype) -> list:
                     (_Factor(shape, dense=torch.as_tensor(diff, dtype=dtype)), _indicator_factor(wb == vb[q], dtype))
                 )
         elif block.operator is not None:
-            phi = _stacked_operator_functions(block.operator, wa, "a", dtype)
-            psi = _stacked_operator_functions(block.operator, wb, "b", dtype)
-            terms.append(_Stacked(phi, psi))
+            terms.append(_lazy_operator_terms(block.operator, wa, wb, dtype))
         else:
             ch = block.chebyshev
             phi, means_a = _stacked_functions(ch, wa, dtype)
@@ -229,17 +227,42 @@ def _stacked_functions(
     return groups, sums / w.size
 
 
-def _stacked_operator_functions(op: OperatorExpansion, w: np.ndarray, side: str, dtype: torch.dtype) -> list:
-    """σ_k f_k(w) (side "a") or h_k(w) (side "b") as groups of _Stacked.GROUP terms (n, group, n′)."""
+def _stacked_operator_functions(
+    op: OperatorExpansion, w: np.ndarray, side: str, dtype: torch.dtype, start: int = 0, stop: int | None = None
+) -> list:
+    """σ_k f_k(w) (side "a") or h_k(w) (side "b"), start ≤ k < stop, as groups of _Stacked.GROUP
+    terms (n, group, n′)."""
     n, m = w.shape
+    stop = op.terms if stop is None else stop
+    count = stop - start
     g = _Stacked.GROUP
-    groups = [torch.empty((n, min(g, op.terms - r), m), dtype=dtype) for r in range(0, op.terms, g)]
+    groups = [torch.empty((n, min(g, count - r), m), dtype=dtype) for r in range(0, count, g)]
     rows = max(1, (1 << 20) // max(1, m))
     for i in range(0, n, rows):
-        vals = op.functions(w[i : i + rows], side)  # (R, rows, n′), float64
+        vals = op.functions(w[i : i + rows], side, start, stop)  # (count, rows, n′), float64
         for k, grp in enumerate(groups):
             grp[i : i + rows] = torch.as_tensor(vals[k * g : (k + 1) * g].transpose(1, 0, 2), dtype=dtype)
     return groups
+
+
+def _lazy_operator_terms(op: OperatorExpansion, wa: np.ndarray, wb: np.ndarray, dtype: torch.dtype) -> _Stacked:
+    """The operator-adapted expansion's terms as a _Stacked that builds them when a product first
+    needs them: the Rayleigh–Ritz iteration applies only the first few to small residuals, and the
+    constant start needs only the line sums, which the expansion keeps from its Gram pass."""
+    sums_a, sums_b = op.line_sums("a"), op.line_sums("b")
+    if sums_a is None or sums_b is None:  # no line sums (a trivial interval): build every term now
+        phi = _stacked_operator_functions(op, wa, "a", dtype)
+        psi = _stacked_operator_functions(op, wb, "b", dtype)
+        return _Stacked(phi, psi)
+
+    def make(start: int, stop: int):
+        return (
+            _stacked_operator_functions(op, wa, "a", dtype, start, stop),
+            _stacked_operator_functions(op, wb, "b", dtype, start, stop),
+        )
+
+    sums = tuple(tuple(torch.as_tensor(x, dtype=dtype) for x in side) for side in (sums_a, sums_b))
+    return _Stacked([], [], source=_LazyTerms(op.terms, make, sums))
 
 
 def _make_block(name: str, kind: str, wa: np.ndarray, wb: np.ndarray, opts: MatchOptions) -> _Block:

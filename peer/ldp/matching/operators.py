@@ -225,16 +225,58 @@ class _Stacked:
     """
 
     GROUP = 4
-    __slots__ = ("phi", "psi", "transposed")
+    __slots__ = ("phi", "psi", "source", "transposed")
 
-    def __init__(self, phi: list[torch.Tensor], psi: list[torch.Tensor], transposed: bool = False):
-        self.phi, self.psi, self.transposed = phi, psi, transposed
+    def __init__(
+        self,
+        phi: list[torch.Tensor],
+        psi: list[torch.Tensor],
+        transposed: bool = False,
+        source: _LazyTerms | None = None,
+    ):
+        self.phi, self.psi, self.transposed, self.source = phi, psi, transposed, source
 
     def t(self) -> _Stacked:
-        return _Stacked(self.phi, self.psi, not self.transposed)
+        # the same lists and source: terms built or freed through one view serve the other
+        return _Stacked(self.phi, self.psi, not self.transposed, self.source)
+
+    def _built(self) -> int:
+        return sum(int(g.shape[1]) for g in self.phi)
+
+    def built_bytes(self) -> int:
+        """Bytes held by the built terms (both sides)."""
+        return sum(g.numel() * g.element_size() for g in (*self.phi, *self.psi))
+
+    def ensure(self, terms: int | None) -> None:
+        """Build the first ``terms`` terms (all when None) where they are built lazily."""
+        if self.source is None:
+            return
+        want = self.source.terms if terms is None else min(int(terms), self.source.terms)
+        have = self._built()
+        if have < want:
+            phi, psi = self.source.build(have, want)
+            self.phi.extend(phi)
+            self.psi.extend(psi)
+
+    def trim(self, terms: int | None) -> None:
+        """Free the terms after the first ``terms`` (lazily built terms only: they can be rebuilt)."""
+        if self.source is None or terms is None:
+            return
+        keep, k = int(terms), 0
+        for i, grp in enumerate(self.phi):
+            if k + grp.shape[1] > keep:
+                cut = keep - k
+                if cut > 0:
+                    self.phi[i] = grp[:, :cut].contiguous()
+                    self.psi[i] = self.psi[i][:, :cut].contiguous()
+                    i += 1
+                del self.phi[i:], self.psi[i:]
+                return
+            k += grp.shape[1]
 
     def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost, terms: int | None = None) -> None:
         """out += Σ_r F_r V H_rᵀ (or the transposed sum) over the first ``terms`` terms (all when None)."""
+        self.ensure(terms)
         left = None if terms is None else int(terms)
         for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
             if left is not None:
@@ -257,12 +299,40 @@ class _Stacked:
                     out += phi.T @ (v @ psi).reshape(n * r, m)
 
     def apply_constant(self, c: float, out: torch.Tensor) -> None:
-        """out += Σ_r F_r (c·J) H_rᵀ = c Σ_r (F_r 1)(H_r 1)ᵀ: matrix-vector work only."""
+        """out += Σ_r F_r (c·J) H_rᵀ = c Σ_r (F_r 1)(H_r 1)ᵀ: matrix-vector work only (all terms;
+        for lazily built terms from their line sums, without building them)."""
+        if self.source is not None:
+            (fr, fc), (hr, hc) = self.source.sums
+            if not self.transposed:
+                out += (c * self.source.scale) * (fr @ hr.T)
+            else:
+                out += (c * self.source.scale) * (fc @ hc.T)
+            return
         for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
             if not self.transposed:
                 out += c * (phi_g.sum(dim=2) @ psi_g.sum(dim=2).T)  # (n, g) @ (g, n)
             else:
                 out += c * (phi_g.sum(dim=0).T @ psi_g.sum(dim=0))  # (n′, g) @ (g, n′)
+
+
+class _LazyTerms:
+    """Dense separable terms built on demand: ``build(start, stop)`` returns the groups (F, H) of
+    terms start … stop−1 as _Stacked lays them out (H multiplied by ``scale``); ``sums`` holds
+    ((F_r 1, F_rᵀ 1), (H_r 1, H_rᵀ 1)) of all ``terms`` terms, unscaled, as (n, R), (m, R) tensors.
+    A product that needs only the first k terms then never pays for — or stores — the others
+    (docs/matching.md, "Operator-adapted expansion")."""
+
+    __slots__ = ("make", "scale", "sums", "terms")
+
+    def __init__(self, terms: int, make, sums):
+        self.terms, self.make, self.sums, self.scale = int(terms), make, sums, 1.0
+
+    def build(self, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        phi, psi = self.make(start, stop)
+        if self.scale != 1.0:
+            for grp in psi:
+                grp *= self.scale
+        return phi, psi
 
 
 def _sparse_indicator(mask: np.ndarray, dtype: torch.dtype, coef: float = 1.0) -> _Sparse:
@@ -308,6 +378,8 @@ def _rescale(terms: list, s: float) -> list:
         if isinstance(t, _Stacked):
             for grp in t.psi:
                 grp *= s
+            if t.source is not None:
+                t.source.scale *= s  # for the terms built later
             out.append(t)
         else:
             out.append((t[0], t[1].scaled(s)))

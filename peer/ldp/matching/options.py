@@ -45,8 +45,8 @@ class MatchOptions:
     (power iteration accelerated by a layer-wise Rayleigh–Ritz step, a few products of K),
     ``"power"`` (the reference: shifted power iteration from the uniform vector, pygmtools'
     rule; docs/matching.md, "Spectral matching") or ``"auto"`` (default: ``"ritz"`` when some
-    hidden layer has more than ``AUTO_FAST_MIN_WIDTH`` (128) nodes, else ``"power"``). The dense
-    solver is always power iteration.
+    hidden layer has more than ``AUTO_FAST_MIN_WIDTH`` (128) nodes and some hidden–hidden block
+    has exact weights on a side, else ``"power"``). The dense solver is always power iteration.
     ``max_iter`` / ``tol``: the iteration stops after ``max_iter`` steps or when
     ‖v_k − v_{k−1}‖₂ < ``tol`` (``"power"``: pygmtools' rule and default tolerance) or
     ‖K v − θ v‖₂ < ``tol``·θ/10 (``"ritz"``, θ the Rayleigh quotient of the unit vector v; why

@@ -289,18 +289,32 @@ def match_graphs(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOpt
     if not isinstance(options, MatchOptions):
         raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
     _check_graphs(graph_a, graph_b)
+    auto_eigensolver = options.eigensolver == "auto"
     options = options.resolved(graph_a.sizes)
     if options.threads is not None:
         threads = options.threads
     else:
         threads = 1 if max(graph_a.sizes) <= AUTO_SINGLE_THREAD_MAX_WIDTH else torch.get_num_threads()
     with torch_threads(threads):
-        return _match(graph_a, graph_b, options)
+        return _match(graph_a, graph_b, options, auto_eigensolver)
 
 
-def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) -> MatchResult:
+def _few_valued_only(aff: Affinity) -> bool:
+    """Every hidden–hidden block has few-valued weights on both sides (two released graphs)."""
+    return bool(aff.hidden_blocks) and all(b.expansion == "table" for b in aff.hidden_blocks)
+
+
+def _match(
+    graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions, auto_eigensolver: bool = False
+) -> MatchResult:
     dense = options.solver == "dense"
     aff = Affinity(graph_a, graph_b, options, build_operator=not dense)
+    eigensolver = options.eigensolver
+    if auto_eigensolver and _few_valued_only(aff):
+        # both sides released (few-valued): a product of K costs gathers and no dense product,
+        # so the Rayleigh–Ritz step's fixed work (its Gram matrices, the images it keeps) costs
+        # more than the power steps it saves (docs/matching.md, "Spectral matching")
+        eigensolver = "power"
     diag = aff.diagnostics()
     diag["threads"] = torch.get_num_threads()
     t0 = time.perf_counter()
@@ -328,12 +342,12 @@ def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) 
         product_threads = torch.get_num_threads()
         base = product_threads if options.threads is not None else 1
         with torch_threads(base):
-            if options.eigensolver == "ritz":
+            if eigensolver == "ritz":
                 layers, it, converged, residual, norm, cost, shift, extra = _ritz_factorised(aff, product_threads)
                 diag.update(extra)
             else:
                 layers, it, converged, residual, norm, cost, shift = _power_iteration_factorised(aff, product_threads)
-        diag["eigensolver"] = options.eigensolver
+        diag["eigensolver"] = eigensolver
         diag["threads"] = {"setup": product_threads, "iteration": base, "products": product_threads}
     t_iter = time.perf_counter() - t0
     del kmat
@@ -344,7 +358,7 @@ def _match(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOptions) 
     objective = aff.objective(perms)
 
     # the power iteration's cost is per step; the Rayleigh–Ritz iteration's is summed over its steps
-    per_step = 1.0 if dense or aff.is_diagonal or options.eigensolver == "power" else 1.0 / max(1, it)
+    per_step = 1.0 if dense or aff.is_diagonal or eigensolver == "power" else 1.0 / max(1, it)
     diag["dense_products_per_iteration"] = cost.products * per_step
     diag["flops_per_iteration"] = cost.flops * per_step
     diag["n3_products_per_iteration"] = cost.flops * per_step / (2.0 * max(aff.sizes) ** 3)
