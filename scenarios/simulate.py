@@ -656,6 +656,20 @@ def _ledger_count(path: Path) -> int:
 # ------------------------------------------------------------------------------------- the run
 
 
+def _shut_down(rounds, daemons) -> None:
+    """Stop what a phase started: rounds still running are interrupted and waited for, then every
+    daemon gets SIGTERM (all at once, so their grace periods overlap) and is waited for."""
+    for r in rounds:
+        if r.poll() is None:
+            r.kill()
+            r.wait()
+    daemons = list(daemons)
+    for d in daemons:
+        d.terminate()
+    for d in daemons:
+        d.stop()
+
+
 def run_sites(world: World, progress: Progress) -> dict:
     """Start every daemon, write the roster, run every site's rounds at once, stop the daemons.
     Returns what happened to processes (kills, exit codes)."""
@@ -746,14 +760,7 @@ def run_sites(world: World, progress: Progress) -> dict:
         codes = {n: r.wait() for n, r in rounds.items()}
         world.timings["rounds_s"] = time.monotonic() - t0
     finally:
-        for r in rounds.values():
-            if r.poll() is None:
-                r.kill()
-                r.wait()
-        for d in daemons.values():
-            d.terminate()
-        for d in daemons.values():
-            d.stop()
+        _shut_down(rounds.values(), daemons.values())
         torch.set_num_threads(torch_threads)
     return {"exit_codes": codes, "failure": failure, "addresses": {n: d.address for n, d in daemons.items()}}
 
@@ -1122,14 +1129,7 @@ def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
             sites[n].exit_code = r.wait()
         world.timings["iterate_s"] = time.monotonic() - t0
     finally:
-        for r in loops.values():
-            if r.poll() is None:
-                r.kill()
-                r.wait()
-        for d in daemons.values():
-            d.terminate()
-        for d in daemons.values():
-            d.stop()
+        _shut_down(loops.values(), daemons.values())
     return sites
 
 

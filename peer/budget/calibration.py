@@ -31,14 +31,15 @@ import numpy as np
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 from peer.budget.filter import FILTER_ORDERS, FilterBudget, conversion_offset
+from peer.dp.accounting import DEFAULT_ORDERS
 from peer.dp.accounting.conversions import gdp_mu, rdp_to_epsilon
 from peer.dp.accounting.rdp import rdp_subsampled_gaussian
 from peer.dp.accounting.training_records import check_adjacency
 
 FIGURES = ("filter", "rdp", "pld")
 
-# dp-accounting's default RDP orders (RdpAccountant's DEFAULT_RDP_ORDERS)
-RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024])
+# dp-accounting's default RDP orders (RdpAccountant's DEFAULT_RDP_ORDERS), the project's own default
+RDP_ORDERS = tuple(DEFAULT_ORDERS)
 
 
 def run_epsilon(
