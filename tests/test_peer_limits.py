@@ -345,3 +345,67 @@ def test_bad_limits_are_refused_at_start(tmp_path, extra, message):
     a = make_site(tmp_path, "site-a", extra_site=extra)
     with pytest.raises(InvalidArgument, match=message):
         SiteConfig.load(a.config)
+
+
+# ------------------------------------------------------------------------ callers that stop reading
+
+
+def test_a_caller_that_stops_reading_a_response_stream_loses_the_call_not_a_thread():
+    """A real gRPC server on loopback with the daemon's LimitsInterceptor and a handler that
+    streams 256 × 4 MiB: a caller that takes one message and then stops reading fills the
+    flow-control window, and the server thread's wait for the send would never end. With
+    stream_idle_s = 0.5 the watcher cancels the call: the thread and the caller's places are
+    free again within a few seconds, the caller sees CANCELLED, and a caller that reads gets
+    every message."""
+    from concurrent import futures as cf
+
+    from peer.net.limits import Limits, LimitsInterceptor
+
+    chunk = b"x" * (4 << 20)
+    served = []
+
+    def stream(request, context):
+        n = 0
+        try:
+            for n in range(1, int(request) + 1):  # noqa: B007 - n is read in finally
+                yield chunk
+        finally:
+            served.append(n)
+
+    cuts = []
+    limits = Limits(workers=2, reserve_workers=1, stream_idle_s=0.5, stream_deadline_s=5.0)
+    interceptor = LimitsInterceptor(limits, "site-a", on_cut=lambda method, ctx: cuts.append(method))
+    handler = grpc.method_handlers_generic_handler(
+        "t.T",
+        {
+            "Stream": grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=lambda b: int(b.decode()), response_serializer=lambda b: b
+            )
+        },
+    )
+    server = grpc.server(
+        cf.ThreadPoolExecutor(max_workers=limits.threads), interceptors=[interceptor], options=wire.grpc_options()
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.grpc_options())
+        call = channel.unary_stream(
+            "/t.T/Stream", request_serializer=lambda n: str(n).encode(), response_deserializer=bytes
+        )
+        stalled = call(256, timeout=60)
+        assert len(next(stalled)) == len(chunk)
+        wait_until(lambda: interceptor.in_progress() == 0, 10.0, "the stalled call's thread to be freed")
+        assert cuts == ["/t.T/Stream"] and interceptor.sends.cut == 1
+        assert served and served[0] < 256  # the handler stopped early: the stream was cut
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stalled:
+                pass
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        # a caller that reads is never cut, however long the stream
+        assert sum(len(m) for m in call(8, timeout=60)) == 8 * len(chunk)
+        assert interceptor.sends.cut == 1 and interceptor.in_progress() == 0
+        channel.close()
+    finally:
+        server.stop(None)

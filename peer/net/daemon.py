@@ -125,7 +125,7 @@ class Daemon:
         self.health = health.HealthServicer()
         self.interceptor = ErrorInterceptor()
         limits = site.config.limits
-        self.limits = LimitsInterceptor(limits, site.name, self._describe_caller)
+        self.limits = LimitsInterceptor(limits, site.name, self._describe_caller, self._stream_cut)
         # one thread per call for its whole life: `workers` for streaming calls, the reserve for
         # health checks and GetPeerInfo (peer.net.limits); the error interceptor wraps the limits,
         # so their refusals are mapped and logged like every other
@@ -141,6 +141,14 @@ class Daemon:
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.port: int | None = None
         self._stopped = threading.Event()
+
+    def _stream_cut(self, method: str, context) -> None:
+        log_event(
+            "stream-cut",
+            method=method,
+            caller=self._describe_caller(context),
+            why=f"the caller took no message for {self.site.config.limits.stream_idle_s:g} s (site.stream_idle_s)",
+        )
 
     def _describe_caller(self, context) -> str:
         pems = context.auth_context().get("x509_pem_cert") or []

@@ -17,7 +17,14 @@ everyone (health checks included). Three limits prevent that:
 - **pacing of client streams** (:func:`paced`) — a request stream must deliver its next frame
   within ``stream_idle_s`` and all of it within ``stream_deadline_s``; otherwise the call ends
   with DEADLINE_EXCEEDED and its thread is free again. Nothing has been charged then: a
-  release is charged only after its whole request has arrived.
+  release is charged only after its whole request has arrived;
+- **callers that stop reading** (:class:`_SendWatch`) — gRPC's server thread hands each
+  response message to the transport and waits until it has gone; a caller that stops reading
+  a response stream fills HTTP/2's flow-control window and that wait never ends (keepalive
+  pings are answered by the caller's gRPC library, so the connection looks alive). A message
+  the caller has not taken within ``stream_idle_s`` cancels the call (the caller sees
+  CANCELLED) and frees its thread. A release's charge stands then — its first bytes may have
+  left — exactly as for any other call cut after it was charged.
 
 Refusals are domain errors (:class:`Busy`, :class:`StreamTimeout`), so the service's one error
 mapping turns them into status codes and logs them like any other refusal.
@@ -103,13 +110,20 @@ class LimitsInterceptor(grpc.ServerInterceptor):
     Installed *inside* the error interceptor, so its refusals are mapped and logged there.
     """
 
-    def __init__(self, limits: Limits, site: str, describe: Callable[[grpc.ServicerContext], str] | None = None):
+    def __init__(
+        self,
+        limits: Limits,
+        site: str,
+        describe: Callable[[grpc.ServicerContext], str] | None = None,
+        on_cut: Callable[[str, grpc.ServicerContext], None] | None = None,
+    ):
         self.limits = limits
         self.site = site
         self._describe = describe or (lambda context: "this caller")
         self._heavy = threading.BoundedSemaphore(limits.workers)
         self._lock = threading.Lock()
         self._per_peer: Counter[str] = Counter()
+        self.sends = _SendWatch(limits.stream_idle_s, on_cut)
 
     def in_progress(self) -> int:
         """Calls admitted and not yet finished (health checks not counted)."""
@@ -159,6 +173,7 @@ class LimitsInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         admit = self._admit
+        sends = self.sends
 
         def unary(behavior):
             def run(request, context):
@@ -173,14 +188,69 @@ class LimitsInterceptor(grpc.ServerInterceptor):
         def streaming(behavior):
             def run(request, context):
                 release = admit(method, context)
+                key = object()
                 try:
-                    yield from behavior(request, context)
+                    for message in behavior(request, context):
+                        # resumed only once gRPC has handed the message to the caller
+                        sends.sending(key, method, context)
+                        yield message
+                        sends.sent(key)
                 finally:
+                    sends.sent(key)
                     release()
 
             return run
 
         return wrap_handler(handler, unary, streaming)
+
+
+class _SendWatch:
+    """Cancels response streams whose caller stopped taking messages (see the module doc).
+
+    The streaming wrapper marks a message as pending when it yields it and clears the mark
+    when gRPC asks for the next one (which it does only after the previous one has been
+    handed to the caller). One watcher thread, running only while a message is pending,
+    cancels every call whose message has been pending for more than ``idle_s``.
+    ``on_cut(method, context)`` is told about each (the daemon logs it).
+    """
+
+    def __init__(self, idle_s: float, on_cut: Callable[[str, grpc.ServicerContext], None] | None = None):
+        self.idle_s = idle_s
+        self._on_cut = on_cut
+        self._lock = threading.Lock()
+        self._pending: dict[object, tuple[float, str, grpc.ServicerContext]] = {}
+        self._watcher: threading.Thread | None = None
+        self.cut = 0  # calls cancelled so far
+
+    def sending(self, key: object, method: str, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            self._pending[key] = (time.monotonic(), method, context)
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="send-watch", daemon=True)
+                self._watcher.start()
+
+    def sent(self, key: object) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def _watch(self) -> None:
+        tick = min(0.5, self.idle_s / 4)
+        while True:
+            time.sleep(tick)
+            now = time.monotonic()
+            with self._lock:
+                late = [(k, v) for k, v in self._pending.items() if now - v[0] > self.idle_s]
+                for k, _ in late:
+                    del self._pending[k]
+                if not self._pending and not late:
+                    self._watcher = None
+                    return
+            for _, (_, method, context) in late:
+                # wakes the server thread's wait for the send; the call ends CANCELLED
+                context.cancel()
+                self.cut += 1
+                if self._on_cut is not None:
+                    self._on_cut(method, context)
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable) -> grpc.RpcMethodHandler:
