@@ -633,7 +633,7 @@ class Site:
         unit: str = "neuron",
         weights: tuple[float, float] | None = None,
         release: str = "features+weights",
-    ) -> FeaturesRelease:
+    ) -> FeaturesRelease | GroupFeaturesRelease:
         """Noisy graph features of ``stored`` on ``probe`` (Laplace on activations clipped to
         ``activation_clip``, multi-bit on weight features, per ``unit``) and, with ``weights`` =
         (ε, δ), its perturbed weights from the same randomness stream. Both parts touch every
