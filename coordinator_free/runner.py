@@ -253,6 +253,61 @@ class _OwnNetwork:
                 return str(e)
         return None
 
+    def model_mismatch(self, info, wanted: str | None) -> str:
+        """Why no model the peer offers (the roster's, else any of a site's own network) is our
+        network, naming the first difference."""
+        from peer.nn.imported import check_same_structure, is_imported_architecture
+
+        for m in info.models:
+            if wanted is not None and m.name != wanted:
+                continue
+            try:
+                theirs = json.loads(m.architecture_json)
+            except ValueError:
+                continue
+            if not is_imported_architecture(theirs) and wanted is None:
+                continue
+            try:
+                check_same_structure(self.structure, theirs, f"model {m.name!r}")
+            except FailedPrecondition as e:
+                return str(e)
+        return f"{info.name!r} offers no model {wanted or ''} of this network".replace("  ", " ")
+
+    def features_alignment(self, release, clip) -> tuple[dict[str, np.ndarray], dict]:
+        """A peer's group features release (``ReleaseFeatures`` of its own network) aligned to
+        ours: its structure digest checked against ours (FailedPrecondition naming the first
+        difference), its tensors against our structure, then :func:`_align_group_release` with
+        our exact activations on the same probe rows, clipped to the public range the peer
+        clipped its own to (None: its default, unknown here; then unclipped)."""
+        from peer.ldp.group_matching import group_activations
+        from peer.net.codec import group_features_from_release
+        from peer.nn.imported import check_same_structure
+
+        check_same_structure(self.structure, release.architecture, "the peer's features")
+        theirs, features = group_features_from_release(
+            self.structure, release.metadata, release.arrays, int(self.probe_x.shape[0])
+        )
+        ours = group_activations(self.module, self.structure, self.probe_x)
+        if clip is not None:
+            ours = {g: np.clip(a, clip[0], clip[1]) for g, a in ours.items()}
+        own_state = {k: v.detach().numpy().copy() for k, v in self.module.state_dict().items()}
+        perms = _align_group_release(self.structure, ours, own_state, theirs, features)
+        return perms, {
+            "matcher": "activation correlation (our exact rows against the peer's Laplace rows, per "
+            "permutation group; linear assignment)",
+            "permutations": {g: p.tolist() for g, p in perms.items()},
+        }
+
+    def aligned_weights(self, release, perms) -> dict[str, np.ndarray]:
+        """A peer's PFA weights (``ReleaseWeights`` of its own network) permuted by ``perms``,
+        after checking its structure digest and every tensor against ours."""
+        from peer.net.codec import group_weights_from_release
+        from peer.nn.imported import check_same_structure
+        from peer.nn.tracing import permute_state
+
+        check_same_structure(self.structure, release.architecture, "the peer's weights")
+        return permute_state(self.structure, group_weights_from_release(self.structure, release.arrays), perms)
+
     def align(self, architecture, arrays, who: str) -> tuple[dict[str, np.ndarray], dict]:
         """The received state dict aligned to ours (activation matching on the probe set), after
         checking that its structure digest is ours (FailedPrecondition naming the first
@@ -288,6 +343,32 @@ class _OwnNetwork:
             "renormalised": [p.module for p in self.structure.stat_points if p.kind == "affine"],
         }
         return fused, {k: v.detach().numpy().copy() for k, v in repaired.state_dict().items()}, report
+
+
+def _align_group_release(
+    structure, own_acts: Mapping[str, np.ndarray], own_arrays, their_acts: Mapping[str, np.ndarray], their_arrays
+) -> dict[str, np.ndarray]:
+    """How a peer's own network lines up with ours, from its local-DP group release: for every
+    permutation group g, ``perm[g][i] = j`` (our unit i ↔ their unit j).
+
+    Reads our exact activations and state (they never leave us) and the peer's noisy ones
+    (Laplace activation rows, multi-bit weight features: post-processing of its release). Each
+    group's units are paired by the correlation of our activation rows with theirs on the same
+    public probe rows (one linear assignment per group,
+    ``peer.ldp.group_matching.match_correlations``); ``their_arrays`` (the multi-bit weight
+    features) is part of the signature for a matcher that uses them too."""
+    from peer.ldp.group_matching import match_correlations
+
+    def standardised(f):
+        f = np.asarray(f, dtype=np.float64)
+        f = f - f.mean(axis=1, keepdims=True)
+        norm = np.linalg.norm(f, axis=1, keepdims=True)
+        return f / np.where(norm > 0, norm, 1.0)
+
+    correlations = {
+        g.name: standardised(own_acts[g.name]) @ standardised(their_acts[g.name]).T for g in structure.groups
+    }
+    return {g: np.asarray(p, dtype=np.int64) for g, p in match_correlations(structure, correlations).items()}
 
 
 def _match_report(own: NetworkGraph, alignment: Alignment) -> dict:
@@ -449,6 +530,54 @@ def run_round(
         state.contributed(p.name, "ldp", _match_report(own_public, alignment))
         return aligned
 
+    def own_ldp(p: RosterSite, c, model: str):
+        """Method ldp for a site's own network: group features → align → weights → permute."""
+        f = ask(
+            p.name,
+            "features",
+            lambda: c.features(
+                model,
+                probe,
+                activation_epsilon=config.activation_epsilon,
+                weight_epsilon=config.weight_epsilon,
+                activation_clip=clip,
+                timeout=config.call_timeout_s,
+            ),
+        )
+        if f is _STOP:
+            return None
+        if isinstance(f, _Failure):
+            state.drop(p.name, "features", f.status, f.message, f.charged, f.details)
+            return None
+        state.begin(p.name, "align")
+        try:
+            perms, report = own.features_alignment(f, clip)
+        except FailedPrecondition as e:
+            state.drop(p.name, "align", "FAILED_PRECONDITION", str(e), "n/a")
+            return None
+        except (InvalidArgument, ValueError) as e:
+            state.drop(p.name, "align", "ALIGNMENT_FAILED", str(e), "n/a")
+            return None
+        w = ask(
+            p.name,
+            "weights",
+            lambda: c.weights(
+                model, epsilon=config.weights_epsilon, delta=config.weights_delta, timeout=config.call_timeout_s
+            ),
+        )
+        if w is _STOP:
+            return None
+        if isinstance(w, _Failure):
+            state.drop(p.name, "weights", w.status, w.message, w.charged, w.details)
+            return None
+        try:
+            aligned = own.aligned_weights(w, perms)
+        except (InvalidArgument, FailedPrecondition) as e:
+            state.drop(p.name, "weights", "INVALID_RELEASE", str(e), "yes")
+            return None
+        state.contributed(p.name, "ldp", report)
+        return aligned
+
     def merged(p: RosterSite, c, pool: str):
         r = ask(
             p.name,
@@ -527,16 +656,10 @@ def run_round(
             )
             return None
         if own is not None:
-            # features + weights of a site's own network would be released per permutation-group
-            # element; not wired through the daemons yet: refused before anything is asked
-            state.drop(
-                p.name,
-                "info",
-                "FAILED_PRECONDITION",
-                "features over permutation groups are not released yet; use method merged",
-                "n/a",
-            )
-            return None
+            if model is None:  # refused before anything is asked: nothing is charged
+                state.drop(p.name, "info", "FAILED_PRECONDITION", own.model_mismatch(info, p.model), "n/a")
+                return None
+            return own_ldp(p, c, model)
         if model is None:
             state.drop(
                 p.name,

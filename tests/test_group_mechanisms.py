@@ -13,10 +13,13 @@ from peer.ldp.mechanisms.gaussian import gaussian_sigma
 from peer.ldp.mechanisms.groups import (
     CLIP_SCALE,
     perturb_group_activations,
+    perturb_group_weight_features,
     perturb_group_weights,
     release_units,
 )
-from peer.nn.tracing import import_structure
+from peer.ldp.mechanisms.multibit import multibit_rectifier
+from peer.ldp.mechanisms.network import default_entry_bound
+from peer.nn.tracing import AxisRef, PermutationGroup, PermutationStructure, import_structure
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +90,95 @@ def test_activation_release_is_laplace_per_group_element(resnet):
         assert noisy[g].shape == (n, width)
         assert comp.sensitivity == pytest.approx(width * 4.0)  # P·m probes × (hi − lo), per element
     assert record.epsilon == 1.0 and record.parameters["unit_is"] == "one group element"
+
+
+def test_weight_feature_release_is_multibit_per_group_element(resnet):
+    _, s, arrays = resnet
+    out, record = perturb_group_weight_features(s, arrays, epsilon=6.0, randomness=make_randomness(5))
+    assert set(out) == set(arrays)
+    for k, v in arrays.items():
+        assert out[k].shape == v.shape, k
+        # the rectifier's three levels times the parameter's public scale: the matcher's
+        # exact few-valued expansion applies to every parameter
+        assert len(np.unique(out[k])) <= 3, k
+    assert out["stage1.bn1.num_batches_tracked"] == arrays["stage1.bn1.num_batches_tracked"]
+    assert record.epsilon == 6.0 and record.delta == 0.0 and record.parameters["parallel_over"] == "neurons"
+    assert record.parameters["unit_is"] == "one group element"
+    assert record.parameters["release"] == "group_weight_features"
+    units = release_units(s)
+    assert {c.parameters["unit_owner"] for c in record.components} == set(units)
+    stem = next(c for c in record.components if c.parameters["unit_owner"] == "stem")
+    d = sum(int(np.prod(s.parameters[p][1:])) for p in units["stem"])
+    # pure ε per group element, the box [−1, 1]^d of the scaled row: range 2 per coordinate
+    assert stem.mechanism == "multibit" and stem.unit == "neuron" and stem.epsilon == 6.0 and stem.delta == 0.0
+    assert stem.sensitivity == 2.0 and stem.sensitivity_norm == "range"
+    assert stem.parameters["d"] == d and list(stem.parameters["bounds"]) == [-1.0, 1.0]
+    assert stem.parameters["m"] == multibit_rectifier(d, epsilon=6.0, bounds=(-1.0, 1.0)).m == 2
+    with pytest.raises(InvalidArgument, match="epsilon"):
+        perturb_group_weight_features(s, arrays, epsilon=-1.0)
+    bad = dict(arrays, **{"fc.bias": np.full(10, np.nan, np.float32)})
+    with pytest.raises(InvalidArgument, match=r"arrays\[fc.bias\]"):
+        perturb_group_weight_features(s, bad, epsilon=1.0)
+
+
+# A two-layer network whose hidden group has AUDIT_N elements: each element is one unit, its
+# row (fc1.weight[i], fc1.bias[i]) one independent run of the mechanism.
+AUDIT_N = 200_000
+
+
+def _wide(n: int) -> PermutationStructure:
+    group = PermutationGroup("h", n, (AxisRef("fc1.weight", 0), AxisRef("fc1.bias", 0), AxisRef("fc2.weight", 1)))
+    params = {"fc1.weight": (n, 2), "fc1.bias": (n,), "fc2.weight": (1, n), "fc2.bias": (1,)}
+    return PermutationStructure((2,), (group,), params)
+
+
+def _wide_state(n: int, corner: float) -> dict[str, np.ndarray]:
+    c = default_entry_bound(2)  # the public scale of fc1's weights and bias (fan-in 2)
+    return {
+        "fc1.weight": np.full((n, 2), corner * c),
+        "fc1.bias": np.full(n, corner * c),
+        "fc2.weight": np.zeros((1, n)),
+        "fc2.bias": np.zeros(1),
+    }
+
+
+def test_weight_features_are_unbiased_for_the_clipped_row():
+    """E[x′] = the clipped value. Mean of 200k rows of a coordinate: its standard error is
+    sqrt(Var/N) (``multibit`` variance); 5 standard errors fail with probability < 1e-6."""
+    s = _wide(AUDIT_N)
+    state = _wide_state(AUDIT_N, 0.5)
+    state["fc1.bias"][:] = 10.0  # outside the box: clipped to the scale (1 in scaled coordinates)
+    out, record = perturb_group_weight_features(s, state, epsilon=4.0, randomness=make_randomness(11))
+    comp = next(c for c in record.components if c.parameters["unit_owner"] == "h")
+    c = default_entry_bound(2)
+    rect = multibit_rectifier(3, epsilon=4.0, bounds=(-1.0, 1.0))
+    for key, want in (("fc1.weight", 0.5), ("fc1.bias", 1.0)):
+        x = out[key].reshape(AUDIT_N, -1)[:, 0] / c
+        se = np.sqrt((rect.half_step**2 * rect.m / rect.d - want**2) / AUDIT_N)
+        assert abs(x.mean() - want) < 5 * se, key
+    assert comp.parameters["d"] == 3
+
+
+def test_weight_feature_audit_lands_within_15_percent_of_the_charge_and_never_above():
+    """The distinguishing audit of ``test_privacy_audit`` on ONE group element: D = the row at
+    one corner of its public box, D′ at the other; every element of the wide group is an
+    independent run. S = the sum of the row's rectified codes (the likelihood-ratio statistic).
+    False-failure rate as there: "never above" ≤ 5% by construction (fixed seeds: the run is the
+    same every time), "within 15%" more than 10 standard errors away."""
+    from test_privacy_audit import N, audit, ledger_epsilon
+
+    assert N == AUDIT_N
+    s = _wide(N)
+    y0, record = perturb_group_weight_features(s, _wide_state(N, -1.0), epsilon=1.0, randomness=make_randomness(3))
+    y1, _ = perturb_group_weight_features(s, _wide_state(N, 1.0), epsilon=1.0, randomness=make_randomness(4))
+
+    def statistic(out):
+        return out["fc1.weight"].sum(axis=1) + out["fc1.bias"]
+
+    comp = next(c for c in record.components if c.parameters["unit_owner"] == "h")
+    assert comp.parameters["m"] == 1 and comp.parameters["centre"] == 0.0
+    charged = ledger_epsilon(record, 0.0)
+    lb = audit(statistic(y0), statistic(y1), 0.0)
+    print(f"group multibit: ledger ε = {charged:.4f}, audited ε_LB = {lb:.4f}")
+    assert charged == pytest.approx(1.0)
+    assert 0.85 * charged <= lb <= charged

@@ -1,5 +1,5 @@
-"""A site's own network served and fused: public structure on the wire, DP-SGD pools of it,
-refusals (a different network, features over groups, a batch-statistics BatchNorm)."""
+"""A site's own network served and fused: public structure on the wire, its releases per group
+element, DP-SGD pools of it, refusals (a different network, Fuse of it, a batch-statistics BatchNorm)."""
 
 from __future__ import annotations
 
@@ -134,12 +134,20 @@ def test_a_pool_of_an_imported_network_merges_and_keeps_the_sites_keys(tmp_path)
     assert set(merged.arrays) == set(SmallResNet().state_dict())
 
 
-def test_a_daemon_lists_its_own_network_and_refuses_features_over_groups(tmp_path):
+def test_a_daemon_lists_its_own_network_and_releases_it_per_group_element(tmp_path):
+    """ReleaseFeatures / ReleaseWeights of a site's own network: the public structure on the
+    wire, named tensors per group and per state-dict key, one charge per release (its record
+    says the unit is one group element); Fuse of it is refused (FAILED_PRECONDITION)."""
+    from peer.budget.ledger import Ledger
+    from peer.net.client import PeerError
+    from peer.net.codec import group_features_from_release, group_weights_from_release
+
     site = make_site(tmp_path, "st-anne", probe=np.zeros((4, 64), np.float32))
     other = make_site(tmp_path, "riverside")
     pin_each_other(site, other)
     model = randomise(networks.small_resnet())
     import_model(site.root / "own_models", "resnet", model, [1, 8, 8], factory=f"{NETWORKS}:small_resnet")
+    probe = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
     with running(site) as (_, address):
         c = client(other, address, peer="st-anne")
         try:
@@ -147,21 +155,42 @@ def test_a_daemon_lists_its_own_network_and_refuses_features_over_groups(tmp_pat
             (m,) = [m for m in info.models if m.name == "resnet"]
             arch = json.loads(m.architecture_json)
             assert arch["kind"] == "imported" and "factory" not in m.architecture_json
-            assert list(m.hidden_sizes) == [g.size for g in structure_of(arch).groups]
-            from peer.net.client import PeerError
-
+            structure = structure_of(arch)
+            assert list(m.hidden_sizes) == [g.size for g in structure.groups]
+            f = c.features("resnet", probe, activation_epsilon=2.0, weight_epsilon=3.0)
+            w = c.weights("resnet", epsilon=4.0, delta=1e-5)
             with pytest.raises(PeerError) as e:
-                c.features("resnet", np.zeros((4, 64), np.float32), activation_epsilon=1.0, weight_epsilon=1.0)
-            assert e.value.status == "FAILED_PRECONDITION"
-            assert "features over permutation groups are not released yet; use method merged" in str(e.value)
+                c.fuse(
+                    "resnet",
+                    partner="x",
+                    partner_model="y",
+                    alpha=0.5,
+                    activation_epsilon=1.0,
+                    weight_epsilon=1.0,
+                    weights_epsilon=1.0,
+                    weights_delta=1e-5,
+                )
+            assert e.value.status == "FAILED_PRECONDITION" and "method ldp" in str(e.value)
         finally:
             c.close()
+    assert f.architecture == arch and w.architecture == arch
+    acts, features = group_features_from_release(structure, f.metadata, f.arrays, 6)
+    assert set(acts) == {g.name for g in structure.groups} and set(features) == set(structure.parameters)
+    assert all(len(np.unique(v)) <= 3 for v in features.values())  # multi-bit: three levels per key
+    weights = group_weights_from_release(structure, w.arrays)
+    assert set(weights) == set(structure.parameters)
+    with Ledger(site.ledger) as ledger:
+        records = [e.record for e in ledger.entries()]
+    assert [r.parameters["release"] for r in records] == ["group_features", "group_weights"]
+    assert all(r.parameters["unit_is"] == "one group element" for r in records)
+    assert records[0].epsilon == pytest.approx(5.0) and records[1].epsilon == 4.0
+    assert records[0].parameters["probe_rows"] == 6
 
 
 def test_a_round_refuses_a_peer_whose_network_differs_before_anything_is_charged(tmp_path):
     """The peer offers a pool of a *wider* ResNet: the requester sees it in GetPeerInfo and
     drops the peer with FAILED_PRECONDITION naming the first difference; nothing is asked, so
-    nothing is charged. Method ldp over an own network is refused with its reason."""
+    nothing is charged; likewise method ldp, when the peer offers no model of our network."""
     from coordinator_free.roster import Roster, write_roster
     from coordinator_free.rounds import RoundConfig
     from coordinator_free.runner import load_local_site, run_round
@@ -191,7 +220,7 @@ def test_a_round_refuses_a_peer_whose_network_differs_before_anything_is_charged
         local = load_local_site(a.config, "resnet")
         for method, why in (
             ("merged", "first difference at structure.groups[0].size: ours 8, theirs 10"),
-            ("ldp", "features over permutation groups are not released yet; use method merged"),
+            ("ldp", "'riverside' offers no model of this network"),
         ):
             cfg = RoundConfig(
                 roster=tmp_path / "roster.toml", model="resnet", method=method, out=tmp_path / "out", quorum=2

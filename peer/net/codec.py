@@ -9,6 +9,12 @@ onto those names and checks what comes back before the core sees it:
   (:func:`graph_tensors`, :func:`graph_from_release`);
 * released weights ↔ ``weights.<state-dict name>`` beside a graph's tensors
   (:func:`weights_tensors`, :func:`weights_from_release`);
+* a site's own network (``peer.nn.imported``) released over its permutation groups ↔
+  ``groups.<group>.activations``, ``features.<state-dict name>`` (multi-bit weight features)
+  and, in a "features+weights" release, ``weights.<state-dict name>`` plus
+  ``{"release": "group_features", "groups": [...], "probe_rows": P}`` in the metadata
+  (:func:`group_features_tensors`, :func:`group_features_from_release`,
+  :func:`group_weights_from_release`);
 * a site's description of itself (``peer.net.site.SiteInfo``, plain values) → the
   ``privfusion.v1.PeerInfo`` message (:func:`peer_info_message`).
 
@@ -27,12 +33,15 @@ import numpy as np
 
 from peer.base.errors import InvalidArgument
 from peer.net import wire
-from peer.net.site import SiteInfo
+from peer.net.site import GroupFeaturesRelease, SiteInfo
 from peer.nn.architectures import validate_architecture, weight_layers
 from peer.nn.graph import HiddenLayer, NetworkGraph
 from privfusion.v1 import peer_pb2 as pb
 
 WEIGHTS_PREFIX = "weights."
+GROUPS_PREFIX = "groups."
+FEATURES_PREFIX = "features."
+ACTIVATIONS_SUFFIX = ".activations"
 
 
 # ------------------------------------------------------------------------ graph <-> tensors
@@ -130,6 +139,83 @@ def weights_from_release(architecture: Mapping[str, Any], arrays: Mapping[str, n
     if set(got) != expected:
         raise InvalidArgument("release", f"holds unexpected weight tensors {sorted(set(got) - expected)}")
     return got
+
+
+# ------------------------------------------------------------------------ a site's own network
+
+
+def group_features_tensors(release: GroupFeaturesRelease, probe_rows: int) -> tuple[list[tuple[str, np.ndarray]], dict]:
+    """A release of a site's own network over its permutation groups as named tensors: each
+    group's noisy activation rows (``groups.<g>.activations``, ``(size, P·members)``), every
+    state-dict entry's multi-bit weight features (``features.<name>``, the site's shape), then,
+    with weights, ``weights.<name>``. The metadata lists the groups and the probe rows (public)."""
+    tensors = [(f"{GROUPS_PREFIX}{g}{ACTIVATIONS_SUFFIX}", a) for g, a in release.activations.items()]
+    tensors += [(FEATURES_PREFIX + k, release.features[k]) for k in sorted(release.features)]
+    meta: dict[str, Any] = {
+        "release": "group_features",
+        "groups": list(release.activations),
+        "probe_rows": int(probe_rows),
+    }
+    if release.weights is not None:
+        named = weights_tensors(release.weights)
+        tensors += named
+        meta["weights"] = [k for k, _ in named]
+    return tensors, meta
+
+
+def _finite(name: str, a: np.ndarray) -> np.ndarray:
+    if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+        raise InvalidArgument(f"tensor[{name}]", "must hold finite values")
+    return a
+
+
+def _state_from(structure, arrays: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    got = {k[len(prefix) :]: np.asarray(v) for k, v in arrays.items() if k.startswith(prefix)}
+    structure.check_arrays(got, f"tensors {prefix}*" if prefix else "tensors")
+    for k, v in got.items():
+        if v.dtype.kind not in "fiu":
+            raise InvalidArgument(f"tensor[{prefix}{k}]", "must hold numbers")
+        _finite(prefix + k, v)
+    return got
+
+
+def group_features_from_release(
+    structure, metadata: Mapping[str, Any], arrays: Mapping[str, np.ndarray], probe_rows: int
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(activations by group, multi-bit weight features by state-dict name) of a release made by
+    :func:`group_features_tensors`, checked against OUR structure (the caller has checked the
+    release's structure digest is ours): every group present with ``(size, probe_rows ·
+    members)`` finite rows, every state-dict entry with its shape, and nothing else."""
+    from peer.nn.graph import group_members
+
+    if metadata.get("release") != "group_features":
+        raise InvalidArgument("release", "is not a release of a site's own network over permutation groups")
+    members = group_members(structure)
+    acts = {}
+    for g in structure.groups:
+        name = f"{GROUPS_PREFIX}{g.name}{ACTIVATIONS_SUFFIX}"
+        if name not in arrays:
+            raise InvalidArgument("release", f"holds no activations of group {g.name!r} (tensor {name})")
+        a = np.asarray(arrays[name])
+        want = (g.size, int(probe_rows) * len(members[g.name]))
+        if a.shape != want or a.dtype.kind != "f":
+            raise InvalidArgument(f"tensor[{name}]", f"must be a floating-point {want} array, got {list(a.shape)}")
+        acts[g.name] = _finite(name, a)
+    extra = [
+        k
+        for k in arrays
+        if k.startswith(GROUPS_PREFIX) and k[len(GROUPS_PREFIX) : -len(ACTIVATIONS_SUFFIX)] not in acts
+    ]
+    if extra:
+        raise InvalidArgument("release", f"holds tensors of unknown groups {sorted(extra)}")
+    return acts, _state_from(structure, arrays, FEATURES_PREFIX)
+
+
+def group_weights_from_release(structure, arrays: Mapping[str, np.ndarray], prefix: str = "") -> dict[str, np.ndarray]:
+    """The PFA weights of a site's own network — a "weights" release (the site's key names,
+    ``prefix`` "") or the ``weights.`` tensors of a "features+weights" one — checked against
+    OUR structure: every state-dict entry with its shape, finite, nothing else."""
+    return _state_from(structure, arrays, prefix)
 
 
 # ------------------------------------------------------------------------ site info -> PeerInfo

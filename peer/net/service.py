@@ -38,12 +38,12 @@ from peer.base import checks
 from peer.base.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
 from peer.base.records import ReleaseRecord
 from peer.net import wire
-from peer.net.codec import features_tensors, peer_info_message
+from peer.net.codec import features_tensors, group_features_tensors, peer_info_message
 from peer.net.fuse import fuse_with_partner
 from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.net.limits import paced, wrap_handler
 from peer.net.receipts import sign_receipt
-from peer.net.site import Site, log_event, stamp
+from peer.net.site import GroupFeaturesRelease, Site, log_event, stamp
 from peer.nn.architectures import validate_architecture
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
@@ -210,12 +210,22 @@ def check_unit(unit: str) -> str:
 
 
 def probe_input(arch: Mapping[str, Any], probe: np.ndarray) -> np.ndarray:
-    """Check a probe set against the architecture's input; return it as float64 rows."""
-    a = validate_architecture(arch)
+    """Check a probe set against the architecture's input; return it as float64 rows. A site's
+    own network takes rows of ``prod(input_shape)`` values, flat or already shaped."""
     if probe.ndim < 2 or probe.shape[0] < 1:
         raise InvalidArgument("probe.shape", f"must be (n, features...) with n >= 1, got {list(probe.shape)}")
     if probe.shape[0] > MAX_PROBE_ROWS:
         raise InvalidArgument("probe.shape", f"has {probe.shape[0]} rows, at most {MAX_PROBE_ROWS} are accepted")
+    if arch.get("kind") == "imported":
+        shape = list(arch["structure"]["input_shape"])
+        if list(probe.shape[1:]) != shape and not (probe.ndim == 2 and probe.shape[1] == math.prod(shape)):
+            raise InvalidArgument(
+                "probe.shape", f"must be (n, {math.prod(shape)}) or (n, {', '.join(map(str, shape))}) for this model"
+            )
+        if not np.all(np.isfinite(probe)):
+            raise InvalidArgument("probe", "contains NaN or infinite values")
+        return np.asarray(probe, dtype=np.float64)
+    a = validate_architecture(arch)
     need = a["input_dim"] if a["kind"] == "mlp" else math.prod(a["input_shape"])
     shape_ok = (probe.ndim == 2 and probe.shape[1] == need) or (
         a["kind"] == "cnn" and list(probe.shape[1:]) == list(a["input_shape"])
@@ -484,7 +494,8 @@ class PeerService(pb_grpc.PeerServicer):
         p = first.params
         caller = self.bind_caller(context, p.header)
         final = self._on_behalf_of(p.header, caller, "ReleaseFeatures")
-        stored = self.site.model(p.model, "model")
+        stored = self.site.model(p.model, "model", own=True)
+        architecture = self.site.architecture_of(stored)
         eps_x = check_epsilon(p.activation_epsilon, "activation_epsilon")
         eps_w = check_epsilon(p.weight_epsilon, "weight_epsilon")
         unit = check_unit(p.unit)
@@ -519,7 +530,7 @@ class PeerService(pb_grpc.PeerServicer):
                     "chunk", f"only probe chunks may follow the probe header, got {m.WhichOneof('part')!r}"
                 )
             receiver.add(m.chunk)
-        probe = probe_input(stored.architecture, receiver.finish())
+        probe = probe_input(architecture, receiver.finish())
 
         release = self.site.features(
             stored,
@@ -531,7 +542,10 @@ class PeerService(pb_grpc.PeerServicer):
             unit=unit,
             weights=(weights_eps, weights_dlt) if with_weights else None,
         )
-        tensors, meta = features_tensors(release.graph, release.weights)
+        if isinstance(release, GroupFeaturesRelease):  # a site's own network: per group element
+            tensors, meta = group_features_tensors(release, int(probe.shape[0]))
+        else:
+            tensors, meta = features_tensors(release.graph, release.weights)
         kind = "features+weights" if with_weights else "features"
         relayed = {"on_behalf_of": final} if final else {}
         record = stamp(release.record, caller, p.model, probe_rows=int(probe.shape[0]), **relayed)
@@ -541,7 +555,7 @@ class PeerService(pb_grpc.PeerServicer):
             record,
             kind,
             p.model,
-            stored.architecture,
+            architecture,
             meta,
             tensors,
             policy_kind=kinds if with_weights else "features",
@@ -551,7 +565,7 @@ class PeerService(pb_grpc.PeerServicer):
     def ReleaseWeights(self, request: pb.WeightsRequest, context) -> Iterator[pb.ReleaseFrame]:
         caller = self.bind_caller(context, request.header)
         final = self._on_behalf_of(request.header, caller, "ReleaseWeights")
-        stored = self.site.model(request.model, "model")
+        stored = self.site.model(request.model, "model", own=True)
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
         self._policy_allows(caller, final, "weights")
@@ -563,7 +577,7 @@ class PeerService(pb_grpc.PeerServicer):
             record,
             "weights",
             request.model,
-            stored.architecture,
+            self.site.architecture_of(stored),
             {},
             tensors,
             on_behalf_of=final,

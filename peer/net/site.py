@@ -358,6 +358,20 @@ class FeaturesRelease:
 
 
 @dataclass(frozen=True)
+class GroupFeaturesRelease:
+    """Noisy features of a site's own network (``peer.nn.imported``) over its permutation
+    groups: each group's activation rows (Laplace), every parameter's multi-bit weight features
+    (the site's key names and shapes) and, when asked for, its PFA weights; ``record`` covers
+    all (a sequential composite; one unit = one group element), not yet stamped."""
+
+    architecture: Mapping[str, Any]
+    activations: dict[str, np.ndarray]
+    features: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray] | None
+    record: ReleaseRecord
+
+
+@dataclass(frozen=True)
 class MergeRelease:
     """A merge ready to stream, already charged (``entry_id``) or, with ``served_again`` (the
     ledger's served-again row), the identical bytes of the earlier charge ``entry_id``."""
@@ -501,20 +515,47 @@ class Site:
 
     # ---- what is offered ----------------------------------------------------------------------
 
-    def model(self, name: str, field_name: str = "model") -> StoredModel:
+    def model(self, name: str, field_name: str = "model", own: bool = False):
+        """The model ``name`` on offer: a built-in ``StoredModel`` or, with ``own`` (the
+        releases that work per permutation group: ReleaseFeatures, ReleaseWeights), a site's
+        own network (``peer.nn.imported.ImportedModel``)."""
         if not name:
             raise InvalidArgument(field_name, "is required")
         m = self.models.get(name)
         if m is None:
             if name in self.imported:
-                # a site's own network is offered through its DP pools (ReleaseMerged); its
-                # features would be released per permutation-group element, not yet wired here
+                if own:
+                    return self.imported[name]
                 raise FailedPrecondition(
-                    f"{field_name}: {name!r} is a site's own network: features over permutation groups are "
-                    "not released yet; use method merged"
+                    f"{field_name}: {name!r} is a site's own network: it is released by ReleaseFeatures and "
+                    "ReleaseWeights (method ldp) or through its DP pools (method merged), not by this call"
                 )
             raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
         return m
+
+    @staticmethod
+    def architecture_of(model) -> Mapping[str, Any]:
+        """The public architecture a release of ``model`` carries (an own network's: its traced
+        structure and digest, never its code)."""
+        from peer.nn.imported import ImportedModel, imported_architecture
+
+        return imported_architecture(model.structure) if isinstance(model, ImportedModel) else model.architecture
+
+    def own_module(self, own):
+        """A fresh instance of a site's own network holding its stored state (built by the
+        site's factory: site code, run here only; fresh per release, as a release hooks it)."""
+        from peer.nn.imported import load_factory, module_from_arrays
+
+        factories = self.__dict__.setdefault("_own_factories", {})
+        if own.factory not in factories:
+            base = self.config.path.resolve().parent if self.config.path else self.config.models.parent
+            try:
+                factories[own.factory] = load_factory(own.factory, [base])
+            except InvalidArgument as e:
+                raise FailedPrecondition(
+                    f"model: {own.name!r}'s factory cannot be loaded at this site: {e}; nothing was charged"
+                ) from None
+        return module_from_arrays(factories[own.factory], own.structure, own.arrays)
 
     def pool(self, name: str):
         """The pool's models (``peer.dp.merging.PoolModel``)."""
@@ -556,7 +597,21 @@ class Site:
         self, stored: StoredModel, epsilon: float, delta: float, randomness: Randomness | None = None
     ):
         """PFA-perturbed, unpermuted weights of ``stored`` ((ε, δ) per neuron, the site's
-        Gaussian calibration) and their record."""
+        Gaussian calibration) and their record. A site's own network: per group element
+        (``peer.ldp.mechanisms.groups.perturb_group_weights``), under the site's key names."""
+        from peer.nn.imported import ImportedModel
+
+        if isinstance(stored, ImportedModel):
+            from peer.ldp.mechanisms.groups import perturb_group_weights
+
+            return perturb_group_weights(
+                stored.structure,
+                stored.arrays,
+                epsilon=epsilon,
+                delta=delta,
+                calibration=self.config.calibration,
+                randomness=randomness or self.randomness(),
+            )
         return perturb_model_weights(
             stored.architecture,
             stored.arrays,
@@ -578,12 +633,33 @@ class Site:
         unit: str = "neuron",
         weights: tuple[float, float] | None = None,
         release: str = "features+weights",
-    ) -> FeaturesRelease:
+    ) -> FeaturesRelease | GroupFeaturesRelease:
         """Noisy graph features of ``stored`` on ``probe`` (Laplace on activations clipped to
         ``activation_clip``, multi-bit on weight features, per ``unit``) and, with ``weights`` =
         (ε, δ), its perturbed weights from the same randomness stream. Both parts touch every
         neuron, so they compose sequentially into one record (``parameters.release`` =
-        ``release``): one release, one charge, and a refusal of either leaves nothing charged."""
+        ``release``): one release, one charge, and a refusal of either leaves nothing charged.
+
+        A site's own network (``ImportedModel``) is released per permutation-group element
+        instead (:meth:`group_features`)."""
+        from peer.nn.imported import ImportedModel
+
+        if isinstance(stored, ImportedModel):
+            if unit != "neuron":
+                raise InvalidArgument("unit", "a site's own network is released per group element only ('neuron')")
+            if weight_bounds is not None:
+                raise InvalidArgument(
+                    "weight_bound",
+                    "a site's own network's weight features use each parameter's public scale; leave it unset",
+                )
+            return self.group_features(
+                stored,
+                probe,
+                activation_epsilon=activation_epsilon,
+                weight_epsilon=weight_epsilon,
+                activation_clip=activation_clip,
+                weights=weights,
+            )
         graph = extract_graph(stored.architecture, stored.module(), probe)
         rnd = self.randomness()
         noisy, record = perturb_graph(
@@ -603,11 +679,62 @@ class Site:
             )
         return FeaturesRelease(noisy, arrays, record)
 
+    def group_features(
+        self,
+        own,
+        probe: np.ndarray,
+        *,
+        activation_epsilon: float,
+        weight_epsilon: float,
+        activation_clip: tuple[float, float] | None,
+        weights: tuple[float, float] | None = None,
+    ) -> GroupFeaturesRelease:
+        """Noisy features of a site's own network on ``probe`` (rows of its input), one unit =
+        one group element (``peer.ldp.mechanisms.groups``): Laplace on each group element's
+        activation rows (its P·m responses at the group's m member modules, clipped to
+        ``activation_clip``: Δ₁ = P·m·(hi − lo)), the multi-bit mechanism on its weight-feature
+        row (its slices of every parameter it owns, over their public scales) and, with
+        ``weights`` = (ε, δ), the PFA on the same rows — all from one randomness stream. Every
+        part touches every group element, so they compose sequentially into one record: one
+        release, one charge."""
+        from peer.ldp.group_matching import group_activations
+        from peer.ldp.mechanisms.groups import perturb_group_activations, perturb_group_weight_features
+        from peer.nn.imported import imported_architecture, input_batch
+
+        if activation_clip is None:
+            raise InvalidArgument(
+                "activation_clip",
+                "is required for a site's own network (its group members are unbounded pre-activations): "
+                "give a public range, or set [site.mechanisms] activation_clip",
+            )
+        acts = group_activations(self.own_module(own), own.structure, input_batch(own.structure, probe))
+        rnd = self.randomness()
+        noisy_acts, r_act = perturb_group_activations(
+            acts, epsilon=activation_epsilon, clip=activation_clip, randomness=rnd
+        )
+        features, r_w = perturb_group_weight_features(own.structure, own.arrays, epsilon=weight_epsilon, randomness=rnd)
+        parts = [r_act, r_w]
+        arrays = None
+        if weights is not None:
+            arrays, r_pfa = self.perturbed_weights(own, *weights, randomness=rnd)
+            parts.append(r_pfa)
+        record = composite_record(
+            parts,
+            "sequential",
+            randomness=rnd,
+            parameters={
+                "release": "group_features" if weights is None else "group_features+weights",
+                "unit_is": "one group element",
+            },
+        )
+        return GroupFeaturesRelease(imported_architecture(own.structure), noisy_acts, features, arrays, record)
+
     def weights(
         self, stored: StoredModel, epsilon: float, delta: float, caller: str, on_behalf_of: str | None = None
     ) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
         """Perturbed weights for ``caller``, always unpermuted: a requester aligns them itself,
-        so its match never leaves it. The record is stamped."""
+        so its match never leaves it. The record is stamped. A site's own network: the PFA per
+        group element (:meth:`perturbed_weights`), under the site's key names."""
         arrays, record = self.perturbed_weights(stored, epsilon, delta)
         return arrays, stamp(record, caller, stored.name, **({"on_behalf_of": on_behalf_of} if on_behalf_of else {}))
 

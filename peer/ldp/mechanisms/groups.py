@@ -23,6 +23,14 @@ below is per unit and parallel over units (disjoint rows), as for the layered re
   BatchNorm running variances are floored at ``MIN_VARIANCE`` after release (post-processing:
   a variance must be positive). 0-d buffers (``num_batches_tracked``: how many batches a
   BatchNorm has seen) carry no per-unit data and are released as they are — say so to users.
+* :func:`perturb_group_weight_features` — the multi-bit mechanism (LPGNN) on the same rows as
+  the PFA: a unit's row, divided entry by entry by the same public scales, is clipped to the
+  public box [−1, 1]^d and released by ``multibit`` at ε per unit (pure ε-DP, sensitivity: the
+  box's range 2 per coordinate of the d-vector, ``sensitivity_norm = "range"``), then scaled
+  back. It is the layered ``perturb_graph`` weight-feature release with the scale folded into
+  the row: the layered box [−c, c] with c = 4/sqrt(fan_in) is this box times this scale. Every
+  released parameter takes at most three values (the rectifier's levels times its scale), so
+  the matcher's exact few-valued expansion applies.
 
 Public: the structure (names, shapes, groups), ``clip``, the scales and clip norms, ε, δ.
 """
@@ -41,6 +49,7 @@ from peer.base.rng import Randomness
 from peer.ldp.mechanisms.checks import _check_delta, _positive_finite, _randomness
 from peer.ldp.mechanisms.gaussian import gaussian_perturbation
 from peer.ldp.mechanisms.laplace import laplace_activations
+from peer.ldp.mechanisms.multibit import multibit
 from peer.ldp.mechanisms.network import default_entry_bound
 from peer.ldp.mechanisms.records import composite_record
 from peer.ldp.mechanisms.smoothing import smoothing_filter
@@ -117,29 +126,16 @@ def perturb_group_weights(
 ) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
     """The PFA on a whole state, one row per group element (see the module docstring).
     Returns arrays with the site's names, shapes and dtypes, and a parallel composite record."""
-    structure.check_arrays(arrays, "arrays")
     eps = _positive_finite(epsilon, "epsilon")
     dlt = _check_delta(delta)
     cs = _positive_finite(clip_scale, "clip_scale")
     rnd = _randomness(randomness)
-    out: dict[str, np.ndarray] = {}
+    out = _checked_state(structure, arrays)
     records = []
-    for p, shape in structure.parameters.items():
-        a = np.asarray(arrays[p])
-        if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
-            raise InvalidArgument(f"arrays[{p}]", "contains NaN or infinite values")
-        if len(shape) == 0:
-            out[p] = a.copy()
     for unit, params in release_units(structure).items():
         if not params:
             continue
-        n = structure.parameters[params[0]][0]
-        scales = [_scale(structure, p) for p in params]
-        widths = [math.prod(structure.parameters[p][1:]) for p in params]
-        rows = np.concatenate(
-            [np.asarray(arrays[p], dtype=np.float64).reshape(n, -1) / s for p, s in zip(params, scales, strict=True)],
-            axis=1,
-        )
+        rows, scales, widths = _unit_rows(structure, arrays, params)
         clip_norm = cs * math.sqrt(rows.shape[1])
         noisy, rec = gaussian_perturbation(
             rows,
@@ -181,6 +177,86 @@ def perturb_group_weights(
         over="neurons",
         parameters={
             "release": "group_weights",
+            "unit_is": "one group element",
+            "unreleased_scalars": [p for p, s in structure.parameters.items() if len(s) == 0],
+        },
+    )
+    return out, record
+
+
+def _unit_rows(structure: PermutationStructure, arrays: Mapping[str, Any], params: list[str]):
+    """A unit's (n, d) rows in scaled coordinates: the concatenation of its slices (first axis)
+    of ``params``, each divided by its public scale; with the scales and widths."""
+    n = structure.parameters[params[0]][0]
+    scales = [_scale(structure, p) for p in params]
+    widths = [math.prod(structure.parameters[p][1:]) for p in params]
+    rows = np.concatenate(
+        [np.asarray(arrays[p], dtype=np.float64).reshape(n, -1) / s for p, s in zip(params, scales, strict=True)],
+        axis=1,
+    )
+    return rows, scales, widths
+
+
+def _checked_state(structure: PermutationStructure, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Check the state against the structure (names, shapes, finite values); the 0-d buffers,
+    copied: they hold no per-unit data and are released as they are."""
+    structure.check_arrays(arrays, "arrays")
+    out = {}
+    for p, shape in structure.parameters.items():
+        a = np.asarray(arrays[p])
+        if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
+            raise InvalidArgument(f"arrays[{p}]", "contains NaN or infinite values")
+        if len(shape) == 0:
+            out[p] = a.copy()
+    return out
+
+
+def perturb_group_weight_features(
+    structure: PermutationStructure,
+    arrays: Mapping[str, Any],
+    *,
+    epsilon: float,
+    randomness: Randomness | None = None,
+) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
+    """The multi-bit mechanism on every group element's weight-feature row (the module docstring).
+
+    Per unit (a group, or ``fixed:MODULE``) its (n, d) rows — its slices of every parameter it
+    owns, each entry divided by the parameter's public scale — go through
+    ``multibit(rows, epsilon, bounds=(−1, 1), unit="neuron")``: each row is clipped to [−1, 1]^d,
+    m = max(1, min(d, ⌊ε/2.18⌋)) coordinates report ±1 by (ε/m)-randomised response, and the
+    rectifier x′ = d/m·coth(ε/2m)·x* is unbiased for the clipped row. ε-DP per group element
+    (δ = 0), sensitivity 2 per coordinate in scaled coordinates (every row differs anywhere in
+    the box). The rectified row is multiplied back by the scales, so parameter p takes values in
+    {−h·s_p, 0, +h·s_p} (h = the unit's half step): three at most. Nothing else is done to the
+    values (no floor on running variances: these are features for matching, not weights to run).
+
+    Returns arrays with the site's names and shapes (float64 for floating-point parameters; 0-d
+    buffers as they are) and a ``"parallel"`` composite over ``"neurons"`` of the per-unit
+    ``"multibit"`` records, each with ``unit_owner``, ``parameters`` and ``scales`` (public).
+    """
+    eps = _positive_finite(epsilon, "epsilon")
+    rnd = _randomness(randomness)
+    out = _checked_state(structure, arrays)
+    records = []
+    for unit, params in release_units(structure).items():
+        if not params:
+            continue
+        rows, scales, widths = _unit_rows(structure, arrays, params)
+        noisy, rec = multibit(rows, epsilon=eps, bounds=(-1.0, 1.0), unit="neuron", randomness=rnd)
+        start = 0
+        for p, s, w in zip(params, scales, widths, strict=True):
+            out[p] = (noisy[:, start : start + w] * s).reshape(structure.parameters[p])
+            start += w
+        records.append(
+            rec.with_(parameters={**rec.parameters, "unit_owner": unit, "parameters": params, "scales": scales})
+        )
+    record = composite_record(
+        records,
+        "parallel",
+        randomness=rnd,
+        over="neurons",
+        parameters={
+            "release": "group_weight_features",
             "unit_is": "one group element",
             "unreleased_scalars": [p for p, s in structure.parameters.items() if len(s) == 0],
         },
