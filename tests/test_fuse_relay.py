@@ -181,10 +181,11 @@ def test_a_fuse_charges_the_partner_for_relay_and_caller_and_only_the_probe_reac
     with three_sites(tmp_path) as (x, b, c, b_address, _):
         got = fuse(c, b_address)
         x_calls = seen_at("site-x")
-    # what reached X: one ReleaseFeatures call whose params ask features + weights on behalf of
-    # C, and B's public probe set, byte for byte; nothing else (no weights request, no match)
-    assert [m for m, _ in x_calls] == ["ReleaseFeatures"] * len(x_calls)
-    params, header, *chunks = [r for _, r in x_calls]
+    # what reached X: an (uncharged) GetPeerInfo, then one ReleaseFeatures call whose params
+    # ask features + weights on behalf of C, and B's public probe set, byte for byte; nothing
+    # else (no weights request, no match)
+    assert [m for m, _ in x_calls] == ["GetPeerInfo"] + ["ReleaseFeatures"] * (len(x_calls) - 1)
+    params, header, *chunks = [r for m, r in x_calls if m == "ReleaseFeatures"]
     p = params.params
     assert params.WhichOneof("part") == "params" and header.WhichOneof("part") == "probe"
     assert (p.header.sender, p.header.on_behalf_of, p.model) == ("site-b", "site-c", "mx")
@@ -284,6 +285,8 @@ def exhaust_c_at_x(x_address, c):
         cl.features("mx", PROBE, activation_epsilon=2.0, weight_epsilon=2.0, activation_clip=(0.0, 4.0))
 
 
+OTHER_ARCH = {"kind": "mlp", "input_dim": 64, "hidden": [16, 8], "output_dim": 10, "activation": "relu"}
+
 PARTNER_REFUSALS = {
     # C's own per-counterparty budget at X is what runs out (B's at X is untouched)
     "the final caller's budget at the partner": ({}, exhaust_c_at_x, "RESOURCE_EXHAUSTED", "model/mx/peer/site-c"),
@@ -309,8 +312,18 @@ PARTNER_REFUSALS = {
         "INVALID_ARGUMENT",
         "cap 3 for weights",
     ),
-    "the partner has no such model": ({"x_models": {"other": (ARCH, model_arrays(seed=2))}}, None, "NOT_FOUND", "mx"),
-    "the partner is unreachable": ({"x_address": "127.0.0.1:1"}, None, "UNAVAILABLE", "site-x"),
+}
+
+# refused before any release is asked of the partner: its GetPeerInfo (uncharged) does not list
+# the model with the owner's architecture, or the partner cannot be reached; the owner's charge
+# is withdrawn
+PARTNER_PRECHECKS = {
+    "the partner has no such model": ({"x_models": {"other": (ARCH, model_arrays(seed=2))}}, "offers no model 'mx'"),
+    "the partner's model is of another architecture": (
+        {"x_models": {"mx": (OTHER_ARCH, model_arrays(OTHER_ARCH, seed=2))}},
+        "has another architecture",
+    ),
+    "the partner is unreachable": ({"x_address": "127.0.0.1:1"}, "site-x"),
 }
 
 
@@ -334,15 +347,18 @@ def test_a_partner_refusal_cancels_the_owners_charge_and_costs_the_partner_nothi
         assert withdrawn.release_id == cancelled["release_id"] and led.events(withdrawn.release_id) == []
 
 
-def test_a_partner_release_that_fails_the_owners_checks_cancels_the_owners_charge(tmp_path):
-    other = {"kind": "mlp", "input_dim": 64, "hidden": [16, 8], "output_dim": 10, "activation": "relu"}
-    with three_sites(tmp_path, x_models={"mx": (other, model_arrays(other, seed=2))}) as (x, b, c, b_address, _):
+@pytest.mark.parametrize("case", list(PARTNER_PRECHECKS))
+def test_a_partner_that_cannot_serve_the_model_is_asked_for_no_release(tmp_path, case):
+    setup, words = PARTNER_PRECHECKS[case]
+    with three_sites(tmp_path, **setup) as (x, b, c, b_address, _):
+        x_before = ledger_state(x)
         e = refused(c, b_address)
-        assert e.status == "FAILED_PRECONDITION" and "architecture" in str(e)
-        assert ledger_state(b) == ([], [])
-        # X did release (to B, on behalf of C): its charge stands, as it must
-        [entry] = ledger_state(x)[0]
-    assert len(cancellations(b)) == 1 and entry
+        want = "UNAVAILABLE" if "unreachable" in case else "FAILED_PRECONDITION"
+        assert e.status == want and words in str(e), (e.status, str(e))
+        assert ledger_state(b) == ([], []) and ledger_state(x) == x_before
+        assert "ReleaseFeatures" not in [m for m, _ in seen_at("site-x")]
+    [cancelled] = cancellations(b)
+    assert cancelled["counterparty"] == "site-c" and "Fuse" in cancelled["reason"]
 
 
 # ------------------------------------------------------------------------ relayed requests at the partner

@@ -6,8 +6,11 @@ the partner X. What each learns is post-processing of noisy releases:
 1. B computes its own contribution — noisy features of its model on its probe set and
    PFA-perturbed weights, from one randomness stream — and charges it to C as one sequential
    composite (kind "fuse": per-request cap, budgets) BEFORE anything is asked of X;
-2. ONE call to X: features + unpermuted weights of X's model on B's probe set, on behalf of C
-   (X checks its policy for both and charges both B and C);
+2. B asks X's GetPeerInfo (uncharged) whether X offers the model with B's architecture — a
+   model B cannot fuse (another architecture, a site's own network) is refused here, before X
+   releases and charges anything — then makes ONE release call to X: features + unpermuted
+   weights of X's model on B's probe set, on behalf of C (X checks its policy for both and
+   charges both B and C);
 3. if that call fails, or X's release fails B's checks, or matching/fusing fails, or C has
    gone, B CANCELS its charge (no byte of its contribution went anywhere) and fails;
 4. B matches its *noisy* graph with X's, permutes X's weights here (the match never leaves
@@ -19,6 +22,7 @@ policy; it streams the result under the charge made in step 1.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,7 +108,12 @@ def fuse_with_partner(
             partner=partner,
         )
         try:
-            # 2. the one call out: what leaves is our public probe set and public parameters
+            # 2. the partner's model must be of our architecture: asked (GetPeerInfo, uncharged)
+            # before the release is, so that a model this site cannot fuse (a site's own network,
+            # say) is not released and charged at the partner first; the release is checked
+            # again when it arrives
+            _check_partner_offer(client, stored, partner, partner_model)
+            # the one release asked: what leaves is our public probe set and public parameters
             try:
                 theirs = client.features(
                     partner_model,
@@ -145,6 +154,28 @@ def fuse_with_partner(
     finally:
         client.close()
     return Fused(record, entry_id, fused, alignment.objective, theirs.receipt)
+
+
+def _check_partner_offer(client, stored: StoredModel, partner: str, partner_model: str) -> None:
+    """FailedPrecondition unless the partner lists ``partner_model`` (GetPeerInfo, uncharged)
+    with exactly ``stored``'s architecture: a partner model of another architecture (a site's
+    own network, say, which the relay cannot fuse) would otherwise be released and charged at
+    the partner before this site could refuse it."""
+    info = client.info()
+    offered = {m.name: m.architecture_json for m in info.models}
+    if partner_model not in offered:
+        raise FailedPrecondition(
+            f"partner_model: {partner} offers no model {partner_model!r}; it offers {sorted(offered)}"
+        )
+    try:
+        theirs = validate_architecture(json.loads(offered[partner_model]))
+    except (ValueError, InvalidArgument):
+        theirs = None
+    if theirs != stored.architecture:
+        raise FailedPrecondition(
+            f"partner_model: {partner}'s {partner_model!r} has another architecture than {stored.name!r}; "
+            "nothing was charged"
+        )
 
 
 def _partner_release(
