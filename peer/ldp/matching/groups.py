@@ -1,0 +1,628 @@
+"""Factorised spectral matching over permutation groups (residual streams, normalisation).
+
+The layered matcher (:func:`peer.ldp.matching.match_graphs`) aligns a chain of hidden layers. A
+network traced into permutation groups (``peer.nn.tracing``) has instead groups that several
+layers write and several read, and parameters that couple any two groups — or a group with
+itself (``x + f(W x)`` with one Linear on the stream). This module builds the same quadratic
+assignment affinity K over the elements of every group and finds its leading eigenvector
+without forming K (docs/matching.md, "Permutation groups"):
+
+* **nodes**: one per group element; x = (vec X_g) over the groups g;
+* **unary terms** (diagonal of K), each an n_g×n_g matrix over (A element, B element) pairs,
+  Sinkhorn-balanced to mean 1 as in the layered case: the activation affinity of the group's
+  rows (n_g, P′); one fixed-side term per weight parameter with one axis permuted by the group
+  and the other by no group (the input layer, the output head, a flattened map read by the
+  head), U[i, j] = Σ_k κ(W^A[i, k], W^B[j, k]) / ν, ν = (fixed neighbours) · κ̄; and one
+  *vector* term per group, the mean over the group's 1-D parameters (biases, BatchNorm /
+  LayerNorm affine and running statistics) of a scalar Gaussian kernel per parameter;
+* **edges** (off-diagonal Kronecker blocks): every parameter of ≥ 2 axes whose axis 0 is
+  permuted by g_out and axis 1 by g_in is one block E, K[(g_out, i, j), (g_in, k, l)] =
+  w_edge · κ(W^A[i, k], W^B[j, l]) / (ν e), ν = sqrt(n_out n_in) · κ̄, e weights per edge
+  (k·k for a convolution, the flattened block of positions); several parameters on one pair
+  of groups are separate blocks, summed; a block with g_out = g_in adds E + Eᵀ to that
+  group's diagonal block, so K stays symmetric.
+
+The blocks reuse the layered matcher's kernel expansions and factor algebra
+(``peer.ldp.matching.blocks``, ``operators``): Chebyshev or operator-adapted expansions of
+exact weights, the exact sparse expansion of few-valued (released multi-bit) weights.
+The solver is shifted power iteration on the joint K, then one linear assignment per group
+after centring. ``solver = "dense"`` builds K in pygmtools' layout (groups stacked; within
+group g the pair (i, j) is row offset_g + j·n_g + i) from exact kernel values and runs
+``pygmtools.sm`` — the reference for small structures.
+
+Result convention (that of ``peer.nn.tracing.permute_state`` and
+``peer.ldp.group_matching.match_groups``): ``perms[g][i] = j`` says element i of A's group g
+is element j of B's, so ``permute_state(structure, arrays_b, perms)`` is B aligned to A.
+
+What is public: the structure (names, shapes, groups) and the options. B enters only through
+the arrays given — for a remote network its released activations and weight features — and
+every bandwidth rule reads only those arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from peer.base.errors import InvalidArgument
+from peer.ldp.matching.blocks import _Block, _block_terms, _exact_fixed_unary, _make_block, _mean_kernel
+from peer.ldp.matching.dense import power_iteration_dense
+from peer.ldp.matching.expansion import gaussian_kernel
+from peer.ldp.matching.normalisation import _mean_sq_bandwidth, _spread_bandwidth, _squared_distances, sinkhorn_factors
+from peer.ldp.matching.operators import _apply_block, _Cost, _rescale, _transposed
+from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, AUTO_SINGLE_THREAD_MAX_WIDTH, MatchOptions
+from peer.ldp.matching.solvers import _discretise
+from peer.nn.architectures import torch_threads
+from peer.nn.tracing import PermutationStructure
+
+
+@dataclass(frozen=True)
+class GroupMatchResult:
+    """``perms[g][i] = j``: element i of A's group g is element j of B's (B aligned to A is
+    ``permute_state(structure, arrays_b, perms)``). ``objective``: xᵀKx of the discrete
+    solution from exact kernel values (comparable between the two solvers). ``diagnostics``:
+    solver, iterations, convergence, the blocks and unary terms with their bandwidths,
+    normalisers and expansion error bounds, the n³ products counted, timings."""
+
+    perms: dict[str, np.ndarray]
+    objective: float
+    diagnostics: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Unary:
+    """One unary (diagonal) term of group ``group``: ``kind`` "activation", "fixed" or
+    "vector"; ``exact`` the unscaled float64 matrix of exact values (kept for small groups or
+    recomputed), balanced by ``r``, ``c`` and weighted by ``weight``."""
+
+    name: str
+    group: str
+    kind: str
+    r: np.ndarray
+    c: np.ndarray
+    weight: float
+    info: dict
+    values: Any  # callable: perm -> exact unbalanced values at (i, perm[i]) (length n)
+    matrix: Any  # callable: () -> exact unbalanced (n, n) float64 matrix
+    approx: np.ndarray | None = None  # the factorised operator's unbalanced matrix, if not exact
+
+
+@dataclass
+class _EdgeBlock:
+    param: str
+    g_out: str
+    g_in: str
+    block: _Block
+
+
+def _unfold_edge(w: np.ndarray, axis0: int, axis1: int, n0: int, n1: int) -> np.ndarray:
+    """(n0·axis0, n1·axis1, *k) -> (n0, n1, axis0·axis1·Πk): one row per (out unit, in unit)
+    edge, its e weights in a fixed order (the block's positions, then the kernel's)."""
+    rest = int(np.prod(w.shape[2:])) if w.ndim > 2 else 1
+    w = w.reshape(n0, axis0, n1, axis1, rest).transpose(0, 2, 1, 3, 4)
+    return w.reshape(n0, n1, axis0 * axis1 * rest)
+
+
+class GroupAffinity:
+    """The merged, normalised K over every group's element pairs (module docstring), shared by
+    the factorised operator (:meth:`apply`, :meth:`matvec`), the dense reference
+    (:meth:`dense`) and the objective (:meth:`objective`)."""
+
+    def __init__(
+        self,
+        structure: PermutationStructure,
+        activations_a: Mapping[str, Any] | None,
+        arrays_a: Mapping[str, Any],
+        activations_b: Mapping[str, Any] | None,
+        arrays_b: Mapping[str, Any],
+        options: MatchOptions | None = None,
+        *,
+        build_operator: bool = True,
+    ):
+        t0 = time.perf_counter()
+        options = MatchOptions() if options is None else options
+        if not isinstance(options, MatchOptions):
+            raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+        if not isinstance(structure, PermutationStructure):
+            raise InvalidArgument("structure", f"must be a PermutationStructure, got {type(structure).__name__}")
+        if not structure.groups:
+            raise InvalidArgument("structure", "has no permutation groups: nothing to match")
+        self.structure = structure
+        self.names = [g.name for g in structure.groups]
+        self.sizes = {g.name: int(g.size) for g in structure.groups}
+        self.options = options = options.resolved(self.sizes.values())
+        arrays_a = _check_arrays(structure, arrays_a, "arrays_a")
+        arrays_b = _check_arrays(structure, arrays_b, "arrays_b")
+        acts = None
+        if options.activation_weight > 0:
+            acts = _check_activations(structure, activations_a, activations_b)
+        widest = max(self.sizes.values())
+        if options.dtype == "auto":
+            self.dtype = torch.float64 if widest <= AUTO_FLOAT64_MAX_WIDTH else torch.float32
+        else:
+            self.dtype = torch.float64 if options.dtype == "float64" else torch.float32
+        offsets = np.concatenate([[0], np.cumsum([self.sizes[g] ** 2 for g in self.names])])
+        self.offsets = {g: int(o) for g, o in zip(self.names, offsets[:-1], strict=True)}
+        self.pairs = int(offsets[-1])
+
+        axis_group: dict[tuple[str, int], tuple[str, int]] = {}
+        for g in structure.groups:
+            for a in g.axes:
+                axis_group[(a.param, a.axis)] = (g.name, a.block)
+
+        self.unary: list[_Unary] = []
+        if acts is not None:
+            for g in self.names:
+                self.unary.append(self._activation_term(g, *acts[g]))
+
+        # weight parameters: edges between groups, or fixed-side unary terms
+        self.edges: list[_EdgeBlock] = []
+        fixed_blocks: list[tuple[str, str, _Block]] = []
+        vectors: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {g: [] for g in self.names}
+        for p, shape in structure.parameters.items():
+            if len(shape) == 0 or not np.issubdtype(np.asarray(arrays_a[p]).dtype, np.floating):
+                continue
+            for ax in range(2, len(shape)):
+                if (p, ax) in axis_group:
+                    raise InvalidArgument(
+                        "structure", f"{p!r} axis {ax} is permuted: only axes 0 and 1 of a weight can be matched"
+                    )
+            wa = np.asarray(arrays_a[p], dtype=np.float64)
+            wb = np.asarray(arrays_b[p], dtype=np.float64)
+            out_g = axis_group.get((p, 0))
+            if len(shape) == 1:
+                if out_g is not None:
+                    n, blk = self.sizes[out_g[0]], out_g[1]
+                    vectors[out_g[0]].append((p, wa.reshape(n, blk), wb.reshape(n, blk)))
+                continue
+            in_g = axis_group.get((p, 1))
+            if out_g is None and in_g is None:
+                continue
+            if out_g is not None and in_g is not None:
+                (go, bo), (gi, bi) = out_g, in_g
+                ea = _unfold_edge(wa, bo, bi, self.sizes[go], self.sizes[gi])
+                eb = _unfold_edge(wb, bo, bi, self.sizes[go], self.sizes[gi])
+                self.edges.append(_EdgeBlock(p, go, gi, _make_block(p, "hidden", ea, eb, options)))
+            elif out_g is not None:
+                g, blk = out_g
+                ea = _unfold_edge(wa, blk, 1, self.sizes[g], shape[1])
+                eb = _unfold_edge(wb, blk, 1, self.sizes[g], shape[1])
+                fixed_blocks.append((p, g, _make_block(p, "input", ea, eb, options)))
+            else:
+                g, blk = in_g
+                # (fixed rows, n_g·block, *k) -> (n_g, fixed rows, e): "incoming" orientation
+                ea = _unfold_edge(wa, 1, blk, shape[0], self.sizes[g]).transpose(1, 0, 2)
+                eb = _unfold_edge(wb, 1, blk, shape[0], self.sizes[g]).transpose(1, 0, 2)
+                fixed_blocks.append(
+                    (p, g, _make_block(p, "input", np.ascontiguousarray(ea), np.ascontiguousarray(eb), options))
+                )
+
+        edge_on = options.edge_weight > 0
+        cost = _Cost()
+        for name, g, b in fixed_blocks:
+            terms = _block_terms(b, self.dtype) if (build_operator and edge_on) else []
+            self._normalise(b, neighbours=b.weights_a.shape[1])
+            if not edge_on:
+                continue
+            if build_operator:
+                # U = Σ_k F[:, k] H[:, k]ᵀ = F I Hᵀ through the expansion (no n²·d kernel values)
+                eye = torch.eye(b.weights_a.shape[1], dtype=self.dtype)
+                u = _apply_block(_rescale(terms, b.scale), eye, self.sizes[g], cost).numpy().astype(np.float64)
+            else:
+                u = _exact_fixed_unary(b, incoming=True)
+            self.unary.append(self._fixed_term(name, g, b, u))
+        for e in self.edges:
+            b = e.block
+            terms = _block_terms(b, self.dtype) if (build_operator and edge_on) else []
+            self._normalise(b, neighbours=math.sqrt(b.weights_a.shape[0] * b.weights_a.shape[1]))
+            if build_operator and edge_on:
+                b.terms = _rescale(terms, b.scale)
+                b.terms_t = [_transposed(t) for t in b.terms]
+        if edge_on:
+            for g in self.names:
+                term = self._vector_term(g, vectors[g])
+                if term is not None:
+                    self.unary.append(term)
+
+        # D_g as the factorised operator holds it (working precision)
+        self._diag: dict[str, torch.Tensor] | None = None
+        if build_operator:
+            self._diag = {g: torch.zeros((n, n), dtype=self.dtype) for g, n in self.sizes.items()}
+            for u in self.unary:
+                self._diag[u.group] += torch.as_tensor(self._balanced(u, approx=True), dtype=self.dtype)
+        self.setup_seconds = time.perf_counter() - t0
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _normalise(self, b: _Block, neighbours: float) -> None:
+        b.mean_kernel = _mean_kernel(b)
+        if not b.mean_kernel > 0:
+            raise InvalidArgument(
+                "options.weight_sigma",
+                f"{b.sigma:g} is so small that every weight affinity of {b.name} underflows to 0",
+            )
+        b.normaliser = neighbours * b.mean_kernel
+        b.scale = self.options.edge_weight / (b.normaliser * b.weights_a.shape[2])
+
+    def _balance(self, m: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """Sinkhorn factors (mean 1 after balancing), or, unbalanced, division by the mean."""
+        if self.options.balance:
+            return sinkhorn_factors(m, what)
+        return np.full(m.shape[0], 1.0 / float(m.mean())), np.ones(m.shape[1])
+
+    def _activation_term(self, g: str, fa: np.ndarray, fb: np.ndarray) -> _Unary:
+        """As ``Affinity`` does for a hidden layer (docs/matching.md, "Normalisation",
+        "Bandwidths"): the spread (or mean, or given) bandwidth, the kernel with its row and
+        column means taken out of the exponent when balancing, Sinkhorn factors."""
+        opts = self.options
+        if opts.activation_sigma is not None:
+            sigma = opts.activation_sigma
+        elif opts.activation_bandwidth == "spread":
+            sigma = _spread_bandwidth(fa, fb)
+        else:
+            sigma = _mean_sq_bandwidth(fa, fb)
+        sq = _squared_distances(fa, fb)
+        if opts.balance:
+            row, col, grand = sq.mean(axis=1), sq.mean(axis=0), float(sq.mean())
+        else:
+            row, col, grand = np.zeros(sq.shape[0]), np.zeros(sq.shape[1]), 0.0
+        na = np.exp(-(sq - row[:, None] - col[None, :] + grand) / sigma)
+        mean = float(na.mean())
+        if not mean > 0 or not np.all(np.isfinite(na)):
+            raise InvalidArgument(
+                "options.activation_sigma",
+                f"{sigma:g} makes the activation affinities of group {g!r} underflow to 0 or overflow",
+            )
+        r, c = self._balance(na, f"activation affinity of group {g!r}")
+
+        def values(perm, fa=fa, fb=fb, row=row, col=col, grand=grand, sigma=sigma):
+            d = np.sum((fa - fb[perm]) ** 2, axis=1) - row - col[perm] + grand
+            return np.exp(-d / sigma)
+
+        def matrix(fa=fa, fb=fb, row=row, col=col, grand=grand, sigma=sigma):
+            return np.exp(-(_squared_distances(fa, fb) - row[:, None] - col[None, :] + grand) / sigma)
+
+        return _Unary(
+            f"activations:{g}",
+            g,
+            "activation",
+            r,
+            c,
+            opts.activation_weight,
+            {"sigma": float(sigma), "mean_affinity": mean},
+            values,
+            matrix,
+        )
+
+    def _fixed_term(self, name: str, g: str, b: _Block, u: np.ndarray) -> _Unary:
+        """A weight parameter with one axis in group g and the other fixed: unary, because the
+        fixed units never move (U_in / U_out of the layered case), balanced, weight w_edge.
+        ``u`` is already scaled by w_edge/(ν e); the balanced term has mean w_edge."""
+        if self.options.balance:
+            r, c = sinkhorn_factors(u, f"fixed-side weight affinity of {name!r}")
+        else:  # already divided by its normaliser and weighted (as U_in / U_out)
+            r, c = np.ones(u.shape[0]), np.ones(u.shape[1])
+
+        def values(perm, b=b):
+            return gaussian_kernel(b.weights_a, b.weights_b[perm], b.sigma).sum(axis=(1, 2)) * b.scale
+
+        def matrix(b=b):
+            return _exact_fixed_unary(b, incoming=True)
+
+        weight = self.options.edge_weight if self.options.balance else 1.0
+        return _Unary(f"fixed:{name}", g, "fixed", r, c, weight, b.describe(), values, matrix, approx=u)
+
+    def _vector_term(self, g: str, vectors: list[tuple[str, np.ndarray, np.ndarray]]) -> _Unary | None:
+        """The group's 1-D parameters (biases, normalisation affine and running statistics):
+        V[i, j] = (1/m) Σ_p (1/b_p) Σ_c κ_p(v_p^A[i, c], v_p^B[j, c]), one scalar Gaussian per
+        parameter with its own mean-squared-difference bandwidth (so that a running variance
+        and a bias count alike whatever their scales). Parameters constant over the group's
+        elements on both sides say nothing about the correspondence and are left out."""
+        used = [(p, va, vb) for p, va, vb in vectors if np.ptp(va) > 0 or np.ptp(vb) > 0]
+        if not used:
+            return None
+        sigmas = [
+            self.options.weight_sigma or _mean_sq_bandwidth(va.reshape(-1, 1), vb.reshape(-1, 1)) for _, va, vb in used
+        ]
+
+        def matrix(used=used, sigmas=sigmas):
+            total = 0.0
+            for (_, va, vb), s in zip(used, sigmas, strict=True):
+                total = total + gaussian_kernel(va[:, None, :], vb[None, :, :], s).mean(axis=2)
+            return total / len(used)
+
+        def values(perm, used=used, sigmas=sigmas):
+            total = 0.0
+            for (_, va, vb), s in zip(used, sigmas, strict=True):
+                total = total + gaussian_kernel(va, vb[perm], s).mean(axis=1)
+            return total / len(used)
+
+        r, c = self._balance(matrix(), f"vector parameters of group {g!r}")
+        info = {"parameters": [p for p, _, _ in used], "sigmas": [float(s) for s in sigmas]}
+        return _Unary(f"vectors:{g}", g, "vector", r, c, self.options.edge_weight, info, values, matrix)
+
+    def _balanced(self, u: _Unary, approx: bool = False) -> np.ndarray:
+        """The term as it enters K: weight · diag(r) · M · diag(c), M exact (or, with
+        ``approx``, the factorised operator's expansion of it where it has one)."""
+        m = u.approx if approx and u.approx is not None else u.matrix()
+        return u.weight * u.r[:, None] * m * u.c[None, :]
+
+    # -- the operator ------------------------------------------------------------------------
+
+    def apply(self, v: Mapping[str, torch.Tensor], cost: _Cost | None = None) -> dict[str, torch.Tensor]:
+        """K v with v given per group as n_g×n_g tensors ([i, j] = pair (A element i, B element j))."""
+        if self._diag is None:
+            raise InvalidArgument("affinity", "was built without its factorised operator")
+        cost = _Cost() if cost is None else cost
+        out = {g: self._diag[g] * v[g] for g in self.names}
+        for e in self.edges:
+            b = e.block
+            if not b.terms:
+                continue
+            _apply_block(b.terms, v[e.g_in], self.sizes[e.g_out], cost, out=out[e.g_out])
+            _apply_block(b.terms_t, v[e.g_out], self.sizes[e.g_in], cost, out=out[e.g_in])
+        return out
+
+    @property
+    def is_diagonal(self) -> bool:
+        return not self.edges or self.options.edge_weight == 0
+
+    def diagonal(self) -> dict[str, np.ndarray]:
+        """D_g in float64 from exact values (the factorised operator's fixed-side terms come
+        from the expansion, within its bound)."""
+        out = {g: np.zeros((n, n)) for g, n in self.sizes.items()}
+        for u in self.unary:
+            out[u.group] += self._balanced(u)
+        return out
+
+    def to_groups(self, vec: np.ndarray) -> dict[str, np.ndarray]:
+        """A vector in the dense layout -> per-group [i, j] matrices."""
+        vec = np.asarray(vec)
+        return {g: vec[self.offsets[g] : self.offsets[g] + n * n].reshape(n, n).T for g, n in self.sizes.items()}
+
+    def from_groups(self, mats: Mapping[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([np.asarray(mats[g]).T.reshape(-1) for g in self.names])
+
+    def matvec(self, vec: np.ndarray) -> np.ndarray:
+        """K·vec through the factorised operator, in the dense layout (tests and checks)."""
+        v = {g: torch.as_tensor(np.ascontiguousarray(x), dtype=self.dtype) for g, x in self.to_groups(vec).items()}
+        return self.from_groups({g: x.numpy().astype(np.float64) for g, x in self.apply(v).items()})
+
+    # -- the dense reference -----------------------------------------------------------------
+
+    def dense(self) -> np.ndarray:
+        """K as a dense float64 matrix from exact kernel values, in pygmtools' layout (groups
+        stacked in the structure's order; within group g the pair (A element i, B element j) is
+        row offset_g + j·n_g + i); small structures only."""
+        if self.pairs * self.pairs * 8 > self.options.dense_memory_cap:
+            raise InvalidArgument(
+                "structure",
+                f"groups {self.sizes} give a dense affinity of {self.pairs}² entries, over "
+                f"dense_memory_cap = {self.options.dense_memory_cap} bytes; use solver='factorised'",
+            )
+        k = np.zeros((self.pairs, self.pairs))
+        for g, d in self.diagonal().items():
+            o, n = self.offsets[g], self.sizes[g]
+            idx = np.arange(o, o + n * n)
+            k[idx, idx] += d.T.reshape(-1)
+        if self.options.edge_weight > 0:
+            for e in self.edges:
+                b = e.block
+                n, m = self.sizes[e.g_out], self.sizes[e.g_in]
+                ro, co = self.offsets[e.g_out], self.offsets[e.g_in]
+                blk_all = np.zeros((n * n, m * m))
+                for j in range(n):
+                    # rows (i, j) for fixed j; columns (k, l): κ(W_a[i, k], W_b[j, l]) at [i, l, k]
+                    blk = np.zeros((n, m, m))
+                    for c in range(b.weights_a.shape[2]):
+                        blk += gaussian_kernel(
+                            b.weights_b[j, :, c][None, :, None], b.weights_a[:, :, c][:, None, :], b.sigma
+                        )
+                    blk_all[j * n : (j + 1) * n] = blk.reshape(n, m * m) * b.scale
+                # E and Eᵀ: for a block on one group (g_out = g_in) both land in its diagonal block
+                k[ro : ro + n * n, co : co + m * m] += blk_all
+                k[co : co + m * m, ro : ro + n * n] += blk_all.T
+        return k
+
+    # -- the objective -----------------------------------------------------------------------
+
+    def objective(self, perms: Mapping[str, np.ndarray]) -> float:
+        """xᵀKx for the permutation matrices X_g[i, perms[g][i]] = 1, from exact kernel values
+        and the shared normalisers and balancing factors (both solvers' are comparable)."""
+        total = 0.0
+        for u in self.unary:
+            p = perms[u.group]
+            total += u.weight * float(np.sum(u.values(p) * u.r * u.c[p]))
+        if self.options.edge_weight > 0:
+            for e in self.edges:
+                b = e.block
+                wb = b.weights_b[perms[e.g_out]][:, perms[e.g_in]]
+                # E and Eᵀ (or the two off-diagonal blocks) both count: 2·scale·Σ κ
+                total += 2.0 * float(gaussian_kernel(b.weights_a, wb, b.sigma).sum()) * b.scale
+        return total
+
+    def diagnostics(self) -> dict:
+        return {
+            "groups": dict(self.sizes),
+            "pairs": self.pairs,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "unary": [{"term": u.name, "kind": u.kind, **u.info} for u in self.unary],
+            "edges": [{"param": e.param, "out": e.g_out, "in": e.g_in, **e.block.describe()} for e in self.edges],
+            "self_loops": [e.param for e in self.edges if e.g_out == e.g_in],
+            "expansion_error_bound": max([e.block.error_bound for e in self.edges] + [0.0]),
+            "fixed_expansion_error_bound": max(
+                [u.info["error_bound"] for u in self.unary if u.kind == "fixed"] + [0.0]
+            ),
+        }
+
+
+def _check_arrays(structure: PermutationStructure, arrays: Any, name: str) -> dict[str, np.ndarray]:
+    if not isinstance(arrays, Mapping):
+        raise InvalidArgument(name, f"must be a mapping of parameter name to array, got {type(arrays).__name__}")
+    structure.check_arrays(arrays, name)
+    out = {}
+    for k, v in arrays.items():
+        a = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+        if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
+            raise InvalidArgument(f"{name}[{k}]", "contains NaN or infinite values")
+        out[k] = a
+    return out
+
+
+def _check_activations(structure, acts_a, acts_b) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    out = {}
+    for name, acts in (("activations_a", acts_a), ("activations_b", acts_b)):
+        if not isinstance(acts, Mapping):
+            raise InvalidArgument(
+                name,
+                "must map every group name to its (n_g, P') activation rows (or set options.activation_weight = 0)",
+            )
+        extra = set(acts) - {g.name for g in structure.groups}
+        if extra:
+            raise InvalidArgument(name, f"names no group of the structure: {sorted(extra)}")
+    for g in structure.groups:
+        pair = []
+        for name, acts in (("activations_a", acts_a), ("activations_b", acts_b)):
+            if g.name not in acts:
+                raise InvalidArgument(f"{name}[{g.name}]", "is missing: every group needs its activation rows")
+            a = np.asarray(acts[g.name], dtype=np.float64)
+            if a.ndim != 2 or a.shape[0] != g.size or a.shape[1] == 0:
+                raise InvalidArgument(f"{name}[{g.name}]", f"must be a ({g.size}, P') array, got shape {a.shape}")
+            if not np.all(np.isfinite(a)):
+                raise InvalidArgument(f"{name}[{g.name}]", "contains NaN or infinite values")
+            pair.append(a)
+        if pair[0].shape != pair[1].shape:
+            raise InvalidArgument(
+                f"activations_b[{g.name}]",
+                f"has shape {pair[1].shape}, A's has {pair[0].shape}: both must come from one probe set",
+            )
+        out[g.name] = (pair[0], pair[1])
+    return out
+
+
+def _norm(v: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.sum(x * x, dtype=torch.float64)) for x in v.values()))
+
+
+def _power_iteration(aff: GroupAffinity, product_threads: int):
+    """Shifted power iteration from the uniform vector (pygmtools' start and stopping rule,
+    ‖v_k − v_{k−1}‖ < tol), as the layered reference path (docs/matching.md, "The shift")."""
+    opts = aff.options
+    v = {g: torch.full((n, n), 1.0 / aff.pairs, dtype=aff.dtype) for g, n in aff.sizes.items()}
+    shift = opts.shift
+    converged, it, residual, norm, cost = False, 0, float("inf"), 0.0, _Cost(product_threads)
+    for it in range(1, opts.max_iter + 1):  # noqa: B007 (the loop variable is the result)
+        cost = _Cost(product_threads)
+        w = aff.apply(v, cost)
+        if shift is None:
+            shift = 0.5 * _norm(w) / _norm(v)
+        for g in aff.names:
+            w[g].add_(v[g], alpha=shift)
+        norm = _norm(w)
+        if not norm > 0:
+            break
+        for x in w.values():
+            x.div_(norm)
+        residual = math.sqrt(sum(float(torch.dist(w[g], v[g])) ** 2 for g in aff.names))
+        v = w
+        if residual < opts.tol:
+            converged = True
+            break
+    return {g: x.numpy() for g, x in v.items()}, it, converged, residual, norm - (shift or 0.0), cost, shift or 0.0
+
+
+def match_group_features(
+    structure: PermutationStructure,
+    activations_a: Mapping[str, Any] | None,
+    arrays_a: Mapping[str, Any],
+    activations_b: Mapping[str, Any] | None,
+    arrays_b: Mapping[str, Any],
+    options: MatchOptions | None = None,
+) -> GroupMatchResult:
+    """Align B's permutation groups to A's by spectral matching of the joint affinity over all
+    groups (module docstring; docs/matching.md, "Permutation groups").
+
+    ``activations_*``: group name -> (n_g, P′) activation rows (exact:
+    ``peer.ldp.group_matching.group_activations``; released:
+    ``peer.ldp.mechanisms.groups.perturb_group_activations``), both from one probe set; may be
+    None only with ``options.activation_weight = 0``. ``arrays_*``: the state arrays keyed by
+    the structure's parameter names (exact, or released weight features). ``options``: as for
+    :func:`peer.ldp.matching.match_graphs`; the eigensolver here is shifted power iteration
+    (``eigensolver`` "auto" and "power"; "ritz" is refused), ``solver = "dense"`` runs
+    pygmtools' ``sm`` on the dense K.
+    """
+    options = MatchOptions() if options is None else options
+    if not isinstance(options, MatchOptions):
+        raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+    if options.eigensolver == "ritz":
+        raise InvalidArgument(
+            "options.eigensolver", "'ritz' is not implemented for permutation groups; use 'auto' or 'power'"
+        )
+    if not isinstance(structure, PermutationStructure):
+        raise InvalidArgument("structure", f"must be a PermutationStructure, got {type(structure).__name__}")
+    widest = max((g.size for g in structure.groups), default=1)
+    threads = options.threads or (1 if widest <= AUTO_SINGLE_THREAD_MAX_WIDTH else torch.get_num_threads())
+    with torch_threads(threads):
+        return _match(structure, activations_a, arrays_a, activations_b, arrays_b, options)
+
+
+def _match(structure, activations_a, arrays_a, activations_b, arrays_b, options) -> GroupMatchResult:
+    dense = options.solver == "dense"
+    t0 = time.perf_counter()
+    aff = GroupAffinity(structure, activations_a, arrays_a, activations_b, arrays_b, options, build_operator=not dense)
+    diag = aff.diagnostics()
+    kmat = aff.dense() if dense else None
+    t_build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if aff.is_diagonal:
+        # K is diagonal: Σ_g Σ_i D_g[i, perm_g(i)] is one linear assignment per group, solved exactly
+        d = aff.diagonal()
+        layers = {g: x / max(float(np.abs(x).max()), 1e-300) for g, x in d.items()}
+        it, converged, residual, norm, cost, shift = (
+            0,
+            True,
+            0.0,
+            float(max(np.max(x) for x in d.values())),
+            _Cost(),
+            0.0,
+        )
+    elif dense:
+        vec, it, converged, residual, norm, shift = power_iteration_dense(kmat, aff.options)
+        layers = aff.to_groups(vec)
+        cost = _Cost()
+        cost.flops = 2.0 * aff.pairs * aff.pairs
+    else:
+        product_threads = torch.get_num_threads()
+        base = product_threads if options.threads is not None else 1
+        with torch_threads(base):
+            layers, it, converged, residual, norm, cost, shift = _power_iteration(aff, product_threads)
+    t_iter = time.perf_counter() - t0
+    del kmat
+    t0 = time.perf_counter()
+    found = _discretise([layers[g] for g in aff.names])
+    perms = dict(zip(aff.names, found, strict=True))
+    t_assign = time.perf_counter() - t0
+    objective = aff.objective(perms)
+    widest = max(aff.sizes.values())
+    diag.update(
+        solver=options.solver,
+        eigensolver="power",
+        diagonal=aff.is_diagonal,
+        iterations=int(it),
+        converged=bool(converged),
+        residual=float(residual),
+        eigenvalue=float(norm),
+        shift=float(shift),
+        dense_products_per_iteration=cost.products,
+        flops_per_iteration=cost.flops,
+        n3_products_per_iteration=cost.flops / (2.0 * widest**3),
+        n3_products_total=cost.flops * max(1, it) / (2.0 * widest**3),
+        seconds={"setup": t_build, "iterations": t_iter, "assignment": t_assign},
+    )
+    return GroupMatchResult(perms=perms, objective=float(objective), diagnostics=diag)
