@@ -91,6 +91,7 @@ class _Unary:
     values: Any  # callable: perm -> exact unbalanced values at (i, perm[i]) (length n)
     matrix: Any  # callable: () -> exact unbalanced (n, n) float64 matrix
     approx: np.ndarray | None = None  # the factorised operator's unbalanced matrix, if not exact
+    block: _Block | None = None  # a fixed-side term's weights, bandwidth and expansion
 
 
 @dataclass
@@ -316,7 +317,7 @@ class GroupAffinity:
             return _exact_fixed_unary(b, incoming=True)
 
         weight = self.options.edge_weight if self.options.balance else 1.0
-        return _Unary(f"fixed:{name}", g, "fixed", r, c, weight, b.describe(), values, matrix, approx=u)
+        return _Unary(f"fixed:{name}", g, "fixed", r, c, weight, b.describe(), values, matrix, approx=u, block=b)
 
     def _vector_term(self, g: str, vectors: list[tuple[str, np.ndarray, np.ndarray]]) -> _Unary | None:
         """The group's 1-D parameters (biases, normalisation affine and running statistics):
