@@ -281,7 +281,6 @@ def test_bad_inputs_are_refused_naming_the_field():
         (dict(arrays_b={**b, "mix.weight": np.full_like(b["mix.weight"], np.inf)}), r"arrays_b\[mix.weight\]"),
         (dict(arrays_b={**b, "mix.weight": b["mix.weight"][:2]}), r"arrays_b\[mix.weight\]"),
         (dict(options="fast"), "options"),
-        (dict(options=MatchOptions(eigensolver="ritz")), "options.eigensolver"),
         (dict(structure="resnet"), "structure"),
         (dict(refine_sweeps=-1), "refine_sweeps"),
     ]
@@ -293,3 +292,23 @@ def test_bad_inputs_are_refused_naming_the_field():
     # with activation_weight = 0 the activations may be left out
     r = match_group_features(s, None, a, None, b, MatchOptions(activation_weight=0))
     assert set(r.perms) == {x.name for x in s.groups}
+
+
+@pytest.mark.parametrize("name,noise", [("self_loop", 1.0), ("small_resnet", 0.3), ("residual_mlp", 1.0)])
+def test_the_rayleigh_ritz_iteration_finds_the_power_iteration_permutation(name, noise):
+    """The group-wise Rayleigh–Ritz iteration (the default above 128 elements) and the reference
+    power iteration on the same K: the same spectral permutation, the same eigenvalue to the
+    tolerance, in fewer products (measured when written: 8/5/5 steps and 680/3546/471 n³
+    products against 18/21/11 steps and 1748/18617/1296; the self-loop case exercises the
+    within-group images)."""
+    s, a, b, fa, fb, _ = pair(name, weight_noise=noise, activation_noise=noise)
+    out = {}
+    for es in ("power", "ritz"):
+        out[es] = match_group_features(s, fa, a, fb, b, MatchOptions(eigensolver=es, dtype="float64"), refine_sweeps=0)
+        assert out[es].diagnostics["converged"] and out[es].diagnostics["eigensolver"] == es
+    for g in out["power"].perms:
+        assert np.array_equal(out["power"].perms[g], out["ritz"].perms[g]), g
+    # power iteration stops at a step < tol = 1e-5, leaving an error of about that size in v
+    # and its square, relative, in the eigenvalue estimate
+    np.testing.assert_allclose(out["ritz"].diagnostics["eigenvalue"], out["power"].diagnostics["eigenvalue"], rtol=1e-8)
+    assert out["ritz"].diagnostics["n3_products_total"] < out["power"].diagnostics["n3_products_total"]

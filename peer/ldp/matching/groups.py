@@ -55,9 +55,9 @@ from peer.ldp.matching.blocks import _Block, _block_terms, _exact_fixed_unary, _
 from peer.ldp.matching.dense import power_iteration_dense
 from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth, _spread_bandwidth, _squared_distances, sinkhorn_factors
-from peer.ldp.matching.operators import _apply_block, _Cost, _rescale, _transposed
+from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _transposed
 from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, AUTO_SINGLE_THREAD_MAX_WIDTH, MatchOptions
-from peer.ldp.matching.solvers import _discretise
+from peer.ldp.matching.solvers import RITZ_TOL_FACTOR, STALL, _discretise
 from peer.nn.architectures import torch_threads
 from peer.nn.tracing import PermutationStructure
 
@@ -557,6 +557,123 @@ def _power_iteration(aff: GroupAffinity, product_threads: int):
     return {g: x.numpy() for g, x in v.items()}, it, converged, residual, norm - (shift or 0.0), cost, shift or 0.0
 
 
+def _images_by_source(
+    aff: GroupAffinity, v: Mapping[str, torch.Tensor], cost: _Cost, constant: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The edge part of K(e_g ⊗ v_g) for every group g: source g -> {target group: tensor}
+    (a block E from g_in to g_out sends E(v_in) to g_out and Eᵀ(v_out) to g_in; a block on
+    one group sends both to that group). ``constant``: every v_g is c·J (c = its [0, 0]
+    entry), applied with matrix-vector work only. The diagonal part D_g ∘ v_g is left out."""
+    out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in aff.names}
+    for e in aff.edges:
+        b = e.block
+        if not b.terms:
+            continue
+        for source, target, terms in ((e.g_in, e.g_out, b.terms), (e.g_out, e.g_in, b.terms_t)):
+            x = v[source]
+            acc = out[source].get(target)
+            if acc is None:
+                acc = out[source][target] = torch.zeros((aff.sizes[target],) * 2, dtype=x.dtype)
+            if constant:
+                _apply_block_constant(terms, float(x[0, 0]), aff.sizes[target], x.dtype, acc)
+            else:
+                _apply_block(terms, x, aff.sizes[target], cost, out=acc)
+    return out
+
+
+def _group_ritz_step(basis, diag: Mapping[str, torch.Tensor], tiny: float) -> tuple[float, np.ndarray]:
+    """The largest Ritz pair of K on span(basis), entries (group g, x, {target: edge part of
+    K(e_g ⊗ x)}): θ and the coefficients of its unit-norm Ritz vector, signed to a positive
+    sum. As ``solvers._ritz_step``, except that within a group K is D_g plus the blocks that
+    join the group to itself, so xᵢᵀ K xⱼ there is Σ xᵢ D_g xⱼ plus xᵢ · (xⱼ's image in g)."""
+    m = len(basis)
+    gram, kmat = np.zeros((m, m)), np.zeros((m, m))
+    for i, (gi, xi, _) in enumerate(basis):
+        for j in range(i, m):
+            gj, xj, imj = basis[j]
+            if gi == gj:
+                gram[i, j] = gram[j, i] = float(torch.sum(xi * xj, dtype=torch.float64))
+                value = float(torch.sum(xi * diag[gi] * xj, dtype=torch.float64))
+                if gi in imj:
+                    value += float(torch.sum(xi * imj[gi], dtype=torch.float64))
+            else:
+                value = float(torch.sum(xi * imj[gi], dtype=torch.float64)) if gi in imj else 0.0
+            kmat[i, j] = kmat[j, i] = value
+    d = np.sqrt(np.diag(gram))
+    keep_basis = d > 0
+    d_k = d[keep_basis]
+    g = gram[np.ix_(keep_basis, keep_basis)] / np.outer(d_k, d_k)
+    k = kmat[np.ix_(keep_basis, keep_basis)] / np.outer(d_k, d_k)
+    mu, q = np.linalg.eigh(g)
+    keep = mu > tiny * mu.max()
+    q = q[:, keep] / np.sqrt(mu[keep])
+    lam, u = np.linalg.eigh(q.T @ k @ q)
+    c = np.zeros(m)
+    c[keep_basis] = (q @ u[:, -1]) / d_k
+    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, _) in enumerate(basis))
+    return float(lam[-1]), (-c if sums < 0 else c)
+
+
+def _ritz(aff: GroupAffinity, product_threads: int):
+    """Power iteration accelerated by a group-wise Rayleigh–Ritz step (docs/matching.md,
+    "Layer-wise Rayleigh–Ritz", with groups for layers): the search space holds, for every
+    group g separately, its block of v, of the residual r = K v − θ v and of the previous
+    residual; the images of those vectors are kept (by source group), so every step costs
+    one product of K, with the residual. Stops at ‖K v − θ v‖ < RITZ_TOL_FACTOR·tol·θ, or,
+    not converged, after STALL steps without a smaller residual. All expansion terms are
+    applied in every product (no rank adaptation here)."""
+    opts = aff.options
+    tiny = 1e-12 if aff.dtype == torch.float64 else 1e-6
+    cost = _Cost(product_threads)
+    start = {g: torch.ones((n, n), dtype=aff.dtype) for g, n in aff.sizes.items()}
+    images = _images_by_source(aff, start, cost, constant=True)
+    basis = [(g, start[g], images[g]) for g in aff.names]
+    previous: list = []
+    converged, it, residual, theta = False, 0, float("inf"), 0.0
+    best, best_it = float("inf"), 0
+    stop_at = opts.tol * RITZ_TOL_FACTOR
+    v: dict[str, torch.Tensor] = start
+    for it in range(1, opts.max_iter + 1):
+        theta, coef = _group_ritz_step(basis, aff._diag, tiny)
+        v, im_v = {}, {}
+        for c, (g, x, im) in zip(coef, basis, strict=True):
+            if g not in v:
+                v[g] = x * c
+                im_v[g] = {t: y * c for t, y in im.items()}
+                continue
+            if c == 0.0:
+                continue
+            v[g].add_(x, alpha=c)
+            for t, y in im.items():
+                if t in im_v[g]:
+                    im_v[g][t].add_(y, alpha=c)
+                else:
+                    im_v[g][t] = y * c
+        basis = None
+        kv = {g: aff._diag[g] * v[g] for g in aff.names}
+        for im in im_v.values():
+            for t, y in im.items():
+                kv[t].add_(y)
+        r = {g: kv[g] - theta * v[g] for g in aff.names}
+        del kv
+        rnorm = _norm(r)
+        residual = rnorm / theta if theta > 0 else float("inf")
+        if residual < stop_at or not theta > 0:
+            converged = theta > 0
+            break
+        if residual < best:
+            best, best_it = residual, it
+        elif it - best_it >= STALL:
+            break
+        if it == opts.max_iter:
+            break
+        step = _images_by_source(aff, r, cost)
+        fresh = [(g, r[g], step[g]) for g in aff.names]
+        basis = [(g, v[g], im_v[g]) for g in aff.names] + fresh + previous
+        previous = fresh
+    return {g: x.numpy() for g, x in v.items()}, it, converged, residual, theta, cost, 0.0
+
+
 def _refine(aff: GroupAffinity, perms: dict[str, np.ndarray], sweeps: int, score) -> tuple[dict, dict]:
     """Coordinate ascent on the exact objective from the spectral solution (docs/matching.md,
     "Permutation groups"): for each group g in turn, with the others held, xᵀKx is
@@ -608,17 +725,15 @@ def match_group_features(
     ``peer.ldp.mechanisms.groups.perturb_group_activations``), both from one probe set; may be
     None only with ``options.activation_weight = 0``. ``arrays_*``: the state arrays keyed by
     the structure's parameter names (exact, or released weight features). ``options``: as for
-    :func:`peer.ldp.matching.match_graphs`; the eigensolver here is shifted power iteration
-    (``eigensolver`` "auto" and "power"; "ritz" is refused), ``solver = "dense"`` runs
-    pygmtools' ``sm`` on the dense K.
+    :func:`peer.ldp.matching.match_graphs`: ``eigensolver`` "power" (shifted power iteration,
+    the reference), "ritz" (with a group-wise Rayleigh–Ritz step) or "auto" ("ritz" when some
+    group has more than ``AUTO_FAST_MIN_WIDTH`` elements); ``solver = "dense"`` runs
+    pygmtools' ``sm`` on the dense K. ``refine_sweeps``: sweeps of coordinate ascent on the
+    exact objective after discretisation (0 = the spectral solution as it is).
     """
     options = MatchOptions() if options is None else options
     if not isinstance(options, MatchOptions):
         raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
-    if options.eigensolver == "ritz":
-        raise InvalidArgument(
-            "options.eigensolver", "'ritz' is not implemented for permutation groups; use 'auto' or 'power'"
-        )
     if not isinstance(structure, PermutationStructure):
         raise InvalidArgument("structure", f"must be a PermutationStructure, got {type(structure).__name__}")
     if isinstance(refine_sweeps, bool) or not isinstance(refine_sweeps, (int, np.integer)) or refine_sweeps < 0:
@@ -660,7 +775,10 @@ def _match(
         product_threads = torch.get_num_threads()
         base = product_threads if options.threads is not None else 1
         with torch_threads(base):
-            layers, it, converged, residual, norm, cost, shift = _power_iteration(aff, product_threads)
+            if aff.options.eigensolver == "ritz":
+                layers, it, converged, residual, norm, cost, shift = _ritz(aff, product_threads)
+            else:
+                layers, it, converged, residual, norm, cost, shift = _power_iteration(aff, product_threads)
     t_iter = time.perf_counter() - t0
     t0 = time.perf_counter()
     found = _discretise([layers[g] for g in aff.names])
@@ -686,19 +804,22 @@ def _match(
     kmat = None  # the dense K is not needed any more
     objective = aff.objective(perms) if refinement["elements_moved"] else spectral_objective
     widest = max(aff.sizes.values())
+    # power iteration's cost is that of its last step; the Rayleigh–Ritz iteration's is summed
+    ritz = not dense and not aff.is_diagonal and aff.options.eigensolver == "ritz"
+    per_step = 1.0 / max(1, it) if ritz else 1.0
     diag.update(
         solver=options.solver,
-        eigensolver="power",
+        eigensolver="power" if dense else aff.options.eigensolver,
         diagonal=aff.is_diagonal,
         iterations=int(it),
         converged=bool(converged),
         residual=float(residual),
         eigenvalue=float(norm),
         shift=float(shift),
-        dense_products_per_iteration=cost.products,
-        flops_per_iteration=cost.flops,
-        n3_products_per_iteration=cost.flops / (2.0 * widest**3),
-        n3_products_total=cost.flops * max(1, it) / (2.0 * widest**3),
+        dense_products_per_iteration=cost.products * per_step,
+        flops_per_iteration=cost.flops * per_step,
+        n3_products_per_iteration=cost.flops * per_step / (2.0 * widest**3),
+        n3_products_total=cost.flops * per_step * max(1, it) / (2.0 * widest**3),
         spectral_objective=float(spectral_objective),
         spectral_perms={g: p.tolist() for g, p in zip(aff.names, found, strict=True)},
         refinement=refinement,
