@@ -572,7 +572,7 @@ def main(argv=None) -> int:
             "Part 3: permutation groups (a residual MLP: a stream written by the stem and two residual blocks, LayerNorm on it,\n"
             "3 groups of `width` units; B = A permuted, 10% noise). mg = peer.ldp.group_matching.match_groups (activations +\n"
             "weight-matching coordinate descent); spec = peer.ldp.matching.groups.match_group_features (factorised spectral\n"
-            "matcher over the groups: shifted power iteration, then refinement). n³ = products counted in n³ units; floor as in\n"
+            "matcher over the groups: Rayleigh–Ritz iteration, then refinement). n³ = products counted in n³ units; floor as in\n"
             "part 2 ('x floor' = wall / (n³ · product + 3 · Hungarian)); recovered: final (spectral solution alone in brackets);\n"
             "differ = elements the two methods match differently."
         )

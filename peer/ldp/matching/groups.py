@@ -25,10 +25,13 @@ without forming K (docs/matching.md, "Permutation groups"):
 The blocks reuse the layered matcher's kernel expansions and factor algebra
 (``peer.ldp.matching.blocks``, ``operators``): Chebyshev or operator-adapted expansions of
 exact weights, the exact sparse expansion of few-valued (released multi-bit) weights.
-The solver is shifted power iteration on the joint K, then one linear assignment per group
-after centring. ``solver = "dense"`` builds K in pygmtools' layout (groups stacked; within
-group g the pair (i, j) is row offset_g + j·n_g + i) from exact kernel values and runs
-``pygmtools.sm`` — the reference for small structures.
+The eigensolver is shifted power iteration (the reference) or power iteration with a
+group-wise Rayleigh–Ritz step (the default above 128 elements), on the joint K; each group is
+then discretised by a linear assignment after centring, and the result refined by coordinate
+ascent on the exact objective (one linear assignment per group with the others held, kept
+only when it raises the objective). ``solver = "dense"`` builds K in pygmtools' layout
+(groups stacked; within group g the pair (i, j) is row offset_g + j·n_g + i) from exact
+kernel values and runs ``pygmtools.sm`` — the reference for small structures.
 
 Result convention (that of ``peer.nn.tracing.permute_state`` and
 ``peer.ldp.group_matching.match_groups``): ``perms[g][i] = j`` says element i of A's group g
