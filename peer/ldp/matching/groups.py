@@ -58,9 +58,9 @@ from peer.ldp.matching.blocks import _Block, _block_terms, _exact_fixed_unary, _
 from peer.ldp.matching.dense import power_iteration_dense
 from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth, _spread_bandwidth, _squared_distances, sinkhorn_factors
-from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _transposed
+from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _Stacked, _transposed
 from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, AUTO_SINGLE_THREAD_MAX_WIDTH, MatchOptions
-from peer.ldp.matching.solvers import RITZ_TOL_FACTOR, STALL, _discretise
+from peer.ldp.matching.solvers import RITZ_TOL_FACTOR, STALL, _discretise, _rank_for
 from peer.nn.architectures import torch_threads
 from peer.nn.tracing import PermutationStructure
 
@@ -561,17 +561,24 @@ def _power_iteration(aff: GroupAffinity, product_threads: int):
 
 
 def _images_by_source(
-    aff: GroupAffinity, v: Mapping[str, torch.Tensor], cost: _Cost, constant: bool = False
+    aff: GroupAffinity,
+    v: Mapping[str, torch.Tensor],
+    cost: _Cost,
+    constant: bool = False,
+    ranks: Mapping[str, int | None] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """The edge part of K(e_g ⊗ v_g) for every group g: source g -> {target group: tensor}
     (a block E from g_in to g_out sends E(v_in) to g_out and Eᵀ(v_out) to g_in; a block on
     one group sends both to that group). ``constant``: every v_g is c·J (c = its [0, 0]
-    entry), applied with matrix-vector work only. The diagonal part D_g ∘ v_g is left out."""
+    entry), applied with matrix-vector work only. ``ranks[param]``: apply only the first so
+    many terms of that block's operator-adapted expansion (all when None), freeing lazily
+    built terms beyond them. The diagonal part D_g ∘ v_g is left out."""
     out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in aff.names}
     for e in aff.edges:
         b = e.block
         if not b.terms:
             continue
+        rank = None if ranks is None else ranks.get(e.param)
         for source, target, terms in ((e.g_in, e.g_out, b.terms), (e.g_out, e.g_in, b.terms_t)):
             x = v[source]
             acc = out[source].get(target)
@@ -580,29 +587,55 @@ def _images_by_source(
             if constant:
                 _apply_block_constant(terms, float(x[0, 0]), aff.sizes[target], x.dtype, acc)
             else:
-                _apply_block(terms, x, aff.sizes[target], cost, out=acc)
+                for t in terms:
+                    if isinstance(t, _Stacked):
+                        t.trim(rank)  # free lazily built terms this product does not use
+                _apply_block(terms, x, aff.sizes[target], cost, out=acc, rank=rank)
+    return out
+
+
+def _source_errors(aff: GroupAffinity, ranks: Mapping[str, int | None] | None = None) -> dict[str, float]:
+    """Per source group, Σ over the blocks its image passes through of the operator bound
+    ‖ΔE‖₂ of the terms applied (``_Block.operator_error``; a block on one group counts twice:
+    E and Eᵀ both act): times ‖x_g‖ it bounds the image's distance from the exact-kernel one."""
+    out = dict.fromkeys(aff.names, 0.0)
+    for e in aff.edges:
+        if not e.block.terms:
+            continue
+        err = e.block.operator_error(None if ranks is None else ranks.get(e.param))
+        out[e.g_in] += err
+        out[e.g_out] += err
     return out
 
 
 def _group_ritz_step(basis, diag: Mapping[str, torch.Tensor], tiny: float) -> tuple[float, np.ndarray]:
     """The largest Ritz pair of K on span(basis), entries (group g, x, {target: edge part of
-    K(e_g ⊗ x)}): θ and the coefficients of its unit-norm Ritz vector, signed to a positive
-    sum. As ``solvers._ritz_step``, except that within a group K is D_g plus the blocks that
-    join the group to itself, so xᵢᵀ K xⱼ there is Σ xᵢ D_g xⱼ plus xᵢ · (xⱼ's image in g)."""
+    K(e_g ⊗ x)}, error bound of that image): θ and the coefficients of its unit-norm Ritz
+    vector, signed to a positive sum. As ``solvers._ritz_step``, except that within a group K
+    is D_g plus the blocks that join the group to itself, so xᵢᵀ K xⱼ there is Σ xᵢ D_g xⱼ plus
+    the within-group part of an image. K is symmetric, so each edge part is read from the image
+    with the smaller error per unit norm (the coupling vᵀKr = ‖r‖² must not come from the
+    residual's image, which may hold fewer expansion terms)."""
     m = len(basis)
     gram, kmat = np.zeros((m, m)), np.zeros((m, m))
-    for i, (gi, xi, _) in enumerate(basis):
+    for i, (gi, xi, _, _) in enumerate(basis):
         for j in range(i, m):
-            gj, xj, imj = basis[j]
+            gj, xj, _, _ = basis[j]
             if gi == gj:
                 gram[i, j] = gram[j, i] = float(torch.sum(xi * xj, dtype=torch.float64))
-                value = float(torch.sum(xi * diag[gi] * xj, dtype=torch.float64))
-                if gi in imj:
-                    value += float(torch.sum(xi * imj[gi], dtype=torch.float64))
+    norms = np.sqrt(np.diag(gram))
+    accuracy = [err / nrm if nrm > 0 else 0.0 for (_, _, _, err), nrm in zip(basis, norms, strict=True)]
+    for i, (gi, xi, imi, _) in enumerate(basis):
+        for j in range(i, m):
+            gj, xj, imj, _ = basis[j]
+            value = float(torch.sum(xi * diag[gi] * xj, dtype=torch.float64)) if gi == gj else 0.0
+            # x_iᵀ (K x_j) from x_j's image, or x_jᵀ (K x_i) from x_i's: the more accurate one
+            if accuracy[j] <= accuracy[i]:
+                value += float(torch.sum(xi * imj[gi], dtype=torch.float64)) if gi in imj else 0.0
             else:
-                value = float(torch.sum(xi * imj[gi], dtype=torch.float64)) if gi in imj else 0.0
+                value += float(torch.sum(xj * imi[gj], dtype=torch.float64)) if gj in imi else 0.0
             kmat[i, j] = kmat[j, i] = value
-    d = np.sqrt(np.diag(gram))
+    d = norms
     keep_basis = d > 0
     d_k = d[keep_basis]
     g = gram[np.ix_(keep_basis, keep_basis)] / np.outer(d_k, d_k)
@@ -613,7 +646,7 @@ def _group_ritz_step(basis, diag: Mapping[str, torch.Tensor], tiny: float) -> tu
     lam, u = np.linalg.eigh(q.T @ k @ q)
     c = np.zeros(m)
     c[keep_basis] = (q @ u[:, -1]) / d_k
-    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, _) in enumerate(basis))
+    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, _, _) in enumerate(basis))
     return float(lam[-1]), (-c if sums < 0 else c)
 
 
@@ -622,24 +655,31 @@ def _ritz(aff: GroupAffinity, product_threads: int):
     "Layer-wise Rayleigh–Ritz", with groups for layers): the search space holds, for every
     group g separately, its block of v, of the residual r = K v − θ v and of the previous
     residual; the images of those vectors are kept (by source group), so every step costs
-    one product of K, with the residual. Stops at ‖K v − θ v‖ < RITZ_TOL_FACTOR·tol·θ, or,
-    not converged, after STALL steps without a smaller residual. All expansion terms are
-    applied in every product (no rank adaptation here)."""
+    one product of K, with the residual. Each such product applies only as many terms of an
+    operator-adapted expansion as the residual's size needs (the layered rule,
+    ``solvers._rank_for``); every kept image carries a bound on its distance from the
+    exact-kernel image, combined with the Ritz coefficients into ``operator_error_bound``.
+    Stops at ‖K v − θ v‖ < RITZ_TOL_FACTOR·tol·θ, or, not converged, after STALL steps
+    without a smaller residual."""
     opts = aff.options
     tiny = 1e-12 if aff.dtype == torch.float64 else 1e-6
     cost = _Cost(product_threads)
+    live = [e for e in aff.edges if e.block.terms]
     start = {g: torch.ones((n, n), dtype=aff.dtype) for g, n in aff.sizes.items()}
     images = _images_by_source(aff, start, cost, constant=True)
-    basis = [(g, start[g], images[g]) for g in aff.names]
+    full = _source_errors(aff)
+    basis = [(g, start[g], images[g], full[g] * float(aff.sizes[g])) for g in aff.names]  # ‖J‖ = n
     previous: list = []
-    converged, it, residual, theta = False, 0, float("inf"), 0.0
+    ranks_used: list[dict] = []
+    converged, it, residual, theta, bound = False, 0, float("inf"), 0.0, 0.0
     best, best_it = float("inf"), 0
     stop_at = opts.tol * RITZ_TOL_FACTOR
     v: dict[str, torch.Tensor] = start
     for it in range(1, opts.max_iter + 1):
         theta, coef = _group_ritz_step(basis, aff._diag, tiny)
-        v, im_v = {}, {}
-        for c, (g, x, im) in zip(coef, basis, strict=True):
+        v, im_v, errors = {}, {}, dict.fromkeys(aff.names, 0.0)
+        for c, (g, x, im, err) in zip(coef, basis, strict=True):
+            errors[g] += abs(float(c)) * err
             if g not in v:
                 v[g] = x * c
                 im_v[g] = {t: y * c for t, y in im.items()}
@@ -659,6 +699,7 @@ def _ritz(aff: GroupAffinity, product_threads: int):
                 kv[t].add_(y)
         r = {g: kv[g] - theta * v[g] for g in aff.names}
         del kv
+        bound = sum(errors.values())
         rnorm = _norm(r)
         residual = rnorm / theta if theta > 0 else float("inf")
         if residual < stop_at or not theta > 0:
@@ -670,11 +711,25 @@ def _ritz(aff: GroupAffinity, product_threads: int):
             break
         if it == opts.max_iter:
             break
-        step = _images_by_source(aff, r, cost)
-        fresh = [(g, r[g], step[g]) for g in aff.names]
-        basis = [(g, v[g], im_v[g]) for g in aff.names] + fresh + previous
+        # the layered rule: a block error ε adds about 2ε‖r‖/θ to ‖(K̃ − K)v‖; keep that
+        # ≤ (the stopping level)·θ/(4·blocks)
+        budget = stop_at * theta * theta / (8.0 * max(1, len(live)) * rnorm)
+        ranks = {e.param: _rank_for(e.block, budget) for e in live}
+        ranks_used.append(ranks)
+        step = _images_by_source(aff, r, cost, ranks=ranks)
+        per_source = _source_errors(aff, ranks)
+        fresh = [
+            (g, r[g], step[g], per_source[g] * math.sqrt(float(torch.sum(r[g] * r[g], dtype=torch.float64))))
+            for g in aff.names
+        ]
+        basis = [(g, v[g], im_v[g], errors[g]) for g in aff.names] + fresh + previous
         previous = fresh
-    return {g: x.numpy() for g, x in v.items()}, it, converged, residual, theta, cost, 0.0
+    extra = {
+        "ranks": ranks_used,
+        "operator_error_bound": bound / theta if theta > 0 else float("inf"),
+        "residual_bound": residual + (bound / theta if theta > 0 else float("inf")),
+    }
+    return {g: x.numpy() for g, x in v.items()}, it, converged, residual, theta, cost, 0.0, extra
 
 
 def _refine(aff: GroupAffinity, perms: dict[str, np.ndarray], sweeps: int, score) -> tuple[dict, dict]:
@@ -779,7 +834,8 @@ def _match(
         base = product_threads if options.threads is not None else 1
         with torch_threads(base):
             if aff.options.eigensolver == "ritz":
-                layers, it, converged, residual, norm, cost, shift = _ritz(aff, product_threads)
+                layers, it, converged, residual, norm, cost, shift, extra = _ritz(aff, product_threads)
+                diag.update(extra)
             else:
                 layers, it, converged, residual, norm, cost, shift = _power_iteration(aff, product_threads)
     t_iter = time.perf_counter() - t0
