@@ -360,3 +360,20 @@ def test_the_fast_path_finds_the_reference_permutation(name, noise):
     ranks = [r for step in d["ranks"] for r in step.values()]
     assert min(ranks) < max(ranks)  # later products use fewer terms
     assert d["n3_products_total"] < 0.5 * ref.diagnostics["n3_products_total"]
+
+
+@pytest.mark.parametrize("rule", ["uniform", "operator"])
+def test_the_coupling_of_a_permutation_is_k_applied_to_it(rule):
+    """The refinement's coupling C_g = (K x)_g − D_g ∘ x_g for permutation matrices x, computed
+    with a gather in place of the first product of each stacked term, is the operator's own
+    K x (to float64 rounding), self-loop block included."""
+    from peer.ldp.matching.groups import _permutation_matrix
+
+    s, a, b, fa, fb, _ = pair("self_loop", weight_noise=0.5)
+    aff = GroupAffinity(s, fa, a, fb, b, MatchOptions(expansion_rule=rule, dtype="float64"))
+    rng = np.random.default_rng(0)
+    perms = {g: rng.permutation(n) for g, n in aff.sizes.items()}
+    x = {g: _permutation_matrix(p, torch.float64) for g, p in perms.items()}
+    kx = aff.apply(x)
+    for g in aff.names:
+        torch.testing.assert_close(aff.coupling(perms, g), kx[g] - aff._diag[g] * x[g], rtol=1e-12, atol=1e-12)

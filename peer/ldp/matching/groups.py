@@ -373,17 +373,20 @@ class GroupAffinity:
             _apply_block(b.terms_t, v[e.g_out], self.sizes[e.g_in], cost, out=out[e.g_in])
         return out
 
-    def coupling(self, x: Mapping[str, torch.Tensor], g: str, cost: _Cost | None = None) -> torch.Tensor:
-        """(K x)_g − D_g ∘ x_g: what the blocks touching group g send it from x (factorised)."""
+    def coupling(self, perms: Mapping[str, np.ndarray], g: str, cost: _Cost | None = None) -> torch.Tensor:
+        """(K x)_g − D_g ∘ x_g for the permutation matrices x of ``perms``: what the blocks
+        touching group g send it (factorised). A stacked term applied to a permutation matrix
+        P needs one product instead of two: Σ_r F_r P H_rᵀ = [F_r]_r [H_r P-permuted]_rᵀ, the
+        permutation being a gather of H's columns (or rows, for the transposed direction)."""
         cost = _Cost() if cost is None else cost
         out = torch.zeros((self.sizes[g],) * 2, dtype=self.dtype)
         for e in self.edges:
             if not e.block.terms:
                 continue
             if e.g_out == g:
-                _apply_block(e.block.terms, x[e.g_in], self.sizes[g], cost, out=out)
+                _apply_permutation(e.block.terms, perms[e.g_in], self.sizes[g], cost, out, self.dtype)
             if e.g_in == g:
-                _apply_block(e.block.terms_t, x[e.g_out], self.sizes[g], cost, out=out)
+                _apply_permutation(e.block.terms_t, perms[e.g_out], self.sizes[g], cost, out, self.dtype)
         return out
 
     @property
@@ -745,8 +748,7 @@ def _refine(aff: GroupAffinity, perms: dict[str, np.ndarray], sweeps: int, score
     for done in range(1, sweeps + 1):  # noqa: B007 (the loop variable is the result)
         changed = False
         for g in aff.names:
-            x = {h: _permutation_matrix(p, aff.dtype) for h, p in perms.items()}
-            new = _discretise([score(x, g)])[0]
+            new = _discretise([score(perms, g)])[0]
             if np.array_equal(new, perms[g]):
                 continue
             candidate = {**perms, g: new}
@@ -757,6 +759,31 @@ def _refine(aff: GroupAffinity, perms: dict[str, np.ndarray], sweeps: int, score
         if not changed:
             break
     return perms, {"sweeps": done, "elements_moved": moved}
+
+
+def _apply_permutation(terms, perm: np.ndarray, n_rows: int, cost: _Cost, out: torch.Tensor, dtype) -> None:
+    """out += Σ_t F_t X H_tᵀ for the permutation matrix X[k, perm[k]] = 1 (``_apply_block`` on
+    X, with a gather instead of the first product for stacked dense terms):
+    E(X)[i, j] = Σ_r Σ_k F_r[i, k] H_r[j, perm[k]] and, transposed,
+    Eᵀ(X)[k, l] = Σ_r Σ_i F_r[i, k] H_r[perm[i], l]."""
+    idx = torch.as_tensor(np.asarray(perm, dtype=np.int64))
+    rest = []
+    for t in terms:
+        if not isinstance(t, _Stacked):
+            rest.append(t)
+            continue
+        t.ensure(None)
+        for phi_g, psi_g in zip(t.phi, t.psi, strict=True):
+            n, r, m = phi_g.shape
+            with cost.threads():
+                if not t.transposed:
+                    cost.add(n, r * m, n)
+                    out += phi_g.reshape(n, r * m) @ psi_g.index_select(2, idx).reshape(n, r * m).T
+                else:
+                    cost.add(m, n * r, m)
+                    out += phi_g.reshape(n * r, m).T @ psi_g.index_select(0, idx).reshape(n * r, m)
+    if rest:
+        _apply_block(rest, _permutation_matrix(perm, dtype), n_rows, cost, out=out)
 
 
 def _permutation_matrix(perm: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -850,13 +877,14 @@ def _match(
         if dense:
             diagonal = aff.diagonal()
 
-            def score(x, g):
-                kx = aff.to_groups(kmat @ aff.from_groups({h: t.numpy() for h, t in x.items()}))[g]
-                return diagonal[g] + 2.0 * (kx - diagonal[g] * x[g].numpy())
+            def score(perms, g):
+                x = {h: _permutation_matrix(p, torch.float64).numpy() for h, p in perms.items()}
+                kx = aff.to_groups(kmat @ aff.from_groups(x))[g]
+                return diagonal[g] + 2.0 * (kx - diagonal[g] * x[g])
         else:
 
-            def score(x, g):
-                return (aff._diag[g] + 2.0 * aff.coupling(x, g)).numpy()
+            def score(perms, g):
+                return (aff._diag[g] + 2.0 * aff.coupling(perms, g)).numpy()
 
         perms, refinement = _refine(aff, perms, refine_sweeps, score)
     t_refine = time.perf_counter() - t0
