@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from peer.base.errors import InvalidArgument
+from peer.ldp.matching.affinity import KEEP_BUILT_TERMS_BYTES
 from peer.ldp.matching.blocks import _Block, _block_terms, _exact_fixed_unary, _make_block, _mean_kernel
 from peer.ldp.matching.dense import power_iteration_dense
 from peer.ldp.matching.expansion import gaussian_kernel
@@ -574,9 +575,13 @@ def _images_by_source(
     (a block E from g_in to g_out sends E(v_in) to g_out and Eᵀ(v_out) to g_in; a block on
     one group sends both to that group). ``constant``: every v_g is c·J (c = its [0, 0]
     entry), applied with matrix-vector work only. ``ranks[param]``: apply only the first so
-    many terms of that block's operator-adapted expansion (all when None), freeing lazily
-    built terms beyond them. The diagonal part D_g ∘ v_g is left out."""
+    many terms of that block's operator-adapted expansion (all when None); while all blocks'
+    lazily built terms together take more than ``KEEP_BUILT_TERMS_BYTES``, those beyond the
+    rank are freed (below it they stay built for later products and the refinement, which
+    would otherwise build them again). The diagonal part D_g ∘ v_g is left out."""
     out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in aff.names}
+    built = sum(t.built_bytes() for e in aff.edges for t in e.block.terms if isinstance(t, _Stacked))
+    free = built > KEEP_BUILT_TERMS_BYTES
     for e in aff.edges:
         b = e.block
         if not b.terms:
@@ -591,7 +596,7 @@ def _images_by_source(
                 _apply_block_constant(terms, float(x[0, 0]), aff.sizes[target], x.dtype, acc)
             else:
                 for t in terms:
-                    if isinstance(t, _Stacked):
+                    if free and isinstance(t, _Stacked):
                         t.trim(rank)  # free lazily built terms this product does not use
                 _apply_block(terms, x, aff.sizes[target], cost, out=acc, rank=rank)
     return out
