@@ -777,7 +777,11 @@ def _apply_permutation(terms, perm: np.ndarray, n_rows: int, cost: _Cost, out: t
         if not isinstance(t, _Stacked):
             rest.append(t)
             continue
-        t.ensure(None)
+        if t.source is None or not t.phi:
+            t.ensure(None)
+        # else: the lazily built terms the eigensolver has built (its first product's rank):
+        # a score only proposes a candidate, the exact objective decides, and building the
+        # rest would cost more than the sweep itself
         for phi_g, psi_g in zip(t.phi, t.psi, strict=True):
             n, r, m = phi_g.shape
             with cost.threads():
