@@ -21,8 +21,11 @@ minutes each here) runs ``--exact-4096-iterations`` steps (default 1) and is pro
 step count measured at width 1024, labelled as a projection.
 Part 3, permutation groups: a residual MLP (a stream written by the stem and two residual
 blocks, LayerNorm on it; peer.nn.tracing derives its groups) against a copy with every group
-permuted and 10% noise, matched by peer.ldp.group_matching.match_groups (activations + weight
-matching by coordinate descent), at stream widths 256 and 1024.
+permuted and 10% noise, matched side by side by peer.ldp.group_matching.match_groups
+(activations + weight matching by coordinate descent) and by the factorised spectral matcher
+over the groups (peer.ldp.matching.groups.match_group_features), at stream widths 256 and
+1024: time, n³ products, the floor ratio, recovered fractions, and how many elements the two
+match differently.
 
 Part 1 times each solver three times on the same pair and reports the minimum (the median is
 in the JSON); parts 2 and 3 run once. Every case runs in its own subprocess, after a warm-up match on a tiny pair of the same kind
@@ -309,28 +312,63 @@ def residual_pair(width: int, seed: int = 0, noise: float = 0.1, probes: int = 1
     )
 
 
-def run_groups(width: int) -> dict:
-    """Permutation-group matching (peer.ldp.group_matching.match_groups) of a residual pair."""
+def run_groups(spec) -> dict:
+    """Permutation-group matching of a residual pair (``residual_pair``): ``spec["method"]``
+    "match_groups" (peer.ldp.group_matching, activations + weight-matching coordinate descent)
+    or "spectral" (peer.ldp.matching.groups.match_group_features: the factorised spectral
+    matcher over the groups, then its refinement). An int ``spec`` is match_groups (the old
+    form)."""
+    if isinstance(spec, int):
+        spec = {"width": spec, "method": "match_groups"}
+    width, method = spec["width"], spec.get("method", "match_groups")
     from peer.ldp.group_matching import match_groups
+    from peer.ldp.matching import MatchOptions
+    from peer.ldp.matching.groups import match_group_features
 
+    def run(structure, arrays_a, arrays_b, act_a, act_b):
+        if method == "match_groups":
+            return match_groups(structure, arrays_a, arrays_b, act_a, act_b), {}
+        r = match_group_features(structure, act_a, arrays_a, act_b, arrays_b, MatchOptions(threads=spec.get("threads")))
+        return r.perms, r.diagnostics
+
+    # warm-up on a tiny pair (first calls into torch and scipy), as part 1 and 2 do
+    run(*residual_pair(8, seed=99)[:5])
     structure, arrays_a, arrays_b, act_a, act_b, perms = residual_pair(width)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    found = match_groups(structure, arrays_a, arrays_b, act_a, act_b)
+    found, d = run(structure, arrays_a, arrays_b, act_a, act_b)
     wall = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    right = np.concatenate([found[g] == np.argsort(p) for g, p in perms.items()])
-    return {
+    truth = {g: np.argsort(p) for g, p in perms.items()}
+    right = np.concatenate([found[g] == truth[g] for g in perms])
+    out = {
         "width": width,
+        "method": method,
         "groups": {g.name: g.size for g in structure.groups},
         "wall_s": wall,
         "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
         "peak_rss_mb": _status_kib("VmHWM") / 1024,
         "recovered": float(np.mean(right)),
+        "permutations": {g: np.asarray(p).tolist() for g, p in found.items()},
         "load_average": os.getloadavg(),
     }
+    if d:
+        spectral = np.concatenate([np.asarray(d["spectral_perms"][g]) == truth[g] for g in perms])
+        out.update(
+            recovered_spectral=float(np.mean(spectral)),
+            iterations=d["iterations"],
+            converged=d["converged"],
+            n3_products_total=d["n3_products_total"] + d["refinement"].get("n3_products", 0.0),
+            n3_products_eigensolver=d["n3_products_total"],
+            seconds=d["seconds"],
+            refinement=d["refinement"],
+            dtype=d["dtype"],
+            error_bound=d["expansion_error_bound"],
+            expansions=[(e["param"], e["expansion"], e["terms"]) for e in d["edges"]],
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -532,22 +570,58 @@ def main(argv=None) -> int:
     if args.group_widths:
         print()
         print(
-            "Part 3: permutation groups (a residual MLP: stream + 2 inner groups), peer.ldp.group_matching.match_groups"
+            "Part 3: permutation groups (a residual MLP: a stream written by the stem and two residual blocks, LayerNorm on it,\n"
+            "3 groups of `width` units; B = A permuted, 10% noise). mg = peer.ldp.group_matching.match_groups (activations +\n"
+            "weight-matching coordinate descent); spec = peer.ldp.matching.groups.match_group_features (factorised spectral\n"
+            "matcher over the groups: Rayleigh–Ritz iteration, then refinement). n³ = products counted in n³ units; floor as in\n"
+            "part 2 ('x floor' = wall / (n³ · product + 3 · Hungarian)), n³ = the eigensolver's and the refinement's together;\n"
+            "recovered: final (spectral solution alone in brackets); differ = elements the two methods match differently."
         )
         head = (
-            f"{'width':>5} | {'groups':>24} | {'wall s':>7} {'cpu s':>7} {'peak MB':>7} | {'recovered':>9} {'load':>5}"
+            f"{'width':>5} {'method':>6} | {'wall s':>7} {'cpu s':>7} {'peak MB':>7} {'it':>3} {'n³':>6} {'x floor':>7} | "
+            f"{'recovered':>15} {'differ':>6} {'load':>5}"
         )
         print(head)
         print("-" * len(head))
         for width in args.group_widths:
-            r = in_subprocess({"groups": width}, 3600)
-            if "error" in r:
-                print(f"{width:>5} | error: {r['error']}")
-            else:
+            fl = floors.get(width) or in_subprocess({"floor": width}, 600)
+            floors[width] = fl
+            if "error" not in fl:
                 print(
-                    f"{width:>5} | {len(r['groups']):>24} | {r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {r['peak_rss_mb']:>7.0f} | {r['recovered']:>9.3f} {r['load_average'][0]:>5.1f}"
+                    f"{width:>5} floor: product {fl['product_s']:.4f} s, Hungarian {fl['assignment_s']:.3f} s (load {fl['load_average'][0]:.1f})"
                 )
-            group_rows.append(r)
+            rows = {}
+            for method in ("match_groups", "spectral"):
+                rows[method] = in_subprocess(
+                    {"groups": {"width": width, "method": method, "threads": args.threads}}, 3600
+                )
+            mg, sp = rows["match_groups"], rows["spectral"]
+            if "error" not in mg and "error" not in sp:
+                sp["elements_differing_from_match_groups"] = int(
+                    sum(
+                        np.sum(np.asarray(sp["permutations"][g]) != np.asarray(mg["permutations"][g]))
+                        for g in mg["permutations"]
+                    )
+                )
+            for name, r in (("mg", mg), ("spec", sp)):
+                if "error" in r:
+                    print(f"{width:>5} {name:>6} | error: {r['error']}")
+                    continue
+                n3 = r.get("n3_products_total")
+                ratio = None
+                if n3 is not None and "error" not in fl:
+                    ratio = r["wall_s"] / (n3 * fl["product_s"] + 3 * fl["assignment_s"])
+                    r["floor_ratio"] = ratio
+                rec = f"{r['recovered']:.3f}" + (
+                    f" ({r['recovered_spectral']:.3f})" if "recovered_spectral" in r else ""
+                )
+                differ = r.get("elements_differing_from_match_groups")
+                print(
+                    f"{width:>5} {name:>6} | {r['wall_s']:>7.2f} {r['cpu_s']:>7.2f} {r['peak_rss_mb']:>7.0f} {fmt(r.get('iterations'), 'd'):>3} "
+                    f"{fmt(n3, '.0f'):>6} {fmt(ratio):>7} | {rec:>15} {fmt(differ, 'd'):>6} {r['load_average'][0]:>5.1f}"
+                )
+                r.pop("permutations", None)
+            group_rows.append(rows)
 
     report = {
         "command": "benchmarks/matching.py " + " ".join(sys.argv[1:] if argv is None else argv),
