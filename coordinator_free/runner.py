@@ -291,10 +291,11 @@ class _OwnNetwork:
         if clip is not None:
             ours = {g: np.clip(a, clip[0], clip[1]) for g, a in ours.items()}
         own_state = {k: v.detach().numpy().copy() for k, v in self.module.state_dict().items()}
-        perms = _align_group_release(self.structure, ours, own_state, theirs, features)
+        perms, diagnostics = _align_group_release(self.structure, ours, own_state, theirs, features)
         return perms, {
-            "matcher": "activation correlation (our exact rows against the peer's Laplace rows, per "
-            "permutation group; linear assignment)",
+            "matcher": "factorised spectral matching over the permutation groups (our exact activations "
+            "and weights against the peer's Laplace rows and multi-bit weight features)",
+            "match": diagnostics,
             "permutations": {g: p.tolist() for g, p in perms.items()},
         }
 
@@ -347,28 +348,23 @@ class _OwnNetwork:
 
 def _align_group_release(
     structure, own_acts: Mapping[str, np.ndarray], own_arrays, their_acts: Mapping[str, np.ndarray], their_arrays
-) -> dict[str, np.ndarray]:
+) -> tuple[dict[str, np.ndarray], dict]:
     """How a peer's own network lines up with ours, from its local-DP group release: for every
-    permutation group g, ``perm[g][i] = j`` (our unit i ↔ their unit j).
+    permutation group g, ``perm[g][i] = j`` (our unit i ↔ their unit j), and the matcher's
+    diagnostics.
 
     Reads our exact activations and state (they never leave us) and the peer's noisy ones
-    (Laplace activation rows, multi-bit weight features: post-processing of its release). Each
-    group's units are paired by the correlation of our activation rows with theirs on the same
-    public probe rows (one linear assignment per group,
-    ``peer.ldp.group_matching.match_correlations``); ``their_arrays`` (the multi-bit weight
-    features) is part of the signature for a matcher that uses them too."""
-    from peer.ldp.group_matching import match_correlations
+    (Laplace activation rows, multi-bit weight features: post-processing of its release), and
+    solves the joint problem over all groups with the factorised spectral matcher
+    (``peer.ldp.matching.groups.match_group_features``: activation affinities per group, a
+    Kronecker block per weight tensor between the groups it connects, then a per-group
+    refinement that keeps only changes raising the objective; docs/matching.md, "Permutation
+    groups")."""
+    from peer.ldp.matching.groups import match_group_features
 
-    def standardised(f):
-        f = np.asarray(f, dtype=np.float64)
-        f = f - f.mean(axis=1, keepdims=True)
-        norm = np.linalg.norm(f, axis=1, keepdims=True)
-        return f / np.where(norm > 0, norm, 1.0)
-
-    correlations = {
-        g.name: standardised(own_acts[g.name]) @ standardised(their_acts[g.name]).T for g in structure.groups
-    }
-    return {g: np.asarray(p, dtype=np.int64) for g, p in match_correlations(structure, correlations).items()}
+    result = match_group_features(structure, own_acts, own_arrays, their_acts, their_arrays)
+    perms = {g: np.asarray(p, dtype=np.int64) for g, p in result.perms.items()}
+    return perms, {"objective": float(result.objective), **result.diagnostics}
 
 
 def _match_report(own: NetworkGraph, alignment: Alignment) -> dict:

@@ -4,8 +4,8 @@ Two hospitals each train their own residual MLP (``site_models.networks.Residual
 residual stream shared by the stem and two blocks, LayerNorm on it) on their half of digits and
 import it. St Anne runs an ``ldp`` round: Riverside releases, per permutation-group element,
 Laplace activation rows on St Anne's probe set and multi-bit weight features (one charge), then
-its PFA weights (one charge); St Anne aligns them to its own network by activation correlation,
-permutes, fuses, applies REPAIR on the probe set and stores the fused model under its own key
+its PFA weights (one charge); St Anne aligns them to its own network by spectral matching over the
+permutation groups, permutes, fuses, applies REPAIR on the probe set and stores the fused model under its own key
 names. Then: a request over Riverside's budget is refused (RESOURCE_EXHAUSTED) with nothing sent
 or stored, and a peer whose network differs is refused (FAILED_PRECONDITION) before anything is
 asked."""
