@@ -148,7 +148,7 @@ def read_preprocessing(path: str | Path):
         raise NotFound(f"--preprocessing {str(p)!r}: {e.strerror}") from None
     except ValueError as e:
         raise InvalidArgument("--preprocessing", f"{str(p)!r} is not valid JSON: {e}") from None
-    if isinstance(data, dict) and "architecture" in data:  # a model manifest
+    if isinstance(data, dict) and ("architecture" in data or "imported" in data):  # a model manifest
         if "preprocessing" not in data:
             raise InvalidArgument("--preprocessing", f"the model manifest {str(p)!r} holds no preprocessing")
         data = data["preprocessing"]

@@ -1,6 +1,7 @@
 """``privfusion pool``: train a pool of DP-SGD models, list a pool.
 
     privfusion pool train --site DIR --data FILE --label COL --public FILE [--pool NAME] [--model noise=2,clip=1 ...]
+    privfusion pool train --site DIR --from-model NAME --data FILE --label COL --public FILE [--out POOL] ...
     privfusion pool train --dataset digits --out POOL [--model noise=2,clip=1 ...] [--json]
     privfusion pool list --pool POOL [--json]
 
@@ -9,14 +10,18 @@ records DP-SGD sees (the unit of privacy is one of them) and a held-out part tha
 accuracy here. The preprocessing must not depend on the protected records (the guarantee is
 for one record given the preprocessing): it is fitted on public records (``--public FILE``) or
 given (``--preprocessing JSON``), and stored with every model of the pool. The declared dataset size n of DP-SGD — the public constant of the update's
-denominator — is the number of training records; it is printed and recorded. The bundled
-``--dataset`` path stays for demonstrations.
+denominator — is the number of training records; it is printed and recorded. With
+``--from-model NAME`` the pool is of the site's own imported network (DIR/own_models/NAME),
+trained as the bundled ``--from-model`` path trains it (:func:`_train_imported`) on records read,
+split and prepared exactly as above; :func:`records_fit_network` says how records become the
+network's inputs. The bundled ``--dataset`` path stays for demonstrations.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -25,6 +30,7 @@ from peer.base.errors import InvalidArgument
 # Three models with different (C, σ), from the least private (ε ≈ 9.6 at δ = 1e-5, T = 60,
 # replace-one) to the most private (ε ≈ 1.2).
 DEFAULT_MODELS = ("name=dpsgd-a,noise=8,clip=2", "name=dpsgd-b,noise=20,clip=1", "name=dpsgd-c,noise=50,clip=0.5")
+DEFAULT_ARCHITECTURE = '{"kind": "mlp", "hidden": []}'  # logistic regression
 SPEC_KEYS = {"name": str, "noise": float, "clip": float, "lr": float, "steps": int, "q": float}
 
 
@@ -72,21 +78,24 @@ def _architecture(text: str, splits) -> dict:
 def train(args: argparse.Namespace) -> int:
     from peer.nn.architectures import torch_threads
 
+    if args.from_model is not None:
+        if args.site is None:
+            raise InvalidArgument("--from-model", "needs --site DIR, whose own_models/ holds the imported network")
+        if args.architecture is not None:
+            raise InvalidArgument(
+                "--architecture", "the network of a --from-model pool is the imported one; give one of them"
+            )
     if args.data is not None:
         if args.dataset is not None:
             raise InvalidArgument("--dataset", "give a bundled dataset or the site's own records (--data), not both")
         if args.label is None:
             raise InvalidArgument("--label", "is required with --data")
-        if (args.site is None) == (args.out is None):
+        if args.from_model is None and (args.site is None) == (args.out is None):
             raise InvalidArgument(
                 "--site", "give the site's directory (--site) or a pool directory (--out), one of them"
             )
-        if args.from_model is not None:
-            raise InvalidArgument("--from-model", "is supported with a bundled --dataset only, not yet with --data")
         with torch_threads(1):
             return _train_records(args)
-    if args.from_model is not None and args.site is None:
-        raise InvalidArgument("--from-model", "needs --site DIR, whose own_models/ holds the imported network")
     for flag in ("label", "features", "preprocessing", "public", *(() if args.from_model else ("site",))):
         if getattr(args, flag):
             raise InvalidArgument(f"--{flag}", "belongs with the site's own records (--data)")
@@ -133,7 +142,7 @@ def _train_records(args: argparse.Namespace) -> int:
     from peer.dp.training import train_pool
     from peer.nn.architectures import accuracy, model_from_arrays
 
-    if args.site is not None:
+    if args.out is None:
         pool_name, directory = site_paths(args.site).pool(args.pool)
     else:
         pool_name, directory = args.pool or "pool", args.out
@@ -151,6 +160,12 @@ def _train_records(args: argparse.Namespace) -> int:
         raise InvalidArgument(
             "--model", f"models {taken} are already in the pool {str(directory)!r}; give other names or --force"
         )
+    own = None
+    if args.from_model is not None:  # the site's own network: refused by name before reading any record
+        from peer.cli.model_import import OWN_MODELS
+        from peer.nn.imported import load_imported
+
+        own = load_imported(Path(args.site) / OWN_MODELS, args.from_model)
     records = records_from_args(args)
     prep = records.preprocessing
     if prep.fitted_on.get("split") == "training" and prep.fitted_on.get("sha256") == records.description["sha256"]:
@@ -159,7 +174,10 @@ def _train_records(args: argparse.Namespace) -> int:
             f"was fitted on the training split of {records.description['file']}, the "
             "pool's own protected records; fit one on public records (--public FILE)",
         )
-    arch = architecture_arg(args.architecture, None, prep, [])
+    if own is not None:
+        shaped = records_fit_network(own.structure, prep, args.data, args.from_model)
+    else:
+        arch = architecture_arg(args.architecture, None, prep, [])
     n = len(records.y_train)
     print(
         f"DP-SGD on {n} training records of {records.description['file']} "
@@ -167,6 +185,9 @@ def _train_records(args: argparse.Namespace) -> int:
         f"(public; the unit of privacy is one training record, {args.adjacency})",
         file=sys.stderr,
     )
+    if own is not None:
+        print(f"inputs of {args.from_model}: {shaped}", file=sys.stderr)
+        return _train_imported_records(args, own, records, names, trainings, pool_name, directory)
     randomness = make_randomness(args.seed)
     with progress_bar(sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "step") as step:
         models = train_pool(
@@ -216,6 +237,57 @@ def _train_records(args: argparse.Namespace) -> int:
     return 0
 
 
+def records_fit_network(structure, preprocessing, source: str, name: str) -> str:
+    """Check that records prepared by ``preprocessing`` are inputs of the site's own network
+    (``structure.input_shape``) and say how they become them; refuse, naming the file and the
+    rule, otherwise. The rule:
+
+    - the prepared width must be the network's input size, prod(input_shape);
+    - image records (an ``.npz`` whose ``x`` has shape (m, C, H, W) or (m, H, W)) go in as they
+      are when the network takes that shape, flattened when it takes flat rows (its input
+      shape says so), and are refused for any other shape (a reshape would scramble pixels);
+    - table rows go in as they are when the network takes flat rows; into a network taking a
+      shaped input (e.g. [1, 8, 8]) they are reshaped row-major in column order, because the
+      network's input shape says so, and only when every entry is one numeric column: one-hot
+      entries of a categorical column are no pixels, so such a table is refused."""
+    shape = tuple(int(s) for s in structure.input_shape)
+    size = math.prod(shape)
+    where = f"{source}: features"
+    if preprocessing.width != size:
+        names = preprocessing.input_names()
+        raise InvalidArgument(
+            where,
+            f"the records prepare {preprocessing.width} input entries ({len(preprocessing.columns)} columns"
+            f"{', one-hot categories included' if preprocessing.categorical else ''}: {names[:6]}"
+            f"{'…' if len(names) > 6 else ''}) but the network {name!r} takes input shape {list(shape)} = {size} "
+            "entries; choose its input columns with --features",
+        )
+    if preprocessing.input_shape is not None:
+        images = tuple(preprocessing.input_shape)
+        if images == shape:
+            return f"images of shape {list(shape)}, as they are"
+        if len(shape) == 1:
+            return f"images of shape {list(images)} flattened to {size} entries (the network takes flat rows)"
+        raise InvalidArgument(
+            f"{source}: x",
+            f"holds images of shape {list(images)} but the network {name!r} takes {list(shape)}; a reshape "
+            f"would scramble the pixels: store x with shape (m, {', '.join(map(str, shape))})",
+        )
+    if len(shape) == 1:
+        return f"rows of {size} entries, as they are"
+    if preprocessing.categorical:
+        raise InvalidArgument(
+            where,
+            f"the network {name!r} takes input shape {list(shape)}, and a table becomes that shape only when "
+            f"every entry is one numeric column; {list(preprocessing.categorical)} are categorical (one-hot): "
+            "give image records (.npz with x of that shape) or a network that takes flat rows",
+        )
+    return (
+        f"rows of {size} numeric columns reshaped to {list(shape)} (row-major, in column order), as the "
+        "network's input shape says"
+    )
+
+
 def _train(args: argparse.Namespace) -> int:
     from peer.base.rng import make_randomness
     from peer.dp.pools import load_splits, save_trained
@@ -225,7 +297,7 @@ def _train(args: argparse.Namespace) -> int:
     splits = load_splits(args.dataset, split_seed=args.split_seed, validation_fraction=args.validation_fraction)
     if args.from_model is not None:
         return _train_imported(args, splits)
-    arch = _architecture(args.architecture, splits)
+    arch = _architecture(args.architecture or DEFAULT_ARCHITECTURE, splits)
     names, trainings = _specs(args)
     randomness = make_randomness(args.seed)
     models = train_pool(
@@ -336,6 +408,97 @@ def _train_imported(args: argparse.Namespace, splits) -> int:
     return 0
 
 
+def _train_imported_records(args, own, records, names, trainings, pool_name, directory) -> int:
+    """``--from-model NAME --data FILE``: the pool of the site's own network on the site's own
+    records. The training and its record are those of :func:`_train_imported` (DP-SGD from the
+    factory's public initialisation, eval mode, ``peer.dp.training.train_dpsgd_module``); the
+    records, split and preprocessing those of :func:`_train_records`. BatchNorm normalises by
+    statistics of the public records (``--public FILE``, prepared by the pool's preprocessing),
+    measured before every step; with a given preprocessing and no public file they stay at
+    their initial values (the record says which)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from peer.base.rng import make_randomness
+    from peer.cli.model import progress_bar
+    from peer.dp.pools import save_trained
+    from peer.dp.training import train_dpsgd_module
+    from peer.nn.imported import imported_architecture, load_factory, module_accuracy, module_from_arrays
+
+    factory = load_factory(own.factory, [args.site])
+    structure = own.structure
+    arch = imported_architecture(structure)
+    prep = records.preprocessing
+    public_x = None
+    if args.public:
+        public_x, _ = prep.transform(prep.read(args.public, labelled=False))
+    elif any(isinstance(m, _BatchNorm) for m in module_from_arrays(factory, structure).modules()):
+        print(
+            f"{args.from_model} has BatchNorm and no public records were given (--public): its statistics stay "
+            "at their initial values (mean 0, variance 1) in every step",
+            file=sys.stderr,
+        )
+    randomness = make_randomness(args.seed)
+    models = []
+    with progress_bar(sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "step") as step:
+        for training in trainings:
+            models.append(
+                train_dpsgd_module(
+                    factory,
+                    arch,
+                    structure.input_shape,
+                    records.x_train,
+                    records.y_train,
+                    training,
+                    init_seed=args.init_seed,
+                    randomness=randomness.spawn(),
+                    delta=args.delta,
+                    progress=step,
+                    public_x=public_x,
+                )
+            )
+    summary = []
+    for name, model in zip(names, models, strict=True):
+        module = module_from_arrays(factory, structure, model.arrays)
+        val = module_accuracy(module, structure, records.x_val, records.y_val)
+        save_trained(
+            directory, name, model, accuracy=val, data=records.description, preprocessing=prep, factory=own.factory
+        )
+        summary.append(
+            {
+                "name": name,
+                "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
+                "delta": model.record.delta,
+                "training": model.training.to_dict(),
+                "validation_accuracy": val,
+            }
+        )
+    out = {
+        "pool": str(directory),
+        "pool_name": pool_name,
+        "data": records.description,
+        "from_model": args.from_model,
+        "architecture": {"kind": arch["kind"], "structure_sha256": arch["structure_sha256"]},
+        "input_shape": list(structure.input_shape),
+        "init_seed": args.init_seed,
+        "dataset_size": models[0].dataset_size,
+        "input_width": prep.width,
+        "classes": list(prep.classes),
+        "norm_statistics": "public records" if public_x is not None else "initial values",
+        **randomness.record_fields(),
+        "models": summary,
+    }
+    _warm_profiles(directory)
+    _emit(out, args.json)
+    if not args.json:
+        print(
+            f"pool {pool_name} of {args.from_model} in {directory}: declared dataset size n = {models[0].dataset_size}; "
+            "preprocessing stored with every model. Validation accuracy is on the held-out part of the site's own "
+            f"records (site-local); merges are judged on a public validation file (privfusion probe make --label "
+            f"{prep.label} --pool {pool_name})"
+        )
+    return 0
+
+
 def list_pool(args: argparse.Namespace) -> int:
     from peer.dp.pools import load_pool
 
@@ -405,7 +568,7 @@ def register(subparsers) -> None:
     t.add_argument(
         "--architecture",
         "--arch",
-        default='{"kind": "mlp", "hidden": []}',
+        default=None,
         help="architecture JSON (peer.nn.architectures); input/output sizes are filled in from the data. Default: logistic regression",
     )
     t.add_argument(
@@ -418,8 +581,9 @@ def register(subparsers) -> None:
     t.add_argument(
         "--from-model",
         metavar="NAME",
-        help="train the site's own imported network DIR/own_models/NAME (with --site DIR and a bundled "
-        "--dataset; from the factory's public initialisation, norm layers frozen)",
+        help="train the site's own imported network DIR/own_models/NAME (with --site DIR, on its own records "
+        "--data FILE or a bundled --dataset; from the factory's public initialisation, in eval mode, BatchNorm "
+        "statistics measured on public records before every step)",
     )
     t.add_argument("--steps", type=int, default=60, help="default steps T per model (default 60)")
     t.add_argument("--learning-rate", type=float, default=4.0, help="default learning rate eta (default 4.0)")

@@ -134,16 +134,21 @@ def save_trained(
     if is_imported_architecture(model.architecture):
         # a site's own network: stored like an imported model (its structure and the factory
         # that rebuilds it here), so that the pool's models keep the site's key names
-        if factory is None or preprocessing is not None:
-            raise InvalidArgument("factory", "a pool of a site's own network needs its factory (and no preprocessing)")
-        return save_imported(directory, name, factory, structure_of(model.architecture), model.arrays, metadata)
+        if factory is None:
+            raise InvalidArgument("factory", "a pool of a site's own network needs its factory")
+        return save_imported(
+            directory, name, factory, structure_of(model.architecture), model.arrays, metadata, preprocessing
+        )
     return save_model(directory, name, model.architecture, model.arrays, metadata, preprocessing)
 
 
 def pool_preprocessing(directory: str | os.PathLike) -> Preprocessing | None:
     """The preprocessing a pool's models were trained with (None for a bundled dataset's pool);
     refused when its models disagree, since one validation set must fit them all."""
-    preps = {name: load_model(directory, name).preprocessing for name in list_models(directory)}
+    preps = {
+        name: (load_imported if _is_imported_pair(directory, name) else load_model)(directory, name).preprocessing
+        for name in list_models(directory)
+    }
     if not preps:
         raise InvalidArgument("pool", f"{str(directory)!r} holds no models")
     dicts = {name: None if p is None else p.to_dict() for name, p in preps.items()}

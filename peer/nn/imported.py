@@ -8,7 +8,9 @@ permutation structure and proves it (:mod:`peer.nn.tracing`), then stores::
 
     NAME.safetensors   # the state dict, keyed as the site named it, dtypes kept
     NAME.json          # {"format": 1, "name": NAME, "imported": {"factory": "MODULE:FUNCTION",
-                       #   "structure": {...}}, "metadata": {...}}
+                       #   "structure": {...}}, "metadata": {...},
+                       #  "preprocessing": {...}}  # only for a model trained on a site's own
+                       #                       # records (peer.nn.tables.Preprocessing, JSON)
 
 The manifest's ``imported`` entry replaces the ``architecture`` of built-in models: the
 structure (names, shapes, groups) is public and travels without any site code; the factory is
@@ -36,6 +38,7 @@ from torch import nn
 
 from peer.base.errors import InvalidArgument, NotFound, Unsupported
 from peer.nn.store import FORMAT, _atomic_write, check_name, read_pair, store_pair
+from peer.nn.tables import Preprocessing
 from peer.nn.tracing import PermutationStructure, import_structure
 
 EXPORT_FORMATS = ("pt", "safetensors")
@@ -50,6 +53,9 @@ class ImportedModel:
     structure: PermutationStructure
     arrays: Mapping[str, np.ndarray]
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    #: how records become its inputs, for a model trained on a site's own records (a DP pool's
+    #: model: ``pool train --from-model NAME --data FILE``); None for an imported network
+    preprocessing: Preprocessing | None = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The state dict in the site's own key order."""
@@ -177,10 +183,14 @@ def save_imported(
     structure: PermutationStructure,
     arrays: Mapping[str, Any],
     metadata: Mapping[str, Any] | None = None,
+    preprocessing: Preprocessing | None = None,
 ) -> Path:
-    """Write an imported model (weights first, manifest last, both atomic)."""
+    """Write an imported model (weights first, manifest last, both atomic), with the
+    preprocessing of the records it was trained on when there is one (it must prepare exactly
+    the network's input entries)."""
     check_name(name)
     structure.check_arrays(arrays)
+    prep = _check_preprocessing(preprocessing, structure, "preprocessing")
     for k, v in arrays.items():
         a = np.asarray(v)
         if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
@@ -195,18 +205,37 @@ def save_imported(
         "imported": {"factory": factory, "structure": structure.to_json()},
         "metadata": dict(metadata or {}),
     }
+    if prep is not None:
+        manifest["preprocessing"] = prep.to_dict()
     _atomic_write(d / f"{name}.json", json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode())
     return d / f"{name}.json"
 
 
+def _check_preprocessing(
+    preprocessing: Preprocessing | Mapping[str, Any] | None, structure: PermutationStructure, where: str
+) -> Preprocessing | None:
+    if preprocessing is None:
+        return None
+    prep = preprocessing if isinstance(preprocessing, Preprocessing) else Preprocessing.from_dict(preprocessing, where)
+    size = int(np.prod(structure.input_shape))
+    if prep.width != size:
+        raise InvalidArgument(
+            where,
+            f"prepares {prep.width} input entries but the network takes {size} (input shape {list(structure.input_shape)})",
+        )
+    return prep
+
+
 def load_imported(directory: str | os.PathLike, name: str) -> ImportedModel:
-    manifest, arrays = read_pair(*store_pair(directory, name), name)
+    mpath, wpath = store_pair(directory, name)
+    manifest, arrays = read_pair(mpath, wpath, name)
     imported = manifest.get("imported")
     if not isinstance(imported, Mapping):
         raise Unsupported("model", f"{name!r} is a built-in architecture, not an imported model")
     structure = PermutationStructure.from_json(imported.get("structure"))
     structure.check_arrays(arrays)
-    return ImportedModel(name, str(imported.get("factory", "")), structure, arrays, manifest.get("metadata", {}))
+    prep = _check_preprocessing(manifest.get("preprocessing"), structure, f"{mpath.name}: preprocessing")
+    return ImportedModel(name, str(imported.get("factory", "")), structure, arrays, manifest.get("metadata", {}), prep)
 
 
 def export_model(model: ImportedModel, out: str | os.PathLike, fmt: str) -> Path:
