@@ -73,3 +73,15 @@ def test_bad_input_names_the_field(kwargs, field):
     with pytest.raises(InvalidArgument) as e:
         run_epsilon(args.pop("noise_multiplier"), args.pop("steps"), args.pop("delta"), **args)
     assert field in str(e.value)
+
+
+def test_poisson_pld_is_dp_accountings_pld():
+    """Poisson sampling by the PLD figure (it once passed its arguments in the wrong order and
+    always refused): the σ it finds gives dp-accounting's PLDAccountant ε at the target, within
+    the discretisation's pessimism (both discretise at 1e-4; dp-accounting composes by FFT too)."""
+    s = noise_multiplier_for(2.0, 1e-5, 200, sample_rate=0.05, figure="pld")
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(s)), 200)
+    assert acc.get_epsilon(1e-5) == pytest.approx(2.0, abs=2e-3)
+    # and PLD asks for less noise than RDP for the same run
+    assert s < noise_multiplier_for(2.0, 1e-5, 200, sample_rate=0.05, figure="rdp")

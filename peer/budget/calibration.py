@@ -79,7 +79,8 @@ def run_epsilon(
 
     if q == 1.0:
         return gdp_epsilon(math.sqrt(steps) * (2.0 if adjacency == "replace-one" else 1.0) / sigma, delta)
-    return pld_epsilon(self_compose(subsampled_gaussian_pld(sigma, q, pld_interval, adjacency), steps), delta)
+    pld = subsampled_gaussian_pld(sigma, q, adjacency=adjacency, value_discretization_interval=pld_interval)
+    return pld_epsilon(self_compose(pld, steps), delta)
 
 
 def noise_multiplier_for(
