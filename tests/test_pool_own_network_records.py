@@ -264,6 +264,30 @@ def test_the_pool_is_served_and_judged_on_public_records(digits, csv_pool):
     assert not [u for u in unusable if "pool" in u["path"]], unusable
 
 
+def test_a_local_merge_of_the_pool_is_stored_as_the_sites_own_network(digits, csv_pool, tmp_path):
+    """`privfusion merge` on a pool of an own network (RS at a target between the two models'
+    ε): the merge is written as an imported model under the site's key names — one of the
+    pool's models exactly, as RS releases — with its record beside it."""
+    from peer.dp.pools import load_pool
+    from peer.nn.imported import load_imported
+
+    site = digits["site"]
+    pool = {m.name: m for m in load_pool(site / "pool")}
+    if not (site / "validation.npz").exists():  # public records judge the candidates
+        cli("probe", "make", "--site", str(site), "--data", str(digits["public"]), "--label", "digit", "--pool", "dpsgd")  # fmt: skip
+    out = tmp_path / "merged" / "m.safetensors"
+    proc = cli("merge", "--pool", str(site / "pool"), "--method", "rs", "--target-epsilon", "30", "--delta", "1e-5",
+               "--validation", str(site / "validation.npz"), "--out", str(out), "--seed", "1", "--json")  # fmt: skip
+    result = json.loads(proc.stdout)
+    merged = load_imported(out.parent, "m")
+    assert list(merged.structure.parameters) == list(pool["a"].arrays)  # the site's names, in its order
+    assert set(merged.arrays) == set(pool["a"].arrays)
+    drawn = [n for n, m in pool.items() if all(np.array_equal(merged.arrays[k], m.arrays[k]) for k in m.arrays)]
+    assert len(drawn) == 1
+    assert merged.metadata["record"]["mechanism"] == result["record"]["mechanism"] == "rs-merge"
+    assert json.loads((out.parent / "m.record.json").read_text())["epsilon"] <= 30 + 1e-9
+
+
 def test_parquet_table_reshaped_into_a_cnn_and_npz_images(digits, tmp_path):
     import pandas as pd
 

@@ -42,12 +42,12 @@ def merge_request(args: argparse.Namespace) -> MergeRequest:
     return MergeRequest(args.method, args.target_epsilon, args.delta, args.accountant)
 
 
-def obtain_merge(request: MergeRequest, args: argparse.Namespace) -> MergedModel:
-    """Serve the request from the local pool ``args.pool``."""
+def obtain_merge(request: MergeRequest, args: argparse.Namespace, pool=None) -> MergedModel:
+    """Serve the request from the local pool ``args.pool`` (or its models ``pool``, loaded)."""
     from peer.base.rng import make_randomness
     from peer.dp.pools import load_pool, load_validation_file, merge_pool
 
-    pool = load_pool(args.pool)
+    pool = load_pool(args.pool) if pool is None else pool
     validation = None if args.validation == "pool" else load_validation_file(args.validation)
     return merge_pool(
         pool,
@@ -109,13 +109,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from peer.dp.pools import save_merged
+    from peer.dp.pools import load_pool, save_merged
 
     request = merge_request(args)
     if args.via:
         return run_via(request, args)
-    merged = obtain_merge(request, args)
-    weights_path, record_path = save_merged(args.out, merged)
+    pool = load_pool(args.pool)
+    merged = obtain_merge(request, args, pool)
+    weights_path, record_path = save_merged(args.out, merged, pool)
     out = {
         **merged.choice.to_dict(),
         "weights_name": "pi" if request.method == "rs" else "lam",

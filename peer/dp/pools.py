@@ -364,15 +364,27 @@ def merge_pool(
     )
 
 
-def save_merged(path: str | os.PathLike, merged: MergedModel) -> tuple[Path, Path]:
+def save_merged(path: str | os.PathLike, merged: MergedModel, pool: Sequence[PoolModel] = ()) -> tuple[Path, Path]:
     """Write a merge as a stored model named after ``path``'s stem (PATH_DIR/STEM.safetensors and
     STEM.json, whose metadata holds the release record and the weight choice) and its release
-    record alone beside it (STEM.record.json). Returns (weights path, record path)."""
+    record alone beside it (STEM.record.json). Returns (weights path, record path).
+
+    A merge of a pool of a site's own network is written as an imported model (its structure
+    and the factory of the ``pool`` it came from, which then must be given), under the site's
+    key names: ``privfusion model export`` and ``peer.nn.imported.load_imported`` read it."""
     p = Path(path)
     name = p.name[: -len(".safetensors")] if p.name.endswith(".safetensors") else p.name
     directory = p.parent
     metadata = {"record": merged.record.to_dict(), "choice": merged.choice.to_dict()}
-    save_model(directory, name, merged.architecture, merged.arrays, metadata)
+    if is_imported_architecture(merged.architecture):
+        factories = {m.metadata.get(IMPORTED_FACTORY) for m in pool} - {None}
+        if len(factories) != 1:
+            raise InvalidArgument(
+                "pool", f"a merge of a site's own network needs the one factory of its pool, found {sorted(factories)}"
+            )
+        save_imported(directory, name, factories.pop(), structure_of(merged.architecture), merged.arrays, metadata)
+    else:
+        save_model(directory, name, merged.architecture, merged.arrays, metadata)
     record_path = directory / f"{name}.record.json"
     _atomic_write(record_path, json.dumps(merged.record.to_dict(), indent=2, sort_keys=True, allow_nan=False).encode())
     return directory / f"{name}.safetensors", record_path
