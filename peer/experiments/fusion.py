@@ -1,7 +1,9 @@
 """The fusion experiment (issue 2, the paper's Table I on scikit-learn's digits).
 
 Two sites train models of the same architecture from different seeds on their own part of the
-digits training set — once split homogeneously (IID), once with a heterogeneous label skew.
+digits training set — once split homogeneously (IID), once with a heterogeneous label skew —
+both by the same recipe (``RECIPES``: Adam for the MLP and the ResNet, SGD with a cosine
+schedule, weight decay and label smoothing for the CNN), which every row of a table shares.
 Site A then fuses its model with site B's by each method and reports test accuracy:
 
 - ``model_a``, ``model_b``: each model alone;
