@@ -97,10 +97,11 @@ ARCHITECTURES = {
 #: (seed 0: 98.2 / 98.7 % homogeneous, 98.0 / 97.8 % heterogeneous, against 95.8 / 96.4 and
 #: 94.0 / 95.3) whose aligned, REPAIRed fusions lose far less against them (activation matching
 #: + REPAIR 0.4 points below the worse endpoint / 0.4 above it, against 2.5 / 2.7 below; seeds
-#: 1-3 alike, README "Experiments"). Smoothed targets and decayed weights keep the logits and
-#: the hidden units' scales small, and the interpolated network between two such solutions stays
-#: in a low-loss region more often. The MLP keeps ``adam``, the recipe its table was measured
-#: with; the ResNet always trains with Adam (``fine_tune``).
+#: 1-3 alike, README "Experiments"), although its matched units correlate no better (why the
+#: interpolation between two such solutions loses less was not measured here; smoothed targets
+#: and decayed weights keep logits and weights small, a plausible reason). The MLP keeps
+#: ``adam``, the recipe its table was measured with; the ResNet always trains with Adam
+#: (``fine_tune``).
 RECIPES: dict[str, dict[str, Any]] = {
     "adam": {"optimizer": "adam", "learning_rate": 1e-3, "epochs": 40},
     "sgd": {
