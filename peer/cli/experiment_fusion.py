@@ -1,6 +1,7 @@
 """``privfusion experiment fusion``: the paper's Table I — fusion methods on digits.
 
-privfusion experiment fusion --dataset digits [--model mlp|cnn|resnet] [--channels C1,C2] [--json] [--seed N]
+privfusion experiment fusion --dataset digits [--model mlp|cnn|resnet] [--channels C1,C2] [--recipe adam|sgd]
+    [--epochs N] [--json] [--seed N]
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ def register_experiment(group) -> None:
         help="the two conv stages' widths of the cnn/resnet as C1,C2 (default 16,32), e.g. 64,128",
     )
     f.add_argument("--seed", type=int, default=0, help="seed for data splits, training and (fixed, reported) noise")
-    f.add_argument("--epochs", type=int, default=40)
+    f.add_argument(
+        "--recipe",
+        choices=["adam", "sgd"],
+        default=None,
+        help="the endpoints' training recipe (default: sgd for the cnn, adam for the mlp and resnet)",
+    )
+    f.add_argument("--epochs", type=int, default=None, help="default: the recipe's (adam 40, sgd 80)")
     f.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     f.set_defaults(func=_fusion)
 
@@ -44,7 +51,7 @@ def register_experiment(group) -> None:
 def _fusion(args) -> int:
     from peer.experiments.fusion import FusionConfig, run
 
-    cfg = FusionConfig(model=args.model, seed=args.seed, epochs=args.epochs, channels=args.channels)
+    cfg = FusionConfig(model=args.model, seed=args.seed, epochs=args.epochs, recipe=args.recipe, channels=args.channels)
 
     def progress(s: str) -> None:
         print(f"  {s}", file=sys.stderr, flush=True)
