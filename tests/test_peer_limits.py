@@ -99,10 +99,11 @@ def stalled_upload(stub, sender: str, release: threading.Event):
     return stub.ReleaseFeatures(requests(), timeout=60)
 
 
-def run_stalled(calls):
-    """Wait for each call in a thread; record (status, message, seconds until it ended)."""
+def run_stalled(calls, started: float | None = None):
+    """Wait for each call in a thread; record (status, message, seconds from ``started`` —
+    before the calls were made, so that a call's own start is never earlier — until it ended)."""
     results = [None] * len(calls)
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
 
     def wait(i, call):
         try:
@@ -152,7 +153,7 @@ def test_stalled_uploads_of_one_peer_cannot_starve_the_others(tmp_path):
         cc.info()  # connect first: the handshake is not what is measured
         stub = pb_grpc.PeerStub(cb.channel)
         started = time.monotonic()
-        results, threads = run_stalled([stalled_upload(stub, "site-b", release) for _ in range(20)])
+        results, threads = run_stalled([stalled_upload(stub, "site-b", release) for _ in range(20)], started)
         try:
             wait_until(
                 lambda: daemon.limits.in_progress() == 16 and sum(r is not None for r in results) == 4,
