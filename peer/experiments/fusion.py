@@ -130,7 +130,7 @@ DEFAULT_RECIPE = {"mlp": "adam", "cnn": "sgd", "resnet": "adam"}
 #: Defaults by model kind (``DEFAULT_GRAPH_FEATURES``), measured on seeds 0-4 of digits (README
 #: "Experiments"): on the 16-32 CNN (sgd) ``exact`` lifts the repaired graph-matching fusion from
 #: 92.8 to 96.2 % on average over both splits, level with activation matching + REPAIR (96.4),
-#: and its agreement with activation matching from 10-20 % to 25-46 %; on the MLP standardised
+#: and its agreement with activation matching from 9-20 % to 25-46 %; on the MLP standardised
 #: rows lowered it at seed 0 (95.8 / 95.8 -> 95.1 / 95.3), so the MLP keeps ``released``.
 GRAPH_FEATURES: dict[str, dict[str, Any]] = {
     "released": {},
