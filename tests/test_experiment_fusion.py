@@ -211,6 +211,12 @@ def test_graph_features_resolve_per_model_and_bad_ones_are_refused():
         run(FusionConfig(model="cnn", graph_features="positions"))  # refused before any training
 
 
+def test_graph_features_option_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        main(["experiment", "fusion", "--model", "cnn", "--graph-features", "positions"])
+    assert "--graph-features" in capsys.readouterr().err
+
+
 def test_a_small_cnn_is_graph_matched_on_exact_per_position_rows():
     """A small CNN takes the ``exact`` rows by default (every position, standardised: the
     release's graph, which PrivFusion perturbs, keeps spatial means), and the non-private graph

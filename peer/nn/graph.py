@@ -12,7 +12,9 @@ graph:
   channel's identity is spatially equivariant, so the mean response across probes is what tells
   channels apart, and under the per-neuron unit of privacy the Laplace mechanism's L1
   sensitivity is (row length × clip range) — a P-long row needs H·W times less noise per entry
-  than a P·H·W-long one.
+  than a P·H·W-long one. Exact graphs that are never released (non-private matching) may keep
+  every position, and standardise their rows (``extract_graph``'s options): there the row's
+  length costs nothing, and the spatial pattern is signal.
 - **edge features**: the weights between consecutive layers. ``HiddenLayer.incoming`` keeps them
   as an (n_out, n_in, e) tensor: e = 1 for Linear→Linear, e = k·k for conv→conv (the flattened
   kernel), and e = H·W for the last conv block → first Linear (Flatten is channel-major, so the
