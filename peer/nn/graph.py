@@ -9,8 +9,8 @@ graph:
 - **node features**: each hidden node's activations on a probe set, after the nonlinearity, as a
   row of length P (number of probes). For a conv channel the activation map is averaged over
   spatial positions, giving one value per probe. Why pooled rather than the full H×W map: a
-  channel's identity is spatially equivariant, so the mean response across probes is what tells
-  channels apart, and under the per-neuron unit of privacy the Laplace mechanism's L1
+  channel's identity is spatially equivariant, so the mean response across probes already tells
+  channels apart (less well than the full map does: README "Experiments"), and under the per-neuron unit of privacy the Laplace mechanism's L1
   sensitivity is (row length × clip range) — a P-long row needs H·W times less noise per entry
   than a P·H·W-long one. Exact graphs that are never released (non-private matching) may keep
   every position, and standardise their rows (``extract_graph``'s options): there the row's
