@@ -1,7 +1,7 @@
 """``privfusion experiment fusion``: the paper's Table I — fusion methods on digits.
 
 privfusion experiment fusion --dataset digits [--model mlp|cnn|resnet] [--channels C1,C2] [--recipe adam|sgd]
-    [--epochs N] [--json] [--seed N]
+    [--epochs N] [--graph-features released|exact] [--json] [--seed N]
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ def register_experiment(group) -> None:
         help="the endpoints' training recipe (default: sgd for the cnn, adam for the mlp and resnet)",
     )
     f.add_argument("--epochs", type=int, default=None, help="default: the recipe's (adam 40, sgd 80)")
+    f.add_argument(
+        "--graph-features",
+        choices=["released", "exact"],
+        default=None,
+        help="activation rows of the exact graphs that non-private graph matching reads: released (spatial "
+        "means, as a release carries) or exact (every position, standardised); default exact for the cnn, "
+        "released for the mlp",
+    )
     f.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     f.set_defaults(func=_fusion)
 
@@ -51,7 +59,14 @@ def register_experiment(group) -> None:
 def _fusion(args) -> int:
     from peer.experiments.fusion import FusionConfig, run
 
-    cfg = FusionConfig(model=args.model, seed=args.seed, epochs=args.epochs, recipe=args.recipe, channels=args.channels)
+    cfg = FusionConfig(
+        model=args.model,
+        seed=args.seed,
+        epochs=args.epochs,
+        recipe=args.recipe,
+        channels=args.channels,
+        graph_features=args.graph_features,
+    )
 
     def progress(s: str) -> None:
         print(f"  {s}", file=sys.stderr, flush=True)

@@ -9,10 +9,12 @@ graph:
 - **node features**: each hidden node's activations on a probe set, after the nonlinearity, as a
   row of length P (number of probes). For a conv channel the activation map is averaged over
   spatial positions, giving one value per probe. Why pooled rather than the full H×W map: a
-  channel's identity is spatially equivariant, so the mean response across probes is what tells
-  channels apart, and under the per-neuron unit of privacy the Laplace mechanism's L1
+  channel's identity is spatially equivariant, so the mean response across probes already tells
+  channels apart (less well than the full map does: README "Experiments"), and under the per-neuron unit of privacy the Laplace mechanism's L1
   sensitivity is (row length × clip range) — a P-long row needs H·W times less noise per entry
-  than a P·H·W-long one.
+  than a P·H·W-long one. Exact graphs that are never released (non-private matching) may keep
+  every position, and standardise their rows (``extract_graph``'s options): there the row's
+  length costs nothing, and the spatial pattern is signal.
 - **edge features**: the weights between consecutive layers. ``HiddenLayer.incoming`` keeps them
   as an (n_out, n_in, e) tensor: e = 1 for Linear→Linear, e = k·k for conv→conv (the flattened
   kernel), and e = H·W for the last conv block → first Linear (Flatten is channel-major, so the
@@ -97,9 +99,37 @@ def _edge_tensor(weight: torch.Tensor, n_prev: int) -> np.ndarray:
     return w.reshape(w.shape[0], n_prev, -1)
 
 
+#: how a conv channel's activation map becomes its node-feature row (``extract_graph``)
+CONV_FEATURES = ("mean", "positions")
+
+
 @torch.no_grad()
-def extract_graph(arch: Mapping[str, Any], model: nn.Sequential, probe_x: np.ndarray) -> NetworkGraph:
-    """The graph of ``model`` with node features measured on ``probe_x`` (the probe set)."""
+def extract_graph(
+    arch: Mapping[str, Any],
+    model: nn.Sequential,
+    probe_x: np.ndarray,
+    conv_features: str = "mean",
+    standardise: bool = False,
+) -> NetworkGraph:
+    """The graph of ``model`` with node features measured on ``probe_x`` (the probe set).
+
+    The defaults give the features a site releases (module docstring). Two options are for
+    graphs that are exact and never released — non-private matching of two models one party
+    holds — and change only the activation rows:
+
+    - ``conv_features="positions"``: a conv channel's row keeps every spatial position,
+      length P·H·W (probe-major: the H·W values of one probe are consecutive), instead of its
+      spatial mean (``"mean"``, length P). Rows then differ in length between layers, never
+      between two graphs of one architecture on one probe set. Never for a release: under the
+      per-neuron unit the Laplace scale is (row length × clip range)/ε, H·W times larger.
+    - ``standardise=True``: every row is centred and scaled to unit standard deviation
+      (a constant row is only centred). For two standardised rows of length L,
+      ‖a − b‖² = 2L(1 − ρ(a, b)), so the matcher's Gaussian activation kernel becomes a
+      monotone function of the rows' Pearson correlation ρ — the signal activation matching
+      (``peer.ldp.group_matching``) assigns by — and no longer of each unit's scale.
+    """
+    if conv_features not in CONV_FEATURES:
+        raise InvalidArgument("conv_features", f"must be one of {CONV_FEATURES}, got {conv_features!r}")
     a = validate_architecture(arch)
     probe = np.asarray(probe_x)
     if probe.ndim == 0 or probe.shape[0] == 0:
@@ -126,7 +156,15 @@ def extract_graph(arch: Mapping[str, Any], model: nn.Sequential, probe_x: np.nda
             # the weight layer just before this activation
             prev_name = children[i - 1][0]
             v = h.double()
-            acts[prev_name] = (v.mean(dim=(2, 3)) if v.dim() == 4 else v).T.numpy().copy()
+            if v.dim() == 4:
+                rows = v.mean(dim=(2, 3)).T if conv_features == "mean" else v.movedim(1, 0).reshape(v.shape[1], -1)
+            else:
+                rows = v.T
+            if standardise:
+                rows = rows - rows.mean(dim=1, keepdim=True)
+                std = rows.std(dim=1, unbiased=False, keepdim=True)
+                rows = rows / torch.where(std > 0, std, torch.ones_like(std))
+            acts[prev_name] = rows.numpy().copy()
 
     hidden = []
     for layer, mod in layers[:-1]:

@@ -43,7 +43,6 @@ def _check_graphs(graph_a, graph_b) -> None:
     if graph_a.input_size != graph_b.input_size:
         raise InvalidArgument("graph_b.input_size", f"is {graph_b.input_size}, graph_a's is {graph_a.input_size}")
     n_prev = graph_a.input_size
-    probes = np.asarray(graph_a.hidden[0].activations).shape[1]
     for ell, (ha, hb) in enumerate(zip(graph_a.hidden, graph_b.hidden, strict=True)):
         if ha.kind != hb.kind:
             raise InvalidArgument(f"graph_b.hidden[{ell}].kind", f"is {hb.kind!r}, graph_a's is {ha.kind!r}")
@@ -59,10 +58,14 @@ def _check_graphs(graph_a, graph_b) -> None:
                 raise InvalidArgument(
                     f"{gname}.hidden[{ell}].activations", f"has {act.shape[0]} rows for {w.shape[0]} nodes"
                 )
+            # a layer's rows may differ in length from another layer's (a conv channel's row
+            # may hold every spatial position of every probe), never from the other graph's
+            probes = np.asarray(ha.activations).shape[1]
             if act.shape[1] != probes:
                 raise InvalidArgument(
                     f"{gname}.hidden[{ell}].activations",
-                    f"has {act.shape[1]} probes, graph_a.hidden[0] has {probes}: both graphs must use the same probe set",
+                    f"has {act.shape[1]} columns (probes × positions), graph_a.hidden[{ell}] has {probes}: "
+                    "both graphs must use the same probe set",
                 )
         if np.asarray(ha.incoming).shape != np.asarray(hb.incoming).shape:
             raise InvalidArgument(
