@@ -33,6 +33,10 @@ from peer.nn.graph import NetworkGraph
 # block are 1.5 GiB), at the price of building them again (docs/matching.md, "Operator-adapted
 # expansion").
 KEEP_BUILT_TERMS_BYTES = 512 << 20
+# While their spectral norms are bounded, a block's terms stay built up to this many bytes (at
+# width 4096 in float32: 8 terms per side), so that the product that follows need not build
+# them again; the others are built, bounded and freed group by group.
+BOUND_KEEP_BYTES = 1 << 30
 
 
 class Affinity:
@@ -263,6 +267,12 @@ class Affinity:
                     else:
                         kept += size
         return out
+
+    def bound_terms(self, k: int, upto: int) -> None:
+        """Spectral-norm bounds for hidden block k's centred terms below ``upto``
+        (:meth:`_Block.bound_terms`); terms built for them stay built while the block's take at
+        most BOUND_KEEP_BYTES (the product that follows applies the first of them)."""
+        self.hidden_blocks[k].bound_terms(upto, BOUND_KEEP_BYTES)
 
     @property
     def unary(self) -> list[torch.Tensor]:

@@ -233,12 +233,31 @@ class OperatorExpansion:
         coef = self.coefficients(side)
         return lines[0] @ coef, lines[1] @ coef
 
-    def functions(self, x, side: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+    def term_means(self, side: str) -> np.ndarray | None:
+        """The mean over the side's weight entries of each kept σ_k f_k (side "a") or h_k
+        (side "b"), from the Chebyshev line sums; None when the sides were not given as 2-D."""
+        lines = self.lines_a if side == "a" else self.lines_b
+        if lines is None:
+            return None
+        count = lines[0].shape[0] * lines[1].shape[0]
+        return lines[0].sum(axis=0) @ self.coefficients(side) / count
+
+    def mean_function_coefficients(self, side: str) -> np.ndarray:
+        """T-coefficients of the side's mean function: g_A = Σ_k m^B_k σ_k f_k (side "a") and
+        g_B = Σ_k m^A_k h_k (side "b"), m^A_k, m^B_k the term means (:meth:`term_means`). With
+        F_k = m^A_k J + F̃_k and H_k = m^B_k J + H̃_k,
+        Σ_k F_k ⊗ H_k = J ⊗ g_B(W^B) + g_A(W^A) ⊗ J − (Σ_k m^A_k m^B_k) J ⊗ J + Σ_k F̃_k ⊗ H̃_k
+        (docs/matching.md, "Operator-adapted expansion")."""
+        other = self.term_means("b" if side == "a" else "a")
+        return self.coefficients(side) @ other
+
+    def functions(self, x, side: str, start: int = 0, stop: int | None = None, coef=None) -> np.ndarray:
         """σ_k f_k(x) (side "a") or h_k(x) (side "b") for the kept terms ``start`` ≤ k < ``stop``
-        (all by default): (terms, *x.shape), float64."""
+        (all by default): (terms, *x.shape), float64; or, given ``coef`` ((degree + 1, count)
+        T-coefficients), those functions."""
         x = np.asarray(x, dtype=np.float64)
         flat = x.reshape(-1)
-        coef = self.coefficients(side)[:, start:stop]
+        coef = self.coefficients(side)[:, start:stop] if coef is None else np.asarray(coef).reshape(self.degree + 1, -1)
         out = np.empty((coef.shape[1], flat.shape[0]))
         chunk = max(1, (1 << FUNCTION_CHUNK_BITS) // (self.degree + 1))
         for at in range(0, flat.shape[0], chunk):

@@ -103,15 +103,16 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
 
     start = [torch.ones((n, n), dtype=aff.dtype) for n in aff.sizes]
     full = [aff.hidden_blocks[k].operator_error() if aff.hidden_blocks[k].terms else 0.0 for k in range(layers - 1)]
+    # each basis entry: (layer, x, its edge images, error bound, deterministic error bound)
     basis = [
-        (ell, x, im, sum(full[k] for k in adjacent(ell)) * float(n))  # ‖ones(n, n)‖ = n
+        (ell, x, im, sum(full[k] for k in adjacent(ell)) * float(n), sum(full[k] for k in adjacent(ell)) * float(n))
         for ell, (x, im, n) in enumerate(
             zip(start, aff.apply_by_source(start, cost, constant=True, unary=False), aff.sizes, strict=True)
         )
     ]
     previous: list = []
     ranks_used: list[list[int | None]] = []
-    converged, it, residual, theta, bound = False, 0, float("inf"), 0.0, 0.0
+    converged, it, residual, theta, bound, bound_det = False, 0, float("inf"), 0.0, 0.0, 0.0
     best, best_it = float("inf"), 0
     stop_at = opts.tol * RITZ_TOL_FACTOR
     v: list[torch.Tensor] = start
@@ -119,9 +120,9 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
         theta, coef = _ritz_step(basis, aff.unary, tiny)
         # the new v and its images, formed in place over the current ones (basis[ℓ] for layer ℓ),
         # which nothing else holds: the peak is then one set of images fewer
-        v, images, errors = [], [], [0.0] * layers
+        v, images, errors, errors_det = [], [], [0.0] * layers, [0.0] * layers
         for ell in range(layers):
-            _, x, im, err = basis[ell]
+            _, x, im, err, err_det = basis[ell]
             c = float(coef[ell])
             x.mul_(c)
             for y in im.values():
@@ -129,10 +130,12 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
             v.append(x)
             images.append(im)
             errors[ell] += abs(c) * err
-        for c, (ell, x, im, err) in zip(coef[layers:], basis[layers:], strict=True):
+            errors_det[ell] += abs(c) * err_det
+        for c, (ell, x, im, err, err_det) in zip(coef[layers:], basis[layers:], strict=True):
             if c == 0.0:
                 continue
             errors[ell] += abs(c) * err
+            errors_det[ell] += abs(c) * err_det
             v[ell].add_(x, alpha=c)
             for target, y in im.items():
                 if target in images[ell]:
@@ -147,7 +150,7 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
                 kv[target].add_(y)
         r = [k - theta * x for k, x in zip(kv, v, strict=True)]
         del kv
-        bound = sum(errors)
+        bound, bound_det = sum(errors), sum(errors_det)
         rnorm = _norm(r)
         residual = rnorm / theta if theta > 0 else float("inf")
         if residual < stop_at or not theta > 0:
@@ -166,30 +169,42 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
         # of at least half of θ), so a block error ε adds about 2ε‖r‖/θ to ‖(K̃ − K)v‖: keep that
         # ≤ (the stopping level)·θ/(4·blocks)
         budget = stop_at * theta * theta / (8.0 * max(1, len(hidden)) * rnorm)
-        ranks = [_rank_for(b, budget) if b.terms else None for b in aff.hidden_blocks]
+        ranks = [
+            _rank_for(b, budget, lambda upto, k=k: aff.bound_terms(k, upto)) if b.terms else None
+            for k, b in enumerate(aff.hidden_blocks)
+        ]
         ranks_used.append(ranks)
         step = aff.apply_by_source(r, cost, ranks=ranks, unary=False)
         rank_error = [
             aff.hidden_blocks[k].operator_error(ranks[k]) if aff.hidden_blocks[k].terms else 0.0
             for k in range(layers - 1)
         ]
-        current = [(ell, v[ell], images[ell], errors[ell]) for ell in range(layers)]
+        rank_error_det = [
+            aff.hidden_blocks[k].operator_error(ranks[k], deterministic=True) if aff.hidden_blocks[k].terms else 0.0
+            for k in range(layers - 1)
+        ]
+        current = [(ell, v[ell], images[ell], errors[ell], errors_det[ell]) for ell in range(layers)]
+        r_norms = [math.sqrt(float(torch.sum(x * x, dtype=torch.float64))) for x in r]
         fresh = [
             (
                 ell,
                 r[ell],
                 step[ell],
-                sum(rank_error[k] for k in adjacent(ell))
-                * math.sqrt(float(torch.sum(r[ell] * r[ell], dtype=torch.float64))),
+                sum(rank_error[k] for k in adjacent(ell)) * r_norms[ell],
+                sum(rank_error_det[k] for k in adjacent(ell)) * r_norms[ell],
             )
             for ell in range(layers)
         ]
         basis = current + fresh + previous
         previous = fresh
+    failure = float(sum(b.bound_failure for b in aff.hidden_blocks))
     extra = {
         "ranks": ranks_used,
         "operator_error_bound": bound / theta if theta > 0 else float("inf"),
         "residual_bound": residual + (bound / theta if theta > 0 else float("inf")),
+        "bound_failure_probability": failure,
+        "operator_error_bound_deterministic": bound_det / theta if theta > 0 else float("inf"),
+        "residual_bound_deterministic": residual + (bound_det / theta if theta > 0 else float("inf")),
     }
     return [x.numpy() for x in v], it, converged, residual, theta, cost, 0.0, extra
 
@@ -204,15 +219,25 @@ STALL = 3
 RITZ_TOL_FACTOR = 0.1
 
 
-def _rank_for(block, budget: float) -> int | None:
+def _rank_for(block, budget: float, bound=None) -> int | None:
     """The fewest stacked terms of a hidden block whose operator error bound is ≤ budget (all of
-    them for blocks without an operator-adapted expansion)."""
+    them for blocks without an operator-adapted expansion). ``bound(upto)``: called first with
+    the fewest terms the deterministic (Frobenius) bound allows, to bound the spectral norms of
+    the centred terms below it, which can only lower the rank (docs/matching.md,
+    "Operator-adapted expansion")."""
     if block.operator is None:
         return None
+    frobenius = block.operator.terms
     for k in range(block.operator.terms + 1):
+        if block.operator_error(k, deterministic=True) <= budget:
+            frobenius = k
+            break
+    if bound is not None and frobenius > 0:
+        bound(frobenius)
+    for k in range(frobenius + 1):
         if block.operator_error(k) <= budget:
             return k
-    return block.operator.terms
+    return frobenius
 
 
 def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
@@ -230,15 +255,15 @@ def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
     m = len(basis)
     gram = np.zeros((m, m))
     kmat = np.zeros((m, m))
-    for i, (li, xi, _, _) in enumerate(basis):
-        for j, (lj, xj, _, _) in enumerate(basis):
+    for i, (li, xi, *_) in enumerate(basis):
+        for j, (lj, xj, *_) in enumerate(basis):
             if li == lj and j >= i:
                 gram[i, j] = gram[j, i] = float(torch.sum(xi * xj, dtype=torch.float64))
     norms = np.sqrt(np.diag(gram))
-    accuracy = [err / nrm if nrm > 0 else 0.0 for (_, _, _, err), nrm in zip(basis, norms, strict=True)]
-    for i, (li, xi, imi, _) in enumerate(basis):
+    accuracy = [entry[3] / nrm if nrm > 0 else 0.0 for entry, nrm in zip(basis, norms, strict=True)]
+    for i, (li, xi, imi, *_) in enumerate(basis):
         for j in range(i, m):
-            lj, xj, imj, _ = basis[j]
+            lj, xj, imj, *_ = basis[j]
             if li == lj:
                 value = float(torch.sum(xi * unary[li] * xj, dtype=torch.float64))
             # x_iᵀ (K x_j) from x_j's image, or x_jᵀ (K x_i) from x_i's: the more accurate one
@@ -259,7 +284,7 @@ def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
     y = q @ u[:, -1]
     c = np.zeros(m)
     c[keep_basis] = y / d_k
-    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, _, _) in enumerate(basis))
+    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, *_) in enumerate(basis))
     return float(lam[-1]), (-c if sums < 0 else c)
 
 
