@@ -229,6 +229,10 @@ def run_case(spec: dict) -> dict:
         "residual": d.get("residual"),
         "residual_bound": d.get("residual_bound"),
         "operator_error_bound": d.get("operator_error_bound"),
+        "bound_failure_probability": d.get("bound_failure_probability"),
+        "operator_error_bound_deterministic": d.get("operator_error_bound_deterministic"),
+        "residual_bound_deterministic": d.get("residual_bound_deterministic"),
+        "residuals": d.get("residuals"),
         "load_average": os.getloadavg(),
         "objective": result.objective,
         "torch_threads": torch.get_num_threads(),
@@ -357,6 +361,24 @@ def in_subprocess(spec: dict, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+def _merged(old: dict, new: dict) -> dict:
+    """``old`` with ``new``'s rows put in: a row replaces the old one of the same part and case
+    (layers/width/features, or width for the groups); floors by width; commands kept as a list."""
+
+    def key(row):
+        return (row.get("layers"), row.get("width"), row.get("features"))
+
+    merged = dict(old)
+    for part in ("dense_comparison", "factorised", "groups"):
+        rows = {key(r): r for r in old.get(part, [])}
+        rows.update({key(r): r for r in new.get(part, [])})
+        merged[part] = list(rows.values())
+    merged["floors"] = {**old.get("floors", {}), **{str(k): v for k, v in new.get("floors", {}).items()}}
+    merged["commands"] = [*old.get("commands", [old.get("command")]), new["command"]]
+    merged["merged_runs"] = [*old.get("merged_runs", []), {k: new[k] for k in ("command", "machine", "seconds")}]
+    return merged
+
+
 def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
@@ -384,6 +406,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--threads", type=int, help="torch threads for the factorised solver (default: MatchOptions' rule)")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge this run's rows into the JSON at --out (rows of the same part, width and features replaced, the rest kept)",
+    )
     args = ap.parse_args(argv)
     if args.case:
         spec = json.loads(args.case)
@@ -526,6 +553,11 @@ def main(argv=None) -> int:
                         else ""
                     )
                 )
+                if name == "fast" and r.get("residual_bound_deterministic") is not None:
+                    print(
+                        f"{'':>19} | ranks {r['ranks']}, residual bound {r['residual_bound']:.1e} except with probability "
+                        f"{r['bound_failure_probability']:.0e} (spectral-norm bounds), {r['residual_bound_deterministic']:.1e} always (Frobenius)"
+                    )
             large_rows.append(row)
 
     group_rows = []
@@ -566,6 +598,8 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge and out.exists():
+        report = _merged(json.loads(out.read_text()), report)
     out.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {out}")
     return 0

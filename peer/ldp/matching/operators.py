@@ -299,23 +299,24 @@ class _Stacked:
         add(self.phi, "a", 0)
         add(self.psi, "b", 0)
         at = self._built()
-        (fr, fc), _ = src.sums
-        per_term = 2 * fr.shape[0] * fc.shape[0] * fr.element_size()  # one term, both sides
         if at < upto:
-            room = max(0, (keep_bytes - self.built_bytes()) // max(1, per_term))
-            stop = min(upto, at + room)
-            if stop > at:
-                phi, psi = src.build(at, stop)
-                self.phi.extend(phi)
-                self.psi.extend(psi)
-                add(phi, "a", at)
-                add(psi, "b", at)
-                at = stop
-        if at < upto:
-            for side in ("a", "b"):
+            (fr, fc), _ = src.sums
+            per_term = 2 * fr.shape[0] * fc.shape[0] * fr.element_size()  # one term, both sides
+            keep = min(upto, at + max(0, (keep_bytes - self.built_bytes()) // per_term))
+            kept: dict[str, list[torch.Tensor]] = {}
+            for side in ("a", "b"):  # one pass of the recurrence per side; the prefix is kept
                 groups = src.build_side(at, upto, side)
                 add(groups, side, at)
+                kept[side], first = [], at
+                for grp in groups:
+                    if first + grp.shape[1] <= keep:
+                        kept[side].append(grp)
+                    elif first < keep:
+                        kept[side].append(grp[:, : keep - first].contiguous())
+                    first += grp.shape[1]
                 del groups
+            self.phi.extend(kept["a"])
+            self.psi.extend(kept["b"])
         for k in range(len(src.bounds), upto):
             (bf, pf), (bh, ph) = side_bounds[(k, "a")], side_bounds[(k, "b")]
             src.bounds.append(bf * bh)
@@ -456,9 +457,9 @@ class _LazyTerms:
 # most 1.648·√d·exp(−√ε(2k − 1)), k = LANCZOS_STEPS − 1, ε = LANCZOS_EPSILON (Kuczyński and
 # Woźniakowski 1992, Lanczos with a random start); the bound fails only if every run does.
 EXACT_NORM_MAX = 256
-LANCZOS_STEPS = 10
-LANCZOS_STARTS = 8
-LANCZOS_EPSILON = 0.25
+LANCZOS_STEPS = 12
+LANCZOS_STARTS = 3
+LANCZOS_EPSILON = 0.3
 NORM_ROUNDING_MARGIN = 1e-4
 
 

@@ -112,6 +112,7 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
     ]
     previous: list = []
     ranks_used: list[list[int | None]] = []
+    residuals: list[float] = []
     converged, it, residual, theta, bound, bound_det = False, 0, float("inf"), 0.0, 0.0, 0.0
     best, best_it = float("inf"), 0
     stop_at = opts.tol * RITZ_TOL_FACTOR
@@ -153,6 +154,7 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
         bound, bound_det = sum(errors), sum(errors_det)
         rnorm = _norm(r)
         residual = rnorm / theta if theta > 0 else float("inf")
+        residuals.append(residual)
         if residual < stop_at or not theta > 0:
             converged = theta > 0
             break
@@ -200,6 +202,7 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
     failure = float(sum(b.bound_failure for b in aff.hidden_blocks))
     extra = {
         "ranks": ranks_used,
+        "residuals": residuals,
         "operator_error_bound": bound / theta if theta > 0 else float("inf"),
         "residual_bound": residual + (bound / theta if theta > 0 else float("inf")),
         "bound_failure_probability": failure,
@@ -255,23 +258,26 @@ def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
     m = len(basis)
     gram = np.zeros((m, m))
     kmat = np.zeros((m, m))
-    for i, (li, xi, *_) in enumerate(basis):
-        for j, (lj, xj, *_) in enumerate(basis):
-            if li == lj and j >= i:
-                gram[i, j] = gram[j, i] = float(torch.sum(xi * xj, dtype=torch.float64))
+    cross = np.full((m, m), np.nan)  # cross[i, j] = x_iᵀ (the part of K x_j in x_i's layer)
+    sums = np.zeros(m)  # Σ x_i
+    for ell in sorted({entry[0] for entry in basis}):
+        rows = [i for i, entry in enumerate(basis) if entry[0] == ell]
+        cols = [j for j, entry in enumerate(basis) if ell in entry[2]]
+        g, dk, p, total = _layer_products([basis[i][1] for i in rows], unary[ell], [basis[j][2][ell] for j in cols])
+        sums[rows] = total
+        gram[np.ix_(rows, rows)] = g
+        kmat[np.ix_(rows, rows)] = dk
+        if cols:
+            cross[np.ix_(rows, cols)] = p
     norms = np.sqrt(np.diag(gram))
     accuracy = [entry[3] / nrm if nrm > 0 else 0.0 for entry, nrm in zip(basis, norms, strict=True)]
-    for i, (li, xi, imi, *_) in enumerate(basis):
-        for j in range(i, m):
-            lj, xj, imj, *_ = basis[j]
-            if li == lj:
-                value = float(torch.sum(xi * unary[li] * xj, dtype=torch.float64))
+    for i in range(m):
+        for j in range(i + 1, m):
+            if basis[i][0] == basis[j][0]:
+                continue
             # x_iᵀ (K x_j) from x_j's image, or x_jᵀ (K x_i) from x_i's: the more accurate one
-            elif accuracy[j] <= accuracy[i]:
-                value = float(torch.sum(xi * imj[li], dtype=torch.float64)) if li in imj else 0.0
-            else:
-                value = float(torch.sum(xj * imi[lj], dtype=torch.float64)) if lj in imi else 0.0
-            kmat[i, j] = kmat[j, i] = value
+            value = cross[i, j] if accuracy[j] <= accuracy[i] else cross[j, i]
+            kmat[i, j] = kmat[j, i] = 0.0 if np.isnan(value) else value
     d = np.sqrt(np.diag(gram))
     keep_basis = d > 0
     d_k = d[keep_basis]
@@ -284,8 +290,31 @@ def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
     y = q @ u[:, -1]
     c = np.zeros(m)
     c[keep_basis] = y / d_k
-    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, *_) in enumerate(basis))
-    return float(lam[-1]), (-c if sums < 0 else c)
+    return float(lam[-1]), (-c if float(c @ sums) < 0 else c)
+
+
+# Entries per chunk of the Ritz step's float64 inner products.
+INNER_CHUNK = 1 << 18
+
+
+def _layer_products(xs: list[torch.Tensor], d: torch.Tensor, ys: list[torch.Tensor]):
+    """(X Xᵀ, X diag(d) Xᵀ, X Yᵀ, X 1) for the rows X = xs and Y = ys of one layer (flattened),
+    in float64: chunk by chunk, each chunk converted once and multiplied as a small GEMM, rather
+    than one float64 reduction over a full-size temporary per pair."""
+    a, b = len(xs), len(ys)
+    g, dk, p, total = np.zeros((a, a)), np.zeros((a, a)), np.zeros((a, b)), np.zeros(a)
+    flat_x = [x.reshape(-1) for x in xs]
+    flat_y = [y.reshape(-1) for y in ys]
+    flat_d = d.reshape(-1)
+    for start in range(0, flat_d.shape[0], INNER_CHUNK):
+        c = slice(start, start + INNER_CHUNK)
+        xc = torch.stack([x[c] for x in flat_x]).to(torch.float64)
+        g += (xc @ xc.T).numpy()
+        total += xc.sum(dim=1).numpy()
+        dk += ((xc * flat_d[c].to(torch.float64)) @ xc.T).numpy()
+        if b:
+            p += (xc @ torch.stack([y[c] for y in flat_y]).to(torch.float64).T).numpy()
+    return (g + g.T) / 2.0, (dk + dk.T) / 2.0, p, total
 
 
 def _norm(layers: Sequence[torch.Tensor]) -> float:
