@@ -15,8 +15,11 @@ kernel value within 1e-4 — the solver before) on the same pair, with the numbe
 match differently, the speed-up, the n³-products each counted, the floor (one float32 n³
 product and one Hungarian assignment at that width, measured in the same run) and the ratio of
 the wall time to the floor of the counted work; the error bound each path reports (the default
-path: a certified ‖Kv − θv‖/θ against the exact-kernel K; the reference: its kernel-value
-bound). The reference path with exact weights at width 4096 (about 140 n³-products per step,
+path: a certified ‖Kv − θv‖/θ against the exact-kernel K — with the spectral-norm bounds of the
+centred expansion terms it holds except with the reported probability, and the Frobenius-only
+bound, which always holds, is printed beside it with the ranks and residuals per step; the
+reference: its kernel-value bound). ``--merge`` puts this run's rows into the JSON at ``--out``
+instead of replacing it (e.g. after rerunning part 2 at one width). The reference path with exact weights at width 4096 (about 140 n³-products per step,
 minutes each here) runs ``--exact-4096-iterations`` steps (default 1) and is projected to the
 step count measured at width 1024, labelled as a projection.
 Part 3, permutation groups: a residual MLP (a stream written by the stem and two residual

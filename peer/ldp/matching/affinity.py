@@ -34,9 +34,9 @@ from peer.nn.graph import NetworkGraph
 # expansion").
 KEEP_BUILT_TERMS_BYTES = 512 << 20
 # While their spectral norms are bounded, a block's terms stay built up to this many bytes (at
-# width 4096 in float32: 6 terms per side), so that the product that follows need not build
+# width 4096 in float32: 8 terms per side), so that the product that follows need not build
 # them again; the others are built, bounded and freed.
-BOUND_KEEP_BYTES = 768 << 20
+BOUND_KEEP_BYTES = 1 << 30
 
 
 class Affinity:
@@ -231,7 +231,9 @@ class Affinity:
         ``constant``: every block of v is constant (c·J, c = its [0, 0] entry), applied with
         matrix-vector work only. ``ranks[k]``: the number of stacked terms of hidden block k
         (between layers k and k+1) to apply (all when None); :meth:`operator_error` bounds what
-        the rest would add. ``unary=False``: leave out the diagonal part D_ℓ ∘ v_ℓ (the caller
+        the rest would add. ``ranks`` may be a function of k, called when block k is reached
+        (after the blocks before it were applied and their terms freed), so that the work it
+        does for block k (bounding its terms) never holds two blocks' terms at once. ``unary=False``: leave out the diagonal part D_ℓ ∘ v_ℓ (the caller
         forms it from v when it needs it, so it need not be stored)."""
         if self._unary is None:
             raise InvalidArgument("affinity", "was built without its factorised operator")
@@ -254,7 +256,7 @@ class Affinity:
                         torch.zeros((self.sizes[target],) * 2, dtype=x.dtype),
                     )
                 else:
-                    rank = None if ranks is None else ranks[k]
+                    rank = None if ranks is None else (ranks(k) if callable(ranks) else ranks[k])
                     for t in terms:
                         if isinstance(t, _Stacked):
                             t.trim(rank)  # free lazily built terms this product does not use

@@ -457,8 +457,8 @@ class _LazyTerms:
 # most 1.648·√d·exp(−√ε(2k − 1)), k = LANCZOS_STEPS − 1, ε = LANCZOS_EPSILON (Kuczyński and
 # Woźniakowski 1992, Lanczos with a random start); the bound fails only if every run does.
 EXACT_NORM_MAX = 256
-LANCZOS_STEPS = 12
-LANCZOS_STARTS = 3
+LANCZOS_STEPS = 8
+LANCZOS_STARTS = 8
 LANCZOS_EPSILON = 0.3
 NORM_ROUNDING_MARGIN = 1e-4
 
