@@ -14,6 +14,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from peer.ldp.matching.expansion import both_sides
 from peer.nn.architectures import torch_threads
 
 # A few-valued indicator denser than this is applied as a dense matrix: sparse products stop paying.
@@ -303,20 +304,22 @@ class _Stacked:
             (fr, fc), _ = src.sums
             per_term = 2 * fr.shape[0] * fc.shape[0] * fr.element_size()  # one term, both sides
             keep = min(upto, at + max(0, (keep_bytes - self.built_bytes()) // per_term))
-            kept: dict[str, list[torch.Tensor]] = {}
-            for side in ("a", "b"):  # one pass of the recurrence per side; the prefix is kept
+
+            def one_side(side):  # one pass of the recurrence; the prefix is kept
                 groups = src.build_side(at, upto, side)
                 add(groups, side, at)
-                kept[side], first = [], at
+                kept, first = [], at
                 for grp in groups:
                     if first + grp.shape[1] <= keep:
-                        kept[side].append(grp)
+                        kept.append(grp)
                     elif first < keep:
-                        kept[side].append(grp[:, : keep - first].contiguous())
+                        kept.append(grp[:, : keep - first].contiguous())
                     first += grp.shape[1]
-                del groups
-            self.phi.extend(kept["a"])
-            self.psi.extend(kept["b"])
+                return kept
+
+            kept_a, kept_b = both_sides(one_side)
+            self.phi.extend(kept_a)
+            self.psi.extend(kept_b)
         for k in range(len(src.bounds), upto):
             (bf, pf), (bh, ph) = side_bounds[(k, "a")], side_bounds[(k, "b")]
             src.bounds.append(bf * bh)
