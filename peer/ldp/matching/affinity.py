@@ -34,9 +34,9 @@ from peer.nn.graph import NetworkGraph
 # expansion").
 KEEP_BUILT_TERMS_BYTES = 512 << 20
 # While their spectral norms are bounded, a block's terms stay built up to this many bytes (at
-# width 4096 in float32: 8 terms per side), so that the product that follows need not build
-# them again; the others are built, bounded and freed.
-BOUND_KEEP_BYTES = 1 << 30
+# width 4096 in float32: 6 terms per side, what the first product there applies), so that the
+# product that follows need not build them again; the others are built, bounded and freed.
+BOUND_KEEP_BYTES = 768 << 20
 
 
 class Affinity:

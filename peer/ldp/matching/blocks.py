@@ -18,6 +18,7 @@ import torch
 from peer.ldp.matching.expansion import (
     ChebyshevExpansion,
     OperatorExpansion,
+    both_sides,
     few_values,
     gaussian_expansion,
     gaussian_kernel,
@@ -314,13 +315,18 @@ def _stacked_side_functions(
     g = _Stacked.GROUP
     groups = [torch.empty((n, min(g, count - r), m), dtype=dtype) for r in range(0, count, g)]
     extra = torch.empty((n, m), dtype=dtype) if mean else None
-    rows = max(1, (1 << 20) // max(1, m))
-    for i in range(0, n, rows):
-        vals = op.functions(w[i : i + rows], side, coef=coef)  # (count [+ 1], rows, n′), float64
-        for k, grp in enumerate(groups):
-            grp[i : i + rows] = torch.as_tensor(vals[k * g : k * g + grp.shape[1]].transpose(1, 0, 2), dtype=dtype)
-        if mean:
-            extra[i : i + rows] = torch.as_tensor(vals[count], dtype=dtype)
+    rows = max(1, (1 << 18) // max(1, m))  # float64 temporaries of ~30 MB per thread
+    starts = list(range(0, n, rows))
+
+    def fill(half: int) -> None:  # every other chunk of rows: the two threads write disjoint rows
+        for i in starts[half::2]:
+            vals = op.functions(w[i : i + rows], side, coef=coef)  # (count [+ 1], rows, n′), float64
+            for k, grp in enumerate(groups):
+                grp[i : i + rows] = torch.as_tensor(vals[k * g : k * g + grp.shape[1]].transpose(1, 0, 2), dtype=dtype)
+            if mean:
+                extra[i : i + rows] = torch.as_tensor(vals[count], dtype=dtype)
+
+    both_sides(fill, (0, 1)) if len(starts) > 1 else fill(0)
     return groups, extra
 
 

@@ -277,9 +277,10 @@ class _Stacked:
 
     def bound(self, upto: int, keep_bytes: int = 0) -> None:
         """Fill ``source.bounds`` up to term ``upto`` (lazily built, centred terms only): built
-        terms are bounded where they are; then the next whole groups are built in one pass and
-        kept while the block's built terms stay within ``keep_bytes`` (the product that follows
-        applies the first terms); the rest are built one side at a time, bounded and freed."""
+        terms are bounded where they are; the others are built one side at a time in one pass of
+        the recurrence, bounded (two threads), and the first of them kept while the block's built
+        terms stay within ``keep_bytes`` (the product that follows applies the first terms), the
+        rest freed."""
         src = self.source
         if src is None or src.means is None:
             return
@@ -289,13 +290,21 @@ class _Stacked:
         side_bounds: dict[tuple[int, str], tuple[float, float]] = {}
 
         def add(groups, side, first):
+            todo = []
             at = first
             for grp in groups:
                 for r in range(grp.shape[1]):
                     k = at + r
                     if len(src.bounds) <= k < upto and (k, side) not in side_bounds:
-                        side_bounds[(k, side)] = _spectral_norm_bound(grp[:, r, :], 7919 * k + (side == "b"))
+                        todo.append((k, grp[:, r, :]))
                 at += grp.shape[1]
+
+            def run(half):  # the norms on two threads (matrix–vector work, GIL released)
+                return [(k, _spectral_norm_bound(f, 7919 * k + (side == "b"))) for k, f in todo[half::2]]
+
+            for part in both_sides(run, (0, 1)) if len(todo) > 1 else [run(0)]:
+                for k, result in part:
+                    side_bounds[(k, side)] = result
 
         add(self.phi, "a", 0)
         add(self.psi, "b", 0)
@@ -304,22 +313,22 @@ class _Stacked:
             (fr, fc), _ = src.sums
             per_term = 2 * fr.shape[0] * fc.shape[0] * fr.element_size()  # one term, both sides
             keep = min(upto, at + max(0, (keep_bytes - self.built_bytes()) // per_term))
-
-            def one_side(side):  # one pass of the recurrence; the prefix is kept
+            kept = {}
+            # one side at a time (each built on two threads, row halves): the peak holds one
+            # side's terms below ``upto`` and the other side's kept prefix
+            for side in ("a", "b"):
                 groups = src.build_side(at, upto, side)
                 add(groups, side, at)
-                kept, first = [], at
+                kept[side], first = [], at
                 for grp in groups:
                     if first + grp.shape[1] <= keep:
-                        kept.append(grp)
+                        kept[side].append(grp)
                     elif first < keep:
-                        kept.append(grp[:, : keep - first].contiguous())
+                        kept[side].append(grp[:, : keep - first].contiguous())
                     first += grp.shape[1]
-                return kept
-
-            kept_a, kept_b = both_sides(one_side)
-            self.phi.extend(kept_a)
-            self.psi.extend(kept_b)
+                del groups
+            self.phi.extend(kept["a"])
+            self.psi.extend(kept["b"])
         for k in range(len(src.bounds), upto):
             (bf, pf), (bh, ph) = side_bounds[(k, "a")], side_bounds[(k, "b")]
             src.bounds.append(bf * bh)
