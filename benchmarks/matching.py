@@ -402,6 +402,15 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-reference", action="store_true", help="part 2: the default path only")
     ap.add_argument(
+        "--reference-npz",
+        nargs=3,
+        action="append",
+        metavar=("WIDTH", "FEATURES", "PATH"),
+        default=[],
+        help="part 2: permutations of a full reference run of that case (an .npz of one array per hidden layer, "
+        "e.g. from a long background run), compared with the default path's (for the case whose reference is projected)",
+    )
+    ap.add_argument(
         "--group-widths", type=int, nargs="*", default=None, help="part 3 widths (default 256 1024; --quick: 64)"
     )
     ap.add_argument(
@@ -517,6 +526,15 @@ def main(argv=None) -> int:
                 elif "error" not in ref and width == 1024:
                     reference_iterations[features] = ref["iterations"]
             row = {"width": width, "features": features, "fast": fast, "reference": ref, "floor": fl}
+            for w_, f_, path in args.reference_npz:
+                if int(w_) == width and f_ == features and "error" not in fast:
+                    with np.load(path) as f:
+                        given = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+                    differ = int(sum(np.sum(x != y) for x, y in zip(_load_permutations(fast), given, strict=True)))
+                    row["reference_npz"] = {"path": path, "nodes_differing": differ}
+                    print(
+                        f"{width:>5} {features:>8}  ref | full reference run {path}: {differ} nodes matched differently"
+                    )
             for name, r in (("fast", fast), ("ref", ref)):
                 if r is None:
                     continue
