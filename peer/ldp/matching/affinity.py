@@ -34,9 +34,9 @@ from peer.nn.graph import NetworkGraph
 # expansion").
 KEEP_BUILT_TERMS_BYTES = 512 << 20
 # While their spectral norms are bounded, a block's terms stay built up to this many bytes (at
-# width 4096 in float32: 6 terms per side, what the first product there applies), so that the
+# width 4096 in float32: 4 terms per side, what the first product there applies), so that the
 # product that follows need not build them again; the others are built, bounded and freed.
-BOUND_KEEP_BYTES = 768 << 20
+BOUND_KEEP_BYTES = 512 << 20
 
 
 class Affinity:
@@ -274,7 +274,20 @@ class Affinity:
         """Spectral-norm bounds for hidden block k's centred terms below ``upto``
         (:meth:`_Block.bound_terms`); terms built for them stay built while the block's take at
         most BOUND_KEEP_BYTES (the product that follows applies the first of them)."""
-        self.hidden_blocks[k].bound_terms(upto, BOUND_KEEP_BYTES)
+        block = self.hidden_blocks[k]
+        src = block._centred_source()
+        if src is not None and len(src.bounds) < upto:
+            (fr, fc), _ = src.sums
+            side_bytes = min(upto, src.terms) * fr.shape[0] * fc.shape[0] * fr.element_size()
+            if side_bytes > BOUND_KEEP_BYTES // 2:
+                # a large bounding pass: free the other blocks' built terms first (rebuilt if a
+                # later product needs them), so that the peak holds this block's alone
+                for other in self.hidden_blocks:
+                    if other is not block:
+                        for t in other.terms:
+                            if isinstance(t, _Stacked) and t.source is not None:
+                                t.trim(0)
+        block.bound_terms(upto, BOUND_KEEP_BYTES)
 
     @property
     def unary(self) -> list[torch.Tensor]:

@@ -169,7 +169,7 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
             break
         # the residual enters the next v with a coefficient of about 1/(θ − λ₂) ≤ 2/θ (for a gap
         # of at least half of θ), so a block error ε adds about 2ε‖r‖/θ to ‖(K̃ − K)v‖: keep that
-        # ≤ (the stopping level)·θ/(2·blocks) per product
+        # ≤ (the stopping level)·θ/blocks per product
         budget = stop_at * theta * theta / (RANK_BUDGET_DIVISOR * max(1, len(hidden)) * rnorm)
         ranks: list[int | None] = [None] * len(aff.hidden_blocks)
 
@@ -218,10 +218,13 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
 
 # A product's blocks each take the fewest terms whose operator error is at most
 # (tol/10)·θ²/(RANK_BUDGET_DIVISOR·H·‖r‖), H the blocks (docs/matching.md, "Fewer terms for small
-# residuals"): each product then adds at most about (tol/10)·θ/2 to ‖(K̃ − K) v‖ (measured on the
+# residuals"): each product then adds at most about (tol/10)·θ to ‖(K̃ − K) v‖ (measured on the
 # benchmark's exact graphs: operator_error_bound 2–3·10⁻⁶ at tol 10⁻⁵, within tol/2 with the
 # residual).
-RANK_BUDGET_DIVISOR = 4.0
+RANK_BUDGET_DIVISOR = 2.0
+# Before a product, a block's centred terms are bounded up to the rank at which the Frobenius
+# tail alone is 1/BOUND_TAIL_SHARE of the budget.
+BOUND_TAIL_SHARE = 4.0
 # Rayleigh–Ritz steps without a smaller residual before the iteration stops (not converged).
 STALL = 3
 # The Rayleigh–Ritz iteration stops at ‖K v − θ v‖ < RITZ_TOL_FACTOR · tol · θ. Power iteration's
@@ -240,13 +243,18 @@ def _rank_for(block, budget: float, bound=None) -> int | None:
     "Operator-adapted expansion")."""
     if block.operator is None:
         return None
-    frobenius = block.operator.terms
-    for k in range(block.operator.terms + 1):
-        if block.operator_error(k, deterministic=True) <= budget:
-            frobenius = k
-            break
+
+    def frobenius_rank(b):
+        return next(
+            (k for k in range(block.operator.terms + 1) if block.operator_error(k, deterministic=True) <= b),
+            block.operator.terms,
+        )
+
+    frobenius = frobenius_rank(budget)
     if bound is not None and frobenius > 0:
-        bound(frobenius)
+        # bound the terms up to where the Frobenius tail alone takes a quarter of the budget, so
+        # that the spectral bounds have the rest to fit in
+        bound(frobenius_rank(budget / BOUND_TAIL_SHARE))
     for k in range(frobenius + 1):
         if block.operator_error(k) <= budget:
             return k
