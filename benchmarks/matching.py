@@ -21,7 +21,8 @@ bound, which always holds, is printed beside it with the ranks and residuals per
 reference: its kernel-value bound). ``--merge`` puts this run's rows into the JSON at ``--out``
 instead of replacing it (e.g. after rerunning part 2 at one width). The reference path with exact weights at width 4096 (about 140 n³-products per step,
 minutes each here) runs ``--exact-4096-iterations`` steps (default 1) and is projected to the
-step count measured at width 1024, labelled as a projection.
+step count measured at width 1024, labelled as a projection; ``--reference-npz 4096 exact FILE``
+compares the default path with the permutations of a full reference run made separately.
 Part 3, permutation groups: a residual MLP (a stream written by the stem and two residual
 blocks, LayerNorm on it; peer.nn.tracing derives its groups) against a copy with every group
 permuted and 10% noise, matched by peer.ldp.group_matching.match_groups (activations + weight
