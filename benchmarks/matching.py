@@ -15,10 +15,14 @@ kernel value within 1e-4 — the solver before) on the same pair, with the numbe
 match differently, the speed-up, the n³-products each counted, the floor (one float32 n³
 product and one Hungarian assignment at that width, measured in the same run) and the ratio of
 the wall time to the floor of the counted work; the error bound each path reports (the default
-path: a certified ‖Kv − θv‖/θ against the exact-kernel K; the reference: its kernel-value
-bound). The reference path with exact weights at width 4096 (about 140 n³-products per step,
+path: a certified ‖Kv − θv‖/θ against the exact-kernel K — with the spectral-norm bounds of the
+centred expansion terms it holds except with the reported probability, and the Frobenius-only
+bound, which always holds, is printed beside it with the ranks and residuals per step; the
+reference: its kernel-value bound). ``--merge`` puts this run's rows into the JSON at ``--out``
+instead of replacing it (e.g. after rerunning part 2 at one width). The reference path with exact weights at width 4096 (about 140 n³-products per step,
 minutes each here) runs ``--exact-4096-iterations`` steps (default 1) and is projected to the
-step count measured at width 1024, labelled as a projection.
+step count measured at width 1024, labelled as a projection; ``--reference-npz 4096 exact FILE``
+compares the default path with the permutations of a full reference run made separately.
 Part 3, permutation groups: a residual MLP (a stream written by the stem and two residual
 blocks, LayerNorm on it; peer.nn.tracing derives its groups) against a copy with every group
 permuted and 10% noise, matched side by side by peer.ldp.group_matching.match_groups
@@ -232,6 +236,10 @@ def run_case(spec: dict) -> dict:
         "residual": d.get("residual"),
         "residual_bound": d.get("residual_bound"),
         "operator_error_bound": d.get("operator_error_bound"),
+        "bound_failure_probability": d.get("bound_failure_probability"),
+        "operator_error_bound_deterministic": d.get("operator_error_bound_deterministic"),
+        "residual_bound_deterministic": d.get("residual_bound_deterministic"),
+        "residuals": d.get("residuals"),
         "load_average": os.getloadavg(),
         "objective": result.objective,
         "torch_threads": torch.get_num_threads(),
@@ -395,6 +403,24 @@ def in_subprocess(spec: dict, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+def _merged(old: dict, new: dict) -> dict:
+    """``old`` with ``new``'s rows put in: a row replaces the old one of the same part and case
+    (layers/width/features, or width for the groups); floors by width; commands kept as a list."""
+
+    def key(row):
+        return (row.get("layers"), row.get("width"), row.get("features"))
+
+    merged = dict(old)
+    for part in ("dense_comparison", "factorised", "groups"):
+        rows = {key(r): r for r in old.get(part, [])}
+        rows.update({key(r): r for r in new.get(part, [])})
+        merged[part] = list(rows.values())
+    merged["floors"] = {**old.get("floors", {}), **{str(k): v for k, v in new.get("floors", {}).items()}}
+    merged["commands"] = [*old.get("commands", [old.get("command")]), new["command"]]
+    merged["merged_runs"] = [*old.get("merged_runs", []), {k: new[k] for k in ("command", "machine", "seconds")}]
+    return merged
+
+
 def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
@@ -415,6 +441,15 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-reference", action="store_true", help="part 2: the default path only")
     ap.add_argument(
+        "--reference-npz",
+        nargs=3,
+        action="append",
+        metavar=("WIDTH", "FEATURES", "PATH"),
+        default=[],
+        help="part 2: permutations of a full reference run of that case (an .npz of one array per hidden layer, "
+        "e.g. from a long background run), compared with the default path's (for the case whose reference is projected)",
+    )
+    ap.add_argument(
         "--group-widths", type=int, nargs="*", default=None, help="part 3 widths (default 256 1024; --quick: 64)"
     )
     ap.add_argument(
@@ -422,6 +457,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--threads", type=int, help="torch threads for the factorised solver (default: MatchOptions' rule)")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge this run's rows into the JSON at --out (rows of the same part, width and features replaced, the rest kept)",
+    )
     args = ap.parse_args(argv)
     if args.case:
         spec = json.loads(args.case)
@@ -525,6 +565,15 @@ def main(argv=None) -> int:
                 elif "error" not in ref and width == 1024:
                     reference_iterations[features] = ref["iterations"]
             row = {"width": width, "features": features, "fast": fast, "reference": ref, "floor": fl}
+            for w_, f_, path in args.reference_npz:
+                if int(w_) == width and f_ == features and "error" not in fast:
+                    with np.load(path) as f:
+                        given = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+                    differ = int(sum(np.sum(x != y) for x, y in zip(_load_permutations(fast), given, strict=True)))
+                    row["reference_npz"] = {"path": path, "nodes_differing": differ}
+                    print(
+                        f"{width:>5} {features:>8}  ref | full reference run {path}: {differ} nodes matched differently"
+                    )
             for name, r in (("fast", fast), ("ref", ref)):
                 if r is None:
                     continue
@@ -564,6 +613,11 @@ def main(argv=None) -> int:
                         else ""
                     )
                 )
+                if name == "fast" and r.get("residual_bound_deterministic") is not None:
+                    print(
+                        f"{'':>19} | ranks {r['ranks']}, residual bound {r['residual_bound']:.1e} except with probability "
+                        f"{r['bound_failure_probability']:.0e} (spectral-norm bounds), {r['residual_bound_deterministic']:.1e} always (Frobenius)"
+                    )
             large_rows.append(row)
 
     group_rows = []
@@ -640,6 +694,8 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge and out.exists():
+        report = _merged(json.loads(out.read_text()), report)
     out.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {out}")
     return 0

@@ -33,6 +33,10 @@ from peer.nn.graph import NetworkGraph
 # block are 1.5 GiB), at the price of building them again (docs/matching.md, "Operator-adapted
 # expansion").
 KEEP_BUILT_TERMS_BYTES = 512 << 20
+# While their spectral norms are bounded, a block's terms stay built up to this many bytes (at
+# width 4096 in float32: 4 terms per side, what the first product there applies), so that the
+# product that follows need not build them again; the others are built, bounded and freed.
+BOUND_KEEP_BYTES = 512 << 20
 
 
 class Affinity:
@@ -227,7 +231,9 @@ class Affinity:
         ``constant``: every block of v is constant (c·J, c = its [0, 0] entry), applied with
         matrix-vector work only. ``ranks[k]``: the number of stacked terms of hidden block k
         (between layers k and k+1) to apply (all when None); :meth:`operator_error` bounds what
-        the rest would add. ``unary=False``: leave out the diagonal part D_ℓ ∘ v_ℓ (the caller
+        the rest would add. ``ranks`` may be a function of k, called when block k is reached
+        (after the blocks before it were applied and their terms freed), so that the work it
+        does for block k (bounding its terms) never holds two blocks' terms at once. ``unary=False``: leave out the diagonal part D_ℓ ∘ v_ℓ (the caller
         forms it from v when it needs it, so it need not be stored)."""
         if self._unary is None:
             raise InvalidArgument("affinity", "was built without its factorised operator")
@@ -250,7 +256,7 @@ class Affinity:
                         torch.zeros((self.sizes[target],) * 2, dtype=x.dtype),
                     )
                 else:
-                    rank = None if ranks is None else ranks[k]
+                    rank = None if ranks is None else (ranks(k) if callable(ranks) else ranks[k])
                     for t in terms:
                         if isinstance(t, _Stacked):
                             t.trim(rank)  # free lazily built terms this product does not use
@@ -263,6 +269,25 @@ class Affinity:
                     else:
                         kept += size
         return out
+
+    def bound_terms(self, k: int, upto: int) -> None:
+        """Spectral-norm bounds for hidden block k's centred terms below ``upto``
+        (:meth:`_Block.bound_terms`); terms built for them stay built while the block's take at
+        most BOUND_KEEP_BYTES (the product that follows applies the first of them)."""
+        block = self.hidden_blocks[k]
+        src = block._centred_source()
+        if src is not None and len(src.bounds) < upto:
+            (fr, fc), _ = src.sums
+            side_bytes = min(upto, src.terms) * fr.shape[0] * fc.shape[0] * fr.element_size()
+            if side_bytes > BOUND_KEEP_BYTES // 2:
+                # a large bounding pass: free the other blocks' built terms first (rebuilt if a
+                # later product needs them), so that the peak holds this block's alone
+                for other in self.hidden_blocks:
+                    if other is not block:
+                        for t in other.terms:
+                            if isinstance(t, _Stacked) and t.source is not None:
+                                t.trim(0)
+        block.bound_terms(upto, BOUND_KEEP_BYTES)
 
     @property
     def unary(self) -> list[torch.Tensor]:

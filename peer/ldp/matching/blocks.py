@@ -18,6 +18,7 @@ import torch
 from peer.ldp.matching.expansion import (
     ChebyshevExpansion,
     OperatorExpansion,
+    both_sides,
     few_values,
     gaussian_expansion,
     gaussian_kernel,
@@ -55,15 +56,50 @@ class _Block:
             return self.operator.error_bound
         return self.chebyshev.error_bound if self.chebyshev is not None else 0.0
 
-    def operator_error(self, terms: int | None = None) -> float:
+    def operator_error(self, terms: int | None = None, deterministic: bool = False) -> float:
         """A bound on ‖ΔE‖₂, the spectral norm of this hidden block's scaled n_ℓ²×n_{ℓ−1}² part of K
-        minus the exact-kernel one, when its first ``terms`` terms are applied (all when None):
-        ‖ΔE‖₂ ≤ ‖ΔE‖_F = scale · n_ℓ n_{ℓ−1} · (root mean square of the kernel error over the pairs)."""
+        minus the exact-kernel one, when its first ``terms`` terms are applied (all when None)
+        (docs/matching.md, "Operator-adapted expansion").
+
+        Always: ‖ΔE‖₂ ≤ ‖ΔE‖_F = scale · n_ℓ n_{ℓ−1} · (root mean square of the kernel error over
+        the pairs) — deterministic, and what ``deterministic=True`` returns. With centred terms
+        (the mean parts of every kept term applied exactly) and spectral-norm bounds b_k of the
+        centred terms F̃_k ⊗ H̃_k (:meth:`bound_terms`), also, for every L ≥ ``terms``:
+        ‖ΔE‖₂ ≤ Σ_{terms ≤ k < L} b_k + scale · n_ℓ n_{ℓ−1} · rms(L), since the operator norm of
+        V ↦ F̃ V H̃ᵀ is ‖F̃‖₂‖H̃‖₂ and the rest is bounded in Frobenius norm; the smallest is
+        returned. It holds unless a b_k fails (probability :attr:`bound_failure`)."""
         pairs = self.weights_a.shape[0] * self.weights_a.shape[1]
-        if self.operator is not None:
-            rank = self.operator.terms if terms is None else terms
-            return self.scale * pairs * self.operator.rms_bound(rank)
-        return self.scale * pairs * self.error_bound * self.weights_a.shape[2]
+        if self.operator is None:
+            return self.scale * pairs * self.error_bound * self.weights_a.shape[2]
+        rank = self.operator.terms if terms is None else int(terms)
+        best = self.scale * pairs * self.operator.rms_bound(rank)
+        src = self._centred_source()
+        if deterministic or src is None:
+            return best
+        acc = 0.0
+        for k in range(rank, len(src.bounds)):
+            acc += src.bounds[k]
+            best = min(best, acc + self.scale * pairs * self.operator.rms_bound(k + 1))
+        return best
+
+    def _centred_source(self):
+        """The lazily built, centred stacked terms' source (_LazyTerms), or None."""
+        for t in self.terms:
+            if isinstance(t, _Stacked) and t.source is not None and t.source.means is not None:
+                return t.source
+        return None
+
+    def bound_terms(self, upto: int, keep_bytes: int = 0) -> None:
+        """Spectral-norm bounds for the centred terms below ``upto`` (:meth:`_Stacked.bound`)."""
+        for t in self.terms:
+            if isinstance(t, _Stacked) and t.source is not None and t.source.means is not None:
+                t.bound(upto, keep_bytes)
+
+    @property
+    def bound_failure(self) -> float:
+        """The probability that one of this block's spectral-norm bounds is wrong (a union bound)."""
+        src = self._centred_source()
+        return 0.0 if src is None else src.failure
 
     @property
     def terms_per_component(self) -> int:
@@ -196,7 +232,7 @@ def _block_terms(block: _Block, dtype: torch.dtype) -> list:
                     (_Factor(shape, dense=torch.as_tensor(diff, dtype=dtype)), _indicator_factor(wb == vb[q], dtype))
                 )
         elif block.operator is not None:
-            terms.append(_lazy_operator_terms(block.operator, wa, wb, dtype))
+            terms.extend(_centred_operator_terms(block.operator, wa, wb, dtype))
         else:
             ch = block.chebyshev
             phi, means_a = _stacked_functions(ch, wa, dtype)
@@ -263,6 +299,76 @@ def _lazy_operator_terms(op: OperatorExpansion, wa: np.ndarray, wb: np.ndarray, 
 
     sums = tuple(tuple(torch.as_tensor(x, dtype=dtype) for x in side) for side in (sums_a, sums_b))
     return _Stacked([], [], source=_LazyTerms(op.terms, make, sums))
+
+
+def _stacked_side_functions(
+    op: OperatorExpansion, w: np.ndarray, side: str, dtype: torch.dtype, start: int, stop: int, mean: bool
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """:func:`_stacked_operator_functions` of one side, and, with ``mean``, the side's mean
+    function g_A(W^A) or g_B(W^B) (:meth:`OperatorExpansion.mean_function_coefficients`) as an
+    (n, n′) tensor from the same pass of the recurrence (one more coefficient column)."""
+    n, m = w.shape
+    count = stop - start
+    coef = op.coefficients(side)[:, start:stop]
+    if mean:
+        coef = np.concatenate([coef, op.mean_function_coefficients(side)[:, None]], axis=1)
+    g = _Stacked.GROUP
+    groups = [torch.empty((n, min(g, count - r), m), dtype=dtype) for r in range(0, count, g)]
+    extra = torch.empty((n, m), dtype=dtype) if mean else None
+    rows = max(1, (1 << 18) // max(1, m))  # float64 temporaries of ~30 MB per thread
+    starts = list(range(0, n, rows))
+
+    def fill(half: int) -> None:  # every other chunk of rows: the two threads write disjoint rows
+        for i in starts[half::2]:
+            vals = op.functions(w[i : i + rows], side, coef=coef)  # (count [+ 1], rows, n′), float64
+            for k, grp in enumerate(groups):
+                grp[i : i + rows] = torch.as_tensor(vals[k * g : k * g + grp.shape[1]].transpose(1, 0, 2), dtype=dtype)
+            if mean:
+                extra[i : i + rows] = torch.as_tensor(vals[count], dtype=dtype)
+
+    both_sides(fill, (0, 1)) if len(starts) > 1 else fill(0)
+    return groups, extra
+
+
+def _centred_operator_terms(op: OperatorExpansion, wa: np.ndarray, wb: np.ndarray, dtype: torch.dtype) -> list:
+    """The operator-adapted expansion as its mean parts plus centred terms:
+    Σ_k F_k ⊗ H_k = J ⊗ G_B + G_A ⊗ J − c J ⊗ J + Σ_k F̃_k ⊗ H̃_k, with G_A = g_A(W^A),
+    G_B = g_B(W^B) (:meth:`OperatorExpansion.mean_function_coefficients`), c = Σ_k m^A_k m^B_k,
+    F̃_k = F_k − m^A_k J, H̃_k = H_k − m^B_k J. The mean parts (of every kept term) cost
+    matrix–vector products and are applied by every product; the centred terms are built
+    lazily, and their spectral norms — about 2√n against ‖·‖_F ≈ n for a random-like n×n
+    matrix — bound what a product that leaves them out changes (docs/matching.md,
+    "Operator-adapted expansion"). Falls back to :func:`_lazy_operator_terms` when the
+    expansion has no line sums."""
+    means_a, means_b = op.term_means("a"), op.term_means("b")
+    if means_a is None or means_b is None:
+        return [_lazy_operator_terms(op, wa, wb, dtype)]
+    (ra, ca), (rb, cb) = op.line_sums("a"), op.line_sums("b")
+    n, m = wa.shape
+    # line sums of the centred terms: F̃_k 1 = F_k 1 − m_k n′ 1, F̃_kᵀ 1 = F_kᵀ 1 − m_k n 1
+    sums = (
+        (torch.as_tensor(ra - means_a * m, dtype=dtype), torch.as_tensor(ca - means_a * n, dtype=dtype)),
+        (torch.as_tensor(rb - means_b * m, dtype=dtype), torch.as_tensor(cb - means_b * n, dtype=dtype)),
+    )
+    # line sums of the mean functions, from the Chebyshev line sums of the Gram pass
+    lines_a, lines_b = op.lines_a, op.lines_b
+    coef_a, coef_b = op.mean_function_coefficients("a"), op.mean_function_coefficients("b")
+    mean_sums = tuple(
+        torch.as_tensor(x, dtype=dtype)
+        for x in (lines_a[0] @ coef_a, lines_a[1] @ coef_a, lines_b[0] @ coef_b, lines_b[1] @ coef_b)
+    )
+
+    def make(start: int, stop: int):
+        return (
+            _stacked_operator_functions(op, wa, "a", dtype, start, stop),
+            _stacked_operator_functions(op, wb, "b", dtype, start, stop),
+        )
+
+    def make_side(start: int, stop: int, side: str, mean: bool):
+        return _stacked_side_functions(op, wa if side == "a" else wb, side, dtype, start, stop, mean)
+
+    centred = (make_side, (means_a, means_b), mean_sums, float(means_a @ means_b))
+    return [_Stacked([], [], source=_LazyTerms(op.terms, make, sums, centred=centred))]
 
 
 def _make_block(name: str, kind: str, wa: np.ndarray, wb: np.ndarray, opts: MatchOptions) -> _Block:

@@ -29,6 +29,19 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (torch.as_tensor(np.asarray(a, dtype=np.float64)) @ torch.as_tensor(np.asarray(b, dtype=np.float64))).numpy()
 
 
+def both_sides(fn, sides=("a", "b")) -> list:
+    """[fn(side) for side in sides], the two on two Python threads: each is single-threaded
+    elementwise or matrix–vector work (the Chebyshev recurrence, Gram passes, Lanczos), which
+    releases the GIL, so the two sides of a block use the machine's two cores (measured at width
+    4096 under a load of 8 on 2 cores: a Gram pass of both sides 23 s → 16 s). torch's thread
+    setting is process-wide: it is held at 1 around both, so that neither thread's own
+    set-and-restore can leave it changed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with torch_threads(1), ThreadPoolExecutor(len(sides)) as pool:
+        return list(pool.map(fn, sides))
+
+
 # Entries (times the recurrence's rows) evaluated at a time by the operator-adapted expansion's
 # passes over the weights: small enough that the Chebyshev rows stay in the cache (measured at
 # widths 2048–4096: about twice as fast as chunks of 2²² values).
@@ -233,12 +246,31 @@ class OperatorExpansion:
         coef = self.coefficients(side)
         return lines[0] @ coef, lines[1] @ coef
 
-    def functions(self, x, side: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+    def term_means(self, side: str) -> np.ndarray | None:
+        """The mean over the side's weight entries of each kept σ_k f_k (side "a") or h_k
+        (side "b"), from the Chebyshev line sums; None when the sides were not given as 2-D."""
+        lines = self.lines_a if side == "a" else self.lines_b
+        if lines is None:
+            return None
+        count = lines[0].shape[0] * lines[1].shape[0]
+        return lines[0].sum(axis=0) @ self.coefficients(side) / count
+
+    def mean_function_coefficients(self, side: str) -> np.ndarray:
+        """T-coefficients of the side's mean function: g_A = Σ_k m^B_k σ_k f_k (side "a") and
+        g_B = Σ_k m^A_k h_k (side "b"), m^A_k, m^B_k the term means (:meth:`term_means`). With
+        F_k = m^A_k J + F̃_k and H_k = m^B_k J + H̃_k,
+        Σ_k F_k ⊗ H_k = J ⊗ g_B(W^B) + g_A(W^A) ⊗ J − (Σ_k m^A_k m^B_k) J ⊗ J + Σ_k F̃_k ⊗ H̃_k
+        (docs/matching.md, "Operator-adapted expansion")."""
+        other = self.term_means("b" if side == "a" else "a")
+        return self.coefficients(side) @ other
+
+    def functions(self, x, side: str, start: int = 0, stop: int | None = None, coef=None) -> np.ndarray:
         """σ_k f_k(x) (side "a") or h_k(x) (side "b") for the kept terms ``start`` ≤ k < ``stop``
-        (all by default): (terms, *x.shape), float64."""
+        (all by default): (terms, *x.shape), float64; or, given ``coef`` ((degree + 1, count)
+        T-coefficients), those functions."""
         x = np.asarray(x, dtype=np.float64)
         flat = x.reshape(-1)
-        coef = self.coefficients(side)[:, start:stop]
+        coef = self.coefficients(side)[:, start:stop] if coef is None else np.asarray(coef).reshape(self.degree + 1, -1)
         out = np.empty((coef.shape[1], flat.shape[0]))
         chunk = max(1, (1 << FUNCTION_CHUNK_BITS) // (self.degree + 1))
         for at in range(0, flat.shape[0], chunk):
@@ -274,13 +306,15 @@ def operator_expansion(
     interp = chebyshev_interpolation_bound(beta, p)
     core = _chebyshev_core(beta, p)
     lines = {}
-    for side, w in (("a", wa), ("b", wb)):
-        if np.ndim(w) == 2:
-            g, mean, rows, cols = chebyshev_gram_lines(lo, hi, p, w)
-            lines[side] = (rows, cols)
-        else:
-            g, mean = chebyshev_gram(lo, hi, p, w)
-        lines[side + "gram"] = (g, mean)
+
+    def gram_pass(side):
+        w = wa if side == "a" else wb
+        return chebyshev_gram_lines(lo, hi, p, w) if np.ndim(w) == 2 else chebyshev_gram(lo, hi, p, w)
+
+    for side, result in zip(("a", "b"), both_sides(gram_pass), strict=True):
+        if len(result) == 4:
+            lines[side] = result[2:]
+        lines[side + "gram"] = result[:2]
     gram_a, mean_a = lines["agram"]
     gram_b, mean_b = lines["bgram"]
 

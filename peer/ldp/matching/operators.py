@@ -14,6 +14,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from peer.ldp.matching.expansion import both_sides
 from peer.nn.architectures import torch_threads
 
 # A few-valued indicator denser than this is applied as a dense matrix: sparse products stop paying.
@@ -274,6 +275,65 @@ class _Stacked:
                 return
             k += grp.shape[1]
 
+    def bound(self, upto: int, keep_bytes: int = 0) -> None:
+        """Fill ``source.bounds`` up to term ``upto`` (lazily built, centred terms only): built
+        terms are bounded where they are; the others are built one side at a time in one pass of
+        the recurrence, bounded (two threads), and the first of them kept while the block's built
+        terms stay within ``keep_bytes`` (the product that follows applies the first terms), the
+        rest freed."""
+        src = self.source
+        if src is None or src.means is None:
+            return
+        upto = min(int(upto), src.terms)
+        if len(src.bounds) >= upto:
+            return
+        side_bounds: dict[tuple[int, str], tuple[float, float]] = {}
+
+        def add(groups, side, first):
+            todo = []
+            at = first
+            for grp in groups:
+                for r in range(grp.shape[1]):
+                    k = at + r
+                    if len(src.bounds) <= k < upto and (k, side) not in side_bounds:
+                        todo.append((k, grp[:, r, :]))
+                at += grp.shape[1]
+
+            def run(half):  # the norms on two threads (matrix–vector work, GIL released)
+                return [(k, _spectral_norm_bound(f, 7919 * k + (side == "b"))) for k, f in todo[half::2]]
+
+            for part in both_sides(run, (0, 1)) if len(todo) > 1 else [run(0)]:
+                for k, result in part:
+                    side_bounds[(k, side)] = result
+
+        add(self.phi, "a", 0)
+        add(self.psi, "b", 0)
+        at = self._built()
+        if at < upto:
+            (fr, fc), _ = src.sums
+            per_term = 2 * fr.shape[0] * fc.shape[0] * fr.element_size()  # one term, both sides
+            keep = min(upto, at + max(0, (keep_bytes - self.built_bytes()) // per_term))
+            kept = {}
+            # one side at a time (each built on two threads, row halves): the peak holds one
+            # side's terms below ``upto`` and the other side's kept prefix
+            for side in ("a", "b"):
+                groups = src.build_side(at, upto, side)
+                add(groups, side, at)
+                kept[side], first = [], at
+                for grp in groups:
+                    if first + grp.shape[1] <= keep:
+                        kept[side].append(grp)
+                    elif first < keep:
+                        kept[side].append(grp[:, : keep - first].contiguous())
+                    first += grp.shape[1]
+                del groups
+            self.phi.extend(kept["a"])
+            self.psi.extend(kept["b"])
+        for k in range(len(src.bounds), upto):
+            (bf, pf), (bh, ph) = side_bounds[(k, "a")], side_bounds[(k, "b")]
+            src.bounds.append(bf * bh)
+            src.failure += pf + ph
+
     def apply(self, v: torch.Tensor, out: torch.Tensor, cost: _Cost, terms: int | None = None) -> None:
         """out += Σ_r F_r V H_rᵀ (or the transposed sum) over the first ``terms`` terms (all when None)."""
         self.ensure(terms)
@@ -297,6 +357,8 @@ class _Stacked:
                     cost.add(n, n, r * m)
                     cost.add(m, n * r, m)
                     out += phi.T @ (v @ psi).reshape(n * r, m)
+        if self.source is not None and self.source.means is not None:
+            self.source.apply_means(v, out, self.transposed)
 
     def apply_constant(self, c: float, out: torch.Tensor) -> None:
         """out += Σ_r F_r (c·J) H_rᵀ = c Σ_r (F_r 1)(H_r 1)ᵀ: matrix-vector work only (all terms;
@@ -307,6 +369,8 @@ class _Stacked:
                 out += (c * self.source.scale) * (fr @ hr.T)
             else:
                 out += (c * self.source.scale) * (fc @ hc.T)
+            if self.source.means is not None:
+                self.source.apply_means_constant(c, out, self.transposed)
             return
         for phi_g, psi_g in zip(self.phi, self.psi, strict=True):
             if not self.transposed:
@@ -320,19 +384,147 @@ class _LazyTerms:
     terms start … stop−1 as _Stacked lays them out (H multiplied by ``scale``); ``sums`` holds
     ((F_r 1, F_rᵀ 1), (H_r 1, H_rᵀ 1)) of all ``terms`` terms, unscaled, as (n, R), (m, R) tensors.
     A product that needs only the first k terms then never pays for — or stores — the others
-    (docs/matching.md, "Operator-adapted expansion")."""
+    (docs/matching.md, "Operator-adapted expansion").
 
-    __slots__ = ("make", "scale", "sums", "terms")
+    Centred terms (``centred`` given): ``centred = (make_side, means, mean_sums, c)``, where
+    ``make_side(start, stop, side, mean)`` builds one side's groups (and, with ``mean``, the
+    side's mean function G_A or G_B in the same pass), ``means`` = (m^F_r, m^H_r) the terms' grand
+    means, ``mean_sums`` = (G_A 1, G_Aᵀ 1, G_B 1, G_Bᵀ 1) and c = Σ_r m^F_r m^H_r. The terms are
+    then built centred, F̃_r = F_r − m^F_r J, H̃_r = H_r − m^H_r J (``sums`` are those of the
+    centred terms), and :class:`_Stacked` adds the mean parts J ⊗ G_B + G_A ⊗ J − c J ⊗ J of all
+    terms to every product (matrix–vector work). ``bounds[r]`` (filled by
+    :meth:`_Stacked.bound`): an upper bound on ‖F̃_r‖₂ ‖H̃_r‖₂ (H̃ scaled), which bounds the
+    spectral norm of the operator V ↦ F̃_r V H̃_rᵀ; ``failure``: the probability that some bound
+    in ``bounds`` is wrong (:func:`_spectral_norm_bound`, a union bound over the norms)."""
 
-    def __init__(self, terms: int, make, sums):
+    __slots__ = ("bounds", "c", "failure", "g", "make", "make_side", "mean_sums", "means", "scale", "sums", "terms")
+
+    def __init__(self, terms: int, make, sums, centred=None):
         self.terms, self.make, self.sums, self.scale = int(terms), make, sums, 1.0
+        self.make_side, self.means, self.mean_sums, self.c = centred if centred is not None else (None,) * 4
+        self.g: dict[str, torch.Tensor] = {}  # the mean functions G_A ("a") and G_B ("b", scaled)
+        self.bounds: list[float] = []
+        self.failure = 0.0
+
+    def build_side(self, start: int, stop: int, side: str) -> list[torch.Tensor]:
+        """One side's groups of centred terms start … stop−1 (side "b" scaled); builds the side's
+        mean function in the same pass the first time."""
+        groups, g = self.make_side(start, stop, side, side not in self.g)
+        if g is not None:
+            self.g[side] = g if side == "a" or self.scale == 1.0 else g * self.scale
+        means = self.means[0 if side == "a" else 1]
+        at = start
+        for grp in groups:
+            k = grp.shape[1]
+            grp -= torch.as_tensor(means[at : at + k], dtype=grp.dtype)[None, :, None]
+            at += k
+            if side == "b" and self.scale != 1.0:
+                grp *= self.scale
+        return groups
 
     def build(self, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self.make_side is not None:
+            return self.build_side(start, stop, "a"), self.build_side(start, stop, "b")
         phi, psi = self.make(start, stop)
         if self.scale != 1.0:
             for grp in psi:
                 grp *= self.scale
         return phi, psi
+
+    def mean_functions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G_A, s·G_B), built (alone) if no term has been built yet."""
+        for side in ("a", "b"):
+            if side not in self.g:
+                self.build_side(0, 0, side)
+        return self.g["a"], self.g["b"]
+
+    def apply_means(self, v: torch.Tensor, out: torch.Tensor, transposed: bool) -> None:
+        """out += the mean parts' image of V: s·G_A V J + J V (s·G_B)ᵀ − s c J V J (or the
+        transposed map, U ↦ s·G_Aᵀ U J + J U (s·G_B) − s c J U J): matrix–vector products."""
+        g_a, g_b = self.mean_functions()
+        s = self.scale
+        if not transposed:
+            out += (s * (g_a @ v.sum(dim=1)))[:, None]
+            out += (g_b @ v.sum(dim=0))[None, :]
+        else:
+            out += (s * (g_a.T @ v.sum(dim=1)))[:, None]
+            out += (g_b.T @ v.sum(dim=0))[None, :]
+        out -= s * self.c * v.sum()
+
+    def apply_means_constant(self, c0: float, out: torch.Tensor, transposed: bool) -> None:
+        """out += the mean parts' image of c0·J, from the line sums of G_A and G_B."""
+        ga_rows, ga_cols, gb_rows, gb_cols = self.mean_sums
+        s = self.scale
+        inner = ga_cols.shape[0] if not transposed else ga_rows.shape[0]  # the side V lives on
+        if not transposed:
+            out += (s * c0 * inner * ga_rows)[:, None] + (s * c0 * inner * gb_rows)[None, :]
+        else:
+            out += (s * c0 * inner * ga_cols)[:, None] + (s * c0 * inner * gb_cols)[None, :]
+        out -= s * self.c * c0 * inner * inner
+
+
+# Spectral-norm bounds of centred terms (:func:`_spectral_norm_bound`): matrices with both sides
+# at most EXACT_NORM_MAX get the exact norm (an SVD); larger ones LANCZOS_STARTS independent
+# Lanczos runs of LANCZOS_STEPS products with the Gram matrix, each failing with probability at
+# most 1.648·√d·exp(−√ε(2k − 1)), k = LANCZOS_STEPS − 1, ε = LANCZOS_EPSILON (Kuczyński and
+# Woźniakowski 1992, Lanczos with a random start); the bound fails only if every run does.
+EXACT_NORM_MAX = 256
+LANCZOS_STEPS = 8
+LANCZOS_STARTS = 8
+LANCZOS_EPSILON = 0.3
+NORM_ROUNDING_MARGIN = 1e-4
+
+
+def _spectral_norm_bound(f: torch.Tensor, seed: int) -> tuple[float, float]:
+    """(b, p): ‖f‖₂ ≤ b except with probability at most p over the start vectors (p = 0 for the
+    exact norm of a small matrix).
+
+    For d = min(n, n′) > EXACT_NORM_MAX: Lanczos on the d×d Gram matrix M (fᵀf or f fᵀ) from
+    LANCZOS_STARTS independent start vectors uniform on the unit sphere (seeded Gaussians,
+    normalised), LANCZOS_STEPS products each, full reorthogonalisation in float64; λ̂ = the
+    largest Ritz value of M on the Krylov spaces (a Rayleigh quotient: λ̂ ≤ λ_max(M) = ‖f‖₂²).
+    Kuczyński & Woźniakowski (SIAM J. Matrix Anal. Appl. 13, 1992): for symmetric positive
+    (semi)definite M and a uniform start, the Lanczos estimate after k products falls below
+    (1 − ε) λ_max with probability at most 1.648 √d e^{−√ε (2k − 1)}. Independent starts all fail
+    with the product of their probabilities; then ‖f‖₂ ≤ sqrt(λ̂/(1 − ε)) (1 + margin), the margin
+    covering the float32 products' rounding. Docs: docs/matching.md, "Operator-adapted expansion"."""
+    n, m = f.shape
+    if min(n, m) <= EXACT_NORM_MAX:
+        exact = float(torch.linalg.matrix_norm(f.to(torch.float64), 2))
+        return exact * (1.0 + NORM_ROUNDING_MARGIN), 0.0
+    a = f if m <= n else f.T  # M = aᵀa has the smaller side d
+    d = a.shape[1]
+    gen = torch.Generator().manual_seed(int(seed))
+    q = torch.randn((d, LANCZOS_STARTS), generator=gen, dtype=torch.float64)
+    q /= q.norm(dim=0)
+    basis, images = [], []
+    for _ in range(LANCZOS_STEPS):
+        basis.append(q)
+        x = q.to(a.dtype)
+        w = (a.T @ (a @ x)).to(torch.float64)
+        images.append(w)
+        w = w.clone()
+        for _ in range(2):  # full reorthogonalisation, twice (float64)
+            for u in basis:
+                w -= u * (u * w).sum(dim=0)
+        norm = w.norm(dim=0)
+        q = w / norm.clamp_min(1e-300)
+    # Rayleigh–Ritz on each start's Krylov basis: the largest eigenvalue of Qᵀ M Q
+    qs = torch.stack(basis, dim=2)  # (d, starts, steps)
+    ms = torch.stack(images, dim=2)
+    best = 0.0
+    for s in range(LANCZOS_STARTS):
+        gram = qs[:, s, :].T @ qs[:, s, :]
+        proj = qs[:, s, :].T @ ms[:, s, :]
+        proj = (proj + proj.T) / 2.0
+        mu, vec = torch.linalg.eigh(gram)
+        keep = mu > 1e-10 * mu.max()
+        white = vec[:, keep] / mu[keep].sqrt()
+        best = max(best, float(torch.linalg.eigvalsh(white.T @ proj @ white).max()))
+    k = LANCZOS_STEPS - 1
+    per_start = min(1.0, 1.648 * np.sqrt(d) * np.exp(-np.sqrt(LANCZOS_EPSILON) * (2 * k - 1)))
+    bound = np.sqrt(max(best, 0.0) / (1.0 - LANCZOS_EPSILON)) * (1.0 + NORM_ROUNDING_MARGIN)
+    return float(bound), float(per_start**LANCZOS_STARTS)
 
 
 def _sparse_indicator(mask: np.ndarray, dtype: torch.dtype, coef: float = 1.0) -> _Sparse:

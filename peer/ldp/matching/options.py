@@ -54,8 +54,10 @@ class MatchOptions:
     ``expansion_rule``: how exact weights between two hidden layers are expanded:
     ``"operator"`` — the expansion optimal in the mean square over the block's weight
     pairs, with as many terms as keep the spectral norm of the change it makes to K below
-    ``tol``·λ₁/8 per block, and fewer terms in the products with small residuals (docs/matching.md,
-    "Operator-adapted expansion"); ``"uniform"`` (the reference) — every kernel value within
+    ``tol``·λ₁/8 per block, and fewer terms in the products with small residuals: the mean parts
+    of every term are applied exactly and the centred terms left out are bounded by their
+    spectral norms (Lanczos estimates that hold except with a reported probability; the
+    Frobenius-only bound is reported too) (docs/matching.md, "Operator-adapted expansion"); ``"uniform"`` (the reference) — every kernel value within
     ``expansion_tol``; ``"auto"`` (default) — ``"operator"`` when some hidden layer has more
     than ``AUTO_FAST_MIN_WIDTH`` nodes, else ``"uniform"``. Blocks to the fixed input and output layers, and blocks whose edges carry
     several weights (convolutions), always use the uniform rule.

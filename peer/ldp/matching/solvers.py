@@ -103,15 +103,17 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
 
     start = [torch.ones((n, n), dtype=aff.dtype) for n in aff.sizes]
     full = [aff.hidden_blocks[k].operator_error() if aff.hidden_blocks[k].terms else 0.0 for k in range(layers - 1)]
+    # each basis entry: (layer, x, its edge images, error bound, deterministic error bound)
     basis = [
-        (ell, x, im, sum(full[k] for k in adjacent(ell)) * float(n))  # ‖ones(n, n)‖ = n
+        (ell, x, im, sum(full[k] for k in adjacent(ell)) * float(n), sum(full[k] for k in adjacent(ell)) * float(n))
         for ell, (x, im, n) in enumerate(
             zip(start, aff.apply_by_source(start, cost, constant=True, unary=False), aff.sizes, strict=True)
         )
     ]
     previous: list = []
     ranks_used: list[list[int | None]] = []
-    converged, it, residual, theta, bound = False, 0, float("inf"), 0.0, 0.0
+    residuals: list[float] = []
+    converged, it, residual, theta, bound, bound_det = False, 0, float("inf"), 0.0, 0.0, 0.0
     best, best_it = float("inf"), 0
     stop_at = opts.tol * RITZ_TOL_FACTOR
     v: list[torch.Tensor] = start
@@ -119,9 +121,9 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
         theta, coef = _ritz_step(basis, aff.unary, tiny)
         # the new v and its images, formed in place over the current ones (basis[ℓ] for layer ℓ),
         # which nothing else holds: the peak is then one set of images fewer
-        v, images, errors = [], [], [0.0] * layers
+        v, images, errors, errors_det = [], [], [0.0] * layers, [0.0] * layers
         for ell in range(layers):
-            _, x, im, err = basis[ell]
+            _, x, im, err, err_det = basis[ell]
             c = float(coef[ell])
             x.mul_(c)
             for y in im.values():
@@ -129,10 +131,12 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
             v.append(x)
             images.append(im)
             errors[ell] += abs(c) * err
-        for c, (ell, x, im, err) in zip(coef[layers:], basis[layers:], strict=True):
+            errors_det[ell] += abs(c) * err_det
+        for c, (ell, x, im, err, err_det) in zip(coef[layers:], basis[layers:], strict=True):
             if c == 0.0:
                 continue
             errors[ell] += abs(c) * err
+            errors_det[ell] += abs(c) * err_det
             v[ell].add_(x, alpha=c)
             for target, y in im.items():
                 if target in images[ell]:
@@ -147,9 +151,10 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
                 kv[target].add_(y)
         r = [k - theta * x for k, x in zip(kv, v, strict=True)]
         del kv
-        bound = sum(errors)
+        bound, bound_det = sum(errors), sum(errors_det)
         rnorm = _norm(r)
         residual = rnorm / theta if theta > 0 else float("inf")
+        residuals.append(residual)
         if residual < stop_at or not theta > 0:
             converged = theta > 0
             break
@@ -164,36 +169,62 @@ def _ritz_factorised(aff: Affinity, product_threads: int):
             break
         # the residual enters the next v with a coefficient of about 1/(θ − λ₂) ≤ 2/θ (for a gap
         # of at least half of θ), so a block error ε adds about 2ε‖r‖/θ to ‖(K̃ − K)v‖: keep that
-        # ≤ (the stopping level)·θ/(4·blocks)
-        budget = stop_at * theta * theta / (8.0 * max(1, len(hidden)) * rnorm)
-        ranks = [_rank_for(b, budget) if b.terms else None for b in aff.hidden_blocks]
+        # ≤ (the stopping level)·θ/blocks per product
+        budget = stop_at * theta * theta / (RANK_BUDGET_DIVISOR * max(1, len(hidden)) * rnorm)
+        ranks: list[int | None] = [None] * len(aff.hidden_blocks)
+
+        def rank_of(k, budget=budget, ranks=ranks):
+            # chosen when block k is reached: bounding its terms then holds no other block's
+            b = aff.hidden_blocks[k]
+            ranks[k] = _rank_for(b, budget, lambda upto: aff.bound_terms(k, upto)) if b.terms else None
+            return ranks[k]
+
+        step = aff.apply_by_source(r, cost, ranks=rank_of, unary=False)
         ranks_used.append(ranks)
-        step = aff.apply_by_source(r, cost, ranks=ranks, unary=False)
         rank_error = [
             aff.hidden_blocks[k].operator_error(ranks[k]) if aff.hidden_blocks[k].terms else 0.0
             for k in range(layers - 1)
         ]
-        current = [(ell, v[ell], images[ell], errors[ell]) for ell in range(layers)]
+        rank_error_det = [
+            aff.hidden_blocks[k].operator_error(ranks[k], deterministic=True) if aff.hidden_blocks[k].terms else 0.0
+            for k in range(layers - 1)
+        ]
+        current = [(ell, v[ell], images[ell], errors[ell], errors_det[ell]) for ell in range(layers)]
+        r_norms = [math.sqrt(float(torch.sum(x * x, dtype=torch.float64))) for x in r]
         fresh = [
             (
                 ell,
                 r[ell],
                 step[ell],
-                sum(rank_error[k] for k in adjacent(ell))
-                * math.sqrt(float(torch.sum(r[ell] * r[ell], dtype=torch.float64))),
+                sum(rank_error[k] for k in adjacent(ell)) * r_norms[ell],
+                sum(rank_error_det[k] for k in adjacent(ell)) * r_norms[ell],
             )
             for ell in range(layers)
         ]
         basis = current + fresh + previous
         previous = fresh
+    failure = float(sum(b.bound_failure for b in aff.hidden_blocks))
     extra = {
         "ranks": ranks_used,
+        "residuals": residuals,
         "operator_error_bound": bound / theta if theta > 0 else float("inf"),
         "residual_bound": residual + (bound / theta if theta > 0 else float("inf")),
+        "bound_failure_probability": failure,
+        "operator_error_bound_deterministic": bound_det / theta if theta > 0 else float("inf"),
+        "residual_bound_deterministic": residual + (bound_det / theta if theta > 0 else float("inf")),
     }
     return [x.numpy() for x in v], it, converged, residual, theta, cost, 0.0, extra
 
 
+# A product's blocks each take the fewest terms whose operator error is at most
+# (tol/10)·θ²/(RANK_BUDGET_DIVISOR·H·‖r‖), H the blocks (docs/matching.md, "Fewer terms for small
+# residuals"): each product then adds at most about (tol/10)·θ to ‖(K̃ − K) v‖ (measured on the
+# benchmark's exact graphs: operator_error_bound 2–3·10⁻⁶ at tol 10⁻⁵, within tol/2 with the
+# residual).
+RANK_BUDGET_DIVISOR = 2.0
+# Before a product, a block's centred terms are bounded up to the rank at which the Frobenius
+# tail alone is 1/BOUND_TAIL_SHARE of the budget.
+BOUND_TAIL_SHARE = 4.0
 # Rayleigh–Ritz steps without a smaller residual before the iteration stops (not converged).
 STALL = 3
 # The Rayleigh–Ritz iteration stops at ‖K v − θ v‖ < RITZ_TOL_FACTOR · tol · θ. Power iteration's
@@ -204,15 +235,30 @@ STALL = 3
 RITZ_TOL_FACTOR = 0.1
 
 
-def _rank_for(block, budget: float) -> int | None:
+def _rank_for(block, budget: float, bound=None) -> int | None:
     """The fewest stacked terms of a hidden block whose operator error bound is ≤ budget (all of
-    them for blocks without an operator-adapted expansion)."""
+    them for blocks without an operator-adapted expansion). ``bound(upto)``: called first with
+    the fewest terms the deterministic (Frobenius) bound allows, to bound the spectral norms of
+    the centred terms below it, which can only lower the rank (docs/matching.md,
+    "Operator-adapted expansion")."""
     if block.operator is None:
         return None
-    for k in range(block.operator.terms + 1):
+
+    def frobenius_rank(b):
+        return next(
+            (k for k in range(block.operator.terms + 1) if block.operator_error(k, deterministic=True) <= b),
+            block.operator.terms,
+        )
+
+    frobenius = frobenius_rank(budget)
+    if bound is not None and frobenius > 0:
+        # bound the terms up to where the Frobenius tail alone takes a quarter of the budget, so
+        # that the spectral bounds have the rest to fit in
+        bound(frobenius_rank(budget / BOUND_TAIL_SHARE))
+    for k in range(frobenius + 1):
         if block.operator_error(k) <= budget:
             return k
-    return block.operator.terms
+    return frobenius
 
 
 def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
@@ -230,23 +276,26 @@ def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
     m = len(basis)
     gram = np.zeros((m, m))
     kmat = np.zeros((m, m))
-    for i, (li, xi, _, _) in enumerate(basis):
-        for j, (lj, xj, _, _) in enumerate(basis):
-            if li == lj and j >= i:
-                gram[i, j] = gram[j, i] = float(torch.sum(xi * xj, dtype=torch.float64))
+    cross = np.full((m, m), np.nan)  # cross[i, j] = x_iᵀ (the part of K x_j in x_i's layer)
+    sums = np.zeros(m)  # Σ x_i
+    for ell in sorted({entry[0] for entry in basis}):
+        rows = [i for i, entry in enumerate(basis) if entry[0] == ell]
+        cols = [j for j, entry in enumerate(basis) if ell in entry[2]]
+        g, dk, p, total = _layer_products([basis[i][1] for i in rows], unary[ell], [basis[j][2][ell] for j in cols])
+        sums[rows] = total
+        gram[np.ix_(rows, rows)] = g
+        kmat[np.ix_(rows, rows)] = dk
+        if cols:
+            cross[np.ix_(rows, cols)] = p
     norms = np.sqrt(np.diag(gram))
-    accuracy = [err / nrm if nrm > 0 else 0.0 for (_, _, _, err), nrm in zip(basis, norms, strict=True)]
-    for i, (li, xi, imi, _) in enumerate(basis):
-        for j in range(i, m):
-            lj, xj, imj, _ = basis[j]
-            if li == lj:
-                value = float(torch.sum(xi * unary[li] * xj, dtype=torch.float64))
+    accuracy = [entry[3] / nrm if nrm > 0 else 0.0 for entry, nrm in zip(basis, norms, strict=True)]
+    for i in range(m):
+        for j in range(i + 1, m):
+            if basis[i][0] == basis[j][0]:
+                continue
             # x_iᵀ (K x_j) from x_j's image, or x_jᵀ (K x_i) from x_i's: the more accurate one
-            elif accuracy[j] <= accuracy[i]:
-                value = float(torch.sum(xi * imj[li], dtype=torch.float64)) if li in imj else 0.0
-            else:
-                value = float(torch.sum(xj * imi[lj], dtype=torch.float64)) if lj in imi else 0.0
-            kmat[i, j] = kmat[j, i] = value
+            value = cross[i, j] if accuracy[j] <= accuracy[i] else cross[j, i]
+            kmat[i, j] = kmat[j, i] = 0.0 if np.isnan(value) else value
     d = np.sqrt(np.diag(gram))
     keep_basis = d > 0
     d_k = d[keep_basis]
@@ -259,8 +308,31 @@ def _ritz_step(basis, unary, tiny: float) -> tuple[float, np.ndarray]:
     y = q @ u[:, -1]
     c = np.zeros(m)
     c[keep_basis] = y / d_k
-    sums = sum(float(c[i]) * float(x.sum(dtype=torch.float64)) for i, (_, x, _, _) in enumerate(basis))
-    return float(lam[-1]), (-c if sums < 0 else c)
+    return float(lam[-1]), (-c if float(c @ sums) < 0 else c)
+
+
+# Entries per chunk of the Ritz step's float64 inner products.
+INNER_CHUNK = 1 << 18
+
+
+def _layer_products(xs: list[torch.Tensor], d: torch.Tensor, ys: list[torch.Tensor]):
+    """(X Xᵀ, X diag(d) Xᵀ, X Yᵀ, X 1) for the rows X = xs and Y = ys of one layer (flattened),
+    in float64: chunk by chunk, each chunk converted once and multiplied as a small GEMM, rather
+    than one float64 reduction over a full-size temporary per pair."""
+    a, b = len(xs), len(ys)
+    g, dk, p, total = np.zeros((a, a)), np.zeros((a, a)), np.zeros((a, b)), np.zeros(a)
+    flat_x = [x.reshape(-1) for x in xs]
+    flat_y = [y.reshape(-1) for y in ys]
+    flat_d = d.reshape(-1)
+    for start in range(0, flat_d.shape[0], INNER_CHUNK):
+        c = slice(start, start + INNER_CHUNK)
+        xc = torch.stack([x[c] for x in flat_x]).to(torch.float64)
+        g += (xc @ xc.T).numpy()
+        total += xc.sum(dim=1).numpy()
+        dk += ((xc * flat_d[c].to(torch.float64)) @ xc.T).numpy()
+        if b:
+            p += (xc @ torch.stack([y[c] for y in flat_y]).to(torch.float64).T).numpy()
+    return (g + g.T) / 2.0, (dk + dk.T) / 2.0, p, total
 
 
 def _norm(layers: Sequence[torch.Tensor]) -> float:
