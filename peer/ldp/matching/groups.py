@@ -768,7 +768,8 @@ def _refine(aff: GroupAffinity, perms: dict[str, np.ndarray], sweeps: int, score
 
 def _apply_permutation(terms, perm: np.ndarray, n_rows: int, cost: _Cost, out: torch.Tensor, dtype) -> None:
     """out += Σ_t F_t X H_tᵀ for the permutation matrix X[k, perm[k]] = 1 (``_apply_block`` on
-    X, with a gather instead of the first product for stacked dense terms):
+    X, with a gather instead of the first product for stacked dense terms, plus the mean parts
+    of centred terms):
     E(X)[i, j] = Σ_r Σ_k F_r[i, k] H_r[j, perm[k]] and, transposed,
     Eᵀ(X)[k, l] = Σ_r Σ_i F_r[i, k] H_r[perm[i], l]."""
     idx = torch.as_tensor(np.asarray(perm, dtype=np.int64))
@@ -791,6 +792,9 @@ def _apply_permutation(terms, perm: np.ndarray, n_rows: int, cost: _Cost, out: t
                 else:
                     cost.add(m, n * r, m)
                     out += phi_g.reshape(n * r, m).T @ psi_g.index_select(0, idx).reshape(n * r, m)
+        if t.source is not None and t.source.means is not None:
+            # centred terms: their mean parts (matrix–vector work on X), as _Stacked.apply adds
+            t.source.apply_means(_permutation_matrix(perm, dtype), out, t.transposed)
     if rest:
         _apply_block(rest, _permutation_matrix(perm, dtype), n_rows, cost, out=out)
 
