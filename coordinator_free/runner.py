@@ -476,6 +476,23 @@ def run_round(
                 f" ({code.name if code is not None else type(e).__name__})",
             )
 
+    def released_weights(p: RosterSite, c, model: str):
+        """The peer's PFA weights of ``model`` (the second release of method ldp), or None once
+        the peer is dropped (or the round is stopping)."""
+        w = ask(
+            p.name,
+            "weights",
+            lambda: c.weights(
+                model, epsilon=config.weights_epsilon, delta=config.weights_delta, timeout=config.call_timeout_s
+            ),
+        )
+        if w is _STOP:
+            return None
+        if isinstance(w, _Failure):
+            state.drop(p.name, "weights", w.status, w.message, w.charged, w.details)
+            return None
+        return w
+
     def ldp(p: RosterSite, c, model: str):
         f = ask(
             p.name,
@@ -505,17 +522,8 @@ def run_round(
         except (InvalidArgument, ValueError) as e:
             state.drop(p.name, "align", "ALIGNMENT_FAILED", str(e), "n/a")
             return None
-        w = ask(
-            p.name,
-            "weights",
-            lambda: c.weights(
-                model, epsilon=config.weights_epsilon, delta=config.weights_delta, timeout=config.call_timeout_s
-            ),
-        )
-        if w is _STOP:
-            return None
-        if isinstance(w, _Failure):
-            state.drop(p.name, "weights", w.status, w.message, w.charged, w.details)
+        w = released_weights(p, c, model)
+        if w is None:
             return None
         try:
             aligned = alignment.apply(arch, w.arrays)
@@ -554,17 +562,8 @@ def run_round(
         except (InvalidArgument, ValueError) as e:
             state.drop(p.name, "align", "ALIGNMENT_FAILED", str(e), "n/a")
             return None
-        w = ask(
-            p.name,
-            "weights",
-            lambda: c.weights(
-                model, epsilon=config.weights_epsilon, delta=config.weights_delta, timeout=config.call_timeout_s
-            ),
-        )
-        if w is _STOP:
-            return None
-        if isinstance(w, _Failure):
-            state.drop(p.name, "weights", w.status, w.message, w.charged, w.details)
+        w = released_weights(p, c, model)
+        if w is None:
             return None
         try:
             aligned = own.aligned_weights(w, perms)

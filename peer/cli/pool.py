@@ -205,15 +205,7 @@ def _train_records(args: argparse.Namespace) -> int:
         module = model_from_arrays(model.architecture, model.arrays)
         val = accuracy(model.architecture, module, records.x_val, records.y_val)
         save_trained(directory, name, model, accuracy=val, data=records.description, preprocessing=prep)
-        summary.append(
-            {
-                "name": name,
-                "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
-                "delta": model.record.delta,
-                "training": model.training.to_dict(),
-                "validation_accuracy": val,
-            }
-        )
+        summary.append(_trained_summary(name, model, val))
     out = {
         "pool": str(directory),
         "pool_name": pool_name,
@@ -315,16 +307,7 @@ def _train(args: argparse.Namespace) -> int:
         val = accuracy(model.architecture, module, splits.x_val, splits.y_val)
         test = accuracy(model.architecture, module, splits.x_test, splits.y_test)
         save_trained(args.out, name, model, accuracy=val, data=splits.description)
-        summary.append(
-            {
-                "name": name,
-                "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
-                "delta": model.record.delta,
-                "training": model.training.to_dict(),
-                "validation_accuracy": val,
-                "test_accuracy": test,
-            }
-        )
+        summary.append({**_trained_summary(name, model, val), "test_accuracy": test})
     out = {
         "pool": str(args.out),
         "dataset": args.dataset,
@@ -384,16 +367,7 @@ def _train_imported(args: argparse.Namespace, splits) -> int:
         val = module_accuracy(module, own.structure, splits.x_val, splits.y_val)
         test = module_accuracy(module, own.structure, splits.x_test, splits.y_test)
         save_trained(args.out, name, model, accuracy=val, data=splits.description, factory=own.factory)
-        summary.append(
-            {
-                "name": name,
-                "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
-                "delta": model.record.delta,
-                "training": model.training.to_dict(),
-                "validation_accuracy": val,
-                "test_accuracy": test,
-            }
-        )
+        summary.append({**_trained_summary(name, model, val), "test_accuracy": test})
     out = {
         "pool": str(args.out),
         "dataset": args.dataset,
@@ -463,15 +437,7 @@ def _train_imported_records(args, own, records, names, trainings, pool_name, dir
         save_trained(
             directory, name, model, accuracy=val, data=records.description, preprocessing=prep, factory=own.factory
         )
-        summary.append(
-            {
-                "name": name,
-                "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
-                "delta": model.record.delta,
-                "training": model.training.to_dict(),
-                "validation_accuracy": val,
-            }
-        )
+        summary.append(_trained_summary(name, model, val))
     out = {
         "pool": str(directory),
         "pool_name": pool_name,
@@ -604,3 +570,14 @@ def register(subparsers) -> None:
     ls.add_argument("--pool", required=True)
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=list_pool)
+
+
+def _trained_summary(name: str, model, validation_accuracy: float) -> dict:
+    """One trained pool model in the command's JSON summary."""
+    return {
+        "name": name,
+        "epsilon": {"pld": model.record.epsilon, "rdp": model.record.parameters["epsilon_rdp"]},
+        "delta": model.record.delta,
+        "training": model.training.to_dict(),
+        "validation_accuracy": validation_accuracy,
+    }
