@@ -188,14 +188,17 @@ def test_the_cnn_rows():
     98.0 / 97.8 heterogeneous; the spectral matcher on the exact graphs' per-position,
     standardised rows 97.8 and 97.6, on spatial means it was 95.1 and 92.2). The spectral
     matcher's agreement with activation matching: measured 36 % / 35 % (10-17 % on spatial means)."""
-    out = run(FusionConfig(model="cnn", epsilons=(), alphas=(0.0, 0.5, 1.0)))
-    assert out["config"]["recipe"] == "sgd" and out["config"]["epochs"] == 80
-    assert out["config"]["graph_features"] == "exact"
-    for split in ("homogeneous", "heterogeneous"):
-        m = out[split]["methods"]
+    from peer.experiments.fusion import ARCHITECTURES, resolved_graph_features, resolved_recipe, run_split
+
+    cfg = FusionConfig(model="cnn", epsilons=(), alphas=(0.0, 0.5, 1.0))
+    assert resolved_recipe(cfg) == ("sgd", 80)
+    assert resolved_graph_features(cfg, ARCHITECTURES["cnn"]) == "exact"
+    for split in ("homogeneous", "heterogeneous"):  # the splits only: not the permutation-recovery part
+        result = run_split(cfg, split)
+        m = result.methods
         assert min(m["model_a"], m["model_b"]) > 0.97  # the recipe's endpoints (Adam's: 94.0-96.4)
         assert m["graph_matching_repair"] >= max(m["model_a"], m["model_b"]) - 0.02
-        assert out[split]["permutation_agreement"]["activation_matching"] > 0.25
+        assert result.permutation_agreement["activation_matching"] > 0.25
         assert m["activation_matching_repair"] > m["activation_matching"] + 0.02
         assert m["activation_matching_repair"] >= max(m["model_a"], m["model_b"]) - 0.02
 
