@@ -235,43 +235,34 @@ class _OwnNetwork:
     def mismatch(self, info, wanted: str | None, method: str) -> str | None:
         """Why the peer's pool (the roster's, else any of a site's own network offering
         ``method``) is not our network, naming the first difference; None when it offers none."""
-        from peer.base.errors import FailedPrecondition
-        from peer.nn.imported import check_same_structure, is_imported_architecture
-
-        for pool in info.pools:
-            if (wanted is not None and pool.name != wanted) or method not in pool.methods:
-                continue
-            try:
-                theirs = json.loads(pool.architecture_json)
-            except ValueError:
-                continue
-            if not is_imported_architecture(theirs) and wanted is None:
-                continue
-            try:
-                check_same_structure(self.structure, theirs, f"pool {pool.name!r}")
-            except FailedPrecondition as e:
-                return str(e)
-        return None
+        pools = [p for p in info.pools if method in p.methods]
+        return self._first_difference(pools, wanted, "pool")
 
     def model_mismatch(self, info, wanted: str | None) -> str:
         """Why no model the peer offers (the roster's, else any of a site's own network) is our
         network, naming the first difference."""
+        found = self._first_difference(info.models, wanted, "model")
+        return found or f"{info.name!r} offers no model {wanted or ''} of this network".replace("  ", " ")
+
+    def _first_difference(self, offers, wanted: str | None, what: str) -> str | None:
+        """The first difference between our structure and an offer's (``wanted`` by name, else
+        any offer of a site's own network), or None."""
         from peer.nn.imported import check_same_structure, is_imported_architecture
 
-        for m in info.models:
-            if wanted is not None and m.name != wanted:
+        for offer in offers:
+            if wanted is not None and offer.name != wanted:
                 continue
             try:
-                theirs = json.loads(m.architecture_json)
+                theirs = json.loads(offer.architecture_json)
             except ValueError:
                 continue
             if not is_imported_architecture(theirs) and wanted is None:
                 continue
             try:
-                check_same_structure(self.structure, theirs, f"model {m.name!r}")
+                check_same_structure(self.structure, theirs, f"{what} {offer.name!r}")
             except FailedPrecondition as e:
                 return str(e)
-        return f"{info.name!r} offers no model {wanted or ''} of this network".replace("  ", " ")
+        return None
 
     def features_alignment(self, release, clip) -> tuple[dict[str, np.ndarray], dict]:
         """A peer's group features release (``ReleaseFeatures`` of its own network) aligned to
