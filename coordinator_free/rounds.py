@@ -128,6 +128,9 @@ class RoundConfig:
     records: Path | None = None
     records_prepared: bool = False
     repair: str = "off"
+    # whether the round file set ``[round.repair] data``: a site's own network repairs on the
+    # probe set unless told otherwise (``coordinator_free.runner._OwnNetwork``); not reported
+    repair_set: bool = False
     select_validation: Path | None = None
     select_alphas: tuple[float, ...] = ()
     finetune_epochs: int = 0
@@ -193,6 +196,7 @@ class RoundConfig:
         out["roster"], out["out"] = str(self.roster), str(self.out)
         for k in ("records", "select_validation"):
             out[k] = None if out[k] is None else str(out[k])
+        del out["repair_set"]  # how the file said it, not what the round does
         return out
 
 
@@ -206,11 +210,12 @@ def _after_fusion(s: Section, base: Path) -> dict:
     ``[round.records] path`` is the site's own labelled records (they never leave the site):
     raw records prepared with the model's stored preprocessing, or — ``prepared = true`` — an
     .npz of prepared arrays ``x``/``y``. ``[round.repair] data`` = "own" (REPAIR statistics on
-    those records), "probe" (on the public probe set) or "off" (default). ``[round.select]
-    validation`` is a PUBLIC labelled .npz (``x``/``y``, prepared) on which candidate fusions
-    (subsets of the contributions × ``alphas``) are compared; absent: every contribution is
-    kept at ``alpha``. ``[round.finetune] epochs`` (default 0: off), ``learning_rate``,
-    ``batch_size``: local training of the fused model on the own records."""
+    those records), "probe" (on the public probe set) or "off" (default; "probe" for a site's
+    own network). ``[round.select] validation`` is a PUBLIC labelled .npz (``x``/``y``,
+    prepared) on which candidate fusions (subsets of the contributions × ``alphas``) are
+    compared; absent: every contribution is kept at ``alpha``. ``[round.finetune] epochs``
+    (default 0: off), ``learning_rate``, ``batch_size``: local training of the fused model on
+    the own records."""
     r, rep, sel, ft = s.section("records"), s.section("repair"), s.section("select"), s.section("finetune")
     r.known(["path", "prepared"])
     rep.known(["data"])
@@ -220,6 +225,7 @@ def _after_fusion(s: Section, base: Path) -> dict:
         "records": r.path("path", base, None),
         "records_prepared": r.boolean("prepared", False),
         "repair": rep.string("data", "off", choices=REPAIR_DATA),
+        "repair_set": "data" in rep,
         "select_validation": sel.path("validation", base, None),
         "select_alphas": tuple(sel.numbers("alphas", [], minimum=0.0, maximum=1.0)),
         "finetune_epochs": ft.integer("epochs", 0, minimum=0, maximum=10_000),

@@ -19,7 +19,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,9 @@ class LocalSite:
     probe: np.ndarray
     activation_clip: tuple[float, float] | None = None
     # a site's own network (peer.nn.imported.ImportedModel): ``model`` then carries its public
-    # architecture and state; ``factory`` (site code, run only here) rebuilds the module; the
-    # fused model is written to ``own_store`` under the site's key names
+    # architecture, state and preprocessing (if any); ``factory`` (site code, run only here)
+    # rebuilds the module; the fused model and its stages are written to ``own_store`` under
+    # the site's key names
     own: Any = None
     factory: Callable[[], Any] | None = None
     own_store: Path | None = None
@@ -86,12 +87,11 @@ class RoundResult:
     arrays: dict[str, np.ndarray] | None
     model_name: str | None = None
     report_path: Path | None = None
-    #: the fused model's later local stages ("selected", "repaired", "finetuned" → arrays)
+    #: the fused model's later local stages ("selected", "repaired", "finetuned" → arrays; for
+    #: a network with BatchNorm also "own_bn_reset", the reference of coordinator_free.repairing)
     stages: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     #: each contributor's aligned arrays as fused (in memory only: never written)
     contributions: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
-    # a site's own network: the fused state before REPAIR (``arrays`` is after it); kept in memory
-    unrepaired: dict[str, np.ndarray] | None = None
 
 
 class _Failure:
@@ -124,7 +124,13 @@ def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
         return LocalSite(
             identity,
             TrustStore(identity.trust_dir),
-            StoredModel(own.name, imported_architecture(own.structure), dict(own.arrays), dict(own.metadata)),
+            StoredModel(
+                own.name,
+                imported_architecture(own.structure),
+                dict(own.arrays),
+                dict(own.metadata),
+                own.preprocessing,
+            ),
             load_probe(cfg.probe),
             cfg.activation_clip,
             own=own,
@@ -318,23 +324,28 @@ class _OwnNetwork:
             "permutations": {g: p.tolist() for g, p in alignment.permutations.items()},
         }
 
-    def fuse(self, contributions, weights) -> tuple[dict, dict, dict]:
-        """(fused, fused + REPAIR, what REPAIR did): the weighted average of our state and the
-        aligned contributions, then REPAIR on the public probe set (a round has no records)."""
-        from peer.ldp.pipeline import average_states, repair_states
-        from peer.nn.imported import module_from_arrays
+    @property
+    def kind(self) -> repairing.OwnNetworkKind:
+        """How the steps after fusion run this network (``coordinator_free.repairing``)."""
+        own = self.local.own
+        return repairing.OwnNetworkKind(own.name, self.local.factory, self.structure, own.preprocessing)
 
-        own_state = {k: v.detach().numpy().copy() for k, v in self.module.state_dict().items()}
-        fused = average_states(self.structure, [own_state, *contributions], weights)
-        endpoints = [self.module] + [module_from_arrays(self.local.factory, self.structure, c) for c in contributions]
-        fused_module = module_from_arrays(self.local.factory, self.structure, fused)
-        repaired = repair_states(self.structure, fused_module, endpoints, weights, self.probe_x)
-        report = {
-            "data": f"the public probe set ({int(self.probe_x.shape[0])} rows)",
-            "batchnorm_reset": [p.module for p in self.structure.stat_points if p.kind == "batchnorm"],
-            "renormalised": [p.module for p in self.structure.stat_points if p.kind == "affine"],
-        }
-        return fused, {k: v.detach().numpy().copy() for k, v in repaired.state_dict().items()}, report
+    def state(self) -> dict[str, np.ndarray]:
+        return self.kind.arrays(self.module)
+
+    def fuse(self, contributions, weights) -> dict[str, np.ndarray]:
+        """The weighted average of our state and the aligned contributions (every floating-point
+        entry, BatchNorm statistics included: they describe no network until REPAIR or a
+        BatchNorm reset re-estimates them, ``[round.repair]``)."""
+        return self.kind.average([self.state(), *contributions], weights)
+
+    def after_fusion_config(self, config: RoundConfig) -> RoundConfig:
+        """``config`` with the own-network default of ``[round.repair] data``: "probe" when the
+        round file does not set it (an own network's averaged BatchNorm statistics must be
+        re-estimated, and the probe set is public), what it says otherwise ("off" included)."""
+        if config.repair_set or config.repair != "off":
+            return config
+        return replace(config, repair="probe")
 
 
 def _align_group_release(
@@ -400,10 +411,13 @@ def run_round(
     clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
     # the files of the local steps after fusion are read first: a bad one costs nobody budget
     own = _OwnNetwork.of(local, probe) if local.own is not None else None
+    kind = None
     if own is not None:
         arch = local.model.architecture
         own_graph = own_public = None
-        local_data = None
+        config = own.after_fusion_config(config)
+        kind = own.kind
+        local_data = repairing.load_local_data(config, local.model, probe, kind) if repairing.enabled(config) else None
     else:
         arch = validate_architecture(local.model.architecture)
         local_data = repairing.load_local_data(config, local.model, probe) if repairing.enabled(config) else None
@@ -705,23 +719,23 @@ def run_round(
         )
     contributors = [n for n in state.contributors() if n in contributions]
     weights = fusion_weights(config.alpha, len(contributors))
-    repaired = None
-    if state.aborted is None and own is not None:
-        fused, repaired, repair_report = own.fuse([contributions[n] for n in contributors], weights)
-        state.event("fused", step="fuse", contributors=contributors, weights=weights, repair=repair_report)
-    elif state.aborted is None:
-        fused = average_arrays([local.model.arrays] + [contributions[n] for n in contributors], weights)
+    if state.aborted is None:
+        if own is not None:
+            fused = own.fuse([contributions[n] for n in contributors], weights)
+        else:
+            fused = average_arrays([local.model.arrays] + [contributions[n] for n in contributors], weights)
         state.event("fused", step="fuse", contributors=contributors, weights=weights)
         if local_data is not None:
             try:
                 after = repairing.after_fusion(
                     arch,
-                    local.model.arrays,
+                    own.state() if own is not None else local.model.arrays,
                     {n: contributions[n] for n in contributors},
                     fused,
                     config,
                     local_data,
                     seed=int(round_id[:8], 16),
+                    kind=kind,
                 )
                 state.event("after-fusion", step="fuse", stages=list(after.stages), adopt=after.report["adopt"])
             except Exception as e:  # local steps only: the fused model (already paid for) is kept
@@ -753,12 +767,7 @@ def run_round(
     }
     if after is not None:
         report["after_fusion"] = after.report
-    if own is not None and fused is not None:
-        report["repair"] = repair_report
-        # the fused model as stored: repaired (BatchNorm statistics reset, affine units renormalised)
-        result = RoundResult(round_id, report["status"], report["reason"], report, repaired, unrepaired=fused)
-    else:
-        result = RoundResult(round_id, report["status"], report["reason"], report, fused)
+    result = RoundResult(round_id, report["status"], report["reason"], report, fused)
     result.contributions = {n: contributions[n] for n in contributors}
     if after is not None:
         result.stages = after.stages
@@ -768,58 +777,34 @@ def run_round(
 
 
 def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any], own: LocalSite | None = None) -> None:
-    """The report as ``OUT/round-ID.json`` and the fused model in the store ``OUT/models`` (a
-    site's own network: in its own store, ``own_models``, under its key names, so that
-    ``privfusion model export`` writes it for the site's own class)."""
+    """The report as ``OUT/round-ID.json``, the fused model and every later stage
+    (``coordinator_free.repairing``: MODEL-STAGE-ID) in the store ``OUT/models`` (a site's own
+    network: in its own store, ``own_models``, under its key names, so that ``privfusion model
+    export`` writes them for the site's own class)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if result.arrays is not None and own is not None:
-        from peer.nn.imported import save_imported
+    if result.arrays is not None:
+        if own is not None:
+            from peer.nn.imported import save_imported
 
-        name = f"{result.report['model']}-fused-{result.round_id[:12]}"
+            def save(name: str, arrays, metadata: dict) -> None:
+                save_imported(own.own_store, name, own.own.factory, own.own.structure, arrays, metadata=metadata)
+        else:
+
+            def save(name: str, arrays, metadata: dict) -> None:
+                save_model(out / "models", name, arch, arrays, metadata=metadata)
+
         round_meta = {k: result.report[k] for k in ("round_id", "label", "site", "contributors", "weights", "charges")}
-        save_imported(
-            own.own_store,
-            name,
-            own.own.factory,
-            own.own.structure,
-            result.arrays,
-            metadata={"round": {**round_meta, "repair": result.report.get("repair")}},
-        )
-        result.model_name = name
-        result.report["fused_model"] = name
-        result.report["fused_store"] = str(own.own_store)
-    elif result.arrays is not None:
         name = f"{result.report['model']}-fused-{result.round_id[:12]}"
-        save_model(
-            out / "models",
-            name,
-            arch,
-            result.arrays,
-            metadata={
-                "round": {
-                    k: result.report[k] for k in ("round_id", "label", "site", "contributors", "weights", "charges")
-                }
-            },
-        )
+        save(name, result.arrays, {"round": round_meta})
         result.model_name = name
         result.report["fused_model"] = name
+        if own is not None:
+            result.report["fused_store"] = str(own.own_store)
         for stage, arrays in result.stages.items():
             # e.g. mlp-repaired-ID: the same round, after the local steps (coordinator_free.repairing)
             staged = f"{result.report['model']}-{stage}-{result.round_id[:12]}"
-            save_model(
-                out / "models",
-                staged,
-                arch,
-                arrays,
-                metadata={
-                    "round": {
-                        k: result.report[k] for k in ("round_id", "label", "site", "contributors", "weights", "charges")
-                    },
-                    "after_fusion": result.report["after_fusion"],
-                    "stage": stage,
-                },
-            )
+            save(staged, arrays, {"round": round_meta, "after_fusion": result.report["after_fusion"], "stage": stage})
             result.report[f"{stage}_model"] = staged
         adopt = result.report.get("after_fusion", {}).get("adopt")
         if adopt is not None:

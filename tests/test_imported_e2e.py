@@ -274,15 +274,21 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
         report = json.loads(report_path.read_text())
         assert report["status"] == "fused" and report["contributors"] == ["riverside"], report["events"]
         assert [(c["peer"], c["step"], c["level"]) for c in report["charges"]] == [("riverside", "merged", "data")]
-        assert report["repair"]["batchnorm_reset"] == [
+        # no [round.repair] in the round file: an own network is REPAIRed on the probe set
+        after = report["after_fusion"]
+        assert after["repair"]["data"] == "probe" and after["adopt"] == "repaired"
+        assert after["own_bn_reset"]["batchnorm_reset"] == after["repair"]["batchnorm_reset"]
+        assert after["repair"]["batchnorm_reset"] == [
             "entry_norm",
             "res1.norm_a",
             "res1.norm_b",
             "res2.norm_a",
             "res2.norm_b",
         ]
-        fused_name = report["fused_model"]
-        assert (root / "st-anne" / "own_models" / f"{fused_name}.json").is_file()
+        fused_name = report["adopt_model"]
+        assert fused_name == report["repaired_model"]
+        for stage in ("fused", "repaired", "own_bn_reset"):
+            assert (root / "st-anne" / "own_models" / f"{report[f'{stage}_model']}.json").is_file()
 
         # 3. the fused model and the imported one, exported, load into the site's own class
         from peer.nn.imported import load_factory, load_imported, module_from_arrays
@@ -303,7 +309,9 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
                 assert torch.equal(outputs(mine, x_test), outputs(reference, x_test))
 
         # 4. the same merge asked again is served again (charge-once): the identical bytes, which
-        # the round's own steps turn into exactly the stored model; unrepaired beside it for the record
+        # the round's own steps turn into exactly the stored models (fused, then repaired)
+        from coordinator_free.repairing import LocalData, after_fusion
+        from coordinator_free.rounds import RoundConfig
         from coordinator_free.runner import _OwnNetwork, load_local_site
         from peer.net.client import PeerClient
 
@@ -315,15 +323,32 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
             client.close()
         net = _OwnNetwork.of(local, local.probe)
         aligned, _ = net.align(again.architecture, again.arrays, "riverside")
-        fused, repaired, _ = net.fuse([aligned], [0.5, 0.5])
+        fused = net.fuse([aligned], [0.5, 0.5])
+        cfg = RoundConfig(roster=tmp_path / "roster.toml", model="resnet", repair="probe")
+        stages = after_fusion(
+            local.model.architecture,
+            net.state(),
+            {"riverside": aligned},
+            fused,
+            cfg,
+            LocalData(None, None, local.probe),
+            seed=0,
+            kind=net.kind,
+        ).stages
+        repaired = stages["repaired"]
         stored = load_imported(root / "st-anne" / "own_models", fused_name)
+        plain = load_imported(root / "st-anne" / "own_models", report["fused_model"])
         for k in stored.structure.parameters:
             np.testing.assert_array_equal(np.asarray(stored.arrays[k]), np.asarray(repaired[k]), err_msg=k)
+            np.testing.assert_array_equal(np.asarray(plain.arrays[k]), np.asarray(fused[k]), err_msg=k)
         factory = load_factory(f"{code}:make_model")
         received = module_from_arrays(factory, stored.structure, again.arrays)
         scores = {
             "own st-anne": accuracy(own["st-anne"], x_test, splits.y_test),
             "own riverside": accuracy(own["riverside"], x_test, splits.y_test),
+            "own st-anne, BatchNorm statistics reset on the probe": accuracy(
+                module_from_arrays(factory, stored.structure, stages["own_bn_reset"]), x_test, splits.y_test
+            ),
             "riverside's RS merge (received)": accuracy(received, x_test, splits.y_test),
             "fused": accuracy(module_from_arrays(factory, stored.structure, fused), x_test, splits.y_test),
             "fused + REPAIR (BN reset)": accuracy(

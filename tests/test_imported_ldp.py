@@ -106,7 +106,11 @@ def test_an_ldp_round_over_own_networks_fuses_charges_once_per_release_and_refus
         assert result.status == "fused", result.report["reason"]
         assert result.report["contributors"] == ["riverside"]
         assert [c["step"] for c in result.report["charges"]] == ["features", "weights"]
-        assert result.report["repair"]["batchnorm_reset"] == [] and result.report["repair"]["renormalised"]
+        # REPAIR on the probe set: an own network's default when the round file sets no [round.repair]
+        repair = result.report["after_fusion"]["repair"]
+        assert repair["data"] == "probe" and repair["examples"] == PROBE_ROWS
+        assert repair["batchnorm_reset"] == [] and repair["renormalised"]
+        assert "own_bn_reset" not in result.report["after_fusion"]  # no BatchNorm: no such reference
 
         # the server's ledger: exactly one charge per release, each per group element
         with Ledger(b.ledger) as ledger:
@@ -120,8 +124,12 @@ def test_an_ldp_round_over_own_networks_fuses_charges_once_per_release_and_refus
         assert weights.parameters["release"] == "group_weights" and weights.parameters["unit_is"] == "one group element"
         assert {e.record.subject for e in entries} == {"rmlp"}
 
-        # the fused model is stored in St Anne's own store under its key names, REPAIRed
-        fused = load_imported(a.root / "own_models", result.model_name)
+        # the fused model is stored in St Anne's own store under its key names, and beside it the
+        # REPAIRed one (the stage to adopt: no validation set to compare on)
+        assert result.report["adopt_model"] == result.report["repaired_model"]
+        plain = load_imported(a.root / "own_models", result.model_name)
+        assert plain.metadata["round"]["contributors"] == ["riverside"]
+        fused = load_imported(a.root / "own_models", result.report["repaired_model"])
         assert set(fused.arrays) == set(ResidualMLP().state_dict())
         assert fused.metadata["round"]["contributors"] == ["riverside"]
         structure = local.own.structure
