@@ -243,3 +243,47 @@ def test_an_own_network_repairs_on_the_probe_unless_the_round_file_says_otherwis
     off = own.after_fusion_config(parse(tmp_path, '[round.repair]\ndata = "off"\n'))
     assert off.repair == "off" and not repairing.enabled(off) and "repair_set" not in off.public()
     assert parse(tmp_path, "").public() == {**default.public(), "repair": "off"}  # a built-in's stays off
+
+
+def test_raw_records_of_an_own_network_are_read_by_its_stored_preprocessing_and_input_shape_rule(tmp_path):
+    """An own network that stores a preprocessing reads raw records with it, then the input
+    shape rule of ``pool train --from-model NAME --data FILE``: 64 numeric columns become the
+    [1, 8, 8] input; records missing its columns, or a preprocessing with one-hot entries (no
+    pixels) for this shaped input, are refused naming the round key and the file."""
+    from peer.nn.imported import save_imported
+    from peer.nn.tables import Preprocessing, read_table
+
+    rng = np.random.default_rng(0)
+
+    def table(path, rows: int, numeric: int, category: bool = False) -> None:
+        header = [f"p{i}" for i in range(numeric)] + (["ward"] if category else [])
+        lines = [",".join([*header, "label"])]
+        for i in range(rows):
+            cells = [f"{v:.3f}" for v in rng.normal(size=numeric)] + (["ab"[i % 2]] if category else [])
+            lines.append(",".join([*cells, str(i % 10)]))
+        path.write_text("\n".join(lines) + "\n")
+
+    table(tmp_path / "public.csv", 30, 64)
+    table(tmp_path / "records.csv", 12, 64)
+    table(tmp_path / "narrow.csv", 12, 10)
+    table(tmp_path / "wards.csv", 30, 62, category=True)
+    site = make_site(tmp_path, "st-anne", probe=np.zeros((4, 64), np.float32), activation_clip=CLIP)
+    own = import_model(site.root / "own_models", "resnet", SmallResNet().eval(), [1, 8, 8], factory=FACTORY)
+
+    def load(prep, records: str):
+        save_imported(site.root / "own_models", "resnet", own.factory, own.structure, own.arrays, preprocessing=prep)
+        local = load_local_site(site.config, "resnet")
+        cfg = parse(tmp_path, f'[round.records]\npath = "{records}"\n[round.repair]\ndata = "own"\n')
+        return repairing.load_local_data(cfg, local.model, local.probe, _OwnNetwork.of(local, local.probe).kind)
+
+    numeric = Preprocessing.fit(read_table(tmp_path / "public.csv", label="label"), split="public")
+    data = load(numeric, "records.csv")
+    assert data.records[0].shape == (12, 64) and data.records_source == "records.csv"
+    with pytest.raises(InvalidArgument) as e:
+        load(numeric, "narrow.csv")
+    assert e.value.field == "round.records.path" and "narrow.csv" in e.value.rule and "p10" in e.value.rule
+    wards = Preprocessing.fit(read_table(tmp_path / "wards.csv", label="label", categorical=["ward"]), split="public")
+    assert wards.width == 64
+    with pytest.raises(InvalidArgument) as e:
+        load(wards, "wards.csv")
+    assert e.value.field == "round.records.path" and "wards.csv" in e.value.rule and "categorical" in e.value.rule
