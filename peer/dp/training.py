@@ -105,9 +105,10 @@ def dpsgd_step(
 
     B is every row of ``x`` without ``mask``, else the rows with mask_i = 1. The two ways of
     passing a Poisson batch give the same update: an unsampled row's term in the masked sum is
-    mask_i · clip_C(g_i) = 0 exactly, and a sampled row's clipping factor depends on its own
-    gradient only, so x[B] without a mask sums exactly the same terms (only the floating-point
-    summation order differs) while computing |B| gradients instead of n. Rows are gradients
+    mask_i · clip_C(g_i) = 0 exactly (for a finite g_i; x[B] never evaluates the unsampled rows
+    at all), and a sampled row's clipping factor depends on its own gradient only, so x[B]
+    without a mask sums exactly the same terms (only the floating-point summation order
+    differs) while computing |B| gradients instead of n. Rows are gradients
     of one record each, so no row ever sees another (no batch statistics: see
     :func:`check_private_training`). An empty ``x`` (|B| = 0, a valid Poisson outcome) gives the
     zero clipped sum: the update is the noise alone."""
