@@ -278,3 +278,100 @@ def test_the_record_describes_exactly_the_run():
     )
     for k, v in again.params.items():
         assert np.array_equal(v.numpy(), model.arrays[k])
+
+
+# ------------------------------------------------------------ Poisson batches: the sampled rows only
+
+
+def _masked_reference_run(loss_fn, params0, x, y, steps, seed, n):
+    """The rule with every row's gradient computed and the unsampled ones masked to 0, drawing
+    from the generator exactly as run_dpsgd does: per step z (parameter by parameter), then
+    the Poisson mask over all rows when q < 1."""
+    gen = make_randomness(seed).generator
+    params = {k: v.detach().clone() for k, v in params0.items()}
+    sizes = []
+    for s in steps:
+        z = {k: torch.from_numpy(gen.standard_normal(tuple(v.shape))).to(v.dtype) for k, v in params.items()}
+        mask = None
+        if s.sample_rate < 1:
+            mask = torch.from_numpy(gen.random(len(x)) < s.sample_rate).to(x.dtype)
+            sizes.append(int(mask.sum()))
+        with torch.no_grad():
+            params = dpsgd_step(
+                loss_fn,
+                params,
+                x,
+                y,
+                learning_rate=s.learning_rate,
+                clip_norm=s.clip_norm,
+                noise_multiplier=s.noise_multiplier,
+                denominator=s.sample_rate * n,
+                noise=z,
+                mask=mask,
+            )
+    return params, tuple(sizes)
+
+
+@pytest.mark.parametrize("arch", [MLP, CNN])
+@pytest.mark.parametrize("batch", ["empty", "poisson", "full"])
+def test_the_sampled_rows_step_equals_the_masked_all_rows_step(arch, batch):
+    """dpsgd_step on x[B] (no mask) against dpsgd_step on all rows with B's 0/1 mask: the
+    unsampled rows contribute exactly 0 to the clipped sum, so the two differ only by float32
+    summation order (rtol 1e-5). The clip is the median gradient norm, so both clipped and
+    unclipped rows are in the batch; an empty batch is the noise step exactly."""
+    model = build_model(arch, seed=5)
+    x, y = _data(arch, n=16, seed=3)
+    params = _params(model)
+    loss = classifier_loss(model)
+    norms = torch.stack([_flat(g).norm() for g in _naive_gradients(model, x, y)])
+    clip = float(norms.median())
+    sampled = {
+        "empty": np.zeros(16, dtype=bool),
+        "poisson": make_randomness(17).generator.random(16) < 0.4,
+        "full": np.ones(16, dtype=bool),
+    }[batch]
+    assert batch != "poisson" or 0 < sampled.sum() < 16
+    z = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) for k, v in params.items()}
+    kw = dict(learning_rate=0.9, clip_norm=clip, noise_multiplier=1.3, denominator=0.4 * 16, noise=z)
+    rows = torch.from_numpy(np.flatnonzero(sampled))
+    got = dpsgd_step(loss, params, x[rows], y[rows], **kw)
+    masked = dpsgd_step(loss, params, x, y, mask=torch.from_numpy(sampled).float(), **kw)
+    for k in params:
+        torch.testing.assert_close(got[k], masked[k], rtol=1e-5, atol=1e-6)
+        if batch == "empty":
+            assert torch.equal(got[k], params[k] - (0.9 / (0.4 * 16)) * ((1.3 * clip) * z[k]))
+        else:  # the batch moved θ beyond the noise
+            assert not torch.allclose(got[k], params[k] - (0.9 / (0.4 * 16)) * ((1.3 * clip) * z[k]))
+
+
+def test_run_dpsgd_draws_and_applies_the_same_batches_as_the_masked_rule():
+    """A seeded run through steps at q = 0.05 (16 rows: an empty batch with probability 0.44) and
+    q = 0.999 (a full batch with probability 0.98) equals the masked all-rows rule drawing from
+    the same stream in the same order: same batch sizes, parameters within float32 summation
+    order (rtol 1e-5). The seed gives at least one empty and one full batch."""
+    model = build_model(MLP, seed=6)
+    x, y = _data(MLP, n=16, seed=4)
+    steps = [Step(0.5, 1.0, 0.7, 0.05)] * 4 + [Step(0.5, 1.0, 0.7, 0.999)] * 3 + [Step(0.3, 0.5, 1.1, 0.4)] * 3
+    run = run_dpsgd(classifier_loss(model), _params(model), x, y, steps, randomness=make_randomness(8))
+    ref, sizes = _masked_reference_run(classifier_loss(model), _params(model), x, y, steps, 8, 16)
+    assert run.batch_sizes == sizes
+    assert 0 in sizes and 16 in sizes and any(0 < s < 16 for s in sizes), sizes
+    for k in ref:
+        torch.testing.assert_close(run.params[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_an_empty_poisson_batch_is_a_noise_only_step():
+    """A single record at q = 0.05: most steps sample nobody. The zero-loss gradient is 0 anyway,
+    so the run is exactly −Σ_t η σ C z_t / (q n) with z from the stream (noise first, then the
+    mask), whatever the batches were; the seed gives both empty and non-empty batches."""
+    n, q = 1, 0.05
+    x, y = torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)
+    steps = [Step(0.5, 2.0, 1.5, q)] * 40
+    run = run_dpsgd(_zero_loss, {"w": torch.zeros(3, dtype=torch.float64)}, x, y, steps, randomness=make_randomness(1))
+    assert 0 in run.batch_sizes and 1 in run.batch_sizes
+    gen = make_randomness(1).generator
+    expected = np.zeros(3)
+    for _ in steps:
+        expected -= 0.5 * 1.5 * 2.0 * gen.standard_normal(3) / (q * n)
+        gen.random(n)
+    np.testing.assert_allclose(run.params["w"].numpy(), expected, rtol=1e-12)

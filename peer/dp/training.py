@@ -62,7 +62,8 @@ LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.T
 def per_example_gradients(
     loss_fn: LossFn, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """∇_θ ℓ(θ; x_i, y_i) for every i at once (torch.func vmap over grad): arrays of shape (n, *p.shape)."""
+    """∇_θ ℓ(θ; x_i, y_i) for every row i of ``x`` at once (torch.func vmap over grad): arrays
+    of shape (len(x), *p.shape). Row i's gradient depends on (θ, x_i, y_i) alone."""
     return vmap(grad(loss_fn), in_dims=(None, 0, 0))(dict(params), x, y)
 
 
@@ -70,11 +71,13 @@ def clipped_sum(
     per_example: Mapping[str, torch.Tensor], clip_norm: float, mask: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Σ_{i: mask_i} clip_C(g_i) with clip_C(g) = g · min(1, C/‖g‖₂), the norm taken over all
-    parameters together. ``mask`` (n,) of 0/1 selects the records of a Poisson batch."""
+    parameters together. ``mask`` (n,) of 0/1 selects the records of a Poisson batch; without it
+    every row is summed (n = 0 rows give the zero sum)."""
     n = next(iter(per_example.values())).shape[0]
     sq = torch.zeros(n, dtype=torch.float64)
     for g in per_example.values():
-        sq = sq + torch.linalg.vector_norm(g.reshape(n, -1), dim=1).double().pow(2)
+        # explicit row length, not -1: reshape(0, -1) is ambiguous for an empty batch
+        sq = sq + torch.linalg.vector_norm(g.reshape(n, math.prod(g.shape[1:])), dim=1).double().pow(2)
     # min(1, C/‖g‖) without dividing by zero: a zero gradient needs no clipping.
     factor = torch.clamp(clip_norm / torch.clamp(sq.sqrt(), min=1e-300), max=1.0)
     if mask is not None:
@@ -98,8 +101,21 @@ def dpsgd_step(
 ) -> dict[str, torch.Tensor]:
     """One DP-SGD step, given the standard normal draw ``noise`` (same shapes as ``params``):
     θ − η·(Σ_{i∈B} clip_C(∇ℓ(θ; x_i, y_i)) + σ·C·z)/denominator. Pure: all randomness is in
-    ``noise`` and ``mask``, so the rule itself can be checked exactly."""
-    g = clipped_sum(per_example_gradients(loss_fn, params, x, y), clip_norm, mask)
+    ``noise`` and ``mask``, so the rule itself can be checked exactly.
+
+    B is every row of ``x`` without ``mask``, else the rows with mask_i = 1. The two ways of
+    passing a Poisson batch give the same update: an unsampled row's term in the masked sum is
+    mask_i · clip_C(g_i) = 0 exactly (for a finite g_i; x[B] never evaluates the unsampled rows
+    at all), and a sampled row's clipping factor depends on its own gradient only, so x[B]
+    without a mask sums exactly the same terms (only the floating-point summation order
+    differs) while computing |B| gradients instead of n. Rows are gradients
+    of one record each, so no row ever sees another (no batch statistics: see
+    :func:`check_private_training`). An empty ``x`` (|B| = 0, a valid Poisson outcome) gives the
+    zero clipped sum: the update is the noise alone."""
+    if x.shape[0] == 0:
+        g = {k: torch.zeros_like(p) for k, p in params.items()}
+    else:
+        g = clipped_sum(per_example_gradients(loss_fn, params, x, y), clip_norm, mask)
     scale = learning_rate / denominator
     return {k: p - scale * (g[k] + (noise_multiplier * clip_norm) * noise[k]) for k, p in params.items()}
 
@@ -149,8 +165,14 @@ def run_dpsgd(
 
     A step with sample_rate q = 1 uses every record; q < 1 draws a Poisson batch. The denominator
     is q_t·dataset_size (``dataset_size`` defaults to len(x); it is the public constant n of the
-    module docstring). ``replicas=R`` runs R independent copies at once (params then carry a
-    leading axis of size R; used for Monte Carlo studies), each with its own noise and batches.
+    module docstring). Each step draws, from the one generator and in this order, the noise z_t
+    (parameter by parameter) and then, when q_t < 1, the Poisson mask over all len(x) records.
+    A single run computes per-example gradients for the batch's rows only (x[B_t]: about q_t·n of
+    them, none at all for an empty batch; :func:`dpsgd_step` says why this equals the masked sum
+    over all rows). ``replicas=R`` runs R independent copies at once (params then carry a
+    leading axis of size R; used for Monte Carlo studies), each with its own noise and batches;
+    their batches differ in size, so there every row's gradient is computed and the mask zeroes
+    the unsampled ones.
     ``progress`` is called after every step (a progress bar; it sees nothing of the run).
     ``before_step(params)`` is called before every step with the current iterate (already a DP
     output of the steps before): what it changes must depend on public data only (e.g. norm
@@ -187,10 +209,17 @@ def run_dpsgd(
         q = float(s.sample_rate)
         denominator = q * n
         lead = () if replicas is None else (replicas,)
+        step_x, step_y = x, y
         if q < 1.0:
-            mask = torch.from_numpy(gen.random((*lead, n_records)) < q).to(x.dtype)
+            sampled = gen.random((*lead, n_records)) < q
             batch_sizes = batch_sizes if batch_sizes is not None else []
-            batch_sizes.extend(int(v) for v in mask.sum(dim=-1).reshape(-1).tolist())
+            batch_sizes.extend(int(v) for v in sampled.sum(axis=-1).reshape(-1).tolist())
+            if replicas is None:
+                # the batch's rows only: the unsampled rows' terms are exactly 0 (dpsgd_step)
+                rows = torch.from_numpy(np.flatnonzero(sampled))
+                step_x, step_y, mask = x[rows], y[rows], None
+            else:
+                mask = torch.from_numpy(sampled).to(x.dtype)
         else:
             mask = None if replicas is None else torch.ones(*lead, n_records, dtype=x.dtype)
         lr, c, sigma = float(s.learning_rate), float(s.clip_norm), float(s.noise_multiplier)
@@ -199,8 +228,8 @@ def run_dpsgd(
                 params = dpsgd_step(
                     loss_fn,
                     params,
-                    x,
-                    y,
+                    step_x,
+                    step_y,
                     learning_rate=lr,
                     clip_norm=c,
                     noise_multiplier=sigma,
