@@ -31,11 +31,24 @@ from peer.base.errors import InvalidArgument
 # replace-one) to the most private (ε ≈ 1.2).
 DEFAULT_MODELS = ("name=dpsgd-a,noise=8,clip=2", "name=dpsgd-b,noise=20,clip=1", "name=dpsgd-c,noise=50,clip=0.5")
 DEFAULT_ARCHITECTURE = '{"kind": "mlp", "hidden": []}'  # logistic regression
-SPEC_KEYS = {"name": str, "noise": float, "clip": float, "lr": float, "steps": int, "q": float}
+# the optimiser's public constants (peer.dp.accounting.Optimizer): momentum for "momentum";
+# beta1, beta2, eps for "adam"
+OPTIMIZER_KEYS = {"momentum": float, "beta1": float, "beta2": float, "eps": float}
+SPEC_KEYS = {
+    "name": str,
+    "noise": float,
+    "clip": float,
+    "lr": float,
+    "steps": int,
+    "q": float,
+    "optimizer": str,
+    **OPTIMIZER_KEYS,
+}
 
 
 def parse_model_spec(spec: str, defaults: dict, index: int) -> tuple[str, dict]:
-    """ "noise=2,clip=1[,lr=..][,steps=..][,q=..][,name=..]" -> (name, hyperparameters)."""
+    """ "noise=2,clip=1[,lr=..][,steps=..][,q=..][,optimizer=sgd|momentum|adam][,momentum=..]
+    [,beta1=..][,beta2=..][,eps=..][,name=..]" -> (name, hyperparameters)."""
     values = dict(defaults)
     name = f"dpsgd-{index}"
     for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -119,15 +132,30 @@ def _warm_profiles(directory) -> None:
 def _specs(args: argparse.Namespace):
     from peer.dp.accounting import TrainingRecord
 
-    defaults = {"lr": args.learning_rate, "steps": args.steps, "q": args.sample_rate}
+    defaults = {"lr": args.learning_rate, "steps": args.steps, "q": args.sample_rate, "optimizer": args.optimizer}
     specs = [parse_model_spec(s, defaults, i) for i, s in enumerate(args.model or DEFAULT_MODELS)]
     names = [n for n, _ in specs]
     if len(set(names)) != len(names):
         raise InvalidArgument("model", f"names must be distinct, got {names}")
     trainings = [
-        TrainingRecord.constant(args.adjacency, v["steps"], v["lr"], v["clip"], v["noise"], v["q"]) for _, v in specs
+        TrainingRecord.constant(
+            args.adjacency, v["steps"], v["lr"], v["clip"], v["noise"], v["q"], optimizer=_optimizer(v, i)
+        )
+        for i, (_, v) in enumerate(specs)
     ]
     return names, trainings
+
+
+def _optimizer(values: dict, index: int):
+    """The model's optimiser (post-processing of each step's privatised gradient: its ε is the
+    same whatever it is), errors naming the model's entry (``model[1].beta2``)."""
+    from peer.dp.accounting import Optimizer
+
+    name = values.get("optimizer", "sgd")
+    try:
+        return Optimizer(name, tuple((k, values[k]) for k in OPTIMIZER_KEYS if k in values))
+    except InvalidArgument as e:
+        raise InvalidArgument(f"model[{index}].{e.field.removeprefix('optimizer.')}", e.rule) from None
 
 
 def _train_records(args: argparse.Namespace) -> int:
@@ -541,7 +569,8 @@ def register(subparsers) -> None:
         "--model",
         action="append",
         metavar="SPEC",
-        help="one model: noise=SIGMA,clip=C[,lr=ETA][,steps=T][,q=RATE][,name=NAME]; repeat for several "
+        help="one model: noise=SIGMA,clip=C[,lr=ETA][,steps=T][,q=RATE][,optimizer=sgd|momentum|adam]"
+        "[,momentum=BETA][,beta1=B1][,beta2=B2][,eps=EPS][,name=NAME]; repeat for several "
         f"(default: {' '.join(DEFAULT_MODELS)})",
     )
     t.add_argument(
@@ -555,6 +584,14 @@ def register(subparsers) -> None:
     t.add_argument("--learning-rate", type=float, default=4.0, help="default learning rate eta (default 4.0)")
     t.add_argument(
         "--sample-rate", type=float, default=1.0, help="default Poisson sample rate q; 1 = full batch (default)"
+    )
+    t.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=("sgd", "momentum", "adam"),
+        help="default optimiser fed each step's privatised gradient (post-processing: epsilon is the same; "
+        "the record names it): sgd (default), momentum (heavy ball, momentum=0.9) or adam (beta1=0.9, "
+        "beta2=0.999, eps=1e-8; give a much smaller lr than sgd's, e.g. 0.01); constants per model in --model",
     )
     t.add_argument("--adjacency", default="replace-one", choices=("replace-one", "add-remove"))
     t.add_argument(

@@ -31,6 +31,13 @@ For a linear combination of models (``peer.dp.merging``), η_t enters the accoun
 and sensitivity; models combined there share the same declared n, so the common factor 1/n
 cancels in every step's sensitivity-to-noise ratio.
 
+The update above is plain SGD on the privatised gradient ĝ_t = (Σ clip + σ_t C_t z_t)/(q_t n).
+A run may instead feed the same ĝ_t to heavy-ball momentum or Adam (``TrainingRecord.optimizer``,
+``peer.dp.accounting.training_records.Optimizer``; :func:`optimizer_update`): their state and
+update are functions of ĝ_1..ĝ_t and public constants only, i.e. post-processing of the same
+per-step Gaussian releases, so the accountant's ε is the same for the same steps whatever the
+optimiser (Abadi et al. train with momentum; Opacus wraps any torch optimiser this way).
+
 The initial parameters θ_0 are public (built from a public seed), so models of one pool share
 them and can be combined without alignment. The Gaussian noise z_t and the Poisson masks come
 from ``peer.base.rng.Randomness``'s NumPy PCG64 generator — seeded with 128 bits from the operating
@@ -51,8 +58,9 @@ from torch.func import functional_call, grad, vmap
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness
-from peer.dp.accounting import TrainingRecord
+from peer.dp.accounting import Optimizer, TrainingRecord
 from peer.dp.accounting.release_accounting import dpsgd_record
+from peer.dp.accounting.training_records import SGD
 from peer.nn.architectures import build_model, input_tensor, validate_architecture
 
 # A per-example loss: (parameters, one input, one label) -> scalar tensor.
@@ -112,12 +120,69 @@ def dpsgd_step(
     of one record each, so no row ever sees another (no batch statistics: see
     :func:`check_private_training`). An empty ``x`` (|B| = 0, a valid Poisson outcome) gives the
     zero clipped sum: the update is the noise alone."""
-    if x.shape[0] == 0:
-        g = {k: torch.zeros_like(p) for k, p in params.items()}
-    else:
-        g = clipped_sum(per_example_gradients(loss_fn, params, x, y), clip_norm, mask)
+    g = _clipped_batch_sum(loss_fn, params, x, y, clip_norm, mask)
     scale = learning_rate / denominator
     return {k: p - scale * (g[k] + (noise_multiplier * clip_norm) * noise[k]) for k, p in params.items()}
+
+
+def _clipped_batch_sum(loss_fn, params, x, y, clip_norm, mask) -> dict[str, torch.Tensor]:
+    if x.shape[0] == 0:
+        return {k: torch.zeros_like(p) for k, p in params.items()}
+    return clipped_sum(per_example_gradients(loss_fn, params, x, y), clip_norm, mask)
+
+
+def privatised_gradient(
+    loss_fn: LossFn,
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    clip_norm: float,
+    noise_multiplier: float,
+    denominator: float,
+    noise: Mapping[str, torch.Tensor],
+    mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The step's Gaussian release ĝ = (Σ_{i∈B} clip_C(∇ℓ(θ; x_i, y_i)) + σ·C·z)/denominator
+    (B, ``mask`` and an empty batch as in :func:`dpsgd_step`, which is θ − η·ĝ). Everything an
+    optimiser does afterwards with ĝ is post-processing."""
+    g = _clipped_batch_sum(loss_fn, params, x, y, clip_norm, mask)
+    return {k: (g[k] + (noise_multiplier * clip_norm) * noise[k]) / denominator for k in params}
+
+
+def optimizer_update(
+    optimizer: Optimizer,
+    params: Mapping[str, torch.Tensor],
+    gradient: Mapping[str, torch.Tensor],
+    state: dict[str, dict[str, torch.Tensor]],
+    step: int,
+    learning_rate: float,
+) -> dict[str, torch.Tensor]:
+    """θ_{t+1} from θ_t and the privatised gradient ĝ_t by ``optimizer``'s rule (its docstring
+    states them; torch.optim.SGD(momentum=β) and torch.optim.Adam compute the same), ``step`` =
+    t counted from 1, η = ``learning_rate``. ``state`` (per-parameter tensors: the momentum
+    buffer v, or Adam's moments m and v; empty before the first step) is updated in place. All
+    operations are elementwise, so parameters with a leading replica axis work unchanged."""
+    lr = float(learning_rate)
+    if optimizer.name == "sgd":
+        return {k: p - lr * gradient[k] for k, p in params.items()}
+    if optimizer.name == "momentum":
+        beta = optimizer["momentum"]
+        v = state.setdefault("v", {k: torch.zeros_like(p) for k, p in params.items()})
+        for k in params:
+            v[k] = beta * v[k] + gradient[k]
+        return {k: p - lr * v[k] for k, p in params.items()}
+    beta1, beta2, eps = optimizer["beta1"], optimizer["beta2"], optimizer["eps"]
+    m = state.setdefault("m", {k: torch.zeros_like(p) for k, p in params.items()})
+    v = state.setdefault("v", {k: torch.zeros_like(p) for k, p in params.items()})
+    correction1, correction2 = 1.0 - beta1**step, 1.0 - beta2**step
+    out = {}
+    for k, p in params.items():
+        g = gradient[k]
+        m[k] = beta1 * m[k] + (1.0 - beta1) * g
+        v[k] = beta2 * v[k] + (1.0 - beta2) * g * g
+        out[k] = p - (lr / correction1) * m[k] / (v[k].sqrt() / math.sqrt(correction2) + eps)
+    return out
 
 
 @dataclass(frozen=True)
@@ -159,6 +224,7 @@ def run_dpsgd(
     replicas: int | None = None,
     progress: Callable[[], None] | None = None,
     before_step: Callable[[dict[str, torch.Tensor]], None] | None = None,
+    optimizer: Optimizer = SGD,
 ) -> DPSGDRun:
     """Run DP-SGD from ``params0`` through ``steps`` (objects with ``learning_rate``,
     ``clip_norm``, ``noise_multiplier``, ``sample_rate``, e.g. the accountant's GaussianStep).
@@ -178,6 +244,9 @@ def run_dpsgd(
     output of the steps before): what it changes must depend on public data only (e.g. norm
     statistics measured on public records), so that each step stays the Gaussian mechanism
     the accountant composes (adaptive composition).
+    ``optimizer`` (default plain SGD, the update of :func:`dpsgd_step`) turns each step's
+    privatised gradient (:func:`privatised_gradient`) into the update by
+    :func:`optimizer_update`; the noise and batches drawn are the same whatever it is.
     """
     n_records = int(x.shape[0])
     if n_records == 0:
@@ -191,8 +260,12 @@ def run_dpsgd(
     # All noise and batch sampling come from the release's own NumPy PCG64 stream (128-bit
     # CSPRNG seed, or the recorded fixed seed), the same source as every other mechanism here;
     # drawn in float64 and cast to the parameters' dtype.
+    if not isinstance(optimizer, Optimizer):
+        raise InvalidArgument("optimizer", f"must be an Optimizer, got {type(optimizer).__name__}")
+    plain = optimizer.name == "sgd"
     gen = randomness.generator
     params = {k: v.detach().clone() for k, v in params0.items()}
+    state: dict[str, dict[str, torch.Tensor]] = {}
     if replicas is not None:
         params = {k: v.unsqueeze(0).repeat(replicas, *([1] * v.dim())) for k, v in params.items()}
         step_fn = vmap(
@@ -201,8 +274,14 @@ def run_dpsgd(
             ),
             in_dims=(0, 0, 0, None, None, None, None),
         )
+        gradient_fn = vmap(
+            lambda p, z, m, c, s, d: privatised_gradient(
+                loss_fn, p, x, y, clip_norm=c, noise_multiplier=s, denominator=d, noise=z, mask=m
+            ),
+            in_dims=(0, 0, 0, None, None, None),
+        )
     batch_sizes: list[int] | None = None
-    for s in steps:
+    for t, s in enumerate(steps, start=1):
         if before_step is not None:
             before_step(params)
         noise = {k: torch.from_numpy(gen.standard_normal(tuple(v.shape))).to(v.dtype) for k, v in params.items()}
@@ -224,7 +303,24 @@ def run_dpsgd(
             mask = None if replicas is None else torch.ones(*lead, n_records, dtype=x.dtype)
         lr, c, sigma = float(s.learning_rate), float(s.clip_norm), float(s.noise_multiplier)
         with torch.no_grad():
-            if replicas is None:
+            if not plain:
+                # the same Gaussian release as dpsgd_step's, handed to the optimiser
+                if replicas is None:
+                    g_hat = privatised_gradient(
+                        loss_fn,
+                        params,
+                        step_x,
+                        step_y,
+                        clip_norm=c,
+                        noise_multiplier=sigma,
+                        denominator=denominator,
+                        noise=noise,
+                        mask=mask,
+                    )
+                else:
+                    g_hat = gradient_fn(params, noise, mask, c, sigma, denominator)
+                params = optimizer_update(optimizer, params, g_hat, state, t, lr)
+            elif replicas is None:
                 params = dpsgd_step(
                     loss_fn,
                     params,
@@ -274,6 +370,17 @@ class TrainedModel:
     init_seed: int
 
 
+_G_HAT = "g_t = (sum_{i in B_t} clip_{C_t}(grad_i) + sigma_t * C_t * z_t) / (q_t * n)"
+# the update rule in words, one per optimiser (its constants are in parameters.training.optimizer);
+# the SGD text is the one every earlier record carries
+_UPDATES = {
+    "sgd": "theta <- theta - lr_t * (sum_{i in B_t} clip_{C_t}(grad_i) + sigma_t * C_t * z_t) / (q_t * n)",
+    "momentum": f"{_G_HAT}; v_t = momentum * v_(t-1) + g_t (v_0 = 0); theta <- theta - lr_t * v_t",
+    "adam": f"{_G_HAT}; m_t = beta1 * m_(t-1) + (1 - beta1) * g_t; v_t = beta2 * v_(t-1) + (1 - beta2) * g_t^2 "
+    "(m_0 = v_0 = 0); theta <- theta - lr_t * (m_t / (1 - beta1^t)) / (sqrt(v_t / (1 - beta2^t)) + eps)",
+}
+
+
 def dpsgd_release_record(
     training: TrainingRecord,
     *,
@@ -294,7 +401,7 @@ def dpsgd_release_record(
             "dataset_size": int(dataset_size),
             "init_seed": int(init_seed),
             "architecture": dict(architecture),
-            "update": "theta <- theta - lr_t * (sum_{i in B_t} clip_{C_t}(grad_i) + sigma_t * C_t * z_t) / (q_t * n)",
+            "update": _UPDATES[training.optimizer.name],
         }
     )
     return record.with_(parameters=params)
@@ -314,7 +421,7 @@ def train_dpsgd_classifier(
     progress: Callable[[], None] | None = None,
 ) -> TrainedModel:
     """Train ``architecture`` (peer.nn.architectures) on (x, y) with cross-entropy by DP-SGD, running
-    exactly ``training.steps`` from the public initialisation build_model(arch, seed=init_seed).
+    exactly ``training.steps`` (taken with ``training.optimizer``) from the public initialisation build_model(arch, seed=init_seed).
     The unit of privacy is one record of (x, y) under ``training.adjacency``."""
     arch = validate_architecture(architecture)
     model = build_model(arch, seed=init_seed)
@@ -331,6 +438,7 @@ def train_dpsgd_classifier(
         randomness=randomness,
         dataset_size=n,
         progress=progress,
+        optimizer=training.optimizer,
     )
     arrays = {k: v.numpy().astype(np.float32) for k, v in run.params.items()}
     record = dpsgd_release_record(
@@ -492,6 +600,7 @@ def train_dpsgd_module(
         dataset_size=n,
         progress=progress,
         before_step=refresh,
+        optimizer=training.optimizer,
     )
     if refresh is not None:
         refresh(run.params)

@@ -42,17 +42,26 @@ from peer.dp.accounting.release_accounting import (
 )
 from peer.dp.accounting.rs import rs_delta, rs_epsilon, rs_pld, rs_profiles, rs_rdp
 from peer.dp.accounting.targets import UnreachableTarget, WeightChoice, choose_lam, choose_pi
-from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, GaussianStep, TrainingRecord
+from peer.dp.accounting.training_records import (
+    ADJACENCIES,
+    OPTIMIZERS,
+    ApproxDP,
+    GaussianStep,
+    Optimizer,
+    TrainingRecord,
+)
 
 __all__ = [
     "ADJACENCIES",
     "DEFAULT_ORDERS",
+    "OPTIMIZERS",
     "ApproxDP",
     "Deltas",
     "Epsilons",
     "GaussianStep",
     "LCReport",
     "LCSegments",
+    "Optimizer",
     "PrivacyProfile",
     "TrainingRecord",
     "UnreachableTarget",

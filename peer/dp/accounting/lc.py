@@ -41,7 +41,9 @@ loss a_j·t and σ = 5, model 2 with the loss (t − 0.3)²/2 (never clipped) an
 decays by (1 − η) per step. θ_λ is exactly Gaussian with μ = 5.237 (ε = 35.3 at δ = 1e-5) while
 the surrogate says μ = 0.799 (ε = 3.38). So the surrogate is reported beside the bound
 (``lc_report``), labelled with its condition, and is charged only when every merged model with
-λ_i > 0 declares state-independent gradients (``surrogate_is_bound``).
+λ_i > 0 declares state-independent gradients and took plain SGD steps (``surrogate_is_bound``:
+momentum or Adam, ``TrainingRecord.optimizer``, make θ_T another function of the releases than
+θ_0 − Σ_t η_t ĝ_t, which the surrogate's per-step weights η_t assume).
 
 Refusals: models known only by (ε_i, δ_i) (no free lunch: from the final guarantees alone an LC
 can be no more private than releasing every model — which is the composition bound itself; LC
@@ -380,11 +382,15 @@ def lc_support(lam: Sequence[float], count: int) -> tuple[int, ...]:
 def surrogate_is_bound(models: Sequence, lam: Sequence[float] | None = None) -> bool:
     """True when the per-step surrogate is a proven bound for θ_λ: every model θ_λ depends on
     (λ_i > 0; all models when ``lam`` is None) is a full-batch ``TrainingRecord`` declaring
-    state-independent gradients."""
+    state-independent gradients and taking plain SGD steps (momentum and Adam weight the
+    releases otherwise than the surrogate's η_t)."""
     models = list(models)
     chosen = range(len(models)) if lam is None else lc_support(lam, len(models))
     return bool(models) and all(
-        isinstance(models[i], TrainingRecord) and models[i].state_independent_gradients and models[i].full_batch
+        isinstance(models[i], TrainingRecord)
+        and models[i].state_independent_gradients
+        and models[i].full_batch
+        and models[i].optimizer.name == "sgd"
         for i in chosen
     )
 

@@ -22,6 +22,14 @@ one enters: ‖g − g'‖ ≤ 2C); the noise std is ``σ_t C_t``. The factor η
 sensitivity and the noise alike, so one model's per-step privacy depends only on (σ_t, q_t); η_t
 and C_t matter when several models are combined linearly (``peer.dp.accounting.lc``).
 
+The optimiser that turns each step's privatised gradient
+ĝ_t = (Σ_{i∈B_t} clip_{C_t}(∇ℓ(θ_t; x_i)) + σ_t C_t z_t)/(q_t n) into a parameter update is
+``TrainingRecord.optimizer`` (``Optimizer``): plain SGD θ_{t+1} = θ_t − η_t ĝ_t (the default, and the
+meaning of every record without the field), heavy-ball momentum or Adam. Momentum and Adam read
+ĝ_1..ĝ_t and public constants only, so they are post-processing of the same per-step Gaussian
+releases: one model's privacy (every accountant's ε) does not depend on the optimiser. Only the
+LC per-step surrogate does (it assumes θ_T = θ_0 − Σ_t η_t ĝ_t): ``peer.dp.accounting.lc``.
+
 Because the record describes the *mechanism*, its guarantee can be derived under either adjacency
 exactly (the sensitivity above changes, nothing else); ``TrainingRecord.adjacency`` is the unit of
 privacy the model was declared under. An ``ApproxDP`` model, known only by its final (ε, δ), is
@@ -92,6 +100,77 @@ class GaussianStep:
         return {name: getattr(self, name) for name in _STEP_FIELDS}
 
 
+OPTIMIZERS = ("sgd", "momentum", "adam")
+# each optimiser's public constants and their defaults (PyTorch's and Kingma & Ba's)
+_OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
+    "sgd": {},
+    "momentum": {"momentum": 0.9},
+    "adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
+}
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """How a DP-SGD run turns the privatised gradient ĝ_t of step t into an update (all
+    constants public; η_t is the step's ``learning_rate``):
+
+    - ``"sgd"``: θ_{t+1} = θ_t − η_t ĝ_t;
+    - ``"momentum"`` (heavy ball, as ``torch.optim.SGD(momentum=β)``): v_t = β v_{t−1} + ĝ_t
+      (v_0 = 0), θ_{t+1} = θ_t − η_t v_t;
+    - ``"adam"`` (Kingma & Ba 2015, Alg. 1, as ``torch.optim.Adam``): m_t = β₁ m_{t−1} + (1−β₁) ĝ_t,
+      v_t = β₂ v_{t−1} + (1−β₂) ĝ_t², θ_{t+1} = θ_t − η_t m̂_t / (√v̂_t + ε) with the bias
+      corrections m̂_t = m_t/(1−β₁ᵗ), v̂_t = v_t/(1−β₂ᵗ) (elementwise).
+
+    Every rule is a function of ĝ_1..ĝ_t and public constants: post-processing of the per-step
+    Gaussian mechanism, so a model's privacy is the same whatever the optimiser. ``params``
+    holds the optimiser's constants (``momentum``; ``beta1``, ``beta2``, ``eps``); a missing one
+    takes its default (momentum 0.9; β₁ 0.9, β₂ 0.999, ε 1e-8)."""
+
+    name: str = "sgd"
+    params: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise InvalidArgument("optimizer", f"must be one of {OPTIMIZERS}, got {self.name!r}")
+        defaults = _OPTIMIZER_DEFAULTS[self.name]
+        given = dict(self.params)
+        unknown = sorted(set(given) - set(defaults))
+        if unknown:
+            allowed = sorted(defaults) if defaults else "none"
+            raise InvalidArgument(
+                f"optimizer.{unknown[0]}", f"is not a parameter of {self.name!r} (its parameters: {allowed})"
+            )
+        values = {k: _number(given.get(k, d), f"optimizer.{k}") for k, d in defaults.items()}
+        for k in ("momentum", "beta1", "beta2"):
+            if k in values and not 0 <= values[k] < 1:
+                raise InvalidArgument(f"optimizer.{k}", f"must be in [0, 1), got {values[k]!r}")
+        if "eps" in values and not values["eps"] > 0:
+            raise InvalidArgument("optimizer.eps", f"must be > 0, got {values['eps']!r}")
+        object.__setattr__(self, "params", tuple(sorted(values.items())))
+
+    @classmethod
+    def of(cls, name: str = "sgd", **params: float) -> Optimizer:
+        return cls(name, tuple(params.items()))
+
+    def __getitem__(self, key: str) -> float:
+        return dict(self.params)[key]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **dict(self.params)}
+
+    @classmethod
+    def from_dict(cls, data: Any, field_name: str = "optimizer") -> Optimizer:
+        if not isinstance(data, Mapping) or not isinstance(data.get("name"), str):
+            raise InvalidArgument(field_name, f"must be an object with a 'name' in {OPTIMIZERS}, got {data!r}")
+        try:
+            return cls(data["name"], tuple((k, v) for k, v in data.items() if k != "name"))
+        except InvalidArgument as e:
+            raise InvalidArgument(field_name + e.field.removeprefix("optimizer"), e.rule) from None
+
+
+SGD = Optimizer()
+
+
 @dataclass(frozen=True, repr=False)
 class TrainingRecord:
     """A DP-SGD run as the accountant sees it: the adjacency it was declared under and every
@@ -104,11 +183,17 @@ class TrainingRecord:
     Gaussian mean estimation by DP-GD. Only then is a linear combination of runs one Gaussian
     mechanism that the LC per-step surrogate bounds (``peer.dp.accounting.lc``). Default False; DP-SGD
     on a neural network never sets it (its gradients depend on its weights). It changes nothing in
-    one model's own privacy; it is serialised only when True."""
+    one model's own privacy; it is serialised only when True.
+
+    ``optimizer`` says how each step's privatised gradient became the update (``Optimizer``;
+    post-processing, so it changes no accountant's ε for this model). It is serialised only
+    when it is not plain SGD, so a record without the field — every record written before the
+    field existed — means SGD and keeps its bytes and digests."""
 
     adjacency: str
     steps: tuple[GaussianStep, ...]
     state_independent_gradients: bool = False
+    optimizer: Optimizer = SGD
     _runs: tuple[tuple[GaussianStep, int], ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +202,8 @@ class TrainingRecord:
             raise InvalidArgument(
                 "state_independent_gradients", f"must be true or false, got {self.state_independent_gradients!r}"
             )
+        if not isinstance(self.optimizer, Optimizer):
+            raise InvalidArgument("optimizer", f"must be an Optimizer, got {type(self.optimizer).__name__}")
         steps = tuple(self.steps)
         if not steps:
             raise InvalidArgument("steps", "must contain at least one step")
@@ -135,12 +222,13 @@ class TrainingRecord:
     def __hash__(self) -> int:
         # the runs (maximal runs of equal steps) determine the steps and are short: hashing them
         # instead of 10,000 steps makes a profile cache lookup cheap; equal records have equal runs
-        return hash((self.adjacency, self._runs, self.state_independent_gradients))
+        return hash((self.adjacency, self._runs, self.state_independent_gradients, self.optimizer))
 
     def __repr__(self) -> str:
         runs = ", ".join(f"{n}x{s!r}" for s, n in self._runs)
         declared = ", state_independent_gradients=True" if self.state_independent_gradients else ""
-        return f"TrainingRecord(adjacency={self.adjacency!r}, runs=[{runs}]{declared})"
+        opt = "" if self.optimizer == SGD else f", optimizer={self.optimizer!r}"
+        return f"TrainingRecord(adjacency={self.adjacency!r}, runs=[{runs}]{declared}{opt})"
 
     @classmethod
     def constant(
@@ -153,6 +241,7 @@ class TrainingRecord:
         sample_rate: float = 1.0,
         *,
         state_independent_gradients: bool = False,
+        optimizer: Optimizer = SGD,
     ) -> TrainingRecord:
         """``steps`` identical steps."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
@@ -161,18 +250,28 @@ class TrainingRecord:
             adjacency,
             (GaussianStep(learning_rate, clip_norm, noise_multiplier, sample_rate),) * steps,
             state_independent_gradients,
+            optimizer,
         )
 
     @classmethod
     def from_runs(
-        cls, adjacency: str, runs: Iterable[tuple[GaussianStep, int]], *, state_independent_gradients: bool = False
+        cls,
+        adjacency: str,
+        runs: Iterable[tuple[GaussianStep, int]],
+        *,
+        state_independent_gradients: bool = False,
+        optimizer: Optimizer = SGD,
     ) -> TrainingRecord:
         steps: list[GaussianStep] = []
         for i, (s, n) in enumerate(runs):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise InvalidArgument(f"steps[{i}].count", f"must be a positive integer, got {n!r}")
             steps.extend([s] * n)
-        return cls(adjacency, tuple(steps), state_independent_gradients)
+        return cls(adjacency, tuple(steps), state_independent_gradients, optimizer)
+
+    def with_optimizer(self, optimizer: Optimizer) -> TrainingRecord:
+        """The same steps, taken with ``optimizer``."""
+        return TrainingRecord(self.adjacency, self.steps, self.state_independent_gradients, optimizer)
 
     @property
     def runs(self) -> tuple[tuple[GaussianStep, int], ...]:
@@ -196,6 +295,8 @@ class TrainingRecord:
         out = {"adjacency": self.adjacency, "steps": [{"count": n, **s.to_dict()} for s, n in self._runs]}
         if self.state_independent_gradients:
             out["state_independent_gradients"] = True
+        if self.optimizer != SGD:
+            out["optimizer"] = self.optimizer.to_dict()
         return out
 
     @classmethod
@@ -203,7 +304,7 @@ class TrainingRecord:
         """Inverse of ``to_dict``; every error names the offending entry (``training.steps[2].clip_norm``)."""
         if not isinstance(data, Mapping):
             raise InvalidArgument(field_name, "must be an object with 'adjacency' and 'steps'")
-        unknown = set(data) - {"adjacency", "steps", "state_independent_gradients"}
+        unknown = set(data) - {"adjacency", "steps", "state_independent_gradients", "optimizer"}
         if unknown:
             raise InvalidArgument(field_name, f"unknown fields {sorted(unknown)}")
         adjacency = check_adjacency(data.get("adjacency"), f"{field_name}.adjacency")
@@ -212,6 +313,8 @@ class TrainingRecord:
             raise InvalidArgument(
                 f"{field_name}.state_independent_gradients", f"must be true or false, got {declared!r}"
             )
+        # absent: plain SGD, what every record written before the field existed means
+        optimizer = Optimizer.from_dict(data["optimizer"], f"{field_name}.optimizer") if "optimizer" in data else SGD
         raw = data.get("steps")
         if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
             raise InvalidArgument(f"{field_name}.steps", "must be a non-empty list of runs")
@@ -234,7 +337,7 @@ class TrainingRecord:
             except InvalidArgument as e:
                 raise InvalidArgument(f"{where}.{e.field}", e.rule) from None
             runs.append((step, count))
-        return cls.from_runs(adjacency, runs, state_independent_gradients=declared)
+        return cls.from_runs(adjacency, runs, state_independent_gradients=declared, optimizer=optimizer)
 
 
 @dataclass(frozen=True)
