@@ -2,13 +2,14 @@
 the production steps of a ``merged`` round, in one process (no daemons: the e2e test
 ``tests/test_imported_e2e.py`` runs the same steps through them).
 
-    .venv/bin/python benchmarks/imported_fusion.py [--steps 30 --lr 4 --noise 5] [--alpha 0.5 0.7 0.9]
+    .venv/bin/python benchmarks/imported_fusion.py [--steps 30 --noise 5 --q 1] [--optimizer adam --lr 0.01] [--alpha 0.5 0.7 0.9]
 
 Site A and site B each train the small ResNet of the e2e test (conv → BN → relu, two residual
 blocks, pooling, Linear) on their own half of digits' protected records (Adam, non-private,
 local). B's pool model is DP-SGD from the factory's public initialisation on B's half
 (``peer.dp.training.train_dpsgd_module``: eval mode, BatchNorm statistics of the public
-validation split per step). A aligns what it receives by group matching on a public probe
+validation split per step), its privatised gradients fed to ``--optimizer`` (sgd, momentum or
+adam: post-processing, so the same ε for the same steps). A aligns what it receives by group matching on a public probe
 set (128 validation rows), fuses α·A + (1 − α)·B_aligned, and repairs (BatchNorm statistics
 reset on the probe set) — ``peer.ldp.pipeline.align_groups / average_states /
 repair_states``. Prints test accuracy of: own A, own B, B's DP model, fused and fused + REPAIR
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peer.base.rng import make_randomness
-from peer.dp.accounting import TrainingRecord
+from peer.dp.accounting import Optimizer, TrainingRecord
 from peer.dp.pools import load_splits
 from peer.dp.training import train_dpsgd_module
 from peer.ldp.pipeline import align_groups, average_states, repair_states
@@ -85,8 +86,10 @@ def train_own(x, y, seed: int, epochs: int) -> nn.Module:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--lr", type=float, default=4.0)
+    ap.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="sgd")
+    ap.add_argument("--lr", type=float, default=None, help="default: 4 (sgd), 0.4 (momentum), 0.01 (adam)")
     ap.add_argument("--noise", type=float, default=5.0)
+    ap.add_argument("--q", type=float, default=1.0, help="Poisson sample rate (default 1: full batch)")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--alpha", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     args = ap.parse_args()
@@ -97,7 +100,10 @@ def main() -> None:
     b = train_own(s.x_train[n // 2 :], s.y_train[n // 2 :], 11, args.epochs)
     structure = import_structure(a, [1, 8, 8])
     t0 = time.monotonic()
-    training = TrainingRecord.constant("replace-one", args.steps, args.lr, 1.0, args.noise, 1.0)
+    lr = args.lr if args.lr is not None else {"sgd": 4.0, "momentum": 0.4, "adam": 0.01}[args.optimizer]
+    training = TrainingRecord.constant(
+        "replace-one", args.steps, lr, 1.0, args.noise, args.q, optimizer=Optimizer(args.optimizer)
+    )
     dp = train_dpsgd_module(
         DigitsResNet,
         imported_architecture(structure),
@@ -124,7 +130,8 @@ def main() -> None:
         # the same BatchNorm reset on the probe set applied to A alone: what REPAIR's reset is
         # worth without any fusion (A's running statistics come from its training batches)
         "own A + BN reset on the probe set": acc(repair_states(structure, a, [a], [1.0], probe)),
-        f"B's DP-SGD model (eps {dp.record.epsilon:.2f} at delta 1e-5, {dp_seconds:.0f}s)": acc(dp_model),
+        f"B's DP-SGD model ({args.optimizer}, lr {lr:g}; eps {dp.record.epsilon:.2f} at delta 1e-5, "
+        f"{dp_seconds:.0f}s)": acc(dp_model),
     }
     for label, partner in (("DP", dp_model), ("oracle (B's own)", b)):
         aligned = align_groups(structure, a, partner, probe).apply(
