@@ -43,6 +43,8 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     sample_rate = 1.0           # 1 = full batch (what LC needs)
     adjacency = "add-remove"    # unit of privacy: "add-remove" | "replace-one"
     delta = 1e-5
+    optimizer = "sgd"           # fed each step's privatised gradient: "sgd" | "momentum" | "adam"
+                                # (default constants; post-processing: the same epsilon)
 
     [policy]                    # every site's budgets
     model_epsilon = 5000.0      # model level, per neuron, one model, all counterparties
@@ -149,6 +151,7 @@ class PoolSpec:
     sample_rate: float = 1.0
     adjacency: str = "add-remove"
     delta: float = 1e-5
+    optimizer: str = "sgd"
 
 
 @dataclass(frozen=True)
@@ -360,6 +363,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             sample_rate=q.number("sample_rate", PoolSpec.sample_rate, exclusive_minimum=0.0, maximum=1.0),
             adjacency=q.string("adjacency", PoolSpec.adjacency, choices=("add-remove", "replace-one")),
             delta=q.number("delta", PoolSpec.delta, exclusive_minimum=0.0, exclusive_maximum=1.0),
+            optimizer=q.string("optimizer", PoolSpec.optimizer, choices=("sgd", "momentum", "adam")),
         )
 
     pol = root.section("policy")

@@ -403,14 +403,16 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
 
 def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None) -> list[dict]:
     from peer.base.rng import make_randomness
-    from peer.dp.accounting import TrainingRecord
+    from peer.dp.accounting import Optimizer, TrainingRecord
     from peer.dp.pools import load_pool, save_trained, warm_pool_profiles
     from peer.dp.training import train_pool
     from peer.nn.architectures import accuracy, model_from_arrays
 
     p = sc.pool
     trainings = [
-        TrainingRecord.constant(p.adjacency, p.steps, p.learning_rate, p.clip_norm, nm, p.sample_rate)
+        TrainingRecord.constant(
+            p.adjacency, p.steps, p.learning_rate, p.clip_norm, nm, p.sample_rate, optimizer=Optimizer(p.optimizer)
+        )
         for nm in p.noise_multipliers
     ]
     models = train_pool(
