@@ -15,6 +15,11 @@ denominator — is the number of training records; it is printed and recorded. W
 trained as the bundled ``--from-model`` path trains it (:func:`_train_imported`) on records read,
 split and prepared exactly as above; :func:`records_fit_network` says how records become the
 network's inputs. The bundled ``--dataset`` path stays for demonstrations.
+
+Each step's privatised gradient goes to plain SGD by default; ``--optimizer momentum|adam`` (every
+model) or ``optimizer=...`` in one ``--model`` (with its constants ``momentum=``, ``beta1=``,
+``beta2=``, ``eps=``) feeds it to heavy-ball momentum or Adam instead: post-processing of the same
+Gaussian releases, so each model's ε is unchanged; its training record names the optimiser.
 """
 
 from __future__ import annotations
