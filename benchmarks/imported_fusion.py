@@ -2,7 +2,7 @@
 the production steps of a ``merged`` round, in one process (no daemons: the e2e test
 ``tests/test_imported_e2e.py`` runs the same steps through them).
 
-    .venv/bin/python benchmarks/imported_fusion.py [--steps 30 --noise 5 --q 1] [--optimizer adam --lr 0.01] [--alpha 0.5 0.7 0.9]
+    .venv/bin/python benchmarks/imported_fusion.py [--steps 30 --noise 5 --q 1] [--optimizer adam --lr 0.01] [--seed 1] [--alpha 0.5 0.7 0.9]
 
 Site A and site B each train the small ResNet of the e2e test (conv → BN → relu, two residual
 blocks, pooling, Linear) on their own half of digits' protected records (Adam, non-private,
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=5.0)
     ap.add_argument("--q", type=float, default=1.0, help="Poisson sample rate (default 1: full batch)")
     ap.add_argument("--epochs", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=1, help="fixed seed of the DP-SGD noise (default 1)")
     ap.add_argument("--alpha", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -112,7 +113,7 @@ def main() -> None:
         s.y_train[n // 2 :],
         training,
         init_seed=0,
-        randomness=make_randomness(1),
+        randomness=make_randomness(args.seed),
         delta=1e-5,
         public_x=s.x_val,
     )
