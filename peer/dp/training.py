@@ -59,6 +59,7 @@ from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness
 from peer.dp.accounting import Optimizer, TrainingRecord
+from peer.dp.accounting.profiles import check_accountable
 from peer.dp.accounting.release_accounting import dpsgd_record
 from peer.dp.accounting.training_records import SGD
 from peer.nn.architectures import build_model, input_tensor, validate_architecture
@@ -424,6 +425,7 @@ def train_dpsgd_classifier(
     exactly ``training.steps`` (taken with ``training.optimizer``) from the public initialisation build_model(arch, seed=init_seed).
     The unit of privacy is one record of (x, y) under ``training.adjacency``."""
     arch = validate_architecture(architecture)
+    check_accountable(training)  # before any training: a record the accountant cannot cost is refused now
     model = build_model(arch, seed=init_seed)
     xt = input_tensor(arch, x)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
@@ -571,6 +573,7 @@ def train_dpsgd_module(
     ``architecture`` is the public
     description recorded (``peer.nn.imported.imported_architecture``); the unit of privacy is
     one record of (x, y) under ``training.adjacency``."""
+    check_accountable(training)  # before any training (see train_dpsgd_classifier)
     state = torch.random.get_rng_state()
     torch.manual_seed(init_seed)
     try:

@@ -130,6 +130,9 @@ def _full_batch_mu(groups: Counter, adjacency: str) -> float:
 
 
 def _training_rdp(record: TrainingRecord, adjacency: str, orders: np.ndarray) -> np.ndarray:
+    # first: the numerical RDP integral of a near-noiseless Poisson step (grid step ≤ σ²/2√order)
+    # is as hopeless as its PLD, and every profile starts here
+    check_accountable(record, adjacency)
     groups = _step_groups(record)
     if any(sigma == 0 for sigma, _ in groups):
         return np.full(orders.shape, math.inf)
@@ -140,11 +143,58 @@ def _training_rdp(record: TrainingRecord, adjacency: str, orders: np.ndarray) ->
     return rdp
 
 
+def check_accountable(
+    record: TrainingRecord, adjacency: str | None = None, value_discretization_interval: float = DEFAULT_INTERVAL
+) -> None:
+    """Refuse (InvalidArgument naming the steps' noise multiplier) a training record whose PLD
+    would need a grid of more than ``pld.MAX_PMF_BINS`` bins for one of its Gaussian parts (the
+    full-batch steps' composition N(0,1) vs N(μ,1), or one subsampled step): called before a
+    profile is built and before DP-SGD trains, so that a near-noiseless run is refused at once
+    instead of the accountant taking minutes and gigabytes after the training. Cheap: bounds
+    only, no PMF is built. σ = 0 is not refused (its profile is the non-private one, exactly)."""
+    interval = pldm.check_interval(value_discretization_interval)
+    adjacency = check_adjacency(record.adjacency if adjacency is None else adjacency)
+    groups = _step_groups(record)
+    if any(sigma == 0 for sigma, _ in groups):
+        return
+    mu_full = _full_batch_mu(groups, adjacency)
+    if mu_full > 0:
+        bins, lo, hi = pldm.gaussian_pmf_bins(1.0, mu_full, interval)
+        count = sum(c for (_, q), c in groups.items() if q == 1.0)
+        pldm.check_grid(
+            "training.steps.noise_multiplier",
+            f"the {count} full-batch steps compose to a Gaussian mechanism of μ = {mu_full:.4g}",
+            bins,
+            lo,
+            hi,
+            interval,
+        )
+    sens = 2.0 if adjacency == "replace-one" else 1.0
+    relation = (
+        pldm.NeighboringRelation.REPLACE_ONE
+        if adjacency == "replace-one"
+        else pldm.NeighboringRelation.ADD_OR_REMOVE_ONE
+    )
+    for sigma, q in sorted(groups):
+        if q != 1.0:
+            # the PMFs pld.subsampled_gaussian_pld builds (noise σ, sensitivity 1 per direction)
+            bins, lo, hi = pldm.gaussian_pmf_bins(sigma, 1.0, interval, q, relation)
+            pldm.check_grid(
+                "training.steps.noise_multiplier",
+                f"a step of noise multiplier {sigma:g} at sample rate {q:g} (sensitivity {sens:g})",
+                bins,
+                lo,
+                hi,
+                interval,
+            )
+
+
 def _training_profile(record: TrainingRecord, adjacency: str, orders: np.ndarray, interval: float) -> PrivacyProfile:
     groups = _step_groups(record)
     rdp = _derived_rdp(record, adjacency, tuple(float(a) for a in orders))
     if any(sigma == 0 for sigma, _ in groups):
         return PrivacyProfile(adjacency, tuple(orders), rdp, pldm.non_private_pld(interval), interval, math.inf)
+    check_accountable(record, adjacency, interval)  # at this interval (the RDP gate used the default)
     mu_full = _full_batch_mu(groups, adjacency)
     parts = [pldm.gaussian_pld(mu_full, interval)] if mu_full > 0 else []
     for (sigma, q), count in sorted(groups.items()):
