@@ -186,3 +186,22 @@ def test_repair_of_a_cnn_sets_per_channel_moments_over_records_and_positions_and
     again = repair_fusion(self_fused, a, self_fused, s.stat_points, 0.3, x)
     with torch.no_grad():
         torch.testing.assert_close(again(x), a(x), rtol=1e-4, atol=1e-4)
+
+
+def test_fine_tune_never_hands_batchnorm_a_single_row():
+    """65 records in batches of 64 leave one row over: it joins the batch before it (BatchNorm1d
+    in training mode cannot normalise one row); exactly one record is refused by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(65, 4)).astype(np.float32), rng.integers(0, 2, 65)
+    tuned = fine_tune(model, x, y, seed=0, epochs=2, batch_size=64)
+    assert not torch.equal(tuned[0].weight, model[0].weight) and not tuned.training
+    # the row over joined its batch (no row lost): one batch of all 65 rows trains identically
+    whole = fine_tune(model, x, y, seed=0, epochs=2, batch_size=65)
+    assert all(torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), whole.state_dict().values(), strict=True))
+    with pytest.raises(InvalidArgument, match="single row"):
+        fine_tune(model, x[:1], y[:1], seed=0)
+    # without BatchNorm a single record is fine-tuned as before
+    plain = nn.Sequential(nn.Linear(4, 2))
+    assert not torch.equal(fine_tune(plain, x[:1], y[:1], seed=0, epochs=1)[0].weight, plain[0].weight)

@@ -250,9 +250,15 @@ def fine_tune(
     """A copy of ``model`` trained a few Adam epochs with cross-entropy on the requester's own
     records (``x`` shaped as the model expects, integer labels ``y``); deterministic given
     ``seed``. Local training on one's own data: it touches no other site's release beyond
-    post-processing it."""
+    post-processing it.
+
+    Batches are ``batch_size`` rows, except that a last batch of one row joins the batch
+    before it: BatchNorm in training mode cannot normalise a single row (per-feature variance
+    of one value), and one row's step would be noise anyway."""
     if len(x) == 0:
         raise InvalidArgument("x", "no records to fine-tune on")
+    if len(x) == 1 and any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules()):
+        raise InvalidArgument("x", "one record: a network with BatchNorm cannot be fine-tuned on a single row")
     m = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
     xt = torch.as_tensor(np.asarray(x, dtype=np.float32))
@@ -261,8 +267,11 @@ def fine_tune(
     m.train()
     for _ in range(epochs):
         order = torch.randperm(len(xt), generator=gen)
-        for i in range(0, len(xt), batch_size):
-            idx = order[i : i + batch_size]
+        starts = list(range(0, len(xt), batch_size))
+        if len(starts) > 1 and len(xt) - starts[-1] == 1:
+            starts.pop()  # the last single row goes with the batch before it
+        for k, i in enumerate(starts):
+            idx = order[i : starts[k + 1] if k + 1 < len(starts) else len(xt)]
             opt.zero_grad()
             loss = nn.functional.cross_entropy(m(xt[idx]), yt[idx])
             loss.backward()
