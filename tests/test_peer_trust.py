@@ -269,3 +269,39 @@ def test_rotation_keeps_working_through_the_overlap_and_retires_the_old_certific
                 assert c.weights("mlp", epsilon=2.0, delta=1e-5).receipt is not None
         old_conn.close()
     assert [p.fingerprint for p in TrustStore(a.identity_dir / "trusted").pins_of("site-b")] == [staged.fingerprint]
+
+
+def test_a_running_daemon_serves_its_rotated_certificate_without_a_restart(tmp_path):
+    """After `peer rotate --activate` the daemon takes the new pair at the next TLS handshake
+    (no restart): new connections see the new certificate and receipts signed with the new key;
+    once the peer promotes the new pin, calls keep working. Files that do not load (caught
+    mid-rotation, a certificate of another site) leave the current pair in use."""
+    from peer.cli import main
+    from peer.net.identity import init_identity, load_identity
+
+    a = make_site(tmp_path, "site-a")
+    b = make_site(tmp_path, "site-b")
+    pin_each_other(a, b)
+    old_b = b.identity
+    assert main(["peer", "rotate", "--dir", str(b.identity_dir)]) == 0
+    staged = load_identity(b.identity_dir / "next")
+    beside = ["peer", "trust", "add", str(b.identity_dir / "next" / "site.crt"), "--beside", "--dir"]
+    assert main([*beside, str(a.identity_dir)]) == 0
+    with running(b) as (daemon, addr_b):
+        with client(a, addr_b, "site-b") as c:
+            assert c.info().certificate_sha256 == old_b.fingerprint
+        assert main(["peer", "rotate", "--dir", str(b.identity_dir), "--activate"]) == 0
+        with client(a, addr_b, "site-b") as c:  # a new connection: a new handshake
+            assert c.info().certificate_sha256 == staged.fingerprint
+            assert c.weights("mlp", epsilon=2.0, delta=1e-5).receipt.signer == "site-b"
+        assert daemon.site.identity.fingerprint == staged.fingerprint
+        assert main(["peer", "trust", "promote", "site-b", "--dir", str(a.identity_dir)]) == 0
+        with client(a, addr_b, "site-b") as c:  # a now trusts only the new certificate
+            assert c.weights("mlp", epsilon=2.0, delta=1e-5).receipt is not None
+        # a certificate of another site written over site.crt: refused, the pair in use stays
+        other = init_identity(tmp_path / "other", "site-x", ["127.0.0.1"])
+        (b.identity_dir / "site.crt").write_bytes(other.cert_pem)
+        assert daemon.site.refresh_identity() is None
+        assert daemon.site.identity.fingerprint == staged.fingerprint
+        with client(a, addr_b, "site-b") as c:
+            assert c.info().certificate_sha256 == staged.fingerprint

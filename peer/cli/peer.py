@@ -6,7 +6,7 @@ privfusion peer trust list [--dir site/identity]
 privfusion peer trust remove hospital-b [--dir site/identity]
 privfusion peer trust promote hospital-b [--dir site/identity]   # end of hospital-b's rotation
 privfusion peer rotate --dir site/identity [--address ...] [--days N]   # stage a new key + certificate
-privfusion peer rotate --dir site/identity --activate                   # switch to it (then restart)
+privfusion peer rotate --dir site/identity --activate                   # switch to it (a running daemon follows)
 privfusion peer serve --config site.toml [--simulation]
 privfusion peer info --via HOST:PORT --identity DIR [--peer NAME]
 privfusion peer ledger --via HOST:PORT --identity DIR [--peer NAME]
@@ -87,7 +87,7 @@ def _rotate(args) -> int:
             f"({format_fingerprint(old.fingerprint)}) is in {retired}"
         )
         print(
-            "restart the daemon (privfusion peer serve) to serve it; then ask every peer to run "
+            "a running daemon serves it from its next TLS handshake (no restart); then ask every peer to run "
             f"`privfusion peer trust promote {new.name}` to retire the old pin"
         )
         return 0
@@ -98,7 +98,7 @@ def _rotate(args) -> int:
         f"1. give {d / NEXT_DIR / CERT_FILE} to every peer: `privfusion peer trust add site.crt --beside` "
         "(both certificates are then accepted); read them this fingerprint over another channel"
     )
-    print(f"2. when all have, run `privfusion peer rotate --dir {d} --activate` and restart the daemon")
+    print(f"2. when all have, run `privfusion peer rotate --dir {d} --activate` (a running daemon follows)")
     print(f"3. then each peer runs `privfusion peer trust promote {new.name}`")
     return 0
 

@@ -158,19 +158,24 @@ class Daemon:
         return repr(pinned.name) if pinned else "an unpinned certificate"
 
     def _credentials(self) -> grpc.ServerCredentials:
-        ident = self.site.identity
         state = {"version": None}
 
         def configuration():
+            ident = self.site.identity  # the pair in use now (Site.refresh_identity)
             roots = self.site.trust.bundle() or ident.cert_pem  # nothing pinned: only our own key could connect
             return grpc.ssl_server_certificate_configuration([(ident.key_pem, ident.cert_pem)], root_certificates=roots)
 
         def fetch():
+            # called by gRPC at every handshake: our own pair after a rotation, then the pins
+            renewed = self.site.refresh_identity()
+            if renewed is not None:
+                log_event("identity-reloaded", certificate_sha256=renewed)
             version = self.site.trust.version()
-            if version == state["version"]:
+            if version == state["version"] and renewed is None:
                 return None
-            state["version"] = version
-            log_event("trust-reloaded", pinned=sorted(self.site.pinned()))
+            if version != state["version"]:
+                state["version"] = version
+                log_event("trust-reloaded", pinned=sorted(self.site.pinned()))
             return configuration()
 
         state["version"] = self.site.trust.version()

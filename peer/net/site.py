@@ -70,7 +70,7 @@ from peer.budget.ledger import Ledger
 from peer.budget.policy import Policy
 from peer.ldp.mechanisms import composite_record, perturb_graph, perturb_model_weights
 from peer.net.client import PeerClient, PeerError
-from peer.net.identity import Identity, check_site_name, load_identity
+from peer.net.identity import CERT_FILE, KEY_FILE, Identity, check_site_name, load_identity
 from peer.net.limits import Limits
 from peer.net.trust import PinnedPeer, TrustStore
 from peer.nn.architectures import hidden_sizes, weight_layers
@@ -407,6 +407,8 @@ class Site:
             raise
 
     def _load(self, config: SiteConfig, policy: Policy) -> None:
+        self._identity_lock = threading.Lock()
+        self._identity_version = self._identity_files()
         self.trust = TrustStore(self.identity.trust_dir)
         self._pins: tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]] = ((), {}, [])
         self._pins_lock = threading.Lock()
@@ -484,6 +486,45 @@ class Site:
             self.lock.release()
 
     # ---- identity -----------------------------------------------------------------------------
+
+    def _identity_files(self) -> tuple:
+        """(inode, mtime, size) of the key and the certificate file (None where missing)."""
+        out = []
+        for name in (KEY_FILE, CERT_FILE):
+            try:
+                st = (Path(self.config.identity) / name).stat()
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def refresh_identity(self) -> str | None:
+        """Put this site's key and certificate back in step with its identity files (after
+        ``privfusion peer rotate --activate``, no restart needed): the new pair's fingerprint
+        when it is now in use, else None. Two stats when nothing changed (the daemon asks at
+        every TLS handshake). A pair that does not load — caught mid-rotation, a key others can
+        read, a certificate of another site — leaves the current one in use and is logged;
+        the next change of the files is tried again. Calls on connections opened before keep
+        the certificate of their handshake; receipts are signed with the key in use, so during
+        the rotation's overlap (peers pin both) either verifies."""
+        version = self._identity_files()
+        with self._identity_lock:
+            if version == self._identity_version:
+                return None
+            self._identity_version = version
+            try:
+                new = load_identity(self.config.identity)
+                if new.name != self.name:
+                    raise FailedPrecondition(f"its certificate names {new.name!r}, this site is {self.name!r}")
+            except (NotFound, FailedPrecondition, InvalidArgument, PermissionDenied) as e:
+                log.warning(
+                    "identity files changed but do not load (%s); still serving as %s", e, self.identity.fingerprint
+                )
+                return None
+            if new.fingerprint == self.identity.fingerprint:
+                return None
+            self.identity = new
+            return new.fingerprint
 
     def _current_pins(self) -> tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]]:
         version = self.trust.version()
