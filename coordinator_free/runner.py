@@ -498,7 +498,10 @@ def run_round(
             return None
         return w
 
-    def ldp(p: RosterSite, c, model: str):
+    def released_features(p: RosterSite, c, model: str, **kw):
+        """The peer's noisy graph features of ``model`` on our probe set (the first release of
+        method ldp; ``kw``: the built-in architectures' unit and weight bound), or None once the
+        peer is dropped (or the round is stopping)."""
         f = ask(
             p.name,
             "features",
@@ -507,16 +510,21 @@ def run_round(
                 probe,
                 activation_epsilon=config.activation_epsilon,
                 weight_epsilon=config.weight_epsilon,
-                unit=config.unit,
                 activation_clip=clip,
-                weight_bound=config.weight_bound,
                 timeout=config.call_timeout_s,
+                **kw,
             ),
         )
         if f is _STOP:
             return None
         if isinstance(f, _Failure):
             state.drop(p.name, "features", f.status, f.message, f.charged, f.details)
+            return None
+        return f
+
+    def ldp(p: RosterSite, c, model: str):
+        f = released_features(p, c, model, unit=config.unit, weight_bound=config.weight_bound)
+        if f is None:
             return None
         if f.architecture is None or validate_architecture(f.architecture) != arch:
             state.drop(p.name, "features", "FAILED_PRECONDITION", "the features are of another architecture", "yes")
@@ -541,22 +549,8 @@ def run_round(
 
     def own_ldp(p: RosterSite, c, model: str):
         """Method ldp for a site's own network: group features → align → weights → permute."""
-        f = ask(
-            p.name,
-            "features",
-            lambda: c.features(
-                model,
-                probe,
-                activation_epsilon=config.activation_epsilon,
-                weight_epsilon=config.weight_epsilon,
-                activation_clip=clip,
-                timeout=config.call_timeout_s,
-            ),
-        )
-        if f is _STOP:
-            return None
-        if isinstance(f, _Failure):
-            state.drop(p.name, "features", f.status, f.message, f.charged, f.details)
+        f = released_features(p, c, model)
+        if f is None:
             return None
         state.begin(p.name, "align")
         try:

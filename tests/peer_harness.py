@@ -139,6 +139,15 @@ def pin(site: SiteFiles, *others: SiteFiles) -> None:
         store.add((o.identity_dir / "site.crt").read_bytes())
 
 
+def roster_of(path: Path, addresses: dict[str, str], *sites: SiteFiles):
+    """The roster file ``path`` of ``sites`` at ``addresses`` (name -> HOST:PORT), loaded."""
+    from coordinator_free.roster import Roster, write_roster
+
+    return Roster.load(
+        write_roster(path, [(x.name, addresses[x.name], str(x.identity_dir / "site.crt")) for x in sites])
+    )
+
+
 def pin_each_other(*sites: SiteFiles) -> None:
     for s in sites:
         pin(s, *[o for o in sites if o is not s])

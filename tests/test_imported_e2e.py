@@ -99,15 +99,16 @@ def site_class(path: Path):
     return module.DigitsResNet
 
 
-def train_own(cls, x: np.ndarray, y: np.ndarray, seed: int):
-    """Each hospital's own (non-private, local) training on its own records."""
+def train_own(cls, x: np.ndarray, y: np.ndarray, seed: int, *, shape=(1, 8, 8), lr: float = 1e-2, epochs: int = 12):
+    """Each hospital's own (non-private, local) training on its own records (rows reshaped to
+    ``shape``; Adam at ``lr``, batches of 32)."""
     torch.manual_seed(seed)
     model = cls()
-    xt = torch.as_tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    xt = torch.as_tensor(x, dtype=torch.float32).reshape(-1, *shape)
     yt = torch.as_tensor(y)
-    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr)
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(12):
+    for _ in range(epochs):
         model.train()
         order = torch.randperm(len(xt), generator=gen)
         for i in range(0, len(xt), 32):

@@ -12,15 +12,17 @@ asked."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from peer_harness import OPEN_POLICY, client, make_site, pin_each_other, running
+from peer_harness import OPEN_POLICY, client, make_site, pin_each_other, roster_of, running
 from site_models import networks
 from site_models.networks import ResidualMLP
+from test_imported_e2e import train_own
 
 from peer.budget.ledger import Ledger
 from peer.nn.imported import import_model, load_imported, module_accuracy
@@ -40,19 +42,7 @@ POLICY = OPEN_POLICY.replace(
 
 def train(x: np.ndarray, y: np.ndarray, seed: int) -> ResidualMLP:
     """A hospital's own (non-private, local) training on its own records."""
-    torch.manual_seed(seed)
-    model = ResidualMLP()
-    xt, yt = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y)
-    opt = torch.optim.Adam(model.parameters(), 3e-3)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(15):
-        order = torch.randperm(len(xt), generator=gen)
-        for i in range(0, len(xt), 32):
-            b = order[i : i + 32]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(xt[b]), yt[b]).backward()
-            opt.step()
-    return model.eval()
+    return train_own(ResidualMLP, x, y, seed, shape=(64,), lr=3e-3, epochs=15)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +53,6 @@ def digits():
 
 
 def test_an_ldp_round_over_own_networks_fuses_charges_once_per_release_and_refuses(tmp_path, digits):
-    from coordinator_free.roster import Roster, write_roster
     from coordinator_free.rounds import RoundConfig
     from coordinator_free.runner import load_local_site, run_round
 
@@ -82,13 +71,7 @@ def test_an_ldp_round_over_own_networks_fuses_charges_once_per_release_and_refus
         import_model(site.root / "own_models", "rmlp", models[site.name], [64], factory=FACTORY)
 
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
-        addresses = {"st-anne": addr_a, "riverside": addr_b}
-        roster = Roster.load(
-            write_roster(
-                tmp_path / "roster.toml",
-                [(x.name, addresses[x.name], str(x.identity_dir / "site.crt")) for x in (a, b)],
-            )
-        )
+        roster = roster_of(tmp_path / "roster.toml", {"st-anne": addr_a, "riverside": addr_b}, a, b)
         local = load_local_site(a.config, "rmlp")
         cfg = RoundConfig(
             roster=tmp_path / "roster.toml",
@@ -149,18 +132,7 @@ def test_an_ldp_round_over_own_networks_fuses_charges_once_per_release_and_refus
 
         # 2. over budget: refused before any byte leaves, nothing charged, nothing stored
         stored_before = sorted(p.name for p in (a.root / "own_models").iterdir())
-        over = RoundConfig(
-            roster=tmp_path / "roster.toml",
-            model="rmlp",
-            method="ldp",
-            out=tmp_path / "out2",
-            quorum=2,
-            activation_epsilon=1000.0,
-            weight_epsilon=1000.0,
-            weights_epsilon=1000.0,
-            weights_delta=1e-5,
-            activation_clip=CLIP,
-        )
+        over = dataclasses.replace(cfg, out=tmp_path / "out2", weight_epsilon=1000.0)
         refused = run_round(local, roster, over)
         assert refused.status == "aborted" and refused.model_name is None
         (drop,) = [e for e in refused.report["events"] if e["event"] == "dropped"]
@@ -191,7 +163,6 @@ def test_an_ldp_round_over_own_networks_fuses_charges_once_per_release_and_refus
 
 
 def test_an_ldp_round_refuses_a_peer_whose_network_differs_before_anything_is_charged(tmp_path):
-    from coordinator_free.roster import Roster, write_roster
     from coordinator_free.rounds import RoundConfig
     from coordinator_free.runner import load_local_site, run_round
 
@@ -204,13 +175,7 @@ def test_an_ldp_round_refuses_a_peer_whose_network_differs_before_anything_is_ch
     wide.write_text("from site_models.networks import ResidualMLP\n\ndef make():\n    return ResidualMLP(width=24)\n")
     import_model(b.root / "own_models", "rmlp", ResidualMLP(width=24).eval(), [64], factory=f"{wide}:make")
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
-        addresses = {"st-anne": addr_a, "riverside": addr_b}
-        roster = Roster.load(
-            write_roster(
-                tmp_path / "roster.toml",
-                [(x.name, addresses[x.name], str(x.identity_dir / "site.crt")) for x in (a, b)],
-            )
-        )
+        roster = roster_of(tmp_path / "roster.toml", {"st-anne": addr_a, "riverside": addr_b}, a, b)
         cfg = RoundConfig(roster=tmp_path / "roster.toml", model="rmlp", method="ldp", out=tmp_path / "out", quorum=2)
         result = run_round(load_local_site(a.config, "rmlp"), roster, cfg, write=False)
         assert result.status == "aborted"

@@ -11,14 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from peer_harness import make_site, pin_each_other, running
+from peer_harness import make_site, pin_each_other, roster_of, running
 from site_models.networks import SmallResNet
 from test_imported_e2e import outputs, train_own
 from test_imported_ldp import NETWORKS, digits  # noqa: F401 (digits: the fixture)
 from test_round_repair import parse
 
 from coordinator_free import repairing
-from coordinator_free.roster import Roster, write_roster
 from coordinator_free.rounds import RoundConfig
 from coordinator_free.runner import _OwnNetwork, load_local_site, run_round
 from peer.base.errors import FailedPrecondition, InvalidArgument
@@ -79,13 +78,7 @@ def _config(tmp_path, out: str, **kw) -> RoundConfig:
 def test_an_own_network_round_runs_every_stage_after_fusion_and_charges_nothing_more(tmp_path, sites, digits):  # noqa: F811
     a, b = sites
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
-        addresses = {"st-anne": addr_a, "riverside": addr_b}
-        roster = Roster.load(
-            write_roster(
-                tmp_path / "roster.toml",
-                [(x.name, addresses[x.name], str(x.identity_dir / "site.crt")) for x in (a, b)],
-            )
-        )
+        roster = roster_of(tmp_path / "roster.toml", {"st-anne": addr_a, "riverside": addr_b}, a, b)
         local = load_local_site(a.config, "resnet")
 
         # 1. a plain round: [round.repair] data = "off" said in so many words, nothing after fusion

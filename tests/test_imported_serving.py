@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from peer_harness import client, make_site, pin_each_other, running
+from peer_harness import client, make_site, pin_each_other, roster_of, running
 from site_models import networks
 from site_models.networks import SmallResNet, randomise
 
@@ -191,7 +191,6 @@ def test_a_round_refuses_a_peer_whose_network_differs_before_anything_is_charged
     """The peer offers a pool of a *wider* ResNet: the requester sees it in GetPeerInfo and
     drops the peer with FAILED_PRECONDITION naming the first difference; nothing is asked, so
     nothing is charged; likewise method ldp, when the peer offers no model of our network."""
-    from coordinator_free.roster import Roster, write_roster
     from coordinator_free.rounds import RoundConfig
     from coordinator_free.runner import load_local_site, run_round
     from peer.budget.ledger import Ledger
@@ -210,13 +209,7 @@ def test_a_round_refuses_a_peer_whose_network_differs_before_anything_is_charged
         factory=f"{NETWORKS}:small_resnet",
     )
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
-        addresses = {"st-anne": addr_a, "riverside": addr_b}
-        roster = Roster.load(
-            write_roster(
-                tmp_path / "roster.toml",
-                [(x.name, addresses[x.name], str(x.identity_dir / "site.crt")) for x in (a, b)],
-            )
-        )
+        roster = roster_of(tmp_path / "roster.toml", {"st-anne": addr_a, "riverside": addr_b}, a, b)
         local = load_local_site(a.config, "resnet")
         for method, why in (
             ("merged", "first difference at structure.groups[0].size: ours 8, theirs 10"),

@@ -163,14 +163,17 @@ def _gaussian_inverse_loss(loss: privacy_loss_mechanism.GaussianPrivacyLoss, eps
     return -sens / 2 - ell * sigma2 / sens
 
 
+def _grid_range(bounds, interval: float) -> tuple[int, int]:
+    """The grid indices (lowest, highest) of a PMF over ``bounds``' loss range."""
+    return math.floor(bounds.epsilon_lower / interval), math.ceil(bounds.epsilon_upper / interval)
+
+
 def _fast_gaussian_pmf(loss: privacy_loss_mechanism.GaussianPrivacyLoss, interval: float) -> pld_pmf.PLDPmf:
     """dp-accounting's connect-the-dots PMF of a Gaussian privacy loss (its own bounds, CDFs and
     ``create_pmf_pessimistic_connect_dots_fixed_gap``), with the per-ε inverse of the privacy loss
     evaluated in one vectorised call instead of a Python loop (``GaussianPrivacyLoss.
     get_delta_for_epsilon`` loops; this is ~5× faster). Tests check the PMFs are identical."""
-    bounds = loss.connect_dots_bounds()
-    lo = math.floor(bounds.epsilon_lower / interval)
-    hi = math.ceil(bounds.epsilon_upper / interval)
+    lo, hi = _grid_range(loss.connect_dots_bounds(), interval)
     eps = np.arange(lo, hi + 1) * interval
     q = loss.sampling_prob
     deltas = np.zeros_like(eps)
@@ -197,20 +200,33 @@ def fast_gaussian_pld(
     """Same PLD as dp-accounting's ``from_gaussian_mechanism`` (pessimistic, connect-the-dots,
     default log-mass truncation −50), built with ``_fast_gaussian_pmf``."""
 
-    def pmf(kind):
-        return _fast_gaussian_pmf(
-            privacy_loss_mechanism.GaussianPrivacyLoss(
-                standard_deviation, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=kind
-            ),
-            value_discretization_interval,
+    return PLD(
+        *(
+            _fast_gaussian_pmf(loss, value_discretization_interval)
+            for loss in _gaussian_losses(standard_deviation, sensitivity, sampling_prob, neighboring_relation)
         )
+    )
 
+
+def _gaussian_losses(
+    standard_deviation: float, sensitivity: float, sampling_prob: float, neighboring_relation: NeighboringRelation
+) -> list[privacy_loss_mechanism.GaussianPrivacyLoss]:
+    """The privacy losses whose PMFs make the PLD, in dp-accounting's order (remove, add):
+    replace-one one REPLACE loss; add-remove REMOVE, and ADD too when subsampled (at q = 1 the
+    two directions are the same Gaussian pair)."""
+    kinds = privacy_loss_mechanism.AdjacencyType
     if neighboring_relation == NeighboringRelation.REPLACE_ONE:
-        return PLD(pmf(privacy_loss_mechanism.AdjacencyType.REPLACE))
-    remove = pmf(privacy_loss_mechanism.AdjacencyType.REMOVE)
-    if sampling_prob == 1.0:
-        return PLD(remove)
-    return PLD(remove, pmf(privacy_loss_mechanism.AdjacencyType.ADD))
+        chosen = (kinds.REPLACE,)
+    elif sampling_prob == 1.0:
+        chosen = (kinds.REMOVE,)
+    else:
+        chosen = (kinds.REMOVE, kinds.ADD)
+    return [
+        privacy_loss_mechanism.GaussianPrivacyLoss(
+            standard_deviation, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=kind
+        )
+        for kind in chosen
+    ]
 
 
 #: The most bins one Gaussian privacy-loss PMF may have on the accountant's grid (2²⁵: 256 MiB
@@ -231,24 +247,11 @@ def gaussian_pmf_bins(
     """(bins, lowest loss, highest loss) of the widest PMF that :func:`fast_gaussian_pld` (same
     arguments) builds, from dp-accounting's own connect-the-dots bounds, without building it."""
     widest = (0, 0.0, 0.0)
-    if neighboring_relation == NeighboringRelation.REPLACE_ONE:
-        kinds = (privacy_loss_mechanism.AdjacencyType.REPLACE,)
-    elif sampling_prob == 1.0:
-        kinds = (privacy_loss_mechanism.AdjacencyType.REMOVE,)
-    else:
-        kinds = (privacy_loss_mechanism.AdjacencyType.REMOVE, privacy_loss_mechanism.AdjacencyType.ADD)
-    for kind in kinds:
-        loss = privacy_loss_mechanism.GaussianPrivacyLoss(
-            standard_deviation, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=kind
-        )
+    for loss in _gaussian_losses(standard_deviation, sensitivity, sampling_prob, neighboring_relation):
         b = loss.connect_dots_bounds()
-        bins = (
-            math.ceil(b.epsilon_upper / value_discretization_interval)
-            - math.floor(b.epsilon_lower / value_discretization_interval)
-            + 1
-        )
-        if bins > widest[0]:
-            widest = (bins, b.epsilon_lower, b.epsilon_upper)
+        lo, hi = _grid_range(b, value_discretization_interval)
+        if hi - lo + 1 > widest[0]:
+            widest = (hi - lo + 1, b.epsilon_lower, b.epsilon_upper)
     return widest
 
 

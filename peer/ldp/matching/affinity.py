@@ -57,9 +57,7 @@ class Affinity:
         build_operator: bool = True,
     ):
         t0 = time.perf_counter()
-        options = MatchOptions() if options is None else options
-        if not isinstance(options, MatchOptions):
-            raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+        options = MatchOptions.of(options)
         _check_graphs(graph_a, graph_b)
         self.options = options = options.resolved(graph_a.sizes)
         self.graph_a, self.graph_b = graph_a, graph_b

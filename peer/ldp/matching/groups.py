@@ -131,9 +131,7 @@ class GroupAffinity:
         build_operator: bool = True,
     ):
         t0 = time.perf_counter()
-        options = MatchOptions() if options is None else options
-        if not isinstance(options, MatchOptions):
-            raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+        options = MatchOptions.of(options)
         if not isinstance(structure, PermutationStructure):
             raise InvalidArgument("structure", f"must be a PermutationStructure, got {type(structure).__name__}")
         if not structure.groups:
@@ -829,9 +827,7 @@ def match_group_features(
     pygmtools' ``sm`` on the dense K. ``refine_sweeps``: sweeps of coordinate ascent on the
     exact objective after discretisation (0 = the spectral solution as it is).
     """
-    options = MatchOptions() if options is None else options
-    if not isinstance(options, MatchOptions):
-        raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+    options = MatchOptions.of(options)
     if not isinstance(structure, PermutationStructure):
         raise InvalidArgument("structure", f"must be a PermutationStructure, got {type(structure).__name__}")
     if isinstance(refine_sweeps, bool) or not isinstance(refine_sweeps, (int, np.integer)) or refine_sweeps < 0:

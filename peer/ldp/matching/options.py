@@ -99,6 +99,15 @@ class MatchOptions:
     balance: bool = True
     activation_bandwidth: str = "spread"
 
+    @classmethod
+    def of(cls, options: MatchOptions | None) -> MatchOptions:
+        """``options`` as given (the defaults for None); anything else is refused by name."""
+        if options is None:
+            return cls()
+        if not isinstance(options, cls):
+            raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+        return options
+
     def resolved(self, sizes) -> MatchOptions:
         """These options with "auto" replaced by what it means for hidden layers of ``sizes``."""
         fast = max(int(n) for n in sizes) > AUTO_FAST_MIN_WIDTH

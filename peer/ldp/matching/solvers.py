@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from peer.base.errors import InvalidArgument
 from peer.ldp.matching.affinity import Affinity
 from peer.ldp.matching.checks import _check_graphs
 from peer.ldp.matching.dense import power_iteration_dense
@@ -357,9 +356,7 @@ def match_graphs(graph_a: NetworkGraph, graph_b: NetworkGraph, options: MatchOpt
     (``perm[i] = j``: A's node i ↔ B's node j) with the objective, the relaxed solution and
     diagnostics; the same shape of result for ``options.solver`` "factorised" and "dense".
     """
-    options = MatchOptions() if options is None else options
-    if not isinstance(options, MatchOptions):
-        raise InvalidArgument("options", f"must be a MatchOptions, got {type(options).__name__}")
+    options = MatchOptions.of(options)
     _check_graphs(graph_a, graph_b)
     auto_eigensolver = options.eigensolver == "auto"
     options = options.resolved(graph_a.sizes)

@@ -170,18 +170,24 @@ def perturb_group_weights(
                 }
             )
         )
-    record = composite_record(
+    return out, _weights_record(structure, records, rnd, "group_weights")
+
+
+def _weights_record(structure: PermutationStructure, records: list, rnd, release: str):
+    """The composite of one weights release: its per-unit records in parallel (each group
+    element's rows lie in exactly one unit's record), naming the scalar parameters (no group
+    element's) that are not released."""
+    return composite_record(
         records,
         "parallel",
         randomness=rnd,
         over="neurons",
         parameters={
-            "release": "group_weights",
+            "release": release,
             "unit_is": "one group element",
             "unreleased_scalars": [p for p, s in structure.parameters.items() if len(s) == 0],
         },
     )
-    return out, record
 
 
 def _unit_rows(structure: PermutationStructure, arrays: Mapping[str, Any], params: list[str]):
@@ -250,15 +256,4 @@ def perturb_group_weight_features(
         records.append(
             rec.with_(parameters={**rec.parameters, "unit_owner": unit, "parameters": params, "scales": scales})
         )
-    record = composite_record(
-        records,
-        "parallel",
-        randomness=rnd,
-        over="neurons",
-        parameters={
-            "release": "group_weight_features",
-            "unit_is": "one group element",
-            "unreleased_scalars": [p for p, s in structure.parameters.items() if len(s) == 0],
-        },
-    )
-    return out, record
+    return out, _weights_record(structure, records, rnd, "group_weight_features")
