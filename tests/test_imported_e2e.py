@@ -229,7 +229,7 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
 
     daemons = {s: DaemonProcess(SiteFiles(s, root / s, root / s / "site.toml", root / s / "identity")) for s in SITES}
     try:
-        addresses = {s: d.wait_ready(120) for s, d in daemons.items()}
+        addresses = {s: d.wait_ready() for s, d in daemons.items()}
         info = json.loads(
             privfusion(
                 "peer",
