@@ -548,10 +548,16 @@ class Site:
         address = self.config.peers.get(partner)
         if address is None:
             raise FailedPrecondition(
-                f"partner: {self.name!r} does not know where {partner!r} listens (site.toml [site.peers.{partner}])"
+                f"partner: {self.name!r} does not know where {partner!r} listens (site.toml [site.peers.{partner}])",
+                reason="PARTNER_UNKNOWN",
+                metadata={"partner": partner},
             )
         if partner not in self.pinned():
-            raise FailedPrecondition(f"partner: {partner!r} is not pinned at {self.name!r}")
+            raise FailedPrecondition(
+                f"partner: {partner!r} is not pinned at {self.name!r}",
+                reason="PARTNER_NOT_PINNED",
+                metadata={"partner": partner},
+            )
         return PartnerClient(PeerClient(self.identity, address, peer=partner, insecure=self.insecure, trust=self.trust))
 
     # ---- what is offered ----------------------------------------------------------------------
@@ -569,7 +575,9 @@ class Site:
                     return self.imported[name]
                 raise FailedPrecondition(
                     f"{field_name}: {name!r} is a site's own network: it is released by ReleaseFeatures and "
-                    "ReleaseWeights (method ldp) or through its DP pools (method merged), not by this call"
+                    "ReleaseWeights (method ldp) or through its DP pools (method merged), not by this call",
+                    reason="MODEL_KIND_UNSUPPORTED",
+                    metadata={"field": field_name},
                 )
             raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
         return m
@@ -594,7 +602,8 @@ class Site:
                 factories[own.factory] = load_factory(own.factory, [base])
             except InvalidArgument as e:
                 raise FailedPrecondition(
-                    f"model: {own.name!r}'s factory cannot be loaded at this site: {e}; nothing was charged"
+                    f"model: {own.name!r}'s factory cannot be loaded at this site: {e}; nothing was charged",
+                    reason="MODEL_FACTORY_UNAVAILABLE",
                 ) from None
         return module_from_arrays(factories[own.factory], own.structure, own.arrays)
 
@@ -1045,8 +1054,17 @@ class PartnerClient:
                 return method(*args, **kwargs)
             except PeerError as e:
                 status = "UNAVAILABLE" if e.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "FAILED_PRECONDITION"
+                # the partner's own reason travels in the metadata: this refusal is the partner's
                 raise PeerError(
-                    status, f"partner {self._client.peer_name!r} refused or failed ({e.status}): {e}", e.details
+                    status,
+                    f"partner {self._client.peer_name!r} refused or failed ({e.status}): {e}",
+                    e.details,
+                    reason="PARTNER_UNAVAILABLE" if status == "UNAVAILABLE" else "PARTNER_REFUSED",
+                    metadata={
+                        "partner": self._client.peer_name,
+                        "partner_status": e.status,
+                        **({"partner_reason": e.reason} if e.reason else {}),
+                    },
                 ) from None
 
         return call
