@@ -279,12 +279,11 @@ def records_fit_network(structure, preprocessing, source: str, name: str) -> str
     size = math.prod(shape)
     where = f"{source}: features"
     if preprocessing.width != size:
-        names = preprocessing.input_names()
         raise InvalidArgument(
             where,
             f"the records prepare {preprocessing.width} input entries ({len(preprocessing.columns)} columns"
-            f"{', one-hot categories included' if preprocessing.categorical else ''}: {names[:6]}"
-            f"{'…' if len(names) > 6 else ''}) but the network {name!r} takes input shape {list(shape)} = {size} "
+            f"{', one-hot categories included' if preprocessing.categorical else ''}: "
+            f"{preprocessing.describe_inputs(6)}) but the network {name!r} takes input shape {list(shape)} = {size} "
             "entries; choose its input columns with --features",
         )
     if preprocessing.input_shape is not None:

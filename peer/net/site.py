@@ -63,7 +63,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 from peer.base.config import Section, load_toml
-from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unsupported
 from peer.base.records import FIXED_SEED_WARNING, ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
 from peer.budget.ledger import Ledger
@@ -605,7 +605,10 @@ class Site:
                     f"model: {own.name!r}'s factory cannot be loaded at this site: {e}; nothing was charged",
                     reason="MODEL_FACTORY_UNAVAILABLE",
                 ) from None
-        return module_from_arrays(factories[own.factory], own.structure, own.arrays)
+        try:
+            return module_from_arrays(factories[own.factory], own.structure, own.arrays)
+        except Unsupported as e:  # the site's module itself (aliased keys): not the caller's fault
+            raise FailedPrecondition(f"model: {own.name!r} cannot be released: {e}; nothing was charged") from None
 
     def pool(self, name: str):
         """The pool's models (``peer.dp.merging.PoolModel``)."""
@@ -654,6 +657,9 @@ class Site:
         if isinstance(stored, ImportedModel):
             from peer.ldp.mechanisms.groups import perturb_group_weights
 
+            # the structure alone cannot show that two keys name one tensor (a model stored
+            # before imports refused that): the site's own module is built to check it
+            self.own_module(stored)
             return perturb_group_weights(
                 stored.structure,
                 stored.arrays,

@@ -39,7 +39,7 @@ from torch import nn
 from peer.base.errors import InvalidArgument, NotFound, Unsupported
 from peer.nn.store import FORMAT, _atomic_write, check_name, read_pair, store_pair
 from peer.nn.tables import Preprocessing
-from peer.nn.tracing import PermutationStructure, import_structure
+from peer.nn.tracing import PermutationStructure, check_no_aliases, import_structure
 
 EXPORT_FORMATS = ("pt", "safetensors")
 
@@ -101,6 +101,9 @@ def build_module(factory: Callable[[], nn.Module], spec: str = "factory") -> nn.
         raise InvalidArgument("factory", f"{spec} raised {type(e).__name__}: {e}") from None
     if not isinstance(module, nn.Module):
         raise InvalidArgument("factory", f"{spec} must return a torch.nn.Module, got {type(module).__name__}")
+    # every build, not only import: a model stored before imports refused aliases is refused
+    # wherever its factory is run again (releases, pools, rounds)
+    check_no_aliases(module)
     return module
 
 
@@ -132,7 +135,11 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_site_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Load ``state`` into ``module`` strictly, with clear errors (names, shapes, finiteness)."""
+    """Load ``state`` into ``module`` strictly, with clear errors (names, shapes, finiteness).
+    A module that names one tensor under two keys is refused first
+    (:func:`peer.nn.tracing.check_no_aliases`): loading would silently keep one of the two
+    values given for it."""
+    check_no_aliases(module)
     expected = module.state_dict()
     missing = set(expected) - set(state)
     extra = set(state) - set(expected)
