@@ -4,6 +4,8 @@
   the second).
 - `docs/cli.md` has a section for every command of the real parser and names every one of its
   flags there; it has no section for a command that does not exist.
+- The README's Install section names every base dependency and extra of `pyproject.toml`, and
+  its CPU torch line installs the pinned version.
 - Every `privfusion ...` line in a bash block of the README or of `docs/cli.md` parses with the
   real parser (parsed, not run).
 - Every relative link of the README, `docs/cli.md` and `docs/experiments.md` names a file of the
@@ -90,6 +92,25 @@ def test_the_readme_opens_with_the_two_commands_and_they_are_the_scripts():
         assert script.is_file() and os.access(script, os.X_OK), c
     assert "privfusion simulate" in (ROOT / "scripts" / "simulate.sh").read_text()
     assert re.search(r"^exec \./scripts/test\.sh\s*$", (ROOT / ".ci" / "run").read_text(), re.M)
+
+
+def test_the_install_section_names_what_pyproject_installs_and_the_torch_pin():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    text = README.read_text()
+    install = text[text.index("## Install") : text.index("\n## ", text.index("## Install") + 1)]
+    pins = dict(r.split("==") for r in project["dependencies"])
+    # grpcio-health-checking, -reflection, -status: named "grpcio with its health, reflection and status packages"
+    names = [n.removeprefix("grpcio-").split("-")[0] if n.startswith("grpcio-") else n for n in pins]
+    missing = [n for n in names if not re.search(r"\b" + re.escape(n) + r"\b", install)]
+    assert not missing, missing
+    for extra, reqs in project["optional-dependencies"].items():
+        assert f"`{extra}`" in install, extra
+        assert all(r.split("==")[0] in install for r in reqs), (extra, reqs)
+    cpu = re.findall(r"--index-url https://download\.pytorch\.org/whl/cpu torch==(\S+)", install)
+    assert cpu == [pins["torch"]], (cpu, pins["torch"])
+    assert f"`torch=={pins['torch']}`" in install
 
 
 def test_the_command_reference_has_every_command_and_every_flag():
