@@ -56,12 +56,10 @@ def test_masks_cancel_bit_exactly(k, bits, dim, seed):
     rng = np.random.default_rng(seed)
     ids = identities(12)[:k]
     xs = {i.name: rng.integers(0, 2**bits, size=dim, dtype=np.uint64, endpoint=False) for i in ids}
-    ctx, masked, total = run_protocol(ids, xs, bits)
-    expected = sum(int(x[j]) for x in xs.values() for j in [0]) % (1 << bits)
-    assert int(total[0]) == expected
+    _, masked, total = run_protocol(ids, xs, bits)
     exact = [sum(int(x[j]) for x in xs.values()) % (1 << bits) for j in range(dim)]
     assert total.tolist() == exact
-    if k >= 2 and dim >= 8 and bits >= 8:
+    if dim >= 8 and bits >= 8:
         # a masked vector is not its input (the masks are really there)
         assert any(not np.array_equal(masked[n], xs[n]) for n in masked)
 
@@ -218,7 +216,10 @@ def test_equivocation_is_detected_and_a_forged_report_refused():
     verify_masked(y1, to_b, ctx, pinned)
     verify_masked(y2, to_c, ctx, pinned)
     honest_b = sign_masked(ids[1], ctx, y1)
-    assert check_no_equivocation([to_b, to_b, honest_b], ctx, pinned) == {a.name: to_b.digest, ids[1].name: honest_b.digest}
+    assert check_no_equivocation([to_b, to_b, honest_b], ctx, pinned) == {
+        a.name: to_b.digest,
+        ids[1].name: honest_b.digest,
+    }
     with pytest.raises(PermissionDenied, match="different masked vectors") as e:
         check_no_equivocation([to_b, honest_b, to_c], ctx, pinned)
     assert e.value.reason == "SECAGG_EQUIVOCATION" and e.value.metadata["site"] == a.name

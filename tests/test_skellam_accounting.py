@@ -144,7 +144,9 @@ def test_steps_compose_by_adding_and_subsampling_never_hurts():
     one = rdp_subsampled_skellam(5, 3, 200.0, 0.1, DEFAULT_ORDERS)
     assert np.allclose(rdp_skellam_steps(5, 3, 200.0, 0.1, 40, DEFAULT_ORDERS), 40 * one)
     assert np.all(one <= rdp_skellam(5, 3, 200.0, DEFAULT_ORDERS))
-    assert np.array_equal(rdp_subsampled_skellam(5, 3, 200.0, 1.0, DEFAULT_ORDERS), rdp_skellam(5, 3, 200.0, DEFAULT_ORDERS))
+    assert np.array_equal(
+        rdp_subsampled_skellam(5, 3, 200.0, 1.0, DEFAULT_ORDERS), rdp_skellam(5, 3, 200.0, DEFAULT_ORDERS)
+    )
 
 
 def test_bad_parameters_are_refused_by_name():

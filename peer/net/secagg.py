@@ -88,7 +88,9 @@ class MaskContext:
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id or len(self.run_id) > 256:
-            raise InvalidArgument("run_id", f"must be a non-empty string of at most 256 characters, got {self.run_id!r}")
+            raise InvalidArgument(
+                "run_id", f"must be a non-empty string of at most 256 characters, got {self.run_id!r}"
+            )
         object.__setattr__(self, "step", _check_int("step", self.step, 0))
         object.__setattr__(self, "attempt", _check_int("attempt", self.attempt, 0))
         object.__setattr__(self, "bits", _check_int("bits", self.bits, 1, MAX_BITS))
@@ -228,9 +230,7 @@ def verify_signed_key(
     return X25519PublicKey.from_public_bytes(signed.public_key)
 
 
-def pair_seed(
-    context: MaskContext, own: str, own_key: Ephemeral, other: str, other_public: X25519PublicKey
-) -> bytes:
+def pair_seed(context: MaskContext, own: str, own_key: Ephemeral, other: str, other_public: X25519PublicKey) -> bytes:
     """s_{ij} for the unordered pair {own, other}: HKDF-SHA256 of the X25519 shared secret,
     salted with the context's hash, bound to the ordered names and both public keys."""
     context.check_member(own, "own")
@@ -436,7 +436,7 @@ __all__ = [
     "pinned_certificates",
     "prg_mask",
     "sign_masked",
+    "vector_digest",
     "verify_masked",
     "verify_signed_key",
-    "vector_digest",
 ]

@@ -84,9 +84,7 @@ def _integer_orders(orders: np.ndarray) -> np.ndarray:
     return np.maximum(2, np.ceil(orders - 1e-12)).astype(np.int64)
 
 
-def rdp_skellam(
-    l1_sensitivity: float, l2_sensitivity: float, variance: float, orders: Sequence[float]
-) -> np.ndarray:
+def rdp_skellam(l1_sensitivity: float, l2_sensitivity: float, variance: float, orders: Sequence[float]) -> np.ndarray:
     """RDP of one Skellam release with total noise variance ``variance`` per coordinate, at
     ``orders`` (fractional orders by the next integer order)."""
     orders = check_orders(orders)

@@ -116,7 +116,11 @@ class Encoding:
         object.__setattr__(self, "dim", _check_positive("dim", self.dim, integer=True))
         object.__setattr__(self, "clip_norm", _check_positive("clip_norm", self.clip_norm))
         object.__setattr__(self, "scale", _check_positive("scale", self.scale))
-        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) or not 2 <= self.bits <= MAX_BITS:
+        if (
+            isinstance(self.bits, bool)
+            or not isinstance(self.bits, (int, np.integer))
+            or not 2 <= self.bits <= MAX_BITS
+        ):
             raise InvalidArgument("bits", f"must be an integer in [2, {MAX_BITS}], got {self.bits!r}")
         object.__setattr__(self, "bits", int(self.bits))
         b = self.beta
@@ -237,18 +241,10 @@ def _round_conditionally(x: np.ndarray, squared_bound: int, generator: np.random
     )
 
 
-def encode_records(records: np.ndarray, encoding: Encoding, generator: np.random.Generator) -> np.ndarray:
-    """A site's contribution as integers: Σ over its records of round(γ·rotate(clip(g))).
-
-    ``records``: (n, dim) per-record gradients (or one vector). Returns the int64 vector of
-    length ``encoding.padded_dim`` (not reduced mod 2^b: add the noise share, then
-    ``to_modular``). ``generator``: the site's private CSPRNG-seeded generator (the rounding is
-    part of the mechanism's randomness). See the module docstring for the sensitivity.
-    """
+def _rounded_chunks(records: np.ndarray, encoding: Encoding, generator: np.random.Generator):
     x = _check_records(records, encoding)
     d, dp = encoding.dim, encoding.padded_dim
     signs = _signs(encoding) if encoding.rotation_seed is not None else None
-    total = np.zeros(dp, dtype=np.int64)
     rows = max(1, _CHUNK_ELEMENTS // dp)
     for start in range(0, x.shape[0], rows):
         chunk = _clip_rows(np.asarray(x[start : start + rows], dtype=np.float64), encoding.clip_norm)
@@ -257,7 +253,27 @@ def encode_records(records: np.ndarray, encoding: Encoding, generator: np.random
             padded[:, :d] = chunk
             chunk = fwht(padded * signs)
         chunk = _clip_rows(chunk * encoding.scale, encoding.scale * encoding.clip_norm)
-        total += _round_conditionally(chunk, encoding.squared_bound, generator).sum(axis=0)
+        yield _round_conditionally(chunk, encoding.squared_bound, generator)
+
+
+def round_records(records: np.ndarray, encoding: Encoding, generator: np.random.Generator) -> np.ndarray:
+    """Each record's integer vector round(γ·rotate(clip(g))), shape (n, ``padded_dim``), int64:
+    steps 1–4 of the module docstring. Every row has squared norm ≤ ``encoding.squared_bound``."""
+    chunks = list(_rounded_chunks(records, encoding, generator))
+    return np.concatenate(chunks, axis=0) if chunks else np.zeros((0, encoding.padded_dim), dtype=np.int64)
+
+
+def encode_records(records: np.ndarray, encoding: Encoding, generator: np.random.Generator) -> np.ndarray:
+    """A site's contribution as integers: Σ over its records of round(γ·rotate(clip(g))).
+
+    ``records``: (n, dim) per-record gradients (or one vector). Returns the int64 vector of
+    length ``encoding.padded_dim`` (not reduced mod 2^b: add the noise share, then
+    ``to_modular``). ``generator``: the site's private CSPRNG-seeded generator (the rounding is
+    part of the mechanism's randomness). See the module docstring for the sensitivity.
+    """
+    total = np.zeros(encoding.padded_dim, dtype=np.int64)
+    for chunk in _rounded_chunks(records, encoding, generator):
+        total += chunk.sum(axis=0)
     return total
 
 
@@ -363,6 +379,7 @@ __all__ = [
     "encode_records",
     "fwht",
     "modular_overflow_probability",
+    "round_records",
     "rounded_l1_bound",
     "rounded_l2_bound",
     "skellam_upper_tail_log",
