@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
+from scipy.linalg import hadamard
 
 from peer.base.errors import InvalidArgument
 from peer.dp.accounting.conversions import DEFAULT_ORDERS, rdp_to_epsilon
@@ -40,8 +41,9 @@ def test_walsh_hadamard_is_orthonormal_and_its_own_inverse():
     y = fwht(x)
     assert np.allclose(np.linalg.norm(y, axis=1), np.linalg.norm(x, axis=1))
     assert np.allclose(fwht(y), x)
-    h = fwht(np.eye(8))  # the Sylvester Hadamard matrix / √8
-    assert np.allclose(h * math.sqrt(8), np.abs(h * math.sqrt(8)) * np.sign(h)) and np.allclose(h @ h, np.eye(8))
+    for n in (1, 2, 8, 64, 128, 1024):  # scipy's Sylvester–Hadamard matrix is the reference
+        z = rng.normal(size=(2, n))
+        assert np.allclose(fwht(z), z @ hadamard(n) / math.sqrt(n))
 
 
 @settings(max_examples=30, deadline=None)

@@ -185,6 +185,17 @@ def _signs(encoding: Encoding) -> np.ndarray:
     return rng.integers(0, 2, size=encoding.padded_dim, dtype=np.int8).astype(np.float64) * 2.0 - 1.0
 
 
+_DENSE_BLOCK = 64
+
+
+def _sylvester(n: int) -> np.ndarray:
+    """The n × n Sylvester–Hadamard matrix (±1, unnormalised), n a power of two."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
 def fwht(x: np.ndarray) -> np.ndarray:
     """Orthonormal Walsh–Hadamard transform along the last axis (length a power of two):
     H/√n, symmetric and its own inverse."""
@@ -192,12 +203,17 @@ def fwht(x: np.ndarray) -> np.ndarray:
     m, n = x.reshape(-1, x.shape[-1]).shape
     if n & (n - 1):
         raise InvalidArgument("x", f"the Walsh–Hadamard transform needs a power-of-two length, got {n}")
-    y = x.reshape(m, n).copy()
-    h = 1
+    # The first log2(B) levels act within contiguous blocks of B: one product with the dense
+    # Sylvester matrix H_B (BLAS); the rest as in-place butterflies (a, b) ← (a + b, a − b).
+    block = min(n, _DENSE_BLOCK)
+    y = (x.reshape(m * n // block, block) @ _sylvester(block)).reshape(m, n)
+    h = block
     while h < n:
-        y = y.reshape(m, n // (2 * h), 2, h)
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        y = np.stack((a + b, a - b), axis=2)
+        v = y.reshape(m, n // (2 * h), 2, h)
+        a = v[:, :, 0, :].copy()
+        b = v[:, :, 1, :]
+        v[:, :, 0, :] += b
+        np.subtract(a, b, out=b)
         h *= 2
     return (y.reshape(x.shape) / math.sqrt(n)) if n > 1 else y.reshape(x.shape)
 
