@@ -20,6 +20,7 @@ from peer.dp.distributed.encoding import (
     centred,
     decode_sum,
     encode_records,
+    encode_sum,
     fwht,
     modular_overflow_probability,
     round_records,
@@ -75,6 +76,38 @@ def test_encoding_round_trips_within_the_rounding_bound_and_every_record_meets_t
     decoded = decode_sum(to_modular(total, 64), enc)
     expected = clipped(records, clip).sum(axis=0) if n else np.zeros(dim)
     assert np.linalg.norm(decoded - expected) <= n * math.sqrt(enc.padded_dim) / scale + 1e-9 * (1 + n * clip)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dim=st.integers(1, 200),
+    scale=st.floats(0.5, 300.0),
+    spread=st.floats(0.0, 1e4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rounding_the_sum_once_has_the_unconditional_bound_under_the_common_uniform(dim, scale, spread, seed):
+    """The coupling behind ``encode_sum``: for sums y, y′ one clipped record apart and one
+    uniform u, ⌊y + u⌋ − ⌊y′ + u⌋ is an integer vector within the β = 0 bounds (Δ₂², Δ₁)."""
+    rng = np.random.default_rng(seed)
+    enc = Encoding(dim=dim, clip_norm=1.0, scale=scale, bits=64, beta=0.0)
+    y = rng.normal(size=dim) * spread
+    g = clipped(rng.normal(size=(1, dim)) * rng.choice([0.1, 10.0]), 1.0)[0] * scale
+    u = rng.random(dim)
+    diff = (np.floor(y + g + u) - np.floor(y + u)).astype(np.int64)
+    assert diff @ diff <= enc.squared_bound
+    assert np.abs(diff).sum() <= enc.l1_sensitivity + 1e-9
+
+
+def test_encode_sum_round_trips_and_needs_unconditional_rounding():
+    rng = np.random.default_rng(8)
+    enc = Encoding(dim=300, clip_norm=1.0, scale=1000.0, bits=40, beta=0.0, rotation_seed=4)
+    records = rng.normal(size=(20, 300))
+    decoded = decode_sum(to_modular(encode_sum(records, enc, rng), 40), enc)
+    # one rounding of the whole sum: within √d′/γ of the clipped sum
+    assert np.linalg.norm(decoded - clipped(records, 1.0).sum(axis=0)) <= math.sqrt(enc.padded_dim) / 1000.0
+    assert np.array_equal(encode_sum(np.zeros((0, 300)), enc, rng), np.zeros(enc.padded_dim, np.int64))
+    with pytest.raises(InvalidArgument, match="beta"):
+        encode_sum(records, Encoding(dim=300, clip_norm=1.0, scale=1000.0, bits=40), rng)
 
 
 def test_rounding_is_unbiased():

@@ -32,9 +32,19 @@ record, and for *every* outcome ‖r‖₂ ≤ Δ₂ := sqrt(⌊B²⌋) and, r b
 ‖r‖₁ ≤ Δ₁ := min(Δ₂², √d′·Δ₂) (|r_i| ≤ r_i² for integers). By convexity of the Rényi
 divergence's exponential in each argument (mixtures over r and over the other records'
 roundings), the noisy integer sum is as private as the Skellam mechanism with integer
-sensitivities Δ₁, Δ₂ (``peer.dp.accounting.skellam``). This is why the *records* are rounded, not
-the site's float sum: a conditional rounding of the sum has no record-level bound (whether it is
-accepted depends on the whole sum).
+sensitivities Δ₁, Δ₂ (``peer.dp.accounting.skellam``). This is why, with conditional rounding, the
+*records* are rounded, not the site's float sum: a conditional rounding of the sum has no
+record-level bound (whether it is accepted depends on the whole sum).
+
+Rounding the sum once (``encode_sum``, unconditional rounding only, β = 0). Randomized rounding
+of y has the law of ⌊y + u⌋ with u uniform on [0, 1)^d′. For neighbours y, y′ (‖y − y′‖₂ ≤ γC)
+and the *same* u, every coordinate of ⌊y + u⌋ − ⌊y′ + u⌋ is ⌊δ_i⌋ or ⌈δ_i⌉ for δ = y − y′, so
+its L2 norm is < γC + √d′ = B (the β = 0 bound) and it is an integer vector. The output's law is
+the mixture over u of Skellam mechanisms shifted by such vectors, and by joint convexity of
+exp((α−1)·D_α) under a common mixing law, D_α ≤ sup over u: the same Δ₁, Δ₂ as per-record
+rounding with β = 0, for one rotation and one rounding per step instead of one per record. It
+costs sensitivity (γC + √d′ instead of about γC + d′/(8γC)); a larger γ (a few more bits) makes
+that small.
 
 Modulus. The masked vectors and the revealed sum live in Z_{2^b}. Reducing the noisy integer
 sum mod 2^b is post-processing of it, so the modulus never changes privacy; it only affects
@@ -293,6 +303,34 @@ def encode_records(records: np.ndarray, encoding: Encoding, generator: np.random
     return total
 
 
+def encode_sum(records: np.ndarray, encoding: Encoding, generator: np.random.Generator) -> np.ndarray:
+    """A site's contribution as integers, rounded once: round(γ·rotate(Σ clip(g))).
+
+    Same input and output as ``encode_records``; each record is still clipped here (the bound
+    is enforced, not assumed), then the float sum is rotated, scaled and rounded once,
+    unconditionally. Only for ``encoding.beta == 0``, whose sensitivities (B = γC + √d′) the
+    module docstring proves for this rounding.
+    """
+    if encoding.beta != 0:
+        raise InvalidArgument(
+            "beta",
+            "rounding the sum once is analysed for unconditional rounding only: use beta = 0 (or encode_records)",
+        )
+    x = _check_records(records, encoding)
+    d, dp = encoding.dim, encoding.padded_dim
+    total = np.zeros(d)
+    rows = max(1, _CHUNK_ELEMENTS // d)
+    for start in range(0, x.shape[0], rows):
+        total += _clip_rows(np.asarray(x[start : start + rows], dtype=np.float64), encoding.clip_norm).sum(axis=0)
+    y = np.zeros(dp)
+    y[:d] = total
+    if encoding.rotation_seed is not None:
+        y = fwht((y * _signs(encoding))[None, :])[0]
+    y *= encoding.scale
+    low = np.floor(y)
+    return (low + (generator.random(dp) < (y - low))).astype(np.int64)
+
+
 def to_modular(values: np.ndarray, bits: int) -> np.ndarray:
     """Integers → their residues mod 2^bits as uint64 (two's complement wrap, then a mask)."""
     v = np.asarray(values)
@@ -393,6 +431,7 @@ __all__ = [
     "centred",
     "decode_sum",
     "encode_records",
+    "encode_sum",
     "fwht",
     "modular_overflow_probability",
     "round_records",
