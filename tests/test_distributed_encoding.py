@@ -28,7 +28,7 @@ from peer.dp.distributed.encoding import (
     smallest_bits,
     to_modular,
 )
-from peer.dp.distributed.skellam import calibrate_share, check_sites, skellam_share
+from peer.dp.distributed.skellam import calibrate_share, check_sites, skellam_share, step_parameters
 
 
 def clipped(x: np.ndarray, c: float) -> np.ndarray:
@@ -240,3 +240,15 @@ def test_calibration_refuses_too_few_sites_and_bad_targets():
         calibrate_share(1.0, 1.0, 3, 1, 10.0, 5.0)
     with pytest.raises(InvalidArgument, match="share_variance"):
         skellam_share(-1.0, 3, np.random.default_rng(0))
+
+
+def test_step_parameters_hold_the_encoding_and_the_noise_and_refuse_a_mismatched_calibration():
+    enc = Encoding(dim=100, clip_norm=1.0, scale=300.0, bits=24, rotation_seed=5)
+    cal = calibrate_share(2.0, 1e-5, 5, 2, enc.l1_sensitivity, enc.l2_sensitivity)
+    params = step_parameters(enc, cal)
+    for key in ("mechanism", "share_variance", "sites", "coalition", "modulus_bits", "scale", "rounding_beta"):
+        assert key in params
+    assert params["sites"] == 5 and params["coalition"] == 2 and params["modulus_bits"] == 24
+    weaker = calibrate_share(2.0, 1e-5, 5, 2, enc.l1_sensitivity, enc.l2_sensitivity / 2)
+    with pytest.raises(InvalidArgument, match=r"calibration\.l2_sensitivity"):
+        step_parameters(enc, weaker)

@@ -159,6 +159,21 @@ def test_fresh_keys_and_masks_per_attempt():
     assert all(not np.array_equal(masked0[n], masked1[n]) for n in masked0)
 
 
+def test_a_rerun_after_a_dropout_uses_the_rest_and_refuses_the_first_attempts_vectors():
+    ids = identities(4)
+    rng = np.random.default_rng(3)
+    xs = {i.name: rng.integers(0, 2**32, size=10, dtype=np.uint64) for i in ids}
+    first, masked0, _ = run_protocol(ids, xs, 32, attempt=0)
+    rest = ids[:3]  # the fourth site dropped: attempt 1 among the rest, fresh keys
+    second, _, total1 = run_protocol(rest, xs, 32, attempt=1)
+    assert total1.tolist() == [sum(int(xs[i.name][j]) for i in rest) % 2**32 for j in range(10)]
+    with pytest.raises(FailedPrecondition, match="missing"):
+        aggregate({n: masked0[n] for n in second.sites[:2]}, second)
+    old = sign_masked(rest[0], first, masked0[rest[0].name])
+    with pytest.raises(PermissionDenied, match="another step or attempt"):
+        verify_masked(masked0[rest[0].name], old, second, pins(rest))
+
+
 def test_an_unpinned_or_mis_signed_ephemeral_key_is_refused():
     ids = identities(3)
     ctx = MaskContext("run-k", 1, 0, tuple(i.name for i in ids), 32)

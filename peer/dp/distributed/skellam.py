@@ -151,6 +151,24 @@ def calibrate_share(
     )
 
 
+def step_parameters(encoding, calibration: SkellamCalibration) -> dict:
+    """The public parameters a step's release record carries: the encoding's and the noise's.
+
+    Refuses a calibration made for other sensitivities than the encoding's (Δ₁, Δ₂ in integer
+    units): the charge would not cover what the encoding can release.
+    """
+    for name, enc_value, cal_value in (
+        ("l1_sensitivity", encoding.l1_sensitivity, calibration.l1_sensitivity),
+        ("l2_sensitivity", encoding.l2_sensitivity, calibration.l2_sensitivity),
+    ):
+        if cal_value < enc_value * (1 - 1e-12):
+            raise InvalidArgument(
+                f"calibration.{name}",
+                f"is {cal_value!r}, below the encoding's {enc_value!r}: calibrate for the encoding's sensitivities",
+            )
+    return {**encoding.record_fields(), **calibration.record_fields()}
+
+
 def skellam_share(share_variance: float, size: int, generator: np.random.Generator) -> np.ndarray:
     """One site's noise share: ``size`` i.i.d. symmetric Skellam of variance v, int64."""
     v = check_variance(share_variance, "share_variance")
@@ -162,4 +180,4 @@ def skellam_share(share_variance: float, size: int, generator: np.random.Generat
     )
 
 
-__all__ = ["MECHANISM", "SkellamCalibration", "calibrate_share", "check_sites", "skellam_share"]
+__all__ = ["MECHANISM", "SkellamCalibration", "calibrate_share", "check_sites", "skellam_share", "step_parameters"]
