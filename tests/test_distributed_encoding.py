@@ -110,6 +110,20 @@ def test_encode_sum_round_trips_and_needs_unconditional_rounding():
         encode_sum(records, Encoding(dim=300, clip_norm=1.0, scale=1000.0, bits=40), rng)
 
 
+@pytest.mark.parametrize(("dim", "norm", "beta"), [(1000, 50.0, 0.01), (4096, 10.0, 0.05), (64, 200.0, 0.01)])
+def test_one_randomized_rounding_exceeds_the_bound_with_probability_at_most_beta(dim, norm, beta):
+    """The bound behind conditional rounding's acceptance rate, checked by plain randomized
+    rounding of 4000 vectors of norm exactly c: the fraction above B² is ≤ β + 5 SE (SE =
+    √(β(1−β)/4000)); fixed seed, false-failure rate < 3e-7 per case."""
+    rng = np.random.default_rng(int(dim + norm))
+    x = rng.normal(size=(4000, dim))
+    x *= norm / np.linalg.norm(x, axis=1, keepdims=True)
+    low = np.floor(x)
+    r = low + (rng.random(x.shape) < x - low)
+    over = np.mean(np.einsum("ij,ij->i", r, r) > rounded_l2_bound(norm, dim, beta) ** 2)
+    assert over <= beta + 5 * math.sqrt(beta * (1 - beta) / 4000), over
+
+
 def test_rounding_is_unbiased():
     """Mean of 4000 independent encodings of one record (d = 64, γ = 10, C = 1): each decoded
     coordinate's mean is within 5 standard errors of the clipped value (rounding variance ≤ 1/4
