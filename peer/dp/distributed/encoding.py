@@ -13,8 +13,8 @@ of those integer vectors plus its noise share (``peer.dp.distributed.skellam``):
    utility: it spreads a vector's mass over all coordinates, so every coordinate of the sum is
    small and fewer bits avoid wrap-around;
 3. scale by γ (integer units per unit of gradient), then re-clip to γC (absorbs float error);
-4. conditional randomized rounding (the rounding step of KLS's client encoding): round each coordinate
-   independently up with probability its fractional part, down otherwise; accept the rounded
+4. conditional randomized rounding (the rounding step of KLS's client encoding): round each
+   coordinate independently up with probability its fractional part, down otherwise; accept the rounded
    vector only if its squared norm is ≤ ⌊B²⌋, else round afresh. B is the public bound of KLS's
    analysis of randomized rounding (the one TensorFlow Federated's ``distributed_dp`` accounting
    uses, ``rounded_l2_norm_bound``; here ``rounded_l2_bound``): for ‖x‖₂ ≤ c = γC in d′ dimensions,
@@ -76,8 +76,9 @@ _CHUNK_ELEMENTS = 1 << 22
 
 
 def rounded_l2_bound(norm_bound: float, dim: int, beta: float) -> float:
-    """B of KLS's randomized-rounding bound (module docstring): the L2 norm a conditionally rounded vector of norm ≤ ``norm_bound``
-    in ``dim`` dimensions is accepted at (β = 0: the deterministic c + √d)."""
+    """B of KLS's randomized-rounding bound (module docstring): the L2 norm a conditionally
+    rounded vector of norm ≤ ``norm_bound`` in ``dim`` dimensions is accepted at (β = 0: the
+    deterministic c + √d)."""
     c, d = float(norm_bound), int(dim)
     deterministic = c + math.sqrt(d)
     if beta == 0:
