@@ -5,7 +5,8 @@ Modules: ``training_records`` (how a model was trained: GaussianStep, TrainingRe
 privacy profile), ``rs`` and ``lc`` (merges; LC is charged the composition of its models unless
 all declare state-independent gradients), ``targets`` (choose π / λ for a target ε),
 ``release_accounting`` (interpret ReleaseRecords: ``rdp_of_record``, ``pld_of_record``; build
-the data-level ones).
+the data-level ones), ``skellam`` (the Skellam mechanism of secure aggregation: RDP, Poisson
+subsampling, steps).
 """
 
 from peer.dp.accounting.conversions import (
@@ -41,6 +42,7 @@ from peer.dp.accounting.release_accounting import (
     rs_merge_record,
 )
 from peer.dp.accounting.rs import rs_delta, rs_epsilon, rs_pld, rs_profiles, rs_rdp
+from peer.dp.accounting.skellam import rdp_skellam, rdp_skellam_steps, rdp_subsampled_skellam
 from peer.dp.accounting.targets import UnreachableTarget, WeightChoice, choose_lam, choose_pi
 from peer.dp.accounting.training_records import (
     ADJACENCIES,
@@ -87,6 +89,9 @@ __all__ = [
     "privacy_profile",
     "privacy_profiles",
     "rdp_of_record",
+    "rdp_skellam",
+    "rdp_skellam_steps",
+    "rdp_subsampled_skellam",
     "rdp_to_delta",
     "rdp_to_epsilon",
     "record_epsilon",
