@@ -1793,11 +1793,20 @@ class Ledger:
         elif created:
             log.info("anchor-created ledger=%s anchor=%s", self.path, self.anchor.path)
 
-    def chain_position(self, entry_id: int | str) -> tuple[int, str]:
-        """(seq, hash) of charge ``entry_id``: the charge chain's sequence number and head right
-        after that charge, as its receipt carries them."""
+    def chain_position(self, entry_id: int | str, served_again: int | str | None = None) -> tuple[int, str]:
+        """(seq, hash) of the charge chain right after charge ``entry_id`` — its own sequence
+        number and hash — or, with ``served_again`` (a served-again row of that charge), the
+        chain's head when it was served again: what the release's receipt carries."""
         with self._read() as con:
-            row = con.execute("SELECT seq, hash FROM charges WHERE seq = ?", (int(entry_id),)).fetchone()
+            if served_again in (None, ""):
+                row = con.execute("SELECT seq, hash FROM charges WHERE seq = ?", (int(entry_id),)).fetchone()
+            else:
+                row = con.execute(
+                    "SELECT c.seq, c.hash FROM served_again s JOIN charges c ON c.hash = s.head_hash"
+                    " WHERE s.id = ? AND s.seq = ?",
+                    (int(served_again), int(entry_id)),
+                ).fetchone()
         if row is None:
-            raise NotFound(f"no ledger entry {entry_id}")
+            what = f"served-again row {served_again} of " if served_again not in (None, "") else ""
+            raise NotFound(f"no {what}ledger entry {entry_id}")
         return int(row[0]), row[1]
