@@ -16,7 +16,11 @@ charge; ``verify()`` (run at open) recomputes it from the rows and checks the ha
 links every charge to the one before it. The chain covers every stored value that decides a
 budget — all columns of the charge, its charge_budgets and charge_models rows, and (through the
 first link) the filter's orders — so editing any of them, even with the triggers dropped, makes
-the ledger refuse to open; events carry a chain of their own. Every reader (``verify``,
+the ledger refuse to open; events carry a chain of their own. A chain cannot show its end cut
+off, so each chain's latest head is also appended to ``LEDGER.anchor`` beside the file
+(``peer.budget.anchor``), fsync'd before a charge, cancellation, served-again row or event
+returns; a ledger behind its anchor is refused at open (``docs/architecture.md``, "The ledger's
+anchor", says what an attacker with write access can and cannot do). Every reader (``verify``,
 ``entries``, ``budget_states``, ``summary``…) runs in one read transaction: in WAL mode it sees
 one committed state however many queries it makes while other processes charge.
 
