@@ -1561,10 +1561,19 @@ class Ledger:
         if not records:
             return 0.0, note
         try:
-            composed = None
+            composed, fallbacks = None, 0
+            count_fallbacks = getattr(self._acct(), "pld_fallbacks", None)
             for r in records:
-                p = self._acct().pld_of_record(per_neuron_record(r))
+                charged = per_neuron_record(r)
+                p = self._acct().pld_of_record(charged)
                 composed = p if composed is None else composed.compose(p)
+                fallbacks += count_fallbacks(charged) if count_fallbacks is not None else 0
+            if fallbacks:
+                note += (
+                    f"; {fallbacks} parallel release part(s) have no part that dominates the others, so their PLD "
+                    "is the sequential composition of the parts (conservative: it can exceed the filter's ε, "
+                    "which takes their maximum exactly)"
+                )
             return float(composed.get_epsilon_for_delta(delta)), note
         except Exception as e:  # an accountant without a PLD for some record: say so, keep going
             return None, f"PLD unavailable: {type(e).__name__}: {e}"
