@@ -878,6 +878,21 @@ def test_ledger_show_prints_entries_and_budgets(tmp_path, capsys):
     assert main(["ledger", "show", "--db", str(path), "--no-pld"]) == 0
     text = capsys.readouterr().out
     assert "model/mlp-a/peer/hospital-b" in text and "2 entries" in text
+    # every ε printed says its accountant and scope (issue 20, item 8)
+    for words in (
+        "spent ε filter: the budget's total — every charge made to it",
+        "by the RDP filter at the budget's δ",
+        "spent ε PLD: the same charges, by PLD composition",
+        "remaining ε: limit − spent_epsilon_filter: a guide, not a price",
+        "(ε of an entry: that release alone",
+    ):
+        assert words in text, words
+    assert set(out["figures"]) == {
+        "entries.epsilon",
+        "budgets.spent_epsilon_filter",
+        "budgets.spent_epsilon_pld",
+        "budgets.remaining_epsilon_filter",
+    }
     assert main(["ledger", "show", "--db", str(tmp_path / "none.db")]) == 2
     assert "no ledger" in capsys.readouterr().err
 

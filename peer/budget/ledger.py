@@ -530,6 +530,20 @@ class BudgetState:
         }
 
 
+#: What each ε of :meth:`Ledger.summary` (``ledger show``) covers, and by which accountant.
+FIGURE_SCOPES = {
+    "entries.epsilon": "that release alone, as its record states it (in the budget's unit: per-entry "
+    "releases restated per neuron), at the entry's own δ",
+    "budgets.spent_epsilon_filter": "the budget's total — every charge made to it (a model's total: all "
+    "counterparties together) — by the RDP filter at the budget's δ: the adaptive guarantee",
+    "budgets.spent_epsilon_pld": "the same charges, by PLD composition at the budget's δ: tight for that fixed "
+    "sequence, not an adaptive guarantee (see pld_note where it exceeds the filter's)",
+    "budgets.remaining_epsilon_filter": "limit − spent_epsilon_filter: a guide, not a price. A request is "
+    "admitted when the filter, composing its RDP with what is spent order by order, stays within the limit; "
+    "RDP composes sublinearly, so a request above the remainder can fit, and one just below it can be refused",
+}
+
+
 @dataclass(frozen=True)
 class _Interpreted:
     record: ReleaseRecord
@@ -1593,6 +1607,7 @@ class Ledger:
                     "ledger": str(self.path),
                     "orders": list(self.orders),
                     "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
+                    "figures": FIGURE_SCOPES,
                     "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
                     "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
                     "cancelled": [

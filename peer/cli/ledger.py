@@ -64,11 +64,16 @@ def run_show(args: argparse.Namespace) -> int:
     notes = {b["pld_note"] for b in summary["budgets"] if b["pld_note"]}
     for note in sorted(notes):
         print(f"  PLD: {note}")
+    figures = summary["figures"]
+    print(f"  spent ε filter: {figures['budgets.spent_epsilon_filter']}")
+    print(f"  spent ε PLD: {figures['budgets.spent_epsilon_pld']}")
+    print(f"  remaining ε: {figures['budgets.remaining_epsilon_filter']}")
     print()
     print(
         f"{'#':>5} {'charged at':27} {'release':32} {'mechanism':10} {'level':6} {'unit':18} "
         f"{'counterparty':14} {'subject':14} {'ε':>8} {'δ':>8}"
     )
+    print(f"  (ε of an entry: {figures['entries.epsilon']})")
     for e in summary["entries"]:
         print(
             f"{e['entry_id']:>5} {e['charged_at']:27} {e['release_id'][:32]:32} {e['mechanism']:10} {e['level']:6} "
