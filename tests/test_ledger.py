@@ -885,6 +885,7 @@ def test_ledger_show_prints_entries_and_budgets(tmp_path, capsys):
         "spent ε PLD: the same charges, by PLD composition",
         "remaining ε: limit − spent_epsilon_filter: a guide, not a price",
         "(ε of an entry: that release alone",
+        "(verified: the ledger reaches it; charges anchored up to entry 2)",
     ):
         assert words in text, words
     assert set(out["figures"]) == {

@@ -1608,6 +1608,7 @@ class Ledger:
                     "orders": list(self.orders),
                     "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
                     "figures": FIGURE_SCOPES,
+                    "anchor": self.anchor_state(),
                     "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
                     "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
                     "cancelled": [
@@ -1820,6 +1821,15 @@ class Ledger:
             )
         elif created:
             log.info("anchor-created ledger=%s anchor=%s", self.path, self.anchor.path)
+
+    def anchor_state(self) -> dict:
+        """The anchor file and, per chain, the row it anchors (``ledger show``)."""
+        heads = self.anchor.heads()
+        return {
+            "path": str(self.anchor.path),
+            "exists": self.anchor.exists(),
+            "anchored": {c: {"n": p.n, "head": p.head} for c, p in sorted(heads.items())},
+        }
 
     def chain_position(self, entry_id: int | str, served_again: int | str | None = None) -> tuple[int, str]:
         """(seq, hash) of the charge chain right after charge ``entry_id`` — its own sequence

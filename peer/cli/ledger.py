@@ -53,6 +53,14 @@ def run_show(args: argparse.Namespace) -> int:
         return 0
     print(f"ledger {summary['ledger']}: {len(summary['entries'])} entries")
     print(f"filter: {summary['filter']}; orders {', '.join(f'{o:g}' for o in summary['orders'])}")
+    anchor = summary["anchor"]
+    if anchor["exists"]:
+        upto = anchor["anchored"].get("charges", {}).get("n", 0)
+        print(f"anchor: {anchor['path']} (verified: the ledger reaches it; charges anchored up to entry {upto})")
+    else:
+        print(
+            f"anchor: none at {anchor['path']} (the first open with a policy creates it; until then a cut is not detected)"
+        )
     print()
     print(f"{'budget':40} {'limit (ε, δ)':>18} {'n':>5} {'spent ε filter':>15} {'spent ε PLD':>12} {'remaining ε':>12}")
     for b in summary["budgets"]:
