@@ -397,6 +397,9 @@ class PeerService(pb_grpc.PeerServicer):
                 delta=record.delta,
                 model=model,
             )
+            # the ledger's position after this charge travels, signed, with the bytes: the
+            # counterparty's evidence of how far the ledger reached (docs/wire.md 6.3)
+            ledger_seq, ledger_head = self.site.ledger_position(entry_id, served_again)
             receipt = sign_receipt(
                 self.site.identity,
                 entry_id,
@@ -404,6 +407,8 @@ class PeerService(pb_grpc.PeerServicer):
                 wire.release_manifest(kind, model, architecture, metadata, tensors, upstream, digests),
                 served_again or "",
                 caller if served_again else "",
+                ledger_seq,
+                ledger_head,
             )
             yield from wire.release_frames(receipt, kind, model, architecture, metadata, tensors, upstream)
             finished = True

@@ -947,6 +947,12 @@ class Site:
         also = (on_behalf_of,) if on_behalf_of else ()
         return str(self.ledger.charge(record, caller, kind=kind, also_counterparties=also).entry_id)
 
+    def ledger_position(self, entry_id: str, served_again: str | None = None) -> tuple[int, bytes]:
+        """The ledger's charge chain position (sequence number, 32-byte head) right after charge
+        ``entry_id`` — or when it was served again (``served_again``) — for its receipt."""
+        seq, head = self.ledger.chain_position(entry_id, served_again)
+        return seq, bytes.fromhex(head)
+
     def cancel(self, record: ReleaseRecord, reason: str) -> None:
         """Withdraw the charge of a release none of whose bytes went to the transport."""
         self.ledger.cancel(record.release_id, reason)

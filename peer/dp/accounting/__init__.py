@@ -36,6 +36,7 @@ from peer.dp.accounting.profiles import PrivacyProfile, model_delta, model_epsil
 from peer.dp.accounting.release_accounting import (
     dpsgd_record,
     lc_merge_record,
+    pld_fallbacks,
     pld_of_record,
     rdp_of_record,
     record_epsilon,
@@ -85,6 +86,7 @@ __all__ = [
     "lc_surrogate_mu",
     "model_delta",
     "model_epsilon",
+    "pld_fallbacks",
     "pld_of_record",
     "privacy_profile",
     "privacy_profiles",
