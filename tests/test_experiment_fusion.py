@@ -85,8 +85,12 @@ def test_the_real_table(capsys):
         # graph-matching fusion clearly beats vanilla averaging (by ~15 points measured)
         assert m["graph_matching"] > m["vanilla_averaging"] + 0.08
         # REPAIR on A's own records: measured 95.3% -> 95.8% on both splits (endpoints 95.8/96.4
-        # homogeneous, 94.4/94.9 heterogeneous): at least the worse endpoint
-        assert m["graph_matching_repair"] >= min(m["model_a"], m["model_b"])
+        # homogeneous, 94.4/94.9 heterogeneous): the worse endpoint, to within three test images.
+        # Homogeneous it is exactly the worse endpoint (the same on avx512, avx2 and default
+        # kernels here), so a bound with no margin fails on a machine whose kernels move one
+        # prediction; three images is 0.8 standard errors of a paired difference: the target
+        # itself is read over seeds in docs/experiments.md
+        assert m["graph_matching_repair"] >= min(m["model_a"], m["model_b"]) - 3 * ONE_TEST_EXAMPLE
     rec = out["permutation_recovery"]
     assert rec["graph_matching"]["fraction_correct"] == 1.0
     assert rec["privfusion_entry_eps1"]["fraction_correct"] > 0.5  # mostly right at ε = 1 per entry
