@@ -148,9 +148,11 @@ def health_of(channel):
         return e.code().name
 
 
-def slow_reader(b, a, address, request, pause_s, out):
-    """Read a weights release, pausing ``pause_s`` after the receipt (the server's sends back up
-    behind flow control meanwhile); report the frames and the final status."""
+def slow_reader(b, a, address, request, go: threading.Event, out):
+    """Read a weights release, pausing after the receipt until ``go`` is set (the server's sends
+    back up behind flow control meanwhile; at most 60 s); report the frames and the final
+    status. An event, not a fixed pause: on a loaded machine the test's checks during the pause
+    may take longer than any pause chosen in advance."""
     creds = grpc.ssl_channel_credentials(
         root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem, certificate_chain=b.identity.cert_pem
     )
@@ -162,7 +164,7 @@ def slow_reader(b, a, address, request, pause_s, out):
             for f in pb_grpc.PeerStub(ch).ReleaseWeights(request, timeout=60):
                 frames.append(f.WhichOneof("frame"))
                 if len(frames) == 1:
-                    time.sleep(pause_s)
+                    go.wait(60)
             out["status"] = "OK"
         except grpc.RpcError as e:
             out["status"] = e.code().name
@@ -200,18 +202,22 @@ def test_sigterm_lets_in_flight_releases_finish_and_refuses_new_ones(tmp_path):
         out = {}
         health = health_channel(b, a, address)
         assert health_of(health) == "SERVING"
-        t = threading.Thread(target=slow_reader, args=(b, a, address, req, 4.0, out))
+        go = threading.Event()
+        t = threading.Thread(target=slow_reader, args=(b, a, address, req, go, out))
         t.start()
-        wait_for_charge(a)  # charged: the release is in flight (its reader pauses 4 s)
-        daemon.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 3
-        while health_of(health) != "NOT_SERVING" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert health_of(health) == "NOT_SERVING"  # draining: still answering, not serving
-        health.close()
-        with client(b, address) as c, pytest.raises(PeerError) as e:
-            c.weights("huge", epsilon=1.0, delta=1e-6)
-        assert e.value.status in ("FAILED_PRECONDITION", "UNAVAILABLE")
+        try:
+            wait_for_charge(a)  # charged: the release is in flight (its reader holds until go)
+            daemon.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60  # the reader holds the release open meanwhile
+            while health_of(health) != "NOT_SERVING" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert health_of(health) == "NOT_SERVING"  # draining: still answering, not serving
+            health.close()
+            with client(b, address) as c, pytest.raises(PeerError) as e:
+                c.weights("huge", epsilon=1.0, delta=1e-6)
+            assert e.value.status in ("FAILED_PRECONDITION", "UNAVAILABLE")
+        finally:
+            go.set()  # the in-flight release may finish now
         t.join(60)
         assert daemon.proc.wait(60) == 0
     finally:
