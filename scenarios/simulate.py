@@ -424,6 +424,8 @@ def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, prepro
         init_seed=s.seed + 500_000,
         randomness=make_randomness(s.seed),
         delta=p.delta,
+        # the scenario's public count (required under add-remove), never len(s.y) there
+        dataset_size=p.declared_records,
     )
     out = []
     for nm, m in zip(p.noise_multipliers, models, strict=True):
@@ -542,7 +544,8 @@ class RoundProcess:
         self.events: list[dict] = []
         # held for the process's lifetime (its stderr), closed when it has ended
         self.log = open(site.root / "rounds.log", "ab")  # noqa: SIM115
-        args = [sys.executable, "-m", "peer.cli", "round", "--config", str(site.config), "--events"]
+        # --simulation: the site's fixed noise seed (refused by a production `privfusion round`)
+        args = [sys.executable, "-m", "peer.cli", "round", "--config", str(site.config), "--events", "--simulation"]
         for f in round_files:
             args += ["--round", str(f)]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, env=_child_env(), text=True)
@@ -613,7 +616,7 @@ class RoundThread:
 
         code = 0
         try:
-            for cfg, result in run_rounds(self.site.config, round_files, emit, self._stop):
+            for cfg, result in run_rounds(self.site.config, round_files, emit, self._stop, simulation=True):
                 if result.status == "interrupted":
                     code = 128 + signal.SIGTERM
                     break
@@ -1081,6 +1084,7 @@ def iterate_round_toml(sc: Scenario, roster: Path) -> str:
         f"epsilon = {it.epsilon!r}",
         f"delta = {it.delta!r}",
         f'adjacency = "{it.adjacency}"',
+        *([f"declared_records = {it.declared_records}"] if it.declared_records is not None else []),
         f"init_seed = {it.init_seed}",
         "wait_s = 30.0",
     ]

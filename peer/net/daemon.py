@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from concurrent import futures
 from pathlib import Path
 
@@ -46,7 +47,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from peer.base.errors import FailedPrecondition
+from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.base.records import FIXED_SEED_WARNING
 from peer.budget.policy import Policy
 from peer.net import wire
@@ -107,6 +108,12 @@ SEED_WARNING = (
     "FIXED SEED: NOT PRIVATE. site.seed makes every release's noise reproducible by anyone who "
     "knows the seed, who can then subtract it. Simulations and tests only; every record says "
     f"{FIXED_SEED_WARNING!r}."
+)
+
+POOL_SEED_WARNING = (
+    "FIXED SEED: NOT PRIVATE. Pool models trained with `privfusion pool train --seed`, or stored "
+    "releases drawn with a fixed seed, are served by this --simulation daemon; every record made "
+    f"from them says {FIXED_SEED_WARNING!r}. Simulations and tests only."
 )
 
 INSECURE_WARNING = (
@@ -265,10 +272,95 @@ def _why_not_listening(listen: str) -> str:
     return "gRPC refused the address"
 
 
-def open_site(config_path: str | os.PathLike, insecure: bool = False) -> Site:
+def open_site(config_path: str | os.PathLike, insecure: bool = False, simulation: bool | None = None) -> Site:
+    """The site of ``config_path``, loaded and checked for what it would serve
+    (:func:`check_servable`: no fixed-seed pool model or stored release outside a
+    simulation, no pool that states a true record count under add-remove). ``simulation``
+    None: a site with a fixed seed of its own (``peer serve`` refuses one without
+    ``--simulation``, :func:`check_seed_allowed`)."""
     config = SiteConfig.load(config_path)
     policy = Policy.from_toml(config_path)
-    return Site(config, policy, insecure=insecure)
+    site = Site(config, policy, insecure=insecure, simulation=simulation)
+    try:
+        check_servable(site)
+    except BaseException:
+        site.close()
+        raise
+    return site
+
+
+def check_servable(site: Site) -> None:
+    """Refuse to start (FailedPrecondition naming the model or file, the rule and what to do)
+    a site that would release what its records do not cover:
+
+    - outside a simulation (``site.simulation``), a pool model trained with a fixed noise seed
+      (``privfusion pool train --seed``: its record says "fixed-seed"; anyone who knows the
+      seed reproduces the model on D and not on D minus one record), or an entry of the
+      release store (a merge or an iterate segment) drawn or trained with one;
+    - in any mode, a pool whose add-remove models state their true record count
+      (``peer.dp.pools.check_declared_counts``).
+
+    A ``--simulation`` daemon serves fixed-seed models, and every record made from them says
+    "fixed seed: not private" (``peer.dp.merging.with_models_randomness``); it logs a warning
+    naming them."""
+    from peer.dp.pools import check_declared_counts
+
+    fixed_models = []
+    for pool, members in site.pools.items():
+        check_declared_counts(members, pool)
+        for m in members:
+            record = m.metadata.get("record") if isinstance(m.metadata, Mapping) else None
+            if isinstance(record, Mapping) and record.get("randomness") == "fixed-seed":
+                fixed_models.append((pool, m.name, record.get("seed")))
+    fixed_releases = _fixed_seed_releases(site)
+    if site.simulation:
+        if fixed_models or fixed_releases:
+            names = [f"{p}/{m}" for p, m, _ in fixed_models] + [f for f, _ in fixed_releases]
+            log.warning(json.dumps({"event": "fixed-seed-releases", "warning": POOL_SEED_WARNING, "sources": names}))
+        return
+    if fixed_models:
+        pool, name, seed = fixed_models[0]
+        others = [f"{p}/{m}" for p, m, _ in fixed_models[1:]]
+        raise FailedPrecondition(
+            f"pool {pool!r}: model {name!r} was trained with a fixed noise seed (privfusion pool train --seed {seed}): "
+            f"{FIXED_SEED_WARNING} — anyone who knows the seed reproduces its noise"
+            + (f" (so were {others})" if others else "")
+            + ". Retrain it without --seed (CSPRNG noise), or start the daemon with --simulation for tests "
+            "and simulations"
+        )
+    if fixed_releases:
+        path, what = fixed_releases[0]
+        raise FailedPrecondition(
+            f"release store: {path} ({what}) was drawn or trained with a fixed noise seed: {FIXED_SEED_WARNING}. "
+            "A daemon without --simulation never serves it: delete that file and its .safetensors (a merge is then "
+            "made anew and charged; a segment is no longer offered), or start the daemon with --simulation"
+        )
+
+
+def _fixed_seed_releases(site: Site) -> list[tuple[str, str]]:
+    """(file, what) of every release-store entry whose record says fixed-seed (read from the
+    entries' JSON only; an unreadable entry is left to the check made before serving it)."""
+    from peer.base.records import ReleaseRecord
+
+    directory = site.releases.directory
+    out = []
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.json")):
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            record = ReleaseRecord.from_json(entry["record_json"])
+        except (OSError, ValueError, KeyError, TypeError, FailedPrecondition, InvalidArgument):
+            continue
+        if any(r.randomness == "fixed-seed" for r in (record, *record.components)):
+            segment = record.parameters.get("segment")
+            what = (
+                f"segment of run {segment.get('run')!r} round {segment.get('round')}"
+                if isinstance(segment, Mapping)
+                else f"{record.mechanism} of {record.subject!r}"
+            )
+            out.append((str(path), what))
+    return out
 
 
 def check_seed_allowed(config: SiteConfig, simulation: bool) -> None:
@@ -309,12 +401,13 @@ def serve(
     config_path: str | os.PathLike, insecure: bool = False, ready_file: str | None = None, simulation: bool = False
 ) -> int:
     """Run a daemon until SIGTERM/SIGINT (the ``privfusion peer serve`` command). A ``seed`` in
-    site.toml is refused unless ``simulation`` (:func:`check_seed_allowed`)."""
+    site.toml, a pool model trained with a fixed seed and a stored release drawn with one are
+    refused unless ``simulation`` (:func:`check_seed_allowed`, :func:`check_servable`)."""
     configure_logging(os.environ.get("PRIVFUSION_LOG_LEVEL", "INFO"))
     faulthandler.enable()  # a crash in native code leaves the Python stacks in the log
     check_seed_allowed(SiteConfig.load(config_path), simulation)
     _limit_arenas()  # before the gRPC and worker threads exist
-    daemon = Daemon(open_site(config_path, insecure=insecure))
+    daemon = Daemon(open_site(config_path, insecure=insecure, simulation=simulation))
     try:
         port = daemon.start()
     except BaseException:
