@@ -195,15 +195,18 @@ def true_count_models(pool: Sequence[PoolModel]) -> list[str]:
     is private — the records of D and D + {x} state 49 and 50 — and the update itself divides
     by it, so such a model is outside the guarantee its record claims. Replace-one models
     (the count is public there) are never listed."""
-    out = []
-    for m in pool:
-        record = m.metadata.get("record") if isinstance(m.metadata, Mapping) else None
-        if not isinstance(record, Mapping) or record.get("unit") != "record:add-remove":
-            continue
-        params = record.get("parameters") or {}
-        if "dataset_size" in params and params.get("dataset_size_source") != "declared":
-            out.append(m.name)
-    return out
+    return [
+        m.name for m in pool if states_true_count(m.metadata.get("record") if isinstance(m.metadata, Mapping) else None)
+    ]
+
+
+def states_true_count(record: Mapping[str, Any] | None) -> bool:
+    """Whether a stored "dpsgd" record (its dict) is add-remove with a ``dataset_size`` that
+    was not declared (:func:`true_count_models`)."""
+    if not isinstance(record, Mapping) or record.get("unit") != "record:add-remove":
+        return False
+    params = record.get("parameters") or {}
+    return isinstance(params, Mapping) and "dataset_size" in params and params.get("dataset_size_source") != "declared"
 
 
 def check_declared_counts(pool: Sequence[PoolModel], pool_name: str) -> None:
@@ -211,13 +214,19 @@ def check_declared_counts(pool: Sequence[PoolModel], pool_name: str) -> None:
     model of :func:`true_count_models`: nothing made from it is served or merged."""
     names = true_count_models(pool)
     if names:
-        raise FailedPrecondition(
-            f"pool {pool_name!r}: models {names} were trained under add-remove adjacency with the true number "
-            "of training records as DP-SGD's denominator, and their records state it (neighbouring datasets "
-            "give different records); they are not served. Retrain them with a declared public count "
-            "(privfusion pool train --adjacency add-remove --declared-records N, or [site] declared_records in "
-            "site.toml), or remove them from the pool"
-        )
+        raise FailedPrecondition(true_count_refusal(pool_name, names))
+
+
+def true_count_refusal(pool_name: str, names: Sequence[str]) -> str:
+    """Why a pool with models of :func:`true_count_models` is not served, and what to do (no
+    count is named: it is the private value)."""
+    return (
+        f"pool {pool_name!r}: models {list(names)} were trained under add-remove adjacency with the true number "
+        "of training records as DP-SGD's denominator, and their records state it (neighbouring datasets "
+        "give different records); they are not served. Retrain them with a declared public count "
+        "(privfusion pool train --adjacency add-remove --declared-records N, or [site] declared_records in "
+        "site.toml), or remove them from the pool"
+    )
 
 
 def load_pool(directory: str | os.PathLike) -> list[PoolModel]:

@@ -273,50 +273,51 @@ def _why_not_listening(listen: str) -> str:
 
 
 def open_site(config_path: str | os.PathLike, insecure: bool = False, simulation: bool | None = None) -> Site:
-    """The site of ``config_path``, loaded and checked for what it would serve
-    (:func:`check_servable`: no fixed-seed pool model or stored release outside a
-    simulation, no pool that states a true record count under add-remove). ``simulation``
-    None: a site with a fixed seed of its own (``peer serve`` refuses one without
-    ``--simulation``, :func:`check_seed_allowed`)."""
+    """The site of ``config_path``, checked for what it would serve before anything is opened
+    (:func:`check_servable`). ``simulation`` None: a site with a fixed seed of its own is a
+    simulation (``peer serve`` refuses such a seed without ``--simulation``,
+    :func:`check_seed_allowed`)."""
     config = SiteConfig.load(config_path)
+    simulation = config.seed is not None if simulation is None else bool(simulation)
+    check_servable(config, simulation)
     policy = Policy.from_toml(config_path)
-    site = Site(config, policy, insecure=insecure, simulation=simulation)
-    try:
-        check_servable(site)
-    except BaseException:
-        site.close()
-        raise
-    return site
+    return Site(config, policy, insecure=insecure, simulation=simulation)
 
 
-def check_servable(site: Site) -> None:
-    """Refuse to start (FailedPrecondition naming the model or file, the rule and what to do)
-    a site that would release what its records do not cover:
+def check_servable(config: SiteConfig, simulation: bool) -> None:
+    """Refuse to start (FailedPrecondition naming the model or file, the rule and what to do,
+    before the ledger or any model is opened) a site that would release what its records do
+    not cover:
 
-    - outside a simulation (``site.simulation``), a pool model trained with a fixed noise seed
-      (``privfusion pool train --seed``: its record says "fixed-seed"; anyone who knows the
-      seed reproduces the model on D and not on D minus one record), or an entry of the
-      release store (a merge or an iterate segment) drawn or trained with one;
+    - outside a simulation, a pool model trained with a fixed noise seed (``privfusion pool
+      train --seed``: its record says "fixed-seed"; anyone who knows the seed reproduces the
+      model on D and not on D minus one record), or an entry of the release store (a merge or
+      an iterate segment) drawn or trained with one;
     - in any mode, a pool whose add-remove models state their true record count
       (``peer.dp.pools.check_declared_counts``).
 
     A ``--simulation`` daemon serves fixed-seed models, and every record made from them says
     "fixed seed: not private" (``peer.dp.merging.with_models_randomness``); it logs a warning
-    naming them."""
-    from peer.dp.pools import check_declared_counts
+    naming them. Read from the pools' manifests and the store's JSON only (a file that does not
+    parse is left to the loader, which says what is wrong with it)."""
+    # lazy: peer.dp loads dp_accounting (slow to import), needed only by a site with pools
+    from peer.dp.pools import states_true_count, true_count_refusal
 
-    fixed_models = []
-    for pool, members in site.pools.items():
-        check_declared_counts(members, pool)
-        for m in members:
-            record = m.metadata.get("record") if isinstance(m.metadata, Mapping) else None
-            if isinstance(record, Mapping) and record.get("randomness") == "fixed-seed":
-                fixed_models.append((pool, m.name, record.get("seed")))
-    fixed_releases = _fixed_seed_releases(site)
-    if site.simulation:
+    fixed_models, stated = [], {}
+    for pool, directory in config.pools.items():
+        for name, record in _pool_records(directory):
+            if record.get("randomness") == "fixed-seed":
+                fixed_models.append((pool, name, record.get("seed")))
+            if states_true_count(record):
+                stated.setdefault(pool, []).append(name)
+    for pool, names in stated.items():
+        raise FailedPrecondition(true_count_refusal(pool, names))
+    fixed_releases = _fixed_seed_releases(config.ledger.with_name(config.ledger.stem + ".releases"))
+    if simulation:
         if fixed_models or fixed_releases:
             names = [f"{p}/{m}" for p, m, _ in fixed_models] + [f for f, _ in fixed_releases]
             log.warning(json.dumps({"event": "fixed-seed-releases", "warning": POOL_SEED_WARNING, "sources": names}))
+            print(f"privfusion peer: WARNING: {POOL_SEED_WARNING}", file=sys.stderr, flush=True)
         return
     if fixed_models:
         pool, name, seed = fixed_models[0]
@@ -337,12 +338,27 @@ def check_servable(site: Site) -> None:
         )
 
 
-def _fixed_seed_releases(site: Site) -> list[tuple[str, str]]:
+def _pool_records(directory: Path) -> list[tuple[str, Mapping]]:
+    """(model name, its stored "dpsgd" record dict) of every model manifest of a pool directory."""
+    out = []
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.json")):
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        record = manifest.get("metadata", {}).get("record") if isinstance(manifest, dict) else None
+        if isinstance(record, Mapping):
+            out.append((path.stem, record))
+    return out
+
+
+def _fixed_seed_releases(directory: Path) -> list[tuple[str, str]]:
     """(file, what) of every release-store entry whose record says fixed-seed (read from the
     entries' JSON only; an unreadable entry is left to the check made before serving it)."""
     from peer.base.records import ReleaseRecord
 
-    directory = site.releases.directory
     out = []
     if not directory.is_dir():
         return out
@@ -350,7 +366,7 @@ def _fixed_seed_releases(site: Site) -> list[tuple[str, str]]:
         try:
             entry = json.loads(path.read_text(encoding="utf-8"))
             record = ReleaseRecord.from_json(entry["record_json"])
-        except (OSError, ValueError, KeyError, TypeError, FailedPrecondition, InvalidArgument):
+        except (OSError, ValueError, KeyError, TypeError, InvalidArgument):
             continue
         if any(r.randomness == "fixed-seed" for r in (record, *record.components)):
             segment = record.parameters.get("segment")
