@@ -165,7 +165,11 @@ def test_serve_refuses_a_fixed_seed_pool_by_name_and_a_simulation_serves_it_sayi
     finally:
         refused.close()
     log = (tmp_path / "refused.log").read_text()
-    assert "pool 'digits': model 'm0'" in log and "pool train --seed 5" in log and "--simulation" in log
+    assert (
+        "pool 'digits': model 'm0'" in log
+        and "fixed noise seed 5 (privfusion pool train --seed" in log
+        and "--simulation" in log
+    )
     assert FIXED_SEED_WARNING in log and not a.ledger.exists()  # refused before the ledger was opened
 
     daemon = DaemonProcess(a, log_path=tmp_path / "simulation.log", simulation=True)

@@ -323,7 +323,8 @@ def check_servable(config: SiteConfig, simulation: bool) -> None:
         pool, name, seed = fixed_models[0]
         others = [f"{p}/{m}" for p, m, _ in fixed_models[1:]]
         raise FailedPrecondition(
-            f"pool {pool!r}: model {name!r} was trained with a fixed noise seed (privfusion pool train --seed {seed}): "
+            f"pool {pool!r}: model {name!r} was trained with the fixed noise seed {seed} (privfusion pool train "
+            "--seed, or a simulation): "
             f"{FIXED_SEED_WARNING} — anyone who knows the seed reproduces its noise"
             + (f" (so were {others})" if others else "")
             + ". Retrain it without --seed (CSPRNG noise), or start the daemon with --simulation for tests "
