@@ -45,6 +45,8 @@ DP-GD denominator, declared under add-remove), ours included with s = 0. With ``
 α and the peers share 1 − α in proportion to their w_j. When every peer is on time and α is
 left to the record counts, every site computes the same average Σ_j n_j θ_r^j / Σ_j n_j, which
 is DP-FedAvg's weighted average with local DP-GD: the same model at every site, with no server.
+With declared n_j (add-remove) one local step of it is exactly θ − η·(Σ of every site's clipped
+gradients and noise)/Σ_j n_j: DP-FedAvg's step with the declared total in place of the true one.
 No alignment is needed: every model descends from the same public θ_0.
 
 **Outputs** (``out``): each round's fused model in the model store ``OUT/models`` as
