@@ -99,7 +99,7 @@ def _round(args) -> int:
     status = 0
     try:
         # the same rounds the simulator runs in its own process (scenarios.simulate.RoundThread)
-        for cfg, result in run_rounds(args.config, args.round, on_event, stop):
+        for cfg, result in run_rounds(args.config, args.round, on_event, stop, simulation=args.simulation):
             if isinstance(cfg, IterateConfig):
                 if not args.events:
                     print(f"iterate run {cfg.run}: {result.status} ({result.reason}); report {result.report_path}")
@@ -186,6 +186,12 @@ def register(subparsers) -> None:
         help="a file with a [round] table (repeatable: rounds run in sequence); default: site.toml's [round]",
     )
     p.add_argument("--events", action="store_true", help="print round events as JSON lines on stdout")
+    p.add_argument(
+        "--simulation",
+        action="store_true",
+        help="allow a fixed noise seed (site.seed) for an iterate run's segments, as `peer serve --simulation` "
+        "does: NOT PRIVATE, every record says so; without this flag a seed is refused",
+    )
     p.set_defaults(func=_round)
 
 

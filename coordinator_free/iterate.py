@@ -12,9 +12,15 @@ Every site runs this loop on its own, against its peers' daemons; nobody schedul
 
 **The segment** is full-batch DP-GD (``peer.dp.training.run_dpsgd``): per step
 θ ← θ − η·(Σ_i clip_C(∇ℓ(θ; x_i, y_i)) + σ·C·z)/n with z ~ N(0, I) from the site's noise
-(CSPRNG-seeded; a fixed seed, reported, only in simulations). Unit of privacy: one of the
-site's training records, under ``adjacency``. Its record (``"dpsgd"``, steps, σ, C, q = 1,
-n, adjacency) is charged to the site's ledger *before* the bytes can leave: the daemon serves a
+(CSPRNG-seeded; a fixed seed, reported, only in simulations: a site.toml ``seed`` is refused
+unless the run is started with ``simulation``, ``privfusion round --simulation``, as
+``peer serve`` refuses it). Unit of privacy: one of the site's training records, under
+``adjacency``. **n is public**: under add-remove it is the count the operator declares
+(``declared_records`` of ``[round.iterate]``, else ``[site] declared_records`` of site.toml;
+refused when neither is set), never the true count, which differs between neighbours D and
+D + {x}; under replace-one it is ``declared_records`` when given, else the number of records
+(the same for both neighbours there). Its record (``"dpsgd"``, steps, σ, C, q = 1, n and its
+source, adjacency) is charged to the site's ledger *before* the bytes can leave: the daemon serves a
 segment only when its charge stands (``peer.net.releases.publish_segment``,
 ``Site.segment_release``). A segment starts from θ_{r−1}, which is post-processing of what the
 site and its peers already released, so the segments compose *adaptively*: the ledger's RDP
@@ -34,16 +40,19 @@ of 7.32 for 40 steps at (4, 1e-5), add-remove).
 ``wait_s`` we take its newest older one, *stale* by s = r − its round, and weigh it down by
 ``staleness_decay``^s; a peer with no segment at all, unreachable or refusing, is *skipped*
 (and once unreachable, asked again without waiting in later rounds). Weights are
-w_j = n_j · staleness_decay^{s_j}, n_j = the record count each segment's record declares
-(public: the DP-GD denominator), ours included with s = 0. With ``alpha`` set our own weight is
+w_j = n_j · staleness_decay^{s_j}, n_j = the n each segment's record states (public: the
+DP-GD denominator, declared under add-remove), ours included with s = 0. With ``alpha`` set our own weight is
 α and the peers share 1 − α in proportion to their w_j. When every peer is on time and α is
 left to the record counts, every site computes the same average Σ_j n_j θ_r^j / Σ_j n_j, which
 is DP-FedAvg's weighted average with local DP-GD: the same model at every site, with no server.
+With declared n_j (add-remove) one local step of it is exactly θ − η·(Σ of every site's clipped
+gradients and noise)/Σ_j n_j: DP-FedAvg's step with the declared total in place of the true one.
 No alignment is needed: every model descends from the same public θ_0.
 
 **Outputs** (``out``): each round's fused model in the model store ``OUT/models`` as
 ``RUN-r{k}`` (metadata: the round, its contributors and weights) and the JSON report
-``OUT/RUN.json``: per round the segment's ledger entry, σ, ε spent (the ledger's filter figure
+``OUT/RUN.json``: the n of the segments and its source (``dataset_size``,
+``dataset_size_source``; never the true count under add-remove), per round the segment's ledger entry, σ, ε spent (the ledger's filter figure
 and the PLD of the run's steps so far), bytes received and sent (segment bytes × times served
 again), and which peers contributed, with their staleness. Nothing private is logged: names,
 rounds, ledger ids, public ε and byte counts only.
@@ -67,6 +76,8 @@ Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate
     epsilon = 4.0            # the whole run's per-record budget (σ is calibrated to it) ...
     delta = 1e-5             # ... at this δ; the ledger's own data budget is the hard stop
     adjacency = "add-remove"
+    declared_records = 100   # PUBLIC n: DP-GD's denominator and our fusion weight (add-remove:
+                             # required here or as [site] declared_records; never the true count)
     init_seed = 11           # PUBLIC seed of the shared initial model
     # alpha = 0.5            # our own weight (default: by record counts, as FedAvg)
     staleness_decay = 0.5    # weight factor per round a peer's segment is behind
@@ -113,6 +124,7 @@ class IterateConfig:
     epsilon: float = 4.0
     delta: float = 1e-5
     adjacency: str = "add-remove"
+    declared_records: int | None = None
     init_seed: int = 11
     alpha: float | None = None
     staleness_decay: float = 0.5
@@ -149,6 +161,7 @@ class IterateConfig:
             epsilon=it.number("epsilon", 4.0, exclusive_minimum=0.0, maximum=1000.0),
             delta=it.number("delta", 1e-5, exclusive_minimum=0.0, maximum=0.1),
             adjacency=it.string("adjacency", "add-remove", choices=("add-remove", "replace-one")),
+            declared_records=it.integer("declared_records", None, minimum=1),
             init_seed=it.integer("init_seed", 11, minimum=0),
             alpha=it.number("alpha", None, minimum=0.0, maximum=1.0),
             staleness_decay=it.number("staleness_decay", 0.5, minimum=0.0, maximum=1.0),
@@ -215,6 +228,24 @@ def load_records(path: Path, stored) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), y.astype(np.int64)
 
 
+def segment_size(cfg: IterateConfig, site_declared: int | None, records: int) -> tuple[int, str]:
+    """(n, source) of every segment's DP-GD denominator: the run's ``declared_records``, else
+    (add-remove) the site's ``[site] declared_records``: "declared"; under replace-one with
+    neither, the number of ``records`` ("count", public in that neighbourhood). Add-remove with
+    neither is refused (InvalidArgument naming both keys): the true count is never used there."""
+    if cfg.declared_records is not None:
+        return cfg.declared_records, "declared"
+    if cfg.adjacency == "add-remove":
+        if site_declared is None:
+            raise InvalidArgument(
+                "round.iterate.declared_records",
+                "is required under add-remove adjacency (or [site] declared_records in site.toml): the number "
+                "of training records is private there, so DP-GD divides by a public count you declare",
+            )
+        return site_declared, "declared"
+    return records, "count"
+
+
 def segment_training(cfg: IterateConfig, noise_multiplier: float):
     """The accountant's TrainingRecord of one segment: local_steps full-batch Gaussian steps."""
     from peer.dp.accounting import TrainingRecord
@@ -243,10 +274,12 @@ def run_iterate(
     *,
     on_event: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
+    simulation: bool = False,
 ) -> IterateResult:
     """Run the loop of the module docstring for the site of ``site_config`` (its identity,
     model store, ledger and policy: the ledger is opened with the site's policy, as its daemon
-    does; SQLite makes the two processes' writes safe)."""
+    does; SQLite makes the two processes' writes safe). A ``seed`` in site.toml is refused
+    unless ``simulation`` (``peer.net.daemon.check_seed_allowed``, the daemon's rule)."""
     import torch
 
     from peer.base.rng import make_randomness
@@ -266,6 +299,12 @@ def run_iterate(
     emit = on_event or (lambda e: None)
     stop = stop or threading.Event()
     site = SiteConfig.load(site_config)
+    if site.seed is not None and not simulation:
+        raise FailedPrecondition(
+            f"site.seed in {site.path or site_config}: a fixed noise seed is not private (anyone who knows it "
+            "reproduces every segment's noise); remove it for production, or run with --simulation "
+            "(privfusion round --simulation) for tests and simulations"
+        )
     identity = load_identity(site.identity)
     if identity.name != site.name:
         raise FailedPrecondition(f"site.name is {site.name!r} but the identity in {site.identity} is {identity.name!r}")
@@ -279,15 +318,16 @@ def run_iterate(
     stored = load_model(site.models, cfg.model)
     arch = dict(stored.architecture)
     x, y = load_records(cfg.records, stored)
-    n = len(y)
+    n, n_source = segment_size(cfg, site.declared_records, len(y))
     ledger = Ledger(site.ledger, policy)
     store = ReleaseStore(site.ledger.with_name(site.ledger.stem + ".releases"))
     total_steps = cfg.rounds * cfg.local_steps
     sigma = noise_multiplier_for(
         cfg.epsilon, cfg.delta, total_steps, adjacency=cfg.adjacency, figure="filter", orders=ledger.orders
     )
-    # Noise: fresh CSPRNG streams; a simulation's fixed site seed (reported) is moved off the
-    # daemon's own stream so that the two never draw the same numbers.
+    # Noise: fresh CSPRNG streams; a simulation's fixed site seed (reported; refused above
+    # without `simulation`) is moved off the daemon's own stream so that the two never draw
+    # the same numbers.
     rnd_master = make_randomness(None if site.seed is None else site.seed + 2**31)
     roster = Roster.load(cfg.roster)
     peers = [p for p in roster.peers_of(me)]
@@ -303,7 +343,8 @@ def run_iterate(
         "run": cfg.run,
         "method": "iterate",
         "started_at": now_rfc3339(),
-        "records": n,
+        "dataset_size": n,
+        "dataset_size_source": n_source,
         "plan": {
             "rounds": cfg.rounds,
             "local_steps": cfg.local_steps,
@@ -343,7 +384,7 @@ def run_iterate(
             tensors = [(k, own[k]) for k in sorted(own)]
             record = dpsgd_release_record(
                 training, delta=cfg.delta, dataset_size=n, randomness=rnd, init_seed=cfg.init_seed,
-                architecture=arch, subject=cfg.run,
+                architecture=arch, subject=cfg.run, source=n_source,
             )  # fmt: skip
             digest = release_sha256([(k, wire.digest(a)) for k, a in tensors])
             record = record.with_(

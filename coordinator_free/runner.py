@@ -815,13 +815,16 @@ def run_rounds(
     round_files: list[str | os.PathLike] | None = None,
     on_event: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
+    simulation: bool = False,
 ) -> Iterator[tuple[RoundConfig, RoundResult]]:
     """The rounds of ``privfusion round``: each file's ``[round]`` table (default: site.toml's),
     run in sequence with this site's identity, trust store, model and probe set; yields each
     round's config and result as it ends. Every file is read and checked before the first round
     starts (a bad file fails before anything is requested). The caller decides what an
     aborted or interrupted round means for the rest (the command stops after an interrupted
-    one); ``stop`` interrupts the round in progress (see :func:`run_round`)."""
+    one); ``stop`` interrupts the round in progress (see :func:`run_round`). ``simulation``
+    lets an iterate run draw its noise from site.toml's fixed ``seed`` (refused otherwise:
+    ``coordinator_free.iterate.run_iterate``)."""
     from coordinator_free.iterate import IterateConfig, is_iterate_file, load_iterate_config, run_iterate
 
     site = SiteConfig.load(site_config)
@@ -831,7 +834,7 @@ def run_rounds(
     ]
     for cfg in configs:
         if isinstance(cfg, IterateConfig):  # a multi-round peer-to-peer run (coordinator_free.iterate)
-            yield cfg, run_iterate(site_config, cfg, on_event=on_event, stop=stop)
+            yield cfg, run_iterate(site_config, cfg, on_event=on_event, stop=stop, simulation=simulation)
             continue
         result = run_round(load_local_site(site_config, cfg.model), Roster.load(cfg.roster), cfg, on_event, stop=stop)
         yield cfg, result

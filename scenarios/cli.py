@@ -92,7 +92,8 @@ def _demo_site(args) -> int:
     if (root / "site.toml").exists():
         print(f"{root / 'site.toml'} exists: leaving {args.site}'s files as they are")
         return 0
-    s = prepare_site(sc, split_data(sc), args.site, root)
+    # CSPRNG pool noise: the site's daemon runs without --simulation, which refuses a fixed-seed pool
+    s = prepare_site(sc, split_data(sc), args.site, root, fixed_seed=False)
     method = sc.round.methods[0]
     (root / "site.toml").write_text(
         site_toml(

@@ -42,6 +42,9 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     clip_norm = 1.0
     sample_rate = 1.0           # 1 = full batch (what LC needs)
     adjacency = "add-remove"    # unit of privacy: "add-remove" | "replace-one"
+    declared_records = 80       # PUBLIC n every site's DP-SGD divides by (required under
+                                # add-remove: the true count is private there; replace-one: the
+                                # site's own count when not given)
     delta = 1e-5
     optimizer = "sgd"           # fed each step's privatised gradient: "sgd" | "momentum" | "adam"
                                 # (default constants; post-processing: the same epsilon)
@@ -85,6 +88,8 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     epsilon = 4.0               # per-record budget of the whole run at every site ...
     delta = 1e-5                # ... at this δ (noise calibrated to it: peer.budget.calibration)
     adjacency = "add-remove"
+    declared_records = 80       # PUBLIC n of every site's segments: DP-GD's denominator and its
+                                # fusion weight (required under add-remove, as in [pool])
     init_seed = 11              # PUBLIC seed of the shared initial model (no coordinator draws it)
     baseline_seeds = [0, 1, 2]  # seeds of the simulator's DP-FedAvg baseline runs
     ledger_orders = "planned"   # Rényi orders of the ledger each site creates for the run:
@@ -152,6 +157,7 @@ class PoolSpec:
     adjacency: str = "add-remove"
     delta: float = 1e-5
     optimizer: str = "sgd"
+    declared_records: int | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,7 @@ class IterateSpec:
     epsilon: float = 4.0
     delta: float = 1e-5
     adjacency: str = "add-remove"
+    declared_records: int | None = None
     init_seed: int = 11
     baseline_seeds: tuple[int, ...] = (0, 1, 2)
     ledger_orders: str | tuple[float, ...] = "default"
@@ -289,6 +296,20 @@ def _records(d: Section, base: Path) -> dict[str, Any]:
     }
 
 
+def _declared_records(t: Section) -> int | None:
+    """``declared_records`` of ``[pool]`` or ``[iterate]``: the public record count every site's
+    DP-SGD divides by; required under add-remove (the true count is private there: it is
+    never used), optional under replace-one (default: each site's own count, public there)."""
+    n = t.integer("declared_records", None, minimum=1)
+    if n is None and t.string("adjacency", "add-remove", choices=("add-remove", "replace-one")) == "add-remove":
+        t.fail(
+            "declared_records",
+            "is required under add-remove adjacency: the number of a site's training records is private "
+            "there, so DP-SGD divides by a public count the scenario declares (e.g. the expected records per site)",
+        )
+    return n
+
+
 def _ledger_orders(it: Section) -> str | tuple[float, ...]:
     """``[iterate] ledger_orders``: "default", "planned" or a list of Rényi orders."""
     v = it.raw("ledger_orders", IterateSpec.ledger_orders)
@@ -364,6 +385,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             adjacency=q.string("adjacency", PoolSpec.adjacency, choices=("add-remove", "replace-one")),
             delta=q.number("delta", PoolSpec.delta, exclusive_minimum=0.0, exclusive_maximum=1.0),
             optimizer=q.string("optimizer", PoolSpec.optimizer, choices=("sgd", "momentum", "adam")),
+            declared_records=_declared_records(q),
         )
 
     pol = root.section("policy")
@@ -469,6 +491,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             epsilon=it.number("epsilon", IterateSpec.epsilon, exclusive_minimum=0.0, maximum=1000.0),
             delta=it.number("delta", IterateSpec.delta, exclusive_minimum=0.0, maximum=0.1),
             adjacency=it.string("adjacency", IterateSpec.adjacency, choices=("add-remove", "replace-one")),
+            declared_records=_declared_records(it),
             init_seed=it.integer("init_seed", IterateSpec.init_seed, minimum=0),
             baseline_seeds=tuple(seeds),
             ledger_orders=_ledger_orders(it),

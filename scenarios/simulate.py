@@ -317,10 +317,13 @@ def split_data(sc: Scenario) -> ScenarioData:
     )
 
 
-def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> SiteWorld:
+def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path, fixed_seed: bool = True) -> SiteWorld:
     """One site's files from the scenario: its records' model (``models/mlp``), its DP-SGD pool
     (``pool/``), its public probe set and the public validation set of its merges. No identity
-    and no site.toml: those depend on where the site runs."""
+    and no site.toml: those depend on where the site runs. ``fixed_seed``: the pool's noise
+    comes from the site's seed (a simulation: its daemon runs with ``--simulation``), else from
+    the CSPRNG (a site run elsewhere, ``privfusion demo site``: its daemon refuses a fixed-seed
+    pool)."""
     import torch
     from safetensors.numpy import save_file
 
@@ -371,7 +374,9 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path) -> Sit
         np.savez(root / "records.npz", x=x, y=y)
         np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
         if sc.pool is not None:
-            s.pool = _train_pool(sc, s, data.x_public, data.y_public, data.x_test, data.y_test, data.preprocessing)
+            s.pool = _train_pool(
+                sc, s, data.x_public, data.y_public, data.x_test, data.y_test, data.preprocessing, fixed_seed
+            )
     finally:
         torch.set_num_threads(threads)
     return s
@@ -402,7 +407,9 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
     return world
 
 
-def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None) -> list[dict]:
+def _train_pool(
+    sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None, fixed_seed: bool = True
+) -> list[dict]:
     from peer.base.rng import make_randomness
     from peer.dp.accounting import Optimizer, TrainingRecord
     from peer.dp.pools import load_pool, save_trained, warm_pool_profiles
@@ -422,8 +429,10 @@ def _train_pool(sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, prepro
         s.y,
         trainings,
         init_seed=s.seed + 500_000,
-        randomness=make_randomness(s.seed),
+        randomness=make_randomness(s.seed if fixed_seed else None),
         delta=p.delta,
+        # the scenario's public count (required under add-remove), never len(s.y) there
+        dataset_size=p.declared_records,
     )
     out = []
     for nm, m in zip(p.noise_multipliers, models, strict=True):
@@ -542,7 +551,8 @@ class RoundProcess:
         self.events: list[dict] = []
         # held for the process's lifetime (its stderr), closed when it has ended
         self.log = open(site.root / "rounds.log", "ab")  # noqa: SIM115
-        args = [sys.executable, "-m", "peer.cli", "round", "--config", str(site.config), "--events"]
+        # --simulation: the site's fixed noise seed (refused by a production `privfusion round`)
+        args = [sys.executable, "-m", "peer.cli", "round", "--config", str(site.config), "--events", "--simulation"]
         for f in round_files:
             args += ["--round", str(f)]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, env=_child_env(), text=True)
@@ -613,7 +623,7 @@ class RoundThread:
 
         code = 0
         try:
-            for cfg, result in run_rounds(self.site.config, round_files, emit, self._stop):
+            for cfg, result in run_rounds(self.site.config, round_files, emit, self._stop, simulation=True):
                 if result.status == "interrupted":
                     code = 128 + signal.SIGTERM
                     break
@@ -1081,6 +1091,7 @@ def iterate_round_toml(sc: Scenario, roster: Path) -> str:
         f"epsilon = {it.epsilon!r}",
         f"delta = {it.delta!r}",
         f'adjacency = "{it.adjacency}"',
+        *([f"declared_records = {it.declared_records}"] if it.declared_records is not None else []),
         f"init_seed = {it.init_seed}",
         "wait_s = 30.0",
     ]

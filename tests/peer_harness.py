@@ -116,8 +116,9 @@ def make_site(
 LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
 
 
-def make_pool(directory: Path, noise=(4.0, 12.0), steps: int = 3, arch=LOGREG, seed: int = 1) -> Path:
-    """A small real DP-SGD pool (full batch, replace-one) on digits, as `privfusion pool train` makes."""
+def make_pool(directory: Path, noise=(4.0, 12.0), steps: int = 3, arch=LOGREG, seed: int | None = None) -> Path:
+    """A small real DP-SGD pool (full batch, replace-one) on digits, as `privfusion pool train` makes
+    (CSPRNG noise; a fixed ``seed`` makes a pool only a --simulation daemon serves)."""
     from peer.base.rng import make_randomness
     from peer.dp.accounting import TrainingRecord
     from peer.dp.pools import load_splits, save_trained
@@ -159,11 +160,12 @@ def set_peer_address(site: SiteFiles, peer: str, address: str) -> None:
 
 
 @contextlib.contextmanager
-def running(site: SiteFiles, insecure: bool = False):
-    """An in-process daemon for ``site``; yields (daemon, "127.0.0.1:PORT")."""
+def running(site: SiteFiles, insecure: bool = False, simulation: bool | None = None):
+    """An in-process daemon for ``site``; yields (daemon, "127.0.0.1:PORT"). ``simulation``: as
+    ``peer serve --simulation`` (None: whether the site has a fixed seed)."""
     from peer.net.daemon import Daemon, open_site
 
-    daemon = Daemon(open_site(site.config, insecure=insecure))
+    daemon = Daemon(open_site(site.config, insecure=insecure, simulation=simulation))
     port = daemon.start()
     try:
         yield daemon, f"127.0.0.1:{port}"

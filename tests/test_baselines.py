@@ -183,6 +183,7 @@ call_timeout_s = 30.0
 rounds = 3
 local_steps = 2
 learning_rate = 0.5
+declared_records = 60
 baseline_seeds = [0, 1]
 
 [sites.site-a]

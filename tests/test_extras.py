@@ -120,6 +120,8 @@ assert main(["peer", "init", "--name", "hospital-a", "--dir", {str(site / "ident
 import peer.net.daemon
 peer.net.daemon.SiteConfig.load({str(site / "site.toml")!r})
 assert "matplotlib" not in sys.modules and "grpc_tools" not in sys.modules
+# the compose daemon runs without --simulation: its pool's noise is CSPRNG, so it starts
+peer.net.daemon.check_servable(peer.net.daemon.SiteConfig.load({str(site / "site.toml")!r}), simulation=False)
 """,
         timeout=600,
     )

@@ -99,7 +99,7 @@ def _pool(directory: Path, factory: str, init_seed: int = 0):
     s = load_splits("digits")
     make = load_factory(factory)
     arch = imported_architecture(derive_structure(make(), [1, 8, 8]))
-    rnd = make_randomness(3)
+    rnd = make_randomness()  # CSPRNG, as production pools (a fixed seed is served by --simulation only)
     for i, sigma in enumerate((4.0, 12.0)):
         m = train_dpsgd_module(
             make,

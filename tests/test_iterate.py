@@ -48,8 +48,16 @@ def records(path, n: int, seed: int) -> None:
     np.savez(path, x=x, y=y)
 
 
-def round_file(site, roster, *, rounds: int, epsilon: float = 4.0, wait_s: float = 20.0, extra: str = "") -> str:
+#: The public record counts the sites declare (add-remove: DP-GD's denominator and the fusion
+#: weight), deliberately not their true counts (30, 40, 30)
+DECLARED = {"site-a": 25, "site-b": 50, "site-c": 25, "site-d": 25}
+
+
+def round_file(
+    site, roster, *, rounds: int, epsilon: float = 4.0, wait_s: float = 20.0, extra: str = "", declared: bool = True
+) -> str:
     records(site.root / "records.npz", 30 + 10 * (site.name[-1] == "b"), seed=ord(site.name[-1]))
+    declared_line = f"declared_records = {DECLARED[site.name]}" if declared else ""
     p = site.root / "iterate.toml"
     p.write_text(
         f"""
@@ -71,6 +79,7 @@ epsilon = {epsilon!r}
 delta = 1e-5
 init_seed = 5
 wait_s = {wait_s!r}
+{declared_line}
 {extra}
 """
     )
@@ -186,7 +195,9 @@ def test_three_sites_on_loopback_identical_bytes_one_charge_late_and_gone_peers(
 
         def run(site, rounds, wait):
             results[site.name] = run_iterate(
-                site.config, load_iterate_config(round_file(site, roster, rounds=rounds, wait_s=wait))
+                site.config,
+                load_iterate_config(round_file(site, roster, rounds=rounds, wait_s=wait)),
+                simulation=True,  # the sites have fixed seeds
             )
 
         threads = [
@@ -232,12 +243,13 @@ def test_three_sites_on_loopback_identical_bytes_one_charge_late_and_gone_peers(
     assert sorted(first["contributors"]) == ["site-b", "site-c"] and first["peers"]["site-d"]["state"] == "gone"
     assert second["peers"]["site-c"]["state"] == "stale" and second["peers"]["site-c"]["staleness"] == 1
     assert second["peers"]["site-b"]["state"] == "fresh" and second["peers"]["site-d"]["state"] == "gone"
-    # weights: records × 0.5^staleness, own included (FedAvg's when all are fresh)
-    n = {"site-a": 30, "site-b": 40, "site-c": 30}
-    assert first["own_weight"] == pytest.approx(30 / 100)
-    assert second["own_weight"] == pytest.approx(30 / (30 + 40 + 15))
-    assert second["peers"]["site-c"]["weight"] == pytest.approx(15 / 85)
-    assert all(first["peers"][p]["records"] == n[p] for p in ("site-b", "site-c"))
+    # weights: declared counts × 0.5^staleness, own included (FedAvg's when all are fresh);
+    # the true counts (30, 40, 30) appear nowhere
+    assert first["own_weight"] == pytest.approx(25 / 100)
+    assert second["own_weight"] == pytest.approx(25 / (25 + 50 + 12.5))
+    assert second["peers"]["site-c"]["weight"] == pytest.approx(12.5 / 87.5)
+    assert all(first["peers"][p]["records"] == DECLARED[p] for p in ("site-b", "site-c"))
+    assert ra["dataset_size"] == 25 and ra["dataset_size_source"] == "declared" and "records" not in ra
     assert first["bytes_received"] == 2 * first["segment"]["bytes"]
     assert first["bytes_sent"] == first["segment"]["bytes"] * len(first["served_to"])
     assert json.loads((a.root / "rounds" / "t1.json").read_text())["rounds_done"] == 2
@@ -275,7 +287,7 @@ def test_scenario_ledger_orders(value, expected):
 
     from scenarios.schema import parse_scenario
 
-    sc = parse_scenario(TINY + f"\n[iterate]\nledger_orders = {value}\n", "tiny.toml")
+    sc = parse_scenario(TINY + f"\n[iterate]\ndeclared_records = 40\nledger_orders = {value}\n", "tiny.toml")
     assert sc.iterate.ledger_orders == expected
 
 
@@ -287,5 +299,40 @@ def test_scenario_ledger_orders_refused_with_key_and_line(value):
     from scenarios.schema import parse_scenario
 
     with pytest.raises(ConfigError) as e:
-        parse_scenario(TINY + f"\n[iterate]\nledger_orders = {value}\n", "tiny.toml")
+        parse_scenario(TINY + f"\n[iterate]\ndeclared_records = 40\nledger_orders = {value}\n", "tiny.toml")
     assert "ledger_orders" in str(e.value) and e.value.line is not None
+
+
+def test_add_remove_without_a_declared_count_is_refused_by_key(tmp_path):
+    """Under add-remove the DP-GD denominator must be a declared public count: a run file without
+    declared_records (and a site.toml without [site] declared_records) is refused before any
+    training or charge, naming both keys; [site] declared_records is taken when the run gives none."""
+    a = make_site(tmp_path, "site-a", models={"mlp": (ARCH, model_arrays(ARCH))}, policy=policy(4.0))
+    roster = write_roster(tmp_path / "roster.toml", [("site-a", "127.0.0.1:1", str(a.identity_dir / "site.crt"))])
+    cfg = load_iterate_config(round_file(a, roster, rounds=1, declared=False))
+    with pytest.raises(InvalidArgument) as e:
+        run_iterate(a.config, cfg)
+    assert e.value.field == "round.iterate.declared_records" and "[site] declared_records" in e.value.rule
+    assert not a.ledger.exists()  # refused before the ledger was opened: nothing charged
+    a.config.write_text(a.config.read_text().replace("[site]\n", "[site]\ndeclared_records = 70\n", 1))
+    result = run_iterate(a.config, cfg)
+    assert result.report["dataset_size"] == 70 and result.report["dataset_size_source"] == "declared"
+
+
+def test_a_fixed_site_seed_is_refused_without_simulation(tmp_path):
+    """run_iterate draws the segments' noise from site.toml's seed only in a simulation
+    (``privfusion round --simulation``), as ``peer serve`` does: without it the run is refused
+    before anything is trained or charged, naming site.seed and the flag."""
+    from peer.base.errors import FailedPrecondition
+
+    a = make_site(tmp_path, "site-a", models={"mlp": (ARCH, model_arrays(ARCH))}, policy=policy(4.0), seed=3)
+    roster = write_roster(tmp_path / "roster.toml", [("site-a", "127.0.0.1:1", str(a.identity_dir / "site.crt"))])
+    cfg = load_iterate_config(round_file(a, roster, rounds=1))
+    with pytest.raises(FailedPrecondition) as e:
+        run_iterate(a.config, cfg)
+    assert "site.seed" in str(e.value) and "--simulation" in str(e.value)
+    assert not a.ledger.exists()  # refused before the ledger was opened: nothing charged
+    result = run_iterate(a.config, cfg, simulation=True)
+    assert result.status == "finished"
+    record = json.loads((a.root / "rounds" / "t1.json").read_text())["plan"]["randomness"]
+    assert record == {"randomness": "fixed-seed", "seed": 3 + 2**31}

@@ -142,3 +142,102 @@ def test_a_fixed_seed_record_says_not_private_wherever_it_is_serialised():
         ReleaseRecord.from_dict(forged)
     with pytest.raises(InvalidArgument, match="randomness_warning"):
         ReleaseRecord.from_dict(fixed.to_dict() | {"randomness_warning": "fine"})
+
+
+# ------------------------------------------------------------------------ pools and stored releases
+
+
+def test_serve_refuses_a_fixed_seed_pool_by_name_and_a_simulation_serves_it_saying_so(tmp_path):
+    """Issue 20, item 3: a pool trained with `pool train --seed` was served by a production
+    daemon with no warning, and the merge's record said csprng (its draw's randomness only). A
+    daemon without --simulation now refuses to start, naming the pool, the model and both flags;
+    with --simulation it serves the merge, whose record says fixed-seed with the models' seed."""
+    from peer_harness import make_pool
+
+    make_pool(tmp_path / "pool", seed=5)
+    a = make_site(tmp_path, "site-a", pools={"digits": tmp_path / "pool"})  # no site seed
+    b = make_site(tmp_path, "site-b", models={})
+    pin_each_other(a, b)
+    refused = DaemonProcess(a, log_path=tmp_path / "refused.log", simulation=False)
+    try:
+        with pytest.raises(RuntimeError, match="exited with"):
+            refused.wait_ready()
+    finally:
+        refused.close()
+    log = (tmp_path / "refused.log").read_text()
+    assert (
+        "pool 'digits': model 'm0'" in log
+        and "fixed noise seed 5 (privfusion pool train --seed" in log
+        and "--simulation" in log
+    )
+    assert FIXED_SEED_WARNING in log and not a.ledger.exists()  # refused before the ledger was opened
+
+    daemon = DaemonProcess(a, log_path=tmp_path / "simulation.log", simulation=True)
+    try:
+        address = daemon.wait_ready()
+        with client(b, address) as c:
+            got = c.merged("digits", method="rs", epsilon=50.0, delta=1e-5)
+    finally:
+        daemon.close()
+    assert "FIXED SEED: NOT PRIVATE" in (tmp_path / "simulation.log").read_text()
+    rec = got.receipt.record
+    assert (rec.randomness, rec.seed) == ("fixed-seed", 5)
+    assert rec.to_dict()["randomness_warning"] == FIXED_SEED_WARNING
+    assert rec.parameters["models_randomness"] == ({"randomness": "fixed-seed", "seed": 5},) * 2
+    with Ledger(a.ledger) as led:
+        [entry] = led.entries()
+    assert entry.record.canonical_json() == rec.canonical_json()
+
+
+def test_a_stored_fixed_seed_release_is_refused_at_start_and_never_served_again(tmp_path):
+    """A merge drawn by a --simulation daemon and kept in the release store: a production daemon
+    on the same ledger refuses to start, naming the file; a site held in memory refuses to serve
+    it again (FailedPrecondition, no served-again row)."""
+    from peer_harness import make_pool, running
+
+    from peer.base.errors import FailedPrecondition
+    from peer.net.daemon import open_site
+
+    make_pool(tmp_path / "pool", seed=5)
+    a = make_site(tmp_path, "site-a", pools={"digits": tmp_path / "pool"})
+    b = make_site(tmp_path, "site-b", models={})
+    pin_each_other(a, b)
+    with running(a, simulation=True) as (_, address), client(b, address) as c:
+        c.merged("digits", method="rs", epsilon=50.0, delta=1e-5)
+    make_pool(tmp_path / "pool", seed=None)  # the pool retrained with CSPRNG noise, same names
+    with pytest.raises(FailedPrecondition) as e:
+        open_site(a.config, simulation=False)
+    assert "release store" in str(e.value) and ".json" in str(e.value) and "--simulation" in str(e.value)
+    site = open_site(a.config, simulation=True)
+    try:
+        site.simulation = False  # as a production site holding the entry would see it
+        [path] = site.releases.directory.glob("*.json")
+        stored = site.releases.get(path.stem)
+        with pytest.raises(FailedPrecondition, match="fixed noise seed"):
+            site._serve_again(stored, "site-b", "entry", "again")
+        assert site.ledger.served_again() == []
+    finally:
+        site.close()
+
+
+def test_a_merge_record_states_the_randomness_of_the_models_it_may_release():
+    """RS with a CSPRNG draw over a CSPRNG model and a fixed-seed one: the record is fixed-seed
+    (the model's seed) when the fixed-seed model has π > 0, and csprng when it has π = 0 (it
+    never leaves); LC (no draw of its own) likewise; the per-model list is always there."""
+    from peer.base.rng import make_randomness
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.accounting.release_accounting import rs_merge_record
+    from peer.dp.merging import PoolModel, with_models_randomness
+
+    training = TrainingRecord.constant("replace-one", 3, 1.0, 1.0, 4.0, 1.0)
+    fixed = {"record": {"randomness": "fixed-seed", "seed": 9}}
+    secure = {"record": {"randomness": "csprng", "seed": None}}
+    pool = [PoolModel("a", {}, {}, training, 10, secure), PoolModel("b", {}, {}, training, 10, fixed)]
+    for pi, expected in (((0.5, 0.5), ("fixed-seed", 9)), ((1.0, 0.0), ("csprng", None))):
+        record = rs_merge_record(
+            [training, training], pi, 1e-5, names=["a", "b"], randomness=make_randomness().record_fields()
+        )
+        assert (record.randomness, record.seed) == ("csprng", None)  # the draw's alone: what was wrong
+        out = with_models_randomness(record, pool, pi)
+        assert (out.randomness, out.seed) == expected
+        assert [m["randomness"] for m in out.parameters["models_randomness"]] == ["csprng", "fixed-seed"]

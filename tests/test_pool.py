@@ -248,3 +248,82 @@ def test_cli_refusals_are_one_clear_line(tmp_path, capsys):
     code, _, err = _run(capsys, "pool", "train", "--out", str(pool_dir), "--model", "noise=5")
     assert code == 2 and "clip" in err
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.record.json").exists()
+
+
+# ------------------------------------------------------------------------ add-remove: a declared n
+
+
+def test_cli_add_remove_pool_divides_by_the_declared_count_and_states_no_true_one(tmp_path, capsys):
+    """Issue 20, item 2: `pool train` took n = len(training records) under add-remove too, and
+    wrote it into every record and the summary. Now add-remove needs --declared-records (refused
+    by name without it, nothing trained); the records, the stored metadata and the summary carry
+    the declared n; replace-one keeps the true count (public there) and says so."""
+    base = ["pool", "train", "--dataset", "digits", "--steps", "2", "--model", "noise=5,clip=1", "--json"]
+    code, _, err = _run(capsys, *base, "--out", str(tmp_path / "refused"), "--adjacency", "add-remove")
+    assert code != 0 and "--declared-records" in err and "private" in err
+    assert not (tmp_path / "refused").exists()
+    code, out, err = _run(
+        capsys, *base, "--out", str(tmp_path / "ar"), "--adjacency", "add-remove", "--declared-records", "900"
+    )
+    assert code == 0, err
+    summary = json.loads(out)
+    true_count = len(load_splits("digits").y_train)
+    assert summary["dataset_size"] == 900 and summary["dataset_size_source"] == "declared"
+    [model] = load_pool(tmp_path / "ar")
+    record = model.metadata["record"]
+    assert model.dataset_size == 900 and record["parameters"]["dataset_size"] == 900
+    assert record["parameters"]["dataset_size_source"] == "declared" and record["unit"] == "record:add-remove"
+    assert str(true_count) not in (tmp_path / "ar" / f"{model.name}.json").read_text()
+    code, out, _ = _run(capsys, *base, "--out", str(tmp_path / "ro"))
+    [model] = load_pool(tmp_path / "ro")
+    assert model.metadata["record"]["parameters"]["dataset_size"] == true_count
+    assert model.metadata["record"]["parameters"]["dataset_size_source"] == "count"
+
+
+def _as_before_declared_counts(directory) -> None:
+    """Rewrite a pool's manifests as a pool written before declared counts: its records carry
+    the true count and no ``dataset_size_source``."""
+    for path in directory.glob("*.json"):
+        manifest = json.loads(path.read_text())
+        params = manifest["metadata"]["record"]["parameters"]
+        params.pop("dataset_size_source")
+        params["dataset_size"] = 1078
+        path.write_text(json.dumps(manifest))
+
+
+def test_an_add_remove_pool_that_states_its_true_count_is_refused_by_name(tmp_path, capsys):
+    """Old add-remove pools (the true count in every record, and as the denominator) still load
+    and list, but nothing is merged or served from them: merge_pool and a daemon's start refuse,
+    naming the pool and the models and what to do, never the count. Old replace-one pools (no
+    dataset_size_source either) merge as before."""
+    from peer.base.errors import FailedPrecondition
+    from peer.dp.pools import merge_pool
+    from peer.net.daemon import check_servable
+    from peer.net.site import SiteConfig
+
+    s = load_splits("digits")
+    for adjacency, directory in (("add-remove", tmp_path / "ar"), ("replace-one", tmp_path / "ro")):
+        trainings = [TrainingRecord.constant(adjacency, 2, 2.0, 1.0, sigma) for sigma in (5.0, 10.0)]
+        models = train_pool(
+            LOGREG, s.x_train, s.y_train, trainings, init_seed=0, randomness=make_randomness(), delta=1e-5,
+            dataset_size=900,
+        )  # fmt: skip
+        for i, m in enumerate(models):
+            save_trained(directory, f"m{i}", m, data=s.description)
+        _as_before_declared_counts(directory)
+    old = load_pool(tmp_path / "ar")
+    with pytest.raises(FailedPrecondition) as e:
+        merge_pool(old, "rs", 50.0, 1e-5, subject="digits")
+    assert "pool 'digits'" in str(e.value) and "['m0', 'm1']" in str(e.value) and "--declared-records" in str(e.value)
+    assert "1078" not in str(e.value)
+    merged = merge_pool(load_pool(tmp_path / "ro"), "rs", 50.0, 1e-5, subject="ro")
+    assert merged.record.unit == "record:replace-one"
+    code, out, _ = _run(capsys, "pool", "list", "--pool", str(tmp_path / "ar"), "--json")
+    assert code == 0 and all("true record count" in m["not_served"][0] for m in json.loads(out)["models"])
+    config = tmp_path / "site.toml"
+    config.write_text(
+        '[site]\nname = "site-a"\nlisten = "127.0.0.1:0"\nidentity = "identity"\nmodels = "models"\n'
+        'ledger = "ledger.sqlite"\n\n[site.pools.old]\nmodels = "ar"\n'
+    )
+    with pytest.raises(FailedPrecondition, match=r"pool 'old': models \['m0', 'm1'\]"):
+        check_servable(SiteConfig.load(config), simulation=True)

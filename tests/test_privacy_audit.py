@@ -226,3 +226,114 @@ def test_per_entry_graph_neuron_converted_per_neuron_is_not_undercut():
     )
     assert charged == pytest.approx(eps_x + 2 * eps_w)
     assert layer.epsilon == max(eps_x, eps_w) < 0.85 * charged <= lb <= charged
+
+
+# ------------------------------------------------------------------------------- add/remove: no count
+
+
+def _without_noise(value, noisy=("release_id", "created_at", "release_sha256", "started_at", "finished_at", "seconds")):
+    """``value`` (JSON-like) without the fields that depend on the draw or the clock: ids,
+    times and the digest of the noisy tensors."""
+    if isinstance(value, dict):
+        return {k: _without_noise(v, noisy) for k, v in value.items() if k not in noisy}
+    if isinstance(value, list):
+        return [_without_noise(v, noisy) for v in value]
+    return value
+
+
+def test_add_remove_segment_records_of_neighbours_are_the_same_bytes_apart_from_the_noise(tmp_path):
+    """Issue 20, item 2: an iterate segment under add-remove stated n = len(y) in its record
+    (``dataset_size``), its metadata (the fusion weights) and the run's report: the records of D
+    (49 records) and D + {x} (50) said 49 and 50 — told apart with certainty (ε = ∞), whatever
+    the noise. Now n is the declared public count: run for real on both neighbours (one site,
+    same fixed seed, a simulation), everything published about the segments — the charged
+    record, the release store's metadata, the fused models' metadata, the report — is the same
+    bytes once the ids, the clock and the digest of the noisy tensors are left out. Only the
+    tensors differ (the data and the noise decide them). Deterministic: no false failures."""
+    import json
+
+    from peer_harness import make_site, model_arrays
+
+    from coordinator_free.iterate import load_iterate_config, run_iterate
+    from coordinator_free.roster import write_roster
+    from peer.budget.ledger import Ledger
+    from peer.net.releases import ReleaseStore, segment_rounds
+
+    arch = {"kind": "mlp", "input_dim": 4, "hidden": [3], "output_dim": 2, "activation": "relu"}
+    policy = """
+[policy]
+show_remaining = "own"
+
+[policy.data]
+unit = "record:add-remove"
+epsilon = 8.0
+delta = 1e-5
+
+[policy.peers."*"]
+allow = ["segment"]
+"""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    published = []
+    for label, n in (("D", 49), ("D+x", 50)):
+        site = make_site(tmp_path / label, "site-a", models={"mlp": (arch, model_arrays(arch))}, policy=policy, seed=3)
+        np.savez(site.root / "records.npz", x=x[:n], y=y[:n])
+        roster = write_roster(
+            site.root / "roster.toml", [("site-a", "127.0.0.1:1", str(site.identity_dir / "site.crt"))]
+        )
+        (site.root / "iterate.toml").write_text(
+            f'[round]\nroster = "{roster}"\nmodel = "mlp"\nmethod = "iterate"\nout = "rounds"\n\n'
+            '[round.iterate]\nrecords = "records.npz"\nrun = "audit"\nrounds = 2\nlocal_steps = 2\n'
+            'learning_rate = 0.5\nclip_norm = 1.0\nepsilon = 4.0\ndelta = 1e-5\nadjacency = "add-remove"\n'
+            "declared_records = 64\ninit_seed = 5\nwait_s = 0.0\n"
+        )
+        result = run_iterate(site.config, load_iterate_config(site.root / "iterate.toml"), simulation=True)
+        assert result.status == "finished"
+        with Ledger(site.ledger) as led:
+            records = [json.loads(e.record.canonical_json()) for e in led.entries()]
+        store = ReleaseStore(site.root / "ledger.releases")
+        stored = [store.get(key) for _, key in segment_rounds(store, "audit")]
+        fused = [
+            json.loads((site.root / "rounds" / "models" / f"audit-r{r}.json").read_text())["metadata"] for r in (1, 2)
+        ]
+        report = json.loads((site.root / "rounds" / "audit.json").read_text())
+        published.append(
+            {
+                "records": records,
+                "stored_records": [json.loads(s.record.canonical_json()) for s in stored],
+                "stored_metadata": [dict(s.metadata) for s in stored],
+                "fused_metadata": fused,
+                "report": report,
+                "tensors": [{k: a.tobytes() for k, a in s.tensors} for s in stored],
+            }
+        )
+    d, dx = published
+    for key in ("records", "stored_records", "stored_metadata", "fused_metadata", "report"):
+        assert _without_noise(d[key]) == _without_noise(dx[key]), key
+    assert d["records"][0]["parameters"]["dataset_size"] == 64
+    assert d["records"][0]["parameters"]["dataset_size_source"] == "declared"
+    assert d["tensors"] != dx["tensors"]  # the data moved the released bytes (through the noise's mask)
+
+
+def test_add_remove_pool_records_of_neighbours_are_the_same_bytes_apart_from_the_noise():
+    """The same for a pool (``train_pool``, what ``pool train --adjacency add-remove`` runs): the
+    records of D and D + {x} are the same bytes once ids and times are left out; before the
+    declared count they stated len(x) (49 against 50). Deterministic: no false failures."""
+    import json
+
+    from peer.dp.training import train_pool
+
+    arch = {"kind": "mlp", "input_dim": 4, "hidden": [], "output_dim": 2}
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(50, 4)).astype(np.float32)
+    y = (x[:, 1] > 0).astype(np.int64)
+    trainings = [accounting.TrainingRecord.constant("add-remove", 3, 0.5, 1.0, s, 1.0) for s in (2.0, 6.0)]
+    published = []
+    for n in (49, 50):
+        models = train_pool(
+            arch, x[:n], y[:n], trainings, init_seed=0, randomness=make_randomness(4), delta=1e-5, dataset_size=64
+        )
+        published.append([_without_noise(json.loads(m.record.canonical_json())) for m in models])
+    assert published[0] == published[1]
+    assert published[0][0]["parameters"]["dataset_size"] == 64

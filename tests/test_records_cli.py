@@ -445,6 +445,7 @@ epochs = 20
 [pool]
 noise_multipliers = [2.0, 4.0]
 steps = 10
+declared_records = 60
 
 [round]
 methods = ["ldp", "merged"]

@@ -490,8 +490,9 @@ def add_pool(site, trained, data_epsilon: float) -> None:
             ds.y_train[400:500],
             trainings,
             init_seed=5,
-            randomness=make_randomness(9),
+            randomness=make_randomness(),  # CSPRNG: a fixed-seed pool is served by --simulation daemons only
             delta=1e-5,
+            dataset_size=100,  # declared: the public n under add-remove
         )
     ):
         save_trained(site.root / "pool", f"m{i}", m)

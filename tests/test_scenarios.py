@@ -73,7 +73,7 @@ def test_tiny_scenario_defaults_and_overrides():
     assert sc.pool is None and sc.round.quorum == 2 and sc.model.hidden == (8,)
     # the steps after fusion are on by default in simulations
     assert (sc.round.repair, sc.round.select, sc.round.finetune_epochs) == ("own", True, 5)
-    pooled = parse_scenario(TINY + '\n[pool]\noptimizer = "adam"\n', "tiny.toml")
+    pooled = parse_scenario(TINY + '\n[pool]\ndeclared_records = 40\noptimizer = "adam"\n', "tiny.toml")
     assert pooled.pool.optimizer == "adam" and load_scenario().pool.optimizer == "sgd"
 
 
@@ -98,7 +98,7 @@ def _line_of(text: str, fragment: str) -> int:
         (_replace("alpha = 0.7", "alpha = 1.7"), "sites.site-b.alpha", "alpha = 1.7"),
         (_replace("[sites.site-c]", "[sites.Site_C]"), "sites.Site_C", "[sites.Site_C]"),
         (TINY + '\n[failure]\nsite = "nobody"\n', "failure.site", 'site = "nobody"'),
-        (TINY + '\n[pool]\noptimizer = "rmsprop"\n', "pool.optimizer", 'optimizer = "rmsprop"'),
+        (TINY + '\n[pool]\ndeclared_records = 40\noptimizer = "rmsprop"\n', "pool.optimizer", 'optimizer = "rmsprop"'),
         (
             _replace("activation_epsilon = 50.0", "activation_epsilon = 0"),
             "round.activation_epsilon",

@@ -257,13 +257,17 @@ def test_the_record_describes_exactly_the_run():
             (TrainingRecord.constant("add-remove", 1, 0.2, 0.5, 5.0, 0.5).steps[0], 3),
         ],
     )
-    model = train_dpsgd_classifier(MLP, x, y, training, init_seed=7, randomness=make_randomness(21), delta=1e-5)
+    model = train_dpsgd_classifier(
+        MLP, x, y, training, init_seed=7, randomness=make_randomness(21), delta=1e-5, dataset_size=50
+    )
     rec = model.record
     assert rec.mechanism == "dpsgd" and rec.level == "data" and rec.unit == "record:add-remove"
     assert rec.randomness == "fixed-seed" and rec.seed == 21
     replayed_steps = TrainingRecord.from_dict(rec.parameters["training"])
     assert replayed_steps == training and replayed_steps.num_steps == 7
-    assert rec.parameters["dataset_size"] == 40 and rec.parameters["init_seed"] == 7
+    # add-remove: the declared n (50), never the true count (40)
+    assert rec.parameters["dataset_size"] == 50 and rec.parameters["dataset_size_source"] == "declared"
+    assert rec.parameters["init_seed"] == 7
     assert rec.epsilon == pytest.approx(model_epsilon(training, 1e-5).pld, rel=1e-12)
     arch = dict(rec.parameters["architecture"])
     init = build_model(arch, seed=rec.parameters["init_seed"])
@@ -375,3 +379,37 @@ def test_an_empty_poisson_batch_is_a_noise_only_step():
         expected -= 0.5 * 1.5 * 2.0 * gen.standard_normal(3) / (q * n)
         gen.random(n)
     np.testing.assert_allclose(run.params["w"].numpy(), expected, rtol=1e-12)
+
+
+def test_add_remove_training_needs_a_declared_count():
+    """Under add-remove the number of records is private: every trainer refuses to default the
+    denominator to len(x), naming the field and the rule, before any step runs; replace-one
+    keeps the true count (public there) and says so in its record."""
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.training import train_dpsgd_classifier, train_dpsgd_module, train_pool
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=12)
+    add_remove = TrainingRecord.constant("add-remove", 2, 0.5, 1.0, 3.0, 1.0)
+    for train in (
+        lambda: train_dpsgd_classifier(MLP, x, y, add_remove, init_seed=0, randomness=make_randomness(), delta=1e-5),
+        lambda: train_pool(MLP, x, y, [add_remove], init_seed=0, randomness=make_randomness(), delta=1e-5),
+        lambda: train_dpsgd_module(
+            lambda: torch.nn.Linear(6, 3),
+            {"kind": "own"},
+            [6],
+            x,
+            y,
+            add_remove,
+            init_seed=0,
+            randomness=make_randomness(),
+            delta=1e-5,
+        ),
+    ):
+        with pytest.raises(InvalidArgument) as e:
+            train()
+        assert e.value.field == "dataset_size" and "declared_records" in e.value.rule
+    replace_one = TrainingRecord.constant("replace-one", 2, 0.5, 1.0, 3.0, 1.0)
+    rec = train_dpsgd_classifier(MLP, x, y, replace_one, init_seed=0, randomness=make_randomness(), delta=1e-5).record
+    assert rec.parameters["dataset_size"] == 12 and rec.parameters["dataset_size_source"] == "count"

@@ -221,7 +221,9 @@ def test_a_trained_model_records_its_optimizer_and_the_pool_reads_it(tmp_path):
     x = rng.normal(size=(30, 6)).astype(np.float32)
     y = rng.integers(0, 3, size=30)
     training = TrainingRecord.constant("add-remove", 6, 0.05, 1.0, 1.0, 0.5, optimizer=ADAM)
-    model = train_dpsgd_classifier(MLP, x, y, training, init_seed=3, randomness=make_randomness(8), delta=1e-5)
+    model = train_dpsgd_classifier(
+        MLP, x, y, training, init_seed=3, randomness=make_randomness(8), delta=1e-5, dataset_size=30
+    )
     params = model.record.parameters
     assert params["training"]["optimizer"] == ADAM.to_dict() and "beta1" in params["update"]
     assert model.record.epsilon == model_epsilon(training, 1e-5).pld
@@ -243,7 +245,14 @@ def test_a_trained_model_records_its_optimizer_and_the_pool_reads_it(tmp_path):
     for k, v in again.params.items():
         assert np.array_equal(v.numpy(), model.arrays[k])
     sgd = train_dpsgd_classifier(
-        MLP, x, y, training.with_optimizer(Optimizer()), init_seed=3, randomness=make_randomness(8), delta=1e-5
+        MLP,
+        x,
+        y,
+        training.with_optimizer(Optimizer()),
+        init_seed=3,
+        randomness=make_randomness(8),
+        delta=1e-5,
+        dataset_size=30,
     )
     assert "optimizer" not in sgd.record.parameters["training"]
     assert sgd.record.parameters["update"].startswith("theta <- theta - lr_t * (sum")

@@ -215,8 +215,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--simulation",
         action="store_true",
-        help="allow a fixed noise seed (site.seed) for simulations and tests: NOT PRIVATE, said in logs, "
-        "peer info and every record; without this flag a seed is refused",
+        help="allow a fixed noise seed (site.seed, pool models of `pool train --seed`, stored releases drawn "
+        "with one) for simulations and tests: NOT PRIVATE, said in logs, peer info and every record; without "
+        "this flag each is refused at start-up, by name",
     )
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)

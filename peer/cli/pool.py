@@ -9,8 +9,13 @@ On a site's own records (``--data``): the records are split into the protected t
 records DP-SGD sees (the unit of privacy is one of them) and a held-out part that only reports
 accuracy here. The preprocessing must not depend on the protected records (the guarantee is
 for one record given the preprocessing): it is fitted on public records (``--public FILE``) or
-given (``--preprocessing JSON``), and stored with every model of the pool. The declared dataset size n of DP-SGD — the public constant of the update's
-denominator — is the number of training records; it is printed and recorded. With
+given (``--preprocessing JSON``), and stored with every model of the pool. The dataset size n
+of DP-SGD — the public constant of the update's denominator — is, under replace-one (the
+default), the number of training records (public in that neighbourhood); it is printed and
+recorded. Under add-remove that number is private (neighbouring datasets differ in it), so n
+is the count the operator declares (``--declared-records N``, else ``[site] declared_records``
+of the site's site.toml; refused when neither is given), and no output, record or metadata
+of the pool states the true count (:func:`_public_description`). With
 ``--from-model NAME`` the pool is of the site's own imported network (DIR/own_models/NAME),
 trained as the bundled ``--from-model`` path trains it (:func:`_train_imported`) on records read,
 split and prepared exactly as above; :func:`peer.nn.imported.records_fit_network` says how records become the
@@ -90,6 +95,49 @@ def _architecture(text: str, splits) -> dict:
         arch.setdefault("input_shape", [1, 8, 8])
     arch.setdefault("output_dim", splits.num_classes)
     return arch
+
+
+def declared_records(args: argparse.Namespace) -> int | None:
+    """The pool's declared n: ``--declared-records``, else (add-remove only) ``[site]
+    declared_records`` of ``--site DIR``'s site.toml; None under replace-one without a flag (the
+    true count is public there). Add-remove with neither is refused, naming both."""
+    if args.declared_records is not None:
+        if args.declared_records < 1:
+            raise InvalidArgument("--declared-records", f"must be a positive integer, got {args.declared_records}")
+        return args.declared_records
+    if args.adjacency != "add-remove":
+        return None
+    if args.site is not None and (Path(args.site) / "site.toml").is_file():
+        from peer.net.site import SiteConfig
+
+        declared = SiteConfig.load(Path(args.site) / "site.toml").declared_records
+        if declared is not None:
+            return declared
+    from peer.dp.training import ADD_REMOVE_NEEDS_DECLARED
+
+    raise InvalidArgument("--declared-records", ADD_REMOVE_NEEDS_DECLARED)
+
+
+#: The counts of a site's records description (``peer.nn.tables.prepare_records``): under
+#: add-remove any two of them give the true number of training records
+RECORD_COUNTS = ("rows", "training_rows", "validation_rows")
+
+
+def _public_description(description: dict, adjacency: str) -> dict:
+    """What a pool stores and prints about its records: the description, without its record
+    counts under add-remove (they are private there)."""
+    if adjacency != "add-remove":
+        return dict(description)
+    return {k: v for k, v in description.items() if k not in RECORD_COUNTS}
+
+
+def _size_text(n: int, declared: int | None, adjacency: str) -> str:
+    if declared is None:
+        return f"declared dataset size n = {n} (public; the unit of privacy is one training record, {adjacency})"
+    return (
+        f"declared dataset size n = {declared} (public, declared; the unit of privacy is one training record, "
+        f"{adjacency}: the true count is not used and not recorded)"
+    )
 
 
 def train(args: argparse.Namespace) -> int:
@@ -212,16 +260,26 @@ def _train_records(args: argparse.Namespace) -> int:
         shaped = records_fit_network(own.structure, prep, args.data, args.from_model)
     else:
         arch = architecture_arg(args.architecture, None, prep, [])
+    declared = declared_records(args)
     n = len(records.y_train)
-    print(
-        f"DP-SGD on {n} training records of {records.description['file']} "
-        f"({records.description['validation_rows']} held out): declared dataset size n = {n} "
-        f"(public; the unit of privacy is one training record, {args.adjacency})",
-        file=sys.stderr,
-    )
+    if declared is None:
+        print(
+            f"DP-SGD on {n} training records of {records.description['file']} "
+            f"({records.description['validation_rows']} held out): {_size_text(n, None, args.adjacency)}",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"DP-SGD on the training records of {records.description['file']}: "
+            f"{_size_text(n, declared, args.adjacency)}",
+            file=sys.stderr,
+        )
+    description = _public_description(records.description, args.adjacency)
     if own is not None:
         print(f"inputs of {args.from_model}: {shaped}", file=sys.stderr)
-        return _train_imported_records(args, own, records, names, trainings, pool_name, directory)
+        return _train_imported_records(
+            args, own, records, names, trainings, pool_name, directory, declared, description
+        )
     randomness = make_randomness(args.seed)
     with progress_bar(sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "step") as step:
         models = train_pool(
@@ -232,21 +290,23 @@ def _train_records(args: argparse.Namespace) -> int:
             init_seed=args.init_seed,
             randomness=randomness,
             delta=args.delta,
+            dataset_size=declared,
             progress=step,
         )
     summary = []
     for name, model in zip(names, models, strict=True):
         module = model_from_arrays(model.architecture, model.arrays)
         val = accuracy(model.architecture, module, records.x_val, records.y_val)
-        save_trained(directory, name, model, accuracy=val, data=records.description, preprocessing=prep)
+        save_trained(directory, name, model, accuracy=val, data=description, preprocessing=prep)
         summary.append(_trained_summary(name, model, val))
     out = {
         "pool": str(directory),
         "pool_name": pool_name,
-        "data": records.description,
+        "data": description,
         "architecture": arch,
         "init_seed": args.init_seed,
         "dataset_size": models[0].dataset_size,
+        "dataset_size_source": models[0].record.parameters["dataset_size_source"],
         "input_width": prep.width,
         "classes": list(prep.classes),
         **randomness.record_fields(),
@@ -274,6 +334,7 @@ def _train(args: argparse.Namespace) -> int:
         return _train_imported(args, splits)
     arch = _architecture(args.architecture or DEFAULT_ARCHITECTURE, splits)
     names, trainings = _specs(args)
+    declared = declared_records(args)
     randomness = make_randomness(args.seed)
     models = train_pool(
         arch,
@@ -283,6 +344,7 @@ def _train(args: argparse.Namespace) -> int:
         init_seed=args.init_seed,
         randomness=randomness,
         delta=args.delta,
+        dataset_size=declared,
     )
     summary = []
     for name, model in zip(names, models, strict=True):
@@ -297,6 +359,7 @@ def _train(args: argparse.Namespace) -> int:
         "architecture": arch,
         "init_seed": args.init_seed,
         "dataset_size": models[0].dataset_size,
+        "dataset_size_source": models[0].record.parameters["dataset_size_source"],
         **randomness.record_fields(),
         "models": summary,
     }
@@ -329,7 +392,9 @@ def _train_imported(args: argparse.Namespace, splits) -> int:
     names, trainings = _specs(args)
     if len({t.adjacency for t in trainings}) > 1:
         raise InvalidArgument("trainings", "one pool has one unit of privacy")
+    declared = declared_records(args)
     randomness = make_randomness(args.seed)
+    models = []
     summary = []
     for name, training in zip(names, trainings, strict=True):
         model = train_dpsgd_module(
@@ -342,10 +407,12 @@ def _train_imported(args: argparse.Namespace, splits) -> int:
             init_seed=args.init_seed,
             randomness=randomness.spawn(),
             delta=args.delta,
+            dataset_size=declared,
             # the held-out validation split is public here (it judges merges): BatchNorm
             # normalises by its statistics, measured before every step
             public_x=splits.x_val,
         )
+        models.append(model)
         module = module_from_arrays(factory, own.structure, model.arrays)
         val = module_accuracy(module, own.structure, splits.x_val, splits.y_val)
         test = module_accuracy(module, own.structure, splits.x_test, splits.y_test)
@@ -357,7 +424,8 @@ def _train_imported(args: argparse.Namespace, splits) -> int:
         "from_model": args.from_model,
         "architecture": {"kind": arch["kind"], "structure_sha256": arch["structure_sha256"]},
         "init_seed": args.init_seed,
-        "dataset_size": len(splits.y_train),
+        "dataset_size": models[0].dataset_size,
+        "dataset_size_source": models[0].record.parameters["dataset_size_source"],
         **randomness.record_fields(),
         "models": summary,
     }
@@ -365,7 +433,7 @@ def _train_imported(args: argparse.Namespace, splits) -> int:
     return 0
 
 
-def _train_imported_records(args, own, records, names, trainings, pool_name, directory) -> int:
+def _train_imported_records(args, own, records, names, trainings, pool_name, directory, declared, description) -> int:
     """``--from-model NAME --data FILE``: the pool of the site's own network on the site's own
     records. The training and its record are those of :func:`_train_imported` (DP-SGD from the
     factory's public initialisation, eval mode, ``peer.dp.training.train_dpsgd_module``); the
@@ -409,6 +477,7 @@ def _train_imported_records(args, own, records, names, trainings, pool_name, dir
                     init_seed=args.init_seed,
                     randomness=randomness.spawn(),
                     delta=args.delta,
+                    dataset_size=declared,
                     progress=step,
                     public_x=public_x,
                 )
@@ -417,19 +486,18 @@ def _train_imported_records(args, own, records, names, trainings, pool_name, dir
     for name, model in zip(names, models, strict=True):
         module = module_from_arrays(factory, structure, model.arrays)
         val = module_accuracy(module, structure, records.x_val, records.y_val)
-        save_trained(
-            directory, name, model, accuracy=val, data=records.description, preprocessing=prep, factory=own.factory
-        )
+        save_trained(directory, name, model, accuracy=val, data=description, preprocessing=prep, factory=own.factory)
         summary.append(_trained_summary(name, model, val))
     out = {
         "pool": str(directory),
         "pool_name": pool_name,
-        "data": records.description,
+        "data": description,
         "from_model": args.from_model,
         "architecture": {"kind": arch["kind"], "structure_sha256": arch["structure_sha256"]},
         "input_shape": list(structure.input_shape),
         "init_seed": args.init_seed,
         "dataset_size": models[0].dataset_size,
+        "dataset_size_source": models[0].record.parameters["dataset_size_source"],
         "input_width": prep.width,
         "classes": list(prep.classes),
         "norm_statistics": "public records" if public_x is not None else "initial values",
@@ -449,12 +517,21 @@ def _train_imported_records(args, own, records, names, trainings, pool_name, dir
 
 
 def list_pool(args: argparse.Namespace) -> int:
-    from peer.dp.pools import load_pool
+    """Each model's guarantee and validation accuracy, where its noise came from, and why a
+    daemon would not serve it (``not_served``: a fixed seed outside ``--simulation``, or an
+    add-remove model that states its true record count: ``peer.net.daemon.check_servable``)."""
+    from peer.dp.pools import load_pool, true_count_models
 
     pool = load_pool(args.pool)
+    stated = set(true_count_models(pool))
     rows = []
     for m in pool:
         record = m.metadata.get("record", {})
+        why = []
+        if record.get("randomness") == "fixed-seed":
+            why.append(f"trained with a fixed seed ({record.get('seed')}): served only by a --simulation daemon")
+        if m.name in stated:
+            why.append("add-remove with its true record count as denominator: not served (retrain it)")
         rows.append(
             {
                 "name": m.name,
@@ -462,6 +539,8 @@ def list_pool(args: argparse.Namespace) -> int:
                 "epsilon": record.get("epsilon"),
                 "delta": record.get("delta"),
                 "validation_accuracy": m.metadata.get("accuracy"),
+                "randomness": record.get("randomness"),
+                **({"not_served": why} if why else {}),
             }
         )
     _emit({"pool": str(args.pool), "models": rows}, args.json)
@@ -482,6 +561,7 @@ def _emit(out: dict, as_json: bool) -> None:
         print(
             f"{row['name']}: {eps_text} delta={row['delta']:g}"
             + ("" if acc is None else f" validation accuracy={acc:.4f}")
+            + "".join(f"; {why}" for why in row.get("not_served", ()))
         )
 
 
@@ -496,7 +576,8 @@ def register(subparsers) -> None:
         "train",
         help="train DP-SGD models on the site's own records (or a bundled dataset) into a pool",
         description="Train a pool of DP-SGD models from one public initialisation. With --data: on the "
-        "site's own records (the declared dataset size n is the number of training records; "
+        "site's own records (the dataset size n is the number of training records under replace-one, "
+        "the declared --declared-records under add-remove; "
         "the preprocessing is fitted on public records, --public, and stored with every "
         "model). With --dataset: on a bundled scikit-learn set (demonstrations).",
     )
@@ -549,6 +630,15 @@ def register(subparsers) -> None:
         "beta2=0.999, eps=1e-8; give a much smaller lr than sgd's, e.g. 0.01); constants per model in --model",
     )
     t.add_argument("--adjacency", default="replace-one", choices=("replace-one", "add-remove"))
+    t.add_argument(
+        "--declared-records",
+        type=int,
+        default=None,
+        metavar="N",
+        help="PUBLIC record count DP-SGD divides by (required under add-remove, where the true count is private; "
+        "default there: [site] declared_records of --site's site.toml; under replace-one: the number of training "
+        "records)",
+    )
     t.add_argument(
         "--delta", type=float, default=1e-5, help="delta at which each model's epsilon is recorded (default 1e-5)"
     )

@@ -60,6 +60,10 @@ identity = "identity"             # site.key (private, mode 600), site.crt, trus
 models = "models"                 # the models this site offers (privfusion model train / model adopt)
 ledger = "ledger.sqlite"          # the privacy-budget ledger: append-only, created on first start
 probe = "probe.safetensors"       # this site's PUBLIC probe set (privfusion probe make); peers see it
+declared_records = 1000           # PUBLIC record count DP-SGD divides by under add-remove adjacency
+                                  # (pool train --adjacency add-remove, iterate runs), where the true
+                                  # count is private and never used: set one you may publish (e.g. a
+                                  # rounded size); replace-one uses the true count (public there)
 # limits (defaults shown): no single peer can take the site down
 # workers = 32                    # streaming calls (releases, ledger listings) served at once
 # reserve_workers = 8             # more threads, kept for health checks and GetPeerInfo

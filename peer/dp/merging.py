@@ -76,7 +76,8 @@ class PoolModel:
     """One model of a pool: its weights, architecture and what is known about its privacy — the
     full DP-SGD ``TrainingRecord`` or only an ``ApproxDP`` (ε, δ). ``dataset_size`` is the
     declared n of its DP-SGD update (None when unknown). ``metadata`` is the store's (accuracy,
-    data split); merging does not read it."""
+    data split, the model's own "dpsgd" record); merging reads only the record's randomness
+    (:func:`models_randomness`)."""
 
     name: str
     architecture: Mapping[str, Any]
@@ -185,6 +186,7 @@ def merge_rs(
         subject=subject,
         counterparty=counterparty,
     )
+    record = with_models_randomness(record, pool, choice.weights)
     # the drawn model's own arrays, as read-only views: no copy of what may be a large model
     return MergedModel(arch, {k: _read_only(v) for k, v in drawn.arrays.items()}, record, choice)
 
@@ -249,4 +251,36 @@ def merge_lc(
     record = lc_merge_record(
         models, choice.weights, float(delta), names=[m.name for m in pool], subject=subject, counterparty=counterparty
     )
+    record = with_models_randomness(record, pool, choice.weights)
     return MergedModel(arch, combine(arrays, choice.weights), record, choice)
+
+
+def models_randomness(pool: Sequence[PoolModel]) -> list[dict[str, Any]]:
+    """Where each pool model's DP-SGD noise came from, read from its own "dpsgd" record in its
+    metadata: ``{"randomness": "csprng" | "fixed-seed" | "none" | "unknown", "seed": ...}``
+    ("unknown": the store holds no record of it)."""
+    out = []
+    for m in pool:
+        record = m.metadata.get("record") if isinstance(m.metadata, Mapping) else None
+        if not isinstance(record, Mapping):
+            out.append({"randomness": "unknown", "seed": None})
+            continue
+        out.append({"randomness": str(record.get("randomness", "csprng")), "seed": record.get("seed")})
+    return out
+
+
+def with_models_randomness(record: ReleaseRecord, pool: Sequence[PoolModel], weights: Sequence[float]) -> ReleaseRecord:
+    """A merge's record stating the true randomness of what it releases: the draw's (RS) *and*
+    the training noise of every model it may release (weight > 0). A model trained with a
+    fixed seed (``privfusion pool train --seed``) is reproducible by anyone who knows the seed,
+    so a merge that may release it is not private either: its record then says "fixed-seed"
+    (serialised with "fixed seed: not private"), with that model's seed unless the draw's own
+    seed is fixed. ``parameters.models_randomness`` lists each model's (in ``names`` order)."""
+    per_model = models_randomness(pool)
+    params = {**record.parameters, "models_randomness": per_model}
+    changes: dict[str, Any] = {"parameters": params}
+    if record.randomness != "fixed-seed":
+        fixed = [r for r, w in zip(per_model, weights, strict=True) if float(w) > 0 and r["randomness"] == "fixed-seed"]
+        if fixed:
+            changes.update(randomness="fixed-seed", seed=int(fixed[0]["seed"]))
+    return record.with_(**changes)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from peer.base.errors import InvalidArgument
+from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
 from peer.dp.accounting import ApproxDP, TrainingRecord
@@ -187,6 +187,48 @@ def _privacy_of(name: str, metadata: Mapping[str, Any]) -> tuple[TrainingRecord 
     )
 
 
+def true_count_models(pool: Sequence[PoolModel]) -> list[str]:
+    """The models of ``pool`` trained under add-remove with the true number of their training
+    records as DP-SGD's denominator: their "dpsgd" record carries ``dataset_size`` without
+    ``dataset_size_source = "declared"`` (every add-remove pool written before declared
+    counts existed: ``privfusion pool train`` took len(records)). Under add-remove that count
+    is private — the records of D and D + {x} state 49 and 50 — and the update itself divides
+    by it, so such a model is outside the guarantee its record claims. Replace-one models
+    (the count is public there) are never listed."""
+    return [
+        m.name for m in pool if states_true_count(m.metadata.get("record") if isinstance(m.metadata, Mapping) else None)
+    ]
+
+
+def states_true_count(record: Mapping[str, Any] | None) -> bool:
+    """Whether a stored "dpsgd" record (its dict) is add-remove with a ``dataset_size`` that
+    was not declared (:func:`true_count_models`)."""
+    if not isinstance(record, Mapping) or record.get("unit") != "record:add-remove":
+        return False
+    params = record.get("parameters") or {}
+    return isinstance(params, Mapping) and "dataset_size" in params and params.get("dataset_size_source") != "declared"
+
+
+def check_declared_counts(pool: Sequence[PoolModel], pool_name: str) -> None:
+    """Refuse (FailedPrecondition naming the pool, its models and what to do) a pool with a
+    model of :func:`true_count_models`: nothing made from it is served or merged."""
+    names = true_count_models(pool)
+    if names:
+        raise FailedPrecondition(true_count_refusal(pool_name, names))
+
+
+def true_count_refusal(pool_name: str, names: Sequence[str]) -> str:
+    """Why a pool with models of :func:`true_count_models` is not served, and what to do (no
+    count is named: it is the private value)."""
+    return (
+        f"pool {pool_name!r}: models {list(names)} were trained under add-remove adjacency with the true number "
+        "of training records as DP-SGD's denominator, and their records state it (neighbouring datasets "
+        "give different records); they are not served. Retrain them with a declared public count "
+        "(privfusion pool train --adjacency add-remove --declared-records N, or [site] declared_records in "
+        "site.toml), or remove them from the pool"
+    )
+
+
 def load_pool(directory: str | os.PathLike) -> list[PoolModel]:
     """Every model of a pool directory, in name order."""
     names = list_models(directory)
@@ -335,6 +377,7 @@ def merge_pool(
     if method not in METHODS:
         raise InvalidArgument("method", f"must be one of {METHODS}, got {method!r}")
     check_pool(pool)
+    check_declared_counts(pool, subject or "pool")
     x_val, y_val = pool_validation(pool) if validation is None else validation
     if method == "rs":
         if utilities is None:

@@ -12,16 +12,23 @@ normalisation made data-independent)::
     clip_C(g) = g · min(1, C / ‖g‖₂)   (‖·‖₂ over all parameters of the model together)
     z_t ~ N(0, I), fresh for every step and independent of everything else.
 
-``n`` here is the *declared* dataset size, a public constant of the mechanism (by default the
-size of the training set). It never changes with the data: for Poisson sampling the denominator
-is the expected batch size q·n, not the realised |B_t|, so the sensitivity of the update stays
-data-independent. The unit of privacy is one training record:
+``n`` here is the *declared* dataset size, a public constant of the mechanism. It never changes
+with the data: for Poisson sampling the denominator is the expected batch size q·n, not the
+realised |B_t|, so the sensitivity of the update stays data-independent. The unit of privacy is
+one training record:
 
-- ``"replace-one"``: neighbouring datasets differ in one record's value (n is the same); one step
+- ``"replace-one"``: neighbouring datasets differ in one record's value, so both have the same
+  number of records: that count is public in this neighbourhood and is n by default. One step
   is a Gaussian mechanism on the clipped sum with L2 sensitivity 2·C_t and noise std σ_t·C_t.
-- ``"add-remove"``: one record is added or removed; the clipped sum has L2 sensitivity C_t. The
-  denominator is still the declared n (a constant), so the mechanism is well defined on both
-  neighbours.
+- ``"add-remove"``: one record is added or removed; the clipped sum has L2 sensitivity C_t.
+  Here the record count is *private* (D and D + {x} differ in it), so n must be a constant the
+  operator declares (``declared_records``), never the true count: the classifier and pool
+  trainers below refuse add-remove without an explicit ``dataset_size``. The mechanism is then
+  the same function on both neighbours, and its record states n (public) and that it was
+  declared (``parameters.dataset_size_source``), so the records of D and D + {x} are the same
+  bytes apart from what the noise decides. (Were the true count published, only replace-one
+  neighbours would remain protected: sensitivity 2·C_t, e.g. ε 8.36 instead of 3.70 at the
+  bundled iterate plan.)
 
 The coefficient η_t/n (or η_t/(q_t n)) multiplies both the sensitivity and the noise of the
 parameter update, so each step's privacy depends only on σ_t: this is the per-step Gaussian
@@ -231,8 +238,9 @@ def run_dpsgd(
     ``clip_norm``, ``noise_multiplier``, ``sample_rate``, e.g. the accountant's GaussianStep).
 
     A step with sample_rate q = 1 uses every record; q < 1 draws a Poisson batch. The denominator
-    is q_t·dataset_size (``dataset_size`` defaults to len(x); it is the public constant n of the
-    module docstring). Each step draws, from the one generator and in this order, the noise z_t
+    is q_t·dataset_size (``dataset_size`` is the public constant n of the module docstring; it
+    defaults to len(x), which is public under replace-one only: under add-remove the callers
+    pass the declared count). Each step draws, from the one generator and in this order, the noise z_t
     (parameter by parameter) and then, when q_t < 1, the Poisson mask over all len(x) records.
     A single run computes per-example gradients for the batch's rows only (x[B_t]: about q_t·n of
     them, none at all for an empty batch; :func:`dpsgd_step` says why this equals the masked sum
@@ -361,7 +369,7 @@ class TrainedModel:
 
     ``training`` is exactly the sequence of steps that ran (the accountant's TrainingRecord);
     ``record`` is its "dpsgd" release record (level "data", ε/δ from the accountant);
-    ``dataset_size`` is the declared public n of the update's denominator."""
+    ``dataset_size`` is the public n of the update's denominator (declared under add-remove)."""
 
     architecture: dict
     arrays: dict[str, np.ndarray]
@@ -369,6 +377,28 @@ class TrainedModel:
     record: ReleaseRecord
     dataset_size: int
     init_seed: int
+
+
+#: Where a record's ``dataset_size`` came from: set by the operator, or the true count
+#: (replace-one only).
+DATASET_SIZE_SOURCES = ("declared", "count")
+ADD_REMOVE_NEEDS_DECLARED = (
+    "under add-remove adjacency the number of training records is private (neighbouring datasets "
+    "differ in it): DP-SGD divides by a public constant the operator declares (declared_records: "
+    "privfusion pool train --declared-records N, [site] declared_records in site.toml, or "
+    "[round.iterate] declared_records), never by the true count"
+)
+
+
+def declared_size(training: TrainingRecord, x, dataset_size: int | None) -> tuple[int, str]:
+    """(n, source) of a run's denominator: the given ``dataset_size`` ("declared"), else the
+    number of records ``len(x)`` ("count"), which is public under replace-one only; under
+    add-remove a missing ``dataset_size`` is refused (InvalidArgument naming the rule)."""
+    if dataset_size is not None:
+        return dataset_size, "declared"
+    if training.adjacency == "add-remove":
+        raise InvalidArgument("dataset_size", ADD_REMOVE_NEEDS_DECLARED)
+    return len(x), "count"
 
 
 _G_HAT = "g_t = (sum_{i in B_t} clip_{C_t}(grad_i) + sigma_t * C_t * z_t) / (q_t * n)"
@@ -391,15 +421,24 @@ def dpsgd_release_record(
     init_seed: int,
     architecture: Mapping,
     subject: str = "",
+    source: str = "declared",
 ) -> ReleaseRecord:
     """The "dpsgd" release record of one run (built by the accountant: ε by PLD
     at ``delta``, RDP and closed form in parameters), plus the public constants of this run's
-    update: the declared ``dataset_size`` n, the public ``init_seed`` and the architecture."""
+    update: the ``dataset_size`` n and where it comes from (``dataset_size_source``:
+    "declared", a constant the operator set, or "count", the number of training records —
+    public under replace-one only, so refused under add-remove), the public ``init_seed`` and
+    the architecture."""
+    if source not in DATASET_SIZE_SOURCES:
+        raise InvalidArgument("dataset_size_source", f"must be one of {DATASET_SIZE_SOURCES}, got {source!r}")
+    if training.adjacency == "add-remove" and source != "declared":
+        raise InvalidArgument("dataset_size", ADD_REMOVE_NEEDS_DECLARED)
     record = dpsgd_record(training, delta, randomness=randomness.record_fields(), subject=subject)
     params = record.to_dict()["parameters"]
     params.update(
         {
             "dataset_size": int(dataset_size),
+            "dataset_size_source": source,
             "init_seed": int(init_seed),
             "architecture": dict(architecture),
             "update": _UPDATES[training.optimizer.name],
@@ -426,10 +465,10 @@ def train_dpsgd_classifier(
     The unit of privacy is one record of (x, y) under ``training.adjacency``."""
     arch = validate_architecture(architecture)
     check_accountable(training)  # before any training: a record the accountant cannot cost is refused now
+    n, source = declared_size(training, x, dataset_size)  # before any training, too
     model = build_model(arch, seed=init_seed)
     xt = input_tensor(arch, x)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
-    n = len(xt) if dataset_size is None else dataset_size
     params0 = {k: v.detach() for k, v in model.named_parameters()}
     run = run_dpsgd(
         classifier_loss(model),
@@ -451,6 +490,7 @@ def train_dpsgd_classifier(
         init_seed=init_seed,
         architecture=arch,
         subject=subject,
+        source=source,
     )
     return TrainedModel(arch, arrays, training, record, int(n), int(init_seed))
 
@@ -468,12 +508,14 @@ def train_pool(
     progress: Callable[[], None] | None = None,
 ) -> list[TrainedModel]:
     """Several DP-SGD models on the same data from the same public initialisation, each with its
-    own independent noise stream (``randomness.spawn()``): the independence LC relies on."""
+    own independent noise stream (``randomness.spawn()``): the independence LC relies on.
+    ``dataset_size`` is the declared n (required under add-remove: :func:`declared_size`)."""
     if not trainings:
         raise InvalidArgument("trainings", "must describe at least one model")
     adjacencies = {t.adjacency for t in trainings}
     if len(adjacencies) > 1:
         raise InvalidArgument("trainings", f"one pool has one unit of privacy; got adjacencies {sorted(adjacencies)}")
+    declared_size(trainings[0], x, dataset_size)  # refused before the first model trains
     return [
         train_dpsgd_classifier(
             architecture,
@@ -574,6 +616,7 @@ def train_dpsgd_module(
     description recorded (``peer.nn.imported.imported_architecture``); the unit of privacy is
     one record of (x, y) under ``training.adjacency``."""
     check_accountable(training)  # before any training (see train_dpsgd_classifier)
+    n, source = declared_size(training, x, dataset_size)
     state = torch.random.get_rng_state()
     torch.manual_seed(init_seed)
     try:
@@ -584,7 +627,6 @@ def train_dpsgd_module(
     module = module.float().eval()
     xt = torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(len(x), *input_shape)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
-    n = len(xt) if dataset_size is None else dataset_size
     params0 = {k: v.detach() for k, v in module.named_parameters()}
     refresh = None
     if public_x is not None:
@@ -619,6 +661,7 @@ def train_dpsgd_module(
         init_seed=init_seed,
         architecture=architecture,
         subject=subject,
+        source=source,
     )
     record = record.with_(
         parameters={

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from concurrent import futures
 from pathlib import Path
 
@@ -46,7 +47,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from peer.base.errors import FailedPrecondition
+from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.base.records import FIXED_SEED_WARNING
 from peer.budget.policy import Policy
 from peer.net import wire
@@ -107,6 +108,12 @@ SEED_WARNING = (
     "FIXED SEED: NOT PRIVATE. site.seed makes every release's noise reproducible by anyone who "
     "knows the seed, who can then subtract it. Simulations and tests only; every record says "
     f"{FIXED_SEED_WARNING!r}."
+)
+
+POOL_SEED_WARNING = (
+    "FIXED SEED: NOT PRIVATE. Pool models trained with `privfusion pool train --seed`, or stored "
+    "releases drawn with a fixed seed, are served by this --simulation daemon; every record made "
+    f"from them says {FIXED_SEED_WARNING!r}. Simulations and tests only."
 )
 
 INSECURE_WARNING = (
@@ -265,10 +272,112 @@ def _why_not_listening(listen: str) -> str:
     return "gRPC refused the address"
 
 
-def open_site(config_path: str | os.PathLike, insecure: bool = False) -> Site:
+def open_site(config_path: str | os.PathLike, insecure: bool = False, simulation: bool | None = None) -> Site:
+    """The site of ``config_path``, checked for what it would serve before anything is opened
+    (:func:`check_servable`). ``simulation`` None: a site with a fixed seed of its own is a
+    simulation (``peer serve`` refuses such a seed without ``--simulation``,
+    :func:`check_seed_allowed`)."""
     config = SiteConfig.load(config_path)
+    simulation = config.seed is not None if simulation is None else bool(simulation)
+    check_servable(config, simulation)
     policy = Policy.from_toml(config_path)
-    return Site(config, policy, insecure=insecure)
+    return Site(config, policy, insecure=insecure, simulation=simulation)
+
+
+def check_servable(config: SiteConfig, simulation: bool) -> None:
+    """Refuse to start (FailedPrecondition naming the model or file, the rule and what to do,
+    before the ledger or any model is opened) a site that would release what its records do
+    not cover:
+
+    - outside a simulation, a pool model trained with a fixed noise seed (``privfusion pool
+      train --seed``: its record says "fixed-seed"; anyone who knows the seed reproduces the
+      model on D and not on D minus one record), or an entry of the release store (a merge or
+      an iterate segment) drawn or trained with one;
+    - in any mode, a pool whose add-remove models state their true record count
+      (``peer.dp.pools.check_declared_counts``).
+
+    A ``--simulation`` daemon serves fixed-seed models, and every record made from them says
+    "fixed seed: not private" (``peer.dp.merging.with_models_randomness``); it logs a warning
+    naming them. Read from the pools' manifests and the store's JSON only (a file that does not
+    parse is left to the loader, which says what is wrong with it)."""
+    # lazy: peer.dp loads dp_accounting (slow to import), needed only by a site with pools
+    from peer.dp.pools import states_true_count, true_count_refusal
+
+    fixed_models, stated = [], {}
+    for pool, directory in config.pools.items():
+        for name, record in _pool_records(directory):
+            if record.get("randomness") == "fixed-seed":
+                fixed_models.append((pool, name, record.get("seed")))
+            if states_true_count(record):
+                stated.setdefault(pool, []).append(name)
+    for pool, names in stated.items():
+        raise FailedPrecondition(true_count_refusal(pool, names))
+    fixed_releases = _fixed_seed_releases(config.ledger.with_name(config.ledger.stem + ".releases"))
+    if simulation:
+        if fixed_models or fixed_releases:
+            names = [f"{p}/{m}" for p, m, _ in fixed_models] + [f for f, _ in fixed_releases]
+            log.warning(json.dumps({"event": "fixed-seed-releases", "warning": POOL_SEED_WARNING, "sources": names}))
+            print(f"privfusion peer: WARNING: {POOL_SEED_WARNING}", file=sys.stderr, flush=True)
+        return
+    if fixed_models:
+        pool, name, seed = fixed_models[0]
+        others = [f"{p}/{m}" for p, m, _ in fixed_models[1:]]
+        raise FailedPrecondition(
+            f"pool {pool!r}: model {name!r} was trained with the fixed noise seed {seed} (privfusion pool train "
+            "--seed, or a simulation): "
+            f"{FIXED_SEED_WARNING} — anyone who knows the seed reproduces its noise"
+            + (f" (so were {others})" if others else "")
+            + ". Retrain it without --seed (CSPRNG noise), or start the daemon with --simulation for tests "
+            "and simulations"
+        )
+    if fixed_releases:
+        path, what = fixed_releases[0]
+        raise FailedPrecondition(
+            f"release store: {path} ({what}) was drawn or trained with a fixed noise seed: {FIXED_SEED_WARNING}. "
+            "A daemon without --simulation never serves it: delete that file and its .safetensors (a merge is then "
+            "made anew and charged; a segment is no longer offered), or start the daemon with --simulation"
+        )
+
+
+def _pool_records(directory: Path) -> list[tuple[str, Mapping]]:
+    """(model name, its stored "dpsgd" record dict) of every model manifest of a pool directory."""
+    out = []
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.json")):
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        record = manifest.get("metadata", {}).get("record") if isinstance(manifest, dict) else None
+        if isinstance(record, Mapping):
+            out.append((path.stem, record))
+    return out
+
+
+def _fixed_seed_releases(directory: Path) -> list[tuple[str, str]]:
+    """(file, what) of every release-store entry whose record says fixed-seed (read from the
+    entries' JSON only; an unreadable entry is left to the check made before serving it)."""
+    from peer.base.records import ReleaseRecord
+
+    out = []
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.json")):
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            record = ReleaseRecord.from_json(entry["record_json"])
+        except (OSError, ValueError, KeyError, TypeError, InvalidArgument):
+            continue
+        if any(r.randomness == "fixed-seed" for r in (record, *record.components)):
+            segment = record.parameters.get("segment")
+            what = (
+                f"segment of run {segment.get('run')!r} round {segment.get('round')}"
+                if isinstance(segment, Mapping)
+                else f"{record.mechanism} of {record.subject!r}"
+            )
+            out.append((str(path), what))
+    return out
 
 
 def check_seed_allowed(config: SiteConfig, simulation: bool) -> None:
@@ -309,12 +418,13 @@ def serve(
     config_path: str | os.PathLike, insecure: bool = False, ready_file: str | None = None, simulation: bool = False
 ) -> int:
     """Run a daemon until SIGTERM/SIGINT (the ``privfusion peer serve`` command). A ``seed`` in
-    site.toml is refused unless ``simulation`` (:func:`check_seed_allowed`)."""
+    site.toml, a pool model trained with a fixed seed and a stored release drawn with one are
+    refused unless ``simulation`` (:func:`check_seed_allowed`, :func:`check_servable`)."""
     configure_logging(os.environ.get("PRIVFUSION_LOG_LEVEL", "INFO"))
     faulthandler.enable()  # a crash in native code leaves the Python stacks in the log
     check_seed_allowed(SiteConfig.load(config_path), simulation)
     _limit_arenas()  # before the gRPC and worker threads exist
-    daemon = Daemon(open_site(config_path, insecure=insecure))
+    daemon = Daemon(open_site(config_path, insecure=insecure, simulation=simulation))
     try:
         port = daemon.start()
     except BaseException:

@@ -17,6 +17,8 @@
     shutdown_grace_s = 20            # SIGTERM: in-flight releases get this long to finish
     # seed = 7                       # simulations only (`peer serve --simulation`): fixed-seed
     #                                # noise, "fixed seed: not private" in logs, info and every record
+    declared_records = 1000          # PUBLIC record count DP-SGD divides by under add-remove
+    #                                # adjacency (pool train, iterate): never the true count
 
     [site.mechanisms]                # public defaults of the local-DP mechanisms
     activation_clip = [0.0, 4.0]     # activation range when a caller gives none
@@ -105,6 +107,7 @@ SITE_KEYS = (
     "stream_deadline_s",
     "shutdown_grace_s",
     "seed",
+    "declared_records",
     "mechanisms",
     "pools",
     "peers",
@@ -129,6 +132,8 @@ class SiteConfig:
     stream_idle_s: float = 30.0
     stream_deadline_s: float = 600.0
     seed: int | None = None
+    # the public record count DP-SGD divides by under add-remove (pool train, iterate runs)
+    declared_records: int | None = None
     activation_clip: tuple[float, float] | None = None
     calibration: str = "analytic"
     pools: Mapping[str, Path] = field(default_factory=dict)
@@ -199,6 +204,7 @@ class SiteConfig:
             stream_deadline_s=deadline,
             shutdown_grace_s=site.number("shutdown_grace_s", 20.0, minimum=0.0),
             seed=site.integer("seed", None),
+            declared_records=site.integer("declared_records", None, minimum=1),
             activation_clip=clip,
             calibration=calibration,
             pools=pools,
@@ -390,9 +396,12 @@ class MergeRelease:
 class Site:
     """Everything one site serves from, loaded once at start (what the service asks about)."""
 
-    def __init__(self, config: SiteConfig, policy: Policy, insecure: bool = False):
+    def __init__(self, config: SiteConfig, policy: Policy, insecure: bool = False, simulation: bool | None = None):
         self.config = config
         self.insecure = insecure
+        # whether releases drawn or trained with a fixed seed may leave (``peer serve
+        # --simulation``); default: a site with a fixed seed of its own is a simulation
+        self.simulation = config.seed is not None if simulation is None else bool(simulation)
         self.identity: Identity = load_identity(config.identity)
         if self.identity.name != config.name:
             raise FailedPrecondition(
@@ -644,6 +653,20 @@ class Site:
         with self._master_lock:
             return self._master.spawn()
 
+    def check_randomness(self, record: ReleaseRecord, what: str) -> None:
+        """Refuse (FailedPrecondition, nothing charged) a data-level release whose record says
+        it was trained or drawn with a fixed seed — a pool model of ``pool train --seed``, a
+        segment of a simulation — unless this site is a simulation (``peer serve --simulation``):
+        anyone who knows the seed reproduces the noise."""
+        if self.simulation:
+            return
+        fixed = [r for r in (record, *record.components) if r.randomness == "fixed-seed"]
+        if fixed:
+            raise FailedPrecondition(
+                f"{what} was trained or drawn with a fixed noise seed (seed {fixed[0].seed}: {FIXED_SEED_WARNING}); "
+                "a daemon started without --simulation does not serve it"
+            )
+
     # ---- releases (computed, not yet charged) -------------------------------------------------
 
     def perturbed_weights(
@@ -839,6 +862,7 @@ class Site:
                 f"release store: the record of {what} differs from the one ledger entry {entry.entry_id} "
                 "charged; it is not served"
             )
+        self.check_randomness(stored.record, what)
         served = self.ledger.serve_again(stored.record.release_id, caller, detail)
         log_event(
             "served-again",
@@ -882,6 +906,7 @@ class Site:
                     return again
                 self.releases.remove(key)  # never left the site (no charge) or withdrawn: make anew
             merged = self.merge(pool, method, epsilon, delta, caller)
+            self.check_randomness(merged.record, f"a merge of pool {pool!r}")  # before it is stored or charged
             tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
             from peer.net import wire
 
