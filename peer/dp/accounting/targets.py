@@ -497,7 +497,9 @@ def scored_subset(
         for subset in itertools.combinations(range(k), size):
             if size > 1 and any(sub not in feasible for sub in itertools.combinations(subset, size - 1)):
                 continue
-            eps = composition_epsilon(profiles, subset, delta)
+            eps = composition_epsilon(
+                profiles, subset, delta, orders=orders, value_discretization_interval=value_discretization_interval
+            )
             if size == 1:
                 singles.append(figure(eps))
             if figure(eps) <= target:
@@ -547,9 +549,20 @@ def choose_pi_by_utility(
     )
     k = len(profiles)
     if prior is None:
-        prior, prior_name = privacy_prior(profiles, delta), "epsilon"
+        prior, prior_name = (
+            privacy_prior(profiles, delta, orders=orders, value_discretization_interval=value_discretization_interval),
+            "epsilon",
+        )
     prior_u = _check_utilities(prior, k)
-    scored, achieved = scored_subset(profiles, prior_u, target, delta, accountant=accountant)
+    scored, achieved = scored_subset(
+        profiles,
+        prior_u,
+        target,
+        delta,
+        accountant=accountant,
+        orders=orders,
+        value_discretization_interval=value_discretization_interval,
+    )
     scores = _scores(utility, scored, k)
     best = max(scored, key=lambda i: (scores[i], prior_u[i], -i))
     pi = np.eye(k)[best]
@@ -942,10 +955,21 @@ def choose_lam_by_utility(
         records, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
     )
     if prior is None:
-        prior, prior_name = privacy_prior(profiles, delta), "epsilon"
+        prior, prior_name = (
+            privacy_prior(profiles, delta, orders=orders, value_discretization_interval=value_discretization_interval),
+            "epsilon",
+        )
     prior_u = _check_utilities(prior, k)
     try:
-        scored, achieved = scored_subset(profiles, prior_u, target, delta, accountant=accountant)
+        scored, achieved = scored_subset(
+            profiles,
+            prior_u,
+            target,
+            delta,
+            accountant=accountant,
+            orders=orders,
+            value_discretization_interval=value_discretization_interval,
+        )
     except UnreachableTarget as e:
         raise UnreachableTarget("lc", target, delta, accountant, e.most_private_epsilon) from None
     lam, value = None, -math.inf
