@@ -353,7 +353,9 @@ def test_forged_rdp_curve_is_rejected(tmp_path):
     assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
 
 
-@pytest.mark.parametrize("model", MODELS, ids=["poisson", "poisson-replace", "full-batch", "approx-dp"])
+@pytest.mark.parametrize(
+    "model", [*MODELS, WEAK], ids=["poisson", "poisson-replace", "full-batch", "approx-dp", "full-batch-mu-8"]
+)
 def test_honest_entries_match_their_fingerprint(model):
     profile = fresh(model)
     assert pc.fingerprint_problem(model, model.adjacency, ORDERS, INTERVAL, profile.pld, profile.rdp) is None

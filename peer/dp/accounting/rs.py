@@ -21,6 +21,7 @@ model whose utility was read (``composition_epsilon``; ``targets.choose_pi_by_ut
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -41,6 +42,7 @@ from peer.dp.accounting.conversions import (
 )
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile, privacy_profiles
 from peer.dp.accounting.rdp import rdp_mixture
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 
 WEIGHT_TOLERANCE = 1e-6
 
@@ -200,8 +202,27 @@ def composition_epsilon(
 ) -> Epsilons:
     """ε at ``delta`` of releasing every model of ``subset`` (``composition_bounds``): what a
     selection that read the measured utility of those models costs, whatever it then releases of
-    them (the choice and the release are post-processing of releasing them all)."""
+    them (the choice and the release are post-processing of releasing them all). Kept in memory
+    for models given by their records (a daemon's pool asks for the same subsets again)."""
     delta = check_delta(delta)
+    if all(isinstance(m, (TrainingRecord, ApproxDP)) for m in models):
+        return _remembered_composition(
+            tuple(models),
+            check_subset(subset, len(models)),
+            delta,
+            adjacency,
+            tuple(float(a) for a in orders),
+            float(value_discretization_interval),
+        )
+    return _composition_epsilon(models, subset, delta, adjacency, orders, value_discretization_interval)
+
+
+@functools.lru_cache(maxsize=256)
+def _remembered_composition(models, subset, delta, adjacency, orders, interval) -> Epsilons:
+    return _composition_epsilon(models, subset, delta, adjacency, orders, interval)
+
+
+def _composition_epsilon(models, subset, delta, adjacency, orders, value_discretization_interval) -> Epsilons:
     pld, grid, rdp = composition_bounds(
         models, subset, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
     )

@@ -72,6 +72,7 @@ public (a declared prior) unless the choice is charged (``choose_lam_by_utility`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -98,7 +99,7 @@ from peer.dp.accounting.lc import (
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import check_subset, composition_epsilon, rs_epsilon, rs_profiles
-from peer.dp.accounting.training_records import TrainingRecord
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 
 ACCOUNTANTS = ("pld", "rdp")
 #: how π / λ are chosen (module docstring): from public information only, or from measured
@@ -451,10 +452,24 @@ def privacy_prior(
     function of the training records only. A site whose models do not follow that order declares
     its own prior (``peer.dp.merging``)."""
     delta = check_delta(delta)
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
-    return [min(float(p.epsilon(delta).pld), 1e9) for p in profiles]
+    if all(isinstance(m, (TrainingRecord, ApproxDP)) for m in models):
+        # kept in memory: a daemon's pool asks for the same prior at every request
+        return list(
+            _remembered_prior(
+                tuple(models), delta, adjacency, tuple(float(a) for a in orders), float(value_discretization_interval)
+            )
+        )
+    return list(_privacy_prior(models, delta, adjacency, orders, value_discretization_interval))
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered_prior(models, delta, adjacency, orders, interval) -> tuple[float, ...]:
+    return _privacy_prior(models, delta, adjacency, orders, interval)
+
+
+def _privacy_prior(models, delta, adjacency, orders, interval) -> tuple[float, ...]:
+    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=interval)
+    return tuple(min(float(p.epsilon(delta).pld), 1e9) for p in profiles)
 
 
 def scored_subset(
@@ -498,7 +513,12 @@ def scored_subset(
             if size > 1 and any(sub not in feasible for sub in itertools.combinations(subset, size - 1)):
                 continue
             eps = composition_epsilon(
-                profiles, subset, delta, orders=orders, value_discretization_interval=value_discretization_interval
+                models,
+                subset,
+                delta,
+                adjacency=adjacency,
+                orders=orders,
+                value_discretization_interval=value_discretization_interval,
             )
             if size == 1:
                 singles.append(figure(eps))
@@ -555,11 +575,12 @@ def choose_pi_by_utility(
         )
     prior_u = _check_utilities(prior, k)
     scored, achieved = scored_subset(
-        profiles,
+        models,
         prior_u,
         target,
         delta,
         accountant=accountant,
+        adjacency=adjacency,
         orders=orders,
         value_discretization_interval=value_discretization_interval,
     )
@@ -962,11 +983,12 @@ def choose_lam_by_utility(
     prior_u = _check_utilities(prior, k)
     try:
         scored, achieved = scored_subset(
-            profiles,
+            records,
             prior_u,
             target,
             delta,
             accountant=accountant,
+            adjacency=adjacency,
             orders=orders,
             value_discretization_interval=value_discretization_interval,
         )
