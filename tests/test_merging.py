@@ -444,3 +444,48 @@ def test_lc_utility_selection_is_charged_the_composition_of_the_scored_subset():
         assert merged.record.epsilon == pytest.approx(proven, abs=2e-3)
         assert accounting.record_epsilon(merged.record, DELTA)[0] == pytest.approx(proven, abs=2e-3)
         assert merged.record.parameters["bound"] == "composition"
+
+
+def test_declared_prior_in_the_pool_metadata_decides_pi_and_is_recorded():
+    """A site's declared prior (each model's metadata "prior_utility") replaces the default ε
+    prior; declared for some models only, it is refused naming the others."""
+    from dataclasses import replace
+
+    from peer.dp.merging import pool_prior
+
+    d, _ = _two_datasets()
+    declared = [replace(m, metadata={"prior_utility": u}) for m, u in zip(d, (0.9, 0.1), strict=True)]
+    assert pool_prior(declared, DELTA) == ([0.9, 0.1], "declared")
+    merged = merge_rs(declared, 2.0, DELTA, randomness=make_randomness(0))
+    assert merged.choice.weights == pytest.approx((1.0, 0.0))  # a is both feasible and preferred
+    sel = merged.record.to_dict()["parameters"]["selection"]
+    assert sel == {"kind": "public-prior", "prior": "declared", "prior_utilities": [0.9, 0.1]}
+    with pytest.raises(InvalidArgument, match=r"prior_utility.*\['b'\]"):
+        pool_prior([declared[0], d[1]], DELTA)
+
+
+def test_merge_pool_scores_nothing_unless_asked_for_a_utility_selection():
+    from peer.dp.pools import merge_pool
+
+    d, _ = _two_datasets()
+    x, y = np.zeros((2, 4), np.float32), np.zeros(2, np.int64)
+    with pytest.raises(InvalidArgument, match="validation"):
+        merge_pool(d, "rs", 2.0, DELTA, validation=(x, y))
+    with pytest.raises(InvalidArgument, match="utilities"):
+        merge_pool(d, "rs", 2.0, DELTA, utilities=[0.5, 0.5])
+    merged = merge_pool(d, "rs", 2.0, DELTA, selection="utility", validation=(x, y))
+    assert merged.record.to_dict()["parameters"]["selection"]["scored"] == [0]
+
+
+def test_site_toml_pool_selection_defaults_to_the_public_prior_and_names_bad_values(tmp_path):
+    from peer.net.site import SiteConfig
+
+    base = '[site]\nname = "h"\nlisten = "127.0.0.1:0"\nidentity = "id"\nmodels = "m"\nledger = "l.sqlite"\n'
+    (tmp_path / "site.toml").write_text(
+        base + '[site.pools.a]\nmodels = "pa"\n[site.pools.b]\nmodels = "pb"\nselection = "utility"\n'
+    )
+    config = SiteConfig.load(tmp_path / "site.toml")
+    assert config.pool_selection == {"a": "public-prior", "b": "utility"}
+    (tmp_path / "site.toml").write_text(base + '[site.pools.a]\nmodels = "pa"\nselection = "accuracy"\n')
+    with pytest.raises(InvalidArgument, match="selection"):
+        SiteConfig.load(tmp_path / "site.toml")

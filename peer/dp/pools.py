@@ -364,9 +364,10 @@ def merge_pool(
             def score(arrays):
                 return known[id(arrays)] if id(arrays) in known else judge(arrays)
 
-    elif utilities is not None:
+    elif utilities is not None or validation is not None:
         raise InvalidArgument(
-            "utilities", "measured accuracies are read only by a utility selection (selection='utility', charged)"
+            "utilities" if utilities is not None else "validation",
+            "candidates are scored only by a utility selection (selection='utility', charged as the scored models)",
         )
     if method == "rs":
         return merge_rs(
