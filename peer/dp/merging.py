@@ -186,7 +186,10 @@ def pool_prior(
     """(the public prior utilities of the pool's models, where they come from): ``prior`` when
     given ("declared"), else every model's metadata ``PRIOR_KEY`` ("declared"), else
     ``targets.privacy_prior`` ("epsilon"). A prior declared for some models only is refused,
-    naming the others."""
+    naming the others. A declared prior must be public: chosen before the models were trained
+    or from their training records (e.g. the site's belief about a noise level) — never a
+    measured score of the model itself, such as its metadata "accuracy" (a function of the
+    training records: use a utility selection, which is charged, instead)."""
     if prior is not None:
         if isinstance(prior, (str, bytes)) or not hasattr(prior, "__len__") or len(prior) != len(pool):
             raise InvalidArgument("prior", f"must give one public prior utility per pool model ({len(pool)})")
