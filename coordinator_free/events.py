@@ -24,7 +24,7 @@ def describe(e: dict) -> str:
     if ev == "charged":
         return (
             f"{who} {peer}: {e['step']} released (its ledger entry {e['entry_id']}: {e['level']} level, "
-            f"ε={e['epsilon']:g}, δ={e['delta']:g} per {e['unit']})"
+            f"this release alone by its record: ε={e['epsilon']:g}, δ={e['delta']:g} per {e['unit']})"
         )
     if ev == "dropped":
         why = details_line(e.get("details"))

@@ -76,6 +76,7 @@ Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -367,11 +368,11 @@ def run_iterate(
                 status, reason = "budget", f"round {r}: the ledger refused the segment (nothing released): {e}"
                 emit({"event": "iterate-budget", "site": me, "round": r, "reason": str(e)})
                 break
-            spent = _data_spent(ledger)
+            spent, spent_run = _data_spent(ledger), _data_spent(ledger, run=cfg.run)
             eps_pld = run_epsilon(sigma, r * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld")
             emit(
                 {"event": "segment", "site": me, "round": r, "entry_id": entry_id, "epsilon_filter": spent,
-                 "epsilon_pld": eps_pld}
+                 "epsilon_filter_run": spent_run, "epsilon_pld": eps_pld}
             )  # fmt: skip
             # ---- fetch every peer's segment of round r (or its newest older one)
 
@@ -414,6 +415,7 @@ def run_iterate(
                     "round": r,
                     "segment": {"entry_id": entry_id, "release_id": record.release_id, "bytes": _nbytes(tensors)},
                     "epsilon_filter": spent,
+                    "epsilon_filter_run": spent_run,
                     "epsilon_pld": eps_pld,
                     "model": name,
                     "contributors": contributors,
@@ -437,6 +439,8 @@ def run_iterate(
         report["finished_at"] = now_rfc3339()
         report["noise_multiplier"] = sigma
         report["epsilon_filter"] = _data_spent(ledger)
+        report["epsilon_filter_run"] = _data_spent(ledger, run=cfg.run)
+        report["epsilon_scopes"] = EPSILON_SCOPES
         report["epsilon_pld"] = (
             run_epsilon(
                 sigma, len(report["rounds"]) * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld"
@@ -463,12 +467,30 @@ def _nbytes(tensors) -> int:
     return int(sum(a.nbytes for _, a in tensors))
 
 
-def _data_spent(ledger) -> float:
-    """The ledger's data-level filter figure: ε spent at the budget's δ (every data release)."""
-    for s in ledger.budget_states():
-        if s.key.level == "data":
-            return float(s.spent_epsilon)
-    return 0.0
+#: What each ε of an iterate report (and of each of its rounds) covers, and by which accountant.
+EPSILON_SCOPES = {
+    "epsilon_filter": "the site's data budget: every data-level release charged to its ledger (earlier runs "
+    "and merges included), by the ledger's RDP filter at the budget's δ",
+    "epsilon_filter_run": "this run's segments only (rounds 1..r), by the same filter at the budget's δ",
+    "epsilon_pld": "this run's segments only (rounds 1..r), by PLD composition at the run's δ: tight for this "
+    "fixed sequence of steps, not the filter's adaptive guarantee",
+}
+
+
+def _data_spent(ledger, run: str | None = None) -> float:
+    """The ledger's data-level filter figure: ε spent at the budget's δ — by every data release
+    (``run`` None), or by the segments of ``run`` alone (their RDP summed, read by the same
+    filter)."""
+    if run is None:
+        for s in ledger.budget_states():
+            if s.key.level == "data":
+                return float(s.spent_epsilon)
+        return 0.0
+    entries = [e for e in ledger.entries(level="data", subject=run) if e.mechanism == "dpsgd"]
+    if not entries:
+        return 0.0
+    rdp = np.sum([np.asarray(e.rdp, dtype=float) for e in entries], axis=0)
+    return float(ledger.policy.data_filter().spent_epsilon(rdp, math.inf)[0])
 
 
 def _fetch_segment(client, name: str, cfg: IterateConfig, r: int, was_gone: bool, stop, PeerError) -> dict:

@@ -172,7 +172,7 @@ class OwnNetworkKind(ModelKind):
     code, run only at the site), its traced permutation structure (statistic points: every
     Linear/Conv producing a permutation group, every BatchNorm), its state under its own key
     names. Records become its inputs by the rule of ``privfusion pool train --from-model NAME
-    --data FILE`` (``peer.cli.pool.records_fit_network``)."""
+    --data FILE`` (``peer.nn.imported.records_fit_network``)."""
 
     name: str
     factory: Callable[[], Any]
@@ -231,7 +231,7 @@ class OwnNetworkKind(ModelKind):
         shape = tuple(int(s) for s in self.structure.input_shape)
         size = int(np.prod(shape))
         if preprocessing is not None:
-            from peer.cli.pool import records_fit_network
+            from peer.nn.imported import records_fit_network
 
             try:
                 records_fit_network(self.structure, preprocessing, str(path), self.name)

@@ -18,4 +18,5 @@ python3 -m venv .venv
 # Two worker processes (pytest-xdist), a test file per worker at a time (--dist loadfile: a file's
 # module fixtures are built once): most tests wait on subprocesses, daemons and sockets, so one
 # process keeps about 1.1 of CI's 2 cores busy; two finish the suite in about two thirds of the time.
-exec .venv/bin/python -m pytest --run-slow -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# --durations: the slowest tests are listed at the end of every run (CI logs say where time goes)
+exec .venv/bin/python -m pytest --run-slow -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"

@@ -74,19 +74,24 @@ def digest32(b: bytes) -> bytes:
 
 
 def receipt_payload(r) -> bytes:
-    # docs/wire.md 6.3: a release served again is signed under its own context, with its two fields last
-    out = (
-        (b"privfusion.v1/receipt-served-again/1\n" if r.served_again else b"privfusion.v1/receipt/2\n")
-        + text(r.signer)
-        + text(r.ledger_entry_id)
-        + blob(r.record_json)
-        + u32(len(r.tensors))
-    )
+    # docs/wire.md 6.3: a release served again is signed under its own context, with its two
+    # fields after the fresh layout's; a receipt with the ledger's position (ledger_seq and
+    # ledger_head, both or neither) under the "/3" (served again: "/2") context, with the two last
+    positioned = bool(r.ledger_seq) or bool(r.ledger_head)
+    if positioned and not (r.ledger_seq >= 1 and len(r.ledger_head) == 32):
+        raise ValueError("receipt.ledger_seq/ledger_head: set together, a 32-byte head")
+    if r.served_again:
+        context = b"privfusion.v1/receipt-served-again/2\n" if positioned else b"privfusion.v1/receipt-served-again/1\n"
+    else:
+        context = b"privfusion.v1/receipt/3\n" if positioned else b"privfusion.v1/receipt/2\n"
+    out = context + text(r.signer) + text(r.ledger_entry_id) + blob(r.record_json) + u32(len(r.tensors))
     for t in r.tensors:
         out += text(t.name) + digest32(t.sha256)
     out += digest32(r.manifest_sha256)
     if r.served_again:
         out += text(r.served_again) + text(r.served_to)
+    if positioned:
+        out += u64(r.ledger_seq) + digest32(r.ledger_head)
     return out
 
 
@@ -285,6 +290,8 @@ def main(config_path: str, out_path: str) -> int:
         out["releases"][kind] = {
             "entry": receipt.ledger_entry_id,
             "served_again": receipt.served_again,
+            "ledger_seq": receipt.ledger_seq,
+            "ledger_head": receipt.ledger_head.hex(),
             "tensors_sha256": hashlib.sha256(b"".join(tensors[t.name] for t in manifest.tensors)).hexdigest(),
             "release_id": record["release_id"],
             "epsilon": record["epsilon"],
@@ -322,6 +329,19 @@ def main(config_path: str, out_path: str) -> int:
             verify_offline(receipt, manifest, flipped, c.peer_cert, cfg["peer"], cfg["me"])
         except ValueError:
             refused.append("bytes")
+        # the ledger's position is signed: another head, another count, or the two stripped
+        for field, value in (("ledger_head", bytes(32)), ("ledger_seq", receipt.ledger_seq + 1), ("strip", None)):
+            edited = type(receipt)()
+            edited.CopyFrom(receipt)
+            if field == "strip":
+                edited.ClearField("ledger_seq")
+                edited.ClearField("ledger_head")
+            else:
+                setattr(edited, field, value)
+            try:
+                verify_offline(edited, manifest, tensors, c.peer_cert, cfg["peer"], cfg["me"])
+            except ValueError:
+                refused.append(field)
         out["releases"][kind]["refused_edits"] = refused
 
     # ---- the layouts of section 5, checked against PeerInfo's layers

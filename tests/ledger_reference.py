@@ -9,6 +9,7 @@ Laplace with b = scale/sensitivity (Mironov 2017, Prop. 6):
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -91,3 +92,22 @@ def laplace_record(subject="m", epsilon=0.5, clip=(0.0, 1.0), shape=(4, 3), unit
 
 def isclose(a, b, rel=1e-12):
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-15)
+
+
+def anchored_points(path) -> dict[str, tuple[int, str]]:
+    """The ledger anchor read as docs/architecture.md ("The ledger's anchor") specifies it:
+    JSON lines, the first a header; every other line names a chain, a row id ``n`` and that
+    row's hash; a chain's anchored point is its line with the largest ``n``. Lines that do not
+    parse (a torn write) are skipped."""
+    out: dict[str, tuple[int, str]] = {}
+    with open(path, "rb") as f:
+        for raw in f.read().split(b"\n"):
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(d, dict) or d.get("format") != "privfusion-ledger-anchor/1" or "chain" not in d:
+                continue
+            if d["chain"] not in out or d["n"] > out[d["chain"]][0]:
+                out[d["chain"]] = (d["n"], d["head"])
+    return out

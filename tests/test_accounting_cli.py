@@ -196,3 +196,40 @@ def test_rs_with_an_epsilon_delta_model(tmp_path, capsys):
 def test_missing_file(tmp_path, capsys):
     code = main(["account", "rs", "--models", str(tmp_path / "absent.json"), "--weights", "1", "--delta", "1e-5"])
     assert code == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``privfusion account … | head`` whose reader has gone: exit 141 (128 + SIGPIPE, as a
+    shell reports a tool ended by a closed pipe) and nothing on stderr, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "M.json"
+    path.write_text(json.dumps(MODELS))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "peer.cli",
+                "account",
+                "rs",
+                "--models",
+                str(path),
+                "--weights",
+                "0.2,0.3,0.5",
+                "--delta",
+                "1e-5",
+            ],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", (proc.returncode, proc.stderr)

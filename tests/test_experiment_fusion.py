@@ -99,6 +99,12 @@ def test_resnet_rows():
     from peer.cli.experiment_fusion import format_fusion_table
 
     out = run(FusionConfig(model="resnet", epochs=3, probe_size=32, alphas=(0.0, 0.5, 1.0), epsilons=(1.0,)))
+    # how much better activation matching aligns than spatial means plus weight terms, after
+    # REPAIR, per split: measured +0.08 to +0.39 over 4 (seed, kernels) runs here (seeds 0-1;
+    # ATEN_CPU_CAPABILITY avx512 / avx2 / default), +0.011 on one split of another machine, so
+    # the claim is on the mean of the two splits (measured +0.16 to +0.36), not on each
+    # (docs/experiments.md, "Reproducibility across machines")
+    advantage = []
     for split in ("homogeneous", "heterogeneous"):
         m = out[split]["methods"]
         assert set(m) == {
@@ -120,10 +126,11 @@ def test_resnet_rows():
             assert sweep[0.0] == pytest.approx(m["model_b"], abs=ONE_TEST_EXAMPLE)
         # resetting the BatchNorms of the fused network pays (measured: 10% -> ~50% after 2 epochs)
         assert m["group_matching_repair"] > m["group_matching"] + 0.05
-        # correlating every position where the units are read aligns the two ResNets far better
+        # correlating every position where the units are read aligns the two ResNets better
         # than spatial means plus max-scaled weight terms (measured after REPAIR, homogeneous /
         # heterogeneous: 83.8 vs 62.9, 70.0 vs 53.8 here; 88.9 vs 53.1, 85.8 vs 72.4 at 40 epochs)
-        assert m["activation_matching_repair"] > m["group_matching_repair"] + 0.1
+        advantage.append(m["activation_matching_repair"] - m["group_matching_repair"])
+    assert sum(advantage) / len(advantage) > 0.05, advantage
     rec = out["permutation_recovery"]
     for name in ("group_matching", "activation_matching"):
         assert rec[name]["fraction_correct"] == 1.0, name
@@ -182,25 +189,39 @@ def test_sgd_recipe_is_deterministic_and_learns():
 @pytest.mark.slow
 def test_the_cnn_rows():
     """The 16-32 CNN with its default recipe (SGD, cosine, weight decay, label smoothing, 80
-    epochs), without the PrivFusion rows: REPAIR pays after activation matching, and both
-    aligned + REPAIRed fusions come within 2 points of the better endpoint on both splits
-    (measured, seed 0: activation matching 97.8 against 98.2 / 98.7 homogeneous, 98.2 against
-    98.0 / 97.8 heterogeneous; the spectral matcher on the exact graphs' per-position,
-    standardised rows 97.8 and 97.6, on spatial means it was 95.1 and 92.2). The spectral
-    matcher's agreement with activation matching: measured 36 % / 35 % (10-17 % on spatial means)."""
+    epochs), without the PrivFusion rows: REPAIR pays after activation matching, and aligned +
+    REPAIRed fusions stay near the better endpoint.
+
+    Every bound is the worst case measured over seeds and machines, less about three standard
+    errors of the statistic on digits' 450 test images (docs/experiments.md, "Reproducibility
+    across machines"). Measured on 7 (seed, kernels) runs — seeds 0-2; ATEN_CPU_CAPABILITY
+    avx512 / avx2 / default with MKL and oneDNN capped alike; 1 and 2 threads — so 14 splits:
+    - the worse endpoint 0.942-0.982 (bound 0.91: one accuracy's standard error is 0.010);
+    - graph matching + REPAIR minus the better endpoint: -0.024 to -0.004 (bound -0.05: a
+      paired difference's standard error is about 0.008);
+    - activation matching + REPAIR minus the better endpoint: -0.036 to +0.007 (bound -0.06);
+    - agreement of the two matchers 0.28-0.46 (bound 0.2);
+    - REPAIR's gain after activation matching: +0.004 to +0.042 per split, positive on all 14,
+      and +0.016 to +0.032 averaged over the two splits of a run (bound > 0 on that average: the
+      worst run is about 2.5 standard errors of a mean paired difference above it). The former "+2
+      points on each split" failed on another machine (+1.3) and on 3 of these 14 splits: the
+      gain is real, its size is not portable."""
     from peer.experiments.fusion import ARCHITECTURES, resolved_graph_features, resolved_recipe, run_split
 
     cfg = FusionConfig(model="cnn", epsilons=(), alphas=(0.0, 0.5, 1.0))
     assert resolved_recipe(cfg) == ("sgd", 80)
     assert resolved_graph_features(cfg, ARCHITECTURES["cnn"]) == "exact"
+    gains = []
     for split in ("homogeneous", "heterogeneous"):  # the splits only: not the permutation-recovery part
         result = run_split(cfg, split)
         m = result.methods
-        assert min(m["model_a"], m["model_b"]) > 0.97  # the recipe's endpoints (Adam's: 94.0-96.4)
-        assert m["graph_matching_repair"] >= max(m["model_a"], m["model_b"]) - 0.02
-        assert result.permutation_agreement["activation_matching"] > 0.25
-        assert m["activation_matching_repair"] > m["activation_matching"] + 0.02
-        assert m["activation_matching_repair"] >= max(m["model_a"], m["model_b"]) - 0.02
+        better = max(m["model_a"], m["model_b"])
+        assert min(m["model_a"], m["model_b"]) > 0.91, m  # the recipe's endpoints (Adam's: 94.0-96.4)
+        assert m["graph_matching_repair"] >= better - 0.05, m
+        assert m["activation_matching_repair"] >= better - 0.06, m
+        assert result.permutation_agreement["activation_matching"] > 0.2, result.permutation_agreement
+        gains.append(m["activation_matching_repair"] - m["activation_matching"])
+    assert sum(gains) / len(gains) > 0, gains  # REPAIR pays after activation matching
 
 
 def test_graph_features_resolve_per_model_and_bad_ones_are_refused():

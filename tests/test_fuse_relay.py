@@ -256,6 +256,8 @@ def test_every_refusal_before_the_charge_leaves_both_ledgers_empty(tmp_path):
         for kw, status, word in REFUSED_BEFORE_ANY_CHARGE:
             e = refused(c, b_address, **kw)
             assert e.status == status and word in str(e), (kw, e.status, str(e))
+            if status == "FAILED_PRECONDITION":  # a reason a client can act on (docs/wire.md §7.3)
+                assert e.reason == "PARTNER_UNKNOWN" and e.metadata["partner"] == kw["partner"], (e.reason, e.metadata)
         # a model B does not have; a Fuse header that claims to relay for someone
         with client(c, b_address, peer="site-b") as cl:
             with pytest.raises(PeerError) as e:
@@ -318,12 +320,17 @@ PARTNER_REFUSALS = {
 # the model with the owner's architecture, or the partner cannot be reached; the owner's charge
 # is withdrawn
 PARTNER_PRECHECKS = {
-    "the partner has no such model": ({"x_models": {"other": (ARCH, model_arrays(seed=2))}}, "offers no model 'mx'"),
+    "the partner has no such model": (
+        {"x_models": {"other": (ARCH, model_arrays(seed=2))}},
+        "offers no model 'mx'",
+        "PARTNER_LACKS_MODEL",
+    ),
     "the partner's model is of another architecture": (
         {"x_models": {"mx": (OTHER_ARCH, model_arrays(OTHER_ARCH, seed=2))}},
         "has another architecture",
+        "PARTNER_ARCHITECTURE_MISMATCH",
     ),
-    "the partner is unreachable": ({"x_address": "127.0.0.1:1"}, "site-x"),
+    "the partner is unreachable": ({"x_address": "127.0.0.1:1"}, "site-x", "PARTNER_UNAVAILABLE"),
 }
 
 
@@ -337,6 +344,9 @@ def test_a_partner_refusal_cancels_the_owners_charge_and_costs_the_partner_nothi
         e = refused(c, b_address)
         want = "UNAVAILABLE" if partner_status == "UNAVAILABLE" else "FAILED_PRECONDITION"
         assert e.status == want and partner_status in str(e) and word in str(e), (e.status, str(e))
+        # the refusal names itself the partner's, with the partner's own status (docs/wire.md §7.3)
+        assert e.reason == "PARTNER_REFUSED" and e.metadata["partner"] == "site-x", (e.reason, e.metadata)
+        assert e.metadata["partner_status"] == partner_status
         assert ledger_state(b) == ([], [])  # B's charge is withdrawn: every budget as before
         assert ledger_state(x) == x_before  # the partner refused before charging anything
         assert "model/mx/peer/site-b" not in [t[0] for t in ledger_state(x)[1]]
@@ -349,12 +359,13 @@ def test_a_partner_refusal_cancels_the_owners_charge_and_costs_the_partner_nothi
 
 @pytest.mark.parametrize("case", list(PARTNER_PRECHECKS))
 def test_a_partner_that_cannot_serve_the_model_is_asked_for_no_release(tmp_path, case):
-    setup, words = PARTNER_PRECHECKS[case]
+    setup, words, reason = PARTNER_PRECHECKS[case]
     with three_sites(tmp_path, **setup) as (x, b, c, b_address, _):
         x_before = ledger_state(x)
         e = refused(c, b_address)
         want = "UNAVAILABLE" if "unreachable" in case else "FAILED_PRECONDITION"
         assert e.status == want and words in str(e), (e.status, str(e))
+        assert e.reason == reason and e.metadata["partner"] == "site-x", (e.reason, e.metadata)
         assert ledger_state(b) == ([], []) and ledger_state(x) == x_before
         assert "ReleaseFeatures" not in [m for m, _ in seen_at("site-x")]
     [cancelled] = cancellations(b)

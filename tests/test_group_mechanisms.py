@@ -182,3 +182,62 @@ def test_weight_feature_audit_lands_within_15_percent_of_the_charge_and_never_ab
     print(f"group multibit: ledger ε = {charged:.4f}, audited ε_LB = {lb:.4f}")
     assert charged == pytest.approx(1.0)
     assert 0.85 * charged <= lb <= charged
+
+
+# ---------------------------------------------------------------------------------- aliases
+
+
+def _stored_before_aliases_were_refused():
+    """What ``model import`` stored for ``AliasedSkip`` (``self.shortcut = self.skip``) before
+    aliases were refused: no groups (its units are all fixed), four keys, two of them the
+    other two's tensors, stored as separate copies."""
+    model = networks.aliased_skip()
+    arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    structure = PermutationStructure((4,), (), {k: tuple(v.shape) for k, v in arrays.items()})
+    return model, structure, arrays
+
+
+def test_an_aliased_tensor_was_two_units_released_twice_and_is_now_refused():
+    """Issue 20, item 4. The old structure made ``skip`` and ``shortcut`` two units: the PFA
+    released one tensor's rows twice with independent noise, under a parallel record charging
+    ε = 4 per row. Two (4, 1e-5) Gaussian releases of one row are, by composition (dp-accounting's
+    PLD of the recorded σ and Δ₂, an independent reference), ε = 5.99 at δ = 1e-5; averaging the
+    two copies divides the noise's std by √2 ≈ 1.414 (Monte Carlo: 4000 releases × 15 entries;
+    the std ratio's relative standard error is ≈ 1/sqrt(60000/2) ≈ 0.006, the tolerance 0.03 is
+    5 of them: false failure < 1e-6). Now building the module for any release refuses it."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    from peer.nn.imported import module_from_arrays
+
+    model, structure, arrays = _stored_before_aliases_were_refused()
+    units = release_units(structure)
+    assert units == {"fixed:skip": ["skip.weight", "skip.bias"], "fixed:shortcut": ["shortcut.weight", "shortcut.bias"]}
+    rnd = make_randomness(20)
+    first, second = [], []
+    for _ in range(4000):
+        out, record = perturb_group_weights(structure, arrays, epsilon=4.0, delta=1e-5, smoothing=False, randomness=rnd)
+        first.append(np.concatenate([out["skip.weight"].ravel(), out["skip.bias"]]))
+        second.append(np.concatenate([out["shortcut.weight"].ravel(), out["shortcut.bias"]]))
+    first, second = np.array(first), np.array(second)
+    assert record.epsilon == 4.0 and record.parameters["composition"] == "parallel" and len(record.components) == 2
+    one = record.components[0]
+    assert one.parameters["noise_std"] == record.components[1].parameters["noise_std"]
+    # the true privacy loss of a row released twice: two Gaussians composed
+    pld = privacy_loss_distribution.from_gaussian_mechanism(
+        one.parameters["noise_std"], sensitivity=one.sensitivity, value_discretization_interval=1e-4
+    )
+    assert pld.get_epsilon_for_delta(1e-5) == pytest.approx(4.0, abs=0.01)
+    assert pld.compose(pld).get_epsilon_for_delta(1e-5) == pytest.approx(5.99, abs=0.01)
+    # the average of the copies has 1/sqrt(2) of the noise (errors from the mean release)
+    e1 = first - first.mean(axis=0)
+    avg = (first + second) / 2
+    ratio = np.std(e1) / np.std(avg - avg.mean(axis=0))
+    assert (
+        ratio == pytest.approx(np.sqrt(2), abs=0.03)
+        and abs(np.corrcoef(e1.ravel(), (second - second.mean(axis=0)).ravel())[0, 1]) < 0.03
+    )
+    # now: every release of the stored model builds the site's module first, and is refused
+    with pytest.raises(InvalidArgument, match=r"'skip\.weight' = 'shortcut\.weight'"):
+        module_from_arrays(networks.aliased_skip, structure, arrays)
+    with pytest.raises(InvalidArgument, match=r"model\.state_dict: names one tensor under several keys"):
+        import_structure(model, [4])

@@ -269,3 +269,34 @@ def test_an_lc_merge_of_an_own_network_is_judged_in_the_sites_own_module(tmp_pat
     )
     assert merged.record.mechanism == "lc-merge" and merged.architecture["kind"] == "imported"
     assert 0.0 <= merged.choice.utility <= 1.0 and set(merged.arrays) == set(SmallResNet().state_dict())
+
+
+def test_a_stored_network_with_aliased_keys_is_not_released_and_nothing_is_charged(tmp_path):
+    """Issue 20, item 4, at the daemon: a model stored before imports refused aliases
+    (``self.shortcut = self.skip``: four keys, two tensors, no group) had its rows released
+    twice under one charge by ReleaseWeights (the structure alone cannot show the alias). The
+    daemon now builds the site's module for the weights release too and refuses with
+    FAILED_PRECONDITION naming both keys, before the ledger is touched."""
+    from peer.budget.ledger import Ledger
+    from peer.net.client import PeerError
+    from peer.nn.imported import save_imported
+    from peer.nn.tracing import PermutationStructure
+
+    site = make_site(tmp_path, "st-anne")
+    other = make_site(tmp_path, "riverside")
+    pin_each_other(site, other)
+    model = networks.aliased_skip()
+    arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    structure = PermutationStructure((4,), (), {k: tuple(v.shape) for k, v in arrays.items()})
+    save_imported(site.root / "own_models", "aliased", f"{NETWORKS}:aliased_skip", structure, arrays)
+    with running(site) as (_, address):
+        c = client(other, address, peer="st-anne")
+        try:
+            with pytest.raises(PeerError) as e:
+                c.weights("aliased", epsilon=4.0, delta=1e-5)
+        finally:
+            c.close()
+    assert e.value.status == "FAILED_PRECONDITION"
+    assert "'skip.weight' = 'shortcut.weight'" in str(e.value) and "nothing was charged" in str(e.value)
+    with Ledger(site.ledger) as ledger:
+        assert list(ledger.entries()) == []

@@ -65,7 +65,12 @@ def test_an_independent_client_runs_releases_and_verifies_them_from_the_spec(tmp
     releases = got["releases"]
     for kind in ("features", "weights", "merged", "merged_again"):
         # the offline verifier refused every edit of the manifest and of the bytes
-        assert releases[kind]["refused_edits"] == ["metadata_json", "kind", "architecture_json", "shape", "bytes"]
+        # the offline verifier refused every edit of the manifest and of the bytes, and of the
+        # ledger position the receipt signs (docs/wire.md 6.3)
+        assert releases[kind]["refused_edits"] == [
+            *("metadata_json", "kind", "architecture_json", "shape", "bytes"),
+            *("ledger_head", "ledger_seq", "strip"),
+        ]
     # the probe went in 1000-byte chunks under one header carrying the whole probe's SHA-256
     assert releases["features"]["shapes"]["hidden.0.activations"] == [16, 7]
     assert releases["merged"]["level"] == "data" and releases["features"]["level"] == "model"
@@ -75,6 +80,8 @@ def test_an_independent_client_runs_releases_and_verifies_them_from_the_spec(tmp
     assert again["served_again"] and releases["merged"]["served_again"] == ""
     assert again["entry"] == releases["merged"]["entry"]
     assert again["tensors_sha256"] == releases["merged"]["tensors_sha256"]
+    # the ledger's position it was served at: the charge chain's head then (the last charge)
+    assert again["ledger_seq"] == max(r["ledger_seq"] for r in releases.values())
 
     # every release it verified is the entry the daemon charged it for, under the same id
     with Ledger(a.ledger) as ledger:
@@ -82,5 +89,7 @@ def test_an_independent_client_runs_releases_and_verifies_them_from_the_spec(tmp
         assert [str(s["id"]) for s in ledger.served_again()] == [again["served_again"]]
     assert sorted(entries) == sorted(r["entry"] for r in releases.values())
     for r in releases.values():
+        # each fresh receipt carries the ledger's position right after its own charge
+        assert (str(r["ledger_seq"]), r["ledger_head"]) == (r["entry"], entries[r["entry"]].hash)
         assert entries[r["entry"]].release_id == r["release_id"]
         assert entries[r["entry"]].epsilon == pytest.approx(r["epsilon"])

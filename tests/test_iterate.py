@@ -128,6 +128,40 @@ def test_each_segment_is_one_charge_and_the_run_stops_at_the_budget(tmp_path, bu
         assert r["contributors"] == [] and r["own_weight"] == 1.0
 
 
+def test_a_second_runs_report_says_which_epsilon_covers_what(tmp_path):
+    """Issue 20, item 8 (ii): the report's ``epsilon_filter`` is the site's data budget (every
+    data release, earlier runs included: cumulative, 5.898 in the issue) while ``epsilon_pld``
+    covers this run only (3.232): two figures of different scopes side by side. Now the report
+    states each figure's scope (``epsilon_scopes``) and adds ``epsilon_filter_run``, this run's
+    segments by the same filter — the figure to set beside this run's PLD."""
+    a = make_site(tmp_path, "site-a", models={"mlp": (ARCH, model_arrays(ARCH))}, policy=policy(20.0))
+    roster = write_roster(tmp_path / "roster.toml", [("site-a", "127.0.0.1:1", str(a.identity_dir / "site.crt"))])
+    first = run_iterate(a.config, load_iterate_config(round_file(a, roster, rounds=3))).report
+    path = round_file(a, roster, rounds=3)
+    (a.root / "iterate.toml").write_text((a.root / "iterate.toml").read_text().replace('run = "t1"', 'run = "t2"'))
+    second = run_iterate(a.config, load_iterate_config(path)).report
+    assert first["run"] == "t1" and second["run"] == "t2" and second["rounds_done"] == 3
+    with Ledger(a.ledger) as led:
+        total = next(s.spent_epsilon for s in led.budget_states() if s.key.level == "data")
+        orders = led.orders
+    sigma = second["noise_multiplier"]
+    assert second["epsilon_filter"] == pytest.approx(total)  # the budget's total: both runs
+    # this run alone, by the filter: its 3 × 2 steps, as the calibration computes them
+    assert second["epsilon_filter_run"] == pytest.approx(run_epsilon(sigma, 6, 1e-5, orders=orders), rel=1e-9)
+    assert first["epsilon_filter_run"] == pytest.approx(first["epsilon_filter"])  # a fresh ledger: one scope
+    assert second["epsilon_filter"] > second["epsilon_filter_run"] + 0.5
+    # the two figures of the same scope agree in order: the PLD is the tight one
+    assert second["epsilon_pld"] < second["epsilon_filter_run"]
+    assert set(second["epsilon_scopes"]) == {"epsilon_filter", "epsilon_filter_run", "epsilon_pld"}
+    assert "earlier runs" in second["epsilon_scopes"]["epsilon_filter"]
+    assert "this run's segments only" in second["epsilon_scopes"]["epsilon_pld"]
+    last = second["rounds"][-1]
+    assert (last["epsilon_filter"], last["epsilon_filter_run"]) == (
+        second["epsilon_filter"],
+        second["epsilon_filter_run"],
+    )
+
+
 def test_three_sites_on_loopback_identical_bytes_one_charge_late_and_gone_peers(tmp_path):
     """a and b run 2 rounds, c publishes round 1 only (late for round 2), d is in the roster but
     down (gone). Each segment is charged once; every peer that asks gets the identical bytes with

@@ -152,3 +152,38 @@ def test_bad_inputs_are_refused_clearly(tmp_path, capsys):
 
 def test_unsupported_is_an_invalid_argument():
     assert issubclass(Unsupported, InvalidArgument)
+
+
+def test_an_aliased_network_is_refused_by_model_import_naming_both_keys(tmp_path, capsys):
+    """``self.shortcut = self.skip``: torch.save of its state dict holds both names (one tensor),
+    and the import used to store them as two units. The command refuses it naming the keys,
+    before anything is loaded or stored; so do build_module and load_site_state."""
+    weights = tmp_path / "aliased.pt"
+    torch.save(networks.aliased_skip().state_dict(), weights)
+    assert set(torch.load(weights, weights_only=True)) == {
+        "skip.weight",
+        "skip.bias",
+        "shortcut.weight",
+        "shortcut.bias",
+    }
+    rc = main(
+        [
+            "model",
+            "import",
+            "--site",
+            str(tmp_path / "s"),
+            "--name",
+            "aliased",
+            "--factory",
+            f"{NETWORKS}:aliased_skip",
+            "--weights",
+            str(weights),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "'skip.weight' = 'shortcut.weight'; 'skip.bias' = 'shortcut.bias'" in err
+    assert not (tmp_path / "s" / "own_models" / "aliased.json").exists()
+    with pytest.raises(Unsupported, match=r"model\.state_dict"):
+        build_module(networks.aliased_skip)
+    with pytest.raises(Unsupported, match=r"model\.state_dict"):
+        load_site_state(networks.TiedLinear(), networks.TiedLinear().state_dict())

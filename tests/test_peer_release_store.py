@@ -209,3 +209,63 @@ def test_concurrent_requests_for_one_merge_are_charged_once(sites):
     assert sums(a.ledger)[1] == 1
     with Ledger(a.ledger) as led:
         assert len(led.served_again()) == 3
+
+
+def test_a_consistent_rewrite_of_a_stored_release_is_refused_not_served(sites):
+    """Guard: a stored record is byte for byte the charged one before it is served again.
+
+    An attacker who can write the release store rewrites an entry *consistently*: new noisy
+    tensors, their digests in the JSON, and the record's ``release_sha256`` bound to them, under
+    the same release id. The store's own checks pass (the entry agrees with itself); only the
+    comparison with the record the ledger charged sees it. Served, it would be new noisy bytes
+    for one charge — a second release paid for by nobody."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    a, _, _ = sites
+    site = open_site(a.config)
+    try:
+        first = site.merge_release("digits", MERGE["method"], MERGE["epsilon"], MERGE["delta"], "site-b")
+        key = release_key("digits", **MERGE, pool_fingerprint=pool_fingerprint(site.pool("digits")))
+        st, js = site.releases.directory / f"{key}.safetensors", site.releases.directory / f"{key}.json"
+        doc = json.loads(js.read_text())
+        rewritten = [(n, np.asarray(t) + np.float32(0.01)) for n, t in first.tensors]  # "fresh noise"
+        listed = [(n, wire.digest(t)) for n, t in rewritten]
+        record = first.record.with_(parameters={**first.record.parameters, "release_sha256": release_sha256(listed)})
+        save_file(dict(rewritten), str(st))
+        doc.update(
+            record_json=record.canonical_json().decode(),
+            tensors=[{"name": n, "sha256": d.hex()} for n, d in listed],
+        )
+        js.write_text(json.dumps(doc, sort_keys=True, indent=1))
+        assert site.releases.get(key).record.release_id == first.record.release_id  # self-consistent
+        with pytest.raises(FailedPrecondition, match="differs from the one ledger entry"):
+            site.merge_release("digits", MERGE["method"], MERGE["epsilon"], MERGE["delta"], "site-c")
+        assert site.ledger.served_again() == [] and len(site.ledger.entries()) == 1
+    finally:
+        site.close()
+
+
+def test_serve_again_refuses_a_model_level_charge(tmp_path):
+    """Guard: ``Ledger.serve_again`` refuses model-level (LDP) charges. Such a release is
+    private per counterparty; handing it to another one at no charge would spend that
+    counterparty's budget without charging it. Nothing is written."""
+    from ledger_reference import laplace_record
+
+    from peer.budget.policy import Policy
+
+    policy = Policy.from_mapping(
+        {
+            "peers": {"*": {"allow": ["features", "weights", "merge"]}},
+            "model": {"total": {"epsilon": 10.0, "delta": 0.0}, "per_counterparty": {"epsilon": 1.0, "delta": 0.0}},
+            "data": {"unit": "record:add-remove", "epsilon": 10.0, "delta": 1e-5},
+        }
+    )
+    with Ledger(tmp_path / "ledger.sqlite", policy) as led:
+        entry = led.charge(laplace_record(epsilon=1.0), "site-b")
+        with pytest.raises(FailedPrecondition, match="model-level: only data-level releases are served again"):
+            led.serve_again(entry.release_id, "site-c")
+        assert led.served_again() == []
+        states = {s.key.name: s.count for s in led.budget_states()}
+    assert states.get("model/m/peer/site-c") is None and states["model/m/peer/site-b"] == 1

@@ -94,7 +94,8 @@ def test_weights_are_released_unpermuted_and_requests_cannot_carry_permutations(
     assert sorted(plain.arrays) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(plain.arrays[k], want[k])
-    assert plain.metadata == {} and "permuted" not in plain.receipt.record.parameters
+    # the manifest says so, as docs/wire.md §5.2 specifies; the record carries no such parameter
+    assert plain.metadata == {"permuted": False} and "permuted" not in plain.receipt.record.parameters
 
 
 def test_saved_release_loads_from_the_store_and_its_receipt_verifies_offline(sites, tmp_path):

@@ -383,7 +383,7 @@ def test_bad_records_are_refused_naming_file_column_and_row(digits, tmp_path, ca
 
 def test_the_shape_rule_in_process():
     """records_fit_network's rule on preprocessings built directly (no training)."""
-    from peer.cli.pool import records_fit_network
+    from peer.nn.imported import records_fit_network
     from peer.nn.tables import ColumnPrep, Preprocessing
 
     def prep(width: int, shape=None, categorical=False):

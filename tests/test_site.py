@@ -158,8 +158,9 @@ def test_a_missing_model_store_is_refused_naming_the_fix(tmp_path):
 def test_the_default_budgets_admit_the_documented_number_of_rounds(tmp_path):
     """The comments of site.toml, checked against a real daemon: LDP rounds at the round's default
     per-neuron parameters (features ε = 1 + 1, weights (2, 1e-5)): three per counterparty, seven
-    in total; RS merges at about (2, 1e-5), each at a new target: two against the data level's
-    ε = 4."""
+    in total; RS merges at about (2, 1e-5) of this test's pool (cheaper than their target), each
+    at a new target: two against the data level's ε = 4 (the template's figures for the default
+    pool: ``test_the_data_budget_comment_states_what_the_ledger_admits``)."""
     site = new(tmp_path)
     save_model(site.root / "models", "mlp", ARCH, model_arrays())
     make_pool(site.root / "pool", noise=(8.0, 12.0), steps=5)
@@ -195,6 +196,67 @@ def test_the_default_budgets_admit_the_documented_number_of_rounds(tmp_path):
             rounds.append(n)
     assert rounds == [3, 3, 1, 0] and sum(rounds) == 7
     assert merges == 2
+
+
+def test_the_data_budget_comment_states_what_the_ledger_admits(tmp_path):
+    """Issue 20, item 8: after one (2, 1e-5) merge ``ledger show`` said 3.046 spent and 0.9545
+    remaining of 4 while the template said "two such merges fit" (with no word on why the
+    filter charges more than 2). The figures the comment now states are recomputed here, for
+    ``privfusion pool train``'s default pool (its own parser defaults and DEFAULT_MODELS), by
+    charging RS merges saturating (2, 1e-5) to a ledger under the template's own policy until
+    it refuses: the filter's ε after each, and how many fit."""
+    import re
+
+    from scipy.optimize import brentq
+
+    from peer.base.errors import BudgetExhausted
+    from peer.budget.ledger import Ledger
+    from peer.cli.app import build_parser
+    from peer.cli.pool import DEFAULT_MODELS, _specs
+    from peer.dp.accounting.release_accounting import rs_merge_record
+
+    site = new(tmp_path)
+    comment = " ".join(line.partition("#")[2].strip() for line in site.config.read_text().splitlines())
+    policy = Policy.from_toml(site.config)
+    args = build_parser().parse_args(["pool", "train", "--out", str(tmp_path / "p")])
+    assert args.model is None  # the defaults: DEFAULT_MODELS
+    names, trainings = _specs(args)
+    assert names == [spec.split(",")[0].removeprefix("name=") for spec in DEFAULT_MODELS]
+
+    def saturating_merge(into_c: str):
+        """The RS merge of ``into_c`` and dpsgd-c whose PLD ε at 1e-5 is the target 2."""
+
+        def record(p):
+            pi = [0.0] * len(names)
+            pi[names.index(into_c)], pi[names.index("dpsgd-c")] = p, 1 - p
+            return rs_merge_record(trainings, pi, 1e-5, names=[f"pool/{n}" for n in names], subject="pool")
+
+        return record(brentq(lambda p: record(p).epsilon - 2.0, 1e-9, 0.5, xtol=1e-14))
+
+    def charged_until_refused(into_c: str) -> tuple[list[float], float]:
+        """The filter's ε after each admitted merge, and the refused one's own ε (as the refusal
+        states it: at the δ each order holds in the filter)."""
+        merge, spent = saturating_merge(into_c), []
+        with Ledger(tmp_path / f"{into_c}.sqlite", policy) as led:
+            while True:
+                try:
+                    led.charge(merge, "hospital-b", kind="merge")
+                except BudgetExhausted as e:
+                    return spent, float(e.metadata["request_epsilon"])
+                spent.append(led.budget_states()[0].spent_epsilon)
+                merge = merge.with_(release_id=f"{merge.release_id}-{len(spent)}")
+
+    b_into_c, _ = charged_until_refused("dpsgd-b")
+    a_into_c, a_alone = charged_until_refused("dpsgd-a")
+    stated = re.search(
+        r"dpsgd-b into dpsgd-c is charged (\d\.\d\d) \(ledger show: (\d\.\d\d) left\), yet a second fits "
+        r"\((\d\.\d\d) after two\) and a third does not; one mixing dpsgd-a into dpsgd-c is charged (\d\.\d\d): refused",
+        comment,
+    )
+    assert stated, comment
+    assert len(b_into_c) == 2 and a_into_c == []  # "a second fits ... a third does not"; "refused"
+    assert float(stated[1]) == round(b_into_c[0], 2) and float(stated[2]) == round(4.0 - b_into_c[0], 2)
+    assert float(stated[3]) == round(b_into_c[1], 2) and float(stated[4]) == round(a_alone, 2)
 
 
 # ------------------------------------------------------------------------------ metrics, export

@@ -190,7 +190,7 @@ def test_own_csv_to_a_round_an_adopted_fused_model_and_its_scores(tmp_path):
     # 2. three daemons (`privfusion peer serve`), each on its own port
     daemons = {s: DaemonProcess(SiteFiles(s, root / s, root / s / "site.toml", root / s / "identity")) for s in SITES}
     try:
-        addresses = {s: d.wait_ready(90) for s, d in daemons.items()}
+        addresses = {s: d.wait_ready() for s, d in daemons.items()}
         phase("daemons ready", t0)
         roster = ["# the sites' shared roster"]
         for s in SITES:

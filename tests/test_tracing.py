@@ -241,3 +241,72 @@ def test_a_stream_added_to_the_input_is_fixed():
 def test_wrong_input_shape_is_refused():
     with pytest.raises(InvalidArgument, match="input_shape"):
         derive_structure(networks.clinic_mlp(), [63])
+
+
+# ---------------------------------------------------------------------------------- aliases
+
+
+@pytest.mark.parametrize(
+    "model, sets",
+    [
+        (networks.AliasedSkip(), [("skip.weight", "shortcut.weight"), ("skip.bias", "shortcut.bias")]),
+        (networks.AliasedHidden(), [("skip.weight", "shortcut.weight"), ("skip.bias", "shortcut.bias")]),
+        (networks.TiedLinear(), [("l1.weight", "l2.weight")]),
+        (networks.TiedEmbeddingHead(), [("embedding.weight", "head.weight")]),
+        (networks.SharedRunningMean(), [("bn1.running_mean", "bn2.running_mean")]),
+        (networks.OverlappingViews(), [("a.weight", "b.weight")]),
+        (networks.SameStorageDisjoint(), []),
+        (networks.clinic_mlp(), []),
+        (networks.small_resnet(), []),
+    ],
+)
+def test_state_aliases_are_found_from_the_tensors(model, sets):
+    """state_dict lists an aliased tensor once per name, while named_parameters() (and fx, which
+    names a module's calls by named_modules()) keep only the first name: the check reads the
+    tensors (state_dict(keep_vars=True)), so an alias is found whatever its values are."""
+    from peer.nn.tracing import state_aliases
+
+    assert state_aliases(model) == sets
+
+
+def test_what_torch_lists_for_an_aliased_module():
+    """The semantics the check rests on: state_dict (and keep_vars=True) has a key per name,
+    named_parameters()/named_modules() deduplicate to the first name, remove_duplicate=False
+    lists every name, and fx names every call of the module by its first name."""
+    m = networks.AliasedSkip()
+    assert list(m.state_dict()) == ["skip.weight", "skip.bias", "shortcut.weight", "shortcut.bias"]
+    kept = m.state_dict(keep_vars=True)
+    assert kept["skip.weight"] is kept["shortcut.weight"] and isinstance(kept["skip.weight"], nn.Parameter)
+    assert [n for n, _ in m.named_parameters()] == ["skip.weight", "skip.bias"]
+    assert len(list(m.named_parameters(remove_duplicate=False))) == 4
+    assert [n for n, _ in m.named_modules()] == ["", "skip"]
+    gm = torch.fx.symbolic_trace(m)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["skip", "skip"]
+    tied = networks.TiedEmbeddingHead().state_dict(keep_vars=True)
+    assert tied["embedding.weight"] is tied["head.weight"]
+
+
+@pytest.mark.parametrize(
+    "model, shape, keys",
+    [
+        (networks.AliasedSkip(), [4], "'skip.weight' = 'shortcut.weight'; 'skip.bias' = 'shortcut.bias'"),
+        (networks.AliasedHidden(), [4], "'skip.weight' = 'shortcut.weight'"),
+        (networks.TiedLinear(), [4], "'l1.weight' = 'l2.weight'"),
+        (networks.TiedEmbeddingHead(), [5], "'embedding.weight' = 'head.weight'"),
+        (networks.SharedRunningMean(), [4], "'bn1.running_mean' = 'bn2.running_mean'"),
+        (networks.OverlappingViews(), [4], "'a.weight' = 'b.weight'"),
+    ],
+)
+def test_a_tensor_under_two_keys_is_refused_naming_both(model, shape, keys):
+    """Before, AliasedSkip passed (its units are fixed: the self-check moves nothing) and each
+    name became a unit released with its own noise; the hidden and tied ones failed the
+    self-check with a message that named no key; the embedding was refused as unsupported.
+    Now all are refused first, by the keys."""
+    with pytest.raises(Unsupported, match=r"model\.state_dict: names one tensor under several keys") as e:
+        import_structure(model, shape)
+    assert keys in str(e.value) and "register it under one name" in str(e.value)
+
+
+def test_disjoint_parameters_of_one_storage_are_not_aliases():
+    s = import_structure(networks.SameStorageDisjoint(), [4])
+    assert {"a.weight", "b.weight"} <= set(s.parameters)

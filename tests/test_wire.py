@@ -1,6 +1,7 @@
 """Tensors and releases on the wire (peer.net.wire) and signed receipts (peer.net.receipts)."""
 
 import hashlib
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -341,3 +342,45 @@ def test_releases_stream_straight_into_a_safetensors_file(signer, tmp_path):
     with pytest.raises(InvalidArgument, match="truncated"):
         wire.ReleaseReader(sink=wire.SafetensorsSink(tmp_path / "cut.safetensors")).read(iter(frames[:-2]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.safetensors"]
+
+
+def test_a_receipt_signs_the_ledger_position_it_carries(signer):
+    """docs/wire.md 6.3, "The ledger's position": with ``ledger_seq`` and ``ledger_head`` set the
+    payload is the "/3" context, the "/2" fields, then U64(seq) BYTES(head) (written out by
+    hand here); an edit of either, or stripping both, breaks the signature; exactly one set is
+    refused by name; a receipt without them (as the previous version wrote it) still verifies
+    under "/2", from its JSON document too, and a served-again one under its own "/2"."""
+    import struct
+
+    tensors = [("w", np.arange(6, dtype=np.float32).reshape(2, 3))]
+    m = manifest_of(tensors)
+    head = hashlib.sha256(b"a chain head").digest()
+    rec = record()
+    old = sign_receipt(signer, "5", rec, m)
+    new = sign_receipt(signer, "5", rec, m, ledger_seq=5, ledger_head=head)
+    assert new.payload() == b"privfusion.v1/receipt/3\n" + old.payload()[len(b"privfusion.v1/receipt/2\n") :] + (
+        struct.pack(">Q", 5) + struct.pack(">I", 32) + head
+    )
+    assert verify_receipt(new, signer.cert_pem, "site-a", manifest=m) == rec
+    for forged in (
+        replace(new, ledger_seq=4),
+        replace(new, ledger_head=bytes(32)),
+        replace(new, ledger_seq=0, ledger_head=b""),
+        replace(old, ledger_seq=5, ledger_head=head),
+    ):
+        with pytest.raises(InvalidArgument, match=r"receipt\.signature"):
+            verify_receipt(forged, signer.cert_pem)
+    for half in (replace(new, ledger_seq=0), replace(new, ledger_head=b""), replace(new, ledger_head=head[:31])):
+        with pytest.raises(InvalidArgument, match=r"receipt\.ledger_"):
+            verify_receipt(half, signer.cert_pem)
+    # the previous version's receipt document: no position keys, verifies as it did
+    doc = json.loads(old.to_json())
+    assert "ledger_seq" not in doc and "ledger_head" not in doc
+    assert verify_receipt(SignedReceipt.from_json(doc), signer.cert_pem, "site-a", manifest=m) == rec
+    # the new fields survive JSON and protobuf
+    assert SignedReceipt.from_json(new.to_json()) == new
+    assert wire.receipt_from_proto(pb.Receipt.FromString(wire.receipt_to_proto(new).SerializeToString())) == new
+    again = sign_receipt(signer, "5", rec, m, "3", "site-c", ledger_seq=9, ledger_head=head)
+    assert again.payload().startswith(b"privfusion.v1/receipt-served-again/2\n")
+    assert again.payload().endswith(struct.pack(">Q", 9) + struct.pack(">I", 32) + head)
+    assert verify_receipt(again, signer.cert_pem) == rec

@@ -16,7 +16,11 @@ charge; ``verify()`` (run at open) recomputes it from the rows and checks the ha
 links every charge to the one before it. The chain covers every stored value that decides a
 budget — all columns of the charge, its charge_budgets and charge_models rows, and (through the
 first link) the filter's orders — so editing any of them, even with the triggers dropped, makes
-the ledger refuse to open; events carry a chain of their own. Every reader (``verify``,
+the ledger refuse to open; events carry a chain of their own. A chain cannot show its end cut
+off, so each chain's latest head is also appended to ``LEDGER.anchor`` beside the file
+(``peer.budget.anchor``), fsync'd before a charge, cancellation, served-again row or event
+returns; a ledger behind its anchor is refused at open (``docs/architecture.md``, "The ledger's
+anchor", says what an attacker with write access can and cannot do). Every reader (``verify``,
 ``entries``, ``budget_states``, ``summary``…) runs in one read transaction: in WAL mode it sees
 one committed state however many queries it makes while other processes charge.
 
@@ -118,6 +122,7 @@ import numpy as np
 
 from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from peer.base.records import ReleaseRecord, now_rfc3339
+from peer.budget.anchor import Anchor, AnchorPoint, anchor_path
 from peer.budget.filter import FilterBudget, validate_orders
 from peer.budget.policy import Policy
 
@@ -525,6 +530,20 @@ class BudgetState:
         }
 
 
+#: What each ε of :meth:`Ledger.summary` (``ledger show``) covers, and by which accountant.
+FIGURE_SCOPES = {
+    "entries.epsilon": "that release alone, as its record states it (in the budget's unit: per-entry "
+    "releases restated per neuron), at the entry's own δ",
+    "budgets.spent_epsilon_filter": "the budget's total — every charge made to it (a model's total: all "
+    "counterparties together) — by the RDP filter at the budget's δ: the adaptive guarantee",
+    "budgets.spent_epsilon_pld": "the same charges, by PLD composition at the budget's δ: tight for that fixed "
+    "sequence, not an adaptive guarantee (see pld_note where it exceeds the filter's)",
+    "budgets.remaining_epsilon_filter": "limit − spent_epsilon_filter: a guide, not a price. A request is "
+    "admitted when the filter, composing its RDP with what is spent order by order, stays within the limit; "
+    "RDP composes sublinearly, so a request above the remainder can fit, and one just below it can be refused",
+}
+
+
 @dataclass(frozen=True)
 class _Interpreted:
     record: ReleaseRecord
@@ -644,6 +663,19 @@ def _event_hash(prev: str, event: tuple) -> str:
     return _sha256_json(["privfusion-ledger-event", prev, _normalised(_EVENT_COLS, event)])
 
 
+# The chains the anchor covers: their table and row-id column, and how errors name a row.
+_CHAIN_TABLES = {
+    "charges": ("charges", "seq"),
+    **{c: (c, "id") for c in ("cancellations", "served_again", "events")},
+}
+_CHAIN_WORDS = {
+    "charges": "charge",
+    "cancellations": "cancellation",
+    "served_again": "served-again row",
+    "events": "event",
+}
+
+
 class Ledger:
     """A site's privacy-budget ledger in one SQLite file.
 
@@ -683,8 +715,11 @@ class Ledger:
                 f"ledger {self.path} was created with filter orders {list(self.orders)}; the policy asks for "
                 f"{list(policy.orders)}. A filter's orders are fixed for its lifetime."
             )
+        self.anchor = Anchor(anchor_path(self.path))
         if verify:
             self.verify()
+        if policy is not None:
+            self._anchor_sync()
 
     # ---- connections and transactions ---------------------------------------------------------
 
@@ -931,7 +966,10 @@ class Ledger:
             if row is not None:
                 if row[1] == record_json and row[2] == counterparty:
                     log.info("already-charged release_id=%s entry=%d", record.release_id, row[0])
-                    return self._entry(con, row[0])
+                    existing = self._entry(con, row[0])
+                    # a crash may have come between its commit and its anchoring: anchor it before it is sent
+                    self.anchor.append([AnchorPoint("charges", existing.entry_id, existing.hash)])
+                    return existing
                 raise InvalidArgument("release_id", f"{record.release_id} was already charged for a different release")
             self._check_pool(con, it)
             updates = []
@@ -1007,6 +1045,8 @@ class Ledger:
                     f"ledger {self.path}: charge {seq} does not read back as hashed; nothing was charged"
                 )
             entry = self._entry(con, seq)
+        # committed; anchored (fsync'd outside the file) before the caller may send a byte
+        self.anchor.append([AnchorPoint("charges", seq, h)])
         log.info(
             "charged release_id=%s entry=%d mechanism=%s level=%s unit=%s counterparty=%s subject=%s epsilon=%.6g delta=%.3g budgets=%s",
             record.release_id,
@@ -1136,10 +1176,13 @@ class Ledger:
             last = con.execute("SELECT id, hash FROM events ORDER BY id DESC LIMIT 1").fetchone()
             event = ((last[0] if last else 0) + 1, release_id, now_rfc3339(), kind, str(detail))
             prev_hash = last[1] if last else GENESIS
+            h = _event_hash(prev_hash, event)
             con.execute(
                 "INSERT INTO events (id, release_id, at, kind, detail, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (*event, prev_hash, _event_hash(prev_hash, event)),
+                (*event, prev_hash, h),
             )
+        # a "sent" event forbids cancelling the charge: cutting it off must not reopen a refund
+        self.anchor.append([AnchorPoint("events", event[0], h)])
 
     # ---- cancelling -----------------------------------------------------------------------------
 
@@ -1183,13 +1226,15 @@ class Ledger:
             prev = last[0] if last else GENESIS
             at = now_rfc3339()
             h = _cancel_hash(prev, seq, release_id, charge_hash, head, at, reason)
-            con.execute(
+            cur = con.execute(
                 "INSERT INTO cancellations (seq, release_id, at, reason, head_hash, prev_hash, hash)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (seq, release_id, at, reason, head, prev, h),
             )
+            cancel_id = cur.lastrowid
             for budget in json.loads(budgets):
                 self._recompute_total(con, budget)
+        self.anchor.append([AnchorPoint("cancellations", cancel_id, h)])
         log.info(
             "cancelled release_id=%s entry=%d counterparty=%s budgets=%s",
             release_id,
@@ -1267,6 +1312,8 @@ class Ledger:
                 (seq, release_id, counterparty, at, detail, head, prev, h),
             )
             served_id = cur.lastrowid
+            head_seq = con.execute("SELECT seq FROM charges WHERE hash = ?", (head,)).fetchone()[0]
+        self.anchor.append([AnchorPoint("served_again", served_id, h)])
         log.info("served-again release_id=%s entry=%d counterparty=%s id=%d", release_id, seq, counterparty, served_id)
         return {
             "id": served_id,
@@ -1276,6 +1323,8 @@ class Ledger:
             "at": at,
             "detail": detail,
             "hash": h,
+            "ledger_seq": head_seq,
+            "ledger_head": head,
         }
 
     def served_again(self, *, counterparty: str | None = None, release_id: str | None = None) -> list[dict]:
@@ -1526,10 +1575,19 @@ class Ledger:
         if not records:
             return 0.0, note
         try:
-            composed = None
+            composed, fallbacks = None, 0
+            count_fallbacks = getattr(self._acct(), "pld_fallbacks", None)
             for r in records:
-                p = self._acct().pld_of_record(per_neuron_record(r))
+                charged = per_neuron_record(r)
+                p = self._acct().pld_of_record(charged)
                 composed = p if composed is None else composed.compose(p)
+                fallbacks += count_fallbacks(charged) if count_fallbacks is not None else 0
+            if fallbacks:
+                note += (
+                    f"; {fallbacks} parallel release part(s) have no part that dominates the others, so their PLD "
+                    "is the sequential composition of the parts (conservative: it can exceed the filter's ε, "
+                    "which takes their maximum exactly)"
+                )
             return float(composed.get_epsilon_for_delta(delta)), note
         except Exception as e:  # an accountant without a PLD for some record: say so, keep going
             return None, f"PLD unavailable: {type(e).__name__}: {e}"
@@ -1549,6 +1607,8 @@ class Ledger:
                     "ledger": str(self.path),
                     "orders": list(self.orders),
                     "filter": "RDP filter over the orders (δ split evenly across them) plus a pure-ε track",
+                    "figures": FIGURE_SCOPES,
+                    "anchor": self.anchor_state(),
                     "entries": [e.to_dict() for e in self.entries(counterparty=counterparty)],
                     "budgets": [s.to_dict() for s in self.budget_states(pld=pld, counterparty=counterparty)],
                     "cancelled": [
@@ -1586,11 +1646,20 @@ class Ledger:
           the chained rows, column by column;
         - the delivery events' own chain links every event.
 
-        What a chain cannot show is a tail cut off together with a rewritten cache: the last
-        hash travels in each receipt, so a counterparty holds the evidence of its own charges.
+        - every chain reaches the point its anchor (``LEDGER.anchor``, ``peer.budget.anchor``)
+          records: the row the anchor names exists and has the anchored hash. A chain alone
+          cannot show a tail cut off together with a rewritten cache, or an older copy of the
+          file put back; the anchor, kept outside the file and fsync'd before any byte of a
+          release leaves, can (a ledger behind it raises FailedPrecondition naming both files).
+          Each receipt also carries the charge chain's sequence number and head after its
+          charge, so a counterparty holds the evidence of its own charges.
         """
+        # Read the anchor BEFORE the snapshot: every point in it was committed before it was
+        # written, so the snapshot taken after includes it (another process may charge meanwhile).
+        anchored = self.anchor.heads()
         problems = []
         with self._read() as con:
+            behind = self._behind_anchor(con, anchored)
             check = [r[0] for r in con.execute("PRAGMA integrity_check")]
             if check != ["ok"]:
                 problems.append(f"integrity_check: {check[:5]}")
@@ -1683,3 +1752,99 @@ class Ledger:
             prev = h
         if problems:
             raise FailedPrecondition(f"ledger {self.path} is inconsistent: " + "; ".join(problems))
+        if behind:
+            raise FailedPrecondition(
+                f"ledger {self.path} is behind its anchor {self.anchor.path}: " + "; ".join(behind) + ". Its end "
+                "was cut off or an older copy of the file was put back, so budget already spent would be "
+                "admitted again; it is not opened. Restore the ledger that reaches the anchor (the receipts "
+                "counterparties hold name each charge's entry and chain head)",
+                reason="LEDGER_BEHIND_ANCHOR",
+                metadata={"ledger": str(self.path), "anchor": str(self.anchor.path)},
+            )
+
+    # ---- the anchor (peer.budget.anchor) ---------------------------------------------------------
+
+    def _chain_heads(self, con: sqlite3.Connection) -> dict[str, tuple[int, str]]:
+        """(id, hash) of the last row of every chain that has rows (as stored: unchecked)."""
+        out = {}
+        for chain, (table, col) in _CHAIN_TABLES.items():
+            exists = con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone()
+            row = exists and con.execute(f"SELECT {col}, hash FROM {table} ORDER BY {col} DESC LIMIT 1").fetchone()
+            if row:
+                out[chain] = (row[0], row[1])
+        return out
+
+    def _behind_anchor(self, con: sqlite3.Connection, anchored: dict[str, AnchorPoint]) -> list[str]:
+        """What differs between the anchored points and the file (empty: the file reaches them all)."""
+        heads = self._chain_heads(con)
+        out = []
+        for chain, point in anchored.items():
+            table, col = _CHAIN_TABLES[chain]
+            word = _CHAIN_WORDS[chain]
+            last = heads.get(chain)
+            row = (
+                con.execute(f"SELECT hash FROM {table} WHERE {col} = ?", (point.n,)).fetchone()
+                if last is not None
+                else None
+            )
+            if row is None:
+                upto = f"its {table} end at {word} {last[0]}" if last else f"it holds no {table}"
+                out.append(f"the anchor records {word} {point.n} (hash {point.head[:16]}…), {upto}")
+            elif row[0] != point.head:
+                out.append(
+                    f"the anchor records {word} {point.n} with hash {point.head[:16]}…, the ledger's {word} "
+                    f"{point.n} has hash {row[0][:16]}…"
+                )
+        return out
+
+    def _anchor_sync(self) -> None:
+        """At a writer's open (after :meth:`verify`): create the anchor if there is none, and
+        anchor every chain the file holds further than the anchor does (a crash between a
+        commit and its anchoring; a file that never had an anchor)."""
+        created = not self.anchor.exists()
+        if created:
+            self.anchor.create(self.path.name)
+        anchored = self.anchor.heads()
+        with self._read() as con:
+            heads = self._chain_heads(con)
+        self.anchor.append(
+            [AnchorPoint(c, int(n), h) for c, (n, h) in heads.items() if c not in anchored or n > anchored[c].n]
+        )
+        if created and heads:
+            log.warning(
+                "anchor-created ledger=%s anchor=%s charges=%d: this ledger had no anchor; it is anchored at its "
+                "current state, so a truncation made before now cannot be detected by this site (only against "
+                "the receipts its counterparties hold)",
+                self.path,
+                self.anchor.path,
+                heads["charges"][0] if "charges" in heads else 0,
+            )
+        elif created:
+            log.info("anchor-created ledger=%s anchor=%s", self.path, self.anchor.path)
+
+    def anchor_state(self) -> dict:
+        """The anchor file and, per chain, the row it anchors (``ledger show``)."""
+        heads = self.anchor.heads()
+        return {
+            "path": str(self.anchor.path),
+            "exists": self.anchor.exists(),
+            "anchored": {c: {"n": p.n, "head": p.head} for c, p in sorted(heads.items())},
+        }
+
+    def chain_position(self, entry_id: int | str, served_again: int | str | None = None) -> tuple[int, str]:
+        """(seq, hash) of the charge chain right after charge ``entry_id`` — its own sequence
+        number and hash — or, with ``served_again`` (a served-again row of that charge), the
+        chain's head when it was served again: what the release's receipt carries."""
+        with self._read() as con:
+            if served_again in (None, ""):
+                row = con.execute("SELECT seq, hash FROM charges WHERE seq = ?", (int(entry_id),)).fetchone()
+            else:
+                row = con.execute(
+                    "SELECT c.seq, c.hash FROM served_again s JOIN charges c ON c.hash = s.head_hash"
+                    " WHERE s.id = ? AND s.seq = ?",
+                    (int(served_again), int(entry_id)),
+                ).fetchone()
+        if row is None:
+            what = f"served-again row {served_again} of " if served_again not in (None, "") else ""
+            raise NotFound(f"no {what}ledger entry {entry_id}")
+        return int(row[0]), row[1]

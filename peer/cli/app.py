@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
@@ -114,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (``privfusion ledger show | head``): end quietly, as a Unix tool
+        # does, instead of a traceback; stdout goes to /dev/null so the flush at exit is silent
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool ended by a closed pipe
 
 
 if __name__ == "__main__":

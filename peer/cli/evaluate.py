@@ -58,7 +58,7 @@ def classification_metrics(y_true: np.ndarray, proba: np.ndarray, classes: Seque
         raise InvalidArgument(
             "model",
             f"gives {proba.shape[1] if proba.ndim == 2 else '?'} outputs per record but the "
-            f"preprocessing has {k} classes {list(classes)}: they do not belong together",
+            f"preprocessing has {k} classes: they do not belong together",
         )
     if len(y_true) == 0:
         raise InvalidArgument("--data", "holds no records")

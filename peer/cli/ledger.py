@@ -53,6 +53,14 @@ def run_show(args: argparse.Namespace) -> int:
         return 0
     print(f"ledger {summary['ledger']}: {len(summary['entries'])} entries")
     print(f"filter: {summary['filter']}; orders {', '.join(f'{o:g}' for o in summary['orders'])}")
+    anchor = summary["anchor"]
+    if anchor["exists"]:
+        upto = anchor["anchored"].get("charges", {}).get("n", 0)
+        print(f"anchor: {anchor['path']} (verified: the ledger reaches it; charges anchored up to entry {upto})")
+    else:
+        print(
+            f"anchor: none at {anchor['path']} (the first open with a policy creates it; until then a cut is not detected)"
+        )
     print()
     print(f"{'budget':40} {'limit (ε, δ)':>18} {'n':>5} {'spent ε filter':>15} {'spent ε PLD':>12} {'remaining ε':>12}")
     for b in summary["budgets"]:
@@ -64,11 +72,16 @@ def run_show(args: argparse.Namespace) -> int:
     notes = {b["pld_note"] for b in summary["budgets"] if b["pld_note"]}
     for note in sorted(notes):
         print(f"  PLD: {note}")
+    figures = summary["figures"]
+    print(f"  spent ε filter: {figures['budgets.spent_epsilon_filter']}")
+    print(f"  spent ε PLD: {figures['budgets.spent_epsilon_pld']}")
+    print(f"  remaining ε: {figures['budgets.remaining_epsilon_filter']}")
     print()
     print(
         f"{'#':>5} {'charged at':27} {'release':32} {'mechanism':10} {'level':6} {'unit':18} "
         f"{'counterparty':14} {'subject':14} {'ε':>8} {'δ':>8}"
     )
+    print(f"  (ε of an entry: {figures['entries.epsilon']})")
     for e in summary["entries"]:
         print(
             f"{e['entry_id']:>5} {e['charged_at']:27} {e['release_id'][:32]:32} {e['mechanism']:10} {e['level']:6} "

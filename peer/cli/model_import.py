@@ -11,8 +11,10 @@ structure and its digest, no code) and serves DP pools trained from them (``priv
 train --from-model NAME``); a round's fused model of one is written back here under the site's
 key names. The factory is the site's code and runs at this site only: ``MODULE`` is importable
 from DIR or the current path, or is a ``FILE.py`` (stored as an absolute path, so that the
-daemon, started from elsewhere, runs the same file). Import refuses a model whose permutation structure cannot be derived or proven,
-naming the node or group at fault.
+daemon, started from elsewhere, runs the same file). Import refuses a model whose permutation
+structure cannot be derived or proven, naming the node or group at fault, and a model whose
+state dict names one tensor under two keys (``self.shortcut = self.skip``, tied weights),
+naming the keys.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ given (``--preprocessing JSON``), and stored with every model of the pool. The d
 denominator — is the number of training records; it is printed and recorded. With
 ``--from-model NAME`` the pool is of the site's own imported network (DIR/own_models/NAME),
 trained as the bundled ``--from-model`` path trains it (:func:`_train_imported`) on records read,
-split and prepared exactly as above; :func:`records_fit_network` says how records become the
+split and prepared exactly as above; :func:`peer.nn.imported.records_fit_network` says how records become the
 network's inputs. The bundled ``--dataset`` path stays for demonstrations.
 
 Each step's privatised gradient goes to plain SGD by default; ``--optimizer momentum|adam`` (every
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -208,6 +207,8 @@ def _train_records(args: argparse.Namespace) -> int:
             "pool's own protected records; fit one on public records (--public FILE)",
         )
     if own is not None:
+        from peer.nn.imported import records_fit_network
+
         shaped = records_fit_network(own.structure, prep, args.data, args.from_model)
     else:
         arch = architecture_arg(args.architecture, None, prep, [])
@@ -260,57 +261,6 @@ def _train_records(args: argparse.Namespace) -> int:
             f"merges are judged on a public validation file (privfusion probe make --label {prep.label} --pool {pool_name})"
         )
     return 0
-
-
-def records_fit_network(structure, preprocessing, source: str, name: str) -> str:
-    """Check that records prepared by ``preprocessing`` are inputs of the site's own network
-    (``structure.input_shape``) and say how they become them; refuse, naming the file and the
-    rule, otherwise. The rule:
-
-    - the prepared width must be the network's input size, prod(input_shape);
-    - image records (an ``.npz`` whose ``x`` has shape (m, C, H, W) or (m, H, W)) go in as they
-      are when the network takes that shape, flattened when it takes flat rows (its input
-      shape says so), and are refused for any other shape (a reshape would scramble pixels);
-    - table rows go in as they are when the network takes flat rows; into a network taking a
-      shaped input (e.g. [1, 8, 8]) they are reshaped row-major in column order, because the
-      network's input shape says so, and only when every entry is one numeric column: one-hot
-      entries of a categorical column are no pixels, so such a table is refused."""
-    shape = tuple(int(s) for s in structure.input_shape)
-    size = math.prod(shape)
-    where = f"{source}: features"
-    if preprocessing.width != size:
-        names = preprocessing.input_names()
-        raise InvalidArgument(
-            where,
-            f"the records prepare {preprocessing.width} input entries ({len(preprocessing.columns)} columns"
-            f"{', one-hot categories included' if preprocessing.categorical else ''}: {names[:6]}"
-            f"{'…' if len(names) > 6 else ''}) but the network {name!r} takes input shape {list(shape)} = {size} "
-            "entries; choose its input columns with --features",
-        )
-    if preprocessing.input_shape is not None:
-        images = tuple(preprocessing.input_shape)
-        if images == shape:
-            return f"images of shape {list(shape)}, as they are"
-        if len(shape) == 1:
-            return f"images of shape {list(images)} flattened to {size} entries (the network takes flat rows)"
-        raise InvalidArgument(
-            f"{source}: x",
-            f"holds images of shape {list(images)} but the network {name!r} takes {list(shape)}; a reshape "
-            f"would scramble the pixels: store x with shape (m, {', '.join(map(str, shape))})",
-        )
-    if len(shape) == 1:
-        return f"rows of {size} entries, as they are"
-    if preprocessing.categorical:
-        raise InvalidArgument(
-            where,
-            f"the network {name!r} takes input shape {list(shape)}, and a table becomes that shape only when "
-            f"every entry is one numeric column; {list(preprocessing.categorical)} are categorical (one-hot): "
-            "give image records (.npz with x of that shape) or a network that takes flat rows",
-        )
-    return (
-        f"rows of {size} numeric columns reshaped to {list(shape)} (row-major, in column order), as the "
-        "network's input shape says"
-    )
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -22,16 +22,21 @@ The default budgets (``site.toml`` says the same beside each number):
 
 - **data level** (central DP on the site's training records; unit: one training record,
   replace-one — the unit ``privfusion pool train`` trains in by default): ε = 4 at δ = 1e-5
-  over *every* merge of the pool this site ever releases, all peers together. One RS merge at
-  a round's default target (ε = 2, δ = 1e-5) takes a large part of it: two such merges fit,
-  all peers together; raise it only with a reason.
+  over *every* merge of the pool this site ever releases, all peers together, by the ledger's
+  filter (RDP, δ split over its orders). A merge's target ε is its PLD ε; the filter charges
+  an RS merge more, because its RDP bound of a mixture is looser than the mixture's PLD. With
+  ``privfusion pool train``'s default pool, a merge at a round's default target (ε = 2,
+  δ = 1e-5) that mixes dpsgd-b into dpsgd-c is charged ε ≈ 3.05 (``ledger show``: 0.95
+  remaining), yet a second such merge fits (3.68 after two: RDP composes sublinearly) and a
+  third does not; one that mixes dpsgd-a into dpsgd-c is charged ε ≈ 6.97 and refused at once.
+  (``tests/test_site.py`` checks these figures against the ledger.) Raise it only with a reason.
 - **model level** (local DP on one model's neurons; unit: one neuron — its activation row on a
   probe set and its incoming weights with bias): per model, ε = 24 at δ = 1e-5 in total and
   ε = 12 at δ = 1e-5 per counterparty. A round at the default per-neuron parameters (features
   at ε = 1 + 1, weights at (2, 1e-5)) costs a peer's model about ε ≈ 4 in the filter's terms
   (RDP composition makes later rounds a little cheaper), so each counterparty can run three
   such rounds against a model and all peers together seven (``tests/test_site.py`` counts
-  them against a real daemon; RS merges at (2, 1e-5): two, against the data level's ε = 4).
+  them against a real daemon).
 """
 
 from __future__ import annotations
@@ -76,8 +81,13 @@ show_remaining = "own"            # a peer may see what is left of its own budge
 unit = "record:replace-one"       # unit of privacy: one training record (replaced by another);
                                   # must be the unit the pool was trained in (pool train --adjacency)
 epsilon = 4.0                     # all merges of the pool ever released, all peers together,
-delta = 1e-5                      # compose within (4, 1e-5)-DP per record. A round's default
-                                  # merge target is (2, 1e-5): two such merges fit.
+delta = 1e-5                      # compose within (4, 1e-5)-DP per record, by the ledger's filter
+                                  # (RDP, delta split over its orders), which charges an RS merge
+                                  # more than its target (PLD) epsilon. With pool train's default
+                                  # pool, a merge at a round's default target (2, 1e-5) mixing
+                                  # dpsgd-b into dpsgd-c is charged 3.05 (ledger show: 0.95 left),
+                                  # yet a second fits (3.68 after two) and a third does not; one
+                                  # mixing dpsgd-a into dpsgd-c is charged 6.97: refused.
 
 [policy.model]                    # MODEL LEVEL: local DP on one model's neurons (each model has
                                   # its own). Unit of privacy: one neuron (its activations on the

@@ -126,14 +126,20 @@ def fuse_with_partner(
                     on_behalf_of=caller,
                 )
             except InvalidArgument as e:  # its receipt, checksums or record failed our checks
-                raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None
+                raise FailedPrecondition(
+                    f"partner {partner!r}'s release failed this site's checks: {e}",
+                    reason="PARTNER_RELEASE_INVALID",
+                    metadata={"partner": partner},
+                ) from None
             their_graph, their_weights = _partner_release(stored, partner, partner_model, theirs)
             # 4. (before anything is sent) match, permute their weights here, fuse
             fused, alignment = align_and_fuse(
                 stored.architecture, own.graph, own.weights, their_graph, their_weights, alpha
             )
             if not caller_active():  # the caller left while we waited: nothing of ours was sent
-                raise FailedPrecondition("the caller cancelled the Fuse before anything was sent")
+                raise FailedPrecondition(
+                    "the caller cancelled the Fuse before anything was sent", reason="CALLER_CANCELLED"
+                )
         except BaseException as e:
             # 3. nothing of ours left: withdraw the charge, say why
             reason = f"Fuse with partner {partner!r} failed before any byte was sent ({type(e).__name__})"
@@ -165,7 +171,9 @@ def _check_partner_offer(client, stored: StoredModel, partner: str, partner_mode
     offered = {m.name: m.architecture_json for m in info.models}
     if partner_model not in offered:
         raise FailedPrecondition(
-            f"partner_model: {partner} offers no model {partner_model!r}; it offers {sorted(offered)}"
+            f"partner_model: {partner} offers no model {partner_model!r}; it offers {sorted(offered)}",
+            reason="PARTNER_LACKS_MODEL",
+            metadata={"partner": partner, "partner_model": partner_model},
         )
     try:
         theirs = validate_architecture(json.loads(offered[partner_model]))
@@ -174,7 +182,9 @@ def _check_partner_offer(client, stored: StoredModel, partner: str, partner_mode
     if theirs != stored.architecture:
         raise FailedPrecondition(
             f"partner_model: {partner}'s {partner_model!r} has another architecture than {stored.name!r}; "
-            "nothing was charged"
+            "nothing was charged",
+            reason="PARTNER_ARCHITECTURE_MISMATCH",
+            metadata={"partner": partner, "partner_model": partner_model},
         )
 
 
@@ -186,11 +196,17 @@ def _partner_release(
     try:
         if theirs.architecture is None or validate_architecture(theirs.architecture) != stored.architecture:
             raise FailedPrecondition(
-                f"partner_model: {partner}'s {partner_model!r} has another architecture than {stored.name!r}"
+                f"partner_model: {partner}'s {partner_model!r} has another architecture than {stored.name!r}",
+                reason="PARTNER_ARCHITECTURE_MISMATCH",
+                metadata={"partner": partner, "partner_model": partner_model},
             )
         return (
             graph_from_release(theirs.architecture, theirs.metadata, theirs.arrays),
             weights_from_release(stored.architecture, theirs.arrays),
         )
     except InvalidArgument as e:
-        raise FailedPrecondition(f"partner {partner!r}'s release failed this site's checks: {e}") from None
+        raise FailedPrecondition(
+            f"partner {partner!r}'s release failed this site's checks: {e}",
+            reason="PARTNER_RELEASE_INVALID",
+            metadata={"partner": partner},
+        ) from None

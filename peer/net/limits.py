@@ -141,7 +141,9 @@ class LimitsInterceptor(grpc.ServerInterceptor):
                     raise Busy(
                         f"{who} already has {self._per_peer[key]} calls in progress at {self.site!r}, "
                         f"the most one peer may have (site.max_calls_per_peer = "
-                        f"{self.limits.max_calls_per_peer}); nothing was charged — retry when one has finished"
+                        f"{self.limits.max_calls_per_peer}); nothing was charged — retry when one has finished",
+                        reason="PEER_CALL_LIMIT",
+                        metadata={"limit": self.limits.max_calls_per_peer, "retry": "after one of your calls ends"},
                     )
                 self._per_peer[key] += 1
         heavy = method not in LIGHT_METHODS
@@ -149,7 +151,9 @@ class LimitsInterceptor(grpc.ServerInterceptor):
             self._leave(key)
             raise Busy(
                 f"{self.site!r} is serving {self.limits.workers} streaming calls, all it serves at once "
-                f"(site.workers); nothing was charged — retry later"
+                f"(site.workers); nothing was charged — retry later",
+                reason="SITE_AT_CAPACITY",
+                metadata={"limit": self.limits.workers, "retry": "later"},
             )
 
         def release() -> None:

@@ -28,6 +28,16 @@ ledger's served-again row and the requester. ``ledger_entry_id`` and the record 
 the original charge, so a requester counts releases made (distinct ledger entries) and
 releases served again.
 
+A receipt may also carry the releasing site's ledger position right after the charge it names
+(``ledger_seq``: the charge chain's sequence number; ``ledger_head``: its 32-byte head hash;
+for a release served again, the charge chain's position when it was served), so that every
+counterparty holds evidence of how far the ledger reached: a ledger later found shorter, or
+with another hash at that position, was cut short or rolled back. With the two fields set the
+receipt is signed under "privfusion.v1/receipt/3\n" (served again:
+"privfusion.v1/receipt-served-again/2\n"), the earlier layout followed by U64(ledger_seq)
+BYTES(ledger_head); without them under the earlier contexts, so receipts written by the
+previous version still verify, and a receipt stripped of the fields no longer does.
+
 with U32/U64 unsigned big-endian integers, STR(s) = U32(len(utf8(s))) utf8(s) and BYTES(b) =
 U32(len(b)) b. A receipt digest is SHA-256(signing_payload) of that receipt. The context strings
 keep a signature over one kind of message from being replayed as another, and their version
@@ -58,6 +68,10 @@ CONTEXT = b"privfusion.v1/receipt/2\n"
 #: The context of a receipt for a release served again from the site's release store (no new
 #: charge): the layout of ``CONTEXT`` followed by STR(served_again) STR(served_to).
 SERVED_AGAIN_CONTEXT = b"privfusion.v1/receipt-served-again/1\n"
+#: The contexts of receipts that carry the ledger's position (``ledger_seq``, ``ledger_head``):
+#: the earlier layouts followed by U64(ledger_seq) BYTES(ledger_head).
+CONTEXT_WITH_POSITION = b"privfusion.v1/receipt/3\n"
+SERVED_AGAIN_CONTEXT_WITH_POSITION = b"privfusion.v1/receipt-served-again/2\n"
 MANIFEST_CONTEXT = b"privfusion.v1/manifest/2\n"
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
@@ -200,17 +214,27 @@ def signing_payload(
     manifest_sha256: bytes,
     served_again: str = "",
     served_to: str = "",
+    ledger_seq: int = 0,
+    ledger_head: bytes = b"",
 ) -> bytes:
     """The exact bytes a receipt's signature is over (``signing_payload`` of the module docstring).
 
     A release served again (``served_again``: the id of the ledger's served-again row; the
     record and ``ledger_entry_id`` are the original charge's) is signed under
     ``SERVED_AGAIN_CONTEXT`` with ``STR(served_again) STR(served_to)`` appended, so a receipt of
-    a fresh release keeps the "/2" layout byte for byte and neither kind verifies as the other."""
+    a fresh release keeps the "/2" layout byte for byte and neither kind verifies as the other.
+    With the ledger's position (``ledger_seq`` >= 1 and the 32-byte ``ledger_head``, given
+    together) the contexts are the "…/3" and "…-served-again/2" ones and
+    ``U64(ledger_seq) BYTES(ledger_head)`` comes last."""
     if bool(served_again) != bool(served_to):
         raise InvalidArgument("receipt.served_to", "is given exactly when receipt.served_again is")
+    positioned = _check_position(ledger_seq, ledger_head)
+    if positioned:
+        context = SERVED_AGAIN_CONTEXT_WITH_POSITION if served_again else CONTEXT_WITH_POSITION
+    else:
+        context = SERVED_AGAIN_CONTEXT if served_again else CONTEXT
     out = [
-        SERVED_AGAIN_CONTEXT if served_again else CONTEXT,
+        context,
         _str(signer, "receipt.signer"),
         _str(ledger_entry_id, "receipt.ledger_entry_id"),
         _bytes(record_json, "receipt.record_json"),
@@ -221,7 +245,23 @@ def signing_payload(
     out.append(_digest32(manifest_sha256, "receipt.manifest_sha256"))
     if served_again:
         out += [_str(served_again, "receipt.served_again"), _str(served_to, "receipt.served_to")]
+    if positioned:
+        out += [_u64(ledger_seq, "receipt.ledger_seq"), _digest32(ledger_head, "receipt.ledger_head")]
     return b"".join(out)
+
+
+def _check_position(ledger_seq: int, ledger_head: bytes) -> bool:
+    """Whether a receipt carries the ledger's position; InvalidArgument unless both fields are
+    set (seq >= 1, a 32-byte head) or neither (0 and empty)."""
+    if isinstance(ledger_seq, bool) or not isinstance(ledger_seq, int) or ledger_seq < 0:
+        raise InvalidArgument("receipt.ledger_seq", f"must be an integer >= 0, got {ledger_seq!r}")
+    if not isinstance(ledger_head, (bytes, bytearray)):
+        raise InvalidArgument("receipt.ledger_head", "must be bytes")
+    if (ledger_seq == 0) != (len(ledger_head) == 0):
+        raise InvalidArgument(
+            "receipt.ledger_head", "is set (32 bytes) exactly when receipt.ledger_seq is (>= 1), or neither is"
+        )
+    return ledger_seq > 0
 
 
 # ---------------------------------------------------------------------------- receipts
@@ -240,6 +280,10 @@ class SignedReceipt:
     # (empty for a release made and charged for this request)
     served_again: str = ""
     served_to: str = ""
+    # the releasing site's ledger position right after the charge (both empty: a receipt of
+    # the previous version, which did not carry it)
+    ledger_seq: int = 0
+    ledger_head: bytes = b""
 
     @property
     def record(self) -> ReleaseRecord:
@@ -260,6 +304,8 @@ class SignedReceipt:
             self.manifest_sha256,
             self.served_again,
             self.served_to,
+            self.ledger_seq,
+            self.ledger_head,
         )
 
     def to_json(self) -> str:
@@ -275,6 +321,11 @@ class SignedReceipt:
                 "signature_algorithm": self.signature_algorithm,
                 "signature": base64.b64encode(self.signature).decode(),
                 **({"served_again": self.served_again, "served_to": self.served_to} if self.served_again else {}),
+                **(
+                    {"ledger_seq": self.ledger_seq, "ledger_head": self.ledger_head.hex()}
+                    if self.ledger_seq or self.ledger_head
+                    else {}
+                ),
             },
             indent=2,
             sort_keys=True,
@@ -294,6 +345,8 @@ class SignedReceipt:
                 d["signature_algorithm"],
                 d.get("served_again", ""),
                 d.get("served_to", ""),
+                int(d.get("ledger_seq", 0)),
+                bytes.fromhex(d.get("ledger_head", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgument("receipt", f"is not a PrivFusion receipt document: {e}") from None
@@ -314,16 +367,28 @@ def sign_receipt(
     manifest: Manifest,
     served_again: str = "",
     served_to: str = "",
+    ledger_seq: int = 0,
+    ledger_head: bytes = b"",
 ) -> SignedReceipt:
     """Sign a charged release: the record, the ledger entry and the manifest (which lists the
     tensors' digests; the receipt repeats their names and digests in stream order). With
     ``served_again`` (the ledger's served-again row) and ``served_to``: the identical bytes of
-    the charge ``ledger_entry_id`` served again to ``served_to`` at no new charge."""
+    the charge ``ledger_entry_id`` served again to ``served_to`` at no new charge. With
+    ``ledger_seq`` and ``ledger_head``: the ledger's charge chain position right after the
+    charge (or when served again), signed too."""
     record_json = record.canonical_json()
     tensors = tuple((t.name, bytes(t.sha256)) for t in manifest.tensors)
     manifest_sha256 = manifest.digest()
     payload = signing_payload(
-        identity.name, ledger_entry_id, record_json, tensors, manifest_sha256, served_again, served_to
+        identity.name,
+        ledger_entry_id,
+        record_json,
+        tensors,
+        manifest_sha256,
+        served_again,
+        served_to,
+        ledger_seq,
+        bytes(ledger_head),
     )
     return SignedReceipt(
         identity.name,
@@ -335,6 +400,8 @@ def sign_receipt(
         SIGNATURE_ALGORITHM,
         served_again,
         served_to,
+        ledger_seq,
+        bytes(ledger_head),
     )
 
 

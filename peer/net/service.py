@@ -371,7 +371,9 @@ class PeerService(pb_grpc.PeerServicer):
         digests = [(name, wire.digest(a)) for name, a in tensors]
         with self._drain_lock:
             if self._draining and charged_entry is None:
-                raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
+                raise FailedPrecondition(
+                    f"{self.site.name!r} is shutting down; nothing was charged", reason="SHUTTING_DOWN"
+                )
             self.releases.enter()
         entry_id = None
         finished = False
@@ -395,6 +397,9 @@ class PeerService(pb_grpc.PeerServicer):
                 delta=record.delta,
                 model=model,
             )
+            # the ledger's position after this charge travels, signed, with the bytes: the
+            # counterparty's evidence of how far the ledger reached (docs/wire.md 6.3)
+            ledger_seq, ledger_head = self.site.ledger_position(entry_id, served_again)
             receipt = sign_receipt(
                 self.site.identity,
                 entry_id,
@@ -402,6 +407,8 @@ class PeerService(pb_grpc.PeerServicer):
                 wire.release_manifest(kind, model, architecture, metadata, tensors, upstream, digests),
                 served_again or "",
                 caller if served_again else "",
+                ledger_seq,
+                ledger_head,
             )
             yield from wire.release_frames(receipt, kind, model, architecture, metadata, tensors, upstream)
             finished = True
@@ -439,7 +446,9 @@ class PeerService(pb_grpc.PeerServicer):
         (FailedPrecondition: nothing charged); the caller ``releases.exit()``s it."""
         with self._drain_lock:
             if self._draining:
-                raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
+                raise FailedPrecondition(
+                    f"{self.site.name!r} is shutting down; nothing was charged", reason="SHUTTING_DOWN"
+                )
             self.releases.enter()
 
     def _on_behalf_of(self, header: pb.RequestHeader, caller: str, method: str) -> str | None:
@@ -578,7 +587,7 @@ class PeerService(pb_grpc.PeerServicer):
             "weights",
             request.model,
             self.site.architecture_of(stored),
-            {},
+            {"permuted": False},  # docs/wire.md §5.2: weights always leave unpermuted
             tensors,
             on_behalf_of=final,
         )
@@ -619,7 +628,9 @@ class PeerService(pb_grpc.PeerServicer):
         self.site.policy_allows(caller, "fuse")
         probe = self.site.probe
         if probe is None:
-            raise FailedPrecondition(f"{self.site.name!r} has no probe set, which Fuse needs (site.toml: probe)")
+            raise FailedPrecondition(
+                f"{self.site.name!r} has no probe set, which Fuse needs (site.toml: probe)", reason="NO_PROBE_SET"
+            )
         probe = probe_input(stored.architecture, probe)
 
         admitted = False  # counted among the releases in flight (graceful shutdown waits for it)
@@ -682,7 +693,9 @@ class PeerService(pb_grpc.PeerServicer):
         self.site.policy_allows(caller, "merge")
         with self._drain_lock:
             if self._draining:
-                raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was charged")
+                raise FailedPrecondition(
+                    f"{self.site.name!r} is shutting down; nothing was charged", reason="SHUTTING_DOWN"
+                )
         # the site decides: serve its stored release again (no charge) or make, store and charge one
         merged = self.site.merge_release(request.pool, request.method, eps, dlt, caller)
         yield from self._release(
@@ -711,7 +724,9 @@ class PeerService(pb_grpc.PeerServicer):
         self.site.policy_allows(caller, "segment")
         with self._drain_lock:
             if self._draining:
-                raise FailedPrecondition(f"{self.site.name!r} is shutting down; nothing was served")
+                raise FailedPrecondition(
+                    f"{self.site.name!r} is shutting down; nothing was served", reason="SHUTTING_DOWN"
+                )
         # served again from the store (charged once by the site's own run when it was published)
         segment = self.site.segment_release(request.run, request.min_round, caller, request.max_round or None)
         yield from self._release(

@@ -67,7 +67,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 from peer.base.config import Section, load_toml
-from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unsupported
 from peer.base.records import FIXED_SEED_WARNING, ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
 from peer.budget.ledger import Ledger
@@ -558,10 +558,16 @@ class Site:
         address = self.config.peers.get(partner)
         if address is None:
             raise FailedPrecondition(
-                f"partner: {self.name!r} does not know where {partner!r} listens (site.toml [site.peers.{partner}])"
+                f"partner: {self.name!r} does not know where {partner!r} listens (site.toml [site.peers.{partner}])",
+                reason="PARTNER_UNKNOWN",
+                metadata={"partner": partner},
             )
         if partner not in self.pinned():
-            raise FailedPrecondition(f"partner: {partner!r} is not pinned at {self.name!r}")
+            raise FailedPrecondition(
+                f"partner: {partner!r} is not pinned at {self.name!r}",
+                reason="PARTNER_NOT_PINNED",
+                metadata={"partner": partner},
+            )
         return PartnerClient(PeerClient(self.identity, address, peer=partner, insecure=self.insecure, trust=self.trust))
 
     # ---- what is offered ----------------------------------------------------------------------
@@ -579,7 +585,9 @@ class Site:
                     return self.imported[name]
                 raise FailedPrecondition(
                     f"{field_name}: {name!r} is a site's own network: it is released by ReleaseFeatures and "
-                    "ReleaseWeights (method ldp) or through its DP pools (method merged), not by this call"
+                    "ReleaseWeights (method ldp) or through its DP pools (method merged), not by this call",
+                    reason="MODEL_KIND_UNSUPPORTED",
+                    metadata={"field": field_name},
                 )
             raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
         return m
@@ -604,9 +612,13 @@ class Site:
                 factories[own.factory] = load_factory(own.factory, [base])
             except InvalidArgument as e:
                 raise FailedPrecondition(
-                    f"model: {own.name!r}'s factory cannot be loaded at this site: {e}; nothing was charged"
+                    f"model: {own.name!r}'s factory cannot be loaded at this site: {e}; nothing was charged",
+                    reason="MODEL_FACTORY_UNAVAILABLE",
                 ) from None
-        return module_from_arrays(factories[own.factory], own.structure, own.arrays)
+        try:
+            return module_from_arrays(factories[own.factory], own.structure, own.arrays)
+        except Unsupported as e:  # the site's module itself (aliased keys): not the caller's fault
+            raise FailedPrecondition(f"model: {own.name!r} cannot be released: {e}; nothing was charged") from None
 
     def pool(self, name: str):
         """The pool's models (``peer.dp.merging.PoolModel``)."""
@@ -659,6 +671,9 @@ class Site:
         if isinstance(stored, ImportedModel):
             from peer.ldp.mechanisms.groups import perturb_group_weights
 
+            # the structure alone cannot show that two keys name one tensor (a model stored
+            # before imports refused that): the site's own module is built to check it
+            self.own_module(stored)
             return perturb_group_weights(
                 stored.structure,
                 stored.arrays,
@@ -949,6 +964,12 @@ class Site:
         also = (on_behalf_of,) if on_behalf_of else ()
         return str(self.ledger.charge(record, caller, kind=kind, also_counterparties=also).entry_id)
 
+    def ledger_position(self, entry_id: str, served_again: str | None = None) -> tuple[int, bytes]:
+        """The ledger's charge chain position (sequence number, 32-byte head) right after charge
+        ``entry_id`` — or when it was served again (``served_again``) — for its receipt."""
+        seq, head = self.ledger.chain_position(entry_id, served_again)
+        return seq, bytes.fromhex(head)
+
     def cancel(self, record: ReleaseRecord, reason: str) -> None:
         """Withdraw the charge of a release none of whose bytes went to the transport."""
         self.ledger.cancel(record.release_id, reason)
@@ -1062,8 +1083,17 @@ class PartnerClient:
                 return method(*args, **kwargs)
             except PeerError as e:
                 status = "UNAVAILABLE" if e.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "FAILED_PRECONDITION"
+                # the partner's own reason travels in the metadata: this refusal is the partner's
                 raise PeerError(
-                    status, f"partner {self._client.peer_name!r} refused or failed ({e.status}): {e}", e.details
+                    status,
+                    f"partner {self._client.peer_name!r} refused or failed ({e.status}): {e}",
+                    e.details,
+                    reason="PARTNER_UNAVAILABLE" if status == "UNAVAILABLE" else "PARTNER_REFUSED",
+                    metadata={
+                        "partner": self._client.peer_name,
+                        "partner_status": e.status,
+                        **({"partner_reason": e.reason} if e.reason else {}),
+                    },
                 ) from None
 
         return call

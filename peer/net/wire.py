@@ -397,6 +397,8 @@ def receipt_to_proto(r: SignedReceipt) -> pb.Receipt:
         manifest_sha256=r.manifest_sha256,
         served_again=r.served_again,
         served_to=r.served_to,
+        ledger_seq=r.ledger_seq,
+        ledger_head=r.ledger_head,
     )
 
 
@@ -411,6 +413,8 @@ def receipt_from_proto(m: pb.Receipt) -> SignedReceipt:
         m.signature_algorithm,
         m.served_again,
         m.served_to,
+        m.ledger_seq,
+        bytes(m.ledger_head),
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,7 @@ from torch import nn
 from peer.base.errors import InvalidArgument, NotFound, Unsupported
 from peer.nn.store import FORMAT, _atomic_write, check_name, read_pair, store_pair
 from peer.nn.tables import Preprocessing
-from peer.nn.tracing import PermutationStructure, import_structure
+from peer.nn.tracing import PermutationStructure, check_no_aliases, import_structure
 
 EXPORT_FORMATS = ("pt", "safetensors")
 
@@ -101,6 +102,9 @@ def build_module(factory: Callable[[], nn.Module], spec: str = "factory") -> nn.
         raise InvalidArgument("factory", f"{spec} raised {type(e).__name__}: {e}") from None
     if not isinstance(module, nn.Module):
         raise InvalidArgument("factory", f"{spec} must return a torch.nn.Module, got {type(module).__name__}")
+    # every build, not only import: a model stored before imports refused aliases is refused
+    # wherever its factory is run again (releases, pools, rounds)
+    check_no_aliases(module)
     return module
 
 
@@ -132,7 +136,11 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_site_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Load ``state`` into ``module`` strictly, with clear errors (names, shapes, finiteness)."""
+    """Load ``state`` into ``module`` strictly, with clear errors (names, shapes, finiteness).
+    A module that names one tensor under two keys is refused first
+    (:func:`peer.nn.tracing.check_no_aliases`): loading would silently keep one of the two
+    values given for it."""
+    check_no_aliases(module)
     expected = module.state_dict()
     missing = set(expected) - set(state)
     extra = set(state) - set(expected)
@@ -395,3 +403,53 @@ def resolve_factory(spec: str, base: str | os.PathLike | None = None) -> str:
                 p = Path(base or ".") / p
             return f"{p.resolve()}:{fn}"
     return spec
+
+
+def records_fit_network(structure, preprocessing, source: str, name: str) -> str:
+    """Check that records prepared by ``preprocessing`` are inputs of the site's own network
+    (``structure.input_shape``) and say how they become them; refuse, naming the file and the
+    rule, otherwise. The rule:
+
+    - the prepared width must be the network's input size, prod(input_shape);
+    - image records (an ``.npz`` whose ``x`` has shape (m, C, H, W) or (m, H, W)) go in as they
+      are when the network takes that shape, flattened when it takes flat rows (its input
+      shape says so), and are refused for any other shape (a reshape would scramble pixels);
+    - table rows go in as they are when the network takes flat rows; into a network taking a
+      shaped input (e.g. [1, 8, 8]) they are reshaped row-major in column order, because the
+      network's input shape says so, and only when every entry is one numeric column: one-hot
+      entries of a categorical column are no pixels, so such a table is refused."""
+    shape = tuple(int(s) for s in structure.input_shape)
+    size = math.prod(shape)
+    where = f"{source}: features"
+    if preprocessing.width != size:
+        raise InvalidArgument(
+            where,
+            f"the records prepare {preprocessing.width} input entries ({len(preprocessing.columns)} columns"
+            f"{', one-hot categories included' if preprocessing.categorical else ''}: "
+            f"{preprocessing.describe_inputs(6)}) but the network {name!r} takes input shape {list(shape)} = {size} "
+            "entries; choose its input columns with --features",
+        )
+    if preprocessing.input_shape is not None:
+        images = tuple(preprocessing.input_shape)
+        if images == shape:
+            return f"images of shape {list(shape)}, as they are"
+        if len(shape) == 1:
+            return f"images of shape {list(images)} flattened to {size} entries (the network takes flat rows)"
+        raise InvalidArgument(
+            f"{source}: x",
+            f"holds images of shape {list(images)} but the network {name!r} takes {list(shape)}; a reshape "
+            f"would scramble the pixels: store x with shape (m, {', '.join(map(str, shape))})",
+        )
+    if len(shape) == 1:
+        return f"rows of {size} entries, as they are"
+    if preprocessing.categorical:
+        raise InvalidArgument(
+            where,
+            f"the network {name!r} takes input shape {list(shape)}, and a table becomes that shape only when "
+            f"every entry is one numeric column; {list(preprocessing.categorical)} are categorical (one-hot): "
+            "give image records (.npz with x of that shape) or a network that takes flat rows",
+        )
+    return (
+        f"rows of {size} numeric columns reshaped to {list(shape)} (row-major, in column order), as the "
+        "network's input shape says"
+    )

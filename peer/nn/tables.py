@@ -40,7 +40,17 @@ CSV files are UTF-8 (a byte-order mark, as spreadsheets write, is skipped), sepa
 or by semicolons or tabs when the header line holds no comma; ``.tsv`` is tab-separated.
 
 Rows in messages are 1-based data rows, the header not counted; for CSV the spreadsheet row
-(header = row 1) is given as well.
+(header = row 1) is given as well. No message holds a value of a record — not a cell, not a
+category, not a list of them — only the file, the column, the row and counts: messages end up
+on terminals and in logs.
+
+Identifiers are no features. With the default features (every column but the label), a column
+that looks like an identifier is refused by name with the ``--features`` that leave it out
+(:func:`identifier_reason`: named like one, or holding a different non-float value in each of
+at least :data:`UNIQUE_MIN_RECORDS` records). As a categorical feature it would one-hot every
+record into an input of its own, write every value into the preprocessing, and meet only
+values the training never saw in held-out records. Columns named in ``features`` are taken as
+given; a label with a different value in each of at least that many records is refused.
 
 Privacy: the statistics a preprocessing holds (means, standard deviations, category lists,
 class list, fill values) are exact functions of the records it was fitted on, covered by no DP
@@ -226,16 +236,120 @@ def _kind_of(
         sheet = f" (spreadsheet row {r + 1})" if spreadsheet else ""
         what = "an infinite value" if infinite[i] else "a non-numeric value"
         hint = (
-            " (a decimal comma? numbers are written with a point: 12.5)"
+            " (written with a decimal comma? numbers are written with a point: 12.5)"
             if re.fullmatch(r"[-+]?\d+,\d+", text[i])
             else ""
         )
         raise InvalidArgument(
             f"{table_name}, column {name!r}, data row {r}{sheet}",
-            f"{what} {text[i]!r}{hint} in a numeric column ({int(is_number.sum())} of its cells are numbers; "
+            f"{what}{hint} in a numeric column ({int(is_number.sum())} of its cells are numbers; "
             f"{len(bad)} are not): fix the cell, or declare the column categorical (--categorical {name})",
         )
     return "numeric"
+
+
+#: a column name is an identifier's when one of its words (split at non-letters and camelCase,
+#: any case) is one of these ...
+IDENTIFIER_WORDS = frozenset(
+    {
+        "id",
+        "ids",
+        "uuid",
+        "guid",
+        "identifier",
+        "mrn",
+        "ssn",
+        "nhs",
+        "name",
+        "names",
+        "firstname",
+        "lastname",
+        "surname",
+        "fullname",
+        "email",
+        "phone",
+        "telephone",
+        "address",
+    }
+)
+#: ... or when it is one of these words alone, or with a word of NUMBER_WORDS, or run
+#: together with "id"/"no" (``patient``, ``subject_no``, ``PatientNumber``, ``patientid``)
+RECORD_WORDS = frozenset({"patient", "subject", "person", "participant", "record", "encounter", "customer"})
+NUMBER_WORDS = frozenset({"no", "nr", "num", "number", "code", "key", "ref", "index", "idx"})
+#: a column whose every record holds a different non-float value is an identifier only in a
+#: table of at least this many records (in a handful of rows, codes or ages are unique by chance)
+UNIQUE_MIN_RECORDS = 20
+_INTEGER_TEXT = re.compile(r"[-+]?\d+")
+
+
+def _name_words(name: str) -> list[str]:
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1 \2", name))
+    return [w.lower() for w in re.split(r"[^A-Za-z0-9]+", spaced) if w]
+
+
+def identifier_reason(name: str, text: np.ndarray, records: int) -> str | None:
+    """Why a column looks like an identifier rather than a feature, or None.
+
+    By its name (:data:`IDENTIFIER_WORDS`, :data:`RECORD_WORDS`), or by its values: with at
+    least :data:`UNIQUE_MIN_RECORDS` records, no cell missing and every cell different, and no
+    cell a non-integer number (text codes ``P0017``, integers ``100234``; a measured quantity
+    such as ``120.5`` is not an identifier even when unique). The reason names no value."""
+    words = _name_words(name)
+    if any(w in IDENTIFIER_WORDS for w in words):
+        return "its name"
+    if words and words[0] in RECORD_WORDS and all(w in NUMBER_WORDS for w in words[1:]):
+        return "its name"
+    if any(w.endswith(("id", "no")) and w[:-2] in RECORD_WORDS for w in words):
+        return "its name"
+    present = [t for t in text if t is not None]
+    unique = records >= UNIQUE_MIN_RECORDS and len(present) == records and len(set(present)) == records
+    if unique and not any(_is_float_text(t) for t in present):
+        return f"a different value in each of its {records} records"
+    return None
+
+
+def _is_float_text(t: str) -> bool:
+    if _INTEGER_TEXT.fullmatch(t):
+        return False
+    try:
+        float(t)
+    except ValueError:
+        return False
+    return True
+
+
+def _refuse_identifier_features(
+    source: str, chosen: list[str], cells: Mapping[str, tuple[np.ndarray, np.ndarray]], records: int
+) -> None:
+    """Refuse, by name, default feature columns that look like identifiers: a one-hot of an
+    identifier gives each record an input of its own and puts every value in the
+    preprocessing, and every held-out record's value is one the training never saw."""
+    flagged = {n: r for n in chosen if (r := identifier_reason(n, cells[n][0], records)) is not None}
+    if not flagged:
+        return
+    import shlex
+
+    rest = [n for n in chosen if n not in flagged]
+    which = ", ".join(f"{n!r} ({r})" for n, r in flagged.items())
+    many = len(flagged) > 1
+    hint = f"--features {' '.join(shlex.quote(n) for n in rest)}" if rest else "--features COL [COL ...]"
+    raise InvalidArgument(
+        f"{source}: features",
+        f"column{'s' if many else ''} {which} look{'' if many else 's'} like {'identifiers' if many else 'an identifier'}, "
+        "and by default every column but the label is a feature; an identifier is no feature (each record's "
+        f"value would be an input of its own): name the features, e.g. {hint} (in a scenario: features = [...] "
+        "in [data])",
+    )
+
+
+def _refuse_identifier_label(source: str, label: str, text: np.ndarray, records: int) -> None:
+    present = [t for t in text if t is not None]
+    if records >= UNIQUE_MIN_RECORDS and len(set(present)) == records:
+        raise InvalidArgument(
+            f"{source}: label {label!r}",
+            f"has a different value in each of its {records} records: it looks like an identifier, not a class "
+            "(a classifier needs classes shared by records); give the label column with --label",
+        )
 
 
 def _separator(path: Path, suffix: str) -> str:
@@ -375,6 +489,10 @@ def read_table(
             raise InvalidArgument(f"{source}: features", f"name a column twice: {chosen}")
     if not chosen:
         raise InvalidArgument(f"{source}: features", "no feature columns (the file holds only the label)")
+    if label is not None:
+        _refuse_identifier_label(source, label, cells[label][0], m)
+    if features is None and suffix != ".npz":  # npz columns are x's entries, not named columns
+        _refuse_identifier_features(source, chosen, cells, m)
     stray = [c for c in categorical if c not in chosen]
     if stray:
         raise InvalidArgument(
@@ -478,6 +596,12 @@ class Preprocessing:
             out += [c.name] if c.kind == "numeric" else [f"{c.name}={v}" for v in c.categories]
         return out
 
+    def describe_inputs(self, limit: int = 8) -> str:
+        """The input columns for a message: names, and a categorical column's number of
+        one-hot entries, never its categories (values of records): ``age, ward (3 one-hot), bp``."""
+        parts = [c.name if c.kind == "numeric" else f"{c.name} ({c.width} one-hot)" for c in self.columns]
+        return ", ".join(parts[:limit]) + (f", … ({len(parts)} columns)" if len(parts) > limit else "")
+
     def read(self, path: str | os.PathLike, *, labelled: bool = True) -> Table:
         """:func:`read_table` of a file with this preprocessing's columns, kinds and missing
         policy (and its label column when ``labelled``)."""
@@ -533,7 +657,7 @@ class Preprocessing:
         if len(classes) < 2:
             raise InvalidArgument(
                 f"{table.source}: label {table.label!r}",
-                f"has one class ({classes[0]!r}) in the training split; a classifier needs at least two",
+                "has one class in the training split; a classifier needs at least two",
             )
         fitted_on = {"file": Path(table.source).name, "sha256": table.digest, "rows": len(table), "split": split}
         width = sum(c.width for c in columns)
@@ -569,7 +693,7 @@ class Preprocessing:
                 if len(bad):
                     raise InvalidArgument(
                         table.where(c.name, int(bad[0])),
-                        f"{col.text[int(bad[0])]!r} is not a finite number (the column is numeric)",
+                        "is not a finite number (the column is numeric)",
                     )
                 values[holes] = float(c.fill) if c.fill is not None else 0.0
                 x[:, offset] = (values - c.mean) / c.std
@@ -582,8 +706,9 @@ class Preprocessing:
                         if self.unseen == "refuse":
                             raise InvalidArgument(
                                 table.where(c.name, i),
-                                f"category {t!r} was not in the training split (known: {list(c.categories)}); "
-                                "the preprocessing was fitted to refuse unseen categories",
+                                f"holds a category the training split never saw (it saw {len(c.categories)}); "
+                                "the preprocessing was fitted to refuse unseen categories (--allow-unseen: "
+                                "all-zero one-hot instead)",
                             )
                         continue  # all-zero one-hot, as the training asked
                     x[i, offset + k] = 1.0
@@ -608,7 +733,7 @@ class Preprocessing:
             k = index.get(key)
             if k is None:
                 raise InvalidArgument(
-                    table.where(table.label, i), f"label {t!r} is not one of the model's classes {list(self.classes)}"
+                    table.where(table.label, i), f"the label is not one of the model's {len(self.classes)} classes"
                 )
             y[i] = k
         return y
@@ -650,7 +775,10 @@ class Preprocessing:
                 or all(isinstance(v, str) for v in classes)
             )
         ):
-            bad("classes", f"must be at least two distinct labels, all integers or all strings, got {classes!r}")
+            bad(
+                "classes",
+                f"must be at least two distinct labels, all integers or all strings, got {_shape_of(classes)}",
+            )
         unseen = data.get("unseen", "refuse")
         if unseen not in ("refuse", "zeros"):
             bad("unseen", f"must be 'refuse' or 'zeros', got {unseen!r}")
@@ -665,7 +793,7 @@ class Preprocessing:
                 or not isinstance(c.get("name"), str)
                 or c.get("kind") not in ("numeric", "categorical")
             ):
-                bad(w, f"must have a name and kind 'numeric' or 'categorical', got {c!r}")
+                bad(w, f"must have a name and kind 'numeric' or 'categorical', got {_shape_of(c)}")
             fill = c.get("fill")
             if c["kind"] == "numeric":
                 mean, std = c.get("mean"), c.get("std")
@@ -689,9 +817,9 @@ class Preprocessing:
                     or not all(isinstance(v, str) for v in cats)
                     or len(set(cats)) != len(cats)
                 ):
-                    bad(f"{w}.categories", f"must be a non-empty list of distinct strings, got {cats!r}")
+                    bad(f"{w}.categories", f"must be a non-empty list of distinct strings, got {_shape_of(cats)}")
                 if fill is not None and fill not in cats:
-                    bad(f"{w}.fill", f"must be one of the categories or null, got {fill!r}")
+                    bad(f"{w}.fill", "must be one of the categories or null")
                 columns.append(ColumnPrep(c["name"], "categorical", categories=tuple(cats), fill=fill))
         names = [c.name for c in columns]
         if len(set(names)) != len(names) or label in names:
@@ -707,6 +835,18 @@ class Preprocessing:
         if not isinstance(fitted_on, Mapping):
             bad("fitted_on", "must be an object")
         return cls(label, tuple(classes), tuple(columns), unseen, shape, dict(fitted_on))
+
+
+def _shape_of(value: Any) -> str:
+    """What a malformed value is, without its contents (a preprocessing's categories and
+    classes are values of records): its type, its length, and for a list the element types."""
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        distinct = len({repr(v) for v in value})
+        return f"a list of {len(value)} ({distinct} distinct; {', '.join(kinds) or 'empty'})"
+    if isinstance(value, Mapping):
+        return f"an object with keys {sorted(map(str, value))}"
+    return f"a {type(value).__name__}"
 
 
 def _classes(table: Table) -> tuple[int | str, ...]:
@@ -741,7 +881,7 @@ def architecture_for(
         if arch["input_dim"] != preprocessing.width:
             raise InvalidArgument(
                 "architecture.input_dim",
-                f"is {arch['input_dim']!r} but the prepared records have {preprocessing.width} entries ({preprocessing.input_names()[:8]}…)",
+                f"is {arch['input_dim']!r} but the prepared records have {preprocessing.width} entries ({preprocessing.describe_inputs()})",
             )
     elif kind == "cnn":
         shape = preprocessing.input_shape
@@ -769,7 +909,7 @@ def architecture_for(
     if arch["output_dim"] != preprocessing.num_classes:
         raise InvalidArgument(
             "architecture.output_dim",
-            f"is {arch['output_dim']!r} but the label has {preprocessing.num_classes} classes {list(preprocessing.classes)}",
+            f"is {arch['output_dim']!r} but the label has {preprocessing.num_classes} classes",
         )
     return validate_architecture(arch)
 

@@ -39,7 +39,10 @@ Supported (anything else is refused, naming the fx node):
 
 Refused: unknown modules (attention, RNNs, embeddings, …) and functions, parameters used
 directly (``get_attr``), slicing, concatenation, reshapes that mix axes, and a module called
-twice on tensors of different groups unless the groups can be merged.
+twice on tensors of different groups unless the groups can be merged. Before any of that, a
+module whose state dict names one tensor under two keys (:func:`state_aliases`: a submodule
+under two attribute names, tied weights, a shared buffer) is refused naming the keys: units
+are tensors, not keys, and every step downstream takes each key for a tensor of its own.
 
 Why ``torch.fx.symbolic_trace`` rather than ``torch.export``: fx keeps ``nn`` modules as
 ``call_module`` nodes named by their attribute path — exactly the site's own state-dict prefix —
@@ -391,11 +394,81 @@ def trace_module(module: nn.Module, input_shape: Sequence[int]) -> fx.GraphModul
     return gm
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes of ``t``'s storage that ``t`` can read (every stride counted)."""
+    size = t.element_size()
+    first = t.storage_offset() * size
+    low = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s > 0)
+    return first + low * size, first + (high + 1) * size
+
+
+def state_aliases(module: nn.Module) -> list[tuple[str, ...]]:
+    """The state-dict keys of ``module`` that name one tensor, as sets of two or more keys (in
+    state-dict order): a submodule reachable under two attribute names (``self.shortcut =
+    self.skip``), a parameter assigned to two modules (tied weights: ``head.weight =
+    embedding.weight``), a buffer registered twice, or two tensors whose memory overlaps.
+
+    ``Module.state_dict`` lists such a tensor once per name (it does not deduplicate, unlike
+    ``named_parameters()``/``named_modules()``, whose default ``remove_duplicate=True`` keeps the
+    first name only — which is also the name ``torch.fx`` gives the module's calls); so
+    without this check every name becomes a unit of its own and one tensor is released, with
+    independent noise, once per name. Found from the tensors themselves
+    (``state_dict(keep_vars=True)``: identity, then overlapping bytes of one storage), never
+    from their values. Empty tensors hold nothing and alias nothing."""
+    by_storage: dict[tuple[Any, int], list[tuple[str, int, int]]] = {}
+    order: list[str] = []
+    for key, t in module.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_meta or t.layout != torch.strided:
+            continue
+        first, last = _byte_span(t)
+        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((key, first, last))
+        order.append(key)
+    parent = {k: k for k in order}
+
+    def root(k: str) -> str:
+        while parent[k] != k:
+            k = parent[k]
+        return k
+
+    for spans in by_storage.values():
+        for i, (a, fa, la) in enumerate(spans):
+            for b, fb, lb in spans[i + 1 :]:
+                if fa < lb and fb < la and root(a) != root(b):
+                    parent[root(b)] = root(a)
+    sets: dict[str, list[str]] = {}
+    for k in order:
+        sets.setdefault(root(k), []).append(k)
+    return [tuple(v) for v in sets.values() if len(v) > 1]
+
+
+def check_no_aliases(module: nn.Module, where: str = "model") -> None:
+    """Refuse a module whose state dict names one tensor under two keys (:func:`state_aliases`),
+    naming the keys. A released unit is a tensor's rows, not a key's: a tensor under two names
+    would be released twice, with independent noise, under a record that charges it once —
+    two (ε, δ) releases of one row (at ε = 4, δ = 1e-5: ε = 5.99 by composition; the average
+    of the two copies has 1/√2 of the noise). Refusing keeps every downstream step (matching,
+    fusion, DP-SGD, export under the site's names) one tensor per key."""
+    aliases = state_aliases(module)
+    if aliases:
+        shown = "; ".join(" = ".join(repr(k) for k in keys) for keys in aliases[:4])
+        more = f"; and {len(aliases) - 4} more" if len(aliases) > 4 else ""
+        raise Unsupported(
+            f"{where}.state_dict",
+            f"names one tensor under several keys ({shown}{more}): a parameter or buffer under two names (a "
+            "submodule assigned to two attributes, e.g. self.shortcut = self.skip, or tied weights) would be "
+            "released once per name, with independent noise, under a charge for one release; register it under one "
+            "name (call the one module twice in forward) and give weights without the duplicate keys",
+        )
+
+
 def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> PermutationStructure:
-    """The permutation groups of ``module`` (not yet proven: see :func:`import_structure`)."""
+    """The permutation groups of ``module`` (not yet proven: see :func:`import_structure`).
+    A module with aliased state-dict keys is refused first (:func:`check_no_aliases`)."""
     input_shape = tuple(int(d) for d in input_shape)
     if not input_shape or any(d <= 0 for d in input_shape):
         raise InvalidArgument("input_shape", f"must be a non-empty list of positive integers, got {list(input_shape)}")
+    check_no_aliases(module)
     gm = trace_module(module, input_shape)
     modules = dict(gm.named_modules())
     uf = _Union()

@@ -150,6 +150,112 @@ class WithConcat(nn.Module):
         return self.out(torch.cat([self.a(x), self.b(x)], dim=1))
 
 
+class AliasedSkip(nn.Module):
+    """One Linear under two attribute names (``self.shortcut = self.skip``): ``state_dict``
+    lists ``skip.*`` and ``shortcut.*``, one tensor each; fx calls both ``skip``. Its units are
+    all fixed (inputs to outputs), so the self-check alone passes it."""
+
+    def __init__(self, n_in=4, n_out=3):
+        super().__init__()
+        self.skip = nn.Linear(n_in, n_out)
+        self.shortcut = self.skip
+
+    def forward(self, x):
+        return self.skip(x) + self.shortcut(x)
+
+
+class AliasedHidden(nn.Module):
+    """An aliased hidden layer (the self-check would fail on it, for a reason it cannot name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.skip = nn.Linear(8, 8)
+        self.shortcut = self.skip
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.out(self.skip(h) + self.shortcut(h))
+
+
+class TiedLinear(nn.Module):
+    """Two layers sharing one weight Parameter (tied weights); their biases are their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.l1 = nn.Linear(8, 8)
+        self.l2 = nn.Linear(8, 8)
+        self.l2.weight = self.l1.weight
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.l2(torch.relu(self.l1(torch.relu(self.a(x)))))))
+
+
+class TiedEmbeddingHead(nn.Module):
+    """A language-model habit: the output layer's weight is the embedding's."""
+
+    def __init__(self, vocab=10, width=6):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, x):
+        return self.head(self.embedding(x).mean(dim=1))
+
+
+class SharedRunningMean(nn.Module):
+    """Two BatchNorms holding one running-mean buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.bn1 = nn.BatchNorm1d(8)
+        self.bn2 = nn.BatchNorm1d(8)
+        self.bn2.running_mean = self.bn1.running_mean
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.bn2(self.bn1(self.a(x))))
+
+
+class OverlappingViews(nn.Module):
+    """Two Parameter objects over the same memory (a view, not the same object)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = nn.Parameter(self.a.weight.detach().t())
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class SameStorageDisjoint(nn.Module):
+    """Two parameters cut from one buffer without overlapping (a fused tensor split in two):
+    distinct values, no alias."""
+
+    def __init__(self):
+        super().__init__()
+        flat = torch.randn(2, 3, 4)
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 3)
+        self.a.weight = nn.Parameter(flat[0])
+        self.b.weight = nn.Parameter(flat[1, :, :3])
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def aliased_skip():
+    torch.manual_seed(0)
+    return AliasedSkip()
+
+
 def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
     """Give every normalisation layer non-trivial affine parameters and running statistics,
     so that a structure missing one of their axes changes the outputs."""

@@ -6,7 +6,8 @@ privacy profile), ``rs`` and ``lc`` (merges; LC is charged the composition of it
 all declare state-independent gradients), ``targets`` (choose π / λ for a target ε: from a
 public prior, or by measured utility charged as the composition of the scored models),
 ``release_accounting`` (interpret ReleaseRecords: ``rdp_of_record``, ``pld_of_record``; build
-the data-level ones).
+the data-level ones), ``skellam`` (the Skellam mechanism of secure aggregation: RDP, Poisson
+subsampling, steps).
 """
 
 from peer.dp.accounting.conversions import (
@@ -36,12 +37,14 @@ from peer.dp.accounting.profiles import PrivacyProfile, model_delta, model_epsil
 from peer.dp.accounting.release_accounting import (
     dpsgd_record,
     lc_merge_record,
+    pld_fallbacks,
     pld_of_record,
     rdp_of_record,
     record_epsilon,
     rs_merge_record,
 )
 from peer.dp.accounting.rs import composition_epsilon, rs_delta, rs_epsilon, rs_pld, rs_profiles, rs_rdp
+from peer.dp.accounting.skellam import rdp_skellam, rdp_skellam_steps, rdp_subsampled_skellam
 from peer.dp.accounting.targets import (
     Selection,
     UnreachableTarget,
@@ -97,11 +100,15 @@ __all__ = [
     "lc_surrogate_mu",
     "model_delta",
     "model_epsilon",
+    "pld_fallbacks",
     "pld_of_record",
     "privacy_prior",
     "privacy_profile",
     "privacy_profiles",
     "rdp_of_record",
+    "rdp_skellam",
+    "rdp_skellam_steps",
+    "rdp_subsampled_skellam",
     "rdp_to_delta",
     "rdp_to_epsilon",
     "record_epsilon",

@@ -14,9 +14,14 @@ The accountant reads only the record: mechanism, parameters, sensitivity and uni
   components (for each pair the divergence is that of the one component that changed). PLD: a
   single PLD dominating every component is needed. We return the dominating component's PLD when
   the components are ordered by one parameter (all Gaussian: largest μ; all Laplace: largest ε;
-  pure ε-DP kinds — multibit and Laplace — randomised response with the largest ε); otherwise we
-  fall back to the sequential composition of the components, which dominates each of them (sound,
-  conservative), and the docstring of ``pld_of_record`` says so.
+  pure ε-DP kinds — multibit and Laplace — randomised response with the largest ε), or when one
+  component dominates every other one mechanism by mechanism (``_dominates``: each is a
+  sequential composition of Gaussian / Laplace / multibit releases, and the other's can be
+  matched one to one to its own of the same kind with a parameter at least as large — a
+  features release's layers, (Laplace ε_x then multibit ε_w) each, against its output layer's
+  multibit ε_w). Otherwise we fall back to the sequential composition of the components, which
+  dominates each of them (sound, conservative, and possibly above the RDP figure, which takes
+  the maximum exactly); :func:`pld_fallbacks` counts where that happened so reports can say so.
 - ``dpsgd``: the TrainingRecord in ``parameters["training"]``, accounted under the record's unit.
 - ``rs-merge`` / ``lc-merge``: the RS / LC accountants on the listed models and weights. An LC
   merge is interpreted by its charged, proven bound (``lc.lc_rdp`` / ``lc.lc_pld``): the
@@ -197,6 +202,67 @@ def _parallel_family(record: ReleaseRecord) -> tuple[str, float] | None:
     return None
 
 
+def _leaves(record: ReleaseRecord) -> dict[str, list[float]] | None:
+    """The releases a component composes sequentially, by ordered family ({"gaussian": [μ…],
+    "laplace": [ε…], "pure": [ε…]}), or None when it holds anything else."""
+    family = _parallel_family(record)
+    if family is not None:
+        return {family[0]: [family[1]]}
+    if record.mechanism != "composite" or record.parameters.get("composition") != "sequential":
+        return None
+    out: dict[str, list[float]] = {}
+    for c in record.components:
+        sub = _leaves(c)
+        if sub is None:
+            return None
+        for kind, values in sub.items():
+            out.setdefault(kind, []).extend(values)
+    return out
+
+
+def _dominates(a: dict[str, list[float]], b: dict[str, list[float]]) -> bool:
+    """Whether the sequential composition ``a`` dominates ``b``: every release of ``b`` is matched
+    to its own release of ``a`` of the same family with a parameter at least as large (sorted
+    descending, elementwise — the test for such a matching). Sound because each family is
+    ordered (a larger μ or ε is a more informative mechanism of the same kind), composition
+    preserves that order (Dong, Roth & Su 2022, Lemma 3.3 on trade-off functions), and the
+    releases of ``a`` left unmatched only add to it."""
+    for kind, theirs in b.items():
+        ours = sorted(a.get(kind, ()), reverse=True)
+        theirs = sorted(theirs, reverse=True)
+        if len(theirs) > len(ours) or any(x < y for x, y in zip(ours, theirs, strict=False)):
+            return False
+    return True
+
+
+def _dominant_component(record: ReleaseRecord) -> ReleaseRecord | None:
+    """The component of a parallel composite that dominates every other (``_dominates``), or None."""
+    leaves = [_leaves(c) for c in record.components]
+    if any(x is None for x in leaves):
+        return None
+    for i, a in enumerate(leaves):
+        if all(_dominates(a, b) for b in leaves):
+            return record.components[i]
+    return None
+
+
+def pld_fallbacks(record: ReleaseRecord) -> int:
+    """How many parallel composites in ``record`` get the conservative PLD of
+    :func:`pld_of_record` (the sequential composition of their parts: no part dominates)."""
+    if record.mechanism != "composite":
+        return 0
+    inner = sum(pld_fallbacks(c) for c in record.components)
+    if record.parameters.get("composition") != "parallel":
+        return inner
+    families = [_parallel_family(c) for c in record.components]
+    if all(f is not None for f in families) and (
+        {f[0] for f in families} in ({"gaussian"}, {"laplace"}) or {f[0] for f in families} <= {"laplace", "pure"}
+    ):
+        return inner
+    dominant = _dominant_component(record)
+    return pld_fallbacks(dominant) if dominant is not None else inner + 1
+
+
 def rdp_of_record(record: ReleaseRecord, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
     """RDP ε at each order of the release described by ``record`` (module docstring per kind).
 
@@ -254,8 +320,9 @@ def pld_of_record(record: ReleaseRecord, value_discretization_interval: float = 
     """A dp-accounting PrivacyLossDistribution (pessimistic) of the release described by ``record``.
 
     ``parallel`` composites: the dominating component's PLD when the components form one ordered
-    family (module docstring); otherwise the sequential composition of the components — sound but
-    conservative (the lead's ledger sees a larger ε than the true worst component).
+    family, or when one component dominates every other release by release (module docstring);
+    otherwise the sequential composition of the components — sound but conservative (a larger
+    ε than the true worst component; :func:`pld_fallbacks` counts where).
     """
     interval = pldm.check_interval(value_discretization_interval)
     if not isinstance(record, ReleaseRecord):
@@ -285,6 +352,9 @@ def pld_of_record(record: ReleaseRecord, value_discretization_interval: float = 
             if kinds <= {"laplace", "pure"}:
                 # Laplace(ε) is ε-DP, hence dominated by randomised response with the same ε.
                 return pldm.approx_dp_pld(max(f[1] for f in families), 0.0, interval)
+        dominant = _dominant_component(record)
+        if dominant is not None:
+            return pld_of_record(dominant, interval)
         return pldm.compose_plds([pld_of_record(c, interval) for c in record.components], interval)
     if kind == "dpsgd":
         training, adjacency = _dpsgd_training(record)

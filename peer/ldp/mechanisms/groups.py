@@ -32,6 +32,13 @@ below is per unit and parallel over units (disjoint rows), as for the layered re
   released parameter takes at most three values (the rectifier's levels times its scale), so
   the matcher's exact few-valued expansion applies.
 
+Units are tensors, not keys: every key of the structure must be a tensor of its own, or one
+tensor's rows would be released once per key with independent noise under one charge. The
+structure cannot show that (it holds names and shapes); the site's module can, and it is
+checked wherever a module is built or imported (``peer.nn.tracing.check_no_aliases``: import,
+``peer.nn.imported.build_module``, ``load_site_state``; the daemon builds it for a weights
+release too), so an aliased network never reaches these functions through the site.
+
 Public: the structure (names, shapes, groups), ``clip``, the scales and clip norms, ε, δ.
 """
 

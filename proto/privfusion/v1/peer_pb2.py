@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from privfusion.v1 import tensor_pb2 as privfusion_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18privfusion/v1/peer.proto\x12\rprivfusion.v1\x1a\x1aprivfusion/v1/tensor.proto\"G\n\rRequestHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x10\n\x08receiver\x18\x02 \x01(\t\x12\x14\n\x0con_behalf_of\x18\x03 \x01(\t\"\xe7\x01\n\x07Receipt\x12\x0e\n\x06signer\x18\x01 \x01(\t\x12\x17\n\x0fledger_entry_id\x18\x02 \x01(\t\x12\x13\n\x0brecord_json\x18\x03 \x01(\x0c\x12,\n\x07tensors\x18\x04 \x03(\x0b\x32\x1b.privfusion.v1.TensorDigest\x12\x1b\n\x13signature_algorithm\x18\x05 \x01(\t\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x17\n\x0fmanifest_sha256\x18\x07 \x01(\x0c\x12\x14\n\x0cserved_again\x18\x08 \x01(\t\x12\x11\n\tserved_to\x18\t \x01(\t\"\xe3\x01\n\x0fReleaseManifest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x03 \x01(\t\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12\x14\n\x0ctensor_count\x18\x05 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12(\n\x08upstream\x18\x07 \x03(\x0b\x32\x16.privfusion.v1.Receipt\x12,\n\x07tensors\x18\x08 \x03(\x0b\x32\x1b.privfusion.v1.TensorHeader\"7\n\nReleaseEnd\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\"\xfc\x01\n\x0cReleaseFrame\x12)\n\x07receipt\x18\x01 \x01(\x0b\x32\x16.privfusion.v1.ReceiptH\x00\x12\x32\n\x08manifest\x18\x02 \x01(\x0b\x32\x1e.privfusion.v1.ReleaseManifestH\x00\x12-\n\x06tensor\x18\x03 \x01(\x0b\x32\x1b.privfusion.v1.TensorHeaderH\x00\x12+\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x1a.privfusion.v1.TensorChunkH\x00\x12(\n\x03\x65nd\x18\x05 \x01(\x0b\x32\x19.privfusion.v1.ReleaseEndH\x00\x42\x07\n\x05\x66rame\"B\n\x12GetPeerInfoRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\"\x8d\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x03\x12\x14\n\x0chidden_sizes\x18\x04 \x03(\x03\x12(\n\x06layers\x18\x05 \x03(\x0b\x32\x18.privfusion.v1.LayerInfo\"a\n\tLayerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0cweight_shape\x18\x03 \x03(\x03\x12\x12\n\nbias_shape\x18\x04 \x03(\x03\x12\x0e\n\x06hidden\x18\x05 \x01(\x08\"U\n\x08PoolInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x02 \x01(\t\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x0f\n\x07methods\x18\x04 \x03(\t\"\x9b\x01\n\nBudgetInfo\x12\x0e\n\x06\x62udget\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\x12\x15\n\repsilon_limit\x18\x03 \x01(\x01\x12\x13\n\x0b\x64\x65lta_limit\x18\x04 \x01(\x01\x12\x15\n\repsilon_spent\x18\x05 \x01(\x01\x12\x19\n\x11\x65psilon_remaining\x18\x06 \x01(\x01\x12\x10\n\x08releases\x18\x07 \x01(\x03\"\xc9\x02\n\x08PeerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x65rtificate_sha256\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x10\n\x08insecure\x18\x04 \x01(\x08\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.privfusion.v1.ModelInfo\x12&\n\x05pools\x18\x06 \x03(\x0b\x32\x17.privfusion.v1.PoolInfo\x12\x12\n\nmechanisms\x18\x07 \x03(\t\x12*\n\x07\x62udgets\x18\x08 \x03(\x0b\x32\x19.privfusion.v1.BudgetInfo\x12\x15\n\rhas_probe_set\x18\t \x01(\x08\x12\x17\n\x0fmax_chunk_bytes\x18\n \x01(\x03\x12-\n\x08unusable\x18\x0b \x03(\x0b\x32\x1b.privfusion.v1.UnusableFile\",\n\x0cUnusableFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x91\x03\n\x0e\x46\x65\x61turesParams\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x63tivation_epsilon\x18\x03 \x01(\x01\x12\x16\n\x0eweight_epsilon\x18\x04 \x01(\x01\x12\x0c\n\x04unit\x18\x05 \x01(\t\x12 \n\x13\x61\x63tivation_clip_low\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x61\x63tivation_clip_high\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cweight_bound\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fweights_epsilon\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rweights_delta\x18\n \x01(\x01H\x04\x88\x01\x01\x42\x16\n\x14_activation_clip_lowB\x17\n\x15_activation_clip_highB\x0f\n\r_weight_boundB\x12\n\x10_weights_epsilonB\x10\n\x0e_weights_delta\"\xa5\x01\n\x0f\x46\x65\x61turesRequest\x12/\n\x06params\x18\x01 \x01(\x0b\x32\x1d.privfusion.v1.FeaturesParamsH\x00\x12,\n\x05probe\x18\x02 \x01(\x0b\x32\x1b.privfusion.v1.TensorHeaderH\x00\x12+\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1a.privfusion.v1.TensorChunkH\x00\x42\x06\n\x04part\"\x81\x01\n\x0eWeightsRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01J\x04\x08\x05\x10\x06R\x0cpermutations\"z\n\x0cMergeRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\"q\n\x0eSegmentRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\x0b\n\x03run\x18\x02 \x01(\t\x12\x11\n\tmin_round\x18\x03 \x01(\x05\x12\x11\n\tmax_round\x18\x04 \x01(\x05\"\xe5\x01\n\x0b\x46useRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07partner\x18\x03 \x01(\t\x12\x15\n\rpartner_model\x18\x04 \x01(\t\x12\r\n\x05\x61lpha\x18\x05 \x01(\x01\x12\x1a\n\x12\x61\x63tivation_epsilon\x18\x06 \x01(\x01\x12\x16\n\x0eweight_epsilon\x18\x07 \x01(\x01\x12\x17\n\x0fweights_epsilon\x18\x08 \x01(\x01\x12\x15\n\rweights_delta\x18\t \x01(\x01\"=\n\rLedgerRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\"^\n\x0bLedgerEntry\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x13\n\x0brecord_json\x18\x02 \x01(\x0c\x12\x14\n\x0c\x63ounterparty\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\t2\x9f\x04\n\x04Peer\x12I\n\x0bGetPeerInfo\x12!.privfusion.v1.GetPeerInfoRequest\x1a\x17.privfusion.v1.PeerInfo\x12R\n\x0fReleaseFeatures\x12\x1e.privfusion.v1.FeaturesRequest\x1a\x1b.privfusion.v1.ReleaseFrame(\x01\x30\x01\x12N\n\x0eReleaseWeights\x12\x1d.privfusion.v1.WeightsRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12K\n\rReleaseMerged\x12\x1b.privfusion.v1.MergeRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12\x41\n\x04\x46use\x12\x1a.privfusion.v1.FuseRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12H\n\nListLedger\x12\x1c.privfusion.v1.LedgerRequest\x1a\x1a.privfusion.v1.LedgerEntry0\x01\x12N\n\x0eReleaseSegment\x12\x1d.privfusion.v1.SegmentRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18privfusion/v1/peer.proto\x12\rprivfusion.v1\x1a\x1aprivfusion/v1/tensor.proto\"G\n\rRequestHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x10\n\x08receiver\x18\x02 \x01(\t\x12\x14\n\x0con_behalf_of\x18\x03 \x01(\t\"\x90\x02\n\x07Receipt\x12\x0e\n\x06signer\x18\x01 \x01(\t\x12\x17\n\x0fledger_entry_id\x18\x02 \x01(\t\x12\x13\n\x0brecord_json\x18\x03 \x01(\x0c\x12,\n\x07tensors\x18\x04 \x03(\x0b\x32\x1b.privfusion.v1.TensorDigest\x12\x1b\n\x13signature_algorithm\x18\x05 \x01(\t\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x17\n\x0fmanifest_sha256\x18\x07 \x01(\x0c\x12\x14\n\x0cserved_again\x18\x08 \x01(\t\x12\x11\n\tserved_to\x18\t \x01(\t\x12\x12\n\nledger_seq\x18\n \x01(\x04\x12\x13\n\x0bledger_head\x18\x0b \x01(\x0c\"\xe3\x01\n\x0fReleaseManifest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x03 \x01(\t\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12\x14\n\x0ctensor_count\x18\x05 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12(\n\x08upstream\x18\x07 \x03(\x0b\x32\x16.privfusion.v1.Receipt\x12,\n\x07tensors\x18\x08 \x03(\x0b\x32\x1b.privfusion.v1.TensorHeader\"7\n\nReleaseEnd\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\"\xfc\x01\n\x0cReleaseFrame\x12)\n\x07receipt\x18\x01 \x01(\x0b\x32\x16.privfusion.v1.ReceiptH\x00\x12\x32\n\x08manifest\x18\x02 \x01(\x0b\x32\x1e.privfusion.v1.ReleaseManifestH\x00\x12-\n\x06tensor\x18\x03 \x01(\x0b\x32\x1b.privfusion.v1.TensorHeaderH\x00\x12+\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x1a.privfusion.v1.TensorChunkH\x00\x12(\n\x03\x65nd\x18\x05 \x01(\x0b\x32\x19.privfusion.v1.ReleaseEndH\x00\x42\x07\n\x05\x66rame\"B\n\x12GetPeerInfoRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\"\x8d\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x03\x12\x14\n\x0chidden_sizes\x18\x04 \x03(\x03\x12(\n\x06layers\x18\x05 \x03(\x0b\x32\x18.privfusion.v1.LayerInfo\"a\n\tLayerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0cweight_shape\x18\x03 \x03(\x03\x12\x12\n\nbias_shape\x18\x04 \x03(\x03\x12\x0e\n\x06hidden\x18\x05 \x01(\x08\"U\n\x08PoolInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x61rchitecture_json\x18\x02 \x01(\t\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x0f\n\x07methods\x18\x04 \x03(\t\"\x9b\x01\n\nBudgetInfo\x12\x0e\n\x06\x62udget\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\x12\x15\n\repsilon_limit\x18\x03 \x01(\x01\x12\x13\n\x0b\x64\x65lta_limit\x18\x04 \x01(\x01\x12\x15\n\repsilon_spent\x18\x05 \x01(\x01\x12\x19\n\x11\x65psilon_remaining\x18\x06 \x01(\x01\x12\x10\n\x08releases\x18\x07 \x01(\x03\"\xc9\x02\n\x08PeerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x65rtificate_sha256\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x10\n\x08insecure\x18\x04 \x01(\x08\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.privfusion.v1.ModelInfo\x12&\n\x05pools\x18\x06 \x03(\x0b\x32\x17.privfusion.v1.PoolInfo\x12\x12\n\nmechanisms\x18\x07 \x03(\t\x12*\n\x07\x62udgets\x18\x08 \x03(\x0b\x32\x19.privfusion.v1.BudgetInfo\x12\x15\n\rhas_probe_set\x18\t \x01(\x08\x12\x17\n\x0fmax_chunk_bytes\x18\n \x01(\x03\x12-\n\x08unusable\x18\x0b \x03(\x0b\x32\x1b.privfusion.v1.UnusableFile\",\n\x0cUnusableFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x91\x03\n\x0e\x46\x65\x61turesParams\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x63tivation_epsilon\x18\x03 \x01(\x01\x12\x16\n\x0eweight_epsilon\x18\x04 \x01(\x01\x12\x0c\n\x04unit\x18\x05 \x01(\t\x12 \n\x13\x61\x63tivation_clip_low\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x61\x63tivation_clip_high\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cweight_bound\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fweights_epsilon\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\rweights_delta\x18\n \x01(\x01H\x04\x88\x01\x01\x42\x16\n\x14_activation_clip_lowB\x17\n\x15_activation_clip_highB\x0f\n\r_weight_boundB\x12\n\x10_weights_epsilonB\x10\n\x0e_weights_delta\"\xa5\x01\n\x0f\x46\x65\x61turesRequest\x12/\n\x06params\x18\x01 \x01(\x0b\x32\x1d.privfusion.v1.FeaturesParamsH\x00\x12,\n\x05probe\x18\x02 \x01(\x0b\x32\x1b.privfusion.v1.TensorHeaderH\x00\x12+\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1a.privfusion.v1.TensorChunkH\x00\x42\x06\n\x04part\"\x81\x01\n\x0eWeightsRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01J\x04\x08\x05\x10\x06R\x0cpermutations\"z\n\x0cMergeRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x01\"q\n\x0eSegmentRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\x0b\n\x03run\x18\x02 \x01(\t\x12\x11\n\tmin_round\x18\x03 \x01(\x05\x12\x11\n\tmax_round\x18\x04 \x01(\x05\"\xe5\x01\n\x0b\x46useRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07partner\x18\x03 \x01(\t\x12\x15\n\rpartner_model\x18\x04 \x01(\t\x12\r\n\x05\x61lpha\x18\x05 \x01(\x01\x12\x1a\n\x12\x61\x63tivation_epsilon\x18\x06 \x01(\x01\x12\x16\n\x0eweight_epsilon\x18\x07 \x01(\x01\x12\x17\n\x0fweights_epsilon\x18\x08 \x01(\x01\x12\x15\n\rweights_delta\x18\t \x01(\x01\"=\n\rLedgerRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.privfusion.v1.RequestHeader\"^\n\x0bLedgerEntry\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x13\n\x0brecord_json\x18\x02 \x01(\x0c\x12\x14\n\x0c\x63ounterparty\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\t2\x9f\x04\n\x04Peer\x12I\n\x0bGetPeerInfo\x12!.privfusion.v1.GetPeerInfoRequest\x1a\x17.privfusion.v1.PeerInfo\x12R\n\x0fReleaseFeatures\x12\x1e.privfusion.v1.FeaturesRequest\x1a\x1b.privfusion.v1.ReleaseFrame(\x01\x30\x01\x12N\n\x0eReleaseWeights\x12\x1d.privfusion.v1.WeightsRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12K\n\rReleaseMerged\x12\x1b.privfusion.v1.MergeRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12\x41\n\x04\x46use\x12\x1a.privfusion.v1.FuseRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x12H\n\nListLedger\x12\x1c.privfusion.v1.LedgerRequest\x1a\x1a.privfusion.v1.LedgerEntry0\x01\x12N\n\x0eReleaseSegment\x12\x1d.privfusion.v1.SegmentRequest\x1a\x1b.privfusion.v1.ReleaseFrame0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,43 +35,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTHEADER']._serialized_start=71
   _globals['_REQUESTHEADER']._serialized_end=142
   _globals['_RECEIPT']._serialized_start=145
-  _globals['_RECEIPT']._serialized_end=376
-  _globals['_RELEASEMANIFEST']._serialized_start=379
-  _globals['_RELEASEMANIFEST']._serialized_end=606
-  _globals['_RELEASEEND']._serialized_start=608
-  _globals['_RELEASEEND']._serialized_end=663
-  _globals['_RELEASEFRAME']._serialized_start=666
-  _globals['_RELEASEFRAME']._serialized_end=918
-  _globals['_GETPEERINFOREQUEST']._serialized_start=920
-  _globals['_GETPEERINFOREQUEST']._serialized_end=986
-  _globals['_MODELINFO']._serialized_start=989
-  _globals['_MODELINFO']._serialized_end=1130
-  _globals['_LAYERINFO']._serialized_start=1132
-  _globals['_LAYERINFO']._serialized_end=1229
-  _globals['_POOLINFO']._serialized_start=1231
-  _globals['_POOLINFO']._serialized_end=1316
-  _globals['_BUDGETINFO']._serialized_start=1319
-  _globals['_BUDGETINFO']._serialized_end=1474
-  _globals['_PEERINFO']._serialized_start=1477
-  _globals['_PEERINFO']._serialized_end=1806
-  _globals['_UNUSABLEFILE']._serialized_start=1808
-  _globals['_UNUSABLEFILE']._serialized_end=1852
-  _globals['_FEATURESPARAMS']._serialized_start=1855
-  _globals['_FEATURESPARAMS']._serialized_end=2256
-  _globals['_FEATURESREQUEST']._serialized_start=2259
-  _globals['_FEATURESREQUEST']._serialized_end=2424
-  _globals['_WEIGHTSREQUEST']._serialized_start=2427
-  _globals['_WEIGHTSREQUEST']._serialized_end=2556
-  _globals['_MERGEREQUEST']._serialized_start=2558
-  _globals['_MERGEREQUEST']._serialized_end=2680
-  _globals['_SEGMENTREQUEST']._serialized_start=2682
-  _globals['_SEGMENTREQUEST']._serialized_end=2795
-  _globals['_FUSEREQUEST']._serialized_start=2798
-  _globals['_FUSEREQUEST']._serialized_end=3027
-  _globals['_LEDGERREQUEST']._serialized_start=3029
-  _globals['_LEDGERREQUEST']._serialized_end=3090
-  _globals['_LEDGERENTRY']._serialized_start=3092
-  _globals['_LEDGERENTRY']._serialized_end=3186
-  _globals['_PEER']._serialized_start=3189
-  _globals['_PEER']._serialized_end=3732
+  _globals['_RECEIPT']._serialized_end=417
+  _globals['_RELEASEMANIFEST']._serialized_start=420
+  _globals['_RELEASEMANIFEST']._serialized_end=647
+  _globals['_RELEASEEND']._serialized_start=649
+  _globals['_RELEASEEND']._serialized_end=704
+  _globals['_RELEASEFRAME']._serialized_start=707
+  _globals['_RELEASEFRAME']._serialized_end=959
+  _globals['_GETPEERINFOREQUEST']._serialized_start=961
+  _globals['_GETPEERINFOREQUEST']._serialized_end=1027
+  _globals['_MODELINFO']._serialized_start=1030
+  _globals['_MODELINFO']._serialized_end=1171
+  _globals['_LAYERINFO']._serialized_start=1173
+  _globals['_LAYERINFO']._serialized_end=1270
+  _globals['_POOLINFO']._serialized_start=1272
+  _globals['_POOLINFO']._serialized_end=1357
+  _globals['_BUDGETINFO']._serialized_start=1360
+  _globals['_BUDGETINFO']._serialized_end=1515
+  _globals['_PEERINFO']._serialized_start=1518
+  _globals['_PEERINFO']._serialized_end=1847
+  _globals['_UNUSABLEFILE']._serialized_start=1849
+  _globals['_UNUSABLEFILE']._serialized_end=1893
+  _globals['_FEATURESPARAMS']._serialized_start=1896
+  _globals['_FEATURESPARAMS']._serialized_end=2297
+  _globals['_FEATURESREQUEST']._serialized_start=2300
+  _globals['_FEATURESREQUEST']._serialized_end=2465
+  _globals['_WEIGHTSREQUEST']._serialized_start=2468
+  _globals['_WEIGHTSREQUEST']._serialized_end=2597
+  _globals['_MERGEREQUEST']._serialized_start=2599
+  _globals['_MERGEREQUEST']._serialized_end=2721
+  _globals['_SEGMENTREQUEST']._serialized_start=2723
+  _globals['_SEGMENTREQUEST']._serialized_end=2836
+  _globals['_FUSEREQUEST']._serialized_start=2839
+  _globals['_FUSEREQUEST']._serialized_end=3068
+  _globals['_LEDGERREQUEST']._serialized_start=3070
+  _globals['_LEDGERREQUEST']._serialized_end=3131
+  _globals['_LEDGERENTRY']._serialized_start=3133
+  _globals['_LEDGERENTRY']._serialized_end=3227
+  _globals['_PEER']._serialized_start=3230
+  _globals['_PEER']._serialized_end=3773
 # @@protoc_insertion_point(module_scope)

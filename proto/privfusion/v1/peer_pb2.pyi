@@ -18,7 +18,7 @@ class RequestHeader(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., receiver: _Optional[str] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
 
 class Receipt(_message.Message):
-    __slots__ = ("signer", "ledger_entry_id", "record_json", "tensors", "signature_algorithm", "signature", "manifest_sha256", "served_again", "served_to")
+    __slots__ = ("signer", "ledger_entry_id", "record_json", "tensors", "signature_algorithm", "signature", "manifest_sha256", "served_again", "served_to", "ledger_seq", "ledger_head")
     SIGNER_FIELD_NUMBER: _ClassVar[int]
     LEDGER_ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class Receipt(_message.Message):
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     SERVED_AGAIN_FIELD_NUMBER: _ClassVar[int]
     SERVED_TO_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_HEAD_FIELD_NUMBER: _ClassVar[int]
     signer: str
     ledger_entry_id: str
     record_json: bytes
@@ -37,7 +39,9 @@ class Receipt(_message.Message):
     manifest_sha256: bytes
     served_again: str
     served_to: str
-    def __init__(self, signer: _Optional[str] = ..., ledger_entry_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorDigest, _Mapping]]] = ..., signature_algorithm: _Optional[str] = ..., signature: _Optional[bytes] = ..., manifest_sha256: _Optional[bytes] = ..., served_again: _Optional[str] = ..., served_to: _Optional[str] = ...) -> None: ...
+    ledger_seq: int
+    ledger_head: bytes
+    def __init__(self, signer: _Optional[str] = ..., ledger_entry_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorDigest, _Mapping]]] = ..., signature_algorithm: _Optional[str] = ..., signature: _Optional[bytes] = ..., manifest_sha256: _Optional[bytes] = ..., served_again: _Optional[str] = ..., served_to: _Optional[str] = ..., ledger_seq: _Optional[int] = ..., ledger_head: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseManifest(_message.Message):
     __slots__ = ("kind", "model", "architecture_json", "metadata_json", "tensor_count", "total_bytes", "upstream", "tensors")
