@@ -273,3 +273,96 @@ def test_a_profile_seen_before_is_still_written_beside_each_pool(tmp_path):
     again = pc.cached_profile(POISSON, tmp_path / "b")
     assert again is first and _derived_profile.cache_info().currsize == 1
     assert pc.load_entry(tmp_path / "b", POISSON, "add-remove", ORDERS, INTERVAL) is not None
+
+
+# ---- an entry must match what its training record determines (issue 20, item 5) ----
+
+# The issue's pair: b is full-batch DP-GD with μ = 8 (weak), a with μ = 0.1; each one step of
+# sensitivity 2C = 2 under replace-one.
+WEAK = TrainingRecord.constant("replace-one", 1, 1.0, 1.0, 2.0 / 8.0)
+STRONG = TrainingRecord.constant("replace-one", 1, 1.0, 1.0, 2.0 / 0.1)
+
+
+def _forge(directory, model, donor, rdp=None):
+    """Write ``donor``'s PLD as ``model``'s entry, self-consistent (digest and recorded δ computed
+    from the donor's arrays, as an editor with the code at hand would): what the old load_entry
+    accepted."""
+    donor_profile = fresh(donor)
+    own = fresh(model)
+    pc.save_entry(
+        directory, model, model.adjacency, ORDERS, INTERVAL, donor_profile.pld, own.rdp if rdp is None else rdp
+    )
+
+
+def test_forged_entry_with_a_more_private_models_pld_is_rejected_and_rebuilt(tmp_path, caplog):
+    """Regression (issue 20, item 5): with a far more private model's PLD written into the weak
+    model's entry, the old cache gave the weak model the strong one's ε — π moved onto it and the
+    published ε said ~2 while the truth was far above. Now the entry is checked against the
+    record's exact μ-GDP curve, rejected (with a warning naming it) and rebuilt."""
+    from peer.dp.accounting.conversions import gdp_epsilon
+    from peer.dp.accounting.profiles import profile_from_pld
+    from peer.dp.accounting.targets import choose_pi
+
+    # what the forged entry made of the weak model (the old load_entry's result): it looks like the
+    # strong one, π goes all on it, and the published ε is ~0.445 against a true ε of ~65.3
+    forged = profile_from_pld(WEAK, "replace-one", ORDERS, INTERVAL, fresh(STRONG).pld, fresh(WEAK).rdp)
+    fooled = choose_pi([fresh(STRONG), forged], [0.0, 1.0], 2.0, 1e-5)
+    assert fooled.weights == pytest.approx((0.0, 1.0)) and fooled.epsilon.pld < 0.5
+    assert accounting_rs_epsilon([STRONG, WEAK], fooled.weights) == pytest.approx(gdp_epsilon(8.0, 1e-5), abs=2e-3)
+    assert gdp_epsilon(8.0, 1e-5) > 65
+
+    _forge(tmp_path, WEAK, STRONG)
+    with caplog.at_level("WARNING", logger="peer.dp.accounting.profile_cache"):
+        assert pc.load_entry(tmp_path, WEAK, "replace-one", ORDERS, INTERVAL) is None
+    assert "profile-cache-entry-rejected" in caplog.text and "Gaussian mechanism" in caplog.text
+    forget_profiles()
+    weak = pc.cached_profile(WEAK, tmp_path)
+    assert weak.epsilon(1e-5).pld == pytest.approx(gdp_epsilon(8.0, 1e-5), abs=2e-3)
+    assert_same_privacy(weak, fresh(WEAK))
+    # the published figure of an RS merge is the true one: π on the weak model is what the target allows
+    strong = pc.cached_profile(STRONG, tmp_path)
+    choice = choose_pi([strong, weak], [0.0, 1.0], 2.0, 1e-5)
+    assert choice.epsilon.pld <= 2.0
+    assert accounting_rs_epsilon([STRONG, WEAK], choice.weights) <= 2.0 + 1e-9
+
+
+def accounting_rs_epsilon(models, pi):
+    from peer.dp.accounting import rs_epsilon
+
+    return rs_epsilon([fresh(m) for m in models], pi, 1e-5).pld
+
+
+def test_forged_poisson_entry_is_rejected_by_its_order_two_moment(tmp_path):
+    """A subsampled record has no closed form: its entry's order-2 Rényi divergence must reach
+    the record's order-2 RDP. A more private Poisson model's PLD (σ = 2 for the record's σ = 1)
+    falls far short; the honest entry passes."""
+    donor = TrainingRecord.constant("add-remove", 2000, 0.1, 1.0, 2.0, 0.01)
+    pc.cached_profile(POISSON, tmp_path)
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is not None
+    _forge(tmp_path, POISSON, donor)
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+    problem = pc.fingerprint_problem(POISSON, "add-remove", ORDERS, INTERVAL, fresh(donor).pld, fresh(POISSON).rdp)
+    assert problem is not None and "order-2" in problem
+
+
+def test_forged_rdp_curve_is_rejected(tmp_path):
+    """The stored RDP curve is recomputed from the record: a lowered one (the published RDP ε)
+    is refused, even with the honest PLD."""
+    lowered = np.array(fresh(POISSON).rdp) * 0.5
+    _forge(tmp_path, POISSON, POISSON, rdp=lowered)
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+
+
+@pytest.mark.parametrize(
+    "model", [*MODELS, WEAK], ids=["poisson", "poisson-replace", "full-batch", "approx-dp", "full-batch-mu-8"]
+)
+def test_honest_entries_match_their_fingerprint(model):
+    profile = fresh(model)
+    assert pc.fingerprint_problem(model, model.adjacency, ORDERS, INTERVAL, profile.pld, profile.rdp) is None
+
+
+def test_approx_dp_entry_must_be_its_records_pld(tmp_path):
+    other = ApproxDP(0.1, 1e-9, "add-remove")
+    model = MODELS[3]
+    _forge(tmp_path, model, other, rdp=fresh(model).rdp)
+    assert pc.load_entry(tmp_path, model, model.adjacency, ORDERS, INTERVAL) is None

@@ -205,3 +205,52 @@ def test_target_input_errors(profiles):
         choose_pi(profiles, ACC, 3.0, 1e-5, accountant="moments", value_discretization_interval=INTERVAL)
     with pytest.raises(InvalidArgument, match=r"No free lunch|no free lunch"):
         choose_lam([*POOL[:2], ApproxDP(1.0, 1e-06, "add-remove")], ACC, 3.0, 1e-5)
+
+
+@pytest.mark.parametrize("target", [3.0, 5.0, 9.0, 12.0])
+def test_scored_subset_is_the_feasible_subset_of_largest_prior_by_brute_force(target):
+    """The public subset a utility selection scores: among all subsets whose composition (μ =
+    sqrt(Σ μ_i²), closed form) meets the target, the one with the largest total prior (ties: more
+    models, then pool order); its ε is that composition's."""
+    from peer.dp.accounting.targets import scored_subset
+
+    prior = [3.0, 1.0, 1.0]
+    best, best_key = None, None
+    for size in range(1, 4):
+        for sub in itertools.combinations(range(3), size):
+            mu = math.sqrt(sum(OWN_MU[i] ** 2 for i in sub))
+            if gdp_epsilon(mu, 1e-5) <= target - 2e-3:  # the PLD figure is pessimistic by ~1e-3
+                key = (sum(prior[i] for i in sub), len(sub), tuple(-i for i in sub))
+                if best_key is None or key > best_key:
+                    best, best_key = sub, key
+    got, eps = scored_subset(POOL, prior, target, 1e-5, value_discretization_interval=INTERVAL)
+    assert got == best
+    assert eps.pld == pytest.approx(gdp_epsilon(math.sqrt(sum(OWN_MU[i] ** 2 for i in got)), 1e-5), abs=5e-3)
+    assert eps.closed_form == pytest.approx(gdp_epsilon(math.sqrt(sum(OWN_MU[i] ** 2 for i in got)), 1e-5))
+
+
+def test_utility_selections_read_only_the_scored_models():
+    from peer.dp.accounting import choose_lam_by_utility, choose_pi_by_utility
+
+    read = []
+
+    def score(i):
+        read.append(i)
+        return [0.1, 0.9, 0.5][i]
+
+    target = gdp_epsilon(math.sqrt(1.0**2 + 0.5**2), 1e-5) + 0.01  # {1, 2} fit together, model 0 never
+    choice = choose_pi_by_utility(POOL, score, target, 1e-5, value_discretization_interval=INTERVAL)
+    assert sorted(read) == [1, 2] and choice.weights == (0.0, 1.0, 0.0)
+    assert choice.selection["scored"] == [1, 2] and choice.selection["kind"] == "utility"
+    seen = set()
+
+    def lam_score(lam):
+        seen.update(int(i) for i in np.flatnonzero(lam))
+        return float(lam[2])
+
+    lc = choose_lam_by_utility(POOL, lam_score, target, 1e-5, value_discretization_interval=INTERVAL, max_points=20)
+    assert seen == {1, 2} and lc.weights == pytest.approx((0.0, 0.0, 1.0))
+    # charged the composition of {1, 2}, not of λ's support {2}
+    assert lc.epsilon.closed_form == pytest.approx(gdp_epsilon(math.sqrt(1.25), 1e-5))
+    with pytest.raises(UnreachableTarget):
+        choose_pi_by_utility(POOL, score, 0.5, 1e-5, value_discretization_interval=INTERVAL)

@@ -25,12 +25,16 @@ def _check(result, out_dir, mc_standard_errors):
     for r in b["findings"]["surrogate_releases_proven_cost"]:
         # exact values: proven ≥ surrogate; the two PLD figures are discretised differently (≤ 1e-3)
         assert r["proven_epsilon"] >= r["surrogate_epsilon"] * (1 - 1e-3)
-    # every chosen weighting meets its target by the accountant it was chosen for
+    # every chosen weighting meets its target by the accountant it was chosen for; a utility
+    # selection's ε is the composition of the subset it scored, and its weights stay inside it
     for part in (a, b):
-        for method in ("rs", "lc_composition", "lc_surrogate"):
+        for method in ("rs", "lc_composition", "lc_surrogate", "rs_utility", "lc_utility"):
             for acc in ("pld", "rdp"):
                 for r in part["curves"][method][acc]:
                     assert r["epsilon"][acc] <= r["target_epsilon"] * (1 + 1e-9)
+                    if method.endswith("_utility"):
+                        assert r["scored"] and all(w == 0 or i in r["scored"] for i, w in enumerate(r["weights"]))
+        assert part["curves"]["rs_utility"]["pld"] and part["curves"]["lc_utility"]["pld"]
     # (b) PLD certifies every RDP-chosen release at a smaller ε
     for method in ("rs", "lc"):
         sv = b["pld_savings"][method]
@@ -39,6 +43,10 @@ def _check(result, out_dir, mc_standard_errors):
         rec = b["example_releases"][kind]["record"]
         assert rec["mechanism"] == f"{kind}-merge" and rec["epsilon"] <= b["example_releases"]["target_epsilon"]
     assert b["example_releases"]["lc"]["record"]["parameters"]["bound"] == "composition"
+    # the example releases chose their weights from the public prior: no model was scored
+    for kind in ("rs", "lc"):
+        selection = b["example_releases"][kind]["record"]["parameters"]["selection"]
+        assert selection["kind"] == "public-prior" and "scored" not in selection
     for name in ("merging.json", "merging.md", "mean_estimation.png", "digits_frontier.png"):
         data = (out_dir / name).read_bytes()
         assert len(data) > 1000

@@ -128,7 +128,14 @@ def test_a_pool_of_an_imported_network_merges_and_keeps_the_sites_keys(tmp_path)
     # BatchNorm statistics come from the public rows, not from the initial (0, 1)
     assert not np.allclose(pool[0].arrays["stem_bn.running_mean"], 0.0)
     merged = merge_pool(
-        pool, "rs", 30.0, 1e-5, validation=(s.x_val, s.y_val), randomness=make_randomness(1), subject="p"
+        pool,
+        "rs",
+        30.0,
+        1e-5,
+        selection="utility",
+        validation=(s.x_val, s.y_val),
+        randomness=make_randomness(1),
+        subject="p",
     )
     assert merged.record.mechanism == "rs-merge" and merged.architecture["kind"] == "imported"
     assert set(merged.arrays) == set(SmallResNet().state_dict())
@@ -257,7 +264,9 @@ def test_an_lc_merge_of_an_own_network_is_judged_in_the_sites_own_module(tmp_pat
     from peer.dp.pools import load_pool, merge_pool
 
     s = _pool(tmp_path / "pool", f"{NETWORKS}:small_resnet")
-    merged = merge_pool(load_pool(tmp_path / "pool"), "lc", 60.0, 1e-5, validation=(s.x_val, s.y_val))
+    merged = merge_pool(
+        load_pool(tmp_path / "pool"), "lc", 60.0, 1e-5, selection="utility", validation=(s.x_val, s.y_val)
+    )
     assert merged.record.mechanism == "lc-merge" and merged.architecture["kind"] == "imported"
     assert 0.0 <= merged.choice.utility <= 1.0 and set(merged.arrays) == set(SmallResNet().state_dict())
 

@@ -11,7 +11,9 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
+import peer.dp.accounting as accounting
 from peer.base.errors import InvalidArgument
+from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
 from peer.dp.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
 from peer.dp.merging import PoolModel, combine, draw_index, merge_lc, merge_rs
@@ -93,7 +95,7 @@ def test_independent_accounting_sanity():
 
 def test_rs_meets_and_saturates_the_target_and_prefers_accurate_models():
     target = 0.5 * (EPS[1] + EPS[2])
-    merged = merge_rs(_pool(), UTIL, target, DELTA, randomness=make_randomness(0))
+    merged = merge_rs(_pool(), target, DELTA, prior=UTIL, randomness=make_randomness(0))
     pi = np.asarray(merged.choice.weights)
     # δ of the RS bound at the target, by the closed form: within the budget, and saturating it
     # (1e-3 relative allows for the PLD's pessimistic discretisation)
@@ -117,7 +119,7 @@ def test_rs_meets_and_saturates_the_target_and_prefers_accurate_models():
 
 def test_rs_by_rdp_meets_the_rdp_target():
     target = 0.5 * (EPS[0] + EPS[1])
-    merged = merge_rs(_pool(), UTIL, target, DELTA, randomness=make_randomness(0), accountant="rdp")
+    merged = merge_rs(_pool(), target, DELTA, prior=UTIL, randomness=make_randomness(0), accountant="rdp")
     pi = merged.choice.weights
     e = _rs_rdp_epsilon(pi, DELTA)
     assert e <= target * (1 + 1e-9) and e >= target * (1 - 1e-3)
@@ -126,7 +128,7 @@ def test_rs_by_rdp_meets_the_rdp_target():
 
 
 def test_rs_whose_best_model_is_within_the_target_takes_it():
-    merged = merge_rs(_pool(), UTIL, EPS[0] + 1.0, DELTA, randomness=make_randomness(0))
+    merged = merge_rs(_pool(), EPS[0] + 1.0, DELTA, prior=UTIL, randomness=make_randomness(0))
     assert merged.choice.weights == pytest.approx((1.0, 0.0, 0.0))
     assert all(np.array_equal(merged.arrays[k], _pool()[0].arrays[k]) for k in merged.arrays)
 
@@ -146,7 +148,7 @@ def test_rs_returns_the_drawn_model_and_its_record_does_not_say_which():
     drawn = set()
     params = set()
     for seed in range(6):
-        merged = merge_rs(pool, UTIL, target, DELTA, randomness=make_randomness(seed), accountant="rdp")
+        merged = merge_rs(pool, target, DELTA, prior=UTIL, randomness=make_randomness(seed), accountant="rdp")
         i = draw_index(merged.choice.weights, make_randomness(seed))  # the same stream draws the same index
         assert all(np.array_equal(merged.arrays[k], pool[i].arrays[k]) for k in merged.arrays)
         drawn.add(i)
@@ -161,7 +163,7 @@ def test_rs_returns_the_drawn_model_and_its_record_does_not_say_which():
 def test_rs_accepts_models_known_only_by_epsilon_delta():
     pool = _pool()
     pool[2] = PoolModel("approx", ARCH, pool[2].arrays, ApproxDP(1.0, 1e-6, "replace-one"))
-    merged = merge_rs(pool, UTIL, 2.0, DELTA, randomness=make_randomness(0))
+    merged = merge_rs(pool, 2.0, DELTA, prior=UTIL, randomness=make_randomness(0))
     assert merged.record.epsilon <= 2.0
     assert merged.record.parameters["models"][2] == {"epsilon": 1.0, "delta": 1e-6, "adjacency": "replace-one"}
 
@@ -169,15 +171,25 @@ def test_rs_accepts_models_known_only_by_epsilon_delta():
 # ---- LC ----
 
 
+def _towards_weights(weights):
+    """A public prior over λ (a function of λ alone, no model read): closeness to ``weights``."""
+    return lambda lam: -float(np.linalg.norm(np.asarray(lam) - np.asarray(weights)))
+
+
+def _towards(i):
+    return _towards_weights(np.eye(len(HYPER))[i])
+
+
 def _distance_utility(reference):
-    """A smooth utility: closeness to ``reference`` (stands for 'accuracy of θ_λ')."""
+    """A measured utility: closeness of the weights to ``reference`` (stands for 'accuracy of θ_λ');
+    reading it is a utility selection."""
     return lambda arrays: -math.sqrt(sum(float(np.sum((arrays[k] - reference[k]) ** 2)) for k in arrays))
 
 
 def test_lc_surrogate_combination_is_the_weighted_sum_meets_and_saturates():
     pool = _pool(declared=True)
     target = 0.5 * (EPS[1] + EPS[2])
-    merged = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
+    merged = merge_lc(pool, target, DELTA, prior=_towards(0))
     lam = np.asarray(merged.choice.weights)
     assert lam.sum() == pytest.approx(1.0) and np.all(lam >= 0)
     for k in merged.arrays:
@@ -194,7 +206,7 @@ def test_lc_surrogate_combination_is_the_weighted_sum_meets_and_saturates():
 def test_lc_is_charged_the_composition_of_the_models_it_combines():
     pool = _pool()
     target = 1.02 * _gdp_epsilon(_composition_mu([0, 1, 1]), DELTA)  # {1, 2} fit together, model 0 never
-    merged = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
+    merged = merge_lc(pool, target, DELTA, prior=_towards(0))
     lam = np.asarray(merged.choice.weights)
     for k in merged.arrays:
         expected = sum(lam_i * pool[i].arrays[k].astype(np.float64) for i, lam_i in enumerate(lam))
@@ -217,9 +229,9 @@ def test_lc_prefers_the_more_useful_model():
     for declared in (True, False):
         pool = _pool(declared=declared)
         target = 0.5 * (EPS[0] + EPS[1]) if declared else EPS[0] * 1.01
-        towards0 = merge_lc(pool, _distance_utility(pool[0].arrays), target, DELTA)
+        towards0 = merge_lc(pool, target, DELTA, prior=_towards(0))
         assert int(np.argmax(towards0.choice.weights)) == 0
-        towards2 = merge_lc(pool, _distance_utility(pool[2].arrays), target, DELTA)
+        towards2 = merge_lc(pool, target, DELTA, prior=_towards(2))
         assert towards2.choice.weights == pytest.approx((0.0, 0.0, 1.0), abs=1e-9)
 
 
@@ -231,10 +243,10 @@ def test_lc_beats_rs_on_a_gaussian_pool():
     eps = _gdp_epsilon(_model_mu((1.0, 15.0)), DELTA)
     centre = combine([m.arrays for m in pool], [1 / 3] * 3)
     uniform_eps = _gdp_epsilon(math.sqrt(3) * _model_mu((1.0, 15.0)), DELTA)
-    merged = merge_lc(pool, _distance_utility(centre), uniform_eps * 1.001, DELTA)
+    merged = merge_lc(pool, uniform_eps * 1.001, DELTA, prior=_towards_weights([1 / 3] * 3))
     assert merged.choice.weights == pytest.approx((1 / 3, 1 / 3, 1 / 3), abs=0.02)
-    rs = merge_rs(pool, [1.0, 1.0, 1.0], uniform_eps * 1.001, DELTA, randomness=make_randomness(0))
-    assert merged.choice.utility > _distance_utility(centre)(rs.arrays)
+    rs = merge_rs(pool, uniform_eps * 1.001, DELTA, prior=[1.0, 1.0, 1.0], randomness=make_randomness(0))
+    assert _distance_utility(centre)(merged.arrays) > _distance_utility(centre)(rs.arrays)
     assert eps < uniform_eps
 
 
@@ -243,9 +255,9 @@ def test_refusals(method):
     def go(pool, target=5.0, delta=DELTA, accountant="pld"):
         if method == "rs":
             return merge_rs(
-                pool, [0.5] * len(pool), target, delta, randomness=make_randomness(0), accountant=accountant
+                pool, target, delta, prior=[0.5] * len(pool), randomness=make_randomness(0), accountant=accountant
             )
-        return merge_lc(pool, lambda a: 0.0, target, delta, accountant=accountant)
+        return merge_lc(pool, target, delta, prior=lambda lam: 0.0, accountant=accountant)
 
     with pytest.raises(InvalidArgument, match="empty"):
         go([])
@@ -272,9 +284,9 @@ def test_refusals(method):
 def test_unreachable_by_pld_names_the_most_private_model(method):
     with pytest.raises(InvalidArgument, match=r"most private reachable is epsilon = ([0-9.]+)") as info:
         if method == "rs":
-            merge_rs(_pool(), UTIL, 0.5 * EPS[2], DELTA, randomness=make_randomness(0))
+            merge_rs(_pool(), 0.5 * EPS[2], DELTA, prior=UTIL, randomness=make_randomness(0))
         else:
-            merge_lc(_pool(), lambda a: 0.0, 0.5 * EPS[2], DELTA)
+            merge_lc(_pool(), 0.5 * EPS[2], DELTA, prior=lambda lam: 0.0)
     assert float(info.value.rule.rsplit("= ", 1)[1]) == pytest.approx(EPS[2], rel=1e-3)
 
 
@@ -282,18 +294,18 @@ def test_lc_refuses_epsilon_delta_only_models_and_mixed_sizes_under_the_surrogat
     pool = _pool()
     pool[1] = PoolModel("approx", ARCH, pool[1].arrays, ApproxDP(1.0, 1e-6, "replace-one"))
     with pytest.raises(InvalidArgument, match=r"(?i)no free lunch"):
-        merge_lc(pool, lambda a: 0.0, 5.0, DELTA)
+        merge_lc(pool, 5.0, DELTA, prior=lambda lam: 0.0)
     with pytest.raises(InvalidArgument, match="dataset size"):
-        merge_lc(_pool(sizes=[500, 500, 400], declared=True), lambda a: 0.0, 5.0, DELTA)
+        merge_lc(_pool(sizes=[500, 500, 400], declared=True), 5.0, DELTA, prior=lambda lam: 0.0)
     # the composition needs no common 1/n
-    assert merge_lc(_pool(sizes=[500, 500, 400]), lambda a: 0.0, 5.0, DELTA).choice.bound == "composition"
+    assert merge_lc(_pool(sizes=[500, 500, 400]), 5.0, DELTA, prior=lambda lam: 0.0).choice.bound == "composition"
 
 
 def test_lc_of_subsampled_models_is_charged_by_composition():
     """The surrogate is defined for full batch only; a Poisson pool (even one that declares state
     independence) is charged the composition of its subsampled-Gaussian profiles."""
     pool = _pool(sample_rate=0.1, declared=True)
-    merged = merge_lc(pool, _distance_utility(combine([m.arrays for m in pool], [0.5, 0.5, 0.0])), 50.0, DELTA)
+    merged = merge_lc(pool, 50.0, DELTA, prior=_towards_weights([0.5, 0.5, 0.0]))
     assert merged.choice.bound == "composition" and "surrogate" not in merged.record.parameters
     acc = rdp_privacy_accountant.RdpAccountant(list(DEFAULT_ORDERS))
     from dp_accounting import dp_event
@@ -316,3 +328,164 @@ def test_combine_checks_weights_and_shapes():
     out = combine(arrays, lam)
     for k in out:
         np.testing.assert_allclose(out[k], sum(lam_i * a[k] for lam_i, a in zip(lam, arrays, strict=True)), rtol=1e-6)
+
+
+# ---- selection: public prior by default, utility selection charged (issue 20, item 1) ----
+
+# The issue's two models: full-batch DP-GD, replace-one; b with μ = 8, a with μ = 0.1 (one step
+# each: μ = 2C/σ with C = 1), target (2, 1e-5).
+MU_A, MU_B = 0.1, 8.0
+
+
+def _pair(arrays_a, arrays_b):
+    a = TrainingRecord.constant("replace-one", 1, 1.0, 1.0, 2.0 / MU_A)
+    b = TrainingRecord.constant("replace-one", 1, 1.0, 1.0, 2.0 / MU_B)
+    return [PoolModel("a", ARCH, arrays_a, a, 500), PoolModel("b", ARCH, arrays_b, b, 500)]
+
+
+def _two_datasets():
+    """Stand-ins for the pool trained on neighbouring datasets D and D′: the same training records,
+    different weights (a score of b on D is high, on D′ low)."""
+    w = [state_arrays(build_model(ARCH, seed=s)) for s in range(4)]
+    return _pair(w[0], w[1]), _pair(w[2], w[3])
+
+
+def test_default_selection_is_public_identical_on_neighbouring_datasets():
+    """Regression (issue 20, item 1): the old merge_rs chose π from each model's measured score,
+    so whether π_b > 0 told D from D′ (ε_LB ≥ 8.19 against a record saying 2.0). Now π is a
+    function of the training records only: the same π and the same record on D and D′, whatever
+    the weights, and the RS bound of that π is the whole charge."""
+    d, d_prime = _two_datasets()
+    out = [merge_rs(pool, 2.0, DELTA, randomness=make_randomness(0)) for pool in (d, d_prime)]
+    assert out[0].choice.weights == out[1].choice.weights
+    params = [dict(m.record.parameters) for m in out]
+    assert params[0] == params[1]
+    sel = out[0].record.to_dict()["parameters"]["selection"]
+    assert sel["kind"] == "public-prior" and sel["prior"] == "epsilon"
+    # the default prior: each model's own ε; π_b > 0 always (b is the less noisy), on every dataset
+    assert sel["prior_utilities"] == pytest.approx([_gdp_epsilon(MU_A, DELTA), _gdp_epsilon(MU_B, DELTA)], abs=2e-3)
+    pi = np.asarray(out[0].choice.weights)
+    assert pi[1] > 0
+    # the charge (the ledger's reading of the record) is the RS bound of this π, within the target
+    charged = accounting.record_epsilon(out[0].record, DELTA)
+    assert charged[0] <= 2.0 and charged[0] == pytest.approx(out[0].record.epsilon)
+    d_rs = sum(p * _gdp_delta(mu, 2.0) for p, mu in zip(pi, (MU_A, MU_B), strict=True))
+    assert d_rs <= DELTA * (1 + 1e-6)
+
+
+def test_utility_selection_scores_a_public_subset_and_is_charged_its_composition():
+    """Utility selection (opt-in): at target 2 only {a} fits (b alone costs 52.08), so b is never
+    scored and a is released, charged a's ε; at a target that the composition of {a, b} meets,
+    both are scored, the better is released with certainty, and the ledger charges the
+    composition μ = sqrt(8² + 0.1²), by the closed form."""
+    d, _ = _two_datasets()
+    read = []
+
+    def score(arrays):
+        read.append(next(m.name for m in d if m.arrays is arrays))
+        return 1.0 if arrays is d[1].arrays else 0.0  # b scores best
+
+    small = merge_rs(d, 2.0, DELTA, randomness=make_randomness(0), selection="utility", score=score)
+    assert read == ["a"] and small.choice.weights == (1.0, 0.0)
+    sel = small.record.to_dict()["parameters"]["selection"]
+    assert sel["kind"] == "utility" and sel["scored"] == [0]
+    assert small.record.epsilon == pytest.approx(_gdp_epsilon(MU_A, DELTA), abs=2e-3)
+
+    both = _gdp_epsilon(math.hypot(MU_A, MU_B), DELTA)
+    read.clear()
+    big = merge_rs(d, both + 0.05, DELTA, randomness=make_randomness(0), selection="utility", score=score)
+    assert sorted(read) == ["a", "b"] and big.choice.weights == (0.0, 1.0)
+    assert big.record.to_dict()["parameters"]["selection"]["scored"] == [0, 1]
+    # the record's ε and the ledger's interpretation (PLD and RDP) are the composition of both
+    pld_eps, rdp_eps = accounting.record_epsilon(big.record, DELTA)
+    assert big.record.epsilon == pytest.approx(both, abs=5e-3) and pld_eps == pytest.approx(both, abs=5e-3)
+    orders = np.asarray(DEFAULT_ORDERS)
+    np.testing.assert_allclose(
+        accounting.rdp_of_record(big.record, orders), orders * (MU_A**2 + MU_B**2) / 2, rtol=1e-9
+    )
+    assert rdp_eps >= pld_eps
+    # the mixture bound of the same π (what the old record would have claimed) is far below
+    assert accounting.rs_epsilon([m.privacy for m in d], [0.0, 1.0], DELTA).pld < big.record.epsilon
+
+
+def test_utility_selection_record_must_cover_the_weights_and_old_records_read_as_before():
+    d, _ = _two_datasets()
+    models = [m.privacy for m in d]
+    old = accounting.rs_merge_record(models, [0.9, 0.1], DELTA, names=["a", "b"])
+    assert "selection" not in old.parameters  # the pre-selection format: a mixture bound
+    legacy = ReleaseRecord.from_dict({**old.to_dict()})
+    np.testing.assert_array_equal(
+        accounting.rdp_of_record(legacy), accounting.rs_rdp(models, [0.9, 0.1], orders=DEFAULT_ORDERS)
+    )
+    bad = {**old.to_dict()}
+    bad["parameters"] = {**bad["parameters"], "selection": {"kind": "utility", "prior": "epsilon", "scored": [0]}}
+    with pytest.raises(InvalidArgument, match=r"parameters\.selection\.scored"):
+        accounting.rdp_of_record(ReleaseRecord.from_dict(bad))
+    with pytest.raises(InvalidArgument, match="selection"):
+        merge_rs(d, 2.0, DELTA, randomness=make_randomness(0), score=lambda a: 0.0)  # a score needs "utility"
+    with pytest.raises(InvalidArgument, match="score"):
+        merge_rs(d, 2.0, DELTA, randomness=make_randomness(0), selection="utility")
+
+
+def test_lc_utility_selection_is_charged_the_composition_of_the_scored_subset():
+    """LC's search over measured candidates: every candidate is supported on the public subset S,
+    and the release is charged S's composition even when the best λ uses fewer models (and even
+    for models that declare state-independent gradients)."""
+    for declared in (False, True):
+        pool = _pool(declared=declared)
+        target = 1.02 * _gdp_epsilon(_composition_mu([0, 1, 1]), DELTA)  # {1, 2} fit together
+        merged = merge_lc(
+            pool, target, DELTA, selection="utility", score=_distance_utility(pool[2].arrays), candidates=30
+        )
+        sel = merged.record.to_dict()["parameters"]["selection"]
+        assert sel["kind"] == "utility" and sel["scored"] == [1, 2]
+        assert merged.choice.weights == pytest.approx((0.0, 0.0, 1.0))
+        proven = _gdp_epsilon(_composition_mu([0, 1, 1]), DELTA)
+        assert merged.record.epsilon == pytest.approx(proven, abs=2e-3)
+        assert accounting.record_epsilon(merged.record, DELTA)[0] == pytest.approx(proven, abs=2e-3)
+        assert merged.record.parameters["bound"] == "composition"
+
+
+def test_declared_prior_in_the_pool_metadata_decides_pi_and_is_recorded():
+    """A site's declared prior (each model's metadata "prior_utility") replaces the default ε
+    prior; declared for some models only, it is refused naming the others."""
+    from dataclasses import replace
+
+    from peer.dp.merging import pool_prior
+
+    d, _ = _two_datasets()
+    declared = [replace(m, metadata={"prior_utility": u}) for m, u in zip(d, (0.9, 0.1), strict=True)]
+    assert pool_prior(declared, DELTA) == ([0.9, 0.1], "declared")
+    merged = merge_rs(declared, 2.0, DELTA, randomness=make_randomness(0))
+    assert merged.choice.weights == pytest.approx((1.0, 0.0))  # a is both feasible and preferred
+    sel = merged.record.to_dict()["parameters"]["selection"]
+    assert sel == {"kind": "public-prior", "prior": "declared", "prior_utilities": [0.9, 0.1]}
+    with pytest.raises(InvalidArgument, match=r"prior_utility.*\['b'\]"):
+        pool_prior([declared[0], d[1]], DELTA)
+
+
+def test_merge_pool_scores_nothing_unless_asked_for_a_utility_selection():
+    from peer.dp.pools import merge_pool
+
+    d, _ = _two_datasets()
+    x, y = np.zeros((2, 4), np.float32), np.zeros(2, np.int64)
+    with pytest.raises(InvalidArgument, match="validation"):
+        merge_pool(d, "rs", 2.0, DELTA, validation=(x, y))
+    with pytest.raises(InvalidArgument, match="utilities"):
+        merge_pool(d, "rs", 2.0, DELTA, utilities=[0.5, 0.5])
+    merged = merge_pool(d, "rs", 2.0, DELTA, selection="utility", validation=(x, y))
+    assert merged.record.to_dict()["parameters"]["selection"]["scored"] == [0]
+
+
+def test_site_toml_pool_selection_defaults_to_the_public_prior_and_names_bad_values(tmp_path):
+    from peer.net.site import SiteConfig
+
+    base = '[site]\nname = "h"\nlisten = "127.0.0.1:0"\nidentity = "id"\nmodels = "m"\nledger = "l.sqlite"\n'
+    (tmp_path / "site.toml").write_text(
+        base + '[site.pools.a]\nmodels = "pa"\n[site.pools.b]\nmodels = "pb"\nselection = "utility"\n'
+    )
+    config = SiteConfig.load(tmp_path / "site.toml")
+    assert config.pool_selection == {"a": "public-prior", "b": "utility"}
+    (tmp_path / "site.toml").write_text(base + '[site.pools.a]\nmodels = "pa"\nselection = "accuracy"\n')
+    with pytest.raises(InvalidArgument, match="selection"):
+        SiteConfig.load(tmp_path / "site.toml")

@@ -135,6 +135,8 @@ def test_cli_trains_a_pool_and_merges_it(tmp_path, capsys):
         "lc",
         "--out",
         str(tmp_path / "v.safetensors"),
+        "--selection",
+        "utility",
         "--validation",
         str(tmp_path / "val.npz"),
     )

@@ -277,7 +277,7 @@ def test_a_local_merge_of_the_pool_is_stored_as_the_sites_own_network(digits, cs
         cli("probe", "make", "--site", str(site), "--data", str(digits["public"]), "--label", "digit", "--pool", "dpsgd")  # fmt: skip
     out = tmp_path / "merged" / "m.safetensors"
     proc = cli("merge", "--pool", str(site / "pool"), "--method", "rs", "--target-epsilon", "30", "--delta", "1e-5",
-               "--validation", str(site / "validation.npz"), "--out", str(out), "--seed", "1", "--json")  # fmt: skip
+               "--selection", "utility", "--validation", str(site / "validation.npz"), "--out", str(out), "--seed", "1", "--json")  # fmt: skip
     result = json.loads(proc.stdout)
     merged = load_imported(out.parent, "m")
     assert list(merged.structure.parameters) == list(pool["a"].arrays)  # the site's names, in its order

@@ -414,7 +414,7 @@ def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):
     x, y = load_validation_file(site / "validation.npz")
     assert x.shape == (60, prep.width) and set(y.tolist()) <= {0, 1}
     # the validation set judges an RS merge of the pool
-    merged = merge_pool(load_pool(site / "pool"), "rs", 30.0, 1e-5, validation=(x, y))
+    merged = merge_pool(load_pool(site / "pool"), "rs", 30.0, 1e-5, selection="utility", validation=(x, y))
     assert merged.record.level == "data"
     code, _, err = run(capsys, "probe", "make", "--site", str(site), "--data", str(files["public"]))
     assert code == 2 and "give --force" in err

@@ -435,6 +435,8 @@ def test_a_local_merge_of_the_pool_is_scored_and_adopted_with_the_pools_preproce
                 "rs",
                 "--out",
                 str(merged),
+                "--selection",
+                "utility",
                 "--validation",
                 str(a.root / "validation.npz"),
             ]

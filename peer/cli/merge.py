@@ -1,7 +1,13 @@
 """``privfusion merge``: release an RS or LC merge of a pool at a target (ε′, δ′).
 
     privfusion merge --pool POOL --target-epsilon E --delta D --method rs|lc --out FILE
-                     [--validation pool|FILE.npz] [--accountant pld|rdp] [--seed N] [--json]
+                     [--selection public-prior|utility] [--validation pool|FILE.npz]
+                     [--accountant pld|rdp] [--seed N] [--json]
+
+π / λ are chosen from public information by default (``--selection public-prior``: the models'
+training records and their declared ``prior_utility``, else each model's own ε); ``--selection
+utility`` scores a public subset of the models on ``--validation`` and is charged (and recorded)
+as the composition of that subset (``peer.dp.merging``).
 
 Writes FILE (safetensors weights; the manifest beside it holds the release record) and
 FILE-stem.record.json (the release record alone), and prints what was achieved. The request is
@@ -36,10 +42,11 @@ class MergeRequest:
     target_epsilon: float
     delta: float
     accountant: str = "pld"
+    selection: str = "public-prior"
 
 
 def merge_request(args: argparse.Namespace) -> MergeRequest:
-    return MergeRequest(args.method, args.target_epsilon, args.delta, args.accountant)
+    return MergeRequest(args.method, args.target_epsilon, args.delta, args.accountant, args.selection)
 
 
 def obtain_merge(request: MergeRequest, args: argparse.Namespace, pool=None) -> MergedModel:
@@ -48,12 +55,17 @@ def obtain_merge(request: MergeRequest, args: argparse.Namespace, pool=None) -> 
     from peer.dp.pools import load_pool, load_validation_file, merge_pool
 
     pool = load_pool(args.pool) if pool is None else pool
+    if request.selection != "utility" and args.validation != "pool":
+        raise InvalidArgument(
+            "--validation", "scores candidates, which only --selection utility does (charged as the scored models)"
+        )
     validation = None if args.validation == "pool" else load_validation_file(args.validation)
     return merge_pool(
         pool,
         request.method,
         request.target_epsilon,
         request.delta,
+        selection=request.selection,
         validation=validation,
         accountant=request.accountant,
         randomness=make_randomness(args.seed),
@@ -67,10 +79,11 @@ def run_via(request: MergeRequest, args: argparse.Namespace) -> int:
 
     if not args.identity:
         raise InvalidArgument("--identity", "is required with --via (this site's identity directory)")
-    if args.validation != "pool" or args.seed is not None:
+    if args.validation != "pool" or args.seed is not None or args.selection != "public-prior":
         raise InvalidArgument(
             "--via",
-            "the peer merges with its own validation split and CSPRNG; --validation and --seed are local options",
+            "the peer merges with its own selection, validation split and CSPRNG; --selection, --validation and "
+            "--seed are local options",
         )
     with client_from_args(args) as c:
         release = c.merged(
@@ -129,9 +142,17 @@ def _run(args: argparse.Namespace) -> int:
     else:
         eps = merged.choice.epsilon
         weights = ", ".join(f"{w:.4f}" for w in merged.choice.weights)
+        selection = merged.choice.selection or {}
+        if selection.get("kind") == "utility":
+            how = (
+                f"utility selection over models {selection['scored']} (validation utility {merged.choice.utility:.4f}), "
+                "charged as their composition"
+            )
+        else:
+            how = f"chosen by the public prior ({selection.get('prior', 'epsilon')}; no model scored)"
         print(
             f"{request.method.upper()} merge: {out['weights_name']} = [{weights}] -> epsilon {eps.pld:.4f} (PLD), "
-            f"{eps.rdp:.4f} (RDP) at delta {request.delta:g}; validation utility {merged.choice.utility:.4f}"
+            f"{eps.rdp:.4f} (RDP) at delta {request.delta:g}, this release; {how}"
         )
         print(f"wrote {weights_path} and {record_path}")
     return 0
@@ -152,10 +173,18 @@ def register(subparsers) -> None:
     )
     p.add_argument("--out", required=True, help="output weights file (FILE.safetensors; the stem names the model)")
     p.add_argument(
+        "--selection",
+        default="public-prior",
+        choices=("public-prior", "utility"),
+        help="public-prior (default): pi/lambda from the models' training records and declared prior_utility (else "
+        "their own epsilon), free; utility: score a public subset of the models on --validation, charged as "
+        "releasing that whole subset",
+    )
+    p.add_argument(
         "--validation",
         default="pool",
-        help="data judging candidates: 'pool' (the held-out split the pool was trained beside; default) or an .npz with x and y. "
-        "It must not be part of the protected training data",
+        help="with --selection utility, data scoring candidates: 'pool' (the held-out split the pool was trained "
+        "beside; default) or an .npz with x and y. It must not be part of the protected training data",
     )
     p.add_argument(
         "--accountant", default="pld", choices=("pld", "rdp"), help="the accountant the target is met by (default pld)"

@@ -9,16 +9,15 @@ target (ε′, δ′). Instead of retraining, the site releases a merge of its p
   turns the mixture back into the worst member, so neither the record nor the result says which
   model was drawn. Privacy is the RS bound (``peer.dp.accounting.rs``): PLD
   δ^RS(ε) ≤ max{Σ π_i H_ε(P_i‖Q_i), Σ π_i H_ε(Q_i‖P_i)}, RDP
-  ε_order^RS ≤ 1/(order−1)·log Σ π_i exp((order−1) ε_order,i). The expected utility Σ π_i u_i is
-  linear in π, and π is the exact optimum under the target (``peer.dp.accounting.choose_pi``, a
-  linear programme per accountant): the budget is saturated unless the most useful model alone
-  is already within it.
+  ε_order^RS ≤ 1/(order−1)·log Σ π_i exp((order−1) ε_order,i) — for a π fixed independently of
+  the training records. The expected prior utility Σ π_i u_i is linear in π, and π is the exact
+  optimum under the target (``peer.dp.accounting.choose_pi``, a linear programme per
+  accountant): the budget is saturated unless the most useful model alone is already within it.
 - **LC** releases θ_λ = Σ_i λ_i θ_i (λ convex weights) of independent DP-SGD runs
   (``peer.dp.accounting.lc``). θ_λ is a post-processing of releasing every model with λ_i > 0, so it
   is charged their composition (RDP summed, PLDs composed): a proven bound for any training. The
   cost depends on λ only through its support, so the choice (``peer.dp.accounting.choose_lam``) is
-  which subset of models to combine, and λ over it, by the utility *measured* on every candidate
-  (the utility of θ_λ is not linear in λ). The design's per-step Gaussian surrogate
+  which subset of models to combine, and λ over it. The design's per-step Gaussian surrogate
   (s_t = sqrt(Σ(λ_i η_i σ_i C_i)²), Δ_t = k·Σ λ_i η_i C_i, μ² = Σ_t (Δ_t/s_t)²) is reported in the
   record beside the bound and is charged only when every merged model's training record declares
   state-independent gradients (never for DP-SGD on a network); for such a pool the models'
@@ -26,13 +25,26 @@ target (ε′, δ′). Instead of retraining, the site releases a merge of its p
   cancelling). LC refuses models known only by (ε_i, δ_i) (no free lunch: from final guarantees
   alone an LC is no better than releasing every model).
 
+Selection (``peer.dp.accounting.targets``, module docstring). π and λ are a published choice, so
+they are either public or charged, and the record's ``selection`` says which:
+
+- ``"public-prior"`` (the default): π / λ maximise a *public prior* — per-model utilities the
+  site declares (``prior=``, or every pool model's metadata ``"prior_utility"``), or, when none
+  is declared, each model's own ε at δ (``targets.privacy_prior``); for LC the prior may also be
+  a function of λ computed from public information only. No model is scored: the measured
+  accuracy of a model that is not released is a function of the training records (even on a
+  public validation split), and a π chosen by it leaks them.
+- ``"utility"`` (opt-in): a public subset S of the pool (``targets.scored_subset``: the subsets
+  whose composition meets the target, the largest total prior) is scored by ``score`` — the
+  caller's measurement of a model's (or combination's) utility, e.g. accuracy on a validation
+  split that is not part of the protected records — and the best is released. Charged as what
+  it is: the composition of S's models (the choice and the release are post-processing of
+  releasing them all); RS then releases the best scored model with certainty.
+
 Unit of privacy: one training record of the pool's dataset, "replace-one" or "add-remove" —
 the same for every model (a mix is refused by the accountant). Public: every model's training
-record, the architecture and common initialisation, π/λ, and the utilities used to choose them.
-The utilities must come from data the guarantee does not cover — a public or held-out validation
-set that is *not* part of the protected training records: choosing π or λ by the protected data
-would leak it. This module never sees data: RS takes one utility per model, LC a function of the
-merged weights; the caller (``peer.dp.pools``) measures them on its validation split.
+record, the architecture and common initialisation, the prior, π/λ. This module never sees data:
+``score`` is the caller's (``peer.dp.pools`` measures it on the validation split).
 
 Pure: no I/O; randomness passed in.
 """
@@ -60,9 +72,18 @@ from peer.dp.accounting import (
 )
 from peer.dp.accounting.release_accounting import lc_merge_record, rs_merge_record
 from peer.dp.accounting.rs import check_weights
+from peer.dp.accounting.targets import (
+    SELECTIONS,
+    Selection,
+    choose_lam_by_utility,
+    choose_pi_by_utility,
+    privacy_prior,
+)
 from peer.nn.architectures import validate_architecture
 
 METHODS = ("rs", "lc")
+#: a pool model's metadata key for the public prior utility its site declares (a finite number)
+PRIOR_KEY = "prior_utility"
 # LC candidates whose utility is measured: about this many simplex grid points (≈ 20 steps per
 # axis for three models) — spread over the faces of the maximal feasible subsets under the
 # composition bound, projected onto the feasible boundary under the surrogate.
@@ -76,8 +97,8 @@ class PoolModel:
     """One model of a pool: its weights, architecture and what is known about its privacy — the
     full DP-SGD ``TrainingRecord`` or only an ``ApproxDP`` (ε, δ). ``dataset_size`` is the
     declared n of its DP-SGD update (None when unknown). ``metadata`` is the store's (accuracy,
-    data split, the model's own "dpsgd" record); merging reads only the record's randomness
-    (:func:`models_randomness`)."""
+    data split, the model's own "dpsgd" record); merging reads only its declared public prior
+    (``PRIOR_KEY``) and the record's randomness (:func:`models_randomness`)."""
 
     name: str
     architecture: Mapping[str, Any]
@@ -91,7 +112,8 @@ class PoolModel:
 class MergedModel:
     """A merge ready to release: the weights, the release record ("rs-merge" / "lc-merge"; ε by
     PLD, parameters["epsilon_rdp"] by RDP) and the weight choice (π or λ, ε by every accountant,
-    validation utility, whether the budget is saturated). Nothing here says which model an RS
+    utility — the prior's for a public-prior selection, the measured one for a utility selection —,
+    whether the budget is saturated, and the selection). Nothing here says which model an RS
     merge drew."""
 
     architecture: dict
@@ -159,23 +181,85 @@ def _check_method_inputs(target_epsilon: float, delta: float) -> None:
     check_delta(delta, "delta")
 
 
+def pool_prior(
+    pool: Sequence[PoolModel], delta: float, prior: Sequence[float] | None = None
+) -> tuple[list[float], str]:
+    """(the public prior utilities of the pool's models, where they come from): ``prior`` when
+    given ("declared"), else every model's metadata ``PRIOR_KEY`` ("declared"), else
+    ``targets.privacy_prior`` ("epsilon"). A prior declared for some models only is refused,
+    naming the others. A declared prior must be public: chosen before the models were trained
+    or from their training records (e.g. the site's belief about a noise level) — never a
+    measured score of the model itself, such as its metadata "accuracy" (a function of the
+    training records: use a utility selection, which is charged, instead)."""
+    if prior is not None:
+        if isinstance(prior, (str, bytes)) or not hasattr(prior, "__len__") or len(prior) != len(pool):
+            raise InvalidArgument("prior", f"must give one public prior utility per pool model ({len(pool)})")
+        return [float(u) for u in prior], "declared"
+    declared = [m.metadata.get(PRIOR_KEY) for m in pool]
+    if all(d is None for d in declared):
+        return privacy_prior([m.privacy for m in pool], delta), "epsilon"
+    missing = [m.name for m, d in zip(pool, declared, strict=True) if d is None]
+    if missing:
+        raise InvalidArgument(
+            f"metadata.{PRIOR_KEY}",
+            f"is declared for some pool models but not for {missing}: declare it for all or none",
+        )
+    out = []
+    for m, d in zip(pool, declared, strict=True):
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not np.isfinite(float(d)):
+            raise InvalidArgument(f"{m.name}.metadata.{PRIOR_KEY}", "must be a finite number (a public prior utility)")
+        out.append(float(d))
+    return out, "declared"
+
+
+def _check_selection(selection: str, score) -> None:
+    if selection not in SELECTIONS:
+        raise InvalidArgument("selection", f"must be one of {SELECTIONS}, got {selection!r}")
+    if selection == "utility" and not callable(score):
+        raise InvalidArgument("score", "a utility selection needs the measurement of a model's utility (a callable)")
+    if selection == "public-prior" and score is not None:
+        raise InvalidArgument(
+            "score", "a public-prior selection reads no measured utility; ask for selection='utility' (charged)"
+        )
+
+
 def merge_rs(
     pool: Sequence[PoolModel],
-    utilities: Sequence[float],
     target_epsilon: float,
     delta: float,
     *,
     randomness: Randomness,
+    selection: str = "public-prior",
+    prior: Sequence[float] | None = None,
+    score: Callable[[Mapping[str, np.ndarray]], float] | None = None,
     accountant: str = "pld",
     subject: str = "",
     counterparty: str | None = None,
 ) -> MergedModel:
-    """Random selection at (target_epsilon, delta): π maximising Σ π_i utilities_i subject to
-    the target by ``accountant`` ("pld" or "rdp"), then one model drawn from Cat(π)."""
+    """Random selection at (target_epsilon, delta), then one model drawn from Cat(π).
+
+    ``selection`` "public-prior": π maximises Σ π_i prior_i subject to the RS bound meeting the
+    target by ``accountant`` ("pld" or "rdp"); ``prior`` as in ``pool_prior``. "utility": the
+    models of the public subset S (``targets.scored_subset``) are scored by ``score(arrays)`` and
+    the best is released; charged the composition of S (module docstring)."""
     arch = check_pool(pool)
     _check_method_inputs(target_epsilon, delta)
+    _check_selection(selection, score)
     models = [m.privacy for m in pool]
-    choice = choose_pi(models, utilities, float(target_epsilon), float(delta), accountant=accountant)
+    prior_u, prior_name = pool_prior(pool, float(delta), prior)
+    if selection == "utility":
+        choice = choose_pi_by_utility(
+            models,
+            lambda i: float(score(pool[i].arrays)),
+            float(target_epsilon),
+            float(delta),
+            prior=prior_u,
+            prior_name=prior_name,
+            accountant=accountant,
+        )
+    else:
+        choice = choose_pi(models, prior_u, float(target_epsilon), float(delta), accountant=accountant)
+        choice = replace(choice, selection=Selection("public-prior", prior_name, tuple(prior_u)).to_dict())
     drawn = pool[draw_index(choice.weights, randomness)]
     record = rs_merge_record(
         models,
@@ -185,6 +269,7 @@ def merge_rs(
         randomness=randomness.record_fields(),
         subject=subject,
         counterparty=counterparty,
+        selection=choice.selection,
     )
     record = with_models_randomness(record, pool, choice.weights)
     # the drawn model's own arrays, as read-only views: no copy of what may be a large model
@@ -209,47 +294,80 @@ def _check_lc_pool(pool: Sequence[PoolModel]) -> None:
 
 def merge_lc(
     pool: Sequence[PoolModel],
-    utility: Callable[[Mapping[str, np.ndarray]], float],
     target_epsilon: float,
     delta: float,
     *,
+    selection: str = "public-prior",
+    prior: Sequence[float] | Callable[[np.ndarray], float] | None = None,
+    score: Callable[[Mapping[str, np.ndarray]], float] | None = None,
     accountant: str = "pld",
     candidates: int = LC_CANDIDATES,
     subject: str = "",
     counterparty: str | None = None,
 ) -> MergedModel:
-    """Linear combination at (target_epsilon, delta): λ maximising utility(θ_λ) subject to the
-    charged bound (module docstring) meeting the target by ``accountant``, among ``candidates``
-    or so measured candidates."""
+    """Linear combination at (target_epsilon, delta).
+
+    ``selection`` "public-prior": λ maximises the prior subject to the charged bound (module
+    docstring) meeting the target by ``accountant`` — per-model priors (``pool_prior``: linear
+    Σ λ_i prior_i) or a public function ``prior(λ)`` evaluated on about ``candidates`` λ's.
+    "utility": ``score(θ_λ)`` is measured on about ``candidates`` λ's supported on the public
+    subset S (``targets.scored_subset``); charged the composition of S."""
     arch = check_pool(pool)
     _check_method_inputs(target_epsilon, delta)
+    _check_selection(selection, score)
     models = [m.privacy for m in pool]
     arrays = [m.arrays for m in pool]
-    measured: dict[tuple, float] = {}
-    if all(isinstance(m, TrainingRecord) for m in models) and surrogate_is_bound(models):
-        _check_lc_pool(pool)
-        segments = lc_segments(models)
-
-        def ranked(lam: np.ndarray) -> float:
-            # Accuracy on a finite validation set ties often; a tie goes to the candidate with the
-            # larger μ (the one spending more of the budget, hence carrying less relative noise).
-            u = float(utility(combine(arrays, lam)))
-            measured[tuple(np.round(lam, 12))] = u
-            return u + TIE_BREAK * segments.mu(lam) / (1.0 + segments.mu(lam))
+    if callable(prior):
+        utility, prior_name, prior_u = prior, "declared", None
     else:
+        prior_u, prior_name = pool_prior(pool, float(delta), prior)
+        utility = prior_u
+    if selection == "utility":
 
-        def ranked(lam: np.ndarray) -> float:
-            u = float(utility(combine(arrays, lam)))
-            measured[tuple(np.round(lam, 12))] = u
-            return u
+        def scored(lam: np.ndarray) -> float:
+            return float(score(combine(arrays, lam)))
 
-    choice = choose_lam(
-        models, ranked, float(target_epsilon), float(delta), accountant=accountant, max_points=candidates
-    )
-    lam_key = tuple(np.round(np.asarray(choice.weights), 12))
-    choice = replace(choice, utility=measured.get(lam_key, float(utility(combine(arrays, choice.weights)))))
+        if prior_u is None:
+            raise InvalidArgument("prior", "a utility selection chooses its scored subset by per-model prior utilities")
+        choice = choose_lam_by_utility(
+            models,
+            scored,
+            float(target_epsilon),
+            float(delta),
+            prior=prior_u,
+            prior_name=prior_name,
+            accountant=accountant,
+            max_points=candidates,
+        )
+    else:
+        if all(isinstance(m, TrainingRecord) for m in models) and surrogate_is_bound(models):
+            _check_lc_pool(pool)
+            if callable(utility):
+                segments = lc_segments(models)
+                public = utility
+
+                def utility(lam: np.ndarray) -> float:
+                    # a tie goes to the candidate with the larger μ (the one spending more of the
+                    # budget, hence carrying less relative noise)
+                    return float(public(lam)) + TIE_BREAK * segments.mu(lam) / (1.0 + segments.mu(lam))
+
+        choice = choose_lam(
+            models, utility, float(target_epsilon), float(delta), accountant=accountant, max_points=candidates
+        )
+        if callable(prior):
+            choice = replace(choice, utility=float(prior(np.asarray(choice.weights))))
+        choice = replace(
+            choice,
+            selection=Selection("public-prior", prior_name, None if prior_u is None else tuple(prior_u)).to_dict(),
+        )
     record = lc_merge_record(
-        models, choice.weights, float(delta), names=[m.name for m in pool], subject=subject, counterparty=counterparty
+        models,
+        choice.weights,
+        float(delta),
+        names=[m.name for m in pool],
+        subject=subject,
+        counterparty=counterparty,
+        selection=choice.selection,
     )
     record = with_models_randomness(record, pool, choice.weights)
     return MergedModel(arch, combine(arrays, choice.weights), record, choice)

@@ -4,7 +4,8 @@ A pool is one model store directory (``peer.nn.store``): each model is ``NAME.sa
 ``NAME.json`` whose metadata holds (its fields are read by load_pool below)::
 
     {"training": TrainingRecord dict, "record": "dpsgd" ReleaseRecord dict,
-     "accuracy": accuracy on the held-out validation split, "data": how the data was split}
+     "accuracy": accuracy on the held-out validation split, "data": how the data was split,
+     "prior_utility": optional public prior utility the site declares (``peer.dp.merging``)}
 
 and, for a pool trained on a site's own records (``privfusion pool train --data``), the
 manifest's "preprocessing" (``peer.nn.tables.Preprocessing``), the same for every model.
@@ -14,9 +15,12 @@ random selection only.
 
 Data. The bundled dataset's training part is split once more: a stratified *held-out
 validation* split (``validation_fraction``, default 0.2) and the rest, the *protected* training
-records that DP-SGD sees and the guarantee covers. The validation split is what merging uses to
-choose π/λ; it is not protected by the pool's guarantee (treat it as public, or as data the site
-is willing to spend no privacy on). The test split is for reporting only.
+records that DP-SGD sees and the guarantee covers. The validation split is what a *charged*
+utility selection scores candidates on (``merge_pool(selection="utility")``); it is not protected
+by the pool's guarantee (treat it as public, or as data the site is willing to spend no privacy
+on) — but the models scored on it are, which is why such a selection is charged the composition
+of every scored model, and why the default selection reads no score at all. The test split is
+for reporting only.
 
 A site's own records (``peer.nn.tables.prepare_records``) are split the same way into protected
 training records and a held-out part. The held-out part only reports accuracy locally; the
@@ -352,7 +356,9 @@ def load_validation_file(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarra
 
 
 def rs_utilities(pool: Sequence[PoolModel], validation: tuple[np.ndarray, np.ndarray]) -> list[float]:
-    """Each pool model's accuracy on ``validation``: the utilities RS maximises (linear in π)."""
+    """Each pool model's accuracy on ``validation``: what a *charged* utility selection reads
+    (``selection="utility"``). Not a public prior: the models are functions of the protected
+    training records, so their scores are too, however public the validation split."""
     judge = pool_accuracy(pool, validation)
     return [judge(m.arrays) for m in pool]
 
@@ -363,6 +369,8 @@ def merge_pool(
     target_epsilon: float,
     delta: float,
     *,
+    selection: str = "public-prior",
+    prior: Sequence[float] | None = None,
     validation: tuple[np.ndarray, np.ndarray] | None = None,
     utilities: Sequence[float] | None = None,
     accountant: str = "pld",
@@ -370,37 +378,60 @@ def merge_pool(
     subject: str = "",
     counterparty: str | None = None,
 ) -> MergedModel:
-    """Merge a loaded pool at (target_epsilon, delta) by ``method`` ("rs" or "lc"), judging
-    candidates by accuracy on ``validation`` (default: the pool's own held-out split). For RS,
-    ``utilities`` may give those accuracies already (:func:`rs_utilities`; a daemon computes
-    them once per pool). RS draws from ``randomness`` (a fresh CSPRNG-seeded one when None)."""
+    """Merge a loaded pool at (target_epsilon, delta) by ``method`` ("rs" or "lc").
+
+    ``selection`` "public-prior" (default): π / λ from the models' training records and the
+    public prior (``prior``, else the models' declared ``prior_utility``, else each model's own ε;
+    ``peer.dp.merging.pool_prior``); no model is scored and ``validation`` is not read.
+    "utility": candidates of a public subset are judged by accuracy on ``validation`` (default:
+    the pool's own held-out split), charged the composition of that subset; for RS,
+    ``utilities`` may give the models' accuracies already (:func:`rs_utilities`; only those of
+    the scored subset are read). RS draws from ``randomness`` (a fresh CSPRNG-seeded one when
+    None)."""
     if method not in METHODS:
         raise InvalidArgument("method", f"must be one of {METHODS}, got {method!r}")
     check_pool(pool)
     check_declared_counts(pool, subject or "pool")
-    x_val, y_val = pool_validation(pool) if validation is None else validation
+    score = None
+    if selection == "utility":
+        x_val, y_val = pool_validation(pool) if validation is None else validation
+        judge = pool_accuracy(pool, (x_val, y_val))
+        score = judge
+        if method == "rs" and utilities is not None:
+            if len(utilities) != len(pool):
+                raise InvalidArgument(
+                    "utilities", f"must give one accuracy per pool model ({len(pool)}), got {len(utilities)}"
+                )
+            known = {id(m.arrays): float(u) for m, u in zip(pool, utilities, strict=True)}
+
+            def score(arrays):
+                return known[id(arrays)] if id(arrays) in known else judge(arrays)
+
+    elif utilities is not None or validation is not None:
+        raise InvalidArgument(
+            "utilities" if utilities is not None else "validation",
+            "candidates are scored only by a utility selection (selection='utility', charged as the scored models)",
+        )
     if method == "rs":
-        if utilities is None:
-            utilities = rs_utilities(pool, (x_val, y_val))
-        elif len(utilities) != len(pool):
-            raise InvalidArgument(
-                "utilities", f"must give one accuracy per pool model ({len(pool)}), got {len(utilities)}"
-            )
         return merge_rs(
             pool,
-            utilities,
             target_epsilon,
             delta,
             randomness=randomness or make_randomness(),
+            selection=selection,
+            prior=prior,
+            score=score,
             accountant=accountant,
             subject=subject,
             counterparty=counterparty,
         )
     return merge_lc(
         pool,
-        pool_accuracy(pool, (x_val, y_val)),
         target_epsilon,
         delta,
+        selection=selection,
+        prior=prior,
+        score=score,
         accountant=accountant,
         subject=subject,
         counterparty=counterparty,

@@ -1,5 +1,9 @@
 """The DP model-merging experiment: RS vs LC, PLD vs RDP (Yin, Zaheer & Li 2026, arXiv:2604.20985).
 
+Every curve but two chooses π / λ from public information only (``peer.dp.accounting.targets``);
+"rs_utility" / "lc_utility" score a public subset of the models (MSE in (a), validation accuracy
+in (b)) and are charged the composition of that subset — what a measured choice costs.
+
 LC is shown twice, side by side with RS: ``lc_composition``, the proven bound (θ_λ is a
 post-processing of releasing every model with λ_i > 0, so it costs their composition — whatever
 the training), and ``lc_surrogate``, the design's per-step Gaussian surrogate, which is a bound
@@ -21,12 +25,13 @@ ledger charges the surrogate for (a) and the composition for (b); the JSON says 
         RS  MSE(π) = Σ_i π_i MSE_i,
         LC  MSE(λ) = (Σ_i λ_i b_i)² + Σ_i λ_i² v_i        (b_i bias, v_i variance of model i),
     exact functions of the per-model Monte Carlo moments. For each target ε′ the weights
-    maximise −MSE under the target by PLD and by RDP.
+    maximise a public prior under the target by PLD and by RDP: −Σ π_i v_i (RS) and −Σ λ_i² v_i
+    (LC) with v_i = T(ησC/n)² the closed-form variance (public: training record and n).
 
 (b) Logistic regression on scikit-learn's digits: three full-batch DP-SGD models with different
     (C, σ) from one public initialisation, trained on the protected split (their gradients depend
-    on their weights: no declaration); π/λ chosen by accuracy on the held-out validation split,
-    accuracy reported on the test split. Frontiers (test accuracy vs ε′) of RS, LC by composition
+    on their weights: no declaration); π/λ chosen by the public prior ``privacy_prior`` (each
+    model's own ε), accuracy reported on the test split. Frontiers (test accuracy vs ε′) of RS, LC by composition
     (charged) and LC by the surrogate (not a bound here; shown for what it would have claimed), by
     PLD and RDP, against releasing models jointly (every subset, its composition ε; the receiver
     may then post-process to any combination, chosen on validation) — LC by composition is that
@@ -60,7 +65,13 @@ from peer.dp.accounting.conversions import pld_epsilon
 from peer.dp.accounting.lc import lc_composition_epsilon, lc_composition_rdp, surrogate_is_bound
 from peer.dp.accounting.pld import compose_plds
 from peer.dp.accounting.rdp import rdp_mixture
-from peer.dp.accounting.targets import choose_lam_composition, choose_lam_surrogate
+from peer.dp.accounting.targets import (
+    choose_lam_by_utility,
+    choose_lam_composition,
+    choose_lam_surrogate,
+    choose_pi_by_utility,
+    privacy_prior,
+)
 from peer.dp.merging import PoolModel, combine, merge_lc, merge_rs
 from peer.dp.pools import load_splits
 from peer.dp.training import run_dpsgd, train_pool
@@ -68,7 +79,7 @@ from peer.nn.architectures import accuracy, model_from_arrays
 
 INTERVAL = 1e-3
 ACCOUNTANTS = ("pld", "rdp")
-METHODS = ("rs", "lc_composition", "lc_surrogate")
+METHODS = ("rs", "lc_composition", "lc_surrogate", "rs_utility", "lc_utility")
 
 
 @dataclass(frozen=True)
@@ -114,18 +125,34 @@ def _targets(lo: float, hi: float, count: int) -> list[float]:
 
 
 def _frontiers(
-    profiles, trainings, targets, delta, key, *, rs_utilities, rs_value, lc_utility, lc_value, lc_candidates=2000
+    profiles,
+    trainings,
+    targets,
+    delta,
+    key,
+    *,
+    rs_prior,
+    lc_prior,
+    rs_value,
+    lc_value,
+    rs_score,
+    lc_score,
+    lc_candidates=2000,
 ) -> dict:
-    """For each target and accountant: π chosen by ``rs_utilities`` (linear), λ chosen by
-    ``lc_utility(λ)`` under the composition bound and under the per-step surrogate, each reported
-    with ``key`` = rs_value(π) / lc_value(λ). Unreachable targets are left out of that curve."""
+    """For each target and accountant: π chosen by the public ``rs_prior`` (linear), λ by the
+    public ``lc_prior`` (per-model numbers or a public function of λ) under the composition bound
+    and under the per-step surrogate; and the charged utility selections ("rs_utility",
+    "lc_utility": the public subset scored by ``rs_score(i)`` / ``lc_score(λ)``, charged its
+    composition). Each row carries ``key`` = rs_value(π) / lc_value(λ). Unreachable targets are
+    left out of that curve."""
     curves: dict[str, dict[str, list]] = {m: {a: [] for a in ACCOUNTANTS} for m in METHODS}
     choosers = {"lc_composition": choose_lam_composition, "lc_surrogate": choose_lam_surrogate}
+    linear_prior = rs_prior
     for target in targets:
         for acc in ACCOUNTANTS:
             try:
                 rs = choose_pi(
-                    profiles, rs_utilities, target, delta, accountant=acc, value_discretization_interval=INTERVAL
+                    profiles, rs_prior, target, delta, accountant=acc, value_discretization_interval=INTERVAL
                 )
                 curves["rs"][acc].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
             except UnreachableTarget:
@@ -134,7 +161,7 @@ def _frontiers(
                 try:
                     lc = choose(
                         trainings,
-                        lc_utility,
+                        lc_prior,
                         target,
                         delta,
                         accountant=acc,
@@ -144,6 +171,30 @@ def _frontiers(
                     curves[method][acc].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
                 except UnreachableTarget:
                     pass
+            try:
+                rs = choose_pi_by_utility(
+                    profiles,
+                    rs_score,
+                    target,
+                    delta,
+                    prior=linear_prior,
+                    accountant=acc,
+                    value_discretization_interval=INTERVAL,
+                )
+                curves["rs_utility"][acc].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
+                lc = choose_lam_by_utility(
+                    trainings,
+                    lc_score,
+                    target,
+                    delta,
+                    prior=linear_prior,
+                    accountant=acc,
+                    value_discretization_interval=INTERVAL,
+                    max_points=lc_candidates,
+                )
+                curves["lc_utility"][acc].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
+            except UnreachableTarget:
+                pass
     return curves
 
 
@@ -154,13 +205,16 @@ def _lc_labels(trainings) -> dict:
 
 
 def _choice_row(choice, value_name: str, value: float) -> dict:
-    return {
+    row = {
         "target_epsilon": choice.target_epsilon,
         "weights": list(choice.weights),
         "epsilon": choice.epsilon.to_dict(),
         "saturated": choice.saturated,
         value_name: value,
     }
+    if choice.selection is not None and choice.selection.get("kind") == "utility":
+        row["scored"] = list(choice.selection["scored"])
+    return row
 
 
 # ------------------------------------------------------------------------------------ (a)
@@ -209,16 +263,22 @@ def mean_estimation(s: Settings) -> dict:
     profiles = privacy_profiles(trainings, value_discretization_interval=INTERVAL)
     singles = [p.epsilon(s.delta) for p in profiles]
     targets = _targets(min(e.pld for e in singles) * 1.001, max(e.rdp for e in singles) * 1.15, s.mean_targets)
+    # the public prior: the closed-form variance of each model's error, T(ησC/n)² (η = 1/T: no
+    # bias), a function of the training records and the public n alone; never the Monte Carlo MSE
+    public_var = np.array(closed)
+
     curves = _frontiers(
         profiles,
         trainings,
         targets,
         s.delta,
         "mse",
-        rs_utilities=[-m for m in mse],
+        rs_prior=[-v for v in public_var],
+        lc_prior=lambda lam: -float((np.asarray(lam) ** 2) @ public_var),
         rs_value=lambda pi: float(np.dot(pi, mse)),
-        lc_utility=lambda lam: -lc_mse(np.asarray(lam)),
         lc_value=lambda lam: lc_mse(np.asarray(lam)),
+        rs_score=lambda i: -mse[i],
+        lc_score=lambda lam: -lc_mse(np.asarray(lam)),
     )
     return {
         "n": s.mean_n,
@@ -335,10 +395,12 @@ def digits_logreg(s: Settings) -> dict:
         targets,
         s.delta,
         "test_accuracy",
-        rs_utilities=val,
+        rs_prior=privacy_prior(profiles, s.delta, value_discretization_interval=INTERVAL),
+        lc_prior=privacy_prior(profiles, s.delta, value_discretization_interval=INTERVAL),
         rs_value=lambda pi: float(np.dot(pi, test)),
-        lc_utility=lambda lam: acc_of(combine(arrays, lam), splits.x_val, splits.y_val),
         lc_value=lambda lam: acc_of(combine(arrays, lam), splits.x_test, splits.y_test),
+        rs_score=lambda i: val[i],
+        lc_score=lambda lam: acc_of(combine(arrays, lam), splits.x_val, splits.y_val),
         lc_candidates=s.lc_candidates,
     )
 
@@ -355,10 +417,8 @@ def digits_logreg(s: Settings) -> dict:
         for i, (a, t, m) in enumerate(zip(arrays, trainings, trained, strict=True))
     ]
     example_target = float(np.sqrt(lo * max(e.pld for e in singles)))
-    rs_release = merge_rs(pool, val, example_target, s.delta, randomness=make_randomness(s.seed))
-    lc_release = merge_lc(
-        pool, lambda w: acc_of(w, splits.x_val, splits.y_val), example_target, s.delta, candidates=s.lc_candidates
-    )
+    rs_release = merge_rs(pool, example_target, s.delta, randomness=make_randomness(s.seed))
+    lc_release = merge_lc(pool, example_target, s.delta, candidates=s.lc_candidates)
     return {
         "dataset": "digits",
         "architecture": arch,
@@ -477,12 +537,18 @@ STYLES = {
     ("lc_composition", "rdp"): ("tab:orange", "--"),
     ("lc_surrogate", "pld"): ("tab:red", ":"),
     ("lc_surrogate", "rdp"): ("tab:red", "-."),
+    ("rs_utility", "pld"): ("tab:green", "-"),
+    ("lc_utility", "pld"): ("tab:purple", "-"),
 }
 
 
 def _method_label(method: str, result: dict) -> str:
     if method == "rs":
         return "RS"
+    if method == "rs_utility":
+        return "RS, utility selection (charged: scored subset)"
+    if method == "lc_utility":
+        return "LC, utility selection (charged: scored subset)"
     if method == "lc_composition":
         return "LC, composition (proven)"
     return "LC, surrogate (" + ("proven here" if result["surrogate_valid"] else "NOT a bound here") + ")"
@@ -570,10 +636,13 @@ COLUMNS = (
     ("lc_composition", "rdp"),
     ("lc_surrogate", "pld"),
     ("lc_surrogate", "rdp"),
+    ("rs_utility", "pld"),
+    ("lc_utility", "pld"),
 )
 TABLE_HEAD = [
-    "| target ε′ | RS (PLD) | RS (RDP) | LC composition (PLD) | LC composition (RDP) | LC surrogate (PLD) | LC surrogate (RDP) |",
-    "| --- | --- | --- | --- | --- | --- | --- |",
+    "| target ε′ | RS (PLD) | RS (RDP) | LC composition (PLD) | LC composition (RDP) | LC surrogate (PLD) | LC surrogate (RDP) "
+    "| RS utility sel. (PLD) | LC utility sel. (PLD) |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
 ]
 
 
@@ -590,6 +659,15 @@ def markdown(result: dict) -> str:
             "every merged model declares state-independent gradients. *Surrogate*: the per-step Gaussian surrogate "
             "(noise sqrt(Σ(λ_i η_i σ_i C_i)²), sensitivity 2Σλ_i η_i C_i per step), a bound only for state-independent "
             "gradients; for networks it can understate the cost several-fold."
+        ),
+        "",
+        (
+            "Selection. RS, LC composition and LC surrogate choose π / λ from a *public prior* only — (a) each "
+            "model's closed-form error variance T(ησC/n)², (b) each model's own ε — never from a measured score of "
+            "a model that is not released (that would leak the training records). The *utility selection* "
+            "columns score a public subset of the models (the subsets whose composition meets the target, the "
+            "largest total prior) on the validation split and release the best, charged the composition of the "
+            "whole scored subset."
         ),
         "",
         f"## (a) Gaussian mean estimation (n = {a['n']}; gradients state-independent: the surrogate is the charged bound)",

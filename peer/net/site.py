@@ -26,9 +26,13 @@
 
     [site.pools.digits]              # a DP-SGD pool for RS/LC merges (models trained on the same data)
     models = "pool"
-    # validation = "validation.npz"  # optional: held-out (x, y) that judges RS/LC candidates (public;
-    #                                # never the pool's training records); default: the split the
-    #                                # models' metadata "data" describes
+    # selection = "public-prior"     # how pi / lambda are chosen: from the models' training records
+    #                                # and their declared "prior_utility" (else each model's own
+    #                                # epsilon): free; or "utility": scores a public subset of the
+    #                                # models and is charged the composition of that subset
+    # validation = "validation.npz"  # with selection = "utility": held-out (x, y) that scores the
+    #                                # candidates (never the pool's training records); default: the
+    #                                # split the models' metadata "data" describes
 
     [site.peers.hospital-b]          # where pinned peers listen (Fuse dials them)
     address = "10.0.0.2:50051"
@@ -140,6 +144,8 @@ class SiteConfig:
     peers: Mapping[str, str] = field(default_factory=dict)
     path: Path | None = None
     pool_validation: Mapping[str, Path] = field(default_factory=dict)
+    # how each pool's merges choose pi / lambda (peer.dp.merging): "public-prior" unless set
+    pool_selection: Mapping[str, str] = field(default_factory=dict)
     # the site's own networks (``privfusion model import``; default DIR/own_models when it exists)
     own_models: Path | None = None
 
@@ -172,12 +178,13 @@ class SiteConfig:
         mechanisms.known(("activation_clip", "calibration"))
         clip = mechanisms.interval("activation_clip", None)
         calibration = mechanisms.string("calibration", "analytic", choices=("analytic", "classical"))
-        pools, pool_validation = {}, {}
+        pools, pool_validation, pool_selection = {}, {}, {}
         for name, t in site.sections("pools").items():
-            t.known(("models", "validation"))
+            t.known(("models", "validation", "selection"))
             pools[name] = rel(t, "models")
             if "validation" in t:
                 pool_validation[name] = rel(t, "validation")
+            pool_selection[name] = t.string("selection", "public-prior", choices=("public-prior", "utility"))
         peers = {}
         for name, t in site.sections("peers").items():
             try:
@@ -211,6 +218,7 @@ class SiteConfig:
             peers=peers,
             path=path,
             pool_validation=pool_validation,
+            pool_selection=pool_selection,
             own_models=rel(site, "own_models", None)
             if "own_models" in site
             else ((base / "own_models").resolve() if (base / "own_models").is_dir() else None),
@@ -446,16 +454,18 @@ class Site:
             self.pools = {name: load_pool(d) for name, d in pools.items()}
             for pool in self.pools.values():
                 check_pool(pool)
-            # the held-out split each pool was trained beside, or the site's validation file
-            # (judges RS/LC candidates; public)
+            # pools whose merges score candidates (selection = "utility", charged): the held-out
+            # split each was trained beside, or the site's validation file, and each model's
+            # accuracy there (fixed while the daemon runs; a merge reads those of the public
+            # subset it scores). A public-prior pool reads neither.
+            scored = [name for name in self.pools if self.pool_selection(name) == "utility"]
             self._validation = {
                 name: load_validation_file(config.pool_validation[name])
                 if name in config.pool_validation
-                else pool_validation(pool)
-                for name, pool in self.pools.items()
+                else pool_validation(self.pools[name])
+                for name in scored
             }
-            # each model's accuracy there: what RS maximises; fixed while the daemon runs
-            self._rs_utilities = {name: rs_utilities(pool, self._validation[name]) for name, pool in self.pools.items()}
+            self._rs_utilities = {name: rs_utilities(self.pools[name], self._validation[name]) for name in scored}
             # and the models' privacy profiles (PLD + RDP, kept by peer.dp.accounting for models
             # seen before): an RS request then pays for choosing π, not for T-step compositions
             # (read from each pool's profile cache on disk when a valid entry is there: a restart
@@ -633,6 +643,10 @@ class Site:
 
     def rs_utilities(self, name: str) -> list[float]:
         return self._rs_utilities[name]
+
+    def pool_selection(self, name: str) -> str:
+        """How merges of pool ``name`` choose π / λ: "public-prior" (default) or "utility"."""
+        return self.config.pool_selection.get(name, "public-prior")
 
     def activation_clip(self, requested: tuple[float, float] | None = None) -> tuple[float, float] | None:
         """The public activation range: the caller's (checked by the service), else the site's
@@ -819,19 +833,22 @@ class Site:
 
     def merge(self, pool: str, method: str, epsilon: float, delta: float, caller: str):
         """An RS or LC merge of ``pool`` at (ε, δ) for ``caller`` (``peer.dp.pools.merge_pool``:
-        candidates judged on the pool's public validation split; RS maximises the models'
-        accuracy there), its record stamped. Not stored, not charged: :meth:`merge_release`
-        is what the service serves."""
+        π / λ from public information, or — for a pool with selection = "utility" — from
+        candidates scored on the pool's validation split and charged as such), its record
+        stamped. Not stored, not charged: :meth:`merge_release` is what the service serves."""
         # lazy: peer.dp loads dp_accounting (slow to import); the site has pools, so it is loaded
         from peer.dp.pools import merge_pool
 
+        members = self.pool(pool)
+        scored = self.pool_selection(pool) == "utility"
         return merge_pool(
-            self.pool(pool),
+            members,
             method,
             epsilon,
             delta,
-            validation=self.pool_validation(pool),
-            utilities=self.rs_utilities(pool) if method == "rs" else None,
+            selection=self.pool_selection(pool),
+            validation=self.pool_validation(pool) if scored else None,
+            utilities=self.rs_utilities(pool) if scored and method == "rs" else None,
             randomness=self.randomness(),
             subject=pool,
             counterparty=caller,
@@ -912,7 +929,7 @@ class Site:
 
             digest = release_sha256([(n, wire.digest(a)) for n, a in tensors])
             record = merged.record.with_(parameters={**merged.record.parameters, "release_sha256": digest})
-            # public: the method, π or λ, the ε each accountant reports, the validation utility
+            # public: the method, π or λ, the ε each accountant reports, the selection and its utility
             metadata = {"choice": merged.choice.to_dict()}
             parameters = {"pool": pool, "method": method, "epsilon": epsilon, "delta": delta}
             self.releases.put(key, parameters, StoredRelease(key, record, merged.architecture, metadata, tensors))

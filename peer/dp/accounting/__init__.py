@@ -3,7 +3,8 @@
 Modules: ``training_records`` (how a model was trained: GaussianStep, TrainingRecord, ApproxDP),
 ``conversions`` (RDP → (ε, δ), μ-GDP, PLD ε/δ), ``rdp`` and ``pld`` (per-mechanism RDP and PLDs), ``profiles`` (one model's
 privacy profile), ``rs`` and ``lc`` (merges; LC is charged the composition of its models unless
-all declare state-independent gradients), ``targets`` (choose π / λ for a target ε),
+all declare state-independent gradients), ``targets`` (choose π / λ for a target ε: from a
+public prior, or by measured utility charged as the composition of the scored models),
 ``release_accounting`` (interpret ReleaseRecords: ``rdp_of_record``, ``pld_of_record``; build
 the data-level ones), ``skellam`` (the Skellam mechanism of secure aggregation: RDP, Poisson
 subsampling, steps).
@@ -42,9 +43,18 @@ from peer.dp.accounting.release_accounting import (
     record_epsilon,
     rs_merge_record,
 )
-from peer.dp.accounting.rs import rs_delta, rs_epsilon, rs_pld, rs_profiles, rs_rdp
+from peer.dp.accounting.rs import composition_epsilon, rs_delta, rs_epsilon, rs_pld, rs_profiles, rs_rdp
 from peer.dp.accounting.skellam import rdp_skellam, rdp_skellam_steps, rdp_subsampled_skellam
-from peer.dp.accounting.targets import UnreachableTarget, WeightChoice, choose_lam, choose_pi
+from peer.dp.accounting.targets import (
+    Selection,
+    UnreachableTarget,
+    WeightChoice,
+    choose_lam,
+    choose_lam_by_utility,
+    choose_pi,
+    choose_pi_by_utility,
+    privacy_prior,
+)
 from peer.dp.accounting.training_records import (
     ADJACENCIES,
     OPTIMIZERS,
@@ -66,11 +76,15 @@ __all__ = [
     "LCSegments",
     "Optimizer",
     "PrivacyProfile",
+    "Selection",
     "TrainingRecord",
     "UnreachableTarget",
     "WeightChoice",
     "choose_lam",
+    "choose_lam_by_utility",
     "choose_pi",
+    "choose_pi_by_utility",
+    "composition_epsilon",
     "dpsgd_record",
     "gdp_delta",
     "gdp_epsilon",
@@ -88,6 +102,7 @@ __all__ = [
     "model_epsilon",
     "pld_fallbacks",
     "pld_of_record",
+    "privacy_prior",
     "privacy_profile",
     "privacy_profiles",
     "rdp_of_record",

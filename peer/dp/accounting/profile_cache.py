@@ -13,14 +13,39 @@ arrays, and each direction's δ at ``CHECK_EPSILONS`` read from the PLD when it 
 RDP curve at the orders is stored beside the PMFs (a subsampled Gaussian's RDP costs tens of
 milliseconds per model). Nothing is pickled: the PLD object is rebuilt from the arrays.
 
-A wrong PLD would under-charge, so an entry is never trusted blindly. It is used only when its
-JSON names the same key inputs, the arrays hash to the stored digest, every array has the shape
-and range a PMF must (finite, non-negative probabilities up to FFT noise; total mass at least 1 − ``MASS_TOLERANCE``;
-the requested interval; pessimistic; one non-negative RDP value per order), and the rebuilt PLD
-gives the stored δ at ``CHECK_EPSILONS`` (a cheap evaluation: one dot product per ε; equal up to
-``CHECK_RTOL``, the rounding of a sum in another order, as another BLAS thread count gives).
+A wrong PLD would under-state the published ε (and move π), so an entry is never trusted
+blindly. It is used only when
+
+1. it is consistent with itself: its JSON names the same key inputs, the arrays hash to the
+   stored digest, every array has the shape and range a PMF must (finite, non-negative
+   probabilities up to FFT noise; total mass at least 1 − ``MASS_TOLERANCE``; the requested
+   interval; pessimistic; one non-negative RDP value per order), and the rebuilt PLD gives the
+   stored δ at ``CHECK_EPSILONS`` (one dot product per ε; equal up to ``CHECK_RTOL``, the
+   rounding of a sum in another order, as another BLAS thread count gives); and
+2. it matches what its training record determines (``fingerprint_problem``) — the checks above
+   alone accept any self-consistent entry, e.g. a far more private model's PLD written in with
+   its own digest:
+   - the RDP curve is recomputed from the record (tens of milliseconds for a subsampled
+     Gaussian, against hundreds for the PLD) and must equal the stored one; the profile uses the
+     recomputed curve;
+   - a full-batch record is a Gaussian mechanism of μ known in closed form: the stored PLD's
+     δ(ε), each direction, must be at least the exact μ-GDP δ(ε) at every point of an ε grid
+     (``FINGERPRINT_POINTS`` points from 0 to the ε where δ = 1e-14; a pessimistic PLD is an
+     upper bound). δ(ε) is non-increasing, so an accepted entry under-states ε(δ) by at most one
+     grid step for every δ ≥ 1e-14;
+   - a record with subsampled steps: the stored PMF's order-2 Rényi divergence (the larger
+     direction, from its finite losses) must reach the record's RDP at order 2 (exact for the
+     subsampled Gaussian) within ``FINGERPRINT_RTOL``. This pins one moment of the loss
+     distribution, not the whole curve: it refuses the issue's forgery (another model's PLD) and
+     anything more private in that moment, not a PLD crafted to match the moment exactly;
+   - a model known by (ε, δ) only, or one that is not private (σ = 0): its PLD costs nothing to
+     build, so the stored PMF must equal a rebuilt one.
+   When an honest entry's truncated tail makes its order-2 moment fall short (very weak models),
+   it is rebuilt every time: slower, never wrong.
+
 Anything else (missing, corrupt, tampered, another version) is ignored, rebuilt from the record
-and written again.
+and written again; an entry that exists but fails a check is named in a warning (the
+``peer.dp.accounting.profile_cache`` logger) with the check it failed.
 
 What is stored is public: a model's PLD is a function of its public training record only.
 """
@@ -31,6 +56,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import tempfile
@@ -44,7 +70,7 @@ from dp_accounting.pld import pld_pmf
 
 from peer.dp.accounting import pld as pldm
 from peer.dp.accounting import profiles
-from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders
+from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, gdp_delta, gdp_epsilon
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
 
 FORMAT = "privfusion-pld-cache/1"
@@ -64,6 +90,14 @@ NEGATIVE_NOISE = 1e-12
 # below any change of the arrays that would matter (those are hashed besides)
 CHECK_RTOL = 1e-9
 _DIRECTIONS = ("remove", "add")
+# the fingerprint of an entry against its training record (module docstring): the ε grid on
+# which a stored δ(ε) is compared with the record's, and how far below the record's order-2 RDP
+# the stored PMF's order-2 Rényi divergence may fall (honest entries: within 2e-5 relative, the
+# pessimistic rounding and the truncated tail; measured at T = 500..10,000 Poisson steps)
+FINGERPRINT_POINTS = 400
+FINGERPRINT_DELTA = 1e-14
+FINGERPRINT_RTOL = 1e-3
+log = logging.getLogger("peer.dp.accounting.profile_cache")
 
 
 def _dp_accounting_version() -> str:
@@ -166,43 +200,128 @@ def _pmf_from(arrays, name: str, interval: float):
     return pld_pmf.DensePLDPmf(h, int(lower), probs, inf_mass, True)
 
 
+def _renyi2(pmf) -> float:
+    """D_2 of one direction from its finite losses: log Σ_l p_l e^l (order 2, (α − 1) = 1)."""
+    dense = pmf.to_dense_pmf()
+    probs = np.clip(np.asarray(dense._probs), 0.0, None)
+    if not probs.any():
+        return -math.inf
+    losses = (dense._lower_loss + np.arange(probs.size)) * dense._discretization
+    top = float(losses[probs > 0][-1])
+    return top + math.log(float(np.dot(probs, np.exp(losses - top))))
+
+
+def _grid_deltas(pld: pldm.PLD, grid: np.ndarray) -> np.ndarray:
+    return np.vstack(pldm.directional_deltas(pld, grid))
+
+
+def fingerprint_problem(model, adjacency: str, orders, interval: float, pld: pldm.PLD, rdp: np.ndarray) -> str | None:
+    """Why a stored (PLD, RDP) does not match what ``model``'s training record determines, or None
+    when it does (module docstring, check 2). Public: reads the record and the stored arrays."""
+    expected_rdp = profiles.model_rdp(model, adjacency, orders=orders)
+    same = (np.isinf(expected_rdp) == np.isinf(rdp)) & np.isclose(
+        np.where(np.isinf(rdp), 0.0, rdp), np.where(np.isinf(expected_rdp), 0.0, expected_rdp), rtol=CHECK_RTOL, atol=0
+    )
+    if not np.all(same):
+        return "its RDP curve is not the one its training record gives"
+    exact = None
+    # built without being remembered: what is remembered is the profile this entry gives
+    rebuild = profiles._derived_profile.__wrapped__
+    if isinstance(model, ApproxDP):
+        exact = rebuild(model, adjacency, tuple(orders), interval)
+    else:
+        groups = profiles._step_groups(model)
+        if any(sigma == 0 for sigma, _ in groups):
+            exact = rebuild(model, adjacency, tuple(orders), interval)
+        elif all(q == 1.0 for _, q in groups):
+            mu = profiles._full_batch_mu(groups, adjacency)
+            grid = np.linspace(0.0, gdp_epsilon(mu, FINGERPRINT_DELTA), FINGERPRINT_POINTS)
+            want = np.array([gdp_delta(mu, float(e)) for e in grid])
+            got = _grid_deltas(pld, grid)
+            if np.any(got < want * (1 - 1e-9) - 1e-15):
+                return f"its delta(epsilon) is below the exact one of the record's Gaussian mechanism (mu = {mu:.6g})"
+            return None
+    if exact is not None:
+        mine, theirs = _arrays(pld), _arrays(exact.pld)
+        if set(mine) != set(theirs) or any(
+            mine[k].shape != theirs[k].shape or not np.allclose(mine[k], theirs[k], rtol=1e-12, atol=0) for k in mine
+        ):
+            return "its PMF is not the one its record's PLD has"
+        return None
+    grid_orders = [float(a) for a in orders]
+    rdp2 = (
+        float(expected_rdp[grid_orders.index(2.0)])
+        if 2.0 in grid_orders
+        else float(profiles.model_rdp(model, adjacency, orders=[2.0])[0])
+    )
+    remove, add = pldm.directions(pld)
+    got2 = max(_renyi2(remove), _renyi2(add))
+    if not got2 >= rdp2 * (1 - FINGERPRINT_RTOL):
+        return f"its order-2 Renyi divergence {got2:.6g} falls short of the record's {rdp2:.6g}"
+    return None
+
+
+def _reject(path: Path, why: str) -> None:
+    log.warning(
+        json.dumps({"event": "profile-cache-entry-rejected", "path": str(path), "reason": why, "action": "rebuilt"})
+    )
+
+
 def load_entry(
     directory: str | os.PathLike, model, adjacency: str, orders, interval: float
 ) -> tuple[pldm.PLD, np.ndarray] | None:
-    """The stored (PLD, RDP curve) of (model, adjacency, orders, interval), or None when there is no entry or
-    the entry fails any check (module docstring): the caller then builds it anew."""
+    """The stored (PLD, RDP curve) of (model, adjacency, orders, interval), or None when there is no
+    entry or the entry fails any check (module docstring; a failing entry is named in a warning):
+    the caller then builds it anew."""
     d = Path(directory)
     key = profile_key(model, adjacency, orders, interval)
+    path = d / f"{key}.json"
     try:
-        entry = json.loads((d / f"{key}.json").read_text())
+        text = path.read_text()
+    except OSError:  # no entry: nothing to say
+        return None
+    try:
+        why = None
+        entry = json.loads(text)
         if (
             not isinstance(entry, dict)
             or entry.get("key") != key
             or entry.get("inputs") != key_inputs(model, adjacency, orders, interval)
             or entry.get("check_epsilons") != list(CHECK_EPSILONS)
         ):
+            why = "its key inputs are not this model's"
+        else:
+            with np.load(d / f"{key}.npz", allow_pickle=False) as z:
+                arrays = {name: z[name] for name in z.files}
+            expected = {f"{n}_{p}" for n in _DIRECTIONS[: 2 if "add_probs" in arrays else 1] for p in ("probs", "meta")}
+            expected.add("rdp")
+            remove = add = None
+            if set(arrays) != expected or _digest(arrays) != entry.get("arrays_sha256"):
+                why = "its arrays do not hash to its digest"
+            else:
+                remove = _pmf_from(arrays, "remove", interval)
+                add = _pmf_from(arrays, "add", interval) if "add_probs" in arrays else None
+                rdp = arrays["rdp"]
+                if remove is None or ("add_probs" in arrays and add is None):
+                    why = "its arrays are not a pessimistic PMF at this interval"
+                elif rdp.dtype != np.float64 or rdp.shape != (len(orders),) or np.any(np.isnan(rdp)) or np.any(rdp < 0):
+                    why = "its RDP curve is malformed"
+            if why is None:
+                pld = pldm.PLD(remove, add)
+                stored = np.asarray(entry.get("deltas_at_check_epsilons"), dtype=np.float64)
+                got = np.asarray(_check_deltas(pld))
+                if stored.shape != got.shape or not np.allclose(got, stored, rtol=CHECK_RTOL, atol=0.0):
+                    why = "its PMF does not give its recorded deltas"
+                else:
+                    why = fingerprint_problem(model, adjacency, orders, interval, pld, rdp)
+        if why is not None:
+            _reject(path, why)
             return None
-        with np.load(d / f"{key}.npz", allow_pickle=False) as z:
-            arrays = {name: z[name] for name in z.files}
-        expected = {f"{n}_{p}" for n in _DIRECTIONS[: 2 if "add_probs" in arrays else 1] for p in ("probs", "meta")}
-        expected.add("rdp")
-        if set(arrays) != expected or _digest(arrays) != entry.get("arrays_sha256"):
-            return None
-        remove = _pmf_from(arrays, "remove", interval)
-        add = _pmf_from(arrays, "add", interval) if "add_probs" in arrays else None
-        if remove is None or ("add_probs" in arrays and add is None):
-            return None
-        rdp = arrays["rdp"]
-        if rdp.dtype != np.float64 or rdp.shape != (len(orders),) or np.any(np.isnan(rdp)) or np.any(rdp < 0):
-            return None
-        pld = pldm.PLD(remove, add)
-        stored = np.asarray(entry.get("deltas_at_check_epsilons"), dtype=np.float64)
-        got = np.asarray(_check_deltas(pld))
-        if stored.shape != got.shape or not np.allclose(got, stored, rtol=CHECK_RTOL, atol=0.0):
-            return None
+        rdp = np.array(profiles.model_rdp(model, adjacency, orders=orders), dtype=np.float64)
         rdp.flags.writeable = False
         return pld, rdp
-    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):  # missing or corrupt
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:  # corrupt
+        _reject(path, f"it does not read ({type(e).__name__})")
         return None
 
 
@@ -267,4 +386,12 @@ def cached_profiles(
     return [got[m] for m in models]
 
 
-__all__ = ["CHECK_EPSILONS", "cached_profile", "cached_profiles", "load_entry", "profile_key", "save_entry"]
+__all__ = [
+    "CHECK_EPSILONS",
+    "cached_profile",
+    "cached_profiles",
+    "fingerprint_problem",
+    "load_entry",
+    "profile_key",
+    "save_entry",
+]

@@ -29,6 +29,13 @@ The accountant reads only the record: mechanism, parameters, sensitivity and uni
   the per-step surrogate only when every such model's training record declares
   state-independent gradients. The record's ``bound`` and ``surrogate`` parameters describe
   the release; the interpretation re-derives the bound from the models and ignores them.
+- ``parameters["selection"]`` of a merge says how π / λ were chosen (``targets.Selection``).
+  "public-prior": from the training records and a public prior only; the RS / LC bound above is
+  the charge. "utility": from the measured utility of the models listed in ``scored``; the choice
+  and the release are post-processing of releasing every scored model, so the record is
+  interpreted as their composition (RDP summed, PLDs composed), and the weights must put no mass
+  outside ``scored``. A record without the field (written before selections were recorded) is
+  interpreted as it always was.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from peer.dp.accounting.profiles import (
     resolve_adjacency,
 )
 from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
-from peer.dp.accounting.rs import check_weights, rs_epsilon
+from peer.dp.accounting.rs import check_subset, check_weights, composition_epsilon, rs_epsilon
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 
 DATA_UNITS = {"record:replace-one": "replace-one", "record:add-remove": "add-remove"}
@@ -140,6 +147,48 @@ def _merge_models(record: ReleaseRecord, adjacency: str) -> list:
 
 def _weights(record: ReleaseRecord, name: str, count: int) -> np.ndarray:
     return check_weights(_param(record, name), count, f"parameters.{name}")
+
+
+def _scored(record: ReleaseRecord, weights: np.ndarray) -> tuple[int, ...] | None:
+    """The models a utility selection read (indices), or None when the weights were chosen from
+    public information (or the record predates the field)."""
+    return _selection_scored(record.parameters.get("selection"), weights)
+
+
+def _selection_scored(selection: Mapping[str, Any] | None, weights: np.ndarray) -> tuple[int, ...] | None:
+    from peer.dp.accounting.targets import SELECTIONS
+
+    if selection is None:
+        return None
+    if not isinstance(selection, Mapping) or selection.get("kind") not in SELECTIONS:
+        raise InvalidArgument("parameters.selection.kind", f"must be one of {SELECTIONS}")
+    if selection["kind"] != "utility":
+        if selection.get("scored"):
+            raise InvalidArgument("parameters.selection.scored", "a public-prior selection reads no measured utility")
+        return None
+    scored = check_subset(selection.get("scored"), len(weights), "parameters.selection.scored")
+    outside = sorted(set(int(i) for i in np.flatnonzero(weights > 0)) - set(scored))
+    if outside:
+        raise InvalidArgument(
+            "parameters.selection.scored",
+            f"must include every model the weights put mass on (models {outside} are weighted but were not scored)",
+        )
+    return scored
+
+
+def _composition_rdp(models: Sequence, scored: tuple[int, ...], adjacency: str, orders) -> np.ndarray:
+    rdps = []
+    for i in scored:
+        try:
+            rdps.append(model_rdp(models[i], adjacency, orders=orders))
+        except InvalidArgument as e:
+            raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
+    return np.sum(rdps, axis=0)
+
+
+def _composition_pld(models: Sequence, scored: tuple[int, ...], adjacency: str, interval: float) -> pldm.PLD:
+    profiles = privacy_profiles([models[i] for i in scored], adjacency, value_discretization_interval=interval)
+    return pldm.compose_plds([p.pld for p in profiles], interval) if len(profiles) > 1 else profiles[0].pld
 
 
 def _parallel_family(record: ReleaseRecord) -> tuple[str, float] | None:
@@ -246,6 +295,9 @@ def rdp_of_record(record: ReleaseRecord, orders: Sequence[float] = DEFAULT_ORDER
         adjacency = _data_adjacency(record)
         models = _merge_models(record, adjacency)
         pi = _weights(record, "pi", len(models))
+        scored = _scored(record, pi)
+        if scored is not None:
+            return _composition_rdp(models, scored, adjacency, orders)
         rdps = []
         for i, m in enumerate(models):
             try:
@@ -257,6 +309,9 @@ def rdp_of_record(record: ReleaseRecord, orders: Sequence[float] = DEFAULT_ORDER
         adjacency = _data_adjacency(record)
         models = _merge_models(record, adjacency)
         lam = _weights(record, "lam", len(models))
+        scored = _scored(record, lam)
+        if scored is not None:
+            return _composition_rdp(models, scored, adjacency, orders)
         return lc_rdp(models, lam, adjacency=adjacency, orders=orders)
     raise InvalidArgument("mechanism", f"no accountant for mechanism {kind!r}")
 
@@ -308,12 +363,18 @@ def pld_of_record(record: ReleaseRecord, value_discretization_interval: float = 
         adjacency = _data_adjacency(record)
         models = _merge_models(record, adjacency)
         pi = _weights(record, "pi", len(models))
+        scored = _scored(record, pi)
+        if scored is not None:
+            return _composition_pld(models, scored, adjacency, interval)
         profiles = privacy_profiles(models, adjacency, value_discretization_interval=interval)
         return pldm.mixture_pld([p.pld for p in profiles], pi)
     if kind == "lc-merge":
         adjacency = _data_adjacency(record)
         models = _merge_models(record, adjacency)
         lam = _weights(record, "lam", len(models))
+        scored = _scored(record, lam)
+        if scored is not None:
+            return _composition_pld(models, scored, adjacency, interval)
         return lc_pld(models, lam, adjacency=adjacency, value_discretization_interval=interval)[0]
     raise InvalidArgument("mechanism", f"no accountant for mechanism {kind!r}")
 
@@ -413,22 +474,34 @@ def rs_merge_record(
     subject: str = "",
     counterparty: str | None = None,
     value_discretization_interval: float = DEFAULT_INTERVAL,
+    selection: Mapping[str, Any] | None = None,
 ) -> ReleaseRecord:
     """The "rs-merge" record: epsilon = RS PLD ε at ``delta``; parameters {pi, models, names,
-    epsilon_rdp}. It must not say which model was drawn: ``randomness`` describes the draw's
-    generator only (``Randomness.record_fields()``)."""
+    epsilon_rdp, selection}. It must not say which model was drawn: ``randomness`` describes the
+    draw's generator only (``Randomness.record_fields()``). ``selection`` (``targets.Selection``
+    as a dict) says how π was chosen; for a utility selection epsilon is the composition of the
+    scored models (module docstring)."""
     delta = check_delta(delta)
     models = list(models)
-    eps = rs_epsilon(
-        models, pi, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval
-    )
+    weights = check_weights(pi, len(models))
+    scored = _selection_scored(selection, weights)
+    if scored is None:
+        eps = rs_epsilon(
+            models, pi, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval
+        )
+    else:
+        eps = composition_epsilon(
+            models, scored, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval
+        )
     adjacency = resolve_adjacency(models, adjacency)
     params = {
-        "pi": [float(p) for p in check_weights(pi, len(models))],
+        "pi": [float(p) for p in weights],
         "models": [_model_dict(m) for m in models],
         "names": _names(names, len(models)),
         "epsilon_rdp": _finite_or_str(eps.rdp),
     }
+    if selection is not None:
+        params["selection"] = dict(selection)
     return _merge_record(
         "rs-merge", adjacency, eps.pld, delta, params, subject, counterparty, _randomness_fields(randomness, "csprng")
     )
@@ -445,14 +518,17 @@ def lc_merge_record(
     counterparty: str | None = None,
     value_discretization_interval: float = DEFAULT_INTERVAL,
     max_groups: int = DEFAULT_MAX_GROUPS,
+    selection: Mapping[str, Any] | None = None,
 ) -> ReleaseRecord:
     """The "lc-merge" record: epsilon = the charged, proven bound's PLD ε at ``delta``
     (``lc.lc_report``); parameters {lam, models, names, bound ("composition" or "surrogate"),
     epsilon_rdp, epsilon_closed_form (when it exists), surrogate {mu, epsilon_pld, epsilon_rdp,
-    valid, valid_when} (full-batch models only)}. LC draws no randomness of its own
-    (randomness "none")."""
+    valid, valid_when} (full-batch models only), selection}. LC draws no randomness of its own
+    (randomness "none"). For a utility ``selection`` epsilon is the composition of the scored
+    models and bound "composition" (module docstring)."""
     delta = check_delta(delta)
     models = list(models)
+    scored = _selection_scored(selection, check_weights(lam, len(models), "lam"))
     report = lc_report(
         models,
         lam,
@@ -462,14 +538,20 @@ def lc_merge_record(
         max_groups=max_groups,
     )
     eps = report.epsilon
+    if scored is not None:
+        eps = composition_epsilon(
+            models, scored, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval
+        )
     adjacency = resolve_adjacency(models, adjacency)
     params = {
         "lam": [float(x) for x in check_weights(lam, len(models), "lam")],
         "models": [_model_dict(m) for m in models],
         "names": _names(names, len(models)),
-        "bound": report.bound,
+        "bound": report.bound if scored is None else "composition",
         "epsilon_rdp": _finite_or_str(eps.rdp),
     }
+    if selection is not None:
+        params["selection"] = dict(selection)
     if eps.closed_form is not None:
         params["epsilon_closed_form"] = _finite_or_str(eps.closed_form)
     if report.surrogate is not None:

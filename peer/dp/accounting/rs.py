@@ -12,10 +12,16 @@ Bounds (docs/architecture.md, "Accounting"; the model-merging paper, Yin, Zaheer
   directions (``pld.mixture_pld``), then ε(δ) by dp-accounting's inversion of the mixed curve.
 
 A model known only by (ε_i, δ_i) enters with the worst-case profile of an (ε_i, δ_i)-DP mechanism.
+
+These bounds hold when π is a function of public information only (the models' training records
+and a prior the site declares). A π chosen from measured utilities of the models is a function of
+those models, hence of the training records: such a release is charged instead as releasing every
+model whose utility was read (``composition_epsilon``; ``targets.choose_pi_by_utility``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -28,6 +34,7 @@ from peer.dp.accounting.conversions import (
     DEFAULT_ORDERS,
     Deltas,
     Epsilons,
+    gdp_epsilon,
     pld_delta,
     pld_epsilon,
     rdp_to_delta,
@@ -35,6 +42,7 @@ from peer.dp.accounting.conversions import (
 )
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile, privacy_profiles
 from peer.dp.accounting.rdp import rdp_mixture
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 
 WEIGHT_TOLERANCE = 1e-6
 
@@ -148,4 +156,92 @@ def rs_delta(
     return Deltas(pld=pld_delta(mixed, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon))
 
 
-__all__ = ["check_weights", "rs_delta", "rs_epsilon", "rs_pld", "rs_profiles", "rs_rdp"]
+def check_subset(subset: Sequence[int], count: int, field_name: str = "scored") -> tuple[int, ...]:
+    """Distinct model indices in [0, count), at least one, in increasing order."""
+    if isinstance(subset, (str, bytes)) or not hasattr(subset, "__len__") or not len(subset):
+        raise InvalidArgument(field_name, f"must be a non-empty list of model indices, got {subset!r}")
+    out = []
+    for i, v in enumerate(subset):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < count:
+            raise InvalidArgument(f"{field_name}[{i}]", f"must be a model index in [0, {count}), got {v!r}")
+        out.append(int(v))
+    if len(set(out)) != len(out):
+        raise InvalidArgument(field_name, f"must not repeat a model, got {list(out)}")
+    return tuple(sorted(out))
+
+
+def composition_bounds(
+    models: Sequence[Model],
+    subset: Sequence[int],
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> tuple[pldm.PLD, np.ndarray, np.ndarray]:
+    """(PLD, orders, RDP) of releasing every model of ``subset`` together: the models are
+    independent DP-SGD runs (or (ε, δ) mechanisms) on the same records, so their PLDs compose and
+    their RDP curves add (sequential composition)."""
+    profiles = rs_profiles(
+        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
+    chosen = check_subset(subset, len(profiles))
+    plds = [profiles[i].pld for i in chosen]
+    pld = plds[0] if len(plds) == 1 else pldm.compose_plds(plds, profiles[0].value_discretization_interval)
+    rdp = np.sum([profiles[i].rdp for i in chosen], axis=0)
+    return pld, profiles[0].orders, rdp
+
+
+def composition_epsilon(
+    models: Sequence[Model],
+    subset: Sequence[int],
+    delta: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> Epsilons:
+    """ε at ``delta`` of releasing every model of ``subset`` (``composition_bounds``): what a
+    selection that read the measured utility of those models costs, whatever it then releases of
+    them (the choice and the release are post-processing of releasing them all). Kept in memory
+    for models given by their records (a daemon's pool asks for the same subsets again)."""
+    delta = check_delta(delta)
+    if all(isinstance(m, (TrainingRecord, ApproxDP)) for m in models):
+        return _remembered_composition(
+            tuple(models),
+            check_subset(subset, len(models)),
+            delta,
+            adjacency,
+            tuple(float(a) for a in orders),
+            float(value_discretization_interval),
+        )
+    return _composition_epsilon(models, subset, delta, adjacency, orders, value_discretization_interval)
+
+
+@functools.lru_cache(maxsize=256)
+def _remembered_composition(models, subset, delta, adjacency, orders, interval) -> Epsilons:
+    return _composition_epsilon(models, subset, delta, adjacency, orders, interval)
+
+
+def _composition_epsilon(models, subset, delta, adjacency, orders, value_discretization_interval) -> Epsilons:
+    pld, grid, rdp = composition_bounds(
+        models, subset, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
+    profiles = rs_profiles(
+        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
+    mus = [profiles[i].mu for i in check_subset(subset, len(profiles))]
+    closed = gdp_epsilon(math.sqrt(sum(m * m for m in mus)), delta) if all(m is not None for m in mus) else None
+    return Epsilons(pld=pld_epsilon(pld, delta), rdp=rdp_to_epsilon(grid, rdp, delta), closed_form=closed)
+
+
+__all__ = [
+    "check_subset",
+    "check_weights",
+    "composition_bounds",
+    "composition_epsilon",
+    "rs_delta",
+    "rs_epsilon",
+    "rs_pld",
+    "rs_profiles",
+    "rs_rdp",
+]

@@ -1,7 +1,37 @@
 """Choosing merge weights for a target (ε′, δ′): π for RS, λ for LC.
 
-Pure functions of the pool's mechanism descriptions and utilities (measured by the caller — e.g.
-validation accuracy on a public or held-out set); no model weights are read here.
+Pure functions of the pool's mechanism descriptions and of utilities given by the caller; no
+model weights are read here.
+
+Every choice is public or charged. The RS bound (``rs``) and the LC bound (``lc``) hold for
+weights fixed independently of the training records. A weight chosen from the *measured* utility
+of a pool model (its accuracy on a validation split, however public that split) is not: the
+model is a function of the training records, so its score is too, and so is a π or λ chosen by
+it. (Two models, b with μ = 8 and a with μ = 0.1, target (2, 1e-5): whether π_b > 0 then tells
+neighbouring datasets apart with probability 0.99995 against 0.00005, ε ≥ 8.19 against a record
+that said 2.) So there are two selections, and the record says which was used:
+
+- **public prior** (the default; ``choose_pi`` / ``choose_lam`` with the prior as utilities):
+  the utilities are a prior the site declares (per-model numbers, or a function of λ computed
+  from public information only), or by default ``privacy_prior``: each model's own ε at δ (a
+  model trained with less noise is presumed the more useful). A function of the training records'
+  privacy parameters only, so the RS / LC bound of the chosen weights is the whole cost.
+- **charged utility selection** (opt-in; ``choose_pi_by_utility`` / ``choose_lam_by_utility``):
+  a public subset S of models is fixed first (``scored_subset``: among the subsets whose
+  composition meets the target, the one with the largest total prior); only S's models are
+  scored, and the best is released. The choice and the release are post-processing of releasing
+  every model of S, so the release is charged their composition (PLDs composed, RDP summed) —
+  proven for any training and any scoring rule. RS then puts all of π on the best scored model
+  (mixing can only lower the expected score at that cost); LC searches λ on S's face.
+
+Why not a cheaper private selection. Report-noisy-max / the exponential mechanism need a score
+with bounded sensitivity per training record *and* a fresh release of the selected candidate; here
+the selected model is the very one that was scored, and a validation score of a privately
+trained model has no useful sensitivity per training record (one record can move the whole
+model, so only the trivial bound of the score's range holds, and the released weights are not a
+fresh run). Private hyperparameter selection (Liu & Talwar 2019; Papernot & Steinke 2022) needs
+i.i.d. repetitions of one mechanism, run a *random* number of times; a pool is a fixed set of
+different, already trained models. Neither proof applies, so neither is implemented.
 
 RS (``choose_pi``). The expected utility Σ π_i u_i is linear in π, and so are both constraints:
 
@@ -17,7 +47,7 @@ RS (``choose_pi``). The expected utility Σ π_i u_i is linear in π, and so are
 LC (``choose_lam``). The charged privacy of θ_λ (``lc``) is, for models trained by DP-SGD on
 networks, the composition of the models with λ_i > 0: it does not depend on λ beyond its
 support. So the choice is which subset S of models to combine (and λ over S): maximise the
-validation utility over every λ whose support S has a composition meeting (E, δ) by the chosen
+utility over every λ whose support S has a composition meeting (E, δ) by the chosen
 accountant (``choose_lam_composition``). Composition grows with S, so the feasible subsets are
 closed under taking subsets; the search enumerates them (pools are small: at most
 ``MAX_LC_MODELS``), and for each maximal feasible S runs a simplex grid on its face. With a linear
@@ -36,17 +66,19 @@ simplex projected onto the feasible boundary by bisection towards the most priva
 is not a bound (the merging experiment reports it as such).
 
 The caller gives either per-model utilities (linear proxy Σ λ_i u_i — what ``privfusion account``
-uses, because M.json holds no weights) or a callable evaluating a candidate λ (what
-``peer.dp.merging`` uses with real models).
+uses, because M.json holds no weights) or a callable evaluating a candidate λ. Either must be
+public (a declared prior) unless the choice is charged (``choose_lam_by_utility``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
+from typing import Any
 
 import numpy as np
 from scipy import optimize
@@ -66,9 +98,15 @@ from peer.dp.accounting.lc import (
 )
 from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile
 from peer.dp.accounting.rdp import rdp_gaussian
-from peer.dp.accounting.rs import rs_epsilon, rs_profiles
+from peer.dp.accounting.rs import check_subset, composition_epsilon, rs_epsilon, rs_profiles
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 
 ACCOUNTANTS = ("pld", "rdp")
+#: how π / λ are chosen (module docstring): from public information only, or from measured
+#: utilities of a public subset of models, charged as releasing that subset
+SELECTIONS = ("public-prior", "utility")
+#: where a public prior comes from: declared by the site, or the default proxy (``privacy_prior``)
+PRIORS = ("declared", "epsilon")
 # LC under the composition bound enumerates subsets of the pool (2^k − 1 of them)
 MAX_LC_MODELS = 12
 Utility = Sequence[float] | Callable[[np.ndarray], float]
@@ -121,6 +159,9 @@ class WeightChoice:
     utility: float
     saturated: bool
     bound: str | None = None
+    #: how the weights were chosen, as the release record states it (``Selection.to_dict``); None
+    #: when the caller of ``choose_*`` has not said (``peer.dp.merging`` always does)
+    selection: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict:
         out = {
@@ -135,7 +176,17 @@ class WeightChoice:
         }
         if self.bound is not None:
             out["bound"] = self.bound
+        if self.selection is not None:
+            out["selection"] = _plain(self.selection)
         return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _check_accountant(accountant: str) -> str:
@@ -346,6 +397,207 @@ def choose_pi(
         raise UnreachableTarget("rs", target, delta, accountant, rs_most_private_epsilon(profiles, delta, accountant))
     return WeightChoice(
         "rs", tuple(float(x) for x in pi), target, delta, accountant, achieved, float(u @ pi), bool(saturated)
+    )
+
+
+# ------------------------------------------------------------------------------ selection
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How a merge's weights were chosen, as its record states it (parameters["selection"]).
+
+    ``kind`` "public-prior": the weights are a function of the models' training records and of
+    ``prior`` ("declared" by the site, or "epsilon": ``privacy_prior``), whose per-model values are
+    ``prior_utilities`` (None for a declared prior that is a function of λ); the RS / LC bound of
+    the weights is the charge. ``kind`` "utility": the measured utilities of the models ``scored``
+    (indices into the merge's models, a public subset) were read, and the release is charged the
+    composition of those models."""
+
+    kind: str
+    prior: str
+    prior_utilities: tuple[float, ...] | None = None
+    scored: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in SELECTIONS:
+            raise InvalidArgument("selection", f"must be one of {SELECTIONS}, got {self.kind!r}")
+        if self.prior not in PRIORS:
+            raise InvalidArgument("prior", f"must be one of {PRIORS}, got {self.prior!r}")
+        if self.kind == "utility" and not self.scored:
+            raise InvalidArgument("scored", "a utility selection names the models whose utility it read")
+        if self.kind == "public-prior" and self.scored:
+            raise InvalidArgument("scored", "a public-prior selection reads no measured utility")
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"kind": self.kind, "prior": self.prior}
+        if self.prior_utilities is not None:
+            out["prior_utilities"] = [float(u) for u in self.prior_utilities]
+        if self.kind == "utility":
+            out["scored"] = [int(i) for i in self.scored]
+            out["charged"] = "composition of the scored models"
+        return out
+
+
+def privacy_prior(
+    models: Sequence[Model],
+    delta: float,
+    *,
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> list[float]:
+    """The default public prior: each model's own ε at ``delta`` by PLD (finite; a model that is
+    not private at all gets 1e9). A model trained with less noise is presumed the more useful; a
+    function of the training records only. A site whose models do not follow that order declares
+    its own prior (``peer.dp.merging``)."""
+    delta = check_delta(delta)
+    if all(isinstance(m, (TrainingRecord, ApproxDP)) for m in models):
+        # kept in memory: a daemon's pool asks for the same prior at every request
+        return list(
+            _remembered_prior(
+                tuple(models), delta, adjacency, tuple(float(a) for a in orders), float(value_discretization_interval)
+            )
+        )
+    return list(_privacy_prior(models, delta, adjacency, orders, value_discretization_interval))
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered_prior(models, delta, adjacency, orders, interval) -> tuple[float, ...]:
+    return _privacy_prior(models, delta, adjacency, orders, interval)
+
+
+def _privacy_prior(models, delta, adjacency, orders, interval) -> tuple[float, ...]:
+    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=interval)
+    return tuple(min(float(p.epsilon(delta).pld), 1e9) for p in profiles)
+
+
+def scored_subset(
+    models: Sequence[Model],
+    prior: Sequence[float],
+    target_epsilon: float,
+    delta: float,
+    *,
+    accountant: str = "pld",
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> tuple[tuple[int, ...], Epsilons]:
+    """The public subset S of models a charged utility selection may score, and the ε of its
+    composition: among the subsets whose composition meets (target_epsilon, delta) by
+    ``accountant``, the one with the largest total ``prior`` (ties: more models, then the first in
+    pool order). A function of the training records and the prior only. Supersets of a subset
+    that misses the target are skipped (composition only grows). Raises ``UnreachableTarget``
+    when no single model meets the target."""
+    target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
+    delta = check_delta(delta)
+    accountant = _check_accountant(accountant)
+    profiles = rs_profiles(
+        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
+    k = len(profiles)
+    if k > MAX_LC_MODELS:
+        raise InvalidArgument(
+            "models", f"a utility selection searches subsets of the pool: at most {MAX_LC_MODELS} models, got {k}"
+        )
+    u = _check_utilities(prior, k)
+
+    def figure(e: Epsilons) -> float:
+        return e.pld if accountant == "pld" else e.rdp
+
+    feasible: dict[tuple[int, ...], Epsilons] = {}
+    singles = []
+    for size in range(1, k + 1):
+        found = False
+        for subset in itertools.combinations(range(k), size):
+            if size > 1 and any(sub not in feasible for sub in itertools.combinations(subset, size - 1)):
+                continue
+            eps = composition_epsilon(
+                models,
+                subset,
+                delta,
+                adjacency=adjacency,
+                orders=orders,
+                value_discretization_interval=value_discretization_interval,
+            )
+            if size == 1:
+                singles.append(figure(eps))
+            if figure(eps) <= target:
+                feasible[subset] = eps
+                found = True
+        if not found:
+            break
+    if not feasible:
+        raise UnreachableTarget("rs", target, delta, accountant, min(singles))
+    best = max(feasible, key=lambda sub: (float(u[list(sub)].sum()), len(sub), tuple(-i for i in sub)))
+    return best, feasible[best]
+
+
+def _scores(utility: Sequence[float] | Callable[[int], float], scored: tuple[int, ...], k: int) -> dict[int, float]:
+    """The measured utilities of the scored models only (a callable is called for them alone)."""
+    if callable(utility):
+        out = {}
+        for i in scored:
+            v = utility(i)
+            out[i] = float(_check_utilities([v], 1)[0])
+        return out
+    u = _check_utilities(utility, k)
+    return {i: float(u[i]) for i in scored}
+
+
+def choose_pi_by_utility(
+    models: Sequence[Model],
+    utility: Sequence[float] | Callable[[int], float],
+    target_epsilon: float,
+    delta: float,
+    *,
+    prior: Sequence[float] | None = None,
+    prior_name: str = "epsilon",
+    accountant: str = "pld",
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+) -> WeightChoice:
+    """RS with charged utility selection (module docstring): S = ``scored_subset`` by ``prior``
+    (default ``privacy_prior``), then π = all weight on the model of S with the largest measured
+    ``utility`` (``utility(i)`` is called for the models of S only; a list is read at S only).
+    ``epsilon`` is the composition of S — what the release is charged."""
+    target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
+    delta = check_delta(delta)
+    profiles = rs_profiles(
+        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
+    k = len(profiles)
+    if prior is None:
+        prior, prior_name = (
+            privacy_prior(profiles, delta, orders=orders, value_discretization_interval=value_discretization_interval),
+            "epsilon",
+        )
+    prior_u = _check_utilities(prior, k)
+    scored, achieved = scored_subset(
+        models,
+        prior_u,
+        target,
+        delta,
+        accountant=accountant,
+        adjacency=adjacency,
+        orders=orders,
+        value_discretization_interval=value_discretization_interval,
+    )
+    scores = _scores(utility, scored, k)
+    best = max(scored, key=lambda i: (scores[i], prior_u[i], -i))
+    pi = np.eye(k)[best]
+    selection = Selection("utility", prior_name, tuple(float(x) for x in prior_u), scored)
+    return WeightChoice(
+        "rs",
+        tuple(float(x) for x in pi),
+        target,
+        delta,
+        _check_accountant(accountant),
+        achieved,
+        scores[best],
+        False,
+        selection=selection.to_dict(),
     )
 
 
@@ -693,6 +945,77 @@ def choose_lam(
     )
 
 
+def choose_lam_by_utility(
+    models: Sequence[TrainingRecord],
+    utility: Callable[[np.ndarray], float],
+    target_epsilon: float,
+    delta: float,
+    *,
+    prior: Sequence[float] | None = None,
+    prior_name: str = "epsilon",
+    accountant: str = "pld",
+    adjacency: str | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    value_discretization_interval: float = DEFAULT_INTERVAL,
+    max_points: int = 2000,
+) -> WeightChoice:
+    """LC with charged utility selection (module docstring): S = ``scored_subset`` by ``prior``
+    (default ``privacy_prior``); ``utility(λ)`` is measured on a simplex grid over S's face (about
+    ``max_points`` candidates, every one supported in S) and the best λ is kept. ``epsilon`` is the
+    composition of S — what the release is charged, whatever λ's support (also for models that
+    declare state-independent gradients: the scores of many combinations are not one Gaussian
+    release)."""
+    target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
+    delta = check_delta(delta)
+    accountant = _check_accountant(accountant)
+    records, adjacency = check_lc_models(models, adjacency)
+    k = len(records)
+    if not callable(utility):
+        raise InvalidArgument("utility", "a utility selection for LC measures each candidate λ: give a callable")
+    profiles = rs_profiles(
+        records, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
+    )
+    if prior is None:
+        prior, prior_name = (
+            privacy_prior(profiles, delta, orders=orders, value_discretization_interval=value_discretization_interval),
+            "epsilon",
+        )
+    prior_u = _check_utilities(prior, k)
+    try:
+        scored, achieved = scored_subset(
+            records,
+            prior_u,
+            target,
+            delta,
+            accountant=accountant,
+            adjacency=adjacency,
+            orders=orders,
+            value_discretization_interval=value_discretization_interval,
+        )
+    except UnreachableTarget as e:
+        raise UnreachableTarget("lc", target, delta, accountant, e.most_private_epsilon) from None
+    lam, value = None, -math.inf
+    for w in _simplex_grid(len(scored), max_points):
+        cand = np.zeros(k)
+        cand[list(scored)] = w
+        u = float(utility(cand.copy()))
+        if u > value:
+            lam, value = cand, u
+    selection = Selection("utility", prior_name, tuple(float(x) for x in prior_u), check_subset(scored, k))
+    return WeightChoice(
+        "lc",
+        tuple(float(x) for x in lam),
+        target,
+        delta,
+        accountant,
+        achieved,
+        value,
+        False,
+        "composition",
+        selection=selection.to_dict(),
+    )
+
+
 def _polish_linear(segments: LCSegments, linear: np.ndarray, lam0: np.ndarray, mu_max: float) -> np.ndarray:
     """SLSQP on max linear·λ s.t. μ(λ)² ≤ mu_max², from the best grid candidate; kept only if
     feasible and better."""
@@ -718,15 +1041,22 @@ def _polish_linear(segments: LCSegments, linear: np.ndarray, lam0: np.ndarray, m
 __all__ = [
     "ACCOUNTANTS",
     "MAX_LC_MODELS",
+    "PRIORS",
+    "SELECTIONS",
+    "Selection",
     "UnreachableTarget",
     "WeightChoice",
     "choose_lam",
+    "choose_lam_by_utility",
     "choose_lam_composition",
     "choose_lam_surrogate",
     "choose_pi",
+    "choose_pi_by_utility",
     "lc_boundary_candidates",
     "lc_feasible_subsets",
     "lc_most_private",
     "lc_mu_for_target",
+    "privacy_prior",
     "rs_most_private_epsilon",
+    "scored_subset",
 ]
