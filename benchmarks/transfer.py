@@ -137,7 +137,9 @@ def make_sites(root: Path, size_mb: float, release: str) -> tuple[Path, Path, in
             training,
             delta=1e-5,
             dataset_size=len(splits.x_train),
-            randomness=make_randomness(0),
+            # a CSPRNG record, as a production pool has: a fixed-seed pool model is served only
+            # by a --simulation daemon, and the benchmark's daemon is started as a site's would be
+            randomness=make_randomness(None),
             init_seed=0,
             architecture=arch,
             subject="big",

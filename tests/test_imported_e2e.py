@@ -218,11 +218,9 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
                 "name=p1,noise=5,clip=1",
                 "--model",
                 "name=p2,noise=8,clip=1",
-                "--seed",
-                str(7 + i),
                 "--json",
             )
-            for i, s in enumerate(SITES)
+            for s in SITES
         ]
     )
     pool_b = json.loads(pools[1])

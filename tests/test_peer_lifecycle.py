@@ -148,11 +148,11 @@ def health_of(channel):
         return e.code().name
 
 
-def slow_reader(b, a, address, request, go: threading.Event, out):
+def slow_reader(b, a, address, request, go: threading.Event | float, out):
     """Read a weights release, pausing after the receipt until ``go`` is set (the server's sends
-    back up behind flow control meanwhile; at most 60 s); report the frames and the final
-    status. An event, not a fixed pause: on a loaded machine the test's checks during the pause
-    may take longer than any pause chosen in advance."""
+    back up behind flow control meanwhile; at most 60 s), or for ``go`` seconds; report the
+    frames and the final status. An event, not a fixed pause, where the test checks something
+    during the pause: on a loaded machine that may take longer than any pause chosen in advance."""
     creds = grpc.ssl_channel_credentials(
         root_certificates=a.identity.cert_pem, private_key=b.identity.key_pem, certificate_chain=b.identity.cert_pem
     )
@@ -164,7 +164,10 @@ def slow_reader(b, a, address, request, go: threading.Event, out):
             for f in pb_grpc.PeerStub(ch).ReleaseWeights(request, timeout=60):
                 frames.append(f.WhichOneof("frame"))
                 if len(frames) == 1:
-                    go.wait(60)
+                    if isinstance(go, threading.Event):
+                        go.wait(60)
+                    else:
+                        time.sleep(go)
             out["status"] = "OK"
         except grpc.RpcError as e:
             out["status"] = e.code().name
