@@ -92,3 +92,26 @@ def test_health_of_a_site_listening_on_an_ephemeral_port_is_refused_by_field(tmp
     out = _health(a.config)
     assert out.returncode == 2
     assert "site.listen" in out.stderr and "port 0" in out.stderr
+
+
+def test_health_loads_no_torch(site):
+    """The image's HEALTHCHECK runs it every 10 s beside the daemons: it reads three keys of
+    site.toml and dials; importing the daemon's modules (torch) made it take over 20 s on a loaded
+    2-core machine, past the check's timeout."""
+    a, _ = site
+    daemon = DaemonProcess(a)
+    try:
+        daemon.wait_ready()
+        probe = (
+            "import sys\n"
+            "from peer.cli import main\n"
+            f"rc = main(['peer', 'health', '--config', {str(a.config)!r}])\n"
+            "loaded = sorted(m for m in ('torch', 'scipy', 'sklearn', 'peer.net.site') if m in sys.modules)\n"
+            "print('loaded', loaded)\n"
+            "sys.exit(rc)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1] == "loaded []"
+    finally:
+        daemon.close()

@@ -120,10 +120,24 @@ def _serve(args) -> int:
 HEALTH_SERVICE = "privfusion.v1.Peer"
 
 
+def _own_daemon(path: Path) -> tuple[str, str, Path]:
+    """site.toml's ``[site]`` name, listen and identity (read with the one TOML reader, errors
+    naming file, line and key). Only these three: a health check runs every few seconds and
+    must not pay for loading the daemon's modules (torch); `peer serve` and `site check` check
+    the rest of the file."""
+    from peer.base.config import Section, load_toml
+
+    data, text = load_toml(path, "site config")
+    site = Section(data, (), text, str(path)).section("site", required=True)
+    return site.string("name"), site.string("listen"), site.path("identity", path.resolve().parent)
+
+
 def _own_address(listen: str) -> str:
     """Where this site's own daemon is reached from this machine: a wildcard listen address
     (0.0.0.0, [::], empty host) is dialled on loopback; a named host as written."""
     host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise InvalidArgument("site.listen", f'must be HOST:PORT (e.g. "0.0.0.0:50051"), got {listen!r}')
     if port == "0":
         raise InvalidArgument(
             "site.listen", f"has port 0 (a port chosen at start), so there is no fixed port to check; got {listen!r}"
@@ -144,24 +158,19 @@ def _health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from peer.net import wire
-    from peer.net.site import SiteConfig
-
-    config = SiteConfig.load(args.config)
     if args.timeout <= 0:
         raise InvalidArgument("--timeout", f"must be > 0 seconds, got {args.timeout:g}")
-    identity = load_identity(config.identity)
-    address = _own_address(config.listen)
+    name, listen, identity_dir = _own_daemon(Path(args.config))
+    identity = load_identity(identity_dir)
+    address = _own_address(listen)
     if args.insecure:
-        channel = grpc.insecure_channel(address, options=wire.grpc_options())
+        channel = grpc.insecure_channel(address)
     else:
         creds = grpc.ssl_channel_credentials(
             root_certificates=identity.cert_pem, private_key=identity.key_pem, certificate_chain=identity.cert_pem
         )
-        channel = grpc.secure_channel(
-            address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", identity.name)]
-        )
-    who = f"{config.name!r} at {address}"
+        channel = grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", identity.name)])
+    who = f"{name!r} at {address}"
     try:
         with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
@@ -179,7 +188,7 @@ def _health(args) -> int:
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         print(f"privfusion peer health: {who} is not healthy: {HEALTH_SERVICE} is {status}", file=sys.stderr)
         return 1
-    print(f"{config.name}: {HEALTH_SERVICE} {status} at {address}")
+    print(f"{name}: {HEALTH_SERVICE} {status} at {address}")
     return 0
 
 
