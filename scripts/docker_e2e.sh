@@ -21,6 +21,7 @@
 #   BASE_IMAGE=python:3.11-slim-bookworm   the official base, tried first (bounded pull)
 #   PULL_TIMEOUT_S=60  BUILD_TIMEOUT_S=2400  HEALTH_TIMEOUT_S=600  ROUND_TIMEOUT_S=900
 #   KEEP_IMAGE=1                      keep privfusion:latest afterwards (default: kept; 0 removes it)
+#   WHEELS_PORT=47231                 the wheel server's port on 127.0.0.1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -36,6 +37,7 @@ BUILD_TIMEOUT_S="${BUILD_TIMEOUT_S:-2400}"
 HEALTH_TIMEOUT_S="${HEALTH_TIMEOUT_S:-600}"
 ROUND_TIMEOUT_S="${ROUND_TIMEOUT_S:-900}"
 KEEP_IMAGE="${KEEP_IMAGE:-1}"
+WHEELS_PORT="${WHEELS_PORT:-47231}"
 BRIDGE_IP="10.232.0.1/24"
 POOL_BASE="10.232.128.0/17"
 HOSPITALS="hospital-a hospital-b hospital-c"
@@ -223,7 +225,10 @@ else
     touch "$stamp"
 fi
 rm -f "$reqs"
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# a fixed port: the URL is a build argument, and a new one would rebuild the dependency layer
+port="$WHEELS_PORT"
+python3 -c 'import socket, sys; socket.create_server(("127.0.0.1", int(sys.argv[1])))' "$port" 2> /dev/null ||
+    fail "port $port on 127.0.0.1 is taken (set WHEELS_PORT to a free one)"
 python3 -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$port" > /dev/null 2>&1 &
 HTTP_PID=$!
 WHEELS_URL="http://127.0.0.1:$port/"
