@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -93,12 +94,90 @@ def test_dockerfile_runs_privfusion_as_a_non_root_user_with_cpu_torch():
     cmd = re.search(r"^CMD (\[.*\])$", text, re.M).group(1)
     args = build_parser().parse_args(yaml.safe_load(cmd))
     assert (args.command, args.peer_command, args.config) == ("peer", "serve", "/site/site.toml")
-    pin = re.search(r"--index-url https://download\.pytorch\.org/whl/cpu torch==(\S+)", text).group(1)
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert f"torch=={pin}" in deps
-    for source in re.findall(r"^COPY (\S+) ", text, re.M):
-        assert (ROOT / source).exists(), source
+    # the base and torch's source are build arguments, defaulting to the official ones
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    assert re.search(r"^ARG TORCH_FIND_LINKS=$", text, re.M)
+    for source in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for path in source.split():
+            assert (ROOT / path).exists(), path
     assert (ROOT / "docker" / "init-sites.sh").is_file()
+
+
+def test_the_image_installs_the_pinned_cpu_torch_and_the_dependencies_before_the_source():
+    """torch is the +cpu build of pyproject's pin (never CUDA), installed with every other
+    pinned dependency from pyproject.toml alone, before any source file is copied."""
+    text = (DOCKER / "Dockerfile").read_text()
+    out = subprocess.run(
+        [sys.executable, str(DOCKER / "pinned-requirements.py"), str(ROOT / "pyproject.toml"), "--torch"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [d for d in deps if d.startswith("torch==")]
+    assert out == [f"{pin}+cpu"]
+    every = subprocess.run(
+        [sys.executable, str(DOCKER / "pinned-requirements.py"), str(ROOT / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert every == deps
+    lines = text.splitlines()
+    first_source = min(i for i, line in enumerate(lines) if re.match(r"COPY (peer|proto|coordinator_free) ", line))
+    deps_install = next(i for i, line in enumerate(lines) if "pip install -r requirements.txt" in line)
+    assert deps_install < first_source
+    copies_before = [line for line in lines[:deps_install] if line.startswith("COPY ")]
+    assert copies_before == ["COPY pyproject.toml docker/pinned-requirements.py ./"]
+    assert "pip install --no-deps ." in text
+    assert "assert torch.version.cuda is None" in text
+
+
+def test_pinned_requirements_refuses_a_torch_that_is_not_one_exact_version(tmp_path):
+    bad = tmp_path / "pyproject.toml"
+    bad.write_text('[project]\ndependencies = ["torch>=2.13", "numpy==2.4.6"]\n')
+    out = subprocess.run(
+        [sys.executable, str(DOCKER / "pinned-requirements.py"), str(bad), "--torch"], capture_output=True, text=True
+    )
+    assert out.returncode == 1
+    assert "project.dependencies: torch must be pinned once as torch==X" in out.stderr
+
+
+def test_healthchecks_run_peer_health_on_the_sites_own_config(compose):
+    text = (DOCKER / "Dockerfile").read_text()
+    check = re.search(r"^HEALTHCHECK .*\\\n\s+CMD (\[.*\])$", text, re.M).group(1)
+    args = build_parser().parse_args(yaml.safe_load(check)[1:])
+    assert (args.command, args.peer_command, args.config) == ("peer", "health", "/site/site.toml")
+    for name in HOSPITALS:
+        test = compose["services"][name]["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        args = build_parser().parse_args(test[2:])
+        assert (test[1], args.peer_command, args.config) == ("privfusion", "health", "/site/site.toml")
+    assert compose["services"]["init"]["healthcheck"] == {"disable": True}
+
+
+def test_compose_v1_accepts_the_file(compose):
+    """Compose v1 (docker-compose 1.29) refuses a top-level `name:`; v2 reads the same file."""
+    assert set(compose) <= {"services", "volumes", "x-privfusion", "x-hospital"}
+
+
+def test_both_builders_ignore_the_same_files():
+    def rules(path):
+        return [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+
+    assert rules(ROOT / ".dockerignore") == rules(DOCKER / "Dockerfile.dockerignore")
+    assert "**/.venv" in rules(ROOT / ".dockerignore")
+
+
+def test_e2e_script_is_valid_bash_and_keeps_dockerd_inside_10_232():
+    script = ROOT / "scripts" / "docker_e2e.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert 'BRIDGE_IP="10.232.0.1/24"' in text and 'POOL_BASE="10.232.128.0/17"' in text
+    assert "docker build --network host" in text
+    assert re.search(r"^set -euo pipefail$", text, re.M)
 
 
 def test_init_script_is_valid_sh():
@@ -180,7 +259,31 @@ def test_init_script_makes_sites_that_fuse(tmp_path):
         )
         cfg = load_round_config(sites / "hospital-a" / "site.toml")
         assert cfg.roster == certs / "roster.toml"  # what the init script told `demo site`
-        cfg = dataclasses.replace(cfg, roster=loop, out=tmp_path / "rounds")
+        cfg = dataclasses.replace(cfg, roster=loop)
+        assert cfg.out == sites / "hospital-a" / "rounds"  # in the site's volume, where the check reads it
         result = run_round(load_local_site(sites / "hospital-a" / "site.toml", cfg.model), Roster.load(loop), cfg)
     assert result.status == "fused", result.reason
     assert sorted(result.report["contributors"]) == ["hospital-b", "hospital-c"]
+
+    # what scripts/docker_e2e.sh checks after the round: every ledger against the receipts
+    check = [sys.executable, str(DOCKER / "check-ledgers.py"), "--sites", str(sites), "--certs", str(certs)]
+    ok = subprocess.run(check, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    lines = dict(line.split(": ", 1) for line in ok.stdout.splitlines())
+    assert set(lines) == set(HOSPITALS)
+    charged = {h: sum(c["peer"] == h for c in result.report["charges"]) for h in HOSPITALS}
+    assert charged["hospital-b"] > 0 and charged["hospital-c"] > 0
+    for h in HOSPITALS:
+        assert f"{charged[h]} receipts held by others match it; 0 unmatched" in lines[h], lines[h]
+    # a ledger entry with no receipt (a charge the requester never got) is reported, by site
+    report = next((sites / "hospital-a" / "rounds").glob("round-*.json"))
+    data = json.loads(report.read_text())
+    dropped = next(c for c in reversed(data["charges"]) if c["peer"] == "hospital-b")
+    data["charges"] = [c for c in data["charges"] if c is not dropped]
+    report.write_text(json.dumps(data))
+    bad = subprocess.run(check, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1
+    assert (
+        f"check-ledgers: {dropped['peer']}: entry {dropped['entry_id']} charged to 'hospital-a' has no receipt"
+        in bad.stderr
+    )

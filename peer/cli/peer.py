@@ -8,6 +8,7 @@ privfusion peer trust promote hospital-b [--dir site/identity]   # end of hospit
 privfusion peer rotate --dir site/identity [--address ...] [--days N]   # stage a new key + certificate
 privfusion peer rotate --dir site/identity --activate                   # switch to it (a running daemon follows)
 privfusion peer serve --config site.toml [--simulation]
+privfusion peer health --config site.toml [--timeout S]   # this site's own daemon: exit 0 when SERVING
 privfusion peer info --via HOST:PORT --identity DIR [--peer NAME]
 privfusion peer ledger --via HOST:PORT --identity DIR [--peer NAME]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from peer.base.errors import InvalidArgument
@@ -113,6 +115,81 @@ def _serve(args) -> int:
     from peer.net.daemon import serve
 
     return serve(args.config, insecure=args.insecure, ready_file=args.ready_file, simulation=args.simulation)
+
+
+HEALTH_SERVICE = "privfusion.v1.Peer"
+
+
+def _own_daemon(path: Path) -> tuple[str, str, Path]:
+    """site.toml's ``[site]`` name, listen and identity (read with the one TOML reader, errors
+    naming file, line and key). Only these three: a health check runs every few seconds and
+    must not pay for loading the daemon's modules (torch); `peer serve` and `site check` check
+    the rest of the file."""
+    from peer.base.config import Section, load_toml
+
+    data, text = load_toml(path, "site config")
+    site = Section(data, (), text, str(path)).section("site", required=True)
+    return site.string("name"), site.string("listen"), site.path("identity", path.resolve().parent)
+
+
+def _own_address(listen: str) -> str:
+    """Where this site's own daemon is reached from this machine: a wildcard listen address
+    (0.0.0.0, [::], empty host) is dialled on loopback; a named host as written."""
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise InvalidArgument("site.listen", f'must be HOST:PORT (e.g. "0.0.0.0:50051"), got {listen!r}')
+    if port == "0":
+        raise InvalidArgument(
+            "site.listen", f"has port 0 (a port chosen at start), so there is no fixed port to check; got {listen!r}"
+        )
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "[::]":
+        host = "[::1]"
+    return f"{host}:{port}"
+
+
+def _health(args) -> int:
+    """Ask this site's own daemon (site.toml's listen address, on loopback when it listens on
+    every address) for the standard gRPC health status of ``privfusion.v1.Peer``, over mutual TLS
+    with the site's own key: the daemon accepts its own certificate at the handshake (it is never
+    pinned, so every Peer call made with it is refused; only Health answers). Exit 0 when
+    SERVING, 1 with the reason otherwise (not listening, not SERVING, another key answering)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if args.timeout <= 0:
+        raise InvalidArgument("--timeout", f"must be > 0 seconds, got {args.timeout:g}")
+    name, listen, identity_dir = _own_daemon(Path(args.config))
+    identity = load_identity(identity_dir)
+    address = _own_address(listen)
+    if args.insecure:
+        channel = grpc.insecure_channel(address)
+    else:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=identity.cert_pem, private_key=identity.key_pem, certificate_chain=identity.cert_pem
+        )
+        channel = grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", identity.name)])
+    who = f"{name!r} at {address}"
+    try:
+        with channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=args.timeout
+            )
+    except grpc.RpcError as e:
+        code = e.code().name if e.code() else "UNKNOWN"
+        if code == "DEADLINE_EXCEEDED":
+            why = f"no answer within {args.timeout:g} s (not listening there, or not with this site's key)"
+        else:
+            why = e.details() or "no details"
+        print(f"privfusion peer health: {who} is not healthy: {code}: {why}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"privfusion peer health: {who} is not healthy: {HEALTH_SERVICE} is {status}", file=sys.stderr)
+        return 1
+    print(f"{name}: {HEALTH_SERVICE} {status} at {address}")
+    return 0
 
 
 def client_from_args(args):
@@ -221,6 +298,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("health", help="check this site's own daemon (gRPC health, its own key): exit 0 when SERVING")
+    p.add_argument("--config", required=True, help="site.toml (its [site] listen and identity)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    p.add_argument("--insecure", action="store_true", help="the daemon serves without TLS (peer serve --insecure)")
+    p.set_defaults(func=_health)
 
     p = sub.add_parser("info", help="ask a peer who it is, what it offers and what budget it shows")
     add_client_options(p)

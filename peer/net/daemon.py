@@ -169,7 +169,9 @@ class Daemon:
 
         def configuration():
             ident = self.site.identity  # the pair in use now (Site.refresh_identity)
-            roots = self.site.trust.bundle() or ident.cert_pem  # nothing pinned: only our own key could connect
+            # the pins, and our own certificate: `privfusion peer health` connects with the site's own
+            # key; it is never pinned, so the Peer service refuses every call made with it
+            roots = self.site.trust.bundle() + ident.cert_pem
             return grpc.ssl_server_certificate_configuration([(ident.key_pem, ident.cert_pem)], root_certificates=roots)
 
         def fetch():
