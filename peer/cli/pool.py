@@ -106,7 +106,9 @@ def train(args: argparse.Namespace) -> int:
     if args.data is not None:
         if args.dataset is not None:
             raise InvalidArgument("--dataset", "give a bundled dataset or the site's own records (--data), not both")
-        if args.label is None:
+        from peer.nn.images import is_image_source
+
+        if args.label is None and not is_image_source(args.data):  # an image folder's label is its class folder
             raise InvalidArgument("--label", "is required with --data")
         if args.from_model is None and (args.site is None) == (args.out is None):
             raise InvalidArgument(
