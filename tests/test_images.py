@@ -295,3 +295,61 @@ def test_multi_frame_dicom_and_missing_manifest_path_are_refused_by_path(tmp_pat
     )  # fmt: skip
     assert proc.returncode == 2 and str(tmp_path / "dcm/0/nothing.png") in proc.stderr
     assert "data row 1" in proc.stderr
+
+
+CONV_FACTORY = """
+from torch import nn
+
+
+def build():
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16 * 16, 3)
+    )
+"""
+
+
+def test_model_import_fits_the_image_preprocessing_to_the_input_shape(tmp_path, data):
+    import torch
+    from safetensors.torch import save_file
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "convnet.py").write_text(CONV_FACTORY)
+    namespace: dict = {}
+    exec(CONV_FACTORY, namespace)
+    torch.manual_seed(0)
+    save_file(namespace["build"]().state_dict(), tmp_path / "w.safetensors")
+    factory = f"{site / 'convnet.py'}:build"
+    common = [
+        "model",
+        "import",
+        "--site",
+        str(site),
+        "--factory",
+        factory,
+        "--weights",
+        str(tmp_path / "w.safetensors"),
+    ]
+    cli(*common, "--name", "conv", "--input-shape", "1", "16", "16", "--data", str(data["private"]))
+    stored = json.loads((site / "own_models" / "conv.json").read_text())
+    prep = Preprocessing.from_dict(stored["preprocessing"])
+    assert isinstance(prep, ImagePreprocessing) and prep.input_shape == (1, 16, 16) and prep.resize
+    x, y = prep.transform(prep.read(data["held"]))
+    assert x.shape == (30, 256) and len(y) == 30
+    # an input shape that is no image is refused by name, before anything is stored
+    proc = cli(*common, "--name", "flat", "--input-shape", "256", "--data", str(data["private"]), check=False)
+    assert proc.returncode == 2 and "--input-shape" in proc.stderr
+    assert not (site / "own_models" / "flat.json").exists()
+    # a DP pool of that network on the images, its preprocessing fitted on public images
+    out = cli(
+        "pool", "train", "--site", str(site), "--from-model", "conv", "--data", str(data["private"]),
+        "--public", str(data["public"]), "--image-size", "16", "16", "--model", "noise=4,clip=1,steps=3",
+        "--seed", "0", "--json",
+    )  # fmt: skip
+    pool = json.loads(out.stdout)
+    assert pool["input_shape"] == [1, 16, 16] and pool["norm_statistics"] == "public records"
+    proc = cli(
+        "pool", "train", "--site", str(site), "--from-model", "conv", "--data", str(data["private"]),
+        "--public", str(data["public"]), "--model", "noise=4,clip=1,steps=3", "--force", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "[1, 8, 8]" in proc.stderr and "--image-size H W" in proc.stderr

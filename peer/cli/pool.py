@@ -281,6 +281,12 @@ def records_fit_network(structure, preprocessing, source: str, name: str) -> str
     shape = tuple(int(s) for s in structure.input_shape)
     size = math.prod(shape)
     where = f"{source}: features"
+    if preprocessing.width != size and preprocessing.input_shape is not None and not preprocessing.columns:
+        raise InvalidArgument(  # image records (peer.nn.images): their size and channels are chosen
+            f"{source}: images",
+            f"prepare as {list(preprocessing.input_shape)} but the network {name!r} takes {list(shape)}: give "
+            "--image-size H W and --channels C to match it",
+        )
     if preprocessing.width != size:
         raise InvalidArgument(
             where,

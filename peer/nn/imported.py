@@ -173,14 +173,16 @@ def import_model(
     *,
     factory: str,
     metadata: Mapping[str, Any] | None = None,
+    preprocessing: Preprocessing | None = None,
 ) -> ImportedModel:
-    """Prove ``module``'s permutation structure and store it with its weights under ``name``.
-    The weights must already be loaded (:func:`load_site_state`)."""
+    """Prove ``module``'s permutation structure and store it with its weights under ``name``
+    (and the preprocessing of its inputs, when given). The weights must already be loaded
+    (:func:`load_site_state`)."""
     check_name(name)
     structure = import_structure(module, input_shape)
     arrays = _arrays(module)
-    save_imported(directory, name, factory, structure, arrays, metadata)
-    return ImportedModel(name, factory, structure, arrays, dict(metadata or {}))
+    save_imported(directory, name, factory, structure, arrays, metadata, preprocessing)
+    return ImportedModel(name, factory, structure, arrays, dict(metadata or {}), preprocessing)
 
 
 def save_imported(
