@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peer.base.errors import InvalidArgument, NotFound
+from peer.base.errors import InvalidArgument
 
 # --------------------------------------------------------------------------------------------
 # Shared by the commands that read a site's records
@@ -156,20 +156,11 @@ def add_record_options(p: argparse.ArgumentParser, *, required: bool = True) -> 
 
 
 def read_preprocessing(path: str | Path):
-    from peer.nn.tables import Preprocessing
+    """``--preprocessing``: a preprocessing JSON file, or a model manifest holding one
+    (``peer.nn.store.read_preprocessing_file``)."""
+    from peer.nn.store import read_preprocessing_file
 
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise NotFound(f"--preprocessing {str(p)!r}: {e.strerror}") from None
-    except ValueError as e:
-        raise InvalidArgument("--preprocessing", f"{str(p)!r} is not valid JSON: {e}") from None
-    if isinstance(data, dict) and ("architecture" in data or "imported" in data):  # a model manifest
-        if "preprocessing" not in data:
-            raise InvalidArgument("--preprocessing", f"the model manifest {str(p)!r} holds no preprocessing")
-        data = data["preprocessing"]
-    return Preprocessing.from_dict(data, f"{p.name}")
+    return read_preprocessing_file(path, "--preprocessing")
 
 
 def records_from_args(args: argparse.Namespace):

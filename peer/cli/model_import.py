@@ -106,12 +106,12 @@ def import_command(args: argparse.Namespace) -> int:
 def _preprocessing(args, shape: list[int]):
     """The preprocessing stored with the import: given (``--preprocessing``), or fitted on the
     images of ``--data`` to the network's input shape C H W; None without either."""
-    from peer.cli.model import read_preprocessing
+    from peer.nn.store import read_preprocessing_file
 
     if args.preprocessing and args.data:
         raise InvalidArgument("--data", "give --data (images to fit a preprocessing on) or --preprocessing, not both")
     if args.preprocessing:
-        return read_preprocessing(args.preprocessing)
+        return read_preprocessing_file(args.preprocessing, "--preprocessing")
     if not args.data:
         if args.label:
             raise InvalidArgument("--label", "goes with --data")
