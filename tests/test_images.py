@@ -192,6 +192,28 @@ def test_manifest_with_paths_relative_to_it(tmp_path, data):
     with pytest.raises(InvalidArgument) as e:
         read_images(manifest, label="outcome")
     assert "no column 'outcome'" in e.value.rule and "manifest.csv" in e.value.field
+    # the same manifest as Parquet reads the same records
+    import pandas as pd
+
+    parquet = manifest.with_suffix(".parquet")
+    pd.read_csv(manifest).to_parquet(parquet)
+    assert is_image_source(parquet)
+    again = prepare_image_records(parquet, label="diagnosis")
+    np.testing.assert_array_equal(again.x_train, records.x_train)
+    # a table without a path column stays a table
+    table = tmp_path / "table.csv"
+    table.write_text("age,outcome\n1,0\n2,1\n")
+    assert not is_image_source(table)
+
+
+def test_a_stored_preprocessing_of_unknown_kind_is_refused_by_field(data):
+    stored = prepare_image_records(data["private"]).preprocessing.to_dict()
+    with pytest.raises(InvalidArgument) as e:
+        Preprocessing.from_dict({**stored, "kind": "video"}, "m.json.preprocessing")
+    assert e.value.field == "m.json.preprocessing.kind" and "images" in e.value.rule
+    with pytest.raises(InvalidArgument) as e:
+        Preprocessing.from_dict({**stored, "std": [0.0]}, "p")
+    assert e.value.field == "p.std"
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +256,10 @@ def test_pool_train_on_images_with_public_preprocessing(tmp_path, data):
     assert summary["input_width"] == 64 and summary["dataset_size"] == 96
     stored = json.loads((site / "pool" / "dpsgd-0.json").read_text())
     assert stored["preprocessing"]["kind"] == "images" and stored["preprocessing"]["fitted_on"]["split"] == "public"
+    # the pool's merge-validation set from public images, labelled by their class folders
+    cli("probe", "make", "--site", str(site), "--data", str(data["public"]), "--pool", "pool", "--label", FOLDER_LABEL)
+    with np.load(site / "validation.npz") as v:
+        assert v["x"].shape == (60, 64) and sorted(set(v["y"].tolist())) == [0, 1, 2]
 
 
 def _corrupt_folder(root: Path, kind: str) -> Path:
@@ -277,7 +303,14 @@ def test_bad_files_are_refused_by_path_before_training(tmp_path, kind, rule):
 def test_multi_frame_dicom_and_missing_manifest_path_are_refused_by_path(tmp_path):
     x, y = digits_images(10, seed=8)
     root = write_folder(tmp_path / "dcm", x, y)
-    for p in sorted(root.rglob("*.png"))[:4]:
+    pngs = sorted(root.rglob("*.png"))
+    for p in pngs[:4]:
+        write_dicom(p.with_suffix(".dcm"), np.asarray(Image.open(p)).astype(np.uint16) * 257)
+        p.unlink()
+    # DICOM (own units) beside PNG (scaled to [0, 1]) in one set: refused by the first that differs
+    proc = cli("model", "train", "--site", str(tmp_path / "s"), "--data", str(root), "--name", "m", check=False)
+    assert proc.returncode == 2 and "DICOM" in proc.stderr and "PNG/JPEG" in proc.stderr
+    for p in pngs[4:]:
         write_dicom(p.with_suffix(".dcm"), np.asarray(Image.open(p)).astype(np.uint16) * 257)
         p.unlink()
     multi = write_dicom(root / str(int(y[0])) / "cine.dcm", x[0].astype(np.uint16), frames=2)

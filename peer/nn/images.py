@@ -16,7 +16,8 @@ Accepted modes: grayscale (``1``, ``L``, ``I;16``, ``I``, ``F``, DICOM MONOCHROM
 sample per pixel) and RGB (``RGB``, DICOM with three samples). Anything else (palette ``P``,
 ``RGBA``, ``LA``, ``CMYK`` ...) is refused by path: dropping an alpha channel or a palette
 silently would change what the model sees. Values are scaled to [0, 1] by the depth of the
-mode (8-bit /255, 16-bit /65535, bilevel 0/1); ``I``, ``F`` and DICOM keep their own units.
+mode (8-bit /255, 16-bit /65535, bilevel 0/1); ``I``, ``F`` and DICOM keep their own units, so
+one set of records is DICOM or PNG/JPEG, never a mix (refused by the first path that differs).
 
 The preparation (:class:`ImagePreprocessing`, stored with the model in the same place and the
 same JSON style as a table's ``peer.nn.tables.Preprocessing``):
@@ -355,6 +356,14 @@ def check_images(
             first = (i, h)
             continue
         f = first[1]
+        dicom, first_dicom = path.suffix.lower() == ".dcm", images.paths[first[0]].suffix.lower() == ".dcm"
+        if dicom != first_dicom:
+            raise InvalidArgument(
+                images.where(i),
+                f"is {'DICOM' if dicom else 'PNG/JPEG'} but {images.paths[first[0]]} is "
+                f"{'DICOM' if first_dicom else 'PNG/JPEG'}: DICOM pixels keep their own units while PNG/JPEG are "
+                "scaled to [0, 1], so one set of records holds one or the other",
+            )
         if channels is None and h.channels != f.channels:
             raise InvalidArgument(
                 images.where(i),
