@@ -155,6 +155,10 @@ def test_opacus_model_enters_the_pool_and_is_charged_like_a_pool_model(trained, 
         (float(a), float(b), c) for a, b, c in trained["history"]
     ]
     assert all(s.clip_norm == 1.0 for s, _ in m.privacy.runs)
+    listed = json.loads(cli("pool", "list", "--pool", str(site / "pool"), "--json").stdout)["models"]
+    assert [r["name"] for r in listed] == ["opacus-mlp"] and listed[0]["epsilon"] == added["epsilon"]["pld"]
+    assert m.metadata["record"]["randomness"] == "none"
+    assert m.metadata["record"]["parameters"]["trained_elsewhere"]["source"].startswith("opacus ")
 
     # ε against Opacus's own accountants for the same history
     rdp_acct, prv_acct = RDPAccountant(), PRVAccountant()
