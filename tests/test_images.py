@@ -386,3 +386,18 @@ def test_model_import_fits_the_image_preprocessing_to_the_input_shape(tmp_path, 
         "--public", str(data["public"]), "--model", "noise=4,clip=1,steps=3", "--force", check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and "[1, 8, 8]" in proc.stderr and "--image-size H W" in proc.stderr
+
+
+def test_a_png_model_refuses_dicom_records(tmp_path, data):
+    prep = prepare_image_records(data["private"]).preprocessing
+    assert prep.units == "scaled"
+    x, y = digits_images(6, seed=12)
+    root = tmp_path / "dicoms"
+    for i, (a, label) in enumerate(zip(x, y, strict=True)):
+        (root / str(int(label))).mkdir(parents=True, exist_ok=True)
+        write_dicom(root / str(int(label)) / f"{i}.dcm", a.astype(np.uint16))
+    with pytest.raises(InvalidArgument) as e:
+        prep.transform(prep.read(root))
+    assert "DICOM" in e.value.rule and e.value.field.endswith(".dcm")
+    dicom = prepare_image_records(root, validation_fraction=0.5).preprocessing
+    assert dicom.units == "dicom" and Preprocessing.from_dict(dicom.to_dict()) == dicom

@@ -380,6 +380,12 @@ def check_images(
     return (channels or first[1].channels, size or (first[1].height, first[1].width))
 
 
+def pixel_units(images: ImageSet) -> str:
+    """``"dicom"`` (modality units) or ``"scaled"`` (PNG/JPEG in [0, 1]): a set holds one kind
+    (:func:`check_images` refuses a mix)."""
+    return "dicom" if images.paths and images.paths[0].suffix.lower() == ".dcm" else "scaled"
+
+
 def load_pixels(images: ImageSet, channels: int, size: tuple[int, int], *, convert: bool, resize: bool) -> np.ndarray:
     """Every record decoded to float32 (m, channels, H, W). Without ``convert`` / ``resize`` an
     image of another channel count / size is refused by path (the preprocessing was fitted on
@@ -432,6 +438,7 @@ class ImagePreprocessing(Preprocessing):
     convert: bool = False
     resize: bool = False
     layout: str = "folder"
+    units: str = "scaled"  # "scaled" (PNG/JPEG in [0, 1]) or "dicom" (modality units)
 
     @property
     def width(self) -> int:
@@ -501,11 +508,20 @@ class ImagePreprocessing(Preprocessing):
             convert=channels is not None,
             resize=size is not None,
             layout=images.layout,
+            units=pixel_units(images),
         )
 
     def pixels(self, images: ImageSet) -> np.ndarray:
-        """Decoded records (m, C, H, W), before normalisation; every file is checked first."""
+        """Decoded records (m, C, H, W), before normalisation; every file is checked first, and
+        must be of the kind (DICOM or PNG/JPEG) the statistics were fitted on."""
         check_images(images, channels=self.channels, size=self.size)
+        if pixel_units(images) != self.units:
+            kind = {"dicom": "DICOM", "scaled": "PNG/JPEG"}
+            raise InvalidArgument(
+                images.where(0),
+                f"is {kind[pixel_units(images)]} but the model's preprocessing was fitted on {kind[self.units]} "
+                "images (their pixel units differ)",
+            )
         return load_pixels(images, self.channels, self.size, convert=self.convert, resize=self.resize)
 
     def transform(self, images: ImageSet, pixels: np.ndarray | None = None):  # type: ignore[override]
@@ -539,6 +555,7 @@ class ImagePreprocessing(Preprocessing):
             "format": FORMAT,
             "kind": KIND,
             "layout": self.layout,
+            "units": self.units,
             "label": self.label,
             "classes": list(self.classes),
             "channels": self.channels,
@@ -567,6 +584,9 @@ class ImagePreprocessing(Preprocessing):
         layout = data.get("layout")
         if layout not in ("folder", "manifest"):
             bad("layout", f"must be 'folder' or 'manifest', got {layout!r}")
+        units = data.get("units")
+        if units not in ("scaled", "dicom"):
+            bad("units", f"must be 'scaled' (PNG/JPEG) or 'dicom', got {units!r}")
         label = data.get("label")
         if not isinstance(label, str) or not label:
             bad("label", "must be a non-empty string")
@@ -617,6 +637,7 @@ class ImagePreprocessing(Preprocessing):
             mean=mean,
             std=std,
             layout=layout,
+            units=units,
             **flags,
         )
 
