@@ -222,16 +222,32 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
 def evaluate(model: str, data: str, label: str, site: str | None = None, preprocessing_from: str | None = None) -> dict:
     """Score ``model`` on the labelled file ``data`` (see the module docstring)."""
     from peer.nn.architectures import predict_proba
+    from peer.nn.images import ImagePreprocessing, is_image_source
     from peer.nn.tables import read_table
 
     stored, prep, described = load_for_scoring(model, site, preprocessing_from)
-    table = read_table(
-        data,
-        label=label,
-        features=prep.features,
-        categorical=prep.categorical,
-        missing="impute" if prep.imputes else "refuse",
-    )
+    if isinstance(prep, ImagePreprocessing) != is_image_source(data):
+        raise InvalidArgument(
+            "--data",
+            f"{data} holds {'images' if is_image_source(data) else 'a table'} but the model's preprocessing "
+            f"prepares {'images' if isinstance(prep, ImagePreprocessing) else 'a table'}",
+        )
+    if isinstance(prep, ImagePreprocessing):  # prepared by the stored resize, channels and statistics
+        if label is None:
+            label = prep.label
+        if label != prep.label:
+            raise InvalidArgument("--label", f"is {label!r} but the model was trained with label {prep.label!r}")
+        table = prep.read(data)
+    else:
+        if label is None:
+            raise InvalidArgument("--label", f"is required: the label column of {data}")
+        table = read_table(
+            data,
+            label=label,
+            features=prep.features,
+            categorical=prep.categorical,
+            missing="impute" if prep.imputes else "refuse",
+        )
     x, y = prep.transform(table)
     if prep.input_shape is not None:
         x = x.reshape((len(x), *prep.input_shape))
@@ -274,9 +290,14 @@ def register(subparsers) -> None:
         help="a model of --site, or a model file pair FILE(.safetensors + .json): a release or a round's fused model",
     )
     p.add_argument(
-        "--data", required=True, metavar="FILE", help="labelled held-out records (.csv, .tsv, .parquet, .npz)"
+        "--data",
+        required=True,
+        metavar="FILE",
+        help="labelled held-out records (.csv, .tsv, .parquet, .npz; or images: a folder by class, or a manifest)",
     )
-    p.add_argument("--label", required=True, metavar="COL", help="the label column")
+    p.add_argument(
+        "--label", metavar="COL", help="the label column (images: default the model's; a folder's is 'folder')"
+    )
     p.add_argument(
         "--preprocessing-from",
         metavar="NAME",

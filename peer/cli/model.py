@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peer.base.errors import InvalidArgument, NotFound
+from peer.base.errors import InvalidArgument
 
 # --------------------------------------------------------------------------------------------
 # Shared by the commands that read a site's records
@@ -92,10 +92,27 @@ def add_record_options(p: argparse.ArgumentParser, *, required: bool = True) -> 
         "--data",
         required=required,
         metavar="FILE",
-        help="the site's records: .csv, .tsv, .parquet or .npz (arrays x and the label)",
+        help="the site's records: .csv, .tsv, .parquet or .npz (arrays x and the label); or images: a folder "
+        "by class DIR/<class>/*.png|jpg|jpeg|dcm, or a manifest (CSV/Parquet with a 'path' column)",
     )
     p.add_argument(
-        "--label", required=required, metavar="COL", help="the label column (for .npz: the label array, usually y)"
+        "--label",
+        metavar="COL",
+        help="the label column (for .npz: the label array, usually y; for an image folder: none, the class "
+        "folder is the label)",
+    )
+    p.add_argument(
+        "--image-size",
+        type=int,
+        nargs=2,
+        metavar=("H", "W"),
+        help="images: resize every image to H x W (default: the images' own size, which they must share)",
+    )
+    p.add_argument(
+        "--channels",
+        type=int,
+        choices=(1, 3),
+        help="images: convert every image to 1 (grayscale) or 3 (RGB) channels (default: their own, which they must share)",
     )
     p.add_argument(
         "--features", nargs="+", metavar="COL", help="feature columns, in order (default: every column but the label)"
@@ -139,29 +156,42 @@ def add_record_options(p: argparse.ArgumentParser, *, required: bool = True) -> 
 
 
 def read_preprocessing(path: str | Path):
-    from peer.nn.tables import Preprocessing
+    """``--preprocessing``: a preprocessing JSON file, or a model manifest holding one
+    (``peer.nn.store.read_preprocessing_file``)."""
+    from peer.nn.store import read_preprocessing_file
 
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise NotFound(f"--preprocessing {str(p)!r}: {e.strerror}") from None
-    except ValueError as e:
-        raise InvalidArgument("--preprocessing", f"{str(p)!r} is not valid JSON: {e}") from None
-    if isinstance(data, dict) and ("architecture" in data or "imported" in data):  # a model manifest
-        if "preprocessing" not in data:
-            raise InvalidArgument("--preprocessing", f"the model manifest {str(p)!r} holds no preprocessing")
-        data = data["preprocessing"]
-    return Preprocessing.from_dict(data, f"{p.name}")
+    return read_preprocessing_file(path, "--preprocessing")
 
 
 def records_from_args(args: argparse.Namespace):
-    """The records of ``--data``, split and prepared (``peer.nn.tables.prepare_records``)."""
+    """The records of ``--data``, split and prepared: a table (``peer.nn.tables.prepare_records``)
+    or images, a folder by class or a manifest (``peer.nn.images.prepare_image_records``)."""
+    from peer.nn.images import is_image_source, prepare_image_records
     from peer.nn.tables import prepare_records
 
     if args.preprocessing and args.public:
         raise InvalidArgument("--public", "give --preprocessing or --public (a file to fit one on), not both")
     given = read_preprocessing(args.preprocessing) if args.preprocessing else None
+    if is_image_source(args.data):
+        table_only = [f"--{k.replace('_', '-')}" for k in ("features", "impute", "allow_unseen") if getattr(args, k)]
+        table_only += ["--categorical"] if args.categorical else []
+        if table_only:
+            raise InvalidArgument(table_only[0], f"applies to a table; {args.data} holds images")
+        return prepare_image_records(
+            args.data,
+            label=args.label,
+            channels=args.channels,
+            size=None if args.image_size is None else tuple(args.image_size),
+            validation_fraction=args.validation_fraction,
+            split_seed=args.split_seed,
+            preprocessing=given,
+            public=args.public,
+        )
+    if args.label is None:
+        raise InvalidArgument("--label", f"is required: the label column of {args.data}")
+    for flag, value in (("--image-size", args.image_size), ("--channels", args.channels)):
+        if value is not None:
+            raise InvalidArgument(flag, f"applies to images; {args.data} is a table")
     return prepare_records(
         args.data,
         label=args.label,
@@ -287,7 +317,9 @@ def _train(args: argparse.Namespace) -> int:
                 f"{records.description['validation_rows']} held out (of {records.description['rows']} in {records.description['file']})"
             ),
             (
-                f"inputs: {prep.width} entries from {len(prep.columns)} columns ({len(prep.categorical)} categorical, one-hot); "
+                f"inputs: {prep.describe_inputs()} ({prep.width} entries); {prep.num_classes} classes"
+                if prep.input_shape is not None and not prep.columns
+                else f"inputs: {prep.width} entries from {len(prep.columns)} columns ({len(prep.categorical)} categorical, one-hot); "
                 f"classes {list(prep.classes)}"
             ),
             f"accuracy: training {train_acc:.4f}, validation {val_acc:.4f}",

@@ -2,7 +2,7 @@
 network in and out of its store.
 
     privfusion model import --site DIR --name NAME --factory MODULE:FUNCTION --weights FILE
-                            [--input-shape 1 8 8] [--json]
+                            [--input-shape 1 8 8] [--data IMAGES [--label COL] | --preprocessing JSON] [--json]
     privfusion model export --site DIR --model NAME --format pt|safetensors --out FILE
 
 The store is ``DIR/own_models``: kept apart from ``DIR/models``, the directory of built-in
@@ -15,6 +15,12 @@ daemon, started from elsewhere, runs the same file). Import refuses a model whos
 structure cannot be derived or proven, naming the node or group at fault, and a model whose
 state dict names one tensor under two keys (``self.shortcut = self.skip``, tied weights),
 naming the keys.
+
+With ``--data`` (image records: a folder by class or a manifest, ``peer.nn.images``) and
+``--input-shape C H W``, the preprocessing that turns those images into the network's inputs is
+fitted on every record of ``--data`` — resize to H×W, C channels, per-channel statistics — and
+stored with the model, so that ``evaluate``, ``probe make`` and pools prepare images exactly as
+the network takes them; ``--preprocessing JSON`` stores a given one instead.
 """
 
 from __future__ import annotations
@@ -62,13 +68,16 @@ def import_command(args: argparse.Namespace) -> int:
     with torch_threads(1):
         module = build_module(load_factory(args.factory, [args.site]), args.factory)
         load_site_state(module, read_weights(args.weights))
+        shape = _input_shape(args, module)
+        prep = _preprocessing(args, shape)
         model = import_model(
             _store(args.site),
             args.name,
             module,
-            _input_shape(args, module),
+            shape,
             factory=resolve_factory(args.factory),
             metadata={"source": Path(args.weights).name},
+            preprocessing=prep,
         )
     s = model.structure
     out = {
@@ -79,15 +88,51 @@ def import_command(args: argparse.Namespace) -> int:
         "parameters": len(s.parameters),
         "self_check": "passed",
     }
+    if prep is not None:
+        out["preprocessing"] = {"inputs": prep.describe_inputs(), "fitted_on": dict(prep.fitted_on)}
     if args.json:
         json.dump(out, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
+        if prep is not None:
+            print(f"preprocessing stored with it: {prep.describe_inputs()}")
         print(
             f"imported {model.name}: {len(s.groups)} permutation groups "
             f"({', '.join(f'{g.name}[{g.size}]' for g in s.groups)}), self-check passed"
         )
     return 0
+
+
+def _preprocessing(args, shape: list[int]):
+    """The preprocessing stored with the import: given (``--preprocessing``), or fitted on the
+    images of ``--data`` to the network's input shape C H W; None without either."""
+    from peer.nn.store import read_preprocessing_file
+
+    if args.preprocessing and args.data:
+        raise InvalidArgument("--data", "give --data (images to fit a preprocessing on) or --preprocessing, not both")
+    if args.preprocessing:
+        return read_preprocessing_file(args.preprocessing, "--preprocessing")
+    if not args.data:
+        if args.label:
+            raise InvalidArgument("--label", "goes with --data")
+        return None
+    from peer.nn.images import FOLDER_LABEL, ImagePreprocessing, is_image_source, read_images
+
+    if not is_image_source(args.data):
+        raise InvalidArgument(
+            "--data",
+            f"{args.data} is not image records (a folder by class, or a manifest with a 'path' column); a table's "
+            "preprocessing is given with --preprocessing",
+        )
+    if len(shape) != 3 or shape[0] not in (1, 3):
+        raise InvalidArgument(
+            "--input-shape", f"is {shape}; images need C H W with C = 1 or 3 (e.g. --input-shape 1 28 28)"
+        )
+    label = args.label if args.label else (FOLDER_LABEL if Path(args.data).is_dir() else None)
+    if label is None:
+        raise InvalidArgument("--label", f"is required: the label column of the manifest {args.data}")
+    images = read_images(args.data, label=label)
+    return ImagePreprocessing.fit(images, channels=shape[0], size=(shape[1], shape[2]))
 
 
 def is_imported(site: str, name: str) -> bool:
@@ -116,6 +161,20 @@ def register_import(sub) -> None:
         type=int,
         nargs="+",
         help="one example's shape without the batch axis (default: a leading Linear's in_features)",
+    )
+    i.add_argument(
+        "--data",
+        metavar="IMAGES",
+        help="image records (a folder by class, or a manifest): fit the preprocessing to --input-shape C H W "
+        "(resize, channels, per-channel statistics of every record) and store it with the model",
+    )
+    i.add_argument(
+        "--label", metavar="COL", help="with --data: the manifest's label column (a folder's is its class folder)"
+    )
+    i.add_argument(
+        "--preprocessing",
+        metavar="JSON",
+        help="store this preprocessing with the model (a JSON file, or a model manifest holding one)",
     )
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=import_command)

@@ -3,6 +3,7 @@
     privfusion pool train --site DIR --data FILE --label COL --public FILE [--pool NAME] [--model noise=2,clip=1 ...]
     privfusion pool train --site DIR --from-model NAME --data FILE --label COL --public FILE [--out POOL] ...
     privfusion pool train --dataset digits --out POOL [--model noise=2,clip=1 ...] [--json]
+    privfusion pool add --site DIR --name NAME --factory MODULE:FUNCTION --weights FILE --history FILE.json
     privfusion pool list --pool POOL [--json]
 
 On a site's own records (``--data``): the records are split into the protected training
@@ -153,7 +154,9 @@ def train(args: argparse.Namespace) -> int:
     if args.data is not None:
         if args.dataset is not None:
             raise InvalidArgument("--dataset", "give a bundled dataset or the site's own records (--data), not both")
-        if args.label is None:
+        from peer.nn.images import is_image_source
+
+        if args.label is None and not is_image_source(args.data):  # an image folder's label is its class folder
             raise InvalidArgument("--label", "is required with --data")
         if args.from_model is None and (args.site is None) == (args.out is None):
             raise InvalidArgument(
@@ -516,6 +519,116 @@ def _train_imported_records(args, own, records, names, trainings, pool_name, dir
     return 0
 
 
+def add(args: argparse.Namespace) -> int:
+    from peer.nn.architectures import torch_threads
+
+    with torch_threads(1):
+        return _add(args)
+
+
+def _add(args: argparse.Namespace) -> int:
+    """``pool add``: a network trained by DP-SGD elsewhere (Opacus, or any loop that keeps the
+    same history) into a pool, as an imported model with the TrainingRecord of its declared
+    history (``peer.dp.history``, ``docs/pool_add.md``). Nothing is trained and nothing leaves:
+    the model is charged like every pool model when a release (the model, an RS or LC merge)
+    is made from the pool. Refused, by field, before anything is written: a history that cannot
+    be accounted, a network whose permutation structure cannot be proven, a network holding
+    buffers (state the DP-SGD history does not cover)."""
+    from peer.cli.model import read_preprocessing, site_paths
+    from peer.cli.model_import import _input_shape
+    from peer.dp.accounting.profiles import check_accountable
+    from peer.dp.accounting.release_accounting import dpsgd_record
+    from peer.dp.history import read_history
+    from peer.dp.training import _UPDATES
+    from peer.nn.imported import (
+        build_module,
+        imported_architecture,
+        load_factory,
+        load_site_state,
+        read_weights,
+        resolve_factory,
+        save_imported,
+    )
+    from peer.nn.store import check_name
+    from peer.nn.tracing import import_structure
+
+    check_name(args.name, "--name")
+    try:
+        raw = json.loads(Path(args.history).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InvalidArgument("--history", f"{args.history!r} cannot be read: {e.strerror}") from None
+    except ValueError as e:
+        raise InvalidArgument("--history", f"{args.history!r} is not valid JSON: {e}") from None
+    try:
+        declared = read_history(raw)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{args.history}: {e.field}", e.rule) from None
+    training = declared.training
+    check_accountable(training)  # a record too weak to cost is refused before anything is stored
+    pool_name, directory = site_paths(args.site).pool(args.pool)
+    if (Path(directory) / f"{args.name}.json").exists() and not args.force:
+        raise InvalidArgument(
+            "--name", f"model {args.name!r} is already in the pool {str(directory)!r}; give another name or --force"
+        )
+    module = build_module(load_factory(args.factory, [args.site]), args.factory)
+    load_site_state(module, read_weights(args.weights))
+    parameters = {k for k, _ in module.named_parameters()}
+    buffers = [k for k in module.state_dict() if k not in parameters]
+    if buffers:
+        raise InvalidArgument(
+            f"{args.weights}: {buffers[0]}",
+            f"the network holds {len(buffers)} buffer(s) (e.g. BatchNorm running statistics): state computed from "
+            "the training records outside the DP-SGD history, so no guarantee covers it (Opacus refuses BatchNorm "
+            "for this reason; ModuleValidator.fix replaces it by GroupNorm)",
+        )
+    structure = import_structure(module, _input_shape(args, module))
+    arch = imported_architecture(structure)
+    prep = read_preprocessing(args.preprocessing) if args.preprocessing else None
+    record = dpsgd_record(training, args.delta, randomness={"randomness": "none", "seed": None}, subject=args.name)
+    params = record.to_dict()["parameters"]
+    params.update(
+        {
+            "dataset_size": declared.dataset_size,
+            "architecture": arch,
+            "update": _UPDATES[training.optimizer.name],
+            "trained_elsewhere": declared.declared,
+        }
+    )
+    record = record.with_(parameters=params)
+    arrays = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+    metadata = {
+        "training": training.to_dict(),
+        "record": record.to_dict(),
+        "source": Path(args.weights).name,
+        "trained_elsewhere": declared.declared,
+    }
+    path = save_imported(directory, args.name, resolve_factory(args.factory), structure, arrays, metadata, prep)
+    _warm_profiles(directory)
+    out = {
+        "pool": str(directory),
+        "pool_name": pool_name,
+        "model": args.name,
+        "path": str(path),
+        "dataset_size": declared.dataset_size,
+        "training": training.to_dict(),
+        "epsilon": {"pld": record.epsilon, "rdp": params["epsilon_rdp"]},
+        "delta": record.delta,
+        "unit": record.unit,
+        "trained_elsewhere": declared.declared,
+    }
+    if args.json:
+        json.dump(out, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+        return 0
+    print(
+        f"added {args.name} to pool {pool_name} ({directory}): {training.num_steps} DP-SGD steps in "
+        f"{len(training.runs)} segment(s) as declared by {args.history}; epsilon(pld)={record.epsilon:.4g} "
+        f"(rdp {params['epsilon_rdp']:.4g}) at delta={record.delta:g} per {record.unit}; declared dataset size "
+        f"n = {declared.dataset_size}. Charged like every pool model when a release is made from the pool."
+    )
+    return 0
+
+
 def list_pool(args: argparse.Namespace) -> int:
     """Each model's guarantee and validation accuracy, where its noise came from, and why a
     daemon would not serve it (``not_served``: a fixed seed outside ``--simulation``, or an
@@ -647,6 +760,47 @@ def register(subparsers) -> None:
     t.add_argument("--force", action="store_true", help="replace models of the same names (with --data)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.set_defaults(func=train)
+
+    a = sub.add_parser(
+        "add",
+        help="add a network trained by DP-SGD elsewhere (Opacus) to a pool, with its accountant's history",
+        description="Bring a network trained by DP-SGD outside PrivFusion (Opacus's PrivacyEngine, or any loop "
+        "that keeps its (noise_multiplier, sample_rate, steps) history) into a pool as a model with its training "
+        "record; it is charged like every pool model when released. The history file's format is in "
+        "docs/pool_add.md.",
+    )
+    a.add_argument(
+        "--site", required=True, metavar="DIR", help="the site's directory (the pool is where site.toml says)"
+    )
+    a.add_argument(
+        "--pool", metavar="NAME", help="which of the site's pools ([site.pools.NAME]); default: its only one"
+    )
+    a.add_argument("--name", required=True, help="the model's name in the pool")
+    a.add_argument("--factory", required=True, help="MODULE:FUNCTION or FILE.py:FUNCTION returning the torch.nn.Module")
+    a.add_argument(
+        "--weights", required=True, help="its state dict: .safetensors, or .pt read with torch.load(weights_only=True)"
+    )
+    a.add_argument(
+        "--history",
+        required=True,
+        metavar="FILE.json",
+        help="the DP-SGD history (docs/pool_add.md; Opacus's accountant.history)",
+    )
+    a.add_argument(
+        "--input-shape",
+        type=int,
+        nargs="+",
+        help="one example's shape without the batch axis (default: a leading Linear's in_features)",
+    )
+    a.add_argument(
+        "--preprocessing",
+        metavar="JSON",
+        help="the preprocessing of its inputs (a JSON file, or a model manifest holding one)",
+    )
+    a.add_argument("--delta", type=float, default=1e-5, help="delta at which its epsilon is recorded (default 1e-5)")
+    a.add_argument("--force", action="store_true", help="replace a model of the same name")
+    a.add_argument("--json", action="store_true", help="print the summary as JSON")
+    a.set_defaults(func=add)
 
     ls = sub.add_parser("list", help="list a pool's models and their guarantees")
     ls.add_argument("--pool", required=True)

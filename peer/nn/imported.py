@@ -174,14 +174,16 @@ def import_model(
     *,
     factory: str,
     metadata: Mapping[str, Any] | None = None,
+    preprocessing: Preprocessing | None = None,
 ) -> ImportedModel:
-    """Prove ``module``'s permutation structure and store it with its weights under ``name``.
-    The weights must already be loaded (:func:`load_site_state`)."""
+    """Prove ``module``'s permutation structure and store it with its weights under ``name``
+    (and the preprocessing of its inputs, when given). The weights must already be loaded
+    (:func:`load_site_state`)."""
     check_name(name)
     structure = import_structure(module, input_shape)
     arrays = _arrays(module)
-    save_imported(directory, name, factory, structure, arrays, metadata)
-    return ImportedModel(name, factory, structure, arrays, dict(metadata or {}))
+    save_imported(directory, name, factory, structure, arrays, metadata, preprocessing)
+    return ImportedModel(name, factory, structure, arrays, dict(metadata or {}), preprocessing)
 
 
 def save_imported(
@@ -421,6 +423,12 @@ def records_fit_network(structure, preprocessing, source: str, name: str) -> str
     shape = tuple(int(s) for s in structure.input_shape)
     size = math.prod(shape)
     where = f"{source}: features"
+    if preprocessing.width != size and preprocessing.input_shape is not None and not preprocessing.columns:
+        raise InvalidArgument(  # image records (peer.nn.images): their size and channels are chosen
+            f"{source}: images",
+            f"prepare as {list(preprocessing.input_shape)} but the network {name!r} takes {list(shape)}: give "
+            "--image-size H W and --channels C to match it",
+        )
     if preprocessing.width != size:
         raise InvalidArgument(
             where,

@@ -352,3 +352,20 @@ def load_store(directory: str | os.PathLike) -> tuple[dict[str, StoredModel], li
         except (InvalidArgument, NotFound) as e:
             failed.append((d / f"{name}.json", f"does not load, not served: {e}"))
     return models, failed
+
+
+def read_preprocessing_file(path: str | os.PathLike, field_name: str = "preprocessing") -> Preprocessing:
+    """A preprocessing from a JSON file: one preprocessing (a table's or an image set's), or a
+    model manifest holding one (what ``--preprocessing`` accepts)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise NotFound(f"{field_name} {str(p)!r}: {e.strerror}") from None
+    except ValueError as e:
+        raise InvalidArgument(field_name, f"{str(p)!r} is not valid JSON: {e}") from None
+    if isinstance(data, dict) and ("architecture" in data or "imported" in data):  # a model manifest
+        if "preprocessing" not in data:
+            raise InvalidArgument(field_name, f"the model manifest {str(p)!r} holds no preprocessing")
+        data = data["preprocessing"]
+    return Preprocessing.from_dict(data, f"{p.name}")

@@ -90,6 +90,10 @@ FORMAT = 1
 MISSING_TEXT = frozenset({"", "na", "n/a", "nan", "null", "none"})
 SUFFIXES = (".csv", ".tsv", ".txt", ".parquet", ".pq", ".npz")
 
+#: the preprocessings of other kinds of records, by the "kind" of their JSON form (a table's has
+#: none): ``peer.nn.images`` registers "images" (``peer.nn`` imports it, so it is always there)
+KINDS: dict[str, type[Preprocessing]] = {}
+
 Missing = Literal["refuse", "impute"]
 Unseen = Literal["refuse", "zeros"]
 
@@ -151,26 +155,34 @@ class Table:
 
     def split(self, fraction: float, *, seed: int) -> tuple[Table, Table]:
         """(rest, held out): ``fraction`` of the records held out at random (seeded), stratified
-        by label when every class has at least two records. Both parts are non-empty."""
-        if not 0 < fraction < 1:
-            raise InvalidArgument("validation_fraction", f"must be in (0, 1), got {fraction!r}")
-        n = len(self)
-        k = round(n * fraction)
-        if k < 1 or k > n - 1:
-            raise InvalidArgument(
-                "validation_fraction",
-                f"{fraction:g} of {n} records leaves an empty part; a split needs at least 2 records",
-            )
-        from sklearn.model_selection import train_test_split
+        by label when every class has at least two records (:func:`split_indices`)."""
+        labels = None if self.label is None else self.labels_text()
+        rest, held = split_indices(len(self), labels, fraction, seed)
+        return self.take(rest), self.take(held)
 
-        idx = np.arange(n)
-        stratify = None
-        if self.label is not None:
-            counts = Counter(self.labels_text())
-            if min(counts.values()) >= 2 and len(counts) <= min(k, n - k):
-                stratify = self.labels_text()
-        rest, held = train_test_split(idx, test_size=k, random_state=seed, stratify=stratify)
-        return self.take(np.sort(rest)), self.take(np.sort(held))
+
+def split_indices(n: int, labels: np.ndarray | None, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rest, held out) sorted record indices: ``fraction`` of ``n`` records held out at random
+    (seeded), stratified by ``labels`` when every class has at least two records. Both parts
+    are non-empty. One rule for tables and image records alike."""
+    if not 0 < fraction < 1:
+        raise InvalidArgument("validation_fraction", f"must be in (0, 1), got {fraction!r}")
+    k = round(n * fraction)
+    if k < 1 or k > n - 1:
+        raise InvalidArgument(
+            "validation_fraction",
+            f"{fraction:g} of {n} records leaves an empty part; a split needs at least 2 records",
+        )
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(n)
+    stratify = None
+    if labels is not None:
+        counts = Counter(labels)
+        if min(counts.values()) >= 2 and len(counts) <= min(k, n - k):
+            stratify = labels
+    rest, held = train_test_split(idx, test_size=k, random_state=seed, stratify=stratify)
+    return np.sort(rest), np.sort(held)
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -760,6 +772,11 @@ class Preprocessing:
 
         if not isinstance(data, Mapping):
             raise InvalidArgument(where, "must be an object")
+        if "kind" in data:  # another kind of records (image records: peer.nn.images); a table's has no kind
+            kind = KINDS.get(data["kind"]) if isinstance(data["kind"], str) else None
+            if kind is None:
+                bad("kind", f"must be one of {sorted(KINDS)} or absent (a table), got {data['kind']!r}")
+            return kind.from_dict(data, where)
         if data.get("format") != FORMAT:
             bad("format", f"must be {FORMAT}, got {data.get('format')!r}")
         label = data.get("label")
