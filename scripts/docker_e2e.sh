@@ -21,6 +21,8 @@
 #   BASE_IMAGE=python:3.11-slim-bookworm   the official base, tried first (bounded pull)
 #   PULL_TIMEOUT_S=60  BUILD_TIMEOUT_S=2400  HEALTH_TIMEOUT_S=600  ROUND_TIMEOUT_S=900
 #   KEEP_IMAGE=1                      keep privfusion:latest afterwards (default: kept; 0 removes it)
+#   OFFLINE=1                         never try to pull the official base (a machine that must send
+#                                     nothing to a registry: CI here); make or reuse the local one
 #   WHEELS_PORT=47231                 the wheel server's port on 127.0.0.1
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -181,7 +183,7 @@ elif [ -s "$BASE_TAR" ]; then
     docker import "$BASE_TAR" "$LOCAL_BASE" > /dev/null || fail "docker import $BASE_TAR failed"
     BASE="$LOCAL_BASE"
     say "base: $BASE imported from the cached $BASE_TAR"
-elif timeout "$PULL_TIMEOUT_S" docker pull -q "$OFFICIAL_BASE" > /dev/null 2>&1; then
+elif [ "${OFFLINE:-0}" != 1 ] && timeout "$PULL_TIMEOUT_S" docker pull -q "$OFFICIAL_BASE" > /dev/null 2>&1; then
     BASE="$OFFICIAL_BASE"
     say "base: $BASE (pulled)"
 else

@@ -15,6 +15,15 @@ python3 -m venv .venv
 # lint before the tests: a finding fails the script (set -e) before any test runs
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# The image and the compose demo, end to end (scripts/docker_e2e.sh: engine, base image, build,
+# compose up, health, the documented round, every ledger against its receipts, down): under CI
+# (CI=true), or when asked with PRIVFUSION_DOCKER_E2E=1; it needs root and Debian's packages.
+# It runs before the tests so that pytest's closing line is the last of the run. OFFLINE=1: this
+# machine sends nothing to a registry, so the base image is made locally (and cached).
+case "${PRIVFUSION_DOCKER_E2E:-${CI:-0}}" in
+    1 | true) OFFLINE="${OFFLINE:-1}" ./scripts/docker_e2e.sh ;;
+    *) echo "scripts/test.sh: the docker end-to-end (scripts/docker_e2e.sh) runs under CI=true or PRIVFUSION_DOCKER_E2E=1" ;;
+esac
 # Two worker processes (pytest-xdist), a test file per worker at a time (--dist loadfile: a file's
 # module fixtures are built once): most tests wait on subprocesses, daemons and sockets, so one
 # process keeps about 1.1 of CI's 2 cores busy; two finish the suite in about two thirds of the time.
