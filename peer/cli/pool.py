@@ -589,6 +589,9 @@ def _add(args: argparse.Namespace) -> int:
     params.update(
         {
             "dataset_size": declared.dataset_size,
+            # the history file's n is the site's declaration, published in the record: under
+            # add-remove it must be a public constant (docs/pool_add.md), never a count read here
+            "dataset_size_source": "declared",
             "architecture": arch,
             "update": _UPDATES[training.optimizer.name],
             "trained_elsewhere": declared.declared,
