@@ -239,8 +239,11 @@ epsilon = 100.0
         name: r["peers"]["site-c"]["drop"] for name, r in reports.items() if r["peers"]["site-c"]["state"] == "dropped"
     }
     assert dropped, "the cut link must have dropped site-c from at least one round"
+    # the link is cut when site-c's ledger holds its first release, i.e. while one round is at
+    # features or weights; the other round may be behind it, still asking site-c who it is
+    # ("info": under a load of 4 on 2 cores it was), and is dropped there
     for d in dropped.values():
-        assert d["status"] in ("DEADLINE_EXCEEDED", "UNAVAILABLE") and d["step"] in ("features", "weights")
+        assert d["status"] in ("DEADLINE_EXCEEDED", "UNAVAILABLE") and d["step"] in ("info", "features", "weights")
 
     # every ledger opens consistent; every receipt a round got is in the releasing site's ledger;
     # an entry without a receipt is one whose delivery the cut interrupted (charged: yes/unknown)
