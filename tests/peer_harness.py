@@ -276,3 +276,13 @@ class ForkedDaemons:
             proc.kill()
             raise RuntimeError(f"{e}: {(site.root / 'daemon.log').read_text()[-3000:]}") from None
         return proc, f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``privfusion ARGS`` as a subprocess, as a user runs it (``check``: it must exit 0)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc

@@ -12,12 +12,11 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from peer_harness import cli
 from PIL import Image
 
 from peer.base.errors import InvalidArgument
@@ -34,15 +33,6 @@ from peer.nn.tables import Preprocessing
 
 # pixel values the corrupt-file messages must never show (every value a test image holds is in
 # 0..255; the messages are checked for none of the records' distinctive values)
-
-
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300, check=False
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 def digits_images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -23,8 +23,6 @@ Deterministic (fixed torch seed, no statistical assertion): no false-failure rat
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -35,6 +33,7 @@ import torch  # noqa: E402
 from opacus import PrivacyEngine  # noqa: E402
 from opacus.accountants import PRVAccountant, RDPAccountant  # noqa: E402
 from opacus.accountants.analysis.rdp import compute_rdp  # noqa: E402
+from peer_harness import cli  # noqa: E402
 
 from peer.base.errors import InvalidArgument  # noqa: E402
 
@@ -50,15 +49,6 @@ def build():
 def build_bn():
     return nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
 """
-
-
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300, check=False
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 @pytest.fixture(scope="module")

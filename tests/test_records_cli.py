@@ -6,12 +6,11 @@ rules run in-process (``peer.cli.app.main``), which is the same code without a n
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from peer_harness import cli
 from test_tables import records, write_csv
 
 from peer.base.errors import InvalidArgument
@@ -27,15 +26,6 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     out = capsys.readouterr()
     return code, out.out, out.err
-
-
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=300, check=False
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 @pytest.fixture(scope="module")
