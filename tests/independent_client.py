@@ -9,6 +9,13 @@ what it kept (receipt, manifest, tensor bytes) and the pinned certificate (secti
 writes what it found as JSON.
 
     python independent_client.py CONFIG.json OUT.json
+
+It is also an auditor of a site's ledger (section 9): it reads the SQLite file with the
+standard library's ``sqlite3``, recomputes every hash chain (charges from the genesis,
+cancellations, served-again rows, events) with encodings written here from the text, checks the
+anchor file and the totals cache, and writes the heads it found.
+
+    python independent_client.py --audit-ledger LEDGER OUT.json
 """
 
 from __future__ import annotations
@@ -111,6 +118,14 @@ def manifest_bytes(m) -> bytes:
     return out + b"".join(digest32(hashlib.sha256(receipt_payload(u)).digest()) for u in m.upstream)
 
 
+def release_sha256(manifest) -> str:
+    """``parameters.release_sha256`` of a stored release (section 6.4), from its signed manifest."""
+    h = hashlib.sha256(b"privfusion.v1/stored-release/1\n")
+    for t in manifest.tensors:
+        h.update(t.name.encode("utf-8") + b"\0" + t.sha256)
+    return h.hexdigest()
+
+
 def verify_offline(receipt, manifest, tensors: dict[str, bytes], cert_pem: bytes, signer: str, me: str) -> dict:
     """Everything section 4 and 6 ask of a release, from kept bytes and the pinned certificate."""
     from cryptography import x509
@@ -145,6 +160,248 @@ def verify_offline(receipt, manifest, tensors: dict[str, bytes], cert_pem: bytes
     elif record["counterparty"] != me:
         raise ValueError("record.counterparty: not this site")
     return record
+
+
+# ------------------------------------------------------------------ docs/wire.md section 9: the ledger
+#
+# An auditor's recomputation of a site's ledger from its SQLite file and its anchor, with the
+# standard library only: the encodings below are written from the definitions in section 9
+# (not with json.dumps), so a difference between the text and what the daemon writes fails.
+
+
+def ledger_float(x: float) -> str:
+    """FLOAT(x), section 9.1: the shortest decimal that reads back as x, laid out by the exponent rule."""
+    if x != x:
+        return "NaN"
+    if x in (math.inf, -math.inf):
+        return "Infinity" if x > 0 else "-Infinity"
+    sign = "-" if math.copysign(1.0, x) < 0 else ""
+    x = abs(x)
+    if x == 0:
+        return sign + "0.0"
+    for p in range(1, 18):  # the fewest significant digits whose correctly rounded value reads back as x
+        s = f"{x:.{p - 1}e}"
+        if float(s) == x:
+            break
+    mantissa, exponent = s.split("e")
+    digits = mantissa.replace(".", "")
+    point = int(exponent) + 1  # x = 0.DIGITS × 10^point
+    if -4 < point <= 16:
+        if point <= 0:
+            return sign + "0." + "0" * -point + digits
+        if point >= len(digits):
+            return sign + digits + "0" * (point - len(digits)) + ".0"
+        return sign + digits[:point] + "." + digits[point:]
+    e = point - 1
+    body = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+    return f"{sign}{body}e{'-' if e < 0 else '+'}{abs(e):02d}"
+
+
+_JSON_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def ledger_string(s: str) -> str:
+    """STRING(s), section 9.1: a JSON string in ASCII, everything outside U+0020..U+007E escaped."""
+    out = ['"']
+    for ch in s:
+        c = ord(ch)
+        if ch in _JSON_ESCAPES:
+            out.append(_JSON_ESCAPES[ch])
+        elif 0x20 <= c <= 0x7E:
+            out.append(ch)
+        elif c <= 0xFFFF:
+            out.append(f"\\u{c:04x}")
+        else:  # a UTF-16 surrogate pair
+            c -= 0x10000
+            out.append(f"\\u{0xD800 + (c >> 10):04x}\\u{0xDC00 + (c & 0x3FF):04x}")
+    out.append('"')
+    return "".join(out)
+
+
+def ledger_json(value) -> str:
+    """LJSON(v), section 9.1: arrays of strings, integers and floats, no whitespace."""
+    if isinstance(value, list):
+        return "[" + ",".join(ledger_json(v) for v in value) + "]"
+    if isinstance(value, str):
+        return ledger_string(value)
+    if isinstance(value, bool):
+        raise TypeError("no booleans in a ledger hash")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return ledger_float(value)
+    raise TypeError(f"not a ledger hash value: {type(value).__name__}")
+
+
+def ledger_hash_json(value) -> str:
+    return hashlib.sha256(ledger_json(value).encode("ascii")).hexdigest()
+
+
+def ledger_hash_lines(context: bytes, parts) -> str:
+    """The cancellation and served-again hashes: the context, then each part's UTF-8 and a newline."""
+    h = hashlib.sha256(context)
+    for part in parts:
+        h.update(str(part).encode("utf-8") + b"\n")
+    return h.hexdigest()
+
+
+ZERO_HEAD = "0" * 64
+CHARGE_COLUMNS = (
+    "seq", "release_id", "charged_at", "level", "unit", "record_unit", "counterparty", "subject",
+    "mechanism", "epsilon", "delta", "rdp", "pure_epsilon", "budgets", "record",
+)  # fmt: skip
+FLOAT_COLUMNS = {"epsilon", "delta", "pure_epsilon", "epsilon_limit", "delta_limit"}
+BUDGET_COLUMNS = ("budget", "level", "unit", "subject", "counterparty", "epsilon_limit", "delta_limit")
+
+
+def _typed(columns, row) -> list:
+    # REAL columns as IEEE doubles with −0.0 read as 0.0; INTEGER as integers; TEXT as text
+    return [float(v) + 0.0 if c in FLOAT_COLUMNS else v for c, v in zip(columns, row, strict=True)]
+
+
+def audit_ledger(path: str, anchor: str | None = None) -> dict:
+    """Recompute every chain of the ledger at ``path`` (section 9) and check that it reaches its
+    anchor (``path + ".anchor"`` unless given) and that the totals cache is the sum of its rows.
+
+    Returns the genesis, each chain's head (row id, hash), the anchored points, the cancelled
+    charges and each budget's count; raises ValueError naming the first row whose stored hash,
+    link or reference differs from the recomputation."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+        def rows_of(table: str, sql: str) -> list:
+            # cancellations and served_again are absent from files written before they existed
+            return con.execute(sql).fetchall() if table in tables else []
+
+        meta = dict(con.execute("SELECT key, value FROM meta"))
+        if meta.get("schema_version") != "2":
+            raise ValueError(f"meta.schema_version: {meta.get('schema_version')!r}, expected '2'")
+        orders = [float(o) for o in json.loads(meta["orders"])]
+        genesis = ledger_hash_json(["privfusion-ledger-genesis", "2", orders])
+        budgets: dict[int, list] = {}
+        for seq, *row in con.execute(f"SELECT seq, {', '.join(BUDGET_COLUMNS)} FROM charge_budgets"):
+            budgets.setdefault(seq, []).append(_typed(BUDGET_COLUMNS, row))
+        models: dict[int, list] = {}
+        for seq, model, lc in con.execute("SELECT seq, model, lc FROM charge_models"):
+            models.setdefault(seq, []).append([model, lc])
+        heads: dict[str, tuple[int, str]] = {}
+        prev, charge_hash, charge_level = genesis, {}, {}
+        for *row, prev_hash, stored in con.execute(
+            f"SELECT {', '.join(CHARGE_COLUMNS)}, prev_hash, hash FROM charges ORDER BY seq"
+        ):
+            seq, own_budgets = row[0], budgets.pop(row[0], [])
+            h = ledger_hash_json(
+                [
+                    "privfusion-ledger-charge",
+                    prev,
+                    _typed(CHARGE_COLUMNS, row),
+                    sorted(own_budgets),
+                    sorted(models.pop(seq, [])),
+                ]
+            )
+            if prev_hash != prev or stored != h:
+                raise ValueError(f"charges: the hash of charge {seq} does not recompute")
+            if sorted(json.loads(row[CHARGE_COLUMNS.index("budgets")])) != sorted(b[0] for b in own_budgets):
+                raise ValueError(f"charges: charge {seq}'s budgets column and its charge_budgets rows differ")
+            prev, charge_hash[seq], charge_level[seq] = h, h, row[CHARGE_COLUMNS.index("level")]
+            heads["charges"] = (seq, h)
+        if budgets or models:
+            raise ValueError(f"charge_budgets/charge_models: rows of no charge {sorted({*budgets, *models})}")
+        known_heads = set(charge_hash.values())
+        cancelled: set[int] = set()
+        prev = ZERO_HEAD
+        for cid, seq, release_id, at, reason, head, prev_hash, stored in rows_of(
+            "cancellations",
+            "SELECT id, seq, release_id, at, reason, head_hash, prev_hash, hash FROM cancellations ORDER BY id",
+        ):
+            h = ledger_hash_lines(b"cancel\n", (prev, seq, release_id, charge_hash.get(seq, ""), head, at, reason))
+            if seq not in charge_hash or head not in known_heads or prev_hash != prev or stored != h:
+                raise ValueError(f"cancellations: row {cid} does not recompute")
+            prev, heads["cancellations"] = h, (cid, h)
+            cancelled.add(seq)
+        prev = ZERO_HEAD
+        for sid, seq, release_id, cp, at, detail, head, prev_hash, stored in rows_of(
+            "served_again",
+            "SELECT id, seq, release_id, counterparty, at, detail, head_hash, prev_hash, hash"
+            " FROM served_again ORDER BY id",
+        ):
+            h = ledger_hash_lines(
+                b"served-again\n", (prev, seq, release_id, charge_hash.get(seq, ""), cp, head, at, detail)
+            )
+            if seq not in charge_hash or head not in known_heads or prev_hash != prev or stored != h:
+                raise ValueError(f"served_again: row {sid} does not recompute")
+            if seq in cancelled or charge_level[seq] != "data":
+                raise ValueError(f"served_again: row {sid} names a cancelled or model-level charge")
+            prev, heads["served_again"] = h, (sid, h)
+        prev = ZERO_HEAD
+        for eid, release_id, at, kind, detail, prev_hash, stored in con.execute(
+            "SELECT id, release_id, at, kind, detail, prev_hash, hash FROM events ORDER BY id"
+        ):
+            h = ledger_hash_json(["privfusion-ledger-event", prev, [eid, release_id, at, kind, detail]])
+            if prev_hash != prev or stored != h:
+                raise ValueError(f"events: the hash of event {eid} does not recompute")
+            prev, heads["events"] = h, (eid, h)
+        stored_rows = {
+            chain: dict(rows_of(chain, f"SELECT {key}, hash FROM {chain}"))
+            for chain, key in (("charges", "seq"), ("cancellations", "id"), ("served_again", "id"), ("events", "id"))
+        }
+        totals = audit_totals(con, len(orders), cancelled)
+    finally:
+        con.close()
+    anchored = read_anchor(anchor if anchor is not None else path + ".anchor")
+    for chain, (n, head) in anchored.items():
+        if stored_rows.get(chain, {}).get(n) != head:
+            raise ValueError(f"anchor: {chain} row {n} with hash {head[:16]}… is not in the ledger")
+    return {
+        "genesis": genesis,
+        "heads": {c: list(v) for c, v in heads.items()},
+        "anchored": {c: list(v) for c, v in anchored.items()},
+        "charge_hashes": {str(k): v for k, v in charge_hash.items()},
+        "cancelled": sorted(cancelled),
+        "totals": totals,
+    }
+
+
+def audit_totals(con, n_orders: int, cancelled: set) -> dict:
+    """Section 9.4: each budget's totals row is the sum, in charge order, of its charges that
+    are not cancelled (the RDP vectors order by order, the pure ε, the count, the last seq)."""
+    sums: dict[str, list] = {}
+    for seq, budget, rdp, pure in con.execute(
+        "SELECT c.seq, b.budget, c.rdp, c.pure_epsilon FROM charges c JOIN charge_budgets b ON b.seq = c.seq"
+        " ORDER BY c.seq"
+    ):
+        if seq in cancelled:
+            continue
+        vector = json.loads(rdp)
+        if len(vector) != n_orders:
+            raise ValueError(f"charges: charge {seq}'s rdp has {len(vector)} values for {n_orders} orders")
+        s = sums.setdefault(budget, [0, [0.0] * n_orders, 0.0, 0])
+        s[0], s[1], s[2], s[3] = s[0] + 1, [a + b for a, b in zip(s[1], vector, strict=True)], s[2] + pure, seq
+    stored = {
+        b: [count, json.loads(rdp), pure, last]
+        for b, count, rdp, pure, last in con.execute("SELECT budget, count, rdp, pure_epsilon, last_seq FROM totals")
+    }
+    if stored != sums:
+        raise ValueError(f"totals: the cache differs from the sums of the rows ({sorted(stored)} vs {sorted(sums)})")
+    return {b: {"count": s[0], "last_seq": s[3]} for b, s in sums.items()}
+
+
+def read_anchor(path: str) -> dict[str, tuple[int, str]]:
+    """Section 9.5: per chain, the anchored point with the largest n; lines that do not parse are skipped."""
+    out: dict[str, tuple[int, str]] = {}
+    for raw in Path(path).read_bytes().split(b"\n"):
+        try:
+            d = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(d, dict) or d.get("format") != "privfusion-ledger-anchor/1" or "chain" not in d:
+            continue
+        if d["chain"] not in out or d["n"] > out[d["chain"]][0]:
+            out[d["chain"]] = (d["n"], d["head"])
+    return out
 
 
 # ------------------------------------------------------------------ talking to the daemon
@@ -280,13 +537,25 @@ def main(config_path: str, out_path: str) -> int:
         "merged": c.merged(cfg["pool"]),
         "merged_again": c.merged(cfg["pool"]),  # the same request: served again, not charged
     }
+    # section 3.3: the caller's rows of the server's ledger, each with the charged record's bytes
+    ledger_rows = [
+        {
+            "entry_id": e.entry_id,
+            "counterparty": e.counterparty,
+            "created_at": e.created_at,
+            "record_sha256": hashlib.sha256(e.record_json).hexdigest(),
+        }
+        for e in c.stub.ListLedger(peer_pb2.LedgerRequest(header=c.header()), timeout=30)
+    ]
     c.channel.close()
 
     # ---- offline: only the kept bytes and the pinned certificate from here on
-    out: dict = {"stubs": peer_pb2.__file__, "releases": {}}
+    out: dict = {"stubs": peer_pb2.__file__, "releases": {}, "ledger_rows": ledger_rows}
     for kind, (receipt, manifest, tensors, chunks) in kept.items():
         record = verify_offline(receipt, manifest, tensors, c.peer_cert, cfg["peer"], cfg["me"])
         assert manifest.kind == kind.removesuffix("_again")
+        if kind.startswith("merged"):  # section 7.1: the stored merge's record binds its bytes
+            assert record["parameters"]["release_sha256"] == release_sha256(manifest)
         out["releases"][kind] = {
             "entry": receipt.ledger_entry_id,
             "served_again": receipt.served_again,
@@ -294,6 +563,7 @@ def main(config_path: str, out_path: str) -> int:
             "ledger_head": receipt.ledger_head.hex(),
             "tensors_sha256": hashlib.sha256(b"".join(tensors[t.name] for t in manifest.tensors)).hexdigest(),
             "release_id": record["release_id"],
+            "record_sha256": hashlib.sha256(receipt.record_json).hexdigest(),
             "epsilon": record["epsilon"],
             "level": record["level"],
             "chunks": chunks,
@@ -379,5 +649,19 @@ def main(config_path: str, out_path: str) -> int:
     return 0
 
 
+def audit_main(ledger_path: str, out_path: str) -> int:
+    """``--audit-ledger LEDGER OUT.json``: section 9's recomputation; exit 1 naming the first difference."""
+    try:
+        found = audit_ledger(ledger_path)
+    except ValueError as e:
+        print(f"ledger {ledger_path}: {e}", file=sys.stderr)
+        return 1
+    found["project_modules_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT_MODULES)
+    Path(out_path).write_text(json.dumps(found, indent=2))
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--audit-ledger":
+        sys.exit(audit_main(sys.argv[2], sys.argv[3]))
     sys.exit(main(sys.argv[1], sys.argv[2]))
