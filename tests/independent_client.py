@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 import sys
 from itertools import pairwise
@@ -153,13 +154,108 @@ def verify_offline(receipt, manifest, tensors: dict[str, bytes], cert_pem: bytes
             raise ValueError(f"tensor {t.name}: sha256")
     if manifest.total_bytes != sum(t.nbytes for t in manifest.tensors):
         raise ValueError("manifest.total_bytes")
-    record = json.loads(receipt.record_json)
+    record = check_record(receipt.record_json)
     if receipt.served_again:
         if receipt.served_to != me:
             raise ValueError("receipt.served_to: not this site")
     elif record["counterparty"] != me:
         raise ValueError("record.counterparty: not this site")
     return record
+
+
+# ------------------------------------------------------------------ docs/wire.md section 6.4: the record
+
+RECORD_FIELDS = {
+    "release_id", "mechanism", "level", "unit", "epsilon", "delta", "sensitivity", "sensitivity_norm",
+    "parameters", "components", "randomness", "seed", "subject", "counterparty", "created_at",
+}  # fmt: skip
+#: the parameters every record of a mechanism carries (6.4's table; others are informative)
+MECHANISM_PARAMETERS = {
+    "laplace": {"scale", "clip", "shape"},
+    "multibit": {"bounds", "m", "d", "shape", "centre", "half_step"},
+    "gaussian": {"noise_std", "clip_norm", "entry_bound", "calibration", "adjacency", "shape"},
+    "composite": {"composition"},
+    "dpsgd": {"training", "epsilon_rdp"},
+    "rs-merge": {"pi", "models", "names", "epsilon_rdp"},
+    "lc-merge": {"lam", "models", "names", "bound", "epsilon_rdp"},
+}
+NORMS = {"laplace": "l1", "multibit": "range", "gaussian": "l2", "composite": "none", "dpsgd": "l2"}
+RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
+
+
+def canonical_json(value) -> str:
+    """6.4's canonical JSON written from the text: sorted keys, no whitespace, STRING and FLOAT of 9.1."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{ledger_string(k)}:{canonical_json(value[k])}" for k in sorted(value)) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(canonical_json(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("record: no NaN or infinity in canonical JSON")
+    return ledger_json(value)
+
+
+def check_record(raw: bytes) -> dict:
+    """A record's bytes are canonical (re-encoding them from 6.4 gives the same bytes) and the
+    record, with every component, obeys 6.4's schema; returns it parsed."""
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError("record_json: not ASCII") from None
+    record = json.loads(text)
+    if canonical_json(record) != text:
+        raise ValueError("record_json: not canonical JSON")
+    check_record_fields(record, "record")
+    return record
+
+
+def check_record_fields(r: dict, where: str) -> None:
+    def rule(ok: bool, field: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{where}.{field}: {what}, got {r.get(field)!r}")
+
+    fixed = r.get("randomness") == "fixed-seed"
+    rule(set(r) == RECORD_FIELDS | ({"randomness_warning"} if fixed else set()), "fields", "exactly 6.4's fields")
+    mechanism = r["mechanism"]
+    rule(mechanism in MECHANISM_PARAMETERS, "mechanism", "one of 6.4's mechanisms")
+    rule(r["level"] == ("data" if mechanism in ("dpsgd", "rs-merge", "lc-merge") else "model"), "level", "its level")
+    units = {"model": ("neuron", "entry"), "data": ("record:replace-one", "record:add-remove")}[r["level"]]
+    rule(r["unit"] in units, "unit", f"one of {units}")
+    number = (int, float)
+    rule(r["epsilon"] == "inf" or (isinstance(r["epsilon"], number) and r["epsilon"] >= 0), "epsilon", '>= 0 or "inf"')
+    rule(isinstance(r["delta"], number) and 0 <= r["delta"] < 1, "delta", "in [0, 1)")
+    norm = NORMS.get(mechanism, "none")
+    rule(r["sensitivity_norm"] == norm, "sensitivity_norm", f"{norm!r} for {mechanism}")
+    if norm == "none":
+        rule(r["sensitivity"] is None, "sensitivity", "null")
+    else:
+        rule(isinstance(r["sensitivity"], number) and r["sensitivity"] >= 0, "sensitivity", ">= 0")
+    rule(isinstance(r["parameters"], dict), "parameters", "an object")
+    missing = MECHANISM_PARAMETERS[mechanism] - set(r["parameters"])
+    rule(not missing, "parameters", f"a {mechanism} record's {sorted(missing)}")
+    if mechanism == "composite":
+        composition = r["parameters"]["composition"]
+        rule(composition in ("sequential", "parallel"), "parameters", "composition sequential or parallel")
+        rule(
+            (composition == "parallel") == (r["parameters"].get("parallel_over") in ("neurons", "entries")),
+            "parameters",
+            "parallel_over exactly when parallel",
+        )
+        rule(bool(r["components"]), "components", "a composite's parts")
+    rule(r["randomness"] in ("csprng", "fixed-seed", "none"), "randomness", "csprng, fixed-seed or none")
+    rule(isinstance(r["seed"], int) if fixed else r["seed"] is None, "seed", "an integer exactly when fixed-seed")
+    if fixed:
+        rule(r["randomness_warning"] == "fixed seed: not private", "randomness_warning", "the fixed text")
+    rule(isinstance(r["subject"], str), "subject", "a string")
+    rule(r["counterparty"] is None or isinstance(r["counterparty"], str), "counterparty", "a string or null")
+    rule(isinstance(r["created_at"], str) and RFC3339_UTC.fullmatch(r["created_at"]), "created_at", "RFC 3339 UTC")
+    rule(isinstance(r["release_id"], str) and r["release_id"], "release_id", "a non-empty string")
+    rule(isinstance(r["components"], list), "components", "an array")
+    for i, c in enumerate(r["components"]):
+        check_record_fields(c, f"{where}.components[{i}]")
 
 
 # ------------------------------------------------------------------ docs/wire.md section 9: the ledger
@@ -544,6 +640,7 @@ def main(config_path: str, out_path: str) -> int:
             "counterparty": e.counterparty,
             "created_at": e.created_at,
             "record_sha256": hashlib.sha256(e.record_json).hexdigest(),
+            "mechanism": check_record(e.record_json)["mechanism"],
         }
         for e in c.stub.ListLedger(peer_pb2.LedgerRequest(header=c.header()), timeout=30)
     ]
@@ -554,6 +651,7 @@ def main(config_path: str, out_path: str) -> int:
     for kind, (receipt, manifest, tensors, chunks) in kept.items():
         record = verify_offline(receipt, manifest, tensors, c.peer_cert, cfg["peer"], cfg["me"])
         assert manifest.kind == kind.removesuffix("_again")
+        assert manifest.kind in ("features", "features+weights", "weights", "merged", "fused", "segment")  # section 5
         if kind.startswith("merged"):  # section 7.1: the stored merge's record binds its bytes
             assert record["parameters"]["release_sha256"] == release_sha256(manifest)
         out["releases"][kind] = {

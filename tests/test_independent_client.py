@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import independent_client as spec
+import numpy as np
 import pytest
 from ledger_reference import gaussian_record, laplace_record
 from peer_harness import make_pool, make_site, pin_each_other, running
@@ -78,6 +79,43 @@ def test_the_ledger_encodings_written_from_the_text_are_the_ledgers_own():
     for line in examples:
         value, encoded = (part.strip().strip("`") for part in line.strip("|").split("|")[0].split("→"))
         assert spec.ledger_json(json.loads(value)) == encoded, line
+
+
+def test_a_records_bytes_are_the_canonical_json_docs_wire_md_defines():
+    """6.4: ASCII with non-ASCII escaped, sorted keys at every depth, FLOAT numbers, an
+    infinite ε as the string "inf", the fixed-seed warning; the schema check written from the
+    text accepts the project's records (a composite of the Gaussian, Laplace and multi-bit
+    mechanisms' own records, with a non-ASCII subject) and refuses an unknown field, as the project's reader does."""
+    from peer.base.errors import InvalidArgument
+    from peer.base.records import ReleaseRecord
+    from peer.base.rng import make_randomness
+    from peer.ldp.mechanisms.gaussian import gaussian_perturbation
+    from peer.ldp.mechanisms.laplace import laplace_activations
+    from peer.ldp.mechanisms.multibit import multibit
+    from peer.ldp.mechanisms.records import composite_record
+
+    x = np.random.default_rng(0).random((3, 4))
+    rnd = make_randomness(7)
+    parts = [
+        gaussian_perturbation(x, epsilon=1.0, delta=1e-5, clip_norm=1.0, randomness=rnd)[1],
+        laplace_activations(x, epsilon=0.5, clip=(0.0, 1.0), randomness=rnd)[1],
+        multibit(x, epsilon=2.0, bounds=(-1.0, 1.0), randomness=rnd)[1],
+    ]
+    record = composite_record(parts, "sequential", randomness=rnd).with_(subject="modèle-☃", counterparty="site-b")
+    raw = record.canonical_json()
+    assert raw.isascii() and b"mod\\u00e8le-\\u2603" in raw
+    assert spec.canonical_json(json.loads(raw)) == raw.decode()
+    assert spec.check_record(raw)["randomness_warning"] == "fixed seed: not private"
+    unbounded = record.with_(epsilon=math.inf).canonical_json()
+    assert b'"epsilon":"inf"' in unbounded and spec.check_record(unbounded)["epsilon"] == "inf"
+    extra = json.loads(raw)
+    extra["note"] = "x"
+    with pytest.raises(ValueError, match=r"record\.fields"):
+        spec.check_record(spec.canonical_json(extra).encode())
+    with pytest.raises(InvalidArgument, match="unknown fields"):
+        ReleaseRecord.from_json(json.dumps(extra))
+    with pytest.raises(ValueError, match="not canonical"):
+        spec.check_record(json.dumps(json.loads(raw), sort_keys=True).encode())  # spaces after , and :
 
 
 def small_ledger(path: Path) -> dict:
