@@ -561,6 +561,33 @@ class Client:
         assert end is not None and end.tensor_count == len(tensors) and end.total_bytes == manifest.total_bytes
         return receipt, manifest, {k: bytes(v) for k, v in tensors.items()}, chunks_seen
 
+    def refusal(self, method, request) -> dict:
+        """Call ``method`` expecting a refusal; its status, and the google.rpc details of 7.3
+        decoded from the ``grpc-status-details-bin`` trailer (the generic google.rpc protos)."""
+        import grpc
+        from google.rpc import error_details_pb2, status_pb2
+
+        try:
+            for _ in method(request, timeout=60):
+                pass
+        except grpc.RpcError as e:
+            out: dict = {"status": e.code().name, "reason": "", "domain": "", "metadata": {}, "fields": []}
+            raw = dict(e.trailing_metadata() or ()).get("grpc-status-details-bin")
+            if raw is not None:
+                status = status_pb2.Status.FromString(raw)
+                assert status.code == e.code().value[0] and status.message == e.details()
+                for detail in status.details:
+                    if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                        info = error_details_pb2.ErrorInfo()
+                        detail.Unpack(info)
+                        out.update(reason=info.reason, domain=info.domain, metadata=dict(info.metadata))
+                    elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                        bad = error_details_pb2.BadRequest()
+                        detail.Unpack(bad)
+                        out["fields"] = [v.field for v in bad.field_violations]
+            return out
+        raise AssertionError("the call was expected to be refused")
+
     def features(self, model: str, probe, chunk: int):
         import numpy as np
 
@@ -633,6 +660,16 @@ def main(config_path: str, out_path: str) -> int:
         "merged": c.merged(cfg["pool"]),
         "merged_again": c.merged(cfg["pool"]),  # the same request: served again, not charged
     }
+    # section 7.3: a refusal a client can act on, read from the trailer with generic protos
+    refusals = {
+        "unreachable_merge": c.refusal(
+            c.stub.ReleaseMerged,
+            peer_pb2.MergeRequest(header=c.header(), pool=cfg["pool"], method="rs", epsilon=1e-3, delta=1e-5),
+        ),
+        "unknown_model": c.refusal(
+            c.stub.ReleaseWeights, peer_pb2.WeightsRequest(header=c.header(), model="no-such", epsilon=2.0, delta=1e-5)
+        ),
+    }
     # section 3.3: the caller's rows of the server's ledger, each with the charged record's bytes
     ledger_rows = [
         {
@@ -647,7 +684,7 @@ def main(config_path: str, out_path: str) -> int:
     c.channel.close()
 
     # ---- offline: only the kept bytes and the pinned certificate from here on
-    out: dict = {"stubs": peer_pb2.__file__, "releases": {}, "ledger_rows": ledger_rows}
+    out: dict = {"stubs": peer_pb2.__file__, "releases": {}, "ledger_rows": ledger_rows, "refusals": refusals}
     for kind, (receipt, manifest, tensors, chunks) in kept.items():
         record = verify_offline(receipt, manifest, tensors, c.peer_cert, cfg["peer"], cfg["me"])
         assert manifest.kind == kind.removesuffix("_again")

@@ -252,6 +252,18 @@ def test_an_independent_client_runs_releases_and_verifies_them_from_the_spec(tmp
         assert entries[r["entry"]].release_id == r["release_id"]
         assert entries[r["entry"]].epsilon == pytest.approx(r["epsilon"])
 
+    # refusals carry what docs/wire.md 7.3 lists: a merge no weighting reaches names its reason
+    # (in the table, with its status) and the reachable range; an unknown model is NOT_FOUND
+    from test_wire_reasons import reasons_in_doc
+
+    table, _ = reasons_in_doc()
+    unreachable = got["refusals"]["unreachable_merge"]
+    assert unreachable["reason"] == "TARGET_UNREACHABLE" and unreachable["domain"] == "privfusion.v1"
+    assert table[unreachable["reason"]] == unreachable["status"] == "INVALID_ARGUMENT"
+    assert unreachable["fields"] == ["target_epsilon"] and unreachable["metadata"]["reachable_epsilon_max"] == "inf"
+    assert float(unreachable["metadata"]["reachable_epsilon_min"]) > 1e-3
+    assert got["refusals"]["unknown_model"]["status"] == "NOT_FOUND"
+
     # ListLedger (docs/wire.md 3.3): one row per fresh charge to the caller, none for the merge
     # served again, each with the very record bytes its receipt signed
     rows = {r["entry_id"]: r for r in got["ledger_rows"]}
