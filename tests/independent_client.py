@@ -384,7 +384,7 @@ def audit_ledger(path: str, anchor: str | None = None) -> dict:
         for seq, model, lc in con.execute("SELECT seq, model, lc FROM charge_models"):
             models.setdefault(seq, []).append([model, lc])
         heads: dict[str, tuple[int, str]] = {}
-        prev, charge_hash, charge_level = genesis, {}, {}
+        prev, charge_hash, charge_level, charge_release = genesis, {}, {}, {}
         for *row, prev_hash, stored in con.execute(
             f"SELECT {', '.join(CHARGE_COLUMNS)}, prev_hash, hash FROM charges ORDER BY seq"
         ):
@@ -403,6 +403,7 @@ def audit_ledger(path: str, anchor: str | None = None) -> dict:
             if sorted(json.loads(row[CHARGE_COLUMNS.index("budgets")])) != sorted(b[0] for b in own_budgets):
                 raise ValueError(f"charges: charge {seq}'s budgets column and its charge_budgets rows differ")
             prev, charge_hash[seq], charge_level[seq] = h, h, row[CHARGE_COLUMNS.index("level")]
+            charge_release[seq] = row[CHARGE_COLUMNS.index("release_id")]
             heads["charges"] = (seq, h)
         if budgets or models:
             raise ValueError(f"charge_budgets/charge_models: rows of no charge {sorted({*budgets, *models})}")
@@ -414,7 +415,7 @@ def audit_ledger(path: str, anchor: str | None = None) -> dict:
             "SELECT id, seq, release_id, at, reason, head_hash, prev_hash, hash FROM cancellations ORDER BY id",
         ):
             h = ledger_hash_lines(b"cancel\n", (prev, seq, release_id, charge_hash.get(seq, ""), head, at, reason))
-            if seq not in charge_hash or head not in known_heads or prev_hash != prev or stored != h:
+            if charge_release.get(seq) != release_id or head not in known_heads or prev_hash != prev or stored != h:
                 raise ValueError(f"cancellations: row {cid} does not recompute")
             prev, heads["cancellations"] = h, (cid, h)
             cancelled.add(seq)
@@ -427,7 +428,7 @@ def audit_ledger(path: str, anchor: str | None = None) -> dict:
             h = ledger_hash_lines(
                 b"served-again\n", (prev, seq, release_id, charge_hash.get(seq, ""), cp, head, at, detail)
             )
-            if seq not in charge_hash or head not in known_heads or prev_hash != prev or stored != h:
+            if charge_release.get(seq) != release_id or head not in known_heads or prev_hash != prev or stored != h:
                 raise ValueError(f"served_again: row {sid} does not recompute")
             if seq in cancelled or charge_level[seq] != "data":
                 raise ValueError(f"served_again: row {sid} names a cancelled or model-level charge")

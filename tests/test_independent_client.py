@@ -178,6 +178,23 @@ def test_an_auditor_recomputes_every_chain_from_the_spec_and_refuses_one_changed
     con.close()
     with pytest.raises(ValueError, match="anchor: served_again row 1"):
         spec.audit_ledger(str(copy))
+    # one who knows the spec rewrites a cancellation's reason and recomputes its hash: the
+    # chain then holds, and only the anchor shows the row was rewritten
+    copy = tmp_path / "rewritten.sqlite"
+    shutil.copy(path, copy)
+    shutil.copy(str(path) + ".anchor", str(copy) + ".anchor")
+    con = sqlite3.connect(copy)
+    con.execute("DROP TRIGGER cancellations_no_update")
+    cid, seq, release_id, at, head, prev = con.execute(
+        "SELECT id, seq, release_id, at, head_hash, prev_hash FROM cancellations"
+    ).fetchone()
+    charge = con.execute("SELECT hash FROM charges WHERE seq = ?", (seq,)).fetchone()[0]
+    forged = spec.ledger_hash_lines(b"cancel\n", (prev, seq, release_id, charge, head, at, "another reason"))
+    con.execute("UPDATE cancellations SET reason = 'another reason', hash = ? WHERE id = ?", (forged, cid))
+    con.commit()
+    con.close()
+    with pytest.raises(ValueError, match="anchor: cancellations row 1"):
+        spec.audit_ledger(str(copy))
 
 
 @pytest.mark.slow
