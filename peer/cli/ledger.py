@@ -1,4 +1,5 @@
-"""``privfusion ledger show``: a ledger's entries and where every budget stands."""
+"""``privfusion ledger show``: a ledger's entries and where every budget stands;
+``privfusion ledger report``: the same, and more, as an audit page (``peer.cli.ledger_report``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.add_argument("--no-pld", action="store_true", help="skip the PLD composition (faster)")
     show.set_defaults(func=run_show)
+    report = sub.add_parser(
+        "report",
+        help="an audit report of a ledger: a self-contained HTML page with figures",
+        description="Write DIR/index.html (self-contained: figures embedded) and DIR/*.png: the chain's "
+        "verification and the anchor, every budget and its spent ε over time, spending per counterparty, "
+        "every release with its record, events and receipt status, and what is and is not protected. "
+        "Exits 1 (the page written, with a red banner) when the ledger does not verify or a receipt "
+        "contradicts it.",
+    )
+    report.add_argument("--db", required=True, help="the ledger's SQLite file")
+    report.add_argument("--out", required=True, help="the report's directory (new, or an earlier report's)")
+    report.add_argument(
+        "--receipts",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="signed receipts to check against the ledger: a receipt JSON, a saved release's OUT.json, a "
+        "round report (rounds/round-ID.json) or a directory of them; repeatable",
+    )
+    report.add_argument(
+        "--cert",
+        help="the site's certificate (site.crt, or the copy a counterparty pins) that signs its receipts "
+        "(default: site.crt of --policy's [site] identity)",
+    )
+    report.add_argument(
+        "--policy",
+        help="a site.toml whose [policy] gives the limits (as for show) and whose [site] names the site",
+    )
+    report.add_argument("--no-pld", action="store_true", help="skip the PLD composition (faster)")
+    report.set_defaults(func=run_report)
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -100,6 +131,25 @@ def run_show(args: argparse.Namespace) -> int:
     )
     for r in served:
         print(f"  {r['at']}: entry {r['entry_id']} again to {r['counterparty']}")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from peer.cli.ledger_report import write_report
+
+    report = write_report(
+        args.db, args.out, receipts=args.receipts, cert=args.cert, policy=args.policy, pld=not args.no_pld
+    )
+    index = Path(args.out) / "index.html"
+    checked = f"; {len(report.receipts)} receipt(s) checked" if report.receipts else ""
+    print(f"ledger {report.ledger}: {len(report.entries)} entries{checked} -> {index}")
+    for note in report.notes:
+        print(f"  note: {note}")
+    if report.problems:
+        for problem in report.problems:
+            print(f"ledger report: NOT VERIFIED: {problem}", file=sys.stderr)
+        return 1
+    print("verified: " + ("the chain, and every receipt agrees with it" if report.receipts else "the chain"))
     return 0
 
 
