@@ -10,6 +10,11 @@ cd "$(dirname "$0")/.."
 if ! command -v ip > /dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 > /dev/null
 fi
+# The audit report's test renders the page in headless Chromium (tests/test_ledger_report.py):
+# install Debian's chromium the same way; elsewhere that test skips and says why (under CI it fails).
+if ! command -v chromium > /dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null
+fi
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 # lint before the tests: a finding fails the script (set -e) before any test runs

@@ -46,7 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "contradicts it.",
     )
     report.add_argument("--db", required=True, help="the ledger's SQLite file")
-    report.add_argument("--out", required=True, help="the report's directory (new, or an earlier report's)")
+    report.add_argument(
+        "--out", required=True, metavar="DIR", help="the report's directory (new, or an earlier report's)"
+    )
     report.add_argument(
         "--receipts",
         action="append",
@@ -57,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     report.add_argument(
         "--cert",
+        metavar="FILE",
         help="the site's certificate (site.crt, or the copy a counterparty pins) that signs its receipts "
         "(default: site.crt of --policy's [site] identity)",
     )
