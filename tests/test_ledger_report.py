@@ -380,6 +380,10 @@ def test_a_tampered_or_cut_ledger_gets_a_red_banner_and_exit_1(site, tmp_path, c
     verdict = page[page.index('id="verdict"') - 40 : page.index("<h1>")]
     assert "banner bad" in verdict and "NOT VERIFIED" in verdict and html_escaped(words) in verdict
     assert "banner good" not in page
+    # and under every heading whose figures come from the file: red, saying so
+    for section in ("budgets", "over-time", "counterparties", "releases"):
+        after = page[page.index(f'<h2 id="{section}">') :]
+        assert after.split("</h2>", 1)[1].lstrip().startswith('<div class="banner bad">From a ledger that does not')
 
 
 def test_a_policy_gives_the_limits_and_names_the_site(site, tmp_path):
