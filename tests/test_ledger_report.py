@@ -492,3 +492,34 @@ def test_chromium_renders_what_a_reader_must_see(site, tmp_path, tmp_path_factor
         assert all(abs(a - b) <= 8 for a, b in zip(banner, rgb, strict=True)), (name, banner)
         record_property(f"screenshot_{name}", str(shot))
         print(f"ledger report screenshot ({name}): {shot}")
+
+
+# ---- a real release through a daemon -------------------------------------------------------------
+
+
+def test_a_release_served_by_a_real_daemon_is_verified_from_the_saved_receipt(tmp_path):
+    """site-a's daemon charges and signs a weights release to site-b, which saves it; the report
+    on site-a's ledger, with site-a's site.toml (its name, its certificate) and the saved
+    release's JSON, finds the receipt verified, chain position included."""
+    from peer_harness import client, make_site, pin_each_other, running
+
+    from peer.net.client import save_release
+
+    a = make_site(tmp_path, "site-a", seed=3)
+    b = make_site(tmp_path, "site-b", models={})
+    pin_each_other(a, b)
+    with running(a) as (_, address), client(b, address) as c:
+        got = c.weights("mlp", epsilon=2.0, delta=1e-5)
+    _, doc = save_release(got, tmp_path / "got" / "mlp-a")
+    assert got.receipt.ledger_seq >= 1  # the daemon signs its ledger's position
+    report = write_report(a.ledger, tmp_path / "audit", receipts=[doc], policy=a.config)
+    assert report.site == "site-a" and not report.problems, report.problems
+    (check,) = report.receipts
+    assert (check.status, check.release_id, check.recipient) == (
+        STATUS_VERIFIED,
+        got.receipt.record.release_id,
+        "site-b",
+    )
+    assert "chain position" in check.detail
+    page = (tmp_path / "audit" / "index.html").read_text()
+    assert "banner good" in page and got.receipt.record.release_id in page

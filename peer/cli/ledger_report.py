@@ -582,7 +582,7 @@ def figures(report: Report) -> tuple[dict[str, bytes], str]:
         out[f"budget-{i:02d}.png"] = png(fig)
     rows = [r for r in report.spending if r["epsilon_filter"] is not None]
     if rows:
-        fig = Figure(figsize=(8, 0.5 + 0.4 * len(rows)))
+        fig = Figure(figsize=(8, 1.6 + 0.4 * len(rows)))
         ax = fig.add_subplot()
         labels = [f"{r['counterparty']} — {r['scope']}" for r in rows]
         ax.barh(range(len(rows)), [r["epsilon_filter"] for r in rows], color="#1565c0")
