@@ -216,9 +216,14 @@ def test_each_kind_of_bad_receipt_is_named_and_is_a_problem(site, tmp_path):
     wrong_position = sign_receipt(
         ident, str(g1.entry_id), g1.record, manifest(), ledger_seq=g1.entry_id + 1, ledger_head=b"\x01" * 32
     )
+    gone = site["entries"]["gone"]
+    cancelled = sign_receipt(ident, str(gone.entry_id), gone.record, manifest())
+    ghost_forged = dataclasses.replace(ghost, signature=good["lap"].signature)
     other_dir = tmp_path / "other"
     other = sign_receipt(init_identity(other_dir, "hospital-z"), "1", gaussian_record(subject="m"), manifest())
-    path = round_report(tmp_path / "round-2.json", [bad_sig, ghost, other_record, wrong_position, other])
+    path = round_report(
+        tmp_path / "round-2.json", [bad_sig, ghost, other_record, wrong_position, other, cancelled, ghost_forged]
+    )
     report = collect(site["db"], receipts=[path], cert=site["cert"])
     statuses = [(c.status, c.problem) for c in report.receipts]
     assert statuses == [
@@ -227,11 +232,23 @@ def test_each_kind_of_bad_receipt_is_named_and_is_a_problem(site, tmp_path):
         (STATUS_DIFFERS, True),
         (STATUS_DIFFERS, True),
         (STATUS_OTHER_SIGNER, False),
+        (STATUS_DIFFERS, True),
+        (STATUS_BAD_SIGNATURE, True),
     ]
     assert "record it signs is not the one entry" in report.receipts[2].detail
     assert f"signs chain position {g1.entry_id + 1}" in report.receipts[3].detail
+    assert f"entry {gone.entry_id} was cancelled" in report.receipts[5].detail
     assert report.chain_ok
-    assert len(report.problems) == 1 and "4 receipt(s) contradict the ledger" in report.problems[0]
+    assert len(report.problems) == 1 and "6 receipt(s) contradict the ledger" in report.problems[0]
+    # every receipt is on the page: by its release's row, or among those matching none
+    out = tmp_path / "report"
+    write_report(site["db"], out, receipts=[path], cert=site["cert"])
+    page = (out / "index.html").read_text()
+    for c in report.receipts:
+        assert html_escaped(f"{c.source}") in page, c.source
+    unmatched = page[page.index('<h2 id="receipts">') :]
+    assert ghost.record.release_id in unmatched and ghost_forged.record.release_id in unmatched
+    assert "hospital-z" in unmatched
 
 
 def test_without_a_certificate_nothing_is_proven(site, tmp_path):

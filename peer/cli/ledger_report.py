@@ -299,7 +299,12 @@ def _against_ledger(ledger: Any, r: Any, record: Any) -> tuple[str, str] | None:
             f"names entry {r.ledger_entry_id} and release {record.release_id}: the ledger holds no such charge "
             "(cut off, rolled back, or another ledger)"
         )
-    entry, _cancelled = found
+    entry, cancelled = found
+    if cancelled:
+        return STATUS_DIFFERS, (
+            f"entry {entry.entry_id} was cancelled (the ledger says its release never left), yet a receipt for it "
+            "was handed out"
+        )
     if str(entry.entry_id) != r.ledger_entry_id:
         return (
             STATUS_DIFFERS,
@@ -755,8 +760,9 @@ def render_html(report: Report, images: dict[str, bytes], figures_note: str) -> 
 
     by_entry: dict[str, list[ReceiptCheck]] = {}
     orphans = []
+    charged = {e["release_id"] for e in report.entries}
     for c in report.receipts:
-        if c.status in (STATUS_NOT_IN_LEDGER, STATUS_OTHER_SIGNER) or (c.problem and not c.release_id):
+        if c.status == STATUS_OTHER_SIGNER or c.release_id not in charged:
             orphans.append(c)
         else:
             by_entry.setdefault(c.release_id, []).append(c)
