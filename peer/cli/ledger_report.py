@@ -607,6 +607,8 @@ body { font-family: sans-serif; margin: 1.5em; color: #111; max-width: 1250px; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ccc; }
 table { border-collapse: collapse; margin: .5em 0; font-size: .85em; }
 th, td { border: 1px solid #bbb; padding: .2em .45em; text-align: left; vertical-align: top; }
+table.releases { width: 100%; } td.history { width: 34%; } tr.cancelled td { color: #666; }
+td.id, td.history, td.scope { overflow-wrap: anywhere; }
 th { background: #eee; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .banner { padding: .8em 1em; margin: 0 0 1em 0; font-weight: bold; font-size: 1.1em; }
 .bad { background: #b00020; color: #fff; } .good { background: #1b5e20; color: #fff; }
@@ -769,7 +771,7 @@ def render_html(report: Report, images: dict[str, bytes], figures_note: str) -> 
     p.append('<h2 id="releases">Releases</h2>')
     p.append(distrust)
     p.append(
-        "<table><tr><th>entry</th><th>charged at</th><th>release id</th><th>mechanism</th><th>level</th><th>unit</th>"
+        "<table class='releases'><tr><th>entry</th><th>charged at</th><th>release id</th><th>mechanism</th><th>level</th><th>unit</th>"
         "<th>counterparty</th><th>subject</th><th>ε</th><th>δ</th><th>receipt</th><th>record and history</th></tr>"
     )
     for e in report.entries:
@@ -781,6 +783,7 @@ def render_html(report: Report, images: dict[str, bytes], figures_note: str) -> 
         else:
             receipt_cell = "<br>".join(
                 f'<span class="{_status_class(c.status)}">{h(c.status)}</span>'
+                + ("" if report.chain_ok else " (against a ledger that does not verify)")
                 + (f" (served again {h(c.served_again)} to {h(c.recipient)})" if c.served_again else "")
                 for c in checks
             )
@@ -798,9 +801,9 @@ def render_html(report: Report, images: dict[str, bytes], figures_note: str) -> 
         row_class = ' class="cancelled"' if e["cancelled"] else ""
         p.append(
             f"<tr{row_class}><td class='num'>{e['entry_id']}</td><td>{h(e['charged_at'])}</td>"
-            f"<td>{h(e['release_id'])}</td><td>{h(e['mechanism'])}</td><td>{h(e['level'])}</td><td>{h(e['unit'])}</td>"
+            f"<td class='id'>{h(e['release_id'])}</td><td>{h(e['mechanism'])}</td><td>{h(e['level'])}</td><td>{h(e['unit'])}</td>"
             f"<td>{h(e['counterparty'])}</td><td>{h(e['subject'])}</td><td class='num'>{h(_num(e['epsilon']))}</td>"
-            f"<td class='num'>{h(_num(e['delta']))}</td><td>{receipt_cell}</td><td>"
+            f"<td class='num'>{h(_num(e['delta']))}</td><td>{receipt_cell}</td><td class='history'>"
             + "".join(f"<div>{x}</div>" for x in history)
             + f"<details><summary>record (canonical JSON)</summary><pre>{h(e['record_json'])}</pre></details></td></tr>"
         )
