@@ -481,7 +481,7 @@ def test_chromium_renders_what_a_reader_must_see(site, tmp_path, tmp_path_factor
     tamper_epsilon(tampered)
     for name, db, receipts, rgb in (
         ("verified", site["db"], [good_receipts], (0x1B, 0x5E, 0x20)),
-        ("tampered", tampered, [], (0xB0, 0x00, 0x20)),
+        ("tampered", tampered, [good_receipts], (0xB0, 0x00, 0x20)),
     ):
         out = tmp_path / f"report-{name}"
         report = write_report(db, out, receipts=receipts, cert=site["cert"])
@@ -501,6 +501,7 @@ def test_chromium_renders_what_a_reader_must_see(site, tmp_path, tmp_path_factor
             assert text.count(STATUS_VERIFIED) >= 5
         else:
             assert "NOT VERIFIED" in text and "hash chain broken at entry 1" in text
+            assert f"{STATUS_VERIFIED} (against a ledger that does not verify)" in text
         shot = keep / f"ledger-report-{name}.png"
         render(exe, out / "index.html", tmp_path / f"profile-{name}", f"--screenshot={shot}", "--window-size=1280,2000")
         image = Image.open(shot).convert("RGB")
