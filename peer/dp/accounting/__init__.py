@@ -5,11 +5,15 @@ Modules: ``training_records`` (how a model was trained: GaussianStep, TrainingRe
 privacy profile), ``rs`` and ``lc`` (merges; LC is charged the composition of its models unless
 all declare state-independent gradients), ``targets`` (choose π / λ for a target ε: from a
 public prior, or by measured utility charged as the composition of the scored models),
-``release_accounting`` (interpret ReleaseRecords: ``rdp_of_record``, ``pld_of_record``; build
-the data-level ones), ``skellam`` (the Skellam mechanism of secure aggregation: RDP, Poisson
+``events`` (one immutable event class per mechanism kind, read out of a ReleaseRecord by
+``event_of``), ``accountant`` (``Accountant``: holds the orders and the PLD discretisation and
+interprets events), ``per_unit`` (model-level records restated per neuron),
+``release_accounting`` (build the data-level records; record-level entry points
+``rdp_of_record``, ``pld_of_record``), ``skellam`` (the Skellam mechanism of secure aggregation: RDP, Poisson
 subsampling, steps).
 """
 
+from peer.dp.accounting.accountant import Accountant, Support
 from peer.dp.accounting.conversions import (
     DEFAULT_ORDERS,
     Deltas,
@@ -19,6 +23,16 @@ from peer.dp.accounting.conversions import (
     gdp_mu,
     rdp_to_delta,
     rdp_to_epsilon,
+)
+from peer.dp.accounting.events import (
+    Composition,
+    DpSgdTraining,
+    GaussianRelease,
+    LaplaceRelease,
+    LinearCombinationMerge,
+    MultiBitRelease,
+    RandomSelectionMerge,
+    event_of,
 )
 from peer.dp.accounting.lc import (
     LCReport,
@@ -68,15 +82,24 @@ __all__ = [
     "ADJACENCIES",
     "DEFAULT_ORDERS",
     "OPTIMIZERS",
+    "Accountant",
     "ApproxDP",
+    "Composition",
     "Deltas",
+    "DpSgdTraining",
     "Epsilons",
+    "GaussianRelease",
     "GaussianStep",
     "LCReport",
     "LCSegments",
+    "LaplaceRelease",
+    "LinearCombinationMerge",
+    "MultiBitRelease",
     "Optimizer",
     "PrivacyProfile",
+    "RandomSelectionMerge",
     "Selection",
+    "Support",
     "TrainingRecord",
     "UnreachableTarget",
     "WeightChoice",
@@ -86,6 +109,7 @@ __all__ = [
     "choose_pi_by_utility",
     "composition_epsilon",
     "dpsgd_record",
+    "event_of",
     "gdp_delta",
     "gdp_epsilon",
     "gdp_mu",

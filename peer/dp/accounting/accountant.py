@@ -1,0 +1,371 @@
+"""One accountant: holds the Rényi orders and the PLD discretisation, and interprets events.
+
+``Accountant(orders=…, value_discretization_interval=…)`` reads a typed event
+(``peer.dp.accounting.events``) — or a ``ReleaseRecord``, read into its event first — and gives
+its RDP curve at the orders (:meth:`Accountant.rdp`), a dp-accounting PrivacyLossDistribution
+(pessimistic, :meth:`Accountant.pld`), (ε by PLD, ε by RDP) at a δ (:meth:`Accountant.epsilon`)
+and whether it can interpret it at all (:meth:`Accountant.supports`). Interpretation dispatches
+on the event's class through two registries (``_RDP``, ``_PLD``), one function per kind:
+
+- :class:`LaplaceRelease`: ε = Δ₁/b; RDP by Mironov 2017 Prop. 6 (``rdp.rdp_laplace``), PLD by
+  dp-accounting's ``from_laplace_mechanism``.
+- :class:`MultiBitRelease`: pure ε-DP; RDP and PLD of binary randomised response with that ε,
+  the dominating pair of every ε-DP mechanism.
+- :class:`GaussianRelease`: μ = Δ₂/σ; RDP order·μ²/2, PLD dp-accounting's Gaussian PLD.
+- :class:`Composition`: ``sequential`` — RDP summed, PLDs composed; ``parallel`` (components
+  touch disjoint units, so a neighbouring pair changes one component) — RDP: the elementwise
+  maximum over components (for each pair the divergence is that of the one component that
+  changed). PLD: a single PLD dominating every component is needed. We return the dominating
+  component's PLD when the components are ordered by one parameter (all Gaussian: largest μ;
+  all Laplace: largest ε; pure ε-DP kinds — multi-bit and Laplace — randomised response with
+  the largest ε), or when one component dominates every other one mechanism by mechanism
+  (``_dominates``: each is a sequential composition of Gaussian / Laplace / multi-bit releases,
+  and the other's can be matched one to one to its own of the same kind with a parameter at
+  least as large — a features release's layers, (Laplace ε_x then multi-bit ε_w) each, against
+  its output layer's multi-bit ε_w). Otherwise we fall back to the sequential composition of
+  the components, which dominates each of them (sound, conservative, and possibly above the RDP
+  figure, which takes the maximum exactly); :meth:`Accountant.pld_fallbacks` counts where that
+  happened so reports can say so.
+- :class:`DpSgdTraining`: the training record's profile under the event's adjacency
+  (``profiles.model_rdp`` / ``profiles.privacy_profile``).
+- :class:`RandomSelectionMerge` / :class:`LinearCombinationMerge`: the RS / LC accountants on
+  the listed models and weights. An LC merge is interpreted by its charged, proven bound
+  (``lc.lc_rdp`` / ``lc.lc_pld``): the composition of the models with λ_i > 0, or the per-step
+  surrogate only when every such model's training record declares state-independent
+  gradients. A merge whose weights were chosen by measured utility (``scored`` set) is
+  post-processing of releasing every scored model: it is interpreted as their composition (RDP
+  summed, PLDs composed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from peer.base.checks import check_delta
+from peer.base.errors import InvalidArgument
+from peer.base.records import ReleaseRecord
+from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, pld_epsilon, rdp_to_epsilon
+from peer.dp.accounting.events import (
+    Composition,
+    DpSgdTraining,
+    Event,
+    GaussianRelease,
+    LaplaceRelease,
+    LinearCombinationMerge,
+    MultiBitRelease,
+    RandomSelectionMerge,
+    event_of,
+)
+from peer.dp.accounting.lc import lc_pld, lc_rdp
+from peer.dp.accounting.profiles import DEFAULT_INTERVAL, model_rdp, privacy_profile, privacy_profiles
+from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether an accountant can interpret a release, and if not why (the field and the rule)."""
+
+    supported: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.supported
+
+
+_RDP: dict[type, Callable[[Accountant, Event], np.ndarray]] = {}
+_PLD: dict[type, Callable[[Accountant, Event], pldm.PLD]] = {}
+
+
+def _rdp_of(kind: type):
+    def register(fn):
+        _RDP[kind] = fn
+        return fn
+
+    return register
+
+
+def _pld_of(kind: type):
+    def register(fn):
+        _PLD[kind] = fn
+        return fn
+
+    return register
+
+
+class Accountant:
+    """RDP at fixed ``orders`` and PLDs at a fixed ``value_discretization_interval``."""
+
+    def __init__(
+        self,
+        orders: Sequence[float] = DEFAULT_ORDERS,
+        value_discretization_interval: float = DEFAULT_INTERVAL,
+    ):
+        self.orders = check_orders(orders)
+        self.value_discretization_interval = pldm.check_interval(value_discretization_interval)
+
+    def __repr__(self) -> str:
+        return (
+            f"Accountant(orders=<{len(self.orders)} orders {self.orders[0]:g}..{self.orders[-1]:g}>, "
+            f"value_discretization_interval={self.value_discretization_interval:g})"
+        )
+
+    def with_orders(self, orders: Sequence[float]) -> Accountant:
+        """The same discretisation at other orders (a ledger's filter fixes its own)."""
+        return Accountant(orders, self.value_discretization_interval)
+
+    @staticmethod
+    def event(release: ReleaseRecord | Event) -> Event:
+        """The typed event of ``release`` (a record is read by ``events.event_of``)."""
+        if isinstance(release, ReleaseRecord):
+            return event_of(release)
+        if type(release) not in _RDP:
+            raise InvalidArgument("record", f"must be a ReleaseRecord or an event, got {type(release).__name__}")
+        return release
+
+    def supports(self, release: ReleaseRecord | Event) -> Support:
+        """Whether :meth:`rdp` and :meth:`pld` can interpret ``release``; if not, why."""
+        try:
+            event = self.event(release)
+        except InvalidArgument as e:
+            return Support(False, f"{e.field}: {e.rule}")
+        missing = [type(e).__name__ for e in _walk(event) if type(e) not in _RDP or type(e) not in _PLD]
+        if missing:
+            return Support(False, f"no accountant for {sorted(set(missing))}")
+        return Support(True)
+
+    def rdp(self, release: ReleaseRecord | Event) -> np.ndarray:
+        """RDP ε at each of the accountant's orders (module docstring per kind)."""
+        event = self.event(release)
+        return _RDP[type(event)](self, event)
+
+    def pld(self, release: ReleaseRecord | Event) -> pldm.PLD:
+        """A dp-accounting PrivacyLossDistribution (pessimistic) of the release."""
+        event = self.event(release)
+        return _PLD[type(event)](self, event)
+
+    def epsilon(self, release: ReleaseRecord | Event, delta: float) -> tuple[float, float]:
+        """(ε by PLD, ε by RDP) at ``delta``."""
+        delta = check_delta(delta)
+        event = self.event(release)
+        return pld_epsilon(self.pld(event), delta), rdp_to_epsilon(self.orders, self.rdp(event), delta)
+
+    def pld_fallbacks(self, release: ReleaseRecord | Event) -> int:
+        """How many parallel compositions in the release get the conservative PLD of
+        :meth:`pld` (the sequential composition of their parts: no part dominates)."""
+        event = self.event(release)
+        if not isinstance(event, Composition):
+            return 0
+        inner = sum(self.pld_fallbacks(c) for c in event.events)
+        if event.how != "parallel" or _ordered_family(event.events) is not None:
+            return inner
+        dominant = _dominant(event.events)
+        return self.pld_fallbacks(dominant) if dominant is not None else inner + 1
+
+
+def _walk(event: Event):
+    yield event
+    if isinstance(event, Composition):
+        for c in event.events:
+            yield from _walk(c)
+
+
+# ---- one function per kind ---------------------------------------------------------------------
+
+
+@_rdp_of(LaplaceRelease)
+def _laplace_rdp(acc: Accountant, e: LaplaceRelease) -> np.ndarray:
+    return rdp_laplace(e.epsilon, acc.orders)
+
+
+@_pld_of(LaplaceRelease)
+def _laplace_pld(acc: Accountant, e: LaplaceRelease) -> pldm.PLD:
+    return pldm.laplace_pld(e.epsilon, acc.value_discretization_interval)
+
+
+@_rdp_of(MultiBitRelease)
+def _pure_rdp(acc: Accountant, e: MultiBitRelease) -> np.ndarray:
+    return rdp_pure(e.epsilon, acc.orders)
+
+
+@_pld_of(MultiBitRelease)
+def _pure_pld(acc: Accountant, e: MultiBitRelease) -> pldm.PLD:
+    return pldm.approx_dp_pld(e.epsilon, 0.0, acc.value_discretization_interval)
+
+
+@_rdp_of(GaussianRelease)
+def _gaussian_rdp(acc: Accountant, e: GaussianRelease) -> np.ndarray:
+    return rdp_gaussian(e.mu, acc.orders)
+
+
+@_pld_of(GaussianRelease)
+def _gaussian_pld(acc: Accountant, e: GaussianRelease) -> pldm.PLD:
+    return pldm.gaussian_pld(e.mu, acc.value_discretization_interval)
+
+
+@_rdp_of(Composition)
+def _composition_rdp(acc: Accountant, e: Composition) -> np.ndarray:
+    parts = np.array([acc.rdp(c) for c in e.events])
+    return parts.sum(axis=0) if e.how == "sequential" else parts.max(axis=0)
+
+
+@_pld_of(Composition)
+def _composition_pld(acc: Accountant, e: Composition) -> pldm.PLD:
+    interval = acc.value_discretization_interval
+    if e.how == "sequential":
+        return pldm.compose_plds([acc.pld(c) for c in e.events], interval)
+    family = _ordered_family(e.events)
+    if family is not None:
+        kind, parameter = family
+        if kind == "gaussian":
+            return pldm.gaussian_pld(parameter, interval)
+        if kind == "laplace":
+            return pldm.laplace_pld(parameter, interval)
+        # Laplace(ε) is ε-DP, hence dominated by randomised response with the same ε.
+        return pldm.approx_dp_pld(parameter, 0.0, interval)
+    dominant = _dominant(e.events)
+    if dominant is not None:
+        return acc.pld(dominant)
+    return pldm.compose_plds([acc.pld(c) for c in e.events], interval)
+
+
+@_rdp_of(DpSgdTraining)
+def _dpsgd_rdp(acc: Accountant, e: DpSgdTraining) -> np.ndarray:
+    return model_rdp(e.training, e.adjacency, orders=acc.orders)
+
+
+@_pld_of(DpSgdTraining)
+def _dpsgd_pld(acc: Accountant, e: DpSgdTraining) -> pldm.PLD:
+    return privacy_profile(e.training, e.adjacency, value_discretization_interval=acc.value_discretization_interval).pld
+
+
+def _models_rdp(acc: Accountant, models: Sequence, indices: Sequence[int], adjacency: str) -> list[np.ndarray]:
+    out = []
+    for i in indices:
+        try:
+            out.append(model_rdp(models[i], adjacency, orders=acc.orders))
+        except InvalidArgument as e:
+            raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
+    return out
+
+
+def _scored_pld(acc: Accountant, models: Sequence, scored: tuple[int, ...], adjacency: str) -> pldm.PLD:
+    interval = acc.value_discretization_interval
+    profiles = privacy_profiles([models[i] for i in scored], adjacency, value_discretization_interval=interval)
+    return pldm.compose_plds([p.pld for p in profiles], interval) if len(profiles) > 1 else profiles[0].pld
+
+
+@_rdp_of(RandomSelectionMerge)
+def _rs_rdp(acc: Accountant, e: RandomSelectionMerge) -> np.ndarray:
+    if e.scored is not None:
+        return np.sum(_models_rdp(acc, e.models, e.scored, e.adjacency), axis=0)
+    rdps = _models_rdp(acc, e.models, range(len(e.models)), e.adjacency)
+    return rdp_mixture(np.asarray(e.pi), rdps, acc.orders)
+
+
+@_pld_of(RandomSelectionMerge)
+def _rs_pld(acc: Accountant, e: RandomSelectionMerge) -> pldm.PLD:
+    if e.scored is not None:
+        return _scored_pld(acc, e.models, e.scored, e.adjacency)
+    profiles = privacy_profiles(
+        list(e.models), e.adjacency, value_discretization_interval=acc.value_discretization_interval
+    )
+    return pldm.mixture_pld([p.pld for p in profiles], np.asarray(e.pi))
+
+
+@_rdp_of(LinearCombinationMerge)
+def _lc_rdp(acc: Accountant, e: LinearCombinationMerge) -> np.ndarray:
+    if e.scored is not None:
+        return np.sum(_models_rdp(acc, e.models, e.scored, e.adjacency), axis=0)
+    return lc_rdp(list(e.models), np.asarray(e.lam), adjacency=e.adjacency, orders=acc.orders)
+
+
+@_pld_of(LinearCombinationMerge)
+def _lc_pld(acc: Accountant, e: LinearCombinationMerge) -> pldm.PLD:
+    if e.scored is not None:
+        return _scored_pld(acc, e.models, e.scored, e.adjacency)
+    return lc_pld(
+        list(e.models),
+        np.asarray(e.lam),
+        adjacency=e.adjacency,
+        value_discretization_interval=acc.value_discretization_interval,
+    )[0]
+
+
+# ---- parallel compositions: which part dominates -----------------------------------------------
+
+
+def _family(event: Event) -> tuple[str, float] | None:
+    """(family, parameter) when the event's PLD is one of a totally ordered family."""
+    if isinstance(event, GaussianRelease):
+        return "gaussian", event.mu
+    if isinstance(event, LaplaceRelease):
+        return "laplace", event.epsilon
+    if isinstance(event, MultiBitRelease):
+        return "pure", event.epsilon
+    return None
+
+
+def _ordered_family(events: Sequence[Event]) -> tuple[str, float] | None:
+    """(family, largest parameter) when every part is of one ordered family (Laplace and pure
+    ε-DP together count as pure ε-DP), else None."""
+    families = [_family(e) for e in events]
+    if not all(f is not None for f in families):
+        return None
+    kinds = {f[0] for f in families}
+    largest = max(f[1] for f in families)
+    if kinds in ({"gaussian"}, {"laplace"}):
+        return next(iter(kinds)), largest
+    if kinds <= {"laplace", "pure"}:
+        return "pure", largest
+    return None
+
+
+def _leaves(event: Event) -> dict[str, list[float]] | None:
+    """The releases an event composes sequentially, by ordered family ({"gaussian": [μ…],
+    "laplace": [ε…], "pure": [ε…]}), or None when it holds anything else."""
+    family = _family(event)
+    if family is not None:
+        return {family[0]: [family[1]]}
+    if not isinstance(event, Composition) or event.how != "sequential":
+        return None
+    out: dict[str, list[float]] = {}
+    for c in event.events:
+        sub = _leaves(c)
+        if sub is None:
+            return None
+        for kind, values in sub.items():
+            out.setdefault(kind, []).extend(values)
+    return out
+
+
+def _dominates(a: dict[str, list[float]], b: dict[str, list[float]]) -> bool:
+    """Whether the sequential composition ``a`` dominates ``b``: every release of ``b`` is matched
+    to its own release of ``a`` of the same family with a parameter at least as large (sorted
+    descending, elementwise — the test for such a matching). Sound because each family is
+    ordered (a larger μ or ε is a more informative mechanism of the same kind), composition
+    preserves that order (Dong, Roth & Su 2022, Lemma 3.3 on trade-off functions), and the
+    releases of ``a`` left unmatched only add to it."""
+    for kind, theirs in b.items():
+        ours = sorted(a.get(kind, ()), reverse=True)
+        theirs = sorted(theirs, reverse=True)
+        if len(theirs) > len(ours) or any(x < y for x, y in zip(ours, theirs, strict=False)):
+            return False
+    return True
+
+
+def _dominant(events: Sequence[Event]) -> Event | None:
+    """The part of a parallel composition that dominates every other (``_dominates``), or None."""
+    leaves = [_leaves(c) for c in events]
+    if any(x is None for x in leaves):
+        return None
+    for i, a in enumerate(leaves):
+        if all(_dominates(a, b) for b in leaves):
+            return events[i]
+    return None
+
+
+__all__ = ["Accountant", "Support"]

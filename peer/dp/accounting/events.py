@@ -1,0 +1,300 @@
+"""What a release did, as typed values: one immutable event class per mechanism kind.
+
+In the style of dp_accounting's ``DpEvent`` (``GaussianDpEvent``, ``LaplaceDpEvent``,
+``SelfComposedDpEvent``, …): an event holds the public parameters the accountant needs and
+nothing else; ``peer.dp.accounting.accountant.Accountant`` interprets it. The serialised
+envelope stays the ``ReleaseRecord`` (``peer.base.records``: string ``mechanism``, a parameter
+dict, unit, sensitivity, counterparty, time), so ledgers, pools and receipts keep their bytes;
+:func:`event_of` reads the typed event out of a record and refuses, naming the field, a record
+whose parameters are missing or malformed.
+
+Kinds (``ReleaseRecord.mechanism`` → event):
+
+- ``laplace`` → :class:`LaplaceRelease` (L1 ``sensitivity``, ``parameters.scale``): ε = Δ₁/b.
+- ``gaussian`` → :class:`GaussianRelease` (L2 ``sensitivity``, ``parameters.noise_std``):
+  μ = Δ₂/σ.
+- ``multibit`` → :class:`MultiBitRelease` (pure ε-DP, the record's ``epsilon``; δ must be 0).
+- ``composite`` → :class:`Composition` (``parameters.composition`` "sequential" or "parallel",
+  the components' events in order).
+- ``dpsgd`` → :class:`DpSgdTraining` (``parameters.training``, a TrainingRecord, under the
+  record's data-level unit).
+- ``rs-merge`` → :class:`RandomSelectionMerge` (``parameters.models``, ``parameters.pi``);
+  ``lc-merge`` → :class:`LinearCombinationMerge` (``parameters.models``, ``parameters.lam``).
+  ``scored`` is the models a utility selection read (``parameters.selection``), or None when
+  the weights are a function of public information (or the record predates the field).
+
+Data-level events carry the adjacency of the record's unit ("record:replace-one" →
+"replace-one", "record:add-remove" → "add-remove").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from peer.base.errors import InvalidArgument
+from peer.base.records import ReleaseRecord
+from peer.dp.accounting.rs import check_subset, check_weights
+from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
+
+#: A data-level record's unit → the adjacency of its event.
+DATA_UNITS = {"record:replace-one": "replace-one", "record:add-remove": "add-remove"}
+COMPOSITIONS = ("sequential", "parallel")
+
+
+@dataclass(frozen=True)
+class LaplaceRelease:
+    """The Laplace mechanism: noise of scale ``scale`` on a query of L1 ``sensitivity``."""
+
+    sensitivity: float
+    scale: float
+
+    @property
+    def epsilon(self) -> float:
+        return self.sensitivity / self.scale
+
+
+@dataclass(frozen=True)
+class GaussianRelease:
+    """The Gaussian mechanism: noise of standard deviation ``noise_std`` on a query of L2
+    ``sensitivity``; μ = sensitivity / noise_std (μ-GDP)."""
+
+    sensitivity: float
+    noise_std: float
+
+    @property
+    def mu(self) -> float:
+        return self.sensitivity / self.noise_std
+
+
+@dataclass(frozen=True)
+class MultiBitRelease:
+    """A pure ``epsilon``-DP release (the multi-bit mechanism of LPGNN): δ = 0."""
+
+    epsilon: float
+
+
+@dataclass(frozen=True)
+class Composition:
+    """Releases made together. ``how`` "sequential": on the same unit (they compose);
+    "parallel": on disjoint units (a neighbouring pair changes one of them)."""
+
+    how: str
+    events: tuple[Event, ...]
+
+
+@dataclass(frozen=True)
+class DpSgdTraining:
+    """One model trained by DP-SGD, released whole: its ``training`` record under ``adjacency``."""
+
+    training: TrainingRecord
+    adjacency: str
+
+
+@dataclass(frozen=True)
+class RandomSelectionMerge:
+    """RS: release model I ~ Cat(π) of ``models``. ``pi`` is a distribution over the models."""
+
+    models: tuple[TrainingRecord | ApproxDP, ...]
+    pi: tuple[float, ...]
+    adjacency: str
+    scored: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class LinearCombinationMerge:
+    """LC: release Σ λ_i θ_i of ``models``. ``lam`` holds convex weights."""
+
+    models: tuple[TrainingRecord | ApproxDP, ...]
+    lam: tuple[float, ...]
+    adjacency: str
+    scored: tuple[int, ...] | None = None
+
+
+Event = (
+    LaplaceRelease
+    | GaussianRelease
+    | MultiBitRelease
+    | Composition
+    | DpSgdTraining
+    | RandomSelectionMerge
+    | LinearCombinationMerge
+)
+EVENT_TYPES = (
+    LaplaceRelease,
+    GaussianRelease,
+    MultiBitRelease,
+    Composition,
+    DpSgdTraining,
+    RandomSelectionMerge,
+    LinearCombinationMerge,
+)
+
+
+# ---- reading an event out of a record ----------------------------------------------------------
+
+
+def _param(record: ReleaseRecord, name: str) -> Any:
+    if name not in record.parameters:
+        raise InvalidArgument(f"parameters.{name}", f"is required for a {record.mechanism!r} record")
+    return record.parameters[name]
+
+
+def _positive(value: Any, field_name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) < math.inf):
+        raise InvalidArgument(field_name, f"must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _sensitivity(record: ReleaseRecord, norm: str) -> float:
+    if record.sensitivity is None:
+        raise InvalidArgument("sensitivity", f"is required for a {record.mechanism!r} record")
+    if record.sensitivity_norm != norm:
+        raise InvalidArgument(
+            "sensitivity_norm", f"must be {norm!r} for a {record.mechanism!r} record, got {record.sensitivity_norm!r}"
+        )
+    return float(record.sensitivity)
+
+
+def _data_adjacency(record: ReleaseRecord) -> str:
+    if record.level != "data" or record.unit not in DATA_UNITS:
+        raise InvalidArgument(
+            "unit",
+            f"a {record.mechanism!r} record is data-level with unit in {sorted(DATA_UNITS)}, got level={record.level!r} unit={record.unit!r}",
+        )
+    return DATA_UNITS[record.unit]
+
+
+def _laplace(record: ReleaseRecord) -> LaplaceRelease:
+    return LaplaceRelease(_sensitivity(record, "l1"), _positive(_param(record, "scale"), "parameters.scale"))
+
+
+def _gaussian(record: ReleaseRecord) -> GaussianRelease:
+    return GaussianRelease(_sensitivity(record, "l2"), _positive(_param(record, "noise_std"), "parameters.noise_std"))
+
+
+def _multibit(record: ReleaseRecord) -> MultiBitRelease:
+    if record.delta != 0:
+        raise InvalidArgument("delta", f"a multibit release is pure epsilon-DP: delta must be 0, got {record.delta}")
+    return MultiBitRelease(float(record.epsilon))
+
+
+def _composite(record: ReleaseRecord) -> Composition:
+    how = _param(record, "composition")
+    if not record.components:
+        raise InvalidArgument("components", "a composite record needs at least one component")
+    if how not in COMPOSITIONS:
+        raise InvalidArgument("parameters.composition", f"must be 'sequential' or 'parallel', got {how!r}")
+    return Composition(how, tuple(event_of(c) for c in record.components))
+
+
+def _dpsgd(record: ReleaseRecord) -> DpSgdTraining:
+    adjacency = _data_adjacency(record)
+    training = TrainingRecord.from_dict(_param(record, "training"), "parameters.training")
+    if training.adjacency != adjacency:
+        raise InvalidArgument(
+            "parameters.training.adjacency",
+            f"the training says {training.adjacency!r} but the record's unit is {record.unit!r}",
+        )
+    return DpSgdTraining(training, adjacency)
+
+
+def _merge_models(record: ReleaseRecord, adjacency: str) -> tuple:
+    raw = _param(record, "models")
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
+        raise InvalidArgument("parameters.models", "must be a non-empty list")
+    models = []
+    for i, m in enumerate(raw):
+        where = f"parameters.models[{i}]"
+        if isinstance(m, Mapping) and "steps" in m:
+            models.append(TrainingRecord.from_dict(m, where))
+        elif isinstance(m, Mapping) and set(m) <= {"epsilon", "delta", "adjacency"} and {"epsilon", "delta"} <= set(m):
+            try:
+                models.append(ApproxDP(m["epsilon"], m["delta"], m.get("adjacency", adjacency)))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"{where}.{e.field}", e.rule) from None
+        else:
+            raise InvalidArgument(where, "must be a TrainingRecord dict or {'epsilon', 'delta'}")
+    return tuple(models)
+
+
+def selection_scored(selection: Mapping[str, Any] | None, weights: np.ndarray) -> tuple[int, ...] | None:
+    """The models a utility selection read (indices), or None when the weights were chosen from
+    public information (or the record predates the field); ``parameters.selection`` of a merge."""
+    from peer.dp.accounting.targets import SELECTIONS
+
+    if selection is None:
+        return None
+    if not isinstance(selection, Mapping) or selection.get("kind") not in SELECTIONS:
+        raise InvalidArgument("parameters.selection.kind", f"must be one of {SELECTIONS}")
+    if selection["kind"] != "utility":
+        if selection.get("scored"):
+            raise InvalidArgument("parameters.selection.scored", "a public-prior selection reads no measured utility")
+        return None
+    scored = check_subset(selection.get("scored"), len(weights), "parameters.selection.scored")
+    outside = sorted(set(int(i) for i in np.flatnonzero(weights > 0)) - set(scored))
+    if outside:
+        raise InvalidArgument(
+            "parameters.selection.scored",
+            f"must include every model the weights put mass on (models {outside} are weighted but were not scored)",
+        )
+    return scored
+
+
+def _merge(record: ReleaseRecord, name: str) -> tuple[tuple, tuple[float, ...], str, tuple[int, ...] | None]:
+    adjacency = _data_adjacency(record)
+    models = _merge_models(record, adjacency)
+    weights = check_weights(_param(record, name), len(models), f"parameters.{name}")
+    scored = selection_scored(record.parameters.get("selection"), weights)
+    return models, tuple(float(w) for w in weights), adjacency, scored
+
+
+def _rs(record: ReleaseRecord) -> RandomSelectionMerge:
+    return RandomSelectionMerge(*_merge(record, "pi"))
+
+
+def _lc(record: ReleaseRecord) -> LinearCombinationMerge:
+    return LinearCombinationMerge(*_merge(record, "lam"))
+
+
+#: How each record mechanism is read (one entry per kind; the accountant dispatches on the event's class).
+READERS = {
+    "laplace": _laplace,
+    "gaussian": _gaussian,
+    "multibit": _multibit,
+    "composite": _composite,
+    "dpsgd": _dpsgd,
+    "rs-merge": _rs,
+    "lc-merge": _lc,
+}
+
+
+def event_of(record: ReleaseRecord) -> Event:
+    """The typed event a record describes. Raises InvalidArgument naming the field for an
+    unknown mechanism or missing / malformed parameters."""
+    if not isinstance(record, ReleaseRecord):
+        raise InvalidArgument("record", f"must be a ReleaseRecord, got {type(record).__name__}")
+    reader = READERS.get(record.mechanism)
+    if reader is None:
+        raise InvalidArgument("mechanism", f"no accountant for mechanism {record.mechanism!r}")
+    return reader(record)
+
+
+__all__ = [
+    "DATA_UNITS",
+    "EVENT_TYPES",
+    "Composition",
+    "DpSgdTraining",
+    "Event",
+    "GaussianRelease",
+    "LaplaceRelease",
+    "LinearCombinationMerge",
+    "MultiBitRelease",
+    "RandomSelectionMerge",
+    "event_of",
+    "selection_scored",
+]
