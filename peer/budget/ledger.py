@@ -26,10 +26,11 @@ one committed state however many queries it makes while other processes charge.
 
 Charging
 --------
-``charge(record, counterparty)`` interprets the record (``peer.dp.accounting.rdp_of_record`` at the
-filter's orders), then in ONE ``BEGIN IMMEDIATE`` transaction — which serialises writers across
-threads and processes; waiting writers block up to ``busy_timeout_s`` — reads the budgets' sums,
-checks the filter (``peer.budget.filter``) and appends the charge, or raises ``BudgetExhausted`` and
+``charge(record, counterparty)`` interprets the record (``Ledger.accountant``, a
+``peer.dp.accounting.accountant.Accountant`` at the filter's orders), then in ONE ``BEGIN
+IMMEDIATE`` transaction — which serialises writers across threads and processes; waiting
+writers block up to ``busy_timeout_s`` — reads the budgets' sums, checks the filter
+(``peer.budget.filter``) and appends the charge, or raises ``BudgetExhausted`` and
 writes nothing. The caller charges *first* and sends *after*: a charge is never refunded, and if
 the process dies between the charge and the send the charge stands. Re-charging the same record
 (same ``release_id``, same bytes) returns the existing entry instead of charging twice, so a
@@ -75,7 +76,8 @@ The two budgets, kept apart
 - **Model level** (``level="model"``: LDP releases of a model's neurons): per model M, one
   filter over all counterparties (``total``) and one per counterparty; a release about M's
   neurons to C is charged to both. The unit is one neuron; a per-entry guarantee is not a
-  per-neuron one, so per-entry releases are restated per neuron (``per_neuron_record``):
+  per-neuron one, so per-entry releases are restated per neuron (``per_neuron_record``,
+  ``peer.dp.accounting.per_unit``):
   Laplace exactly — a neuron's activation row has P entries (``shape = [n, P]``) within
   ``clip = [lo, hi]``, so its L1 sensitivity is P·(hi − lo) and the per-neuron ε is
   P·(hi − lo)/scale = P × (per-entry ε); the Gaussian exactly, from the row's L2 clip;
@@ -99,13 +101,16 @@ pool share the pool's models, so that needs care:
 Model-level releases of a pool model also reveal data-level information about its training
 data; as the design keeps the two budgets apart, they are charged to model-level budgets only.
 
+Files: this module holds the storage (SQLite, transactions, anchor sync) and the ``Ledger``;
+the budgets' types are in ``peer.budget.budgets``, the schema and hash chains in
+``peer.budget.chain``, the filter in ``peer.budget.filter``.
+
 Logs carry record ids, mechanism names, levels, units, counterparty and model names and public
 ε/δ — never parameters or values.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -123,425 +128,32 @@ import numpy as np
 from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from peer.base.records import ReleaseRecord, now_rfc3339
 from peer.budget.anchor import Anchor, AnchorPoint, anchor_path
+from peer.budget.budgets import FIGURE_SCOPES, BudgetKey, BudgetState, LedgerEntry, pool_models
+from peer.budget.chain import (
+    BUDGET_COLS,
+    CHAIN_TABLES,
+    CHAIN_WORDS,
+    CHARGE_COLS,
+    EVENT_COLS,
+    EVENT_KINDS,
+    GENESIS,
+    MODEL_COLS,
+    SCHEMA_VERSION,
+    cancel_hash,
+    chain_hash,
+    dumps,
+    event_hash,
+    genesis,
+    jsonable,
+    schema_statements,
+    served_again_hash,
+)
 from peer.budget.filter import FilterBudget, validate_orders
 from peer.budget.policy import Policy
+from peer.dp.accounting.accountant import Accountant
+from peer.dp.accounting.per_unit import per_neuron_record
 
 log = logging.getLogger("peer.budget.ledger")
-
-#: Version 2: the hash chain covers every column of a charge, its charge_budgets and
-#: charge_models rows and the filter's orders (version 1 hashed only some columns, so a file
-#: could be edited undetectably); events carry a chain of their own. Older files are refused.
-SCHEMA_VERSION = "2"
-GENESIS = "0" * 64
-EVENT_KINDS = ("sent", "send-failed", "note")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS charges (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    release_id TEXT NOT NULL UNIQUE,
-    charged_at TEXT NOT NULL,
-    level TEXT NOT NULL,
-    unit TEXT NOT NULL,
-    record_unit TEXT NOT NULL,
-    counterparty TEXT NOT NULL,
-    subject TEXT NOT NULL,
-    mechanism TEXT NOT NULL,
-    epsilon REAL NOT NULL,
-    delta REAL NOT NULL,
-    rdp TEXT NOT NULL,
-    pure_epsilon REAL NOT NULL,
-    budgets TEXT NOT NULL,
-    record TEXT NOT NULL,
-    prev_hash TEXT NOT NULL,
-    hash TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS charges_counterparty ON charges (counterparty);
-CREATE INDEX IF NOT EXISTS charges_subject ON charges (subject);
-CREATE INDEX IF NOT EXISTS charges_level_unit ON charges (level, unit);
-CREATE INDEX IF NOT EXISTS charges_time ON charges (charged_at);
-CREATE TABLE IF NOT EXISTS charge_budgets (
-    seq INTEGER NOT NULL REFERENCES charges (seq),
-    budget TEXT NOT NULL,
-    level TEXT NOT NULL,
-    unit TEXT NOT NULL,
-    subject TEXT NOT NULL,
-    counterparty TEXT NOT NULL,
-    epsilon_limit REAL NOT NULL,
-    delta_limit REAL NOT NULL,
-    PRIMARY KEY (budget, seq)
-);
-CREATE TABLE IF NOT EXISTS charge_models (
-    seq INTEGER NOT NULL REFERENCES charges (seq),
-    model TEXT NOT NULL,
-    lc INTEGER NOT NULL,
-    PRIMARY KEY (model, seq)
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    release_id TEXT NOT NULL REFERENCES charges (release_id),
-    at TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    detail TEXT NOT NULL,
-    prev_hash TEXT NOT NULL,
-    hash TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS totals (
-    budget TEXT PRIMARY KEY,
-    level TEXT NOT NULL,
-    unit TEXT NOT NULL,
-    subject TEXT NOT NULL,
-    counterparty TEXT NOT NULL,
-    count INTEGER NOT NULL,
-    rdp TEXT NOT NULL,
-    pure_epsilon REAL NOT NULL,
-    last_seq INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS cancellations (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    seq INTEGER NOT NULL UNIQUE REFERENCES charges (seq),
-    release_id TEXT NOT NULL UNIQUE REFERENCES charges (release_id),
-    at TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    head_hash TEXT NOT NULL,
-    prev_hash TEXT NOT NULL,
-    hash TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS served_again (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    seq INTEGER NOT NULL REFERENCES charges (seq),
-    release_id TEXT NOT NULL REFERENCES charges (release_id),
-    counterparty TEXT NOT NULL,
-    at TEXT NOT NULL,
-    detail TEXT NOT NULL,
-    head_hash TEXT NOT NULL,
-    prev_hash TEXT NOT NULL,
-    hash TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS served_again_release ON served_again (release_id);
-"""
-_APPEND_ONLY = ("meta", "charges", "charge_budgets", "charge_models", "events", "cancellations", "served_again")
-
-
-def _schema_statements() -> list[str]:
-    out = [st.strip() for st in _SCHEMA.split(";") if st.strip()]
-    for t in _APPEND_ONLY:
-        for op in ("UPDATE", "DELETE"):
-            out.append(
-                f"CREATE TRIGGER IF NOT EXISTS {t}_no_{op.lower()} BEFORE {op} ON {t} "
-                f"BEGIN SELECT RAISE(ABORT, 'the ledger is append-only: {op} on {t} refused'); END"
-            )
-    return out
-
-
-# ---- interpreting records (pure) --------------------------------------------------------------
-
-
-def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
-    """The model-level record in the per-neuron unit (see the module docstring).
-
-    Per-neuron records pass unchanged. Per-entry records (``peer.ldp.mechanisms``, ``unit="entry"``)
-    are restated for the neuron, whose row has P = ``shape[1]`` entries:
-    - Laplace: exactly, by L1 group privacy: sensitivity P·(hi − lo), ε = P·(hi − lo)/scale.
-    - Gaussian (the PFA unit): exactly, since the same noise covers the whole row: a replaced row
-      of the clip set moves by at most min(2·clip_norm, 2·entry_bound·√P) in L2 (what
-      ``gaussian_sensitivity`` gives per neuron); ε restated at the record's δ (analytic).
-    - multi-bit: P independent ε-DP coordinates: a sequential composite of P copies (per-neuron
-      pure ε = P·ε by basic composition; the accountant sums their RDP).
-    Composites are converted component-wise. Everything released about one neuron composes
-    sequentially; parallel composition holds only across different neurons. So a ``"parallel"``
-    composite stays parallel only when its ``parameters["parallel_over"]`` is ``"neurons"``
-    (components touch disjoint neurons, e.g. different layers); one parallel over
-    ``"entries"`` (other entries of the same neurons: a layer's activations and weights) — or a
-    per-entry one that does not say — becomes ``"sequential"``, the sound reading. The summary
-    ε/δ is recomputed by basic composition (sum for sequential, max for parallel); the
-    accountant reads the composition, so its RDP follows the same structure. Any other per-entry
-    release raises FailedPrecondition.
-    """
-    if record.level != "model":
-        return record
-    if record.mechanism == "composite":
-        how = record.parameters.get("composition")
-        if how not in ("sequential", "parallel"):
-            raise InvalidArgument("parameters.composition", f"must be 'sequential' or 'parallel', got {how!r}")
-        how_per_neuron = _composition_per_neuron(record, how)
-        components = tuple(per_neuron_record(c) for c in record.components)
-        if components == record.components and record.unit == "neuron" and how_per_neuron == how:
-            return record
-        if how_per_neuron == "sequential":
-            eps, delta = sum(c.epsilon for c in components), min(1.0, sum(c.delta for c in components))
-        else:
-            eps, delta = (
-                max((c.epsilon for c in components), default=0.0),
-                max((c.delta for c in components), default=0.0),
-            )
-        if delta >= 1:
-            raise InvalidArgument("delta", "the composed per-neuron δ reaches 1: the release has no guarantee")
-        parameters = record.parameters
-        if how_per_neuron != how:
-            parameters = {k: v for k, v in record.parameters.items() if k != "parallel_over"}
-            parameters.update(
-                composition="sequential",
-                restated="per entry parallel over other entries of the same neurons: sequential per neuron",
-            )
-        return record.with_(unit="neuron", components=components, epsilon=eps, delta=delta, parameters=parameters)
-    if record.unit == "neuron":
-        return record
-    if record.unit != "entry":
-        raise InvalidArgument("unit", f"a model-level release must be per 'neuron' or per 'entry', got {record.unit!r}")
-    convert = _ENTRY_TO_NEURON.get(record.mechanism)
-    if convert is None:
-        raise FailedPrecondition(
-            f"release {record.release_id}: a per-entry {record.mechanism!r} release has no sound per-neuron "
-            "conversion in the ledger; release it per neuron instead"
-        )
-    return convert(record)
-
-
-def _composition_per_neuron(record: ReleaseRecord, how: str) -> str:
-    """How the components of a model-level composite compose per neuron.
-
-    Sequential stays sequential. Parallel needs ``parameters["parallel_over"]``: ``"neurons"``
-    stays parallel; ``"entries"`` is parallel per entry only (same neurons) and so sequential
-    per neuron. A per-neuron record's parallel components are necessarily other neurons; a
-    per-entry record that does not say is read as the same neurons (sequential: never less).
-    """
-    if how == "sequential":
-        return how
-    over = record.parameters.get("parallel_over")
-    if over not in (None, "neurons", "entries"):
-        raise InvalidArgument("parameters.parallel_over", f"must be 'neurons' or 'entries', got {over!r}")
-    if record.unit == "neuron":
-        if over == "entries":
-            raise InvalidArgument(
-                "parameters.parallel_over",
-                "a per-neuron composite cannot be parallel over entries "
-                "of the same neurons: everything released about one neuron composes sequentially",
-            )
-        return "parallel"
-    return "parallel" if over == "neurons" else "sequential"
-
-
-def _row_length(record: ReleaseRecord) -> int:
-    try:
-        n, row = (int(v) for v in record.parameters["shape"])
-    except (KeyError, TypeError, ValueError):
-        raise InvalidArgument(
-            "parameters.shape", f"a per-entry {record.mechanism} record needs its shape [n, P]"
-        ) from None
-    if n < 1 or row < 1:
-        raise InvalidArgument("parameters.shape", f"must be positive, got {[n, row]}")
-    return row
-
-
-def _check_entry_sensitivity(record: ReleaseRecord, expected: float, rule: str) -> None:
-    if record.sensitivity is None or not math.isclose(record.sensitivity, expected, rel_tol=1e-9):
-        raise InvalidArgument(
-            "sensitivity",
-            f"a per-entry {record.mechanism} record's sensitivity must be {rule} = {expected:g}, got {record.sensitivity!r}",
-        )
-
-
-def _laplace_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
-    p = record.parameters
-    try:
-        scale = float(p["scale"])
-        lo, hi = (float(v) for v in p["clip"])
-    except (KeyError, TypeError, ValueError):
-        raise InvalidArgument("parameters", "a Laplace record needs 'scale' and 'clip' [lo, hi]") from None
-    if not (scale > 0 and math.isfinite(scale)) or not hi > lo:
-        raise InvalidArgument(
-            "parameters", f"Laplace needs scale > 0 and clip hi > lo, got scale={scale}, clip={[lo, hi]}"
-        )
-    row = _row_length(record)
-    _check_entry_sensitivity(record, hi - lo, "hi − lo")
-    sensitivity = row * (hi - lo)
-    return record.with_(unit="neuron", sensitivity=sensitivity, epsilon=sensitivity / scale)
-
-
-def _gaussian_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
-    from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
-
-    p = record.parameters
-    try:
-        noise_std, clip_norm = float(p["noise_std"]), float(p["clip_norm"])
-        bound = p.get("entry_bound")
-        bound = None if bound is None else float(bound)
-    except (KeyError, TypeError, ValueError):
-        raise InvalidArgument(
-            "parameters", "a Gaussian record needs 'noise_std', 'clip_norm' (and 'entry_bound' or null)"
-        ) from None
-    if not (noise_std > 0 and clip_norm > 0 and (bound is None or bound > 0)):
-        raise InvalidArgument("parameters", "Gaussian noise_std, clip_norm and entry_bound must be > 0")
-    row = _row_length(record)
-    entry = 2 * clip_norm if bound is None else 2 * min(bound, clip_norm)
-    _check_entry_sensitivity(record, entry, "2·min(entry_bound, clip_norm)")
-    sensitivity = min(2 * clip_norm, math.inf if bound is None else 2 * bound * math.sqrt(row))
-    epsilon = get_epsilon_gaussian(noise_std / sensitivity, record.delta) if record.delta > 0 else math.inf
-    return record.with_(
-        unit="neuron",
-        sensitivity=sensitivity,
-        epsilon=epsilon,
-        parameters={**record.parameters, "adjacency": "replace-one"},
-    )
-
-
-def _multibit_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
-    row = _row_length(record)
-    coordinate = record.with_(unit="neuron")
-    return record.with_(
-        mechanism="composite",
-        unit="neuron",
-        epsilon=row * record.epsilon,
-        sensitivity=None,
-        sensitivity_norm="none",
-        parameters={"composition": "sequential"},
-        components=(coordinate,) * row,
-    )
-
-
-_ENTRY_TO_NEURON = {"laplace": _laplace_per_neuron, "gaussian": _gaussian_per_neuron, "multibit": _multibit_per_neuron}
-
-
-def pool_models(record: ReleaseRecord) -> tuple[frozenset[str], bool]:
-    """(pool models a data-level release draws on, whether it is an LC merge)."""
-    if record.level != "data":
-        return frozenset(), False
-    if record.mechanism == "dpsgd":
-        if not record.subject:
-            raise InvalidArgument("subject", "a dpsgd release must name its model")
-        return frozenset([record.subject]), False
-    if record.mechanism in ("rs-merge", "lc-merge"):
-        names = record.parameters.get("names")
-        if not isinstance(names, tuple) or not names or not all(isinstance(n, str) and n for n in names):
-            raise InvalidArgument("parameters.names", f"a {record.mechanism} record must name the models it merges")
-        return frozenset(names), record.mechanism == "lc-merge"
-    return frozenset(), False
-
-
-@dataclass(frozen=True)
-class BudgetKey:
-    """One filter: ``level`` "data" (subject and counterparty empty) or "model" (subject = the
-    model; counterparty empty for the model's total, else that counterparty's budget)."""
-
-    level: str
-    unit: str
-    subject: str = ""
-    counterparty: str = ""
-
-    @property
-    def name(self) -> str:
-        if self.level == "data":
-            return f"data/{self.unit}"
-        if not self.counterparty:
-            return f"model/{self.subject}/total"
-        return f"model/{self.subject}/peer/{self.counterparty}"
-
-    @property
-    def scope(self) -> str:
-        if self.level == "data":
-            return f"data level, per {self.unit}"
-        who = "all counterparties" if not self.counterparty else f"counterparty {self.counterparty}"
-        return f"model {self.subject}, per neuron, {who}"
-
-
-@dataclass(frozen=True)
-class LedgerEntry:
-    """One charged release as the ledger stored it."""
-
-    entry_id: int
-    release_id: str
-    charged_at: str
-    level: str
-    unit: str
-    counterparty: str
-    subject: str
-    mechanism: str
-    epsilon: float
-    delta: float
-    rdp: tuple[float, ...]
-    budgets: tuple[str, ...]
-    record: ReleaseRecord
-    hash: str
-
-    def receipt(self) -> dict:
-        """What travels with the bytes: the entry id, the chain hash and what was charged."""
-        return {
-            "entry_id": self.entry_id,
-            "release_id": self.release_id,
-            "charged_at": self.charged_at,
-            "budgets": list(self.budgets),
-            "unit": self.unit,
-            "epsilon": self.epsilon,
-            "delta": self.delta,
-            "ledger_hash": self.hash,
-            "record_sha256": hashlib.sha256(self.record.canonical_json()).hexdigest(),
-        }
-
-    def to_dict(self) -> dict:
-        out = self.receipt()
-        out.update(
-            level=self.level,
-            counterparty=self.counterparty,
-            subject=self.subject,
-            mechanism=self.mechanism,
-            record_unit=self.record.unit,
-        )
-        return out
-
-
-@dataclass(frozen=True)
-class BudgetState:
-    """Where one budget stands. ``spent_epsilon`` is the filter's figure (the smallest budget at
-    ``delta_limit`` that admits every charge so far; its order, ``inf`` for the pure track);
-    ``pld_epsilon`` the PLD composition of the charged releases at ``delta_limit`` — a tight
-    description, valid as a guarantee only for that fixed, non-adaptive sequence."""
-
-    key: BudgetKey
-    epsilon_limit: float
-    delta_limit: float
-    count: int
-    spent_epsilon: float
-    spent_order: float
-    pld_epsilon: float | None = None
-    pld_note: str = ""
-
-    @property
-    def remaining_epsilon(self) -> float:
-        return max(0.0, self.epsilon_limit - self.spent_epsilon)
-
-    def to_dict(self) -> dict:
-        return {
-            "budget": self.key.name,
-            "scope": self.key.scope,
-            "level": self.key.level,
-            "unit": self.key.unit,
-            "model": self.key.subject or None,
-            "counterparty": self.key.counterparty or None,
-            "epsilon_limit": self.epsilon_limit,
-            "delta_limit": self.delta_limit,
-            "count": self.count,
-            "spent_epsilon_filter": self.spent_epsilon,
-            "spent_order": None if math.isinf(self.spent_order) else self.spent_order,
-            "spent_track": "pure" if math.isinf(self.spent_order) else "rdp",
-            "remaining_epsilon_filter": self.remaining_epsilon,
-            "spent_epsilon_pld": self.pld_epsilon,
-            "pld_note": self.pld_note,
-        }
-
-
-#: What each ε of :meth:`Ledger.summary` (``ledger show``) covers, and by which accountant.
-FIGURE_SCOPES = {
-    "entries.epsilon": "that release alone, as its record states it (in the budget's unit: per-entry "
-    "releases restated per neuron), at the entry's own δ",
-    "budgets.spent_epsilon_filter": "the budget's total — every charge made to it (a model's total: all "
-    "counterparties together) — by the RDP filter at the budget's δ: the adaptive guarantee",
-    "budgets.spent_epsilon_pld": "the same charges, by PLD composition at the budget's δ: tight for that fixed "
-    "sequence, not an adaptive guarantee (see pld_note where it exceeds the filter's)",
-    "budgets.remaining_epsilon_filter": "limit − spent_epsilon_filter: a guide, not a price. A request is "
-    "admitted when the filter, composing its RDP with what is spent order by order, stays within the limit; "
-    "RDP composes sublinearly, so a request above the remainder can fit, and one just below it can be refused",
-}
 
 
 @dataclass(frozen=True)
@@ -555,135 +167,15 @@ class _Interpreted:
     lc: bool
 
 
-def _jsonable(value: Any) -> Any:
-    """Non-finite floats (an unknown limit, an infinite ε) become None for strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _dumps(value: Any) -> str:
-    # repr-exact floats; ±inf as Infinity (read back by json.loads).
-    return json.dumps(value, separators=(",", ":"))
-
-
-def _served_again_hash(
-    prev: str, seq: int, release_id: str, charge_hash: str, counterparty: str, head_hash: str, at: str, detail: str
-) -> str:
-    h = hashlib.sha256(b"served-again\n")
-    for part in (prev, str(seq), release_id, charge_hash, counterparty, head_hash, at, detail):
-        h.update(part.encode())
-        h.update(b"\n")
-    return h.hexdigest()
-
-
-def _cancel_hash(prev: str, seq: int, release_id: str, charge_hash: str, head_hash: str, at: str, reason: str) -> str:
-    h = hashlib.sha256(b"cancel\n")
-    for part in (prev, str(seq), release_id, charge_hash, head_hash, at, reason):
-        h.update(part.encode())
-        h.update(b"\n")
-    return h.hexdigest()
-
-
-# The columns the hash chain covers, in hashing order, with the Python type of their SQLite
-# storage class: every value is normalised to it before hashing (SQLite reads an integer ε back
-# as 1.0 and −0.0 as 0.0), so the hash computed at insert equals the one recomputed from the file.
-_CHARGE_COLS = (
-    ("seq", int),
-    ("release_id", str),
-    ("charged_at", str),
-    ("level", str),
-    ("unit", str),
-    ("record_unit", str),
-    ("counterparty", str),
-    ("subject", str),
-    ("mechanism", str),
-    ("epsilon", float),
-    ("delta", float),
-    ("rdp", str),
-    ("pure_epsilon", float),
-    ("budgets", str),
-    ("record", str),
-)
-_BUDGET_COLS = (
-    ("budget", str),
-    ("level", str),
-    ("unit", str),
-    ("subject", str),
-    ("counterparty", str),
-    ("epsilon_limit", float),
-    ("delta_limit", float),
-)
-_MODEL_COLS = (("model", str), ("lc", int))
-_EVENT_COLS = (("id", int), ("release_id", str), ("at", str), ("kind", str), ("detail", str))
-
-
-def _normalised(cols: tuple[tuple[str, type], ...], values: tuple) -> list:
-    if len(values) != len(cols):
-        raise ValueError(f"expected {len(cols)} values, got {len(values)}")
-    out = []
-    for (_, kind), v in zip(cols, values, strict=True):
-        if kind is float:
-            v = float(v) + 0.0  # −0.0 → 0.0, as SQLite stores it
-        out.append(kind(v))
-    return out
-
-
-def _sha256_json(value: Any) -> str:
-    # repr-exact floats, ±inf as Infinity: the same bytes for the same values on every platform
-    return hashlib.sha256(json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode()).hexdigest()
-
-
-def _genesis(orders: tuple[float, ...]) -> str:
-    """The prev_hash of the first charge: binds the chain to the filter's orders (in ``meta``),
-    which decide how every stored RDP vector is read."""
-    return _sha256_json(["privfusion-ledger-genesis", SCHEMA_VERSION, [float(o) for o in orders]])
-
-
-def _chain_hash(prev: str, charge: tuple, budgets: list[tuple], models: list[tuple]) -> str:
-    """SHA-256 over the previous hash, every column of the charge row (``_CHARGE_COLS``) and its
-    charge_budgets and charge_models rows (sorted): every stored value that decides a budget."""
-    return _sha256_json(
-        [
-            "privfusion-ledger-charge",
-            prev,
-            _normalised(_CHARGE_COLS, charge),
-            sorted(_normalised(_BUDGET_COLS, b) for b in budgets),
-            sorted(_normalised(_MODEL_COLS, m) for m in models),
-        ]
-    )
-
-
-def _event_hash(prev: str, event: tuple) -> str:
-    """The delivery events' own chain (they decide no budget, but say what left and when)."""
-    return _sha256_json(["privfusion-ledger-event", prev, _normalised(_EVENT_COLS, event)])
-
-
-# The chains the anchor covers: their table and row-id column, and how errors name a row.
-_CHAIN_TABLES = {
-    "charges": ("charges", "seq"),
-    **{c: (c, "id") for c in ("cancellations", "served_again", "events")},
-}
-_CHAIN_WORDS = {
-    "charges": "charge",
-    "cancellations": "cancellation",
-    "served_again": "served-again row",
-    "events": "event",
-}
-
-
 class Ledger:
     """A site's privacy-budget ledger in one SQLite file.
 
     ``Ledger(path, policy)`` creates or opens the file; the policy supplies the budgets and the
     filter's orders (fixed for the file's lifetime). ``Ledger(path)`` without a policy opens an
-    existing file for reading (``charge`` is refused). ``accountant`` is anything with
-    ``rdp_of_record(record, orders)`` and ``pld_of_record(record)``; the default is
-    ``peer.dp.accounting``. Safe to share between threads (one SQLite connection per thread) and
+    existing file for reading (``charge`` is refused). ``accountant`` is the
+    ``peer.dp.accounting.accountant.Accountant`` whose PLD discretisation the ledger's PLD
+    figures use (default: the project's); the ledger interprets every record at its filter's
+    orders (``self.accountant`` = ``accountant.with_orders(self.orders)``). Safe to share between threads (one SQLite connection per thread) and
     to open from several processes at once.
     """
 
@@ -692,13 +184,14 @@ class Ledger:
         path: str | os.PathLike,
         policy: Policy | None = None,
         *,
-        accountant: Any = None,
+        accountant: Accountant | None = None,
         busy_timeout_s: float = 30.0,
         verify: bool = True,
     ):
         self.path = Path(path)
         self.policy = policy
-        self._accountant = accountant
+        if accountant is not None and not isinstance(accountant, Accountant):
+            raise InvalidArgument("accountant", f"must be an Accountant, got {type(accountant).__name__}")
         self._busy_timeout_s = float(busy_timeout_s)
         self._pid = os.getpid()
         self._local = threading.local()
@@ -715,6 +208,7 @@ class Ledger:
                 f"ledger {self.path} was created with filter orders {list(self.orders)}; the policy asks for "
                 f"{list(policy.orders)}. A filter's orders are fixed for its lifetime."
             )
+        self.accountant = (accountant or Accountant()).with_orders(self.orders)
         self.anchor = Anchor(anchor_path(self.path))
         if verify:
             self.verify()
@@ -793,11 +287,11 @@ class Ledger:
 
     def _create(self, con: sqlite3.Connection, orders: tuple[float, ...]) -> None:
         with self._write() as c:
-            for statement in _schema_statements():
+            for statement in schema_statements():
                 c.execute(statement)
             for key, value in (
                 ("schema_version", SCHEMA_VERSION),
-                ("orders", _dumps(list(orders))),
+                ("orders", dumps(list(orders))),
                 ("created_at", now_rfc3339()),
             ):
                 c.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
@@ -821,13 +315,6 @@ class Ledger:
         return validate_orders(json.loads(rows["orders"]))
 
     # ---- interpretation -------------------------------------------------------------------------
-
-    def _acct(self) -> Any:
-        if self._accountant is None:
-            import peer.dp.accounting as accounting
-
-            self._accountant = accounting
-        return self._accountant
 
     def _budgets_for(self, charged: ReleaseRecord, counterparty: str) -> tuple[tuple[BudgetKey, FilterBudget], ...]:
         policy = self.policy
@@ -905,7 +392,7 @@ class Ledger:
             charged, counterparty, also_counterparties
         )
         try:
-            rdp = np.asarray(self._acct().rdp_of_record(charged, self.orders), dtype=float).reshape(-1)
+            rdp = np.asarray(self.accountant.rdp(charged), dtype=float).reshape(-1)
         except (TypeError, ValueError) as e:
             if isinstance(e, InvalidArgument):
                 raise
@@ -989,7 +476,7 @@ class Ledger:
             # BEGIN IMMEDIATE holds the write lock, so the next seq is ours; the hash that chains
             # this charge to the previous one covers all of it, so the rows are complete when inserted.
             prev = con.execute("SELECT seq, hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()
-            seq, prev_hash = (prev[0] + 1, prev[1]) if prev else (1, _genesis(self.orders))
+            seq, prev_hash = (prev[0] + 1, prev[1]) if prev else (1, genesis(self.orders))
             charge_row = (
                 seq,
                 record.release_id,
@@ -1002,9 +489,9 @@ class Ledger:
                 record.mechanism,
                 it.charged.epsilon,
                 it.charged.delta,
-                _dumps(it.rdp.tolist()),
+                dumps(it.rdp.tolist()),
                 it.pure_epsilon,
-                _dumps([k.name for k, _ in it.budgets]),
+                dumps([k.name for k, _ in it.budgets]),
                 record_json,
             )
             budget_rows = [
@@ -1012,10 +499,10 @@ class Ledger:
                 for key, budget, *_ in updates
             ]
             model_rows = [(model, int(it.lc)) for model in sorted(it.models)]
-            h = _chain_hash(prev_hash, charge_row, budget_rows, model_rows)
+            h = chain_hash(prev_hash, charge_row, budget_rows, model_rows)
             con.execute(
-                f"INSERT INTO charges ({', '.join(c for c, _ in _CHARGE_COLS)}, prev_hash, hash)"
-                f" VALUES ({', '.join('?' * (len(_CHARGE_COLS) + 2))})",
+                f"INSERT INTO charges ({', '.join(c for c, _ in CHARGE_COLS)}, prev_hash, hash)"
+                f" VALUES ({', '.join('?' * (len(CHARGE_COLS) + 2))})",
                 (*charge_row, prev_hash, h),
             )
             for (key, _budget, count, rdp1, pure1), row in zip(updates, budget_rows, strict=True):
@@ -1031,7 +518,7 @@ class Ledger:
                         key.subject,
                         key.counterparty,
                         count,
-                        _dumps(rdp1.tolist()),
+                        dumps(rdp1.tolist()),
                         pure1,
                         seq,
                     ),
@@ -1176,7 +663,7 @@ class Ledger:
             last = con.execute("SELECT id, hash FROM events ORDER BY id DESC LIMIT 1").fetchone()
             event = ((last[0] if last else 0) + 1, release_id, now_rfc3339(), kind, str(detail))
             prev_hash = last[1] if last else GENESIS
-            h = _event_hash(prev_hash, event)
+            h = event_hash(prev_hash, event)
             con.execute(
                 "INSERT INTO events (id, release_id, at, kind, detail, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (*event, prev_hash, h),
@@ -1225,7 +712,7 @@ class Ledger:
             last = con.execute("SELECT hash FROM cancellations ORDER BY id DESC LIMIT 1").fetchone()
             prev = last[0] if last else GENESIS
             at = now_rfc3339()
-            h = _cancel_hash(prev, seq, release_id, charge_hash, head, at, reason)
+            h = cancel_hash(prev, seq, release_id, charge_hash, head, at, reason)
             cur = con.execute(
                 "INSERT INTO cancellations (seq, release_id, at, reason, head_hash, prev_hash, hash)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -1305,7 +792,7 @@ class Ledger:
             prev = last[1] if last else GENESIS
             at = now_rfc3339()
             detail = str(detail)
-            h = _served_again_hash(prev, seq, release_id, charge_hash, counterparty, head, at, detail)
+            h = served_again_hash(prev, seq, release_id, charge_hash, counterparty, head, at, detail)
             cur = con.execute(
                 "INSERT INTO served_again (seq, release_id, counterparty, at, detail, head_hash, prev_hash, hash)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -1364,7 +851,7 @@ class Ledger:
         ):
             if charge_hash is None or charge_release != release_id:
                 problems.append(f"served-again row {sid} names no such charge")
-            elif prev_hash != prev or h != _served_again_hash(
+            elif prev_hash != prev or h != served_again_hash(
                 prev_hash, seq, release_id, charge_hash, cp, head, at, detail
             ):
                 problems.append(f"served-again hash chain broken at row {sid}")
@@ -1404,7 +891,7 @@ class Ledger:
             pure = pure + p
         con.execute(
             "UPDATE totals SET count = ?, rdp = ?, pure_epsilon = ?, last_seq = ? WHERE budget = ?",
-            (len(rows), _dumps(rdp.tolist()), pure, rows[-1][0], budget),
+            (len(rows), dumps(rdp.tolist()), pure, rows[-1][0], budget),
         )
 
     def _verify_cancellations(self, con: sqlite3.Connection, problems: list[str]) -> set[int]:
@@ -1419,7 +906,7 @@ class Ledger:
         ):
             if charge_hash is None or charge_release != release_id:
                 problems.append(f"cancellation of entry {seq} names no such charge")
-            elif prev_hash != prev or h != _cancel_hash(prev_hash, seq, release_id, charge_hash, head, at, reason):
+            elif prev_hash != prev or h != cancel_hash(prev_hash, seq, release_id, charge_hash, head, at, reason):
                 problems.append(f"cancellation hash chain broken at entry {seq}")
                 break
             prev = h
@@ -1576,12 +1063,11 @@ class Ledger:
             return 0.0, note
         try:
             composed, fallbacks = None, 0
-            count_fallbacks = getattr(self._acct(), "pld_fallbacks", None)
             for r in records:
                 charged = per_neuron_record(r)
-                p = self._acct().pld_of_record(charged)
+                p = self.accountant.pld(charged)
                 composed = p if composed is None else composed.compose(p)
-                fallbacks += count_fallbacks(charged) if count_fallbacks is not None else 0
+                fallbacks += self.accountant.pld_fallbacks(charged)
             if fallbacks:
                 note += (
                     f"; {fallbacks} parallel release part(s) have no part that dominates the others, so their PLD "
@@ -1602,7 +1088,7 @@ class Ledger:
     def summary(self, *, counterparty: str | None = None, pld: bool = True) -> dict:
         """Everything ``privfusion ledger show`` prints, as JSON-ready data."""
         with self._read():  # entries and budgets from one snapshot
-            return _jsonable(
+            return jsonable(
                 {
                     "ledger": str(self.path),
                     "orders": list(self.orders),
@@ -1623,15 +1109,15 @@ class Ledger:
     def _stored_hash(self, con: sqlite3.Connection, seq: int, prev_hash: str) -> str:
         """The chain hash of charge ``seq`` recomputed from what the file holds."""
         charge = con.execute(
-            f"SELECT {', '.join(c for c, _ in _CHARGE_COLS)} FROM charges WHERE seq = ?", (seq,)
+            f"SELECT {', '.join(c for c, _ in CHARGE_COLS)} FROM charges WHERE seq = ?", (seq,)
         ).fetchone()
         budgets = con.execute(
-            f"SELECT {', '.join(c for c, _ in _BUDGET_COLS)} FROM charge_budgets WHERE seq = ?", (seq,)
+            f"SELECT {', '.join(c for c, _ in BUDGET_COLS)} FROM charge_budgets WHERE seq = ?", (seq,)
         ).fetchall()
         models = con.execute(
-            f"SELECT {', '.join(c for c, _ in _MODEL_COLS)} FROM charge_models WHERE seq = ?", (seq,)
+            f"SELECT {', '.join(c for c, _ in MODEL_COLS)} FROM charge_models WHERE seq = ?", (seq,)
         ).fetchall()
-        return _chain_hash(prev_hash, charge, budgets, models)
+        return chain_hash(prev_hash, charge, budgets, models)
 
     def verify(self) -> None:
         """Raise FailedPrecondition unless, in one read snapshot:
@@ -1666,13 +1152,13 @@ class Ledger:
             cancelled = self._verify_cancellations(con, problems)
             self._verify_served_again(con, cancelled, problems)
             budget_rows: dict[int, list[tuple]] = {}
-            for seq, *row in con.execute(f"SELECT seq, {', '.join(c for c, _ in _BUDGET_COLS)} FROM charge_budgets"):
+            for seq, *row in con.execute(f"SELECT seq, {', '.join(c for c, _ in BUDGET_COLS)} FROM charge_budgets"):
                 budget_rows.setdefault(seq, []).append(tuple(row))
             model_rows: dict[int, list[tuple]] = {}
-            for seq, *row in con.execute(f"SELECT seq, {', '.join(c for c, _ in _MODEL_COLS)} FROM charge_models"):
+            for seq, *row in con.execute(f"SELECT seq, {', '.join(c for c, _ in MODEL_COLS)} FROM charge_models"):
                 model_rows.setdefault(seq, []).append(tuple(row))
             charges = con.execute(
-                f"SELECT {', '.join(c for c, _ in _CHARGE_COLS)}, prev_hash, hash FROM charges ORDER BY seq"
+                f"SELECT {', '.join(c for c, _ in CHARGE_COLS)}, prev_hash, hash FROM charges ORDER BY seq"
             ).fetchall()
             totals = {
                 r[0]: r[1:]
@@ -1681,9 +1167,9 @@ class Ledger:
                 )
             }
             events = con.execute(
-                f"SELECT {', '.join(c for c, _ in _EVENT_COLS)}, prev_hash, hash FROM events ORDER BY id"
+                f"SELECT {', '.join(c for c, _ in EVENT_COLS)}, prev_hash, hash FROM events ORDER BY id"
             ).fetchall()
-        prev = _genesis(self.orders)
+        prev = genesis(self.orders)
         sums: dict[str, list] = {}
         keys: dict[str, tuple] = {}
         chained = set()
@@ -1691,7 +1177,7 @@ class Ledger:
             *charge, prev_hash, h = row
             seq, budgets, rdp, pure = charge[0], charge[13], charge[11], charge[12]
             try:
-                ok = prev_hash == prev and h == _chain_hash(
+                ok = prev_hash == prev and h == chain_hash(
                     prev_hash, tuple(charge), budget_rows.get(seq, []), model_rows.get(seq, [])
                 )
             except (TypeError, ValueError):
@@ -1743,7 +1229,7 @@ class Ledger:
         prev = GENESIS
         for *event, prev_hash, h in events:
             try:
-                ok = prev_hash == prev and h == _event_hash(prev_hash, tuple(event))
+                ok = prev_hash == prev and h == event_hash(prev_hash, tuple(event))
             except (TypeError, ValueError):
                 ok = False
             if not ok:
@@ -1767,7 +1253,7 @@ class Ledger:
     def _chain_heads(self, con: sqlite3.Connection) -> dict[str, tuple[int, str]]:
         """(id, hash) of the last row of every chain that has rows (as stored: unchecked)."""
         out = {}
-        for chain, (table, col) in _CHAIN_TABLES.items():
+        for chain, (table, col) in CHAIN_TABLES.items():
             exists = con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone()
             row = exists and con.execute(f"SELECT {col}, hash FROM {table} ORDER BY {col} DESC LIMIT 1").fetchone()
             if row:
@@ -1779,8 +1265,8 @@ class Ledger:
         heads = self._chain_heads(con)
         out = []
         for chain, point in anchored.items():
-            table, col = _CHAIN_TABLES[chain]
-            word = _CHAIN_WORDS[chain]
+            table, col = CHAIN_TABLES[chain]
+            word = CHAIN_WORDS[chain]
             last = heads.get(chain)
             row = (
                 con.execute(f"SELECT hash FROM {table} WHERE {col} = ?", (point.n,)).fetchone()
@@ -1848,3 +1334,19 @@ class Ledger:
             what = f"served-again row {served_again} of " if served_again not in (None, "") else ""
             raise NotFound(f"no {what}ledger entry {entry_id}")
         return int(row[0]), row[1]
+
+
+# Re-exported for the code that imports them from here (the types moved to peer.budget.budgets,
+# the per-neuron restatement to peer.dp.accounting.per_unit).
+__all__ = [
+    "EVENT_KINDS",
+    "FIGURE_SCOPES",
+    "GENESIS",
+    "SCHEMA_VERSION",
+    "BudgetKey",
+    "BudgetState",
+    "Ledger",
+    "LedgerEntry",
+    "per_neuron_record",
+    "pool_models",
+]
