@@ -30,7 +30,7 @@ the loop then stops (nothing of that segment left the site). All segments togeth
 Gaussian with μ = √(R·steps)/σ, add-remove) is reported beside the filter's.
 
 **Noise.** σ is the smallest one with which the whole planned run fits (ε, δ) *by the filter
-of this site's ledger* (``peer.budget.calibration.noise_multiplier_for(figure="filter",
+of this site's ledger* (``peer.budget.dpsgd_noise.noise_multiplier_for(figure="filter",
 orders=the ledger's orders)``): what the ledger will admit. A ledger created for this run with
 the one order that suits it (``calibration.planned_orders``, a site's ``[policy] orders``)
 carries the whole δ at that order; the default 20 orders split δ twenty ways (σ ≈ 8.24 instead
@@ -283,7 +283,7 @@ def run_iterate(
     import torch
 
     from peer.base.rng import make_randomness
-    from peer.budget.calibration import noise_multiplier_for, run_epsilon
+    from peer.budget.dpsgd_noise import noise_multiplier_for, run_epsilon
     from peer.budget.ledger import Ledger
     from peer.budget.policy import Policy
     from peer.dp.training import classifier_loss, dpsgd_release_record, run_dpsgd

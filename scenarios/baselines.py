@@ -20,7 +20,7 @@ updates are post-processing for it. So every site spends the privacy of R·local
 adaptively composed full-batch Gaussian mechanisms with noise multiplier σ, whatever n_i is.
 
 σ is the smallest noise multiplier for which those steps fit (ε, δ) by one figure
-(``peer.budget.calibration.noise_multiplier_for``):
+(``peer.budget.dpsgd_noise.noise_multiplier_for``):
 
 - ``"rdp"`` — RDP over dp-accounting's default orders, converted at δ by dp-accounting's
   improved conversion: what an Opacus / dp-accounting user calibrating DP-FedAvg reports;
@@ -46,14 +46,14 @@ import numpy as np
 import torch
 
 from peer.base.rng import Randomness, make_randomness
-from peer.budget.calibration import FIGURES, noise_multiplier_for, run_epsilon
+from peer.budget.dpsgd_noise import FIGURES, noise_multiplier_for, run_epsilon
 from peer.dp.accounting import GaussianStep
 from peer.dp.training import LossFn, classifier_loss, run_dpsgd
 from peer.nn.architectures import build_model, input_tensor, torch_threads, train_classifier
 
 CALIBRATIONS = ("rdp", "filter")
 ACCOUNTANT = (
-    "peer.budget.calibration: RDP curves of the full-batch Gaussian (the project's accountant); 'rdp' "
+    "peer.budget.dpsgd_noise: RDP curves of the full-batch Gaussian (the project's accountant); 'rdp' "
     "converted by dp-accounting 0.6's improved RDP→(ε, δ) conversion over dp-accounting's default orders, "
     "'pld' the exact Gaussian privacy loss (μ = √T/σ), 'filter' the ledger's multi-order RDP filter"
 )

@@ -86,7 +86,7 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     learning_rate = 0.5
     clip_norm = 1.0             # per-record gradient clip C
     epsilon = 4.0               # per-record budget of the whole run at every site ...
-    delta = 1e-5                # ... at this δ (noise calibrated to it: peer.budget.calibration)
+    delta = 1e-5                # ... at this δ (noise calibrated to it: peer.budget.dpsgd_noise)
     adjacency = "add-remove"
     declared_records = 80       # PUBLIC n of every site's segments: DP-GD's denominator and its
                                 # fusion weight (required under add-remove, as in [pool])
@@ -95,7 +95,7 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     ledger_orders = "planned"   # Rényi orders of the ledger each site creates for the run:
                                 # "default" (the filter's 20 orders: δ split 20 ways), "planned"
                                 # (the one order that suits the planned run, chosen from its public
-                                # plan: peer.budget.calibration.planned_orders), or a list of orders
+                                # plan: peer.budget.dpsgd_noise.planned_orders), or a list of orders
                                 # [default: "default"]
 
     [failure]                   # optional: kill one site mid-round

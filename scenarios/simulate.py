@@ -1028,7 +1028,7 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
 
 def iterate_orders(sc: Scenario) -> tuple[float, ...]:
     """The Rényi orders of the run's ledgers (``[iterate] ledger_orders``)."""
-    from peer.budget.calibration import planned_orders
+    from peer.budget.dpsgd_noise import planned_orders
     from peer.budget.filter import FILTER_ORDERS
 
     it = sc.iterate

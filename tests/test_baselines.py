@@ -13,7 +13,7 @@ import torch
 from dp_accounting import dp_event, rdp
 
 from peer.base.rng import make_randomness
-from peer.budget.calibration import FIGURES, noise_multiplier_for, run_epsilon
+from peer.budget.dpsgd_noise import FIGURES, noise_multiplier_for, run_epsilon
 from peer.dp.accounting import GaussianStep
 from peer.dp.training import classifier_loss
 from peer.nn.architectures import accuracy, build_model, train_classifier

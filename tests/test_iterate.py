@@ -17,7 +17,7 @@ from coordinator_free.iterate import (
 )
 from coordinator_free.roster import write_roster
 from peer.base.errors import InvalidArgument
-from peer.budget.calibration import noise_multiplier_for, planned_orders, run_epsilon
+from peer.budget.dpsgd_noise import noise_multiplier_for, planned_orders, run_epsilon
 from peer.budget.ledger import Ledger
 from peer.net.client import PeerError
 from peer.net.releases import ReleaseStore, segment_key, segment_rounds

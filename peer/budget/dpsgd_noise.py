@@ -1,5 +1,7 @@
-"""Noise for a planned run of DP-SGD steps: the smallest noise multiplier σ whose ``steps``
-steps fit a per-record budget (ε, δ), by one of three figures.
+"""DP-SGD noise calibration: for a planned run of DP-SGD steps, the smallest noise multiplier σ
+whose ``steps`` steps fit a per-record budget (ε, δ), by one of three figures. (The Gaussian
+mechanism's own calibration for a single release — analytic or classical σ — is
+``peer.ldp.mechanisms.gaussian``.)
 
 A DP-SGD step adds N(0, σ²C²) to a sum of per-record gradients clipped to norm C; its
 sensitivity is C (add-remove) or 2C (replace-one); with Poisson rate q < 1 the step is the

@@ -8,7 +8,7 @@ from dp_accounting import dp_event, rdp
 from dp_accounting.pld import pld_privacy_accountant
 
 from peer.base.errors import InvalidArgument
-from peer.budget.calibration import FIGURES, noise_multiplier_for, run_epsilon
+from peer.budget.dpsgd_noise import FIGURES, noise_multiplier_for, run_epsilon
 from peer.budget.filter import FILTER_ORDERS, FilterBudget
 from peer.dp.accounting.rdp import rdp_subsampled_gaussian
 
