@@ -20,6 +20,7 @@ from peer.dp.accounting import (
     rdp_to_epsilon,
     rs_epsilon,
 )
+from peer.dp.accounting.accountant import Accountant
 from peer.dp.accounting.profiles import model_rdp
 from peer.dp.accounting.release_accounting import dpsgd_record, lc_merge_record, record_epsilon, rs_merge_record
 
@@ -153,11 +154,14 @@ def test_parallel_composite_is_the_worst_component():
 
 def test_dpsgd_record():
     training = TrainingRecord.constant("add-remove", 500, 0.1, 1.0, 1.0, 0.02)
-    r = dpsgd_record(training, 1e-5, value_discretization_interval=1e-3)
+    accountant = Accountant(value_discretization_interval=1e-3)
+    r = dpsgd_record(training, 1e-5, accountant=accountant)
     assert r.unit == "record:add-remove" and r.sensitivity == 1.0
     own = model_epsilon(training, 1e-5, value_discretization_interval=1e-3)
     assert r.epsilon == pytest.approx(own.pld) and r.parameters["epsilon_rdp"] == pytest.approx(own.rdp)
-    assert record_epsilon(r, 1e-5, value_discretization_interval=1e-3) == pytest.approx((own.pld, own.rdp))
+    assert record_epsilon(r, 1e-5, accountant=accountant) == pytest.approx((own.pld, own.rdp))
+    # without one, the record states its figure on the default accountant's grid
+    assert dpsgd_record(training, 1e-5).epsilon == pytest.approx(model_epsilon(training, 1e-5).pld)
     acc = rdp.RdpAccountant(list(DEFAULT_ORDERS))
     acc.compose(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.0)), 500)
     np.testing.assert_allclose(rdp_of_record(r), acc.rdp, rtol=1e-9)

@@ -61,6 +61,15 @@ def pld_fallbacks(record: ReleaseRecord) -> int:
     return Accountant().pld_fallbacks(_record(record))
 
 
+def _settings(accountant: Accountant | None) -> dict:
+    """The orders and PLD grid the builders state a record's ε by (those of ``accountant``)."""
+    acc = accountant or Accountant()
+    return {
+        "orders": tuple(float(o) for o in acc.orders),
+        "value_discretization_interval": acc.value_discretization_interval,
+    }
+
+
 def _record(record: Any) -> ReleaseRecord:
     if not isinstance(record, ReleaseRecord):
         raise InvalidArgument("record", f"must be a ReleaseRecord, got {type(record).__name__}")
@@ -92,16 +101,16 @@ def dpsgd_record(
     randomness: Mapping[str, Any] | None = None,
     subject: str = "",
     counterparty: str | None = None,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant | None = None,
 ) -> ReleaseRecord:
     """The "dpsgd" record of one trained model: epsilon = PLD ε at ``delta`` under the training's
-    adjacency; sensitivity = the largest per-step L2 sensitivity of the clipped gradient sum
+    adjacency (by ``accountant``'s grid; ε by RDP at its orders; default: ``Accountant()``); sensitivity = the largest per-step L2 sensitivity of the clipped gradient sum
     (k·C_t, k = 2 replace-one, 1 add-remove); parameters carry the training record and ε by RDP
     (and by the closed form for full batch)."""
     if not isinstance(training, TrainingRecord):
         raise InvalidArgument("training", f"must be a TrainingRecord, got {type(training).__name__}")
     delta = check_delta(delta)
-    eps = privacy_profile(training, value_discretization_interval=value_discretization_interval).epsilon(delta)
+    eps = privacy_profile(training, **_settings(accountant)).epsilon(delta)
     k = 2.0 if training.adjacency == "replace-one" else 1.0
     params = {"training": training.to_dict(), "epsilon_rdp": _finite_or_str(eps.rdp)}
     if eps.closed_form is not None:
@@ -161,7 +170,7 @@ def rs_merge_record(
     randomness: Mapping[str, Any] | None = None,
     subject: str = "",
     counterparty: str | None = None,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant | None = None,
     selection: Mapping[str, Any] | None = None,
 ) -> ReleaseRecord:
     """The "rs-merge" record: epsilon = RS PLD ε at ``delta``; parameters {pi, models, names,
@@ -174,13 +183,9 @@ def rs_merge_record(
     weights = check_weights(pi, len(models))
     scored = selection_scored(selection, weights)
     if scored is None:
-        eps = rs_epsilon(
-            models, pi, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval
-        )
+        eps = rs_epsilon(models, pi, delta, adjacency=adjacency, **_settings(accountant))
     else:
-        eps = composition_epsilon(
-            models, scored, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval
-        )
+        eps = composition_epsilon(models, scored, delta, adjacency=adjacency, **_settings(accountant))
     adjacency = resolve_adjacency(models, adjacency)
     params = {
         "pi": [float(p) for p in weights],
@@ -204,7 +209,7 @@ def lc_merge_record(
     adjacency: str | None = None,
     subject: str = "",
     counterparty: str | None = None,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant | None = None,
     max_groups: int = DEFAULT_MAX_GROUPS,
     selection: Mapping[str, Any] | None = None,
 ) -> ReleaseRecord:
@@ -222,14 +227,12 @@ def lc_merge_record(
         lam,
         delta,
         adjacency=adjacency,
-        value_discretization_interval=value_discretization_interval,
         max_groups=max_groups,
+        **_settings(accountant),
     )
     eps = report.epsilon
     if scored is not None:
-        eps = composition_epsilon(
-            models, scored, delta, adjacency=adjacency, value_discretization_interval=value_discretization_interval
-        )
+        eps = composition_epsilon(models, scored, delta, adjacency=adjacency, **_settings(accountant))
     adjacency = resolve_adjacency(models, adjacency)
     params = {
         "lam": [float(x) for x in check_weights(lam, len(models), "lam")],
@@ -258,19 +261,10 @@ def lc_merge_record(
     )
 
 
-def record_epsilon(
-    record: ReleaseRecord,
-    delta: float,
-    *,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
-    accountant: Accountant | None = None,
-) -> tuple[float, float]:
+def record_epsilon(record: ReleaseRecord, delta: float, *, accountant: Accountant | None = None) -> tuple[float, float]:
     """(ε by PLD, ε by RDP) of any interpretable record at ``delta``: ``accountant.epsilon``
-    (by default an Accountant at ``orders`` and ``value_discretization_interval``)."""
-    if accountant is None:
-        accountant = Accountant(orders, value_discretization_interval)
-    return accountant.epsilon(_record(record), delta)
+    (by default the project's ``Accountant()``)."""
+    return (accountant or Accountant()).epsilon(_record(record), delta)
 
 
 __all__ = ["dpsgd_record", "lc_merge_record", "pld_of_record", "rdp_of_record", "record_epsilon", "rs_merge_record"]
