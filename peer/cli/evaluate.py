@@ -4,7 +4,8 @@
     privfusion evaluate --model got/merged-b --data test.csv --label outcome --site DIR [--preprocessing-from NAME]
 
 The model is one of the site's (``--site DIR --model NAME``: its own, an adopted fused or merged
-model) or a file pair ``FILE.safetensors`` + ``FILE.json``: a release that ``privfusion
+model, or a network the site imported, ``DIR/own_models``: ``privfusion model import``, run by
+the site's own factory) or a file pair ``FILE.safetensors`` + ``FILE.json``: a release that ``privfusion
 weights / merge --via / fuse`` wrote, a fused model of a round (``rounds/models/NAME``) or a
 local merge of the site's pool (``privfusion merge --pool``; prepared as the pool's models).
 
@@ -179,10 +180,24 @@ def site_pool_preprocessing(site: str | Path):
 
 def load_for_scoring(model: str, site: str | None, preprocessing_from: str | None):
     """``(StoredModel, Preprocessing, description)`` of what ``--model`` names."""
+    from peer.cli.model_import import is_imported, load_own
     from peer.nn.store import NAME_RULE, load_model, load_model_pair
 
     store = site_models_dir(site) if site is not None else None
-    if store is not None and NAME_RULE.match(model) and (store / f"{model}.json").is_file():
+    in_store = store is not None and NAME_RULE.match(model) and (store / f"{model}.json").is_file()
+    if store is not None and not in_store and is_imported(site, model):  # the site's own network (model import)
+        own = load_own(site, model)
+        prep, source = own.preprocessing, f"stored with the model {model!r}"
+        if prep is None and preprocessing_from is None:
+            raise FailedPrecondition(
+                f"--model: the site's imported network {model!r} holds no preprocessing: import it with "
+                "--data FILE --label COL (fitted on the site's training split) or --preprocessing JSON, or "
+                "give --preprocessing-from NAME"
+            )
+        if preprocessing_from is not None:
+            prep, source = site_default_preprocessing(site, preprocessing_from)
+        return own, prep, {"model": model, "site": str(site), "kind": "imported model", "preprocessing": source}
+    if in_store:
         stored = load_model(store, model)
         prep = stored.preprocessing
         source = f"stored with the model {model!r}"
@@ -199,7 +214,8 @@ def load_for_scoring(model: str, site: str | None, preprocessing_from: str | Non
         and not Path(model).with_suffix(".json").exists()
     ):
         raise NotFound(
-            f"--model: {model!r} is neither a model of the site's store {str(store)!r} nor a model file pair"
+            f"--model: {model!r} is neither a model of the site's store {str(store)!r}, nor one of its imported "
+            f"networks ({str(Path(site) / 'own_models')!r}), nor a model file pair"
         )
     directory, name = release_pair(model)
     stored = load_model_pair(directory / name)
@@ -249,9 +265,16 @@ def evaluate(model: str, data: str, label: str, site: str | None = None, preproc
             missing="impute" if prep.imputes else "refuse",
         )
     x, y = prep.transform(table)
-    if prep.input_shape is not None:
-        x = x.reshape((len(x), *prep.input_shape))
-    proba = predict_proba(stored.architecture, stored.module(), x)
+    if described["kind"] == "imported model":
+        from peer.cli.model_import import own_predict_proba
+        from peer.nn.imported import records_fit_network
+
+        records_fit_network(stored.structure, prep, "--data", stored.name)  # its input, or a clear refusal
+        proba = own_predict_proba(str(site), stored, x)
+    else:
+        if prep.input_shape is not None:
+            x = x.reshape((len(x), *prep.input_shape))
+        proba = predict_proba(stored.architecture, stored.module(), x)
     out = classification_metrics(y, proba, prep.classes)
     out.update(described)
     out["data"] = str(data)

@@ -409,16 +409,49 @@ def _adopt(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
-    from peer.cli.model_import import export_imported, is_imported
-    from peer.cli.site import export_model
+def preprocessing_sidecar(out: str | Path) -> Path:
+    """Where ``model export --out FILE`` writes the model's preprocessing: ``FILE.preprocessing.json``."""
+    out = Path(out)
+    return out.with_name(out.name + ".preprocessing.json")
 
-    if is_imported(args.site, args.model):  # a site's own network: its own key names
+
+def _export(args: argparse.Namespace) -> int:
+    """The weights (``peer.cli.site.export_model``, or an imported network's under its own key
+    names), and beside them, when the model holds one, its preprocessing as JSON
+    (``FILE.preprocessing.json``: what ``model import --preprocessing`` and ``model train
+    --preprocessing`` read), so that the network prepares the same raw records the same way
+    wherever it goes. Written after the weights, atomically; refused when it exists."""
+    from peer.base.errors import FailedPrecondition
+    from peer.cli.evaluate import site_models_dir
+    from peer.cli.model_import import export_imported, is_imported, load_own
+    from peer.cli.site import export_model
+    from peer.nn.store import _atomic_write, load_model
+
+    imported = is_imported(args.site, args.model)
+    if imported:
+        prep = load_own(args.site, args.model).preprocessing
+    else:
+        prep = load_model(site_models_dir(args.site), args.model).preprocessing
+    sidecar = preprocessing_sidecar(args.out)
+    if prep is not None and sidecar.exists():
+        raise FailedPrecondition(
+            f"--out: {sidecar} (the preprocessing beside the weights) exists; export never overwrites"
+        )
+    if imported:  # a site's own network: its own key names
         out = export_imported(args.site, args.model, args.format, args.out)
-        print(f"{args.model!r} -> {out} ({args.format}: a state_dict under the site's own key names)")
+        what = "a state_dict under the site's own key names"
+    else:
+        out = export_model(args.site, args.model, args.format, args.out)
+        what = "a plain state_dict of float32 tensors"
+    if prep is None:
+        print(f"{args.model!r} -> {out} ({args.format}: {what}; the model holds no preprocessing)")
         return 0
-    out = export_model(args.site, args.model, args.format, args.out)
-    print(f"{args.model!r} -> {out} ({args.format}: a plain state_dict of float32 tensors; no preprocessing)")
+    _atomic_write(sidecar, (json.dumps(prep.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n").encode())
+    print(f"{args.model!r} -> {out} ({args.format}: {what})")
+    print(
+        f"preprocessing -> {sidecar} ({prep.describe_inputs()}; model import/train --preprocessing read it). It holds "
+        "statistics of the site's training records, not differentially private: it goes only where they may go"
+    )
     return 0
 
 

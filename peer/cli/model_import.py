@@ -54,6 +54,13 @@ def _input_shape(args, module) -> list[int]:
     )
 
 
+class _Shape:
+    """What ``peer.nn.imported.input_batch`` reads of a structure: its input shape."""
+
+    def __init__(self, shape):
+        self.input_shape = tuple(shape)
+
+
 def import_command(args: argparse.Namespace) -> int:
     from peer.nn.architectures import torch_threads
     from peer.nn.imported import (
@@ -69,14 +76,27 @@ def import_command(args: argparse.Namespace) -> int:
         module = build_module(load_factory(args.factory, [args.site]), args.factory)
         load_site_state(module, read_weights(args.weights))
         shape = _input_shape(args, module)
+        args.held_out = None
         prep = _preprocessing(args, shape)
+        metadata = {"source": Path(args.weights).name}
+        if prep is not None:
+            _check_outputs(module, shape, prep, "--data" if args.data else "--preprocessing")
+        if args.held_out is not None:
+            from peer.nn.imported import module_accuracy
+
+            held = args.held_out
+            metadata["data"] = held.description
+            metadata["accuracy"] = {
+                "training": module_accuracy(module, _Shape(shape), held.x_train, held.y_train),
+                "validation": module_accuracy(module, _Shape(shape), held.x_val, held.y_val),
+            }
         model = import_model(
             _store(args.site),
             args.name,
             module,
             shape,
             factory=resolve_factory(args.factory),
-            metadata={"source": Path(args.weights).name},
+            metadata=metadata,
             preprocessing=prep,
         )
     s = model.structure
@@ -90,17 +110,31 @@ def import_command(args: argparse.Namespace) -> int:
     }
     if prep is not None:
         out["preprocessing"] = {"inputs": prep.describe_inputs(), "fitted_on": dict(prep.fitted_on)}
+    if "accuracy" in model.metadata:
+        out["accuracy"] = dict(model.metadata["accuracy"])
     if args.json:
         json.dump(out, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
         if prep is not None:
-            print(f"preprocessing stored with it: {prep.describe_inputs()}")
+            print(f"preprocessing stored with it: {prep.describe_inputs()} ({_fitted(prep)})")
+        if "accuracy" in model.metadata:
+            acc = model.metadata["accuracy"]
+            print(
+                f"accuracy: training {acc['training']:.4f}, validation {acc['validation']:.4f} (held out, never fitted on)"
+            )
         print(
             f"imported {model.name}: {len(s.groups)} permutation groups "
             f"({', '.join(f'{g.name}[{g.size}]' for g in s.groups)}), self-check passed"
         )
     return 0
+
+
+def _fitted(prep) -> str:
+    f = prep.fitted_on
+    if f.get("split") == "public":
+        return f"fitted on public records {f.get('file')}"
+    return f"fitted on {f.get('rows')} {f.get('split', 'training')} records of {f.get('file')}" if f else "given"
 
 
 def _preprocessing(args, shape: list[int]):
@@ -119,11 +153,13 @@ def _preprocessing(args, shape: list[int]):
     from peer.nn.images import FOLDER_LABEL, ImagePreprocessing, is_image_source, read_images
 
     if not is_image_source(args.data):
-        raise InvalidArgument(
-            "--data",
-            f"{args.data} is not image records (a folder by class, or a manifest with a 'path' column); a table's "
-            "preprocessing is given with --preprocessing",
-        )
+        return _table_preprocessing(args, shape)
+    table_only = [
+        f"--{k.replace('_', '-')}" for k in ("features", "impute", "allow_unseen", "public") if getattr(args, k)
+    ]
+    table_only += ["--categorical"] if args.categorical else []
+    if table_only:
+        raise InvalidArgument(table_only[0], f"applies to a table; {args.data} holds images")
     if len(shape) != 3 or shape[0] not in (1, 3):
         raise InvalidArgument(
             "--input-shape", f"is {shape}; images need C H W with C = 1 or 3 (e.g. --input-shape 1 28 28)"
@@ -135,9 +171,93 @@ def _preprocessing(args, shape: list[int]):
     return ImagePreprocessing.fit(images, channels=shape[0], size=(shape[1], shape[2]))
 
 
+def _table_preprocessing(args, shape: list[int]):
+    """The preprocessing ``model train`` would store for the table ``--data``: its feature
+    columns in order (``--features``, default every column but the label), standardisation and
+    one-hot categories fitted on the site's TRAINING split (the same stratified split, public
+    ``--split-seed``, holding out ``--validation-fraction``) or on ``--public`` records. The
+    held-out part is kept on ``args`` to report the network's accuracy on it."""
+    from types import SimpleNamespace
+
+    from peer.nn.imported import records_fit_network
+    from peer.nn.tables import prepare_records
+
+    if args.label is None:
+        raise InvalidArgument("--label", f"is required: the label column of {args.data}")
+    records = prepare_records(
+        args.data,
+        label=args.label,
+        features=args.features,
+        categorical=args.categorical,
+        missing="impute" if args.impute else "refuse",
+        unseen="zeros" if args.allow_unseen else "refuse",
+        validation_fraction=args.validation_fraction,
+        split_seed=args.split_seed,
+        public=args.public,
+    )
+    records_fit_network(SimpleNamespace(input_shape=tuple(shape)), records.preprocessing, args.data, args.name)
+    args.held_out = records
+    return records.preprocessing
+
+
+def _check_outputs(module, shape: list[int], prep, where: str) -> None:
+    """The network gives one output per class of the preprocessing's label."""
+    import torch
+
+    was = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros((1, *shape)))
+    finally:
+        module.train(was)
+    if out.dim() != 2 or out.shape[1] != prep.num_classes:
+        raise InvalidArgument(
+            where,
+            f"the label {prep.label!r} has {prep.num_classes} classes but the network gives outputs of shape "
+            f"{list(out.shape)} per batch of one (it must give one output per class)",
+        )
+
+
 def is_imported(site: str, name: str) -> bool:
     """Whether ``name`` is one of the site's imported networks (``DIR/own_models``)."""
-    return (_store(site) / f"{name}.json").is_file()
+    from peer.nn.store import NAME_RULE
+
+    return isinstance(name, str) and bool(NAME_RULE.match(name)) and (_store(site) / f"{name}.json").is_file()
+
+
+def load_own(site: str, name: str):
+    """The site's imported network ``name`` (``peer.nn.imported.ImportedModel``)."""
+    from peer.nn.imported import load_imported
+
+    return load_imported(_store(site), name)
+
+
+def own_names(site: str) -> list[str]:
+    """The names of the site's imported networks (none when DIR/own_models does not exist)."""
+    from peer.nn.store import list_models
+
+    return list_models(_store(site)) if _store(site).is_dir() else []
+
+
+def own_predict_proba(site: str, own, x):
+    """Class probabilities (softmax of the outputs, eval mode) of the site's imported network
+    ``own`` on prepared rows ``x``: the module is rebuilt by the site's factory (importable
+    from DIR or the current path) and holds the stored weights."""
+    import numpy as np
+    import torch
+
+    from peer.nn.architectures import torch_threads
+    from peer.nn.imported import input_batch, load_factory, module_from_arrays
+
+    with torch_threads(1), torch.no_grad():
+        module = module_from_arrays(load_factory(own.factory, [site]), own.structure, own.arrays)
+        logits = module(input_batch(own.structure, x))
+        if logits.dim() != 2:
+            raise InvalidArgument(
+                "model", f"{own.name!r} gives outputs of shape {list(logits.shape)}, not (rows, classes)"
+            )
+        return np.asarray(torch.softmax(logits.double(), dim=1).numpy())
 
 
 def export_imported(site: str, name: str, fmt: str, out: str) -> Path:
@@ -164,12 +284,50 @@ def register_import(sub) -> None:
     )
     i.add_argument(
         "--data",
-        metavar="IMAGES",
-        help="image records (a folder by class, or a manifest): fit the preprocessing to --input-shape C H W "
-        "(resize, channels, per-channel statistics of every record) and store it with the model",
+        metavar="RECORDS",
+        help="the site's records the network reads: a table (.csv, .tsv, .parquet, .npz; the preprocessing model "
+        "train stores, fitted on its training split) or images (a folder by class, or a manifest: fitted to "
+        "--input-shape C H W, resize, channels, per-channel statistics of every record); stored with the model",
     )
     i.add_argument(
-        "--label", metavar="COL", help="with --data: the manifest's label column (a folder's is its class folder)"
+        "--label",
+        metavar="COL",
+        help="with --data: the label column of a table or a manifest (a folder's is its class folder)",
+    )
+    i.add_argument(
+        "--features",
+        nargs="+",
+        metavar="COL",
+        help="table: feature columns, in input order (default: every column but the label)",
+    )
+    i.add_argument(
+        "--categorical",
+        nargs="+",
+        default=[],
+        metavar="COL",
+        help="table: columns to one-hot even though they hold numbers",
+    )
+    i.add_argument(
+        "--impute", action="store_true", help="table: fill missing cells (training mean / most frequent category)"
+    )
+    i.add_argument(
+        "--allow-unseen",
+        action="store_true",
+        help="table: later categories the training split never saw become all-zero one-hot",
+    )
+    i.add_argument(
+        "--public",
+        metavar="FILE",
+        help="table: fit the preprocessing on these PUBLIC records instead of the training split",
+    )
+    i.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.2,
+        help="table: share of the records held out (never fitted on) to report accuracy (default 0.2)",
+    )
+    i.add_argument(
+        "--split-seed", type=int, default=0, help="table: public seed of the train/validation split (default 0)"
     )
     i.add_argument(
         "--preprocessing",
