@@ -47,7 +47,7 @@ from peer.ldp.pipeline import Alignment, align, align_graphs
 from peer.net.client import PeerClient, PeerError
 from peer.net.codec import graph_from_release
 from peer.net.identity import Identity, load_identity
-from peer.net.site import SiteConfig, load_probe
+from peer.net.site import SiteConfig
 from peer.net.trust import TrustStore
 from peer.nn.architectures import model_from_arrays, validate_architecture, weight_layers
 from peer.nn.graph import NetworkGraph, extract_graph
@@ -110,6 +110,8 @@ _STOP = object()  # the quorum became unreachable: stop asking
 def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
     """The requester's side of a round from its daemon's site.toml (identity, model store,
     probe set, default activation range)."""
+    from peer.nn.probes import bound_probe, model_input
+
     cfg = SiteConfig.load(site_config)
     if cfg.probe is None:
         raise FailedPrecondition(f"{site_config}: a round needs this site's public probe set ([site].probe)")
@@ -131,17 +133,18 @@ def load_local_site(site_config: str | os.PathLike, model: str) -> LocalSite:
                 dict(own.metadata),
                 own.preprocessing,
             ),
-            load_probe(cfg.probe),
+            bound_probe(cfg.probe, model_input(own), model),  # rows of the input this network reads
             cfg.activation_clip,
             own=own,
             factory=load_factory(own.factory, [site_dir]),
             own_store=cfg.own_models,
         )
+    stored = load_model(cfg.models, model)
     return LocalSite(
         identity,
         TrustStore(identity.trust_dir),
-        load_model(cfg.models, model),
-        load_probe(cfg.probe),
+        stored,
+        bound_probe(cfg.probe, model_input(stored), model),  # rows of the input this model reads
         cfg.activation_clip,
     )
 

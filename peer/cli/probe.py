@@ -8,7 +8,11 @@ as the model (``--model``) or pool (``--pool``) they serve:
 
 - the **probe set** (``probe`` of site.toml, default ``DIR/probe.safetensors``, tensor ``x``):
   ``--rows`` records drawn at random (public ``--seed``). Fusion sends it to every peer asked
-  for features, and the activations peers release are computed on it;
+  for features, and the activations peers release are computed on it. ``--model`` is a model of
+  the store or one of the site's imported networks (``DIR/own_models``, with the preprocessing
+  ``model import --data`` stored). The file records the input it was prepared for (the model's
+  feature columns in order, or its image channels and size: ``peer.nn.probes``), and a round
+  refuses it for a model that reads another input;
 - with ``--label``, the **validation set** of a pool (``--pool``, default the site's only one) (``validation`` of
   ``[site.pools.NAME]``, default ``DIR/validation.npz``, arrays ``x`` and ``y``): every record
   of the file. RS/LC merges choose their weights by accuracy on it, so what it holds shapes
@@ -29,10 +33,11 @@ def make(args: argparse.Namespace) -> int:
     import io
 
     import numpy as np
-    from safetensors.numpy import save
 
     from peer.cli.model import emit, site_paths
+    from peer.cli.model_import import is_imported, load_own, own_names
     from peer.dp.pools import pool_preprocessing
+    from peer.nn.probes import model_input, probe_bytes
     from peer.nn.store import _atomic_write, list_models, load_model
 
     paths = site_paths(args.site)
@@ -42,25 +47,34 @@ def make(args: argparse.Namespace) -> int:
         raise InvalidArgument("--rows", f"must be >= 1, got {args.rows}")
     want_probe = args.model is not None or args.pool is None
     jobs = []  # (what, preprocessing, served, path)
+    signature = None  # the input the probe set is prepared for (peer.nn.probes)
+
+    def model_named(n: str):
+        # a model of the store, else one of the site's imported networks (DIR/own_models)
+        if (paths.models / f"{n}.json").is_file() or not is_imported(args.site, n):
+            return load_model(paths.models, n)
+        return load_own(args.site, n)
+
     if want_probe:
         name = args.model
         if name is None:
-            names = (
-                [n for n in list_models(paths.models) if load_model(paths.models, n).preprocessing is not None]
-                if paths.models.is_dir()
-                else []
-            )
+            stored = list_models(paths.models) if paths.models.is_dir() else []
+            names = [n for n in stored if load_model(paths.models, n).preprocessing is not None]
+            names += [n for n in own_names(args.site) if n not in stored and load_own(args.site, n).preprocessing]
             if len(names) != 1:
                 raise InvalidArgument(
                     "--model",
                     f"name the model the probe set serves (models with a preprocessing in "
-                    f"{str(paths.models)!r}: {names})",
+                    f"{str(paths.models)!r} and {str(Path(args.site) / 'own_models')!r}: {names})",
                 )
             name = names[0]
+        model = model_named(name)
+        imported = not hasattr(model, "architecture")
+        signature = model_input(model) if model.preprocessing is not None else None
         jobs.append(
             (
                 "probe",
-                _prepared_by(load_model(paths.models, name).preprocessing, f"model {name}"),
+                _prepared_by(model.preprocessing, f"{'imported network' if imported else 'model'} {name}", imported),
                 f"model {name}",
                 Path(args.probe_out) if args.probe_out else paths.probe,
             )
@@ -99,10 +113,14 @@ def make(args: argparse.Namespace) -> int:
         if what == "probe":
             rows = min(len(x), args.rows or 256)
             chosen = np.sort(np.random.default_rng(args.seed).choice(len(x), size=rows, replace=False))
-            _atomic_write(p, save({"x": np.ascontiguousarray(x[chosen], dtype=np.float32)}))
+            _atomic_write(p, probe_bytes(x[chosen], signature, name))
             lines.append(
                 f"probe set: {rows} of the {len(table)} records, prepared as {served} prepares its inputs "
                 f"({prep.width} entries), written to {p}: fusion sends it to every peer asked for features"
+            )
+            lines.append(
+                f"bound to the input {served} reads ({prep.describe_inputs()}): a model that reads another "
+                "input is refused it"
             )
             if prep.fitted_on.get("split") != "public":
                 lines.append(
@@ -120,15 +138,21 @@ def make(args: argparse.Namespace) -> int:
                 f"to {p}: merges choose their weights by accuracy on it"
             )
         out[what] = {"path": str(p), "rows": rows, "served": served, "input_width": prep.width}
+        if what == "probe":
+            out[what]["input"] = signature
     emit(out, args.json, lines)
     return 0
 
 
-def _prepared_by(prep, served: str):
+def _prepared_by(prep, served: str, imported: bool = False):
     if prep is None:
         raise InvalidArgument(
             "--data",
-            f"{served} was not trained on a table of records (it has no preprocessing); "
+            f"{served} was imported without a preprocessing, so how records become its inputs is not known here: "
+            "import it again with --data FILE --label COL (the site's records; fitted on their training split) or "
+            "--preprocessing JSON"
+            if imported
+            else f"{served} was not trained on a table of records (it has no preprocessing); "
             "its files cannot be made from one",
         )
     return prep
