@@ -20,7 +20,8 @@ A round needs this site's daemon config (identity, model store, public probe set
     alpha = 0.5              # our weight; the peers share 1 - alpha
     quorum = 2               # fewest sites (us included) a fused model may come from
     method = "ldp"           # "ldp" (features + PFA weights) | "merged" (RS/LC merges) | "auto"
-    out = "rounds"           # fused models (a model store in OUT/models) and round reports
+    out = "rounds"           # fused models (a model store in OUT/models; a site's own network's go
+                             # to its own store, own_models) and round reports
     health_timeout_s = 2.0
     call_timeout_s = 60.0
     [round.features]         # per neuron, model level
@@ -119,7 +120,7 @@ def _round(args) -> int:
             if not args.events:
                 print(
                     f"round {result.round_id}: {result.status}"
-                    + (f" -> {cfg.out / 'models' / result.model_name}" if result.model_name else f" ({result.reason})")
+                    + (f" -> {_fused_path(cfg, result)}" if result.model_name else f" ({result.reason})")
                     + (f"; adopt {result.report['adopt_model']}" if result.report.get("adopt_model") else "")
                     + f"; report {result.report_path}"
                 )
@@ -136,6 +137,14 @@ def _round(args) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return status
+
+
+def _fused_path(cfg, result):
+    """Where the round wrote its fused model: OUT/models, or the site's own store (own_models)
+    for a site's own network (``coordinator_free.runner.write_round``)."""
+    from pathlib import Path
+
+    return Path(result.report.get("fused_store") or cfg.out / "models") / result.model_name
 
 
 def _pin(args) -> int:

@@ -306,3 +306,39 @@ def test_a_probe_set_is_bound_to_the_input_its_model_reads_in_a_round(setting, t
     # a probe file of the previous version (tensor x only) still reads, unchecked
     save_file({"x": x}, str(site / "probe.safetensors"))
     np.testing.assert_array_equal(load_local_site(site / "site.toml", "abcd").probe, x)
+
+
+def test_a_round_prints_where_the_fused_model_of_an_imported_network_is(tmp_path):
+    """A round on a site's own network writes its fused model to the site's own store
+    (own_models), and the line ``privfusion round`` prints names that file (it named OUT/models,
+    where nothing was)."""
+    from peer_harness import pin_each_other, roster_of, running
+    from peer_harness import make_site as harness_site
+    from site_models import networks
+    from site_models.networks import randomise
+
+    from peer.nn.imported import import_model
+
+    probe = np.random.default_rng(0).normal(size=(16, 64)).astype(np.float32)
+    a = harness_site(tmp_path, "st-anne", probe=probe, activation_clip=(-4.0, 4.0))
+    b = harness_site(tmp_path, "riverside", activation_clip=(-4.0, 4.0))
+    pin_each_other(a, b)
+    factory = f"{Path(networks.__file__)}:clinic_mlp"
+    for site, seed in ((a, 1), (b, 2)):
+        import_model(site.root / "own_models", "clinic", randomise(networks.clinic_mlp(), seed), [64], factory=factory)
+    with running(b) as (_, address):
+        roster_of(tmp_path / "roster.toml", {"st-anne": "127.0.0.1:1", "riverside": address}, a, b)
+        (a.root / "round.toml").write_text(
+            f'[round]\nroster = "{tmp_path / "roster.toml"}"\nmodel = "clinic"\nquorum = 2\nmethod = "ldp"\n'
+            "[round.features]\nactivation_epsilon = 100.0\nweight_epsilon = 100.0\nactivation_clip = [-4.0, 4.0]\n"
+            '[round.weights]\nepsilon = 100.0\ndelta = 1e-5\n[round.repair]\ndata = "off"\n'
+        )
+        proc = cli("round", "--config", str(a.config), "--round", str(a.root / "round.toml"))
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("round ")]
+    printed = Path(line.split(" -> ", 1)[1].split(";", 1)[0])
+    assert printed.parent == a.root / "own_models", line
+    assert (
+        printed.with_name(printed.name + ".json").is_file()
+        and printed.with_name(printed.name + ".safetensors").is_file()
+    )
+    assert not (a.root / "rounds" / "models").exists()
