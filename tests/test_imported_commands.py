@@ -312,8 +312,8 @@ def test_a_round_prints_where_the_fused_model_of_an_imported_network_is(tmp_path
     """A round on a site's own network writes its fused model to the site's own store
     (own_models), and the line ``privfusion round`` prints names that file (it named OUT/models,
     where nothing was)."""
-    from peer_harness import pin_each_other, roster_of, running
     from peer_harness import make_site as harness_site
+    from peer_harness import pin_each_other, roster_of, running
     from site_models import networks
     from site_models.networks import randomise
 

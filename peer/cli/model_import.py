@@ -2,7 +2,8 @@
 network in and out of its store.
 
     privfusion model import --site DIR --name NAME --factory MODULE:FUNCTION --weights FILE
-                            [--input-shape 1 8 8] [--data IMAGES [--label COL] | --preprocessing JSON] [--json]
+                            [--input-shape 1 8 8] [--data RECORDS [--label COL] [--features ..] | --preprocessing JSON]
+                            [--json]
     privfusion model export --site DIR --model NAME --format pt|safetensors --out FILE
 
 The store is ``DIR/own_models``: kept apart from ``DIR/models``, the directory of built-in
@@ -16,11 +17,20 @@ structure cannot be derived or proven, naming the node or group at fault, and a 
 state dict names one tensor under two keys (``self.shortcut = self.skip``, tied weights),
 naming the keys.
 
-With ``--data`` (image records: a folder by class or a manifest, ``peer.nn.images``) and
-``--input-shape C H W``, the preprocessing that turns those images into the network's inputs is
-fitted on every record of ``--data`` — resize to H×W, C channels, per-channel statistics — and
-stored with the model, so that ``evaluate``, ``probe make`` and pools prepare images exactly as
-the network takes them; ``--preprocessing JSON`` stores a given one instead.
+With ``--data`` the preprocessing that turns the site's records into the network's inputs is
+stored with the model, so that ``evaluate``, ``probe make`` and pools prepare records exactly as
+the network takes them (and a probe set is bound to that input: ``peer.nn.probes``):
+
+- a table (``peer.nn.tables``): what ``model train`` stores — the feature columns in input
+  order, standardisation and one-hot categories fitted on the site's training split only (the
+  same stratified split, public ``--split-seed``) or on ``--public`` records, the class list;
+  the network's accuracy on the training and held-out parts goes into its metadata;
+- image records (a folder by class or a manifest, ``peer.nn.images``) with ``--input-shape C H
+  W``: resize to H×W, C channels, per-channel statistics of every record of ``--data``.
+
+``--preprocessing JSON`` stores a given one instead (e.g. the ``FILE.preprocessing.json`` that
+``model export`` writes beside the weights). A network whose input width is not the prepared
+width, or whose outputs are not one per class, is refused before anything is stored.
 """
 
 from __future__ import annotations

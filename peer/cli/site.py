@@ -360,7 +360,8 @@ def export_model(site: str | Path, name: str, fmt: str, out: str | Path) -> Path
     ``safetensors``: the tensors, with the architecture JSON in the header metadata
     (``privfusion_architecture``). ``pt``: ``torch.save`` of a dict of tensors only (loads with
     ``torch.load(..., weights_only=True)``). Neither holds the preprocessing (its statistics come
-    from the site's training records and are not DP): the caller gets the weights, nothing else.
+    from the site's training records and are not DP): ``model export`` writes it beside them as
+    ``FILE.preprocessing.json`` (``peer.cli.model``), saying so.
     """
     from peer.cli.evaluate import site_models_dir
     from peer.nn.store import load_model
