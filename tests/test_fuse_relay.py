@@ -415,3 +415,29 @@ def test_relayed_requests_are_allowed_and_charged_for_both_sites(tmp_path):
         with Ledger(x.ledger) as led:
             [entry] = led.entries()
         assert sorted(entry.budgets) == ["model/mx/peer/site-b", "model/mx/peer/site-c", "model/mx/total"]
+
+
+def test_a_probe_set_made_for_another_input_is_refused_before_anything_is_charged_or_asked(tmp_path):
+    """Fuse matches on B's probe set: one made for another input than B's model reads
+    (peer.nn.probes; here a table of other columns) is refused, FAILED_PRECONDITION with a
+    reason, naming the model but not B's columns; nothing is charged, the partner is not asked."""
+    from peer.nn.probes import input_signature, probe_bytes
+    from peer.nn.tables import ColumnPrep, Preprocessing
+
+    x = make_site(tmp_path, "site-x", models={"mx": (ARCH, model_arrays(seed=2))}, seed=21, policy=policy())
+    b = make_site(
+        tmp_path, "site-b", models={"mb": (ARCH, model_arrays(seed=1))}, seed=12, probe=PROBE,
+        peers={"site-x": "127.0.0.1:1"}, policy=policy(caps="fuse = 10.0"),
+    )  # fmt: skip
+    c = make_site(tmp_path, "site-c", models={})
+    pin_each_other(b, x)
+    pin_each_other(b, c)
+    columns = tuple(ColumnPrep(f"secret_column_{i}", "numeric") for i in range(64))
+    other = input_signature(Preprocessing("y", (0, 1), columns))
+    (b.root / "probe.safetensors").write_bytes(probe_bytes(PROBE, other, "another-model"))
+    with running(b) as (_, b_address):
+        e = refused(c, b_address)
+    assert e.status == "FAILED_PRECONDITION" and e.reason == "PROBE_NOT_FOR_MODEL", (e.status, e.reason, str(e))
+    assert "'mb'" in str(e) and "secret_column" not in str(e)
+    assert seen_at("site-x") == []
+    assert ledger_state(b) == ([], [])

@@ -45,6 +45,7 @@ from peer.net.limits import paced, wrap_handler
 from peer.net.receipts import sign_receipt
 from peer.net.site import GroupFeaturesRelease, Site, log_event, stamp
 from peer.nn.architectures import validate_architecture
+from peer.nn.probes import check_probe_input, model_input
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from privfusion.v1 import tensor_pb2 as tpb
@@ -631,6 +632,14 @@ class PeerService(pb_grpc.PeerServicer):
             raise FailedPrecondition(
                 f"{self.site.name!r} has no probe set, which Fuse needs (site.toml: probe)", reason="NO_PROBE_SET"
             )
+        try:  # a probe set made for another input than the model's would be matched scrambled
+            check_probe_input(self.site.probe_signature, model_input(stored), "site.probe", request.model)
+        except FailedPrecondition:  # the caller is told which model, not the site's columns
+            raise FailedPrecondition(
+                f"{self.site.name!r}'s probe set was not made for the input its model {request.model!r} reads, "
+                f"which Fuse needs (its operator remakes it: privfusion probe make --model {request.model})",
+                reason="PROBE_NOT_FOR_MODEL",
+            ) from None
         probe = probe_input(stored.architecture, probe)
 
         admitted = False  # counted among the releases in flight (graceful shutdown waits for it)

@@ -81,6 +81,7 @@ from peer.net.limits import Limits
 from peer.net.trust import PinnedPeer, TrustStore
 from peer.nn.architectures import hidden_sizes, weight_layers
 from peer.nn.graph import NetworkGraph, extract_graph
+from peer.nn.probes import read_probe
 from peer.nn.store import StoredModel, list_models, load_store, site_unusable_files
 
 log = logging.getLogger("privfusion.peer")
@@ -474,7 +475,10 @@ class Site:
                 # a pool RS cannot account (mixed adjacencies) is skipped here: each request says why
                 with contextlib.suppress(InvalidArgument):
                     warm_pool_profiles(pool, pools[name])
-        self.probe = load_probe(config.probe) if config.probe and config.probe.exists() else None
+        probe = read_probe(config.probe, "site.probe") if config.probe and config.probe.exists() else None
+        self.probe = probe.x if probe is not None else None
+        # the input the probe set was made for (peer.nn.probes; None for a file of the previous version)
+        self.probe_signature = probe.signature if probe is not None else None
         self.imported = self._load_imported(config)
         self.policy = policy
         self.ledger = Ledger(config.ledger, policy)
