@@ -342,3 +342,48 @@ def test_a_round_prints_where_the_fused_model_of_an_imported_network_is(tmp_path
         and printed.with_name(printed.name + ".safetensors").is_file()
     )
     assert not (a.root / "rounds" / "models").exists()
+
+
+def test_an_imported_image_network_is_evaluated_probed_exported_and_moved_with_its_preprocessing(tmp_path):
+    """The image side of the same commands (in this process: the table tests run them as
+    subprocesses): import --data FOLDER fits the image preprocessing, evaluate and probe make take
+    the network, the probe records the images' channels and size, and export + import elsewhere
+    give the same outputs on the same raw images."""
+    from test_images import digits_images, write_folder
+
+    from peer.cli.model_import import load_own, own_predict_proba
+    from peer.nn.probes import read_probe
+
+    pixels, labels = digits_images(36, seed=3)
+    folder = write_folder(tmp_path / "scans", pixels, labels)
+    (tmp_path / "cnn.py").write_text(
+        "from site_models.networks import SmallResNet\n\ndef build():\n    return SmallResNet(n_out=3)\n"
+    )
+    from site_models.networks import SmallResNet, randomise
+
+    torch.save(randomise(SmallResNet(n_out=3), 7).state_dict(), tmp_path / "cnn.pt")
+    site = make_site(tmp_path, "a")
+    shape = ("--input-shape", "1", "8", "8")
+    run(*IMPORT, str(site), "--name", "cnn", "--factory", f"{tmp_path / 'cnn.py'}:build", "--weights",
+        str(tmp_path / "cnn.pt"), *shape, "--data", str(folder))  # fmt: skip
+    scores = json.loads(run("evaluate", "--site", str(site), "--model", "cnn", "--data", str(folder), "--json"))
+    assert scores["kind"] == "imported model" and scores["records"] == 36 and len(scores["confusion_matrix"]) == 3
+    run("probe", "make", "--site", str(site), "--model", "cnn", "--data", str(folder))
+    assert read_probe(site / "probe.safetensors").signature == {
+        "kind": "images",
+        "channels": 1,
+        "size": [8, 8],
+        "width": 64,
+    }
+
+    out = tmp_path / "cnn-export.safetensors"
+    run("model", "export", "--site", str(site), "--model", "cnn", "--format", "safetensors", "--out", str(out))
+    other = make_site(tmp_path, "b", 50902)
+    run(*IMPORT, str(other), "--name", "cnn", "--factory", f"{tmp_path / 'cnn.py'}:build", "--weights", str(out),
+        *shape, "--preprocessing", str(out.with_name(out.name + ".preprocessing.json")))  # fmt: skip
+    here, there = load_own(str(site), "cnn"), load_own(str(other), "cnn")
+    assert here.preprocessing == there.preprocessing
+    x, _ = there.preprocessing.transform(there.preprocessing.read(folder))
+    np.testing.assert_array_equal(own_predict_proba(str(other), there, x), own_predict_proba(str(site), here, x))
+    moved = json.loads(run("evaluate", "--site", str(other), "--model", "cnn", "--data", str(folder), "--json"))
+    assert moved["confusion_matrix"] == scores["confusion_matrix"]
