@@ -785,7 +785,16 @@ def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any], own: Lo
             from peer.nn.imported import save_imported
 
             def save(name: str, arrays, metadata: dict) -> None:
-                save_imported(own.own_store, name, own.own.factory, own.own.structure, arrays, metadata=metadata)
+                # aligned to our network, it reads our input: it keeps our preprocessing
+                save_imported(
+                    own.own_store,
+                    name,
+                    own.own.factory,
+                    own.own.structure,
+                    arrays,
+                    metadata=metadata,
+                    preprocessing=own.own.preprocessing,
+                )
         else:
 
             def save(name: str, arrays, metadata: dict) -> None:

@@ -205,6 +205,10 @@ def test_evaluate_scores_an_imported_network_with_the_table_iv_metrics(setting):
     import_own(tmp, site, "bare")
     err = refused("evaluate", "--site", str(site), "--model", "bare", *public)
     assert "holds no preprocessing" in err and "--data FILE --label COL" in err
+    lent = json.loads(
+        run("evaluate", "--site", str(site), "--model", "bare", *public, "--preprocessing-from", "own", "--json")
+    )
+    assert lent["preprocessing"] == "the site's model 'own'" and lent["records"] == 80
 
 
 def test_export_keeps_the_preprocessing_and_an_import_elsewhere_predicts_the_same(setting, tmp_path):
@@ -311,7 +315,8 @@ def test_a_probe_set_is_bound_to_the_input_its_model_reads_in_a_round(setting, t
 def test_a_round_prints_where_the_fused_model_of_an_imported_network_is(tmp_path):
     """A round on a site's own network writes its fused model to the site's own store
     (own_models), and the line ``privfusion round`` prints names that file (it named OUT/models,
-    where nothing was)."""
+    where nothing was); the fused model keeps the preprocessing of the site's network (it is
+    aligned to it and reads its input), so that ``evaluate`` takes it as it is."""
     from peer_harness import make_site as harness_site
     from peer_harness import pin_each_other, roster_of, running
     from site_models import networks
@@ -323,9 +328,23 @@ def test_a_round_prints_where_the_fused_model_of_an_imported_network_is(tmp_path
     a = harness_site(tmp_path, "st-anne", probe=probe, activation_clip=(-4.0, 4.0))
     b = harness_site(tmp_path, "riverside", activation_clip=(-4.0, 4.0))
     pin_each_other(a, b)
+    from peer.cli.model_import import load_own
+    from peer.nn.tables import Preprocessing, read_table
+
+    records = tmp_path / "records.csv"
+    rng = np.random.default_rng(4)
+    records.write_text(
+        ",".join([*(f"c{i}" for i in range(64)), "y"])
+        + "\n"
+        + "".join(",".join([*(f"{v:.4f}" for v in rng.normal(size=64)), str(k % 10)]) + "\n" for k in range(40))
+    )
+    prep = Preprocessing.fit(read_table(records, label="y"))
     factory = f"{Path(networks.__file__)}:clinic_mlp"
     for site, seed in ((a, 1), (b, 2)):
-        import_model(site.root / "own_models", "clinic", randomise(networks.clinic_mlp(), seed), [64], factory=factory)
+        import_model(
+            site.root / "own_models", "clinic", randomise(networks.clinic_mlp(), seed), [64], factory=factory,
+            preprocessing=prep,
+        )  # fmt: skip
     with running(b) as (_, address):
         roster_of(tmp_path / "roster.toml", {"st-anne": "127.0.0.1:1", "riverside": address}, a, b)
         (a.root / "round.toml").write_text(
@@ -342,6 +361,13 @@ def test_a_round_prints_where_the_fused_model_of_an_imported_network_is(tmp_path
         and printed.with_name(printed.name + ".safetensors").is_file()
     )
     assert not (a.root / "rounds" / "models").exists()
+    assert load_own(str(a.root), printed.name).preprocessing == prep
+    scores = json.loads(
+        run(
+            "evaluate", "--site", str(a.root), "--model", printed.name, "--data", str(records), "--label", "y", "--json"
+        )
+    )
+    assert scores["kind"] == "imported model" and scores["records"] == 40
 
 
 def test_an_imported_image_network_is_evaluated_probed_exported_and_moved_with_its_preprocessing(tmp_path):

@@ -97,11 +97,13 @@ def site_default_preprocessing(site: str | Path, name: str | None = None):
     """``(preprocessing, source)``: of the site's model ``name``, or else the one every model of
     the site's store with a preprocessing shares (none, or several different: an error that says
     to name one)."""
+    from peer.cli.model_import import is_imported, load_own
     from peer.nn.store import list_models, load_model
 
     store = site_models_dir(site)
     if name is not None:
-        p = load_model(store, name).preprocessing
+        in_store = (store / f"{name}.json").is_file() or not is_imported(str(site), name)
+        p = load_model(store, name).preprocessing if in_store else load_own(str(site), name).preprocessing
         if p is None:
             raise FailedPrecondition(f"--preprocessing-from: the site's model {name!r} holds no preprocessing")
         return p, f"the site's model {name!r}"
