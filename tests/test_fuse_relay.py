@@ -438,6 +438,6 @@ def test_a_probe_set_made_for_another_input_is_refused_before_anything_is_charge
     with running(b) as (_, b_address):
         e = refused(c, b_address)
     assert e.status == "FAILED_PRECONDITION" and e.reason == "PROBE_NOT_FOR_MODEL", (e.status, e.reason, str(e))
-    assert "'mb'" in str(e) and "secret_column" not in str(e)
+    assert "'mb'" in str(e) and "secret_column" not in str(e) and e.metadata["model"] == "mb"
     assert seen_at("site-x") == []
     assert ledger_state(b) == ([], [])

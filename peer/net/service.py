@@ -639,6 +639,7 @@ class PeerService(pb_grpc.PeerServicer):
                 f"{self.site.name!r}'s probe set was not made for the input its model {request.model!r} reads, "
                 f"which Fuse needs (its operator remakes it: privfusion probe make --model {request.model})",
                 reason="PROBE_NOT_FOR_MODEL",
+                metadata={"model": request.model},
             ) from None
         probe = probe_input(stored.architecture, probe)
 
