@@ -14,7 +14,8 @@ already open are re-checked against the pins on every call).
 Limits (``peer.net.limits``): streaming calls hold at most ``workers`` threads, the
 ``reserve_workers`` more stay free for health checks and GetPeerInfo, one peer may have at most
 ``max_calls_per_peer`` calls in progress, and a client stream that stalls is cut
-(DEADLINE_EXCEEDED, nothing charged). The port is bound exclusively (no SO_REUSEPORT): a
+(DEADLINE_EXCEEDED, nothing charged). ``metrics_listen`` opts in to a Prometheus endpoint
+(``peer.net.metrics``). The port is bound exclusively (no SO_REUSEPORT): a
 second daemon on a taken port fails at start, naming the address.
 
 SIGTERM/SIGINT: health turns NOT_SERVING, new releases are refused (nothing charged), in-flight
@@ -53,6 +54,7 @@ from peer.budget.policy import Policy
 from peer.net import wire
 from peer.net.identity import fingerprint
 from peer.net.limits import LimitsInterceptor
+from peer.net.metrics import MetricsEndpoint
 from peer.net.service import ErrorInterceptor, PeerService, add_to_server
 from peer.net.site import Site, SiteConfig, log_event
 from privfusion.v1 import peer_pb2 as pb
@@ -133,12 +135,19 @@ class Daemon:
         self.interceptor = ErrorInterceptor()
         limits = site.config.limits
         self.limits = LimitsInterceptor(limits, site.name, self._describe_caller, self._stream_cut)
+        # opt-in (site.metrics_listen): the metrics interceptor is outermost, so it sees the
+        # status the error mapping gives and times whole calls, limits included
+        self.metrics: MetricsEndpoint | None = None
+        interceptors = [self.interceptor, self.limits]
+        if site.config.metrics_listen is not None:
+            self.metrics = MetricsEndpoint(site.config.metrics_listen, lambda: site.ledger.summary(pld=False))
+            interceptors.insert(0, self.metrics.interceptor)
         # one thread per call for its whole life: `workers` for streaming calls, the reserve for
         # health checks and GetPeerInfo (peer.net.limits); the error interceptor wraps the limits,
         # so their refusals are mapped and logged like every other
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="peer"),
-            interceptors=[self.interceptor, self.limits],
+            interceptors=interceptors,
             # no SO_REUSEPORT: a second daemon on a taken port must fail, not share it
             options=[*wire.grpc_options(), ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=limits.threads * 4,
@@ -201,6 +210,8 @@ class Daemon:
             self.port = 0
         if not self.port:
             raise FailedPrecondition(f"site.listen: cannot listen on {listen!r}: {_why_not_listening(listen)}")
+        if self.metrics is not None:
+            self.metrics.start(self.site.name)  # after the gRPC port is ours, before any call is served
         if self.site.insecure:
             log.warning(json.dumps({"event": "insecure", "warning": INSECURE_WARNING}))
             print(f"privfusion peer: WARNING: {INSECURE_WARNING}", file=sys.stderr, flush=True)
@@ -241,6 +252,8 @@ class Daemon:
         # cancelled calls still run their bookkeeping (a "send-failed" note in the ledger):
         # the ledger is closed only after the last one, never under a call that is using it
         settled = self.interceptor.calls.wait_idle(30)
+        if self.metrics is not None:
+            self.metrics.stop()  # before the ledger it reads is closed
         if settled:
             self.site.close()
         self._stopped.set()

@@ -15,6 +15,7 @@
     stream_idle_s = 30               # an upload (ReleaseFeatures' probe) sending nothing this long is cut
     stream_deadline_s = 600          # and one not finished after this long
     shutdown_grace_s = 20            # SIGTERM: in-flight releases get this long to finish
+    # metrics_listen = "127.0.0.1:9464"  # opt-in Prometheus endpoint (peer.net.metrics); absent: none
     # seed = 7                       # simulations only (`peer serve --simulation`): fixed-seed
     #                                # noise, "fixed seed: not private" in logs, info and every record
     declared_records = 1000          # PUBLIC record count DP-SGD divides by under add-remove
@@ -113,6 +114,7 @@ SITE_KEYS = (
     "shutdown_grace_s",
     "seed",
     "declared_records",
+    "metrics_listen",
     "mechanisms",
     "pools",
     "peers",
@@ -149,6 +151,8 @@ class SiteConfig:
     pool_selection: Mapping[str, str] = field(default_factory=dict)
     # the site's own networks (``privfusion model import``; default DIR/own_models when it exists)
     own_models: Path | None = None
+    # where the opt-in Prometheus endpoint listens (peer.net.metrics); None: no endpoint
+    metrics_listen: str | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SiteConfig:
@@ -223,6 +227,7 @@ class SiteConfig:
             own_models=rel(site, "own_models", None)
             if "own_models" in site
             else ((base / "own_models").resolve() if (base / "own_models").is_dir() else None),
+            metrics_listen=checked(site, "metrics_listen", check_listen) if "metrics_listen" in site else None,
         )
 
     @property
