@@ -67,6 +67,17 @@ def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     }
 
 
+def wait_for(port: int, ok, tries: int = 200) -> dict:
+    """Scrape until ``ok(samples)`` (the daemon sees a call some moments after the client
+    starts or cancels it), at most ``tries`` times 50 ms; the last scrape."""
+    for _ in range(tries):
+        samples = scrape(port)
+        if ok(samples):
+            break
+        threading.Event().wait(0.05)
+    return samples
+
+
 def value(samples, name: str, **labels) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
@@ -147,14 +158,17 @@ def observed(tmp_path_factory):
             address, creds, options=[*wire.grpc_options(), ("grpc.ssl_target_name_override", "site-a")]
         ) as ch:
             stream = pb_grpc.PeerStub(ch).ReleaseFeatures(probe_requests(params, hold), timeout=60)
-            for _ in range(100):  # until the daemon has the call (the scrape is over HTTP, not gRPC)
-                during = scrape(port)
-                if value(during, "privfusion_rpc_in_flight", method=PEER + "ReleaseFeatures"):
-                    break
-                threading.Event().wait(0.05)
+            during = wait_for(port, lambda s: value(s, "privfusion_rpc_in_flight", method=PEER + "ReleaseFeatures"))
             out["during"] = during
             hold.set()
             out["held_frames"] = sum(1 for _ in stream)
+            # a call the caller cancels while its upload is held: it ends, and leaves no call in flight
+            stream = pb_grpc.PeerStub(ch).ReleaseFeatures(probe_requests(params, threading.Event()), timeout=60)
+            wait_for(port, lambda s: value(s, "privfusion_rpc_in_flight", method=PEER + "ReleaseFeatures") == 1)
+            stream.cancel()
+            out["after_cancel"] = wait_for(
+                port, lambda s: value(s, "privfusion_rpc_in_flight", method=PEER + "ReleaseFeatures") == 0
+            )
         out["after"] = scrape(port)
         # what the operator's command says of the same ledger, while the daemon holds it
         printed = io.StringIO()
@@ -172,6 +186,7 @@ def test_calls_are_counted_by_method_and_final_status(observed):
     after = observed["after"]
     calls = "privfusion_rpc_calls_total"
     assert value(after, calls, method=PEER + "ReleaseFeatures", code="OK") == 2  # one via the client, one held
+    assert value(after, calls, method=PEER + "ReleaseFeatures", code="CANCELLED") == 1
     assert value(after, calls, method=PEER + "ReleaseWeights", code="OK") == 1
     assert value(after, calls, method=PEER + "ReleaseWeights", code="RESOURCE_EXHAUSTED") == 1
     assert value(after, calls, method=PEER + "ReleaseWeights", code="NOT_FOUND") == 1
@@ -190,6 +205,14 @@ def test_a_refusal_is_counted_under_the_reason_the_caller_received(observed):
         assert value(after, "privfusion_refusals_total", method=PEER + "ReleaseWeights", code=code, reason=reason) == 1
     # successes are not refusals
     assert not any(n == "privfusion_refusals_total" and ("code", "OK") in lab for n, lab in after)
+
+
+def test_a_call_the_caller_cancels_is_counted_and_leaves_nothing_in_flight(observed):
+    samples = observed["after_cancel"]
+    assert value(samples, "privfusion_rpc_in_flight", method=PEER + "ReleaseFeatures") == 0
+    assert value(samples, "privfusion_rpc_calls_total", method=PEER + "ReleaseFeatures", code="CANCELLED") == 1
+    # the caller went away: not a refusal of the site
+    assert not any(n == "privfusion_refusals_total" and ("code", "CANCELLED") in lab for n, lab in samples)
 
 
 def test_bytes_cover_the_messages_and_streams_in_flight_return_to_zero(observed):

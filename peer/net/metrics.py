@@ -70,7 +70,7 @@ class RpcMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.calls = Counter(
             "privfusion_rpc_calls",
-            "RPCs finished, by method and final gRPC status code",
+            "RPCs finished, by method and final gRPC status code (CANCELLED: the caller went away)",
             ("method", "code"),
             registry=registry,
         )
@@ -101,7 +101,8 @@ class RpcMetrics:
         )
         self.refusals = Counter(
             "privfusion_refusals",
-            "Calls the site ended with a status other than OK, by method, code and ErrorInfo reason "
+            "Calls the site refused (ended with a status other than OK; a caller that went away is not one), "
+            "by method, code and ErrorInfo reason "
             '("none" when the refusal names none)',
             ("method", "code", "reason"),
             registry=registry,
@@ -141,40 +142,38 @@ def message_bytes(message) -> int:
 class _Call:
     """One call being observed: counts its bytes, and at its end its status and latency."""
 
-    __slots__ = ("method", "metrics", "started")
+    __slots__ = ("method", "metrics", "received", "sent", "started")
 
     def __init__(self, metrics: RpcMetrics, method: str):
         self.metrics, self.method = metrics, method
+        self.received, self.sent = metrics.received.labels(method), metrics.sent.labels(method)
         self.started = time.perf_counter()
         metrics.in_flight.labels(method).inc()
 
     def request(self, message) -> Any:
-        self.metrics.received.labels(self.method).inc(message_bytes(message))
+        self.received.inc(message_bytes(message))
         return message
 
     def requests(self, messages: Iterable) -> Iterator:
-        counter = self.metrics.received.labels(self.method)
         for message in messages:
-            counter.inc(message_bytes(message))
+            self.received.inc(message_bytes(message))
             yield message
 
     def response(self, message) -> None:
         if message is not None:
-            self.metrics.sent.labels(self.method).inc(message_bytes(message))
+            self.sent.inc(message_bytes(message))
 
     def end(self, context: grpc.ServicerContext, raised: BaseException | None) -> None:
         m, method = self.metrics, self.method
         code = context.code()
-        if code is None:
-            # no status set by the site: it finished normally, or the caller went away (a
-            # response stream closed under us, or a call cancelled), or something escaped the
-            # error mapping (gRPC then answers UNKNOWN)
-            if isinstance(raised, GeneratorExit) or not context.is_active():
-                code = grpc.StatusCode.CANCELLED
-            elif raised is not None:
-                code = grpc.StatusCode.UNKNOWN
-            else:
-                code = grpc.StatusCode.OK
+        if not context.is_active() or isinstance(raised, GeneratorExit):
+            # the caller went away (it cancelled, its deadline passed, or the site cut a stream it
+            # stopped reading): whatever the site would have answered reaches no one — not a refusal
+            code = grpc.StatusCode.CANCELLED
+        elif code is None:
+            # no status set: a normal end, or something that escaped the error mapping (gRPC
+            # then answers UNKNOWN)
+            code = grpc.StatusCode.OK if raised is None else grpc.StatusCode.UNKNOWN
         elif code != grpc.StatusCode.OK:
             m.refusals.labels(method, code.name, refusal_reason(context.trailing_metadata())).inc()
         m.calls.labels(method, code.name).inc()
