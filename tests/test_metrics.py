@@ -303,6 +303,32 @@ def test_one_ledger_read_serves_the_scrapes_of_its_cache_window():
     now[0] += 0.2
     list(collector.collect())
     assert len(summaries) == 2
+    collector.close()
+
+
+def open_files(path: Path) -> int:
+    """How many file descriptors of this process are open on ``path``."""
+    n = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            n += fd.readlink() == path
+        except OSError:
+            continue
+    return n
+
+
+def test_scrapes_do_not_open_a_ledger_connection_each(tmp_path):
+    """The HTTP server answers each scrape on a thread of its own and the ledger keeps one
+    SQLite connection per thread it is read from: the collector reads on one thread of its own,
+    so twenty uncached scrapes leave at most the one connection it made."""
+    a = make_site(tmp_path, "site-a", extra_site=METRICS)
+    with running(a) as (daemon, _):
+        daemon.metrics.ledger.cache_s = 0.0
+        ledger = a.ledger.resolve()
+        before = open_files(ledger)
+        for _ in range(20):
+            assert value(scrape(daemon.metrics.port), "privfusion_ledger_up") == 1
+        assert open_files(ledger) - before <= 1
 
 
 def test_an_unreadable_ledger_is_reported_not_raised(caplog):
@@ -310,7 +336,9 @@ def test_an_unreadable_ledger_is_reported_not_raised(caplog):
         raise OSError("disk gone: value 0.1234 of row 7")
 
     with caplog.at_level(logging.ERROR, logger="privfusion.peer"):
-        families = list(LedgerCollector(read, cache_s=0.0).collect())
+        collector = LedgerCollector(read, cache_s=0.0)
+        families = list(collector.collect())
+        collector.close()
     assert [(f.name, [s.value for s in f.samples]) for f in families] == [("privfusion_ledger_up", [0.0])]
     assert "OSError" in caplog.text and "0.1234" not in caplog.text
 

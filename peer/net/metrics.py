@@ -38,6 +38,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -256,6 +257,10 @@ class LedgerCollector(Collector):
 
     These are gauges, not counters: a cancelled charge (``privfusion ledger cancel``) leaves the
     figures, so they can go down.
+
+    Reads run on one thread of the collector's own: the HTTP server answers each scrape on a new
+    thread, and the ledger keeps one SQLite connection per thread that reads it (until it is
+    closed), so reading from the scrape's thread would leave a connection behind per scrape.
     """
 
     def __init__(self, read: Callable[[], dict], cache_s: float = LEDGER_CACHE_S, clock=time.monotonic):
@@ -265,7 +270,11 @@ class LedgerCollector(Collector):
         self._lock = threading.Lock()
         self._families: list | None = None
         self._at = 0.0
-        self.reads = 0  # ledger reads so far (the cache's test counts them)
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-ledger")
+
+    def close(self) -> None:
+        """Stop the reading thread (the daemon does, before it closes the ledger)."""
+        self._reader.shutdown(wait=True)
 
     def describe(self):
         return []  # registering must not read the ledger
@@ -274,13 +283,12 @@ class LedgerCollector(Collector):
         with self._lock:  # concurrent scrapes wait for one read instead of each making their own
             now = self._clock()
             if self._families is None or now - self._at >= self.cache_s:
-                self._families = self._collect_now()
+                self._families = self._reader.submit(self._collect_now).result()
                 self._at = self._clock()
             return list(self._families)
 
     def _collect_now(self) -> list:
         started = time.perf_counter()
-        self.reads += 1
         try:
             summary = self._read()
         except Exception as e:  # a scrape must not take the daemon down; say what failed, never values
@@ -408,3 +416,4 @@ class MetricsEndpoint:
         self._server.server_close()
         self._thread.join(5)
         self._server = None
+        self.ledger.close()
