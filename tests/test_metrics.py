@@ -415,6 +415,16 @@ def test_metrics_listen_is_checked_and_a_non_loopback_address_is_logged(tmp_path
     ]
 
 
+def test_the_site_new_template_offers_the_key_commented_out(tmp_path):
+    from peer.cli.site import new_site
+
+    path = new_site("hospital-a", tmp_path / "a", "127.0.0.1:0")
+    text = path.read_text()
+    assert SiteConfig.load(path).metrics_listen is None  # opt-in: off as written
+    path.write_text(text.replace('# metrics_listen = "127.0.0.1:9464"', 'metrics_listen = "127.0.0.1:9464"', 1))
+    assert SiteConfig.load(path).metrics_listen == "127.0.0.1:9464"
+
+
 def test_a_taken_metrics_port_is_refused_naming_the_key(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -68,6 +68,7 @@ declared_records = 1000           # PUBLIC record count DP-SGD divides by under 
 # workers = 32                    # streaming calls (releases, ledger listings) served at once
 # reserve_workers = 8             # more threads, kept for health checks and GetPeerInfo
 # max_calls_per_peer = 8          # calls one peer may have in progress (health checks exempt)
+# metrics_listen = "127.0.0.1:9464"  # opt-in Prometheus endpoint (docs/deployment.md, Monitoring)
 
 [site.mechanisms]
 activation_clip = [0.0, 6.0]      # public range activations are clipped to before Laplace noise
