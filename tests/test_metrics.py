@@ -283,6 +283,7 @@ def test_ledger_figures_equal_ledger_show(observed):
         ):
             assert value(after, metric, **labels) == pytest.approx(b[field], rel=1e-12), (name, metric)
     assert value(after, "privfusion_ledger_up") == 1
+    assert value(after, "process_open_fds") > 0  # the process's own figures are there too
 
 
 def test_one_ledger_read_serves_the_scrapes_of_its_cache_window():

@@ -43,7 +43,7 @@ from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -373,6 +373,8 @@ class MetricsEndpoint:
     def __init__(self, listen: str, read_ledger: Callable[[], dict], cache_s: float = LEDGER_CACHE_S):
         self.listen = listen
         self.registry = CollectorRegistry()
+        # prometheus_client's standard process_* figures of this process (CPU, memory, open fds)
+        ProcessCollector(registry=self.registry)
         self.rpc = RpcMetrics(self.registry)
         self.interceptor = MetricsInterceptor(self.rpc)
         self.ledger = LedgerCollector(read_ledger, cache_s)
