@@ -163,9 +163,11 @@ def observed(tmp_path_factory):
             hold.set()
             out["held_frames"] = sum(1 for _ in stream)
             # a call the caller cancels while its upload is held: it ends, and leaves no call in flight
-            stream = pb_grpc.PeerStub(ch).ReleaseFeatures(probe_requests(params, threading.Event()), timeout=60)
+            never = threading.Event()  # set only once the call is cancelled: the frame never goes
+            stream = pb_grpc.PeerStub(ch).ReleaseFeatures(probe_requests(params, never), timeout=60)
             wait_for(port, lambda s: value(s, "privfusion_rpc_in_flight", method=PEER + "ReleaseFeatures") == 1)
             stream.cancel()
+            never.set()  # frees the client's request thread (its stream is cancelled: nothing is sent)
             out["after_cancel"] = wait_for(
                 port, lambda s: value(s, "privfusion_rpc_in_flight", method=PEER + "ReleaseFeatures") == 0
             )
