@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import re
+import signal
 import socket
 import threading
 import urllib.error
@@ -21,7 +22,7 @@ import grpc
 import numpy as np
 import pytest
 import yaml
-from peer_harness import client, make_site, pin_each_other, running
+from peer_harness import DaemonProcess, client, make_site, pin_each_other, running
 from prometheus_client.parser import text_string_to_metric_families
 
 from peer.base.errors import FailedPrecondition
@@ -238,6 +239,37 @@ def test_the_endpoint_listens_only_where_asked_and_stops_with_the_daemon(observe
     assert observed["ports"] == {observed["grpc_port"], observed["metrics_port"]}
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{observed['stopped_port']}/metrics", timeout=5)
+
+
+def test_peer_serve_opens_the_endpoint_and_closes_it_at_sigterm(tmp_path):
+    """The production path: ``privfusion peer serve`` in its own process, its JSON log naming the
+    endpoint, a scrape after a real call, and SIGTERM closing the port with the daemon."""
+    a = make_site(tmp_path, "site-a", extra_site=METRICS)
+    b = make_site(tmp_path, "site-b", models={})
+    pin_each_other(a, b)
+    daemon = DaemonProcess(a)
+    try:
+        address = daemon.wait_ready()
+        lines = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
+        [serving] = [e for e in lines if e.get("event") == "metrics-serving"]
+        assert serving["loopback"] is True and serving["listen"] == "127.0.0.1:0"
+        assert not any(e.get("event") == "metrics-not-loopback" for e in lines)
+        with client(b, address) as c:
+            c.weights("mlp", epsilon=1.0, delta=1e-5)
+        samples = scrape(serving["port"])
+        assert value(samples, "privfusion_rpc_calls_total", method=PEER + "ReleaseWeights", code="OK") == 1
+        assert (
+            value(
+                samples, "privfusion_ledger_releases", level="model", unit="neuron", counterparty="site-b", model="mlp"
+            )
+            == 1
+        )
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{serving['port']}/metrics", timeout=5)
+    finally:
+        daemon.close()
 
 
 def test_metrics_are_off_by_default(tmp_path):
