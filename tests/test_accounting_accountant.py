@@ -21,6 +21,7 @@ from peer.dp.accounting import TrainingRecord
 from peer.dp.accounting.accountant import _PLD, _RDP, Accountant
 from peer.dp.accounting.conversions import DEFAULT_ORDERS
 from peer.dp.accounting.events import (
+    EVENT_CLASSES,
     EVENT_TYPES,
     READERS,
     Composition,
@@ -28,6 +29,7 @@ from peer.dp.accounting.events import (
     GaussianRelease,
     LaplaceRelease,
     MultiBitRelease,
+    event_class,
     event_of,
 )
 from peer.dp.accounting.release_accounting import dpsgd_record, rs_merge_record
@@ -149,6 +151,26 @@ def test_supports_says_yes_for_every_kind_and_no_for_what_is_not_an_event():
 def test_every_record_kind_reads_into_an_event_the_accountant_interprets():
     assert set(_RDP) == set(_PLD) == set(EVENT_TYPES)
     assert set(READERS) == {"laplace", "gaussian", "multibit", "composite", "dpsgd", "rs-merge", "lc-merge"}
+    assert set(EVENT_CLASSES) == set(READERS) and set(EVENT_CLASSES.values()) == set(EVENT_TYPES)
+
+
+def test_a_records_kind_is_the_class_of_the_event_it_reads_into():
+    t = TrainingRecord.constant("replace-one", 10, 0.5, 1.0, 6.0)
+    records = (laplace_record(), gaussian_record(), dpsgd_record(t, DELTA), rs_merge_record([t], [1.0], DELTA))
+    for record in records:
+        assert event_class(record) is type(event_of(record))
+    assert event_class(laplace_record().with_(mechanism="smoothing")) is None
+
+
+def test_per_neuron_restatement_dispatches_on_the_kind_and_refuses_kinds_without_one():
+    from peer.base.errors import FailedPrecondition
+    from peer.dp.accounting.per_unit import _PER_NEURON
+
+    assert set(_PER_NEURON) == {Composition, LaplaceRelease, GaussianRelease, MultiBitRelease}
+    t = TrainingRecord.constant("replace-one", 10, 0.5, 1.0, 6.0)
+    per_entry_training = dpsgd_record(t, DELTA).with_(level="model", unit="entry")
+    with pytest.raises(FailedPrecondition, match="per-entry 'dpsgd' release has no sound per-neuron conversion"):
+        per_neuron_record(per_entry_training)
 
 
 def test_the_accountant_holds_its_settings_and_the_ledger_its_filters_orders(tmp_path):

@@ -273,6 +273,25 @@ READERS = {
 }
 
 
+#: The event class each record mechanism is read into (what ``event_of`` returns for it).
+EVENT_CLASSES: dict[str, type] = {
+    "laplace": LaplaceRelease,
+    "gaussian": GaussianRelease,
+    "multibit": MultiBitRelease,
+    "composite": Composition,
+    "dpsgd": DpSgdTraining,
+    "rs-merge": RandomSelectionMerge,
+    "lc-merge": LinearCombinationMerge,
+}
+
+
+def event_class(record: ReleaseRecord) -> type | None:
+    """The event class ``record`` describes (its kind), without reading its parameters; None
+    for a mechanism no event describes. For code that dispatches on the kind before the
+    parameters are checked (``per_unit.per_neuron_record`` checks them with its own errors)."""
+    return EVENT_CLASSES.get(record.mechanism)
+
+
 def event_of(record: ReleaseRecord) -> Event:
     """The typed event a record describes. Raises InvalidArgument naming the field for an
     unknown mechanism or missing / malformed parameters."""
@@ -286,6 +305,7 @@ def event_of(record: ReleaseRecord) -> Event:
 
 __all__ = [
     "DATA_UNITS",
+    "EVENT_CLASSES",
     "EVENT_TYPES",
     "Composition",
     "DpSgdTraining",
@@ -295,6 +315,7 @@ __all__ = [
     "LinearCombinationMerge",
     "MultiBitRelease",
     "RandomSelectionMerge",
+    "event_class",
     "event_of",
     "selection_scored",
 ]

@@ -7,15 +7,19 @@ neuron before they are charged (:func:`per_neuron_record`): Laplace exactly — 
 activation row has P entries (``shape = [n, P]``) within ``clip = [lo, hi]``, so its L1
 sensitivity is P·(hi − lo) and the per-neuron ε is P·(hi − lo)/scale = P × (per-entry ε); the
 Gaussian exactly, from the row's L2 clip; multi-bit as P sequentially composed ε-DP
-coordinates. Other per-entry releases are refused. Pure: records in, records out.
+coordinates. Other per-entry releases are refused. The restatement dispatches on the kind of
+event the record describes (``events.event_class``), one function per kind, as the accountant
+does. Pure: records in, records out.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.base.records import ReleaseRecord
+from peer.dp.accounting.events import Composition, GaussianRelease, LaplaceRelease, MultiBitRelease, event_class
 
 
 def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
@@ -41,42 +45,48 @@ def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
     """
     if record.level != "model":
         return record
-    if record.mechanism == "composite":
-        how = record.parameters.get("composition")
-        if how not in ("sequential", "parallel"):
-            raise InvalidArgument("parameters.composition", f"must be 'sequential' or 'parallel', got {how!r}")
-        how_per_neuron = _composition_per_neuron(record, how)
-        components = tuple(per_neuron_record(c) for c in record.components)
-        if components == record.components and record.unit == "neuron" and how_per_neuron == how:
+    kind = event_class(record)
+    if kind is not Composition:
+        if record.unit == "neuron":
             return record
-        if how_per_neuron == "sequential":
-            eps, delta = sum(c.epsilon for c in components), min(1.0, sum(c.delta for c in components))
-        else:
-            eps, delta = (
-                max((c.epsilon for c in components), default=0.0),
-                max((c.delta for c in components), default=0.0),
+        if record.unit != "entry":
+            raise InvalidArgument(
+                "unit", f"a model-level release must be per 'neuron' or per 'entry', got {record.unit!r}"
             )
-        if delta >= 1:
-            raise InvalidArgument("delta", "the composed per-neuron δ reaches 1: the release has no guarantee")
-        parameters = record.parameters
-        if how_per_neuron != how:
-            parameters = {k: v for k, v in record.parameters.items() if k != "parallel_over"}
-            parameters.update(
-                composition="sequential",
-                restated="per entry parallel over other entries of the same neurons: sequential per neuron",
-            )
-        return record.with_(unit="neuron", components=components, epsilon=eps, delta=delta, parameters=parameters)
-    if record.unit == "neuron":
-        return record
-    if record.unit != "entry":
-        raise InvalidArgument("unit", f"a model-level release must be per 'neuron' or per 'entry', got {record.unit!r}")
-    convert = _ENTRY_TO_NEURON.get(record.mechanism)
+    convert = _PER_NEURON.get(kind)
     if convert is None:
         raise FailedPrecondition(
             f"release {record.release_id}: a per-entry {record.mechanism!r} release has no sound per-neuron "
             "conversion in the ledger; release it per neuron instead"
         )
     return convert(record)
+
+
+def _composite_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
+    how = record.parameters.get("composition")
+    if how not in ("sequential", "parallel"):
+        raise InvalidArgument("parameters.composition", f"must be 'sequential' or 'parallel', got {how!r}")
+    how_per_neuron = _composition_per_neuron(record, how)
+    components = tuple(per_neuron_record(c) for c in record.components)
+    if components == record.components and record.unit == "neuron" and how_per_neuron == how:
+        return record
+    if how_per_neuron == "sequential":
+        eps, delta = sum(c.epsilon for c in components), min(1.0, sum(c.delta for c in components))
+    else:
+        eps, delta = (
+            max((c.epsilon for c in components), default=0.0),
+            max((c.delta for c in components), default=0.0),
+        )
+    if delta >= 1:
+        raise InvalidArgument("delta", "the composed per-neuron δ reaches 1: the release has no guarantee")
+    parameters = record.parameters
+    if how_per_neuron != how:
+        parameters = {k: v for k, v in record.parameters.items() if k != "parallel_over"}
+        parameters.update(
+            composition="sequential",
+            restated="per entry parallel over other entries of the same neurons: sequential per neuron",
+        )
+    return record.with_(unit="neuron", components=components, epsilon=eps, delta=delta, parameters=parameters)
 
 
 def _composition_per_neuron(record: ReleaseRecord, how: str) -> str:
@@ -181,8 +191,15 @@ def _multibit_per_neuron(record: ReleaseRecord) -> ReleaseRecord:
     )
 
 
-#: The per-entry mechanisms with a sound per-neuron restatement.
-_ENTRY_TO_NEURON = {"laplace": _laplace_per_neuron, "gaussian": _gaussian_per_neuron, "multibit": _multibit_per_neuron}
+#: The restatement of each kind (the event class the record describes, ``events.event_class``):
+#: composites component-wise, and the per-entry kinds with a sound per-neuron restatement.
+#: A kind not listed (a per-entry DP-SGD or merge record, an unknown mechanism) is refused.
+_PER_NEURON: dict[type, Callable[[ReleaseRecord], ReleaseRecord]] = {
+    Composition: _composite_per_neuron,
+    LaplaceRelease: _laplace_per_neuron,
+    GaussianRelease: _gaussian_per_neuron,
+    MultiBitRelease: _multibit_per_neuron,
+}
 
 
 __all__ = ["per_neuron_record"]
