@@ -88,6 +88,18 @@ def test_lc_target_json_and_table(tmp_path, capsys):
     assert code == 0 and "closed form" in out and "m3" in out
 
 
+def test_the_figure_flag_and_its_old_name_choose_by_rdp(tmp_path, capsys):
+    args = ("rs", "--target-epsilon", "3", "--delta", "1e-5", "--json", "--interval", "1e-3")
+    by_pld = json.loads(run_cli(tmp_path, capsys, MODELS, *args)[1])
+    by_figure = json.loads(run_cli(tmp_path, capsys, MODELS, *args, "--figure", "rdp")[1])
+    by_old_name = json.loads(run_cli(tmp_path, capsys, MODELS, *args, "--accountant", "rdp")[1])
+    assert by_pld["accountant"] == "pld" and by_figure["accountant"] == "rdp"
+    assert by_old_name == by_figure
+    # met by the RDP figure: RDP at the target; the PLD figure of the same π is the tighter one
+    assert by_figure["epsilon"]["rdp"] <= 3 and by_figure["epsilon"]["pld"] <= by_figure["epsilon"]["rdp"]
+    assert by_pld["epsilon"]["pld"] <= 3 and by_pld["weights"] != by_figure["weights"]
+
+
 def test_per_step_lists_are_accepted(tmp_path, capsys):
     data = {
         "adjacency": "add-remove",

@@ -44,18 +44,18 @@ def simplex_grid(k, m):
         yield np.bincount(combo, minlength=k) / m
 
 
-@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+@pytest.mark.parametrize("figure", ["pld", "rdp"])
 @pytest.mark.parametrize("target", [2.5, 4.0, 8.0])
-def test_choose_pi_is_feasible_optimal_and_saturating(profiles, accountant, target):
-    choice = choose_pi(profiles, ACC, target, 1e-5, accountant=accountant, value_discretization_interval=INTERVAL)
-    achieved = getattr(choice.epsilon, accountant)
+def test_choose_pi_is_feasible_optimal_and_saturating(profiles, figure, target):
+    choice = choose_pi(profiles, ACC, target, 1e-5, figure=figure, value_discretization_interval=INTERVAL)
+    achieved = getattr(choice.epsilon, figure)
     assert achieved <= target + 1e-9
     assert choice.utility == pytest.approx(np.dot(ACC, choice.weights))
     # No grid point that meets the target does better.
     best_grid = max(
         np.dot(ACC, pi)
         for pi in simplex_grid(3, 10)
-        if getattr(rs_epsilon(profiles, pi, 1e-5, value_discretization_interval=INTERVAL), accountant) <= target
+        if getattr(rs_epsilon(profiles, pi, 1e-5, value_discretization_interval=INTERVAL), figure) <= target
     )
     assert choice.utility >= best_grid - 1e-9
     # The most useful model alone misses the target, so the budget is spent.
@@ -95,7 +95,7 @@ def test_choose_pi_with_approx_dp_models():
     choice = choose_pi(models, ACC, 3.0, 1e-5, value_discretization_interval=INTERVAL)
     assert choice.epsilon.pld <= 3.0 and choice.weights[2] > 0
     with pytest.raises(UnreachableTarget):
-        choose_pi(models, ACC, 3.0, 1e-5, accountant="rdp", value_discretization_interval=INTERVAL)
+        choose_pi(models, ACC, 3.0, 1e-5, figure="rdp", value_discretization_interval=INTERVAL)
 
 
 @pytest.mark.parametrize("target", [3.0, 6.0])
@@ -125,7 +125,7 @@ def test_choose_lam_surrogate_with_a_callable_utility():
 
 
 def test_choose_lam_surrogate_rdp_and_unreachable():
-    choice = choose_lam(DECLARED, ACC, 4.0, 1e-5, accountant="rdp", value_discretization_interval=INTERVAL)
+    choice = choose_lam(DECLARED, ACC, 4.0, 1e-5, figure="rdp", value_discretization_interval=INTERVAL)
     assert choice.epsilon.rdp <= 4.0 + 1e-9 and choice.epsilon.rdp == pytest.approx(4.0, rel=1e-4)
     with pytest.raises(UnreachableTarget) as e:
         choose_lam(DECLARED, ACC, 1.0, 1e-5, value_discretization_interval=INTERVAL)
@@ -186,7 +186,7 @@ def test_choose_lam_composition_callable_is_best_over_the_feasible_faces():
 
 
 def test_choose_lam_composition_rdp_and_unreachable():
-    choice = choose_lam(POOL, ACC, 6.0, 1e-5, accountant="rdp", value_discretization_interval=INTERVAL)
+    choice = choose_lam(POOL, ACC, 6.0, 1e-5, figure="rdp", value_discretization_interval=INTERVAL)
     assert choice.epsilon.rdp <= 6.0
     assert choice.weights == (0.0, 1.0, 0.0)  # model 0 alone: RDP ε ≈ 9 > 6
     with pytest.raises(UnreachableTarget) as e:
@@ -201,8 +201,9 @@ def test_target_input_errors(profiles):
         choose_pi(profiles, [0.9, 0.8], 3.0, 1e-5, value_discretization_interval=INTERVAL)
     with pytest.raises(InvalidArgument, match="target_epsilon"):
         choose_pi(profiles, ACC, -1.0, 1e-5, value_discretization_interval=INTERVAL)
-    with pytest.raises(InvalidArgument, match="accountant"):
-        choose_pi(profiles, ACC, 3.0, 1e-5, accountant="moments", value_discretization_interval=INTERVAL)
+    with pytest.raises(InvalidArgument, match="must be one of") as e:
+        choose_pi(profiles, ACC, 3.0, 1e-5, figure="moments", value_discretization_interval=INTERVAL)
+    assert e.value.field == "figure"
     with pytest.raises(InvalidArgument, match=r"No free lunch|no free lunch"):
         choose_lam([*POOL[:2], ApproxDP(1.0, 1e-06, "add-remove")], ACC, 3.0, 1e-5)
 

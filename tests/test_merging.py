@@ -119,7 +119,7 @@ def test_rs_meets_and_saturates_the_target_and_prefers_accurate_models():
 
 def test_rs_by_rdp_meets_the_rdp_target():
     target = 0.5 * (EPS[0] + EPS[1])
-    merged = merge_rs(_pool(), target, DELTA, prior=UTIL, randomness=make_randomness(0), accountant="rdp")
+    merged = merge_rs(_pool(), target, DELTA, prior=UTIL, randomness=make_randomness(0), figure="rdp")
     pi = merged.choice.weights
     e = _rs_rdp_epsilon(pi, DELTA)
     assert e <= target * (1 + 1e-9) and e >= target * (1 - 1e-3)
@@ -148,7 +148,7 @@ def test_rs_returns_the_drawn_model_and_its_record_does_not_say_which():
     drawn = set()
     params = set()
     for seed in range(6):
-        merged = merge_rs(pool, target, DELTA, prior=UTIL, randomness=make_randomness(seed), accountant="rdp")
+        merged = merge_rs(pool, target, DELTA, prior=UTIL, randomness=make_randomness(seed), figure="rdp")
         i = draw_index(merged.choice.weights, make_randomness(seed))  # the same stream draws the same index
         assert all(np.array_equal(merged.arrays[k], pool[i].arrays[k]) for k in merged.arrays)
         drawn.add(i)
@@ -252,12 +252,10 @@ def test_lc_beats_rs_on_a_gaussian_pool():
 
 @pytest.mark.parametrize("method", ["rs", "lc"])
 def test_refusals(method):
-    def go(pool, target=5.0, delta=DELTA, accountant="pld"):
+    def go(pool, target=5.0, delta=DELTA, figure="pld"):
         if method == "rs":
-            return merge_rs(
-                pool, target, delta, prior=[0.5] * len(pool), randomness=make_randomness(0), accountant=accountant
-            )
-        return merge_lc(pool, target, delta, prior=lambda lam: 0.0, accountant=accountant)
+            return merge_rs(pool, target, delta, prior=[0.5] * len(pool), randomness=make_randomness(0), figure=figure)
+        return merge_lc(pool, target, delta, prior=lambda lam: 0.0, figure=figure)
 
     with pytest.raises(InvalidArgument, match="empty"):
         go([])
@@ -276,7 +274,7 @@ def test_refusals(method):
     # alone, by RDP (by PLD: test_unreachable_by_pld_names_the_most_private_model)
     rdp_eps = _rs_rdp_epsilon([0.0, 0.0, 1.0], DELTA)
     with pytest.raises(InvalidArgument, match=r"most private reachable is epsilon = ([0-9.]+)") as info:
-        go(_pool(), target=0.9 * rdp_eps, accountant="rdp")
+        go(_pool(), target=0.9 * rdp_eps, figure="rdp")
     assert float(info.value.rule.rsplit("= ", 1)[1]) == pytest.approx(rdp_eps, rel=1e-4)
 
 

@@ -67,10 +67,13 @@ def register(subparsers) -> None:
     group.add_argument("--target-epsilon", type=float, help="choose weights meeting this epsilon (uses 'accuracy')")
     p.add_argument("--delta", type=float, required=True, help="delta, in (0, 1)")
     p.add_argument(
+        "--figure",
         "--accountant",
+        dest="figure",
         choices=("pld", "rdp"),
         default="pld",
-        help="accountant that must meet --target-epsilon (default pld, the tight one)",
+        help="the epsilon figure that must meet --target-epsilon: pld (default, the tight one) or rdp "
+        "(--accountant is the old name)",
     )
     p.add_argument("--interval", type=float, default=1e-4, help="PLD value discretisation interval (default 1e-4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -184,7 +187,7 @@ def account(
     delta: float,
     weights: list[float] | None = None,
     target_epsilon: float | None = None,
-    accountant: str = "pld",
+    figure: str = "pld",
     interval: float = 1e-4,
 ) -> dict:
     """The JSON-ready result of ``privfusion account`` (pure: file contents in, dict out)."""
@@ -219,13 +222,13 @@ def account(
                 accuracies,
                 target_epsilon,
                 delta,
-                accountant=accountant,
+                figure=figure,
                 value_discretization_interval=interval,
             )
             weights, eps = list(choice.weights), choice.epsilon
             out.update(
                 target_epsilon=target_epsilon,
-                accountant=accountant,
+                accountant=figure,  # the output key, unchanged
                 saturated=choice.saturated,
                 expected_accuracy=choice.utility,
             )
@@ -235,12 +238,12 @@ def account(
         singles = [privacy_profile(m, value_discretization_interval=interval).epsilon(delta) for m in models]
         if target_epsilon is not None:
             choice = choose_lam(
-                models, accuracies, target_epsilon, delta, accountant=accountant, value_discretization_interval=interval
+                models, accuracies, target_epsilon, delta, figure=figure, value_discretization_interval=interval
             )
             weights = list(choice.weights)
             out.update(
                 target_epsilon=target_epsilon,
-                accountant=accountant,
+                accountant=figure,  # the output key, unchanged
                 saturated=choice.saturated,
                 accuracy_proxy=choice.utility,
                 accuracy_note=LC_PROXY_NOTE,
@@ -287,7 +290,7 @@ def run(args) -> int:
         delta=args.delta,
         weights=weights,
         target_epsilon=args.target_epsilon,
-        accountant=args.accountant,
+        figure=args.figure,
         interval=args.interval,
     )
     if args.json:

@@ -2,7 +2,7 @@
 
     privfusion merge --pool POOL --target-epsilon E --delta D --method rs|lc --out FILE
                      [--selection public-prior|utility] [--validation pool|FILE.npz]
-                     [--accountant pld|rdp] [--seed N] [--json]
+                     [--figure pld|rdp] [--seed N] [--json]
 
 π / λ are chosen from public information by default (``--selection public-prior``: the models'
 training records and their declared ``prior_utility``, else each model's own ε); ``--selection
@@ -41,12 +41,12 @@ class MergeRequest:
     method: str
     target_epsilon: float
     delta: float
-    accountant: str = "pld"
+    figure: str = "pld"
     selection: str = "public-prior"
 
 
 def merge_request(args: argparse.Namespace) -> MergeRequest:
-    return MergeRequest(args.method, args.target_epsilon, args.delta, args.accountant, args.selection)
+    return MergeRequest(args.method, args.target_epsilon, args.delta, args.figure, args.selection)
 
 
 def obtain_merge(request: MergeRequest, args: argparse.Namespace, pool=None) -> MergedModel:
@@ -67,7 +67,7 @@ def obtain_merge(request: MergeRequest, args: argparse.Namespace, pool=None) -> 
         request.delta,
         selection=request.selection,
         validation=validation,
-        accountant=request.accountant,
+        figure=request.figure,
         randomness=make_randomness(args.seed),
     )
 
@@ -187,7 +187,12 @@ def register(subparsers) -> None:
         "beside; default) or an .npz with x and y. It must not be part of the protected training data",
     )
     p.add_argument(
-        "--accountant", default="pld", choices=("pld", "rdp"), help="the accountant the target is met by (default pld)"
+        "--figure",
+        "--accountant",
+        dest="figure",
+        default="pld",
+        choices=("pld", "rdp"),
+        help="the epsilon figure the target is met by: pld (tight) or rdp (default pld; --accountant is the old name)",
     )
     p.add_argument("--seed", type=int, default=None, help="fixed seed for the RS draw (tests only; default: CSPRNG)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -232,14 +232,14 @@ def merge_rs(
     selection: str = "public-prior",
     prior: Sequence[float] | None = None,
     score: Callable[[Mapping[str, np.ndarray]], float] | None = None,
-    accountant: str = "pld",
+    figure: str = "pld",
     subject: str = "",
     counterparty: str | None = None,
 ) -> MergedModel:
     """Random selection at (target_epsilon, delta), then one model drawn from Cat(π).
 
     ``selection`` "public-prior": π maximises Σ π_i prior_i subject to the RS bound meeting the
-    target by ``accountant`` ("pld" or "rdp"); ``prior`` as in ``pool_prior``. "utility": the
+    target by the ε ``figure`` ("pld" or "rdp"); ``prior`` as in ``pool_prior``. "utility": the
     models of the public subset S (``targets.scored_subset``) are scored by ``score(arrays)`` and
     the best is released; charged the composition of S (module docstring)."""
     arch = check_pool(pool)
@@ -255,10 +255,10 @@ def merge_rs(
             float(delta),
             prior=prior_u,
             prior_name=prior_name,
-            accountant=accountant,
+            figure=figure,
         )
     else:
-        choice = choose_pi(models, prior_u, float(target_epsilon), float(delta), accountant=accountant)
+        choice = choose_pi(models, prior_u, float(target_epsilon), float(delta), figure=figure)
         choice = replace(choice, selection=Selection("public-prior", prior_name, tuple(prior_u)).to_dict())
     drawn = pool[draw_index(choice.weights, randomness)]
     record = rs_merge_record(
@@ -300,7 +300,7 @@ def merge_lc(
     selection: str = "public-prior",
     prior: Sequence[float] | Callable[[np.ndarray], float] | None = None,
     score: Callable[[Mapping[str, np.ndarray]], float] | None = None,
-    accountant: str = "pld",
+    figure: str = "pld",
     candidates: int = LC_CANDIDATES,
     subject: str = "",
     counterparty: str | None = None,
@@ -308,7 +308,7 @@ def merge_lc(
     """Linear combination at (target_epsilon, delta).
 
     ``selection`` "public-prior": λ maximises the prior subject to the charged bound (module
-    docstring) meeting the target by ``accountant`` — per-model priors (``pool_prior``: linear
+    docstring) meeting the target by the ε ``figure`` ("pld" or "rdp") — per-model priors (``pool_prior``: linear
     Σ λ_i prior_i) or a public function ``prior(λ)`` evaluated on about ``candidates`` λ's.
     "utility": ``score(θ_λ)`` is measured on about ``candidates`` λ's supported on the public
     subset S (``targets.scored_subset``); charged the composition of S."""
@@ -336,7 +336,7 @@ def merge_lc(
             float(delta),
             prior=prior_u,
             prior_name=prior_name,
-            accountant=accountant,
+            figure=figure,
             max_points=candidates,
         )
     else:
@@ -351,9 +351,7 @@ def merge_lc(
                     # budget, hence carrying less relative noise)
                     return float(public(lam)) + TIE_BREAK * segments.mu(lam) / (1.0 + segments.mu(lam))
 
-        choice = choose_lam(
-            models, utility, float(target_epsilon), float(delta), accountant=accountant, max_points=candidates
-        )
+        choice = choose_lam(models, utility, float(target_epsilon), float(delta), figure=figure, max_points=candidates)
         if callable(prior):
             choice = replace(choice, utility=float(prior(np.asarray(choice.weights))))
         choice = replace(

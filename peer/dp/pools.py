@@ -373,7 +373,7 @@ def merge_pool(
     prior: Sequence[float] | None = None,
     validation: tuple[np.ndarray, np.ndarray] | None = None,
     utilities: Sequence[float] | None = None,
-    accountant: str = "pld",
+    figure: str = "pld",
     randomness: Randomness | None = None,
     subject: str = "",
     counterparty: str | None = None,
@@ -421,7 +421,7 @@ def merge_pool(
             selection=selection,
             prior=prior,
             score=score,
-            accountant=accountant,
+            figure=figure,
             subject=subject,
             counterparty=counterparty,
         )
@@ -432,7 +432,7 @@ def merge_pool(
         selection=selection,
         prior=prior,
         score=score,
-        accountant=accountant,
+        figure=figure,
         subject=subject,
         counterparty=counterparty,
     )

@@ -78,7 +78,7 @@ from peer.dp.training import run_dpsgd, train_pool
 from peer.nn.architectures import accuracy, model_from_arrays
 
 INTERVAL = 1e-3
-ACCOUNTANTS = ("pld", "rdp")
+FIGURES = ("pld", "rdp")
 METHODS = ("rs", "lc_composition", "lc_surrogate", "rs_utility", "lc_utility")
 
 
@@ -139,22 +139,20 @@ def _frontiers(
     lc_score,
     lc_candidates=2000,
 ) -> dict:
-    """For each target and accountant: π chosen by the public ``rs_prior`` (linear), λ by the
+    """For each target and ε figure (PLD, RDP): π chosen by the public ``rs_prior`` (linear), λ by the
     public ``lc_prior`` (per-model numbers or a public function of λ) under the composition bound
     and under the per-step surrogate; and the charged utility selections ("rs_utility",
     "lc_utility": the public subset scored by ``rs_score(i)`` / ``lc_score(λ)``, charged its
     composition). Each row carries ``key`` = rs_value(π) / lc_value(λ). Unreachable targets are
     left out of that curve."""
-    curves: dict[str, dict[str, list]] = {m: {a: [] for a in ACCOUNTANTS} for m in METHODS}
+    curves: dict[str, dict[str, list]] = {m: {a: [] for a in FIGURES} for m in METHODS}
     choosers = {"lc_composition": choose_lam_composition, "lc_surrogate": choose_lam_surrogate}
     linear_prior = rs_prior
     for target in targets:
-        for acc in ACCOUNTANTS:
+        for figure in FIGURES:
             try:
-                rs = choose_pi(
-                    profiles, rs_prior, target, delta, accountant=acc, value_discretization_interval=INTERVAL
-                )
-                curves["rs"][acc].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
+                rs = choose_pi(profiles, rs_prior, target, delta, figure=figure, value_discretization_interval=INTERVAL)
+                curves["rs"][figure].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
             except UnreachableTarget:
                 pass
             for method, choose in choosers.items():
@@ -164,11 +162,11 @@ def _frontiers(
                         lc_prior,
                         target,
                         delta,
-                        accountant=acc,
+                        figure=figure,
                         value_discretization_interval=INTERVAL,
                         max_points=lc_candidates,
                     )
-                    curves[method][acc].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
+                    curves[method][figure].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
                 except UnreachableTarget:
                     pass
             try:
@@ -178,21 +176,21 @@ def _frontiers(
                     target,
                     delta,
                     prior=linear_prior,
-                    accountant=acc,
+                    figure=figure,
                     value_discretization_interval=INTERVAL,
                 )
-                curves["rs_utility"][acc].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
+                curves["rs_utility"][figure].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
                 lc = choose_lam_by_utility(
                     trainings,
                     lc_score,
                     target,
                     delta,
                     prior=linear_prior,
-                    accountant=acc,
+                    figure=figure,
                     value_discretization_interval=INTERVAL,
                     max_points=lc_candidates,
                 )
-                curves["lc_utility"][acc].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
+                curves["lc_utility"][figure].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
             except UnreachableTarget:
                 pass
     return curves

@@ -47,8 +47,8 @@ RS (``choose_pi``). The expected utility Σ π_i u_i is linear in π, and so are
 LC (``choose_lam``). The charged privacy of θ_λ (``lc``) is, for models trained by DP-SGD on
 networks, the composition of the models with λ_i > 0: it does not depend on λ beyond its
 support. So the choice is which subset S of models to combine (and λ over S): maximise the
-utility over every λ whose support S has a composition meeting (E, δ) by the chosen
-accountant (``choose_lam_composition``). Composition grows with S, so the feasible subsets are
+utility over every λ whose support S has a composition meeting (E, δ) by the chosen ε
+figure (``choose_lam_composition``). Composition grows with S, so the feasible subsets are
 closed under taking subsets; the search enumerates them (pools are small: at most
 ``MAX_LC_MODELS``), and for each maximal feasible S runs a simplex grid on its face. With a linear
 proxy Σ λ_i u_i the optimum is a vertex — the most useful single model whose own ε meets the
@@ -57,7 +57,7 @@ a measured combination beats every single model and RS at the same composition c
 
 Only when every model declares state-independent gradients is θ_λ charged by the per-step
 surrogate μ(λ) (μ-GDP); then λ itself matters (``choose_lam_surrogate``): the target is met iff
-μ(λ) ≤ μ* (the largest μ meeting (E, δ) by the chosen accountant; the PLD figure is then checked
+μ(λ) ≤ μ* (the largest μ meeting (E, δ) by the chosen figure; the PLD figure is then checked
 by FFT and μ* lowered if the pessimistic discretisation overshoots). μ(λ) is not convex, and the
 utility of a combination cannot be known without evaluating it, so the search is a grid on the
 simplex projected onto the feasible boundary by bisection towards the most private λ (docs/architecture.md:
@@ -101,7 +101,8 @@ from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import check_subset, composition_epsilon, rs_epsilon, rs_profiles
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 
-ACCOUNTANTS = ("pld", "rdp")
+#: the ε figure a target is met by: "pld" (tight, numerical) or "rdp" (the RDP conversion)
+FIGURES = ("pld", "rdp")
 #: how π / λ are chosen (module docstring): from public information only, or from measured
 #: utilities of a public subset of models, charged as releasing that subset
 SELECTIONS = ("public-prior", "utility")
@@ -121,20 +122,20 @@ class UnreachableTarget(InvalidArgument):
     requester can ask again at a target the pool can serve. It is public: a function of the
     pool's published privacy profiles, not of the data."""
 
-    def __init__(self, method: str, target_epsilon: float, delta: float, accountant: str, most_private_epsilon: float):
+    def __init__(self, method: str, target_epsilon: float, delta: float, figure: str, most_private_epsilon: float):
         self.method = method
         self.target_epsilon = target_epsilon
         self.delta = delta
-        self.accountant = accountant
+        self.figure = figure
         self.most_private_epsilon = most_private_epsilon
         super().__init__(
             "target_epsilon",
             f"no {method.upper()} weighting of these models reaches epsilon <= {target_epsilon:g} at delta = {delta:g} "
-            f"({accountant}); the most private reachable is epsilon = {most_private_epsilon:.6g}",
+            f"({figure}); the most private reachable is epsilon = {most_private_epsilon:.6g}",
             reason="TARGET_UNREACHABLE",
             metadata={
                 "method": method,
-                "accountant": accountant,
+                "accountant": figure,  # the key docs/wire.md documents for TARGET_UNREACHABLE
                 "target_epsilon": float(target_epsilon),
                 "delta": float(delta),
                 "reachable_epsilon_min": float(most_private_epsilon),
@@ -154,7 +155,7 @@ class WeightChoice:
     weights: tuple[float, ...]
     target_epsilon: float
     delta: float
-    accountant: str
+    figure: str
     epsilon: Epsilons
     utility: float
     saturated: bool
@@ -169,7 +170,7 @@ class WeightChoice:
             "weights": list(self.weights),
             "target_epsilon": self.target_epsilon,
             "delta": self.delta,
-            "accountant": self.accountant,
+            "accountant": self.figure,  # the serialised key, unchanged from records written before
             "epsilon": self.epsilon.to_dict(),
             "utility": json_number(self.utility),
             "saturated": self.saturated,
@@ -189,10 +190,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _check_accountant(accountant: str) -> str:
-    if accountant not in ACCOUNTANTS:
-        raise InvalidArgument("accountant", f"must be one of {ACCOUNTANTS}, got {accountant!r}")
-    return accountant
+def _check_figure(figure: str) -> str:
+    if figure not in FIGURES:
+        raise InvalidArgument("figure", f"must be one of {FIGURES}, got {figure!r}")
+    return figure
 
 
 def _check_utilities(utilities: Sequence[float], count: int) -> np.ndarray:
@@ -276,14 +277,14 @@ def _pld_coeffs(profiles: Sequence[PrivacyProfile], epsilon: float) -> np.ndarra
     return np.array([[r[0][0] for r in rows], [r[1][0] for r in rows]])
 
 
-def rs_most_private_epsilon(profiles: Sequence[PrivacyProfile], delta: float, accountant: str = "pld") -> float:
+def rs_most_private_epsilon(profiles: Sequence[PrivacyProfile], delta: float, figure: str = "pld") -> float:
     """min over π of ε^RS(π). RDP: the most private single model (for each order the mixture's
     log-sum-exp is smallest at a vertex). PLD: bisection on E of the LP feasibility
     min_π max_direction Σ π_i δ_i^direction(E) ≤ δ (a mixture can beat every single model when
     the models are private in different directions)."""
     delta = check_delta(delta)
     singles = [p.epsilon(delta) for p in profiles]
-    if accountant == "rdp":
+    if figure == "rdp":
         return min(s.rdp for s in singles)
 
     def feasible(e: float) -> bool:
@@ -350,26 +351,26 @@ def choose_pi(
     target_epsilon: float,
     delta: float,
     *,
-    accountant: str = "pld",
+    figure: str = "pld",
     adjacency: str | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     value_discretization_interval: float = DEFAULT_INTERVAL,
 ) -> WeightChoice:
     """π maximising Σ π_i utilities_i subject to ε^RS(π) ≤ target_epsilon at ``delta`` by
-    ``accountant`` ("pld" or "rdp"); exact (linear programming, module docstring).
+    ``figure`` ("pld" or "rdp"); exact (linear programming, module docstring).
 
     ``models`` may be precomputed ``PrivacyProfile``s (``rs.rs_profiles``): nothing per-model is
     recomputed then. Raises ``UnreachableTarget`` (with the most private reachable ε) when no π
     meets the target."""
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
-    accountant = _check_accountant(accountant)
+    figure = _check_figure(figure)
     profiles = rs_profiles(
         models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
     )
     u = _check_utilities(utilities, len(profiles))
     pi = None
-    if accountant == "pld":
+    if figure == "pld":
         coeffs = _pld_coeffs(profiles, target)
         for shrink in (1e-9, 1e-6, 1e-3):
             pi = _rs_lp(coeffs, u, delta * (1 - shrink))
@@ -394,9 +395,9 @@ def choose_pi(
                 pi = None
         saturated = pi is not None and achieved.rdp >= target * (1 - 1e-6)
     if pi is None:
-        raise UnreachableTarget("rs", target, delta, accountant, rs_most_private_epsilon(profiles, delta, accountant))
+        raise UnreachableTarget("rs", target, delta, figure, rs_most_private_epsilon(profiles, delta, figure))
     return WeightChoice(
-        "rs", tuple(float(x) for x in pi), target, delta, accountant, achieved, float(u @ pi), bool(saturated)
+        "rs", tuple(float(x) for x in pi), target, delta, figure, achieved, float(u @ pi), bool(saturated)
     )
 
 
@@ -478,20 +479,20 @@ def scored_subset(
     target_epsilon: float,
     delta: float,
     *,
-    accountant: str = "pld",
+    figure: str = "pld",
     adjacency: str | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     value_discretization_interval: float = DEFAULT_INTERVAL,
 ) -> tuple[tuple[int, ...], Epsilons]:
     """The public subset S of models a charged utility selection may score, and the ε of its
     composition: among the subsets whose composition meets (target_epsilon, delta) by
-    ``accountant``, the one with the largest total ``prior`` (ties: more models, then the first in
+    ``figure``, the one with the largest total ``prior`` (ties: more models, then the first in
     pool order). A function of the training records and the prior only. Supersets of a subset
     that misses the target are skipped (composition only grows). Raises ``UnreachableTarget``
     when no single model meets the target."""
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
-    accountant = _check_accountant(accountant)
+    figure = _check_figure(figure)
     profiles = rs_profiles(
         models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
     )
@@ -502,8 +503,8 @@ def scored_subset(
         )
     u = _check_utilities(prior, k)
 
-    def figure(e: Epsilons) -> float:
-        return e.pld if accountant == "pld" else e.rdp
+    def by_figure(e: Epsilons) -> float:
+        return e.pld if figure == "pld" else e.rdp
 
     feasible: dict[tuple[int, ...], Epsilons] = {}
     singles = []
@@ -521,14 +522,14 @@ def scored_subset(
                 value_discretization_interval=value_discretization_interval,
             )
             if size == 1:
-                singles.append(figure(eps))
-            if figure(eps) <= target:
+                singles.append(by_figure(eps))
+            if by_figure(eps) <= target:
                 feasible[subset] = eps
                 found = True
         if not found:
             break
     if not feasible:
-        raise UnreachableTarget("rs", target, delta, accountant, min(singles))
+        raise UnreachableTarget("rs", target, delta, figure, min(singles))
     best = max(feasible, key=lambda sub: (float(u[list(sub)].sum()), len(sub), tuple(-i for i in sub)))
     return best, feasible[best]
 
@@ -553,7 +554,7 @@ def choose_pi_by_utility(
     *,
     prior: Sequence[float] | None = None,
     prior_name: str = "epsilon",
-    accountant: str = "pld",
+    figure: str = "pld",
     adjacency: str | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     value_discretization_interval: float = DEFAULT_INTERVAL,
@@ -579,7 +580,7 @@ def choose_pi_by_utility(
         prior_u,
         target,
         delta,
-        accountant=accountant,
+        figure=figure,
         adjacency=adjacency,
         orders=orders,
         value_discretization_interval=value_discretization_interval,
@@ -593,7 +594,7 @@ def choose_pi_by_utility(
         tuple(float(x) for x in pi),
         target,
         delta,
-        _check_accountant(accountant),
+        _check_figure(figure),
         achieved,
         scores[best],
         False,
@@ -605,14 +606,14 @@ def choose_pi_by_utility(
 
 
 def lc_mu_for_target(
-    target_epsilon: float, delta: float, accountant: str = "pld", orders: Sequence[float] = DEFAULT_ORDERS
+    target_epsilon: float, delta: float, figure: str = "pld", orders: Sequence[float] = DEFAULT_ORDERS
 ) -> float:
-    """The largest μ whose Gaussian mechanism meets (target_epsilon, delta) by ``accountant``:
+    """The largest μ whose Gaussian mechanism meets (target_epsilon, delta) by ``figure``:
     the exact μ-GDP inversion ("pld") or the RDP curve order·μ²/2 with the improved conversion
     ("rdp", bisection on the increasing map μ ↦ ε)."""
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
-    if _check_accountant(accountant) == "pld":
+    if _check_figure(figure) == "pld":
         return gdp_mu(target, delta)
     orders = check_orders(orders)
     lo, hi = 0.0, 1.0
@@ -697,7 +698,7 @@ def choose_lam_surrogate(
     target_epsilon: float,
     delta: float,
     *,
-    accountant: str = "pld",
+    figure: str = "pld",
     adjacency: str | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     value_discretization_interval: float = DEFAULT_INTERVAL,
@@ -714,11 +715,11 @@ def choose_lam_surrogate(
     the target."""
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
-    accountant = _check_accountant(accountant)
+    figure = _check_figure(figure)
     segments = models if isinstance(models, LCSegments) else lc_segments(models, adjacency=adjacency)
     k = segments.num_models
     linear = None if callable(utility) else _check_utilities(utility, k)
-    mu_max = lc_mu_for_target(target, delta, accountant, orders)
+    mu_max = lc_mu_for_target(target, delta, figure, orders)
     lam_private, mu_private = lc_most_private(segments)
 
     def achieved_of(lam):
@@ -733,7 +734,7 @@ def choose_lam_surrogate(
 
     if mu_private > mu_max:
         eps = achieved_of(lam_private)
-        raise UnreachableTarget("lc", target, delta, accountant, eps.pld if accountant == "pld" else eps.rdp)
+        raise UnreachableTarget("lc", target, delta, figure, eps.pld if figure == "pld" else eps.rdp)
     for _ in range(8):
         cands = lc_boundary_candidates(segments, mu_max, lam_private=lam_private, max_points=max_points)
         if linear is not None:
@@ -746,37 +747,37 @@ def choose_lam_surrogate(
             lam = cands[int(np.argmax(values))]
             value = float(np.max(values))
         achieved = achieved_of(lam)
-        figure = achieved.pld if accountant == "pld" else achieved.rdp
-        if figure <= target:
+        reached = achieved.pld if figure == "pld" else achieved.rdp
+        if reached <= target:
             saturated = segments.mu(lam) >= mu_max * (1 - 1e-6)
             return WeightChoice(
                 "lc",
                 tuple(float(x) for x in lam),
                 target,
                 delta,
-                accountant,
+                figure,
                 achieved,
                 value,
                 bool(saturated),
                 "surrogate",
             )
         # The FFT figure is pessimistic by its discretisation: aim slightly lower and retry.
-        mu_max *= 1 - 2 * (figure - target) / max(target, 1e-12) - 1e-6
+        mu_max *= 1 - 2 * (reached - target) / max(target, 1e-12) - 1e-6
         if mu_max < mu_private:
             break
     eps = achieved_of(lam_private)
-    raise UnreachableTarget("lc", target, delta, accountant, eps.pld if accountant == "pld" else eps.rdp)
+    raise UnreachableTarget("lc", target, delta, figure, eps.pld if figure == "pld" else eps.rdp)
 
 
 def _subset_figure(
-    records, adjacency: str, subset: tuple[int, ...], delta: float, accountant: str, orders, interval
+    records, adjacency: str, subset: tuple[int, ...], delta: float, figure: str, orders, interval
 ) -> float:
     lam = np.zeros(len(records))
     lam[list(subset)] = 1.0 / len(subset)
     eps = lc_composition_epsilon(
         records, lam, delta, adjacency=adjacency, orders=orders, value_discretization_interval=interval
     )
-    return eps.pld if accountant == "pld" else eps.rdp
+    return eps.pld if figure == "pld" else eps.rdp
 
 
 def lc_feasible_subsets(
@@ -784,12 +785,12 @@ def lc_feasible_subsets(
     target_epsilon: float,
     delta: float,
     *,
-    accountant: str = "pld",
+    figure: str = "pld",
     adjacency: str | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     value_discretization_interval: float = DEFAULT_INTERVAL,
 ) -> dict[tuple[int, ...], float]:
-    """{subset: its composition's ε by ``accountant``} for every non-empty subset of the models
+    """{subset: its composition's ε by ``figure``} for every non-empty subset of the models
     whose composition meets (target_epsilon, delta). Supersets of an infeasible subset are skipped
     (composition only grows)."""
     records, adjacency = check_lc_models(models, adjacency)
@@ -804,11 +805,9 @@ def lc_feasible_subsets(
         for subset in itertools.combinations(range(k), size):
             if size > 1 and any(sub not in feasible for sub in itertools.combinations(subset, size - 1)):
                 continue
-            figure = _subset_figure(
-                records, adjacency, subset, delta, accountant, orders, value_discretization_interval
-            )
-            if figure <= target_epsilon:
-                feasible[subset] = figure
+            reached = _subset_figure(records, adjacency, subset, delta, figure, orders, value_discretization_interval)
+            if reached <= target_epsilon:
+                feasible[subset] = reached
                 found = True
         if not found:
             break
@@ -821,7 +820,7 @@ def choose_lam_composition(
     target_epsilon: float,
     delta: float,
     *,
-    accountant: str = "pld",
+    figure: str = "pld",
     adjacency: str | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     value_discretization_interval: float = DEFAULT_INTERVAL,
@@ -834,7 +833,7 @@ def choose_lam_composition(
     ``UnreachableTarget`` when even the most private single model misses the target."""
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
-    accountant = _check_accountant(accountant)
+    figure = _check_figure(figure)
     records, adjacency = check_lc_models(models, adjacency)
     k = len(records)
     linear = None if callable(utility) else _check_utilities(utility, k)
@@ -842,17 +841,17 @@ def choose_lam_composition(
         records,
         target,
         delta,
-        accountant=accountant,
+        figure=figure,
         adjacency=adjacency,
         orders=orders,
         value_discretization_interval=value_discretization_interval,
     )
     if not feasible:
         singles = [
-            _subset_figure(records, adjacency, (i,), delta, accountant, orders, value_discretization_interval)
+            _subset_figure(records, adjacency, (i,), delta, figure, orders, value_discretization_interval)
             for i in range(k)
         ]
-        raise UnreachableTarget("lc", target, delta, accountant, min(singles))
+        raise UnreachableTarget("lc", target, delta, figure, min(singles))
     maximal = [s for s in feasible if not any(set(s) < set(t) for t in feasible)]
     if linear is not None:
         singles = [s[0] for s in feasible if len(s) == 1]
@@ -887,7 +886,7 @@ def choose_lam_composition(
         tuple(float(x) for x in lam),
         target,
         delta,
-        accountant,
+        figure,
         achieved,
         value,
         support in maximal,
@@ -901,7 +900,7 @@ def choose_lam(
     target_epsilon: float,
     delta: float,
     *,
-    accountant: str = "pld",
+    figure: str = "pld",
     adjacency: str | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     value_discretization_interval: float = DEFAULT_INTERVAL,
@@ -925,7 +924,7 @@ def choose_lam(
             utility,
             target_epsilon,
             delta,
-            accountant=accountant,
+            figure=figure,
             adjacency=adjacency,
             orders=orders,
             value_discretization_interval=value_discretization_interval,
@@ -937,7 +936,7 @@ def choose_lam(
         utility,
         target_epsilon,
         delta,
-        accountant=accountant,
+        figure=figure,
         adjacency=adjacency,
         orders=orders,
         value_discretization_interval=value_discretization_interval,
@@ -953,7 +952,7 @@ def choose_lam_by_utility(
     *,
     prior: Sequence[float] | None = None,
     prior_name: str = "epsilon",
-    accountant: str = "pld",
+    figure: str = "pld",
     adjacency: str | None = None,
     orders: Sequence[float] = DEFAULT_ORDERS,
     value_discretization_interval: float = DEFAULT_INTERVAL,
@@ -967,7 +966,7 @@ def choose_lam_by_utility(
     release)."""
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
-    accountant = _check_accountant(accountant)
+    figure = _check_figure(figure)
     records, adjacency = check_lc_models(models, adjacency)
     k = len(records)
     if not callable(utility):
@@ -987,13 +986,13 @@ def choose_lam_by_utility(
             prior_u,
             target,
             delta,
-            accountant=accountant,
+            figure=figure,
             adjacency=adjacency,
             orders=orders,
             value_discretization_interval=value_discretization_interval,
         )
     except UnreachableTarget as e:
-        raise UnreachableTarget("lc", target, delta, accountant, e.most_private_epsilon) from None
+        raise UnreachableTarget("lc", target, delta, figure, e.most_private_epsilon) from None
     lam, value = None, -math.inf
     for w in _simplex_grid(len(scored), max_points):
         cand = np.zeros(k)
@@ -1007,7 +1006,7 @@ def choose_lam_by_utility(
         tuple(float(x) for x in lam),
         target,
         delta,
-        accountant,
+        figure,
         achieved,
         value,
         False,
@@ -1039,7 +1038,7 @@ def _polish_linear(segments: LCSegments, linear: np.ndarray, lam0: np.ndarray, m
 
 
 __all__ = [
-    "ACCOUNTANTS",
+    "FIGURES",
     "MAX_LC_MODELS",
     "PRIORS",
     "SELECTIONS",
