@@ -8,6 +8,7 @@ import pytest
 from peer.cli import main
 from peer.cli.account import parse_models
 from peer.dp.accounting import TrainingRecord, lc_epsilon, rs_epsilon
+from peer.dp.accounting.accountant import Accountant
 
 MODELS = {
     "adjacency": "replace",
@@ -63,7 +64,7 @@ def test_rs_with_weights_json(tmp_path, capsys):
     assert code == 0
     result = json.loads(out)
     assert result["method"] == "rs" and result["weights"] == [0.2, 0.3, 0.5] and result["delta"] == 1e-5
-    expected = rs_epsilon(RECORDS, [0.2, 0.3, 0.5], 1e-5, value_discretization_interval=1e-3)
+    expected = rs_epsilon(RECORDS, [0.2, 0.3, 0.5], 1e-5, accountant=Accountant(value_discretization_interval=1e-3))
     assert result["epsilon"]["pld"] == pytest.approx(expected.pld) and result["epsilon"]["rdp"] == pytest.approx(
         expected.rdp
     )
@@ -78,7 +79,7 @@ def test_lc_target_json_and_table(tmp_path, capsys):
     result = json.loads(out)
     assert result["epsilon"]["pld"] <= 2.5 and "proxy" in result["accuracy_note"]
     assert result["epsilon"]["pld"] == pytest.approx(
-        lc_epsilon(RECORDS, result["weights"], 1e-5, value_discretization_interval=1e-3).pld
+        lc_epsilon(RECORDS, result["weights"], 1e-5, accountant=Accountant(value_discretization_interval=1e-3)).pld
     )
     # composition bound + linear proxy: the most accurate model meeting 2.5 alone (m2: μ = 2·sqrt(200)/60)
     assert result["bound"] == "composition" and result["weights"] == [0.0, 1.0, 0.0] and result["accuracy_proxy"] == 0.9

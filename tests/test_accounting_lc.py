@@ -30,6 +30,7 @@ from peer.dp.accounting import (
     privacy_profile,
     rdp_to_epsilon,
 )
+from peer.dp.accounting.accountant import Accountant
 from peer.dp.accounting.lc import (
     lc_composition_rdp,
     lc_surrogate_delta,
@@ -127,7 +128,9 @@ def test_fft_rounding_for_many_distinct_steps_is_sound():
     lrs = 0.06 + 0.05 * np.cos(np.linspace(0, np.pi, T))
     cosine = TrainingRecord("replace-one", tuple(GaussianStep(float(lr), 1.0, 60.0) for lr in lrs))
     other = TrainingRecord.constant("replace-one", 1500, 0.08, 1.0, 50.0)
-    coarse = lc_surrogate_epsilon([cosine, other], [0.5, 0.5], 1e-5, max_groups=4, value_discretization_interval=1e-3)
+    coarse = lc_surrogate_epsilon(
+        [cosine, other], [0.5, 0.5], 1e-5, max_groups=4, accountant=Accountant(value_discretization_interval=1e-3)
+    )
     eps = lc_surrogate_epsilon([cosine, other], [0.5, 0.5], 1e-5)
     for e in (coarse, eps):
         assert e.notes and "rounded" in e.notes[0]
@@ -150,9 +153,9 @@ def test_lc_equals_dp_accounting_pld_of_the_composed_gaussians():
     acc = pld.PLDAccountant(value_discretization_interval=1e-3)
     for n, m in zip(seg.counts, mu_s, strict=True):
         acc.compose(dp_event.GaussianDpEvent(1 / m), int(n))
-    assert lc_surrogate_epsilon(HETERO, lam, 1e-5, value_discretization_interval=1e-3).pld == pytest.approx(
-        acc.get_epsilon(1e-5), rel=1e-3
-    )
+    assert lc_surrogate_epsilon(
+        HETERO, lam, 1e-5, accountant=Accountant(value_discretization_interval=1e-3)
+    ).pld == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
 
 
 @settings(max_examples=20, deadline=None)
@@ -193,7 +196,9 @@ def test_lc_refusals():
     with pytest.raises(InvalidArgument, match="full-batch") as e:
         lc_surrogate_epsilon([HETERO[0], poisson], [0.5, 0.5], 1e-5)
     assert e.value.field == "models[1].steps[0].sample_rate"
-    report = lc_report([HETERO[0], poisson], [0.5, 0.5], 1e-5, value_discretization_interval=1e-3)
+    report = lc_report(
+        [HETERO[0], poisson], [0.5, 0.5], 1e-5, accountant=Accountant(value_discretization_interval=1e-3)
+    )
     assert report.bound == "composition" and report.surrogate is None and report.epsilon.closed_form is None
     # a Poisson model with weight 0 does not stop the surrogate figure
     assert lc_report([HETERO[0], poisson], [1.0, 0.0], 1e-5).surrogate is not None
@@ -238,7 +243,7 @@ def test_paper_pair_is_charged_the_composition_and_reports_the_surrogate():
 def test_composition_matches_dp_accounting():
     """Independent reference: dp-accounting composing every step of both models (full batch:
     Gaussian with σ/2 per step under replace-one; Poisson: its subsampled Gaussian event)."""
-    eps = lc_epsilon([PAPER_A, PAPER_B], [0.3, 0.7], 1e-5, value_discretization_interval=1e-3)
+    eps = lc_epsilon([PAPER_A, PAPER_B], [0.3, 0.7], 1e-5, accountant=Accountant(value_discretization_interval=1e-3))
     acc = pld.PLDAccountant(value_discretization_interval=1e-3)
     racc = rdp.RdpAccountant(list(DEFAULT_ORDERS))
     for a in (acc, racc):
@@ -248,7 +253,7 @@ def test_composition_matches_dp_accounting():
     # add-remove, a Poisson-subsampled model composed with a full-batch one (FFT path)
     poisson = TrainingRecord.constant("add-remove", 300, 0.1, 1.0, 1.2, 0.05)
     full = TrainingRecord.constant("add-remove", 50, 0.1, 1.0, 12.0)
-    eps = lc_epsilon([poisson, full], [0.5, 0.5], 1e-5, value_discretization_interval=1e-3)
+    eps = lc_epsilon([poisson, full], [0.5, 0.5], 1e-5, accountant=Accountant(value_discretization_interval=1e-3))
     acc = pld.PLDAccountant(value_discretization_interval=1e-3)
     racc = rdp.RdpAccountant(list(DEFAULT_ORDERS))
     for a in (acc, racc):

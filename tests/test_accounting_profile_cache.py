@@ -16,11 +16,13 @@ import pytest
 from peer.base.errors import InvalidArgument
 from peer.dp.accounting import ApproxDP, TrainingRecord
 from peer.dp.accounting import profile_cache as pc
+from peer.dp.accounting.accountant import Accountant
 from peer.dp.accounting.conversions import DEFAULT_ORDERS
 from peer.dp.accounting.profiles import _derived_profile, forget_profiles, privacy_profile
 
 ORDERS = tuple(float(a) for a in DEFAULT_ORDERS)
 INTERVAL = 1e-4
+ACC = Accountant(ORDERS, INTERVAL)
 POISSON = TrainingRecord.constant("add-remove", 2000, 0.1, 1.0, 1.0, 0.01)
 MODELS = [
     POISSON,
@@ -54,7 +56,7 @@ def assert_same_privacy(profile, reference):
 @pytest.mark.parametrize("model", MODELS, ids=["poisson", "poisson-replace", "full-batch", "approx-dp"])
 def test_stored_profile_gives_the_fresh_epsilon_exactly(tmp_path, model):
     written = pc.cached_profile(model, tmp_path)
-    assert pc.load_entry(tmp_path, model, model.adjacency, ORDERS, INTERVAL) is not None
+    assert pc.load_entry(tmp_path, model, model.adjacency, ACC) is not None
     forget_profiles()
     loaded = pc.cached_profile(model, tmp_path)
     assert _derived_profile.cache_info().currsize == 0  # read from disk, not built
@@ -65,17 +67,17 @@ def test_stored_profile_gives_the_fresh_epsilon_exactly(tmp_path, model):
 
 
 def test_key_covers_record_adjacency_orders_interval():
-    base = pc.profile_key(POISSON, "add-remove", ORDERS, INTERVAL)
+    base = pc.profile_key(POISSON, "add-remove", ACC)
     other_record = TrainingRecord.constant("add-remove", 2001, 0.1, 1.0, 1.0, 0.01)
-    assert pc.profile_key(other_record, "add-remove", ORDERS, INTERVAL) != base
-    assert pc.profile_key(POISSON, "replace-one", ORDERS, INTERVAL) != base
-    assert pc.profile_key(POISSON, "add-remove", ORDERS[:-1], INTERVAL) != base
-    assert pc.profile_key(POISSON, "add-remove", ORDERS, 1e-3) != base
-    assert pc.profile_key(POISSON, "add-remove", ORDERS, INTERVAL) == base
+    assert pc.profile_key(other_record, "add-remove", ACC) != base
+    assert pc.profile_key(POISSON, "replace-one", ACC) != base
+    assert pc.profile_key(POISSON, "add-remove", Accountant(ORDERS[:-1], INTERVAL)) != base
+    assert pc.profile_key(POISSON, "add-remove", Accountant(ORDERS, 1e-3)) != base
+    assert pc.profile_key(POISSON, "add-remove", ACC) == base
 
 
 def _paths(directory: Path, model=POISSON):
-    key = pc.profile_key(model, model.adjacency, ORDERS, INTERVAL)
+    key = pc.profile_key(model, model.adjacency, ACC)
     return directory / f"{key}.json", directory / f"{key}.npz"
 
 
@@ -145,12 +147,12 @@ BAD_ENTRIES = {
 def test_bad_entry_is_ignored_and_rebuilt(tmp_path, case):
     pc.cached_profile(POISSON, tmp_path)
     _rewrite(tmp_path, *BAD_ENTRIES[case])
-    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ACC) is None
     forget_profiles()
     profile = pc.cached_profile(POISSON, tmp_path)
     assert_same_privacy(profile, fresh(POISSON))
     # and the rebuilt entry was written back, valid
-    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is not None
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ACC) is not None
 
 
 @pytest.mark.parametrize("damage", ["truncated-npz", "garbage-json", "missing-npz", "pickle-in-npz"])
@@ -167,7 +169,7 @@ def test_corrupt_files_are_ignored_and_rebuilt(tmp_path, damage):
         buf = io.BytesIO()
         np.savez(buf, remove_probs=np.array([object()]), remove_meta=np.zeros(4), rdp=np.zeros(len(ORDERS)))
         npz_path.write_bytes(buf.getvalue())
-    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ACC) is None
     forget_profiles()
     assert_same_privacy(pc.cached_profile(POISSON, tmp_path), fresh(POISSON))
 
@@ -248,9 +250,9 @@ def test_recorded_deltas_are_checked_up_to_rounding_only(tmp_path):
     dot products in another order): 1e-12 relative is accepted, 1e-6 is not."""
     pc.cached_profile(POISSON, tmp_path)
     _rewrite(tmp_path, None, _nudge_deltas(1 + 1e-12))
-    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is not None
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ACC) is not None
     _rewrite(tmp_path, None, _nudge_deltas(1 + 1e-6))
-    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ACC) is None
 
 
 def test_an_entry_written_with_other_blas_threads_is_read(tmp_path):
@@ -263,7 +265,7 @@ def test_an_entry_written_with_other_blas_threads_is_read(tmp_path):
         with threadpoolctl.threadpool_limits(writer):
             pc.cached_profile(POISSON, d)
         with threadpoolctl.threadpool_limits(reader):
-            assert pc.load_entry(d, POISSON, "add-remove", ORDERS, INTERVAL) is not None
+            assert pc.load_entry(d, POISSON, "add-remove", ACC) is not None
 
 
 def test_a_profile_seen_before_is_still_written_beside_each_pool(tmp_path):
@@ -272,7 +274,7 @@ def test_a_profile_seen_before_is_still_written_beside_each_pool(tmp_path):
     first = pc.cached_profile(POISSON, tmp_path / "a")
     again = pc.cached_profile(POISSON, tmp_path / "b")
     assert again is first and _derived_profile.cache_info().currsize == 1
-    assert pc.load_entry(tmp_path / "b", POISSON, "add-remove", ORDERS, INTERVAL) is not None
+    assert pc.load_entry(tmp_path / "b", POISSON, "add-remove", ACC) is not None
 
 
 # ---- an entry must match what its training record determines (issue 20, item 5) ----
@@ -289,9 +291,7 @@ def _forge(directory, model, donor, rdp=None):
     accepted."""
     donor_profile = fresh(donor)
     own = fresh(model)
-    pc.save_entry(
-        directory, model, model.adjacency, ORDERS, INTERVAL, donor_profile.pld, own.rdp if rdp is None else rdp
-    )
+    pc.save_entry(directory, model, model.adjacency, ACC, donor_profile.pld, own.rdp if rdp is None else rdp)
 
 
 def test_forged_entry_with_a_more_private_models_pld_is_rejected_and_rebuilt(tmp_path, caplog):
@@ -305,7 +305,7 @@ def test_forged_entry_with_a_more_private_models_pld_is_rejected_and_rebuilt(tmp
 
     # what the forged entry made of the weak model (the old load_entry's result): it looks like the
     # strong one, π goes all on it, and the published ε is ~0.445 against a true ε of ~65.3
-    forged = profile_from_pld(WEAK, "replace-one", ORDERS, INTERVAL, fresh(STRONG).pld, fresh(WEAK).rdp)
+    forged = profile_from_pld(WEAK, "replace-one", ACC, fresh(STRONG).pld, fresh(WEAK).rdp)
     fooled = choose_pi([fresh(STRONG), forged], [0.0, 1.0], 2.0, 1e-5)
     assert fooled.weights == pytest.approx((0.0, 1.0)) and fooled.epsilon.pld < 0.5
     assert accounting_rs_epsilon([STRONG, WEAK], fooled.weights) == pytest.approx(gdp_epsilon(8.0, 1e-5), abs=2e-3)
@@ -313,7 +313,7 @@ def test_forged_entry_with_a_more_private_models_pld_is_rejected_and_rebuilt(tmp
 
     _forge(tmp_path, WEAK, STRONG)
     with caplog.at_level("WARNING", logger="peer.dp.accounting.profile_cache"):
-        assert pc.load_entry(tmp_path, WEAK, "replace-one", ORDERS, INTERVAL) is None
+        assert pc.load_entry(tmp_path, WEAK, "replace-one", ACC) is None
     assert "profile-cache-entry-rejected" in caplog.text and "Gaussian mechanism" in caplog.text
     forget_profiles()
     weak = pc.cached_profile(WEAK, tmp_path)
@@ -338,10 +338,10 @@ def test_forged_poisson_entry_is_rejected_by_its_order_two_moment(tmp_path):
     falls far short; the honest entry passes."""
     donor = TrainingRecord.constant("add-remove", 2000, 0.1, 1.0, 2.0, 0.01)
     pc.cached_profile(POISSON, tmp_path)
-    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is not None
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ACC) is not None
     _forge(tmp_path, POISSON, donor)
-    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
-    problem = pc.fingerprint_problem(POISSON, "add-remove", ORDERS, INTERVAL, fresh(donor).pld, fresh(POISSON).rdp)
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ACC) is None
+    problem = pc.fingerprint_problem(POISSON, "add-remove", ACC, fresh(donor).pld, fresh(POISSON).rdp)
     assert problem is not None and "order-2" in problem
 
 
@@ -350,7 +350,7 @@ def test_forged_rdp_curve_is_rejected(tmp_path):
     is refused, even with the honest PLD."""
     lowered = np.array(fresh(POISSON).rdp) * 0.5
     _forge(tmp_path, POISSON, POISSON, rdp=lowered)
-    assert pc.load_entry(tmp_path, POISSON, "add-remove", ORDERS, INTERVAL) is None
+    assert pc.load_entry(tmp_path, POISSON, "add-remove", ACC) is None
 
 
 @pytest.mark.parametrize(
@@ -358,11 +358,11 @@ def test_forged_rdp_curve_is_rejected(tmp_path):
 )
 def test_honest_entries_match_their_fingerprint(model):
     profile = fresh(model)
-    assert pc.fingerprint_problem(model, model.adjacency, ORDERS, INTERVAL, profile.pld, profile.rdp) is None
+    assert pc.fingerprint_problem(model, model.adjacency, ACC, profile.pld, profile.rdp) is None
 
 
 def test_approx_dp_entry_must_be_its_records_pld(tmp_path):
     other = ApproxDP(0.1, 1e-9, "add-remove")
     model = MODELS[3]
     _forge(tmp_path, model, other, rdp=fresh(model).rdp)
-    assert pc.load_entry(tmp_path, model, model.adjacency, ORDERS, INTERVAL) is None
+    assert pc.load_entry(tmp_path, model, model.adjacency, ACC) is None

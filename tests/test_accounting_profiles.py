@@ -18,6 +18,7 @@ from peer.dp.accounting import (
     privacy_profile,
     privacy_profiles,
 )
+from peer.dp.accounting.accountant import Accountant
 
 ORDERS = np.array(DEFAULT_ORDERS)
 
@@ -39,7 +40,9 @@ def test_references_sigma_one_compositions(T, pld_ref, rdp_ref):
     # stays ~10^5 points (the connect-the-dots error stays far below the 2e-6 asked here).
     interval = 1e-4 if T <= 10 else 1e-3 if T <= 100 else 1e-2
     eps = model_epsilon(
-        TrainingRecord.constant("add-remove", T, 0.1, 1.0, 1.0), 1e-5, value_discretization_interval=interval
+        TrainingRecord.constant("add-remove", T, 0.1, 1.0, 1.0),
+        1e-5,
+        accountant=Accountant(value_discretization_interval=interval),
     )
     assert eps.pld == pytest.approx(pld_ref, abs=2e-6)
     assert eps.closed_form == pytest.approx(pld_ref, abs=1e-6)
@@ -60,10 +63,10 @@ def test_poisson_profile_matches_pld_and_rdp_accountants():
     pld_acc.compose(event)
     rdp_acc = rdp.RdpAccountant(list(DEFAULT_ORDERS))
     rdp_acc.compose(event)
-    eps = model_epsilon(record, 1e-6, value_discretization_interval=1e-3)
+    eps = model_epsilon(record, 1e-6, accountant=Accountant(value_discretization_interval=1e-3))
     assert eps.pld == pytest.approx(pld_acc.get_epsilon(1e-6), rel=1e-6)
     assert eps.rdp == pytest.approx(rdp_acc.get_epsilon(1e-6), rel=1e-9)
-    d = model_delta(record, 2.0, value_discretization_interval=1e-3)
+    d = model_delta(record, 2.0, accountant=Accountant(value_discretization_interval=1e-3))
     assert d.pld == pytest.approx(pld_acc.get_delta(2.0), rel=1e-5)
     assert d.rdp == pytest.approx(rdp_acc.get_delta(2.0), rel=1e-9)
 
@@ -71,7 +74,9 @@ def test_poisson_profile_matches_pld_and_rdp_accountants():
 def test_replace_one_full_batch_is_add_remove_with_double_sensitivity():
     # Theorem used: replace-one moves the clipped sum by 2C, add-remove by C; the noise is σC.
     steps = (GaussianStep(0.1, 1.0, 2.0),) * 4 + (GaussianStep(0.1, 3.0, 4.0),) * 6
-    rep = privacy_profile(TrainingRecord("replace-one", steps), value_discretization_interval=1e-3)
+    rep = privacy_profile(
+        TrainingRecord("replace-one", steps), accountant=Accountant(value_discretization_interval=1e-3)
+    )
     assert rep.mu == pytest.approx(math.sqrt(4 * (2 / 2.0) ** 2 + 6 * (2 / 4.0) ** 2))
     acc = pld.PLDAccountant(NeighboringRelation.REPLACE_ONE, value_discretization_interval=1e-3)
     acc.compose(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(2.0), 4))
@@ -80,7 +85,9 @@ def test_replace_one_full_batch_is_add_remove_with_double_sensitivity():
     assert eps.pld == pytest.approx(acc.get_epsilon(1e-5), rel=1e-5)
     assert eps.closed_form == pytest.approx(eps.pld, rel=1e-5)
     # Same mechanism re-derived under add-remove: μ halves.
-    add = privacy_profile(TrainingRecord("replace-one", steps), "add-remove", value_discretization_interval=1e-3)
+    add = privacy_profile(
+        TrainingRecord("replace-one", steps), "add-remove", accountant=Accountant(value_discretization_interval=1e-3)
+    )
     assert add.mu == pytest.approx(rep.mu / 2)
 
 
@@ -88,7 +95,7 @@ def test_replace_one_poisson_pld_matches_dp_accounting():
     record = TrainingRecord.constant("replace-one", 200, 0.1, 1.0, 1.0, 0.05)
     acc = pld.PLDAccountant(NeighboringRelation.REPLACE_ONE, value_discretization_interval=1e-3)
     acc.compose(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.0)), 200))
-    eps = model_epsilon(record, 1e-5, value_discretization_interval=1e-3)
+    eps = model_epsilon(record, 1e-5, accountant=Accountant(value_discretization_interval=1e-3))
     assert eps.pld == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
     # The numerical replace-one RDP gives a valid but looser bound than the PLD.
     assert eps.rdp >= eps.pld
@@ -127,7 +134,7 @@ def test_profiles_of_a_model_seen_before_are_reused_and_cannot_be_changed():
     first = privacy_profile(model)
     # an equal record (another object) finds the same profile; other settings do not
     assert privacy_profile(TrainingRecord.constant("add-remove", 200, 0.1, 1.0, 1.1, 0.01)) is first
-    assert privacy_profile(model, value_discretization_interval=1e-3) is not first
+    assert privacy_profile(model, accountant=Accountant(value_discretization_interval=1e-3)) is not first
     assert privacy_profile(model, "replace-one").adjacency == "replace-one"
     with pytest.raises(ValueError):
         first.rdp[0] = 0.0
@@ -147,8 +154,8 @@ def test_rdp_alone_is_the_profiles_rdp_without_building_a_pld():
         ApproxDP(1.0, 0.0, "add-remove"),
     ):
         before = _derived_profile.cache_info().currsize
-        rdp = model_rdp(model, orders=orders)
+        rdp = model_rdp(model, accountant=Accountant(orders))
         assert _derived_profile.cache_info().currsize == before  # no PLD was built for it
-        np.testing.assert_array_equal(rdp, privacy_profile(model, orders=orders).rdp)
+        np.testing.assert_array_equal(rdp, privacy_profile(model, accountant=Accountant(orders)).rdp)
         with pytest.raises(ValueError):
             rdp[0] = 0.0

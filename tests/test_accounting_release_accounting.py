@@ -157,7 +157,7 @@ def test_dpsgd_record():
     accountant = Accountant(value_discretization_interval=1e-3)
     r = dpsgd_record(training, 1e-5, accountant=accountant)
     assert r.unit == "record:add-remove" and r.sensitivity == 1.0
-    own = model_epsilon(training, 1e-5, value_discretization_interval=1e-3)
+    own = model_epsilon(training, 1e-5, accountant=Accountant(value_discretization_interval=1e-3))
     assert r.epsilon == pytest.approx(own.pld) and r.parameters["epsilon_rdp"] == pytest.approx(own.rdp)
     assert record_epsilon(r, 1e-5, accountant=accountant) == pytest.approx((own.pld, own.rdp))
     # without one, the record states its figure on the default accountant's grid
@@ -186,7 +186,9 @@ def test_merge_records():
     assert pld_of_record(lc).get_epsilon_for_delta(1e-5) == pytest.approx(expected.pld)
     # the charge is the composition of both models: the sum of their own RDP curves
     assert lc.parameters["bound"] == "composition" and lc.parameters["surrogate"]["valid"] is False
-    np.testing.assert_allclose(rdp_of_record(lc), sum(model_rdp(m, orders=ORDERS) for m in models), rtol=1e-12)
+    np.testing.assert_allclose(
+        rdp_of_record(lc), sum(model_rdp(m, accountant=Accountant(ORDERS)) for m in models), rtol=1e-12
+    )
     assert lc.parameters["surrogate"]["epsilon_pld"] < lc.epsilon
     # declared state-independent: the surrogate is the charge, and the declaration survives the record's JSON
     declared = [
@@ -198,7 +200,9 @@ def test_merge_records():
     assert lc.epsilon == pytest.approx(sur.pld) and record_epsilon(lc, 1e-5) == pytest.approx((sur.pld, sur.rdp))
     # the record's "bound" parameter is description only: the interpretation re-derives the bound
     forged = lc.with_(parameters={**dict(lc.parameters), "models": [m.to_dict() for m in models]})
-    np.testing.assert_allclose(rdp_of_record(forged), sum(model_rdp(m, orders=ORDERS) for m in models), rtol=1e-12)
+    np.testing.assert_allclose(
+        rdp_of_record(forged), sum(model_rdp(m, accountant=Accountant(ORDERS)) for m in models), rtol=1e-12
+    )
 
 
 @pytest.mark.parametrize(

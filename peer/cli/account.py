@@ -34,9 +34,12 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peer.base.errors import InvalidArgument
+
+if TYPE_CHECKING:  # peer.dp loads dp_accounting (slow): imported where the command runs
+    from peer.dp.accounting.accountant import Accountant
 
 ADJACENCY_NAMES = {"replace": "replace-one", "replace-one": "replace-one", "add-remove": "add-remove"}
 STEP_FIELDS = {
@@ -188,13 +191,16 @@ def account(
     weights: list[float] | None = None,
     target_epsilon: float | None = None,
     figure: str = "pld",
-    interval: float = 1e-4,
+    accountant: Accountant | None = None,
 ) -> dict:
-    """The JSON-ready result of ``privfusion account`` (pure: file contents in, dict out)."""
+    """The JSON-ready result of ``privfusion account`` (pure: file contents in, dict out); every ε
+    by ``accountant`` (default: the default one; the CLI's is built from ``--interval``)."""
     from peer.base.checks import check_delta, check_epsilon
     from peer.dp.accounting import ApproxDP, choose_lam, choose_pi, lc_report, privacy_profile, rs_epsilon, rs_profiles
+    from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT
     from peer.dp.accounting.lc import NO_FREE_LUNCH
 
+    accountant = accountant or DEFAULT_ACCOUNTANT
     delta = check_delta(delta, "--delta")
     adjacency, names, models, accuracies = parse_models(data)
     if method == "lc":
@@ -206,7 +212,7 @@ def account(
         "adjacency": adjacency,
         "names": names,
         "delta": delta,
-        "value_discretization_interval": interval,
+        "value_discretization_interval": accountant.value_discretization_interval,
     }
     if target_epsilon is not None:
         target_epsilon = check_epsilon(target_epsilon, "--target-epsilon", zero=True)
@@ -214,7 +220,7 @@ def account(
         if missing:
             raise InvalidArgument(f"models[{missing[0]}].accuracy", "is required with --target-epsilon")
     if method == "rs":
-        profiles = rs_profiles(models, adjacency=adjacency, value_discretization_interval=interval)
+        profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
         singles = [p.epsilon(delta) for p in profiles]
         if target_epsilon is not None:
             choice = choose_pi(
@@ -223,7 +229,7 @@ def account(
                 target_epsilon,
                 delta,
                 figure=figure,
-                value_discretization_interval=interval,
+                accountant=accountant,
             )
             weights, eps = list(choice.weights), choice.epsilon
             out.update(
@@ -233,13 +239,11 @@ def account(
                 expected_accuracy=choice.utility,
             )
         else:
-            eps = rs_epsilon(profiles, weights, delta, value_discretization_interval=interval)
+            eps = rs_epsilon(profiles, weights, delta, accountant=accountant)
     else:
-        singles = [privacy_profile(m, value_discretization_interval=interval).epsilon(delta) for m in models]
+        singles = [privacy_profile(m, accountant=accountant).epsilon(delta) for m in models]
         if target_epsilon is not None:
-            choice = choose_lam(
-                models, accuracies, target_epsilon, delta, figure=figure, value_discretization_interval=interval
-            )
+            choice = choose_lam(models, accuracies, target_epsilon, delta, figure=figure, accountant=accountant)
             weights = list(choice.weights)
             out.update(
                 target_epsilon=target_epsilon,
@@ -248,7 +252,7 @@ def account(
                 accuracy_proxy=choice.utility,
                 accuracy_note=LC_PROXY_NOTE,
             )
-        report = lc_report(models, weights, delta, value_discretization_interval=interval)
+        report = lc_report(models, weights, delta, accountant=accountant)
         eps = report.epsilon
         out["bound"] = report.bound
         out["surrogate"] = None if report.surrogate is None else report.surrogate.to_dict()
@@ -280,6 +284,16 @@ def _fmt(x: Any) -> str:
     return x if isinstance(x, str) else f"{x:.6g}"
 
 
+def _accountant(interval: float) -> Accountant:
+    """The accountant of ``--interval`` (default orders)."""
+    from peer.dp.accounting.accountant import Accountant
+
+    try:
+        return Accountant(value_discretization_interval=interval)
+    except InvalidArgument as e:
+        raise InvalidArgument("--interval", e.rule) from None
+
+
 def run(args) -> int:
     data = _read(args.models)
     count = len(data.get("models", [])) if isinstance(data, dict) and isinstance(data.get("models"), list) else 0
@@ -291,7 +305,7 @@ def run(args) -> int:
         weights=weights,
         target_epsilon=args.target_epsilon,
         figure=args.figure,
-        interval=args.interval,
+        accountant=_accountant(args.interval),
     )
     if args.json:
         json.dump(result, sys.stdout, indent=2, allow_nan=False)

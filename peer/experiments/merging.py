@@ -61,6 +61,7 @@ import torch
 from peer.base.extras import pyplot, require
 from peer.base.rng import make_randomness
 from peer.dp.accounting import TrainingRecord, UnreachableTarget, choose_pi, privacy_profiles, rdp_to_epsilon
+from peer.dp.accounting.accountant import Accountant
 from peer.dp.accounting.conversions import pld_epsilon
 from peer.dp.accounting.lc import lc_composition_epsilon, lc_composition_rdp, surrogate_is_bound
 from peer.dp.accounting.pld import compose_plds
@@ -78,6 +79,8 @@ from peer.dp.training import run_dpsgd, train_pool
 from peer.nn.architectures import accuracy, model_from_arrays
 
 INTERVAL = 1e-3
+#: the accountant every figure of the experiment is stated by (default orders, PLD grid INTERVAL)
+ACCOUNTANT = Accountant(value_discretization_interval=INTERVAL)
 FIGURES = ("pld", "rdp")
 METHODS = ("rs", "lc_composition", "lc_surrogate", "rs_utility", "lc_utility")
 
@@ -151,7 +154,7 @@ def _frontiers(
     for target in targets:
         for figure in FIGURES:
             try:
-                rs = choose_pi(profiles, rs_prior, target, delta, figure=figure, value_discretization_interval=INTERVAL)
+                rs = choose_pi(profiles, rs_prior, target, delta, figure=figure, accountant=ACCOUNTANT)
                 curves["rs"][figure].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
             except UnreachableTarget:
                 pass
@@ -163,7 +166,7 @@ def _frontiers(
                         target,
                         delta,
                         figure=figure,
-                        value_discretization_interval=INTERVAL,
+                        accountant=ACCOUNTANT,
                         max_points=lc_candidates,
                     )
                     curves[method][figure].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
@@ -177,7 +180,7 @@ def _frontiers(
                     delta,
                     prior=linear_prior,
                     figure=figure,
-                    value_discretization_interval=INTERVAL,
+                    accountant=ACCOUNTANT,
                 )
                 curves["rs_utility"][figure].append(_choice_row(rs, key, rs_value(np.asarray(rs.weights))))
                 lc = choose_lam_by_utility(
@@ -187,7 +190,7 @@ def _frontiers(
                     delta,
                     prior=linear_prior,
                     figure=figure,
-                    value_discretization_interval=INTERVAL,
+                    accountant=ACCOUNTANT,
                     max_points=lc_candidates,
                 )
                 curves["lc_utility"][figure].append(_choice_row(lc, key, lc_value(np.asarray(lc.weights))))
@@ -258,7 +261,7 @@ def mean_estimation(s: Settings) -> dict:
     def lc_mse(lam: np.ndarray) -> float:
         return float((lam @ bias_a) ** 2 + (lam**2) @ var_a)
 
-    profiles = privacy_profiles(trainings, value_discretization_interval=INTERVAL)
+    profiles = privacy_profiles(trainings, accountant=ACCOUNTANT)
     singles = [p.epsilon(s.delta) for p in profiles]
     targets = _targets(min(e.pld for e in singles) * 1.001, max(e.rdp for e in singles) * 1.15, s.mean_targets)
     # the public prior: the closed-form variance of each model's error, T(ησC/n)² (η = 1/T: no
@@ -340,7 +343,7 @@ def _digits_findings(curves: dict, trainings, delta: float) -> dict:
     lc_vs_rs = _paired(curves["lc_composition"]["pld"], curves["rs"]["pld"], "test_accuracy")
     understated = []
     for r in curves["lc_surrogate"]["pld"]:
-        proven = lc_composition_epsilon(trainings, r["weights"], delta, value_discretization_interval=INTERVAL).pld
+        proven = lc_composition_epsilon(trainings, r["weights"], delta, accountant=ACCOUNTANT).pld
         understated.append(
             {
                 "target_epsilon": r["target_epsilon"],
@@ -382,7 +385,7 @@ def digits_logreg(s: Settings) -> dict:
 
     val = [acc_of(a, splits.x_val, splits.y_val) for a in arrays]
     test = [acc_of(a, splits.x_test, splits.y_test) for a in arrays]
-    profiles = privacy_profiles(trainings, value_discretization_interval=INTERVAL)
+    profiles = privacy_profiles(trainings, accountant=ACCOUNTANT)
     singles = [p.epsilon(s.delta) for p in profiles]
 
     lo = min(e.pld for e in singles) * 1.001
@@ -393,8 +396,8 @@ def digits_logreg(s: Settings) -> dict:
         targets,
         s.delta,
         "test_accuracy",
-        rs_prior=privacy_prior(profiles, s.delta, value_discretization_interval=INTERVAL),
-        lc_prior=privacy_prior(profiles, s.delta, value_discretization_interval=INTERVAL),
+        rs_prior=privacy_prior(profiles, s.delta, accountant=ACCOUNTANT),
+        lc_prior=privacy_prior(profiles, s.delta, accountant=ACCOUNTANT),
         rs_value=lambda pi: float(np.dot(pi, test)),
         lc_value=lambda lam: acc_of(combine(arrays, lam), splits.x_test, splits.y_test),
         rs_score=lambda i: val[i],
@@ -497,7 +500,7 @@ def _savings(curves: dict, profiles, trainings, delta: float) -> dict:
         for r in curves[curve]["rdp"]:
             w = np.asarray(r["weights"])
             if method == "lc":
-                rdp_curve = lc_composition_rdp(trainings, w, orders=orders)
+                rdp_curve = lc_composition_rdp(trainings, w, accountant=profiles[0].accountant)
             else:
                 rdp_curve = rdp_mixture(w, [p.rdp for p in profiles], orders)
             e_pld, e_rdp = r["epsilon"]["pld"], r["epsilon"]["rdp"]

@@ -60,8 +60,7 @@ from peer.dp.accounting.events import (
     RandomSelectionMerge,
     event_of,
 )
-from peer.dp.accounting.lc import lc_pld, lc_rdp
-from peer.dp.accounting.profiles import DEFAULT_INTERVAL, model_rdp, privacy_profile, privacy_profiles
+from peer.dp.accounting.pld import DEFAULT_INTERVAL
 from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
 
 
@@ -104,14 +103,37 @@ class Accountant:
         orders: Sequence[float] = DEFAULT_ORDERS,
         value_discretization_interval: float = DEFAULT_INTERVAL,
     ):
-        self.orders = check_orders(orders)
-        self.value_discretization_interval = pldm.check_interval(value_discretization_interval)
+        orders = np.array(check_orders(orders))
+        orders.flags.writeable = False  # an accountant is shared (DEFAULT_ACCOUNTANT): never changed
+        self._orders = orders
+        self._interval = pldm.check_interval(value_discretization_interval)
+
+    @property
+    def orders(self) -> np.ndarray:
+        """The Rényi orders the RDP curves are given at (read-only)."""
+        return self._orders
+
+    @property
+    def value_discretization_interval(self) -> float:
+        """The PLDs' value discretisation interval."""
+        return self._interval
 
     def __repr__(self) -> str:
         return (
             f"Accountant(orders=<{len(self.orders)} orders {self.orders[0]:g}..{self.orders[-1]:g}>, "
             f"value_discretization_interval={self.value_discretization_interval:g})"
         )
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Accountant)
+            and self.orders.shape == other.orders.shape
+            and bool(np.all(self.orders == other.orders))
+            and self.value_discretization_interval == other.value_discretization_interval
+        )
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.orders.tolist()), self.value_discretization_interval))
 
     def with_orders(self, orders: Sequence[float]) -> Accountant:
         """The same discretisation at other orders (a ledger's filter fixes its own)."""
@@ -232,30 +254,45 @@ def _composition_pld(acc: Accountant, e: Composition) -> pldm.PLD:
     return pldm.compose_plds([acc.pld(c) for c in e.events], interval)
 
 
+# The data-level kinds are interpreted by the profiles and the LC accountant, which take an
+# Accountant themselves: imported when first needed, so that they can import this module.
+
+
 @_rdp_of(DpSgdTraining)
 def _dpsgd_rdp(acc: Accountant, e: DpSgdTraining) -> np.ndarray:
-    return model_rdp(e.training, e.adjacency, orders=acc.orders)
+    from peer.dp.accounting.profiles import model_rdp
+
+    return model_rdp(e.training, e.adjacency, accountant=acc)
 
 
 @_pld_of(DpSgdTraining)
 def _dpsgd_pld(acc: Accountant, e: DpSgdTraining) -> pldm.PLD:
-    return privacy_profile(e.training, e.adjacency, value_discretization_interval=acc.value_discretization_interval).pld
+    from peer.dp.accounting.profiles import privacy_profile
+
+    return privacy_profile(e.training, e.adjacency, accountant=acc).pld
 
 
 def _models_rdp(acc: Accountant, models: Sequence, indices: Sequence[int], adjacency: str) -> list[np.ndarray]:
+    from peer.dp.accounting.profiles import model_rdp
+
     out = []
     for i in indices:
         try:
-            out.append(model_rdp(models[i], adjacency, orders=acc.orders))
+            out.append(model_rdp(models[i], adjacency, accountant=acc))
         except InvalidArgument as e:
             raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
     return out
 
 
 def _scored_pld(acc: Accountant, models: Sequence, scored: tuple[int, ...], adjacency: str) -> pldm.PLD:
-    interval = acc.value_discretization_interval
-    profiles = privacy_profiles([models[i] for i in scored], adjacency, value_discretization_interval=interval)
-    return pldm.compose_plds([p.pld for p in profiles], interval) if len(profiles) > 1 else profiles[0].pld
+    from peer.dp.accounting.profiles import privacy_profiles
+
+    profiles = privacy_profiles([models[i] for i in scored], adjacency, accountant=acc)
+    return (
+        pldm.compose_plds([p.pld for p in profiles], acc.value_discretization_interval)
+        if len(profiles) > 1
+        else profiles[0].pld
+    )
 
 
 @_rdp_of(RandomSelectionMerge)
@@ -270,9 +307,9 @@ def _rs_rdp(acc: Accountant, e: RandomSelectionMerge) -> np.ndarray:
 def _rs_pld(acc: Accountant, e: RandomSelectionMerge) -> pldm.PLD:
     if e.scored is not None:
         return _scored_pld(acc, e.models, e.scored, e.adjacency)
-    profiles = privacy_profiles(
-        list(e.models), e.adjacency, value_discretization_interval=acc.value_discretization_interval
-    )
+    from peer.dp.accounting.profiles import privacy_profiles
+
+    profiles = privacy_profiles(list(e.models), e.adjacency, accountant=acc)
     return pldm.mixture_pld([p.pld for p in profiles], np.asarray(e.pi))
 
 
@@ -280,19 +317,18 @@ def _rs_pld(acc: Accountant, e: RandomSelectionMerge) -> pldm.PLD:
 def _lc_rdp(acc: Accountant, e: LinearCombinationMerge) -> np.ndarray:
     if e.scored is not None:
         return np.sum(_models_rdp(acc, e.models, e.scored, e.adjacency), axis=0)
-    return lc_rdp(list(e.models), np.asarray(e.lam), adjacency=e.adjacency, orders=acc.orders)
+    from peer.dp.accounting.lc import lc_rdp
+
+    return lc_rdp(list(e.models), np.asarray(e.lam), adjacency=e.adjacency, accountant=acc)
 
 
 @_pld_of(LinearCombinationMerge)
 def _lc_pld(acc: Accountant, e: LinearCombinationMerge) -> pldm.PLD:
     if e.scored is not None:
         return _scored_pld(acc, e.models, e.scored, e.adjacency)
-    return lc_pld(
-        list(e.models),
-        np.asarray(e.lam),
-        adjacency=e.adjacency,
-        value_discretization_interval=acc.value_discretization_interval,
-    )[0]
+    from peer.dp.accounting.lc import lc_pld
+
+    return lc_pld(list(e.models), np.asarray(e.lam), adjacency=e.adjacency, accountant=acc)[0]
 
 
 # ---- parallel compositions: which part dominates -----------------------------------------------
@@ -368,4 +404,8 @@ def _dominant(events: Sequence[Event]) -> Event | None:
     return None
 
 
-__all__ = ["Accountant", "Support"]
+#: The accountant at DEFAULT_ORDERS and DEFAULT_INTERVAL: every function that takes an
+#: ``accountant`` uses it when given none.
+DEFAULT_ACCOUNTANT = Accountant()
+
+__all__ = ["DEFAULT_ACCOUNTANT", "Accountant", "Support"]

@@ -38,8 +38,8 @@ import numpy as np
 
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
-from peer.dp.accounting.rs import check_subset, check_weights
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
+from peer.dp.accounting.weights import check_subset, check_weights
 
 #: A data-level record's unit → the adjacency of its event.
 DATA_UNITS = {"record:replace-one": "replace-one", "record:add-remove": "add-remove"}

@@ -62,11 +62,10 @@ import numpy as np
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
 from peer.dp.accounting.conversions import (
-    DEFAULT_ORDERS,
     Deltas,
     Epsilons,
-    check_orders,
     gdp_delta,
     gdp_epsilon,
     json_number,
@@ -75,7 +74,7 @@ from peer.dp.accounting.conversions import (
     rdp_to_delta,
     rdp_to_epsilon,
 )
-from peer.dp.accounting.profiles import DEFAULT_INTERVAL, PrivacyProfile, model_rdp, privacy_profiles, resolve_adjacency
+from peer.dp.accounting.profiles import PrivacyProfile, model_rdp, privacy_profiles, resolve_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import check_weights
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
@@ -228,10 +227,10 @@ def lc_surrogate_rdp(
     lam: Sequence[float],
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> np.ndarray:
-    """The surrogate RDP Σ_t order·Δ_t²/(2 s_t²) at every order."""
-    return rdp_gaussian(lc_surrogate_mu(models, lam, adjacency=adjacency), check_orders(orders))
+    """The surrogate RDP Σ_t order·Δ_t²/(2 s_t²) at every one of ``accountant``'s orders."""
+    return rdp_gaussian(lc_surrogate_mu(models, lam, adjacency=adjacency), accountant.orders)
 
 
 def _split_blocks(values: np.ndarray, counts: np.ndarray, max_groups: int) -> list[tuple[int, int]]:
@@ -288,13 +287,14 @@ def lc_surrogate_pld(
     lam: Sequence[float],
     *,
     adjacency: str | None = None,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
 ) -> tuple[pldm.PLD, tuple[str, ...]]:
     """The surrogate PLD of θ_λ by numerical composition of the per-step Gaussian PLDs (dp-accounting
-    PLD per distinct Δ_t/s_t, ``self_compose`` per group, FFT ``compose`` across groups).
-    Returns (pld, notes); a note is present when steps had to be rounded into groups."""
-    interval = pldm.check_interval(value_discretization_interval)
+    PLD per distinct Δ_t/s_t, ``self_compose`` per group, FFT ``compose`` across groups), at
+    ``accountant``'s discretisation. Returns (pld, notes); a note is present when steps had to
+    be rounded into groups."""
+    interval = accountant.value_discretization_interval
     if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
         raise InvalidArgument("max_groups", f"must be a positive integer, got {max_groups!r}")
     segments, lam = _segments_and_weights(models, lam, adjacency)
@@ -306,12 +306,12 @@ def lc_surrogate_pld(
     return pldm.compose_plds(parts, interval), (() if note is None else (note,))
 
 
-def _surrogate_bounds(models, lam, adjacency, orders, interval, max_groups):
+def _surrogate_bounds(models, lam, adjacency, accountant, max_groups):
     """The surrogate PLD (FFT), RDP curve and μ of θ_λ, and notes."""
     segments, lam = _segments_and_weights(models, lam, adjacency)
     mu = segments.mu(lam)
-    pld, notes = lc_surrogate_pld(segments, lam, value_discretization_interval=interval, max_groups=max_groups)
-    orders = check_orders(orders)
+    pld, notes = lc_surrogate_pld(segments, lam, accountant=accountant, max_groups=max_groups)
+    orders = accountant.orders
     return pld, orders, rdp_gaussian(mu, orders), mu, notes
 
 
@@ -321,16 +321,13 @@ def lc_surrogate_epsilon(
     delta: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
 ) -> Epsilons:
     """The surrogate ε of θ_λ at ``delta`` (a bound only for state-independent gradients, module
     docstring): ``pld`` (FFT composition), ``closed_form`` (μ-GDP), ``rdp``."""
     delta = check_delta(delta)
-    pld, orders, rdp, mu, notes = _surrogate_bounds(
-        models, lam, adjacency, orders, value_discretization_interval, max_groups
-    )
+    pld, orders, rdp, mu, notes = _surrogate_bounds(models, lam, adjacency, accountant, max_groups)
     return Epsilons(
         pld=pld_epsilon(pld, delta),
         rdp=rdp_to_epsilon(orders, rdp, delta),
@@ -345,15 +342,12 @@ def lc_surrogate_delta(
     epsilon: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
 ) -> Deltas:
     """The surrogate δ of θ_λ at ``epsilon`` by the three accountants (same caveat)."""
     epsilon = check_epsilon(epsilon, zero=True)
-    pld, orders, rdp, mu, notes = _surrogate_bounds(
-        models, lam, adjacency, orders, value_discretization_interval, max_groups
-    )
+    pld, orders, rdp, mu, notes = _surrogate_bounds(models, lam, adjacency, accountant, max_groups)
     return Deltas(
         pld=pld_delta(pld, epsilon),
         rdp=rdp_to_delta(orders, rdp, epsilon),
@@ -406,25 +400,25 @@ def lc_composition_rdp(
     lam: Sequence[float],
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> np.ndarray:
     """Σ_{i: λ_i>0} ε_order,i: the RDP of releasing every model θ_λ depends on (each model's own
     curve, ``profiles.model_rdp``; cached, so a ledger charge builds no PLD)."""
-    orders = check_orders(orders)
     records, adjacency, support = _composition_parts(models, lam, adjacency)
-    total = np.zeros(orders.shape)
+    total = np.zeros(accountant.orders.shape)
     for i in support:
-        total = total + model_rdp(records[i], adjacency, orders=orders)
+        total = total + model_rdp(records[i], adjacency, accountant=accountant)
     return total
 
 
-def _composition_pld(records, adjacency, support, interval) -> tuple[pldm.PLD, float | None]:
+def _composition_pld(records, adjacency, support, accountant) -> tuple[pldm.PLD, float | None]:
     """(PLD, μ or None) of releasing the models in ``support`` together: one Gaussian PLD with
     μ = sqrt(Σ μ_i²) when each is a full-batch Gaussian composition (exact), else the FFT
     composition of their own PLDs. Identical records are separate runs: each counts."""
+    interval = accountant.value_discretization_interval
     if not support:
         return pldm.identity_pld(interval), 0.0
-    profiles = privacy_profiles([records[i] for i in support], adjacency, value_discretization_interval=interval)
+    profiles = privacy_profiles([records[i] for i in support], adjacency, accountant=accountant)
     if all(p.mu is not None for p in profiles):
         mu = math.sqrt(sum(p.mu**2 for p in profiles))
         return pldm.gaussian_pld(mu, interval), mu
@@ -436,12 +430,11 @@ def lc_composition_pld(
     lam: Sequence[float],
     *,
     adjacency: str | None = None,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> pldm.PLD:
     """The PLD of releasing every model θ_λ depends on (``_composition_pld``)."""
-    interval = pldm.check_interval(value_discretization_interval)
     records, adjacency, support = _composition_parts(models, lam, adjacency)
-    return _composition_pld(records, adjacency, support, interval)[0]
+    return _composition_pld(records, adjacency, support, accountant)[0]
 
 
 def lc_composition_epsilon(
@@ -450,17 +443,15 @@ def lc_composition_epsilon(
     delta: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> Epsilons:
     """ε at ``delta`` of the composition of the models with λ_i > 0 (proven for any training):
     ``pld``, ``rdp`` and, when they are all full-batch Gaussians, ``closed_form`` (μ-GDP)."""
     delta = check_delta(delta)
-    interval = pldm.check_interval(value_discretization_interval)
-    orders = check_orders(orders)
+    orders = accountant.orders
     records, adjacency, support = _composition_parts(models, lam, adjacency)
-    pld, mu = _composition_pld(records, adjacency, support, interval)
-    rdp = lc_composition_rdp(records, lam, adjacency=adjacency, orders=orders)
+    pld, mu = _composition_pld(records, adjacency, support, accountant)
+    rdp = lc_composition_rdp(records, lam, adjacency=adjacency, accountant=accountant)
     return Epsilons(
         pld=pld_epsilon(pld, delta),
         rdp=rdp_to_epsilon(orders, rdp, delta),
@@ -488,14 +479,14 @@ def lc_rdp(
     lam: Sequence[float],
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> np.ndarray:
     """The charged RDP of θ_λ: the surrogate's order·μ²/2 when ``surrogate_is_bound``, else the
     composition Σ_{i: λ_i>0} ε_order,i."""
     records, adjacency = check_lc_models(models, adjacency)
     if surrogate_is_bound(records, lam):
-        return lc_surrogate_rdp(*_restrict(records, lam), adjacency=adjacency, orders=orders)
-    return lc_composition_rdp(records, lam, adjacency=adjacency, orders=orders)
+        return lc_surrogate_rdp(*_restrict(records, lam), adjacency=adjacency, accountant=accountant)
+    return lc_composition_rdp(records, lam, adjacency=adjacency, accountant=accountant)
 
 
 def lc_pld(
@@ -503,7 +494,7 @@ def lc_pld(
     lam: Sequence[float],
     *,
     adjacency: str | None = None,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
 ) -> tuple[pldm.PLD, tuple[str, ...]]:
     """The charged PLD of θ_λ and notes (the surrogate's FFT when ``surrogate_is_bound``, else the
@@ -513,12 +504,10 @@ def lc_pld(
         return lc_surrogate_pld(
             *_restrict(records, lam),
             adjacency=adjacency,
-            value_discretization_interval=value_discretization_interval,
+            accountant=accountant,
             max_groups=max_groups,
         )
-    return lc_composition_pld(
-        records, lam, adjacency=adjacency, value_discretization_interval=value_discretization_interval
-    ), ()
+    return lc_composition_pld(records, lam, adjacency=adjacency, accountant=accountant), ()
 
 
 def lc_epsilon(
@@ -527,8 +516,7 @@ def lc_epsilon(
     delta: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
 ) -> Epsilons:
     """The charged ε of θ_λ at ``delta`` (a proven bound): the surrogate when every model with
@@ -539,8 +527,7 @@ def lc_epsilon(
             *_restrict(records, lam),
             delta,
             adjacency=adjacency,
-            orders=orders,
-            value_discretization_interval=value_discretization_interval,
+            accountant=accountant,
             max_groups=max_groups,
         )
     return lc_composition_epsilon(
@@ -548,8 +535,7 @@ def lc_epsilon(
         lam,
         delta,
         adjacency=adjacency,
-        orders=orders,
-        value_discretization_interval=value_discretization_interval,
+        accountant=accountant,
     )
 
 
@@ -559,8 +545,7 @@ def lc_delta(
     epsilon: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
 ) -> Deltas:
     """The charged δ of θ_λ at ``epsilon`` (same rule as ``lc_epsilon``)."""
@@ -571,15 +556,13 @@ def lc_delta(
             *_restrict(records, lam),
             epsilon,
             adjacency=adjacency,
-            orders=orders,
-            value_discretization_interval=value_discretization_interval,
+            accountant=accountant,
             max_groups=max_groups,
         )
-    interval = pldm.check_interval(value_discretization_interval)
-    orders = check_orders(orders)
+    orders = accountant.orders
     _, _, support = _composition_parts(records, lam, adjacency)
-    pld, mu = _composition_pld(records, adjacency, support, interval)
-    rdp = lc_composition_rdp(records, lam, adjacency=adjacency, orders=orders)
+    pld, mu = _composition_pld(records, adjacency, support, accountant)
+    rdp = lc_composition_rdp(records, lam, adjacency=adjacency, accountant=accountant)
     return Deltas(
         pld=pld_delta(pld, epsilon),
         rdp=rdp_to_delta(orders, rdp, epsilon),
@@ -629,8 +612,7 @@ def lc_report(
     delta: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
 ) -> LCReport:
     """The charged bound of θ_λ at ``delta`` and the surrogate figure beside it."""
@@ -645,8 +627,7 @@ def lc_report(
             segments,
             weights,
             delta,
-            orders=orders,
-            value_discretization_interval=value_discretization_interval,
+            accountant=accountant,
             max_groups=max_groups,
         )
         surrogate = SurrogateFigure(segments.mu(weights), eps, surrogate_is_bound(records, lam))
@@ -657,8 +638,7 @@ def lc_report(
         lam,
         delta,
         adjacency=adjacency,
-        orders=orders,
-        value_discretization_interval=value_discretization_interval,
+        accountant=accountant,
     )
     return LCReport("composition", eps, surrogate, support)
 

@@ -34,6 +34,8 @@ from peer.base.errors import InvalidArgument
 from peer.dp.accounting.training_records import check_adjacency
 
 PLD = pldlib.PrivacyLossDistribution
+#: the default PLD value discretisation interval (the default ``Accountant``'s)
+DEFAULT_INTERVAL = 1e-4
 
 
 def check_interval(value_discretization_interval: float) -> float:

@@ -70,7 +70,8 @@ from dp_accounting.pld import pld_pmf
 
 from peer.dp.accounting import pld as pldm
 from peer.dp.accounting import profiles
-from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, gdp_delta, gdp_epsilon
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
+from peer.dp.accounting.conversions import gdp_delta, gdp_epsilon
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
 
 FORMAT = "privfusion-pld-cache/1"
@@ -107,8 +108,10 @@ def _dp_accounting_version() -> str:
         return "unknown"
 
 
-def key_inputs(model: TrainingRecord | ApproxDP, adjacency: str, orders: Sequence[float], interval: float) -> dict:
-    """Everything the PLD of ``model`` depends on, as canonical JSON-able data."""
+def key_inputs(model: TrainingRecord | ApproxDP, adjacency: str, accountant: Accountant) -> dict:
+    """Everything the PLD of ``model`` depends on, as canonical JSON-able data (the accountant
+    enters by its orders and its discretisation)."""
+    orders, interval = accountant.orders, accountant.value_discretization_interval
     return {
         "format": FORMAT,
         "dp_accounting": _dp_accounting_version(),
@@ -119,8 +122,8 @@ def key_inputs(model: TrainingRecord | ApproxDP, adjacency: str, orders: Sequenc
     }
 
 
-def profile_key(model: TrainingRecord | ApproxDP, adjacency: str, orders: Sequence[float], interval: float) -> str:
-    canonical = json.dumps(key_inputs(model, adjacency, orders, interval), sort_keys=True, separators=(",", ":"))
+def profile_key(model: TrainingRecord | ApproxDP, adjacency: str, accountant: Accountant) -> str:
+    canonical = json.dumps(key_inputs(model, adjacency, accountant), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -163,21 +166,21 @@ def _check_deltas(pld: pldm.PLD) -> list[list[float]]:
 
 
 def save_entry(
-    directory: str | os.PathLike, model, adjacency: str, orders, interval: float, pld: pldm.PLD, rdp: np.ndarray
+    directory: str | os.PathLike, model, adjacency: str, accountant: Accountant, pld: pldm.PLD, rdp: np.ndarray
 ) -> Path:
-    """Write ``pld`` as the entry of (model, adjacency, orders, interval); returns the JSON path.
+    """Write ``pld`` as the entry of (model, adjacency, accountant); returns the JSON path.
     The arrays are written first and the JSON last (each atomically), so a crash leaves no JSON
     that names arrays which are not there."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    key = profile_key(model, adjacency, orders, interval)
+    key = profile_key(model, adjacency, accountant)
     arrays = {**_arrays(pld), "rdp": np.asarray(rdp, dtype=np.float64)}
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     _atomic_write(d / f"{key}.npz", buf.getvalue())
     entry = {
         "key": key,
-        "inputs": key_inputs(model, adjacency, orders, interval),
+        "inputs": key_inputs(model, adjacency, accountant),
         "arrays_sha256": _digest(arrays),
         "check_epsilons": list(CHECK_EPSILONS),
         "deltas_at_check_epsilons": _check_deltas(pld),
@@ -215,10 +218,11 @@ def _grid_deltas(pld: pldm.PLD, grid: np.ndarray) -> np.ndarray:
     return np.vstack(pldm.directional_deltas(pld, grid))
 
 
-def fingerprint_problem(model, adjacency: str, orders, interval: float, pld: pldm.PLD, rdp: np.ndarray) -> str | None:
+def fingerprint_problem(model, adjacency: str, accountant: Accountant, pld: pldm.PLD, rdp: np.ndarray) -> str | None:
     """Why a stored (PLD, RDP) does not match what ``model``'s training record determines, or None
     when it does (module docstring, check 2). Public: reads the record and the stored arrays."""
-    expected_rdp = profiles.model_rdp(model, adjacency, orders=orders)
+    orders, interval = accountant.orders, accountant.value_discretization_interval
+    expected_rdp = profiles.model_rdp(model, adjacency, accountant=accountant)
     same = (np.isinf(expected_rdp) == np.isinf(rdp)) & np.isclose(
         np.where(np.isinf(rdp), 0.0, rdp), np.where(np.isinf(expected_rdp), 0.0, expected_rdp), rtol=CHECK_RTOL, atol=0
     )
@@ -228,11 +232,11 @@ def fingerprint_problem(model, adjacency: str, orders, interval: float, pld: pld
     # built without being remembered: what is remembered is the profile this entry gives
     rebuild = profiles._derived_profile.__wrapped__
     if isinstance(model, ApproxDP):
-        exact = rebuild(model, adjacency, tuple(orders), interval)
+        exact = rebuild(model, adjacency, tuple(float(a) for a in orders), interval)
     else:
         groups = profiles._step_groups(model)
         if any(sigma == 0 for sigma, _ in groups):
-            exact = rebuild(model, adjacency, tuple(orders), interval)
+            exact = rebuild(model, adjacency, tuple(float(a) for a in orders), interval)
         elif all(q == 1.0 for _, q in groups):
             mu = profiles._full_batch_mu(groups, adjacency)
             grid = np.linspace(0.0, gdp_epsilon(mu, FINGERPRINT_DELTA), FINGERPRINT_POINTS)
@@ -252,7 +256,7 @@ def fingerprint_problem(model, adjacency: str, orders, interval: float, pld: pld
     rdp2 = (
         float(expected_rdp[grid_orders.index(2.0)])
         if 2.0 in grid_orders
-        else float(profiles.model_rdp(model, adjacency, orders=[2.0])[0])
+        else float(profiles.model_rdp(model, adjacency, accountant=accountant.with_orders([2.0]))[0])
     )
     remove, add = pldm.directions(pld)
     got2 = max(_renyi2(remove), _renyi2(add))
@@ -268,13 +272,14 @@ def _reject(path: Path, why: str) -> None:
 
 
 def load_entry(
-    directory: str | os.PathLike, model, adjacency: str, orders, interval: float
+    directory: str | os.PathLike, model, adjacency: str, accountant: Accountant
 ) -> tuple[pldm.PLD, np.ndarray] | None:
-    """The stored (PLD, RDP curve) of (model, adjacency, orders, interval), or None when there is no
+    """The stored (PLD, RDP curve) of (model, adjacency, accountant), or None when there is no
     entry or the entry fails any check (module docstring; a failing entry is named in a warning):
     the caller then builds it anew."""
     d = Path(directory)
-    key = profile_key(model, adjacency, orders, interval)
+    orders, interval = accountant.orders, accountant.value_discretization_interval
+    key = profile_key(model, adjacency, accountant)
     path = d / f"{key}.json"
     try:
         text = path.read_text()
@@ -286,7 +291,7 @@ def load_entry(
         if (
             not isinstance(entry, dict)
             or entry.get("key") != key
-            or entry.get("inputs") != key_inputs(model, adjacency, orders, interval)
+            or entry.get("inputs") != key_inputs(model, adjacency, accountant)
             or entry.get("check_epsilons") != list(CHECK_EPSILONS)
         ):
             why = "its key inputs are not this model's"
@@ -313,11 +318,11 @@ def load_entry(
                 if stored.shape != got.shape or not np.allclose(got, stored, rtol=CHECK_RTOL, atol=0.0):
                     why = "its PMF does not give its recorded deltas"
                 else:
-                    why = fingerprint_problem(model, adjacency, orders, interval, pld, rdp)
+                    why = fingerprint_problem(model, adjacency, accountant, pld, rdp)
         if why is not None:
             _reject(path, why)
             return None
-        rdp = np.array(profiles.model_rdp(model, adjacency, orders=orders), dtype=np.float64)
+        rdp = np.array(profiles.model_rdp(model, adjacency, accountant=accountant), dtype=np.float64)
         rdp.flags.writeable = False
         return pld, rdp
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:  # corrupt
@@ -330,36 +335,31 @@ def cached_profile(
     directory: str | os.PathLike,
     adjacency: str | None = None,
     *,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = profiles.DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> profiles.PrivacyProfile:
     """``profiles.privacy_profile`` of ``model``, read from ``directory`` when a valid entry is
     there (else built and written there), and kept in memory for later ``privacy_profile`` calls.
     A ``PrivacyProfile`` passes through untouched."""
     if isinstance(model, profiles.PrivacyProfile):
-        return profiles.privacy_profile(
-            model, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-        )
-    orders_t = tuple(float(a) for a in check_orders(orders))
-    interval = pldm.check_interval(value_discretization_interval)
+        return profiles.privacy_profile(model, adjacency, accountant=accountant)
     adjacency = check_adjacency(profiles.model_adjacency(model) if adjacency is None else adjacency)
-    known = profiles.remembered_profile(model, adjacency, orders_t, interval)
+    known = profiles.remembered_profile(model, adjacency, accountant)
     if known is not None:
         # seen in this process (e.g. another pool trained with the same record): the entry is
         # still written beside this pool when it has none, so its own daemon finds it there
-        if not (Path(directory) / f"{profile_key(model, adjacency, orders_t, interval)}.json").exists():
+        if not (Path(directory) / f"{profile_key(model, adjacency, accountant)}.json").exists():
             with contextlib.suppress(OSError):
-                save_entry(directory, model, adjacency, orders_t, interval, known.pld, known.rdp)
+                save_entry(directory, model, adjacency, accountant, known.pld, known.rdp)
         return known
-    stored = load_entry(directory, model, adjacency, orders_t, interval)
+    stored = load_entry(directory, model, adjacency, accountant)
     if stored is None:
-        profile = profiles.privacy_profile(model, adjacency, orders=orders_t, value_discretization_interval=interval)
+        profile = profiles.privacy_profile(model, adjacency, accountant=accountant)
         # a read-only site still serves; the next start builds the profile again
         with contextlib.suppress(OSError):
-            save_entry(directory, model, adjacency, orders_t, interval, profile.pld, profile.rdp)
+            save_entry(directory, model, adjacency, accountant, profile.pld, profile.rdp)
     else:
-        profile = profiles.profile_from_pld(model, adjacency, orders_t, interval, *stored)
-    profiles.remember_profile(model, adjacency, orders_t, interval, profile)
+        profile = profiles.profile_from_pld(model, adjacency, accountant, *stored)
+    profiles.remember_profile(model, adjacency, accountant, profile)
     return profile
 
 
@@ -368,8 +368,7 @@ def cached_profiles(
     directory: str | os.PathLike,
     adjacency: str | None = None,
     *,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = profiles.DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> list[profiles.PrivacyProfile]:
     """``cached_profile`` of each model under one adjacency (``profiles.resolve_adjacency``)."""
     adjacency = profiles.resolve_adjacency(models, adjacency)
@@ -377,9 +376,7 @@ def cached_profiles(
     for m in models:
         first.setdefault(m, m)
     built = profiles.parallel_map(
-        lambda m: cached_profile(
-            m, directory, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-        ),
+        lambda m: cached_profile(m, directory, adjacency, accountant=accountant),
         list(first),
     )
     got = dict(zip(first, built, strict=True))

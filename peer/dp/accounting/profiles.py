@@ -31,11 +31,10 @@ import numpy as np
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
 from peer.dp.accounting.conversions import (
-    DEFAULT_ORDERS,
     Deltas,
     Epsilons,
-    check_orders,
     gdp_delta,
     gdp_epsilon,
     pld_delta,
@@ -43,10 +42,10 @@ from peer.dp.accounting.conversions import (
     rdp_to_delta,
     rdp_to_epsilon,
 )
+from peer.dp.accounting.pld import DEFAULT_INTERVAL
 from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
 from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
 
-DEFAULT_INTERVAL = 1e-4
 # profiles kept for models seen before (a daemon's pools, a ledger's records): at most this many
 PROFILE_CACHE_SIZE = 32
 
@@ -63,6 +62,11 @@ class PrivacyProfile:
     value_discretization_interval: float
     mu: float | None = None
     source: str = "dpsgd"
+
+    @property
+    def accountant(self) -> Accountant:
+        """The accountant whose orders and discretisation the profile was built at."""
+        return Accountant(self.orders, self.value_discretization_interval)
 
     def epsilon(self, delta: float) -> Epsilons:
         delta = check_delta(delta)
@@ -144,15 +148,19 @@ def _training_rdp(record: TrainingRecord, adjacency: str, orders: np.ndarray) ->
 
 
 def check_accountable(
-    record: TrainingRecord, adjacency: str | None = None, value_discretization_interval: float = DEFAULT_INTERVAL
+    record: TrainingRecord, adjacency: str | None = None, accountant: Accountant = DEFAULT_ACCOUNTANT
 ) -> None:
     """Refuse (InvalidArgument naming the steps' noise multiplier) a training record whose PLD
     would need a grid of more than ``pld.MAX_PMF_BINS`` bins for one of its Gaussian parts (the
     full-batch steps' composition N(0,1) vs N(μ,1), or one subsampled step): called before a
     profile is built and before DP-SGD trains, so that a near-noiseless run is refused at once
     instead of the accountant taking minutes and gigabytes after the training. Cheap: bounds
-    only, no PMF is built. σ = 0 is not refused (its profile is the non-private one, exactly)."""
-    interval = pldm.check_interval(value_discretization_interval)
+    only, no PMF is built. σ = 0 is not refused (its profile is the non-private one, exactly).
+    The grid is that of ``accountant``'s discretisation."""
+    _check_grid(record, adjacency, accountant.value_discretization_interval)
+
+
+def _check_grid(record: TrainingRecord, adjacency: str | None, interval: float) -> None:
     adjacency = check_adjacency(record.adjacency if adjacency is None else adjacency)
     groups = _step_groups(record)
     if any(sigma == 0 for sigma, _ in groups):
@@ -194,7 +202,7 @@ def _training_profile(record: TrainingRecord, adjacency: str, orders: np.ndarray
     rdp = _derived_rdp(record, adjacency, tuple(float(a) for a in orders))
     if any(sigma == 0 for sigma, _ in groups):
         return PrivacyProfile(adjacency, tuple(orders), rdp, pldm.non_private_pld(interval), interval, math.inf)
-    check_accountable(record, adjacency, interval)  # at this interval (the RDP gate used the default)
+    _check_grid(record, adjacency, interval)  # at this interval (the RDP gate used the default)
     mu_full = _full_batch_mu(groups, adjacency)
     parts = [pldm.gaussian_pld(mu_full, interval)] if mu_full > 0 else []
     for (sigma, q), count in sorted(groups.items()):
@@ -224,16 +232,13 @@ def _approx_profile(model: ApproxDP, adjacency: str, orders: np.ndarray, interva
     )
 
 
-def model_rdp(model: Model, adjacency: str | None = None, *, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
-    """A model's RDP curve at ``orders`` alone (read-only), without building its PLD: what an RDP
-    filter needs (the ledger uses its own orders, so a full profile would be built anew)."""
-    orders = check_orders(orders)
+def model_rdp(model: Model, adjacency: str | None = None, *, accountant: Accountant = DEFAULT_ACCOUNTANT) -> np.ndarray:
+    """A model's RDP curve at ``accountant``'s orders alone (read-only), without building its PLD:
+    what an RDP filter needs (the ledger uses its own orders, so a full profile would be built anew)."""
     adjacency = check_adjacency(model_adjacency(model) if adjacency is None else adjacency)
     if isinstance(model, PrivacyProfile):
-        return privacy_profile(
-            model, adjacency, orders=orders, value_discretization_interval=model.value_discretization_interval
-        ).rdp
-    return _derived_rdp(model, adjacency, tuple(float(a) for a in orders))
+        return privacy_profile(model, adjacency, accountant=model.accountant.with_orders(accountant.orders)).rdp
+    return _derived_rdp(model, adjacency, tuple(float(a) for a in accountant.orders))
 
 
 @functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)
@@ -246,19 +251,16 @@ def _derived_rdp(model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple
 
 
 def privacy_profile(
-    model: Model,
-    adjacency: str | None = None,
-    *,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    model: Model, adjacency: str | None = None, *, accountant: Accountant = DEFAULT_ACCOUNTANT
 ) -> PrivacyProfile:
-    """The privacy profile of one model under ``adjacency`` (default: the model's own).
+    """The privacy profile of one model under ``adjacency`` (default: the model's own), at
+    ``accountant``'s orders and discretisation.
 
     A ``PrivacyProfile`` passes through when its adjacency, orders and interval match (it cannot
     be re-derived for another adjacency: the mechanism is gone by then).
     """
-    orders = check_orders(orders)
-    interval = pldm.check_interval(value_discretization_interval)
+    orders = accountant.orders
+    interval = accountant.value_discretization_interval
     adjacency = check_adjacency(model_adjacency(model) if adjacency is None else adjacency)
     if isinstance(model, PrivacyProfile):
         if model.adjacency != adjacency:
@@ -273,7 +275,7 @@ def privacy_profile(
         return model
     if isinstance(model, (ApproxDP, TrainingRecord)):
         orders_t = tuple(float(a) for a in orders)
-        known = remembered_profile(model, adjacency, orders_t, interval)
+        known = remembered_profile(model, adjacency, accountant)
         return known if known is not None else _derived_profile(model, adjacency, orders_t, interval)
     raise InvalidArgument("model", f"must be a TrainingRecord, ApproxDP or PrivacyProfile, got {type(model).__name__}")
 
@@ -284,10 +286,15 @@ _REMEMBERED: OrderedDict = OrderedDict()
 _REMEMBERED_LOCK = threading.Lock()
 
 
+def _settings(accountant: Accountant) -> tuple[tuple[float, ...], float]:
+    return tuple(float(a) for a in accountant.orders), accountant.value_discretization_interval
+
+
 def remembered_profile(
-    model: TrainingRecord | ApproxDP, adjacency: str, orders: tuple[float, ...], interval: float
+    model: TrainingRecord | ApproxDP, adjacency: str, accountant: Accountant
 ) -> PrivacyProfile | None:
-    key = (model, adjacency, orders, interval)
+    """The profile kept by :func:`remember_profile` for (model, adjacency, accountant), or None."""
+    key = (model, adjacency, *_settings(accountant))
     with _REMEMBERED_LOCK:
         found = _REMEMBERED.get(key)
         if found is not None:
@@ -298,12 +305,12 @@ def remembered_profile(
 def remember_profile(
     model: TrainingRecord | ApproxDP,
     adjacency: str,
-    orders: tuple[float, ...],
-    interval: float,
+    accountant: Accountant,
     profile: PrivacyProfile,
 ) -> None:
-    """Keep ``profile`` as the profile of (model, adjacency, orders, interval) for later calls.
+    """Keep ``profile`` as the profile of (model, adjacency, accountant) for later calls.
     The caller vouches that it is (``profile_cache`` checks a stored PLD before handing it in)."""
+    orders, interval = _settings(accountant)
     if (profile.adjacency, profile.orders, profile.value_discretization_interval) != (adjacency, orders, interval):
         raise InvalidArgument("profile", "must be for the adjacency, orders and interval it is remembered under")
     with _REMEMBERED_LOCK:
@@ -324,13 +331,14 @@ def forget_profiles() -> None:
 def profile_from_pld(
     model: TrainingRecord | ApproxDP,
     adjacency: str,
-    orders: tuple[float, ...],
-    interval: float,
+    accountant: Accountant,
     pld: pldm.PLD,
     rdp: np.ndarray,
 ) -> PrivacyProfile:
-    """The profile of ``model`` with a PLD and RDP curve obtained elsewhere (a checked disk cache
-    entry); μ and the source are derived from the record as ``privacy_profile`` derives them."""
+    """The profile of ``model`` at ``accountant``'s settings with a PLD and RDP curve obtained
+    elsewhere (a checked disk cache entry); μ and the source are derived from the record as
+    ``privacy_profile`` derives them."""
+    orders, interval = _settings(accountant)
     if isinstance(model, ApproxDP):
         return PrivacyProfile(adjacency, orders, rdp, pld, interval, None, source="approx-dp")
     groups = _step_groups(model)
@@ -358,11 +366,7 @@ def _derived_profile(
 
 
 def privacy_profiles(
-    models: Sequence[Model],
-    adjacency: str | None = None,
-    *,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    models: Sequence[Model], adjacency: str | None = None, *, accountant: Accountant = DEFAULT_ACCOUNTANT
 ) -> list[PrivacyProfile]:
     """Profiles of several models under one adjacency (``resolve_adjacency``); identical models
     are profiled once."""
@@ -374,9 +378,7 @@ def privacy_profiles(
 
     def one(i: int) -> PrivacyProfile:
         try:
-            return privacy_profile(
-                models[i], adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-            )
+            return privacy_profile(models[i], adjacency, accountant=accountant)
         except InvalidArgument as e:
             raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
 
@@ -401,30 +403,16 @@ PROFILE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 def model_epsilon(
-    model: Model,
-    delta: float,
-    *,
-    adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    model: Model, delta: float, *, adjacency: str | None = None, accountant: Accountant = DEFAULT_ACCOUNTANT
 ) -> Epsilons:
     """ε of one model at ``delta`` by PLD, RDP and (full batch) the closed form."""
-    return privacy_profile(
-        model, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    ).epsilon(delta)
+    return privacy_profile(model, adjacency, accountant=accountant).epsilon(delta)
 
 
 def model_delta(
-    model: Model,
-    epsilon: float,
-    *,
-    adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    model: Model, epsilon: float, *, adjacency: str | None = None, accountant: Accountant = DEFAULT_ACCOUNTANT
 ) -> Deltas:
-    return privacy_profile(
-        model, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    ).delta(epsilon)
+    return privacy_profile(model, adjacency, accountant=accountant).delta(epsilon)
 
 
 __all__ = [

@@ -28,7 +28,7 @@ from peer.base.checks import check_delta
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.accountant import Accountant
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
 from peer.dp.accounting.conversions import DEFAULT_ORDERS
 from peer.dp.accounting.events import selection_scored
 from peer.dp.accounting.lc import DEFAULT_MAX_GROUPS, lc_report
@@ -62,12 +62,8 @@ def pld_fallbacks(record: ReleaseRecord) -> int:
 
 
 def _settings(accountant: Accountant | None) -> dict:
-    """The orders and PLD grid the builders state a record's ε by (those of ``accountant``)."""
-    acc = accountant or Accountant()
-    return {
-        "orders": tuple(float(o) for o in acc.orders),
-        "value_discretization_interval": acc.value_discretization_interval,
-    }
+    """The accountant the builders state a record's ε by (``accountant``, else the default one)."""
+    return {"accountant": accountant or DEFAULT_ACCOUNTANT}
 
 
 def _record(record: Any) -> ReleaseRecord:

@@ -28,10 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
-from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
 from peer.dp.accounting.conversions import (
-    DEFAULT_ORDERS,
     Deltas,
     Epsilons,
     gdp_epsilon,
@@ -40,55 +39,26 @@ from peer.dp.accounting.conversions import (
     rdp_to_delta,
     rdp_to_epsilon,
 )
-from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile, privacy_profiles
+from peer.dp.accounting.profiles import Model, PrivacyProfile, privacy_profiles
 from peer.dp.accounting.rdp import rdp_mixture
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
-
-WEIGHT_TOLERANCE = 1e-6
-
-
-def check_weights(weights: Sequence[float], count: int, field_name: str = "pi") -> np.ndarray:
-    """Convex weights: ``count`` finite numbers ≥ 0 summing to 1 (within 1e-6, then renormalised)."""
-    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__"):
-        raise InvalidArgument(field_name, f"must be a list of {count} numbers, got {weights!r}")
-    if len(weights) != count:
-        raise InvalidArgument(field_name, f"must have one weight per model ({count}), got {len(weights)}")
-    out = np.empty(count)
-    for i, w in enumerate(weights):
-        if (
-            isinstance(w, bool)
-            or not isinstance(w, (int, float, np.integer, np.floating))
-            or not math.isfinite(float(w))
-        ):
-            raise InvalidArgument(f"{field_name}[{i}]", f"must be a finite number, got {w!r}")
-        if w < 0:
-            raise InvalidArgument(f"{field_name}[{i}]", f"must be >= 0, got {w!r}")
-        out[i] = float(w)
-    total = float(out.sum())
-    if abs(total - 1.0) > WEIGHT_TOLERANCE:
-        raise InvalidArgument(field_name, f"must sum to 1, got {total!r}")
-    return out / total
+from peer.dp.accounting.weights import check_subset, check_weights
 
 
 def rs_profiles(
     models: Sequence[Model],
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> list[PrivacyProfile]:
     """The models' profiles under one adjacency: compute once, then pass them (instead of the
     models) to ``rs_epsilon`` / ``rs_delta`` / ``targets.choose_pi`` for every candidate π."""
-    return privacy_profiles(
-        models, adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
+    return privacy_profiles(models, adjacency, accountant=accountant)
 
 
-def _weighted_profiles(models, pi, adjacency, orders, value_discretization_interval):
+def _weighted_profiles(models, pi, adjacency, accountant):
     """The models' profiles and π checked against them (what every RS bound starts from)."""
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
+    profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
     return profiles, check_weights(pi, len(profiles))
 
 
@@ -97,11 +67,10 @@ def rs_rdp(
     pi: Sequence[float],
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> np.ndarray:
     """RS RDP at every order."""
-    profiles, pi = _weighted_profiles(models, pi, adjacency, orders, value_discretization_interval)
+    profiles, pi = _weighted_profiles(models, pi, adjacency, accountant)
     return rdp_mixture(pi, [p.rdp for p in profiles], profiles[0].orders)
 
 
@@ -110,17 +79,16 @@ def rs_pld(
     pi: Sequence[float],
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> pldm.PLD:
     """The mixed PLD Σ π_i PLD_i (both directions)."""
-    profiles, pi = _weighted_profiles(models, pi, adjacency, orders, value_discretization_interval)
+    profiles, pi = _weighted_profiles(models, pi, adjacency, accountant)
     return pldm.mixture_pld([p.pld for p in profiles], pi)
 
 
-def _rs_bounds(models, pi, adjacency, orders, interval):
+def _rs_bounds(models, pi, adjacency, accountant):
     """The mixed PLD and the RDP bound of the RS release, with its orders."""
-    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=interval)
+    profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
     pi = check_weights(pi, len(profiles))
     mixed = pldm.mixture_pld([p.pld for p in profiles], pi)
     return mixed, profiles[0].orders, rdp_mixture(pi, [p.rdp for p in profiles], profiles[0].orders)
@@ -132,12 +100,11 @@ def rs_epsilon(
     delta: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> Epsilons:
     """ε of releasing θ_I, I ~ Cat(π), at ``delta``: PLD bound and RDP bound (no closed form)."""
     delta = check_delta(delta)
-    mixed, orders, rdp = _rs_bounds(models, pi, adjacency, orders, value_discretization_interval)
+    mixed, orders, rdp = _rs_bounds(models, pi, adjacency, accountant)
     return Epsilons(pld=pld_epsilon(mixed, delta), rdp=rdp_to_epsilon(orders, rdp, delta))
 
 
@@ -147,27 +114,12 @@ def rs_delta(
     epsilon: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> Deltas:
     """δ of the RS release at ``epsilon``: max over directions of Σ π_i δ_i(ε), and by RDP."""
     epsilon = check_epsilon(epsilon, zero=True)
-    mixed, orders, rdp = _rs_bounds(models, pi, adjacency, orders, value_discretization_interval)
+    mixed, orders, rdp = _rs_bounds(models, pi, adjacency, accountant)
     return Deltas(pld=pld_delta(mixed, epsilon), rdp=rdp_to_delta(orders, rdp, epsilon))
-
-
-def check_subset(subset: Sequence[int], count: int, field_name: str = "scored") -> tuple[int, ...]:
-    """Distinct model indices in [0, count), at least one, in increasing order."""
-    if isinstance(subset, (str, bytes)) or not hasattr(subset, "__len__") or not len(subset):
-        raise InvalidArgument(field_name, f"must be a non-empty list of model indices, got {subset!r}")
-    out = []
-    for i, v in enumerate(subset):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < count:
-            raise InvalidArgument(f"{field_name}[{i}]", f"must be a model index in [0, {count}), got {v!r}")
-        out.append(int(v))
-    if len(set(out)) != len(out):
-        raise InvalidArgument(field_name, f"must not repeat a model, got {list(out)}")
-    return tuple(sorted(out))
 
 
 def composition_bounds(
@@ -175,15 +127,12 @@ def composition_bounds(
     subset: Sequence[int],
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> tuple[pldm.PLD, np.ndarray, np.ndarray]:
     """(PLD, orders, RDP) of releasing every model of ``subset`` together: the models are
     independent DP-SGD runs (or (ε, δ) mechanisms) on the same records, so their PLDs compose and
     their RDP curves add (sequential composition)."""
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
+    profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
     chosen = check_subset(subset, len(profiles))
     plds = [profiles[i].pld for i in chosen]
     pld = plds[0] if len(plds) == 1 else pldm.compose_plds(plds, profiles[0].value_discretization_interval)
@@ -197,8 +146,7 @@ def composition_epsilon(
     delta: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> Epsilons:
     """ε at ``delta`` of releasing every model of ``subset`` (``composition_bounds``): what a
     selection that read the measured utility of those models costs, whatever it then releases of
@@ -211,24 +159,19 @@ def composition_epsilon(
             check_subset(subset, len(models)),
             delta,
             adjacency,
-            tuple(float(a) for a in orders),
-            float(value_discretization_interval),
+            accountant,
         )
-    return _composition_epsilon(models, subset, delta, adjacency, orders, value_discretization_interval)
+    return _composition_epsilon(models, subset, delta, adjacency, accountant)
 
 
 @functools.lru_cache(maxsize=256)
-def _remembered_composition(models, subset, delta, adjacency, orders, interval) -> Epsilons:
-    return _composition_epsilon(models, subset, delta, adjacency, orders, interval)
+def _remembered_composition(models, subset, delta, adjacency, accountant) -> Epsilons:
+    return _composition_epsilon(models, subset, delta, adjacency, accountant)
 
 
-def _composition_epsilon(models, subset, delta, adjacency, orders, value_discretization_interval) -> Epsilons:
-    pld, grid, rdp = composition_bounds(
-        models, subset, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
+def _composition_epsilon(models, subset, delta, adjacency, accountant) -> Epsilons:
+    pld, grid, rdp = composition_bounds(models, subset, adjacency=adjacency, accountant=accountant)
+    profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
     mus = [profiles[i].mu for i in check_subset(subset, len(profiles))]
     closed = gdp_epsilon(math.sqrt(sum(m * m for m in mus)), delta) if all(m is not None for m in mus) else None
     return Epsilons(pld=pld_epsilon(pld, delta), rdp=rdp_to_epsilon(grid, rdp, delta), closed_form=closed)

@@ -86,7 +86,8 @@ from scipy import optimize
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.conversions import DEFAULT_ORDERS, Epsilons, check_orders, gdp_mu, json_number, rdp_to_epsilon
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
+from peer.dp.accounting.conversions import Epsilons, gdp_mu, json_number, rdp_to_epsilon
 from peer.dp.accounting.lc import (
     DEFAULT_MAX_GROUPS,
     LCSegments,
@@ -96,7 +97,7 @@ from peer.dp.accounting.lc import (
     lc_surrogate_epsilon,
     surrogate_is_bound,
 )
-from peer.dp.accounting.profiles import DEFAULT_INTERVAL, Model, PrivacyProfile
+from peer.dp.accounting.profiles import Model, PrivacyProfile
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import check_subset, composition_epsilon, rs_epsilon, rs_profiles
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
@@ -353,8 +354,7 @@ def choose_pi(
     *,
     figure: str = "pld",
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> WeightChoice:
     """π maximising Σ π_i utilities_i subject to ε^RS(π) ≤ target_epsilon at ``delta`` by
     ``figure`` ("pld" or "rdp"); exact (linear programming, module docstring).
@@ -365,9 +365,7 @@ def choose_pi(
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
     figure = _check_figure(figure)
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
+    profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
     u = _check_utilities(utilities, len(profiles))
     pi = None
     if figure == "pld":
@@ -376,9 +374,7 @@ def choose_pi(
             pi = _rs_lp(coeffs, u, delta * (1 - shrink))
             if pi is None:
                 break
-            achieved = rs_epsilon(
-                profiles, pi, delta, orders=orders, value_discretization_interval=value_discretization_interval
-            )
+            achieved = rs_epsilon(profiles, pi, delta, accountant=accountant)
             if achieved.pld <= target:
                 break
         else:
@@ -388,9 +384,7 @@ def choose_pi(
         pi = _rs_rdp_choice(profiles, u, target, delta)
         if pi is not None:
             pi = _clean(pi)
-            achieved = rs_epsilon(
-                profiles, pi, delta, orders=orders, value_discretization_interval=value_discretization_interval
-            )
+            achieved = rs_epsilon(profiles, pi, delta, accountant=accountant)
             if achieved.rdp > target:
                 pi = None
         saturated = pi is not None and achieved.rdp >= target * (1 - 1e-6)
@@ -445,8 +439,7 @@ def privacy_prior(
     delta: float,
     *,
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> list[float]:
     """The default public prior: each model's own ε at ``delta`` by PLD (finite; a model that is
     not private at all gets 1e9). A model trained with less noise is presumed the more useful; a
@@ -455,21 +448,17 @@ def privacy_prior(
     delta = check_delta(delta)
     if all(isinstance(m, (TrainingRecord, ApproxDP)) for m in models):
         # kept in memory: a daemon's pool asks for the same prior at every request
-        return list(
-            _remembered_prior(
-                tuple(models), delta, adjacency, tuple(float(a) for a in orders), float(value_discretization_interval)
-            )
-        )
-    return list(_privacy_prior(models, delta, adjacency, orders, value_discretization_interval))
+        return list(_remembered_prior(tuple(models), delta, adjacency, accountant))
+    return list(_privacy_prior(models, delta, adjacency, accountant))
 
 
 @functools.lru_cache(maxsize=64)
-def _remembered_prior(models, delta, adjacency, orders, interval) -> tuple[float, ...]:
-    return _privacy_prior(models, delta, adjacency, orders, interval)
+def _remembered_prior(models, delta, adjacency, accountant) -> tuple[float, ...]:
+    return _privacy_prior(models, delta, adjacency, accountant)
 
 
-def _privacy_prior(models, delta, adjacency, orders, interval) -> tuple[float, ...]:
-    profiles = rs_profiles(models, adjacency=adjacency, orders=orders, value_discretization_interval=interval)
+def _privacy_prior(models, delta, adjacency, accountant) -> tuple[float, ...]:
+    profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
     return tuple(min(float(p.epsilon(delta).pld), 1e9) for p in profiles)
 
 
@@ -481,8 +470,7 @@ def scored_subset(
     *,
     figure: str = "pld",
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> tuple[tuple[int, ...], Epsilons]:
     """The public subset S of models a charged utility selection may score, and the ε of its
     composition: among the subsets whose composition meets (target_epsilon, delta) by
@@ -493,9 +481,7 @@ def scored_subset(
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
     figure = _check_figure(figure)
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
+    profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
     k = len(profiles)
     if k > MAX_LC_MODELS:
         raise InvalidArgument(
@@ -518,8 +504,7 @@ def scored_subset(
                 subset,
                 delta,
                 adjacency=adjacency,
-                orders=orders,
-                value_discretization_interval=value_discretization_interval,
+                accountant=accountant,
             )
             if size == 1:
                 singles.append(by_figure(eps))
@@ -556,8 +541,7 @@ def choose_pi_by_utility(
     prior_name: str = "epsilon",
     figure: str = "pld",
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> WeightChoice:
     """RS with charged utility selection (module docstring): S = ``scored_subset`` by ``prior``
     (default ``privacy_prior``), then π = all weight on the model of S with the largest measured
@@ -565,13 +549,11 @@ def choose_pi_by_utility(
     ``epsilon`` is the composition of S — what the release is charged."""
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
-    profiles = rs_profiles(
-        models, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
+    profiles = rs_profiles(models, adjacency=adjacency, accountant=accountant)
     k = len(profiles)
     if prior is None:
         prior, prior_name = (
-            privacy_prior(profiles, delta, orders=orders, value_discretization_interval=value_discretization_interval),
+            privacy_prior(profiles, delta, accountant=accountant),
             "epsilon",
         )
     prior_u = _check_utilities(prior, k)
@@ -582,8 +564,7 @@ def choose_pi_by_utility(
         delta,
         figure=figure,
         adjacency=adjacency,
-        orders=orders,
-        value_discretization_interval=value_discretization_interval,
+        accountant=accountant,
     )
     scores = _scores(utility, scored, k)
     best = max(scored, key=lambda i: (scores[i], prior_u[i], -i))
@@ -606,16 +587,16 @@ def choose_pi_by_utility(
 
 
 def lc_mu_for_target(
-    target_epsilon: float, delta: float, figure: str = "pld", orders: Sequence[float] = DEFAULT_ORDERS
+    target_epsilon: float, delta: float, figure: str = "pld", accountant: Accountant = DEFAULT_ACCOUNTANT
 ) -> float:
     """The largest μ whose Gaussian mechanism meets (target_epsilon, delta) by ``figure``:
-    the exact μ-GDP inversion ("pld") or the RDP curve order·μ²/2 with the improved conversion
-    ("rdp", bisection on the increasing map μ ↦ ε)."""
+    the exact μ-GDP inversion ("pld") or the RDP curve order·μ²/2 at ``accountant``'s orders
+    with the improved conversion ("rdp", bisection on the increasing map μ ↦ ε)."""
     target = check_epsilon(target_epsilon, "target_epsilon", zero=True)
     delta = check_delta(delta)
     if _check_figure(figure) == "pld":
         return gdp_mu(target, delta)
-    orders = check_orders(orders)
+    orders = accountant.orders
     lo, hi = 0.0, 1.0
     while rdp_to_epsilon(orders, rdp_gaussian(hi, orders), delta) <= target:
         lo, hi = hi, 2 * hi
@@ -700,8 +681,7 @@ def choose_lam_surrogate(
     *,
     figure: str = "pld",
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
     max_points: int = 2000,
 ) -> WeightChoice:
@@ -719,7 +699,7 @@ def choose_lam_surrogate(
     segments = models if isinstance(models, LCSegments) else lc_segments(models, adjacency=adjacency)
     k = segments.num_models
     linear = None if callable(utility) else _check_utilities(utility, k)
-    mu_max = lc_mu_for_target(target, delta, figure, orders)
+    mu_max = lc_mu_for_target(target, delta, figure, accountant)
     lam_private, mu_private = lc_most_private(segments)
 
     def achieved_of(lam):
@@ -727,8 +707,7 @@ def choose_lam_surrogate(
             segments,
             lam,
             delta,
-            orders=orders,
-            value_discretization_interval=value_discretization_interval,
+            accountant=accountant,
             max_groups=max_groups,
         )
 
@@ -770,13 +749,11 @@ def choose_lam_surrogate(
 
 
 def _subset_figure(
-    records, adjacency: str, subset: tuple[int, ...], delta: float, figure: str, orders, interval
+    records, adjacency: str, subset: tuple[int, ...], delta: float, figure: str, accountant: Accountant
 ) -> float:
     lam = np.zeros(len(records))
     lam[list(subset)] = 1.0 / len(subset)
-    eps = lc_composition_epsilon(
-        records, lam, delta, adjacency=adjacency, orders=orders, value_discretization_interval=interval
-    )
+    eps = lc_composition_epsilon(records, lam, delta, adjacency=adjacency, accountant=accountant)
     return eps.pld if figure == "pld" else eps.rdp
 
 
@@ -787,8 +764,7 @@ def lc_feasible_subsets(
     *,
     figure: str = "pld",
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> dict[tuple[int, ...], float]:
     """{subset: its composition's ε by ``figure``} for every non-empty subset of the models
     whose composition meets (target_epsilon, delta). Supersets of an infeasible subset are skipped
@@ -805,7 +781,7 @@ def lc_feasible_subsets(
         for subset in itertools.combinations(range(k), size):
             if size > 1 and any(sub not in feasible for sub in itertools.combinations(subset, size - 1)):
                 continue
-            reached = _subset_figure(records, adjacency, subset, delta, figure, orders, value_discretization_interval)
+            reached = _subset_figure(records, adjacency, subset, delta, figure, accountant)
             if reached <= target_epsilon:
                 feasible[subset] = reached
                 found = True
@@ -822,8 +798,7 @@ def choose_lam_composition(
     *,
     figure: str = "pld",
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_points: int = 2000,
 ) -> WeightChoice:
     """λ maximising ``utility`` subject to the composition of the models with λ_i > 0 meeting
@@ -843,14 +818,10 @@ def choose_lam_composition(
         delta,
         figure=figure,
         adjacency=adjacency,
-        orders=orders,
-        value_discretization_interval=value_discretization_interval,
+        accountant=accountant,
     )
     if not feasible:
-        singles = [
-            _subset_figure(records, adjacency, (i,), delta, figure, orders, value_discretization_interval)
-            for i in range(k)
-        ]
+        singles = [_subset_figure(records, adjacency, (i,), delta, figure, accountant) for i in range(k)]
         raise UnreachableTarget("lc", target, delta, figure, min(singles))
     maximal = [s for s in feasible if not any(set(s) < set(t) for t in feasible)]
     if linear is not None:
@@ -878,8 +849,7 @@ def choose_lam_composition(
         lam,
         delta,
         adjacency=adjacency,
-        orders=orders,
-        value_discretization_interval=value_discretization_interval,
+        accountant=accountant,
     )
     return WeightChoice(
         "lc",
@@ -902,8 +872,7 @@ def choose_lam(
     *,
     figure: str = "pld",
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_groups: int = DEFAULT_MAX_GROUPS,
     max_points: int = 2000,
 ) -> WeightChoice:
@@ -926,8 +895,7 @@ def choose_lam(
             delta,
             figure=figure,
             adjacency=adjacency,
-            orders=orders,
-            value_discretization_interval=value_discretization_interval,
+            accountant=accountant,
             max_groups=max_groups,
             max_points=max_points,
         )
@@ -938,8 +906,7 @@ def choose_lam(
         delta,
         figure=figure,
         adjacency=adjacency,
-        orders=orders,
-        value_discretization_interval=value_discretization_interval,
+        accountant=accountant,
         max_points=max_points,
     )
 
@@ -954,8 +921,7 @@ def choose_lam_by_utility(
     prior_name: str = "epsilon",
     figure: str = "pld",
     adjacency: str | None = None,
-    orders: Sequence[float] = DEFAULT_ORDERS,
-    value_discretization_interval: float = DEFAULT_INTERVAL,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     max_points: int = 2000,
 ) -> WeightChoice:
     """LC with charged utility selection (module docstring): S = ``scored_subset`` by ``prior``
@@ -971,12 +937,10 @@ def choose_lam_by_utility(
     k = len(records)
     if not callable(utility):
         raise InvalidArgument("utility", "a utility selection for LC measures each candidate λ: give a callable")
-    profiles = rs_profiles(
-        records, adjacency=adjacency, orders=orders, value_discretization_interval=value_discretization_interval
-    )
+    profiles = rs_profiles(records, adjacency=adjacency, accountant=accountant)
     if prior is None:
         prior, prior_name = (
-            privacy_prior(profiles, delta, orders=orders, value_discretization_interval=value_discretization_interval),
+            privacy_prior(profiles, delta, accountant=accountant),
             "epsilon",
         )
     prior_u = _check_utilities(prior, k)
@@ -988,8 +952,7 @@ def choose_lam_by_utility(
             delta,
             figure=figure,
             adjacency=adjacency,
-            orders=orders,
-            value_discretization_interval=value_discretization_interval,
+            accountant=accountant,
         )
     except UnreachableTarget as e:
         raise UnreachableTarget("lc", target, delta, figure, e.most_private_epsilon) from None
