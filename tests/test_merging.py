@@ -16,6 +16,7 @@ from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.base.rng import make_randomness
 from peer.dp.accounting import DEFAULT_ORDERS, ApproxDP, TrainingRecord
+from peer.dp.accounting.accountant import Accountant
 from peer.dp.merging import PoolModel, combine, draw_index, merge_lc, merge_rs
 from peer.nn.architectures import build_model, state_arrays
 
@@ -125,6 +126,30 @@ def test_rs_by_rdp_meets_the_rdp_target():
     assert e <= target * (1 + 1e-9) and e >= target * (1 - 1e-3)
     assert merged.record.parameters["epsilon_rdp"] == pytest.approx(e, rel=1e-9)
     assert merged.record.epsilon < e  # PLD is tighter than RDP on the same π
+
+
+def test_the_merges_choice_and_record_are_stated_by_the_accountant_given():
+    """One accountant through the merge: a coarser PLD grid and fewer orders change the figures,
+    and the choice and the record both carry that accountant's (not the default one's)."""
+    acc = Accountant(orders=[2.0, 4.0, 8.0, 16.0, 32.0], value_discretization_interval=1e-2)
+    target = 0.5 * (EPS[0] + EPS[1])
+    pool = _pool()
+    models = [m.privacy for m in pool]
+    for method in ("rs", "lc"):
+        if method == "rs":
+            merged = merge_rs(pool, target, DELTA, prior=UTIL, randomness=make_randomness(0), accountant=acc)
+            own = accounting.rs_epsilon(models, merged.choice.weights, DELTA, accountant=acc)
+            default = accounting.rs_epsilon(models, merged.choice.weights, DELTA)
+        else:
+            merged = merge_lc(pool, target, DELTA, prior=UTIL, accountant=acc)
+            own = accounting.lc_epsilon(models, merged.choice.weights, DELTA, accountant=acc)
+            default = accounting.lc_epsilon(models, merged.choice.weights, DELTA)
+        assert merged.record.epsilon == pytest.approx(own.pld, rel=1e-12)
+        assert merged.record.parameters["epsilon_rdp"] == pytest.approx(own.rdp, rel=1e-12)
+        assert merged.choice.epsilon.pld == pytest.approx(own.pld, rel=1e-12)
+        # the coarse grid is pessimistic and five orders convert worse than the default's
+        assert own.pld > default.pld and own.rdp > default.rdp
+        assert Accountant(acc.orders, 1e-2).epsilon(merged.record, DELTA) == pytest.approx((own.pld, own.rdp))
 
 
 def test_rs_whose_best_model_is_within_the_target_takes_it():

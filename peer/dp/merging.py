@@ -70,6 +70,7 @@ from peer.dp.accounting import (
     lc_segments,
     surrogate_is_bound,
 )
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
 from peer.dp.accounting.release_accounting import lc_merge_record, rs_merge_record
 from peer.dp.accounting.rs import check_weights
 from peer.dp.accounting.targets import (
@@ -182,11 +183,15 @@ def _check_method_inputs(target_epsilon: float, delta: float) -> None:
 
 
 def pool_prior(
-    pool: Sequence[PoolModel], delta: float, prior: Sequence[float] | None = None
+    pool: Sequence[PoolModel],
+    delta: float,
+    prior: Sequence[float] | None = None,
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
 ) -> tuple[list[float], str]:
     """(the public prior utilities of the pool's models, where they come from): ``prior`` when
     given ("declared"), else every model's metadata ``PRIOR_KEY`` ("declared"), else
-    ``targets.privacy_prior`` ("epsilon"). A prior declared for some models only is refused,
+    ``targets.privacy_prior`` ("epsilon": each model's ε by ``accountant``). A prior declared
+    for some models only is refused,
     naming the others. A declared prior must be public: chosen before the models were trained
     or from their training records (e.g. the site's belief about a noise level) — never a
     measured score of the model itself, such as its metadata "accuracy" (a function of the
@@ -197,7 +202,7 @@ def pool_prior(
         return [float(u) for u in prior], "declared"
     declared = [m.metadata.get(PRIOR_KEY) for m in pool]
     if all(d is None for d in declared):
-        return privacy_prior([m.privacy for m in pool], delta), "epsilon"
+        return privacy_prior([m.privacy for m in pool], delta, accountant=accountant), "epsilon"
     missing = [m.name for m, d in zip(pool, declared, strict=True) if d is None]
     if missing:
         raise InvalidArgument(
@@ -233,6 +238,7 @@ def merge_rs(
     prior: Sequence[float] | None = None,
     score: Callable[[Mapping[str, np.ndarray]], float] | None = None,
     figure: str = "pld",
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     subject: str = "",
     counterparty: str | None = None,
 ) -> MergedModel:
@@ -241,12 +247,13 @@ def merge_rs(
     ``selection`` "public-prior": π maximises Σ π_i prior_i subject to the RS bound meeting the
     target by the ε ``figure`` ("pld" or "rdp"); ``prior`` as in ``pool_prior``. "utility": the
     models of the public subset S (``targets.scored_subset``) are scored by ``score(arrays)`` and
-    the best is released; charged the composition of S (module docstring)."""
+    the best is released; charged the composition of S (module docstring). Every ε (the choice's
+    and the record's) is stated by ``accountant``."""
     arch = check_pool(pool)
     _check_method_inputs(target_epsilon, delta)
     _check_selection(selection, score)
     models = [m.privacy for m in pool]
-    prior_u, prior_name = pool_prior(pool, float(delta), prior)
+    prior_u, prior_name = pool_prior(pool, float(delta), prior, accountant)
     if selection == "utility":
         choice = choose_pi_by_utility(
             models,
@@ -256,9 +263,10 @@ def merge_rs(
             prior=prior_u,
             prior_name=prior_name,
             figure=figure,
+            accountant=accountant,
         )
     else:
-        choice = choose_pi(models, prior_u, float(target_epsilon), float(delta), figure=figure)
+        choice = choose_pi(models, prior_u, float(target_epsilon), float(delta), figure=figure, accountant=accountant)
         choice = replace(choice, selection=Selection("public-prior", prior_name, tuple(prior_u)).to_dict())
     drawn = pool[draw_index(choice.weights, randomness)]
     record = rs_merge_record(
@@ -270,6 +278,7 @@ def merge_rs(
         subject=subject,
         counterparty=counterparty,
         selection=choice.selection,
+        accountant=accountant,
     )
     record = with_models_randomness(record, pool, choice.weights)
     # the drawn model's own arrays, as read-only views: no copy of what may be a large model
@@ -301,6 +310,7 @@ def merge_lc(
     prior: Sequence[float] | Callable[[np.ndarray], float] | None = None,
     score: Callable[[Mapping[str, np.ndarray]], float] | None = None,
     figure: str = "pld",
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     candidates: int = LC_CANDIDATES,
     subject: str = "",
     counterparty: str | None = None,
@@ -311,7 +321,8 @@ def merge_lc(
     docstring) meeting the target by the ε ``figure`` ("pld" or "rdp") — per-model priors (``pool_prior``: linear
     Σ λ_i prior_i) or a public function ``prior(λ)`` evaluated on about ``candidates`` λ's.
     "utility": ``score(θ_λ)`` is measured on about ``candidates`` λ's supported on the public
-    subset S (``targets.scored_subset``); charged the composition of S."""
+    subset S (``targets.scored_subset``); charged the composition of S. Every ε (the choice's and
+    the record's) is stated by ``accountant``."""
     arch = check_pool(pool)
     _check_method_inputs(target_epsilon, delta)
     _check_selection(selection, score)
@@ -320,7 +331,7 @@ def merge_lc(
     if callable(prior):
         utility, prior_name, prior_u = prior, "declared", None
     else:
-        prior_u, prior_name = pool_prior(pool, float(delta), prior)
+        prior_u, prior_name = pool_prior(pool, float(delta), prior, accountant)
         utility = prior_u
     if selection == "utility":
 
@@ -337,6 +348,7 @@ def merge_lc(
             prior=prior_u,
             prior_name=prior_name,
             figure=figure,
+            accountant=accountant,
             max_points=candidates,
         )
     else:
@@ -351,7 +363,15 @@ def merge_lc(
                     # budget, hence carrying less relative noise)
                     return float(public(lam)) + TIE_BREAK * segments.mu(lam) / (1.0 + segments.mu(lam))
 
-        choice = choose_lam(models, utility, float(target_epsilon), float(delta), figure=figure, max_points=candidates)
+        choice = choose_lam(
+            models,
+            utility,
+            float(target_epsilon),
+            float(delta),
+            figure=figure,
+            accountant=accountant,
+            max_points=candidates,
+        )
         if callable(prior):
             choice = replace(choice, utility=float(prior(np.asarray(choice.weights))))
         choice = replace(
@@ -366,6 +386,7 @@ def merge_lc(
         subject=subject,
         counterparty=counterparty,
         selection=choice.selection,
+        accountant=accountant,
     )
     record = with_models_randomness(record, pool, choice.weights)
     return MergedModel(arch, combine(arrays, choice.weights), record, choice)

@@ -43,6 +43,7 @@ from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
 from peer.dp.accounting import ApproxDP, TrainingRecord
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
 from peer.dp.merging import METHODS, MergedModel, PoolModel, check_pool, merge_lc, merge_rs
 from peer.dp.training import TrainedModel
 from peer.nn.architectures import accuracy, model_from_arrays
@@ -301,14 +302,17 @@ def profile_cache_directory(directory: str | os.PathLike) -> Path:
     return d.parent / f".{d.name}.profiles"
 
 
-def warm_pool_profiles(pool: Sequence[PoolModel], directory: str | os.PathLike) -> list:
-    """The privacy profiles of ``pool`` (stored at ``directory``) under their common adjacency,
+def warm_pool_profiles(
+    pool: Sequence[PoolModel], directory: str | os.PathLike, *, accountant: Accountant = DEFAULT_ACCOUNTANT
+) -> list:
+    """The privacy profiles of ``pool`` (stored at ``directory``) at ``accountant``'s settings
+    under their common adjacency,
     read from the pool's profile cache or built and written there, and kept in memory: later RS
     and LC requests on the pool then pay for choosing π / λ, not for T-step PLD compositions.
     Raises InvalidArgument when the pool mixes adjacencies (each request then says why)."""
     from peer.dp.accounting.profile_cache import cached_profiles
 
-    return cached_profiles([m.privacy for m in pool], profile_cache_directory(directory))
+    return cached_profiles([m.privacy for m in pool], profile_cache_directory(directory), accountant=accountant)
 
 
 def pool_validation(pool: Sequence[PoolModel]) -> tuple[np.ndarray, np.ndarray]:
@@ -374,6 +378,7 @@ def merge_pool(
     validation: tuple[np.ndarray, np.ndarray] | None = None,
     utilities: Sequence[float] | None = None,
     figure: str = "pld",
+    accountant: Accountant = DEFAULT_ACCOUNTANT,
     randomness: Randomness | None = None,
     subject: str = "",
     counterparty: str | None = None,
@@ -387,7 +392,7 @@ def merge_pool(
     the pool's own held-out split), charged the composition of that subset; for RS,
     ``utilities`` may give the models' accuracies already (:func:`rs_utilities`; only those of
     the scored subset are read). RS draws from ``randomness`` (a fresh CSPRNG-seeded one when
-    None)."""
+    None). Every ε is stated by ``accountant``."""
     if method not in METHODS:
         raise InvalidArgument("method", f"must be one of {METHODS}, got {method!r}")
     check_pool(pool)
@@ -422,6 +427,7 @@ def merge_pool(
             prior=prior,
             score=score,
             figure=figure,
+            accountant=accountant,
             subject=subject,
             counterparty=counterparty,
         )
@@ -433,6 +439,7 @@ def merge_pool(
         prior=prior,
         score=score,
         figure=figure,
+        accountant=accountant,
         subject=subject,
         counterparty=counterparty,
     )

@@ -27,9 +27,9 @@ on the event's class through two registries (``_RDP``, ``_PLD``), one function p
   figure, which takes the maximum exactly); :meth:`Accountant.pld_fallbacks` counts where that
   happened so reports can say so.
 - :class:`DpSgdTraining`: the training record's profile under the event's adjacency
-  (``profiles.model_rdp`` / ``profiles.privacy_profile``).
+  (``profiles.model_rdp`` / ``profiles.privacy_profile``; registered by ``profiles``).
 - :class:`RandomSelectionMerge` / :class:`LinearCombinationMerge`: the RS / LC accountants on
-  the listed models and weights. An LC merge is interpreted by its charged, proven bound
+  the listed models and weights (registered by ``rs`` and ``lc``, which take this accountant). An LC merge is interpreted by its charged, proven bound
   (``lc.lc_rdp`` / ``lc.lc_pld``): the composition of the models with λ_i > 0, or the per-step
   surrogate only when every such model's training record declares state-independent
   gradients. A merge whose weights were chosen by measured utility (``scored`` set) is
@@ -51,17 +51,14 @@ from peer.dp.accounting import pld as pldm
 from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, pld_epsilon, rdp_to_epsilon
 from peer.dp.accounting.events import (
     Composition,
-    DpSgdTraining,
     Event,
     GaussianRelease,
     LaplaceRelease,
-    LinearCombinationMerge,
     MultiBitRelease,
-    RandomSelectionMerge,
     event_of,
 )
 from peer.dp.accounting.pld import DEFAULT_INTERVAL
-from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_mixture, rdp_pure
+from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_pure
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,9 @@ _RDP: dict[type, Callable[[Accountant, Event], np.ndarray]] = {}
 _PLD: dict[type, Callable[[Accountant, Event], pldm.PLD]] = {}
 
 
-def _rdp_of(kind: type):
+def rdp_of(kind: type):
+    """Register the RDP interpreter ``fn(accountant, event) -> curve at accountant.orders`` of ``kind``."""
+
     def register(fn):
         _RDP[kind] = fn
         return fn
@@ -87,7 +86,9 @@ def _rdp_of(kind: type):
     return register
 
 
-def _pld_of(kind: type):
+def pld_of(kind: type):
+    """Register the PLD interpreter ``fn(accountant, event) -> pessimistic PLD`` of ``kind``."""
+
     def register(fn):
         _PLD[kind] = fn
         return fn
@@ -198,43 +199,43 @@ def _walk(event: Event):
 # ---- one function per kind ---------------------------------------------------------------------
 
 
-@_rdp_of(LaplaceRelease)
+@rdp_of(LaplaceRelease)
 def _laplace_rdp(acc: Accountant, e: LaplaceRelease) -> np.ndarray:
     return rdp_laplace(e.epsilon, acc.orders)
 
 
-@_pld_of(LaplaceRelease)
+@pld_of(LaplaceRelease)
 def _laplace_pld(acc: Accountant, e: LaplaceRelease) -> pldm.PLD:
     return pldm.laplace_pld(e.epsilon, acc.value_discretization_interval)
 
 
-@_rdp_of(MultiBitRelease)
+@rdp_of(MultiBitRelease)
 def _pure_rdp(acc: Accountant, e: MultiBitRelease) -> np.ndarray:
     return rdp_pure(e.epsilon, acc.orders)
 
 
-@_pld_of(MultiBitRelease)
+@pld_of(MultiBitRelease)
 def _pure_pld(acc: Accountant, e: MultiBitRelease) -> pldm.PLD:
     return pldm.approx_dp_pld(e.epsilon, 0.0, acc.value_discretization_interval)
 
 
-@_rdp_of(GaussianRelease)
+@rdp_of(GaussianRelease)
 def _gaussian_rdp(acc: Accountant, e: GaussianRelease) -> np.ndarray:
     return rdp_gaussian(e.mu, acc.orders)
 
 
-@_pld_of(GaussianRelease)
+@pld_of(GaussianRelease)
 def _gaussian_pld(acc: Accountant, e: GaussianRelease) -> pldm.PLD:
     return pldm.gaussian_pld(e.mu, acc.value_discretization_interval)
 
 
-@_rdp_of(Composition)
+@rdp_of(Composition)
 def _composition_rdp(acc: Accountant, e: Composition) -> np.ndarray:
     parts = np.array([acc.rdp(c) for c in e.events])
     return parts.sum(axis=0) if e.how == "sequential" else parts.max(axis=0)
 
 
-@_pld_of(Composition)
+@pld_of(Composition)
 def _composition_pld(acc: Accountant, e: Composition) -> pldm.PLD:
     interval = acc.value_discretization_interval
     if e.how == "sequential":
@@ -254,81 +255,10 @@ def _composition_pld(acc: Accountant, e: Composition) -> pldm.PLD:
     return pldm.compose_plds([acc.pld(c) for c in e.events], interval)
 
 
-# The data-level kinds are interpreted by the profiles and the LC accountant, which take an
-# Accountant themselves: imported when first needed, so that they can import this module.
-
-
-@_rdp_of(DpSgdTraining)
-def _dpsgd_rdp(acc: Accountant, e: DpSgdTraining) -> np.ndarray:
-    from peer.dp.accounting.profiles import model_rdp
-
-    return model_rdp(e.training, e.adjacency, accountant=acc)
-
-
-@_pld_of(DpSgdTraining)
-def _dpsgd_pld(acc: Accountant, e: DpSgdTraining) -> pldm.PLD:
-    from peer.dp.accounting.profiles import privacy_profile
-
-    return privacy_profile(e.training, e.adjacency, accountant=acc).pld
-
-
-def _models_rdp(acc: Accountant, models: Sequence, indices: Sequence[int], adjacency: str) -> list[np.ndarray]:
-    from peer.dp.accounting.profiles import model_rdp
-
-    out = []
-    for i in indices:
-        try:
-            out.append(model_rdp(models[i], adjacency, accountant=acc))
-        except InvalidArgument as e:
-            raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
-    return out
-
-
-def _scored_pld(acc: Accountant, models: Sequence, scored: tuple[int, ...], adjacency: str) -> pldm.PLD:
-    from peer.dp.accounting.profiles import privacy_profiles
-
-    profiles = privacy_profiles([models[i] for i in scored], adjacency, accountant=acc)
-    return (
-        pldm.compose_plds([p.pld for p in profiles], acc.value_discretization_interval)
-        if len(profiles) > 1
-        else profiles[0].pld
-    )
-
-
-@_rdp_of(RandomSelectionMerge)
-def _rs_rdp(acc: Accountant, e: RandomSelectionMerge) -> np.ndarray:
-    if e.scored is not None:
-        return np.sum(_models_rdp(acc, e.models, e.scored, e.adjacency), axis=0)
-    rdps = _models_rdp(acc, e.models, range(len(e.models)), e.adjacency)
-    return rdp_mixture(np.asarray(e.pi), rdps, acc.orders)
-
-
-@_pld_of(RandomSelectionMerge)
-def _rs_pld(acc: Accountant, e: RandomSelectionMerge) -> pldm.PLD:
-    if e.scored is not None:
-        return _scored_pld(acc, e.models, e.scored, e.adjacency)
-    from peer.dp.accounting.profiles import privacy_profiles
-
-    profiles = privacy_profiles(list(e.models), e.adjacency, accountant=acc)
-    return pldm.mixture_pld([p.pld for p in profiles], np.asarray(e.pi))
-
-
-@_rdp_of(LinearCombinationMerge)
-def _lc_rdp(acc: Accountant, e: LinearCombinationMerge) -> np.ndarray:
-    if e.scored is not None:
-        return np.sum(_models_rdp(acc, e.models, e.scored, e.adjacency), axis=0)
-    from peer.dp.accounting.lc import lc_rdp
-
-    return lc_rdp(list(e.models), np.asarray(e.lam), adjacency=e.adjacency, accountant=acc)
-
-
-@_pld_of(LinearCombinationMerge)
-def _lc_pld(acc: Accountant, e: LinearCombinationMerge) -> pldm.PLD:
-    if e.scored is not None:
-        return _scored_pld(acc, e.models, e.scored, e.adjacency)
-    from peer.dp.accounting.lc import lc_pld
-
-    return lc_pld(list(e.models), np.asarray(e.lam), adjacency=e.adjacency, accountant=acc)[0]
+# The data-level kinds (DpSgdTraining, RandomSelectionMerge, LinearCombinationMerge) are
+# interpreted by the modules that implement their accounting, which register their functions here
+# (``profiles``, ``rs``, ``lc``); the package's ``__init__`` imports them, so the registries are
+# complete whenever this module can be imported.
 
 
 # ---- parallel compositions: which part dominates -----------------------------------------------
@@ -408,4 +338,4 @@ def _dominant(events: Sequence[Event]) -> Event | None:
 #: ``accountant`` uses it when given none.
 DEFAULT_ACCOUNTANT = Accountant()
 
-__all__ = ["DEFAULT_ACCOUNTANT", "Accountant", "Support"]
+__all__ = ["DEFAULT_ACCOUNTANT", "Accountant", "Support", "pld_of", "rdp_of"]

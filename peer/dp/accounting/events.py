@@ -39,7 +39,7 @@ import numpy as np
 from peer.base.errors import InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
-from peer.dp.accounting.weights import check_subset, check_weights
+from peer.dp.accounting.weights import SELECTIONS, check_subset, check_weights
 
 #: A data-level record's unit → the adjacency of its event.
 DATA_UNITS = {"record:replace-one": "replace-one", "record:add-remove": "add-remove"}
@@ -225,8 +225,6 @@ def _merge_models(record: ReleaseRecord, adjacency: str) -> tuple:
 def selection_scored(selection: Mapping[str, Any] | None, weights: np.ndarray) -> tuple[int, ...] | None:
     """The models a utility selection read (indices), or None when the weights were chosen from
     public information (or the record predates the field); ``parameters.selection`` of a merge."""
-    from peer.dp.accounting.targets import SELECTIONS
-
     if selection is None:
         return None
     if not isinstance(selection, Mapping) or selection.get("kind") not in SELECTIONS:

@@ -62,7 +62,7 @@ import numpy as np
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant, pld_of, rdp_of
 from peer.dp.accounting.conversions import (
     Deltas,
     Epsilons,
@@ -74,9 +74,10 @@ from peer.dp.accounting.conversions import (
     rdp_to_delta,
     rdp_to_epsilon,
 )
+from peer.dp.accounting.events import LinearCombinationMerge
 from peer.dp.accounting.profiles import PrivacyProfile, model_rdp, privacy_profiles, resolve_adjacency
 from peer.dp.accounting.rdp import rdp_gaussian
-from peer.dp.accounting.rs import check_weights
+from peer.dp.accounting.rs import check_weights, scored_pld, scored_rdp
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
 
 DEFAULT_MAX_GROUPS = 32
@@ -641,6 +642,23 @@ def lc_report(
         accountant=accountant,
     )
     return LCReport("composition", eps, surrogate, support)
+
+
+# ---- the accountant's interpretation of an LC merge event -------------------------------------
+
+
+@rdp_of(LinearCombinationMerge)
+def _lc_event_rdp(accountant: Accountant, e: LinearCombinationMerge) -> np.ndarray:
+    if e.scored is not None:
+        return scored_rdp(accountant, e.models, e.scored, e.adjacency)
+    return lc_rdp(list(e.models), np.asarray(e.lam), adjacency=e.adjacency, accountant=accountant)
+
+
+@pld_of(LinearCombinationMerge)
+def _lc_event_pld(accountant: Accountant, e: LinearCombinationMerge) -> pldm.PLD:
+    if e.scored is not None:
+        return scored_pld(accountant, e.models, e.scored, e.adjacency)
+    return lc_pld(list(e.models), np.asarray(e.lam), adjacency=e.adjacency, accountant=accountant)[0]
 
 
 __all__ = [

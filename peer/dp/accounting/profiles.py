@@ -31,7 +31,7 @@ import numpy as np
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant, pld_of, rdp_of
 from peer.dp.accounting.conversions import (
     Deltas,
     Epsilons,
@@ -42,6 +42,7 @@ from peer.dp.accounting.conversions import (
     rdp_to_delta,
     rdp_to_epsilon,
 )
+from peer.dp.accounting.events import DpSgdTraining
 from peer.dp.accounting.pld import DEFAULT_INTERVAL
 from peer.dp.accounting.rdp import rdp_gaussian, rdp_pure, rdp_subsampled_gaussian
 from peer.dp.accounting.training_records import ADJACENCIES, ApproxDP, TrainingRecord, check_adjacency
@@ -413,6 +414,16 @@ def model_delta(
     model: Model, epsilon: float, *, adjacency: str | None = None, accountant: Accountant = DEFAULT_ACCOUNTANT
 ) -> Deltas:
     return privacy_profile(model, adjacency, accountant=accountant).delta(epsilon)
+
+
+@rdp_of(DpSgdTraining)
+def _dpsgd_rdp(accountant: Accountant, e: DpSgdTraining) -> np.ndarray:
+    return model_rdp(e.training, e.adjacency, accountant=accountant)
+
+
+@pld_of(DpSgdTraining)
+def _dpsgd_pld(accountant: Accountant, e: DpSgdTraining) -> pldm.PLD:
+    return privacy_profile(e.training, e.adjacency, accountant=accountant).pld
 
 
 __all__ = [

@@ -28,8 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
+from peer.base.errors import InvalidArgument
 from peer.dp.accounting import pld as pldm
-from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
+from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant, pld_of, rdp_of
 from peer.dp.accounting.conversions import (
     Deltas,
     Epsilons,
@@ -39,7 +40,8 @@ from peer.dp.accounting.conversions import (
     rdp_to_delta,
     rdp_to_epsilon,
 )
-from peer.dp.accounting.profiles import Model, PrivacyProfile, privacy_profiles
+from peer.dp.accounting.events import RandomSelectionMerge
+from peer.dp.accounting.profiles import Model, PrivacyProfile, model_rdp, privacy_profiles
 from peer.dp.accounting.rdp import rdp_mixture
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
 from peer.dp.accounting.weights import check_subset, check_weights
@@ -175,6 +177,50 @@ def _composition_epsilon(models, subset, delta, adjacency, accountant) -> Epsilo
     mus = [profiles[i].mu for i in check_subset(subset, len(profiles))]
     closed = gdp_epsilon(math.sqrt(sum(m * m for m in mus)), delta) if all(m is not None for m in mus) else None
     return Epsilons(pld=pld_epsilon(pld, delta), rdp=rdp_to_epsilon(grid, rdp, delta), closed_form=closed)
+
+
+# ---- the accountant's interpretation of an RS merge event -------------------------------------
+
+
+def scored_rdp(accountant: Accountant, models: Sequence, scored: Sequence[int], adjacency: str) -> np.ndarray:
+    """RDP of releasing every model of ``scored`` (what a utility selection costs): the sum of
+    their curves (``profiles.model_rdp``: no PLD is built)."""
+    out = []
+    for i in scored:
+        try:
+            out.append(model_rdp(models[i], adjacency, accountant=accountant))
+        except InvalidArgument as e:
+            raise InvalidArgument(f"models[{i}].{e.field}", e.rule) from None
+    return np.sum(out, axis=0)
+
+
+def scored_pld(accountant: Accountant, models: Sequence, scored: Sequence[int], adjacency: str) -> pldm.PLD:
+    """PLD of releasing every model of ``scored``: their PLDs composed."""
+    profiles = privacy_profiles([models[i] for i in scored], adjacency, accountant=accountant)
+    if len(profiles) == 1:
+        return profiles[0].pld
+    return pldm.compose_plds([p.pld for p in profiles], accountant.value_discretization_interval)
+
+
+@rdp_of(RandomSelectionMerge)
+def _rs_event_rdp(accountant: Accountant, e: RandomSelectionMerge) -> np.ndarray:
+    if e.scored is not None:
+        return scored_rdp(accountant, e.models, e.scored, e.adjacency)
+    rdps = []
+    for i, m in enumerate(e.models):
+        try:
+            rdps.append(model_rdp(m, e.adjacency, accountant=accountant))
+        except InvalidArgument as err:
+            raise InvalidArgument(f"models[{i}].{err.field}", err.rule) from None
+    return rdp_mixture(np.asarray(e.pi), rdps, accountant.orders)
+
+
+@pld_of(RandomSelectionMerge)
+def _rs_event_pld(accountant: Accountant, e: RandomSelectionMerge) -> pldm.PLD:
+    if e.scored is not None:
+        return scored_pld(accountant, e.models, e.scored, e.adjacency)
+    profiles = privacy_profiles(list(e.models), e.adjacency, accountant=accountant)
+    return pldm.mixture_pld([p.pld for p in profiles], np.asarray(e.pi))
 
 
 __all__ = [

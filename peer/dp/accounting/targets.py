@@ -101,12 +101,10 @@ from peer.dp.accounting.profiles import Model, PrivacyProfile
 from peer.dp.accounting.rdp import rdp_gaussian
 from peer.dp.accounting.rs import check_subset, composition_epsilon, rs_epsilon, rs_profiles
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord
+from peer.dp.accounting.weights import SELECTIONS
 
 #: the ε figure a target is met by: "pld" (tight, numerical) or "rdp" (the RDP conversion)
 FIGURES = ("pld", "rdp")
-#: how π / λ are chosen (module docstring): from public information only, or from measured
-#: utilities of a public subset of models, charged as releasing that subset
-SELECTIONS = ("public-prior", "utility")
 #: where a public prior comes from: declared by the site, or the default proxy (``privacy_prior``)
 PRIORS = ("declared", "epsilon")
 # LC under the composition bound enumerates subsets of the pool (2^k − 1 of them)

@@ -1,5 +1,6 @@
 """The checks every merge's weights share: convex weights over a pool's models (RS's π, LC's
-λ) and a subset of the models (the ones a utility selection scored). Pure; no accounting here,
+λ), a subset of the models (the ones a utility selection scored), and how weights may be
+chosen (``SELECTIONS``). Pure; no accounting here,
 so the typed events (``events``) can check a record's weights without loading the accountants.
 """
 
@@ -13,6 +14,9 @@ import numpy as np
 from peer.base.errors import InvalidArgument
 
 WEIGHT_TOLERANCE = 1e-6
+#: how π / λ are chosen (``targets``): from public information only, or from measured utilities
+#: of a public subset of models, charged as releasing that subset
+SELECTIONS = ("public-prior", "utility")
 
 
 def check_weights(weights: Sequence[float], count: int, field_name: str = "pi") -> np.ndarray:
@@ -52,4 +56,4 @@ def check_subset(subset: Sequence[int], count: int, field_name: str = "scored") 
     return tuple(sorted(out))
 
 
-__all__ = ["WEIGHT_TOLERANCE", "check_subset", "check_weights"]
+__all__ = ["SELECTIONS", "WEIGHT_TOLERANCE", "check_subset", "check_weights"]
