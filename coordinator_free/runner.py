@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator_free import repairing
 from coordinator_free.roster import Roster, RosterSite
@@ -44,7 +43,7 @@ from peer.base.records import now_rfc3339
 from peer.ldp.fusion import average_arrays
 from peer.ldp.mechanisms import default_entry_bound
 from peer.ldp.pipeline import Alignment, align, align_graphs
-from peer.net.client import PeerClient, PeerError
+from peer.net.client import HEALTH_SERVICE, PeerClient, PeerError
 from peer.net.codec import graph_from_release
 from peer.net.identity import Identity, load_identity
 from peer.net.site import SiteConfig
@@ -52,8 +51,6 @@ from peer.net.trust import TrustStore
 from peer.nn.architectures import model_from_arrays, validate_architecture, weight_layers
 from peer.nn.graph import NetworkGraph, extract_graph
 from peer.nn.store import StoredModel, load_model, save_model
-
-HEALTH_SERVICE = "privfusion.v1.Peer"
 
 
 @dataclass(frozen=True)
@@ -186,11 +183,12 @@ def _weight_boxes(arch: Mapping[str, Any], bound: float | None) -> dict[str, tup
     }
 
 
-def _same_architecture(json_text: str, arch: Mapping[str, Any]) -> bool:
+def _same_architecture(theirs: Mapping[str, Any] | None, arch: Mapping[str, Any]) -> bool:
     from peer.nn.imported import is_imported_architecture, structure_of, structure_sha256
 
+    if theirs is None:  # the peer sent an architecture that is not a JSON object
+        return False
     try:
-        theirs = json.loads(json_text)
         if is_imported_architecture(arch) or is_imported_architecture(theirs):
             # a site's own network: the same traced structure, digest for digest
             return (
@@ -209,14 +207,14 @@ def choose_model(info, wanted: str | None, arch: Mapping[str, Any], own_name: st
     models = {m.name: m for m in info.models}
     if wanted is not None:
         m = models.get(wanted)
-        return wanted if m is not None and _same_architecture(m.architecture_json, arch) else None
-    fits = sorted(n for n, m in models.items() if _same_architecture(m.architecture_json, arch))
+        return wanted if m is not None and _same_architecture(m.architecture, arch) else None
+    fits = sorted(n for n, m in models.items() if _same_architecture(m.architecture, arch))
     return own_name if own_name in fits else (fits[0] if fits else None)
 
 
 def choose_pool(info, wanted: str | None, arch: Mapping[str, Any], method: str) -> str | None:
     pools = {p.name: p for p in info.pools}
-    fits = sorted(n for n, p in pools.items() if method in p.methods and _same_architecture(p.architecture_json, arch))
+    fits = sorted(n for n, p in pools.items() if method in p.methods and _same_architecture(p.architecture, arch))
     if wanted is not None:
         return wanted if wanted in fits else None
     return fits[0] if fits else None
@@ -261,9 +259,8 @@ class _OwnNetwork:
         for offer in offers:
             if wanted is not None and offer.name != wanted:
                 continue
-            try:
-                theirs = json.loads(offer.architecture_json)
-            except ValueError:
+            theirs = offer.architecture
+            if theirs is None:
                 continue
             if not is_imported_architecture(theirs) and wanted is None:
                 continue
@@ -466,15 +463,9 @@ def run_round(
 
     def health(p: RosterSite) -> None:
         try:
-            reply = health_pb2_grpc.HealthStub(clients[p.name].channel).Check(
-                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=config.health_timeout_s
-            )
-            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-            state.set_alive(
-                p.name,
-                serving,
-                "" if serving else f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}",
-            )
+            status = clients[p.name].health(HEALTH_SERVICE, timeout=config.health_timeout_s)
+            serving = status == "SERVING"
+            state.set_alive(p.name, serving, "" if serving else f"health status {status}")
         except Exception as e:
             code = getattr(e, "code", lambda: None)()
             state.set_alive(

@@ -312,7 +312,7 @@ allow = ["weights"]
             c.ledger()
         assert e.value.status == "PERMISSION_DENIED"
         assert c.weights("mlp", epsilon=0.5, delta=1e-5).receipt.record.epsilon == 0.5
-        assert c.info().budgets == []  # show_remaining defaults to "none"
+        assert c.info().budgets == ()  # show_remaining defaults to "none"
     assert len(entries(a)) == 1
 
 

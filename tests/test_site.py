@@ -17,6 +17,7 @@ from peer.budget.policy import Policy
 from peer.cli.evaluate import classification_metrics
 from peer.cli.site import export_model, new_site
 from peer.net.client import PeerError
+from peer.net.peer_info import PeerInfo
 from peer.net.site import SiteConfig
 from peer.nn.store import load_model, save_model, site_unusable_files, unusable_files, write_sidecar
 
@@ -106,6 +107,7 @@ def test_a_new_site_serves_at_once_and_lists_what_it_cannot_use(tmp_path, caplog
         client(other, address, peer="hospital-a") as c,
     ):
         info = c.info()
+    assert isinstance(info, PeerInfo)  # the client's plain values, not the message
     assert [m.name for m in info.models] == ["mlp"] and not info.pools and not info.has_probe_set
     listed = {u.path: u.reason for u in info.unusable}
     assert set(listed) == {

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from peer.base.errors import InvalidArgument
+from peer.net.client import HEALTH_SERVICE
 from peer.net.identity import (
     CERT_FILE,
     KEY_FILE,
@@ -115,9 +116,6 @@ def _serve(args) -> int:
     from peer.net.daemon import serve
 
     return serve(args.config, insecure=args.insecure, ready_file=args.ready_file, simulation=args.simulation)
-
-
-HEALTH_SERVICE = "privfusion.v1.Peer"
 
 
 def _own_daemon(path: Path) -> tuple[str, str, Path]:
@@ -215,9 +213,13 @@ def add_client_options(p: argparse.ArgumentParser) -> None:
 def _info(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
+    from peer.net.messages import peer_info_message
+
     with client_from_args(args) as c:
         info = c.info()
-    print(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2, sort_keys=True))
+    # printed as the message it came in (its proto3 JSON form): the answer encodes back to itself
+    message = peer_info_message(info)
+    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2, sort_keys=True))
     return 0
 
 

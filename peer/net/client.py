@@ -28,9 +28,10 @@ import grpc
 import numpy as np
 
 from peer.base.errors import InvalidArgument, NotFound, PrivFusionError
-from peer.base.records import ReleaseRecord
 from peer.net import wire
 from peer.net.identity import Identity
+from peer.net.messages import ledger_entry_from_message, peer_info_from_message
+from peer.net.peer_info import LedgerEntry, PeerInfo
 from peer.net.receipts import Manifest, SignedReceipt, receipt_digest, verify_receipt
 from peer.net.trust import PinnedPeer, TrustStore
 from privfusion.v1 import peer_pb2 as pb
@@ -41,6 +42,8 @@ log = logging.getLogger("privfusion.client")
 
 RELEASE_TIMEOUT_S = 1800.0
 INFO_TIMEOUT_S = 30.0
+#: the service whose health a peer reports (the standard gRPC health protocol)
+HEALTH_SERVICE = "privfusion.v1.Peer"
 
 
 class PeerError(PrivFusionError):
@@ -354,8 +357,21 @@ class PeerClient:
 
     # ------------------------------------------------------------------ calls
 
-    def info(self, timeout: float = INFO_TIMEOUT_S) -> pb.PeerInfo:
-        return self._unary(self.stub.GetPeerInfo, pb.GetPeerInfoRequest(header=self.header()), timeout)
+    def info(self, timeout: float = INFO_TIMEOUT_S) -> PeerInfo:
+        """Who the peer is and what it offers (``GetPeerInfo``, uncharged)."""
+        message = self._unary(self.stub.GetPeerInfo, pb.GetPeerInfoRequest(header=self.header()), timeout)
+        return peer_info_from_message(message)
+
+    def health(self, service: str = HEALTH_SERVICE, timeout: float = INFO_TIMEOUT_S) -> str:
+        """The peer's standard gRPC health status of ``service`` ("SERVING", "NOT_SERVING", ...)
+        on this connection; a failed call raises grpc's own error (the caller says what an
+        unanswered health check means: a peer that is down is not a refusal)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        reply = health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     # Every release call takes ``out``: None keeps the tensors in memory (Release.arrays); a
     # path streams them straight into OUT.safetensors as they arrive (Release.path) — for
@@ -484,11 +500,11 @@ class PeerClient:
         )
         return self._read(self._release["Fuse"](req, timeout=timeout), "fused", model, out)
 
-    def ledger(self, timeout: float = INFO_TIMEOUT_S) -> list[tuple[str, ReleaseRecord, str]]:
+    def ledger(self, timeout: float = INFO_TIMEOUT_S) -> list[LedgerEntry]:
         """The peer's ledger entries charged to this site: (entry id, record, created at)."""
         try:
             return [
-                (e.entry_id, ReleaseRecord.from_json(e.record_json), e.created_at)
+                ledger_entry_from_message(e)
                 for e in self.stub.ListLedger(pb.LedgerRequest(header=self.header()), timeout=timeout)
             ]
         except grpc.RpcError as e:

@@ -15,8 +15,9 @@ onto those names and checks what comes back before the core sees it:
   ``{"release": "group_features", "groups": [...], "probe_rows": P}`` in the metadata
   (:func:`group_features_tensors`, :func:`group_features_from_release`,
   :func:`group_weights_from_release`);
-* a site's description of itself (``peer.net.site.SiteInfo``, plain values) → the
-  ``privfusion.v1.PeerInfo`` message (:func:`peer_info_message`).
+* a site's description of itself (``peer.net.peer_info.SiteInfo``) → the ``privfusion.v1.PeerInfo``
+  message: :func:`peer.net.messages.peer_info_message`, importable from here too (the answers
+  of the light calls, in both directions, are ``peer.net.messages``).
 
 Every check names the tensor or field at fault (InvalidArgument); shapes follow from the
 public architecture, so a release that does not fit it is refused before any matching.
@@ -24,7 +25,6 @@ public architecture, so a release that does not fit it is refused before any mat
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -32,11 +32,22 @@ from typing import Any
 import numpy as np
 
 from peer.base.errors import InvalidArgument
-from peer.net import wire
-from peer.net.site import GroupFeaturesRelease, SiteInfo
+from peer.net.messages import peer_info_message
+from peer.net.site import GroupFeaturesRelease
 from peer.nn.architectures import validate_architecture, weight_layers
 from peer.nn.graph import HiddenLayer, NetworkGraph
-from privfusion.v1 import peer_pb2 as pb
+
+__all__ = [
+    "features_tensors",
+    "graph_from_release",
+    "graph_tensors",
+    "group_features_from_release",
+    "group_features_tensors",
+    "group_weights_from_release",
+    "peer_info_message",
+    "weights_from_release",
+    "weights_tensors",
+]
 
 WEIGHTS_PREFIX = "weights."
 GROUPS_PREFIX = "groups."
@@ -216,68 +227,3 @@ def group_weights_from_release(structure, arrays: Mapping[str, np.ndarray], pref
     ``prefix`` "") or the ``weights.`` tensors of a "features+weights" one — checked against
     OUR structure: every state-dict entry with its shape, finite, nothing else."""
     return _state_from(structure, arrays, prefix)
-
-
-# ------------------------------------------------------------------------ site info -> PeerInfo
-
-
-def _architecture_json(architecture: Mapping[str, Any]) -> str:
-    return json.dumps(architecture, sort_keys=True)
-
-
-def peer_info_message(info: SiteInfo) -> pb.PeerInfo:
-    """``GetPeerInfo``'s answer: the site's description plus the wire's own facts (protocol,
-    largest chunk)."""
-    models = [
-        pb.ModelInfo(
-            name=m.name,
-            architecture_json=_architecture_json(m.architecture),
-            parameter_count=m.parameter_count,
-            hidden_sizes=list(m.hidden_sizes),
-            layers=[
-                pb.LayerInfo(
-                    name=layer.name,
-                    kind=layer.kind,
-                    weight_shape=list(layer.weight_shape),
-                    bias_shape=list(layer.bias_shape),
-                    hidden=layer.hidden,
-                )
-                for layer in m.layers
-            ],
-        )
-        for m in info.models
-    ]
-    pools = [
-        pb.PoolInfo(
-            name=p.name,
-            architecture_json=_architecture_json(p.architecture),
-            members=list(p.members),
-            methods=list(p.methods),
-        )
-        for p in info.pools
-    ]
-    budgets = [
-        pb.BudgetInfo(
-            budget=b.budget,
-            scope=b.scope,
-            epsilon_limit=b.epsilon_limit,
-            delta_limit=b.delta_limit,
-            epsilon_spent=b.epsilon_spent,
-            epsilon_remaining=b.epsilon_remaining,
-            releases=b.releases,
-        )
-        for b in info.budgets
-    ]
-    return pb.PeerInfo(
-        name=info.name,
-        certificate_sha256=info.certificate_sha256,
-        protocol=wire.PROTOCOL,
-        insecure=info.insecure,
-        models=models,
-        pools=pools,
-        mechanisms=list(info.mechanisms),
-        budgets=budgets,
-        has_probe_set=info.has_probe_set,
-        max_chunk_bytes=wire.MAX_CHUNK_BYTES,
-        unusable=[pb.UnusableFile(path=p, reason=why) for p, why in info.unusable],
-    )

@@ -22,7 +22,6 @@ policy; it streams the result under the charge made in step 1.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -168,7 +167,7 @@ def _check_partner_offer(client, stored: StoredModel, partner: str, partner_mode
     own network, say, which the relay cannot fuse) would otherwise be released and charged at
     the partner before this site could refuse it."""
     info = client.info()
-    offered = {m.name: m.architecture_json for m in info.models}
+    offered = {m.name: m.architecture for m in info.models}
     if partner_model not in offered:
         raise FailedPrecondition(
             f"partner_model: {partner} offers no model {partner_model!r}; it offers {sorted(offered)}",
@@ -176,7 +175,7 @@ def _check_partner_offer(client, stored: StoredModel, partner: str, partner_mode
             metadata={"partner": partner, "partner_model": partner_model},
         )
     try:
-        theirs = validate_architecture(json.loads(offered[partner_model]))
+        theirs = validate_architecture(offered[partner_model])  # None (not a JSON object) is refused too
     except (ValueError, InvalidArgument):
         theirs = None
     if theirs != stored.architecture:

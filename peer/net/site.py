@@ -79,6 +79,7 @@ from peer.ldp.mechanisms import composite_record, perturb_graph, perturb_model_w
 from peer.net.client import PeerClient, PeerError
 from peer.net.identity import CERT_FILE, KEY_FILE, Identity, check_site_name, load_identity
 from peer.net.limits import Limits
+from peer.net.peer_info import BudgetInfo, LayerInfo, ModelInfo, PoolInfo, SiteInfo
 from peer.net.trust import PinnedPeer, TrustStore
 from peer.nn.architectures import hidden_sizes, weight_layers
 from peer.nn.graph import NetworkGraph, extract_graph
@@ -306,65 +307,8 @@ def stamp(record: ReleaseRecord, caller: str, subject: str, **parameters: Any) -
     return record.with_(counterparty=caller, subject=subject, parameters=params)
 
 
-# ------------------------------------------------------------------------ what a site says about itself
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    """A weight layer of a model on offer: its state-dict prefix, "linear" or "conv", the shapes
-    of ``NAME.weight`` and ``NAME.bias``, and whether its units are hidden (permutable) nodes."""
-
-    name: str
-    kind: str
-    weight_shape: tuple[int, ...]
-    bias_shape: tuple[int, ...]
-    hidden: bool
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    architecture: Mapping[str, Any]
-    parameter_count: int
-    hidden_sizes: tuple[int, ...]
-    layers: tuple[LayerInfo, ...]
-
-
-@dataclass(frozen=True)
-class PoolInfo:
-    name: str
-    architecture: Mapping[str, Any]
-    members: tuple[str, ...]
-    methods: tuple[str, ...]  # "rs", and "lc" when every member has a full training record
-
-
-@dataclass(frozen=True)
-class BudgetInfo:
-    """One budget the policy lets the caller see: the filter's limits and what it has admitted."""
-
-    budget: str
-    scope: str
-    epsilon_limit: float
-    delta_limit: float
-    epsilon_spent: float
-    epsilon_remaining: float
-    releases: int
-
-
-@dataclass(frozen=True)
-class SiteInfo:
-    """What a site tells a pinned caller about itself (GetPeerInfo): all public."""
-
-    name: str
-    certificate_sha256: str
-    insecure: bool
-    models: tuple[ModelInfo, ...]
-    pools: tuple[PoolInfo, ...]
-    mechanisms: tuple[str, ...]
-    budgets: tuple[BudgetInfo, ...]
-    has_probe_set: bool
-    # files in models/ or pool/ (and a probe set not made yet) the site cannot use: (path, why)
-    unusable: tuple[tuple[str, str], ...] = ()
+# ------------------------------------------------------------------------ releases as the site makes them
+# (what a site says about itself, SiteInfo and its parts, is in peer.net.peer_info)
 
 
 @dataclass(frozen=True)
