@@ -40,7 +40,7 @@ ledger serialises the charges). A round of requester R over the live peers P_1..
    (α-fusion generalised to k models: R keeps weight α, the others share 1 − α equally).
    If fewer than ``quorum`` sites (R included) contributed, the round aborts: no model is
    written, and what the peers released stays charged.
-5. **after fusion** (optional, local, nothing charged) — ``coordinator_free.repairing``:
+5. **after fusion** (optional, local, nothing charged) — ``coordinator_free.after_fusion``:
    candidate selection on public data, REPAIR on R's own records or probe set, fine-tuning
    on R's own records; each stage stored beside the plain fusion.
 
@@ -124,7 +124,7 @@ class RoundConfig:
     call_timeout_s: float = 60.0
     out: Path = Path("rounds")
     label: str = ""
-    # after fusion, all local (see coordinator_free.repairing): nothing here is charged
+    # after fusion, all local (see coordinator_free.after_fusion): nothing here is charged
     records: Path | None = None
     records_prepared: bool = False
     repair: str = "off"
@@ -204,7 +204,7 @@ REPAIR_DATA = ("off", "own", "probe")
 
 
 def _after_fusion(s: Section, base: Path) -> dict:
-    """The local steps after fusion (``coordinator_free.repairing``), from ``[round.records]``,
+    """The local steps after fusion (``coordinator_free.after_fusion``), from ``[round.records]``,
     ``[round.repair]``, ``[round.select]`` and ``[round.finetune]``; errors name key and line.
 
     ``[round.records] path`` is the site's own labelled records (they never leave the site):

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator_free import repairing
+from coordinator_free import after_fusion
 from coordinator_free.roster import Roster, RosterSite
 from coordinator_free.rounds import (
     CHARGED_STEPS,
@@ -85,7 +85,7 @@ class RoundResult:
     model_name: str | None = None
     report_path: Path | None = None
     #: the fused model's later local stages ("selected", "repaired", "finetuned" → arrays; for
-    #: a network with BatchNorm also "own_bn_reset", the reference of coordinator_free.repairing)
+    #: a network with BatchNorm also "own_bn_reset", the reference of coordinator_free.after_fusion)
     stages: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     #: each contributor's aligned arrays as fused (in memory only: never written)
     contributions: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
@@ -325,10 +325,10 @@ class _OwnNetwork:
         }
 
     @property
-    def kind(self) -> repairing.OwnNetworkKind:
-        """How the steps after fusion run this network (``coordinator_free.repairing``)."""
+    def kind(self) -> after_fusion.OwnNetworkKind:
+        """How the steps after fusion run this network (``coordinator_free.after_fusion``)."""
         own = self.local.own
-        return repairing.OwnNetworkKind(own.name, self.local.factory, self.structure, own.preprocessing)
+        return after_fusion.OwnNetworkKind(own.name, self.local.factory, self.structure, own.preprocessing)
 
     def state(self) -> dict[str, np.ndarray]:
         return self.kind.arrays(self.module)
@@ -417,10 +417,12 @@ def run_round(
         own_graph = own_public = None
         config = own.after_fusion_config(config)
         kind = own.kind
-        local_data = repairing.load_local_data(config, local.model, probe, kind) if repairing.enabled(config) else None
+        local_data = (
+            after_fusion.load_local_data(config, local.model, probe, kind) if after_fusion.enabled(config) else None
+        )
     else:
         arch = validate_architecture(local.model.architecture)
-        local_data = repairing.load_local_data(config, local.model, probe) if repairing.enabled(config) else None
+        local_data = after_fusion.load_local_data(config, local.model, probe) if after_fusion.enabled(config) else None
         own_graph = extract_graph(arch, local.model.module(), probe)
         own_public = public_view(own_graph, clip, _weight_boxes(arch, config.weight_bound))
     state.event(
@@ -715,7 +717,7 @@ def run_round(
         state.event("fused", step="fuse", contributors=contributors, weights=weights)
         if local_data is not None:
             try:
-                after = repairing.after_fusion(
+                after = after_fusion.after_fusion(
                     arch,
                     own.state() if own is not None else local.model.arrays,
                     {n: contributions[n] for n in contributors},
@@ -727,7 +729,7 @@ def run_round(
                 )
                 state.event("after-fusion", step="fuse", stages=list(after.stages), adopt=after.report["adopt"])
             except Exception as e:  # local steps only: the fused model (already paid for) is kept
-                after = repairing.AfterFusion(report={"error": f"{type(e).__name__}: {e}", "adopt": "fused"})
+                after = after_fusion.AfterFusion(report={"error": f"{type(e).__name__}: {e}", "adopt": "fused"})
                 state.event("after-fusion", step="fuse", stages=[], adopt="fused", error=after.report["error"])
     elif state.interrupted():
         state.event("interrupted", step="fuse", reason=state.aborted)
@@ -766,7 +768,7 @@ def run_round(
 
 def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any], own: LocalSite | None = None) -> None:
     """The report as ``OUT/round-ID.json``, the fused model and every later stage
-    (``coordinator_free.repairing``: MODEL-STAGE-ID) in the store ``OUT/models`` (a site's own
+    (``coordinator_free.after_fusion``: MODEL-STAGE-ID) in the store ``OUT/models`` (a site's own
     network: in its own store, ``own_models``, under its key names, so that ``privfusion model
     export`` writes them for the site's own class)."""
     out = Path(out)
@@ -799,7 +801,7 @@ def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any], own: Lo
         if own is not None:
             result.report["fused_store"] = str(own.own_store)
         for stage, arrays in result.stages.items():
-            # e.g. mlp-repaired-ID: the same round, after the local steps (coordinator_free.repairing)
+            # e.g. mlp-repaired-ID: the same round, after the local steps (coordinator_free.after_fusion)
             staged = f"{result.report['model']}-{stage}-{result.round_id[:12]}"
             save(staged, arrays, {"round": round_meta, "after_fusion": result.report["after_fusion"], "stage": stage})
             result.report[f"{stage}_model"] = staged

@@ -187,7 +187,7 @@ class RoundSpec:
     frontier: tuple[float, ...] = (0.25, 4.0, 16.0)
     call_timeout_s: float = 60.0
     health_timeout_s: float = 2.0
-    # after fusion, at each requester (coordinator_free.repairing): REPAIR on "own" records /
+    # after fusion, at each requester (coordinator_free.after_fusion): REPAIR on "own" records /
     # "probe" / "off"; candidate fusions compared on the PUBLIC validation set (subsets of the
     # contributions × the site's α and select_alphas), unless select = false; fine-tuning on the
     # site's own records for finetune_epochs (0: off)

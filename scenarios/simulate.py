@@ -226,7 +226,7 @@ def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float
 
 
 def _after_fusion_toml(sc: Scenario, s: SiteWorld) -> list[str]:
-    """The round's local steps after fusion (coordinator_free.repairing): the site's own records
+    """The round's local steps after fusion (coordinator_free.after_fusion): the site's own records
     (``records.npz`` in its own directory: they never leave it), REPAIR, candidate selection on
     the PUBLIC validation set, fine-tuning."""
     r = sc.round
@@ -729,8 +729,8 @@ def run_sites(world: World, progress: Progress) -> dict:
         if sc.round.repair != "off":
             # REPAIR's statistic points come from a torch.fx trace, which hijacks nn.Module.__call__
             # process-wide while it runs: trace the one architecture now, before the round threads
-            # run forward passes (coordinator_free.repairing.stat_points_of remembers it)
-            from coordinator_free.repairing import stat_points_of
+            # run forward passes (coordinator_free.after_fusion.stat_points_of remembers it)
+            from coordinator_free.after_fusion import stat_points_of
             from peer.nn.architectures import input_tensor
 
             some = next(iter(world.sites.values()))

@@ -317,7 +317,7 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
 
         # 4. the same merge asked again is served again (charge-once): the identical bytes, which
         # the round's own steps turn into exactly the stored models (fused, then repaired)
-        from coordinator_free.repairing import LocalData, after_fusion
+        from coordinator_free.after_fusion import LocalData, after_fusion
         from coordinator_free.rounds import RoundConfig
         from coordinator_free.runner import _OwnNetwork, load_local_site
         from peer.net.client import PeerClient

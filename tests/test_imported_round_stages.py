@@ -1,4 +1,4 @@
-"""The local steps after fusion (``coordinator_free.repairing``) in a round on a site's OWN
+"""The local steps after fusion (``coordinator_free.after_fusion``) in a round on a site's OWN
 network (``peer.nn.imported``): ``[round.records]``, ``[round.select]``, ``[round.repair]`` and
 ``[round.finetune]`` run in the site's own module class, the own_bn_reset reference is scored
 for a network with BatchNorm, every stage is stored in the site's own store (and exports for its
@@ -13,11 +13,11 @@ import pytest
 import torch
 from peer_harness import make_site, pin_each_other, roster_of, running
 from site_models.networks import SmallResNet
+from test_after_fusion import parse
 from test_imported_e2e import outputs, train_own
 from test_imported_ldp import NETWORKS, digits  # noqa: F401 (digits: the fixture)
-from test_round_repair import parse
 
-from coordinator_free import repairing
+from coordinator_free import after_fusion
 from coordinator_free.rounds import RoundConfig
 from coordinator_free.runner import _OwnNetwork, load_local_site, run_round
 from peer.base.errors import FailedPrecondition, InvalidArgument
@@ -170,13 +170,13 @@ def test_an_own_network_round_runs_every_stage_after_fusion_and_charges_nothing_
 
     # 4. REPAIR on the probe set instead, on the round's own contributions (no new release):
     # the report counts the probe's rows, and the BatchNorm reset is measured on the probe
-    probe = repairing.after_fusion(
+    probe = after_fusion.after_fusion(
         local.model.architecture,
         own_state,
         result.contributions,
         result.arrays,
         RoundConfig(roster=tmp_path / "roster.toml", model="resnet", repair="probe"),
-        repairing.LocalData(None, None, local.probe),
+        after_fusion.LocalData(None, None, local.probe),
         seed=1,
         kind=_OwnNetwork.of(local, local.probe).kind,
     )
@@ -197,7 +197,7 @@ def test_own_network_records_are_checked_naming_the_round_key_file_and_row(tmp_p
 
     def load(body: str):
         cfg = _OwnNetwork.of(local, local.probe).after_fusion_config(parse(tmp_path, body))
-        return repairing.load_local_data(cfg, local.model, local.probe, kind)
+        return after_fusion.load_local_data(cfg, local.model, local.probe, kind)
 
     np.savez(tmp_path / "images.npz", x=np.zeros((3, 1, 8, 8), np.float32), y=np.array([0, 9, 2]))
     np.savez(tmp_path / "flat.npz", x=np.zeros((3, 64), np.float32), y=np.array([0, 1, 2]))
@@ -232,9 +232,9 @@ def test_an_own_network_repairs_on_the_probe_unless_the_round_file_says_otherwis
     local = load_local_site(site.config, "resnet")
     own = _OwnNetwork.of(local, local.probe)
     default = own.after_fusion_config(parse(tmp_path, ""))
-    assert default.repair == "probe" and repairing.enabled(default) and default.public()["repair"] == "probe"
+    assert default.repair == "probe" and after_fusion.enabled(default) and default.public()["repair"] == "probe"
     off = own.after_fusion_config(parse(tmp_path, '[round.repair]\ndata = "off"\n'))
-    assert off.repair == "off" and not repairing.enabled(off) and "repair_set" not in off.public()
+    assert off.repair == "off" and not after_fusion.enabled(off) and "repair_set" not in off.public()
     assert parse(tmp_path, "").public() == {**default.public(), "repair": "off"}  # a built-in's stays off
 
 
@@ -267,7 +267,7 @@ def test_raw_records_of_an_own_network_are_read_by_its_stored_preprocessing_and_
         save_imported(site.root / "own_models", "resnet", own.factory, own.structure, own.arrays, preprocessing=prep)
         local = load_local_site(site.config, "resnet")
         cfg = parse(tmp_path, f'[round.records]\npath = "{records}"\n[round.repair]\ndata = "own"\n')
-        return repairing.load_local_data(cfg, local.model, local.probe, _OwnNetwork.of(local, local.probe).kind)
+        return after_fusion.load_local_data(cfg, local.model, local.probe, _OwnNetwork.of(local, local.probe).kind)
 
     numeric = Preprocessing.fit(read_table(tmp_path / "public.csv", label="label"), split="public")
     data = load(numeric, "records.csv")

@@ -371,7 +371,7 @@ def trace_module(module: nn.Module, input_shape: Sequence[int]) -> fx.GraphModul
 
     Not to be run while another thread of the process runs forward passes: torch.fx replaces
     ``nn.Module.__call__`` process-wide during a trace (callers that run several sites on threads
-    trace before starting them, e.g. ``coordinator_free.repairing.stat_points_of``)."""
+    trace before starting them, e.g. ``coordinator_free.after_fusion.stat_points_of``)."""
     try:
         gm = fx.symbolic_trace(module)
     except Exception as e:  # any tracing failure is a refusal, with its reason

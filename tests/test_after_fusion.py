@@ -1,4 +1,4 @@
-"""The local steps after a round's fusion (``coordinator_free.repairing``): REPAIR with the
+"""The local steps after a round's fusion (``coordinator_free.after_fusion``): REPAIR with the
 fusion's weights, candidate selection on public data, fine-tuning on the site's own records —
 their configuration (errors name key and line), the math on real models, and a real round
 against daemons on loopback whose report records both and whose ledgers show nothing charged."""
@@ -13,7 +13,7 @@ import torch
 from peer_harness import running
 from test_rounds import ARCH, build, charges_of, config, ledger_entries, roster_for, trained  # noqa: F401
 
-from coordinator_free import repairing
+from coordinator_free import after_fusion
 from coordinator_free.rounds import RoundConfig, fusion_weights
 from coordinator_free.runner import load_local_site, run_round
 from peer.base.config import ConfigError, Section, parse_toml
@@ -34,9 +34,9 @@ def parse(tmp_path, body: str) -> RoundConfig:
 def test_after_fusion_is_off_by_default(tmp_path):
     c = parse(tmp_path, "")
     assert (c.repair, c.finetune_epochs, c.records, c.select_validation) == ("off", 0, None, None)
-    assert not repairing.enabled(c)
+    assert not after_fusion.enabled(c)
     c = parse(tmp_path, '[round.records]\npath = "own.npz"\nprepared = true\n[round.repair]\ndata = "own"\n')
-    assert c.records == tmp_path / "own.npz" and c.records_prepared and c.repair == "own" and repairing.enabled(c)
+    assert c.records == tmp_path / "own.npz" and c.records_prepared and c.repair == "own" and after_fusion.enabled(c)
     assert c.public()["records"] == str(tmp_path / "own.npz")
 
 
@@ -79,10 +79,10 @@ def test_records_file_errors_name_the_round_key(tmp_path, trained):  # noqa: F81
     np.savez(tmp_path / "bad.npz", x=np.zeros((3, 64), np.float32))
     c = parse(tmp_path, '[round.records]\npath = "bad.npz"\nprepared = true\n[round.repair]\ndata = "own"\n')
     with pytest.raises(InvalidArgument, match=r"round\.records\.path"):
-        repairing.load_local_data(c, StoredModel("mlp", ARCH, arrays), probe)
+        after_fusion.load_local_data(c, StoredModel("mlp", ARCH, arrays), probe)
     c = parse(tmp_path, '[round.records]\npath = "own.csv"\n[round.repair]\ndata = "own"\n')
     with pytest.raises(FailedPrecondition, match="stores no preprocessing"):
-        repairing.load_local_data(c, StoredModel("mlp", ARCH, arrays), probe)
+        after_fusion.load_local_data(c, StoredModel("mlp", ARCH, arrays), probe)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ def test_repair_sets_the_fusion_weighted_statistics_of_every_endpoint(three_mode
     own_arrays, b, c = models
     weights = fusion_weights(0.5, 2)
     fused = average_arrays([own_arrays, b, c], weights)
-    data = repairing.LocalData(own, "own.npz", own[0][:50])
-    after = repairing.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, _config(repair="own"), data, seed=1)
+    data = after_fusion.LocalData(own, "own.npz", own[0][:50])
+    after = after_fusion.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, _config(repair="own"), data, seed=1)
     assert set(after.stages) == {"repaired"}
     x = input_tensor(ARCH, own[0])
     points = derive_structure(model_from_arrays(ARCH, own_arrays), (64,)).stat_points
@@ -149,7 +149,7 @@ def test_repair_sets_the_fusion_weighted_statistics_of_every_endpoint(three_mode
     assert rep["records"] == {"file": "own.npz", "count": 300}
     assert rep["adopt"] == "repaired" and "finetune" not in rep
     # on the probe set instead: the statistics of the data used, not of the records
-    probe = repairing.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, _config(repair="probe"), data, seed=1)
+    probe = after_fusion.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, _config(repair="probe"), data, seed=1)
     assert probe.report["repair"]["data"] == "probe" and probe.report["repair"]["examples"] == 50
     got = unit_statistics(model_from_arrays(ARCH, probe.stages["repaired"]), points, input_tensor(ARCH, data.probe))
     t = combined_statistics(
@@ -166,7 +166,7 @@ def test_selection_and_fine_tuning(three_models):
     models, own, validation, _ = three_models
     own_arrays, b, c = models
     fused = average_arrays([own_arrays, b, c], fusion_weights(0.5, 2))
-    data = repairing.LocalData(own, "own.npz", own[0][:50], validation, "validation.npz")
+    data = after_fusion.LocalData(own, "own.npz", own[0][:50], validation, "validation.npz")
     cfg = _config(
         repair="own",
         select_validation="validation.npz",
@@ -174,7 +174,7 @@ def test_selection_and_fine_tuning(three_models):
         finetune_epochs=2,
         finetune_learning_rate=1e-3,
     )
-    after = repairing.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, cfg, data, seed=7)
+    after = after_fusion.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, cfg, data, seed=7)
     sel = after.report["select"]
     # every non-empty subset of the two contributions at both α: 3 × 2 candidates, the best kept
     assert len(sel["candidates"]) == 6 and sel["search"] == "exhaustive"
@@ -191,7 +191,7 @@ def test_selection_and_fine_tuning(three_models):
     ft = after.report["finetune"]
     assert ft == {"from": "repaired", "records": 300, "epochs": 2, "learning_rate": 1e-3, "batch_size": 64, "seed": 7}
     assert not all(np.array_equal(after.stages["finetuned"][k], after.stages["repaired"][k]) for k in own_arrays)
-    again = repairing.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, cfg, data, seed=7)
+    again = after_fusion.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, cfg, data, seed=7)
     assert all(np.array_equal(after.stages["finetuned"][k], again.stages["finetuned"][k]) for k in own_arrays)
     scores = after.report["validation_accuracy"]  # before / after each stage, on public data
     assert list(scores) == ["own", "fused", "repaired", "finetuned"]
@@ -263,11 +263,11 @@ def test_statistic_points_are_traced_once_so_round_threads_never_meet_a_trace():
 
     import torch
 
-    from coordinator_free import repairing
+    from coordinator_free import after_fusion
     from peer.nn.architectures import build_model
 
     arch = {"kind": "mlp", "input_dim": 30, "hidden": [32], "output_dim": 2, "activation": "relu"}
-    first = repairing.stat_points_of(arch, (30,))
+    first = after_fusion.stat_points_of(arch, (30,))
     assert first  # one hidden layer: its statistic points
     stop, errors = threading.Event(), []
 
@@ -284,7 +284,7 @@ def test_statistic_points_are_traced_once_so_round_threads_never_meet_a_trace():
     t.start()
     try:
         for _ in range(50):
-            assert repairing.stat_points_of(arch, (30,)) == first
+            assert after_fusion.stat_points_of(arch, (30,)) == first
     finally:
         stop.set()
         t.join()
