@@ -386,101 +386,76 @@ def _never_connected(details: str) -> bool:
     return "failed to connect" in low or "connection refused" in low
 
 
-def run_round(
-    local: LocalSite,
-    roster: Roster,
-    config: RoundConfig,
-    on_event: Callable[[dict], None] | None = None,
-    write: bool = True,
-    round_id: str | None = None,
-    stop: threading.Event | None = None,
-) -> RoundResult:
-    """Run one fusion round for ``local`` over ``roster`` (see coordinator_free.rounds).
+@dataclass
+class _Round:
+    """One round in progress at the requester: what every step reads — the site, the round's
+    config, the public probe set, our network (``own``: a site's own network, else the built-in
+    architecture's graph ``own_graph`` and its public view ``own_public``) and one client per
+    peer — and the bookkeeping every step writes (``state``: steps, drops, receipts, events).
 
-    ``stop`` (set e.g. by SIGINT/SIGTERM) interrupts the round: nothing more is requested, the
-    releases in flight are waited for (their receipts are kept), no model is fused, and the
-    report says ``interrupted`` and, for each peer, whether it may have charged.
-    """
-    me = local.name
-    round_id = round_id or uuid.uuid4().hex
-    roster.check_pins(local.trust, me)
-    peers: list[RosterSite] = roster.peers_of(me)
-    state = RoundState(round_id, me, [(p.name, p.address) for p in peers], config.quorum, on_event, stop=stop)
-    started = now_rfc3339()
-    probe = np.asarray(local.probe)
-    clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
-    # the files of the local steps after fusion are read first: a bad one costs nobody budget
-    own = _OwnNetwork.of(local, probe) if local.own is not None else None
-    kind = None
-    if own is not None:
-        arch = local.model.architecture
-        own_graph = own_public = None
-        config = own.after_fusion_config(config)
-        kind = own.kind
-        local_data = (
-            after_fusion.load_local_data(config, local.model, probe, kind) if after_fusion.enabled(config) else None
-        )
-    else:
-        arch = validate_architecture(local.model.architecture)
-        local_data = after_fusion.load_local_data(config, local.model, probe) if after_fusion.enabled(config) else None
-        own_graph = extract_graph(arch, local.model.module(), probe)
-        own_public = public_view(own_graph, clip, _weight_boxes(arch, config.weight_bound))
-    state.event(
-        "started",
-        label=config.label,
-        peers=[p.name for p in peers],
-        quorum=config.quorum,
-        method=config.method,
-        alpha=config.alpha,
-    )
+    Which of the two kinds of network the round runs is decided once, in :func:`_open_round`
+    (``own`` set or not); the steps below read it."""
 
-    clients: dict[str, Any] = {}
-    for p in peers:
-        clients[p.name] = PeerClient(
-            local.identity,
-            p.address,
-            peer=p.name,
-            trust=local.trust,
-            on_receipt=lambda receipt, name=p.name: state.charged(name, receipt),
-        )
+    local: LocalSite
+    config: RoundConfig
+    state: RoundState
+    peers: list[RosterSite]
+    arch: Mapping[str, Any]
+    probe: np.ndarray
+    clip: tuple[float, float] | None
+    own: _OwnNetwork | None
+    own_graph: NetworkGraph | None
+    own_public: NetworkGraph | None
+    #: how the steps after fusion run our network (``coordinator_free.after_fusion``; None: built-in)
+    kind: Any
+    #: the site's own data for those steps (None when none is configured)
+    local_data: Any
+    clients: dict[str, PeerClient] = field(default_factory=dict)
 
-    def ask(name: str, step: str, call: Callable[[], Any]):
-        if not state.begin(name, step):
+    # ------------------------------------------------------------------ one call to a peer
+
+    def ask(self, name: str, step: str, call: Callable[[], Any]):
+        """``call()`` as step ``step`` of peer ``name``: its result, a :class:`_Failure` (the
+        status, the reason, whether it may have charged), or ``_STOP`` once the quorum is out
+        of reach or the round is stopping (then nothing is asked)."""
+        if not self.state.begin(name, step):
             return _STOP
         try:
             result = call()
         except PeerError as e:
-            seen = state.receipt_seen(name, step)
+            seen = self.state.receipt_seen(name, step)
             connected = not _never_connected(e.details)
             return _Failure(
                 e.status,
-                failure_reason(e.status, str(e), e.details, connected, config.call_timeout_s),
+                failure_reason(e.status, str(e), e.details, connected, self.config.call_timeout_s),
                 charged_status(e.status, seen, connected),
                 e.structured(),
             )
         except InvalidArgument as e:  # the release failed our checks (signature, checksums, order)
-            return _Failure("INVALID_RELEASE", str(e), "yes" if state.receipt_seen(name, step) else "unknown")
-        state.delivered(name, step)
+            return _Failure("INVALID_RELEASE", str(e), "yes" if self.state.receipt_seen(name, step) else "unknown")
+        self.state.delivered(name, step)
         return result
 
-    def health(p: RosterSite) -> None:
+    def check_health(self, p: RosterSite) -> None:
+        """Whether ``p`` is alive: its standard health status, within the health timeout."""
         try:
-            status = clients[p.name].health(HEALTH_SERVICE, timeout=config.health_timeout_s)
+            status = self.clients[p.name].health(HEALTH_SERVICE, timeout=self.config.health_timeout_s)
             serving = status == "SERVING"
-            state.set_alive(p.name, serving, "" if serving else f"health status {status}")
+            self.state.set_alive(p.name, serving, "" if serving else f"health status {status}")
         except Exception as e:
             code = getattr(e, "code", lambda: None)()
-            state.set_alive(
+            self.state.set_alive(
                 p.name,
                 False,
-                f"no health answer within {config.health_timeout_s:g}s"
+                f"no health answer within {self.config.health_timeout_s:g}s"
                 f" ({code.name if code is not None else type(e).__name__})",
             )
 
-    def released_weights(p: RosterSite, c, model: str):
+    def released_weights(self, p: RosterSite, c: PeerClient, model: str):
         """The peer's PFA weights of ``model`` (the second release of method ldp), or None once
         the peer is dropped (or the round is stopping)."""
-        w = ask(
+        config = self.config
+        w = self.ask(
             p.name,
             "weights",
             lambda: c.weights(
@@ -490,23 +465,24 @@ def run_round(
         if w is _STOP:
             return None
         if isinstance(w, _Failure):
-            state.drop(p.name, "weights", w.status, w.message, w.charged, w.details)
+            self.state.drop(p.name, "weights", w.status, w.message, w.charged, w.details)
             return None
         return w
 
-    def released_features(p: RosterSite, c, model: str, **kw):
+    def released_features(self, p: RosterSite, c: PeerClient, model: str, **kw):
         """The peer's noisy graph features of ``model`` on our probe set (the first release of
         method ldp; ``kw``: the built-in architectures' unit and weight bound), or None once the
         peer is dropped (or the round is stopping)."""
-        f = ask(
+        config = self.config
+        f = self.ask(
             p.name,
             "features",
             lambda: c.features(
                 model,
-                probe,
+                self.probe,
                 activation_epsilon=config.activation_epsilon,
                 weight_epsilon=config.weight_epsilon,
-                activation_clip=clip,
+                activation_clip=self.clip,
                 timeout=config.call_timeout_s,
                 **kw,
             ),
@@ -514,12 +490,17 @@ def run_round(
         if f is _STOP:
             return None
         if isinstance(f, _Failure):
-            state.drop(p.name, "features", f.status, f.message, f.charged, f.details)
+            self.state.drop(p.name, "features", f.status, f.message, f.charged, f.details)
             return None
         return f
 
-    def ldp(p: RosterSite, c, model: str):
-        f = released_features(p, c, model, unit=config.unit, weight_bound=config.weight_bound)
+    # ------------------------------------------------------------------ a peer's contribution
+
+    def exchange_features(self, p: RosterSite, c: PeerClient, model: str):
+        """Method ldp for a built-in architecture: features → match our public graph → weights
+        → permute; the aligned arrays, or None once the peer is dropped."""
+        arch, state = self.arch, self.state
+        f = self.released_features(p, c, model, unit=self.config.unit, weight_bound=self.config.weight_bound)
         if f is None:
             return None
         if f.architecture is None or validate_architecture(f.architecture) != arch:
@@ -527,11 +508,11 @@ def run_round(
             return None
         state.begin(p.name, "align")
         try:
-            alignment = align_graphs(own_public, graph_from_release(arch, f.metadata, f.arrays))
+            alignment = align_graphs(self.own_public, graph_from_release(arch, f.metadata, f.arrays))
         except (InvalidArgument, ValueError) as e:
             state.drop(p.name, "align", "ALIGNMENT_FAILED", str(e), "n/a")
             return None
-        w = released_weights(p, c, model)
+        w = self.released_weights(p, c, model)
         if w is None:
             return None
         try:
@@ -540,24 +521,25 @@ def run_round(
         except InvalidArgument as e:
             state.drop(p.name, "weights", "INVALID_RELEASE", str(e), "yes")
             return None
-        state.contributed(p.name, "ldp", _match_report(own_public, alignment))
+        state.contributed(p.name, "ldp", _match_report(self.own_public, alignment))
         return aligned
 
-    def own_ldp(p: RosterSite, c, model: str):
+    def exchange_group_features(self, p: RosterSite, c: PeerClient, model: str):
         """Method ldp for a site's own network: group features → align → weights → permute."""
-        f = released_features(p, c, model)
+        own, state = self.own, self.state
+        f = self.released_features(p, c, model)
         if f is None:
             return None
         state.begin(p.name, "align")
         try:
-            perms, report = own.features_alignment(f, clip)
+            perms, report = own.features_alignment(f, self.clip)
         except FailedPrecondition as e:
             state.drop(p.name, "align", "FAILED_PRECONDITION", str(e), "n/a")
             return None
         except (InvalidArgument, ValueError) as e:
             state.drop(p.name, "align", "ALIGNMENT_FAILED", str(e), "n/a")
             return None
-        w = released_weights(p, c, model)
+        w = self.released_weights(p, c, model)
         if w is None:
             return None
         try:
@@ -568,8 +550,11 @@ def run_round(
         state.contributed(p.name, "ldp", report)
         return aligned
 
-    def merged(p: RosterSite, c, pool: str):
-        r = ask(
+    def merged(self, p: RosterSite, c: PeerClient, pool: str):
+        """Method merged: the peer's RS/LC merge of ``pool`` aligned to our model; a
+        :class:`_Failure` for the caller to fall back on or drop, ``_STOP`` once dropped."""
+        config, own, state = self.config, self.own, self.state
+        r = self.ask(
             p.name,
             "merged",
             lambda: c.merged(
@@ -594,18 +579,22 @@ def run_round(
                 return _STOP
             state.contributed(p.name, "merged", report)
             return aligned
+        arch = self.arch
         try:
             module = model_from_arrays(arch, r.arrays)
             state.begin(p.name, "align")
-            aligned, alignment = align(arch, own_graph, extract_graph(arch, module, probe), r.arrays)
+            aligned, alignment = align(arch, self.own_graph, extract_graph(arch, module, self.probe), r.arrays)
         except (InvalidArgument, ValueError) as e:
             state.drop(p.name, "align", "ALIGNMENT_FAILED", f"the merged model cannot be aligned: {e}", "n/a")
             return _STOP
-        state.contributed(p.name, "merged", _match_report(own_graph, alignment))
+        state.contributed(p.name, "merged", _match_report(self.own_graph, alignment))
         return aligned
 
-    def pipeline(p: RosterSite):
-        c = clients[p.name]
+    def contribution(self, p: RosterSite):
+        """Everything asked of one peer: info → (merged, or features → align → weights); its
+        aligned arrays, or None once it is dropped."""
+        config, own, state = self.config, self.own, self.state
+        c = self.clients[p.name]
         state.begin(p.name, "info")
         try:
             info = c.info(timeout=config.call_timeout_s)
@@ -613,8 +602,8 @@ def run_round(
             reason = failure_reason(e.status, str(e), e.details, not _never_connected(e.details), config.call_timeout_s)
             state.drop(p.name, "info", e.status, reason, "n/a")
             return None
-        model = choose_model(info, p.model, arch, local.model.name)
-        pool = choose_pool(info, p.pool, arch, config.merge_method) if config.method != "ldp" else None
+        model = choose_model(info, p.model, self.arch, self.local.model.name)
+        pool = choose_pool(info, p.pool, self.arch, config.merge_method) if config.method != "ldp" else None
         if own is not None and pool is None and config.method != "ldp":
             why = own.mismatch(info, p.pool, config.merge_method)
             if why is not None:  # refused before anything is asked: nothing is charged
@@ -622,7 +611,7 @@ def run_round(
                 return None
         state.chose(p.name, model, pool)
         if config.method in ("merged", "auto") and pool is not None:
-            r = merged(p, c, pool)
+            r = self.merged(p, c, pool)
             if r is _STOP:
                 return None
             if not isinstance(r, _Failure):
@@ -649,7 +638,7 @@ def run_round(
             if model is None:  # refused before anything is asked: nothing is charged
                 state.drop(p.name, "info", "FAILED_PRECONDITION", own.model_mismatch(info, p.model), "n/a")
                 return None
-            return own_ldp(p, c, model)
+            return self.exchange_group_features(p, c, model)
         if model is None:
             state.drop(
                 p.name,
@@ -659,12 +648,13 @@ def run_round(
                 "n/a",
             )
             return None
-        return ldp(p, c, model)
+        return self.exchange_features(p, c, model)
 
-    def guarded(p: RosterSite):
+    def guarded_contribution(self, p: RosterSite):
         """A peer's failure, whatever it is, drops that peer; it never takes the round down."""
+        state = self.state
         try:
-            return pipeline(p)
+            return self.contribution(p)
         except Exception as e:
             step = state.current_step(p.name) or "info"
             state.drop(
@@ -676,10 +666,68 @@ def run_round(
             )
             return None
 
+
+def _open_round(
+    local: LocalSite,
+    roster: Roster,
+    config: RoundConfig,
+    on_event: Callable[[dict], None] | None,
+    round_id: str,
+    stop: threading.Event | None,
+) -> _Round:
+    """The round before anything is asked: pins checked, the local files of the steps after
+    fusion read first (a bad one costs nobody budget), our graph or network from the probe set,
+    the ``started`` event, one client per roster peer."""
+    me = local.name
+    roster.check_pins(local.trust, me)
+    peers: list[RosterSite] = roster.peers_of(me)
+    state = RoundState(round_id, me, [(p.name, p.address) for p in peers], config.quorum, on_event, stop=stop)
+    probe = np.asarray(local.probe)
+    clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
+    own = _OwnNetwork.of(local, probe) if local.own is not None else None
+    kind = None
+    if own is not None:
+        arch = local.model.architecture
+        own_graph = own_public = None
+        config = own.after_fusion_config(config)
+        kind = own.kind
+        local_data = (
+            after_fusion.load_local_data(config, local.model, probe, kind) if after_fusion.enabled(config) else None
+        )
+    else:
+        arch = validate_architecture(local.model.architecture)
+        local_data = after_fusion.load_local_data(config, local.model, probe) if after_fusion.enabled(config) else None
+        own_graph = extract_graph(arch, local.model.module(), probe)
+        own_public = public_view(own_graph, clip, _weight_boxes(arch, config.weight_bound))
+    state.event(
+        "started",
+        label=config.label,
+        peers=[p.name for p in peers],
+        quorum=config.quorum,
+        method=config.method,
+        alpha=config.alpha,
+    )
+    r = _Round(local, config, state, peers, arch, probe, clip, own, own_graph, own_public, kind, local_data)
+    for p in peers:
+        r.clients[p.name] = PeerClient(
+            local.identity,
+            p.address,
+            peer=p.name,
+            trust=local.trust,
+            on_receipt=lambda receipt, name=p.name: state.charged(name, receipt),
+        )
+    return r
+
+
+def _gather_contributions(r: _Round) -> dict[str, dict[str, np.ndarray]]:
+    """Health checks first (every peer at once), then, if the quorum can still be met, one
+    thread per live peer (:meth:`_Round.guarded_contribution`); each contributor's aligned
+    arrays. The clients are closed whatever happens."""
+    state, config, peers = r.state, r.config, r.peers
     contributions: dict[str, dict[str, np.ndarray]] = {}
     try:
         with ThreadPoolExecutor(max_workers=max(1, len(peers)), thread_name_prefix="round") as workers:
-            list(workers.map(health, peers))
+            list(workers.map(r.check_health, peers))
             alive = [p for p in peers if state.peers[p.name].alive]
             if state.interrupted():
                 state.aborted = "interrupted before anything was requested"
@@ -689,13 +737,23 @@ def run_round(
                     f"that is {len(alive) + 1} < quorum {config.quorum}; nothing was requested"
                 )
             else:
-                for p, arrays in zip(alive, workers.map(guarded, alive), strict=True):
+                for p, arrays in zip(alive, workers.map(r.guarded_contribution, alive), strict=True):
                     if arrays is not None:
                         contributions[p.name] = arrays
     finally:
-        for c in clients.values():
+        for c in r.clients.values():
             c.close()
+    return contributions
 
+
+def _fuse_contributions(
+    r: _Round, contributions: dict[str, dict[str, np.ndarray]]
+) -> tuple[list[str], list[float], dict[str, np.ndarray] | None, after_fusion.AfterFusion | None]:
+    """The round's end at the requester: aborted (interrupted, or short of the quorum) or fused
+    with the fusion weights, then the local steps after fusion (``coordinator_free.after_fusion``;
+    a failure there keeps the fused model, already paid for). Returns the contributors, the
+    weights (ours first), the fused arrays (None unless fused) and what the local steps made."""
+    state, config, own = r.state, r.config, r.own
     fused = after = None
     if state.aborted is None and state.interrupted():
         state.aborted = (
@@ -713,19 +771,19 @@ def run_round(
         if own is not None:
             fused = own.fuse([contributions[n] for n in contributors], weights)
         else:
-            fused = average_arrays([local.model.arrays] + [contributions[n] for n in contributors], weights)
+            fused = average_arrays([r.local.model.arrays] + [contributions[n] for n in contributors], weights)
         state.event("fused", step="fuse", contributors=contributors, weights=weights)
-        if local_data is not None:
+        if r.local_data is not None:
             try:
                 after = after_fusion.after_fusion(
-                    arch,
-                    own.state() if own is not None else local.model.arrays,
+                    r.arch,
+                    own.state() if own is not None else r.local.model.arrays,
                     {n: contributions[n] for n in contributors},
                     fused,
                     config,
-                    local_data,
-                    seed=int(round_id[:8], 16),
-                    kind=kind,
+                    r.local_data,
+                    seed=int(state.round_id[:8], 16),
+                    kind=r.kind,
                 )
                 state.event("after-fusion", step="fuse", stages=list(after.stages), adopt=after.report["adopt"])
             except Exception as e:  # local steps only: the fused model (already paid for) is kept
@@ -735,19 +793,32 @@ def run_round(
         state.event("interrupted", step="fuse", reason=state.aborted)
     else:
         state.event("aborted", step="fuse", reason=state.aborted)
+    return contributors, weights, fused, after
 
+
+def _round_report(
+    r: _Round,
+    started: str,
+    contributors: list[str],
+    weights: list[float],
+    fused: dict[str, np.ndarray] | None,
+    after: after_fusion.AfterFusion | None,
+) -> dict:
+    """The round report (JSON-ready): every peer's steps, the signed receipts of every charged
+    release, every drop with its step, time and reason; what the local steps did."""
+    state, me = r.state, r.local.name
     report = {
-        "round_id": round_id,
-        "label": config.label,
+        "round_id": state.round_id,
+        "label": r.config.label,
         "site": me,
-        "model": local.model.name,
+        "model": r.local.model.name,
         "status": "fused" if fused is not None else ("interrupted" if state.interrupted() else "aborted"),
         "reason": state.aborted or "",
         "may_have_charged": state.may_have_charged(),
         "started_at": started,
         "finished_at": now_rfc3339(),
-        "config": config.public(),
-        "roster": [p.name for p in peers],
+        "config": r.config.public(),
+        "roster": [p.name for p in r.peers],
         "contributors": contributors,
         "weights": dict(zip([me, *contributors], weights, strict=True)) if fused is not None else {},
         "peers": state.peers_dict(),
@@ -757,12 +828,39 @@ def run_round(
     }
     if after is not None:
         report["after_fusion"] = after.report
+    return report
+
+
+def run_round(
+    local: LocalSite,
+    roster: Roster,
+    config: RoundConfig,
+    on_event: Callable[[dict], None] | None = None,
+    write: bool = True,
+    round_id: str | None = None,
+    stop: threading.Event | None = None,
+) -> RoundResult:
+    """Run one fusion round for ``local`` over ``roster`` (see coordinator_free.rounds): open it
+    (:func:`_open_round`), gather the peers' contributions (:func:`_gather_contributions`),
+    fuse them and run the local steps after fusion (:func:`_fuse_contributions`), report
+    (:func:`_round_report`) and write the report and models (:func:`write_round`).
+
+    ``stop`` (set e.g. by SIGINT/SIGTERM) interrupts the round: nothing more is requested, the
+    releases in flight are waited for (their receipts are kept), no model is fused, and the
+    report says ``interrupted`` and, for each peer, whether it may have charged.
+    """
+    round_id = round_id or uuid.uuid4().hex
+    started = now_rfc3339()
+    r = _open_round(local, roster, config, on_event, round_id, stop)
+    contributions = _gather_contributions(r)
+    contributors, weights, fused, after = _fuse_contributions(r, contributions)
+    report = _round_report(r, started, contributors, weights, fused, after)
     result = RoundResult(round_id, report["status"], report["reason"], report, fused)
     result.contributions = {n: contributions[n] for n in contributors}
     if after is not None:
         result.stages = after.stages
     if write:
-        write_round(result, config.out, arch, own=local if own is not None else None)
+        write_round(result, r.config.out, r.arch, own=local if r.own is not None else None)
     return result
 
 
