@@ -268,36 +268,65 @@ class IterateResult:
     models: list[str] = field(default_factory=list)
 
 
-def run_iterate(
+@dataclass
+class _Run:
+    """One iterate run in progress at this site: what every round reads (the plan, the site's
+    model, records and ledger, one client per peer) and what the rounds carry forward (``theta``
+    — the fused model of the previous round —, the peers found gone, the report)."""
+
+    cfg: IterateConfig
+    me: str
+    arch: dict[str, Any]
+    stored: Any
+    n: int
+    n_source: str
+    ledger: Any
+    store: Any
+    sigma: float
+    rnd_master: Any
+    peers: list
+    clients: dict
+    loss: Any
+    xt: Any
+    yt: Any
+    theta: dict[str, np.ndarray]
+    report: dict[str, Any]
+    emit: Callable[[dict], None]
+    stop: threading.Event
+    gone: set[str] = field(default_factory=set)
+    models: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        self.ledger.close()
+
+
+def _open_run(
     site_config: str | os.PathLike,
     cfg: IterateConfig,
-    *,
-    on_event: Callable[[dict], None] | None = None,
-    stop: threading.Event | None = None,
-    simulation: bool = False,
-) -> IterateResult:
-    """Run the loop of the module docstring for the site of ``site_config`` (its identity,
-    model store, ledger and policy: the ledger is opened with the site's policy, as its daemon
-    does; SQLite makes the two processes' writes safe). A ``seed`` in site.toml is refused
-    unless ``simulation`` (``peer.net.daemon.check_seed_allowed``, the daemon's rule)."""
+    on_event: Callable[[dict], None] | None,
+    stop: threading.Event | None,
+    simulation: bool,
+) -> _Run:
+    """The run before round 1: the site's checks (identity, a data budget per record of the
+    run's adjacency, no fixed seed outside a simulation), its model, records and ledger, the
+    noise multiplier that meets the target over every step, one client per peer, round 1's
+    start θ_0 = build_model(architecture, init_seed), and the report's plan."""
     import torch
 
     from peer.base.rng import make_randomness
-    from peer.budget.dpsgd_noise import noise_multiplier_for, run_epsilon
+    from peer.budget.dpsgd_noise import noise_multiplier_for
     from peer.budget.ledger import Ledger
     from peer.budget.policy import Policy
-    from peer.dp.training import classifier_loss, dpsgd_release_record, run_dpsgd
-    from peer.ldp.fusion import average_arrays
-    from peer.net import wire
-    from peer.net.client import PeerClient, PeerError
+    from peer.dp.training import classifier_loss
+    from peer.net.client import PeerClient
     from peer.net.identity import load_identity
-    from peer.net.releases import ReleaseStore, StoredRelease, publish_segment, release_sha256, segment_key
+    from peer.net.releases import ReleaseStore
     from peer.net.site import SiteConfig
     from peer.nn.architectures import build_model, input_tensor
-    from peer.nn.store import load_model, save_model
+    from peer.nn.store import load_model
 
-    emit = on_event or (lambda e: None)
-    stop = stop or threading.Event()
     site = SiteConfig.load(site_config)
     if site.seed is not None and not simulation:
         raise FailedPrecondition(
@@ -337,7 +366,6 @@ def run_iterate(
     xt = input_tensor(arch, x)
     yt = torch.as_tensor(y, dtype=torch.long)
     theta = {k: v.detach().numpy().astype(np.float32) for k, v in module.named_parameters()}
-    out_models = cfg.out / "models"
     report: dict[str, Any] = {
         "site": me,
         "run": cfg.run,
@@ -365,143 +393,239 @@ def run_iterate(
         },
         "rounds": [],
     }
-    emit({"event": "iterate-started", "site": me, "run": cfg.run, "peers": [p.name for p in peers], "sigma": sigma})
-    gone: set[str] = set()
-    status, reason = "finished", f"all {cfg.rounds} rounds done"
-    models: list[str] = []
+    return _Run(
+        cfg, me, arch, stored, n, n_source, ledger, store, sigma, rnd_master, peers, clients, loss, xt, yt, theta,
+        report, on_event or (lambda e: None), stop or threading.Event(),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Our segment of one round, as published: its arrays and tensors, its record and ledger
+    entry, and the ε figures after it (the filter's, all and this run's; the PLD's)."""
+
+    own: dict[str, np.ndarray]
+    tensors: list[tuple[str, np.ndarray]]
+    record: Any
+    entry_id: str
+    spent: float
+    spent_run: float
+    eps_pld: float
+
+
+def _train_and_publish_segment(run: _Run, r: int) -> _Segment:
+    """Round ``r``'s segment: local DP-GD from θ_{r−1} on our records, its record (the digest of
+    its tensors, its place in the run), charged and published (``publish_segment``: the ledger
+    first, then the store that serves it to every peer). BudgetExhausted when the ledger refuses:
+    then nothing is released."""
+    import torch
+
+    from peer.budget.dpsgd_noise import run_epsilon
+    from peer.dp.training import dpsgd_release_record, run_dpsgd
+    from peer.net import wire
+    from peer.net.releases import StoredRelease, publish_segment, release_sha256, segment_key
+
+    cfg = run.cfg
+    training = segment_training(cfg, run.sigma)
+    rnd = run.rnd_master.spawn()
+    params0 = {k: torch.from_numpy(np.array(v)) for k, v in run.theta.items()}
+    trained = run_dpsgd(run.loss, params0, run.xt, run.yt, training.steps, randomness=rnd, dataset_size=run.n)
+    own = {k: v.numpy().astype(np.float32) for k, v in trained.params.items()}
+    tensors = [(k, own[k]) for k in sorted(own)]
+    record = dpsgd_release_record(
+        training, delta=cfg.delta, dataset_size=run.n, randomness=rnd, init_seed=cfg.init_seed,
+        architecture=run.arch, subject=cfg.run, source=run.n_source,
+    )  # fmt: skip
+    digest = release_sha256([(k, wire.digest(a)) for k, a in tensors])
+    record = record.with_(
+        parameters={
+            **record.parameters,
+            "release_sha256": digest,
+            "segment": {
+                "run": cfg.run,
+                "round": r,
+                "start": "the site's fused model of the previous round (post-processing of released "
+                "segments); round 1 starts from build_model(architecture, init_seed)",
+            },
+        }
+    )
+    key = segment_key(cfg.run, r)
+    metadata = {"run": cfg.run, "round": r, "records": run.n}
+    entry_id = publish_segment(
+        run.store, run.ledger, cfg.run, r, StoredRelease(key, record, run.arch, metadata, tensors)
+    )
+    spent, spent_run = _data_spent(run.ledger), _data_spent(run.ledger, run=cfg.run)
+    eps_pld = run_epsilon(run.sigma, r * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld")
+    return _Segment(own, tensors, record, entry_id, spent, spent_run, eps_pld)
+
+
+def _fetch_peer_segments(run: _Run, r: int) -> dict[str, dict]:
+    """Every peer's segment of round ``r`` (or its newest older one), all at once
+    (:func:`_fetch_segment`); the peers found gone are remembered, and forgotten once they answer."""
+    from peer.net.client import PeerError
+
+    names = [p.name for p in run.peers]
+
+    def fetch(name: str) -> dict:
+        return _fetch_segment(run.clients[name], name, run.cfg, r, name in run.gone, run.stop, PeerError)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+        got = dict(zip(names, pool.map(fetch, names), strict=True))
+    for name, g in got.items():
+        if g["state"] == "gone":
+            run.gone.add(name)
+        elif name in run.gone and g["state"] in ("fresh", "stale"):
+            run.gone.discard(name)
+    return got
+
+
+def _fuse_segments(run: _Run, r: int, segment: _Segment, got: dict[str, dict]) -> tuple[str, list[str], list[float]]:
+    """θ_r: our segment and every fetched one averaged with weights by records and staleness
+    (:func:`fusion_weights_by_records`), saved as ``RUN-rR`` in OUT/models; the model's name,
+    the contributors and the weights (ours first). The fetched arrays leave ``got`` (it goes
+    into the report)."""
+    from peer.ldp.fusion import average_arrays
+    from peer.nn.store import save_model
+
+    cfg = run.cfg
+    arrays, counts, stale, contributors = [segment.own], [run.n], [0], []
+    for name, g in got.items():
+        if g.get("arrays") is None:
+            continue
+        arrays.append(g.pop("arrays"))
+        counts.append(g["records"])
+        stale.append(g["staleness"])
+        contributors.append(name)
+    for g in got.values():
+        g.pop("arrays", None)
+    weights = fusion_weights_by_records(counts, stale, cfg.staleness_decay, cfg.alpha)
+    theta = average_arrays(arrays, weights)
+    run.theta = {k: np.asarray(v, dtype=np.float32) for k, v in theta.items()}
+    name = f"{cfg.run}-r{r}"
+    save_model(
+        cfg.out / "models",
+        name,
+        run.arch,
+        run.theta,
+        {"run": cfg.run, "round": r, "contributors": [run.me, *contributors], "weights": weights},
+        run.stored.preprocessing,
+    )
+    run.models.append(name)
+    for c, w in zip(contributors, weights[1:], strict=True):
+        got[c]["weight"] = w
+    return name, contributors, weights
+
+
+def _run_one_round(run: _Run, r: int) -> tuple[str, str] | None:
+    """Round ``r``: publish our segment, fetch the peers', fuse, report. ("budget", why) when
+    the ledger refuses our segment (nothing released), else None."""
+    t0 = time.monotonic()
     try:
+        segment = _train_and_publish_segment(run, r)
+    except BudgetExhausted as e:
+        run.emit({"event": "iterate-budget", "site": run.me, "round": r, "reason": str(e)})
+        return "budget", f"round {r}: the ledger refused the segment (nothing released): {e}"
+    run.emit(
+        {"event": "segment", "site": run.me, "round": r, "entry_id": segment.entry_id,
+         "epsilon_filter": segment.spent, "epsilon_filter_run": segment.spent_run, "epsilon_pld": segment.eps_pld}
+    )  # fmt: skip
+    got = _fetch_peer_segments(run, r)
+    name, contributors, weights = _fuse_segments(run, r, segment, got)
+    run.report["rounds"].append(
+        {
+            "round": r,
+            "segment": {
+                "entry_id": segment.entry_id,
+                "release_id": segment.record.release_id,
+                "bytes": _nbytes(segment.tensors),
+            },
+            "epsilon_filter": segment.spent,
+            "epsilon_filter_run": segment.spent_run,
+            "epsilon_pld": segment.eps_pld,
+            "model": name,
+            "contributors": contributors,
+            "own_weight": weights[0],
+            "peers": got,
+            "bytes_received": int(sum(g.get("bytes", 0) for g in got.values())),
+            "seconds": round(time.monotonic() - t0, 3),
+        }
+    )
+    run.emit(
+        {"event": "iterate-fused", "site": run.me, "round": r, "contributors": contributors,
+         "stale": {c: got[c]["staleness"] for c in contributors if got[c]["staleness"]}}
+    )  # fmt: skip
+    return None
+
+
+def _finish_run(run: _Run, status: str, reason: str) -> IterateResult:
+    """The run's end: linger while peers fetch our last segment (a finished run only), count the
+    bytes served, the ε figures of the whole run, and write OUT/RUN.json."""
+    from peer.budget.dpsgd_noise import run_epsilon
+
+    cfg, ledger, report = run.cfg, run.ledger, run.report
+    if status == "finished":
+        # Our last segment is still wanted by peers finishing their last round: let them
+        # fetch it before we count bytes sent (their waiting is bounded by wait_s).
+        _linger(ledger, report, cfg, len(run.peers), run.stop)
+    _bytes_sent(ledger, report)
+    report["status"], report["reason"] = status, reason
+    report["rounds_done"] = len(report["rounds"])
+    report["finished_at"] = now_rfc3339()
+    report["noise_multiplier"] = run.sigma
+    report["epsilon_filter"] = _data_spent(ledger)
+    report["epsilon_filter_run"] = _data_spent(ledger, run=cfg.run)
+    report["epsilon_scopes"] = EPSILON_SCOPES
+    report["epsilon_pld"] = (
+        run_epsilon(
+            run.sigma, len(report["rounds"]) * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld"
+        )
+        if report["rounds"]
+        else 0.0
+    )
+    report["bytes_sent"] = int(sum(x["bytes_sent"] for x in report["rounds"]))
+    report["bytes_received"] = int(sum(x["bytes_received"] for x in report["rounds"]))
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    path = cfg.out / f"{cfg.run}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+    os.replace(tmp, path)
+    run.emit({"event": "iterate-finished", "site": run.me, "status": status, "rounds": len(report["rounds"])})
+    return IterateResult(status, reason, len(report["rounds"]), report, path, run.models)
+
+
+def run_iterate(
+    site_config: str | os.PathLike,
+    cfg: IterateConfig,
+    *,
+    on_event: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+    simulation: bool = False,
+) -> IterateResult:
+    """Run the loop of the module docstring for the site of ``site_config`` (its identity,
+    model store, ledger and policy: the ledger is opened with the site's policy, as its daemon
+    does; SQLite makes the two processes' writes safe). A ``seed`` in site.toml is refused
+    unless ``simulation`` (``peer.net.daemon.check_seed_allowed``, the daemon's rule).
+
+    The steps: :func:`_open_run`, then per round :func:`_run_one_round` (publish our segment,
+    fetch the peers', fuse), then :func:`_finish_run` (linger, count, write the report)."""
+    run = _open_run(site_config, cfg, on_event, stop, simulation)
+    try:
+        run.emit(
+            {"event": "iterate-started", "site": run.me, "run": cfg.run, "peers": [p.name for p in run.peers],
+             "sigma": run.sigma}
+        )  # fmt: skip
+        status, reason = "finished", f"all {cfg.rounds} rounds done"
         for r in range(1, cfg.rounds + 1):
-            if stop.is_set():
+            if run.stop.is_set():
                 status, reason = "interrupted", f"stopped before round {r}"
                 break
-            t0 = time.monotonic()
-            # ---- the segment: local DP-GD from θ_{r−1} on our records
-            training = segment_training(cfg, sigma)
-            rnd = rnd_master.spawn()
-            params0 = {k: torch.from_numpy(np.array(v)) for k, v in theta.items()}
-            trained = run_dpsgd(loss, params0, xt, yt, training.steps, randomness=rnd, dataset_size=n)
-            own = {k: v.numpy().astype(np.float32) for k, v in trained.params.items()}
-            tensors = [(k, own[k]) for k in sorted(own)]
-            record = dpsgd_release_record(
-                training, delta=cfg.delta, dataset_size=n, randomness=rnd, init_seed=cfg.init_seed,
-                architecture=arch, subject=cfg.run, source=n_source,
-            )  # fmt: skip
-            digest = release_sha256([(k, wire.digest(a)) for k, a in tensors])
-            record = record.with_(
-                parameters={
-                    **record.parameters,
-                    "release_sha256": digest,
-                    "segment": {
-                        "run": cfg.run,
-                        "round": r,
-                        "start": "the site's fused model of the previous round (post-processing of released "
-                        "segments); round 1 starts from build_model(architecture, init_seed)",
-                    },
-                }
-            )
-            key = segment_key(cfg.run, r)
-            metadata = {"run": cfg.run, "round": r, "records": n}
-            try:
-                entry_id = publish_segment(
-                    store, ledger, cfg.run, r, StoredRelease(key, record, arch, metadata, tensors)
-                )
-            except BudgetExhausted as e:
-                status, reason = "budget", f"round {r}: the ledger refused the segment (nothing released): {e}"
-                emit({"event": "iterate-budget", "site": me, "round": r, "reason": str(e)})
+            ended = _run_one_round(run, r)
+            if ended is not None:
+                status, reason = ended
                 break
-            spent, spent_run = _data_spent(ledger), _data_spent(ledger, run=cfg.run)
-            eps_pld = run_epsilon(sigma, r * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld")
-            emit(
-                {"event": "segment", "site": me, "round": r, "entry_id": entry_id, "epsilon_filter": spent,
-                 "epsilon_filter_run": spent_run, "epsilon_pld": eps_pld}
-            )  # fmt: skip
-            # ---- fetch every peer's segment of round r (or its newest older one)
-
-            def fetch(name: str, r: int = r) -> dict:
-                return _fetch_segment(clients[name], name, cfg, r, name in gone, stop, PeerError)
-
-            with ThreadPoolExecutor(max_workers=max(1, len(peers))) as pool:
-                got = dict(zip([p.name for p in peers], pool.map(fetch, [p.name for p in peers]), strict=True))
-            arrays, counts, stale, contributors = [own], [n], [0], []
-            for name, g in got.items():
-                if g["state"] == "gone":
-                    gone.add(name)
-                elif name in gone and g["state"] in ("fresh", "stale"):
-                    gone.discard(name)
-                if g.get("arrays") is None:
-                    continue
-                arrays.append(g.pop("arrays"))
-                counts.append(g["records"])
-                stale.append(g["staleness"])
-                contributors.append(name)
-            for g in got.values():
-                g.pop("arrays", None)
-            weights = fusion_weights_by_records(counts, stale, cfg.staleness_decay, cfg.alpha)
-            theta = average_arrays(arrays, weights)
-            theta = {k: np.asarray(v, dtype=np.float32) for k, v in theta.items()}
-            name = f"{cfg.run}-r{r}"
-            save_model(
-                out_models,
-                name,
-                arch,
-                theta,
-                {"run": cfg.run, "round": r, "contributors": [me, *contributors], "weights": weights},
-                stored.preprocessing,
-            )
-            models.append(name)
-            for c, w in zip(contributors, weights[1:], strict=True):
-                got[c]["weight"] = w
-            report["rounds"].append(
-                {
-                    "round": r,
-                    "segment": {"entry_id": entry_id, "release_id": record.release_id, "bytes": _nbytes(tensors)},
-                    "epsilon_filter": spent,
-                    "epsilon_filter_run": spent_run,
-                    "epsilon_pld": eps_pld,
-                    "model": name,
-                    "contributors": contributors,
-                    "own_weight": weights[0],
-                    "peers": got,
-                    "bytes_received": int(sum(g.get("bytes", 0) for g in got.values())),
-                    "seconds": round(time.monotonic() - t0, 3),
-                }
-            )
-            emit(
-                {"event": "iterate-fused", "site": me, "round": r, "contributors": contributors,
-                 "stale": {c: got[c]["staleness"] for c in contributors if got[c]["staleness"]}}
-            )  # fmt: skip
-        if status == "finished":
-            # Our last segment is still wanted by peers finishing their last round: let them
-            # fetch it before we count bytes sent (their waiting is bounded by wait_s).
-            _linger(ledger, report, cfg, len(peers), stop)
-        _bytes_sent(ledger, report)
-        report["status"], report["reason"] = status, reason
-        report["rounds_done"] = len(report["rounds"])
-        report["finished_at"] = now_rfc3339()
-        report["noise_multiplier"] = sigma
-        report["epsilon_filter"] = _data_spent(ledger)
-        report["epsilon_filter_run"] = _data_spent(ledger, run=cfg.run)
-        report["epsilon_scopes"] = EPSILON_SCOPES
-        report["epsilon_pld"] = (
-            run_epsilon(
-                sigma, len(report["rounds"]) * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld"
-            )
-            if report["rounds"]
-            else 0.0
-        )
-        report["bytes_sent"] = int(sum(x["bytes_sent"] for x in report["rounds"]))
-        report["bytes_received"] = int(sum(x["bytes_received"] for x in report["rounds"]))
-        cfg.out.mkdir(parents=True, exist_ok=True)
-        path = cfg.out / f"{cfg.run}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
-        os.replace(tmp, path)
-        emit({"event": "iterate-finished", "site": me, "status": status, "rounds": len(report["rounds"])})
-        return IterateResult(status, reason, len(report["rounds"]), report, path, models)
+        return _finish_run(run, status, reason)
     finally:
-        for c in clients.values():
-            c.close()
-        ledger.close()
+        run.close()
 
 
 def _nbytes(tensors) -> int:
