@@ -99,7 +99,7 @@ def _round(args) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     status = 0
     try:
-        # the same rounds the simulator runs in its own process (scenarios.simulate.RoundThread)
+        # the same rounds the simulator runs in its own process (scenarios.processes.RoundThread)
         for cfg, result in run_rounds(args.config, args.round, on_event, stop, simulation=args.simulation):
             if isinstance(cfg, IterateConfig):
                 if not args.events:

@@ -59,7 +59,7 @@ def _baselines(scenario, args) -> int:
     import json
 
     from scenarios.baselines import dp_fedavg_summary, scenario_baselines
-    from scenarios.simulate import Progress, split_data
+    from scenarios.world import Progress, split_data
 
     if args.out is not None:
         from peer.base.errors import InvalidArgument
@@ -79,7 +79,7 @@ def _demo_site(args) -> int:
     from pathlib import Path
 
     from scenarios.schema import bundled_path, load_scenario
-    from scenarios.simulate import prepare_site, round_toml, site_toml, split_data
+    from scenarios.world import prepare_site, round_toml, site_toml, split_data
 
     sc = load_scenario(args.scenario_file or (bundled_path(args.scenario) if args.scenario else None))
     if args.site not in [s.name for s in sc.sites]:

@@ -1,0 +1,215 @@
+"""The simulation's multi-round peer-to-peer DP training (``[iterate]``,
+``coordinator_free.iterate``): each site's ledger and site.toml for the run, the loop of every
+site as a ``privfusion round`` process beside its daemon, and the models it fused, evaluated."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from coordinator_free.roster import write_roster
+from peer.nn.architectures import accuracy, model_from_arrays
+from scenarios.processes import Daemon, RoundThread, _shut_down
+from scenarios.schema import Scenario
+from scenarios.world import MODEL, Progress, SiteWorld, World
+
+# ------------------------------------------------------------------------------------- iterate
+#
+# Multi-round peer-to-peer DP training (``coordinator_free.iterate``), run after the rounds
+# above as a deployment of its own: every site gets a fresh ledger whose data budget is the
+# run's (ε, δ) per record (``[iterate]``), so that the run is measured at the same per-record
+# cost as the DP-FedAvg baseline and its ledger holds nothing else; the site's identity, model
+# store and probe set are the ones above. Its records are written into its own directory (they
+# never leave it: the daemon serves only the charged segments).
+
+
+def iterate_orders(sc: Scenario) -> tuple[float, ...]:
+    """The Rényi orders of the run's ledgers (``[iterate] ledger_orders``)."""
+    from peer.budget.dpsgd_noise import planned_orders
+    from peer.budget.filter import FILTER_ORDERS
+
+    it = sc.iterate
+    if it.ledger_orders == "default":
+        return FILTER_ORDERS
+    if it.ledger_orders == "planned":
+        return planned_orders(it.epsilon, it.delta, it.rounds * it.local_steps, adjacency=it.adjacency)
+    return tuple(it.ledger_orders)
+
+
+def iterate_site_toml(sc: Scenario, s: SiteWorld) -> str:
+    """site.toml of a site's iterate deployment (``SITE/iterate/``): the site's identity, models
+    and probe set, a fresh ledger with the run's data budget, segments allowed to every peer."""
+    it = sc.iterate
+    orders = ", ".join(repr(float(o)) for o in iterate_orders(sc))
+    lines = [
+        "[site]",
+        f'name = "{s.name}"',
+        'listen = "127.0.0.1:0"',
+        'identity = "../identity"',
+        'models = "../models"',
+        'ledger = "ledger.sqlite"',
+        'probe = "../probe.safetensors"',
+        "workers = 16",
+        "shutdown_grace_s = 5",
+        f"seed = {s.seed}",
+        "",
+        "[policy]",
+        'show_remaining = "own"',
+        f"orders = [{orders}]",
+        "",
+        "[policy.data]",
+        f'unit = "record:{it.adjacency}"',
+        f"epsilon = {it.epsilon!r}",
+        f"delta = {it.delta!r}",
+        "",
+        '[policy.peers."*"]',
+        'allow = ["segment", "ledger"]',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def iterate_round_toml(sc: Scenario, roster: Path) -> str:
+    it = sc.iterate
+    lines = [
+        "[round]",
+        f'roster = "{roster}"',
+        f'model = "{MODEL}"',
+        'method = "iterate"',
+        'out = "rounds"',
+        f"call_timeout_s = {sc.round.call_timeout_s!r}",
+        "",
+        "[round.iterate]",
+        'records = "records.npz"',
+        'run = "iterate"',
+        f"rounds = {it.rounds}",
+        f"local_steps = {it.local_steps}",
+        f"learning_rate = {it.learning_rate!r}",
+        f"clip_norm = {it.clip_norm!r}",
+        f"epsilon = {it.epsilon!r}",
+        f"delta = {it.delta!r}",
+        f'adjacency = "{it.adjacency}"',
+        *([f"declared_records = {it.declared_records}"] if it.declared_records is not None else []),
+        f"init_seed = {it.init_seed}",
+        "wait_s = 30.0",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
+    """Every site's iterate daemon (a process of its own) and loop (a thread of this process, as
+    the rounds: ``RoundThread``), all at once; the sites' iterate worlds (``SITE/iterate/``)."""
+    import dataclasses
+
+    from coordinator_free.iterate import describe as describe_iterate
+
+    sc = world.scenario
+    sites = {n: dataclasses.replace(s, root=s.root / "iterate") for n, s in world.sites.items()}
+    for s in sites.values():
+        s.root.mkdir(parents=True, exist_ok=True)
+        np.savez(s.root / "records.npz", x=s.x, y=s.y)  # the site's own records, in its own directory
+        s.config.write_text(iterate_site_toml(sc, s), encoding="utf-8")
+    daemons: dict[str, Daemon] = {}
+    loops: dict[str, RoundThread] = {}
+    try:
+        t0 = time.monotonic()
+        for s in sites.values():
+            daemons[s.name] = Daemon(s)
+        for d in daemons.values():
+            d.wait_ready()
+        roster = world.out / "roster-iterate.toml"
+        write_roster(
+            roster,
+            [(n, d.address, str((world.sites[n].identity / "site.crt").resolve())) for n, d in daemons.items()],
+        )
+
+        def on_event(e: dict) -> None:
+            line = describe_iterate(e) if str(e.get("event", "")).startswith("iterate-") else None
+            if line:
+                progress(line)
+
+        for s in sites.values():
+            f = s.root / "round-iterate.toml"
+            f.write_text(iterate_round_toml(sc, roster.resolve()), encoding="utf-8")
+            loops[s.name] = RoundThread(s, [f], on_event)
+        it = sc.iterate
+        progress(
+            f"iterate: every site runs {it.rounds} rounds × {it.local_steps} DP-GD steps at ε = {it.epsilon:g} "
+            f"(δ = {it.delta:g}) per record, ledger orders {list(iterate_orders(sc))}"
+        )
+        for n, r in loops.items():
+            sites[n].exit_code = r.wait()
+        world.timings["iterate_s"] = time.monotonic() - t0
+    finally:
+        _shut_down(loops.values(), daemons.values())
+    return sites
+
+
+def evaluate_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[str, dict]:
+    """Per site: each round's fused model on the test set, ε spent by round (the ledger's
+    filter and the PLD of the steps so far), bytes, contributors; and the ledger's own figures
+    read back from the file after the run (filter and PLD of every charged segment)."""
+    from peer.budget.ledger import Ledger
+    from peer.nn.store import load_model
+
+    out = {}
+    for name, s in sites.items():
+        path = s.root / "rounds" / "iterate.json"
+        if not path.exists():
+            out[name] = {
+                "status": "missing",
+                "reason": f"no report (exit code {getattr(s, 'exit_code', None)}; see {s.root / 'rounds.log'})",
+                "rounds": [],
+                "final_accuracy": None,
+                "epsilon_filter": None,
+                "epsilon_pld": None,
+            }
+            continue
+        rep = json.loads(path.read_text())
+        rounds = []
+        for r in rep["rounds"]:
+            m = load_model(s.root / "rounds" / "models", r["model"])
+            acc = accuracy(s.architecture, model_from_arrays(s.architecture, m.arrays), world.x_test, world.y_test)
+            rounds.append(
+                {
+                    "round": r["round"],
+                    "accuracy": acc,
+                    "epsilon_filter": r["epsilon_filter"],
+                    "epsilon_pld": r["epsilon_pld"],
+                    "bytes_sent": r["bytes_sent"],
+                    "bytes_received": r["bytes_received"],
+                    "contributors": r["contributors"],
+                    "staleness": {p: v["staleness"] for p, v in r["peers"].items() if v.get("staleness") is not None},
+                }
+            )
+        ledger = Ledger(s.ledger)  # read-only, verified at open
+        try:
+            data = [b for b in ledger.budget_states(pld=True) if b.key.level == "data"]
+            charges = len(ledger.entries())
+            served = len(ledger.served_again())
+        finally:
+            ledger.close()
+        out[name] = {
+            "status": rep["status"],
+            "reason": rep["reason"],
+            "rounds": rounds,
+            "rounds_done": rep["rounds_done"],
+            "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
+            "epsilon_filter": rep["epsilon_filter"],
+            "epsilon_pld": rep["epsilon_pld"],
+            "noise_multiplier": rep["noise_multiplier"],
+            "ledger_orders": rep["plan"]["ledger_orders"],
+            "bytes_sent": rep["bytes_sent"],
+            "bytes_received": rep["bytes_received"],
+            "exit_code": getattr(s, "exit_code", None),
+            "ledger": {
+                "charges": charges,
+                "served_again": served,
+                "epsilon_limit": data[0].epsilon_limit if data else None,
+                "epsilon_filter": data[0].spent_epsilon if data else None,
+                "epsilon_pld": data[0].pld_epsilon if data else None,
+            },
+        }
+    return out

@@ -1,0 +1,423 @@
+"""The simulated world before any daemon runs (``privfusion simulate``, steps 1–2 of
+``scenarios.simulate``): the plan of rounds, the data split into a global test set, a PUBLIC
+set and every site's protected records, and each site prepared on disk — its own model trained
+on its records, its DP-SGD pool, its identity and pins, its ``site.toml`` (policy, ledger, the
+fixed noise seed of a simulation) and its round files."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from peer.base.errors import InvalidArgument
+from peer.nn.architectures import accuracy, model_from_arrays
+from scenarios.schema import Scenario
+
+MODEL = "mlp"
+POOL = "dpsgd"
+
+
+def _now() -> str:
+    from peer.base.records import now_rfc3339
+
+    return now_rfc3339()
+
+
+@dataclass
+class SiteWorld:
+    name: str
+    root: Path
+    seed: int
+    alpha: float
+    x: np.ndarray
+    y: np.ndarray
+    probe: np.ndarray
+    architecture: dict
+    arrays: dict[str, np.ndarray]
+    pool: list[dict] = field(default_factory=list)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "site.toml"
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger.sqlite"
+
+    @property
+    def identity(self) -> Path:
+        return self.root / "identity"
+
+
+@dataclass
+class World:
+    scenario: Scenario
+    out: Path
+    sites: dict[str, SiteWorld]
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_public: np.ndarray
+    y_public: np.ndarray
+    plan: list[tuple[str, str, float]]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Progress:
+    """Progress lines on stderr (or wherever ``write`` sends them), with the elapsed time."""
+
+    def __init__(self, write: Callable[[str], None] | None = None):
+        self._write = write or (lambda s: print(s, file=sys.stderr, flush=True))
+        self._start = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> None:
+        with self._lock:
+            self._write(f"[{time.monotonic() - self._start:6.1f}s] {text}")
+
+
+# ------------------------------------------------------------------------------------- plan
+
+
+def round_plan(sc: Scenario) -> list[tuple[str, str, float]]:
+    """(label, method, ε scale) of every round each site runs, in order."""
+    plan = [(m, m, 1.0) for m in sc.round.methods]
+    if "ldp" in sc.round.methods:
+        plan += [(f"ldp-x{s:g}", "ldp", s) for s in sc.round.frontier]
+    return plan
+
+
+def released_epsilon(sc: Scenario, scale: float) -> float:
+    """Model-level ε (per the round's unit: neuron by default) one peer releases to one requester
+    in an ldp round at ``scale`` (features: activations + weight features, plus weights; basic
+    composition, as asked — the ledger's figures are in the report beside it)."""
+    r = sc.round
+    return scale * (r.activation_epsilon + r.weight_epsilon + r.weights_epsilon)
+
+
+# ------------------------------------------------------------------------------------- sites
+
+
+def _policy_toml(sc: Scenario) -> str:
+    p = sc.policy
+    lines = ["[policy]", 'show_remaining = "own"']
+    if sc.pool is not None:
+        lines += [
+            "",
+            "[policy.data]",
+            f'unit = "record:{sc.pool.adjacency}"',
+            f"epsilon = {p.data_epsilon!r}",
+            f"delta = {p.data_delta!r}",
+        ]
+    lines += [
+        "",
+        "[policy.model]",
+        f"total = {{ epsilon = {p.model_epsilon!r}, delta = {p.model_delta!r} }}",
+        f"per_counterparty = {{ epsilon = {p.model_epsilon_per_peer!r}, delta = {p.model_delta!r} }}",
+        "",
+        '[policy.peers."*"]',
+        'allow = ["features", "weights", "merge", "ledger"]',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def site_toml(
+    sc: Scenario, s: SiteWorld, listen: str = "127.0.0.1:0", round_table: str = "", fixed_seed: bool = True
+) -> str:
+    """A site's site.toml: where it listens, its files, its pool and policy, optionally a
+    ``[round]`` table, and — in simulations only — its fixed noise seed (reported in every
+    release record; without it every release draws CSPRNG noise)."""
+    lo, hi = sc.round.activation_clip
+    lines = [
+        "[site]",
+        f'name = "{s.name}"',
+        f'listen = "{listen}"',
+        'identity = "identity"',
+        'models = "models"',
+        'ledger = "ledger.sqlite"',
+        'probe = "probe.safetensors"',
+        "workers = 16",
+        "shutdown_grace_s = 5",
+    ]
+    if fixed_seed:
+        lines.append(f"seed = {s.seed}")
+    lines += ["", "[site.mechanisms]", f"activation_clip = [{lo!r}, {hi!r}]", f'calibration = "{sc.round.calibration}"']
+    if sc.pool is not None:
+        # merges judge candidates on the public set, never on the site's protected records
+        lines += ["", f"[site.pools.{POOL}]", 'models = "pool"', 'validation = "validation.npz"']
+    return "\n".join(lines) + "\n\n" + _policy_toml(sc) + (f"\n{round_table}" if round_table else "")
+
+
+def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float, roster: Path) -> str:
+    r = sc.round
+    lines = [
+        "[round]",
+        f'roster = "{roster}"',
+        f'model = "{MODEL}"',
+        f"alpha = {s.alpha!r}",
+        f"quorum = {r.quorum}",
+        f'method = "{method}"',
+        'out = "rounds"',
+        f'label = "{label}"',
+        f"call_timeout_s = {r.call_timeout_s!r}",
+        f"health_timeout_s = {r.health_timeout_s!r}",
+        "",
+        "[round.features]",
+        f"activation_epsilon = {r.activation_epsilon * scale!r}",
+        f"weight_epsilon = {r.weight_epsilon * scale!r}",
+        f'unit = "{r.unit}"',
+        f"activation_clip = [{r.activation_clip[0]!r}, {r.activation_clip[1]!r}]",
+        "",
+        "[round.weights]",
+        f"epsilon = {r.weights_epsilon * scale!r}",
+        f"delta = {r.weights_delta!r}",
+        "",
+        "[round.merge]",
+        f'method = "{r.merge_method}"',
+        f"epsilon = {r.merge_epsilon!r}",
+        f"delta = {r.merge_delta!r}",
+    ]
+    return "\n".join(lines + _after_fusion_toml(sc, s)) + "\n"
+
+
+def _after_fusion_toml(sc: Scenario, s: SiteWorld) -> list[str]:
+    """The round's local steps after fusion (coordinator_free.after_fusion): the site's own records
+    (``records.npz`` in its own directory: they never leave it), REPAIR, candidate selection on
+    the PUBLIC validation set, fine-tuning."""
+    r = sc.round
+    lines = ["", "[round.records]", 'path = "records.npz"', "prepared = true"]
+    lines += ["", "[round.repair]", f'data = "{r.repair}"']
+    if r.select:
+        alphas = ", ".join(repr(a) for a in dict.fromkeys((s.alpha, *r.select_alphas)))
+        lines += ["", "[round.select]", 'validation = "validation.npz"', f"alphas = [{alphas}]"]
+    lines += ["", "[round.finetune]", f"epochs = {r.finetune_epochs}", f"learning_rate = {r.finetune_learning_rate!r}"]
+    return lines
+
+
+@dataclass(frozen=True)
+class ScenarioData:
+    """The scenario's data, split the same way wherever it is computed (everything follows from
+    the scenario's seed): test set, public set, and each site's protected records."""
+
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_public: np.ndarray
+    y_public: np.ndarray
+    parts: tuple[tuple[np.ndarray, np.ndarray], ...]
+    architecture: dict
+    num_classes: int
+    preprocessing: Any = None  # peer.nn.tables.Preprocessing of the scenario's own records
+
+
+def _public_order(sc: Scenario, n: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of the n training examples: the first ``public_size`` are the public set."""
+    d = sc.data
+    if d.public_size >= n - d.min_per_site * len(sc.sites):
+        raise InvalidArgument(
+            "data.public_size", f"{d.public_size} leaves too few of the {n} training examples for the sites"
+        )
+    return rng.permutation(n)
+
+
+def split_data(sc: Scenario) -> ScenarioData:
+    from peer.nn.data import Dataset, load_dataset, split_dirichlet, split_homogeneous
+
+    d = sc.data
+    rng = np.random.default_rng(sc.seed)
+    prep = None
+    if d.path is None:
+        ds = load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed)
+        order = _public_order(sc, len(ds.y_train), rng)
+    else:
+        from peer.nn.tables import Preprocessing, read_table
+
+        table = read_table(
+            d.path,
+            label=d.label,
+            features=d.features,
+            categorical=d.categorical,
+            missing="impute" if d.impute else "refuse",
+        )
+        rest, test = table.split(d.test_fraction, seed=sc.seed)
+        order = _public_order(sc, len(rest), rng)
+        # Fitted on the public set only: the sites' DP-SGD pools are private for one record
+        # given their preprocessing, so it must not depend on the protected records.
+        prep = Preprocessing.fit(rest.take(np.sort(order[: d.public_size])), unseen=d.unseen, split="public")
+        (x_tr, y_tr), (x_te, y_te) = prep.transform(rest), prep.transform(test)
+        ds = Dataset(d.dataset, x_tr, y_tr, x_te, y_te, prep.num_classes, None)
+    public, protected = order[: d.public_size], np.sort(order[d.public_size :])
+    x_prot, y_prot = ds.x_train[protected], ds.y_train[protected]
+    if d.split == "dirichlet":
+        idx = split_dirichlet(
+            y_prot, len(sc.sites), concentration=d.concentration, seed=sc.seed, min_per_site=d.min_per_site
+        )
+    else:
+        idx = split_homogeneous(y_prot, len(sc.sites), seed=sc.seed)
+    arch = {
+        "kind": "mlp",
+        "input_dim": ds.input_dim,
+        "hidden": list(sc.model.hidden),
+        "output_dim": ds.num_classes,
+        "activation": sc.model.activation,
+    }
+    return ScenarioData(
+        ds.x_test,
+        ds.y_test,
+        ds.x_train[public],
+        ds.y_train[public],
+        tuple((x_prot[i], y_prot[i]) for i in idx),
+        arch,
+        ds.num_classes,
+        prep,
+    )
+
+
+def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path, fixed_seed: bool = True) -> SiteWorld:
+    """One site's files from the scenario: its records' model (``models/mlp``), its DP-SGD pool
+    (``pool/``), its public probe set and the public validation set of its merges. No identity
+    and no site.toml: those depend on where the site runs. ``fixed_seed``: the pool's noise
+    comes from the site's seed (a simulation: its daemon runs with ``--simulation``), else from
+    the CSPRNG (a site run elsewhere, ``privfusion demo site``: its daemon refuses a fixed-seed
+    pool)."""
+    import torch
+    from safetensors.numpy import save_file
+
+    from peer.nn.architectures import state_arrays, train_classifier
+    from peer.nn.store import save_model
+
+    index = [s.name for s in sc.sites].index(name)
+    spec = sc.sites[index]
+    seed = sc.seed * 1000 + index + 1
+    root.mkdir(parents=True, exist_ok=True)
+    x, y = data.parts[index]
+    probe = data.x_public[
+        np.random.default_rng(seed).choice(len(data.x_public), size=sc.data.probe_size, replace=False)
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small models: thread hand-offs cost more than they save
+    try:
+        model = train_classifier(
+            data.architecture,
+            x,
+            y,
+            seed=seed,
+            epochs=sc.model.epochs,
+            batch_size=sc.model.batch_size,
+            learning_rate=sc.model.learning_rate,
+        )
+        s = SiteWorld(
+            name,
+            root,
+            seed,
+            sc.round.alpha if spec.alpha is None else spec.alpha,
+            x,
+            y,
+            np.ascontiguousarray(probe, dtype=np.float32),
+            data.architecture,
+            state_arrays(model),
+        )
+        save_model(
+            root / "models",
+            MODEL,
+            data.architecture,
+            s.arrays,
+            {"trained_on": len(y), "seed": seed},
+            data.preprocessing,
+        )
+        save_file({"x": s.probe}, str(root / "probe.safetensors"))
+        # the site's own prepared records, for its rounds' REPAIR and fine-tuning (never sent)
+        np.savez(root / "records.npz", x=x, y=y)
+        np.savez(root / "validation.npz", x=data.x_public, y=data.y_public)
+        if sc.pool is not None:
+            s.pool = _train_pool(
+                sc, s, data.x_public, data.y_public, data.x_test, data.y_test, data.preprocessing, fixed_seed
+            )
+    finally:
+        torch.set_num_threads(threads)
+    return s
+
+
+def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
+    """Data, models, pools, identities, pins and config files of every site."""
+    from peer.net.identity import init_identity
+    from peer.net.trust import TrustStore
+
+    data = split_data(sc)
+    world = World(sc, out, {}, data.x_test, data.y_test, data.x_public, data.y_public, round_plan(sc))
+    for spec in sc.sites:
+        s = prepare_site(sc, data, spec.name, out / "sites" / spec.name)
+        init_identity(s.identity, spec.name, ["127.0.0.1", "localhost"])
+        world.sites[spec.name] = s
+        own = accuracy(s.architecture, model_from_arrays(s.architecture, s.arrays), data.x_test, data.y_test)
+        counts = np.bincount(s.y, minlength=data.num_classes).tolist()
+        pool = (", pool " + ", ".join(f"ε={m['epsilon']:.3g}: {m['accuracy']:.3f}" for m in s.pool)) if s.pool else ""
+        progress(f"{spec.name}: {len(s.y)} records (labels {counts}), own model test accuracy {own:.3f}{pool}")
+    for s in world.sites.values():
+        store = TrustStore(s.identity / "trusted")
+        for o in world.sites.values():
+            if o is not s:
+                store.add((o.identity / "site.crt").read_bytes())
+        s.config.write_text(site_toml(sc, s), encoding="utf-8")
+    return world
+
+
+def _train_pool(
+    sc: Scenario, s: SiteWorld, x_val, y_val, x_test, y_test, preprocessing=None, fixed_seed: bool = True
+) -> list[dict]:
+    from peer.base.rng import make_randomness
+    from peer.dp.accounting import Optimizer, TrainingRecord
+    from peer.dp.pools import load_pool, save_trained, warm_pool_profiles
+    from peer.dp.training import train_pool
+
+    p = sc.pool
+    trainings = [
+        TrainingRecord.constant(
+            p.adjacency, p.steps, p.learning_rate, p.clip_norm, nm, p.sample_rate, optimizer=Optimizer(p.optimizer)
+        )
+        for nm in p.noise_multipliers
+    ]
+    models = train_pool(
+        s.architecture,
+        s.x,
+        s.y,
+        trainings,
+        init_seed=s.seed + 500_000,
+        randomness=make_randomness(s.seed if fixed_seed else None),
+        delta=p.delta,
+        # the scenario's public count (required under add-remove), never len(s.y) there
+        dataset_size=p.declared_records,
+    )
+    out = []
+    for nm, m in zip(p.noise_multipliers, models, strict=True):
+        name = f"dpsgd-sigma{nm:g}"
+        module = model_from_arrays(s.architecture, m.arrays)
+        save_trained(
+            s.root / "pool",
+            name,
+            m,
+            accuracy=accuracy(s.architecture, module, x_val, y_val),
+            preprocessing=preprocessing,
+        )
+        out.append(
+            {
+                "name": name,
+                "noise_multiplier": nm,
+                "epsilon": m.record.epsilon,
+                "delta": m.record.delta,
+                "accuracy": accuracy(s.architecture, module, x_test, y_test),
+            }
+        )
+    # The pool's privacy profiles (T-step PLD and RDP compositions) into the pool's profile
+    # cache, as its daemon would build them at start-up: built here, one site after another,
+    # rather than by every daemon at once (each would hold ~70 MB of composition buffers at
+    # its peak for it). The daemon reads them back, checked against each model's record.
+    with contextlib.suppress(InvalidArgument):  # a pool RS cannot account: each request says why
+        warm_pool_profiles(load_pool(s.root / "pool"), s.root / "pool")
+    return out
