@@ -58,7 +58,11 @@ ALLOWED = {
 CORE = ("peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget")
 # Pure modules that live in the shell's package because they need the site identity (peer.net.identity):
 # like the core, no gRPC, no protobuf, and nothing of the shell that does I/O or holds state.
-PURE_SHELL_MODULES = {"peer.net.secagg": {"peer.base", "peer.dp", "peer.net.identity"}}
+PURE_SHELL_MODULES = {
+    "peer.net.secagg": {"peer.base", "peer.dp", "peer.net.identity"},
+    # what a peer says about itself, as the site builds it and the client returns it
+    "peer.net.peer_info": {"peer.base"},
+}
 SHELL_ONLY = ("grpc", "grpc_status", "grpc_health", "grpc_reflection", "google.protobuf", "google.rpc", "privfusion")
 
 
@@ -153,6 +157,56 @@ def test_pure_modules_of_the_shell_import_only_the_core_and_the_identity(module)
         or (n.startswith("peer") and not any(n == a or n.startswith(a + ".") for a in allowed))
     ]
     assert not bad, f"{module} must stay pure: {bad}"
+
+
+def public_names(module: str) -> set[str] | None:
+    """The module's ``__all__`` (read from the source), or None when it has none."""
+    tree = ast.parse(modules()[module].read_text(), module)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def test_coordinator_free_and_scenarios_use_only_the_public_names_of_peer():
+    """Every name coordinator_free/ and scenarios/ take from a ``peer`` module is in that
+    module's ``__all__`` (a submodule of a package counts as public); ``import peer.x`` would
+    reach past it, so names come by ``from peer.x import name``."""
+    mods = modules()
+    bad = []
+    for module, path in mods.items():
+        if layer_of(module) not in ("coordinator_free", "scenarios"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                bad += [
+                    f"{module}: import {a.name} (use from ... import)" for a in node.names if a.name.startswith("peer")
+                ]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("peer") and not node.level:
+                target = node.module
+                if target not in mods:
+                    bad.append(f"{module}: from {target} (no such module)")
+                    continue
+                public = public_names(target)
+                for a in node.names:
+                    if f"{target}.{a.name}" in mods:
+                        continue  # a submodule
+                    if public is None:
+                        bad.append(f"{module}: from {target} import {a.name} ({target} has no __all__)")
+                    elif a.name not in public:
+                        bad.append(f"{module}: from {target} import {a.name} (not in its __all__)")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_nothing_outside_peer_cli_imports_peer_cli():
+    bad = [
+        f"{m} imports {n}"
+        for m, p in modules().items()
+        if not (m == "peer.cli" or m.startswith("peer.cli."))
+        for n in imports_of(p, m)
+        if n == "peer.cli" or n.startswith("peer.cli.")
+    ]
+    assert not bad, bad
 
 
 def test_the_site_holds_no_protobuf_types():

@@ -23,6 +23,8 @@ from typing import Any
 
 from peer.base.errors import InvalidArgument, NotFound
 
+__all__ = ["ConfigError", "Section", "key_line", "load_toml", "parse_toml"]
+
 Key = tuple  # of str (table keys) and int (array indices)
 
 _HEADER = re.compile(r"^\s*\[(?P<array>\[)?\s*(?P<name>[^\[\]]+?)\s*\]\]?\s*(?:#.*)?$")

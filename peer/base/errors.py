@@ -11,6 +11,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+__all__ = [
+    "BudgetExhausted",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "NotFound",
+    "PermissionDenied",
+    "PrivFusionError",
+    "Unauthenticated",
+    "Unavailable",
+    "Unsupported",
+]
+
 
 def detail_text(value: Any) -> str:
     """A metadata value as text: floats exactly (``repr``; ``inf`` for an unbounded end)."""

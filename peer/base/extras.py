@@ -19,6 +19,8 @@ from types import ModuleType
 
 from peer.base.errors import FailedPrecondition
 
+__all__ = ["pyplot", "require"]
+
 
 class MissingExtra(FailedPrecondition):
     """A module of an optional extra is not installed; the message names the extra."""

@@ -40,6 +40,8 @@ from typing import Any
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 
+__all__ = ["FIXED_SEED_WARNING", "ReleaseRecord", "now_rfc3339"]
+
 LEVELS = ("model", "data")
 UNITS = ("neuron", "entry", "record:replace-one", "record:add-remove", "none")
 NORMS = ("l1", "l2", "range", "none")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+__all__ = ["Randomness", "make_randomness"]
+
 
 @dataclass(frozen=True)
 class Randomness:

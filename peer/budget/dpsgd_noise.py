@@ -38,6 +38,8 @@ from peer.dp.accounting.conversions import gdp_mu, rdp_to_epsilon
 from peer.dp.accounting.rdp import rdp_subsampled_gaussian
 from peer.dp.accounting.training_records import check_adjacency
 
+__all__ = ["FIGURES", "noise_multiplier_for", "planned_orders", "run_epsilon"]
+
 FIGURES = ("filter", "rdp", "pld")
 
 # dp-accounting's default RDP orders (RdpAccountant's DEFAULT_RDP_ORDERS), the project's own default

@@ -77,6 +77,8 @@ import numpy as np
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
 
+__all__ = ["FILTER_ORDERS", "FilterBudget", "conversion_offset", "validate_orders"]
+
 # The filter's default Rényi orders: few enough that the union bound costs little
 # (log(20) ≈ 3 nats beside log(1/δ) ≈ 11.5 at δ = 1e-5), spread enough to fit Gaussian and
 # Laplace curves from ε ≈ 0.1 to ε ≈ 30. All > 1.01, where dp-accounting's conversion holds.

@@ -63,6 +63,8 @@ from peer.base.config import ConfigError, Section, parse_toml
 from peer.base.errors import InvalidArgument, PermissionDenied
 from peer.budget.filter import FILTER_ORDERS, FilterBudget, validate_orders
 
+__all__ = ["Policy", "PolicyError"]
+
 KINDS = ("features", "weights", "merge", "fuse", "ledger", "segment")
 CAPPED_KINDS = ("features", "weights", "merge", "fuse")
 SHOW = ("none", "own", "all")

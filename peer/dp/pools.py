@@ -61,6 +61,23 @@ from peer.nn.imported import (
 from peer.nn.store import _atomic_write, list_models, load_model, save_model
 from peer.nn.tables import Preprocessing
 
+__all__ = [
+    "load_pool",
+    "load_splits",
+    "load_validation_file",
+    "merge_pool",
+    "pool_preprocessing",
+    "pool_validation",
+    "profile_cache_directory",
+    "rs_utilities",
+    "save_merged",
+    "save_trained",
+    "states_true_count",
+    "true_count_models",
+    "true_count_refusal",
+    "warm_pool_profiles",
+]
+
 
 @dataclass(frozen=True)
 class Splits:

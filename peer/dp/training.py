@@ -71,6 +71,24 @@ from peer.dp.accounting.release_accounting import dpsgd_record
 from peer.dp.accounting.training_records import SGD
 from peer.nn.architectures import build_model, input_tensor, validate_architecture
 
+__all__ = [
+    "ADD_REMOVE_NEEDS_DECLARED",
+    "LossFn",
+    "TrainedModel",
+    "check_private_training",
+    "classifier_loss",
+    "clipped_sum",
+    "dpsgd_release_record",
+    "dpsgd_step",
+    "optimizer_update",
+    "per_example_gradients",
+    "privatised_gradient",
+    "run_dpsgd",
+    "train_dpsgd_classifier",
+    "train_dpsgd_module",
+    "train_pool",
+]
+
 # A per-example loss: (parameters, one input, one label) -> scalar tensor.
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
 

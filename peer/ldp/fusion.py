@@ -24,6 +24,16 @@ from scipy.optimize import linear_sum_assignment
 from peer.base.errors import InvalidArgument
 from peer.nn.architectures import WeightLayer, hidden_sizes, model_from_arrays, predict_proba, weight_layers
 
+__all__ = [
+    "average_arrays",
+    "ensemble_proba",
+    "fuse_arrays",
+    "fuse_many",
+    "permute_arrays",
+    "vanilla_average",
+    "weight_matching",
+]
+
 
 def check_permutations(arch: Mapping[str, Any], permutations: Sequence[np.ndarray]) -> list[np.ndarray]:
     sizes = hidden_sizes(arch)

@@ -50,6 +50,8 @@ from peer.base.errors import InvalidArgument
 from peer.nn.graph import extract_group_graph, group_members
 from peer.nn.tracing import PermutationStructure, permute_state
 
+__all__ = ["fuse_state", "group_activations", "group_correlations", "match_correlations", "match_groups"]
+
 
 def group_activations(module: nn.Module, structure: PermutationStructure, probe_x) -> dict[str, np.ndarray]:
     """For every group, its (n, P · members) activation rows

@@ -29,6 +29,8 @@ from peer.ldp.fusion import fuse_arrays, permute_arrays
 from peer.ldp.matching import MatchOptions, MatchResult, match_graphs
 from peer.nn.graph import NetworkGraph
 
+__all__ = ["Alignment", "align", "align_and_fuse", "align_graphs", "align_groups", "average_states", "repair_states"]
+
 
 @dataclass(frozen=True)
 class Alignment:

@@ -44,6 +44,17 @@ from torch import nn
 from peer.base.errors import InvalidArgument
 from peer.nn.tracing import StatPoint
 
+__all__ = [
+    "UnitStatistics",
+    "combined_statistics",
+    "fine_tune",
+    "interpolated_statistics",
+    "repair",
+    "repair_fused",
+    "repair_fusion",
+    "unit_statistics",
+]
+
 #: a fused unit with std below this (relative to its target) is left unscaled: it is dead on
 #: the data, and dividing by ~0 would blow it up
 MIN_STD_RATIO = 1e-6

@@ -38,6 +38,8 @@ from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from privfusion.v1 import tensor_pb2 as tpb
 
+__all__ = ["HEALTH_SERVICE", "PeerClient", "PeerError", "save_release", "verify_saved_release", "verify_upstream"]
+
 log = logging.getLogger("privfusion.client")
 
 RELEASE_TIMEOUT_S = 1800.0

@@ -49,6 +49,26 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
 
+__all__ = [
+    "CERT_FILE",
+    "KEY_FILE",
+    "NEXT_DIR",
+    "SIGNATURE_ALGORITHM",
+    "Identity",
+    "activate_rotation",
+    "certificate_name",
+    "check_site_name",
+    "check_validity",
+    "fingerprint",
+    "format_fingerprint",
+    "init_identity",
+    "load_certificate",
+    "load_identity",
+    "make_certificate",
+    "stage_rotation",
+    "verify_signature",
+]
+
 KEY_FILE = "site.key"
 CERT_FILE = "site.crt"
 TRUST_DIR = "trusted"

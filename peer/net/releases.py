@@ -53,6 +53,18 @@ from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.net import wire
 
+__all__ = [
+    "ReleaseStore",
+    "StoredRelease",
+    "check_run_name",
+    "pool_fingerprint",
+    "publish_segment",
+    "release_key",
+    "release_sha256",
+    "segment_key",
+    "segment_rounds",
+]
+
 
 def release_key(pool: str, method: str, epsilon: float, delta: float, pool_fingerprint: str = "") -> str:
     """The store key of a merge request: SHA-256 of its public parameters (floats by repr, so

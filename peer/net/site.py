@@ -86,6 +86,8 @@ from peer.nn.graph import NetworkGraph, extract_graph
 from peer.nn.probes import read_probe
 from peer.nn.store import StoredModel, list_models, load_store, site_unusable_files
 
+__all__ = ["GroupFeaturesRelease", "Site", "SiteConfig", "check_listen", "load_probe", "log_event", "stamp"]
+
 log = logging.getLogger("privfusion.peer")
 
 #: The mechanisms a site releases under (PeerInfo.mechanisms, with where its noise comes from).

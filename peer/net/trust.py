@@ -29,6 +29,8 @@ from cryptography.hazmat.primitives import serialization
 from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
 from peer.net.identity import certificate_name, check_site_name, check_validity, fingerprint, load_certificate
 
+__all__ = ["PinnedPeer", "TrustStore"]
+
 SUFFIX = ".crt"
 NEXT = "+next"  # NAME+next.crt: the certificate NAME is rotating to
 

@@ -39,6 +39,23 @@ from torch import nn
 
 from peer.base.errors import InvalidArgument, Unsupported
 
+__all__ = [
+    "ACTIVATIONS",
+    "WeightLayer",
+    "accuracy",
+    "build_model",
+    "hidden_sizes",
+    "input_tensor",
+    "model_from_arrays",
+    "predict_proba",
+    "state_arrays",
+    "torch_threads",
+    "train_classifier",
+    "validate_architecture",
+    "weight_layers",
+    "weight_modules",
+]
+
 
 @contextmanager
 def torch_threads(count: int) -> Iterator[None]:

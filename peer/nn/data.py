@@ -13,6 +13,8 @@ import numpy as np
 
 from peer.base.errors import InvalidArgument
 
+__all__ = ["DATASETS", "Dataset", "load_dataset", "split_dirichlet", "split_homogeneous", "split_label_skew"]
+
 DATASETS = ("digits", "breast_cancer")
 
 

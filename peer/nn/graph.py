@@ -38,6 +38,8 @@ from torch import nn
 from peer.base.errors import InvalidArgument
 from peer.nn.architectures import ACTIVATIONS, input_tensor, validate_architecture, weight_modules
 
+__all__ = ["HiddenLayer", "NetworkGraph", "extract_graph", "extract_group_graph", "group_members"]
+
 
 @dataclass(frozen=True)
 class HiddenLayer:

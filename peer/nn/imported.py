@@ -42,6 +42,29 @@ from peer.nn.store import FORMAT, _atomic_write, check_name, read_pair, store_pa
 from peer.nn.tables import Preprocessing
 from peer.nn.tracing import PermutationStructure, check_no_aliases, import_structure
 
+__all__ = [
+    "ImportedModel",
+    "build_module",
+    "check_same_structure",
+    "export_model",
+    "first_difference",
+    "import_model",
+    "imported_architecture",
+    "input_batch",
+    "is_imported_architecture",
+    "load_factory",
+    "load_imported",
+    "load_site_state",
+    "module_accuracy",
+    "module_from_arrays",
+    "read_weights",
+    "records_fit_network",
+    "resolve_factory",
+    "save_imported",
+    "structure_of",
+    "structure_sha256",
+]
+
 EXPORT_FORMATS = ("pt", "safetensors")
 
 

@@ -36,6 +36,24 @@ from peer.base.errors import InvalidArgument, NotFound
 from peer.nn.architectures import model_from_arrays, validate_architecture
 from peer.nn.tables import Preprocessing, input_size
 
+__all__ = [
+    "FORMAT",
+    "NAME_RULE",
+    "StoredModel",
+    "check_name",
+    "list_models",
+    "load_model",
+    "load_model_pair",
+    "load_store",
+    "read_pair",
+    "read_preprocessing_file",
+    "save_model",
+    "site_unusable_files",
+    "store_pair",
+    "unusable_files",
+    "write_sidecar",
+]
+
 FORMAT = 1
 NAME_RULE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 

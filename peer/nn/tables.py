@@ -86,6 +86,21 @@ import numpy as np
 
 from peer.base.errors import InvalidArgument
 
+__all__ = [
+    "FORMAT",
+    "KINDS",
+    "ColumnPrep",
+    "PreparedRecords",
+    "Preprocessing",
+    "architecture_for",
+    "file_digest",
+    "identifier_reason",
+    "input_size",
+    "prepare_records",
+    "read_table",
+    "split_indices",
+]
+
 FORMAT = 1
 MISSING_TEXT = frozenset({"", "na", "n/a", "nan", "null", "none"})
 SUFFIXES = (".csv", ".tsv", ".txt", ".parquet", ".pq", ".npz")

@@ -77,6 +77,20 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from peer.base.errors import InvalidArgument, Unsupported
 
+__all__ = [
+    "AxisRef",
+    "PermutationGroup",
+    "PermutationStructure",
+    "StatPoint",
+    "check_no_aliases",
+    "derive_structure",
+    "import_structure",
+    "permute_state",
+    "random_permutations",
+    "self_check",
+    "state_aliases",
+]
+
 STRUCTURE_FORMAT = 1
 #: the self-check's tolerance on ‖f(x) − f_π(x)‖_∞ / ‖f(x)‖_∞ (float64 arithmetic)
 SELF_CHECK_TOLERANCE = 1e-5

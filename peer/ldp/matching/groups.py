@@ -65,6 +65,8 @@ from peer.ldp.matching.solvers import RITZ_TOL_FACTOR, STALL, _discretise, _rank
 from peer.nn.architectures import torch_threads
 from peer.nn.tracing import PermutationStructure
 
+__all__ = ["GroupAffinity", "GroupMatchResult", "match_group_features"]
+
 
 @dataclass(frozen=True)
 class GroupMatchResult:
