@@ -160,8 +160,8 @@ def test_a_daemon_lists_its_own_network_and_releases_it_per_group_element(tmp_pa
         try:
             info = c.info()
             (m,) = [m for m in info.models if m.name == "resnet"]
-            arch = json.loads(m.architecture_json)
-            assert arch["kind"] == "imported" and "factory" not in m.architecture_json
+            arch = m.architecture  # parsed by the client from the wire's architecture_json
+            assert arch["kind"] == "imported" and "factory" not in json.dumps(arch)
             structure = structure_of(arch)
             assert list(m.hidden_sizes) == [g.size for g in structure.groups]
             f = c.features("resnet", probe, activation_epsilon=2.0, weight_epsilon=3.0)
@@ -247,7 +247,7 @@ def test_a_merge_of_an_own_network_is_served_again_in_the_same_shapes(tmp_path):
         try:
             info = c.info()
             (pool,) = info.pools
-            assert json.loads(pool.architecture_json)["kind"] == "imported" and list(pool.methods) == ["rs", "lc"]
+            assert pool.architecture["kind"] == "imported" and list(pool.methods) == ["rs", "lc"]
             first = c.merged("dp", method="rs", epsilon=30.0, delta=1e-5)
             again = c.merged("dp", method="rs", epsilon=30.0, delta=1e-5)
         finally:
