@@ -153,8 +153,6 @@ from peer.budget.policy import Policy
 from peer.dp.accounting.accountant import Accountant
 from peer.dp.accounting.per_unit import per_neuron_record
 
-__all__ = ["Ledger", "per_neuron_record"]
-
 log = logging.getLogger("peer.budget.ledger")
 
 
