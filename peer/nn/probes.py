@@ -46,6 +46,17 @@ import numpy as np
 
 from peer.base.errors import FailedPrecondition, InvalidArgument
 
+__all__ = [
+    "INPUT_KEY",
+    "bound_probe",
+    "check_probe_input",
+    "describe_input",
+    "input_signature",
+    "model_input",
+    "probe_bytes",
+    "read_probe",
+]
+
 #: safetensors header keys of a probe file
 INPUT_KEY = "privfusion_input"
 MODEL_KEY = "privfusion_model"
