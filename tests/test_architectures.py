@@ -2,6 +2,7 @@
 architecture alone) against the modules ``build_model`` actually builds, and ``weight_modules``
 (the pairing graph extraction uses) against models that do not fit."""
 
+import itertools
 import math
 
 import numpy as np
@@ -9,7 +10,15 @@ import pytest
 from torch import nn
 
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import build_model, hidden_sizes, weight_layers, weight_modules
+from peer.nn.architectures import (
+    architecture_structure,
+    build_model,
+    example_shape,
+    hidden_sizes,
+    state_arrays,
+    weight_layers,
+    weight_modules,
+)
 
 ARCHS = [
     {"kind": "mlp", "input_dim": 12, "hidden": [6, 7, 5], "output_dim": 4},
@@ -94,3 +103,51 @@ def test_build_model_is_deterministic_given_a_seed():
     a, b = build_model(ARCHS[2], seed=3), build_model(ARCHS[2], seed=3)
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and np.array_equal(va.numpy(), vb.numpy())
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"{a['kind']}-{len(a.get('channels', []))}-{len(a['hidden'])}")
+def test_a_builtin_architecture_traces_into_the_chain_of_its_weight_layers(arch):
+    """A built-in architecture is a factory traced like a site's own module
+    (``architecture_structure``: peer.nn.tracing, proven by its self-check), and the groups the
+    trace finds are exactly the layer listing's chain: group k is hidden weight layer k (named by
+    its state-dict prefix, its units as size, itself as sole producer), acting on its weight rows,
+    its bias and the next weight layer's input axis (in blocks of that layer's
+    ``entries_per_input`` for a Linear: H·W after Flatten; a conv kernel's k·k entries lie on
+    axes of their own); nothing else is permuted (the input axis of the first layer and the
+    output layer's rows are fixed), and each hidden layer is its group's affine statistic point."""
+    layers = weight_layers(arch)
+    structure = architecture_structure(arch)
+    expected = []
+    for layer, nxt in itertools.pairwise(layers):
+        axes = {
+            (f"{layer.name}.weight", 0, 1),
+            (f"{layer.name}.bias", 0, 1),
+            (f"{nxt.name}.weight", 1, nxt.entries_per_input if nxt.kind == "linear" else 1),
+        }
+        expected.append((layer.name, layer.units, (layer.name,), axes))
+    found = [(g.name, g.size, g.producers, {(a.param, a.axis, a.block) for a in g.axes}) for g in structure.groups]
+    assert found == expected
+    assert [(p.module, p.kind, p.group) for p in structure.stat_points] == [
+        (layer.name, "affine", layer.name) for layer in layers[:-1]
+    ]
+    assert structure.parameters == {k: tuple(v.shape) for k, v in build_model(arch).state_dict().items()}
+    assert structure.input_shape == example_shape(arch)
+    assert structure.sizes == tuple(hidden_sizes(arch))
+
+
+def test_the_traced_chain_permutes_a_builtin_model_as_the_layer_listing_does():
+    """Permuting a built-in model's groups (peer.nn.tracing.permute_state) is the layer-wise
+    permutation of peer.ldp.fusion.permute_arrays, entry for entry, CNN flatten blocks included."""
+    from peer.ldp.fusion import permute_arrays
+    from peer.nn.tracing import permute_state
+
+    for arch in ARCHS:
+        structure = architecture_structure(arch)
+        arrays = state_arrays(build_model(arch, seed=1))
+        rng = np.random.default_rng(2)
+        perms = [rng.permutation(n) for n in hidden_sizes(arch)]
+        by_layer = permute_arrays(arch, arrays, perms)
+        by_group = permute_state(structure, arrays, {g.name: p for g, p in zip(structure.groups, perms, strict=True)})
+        assert by_layer.keys() == by_group.keys()
+        for k in by_layer:
+            assert np.array_equal(by_layer[k], by_group[k]), k

@@ -126,6 +126,50 @@ def test_builtin_sequential_architectures_trace_too():
     assert s.sizes == (4, 6, 5) and ("7.weight", 1, 4) in axes_of(s, "3")
 
 
+def test_the_fusion_experiments_resnet_traces_into_its_residual_groups():
+    """The experiment's ResNet (peer.experiments.fusion.DigitsResNet: stem conv + BN, a residual
+    stage, a widening conv, pooling, a second residual stage, a Linear head on the flattened map)
+    has four groups, each named by its first producer: two residual streams, each written by the
+    conv that opens it and by its block's second conv and normalised by every BN on it, and two
+    block-internal groups; the head reads the second stream in blocks of its 4x4 positions."""
+    from peer.experiments.fusion import DigitsResNet
+
+    s = import_structure(randomise(DigitsResNet(4, 6)), [1, 8, 8])
+    bn = ("weight", "bias", "running_mean", "running_var")
+    assert [(g.name, g.size, g.producers) for g in s.groups] == [
+        ("stem", 4, ("stem", "stage1.conv2")),
+        ("stage1.conv1", 4, ("stage1.conv1",)),
+        ("widen", 6, ("widen", "stage2.conv2")),
+        ("stage2.conv1", 6, ("stage2.conv1",)),
+    ]
+    assert axes_of(s, "stem") == {
+        ("stem.weight", 0, 1),
+        *((f"stem_bn.{p}", 0, 1) for p in bn),
+        ("stage1.conv1.weight", 1, 1),
+        ("stage1.conv2.weight", 0, 1),
+        *((f"stage1.bn2.{p}", 0, 1) for p in bn),
+        ("widen.weight", 1, 1),
+    }
+    assert axes_of(s, "stage1.conv1") == {
+        ("stage1.conv1.weight", 0, 1),
+        *((f"stage1.bn1.{p}", 0, 1) for p in bn),
+        ("stage1.conv2.weight", 1, 1),
+    }
+    assert axes_of(s, "widen") == {
+        ("widen.weight", 0, 1),
+        ("widen.bias", 0, 1),
+        ("stage2.conv1.weight", 1, 1),
+        ("stage2.conv2.weight", 0, 1),
+        *((f"stage2.bn2.{p}", 0, 1) for p in bn),
+        ("fc.weight", 1, 16),
+    }
+    assert axes_of(s, "stage2.conv1") == {
+        ("stage2.conv1.weight", 0, 1),
+        *((f"stage2.bn1.{p}", 0, 1) for p in bn),
+        ("stage2.conv2.weight", 1, 1),
+    }
+
+
 def test_structure_json_round_trip_and_validation():
     s = import_structure(randomise(networks.small_resnet()), [1, 8, 8])
     data = json.loads(json.dumps(s.to_json()))

@@ -21,6 +21,14 @@ Plain CNN (conv blocks, then a Linear head)::
 
 ``pool`` gives one max-pooling factor per conv block (1 = no pooling). Convolutions use "same"
 padding (kernel_size // 2, odd kernel sizes only) so spatial size changes only by pooling.
+
+A built-in architecture is a factory of a torch module like a site's own network is: its module
+is traced by ``peer.nn.tracing`` into permutation groups exactly as an imported one
+(:func:`architecture_structure`), and that structure is the chain of :func:`weight_layers`: one
+group per hidden weight layer, named by its state-dict prefix, acting on that layer's rows and
+bias and on the next weight layer's input axis (H·W consecutive entries per unit for the Linear
+after Flatten, one otherwise), the input and the output units fixed (``tests/test_architectures.py``
+checks it for MLPs and CNNs; docs/architecture.md, "One network kind").
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 from torch import nn
 
 from peer.base.errors import InvalidArgument, Unsupported
+from peer.nn.tracing import PermutationStructure, import_structure
 
 __all__ = [
     "ACTIVATIONS",
@@ -313,6 +322,21 @@ def weight_modules(arch: Mapping[str, Any], model: nn.Module) -> list[tuple[Weig
                 f"has weight {tuple(mod.weight.shape)}, the architecture has layer {layer.name!r} with weight {layer.weight_shape}",
             )
     return [(layer, mod) for layer, (_, mod) in zip(layers, found, strict=True)]
+
+
+def example_shape(arch: Mapping[str, Any]) -> tuple[int, ...]:
+    """One example's input shape (no batch axis): ``(input_dim,)`` for an MLP, ``input_shape``
+    (channels, height, width) for a CNN."""
+    a = validate_architecture(arch)
+    return (a["input_dim"],) if a["kind"] == "mlp" else tuple(a["input_shape"])
+
+
+def architecture_structure(arch: Mapping[str, Any]) -> PermutationStructure:
+    """The permutation groups of the architecture, traced from the module :func:`build_model`
+    makes (``peer.nn.tracing.import_structure``: derived by ``torch.fx`` and proven by the
+    self-check on a seeded initialisation), as for a site's own network. A function of the
+    architecture alone (public): the chain of :func:`weight_layers` (module docstring)."""
+    return import_structure(build_model(arch, seed=0), example_shape(arch))
 
 
 def input_tensor(arch: Mapping[str, Any], x: np.ndarray | torch.Tensor) -> torch.Tensor:
