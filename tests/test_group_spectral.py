@@ -5,6 +5,8 @@ is a regression, never chance. The thresholds sit below the fractions measured w
 were written (stated next to each), with room for float rounding to break near-ties.
 """
 
+from dataclasses import replace as dataclasses_replace
+
 import numpy as np
 import pytest
 import torch
@@ -377,3 +379,73 @@ def test_the_coupling_of_a_permutation_is_k_applied_to_it(rule):
     kx = aff.apply(x)
     for g in aff.names:
         torch.testing.assert_close(aff.coupling(perms, g), kx[g] - aff._diag[g] * x[g], rtol=1e-12, atol=1e-12)
+
+
+CHAIN_ARCHS = {
+    "mlp": {"kind": "mlp", "input_dim": 12, "hidden": [20, 24, 16], "output_dim": 4},
+    "cnn": {
+        "kind": "cnn",
+        "input_shape": [1, 8, 8],
+        "channels": [6, 8],
+        "pool": [2, 2],
+        "hidden": [10],
+        "output_dim": 4,
+    },
+}
+
+
+@pytest.mark.parametrize("released", [False, True], ids=["exact", "mixed"])
+@pytest.mark.parametrize("name", sorted(CHAIN_ARCHS))
+def test_on_a_builtin_chain_the_group_matcher_is_the_layered_matcher(name, released):
+    """Every built-in network is a chain of permutation groups (architecture_structure), and on
+    it the group matcher, given the layered graph's own rows (chain_features), with no vector
+    (bias) term and no refinement, builds the layered matcher's K: the same permutations and the
+    same objective xᵀKx, for shifted power iteration, the Rayleigh–Ritz step and the dense
+    reference alike; B exact, or B's graph released (multi-bit weight features, Laplace rows).
+    Two independently initialised networks (no true correspondence: near-ties are real), probes
+    and noise seeded; deterministic."""
+    from peer.ldp.matching import match_graphs
+    from peer.ldp.mechanisms import perturb_graph
+    from peer.nn.architectures import architecture_structure, build_model, example_shape
+    from peer.nn.graph import chain_features, extract_graph
+
+    arch = CHAIN_ARCHS[name]
+    structure = architecture_structure(arch)
+    probes = np.random.default_rng(0).standard_normal((40, int(np.prod(example_shape(arch))))).astype(np.float32)
+    ga = extract_graph(arch, build_model(arch, seed=1), probes)
+    gb = extract_graph(arch, build_model(arch, seed=2), probes)
+    if released:
+        gb, _ = perturb_graph(
+            gb,
+            epsilon_x=1.0,
+            epsilon_w=1.0,
+            activation_clip=(0.0, 2.0),
+            weight_bounds=(-1.0, 1.0),
+            randomness=make_randomness(5),
+        )
+    acts_a, arrays_a = chain_features(ga)
+    acts_b, arrays_b = chain_features(gb)
+    for options in (
+        MatchOptions(eigensolver="power"),
+        MatchOptions(eigensolver="ritz"),
+        MatchOptions(solver="dense"),
+    ):
+        layered = match_graphs(ga, gb, options)
+        grouped = match_group_features(
+            structure,
+            acts_a,
+            arrays_a,
+            acts_b,
+            arrays_b,
+            dataclasses_replace(options, vector_weight=0.0),
+            refine_sweeps=0,
+        )
+        for g, p in zip(structure.groups, layered.permutations, strict=True):
+            assert np.array_equal(grouped.perms[g.name], p), (options, g.name)
+        assert grouped.objective == pytest.approx(layered.objective, rel=1e-9), options
+
+
+def test_vector_weight_must_be_a_non_negative_number():
+    for bad in (-1.0, float("nan"), "1", True):
+        with pytest.raises(InvalidArgument, match=r"options\.vector_weight"):
+            MatchOptions(vector_weight=bad)

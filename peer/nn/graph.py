@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import ACTIVATIONS, input_tensor, validate_architecture, weight_modules
+from peer.nn.architectures import ACTIVATIONS, input_tensor, validate_architecture, weight_layers, weight_modules
 
 __all__ = ["HiddenLayer", "NetworkGraph", "extract_graph", "extract_group_graph", "group_members"]
 
@@ -187,6 +187,23 @@ def extract_graph(
         _edge_tensor(out_mod.weight, out_layer.inputs),
         out_mod.bias.detach().cpu().numpy().astype(np.float64),
     )
+
+
+def chain_features(graph: NetworkGraph) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A layered graph as the features of its architecture's chain of permutation groups
+    (``peer.nn.architectures.architecture_structure``: group k is hidden layer k, named by its
+    state-dict prefix): ``(activations, arrays)`` for ``peer.ldp.matching.groups``. The
+    activations are the graph's rows unchanged (post-activation, as released); the arrays are
+    its weights and biases under their state-dict keys and shapes — for a released graph, the
+    released weight features, so the group matcher reads exactly what the layered one reads."""
+    layers = weight_layers(graph.architecture)
+    activations = {h.name: np.asarray(h.activations) for h in graph.hidden}
+    arrays: dict[str, np.ndarray] = {}
+    rows = [(h.incoming, h.bias) for h in graph.hidden] + [(graph.output_incoming, graph.output_bias)]
+    for layer, (incoming, bias) in zip(layers, rows, strict=True):
+        arrays[f"{layer.name}.weight"] = np.asarray(incoming).reshape(layer.weight_shape)
+        arrays[f"{layer.name}.bias"] = np.asarray(bias)
+    return activations, arrays
 
 
 # ---------------------------------------------------------------------------------------------

@@ -229,9 +229,10 @@ class GroupAffinity:
             if build_operator and edge_on:
                 b.terms = _rescale(terms, b.scale)
                 b.terms_t = [_transposed(t) for t in b.terms]
-        if edge_on:
+        vector_weight = options.edge_weight if options.vector_weight is None else options.vector_weight
+        if edge_on and vector_weight > 0:
             for g in self.names:
-                term = self._vector_term(g, vectors[g])
+                term = self._vector_term(g, vectors[g], vector_weight)
                 if term is not None:
                     self.unary.append(term)
 
@@ -323,7 +324,7 @@ class GroupAffinity:
         weight = self.options.edge_weight if self.options.balance else 1.0
         return _Unary(f"fixed:{name}", g, "fixed", r, c, weight, b.describe(), values, matrix, approx=u, block=b)
 
-    def _vector_term(self, g: str, vectors: list[tuple[str, np.ndarray, np.ndarray]]) -> _Unary | None:
+    def _vector_term(self, g: str, vectors: list[tuple[str, np.ndarray, np.ndarray]], weight: float) -> _Unary | None:
         """The group's 1-D parameters (biases, normalisation affine and running statistics):
         V[i, j] = (1/m) Σ_p (1/b_p) Σ_c κ_p(v_p^A[i, c], v_p^B[j, c]), one scalar Gaussian per
         parameter with its own mean-squared-difference bandwidth (so that a running variance
@@ -350,7 +351,7 @@ class GroupAffinity:
 
         r, c = self._balance(matrix(), f"vector parameters of group {g!r}")
         info = {"parameters": [p for p, _, _ in used], "sigmas": [float(s) for s in sigmas]}
-        return _Unary(f"vectors:{g}", g, "vector", r, c, self.options.edge_weight, info, values, matrix)
+        return _Unary(f"vectors:{g}", g, "vector", r, c, weight, info, values, matrix)
 
     def _balanced(self, u: _Unary, approx: bool = False) -> np.ndarray:
         """The term as it enters K: weight · diag(r) · M · diag(c), M exact (or, with

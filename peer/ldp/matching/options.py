@@ -74,6 +74,11 @@ class MatchOptions:
     ``balance``: Sinkhorn-balance every unary term (docs/matching.md, "Normalisation"); on by default.
     ``activation_bandwidth``: the public rule for σ_act when ``activation_sigma`` is None:
     ``"spread"`` (default) or ``"mean"`` (docs/matching.md, "Bandwidths").
+    ``vector_weight``: the weight of a permutation group's vector term (its biases and
+    normalisation parameters: ``peer.ldp.matching.groups``), ``None`` = ``edge_weight``; 0
+    leaves it out, which makes the group matcher's K on a chain of groups (a built-in
+    architecture) the layered matcher's, which has no bias term (docs/matching.md, "One matcher
+    for every network"). The layered matcher ignores it.
     ``threads``: torch intra-op threads (a process-wide torch setting: set on entry, restored on
     exit, so two matches running in threads of one process share it). ``None`` = the products
     run on 1 thread while every hidden layer has ≤ 512 nodes and on torch's current setting
@@ -98,6 +103,7 @@ class MatchOptions:
     threads: int | None = None
     balance: bool = True
     activation_bandwidth: str = "spread"
+    vector_weight: float | None = None
 
     @classmethod
     def of(cls, options: MatchOptions | None) -> MatchOptions:
@@ -136,6 +142,13 @@ class MatchOptions:
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or v < 0:
                 raise InvalidArgument(f"options.{name}", f"must be a finite number >= 0, got {v!r}")
+        if self.vector_weight is not None and (
+            not _is_real(self.vector_weight) or not math.isfinite(self.vector_weight) or self.vector_weight < 0
+        ):
+            raise InvalidArgument(
+                "options.vector_weight",
+                f"must be None (edge_weight) or a finite number >= 0, got {self.vector_weight!r}",
+            )
         if self.activation_weight == 0 and self.edge_weight == 0:
             raise InvalidArgument("options.edge_weight", "activation_weight and edge_weight cannot both be 0")
         for name in ("activation_sigma", "weight_sigma"):
