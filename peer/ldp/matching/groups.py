@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,25 +60,21 @@ from peer.ldp.matching.dense import power_iteration_dense
 from peer.ldp.matching.expansion import gaussian_kernel
 from peer.ldp.matching.normalisation import _mean_sq_bandwidth, _spread_bandwidth, _squared_distances, sinkhorn_factors
 from peer.ldp.matching.operators import _apply_block, _apply_block_constant, _Cost, _rescale, _Stacked, _transposed
-from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, AUTO_SINGLE_THREAD_MAX_WIDTH, MatchOptions
+from peer.ldp.matching.options import AUTO_FLOAT64_MAX_WIDTH, AUTO_SINGLE_THREAD_MAX_WIDTH, MatchOptions, MatchResult
 from peer.ldp.matching.solvers import RANK_BUDGET_DIVISOR, RITZ_TOL_FACTOR, STALL, _discretise, _rank_for
 from peer.nn.architectures import torch_threads
 from peer.nn.tracing import PermutationStructure
 
 __all__ = ["GroupAffinity", "GroupMatchResult", "match_group_features"]
 
-
-@dataclass(frozen=True)
-class GroupMatchResult:
-    """``perms[g][i] = j``: element i of A's group g is element j of B's (B aligned to A is
-    ``permute_state(structure, arrays_b, perms)``). ``objective``: xᵀKx of the discrete
-    solution from exact kernel values (comparable between the two solvers). ``diagnostics``:
-    solver, iterations, convergence, the blocks and unary terms with their bandwidths,
-    normalisers and expansion error bounds, the n³ products counted, timings."""
-
-    perms: dict[str, np.ndarray]
-    objective: float
-    diagnostics: dict = field(default_factory=dict)
+#: The group matcher's result is the one result type of every matcher
+#: (:class:`peer.ldp.matching.MatchResult`): ``perms[g][i] = j`` says element i of A's group g
+#: is element j of B's (B aligned to A is ``permute_state(structure, arrays_b, perms)``);
+#: ``objective`` is xᵀKx of the discrete solution from exact kernel values (comparable between
+#: the two solvers); ``diagnostics``: solver, iterations, convergence, the blocks and unary terms
+#: with their bandwidths, normalisers and expansion error bounds, the n³ products counted,
+#: timings. The name is kept for callers written before the two types were one.
+GroupMatchResult = MatchResult
 
 
 @dataclass
@@ -935,4 +931,13 @@ def _match(
         refinement=refinement,
         seconds={"setup": t_build, "iterations": t_iter, "assignment": t_assign, "refinement": t_refine},
     )
-    return GroupMatchResult(perms=perms, objective=float(objective), diagnostics=diag)
+    return MatchResult(
+        permutations=tuple(perms[g] for g in aff.names),
+        objective=float(objective),
+        solver=options.solver,
+        iterations=int(it),
+        converged=bool(converged),
+        relaxed=tuple(np.asarray(layers[g]) for g in aff.names),
+        diagnostics=diag,
+        groups=tuple(aff.names),
+    )

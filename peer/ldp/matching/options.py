@@ -196,7 +196,10 @@ class MatchResult:
     estimate reshaped to n_ℓ×n_ℓ ([i, j] = pair (A node i, B node j)), unit norm over all
     layers — what pygmtools' ``sm`` returns. ``iterations``: eigensolver steps taken;
     ``converged``: whether its stopping rule (``MatchOptions.tol``) was met. ``diagnostics``: expansions and
-    their error bounds, bandwidths, normalisers, products per iteration, timings.
+    their error bounds, bandwidths, normalisers, products per iteration, timings. ``groups``:
+    the name of each permuted set, in the order of ``permutations`` — hidden layers for
+    :func:`peer.ldp.matching.match_graphs`, permutation groups for
+    :func:`peer.ldp.matching.groups.match_group_features` (both return this one type).
     """
 
     permutations: tuple[np.ndarray, ...]
@@ -206,6 +209,14 @@ class MatchResult:
     converged: bool
     relaxed: tuple[np.ndarray, ...]
     diagnostics: Mapping[str, Any] = field(default_factory=dict)
+    groups: tuple[str, ...] = ()
+
+    @property
+    def perms(self) -> dict[str, np.ndarray]:
+        """The permutations by name: ``perms[g][i] = j`` for group (or hidden layer) ``g``, in
+        ``groups`` order (the layered matcher names each hidden layer by its weight layer's
+        state-dict prefix, which is its group's name in the traced chain)."""
+        return dict(zip(self.groups, self.permutations, strict=True))
 
 
 def _is_real(v) -> bool:

@@ -446,4 +446,5 @@ def _match(
         converged=bool(converged),
         relaxed=tuple(np.asarray(x) for x in layers),
         diagnostics=diag,
+        groups=tuple(h.name for h in graph_a.hidden),
     )
