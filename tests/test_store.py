@@ -39,3 +39,21 @@ def test_corrupt_files_are_refused(tmp_path):
     (tmp_path / "m.json").write_text(json.dumps(manifest))
     with pytest.raises(InvalidArgument, match="weights"):
         load_model(tmp_path, "m")
+
+
+def test_each_model_kind_says_which_architecture_its_releases_carry(tmp_path):
+    """The model store, and only it, knows a model's kind: a built-in model's releases carry its
+    JSON description, a site's own network's its traced structure and digest (never code);
+    peer.net.site.Site.architecture_of reads ``release_architecture`` without asking the kind."""
+    from peer.net.site import Site
+    from peer.nn.architectures import validate_architecture
+    from peer.nn.imported import import_model, imported_architecture, load_imported
+
+    save_model(tmp_path, "builtin", MLP, state_arrays(build_model(MLP, seed=0)))
+    builtin = load_model(tmp_path, "builtin")
+    import_model(tmp_path / "own", "own", build_model(MLP, seed=1), [8], factory="not.used:factory")
+    own = load_imported(tmp_path / "own", "own")
+    assert builtin.release_architecture == builtin.architecture == validate_architecture(MLP)
+    assert Site.architecture_of(builtin) == builtin.architecture
+    assert own.release_architecture == imported_architecture(own.structure) == Site.architecture_of(own)
+    assert own.release_architecture["kind"] == "imported"

@@ -559,10 +559,8 @@ class Site:
     @staticmethod
     def architecture_of(model) -> Mapping[str, Any]:
         """The public architecture a release of ``model`` carries (an own network's: its traced
-        structure and digest, never its code)."""
-        from peer.nn.imported import ImportedModel, imported_architecture
-
-        return imported_architecture(model.structure) if isinstance(model, ImportedModel) else model.architecture
+        structure and digest, never its code): the model store's ``release_architecture``."""
+        return model.release_architecture
 
     def own_module(self, own):
         """A fresh instance of a site's own network holding its stored state (built by the

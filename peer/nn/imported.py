@@ -85,6 +85,13 @@ class ImportedModel:
         """The state dict in the site's own key order."""
         return {k: torch.as_tensor(np.array(self.arrays[k])) for k in self.structure.parameters}
 
+    @property
+    def release_architecture(self) -> dict:
+        """The public architecture a release of this network carries: its traced structure and
+        digest (:func:`imported_architecture`), never its code; a built-in model's is its JSON
+        description (``peer.nn.store.StoredModel.release_architecture``)."""
+        return imported_architecture(self.structure)
+
 
 def load_factory(spec: str, search_path: Sequence[str | os.PathLike] = ()) -> Callable[[], nn.Module]:
     """``MODULE:FUNCTION`` (a dotted module importable from ``search_path`` or ``sys.path``) or

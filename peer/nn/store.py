@@ -70,6 +70,13 @@ class StoredModel:
         """The torch module (validates every array against the architecture)."""
         return model_from_arrays(self.architecture, self.arrays)
 
+    @property
+    def release_architecture(self) -> Mapping[str, Any]:
+        """The public architecture a release of this model carries: its JSON description
+        (``peer.nn.imported.ImportedModel.release_architecture`` is a site's own network's), so
+        that no caller outside the model store asks which kind a model is."""
+        return self.architecture
+
 
 def check_name(name: str, field_name: str = "name") -> str:
     if not isinstance(name, str) or not NAME_RULE.match(name):
