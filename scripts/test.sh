@@ -32,5 +32,8 @@ esac
 # Two worker processes (pytest-xdist), a test file per worker at a time (--dist loadfile: a file's
 # module fixtures are built once): most tests wait on subprocesses, daemons and sockets, so one
 # process keeps about 1.1 of CI's 2 cores busy; two finish the suite in about two thirds of the time.
+# Each worker runs torch on its share of the cores (one thread each on CI's 2), and the commands
+# and daemons its tests start inherit that (tests/conftest.py): two workers of two spinning OpenMP
+# threads each on 2 cores spent about twice the CPU on the same tests.
 # --durations: the slowest tests are listed at the end of every run (CI logs say where time goes)
 exec .venv/bin/python -m pytest --run-slow -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
