@@ -478,270 +478,359 @@ def check_no_aliases(module: nn.Module, where: str = "model") -> None:
 
 def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> PermutationStructure:
     """The permutation groups of ``module`` (not yet proven: see :func:`import_structure`).
-    A module with aliased state-dict keys is refused first (:func:`check_no_aliases`)."""
-    input_shape = tuple(int(d) for d in input_shape)
-    if not input_shape or any(d <= 0 for d in input_shape):
-        raise InvalidArgument("input_shape", f"must be a non-empty list of positive integers, got {list(input_shape)}")
-    check_no_aliases(module)
-    gm = trace_module(module, input_shape)
-    modules = dict(gm.named_modules())
-    uf = _Union()
-    layouts: dict[fx.Node, _Layout | None] = {}
-    axes: list[tuple[int, AxisRef]] = []
-    producers: list[tuple[int, str]] = []
-    stat_candidates: list[tuple[str, str, int, fx.Node]] = []
-    placeholders = 0
+    A module with aliased state-dict keys is refused first (:func:`check_no_aliases`).
 
-    def layout_of(arg: Any, node: fx.Node) -> _Layout | None:
+    The steps, in order: check the input shape and the state dict's keys, trace the module
+    (:func:`trace_module`), walk its graph giving every tensor the layout of its units and
+    every weight axis the group it acts on (:func:`_walk_units`; residual additions and
+    unit-by-unit layers union groups as they go), union the groups that share a weight axis
+    (:func:`_merge_shared_axes`), check every permuted axis is a state-dict key, collect the
+    groups in the order their first axis was met and name them (:func:`_ordered_groups`), and
+    list where their statistics are set (:func:`_stat_points`)."""
+    input_shape = _checked_input_shape(input_shape)
+    check_no_aliases(module)
+    walk = _walk_units(trace_module(module, input_shape))
+    _merge_shared_axes(walk)
+    params = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in module.state_dict().items()}
+    _check_axes_in_state_dict(walk, params)
+    names, groups = _ordered_groups(walk)
+    return PermutationStructure(input_shape, groups, params, _stat_points(walk, names), dtypes)
+
+
+def _checked_input_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in input_shape)
+    if not shape or any(d <= 0 for d in shape):
+        raise InvalidArgument("input_shape", f"must be a non-empty list of positive integers, got {list(shape)}")
+    return shape
+
+
+@dataclass
+class _UnitWalk:
+    """What the walk over a traced graph has found so far.
+
+    ``layouts``: where each analysed node's units lie (None for a non-tensor value such as a
+    size); ``axes``: (group id, weight axis) in the order the walk met them; ``producers``:
+    (group id, module name) for every Linear/Conv writing a group; ``stat_candidates``:
+    (module name, kind, group id, node) for every layer that sets a group's statistics. Group
+    ids are the union-find's, so a group's final id is ``uf.find(id)``."""
+
+    modules: dict[str, nn.Module]
+    uf: _Union = field(default_factory=_Union)
+    layouts: dict[fx.Node, _Layout | None] = field(default_factory=dict)
+    axes: list[tuple[int, AxisRef]] = field(default_factory=list)
+    producers: list[tuple[int, str]] = field(default_factory=list)
+    stat_candidates: list[tuple[str, str, int, fx.Node]] = field(default_factory=list)
+    placeholders: int = 0
+
+    def layout_of(self, arg: Any, node: fx.Node) -> _Layout | None:
         if isinstance(arg, fx.Node):
-            if arg not in layouts:
+            if arg not in self.layouts:
                 raise _refuse(node, f"reads {arg.name}, which was not analysed")
-            return layouts[arg]
+            return self.layouts[arg]
         return None
 
-    def tensor_in(node: fx.Node, arg: Any) -> _Layout:
-        lay = layout_of(arg, node)
+    def tensor_in(self, node: fx.Node, arg: Any) -> _Layout:
+        lay = self.layout_of(arg, node)
         if lay is None:
             raise _refuse(node, "expects a tensor input")
         return lay
 
-    def fixed(lay: _Layout) -> bool:
+    def fixed(self, lay: _Layout) -> bool:
         # the input's units (and any group merged into them) are never permuted: where they
         # lie does not matter
-        return uf.find(lay.group) == _FIXED
+        return self.uf.find(lay.group) == _FIXED
 
-    def param_axis(node: fx.Node, group: int, name: str, axis: int, block: int = 1) -> None:
-        axes.append((group, AxisRef(name, axis, block)))
+    def add_axis(self, group: int, name: str, axis: int, block: int = 1) -> None:
+        self.axes.append((group, AxisRef(name, axis, block)))
 
+
+def _walk_units(gm: fx.GraphModule) -> _UnitWalk:
+    """Every node of ``gm`` in graph order: the layout of its units, and the weight axes,
+    producers and statistic points it adds. Refuses, naming the node, what has no rule."""
+    walk = _UnitWalk(dict(gm.named_modules()))
     for node in gm.graph.nodes:
-        shape = _shape(node)
-        if node.op == "placeholder":
-            placeholders += 1
-            if placeholders > 1:
-                raise _refuse(node, "models with more than one input are not supported")
-            layouts[node] = _Layout(_FIXED, 1)
-            continue
-        if node.op == "get_attr":
-            raise _refuse(
-                node,
-                f"uses the parameter or buffer {node.target!r} directly; only nn modules' own parameters can be permuted",
-            )
-        if node.op == "output":
-            returned: list[fx.Node] = []
-            fx.node.map_arg(node.args, returned.append)
-            for a in returned:
-                lay = layout_of(a, node)
-                if lay is not None:
-                    uf.union(lay.group, _FIXED, f"model.node[{node.name}]")
-            continue
-        if shape is None:
-            # a non-tensor value (x.size(0), a shape tuple): allowed only as reshape arguments
-            src = node.args[0] if node.args else None
-            if (
-                (node.op == "call_method" and node.target in ("size", "dim"))
-                or (
-                    node.op == "call_function"
-                    and node.target is operator.getitem
-                    and isinstance(src, fx.Node)
-                    and _shape(src) is None
-                )
-                or (node.op == "call_function" and node.target is getattr and node.args[1] == "shape")
-            ):
-                layouts[node] = None
-                continue
-            if node.op == "call_module":
-                raise _refuse(
-                    node,
-                    f"module {node.target!r} of type {type(modules[node.target]).__name__} is not supported (it returns no single tensor)",
-                )
-            raise _refuse(node, f"{node.op} {_target_name(node)} does not produce a tensor and is not supported")
+        lay = _node_layout(walk, node)
+        if node.op != "output":
+            walk.layouts[node] = lay
+    return walk
 
-        if node.op == "call_module":
-            mod = modules[node.target]
-            name = str(node.target)
-            lay = tensor_in(node, node.args[0]) if node.args else None
-            if lay is None or len([a for a in node.args if isinstance(a, fx.Node)]) != 1 or node.kwargs:
-                raise _refuse(node, f"module {name!r} ({type(mod).__name__}) must take exactly one tensor")
-            in_shape = _shape(node.args[0])
-            if isinstance(mod, nn.Linear):
-                if not fixed(lay) and lay.dim != len(in_shape) - 1:
-                    raise _refuse(
-                        node, f"Linear {name!r} reads axis {len(in_shape) - 1} but the units are on axis {lay.dim}"
-                    )
-                param_axis(node, lay.group, f"{name}.weight", 1, lay.block)
-                g = uf.new(mod.out_features)
-                param_axis(node, g, f"{name}.weight", 0)
-                if mod.bias is not None:
-                    param_axis(node, g, f"{name}.bias", 0)
-                producers.append((g, name))
-                stat_candidates.append((name, "affine", g, node))
-                layouts[node] = _Layout(g, len(shape) - 1)
-            elif isinstance(mod, (nn.Conv1d, nn.Conv2d)):
-                if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
-                    raise _refuse(node, f"convolution {name!r} needs its channels on axis 1 unflattened")
-                if mod.groups == 1:
-                    param_axis(node, lay.group, f"{name}.weight", 1)
-                    g = uf.new(mod.out_channels)
-                elif mod.groups == mod.in_channels == mod.out_channels:
-                    g = lay.group  # depthwise: channel c reads only channel c
-                else:
-                    raise _refuse(
-                        node,
-                        f"grouped convolution {name!r} (groups={mod.groups}) ties channels to groups; only groups=1 or depthwise are supported",
-                    )
-                param_axis(node, g, f"{name}.weight", 0)
-                if mod.bias is not None:
-                    param_axis(node, g, f"{name}.bias", 0)
-                producers.append((g, name))
-                stat_candidates.append((name, "affine", g, node))
-                layouts[node] = _Layout(g, 1)
-            elif isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
-                if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
-                    raise _refuse(node, f"BatchNorm {name!r} normalises axis 1, which must hold unflattened units")
-                for p in ("weight", "bias", "running_mean", "running_var"):
-                    if getattr(mod, p, None) is not None:
-                        param_axis(node, lay.group, f"{name}.{p}", 0)
-                stat_candidates.append((name, "batchnorm", lay.group, node))
-                layouts[node] = _Layout(lay.group, 1)
-            elif isinstance(mod, nn.LayerNorm):
-                if len(mod.normalized_shape) != 1:
-                    raise _refuse(
-                        node,
-                        f"LayerNorm {name!r} over {len(mod.normalized_shape)} axes mixes the unit axis with others; only the last axis is supported",
-                    )
-                if not fixed(lay) and lay.dim == len(in_shape) - 1:
-                    if lay.block != 1:
-                        raise _refuse(node, f"LayerNorm {name!r} over a flattened axis is not supported")
-                    for p in ("weight", "bias"):
-                        if getattr(mod, p, None) is not None:
-                            param_axis(node, lay.group, f"{name}.{p}", 0)
-                # else the units lie on another axis: each unit is normalised on its own, and
-                # the affine parameters (indexed by the last axis) stay where they are
-                layouts[node] = _Layout(lay.group, lay.dim, lay.block)
-            elif isinstance(mod, nn.GroupNorm):
-                if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
-                    raise _refuse(node, f"GroupNorm {name!r} needs its channels on axis 1 unflattened")
-                if mod.num_groups not in (1, mod.num_channels):
-                    raise _refuse(
-                        node,
-                        f"GroupNorm {name!r} with {mod.num_groups} groups of {mod.num_channels} channels: a permutation would have to keep channels in their groups (only 1 or C groups are supported)",
-                    )
-                if mod.affine:
-                    for p in ("weight", "bias"):
-                        param_axis(node, lay.group, f"{name}.{p}", 0)
-                layouts[node] = _Layout(lay.group, 1)
-            elif isinstance(mod, _ELEMENTWISE_MODULES):
-                layouts[node] = _Layout(lay.group, lay.dim, lay.block)
-            elif isinstance(mod, _POOL_MODULES):
-                if not fixed(lay) and (lay.dim != 1 or lay.block != 1):
-                    raise _refuse(node, f"pooling {name!r} needs its channels on axis 1 unflattened")
-                layouts[node] = _Layout(lay.group, 1)
-            elif isinstance(mod, nn.Flatten):
-                layouts[node] = _flatten_layout(node, lay, in_shape, shape, mod.start_dim, fixed(lay))
-            else:
-                raise _refuse(
-                    node, f"module {name!r} of type {type(mod).__name__} is not supported (no permutation rule for it)"
-                )
-            continue
 
-        if node.op in ("call_function", "call_method"):
-            target = node.target
-            tensor_args = [
-                a
-                for a in list(node.args) + list(node.kwargs.values())
-                if isinstance(a, fx.Node) and layouts.get(a) is not None
-            ]
-            first = node.args[0] if node.args else None
-            lay = layout_of(first, node) if isinstance(first, fx.Node) else None
-            is_fn = node.op == "call_function"
-            if (is_fn and target in _ELEMENTWISE_FUNCTIONS) or (not is_fn and target in _ELEMENTWISE_METHODS):
-                if lay is None or len(tensor_args) != 1:
-                    raise _refuse(node, f"{_target_name(node)} must take one tensor")
-                layouts[node] = _Layout(lay.group, lay.dim, lay.block)
-            elif is_fn and target in _POOL_FUNCTIONS:
-                if lay is None or (not fixed(lay) and (lay.dim != 1 or lay.block != 1)):
-                    raise _refuse(node, f"{_target_name(node)} needs channels on axis 1 unflattened")
-                layouts[node] = _Layout(lay.group, 1)
-            elif (is_fn and target in _BINARY_FUNCTIONS) or (not is_fn and target in _BINARY_METHODS):
-                lays = [layouts[a] for a in tensor_args]
-                if not lays:
-                    raise _refuse(node, f"{_target_name(node)} has no tensor operand")
-                if tuple(shape) != tuple(_shape(tensor_args[0]) or ()) or any(
-                    tuple(_shape(a)) != tuple(shape) for a in tensor_args
-                ):
-                    raise _refuse(
-                        node,
-                        f"{_target_name(node)} broadcasts tensors of shapes {[list(_shape(a)) for a in tensor_args]}; only same-shape operands (a residual addition) or constants are supported",
-                    )
-                if target in (operator.truediv,) and len(lays) > 1:
-                    raise _refuse(node, "division of two tensors is not supported")
-                g = lays[0].group
-                for other in lays[1:]:
-                    if (other.dim, other.block) != (lays[0].dim, lays[0].block):
-                        raise _refuse(node, f"{_target_name(node)} combines tensors whose units lie differently")
-                    g = uf.union(g, other.group, f"model.node[{node.name}]")
-                layouts[node] = _Layout(g, lays[0].dim, lays[0].block)
-            elif (is_fn and target is torch.flatten) or (not is_fn and target == "flatten"):
-                start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
-                end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
-                if end not in (-1, len(_shape(first)) - 1):
-                    raise _refuse(node, "flatten must run to the last axis")
-                layouts[node] = _flatten_layout(node, lay, _shape(first), shape, start, lay is not None and fixed(lay))
-            elif (not is_fn and target in ("view", "reshape")) or (is_fn and target is torch.reshape):
-                in_shape = _shape(first)
-                if lay is not None and fixed(lay):
-                    layouts[node] = _Layout(_FIXED, 1)
-                elif len(shape) == 2 and len(in_shape) >= 2 and shape[0] == in_shape[0]:
-                    layouts[node] = _flatten_layout(node, lay, in_shape, shape, 1, False)
-                elif tuple(shape) == tuple(in_shape):
-                    layouts[node] = _Layout(lay.group, lay.dim, lay.block)
-                else:
-                    raise _refuse(
-                        node,
-                        f"reshape from {list(in_shape)} to {list(shape)} mixes axes; only flattening (N, C, ...) to (N, C·...) is supported",
-                    )
-            elif (not is_fn and target in ("mean", "sum", "amax")) or (
-                is_fn and target in (torch.mean, torch.sum, torch.amax)
-            ):
-                dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-                in_shape = _shape(first)
-                dims = (dims,) if isinstance(dims, int) else dims
-                if lay is None or dims is None:
-                    raise _refuse(node, f"{_target_name(node)} over all axes mixes the units")
-                if fixed(lay):
-                    layouts[node] = _Layout(_FIXED, 1)
-                    continue
-                dims = tuple(d % len(in_shape) for d in dims)
-                if lay.dim in dims or any(d < lay.dim for d in dims) or lay.block != 1:
-                    raise _refuse(
-                        node, f"{_target_name(node)} over axes {list(dims)} mixes the units on axis {lay.dim}"
-                    )
-                layouts[node] = _Layout(lay.group, lay.dim)
-            else:
-                raise _refuse(node, f"function {_target_name(node)} is not supported (no permutation rule for it)")
-            continue
-        raise _refuse(node, f"node kind {node.op} is not supported")
+def _node_layout(walk: _UnitWalk, node: fx.Node) -> _Layout | None:
+    shape = _shape(node)
+    if node.op == "placeholder":
+        walk.placeholders += 1
+        if walk.placeholders > 1:
+            raise _refuse(node, "models with more than one input are not supported")
+        return _Layout(_FIXED, 1)
+    if node.op == "get_attr":
+        raise _refuse(
+            node,
+            f"uses the parameter or buffer {node.target!r} directly; only nn modules' own parameters can be permuted",
+        )
+    if node.op == "output":
+        _fix_outputs(walk, node)
+        return None
+    if shape is None:
+        return _non_tensor_layout(walk, node)
+    if node.op == "call_module":
+        return _module_layout(walk, node, shape)
+    if node.op in ("call_function", "call_method"):
+        return _function_layout(walk, node, shape)
+    raise _refuse(node, f"node kind {node.op} is not supported")
 
-    # Weight sharing: an axis claimed by two groups merges them.
+
+def _fix_outputs(walk: _UnitWalk, node: fx.Node) -> None:
+    """The returned tensors' units (the classes) mean the same at every site: fixed."""
+    returned: list[fx.Node] = []
+    fx.node.map_arg(node.args, returned.append)
+    for a in returned:
+        lay = walk.layout_of(a, node)
+        if lay is not None:
+            walk.uf.union(lay.group, _FIXED, f"model.node[{node.name}]")
+
+
+def _non_tensor_layout(walk: _UnitWalk, node: fx.Node) -> None:
+    """A non-tensor value (x.size(0), a shape tuple): allowed only as reshape arguments."""
+    src = node.args[0] if node.args else None
+    if (
+        (node.op == "call_method" and node.target in ("size", "dim"))
+        or (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and isinstance(src, fx.Node)
+            and _shape(src) is None
+        )
+        or (node.op == "call_function" and node.target is getattr and node.args[1] == "shape")
+    ):
+        return None
+    if node.op == "call_module":
+        raise _refuse(
+            node,
+            f"module {node.target!r} of type {type(walk.modules[node.target]).__name__} is not supported (it returns no single tensor)",
+        )
+    raise _refuse(node, f"{node.op} {_target_name(node)} does not produce a tensor and is not supported")
+
+
+def _module_layout(walk: _UnitWalk, node: fx.Node, shape: tuple[int, ...]) -> _Layout:
+    """An ``nn`` module called on one tensor: the layout of its output units."""
+    mod = walk.modules[node.target]
+    name = str(node.target)
+    lay = walk.tensor_in(node, node.args[0]) if node.args else None
+    if lay is None or len([a for a in node.args if isinstance(a, fx.Node)]) != 1 or node.kwargs:
+        raise _refuse(node, f"module {name!r} ({type(mod).__name__}) must take exactly one tensor")
+    in_shape = _shape(node.args[0])
+    if isinstance(mod, nn.Linear):
+        return _linear_layout(walk, node, mod, lay, in_shape, shape)
+    if isinstance(mod, (nn.Conv1d, nn.Conv2d)):
+        return _conv_layout(walk, node, mod, lay)
+    if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        if not walk.fixed(lay) and (lay.dim != 1 or lay.block != 1):
+            raise _refuse(node, f"BatchNorm {name!r} normalises axis 1, which must hold unflattened units")
+        for p in ("weight", "bias", "running_mean", "running_var"):
+            if getattr(mod, p, None) is not None:
+                walk.add_axis(lay.group, f"{name}.{p}", 0)
+        walk.stat_candidates.append((name, "batchnorm", lay.group, node))
+        return _Layout(lay.group, 1)
+    if isinstance(mod, nn.LayerNorm):
+        return _layernorm_layout(walk, node, mod, lay, in_shape)
+    if isinstance(mod, nn.GroupNorm):
+        return _groupnorm_layout(walk, node, mod, lay)
+    if isinstance(mod, _ELEMENTWISE_MODULES):
+        return _Layout(lay.group, lay.dim, lay.block)
+    if isinstance(mod, _POOL_MODULES):
+        if not walk.fixed(lay) and (lay.dim != 1 or lay.block != 1):
+            raise _refuse(node, f"pooling {name!r} needs its channels on axis 1 unflattened")
+        return _Layout(lay.group, 1)
+    if isinstance(mod, nn.Flatten):
+        return _flatten_layout(node, lay, in_shape, shape, mod.start_dim, walk.fixed(lay))
+    raise _refuse(node, f"module {name!r} of type {type(mod).__name__} is not supported (no permutation rule for it)")
+
+
+def _linear_layout(walk: _UnitWalk, node: fx.Node, mod: nn.Linear, lay: _Layout, in_shape, shape) -> _Layout:
+    """A Linear reads its input's group on weight axis 1 and writes a new group of
+    ``out_features`` units (weight axis 0, bias) on its last axis."""
+    name = str(node.target)
+    if not walk.fixed(lay) and lay.dim != len(in_shape) - 1:
+        raise _refuse(node, f"Linear {name!r} reads axis {len(in_shape) - 1} but the units are on axis {lay.dim}")
+    walk.add_axis(lay.group, f"{name}.weight", 1, lay.block)
+    g = walk.uf.new(mod.out_features)
+    walk.add_axis(g, f"{name}.weight", 0)
+    if mod.bias is not None:
+        walk.add_axis(g, f"{name}.bias", 0)
+    walk.producers.append((g, name))
+    walk.stat_candidates.append((name, "affine", g, node))
+    return _Layout(g, len(shape) - 1)
+
+
+def _conv_layout(walk: _UnitWalk, node: fx.Node, mod: nn.Conv1d | nn.Conv2d, lay: _Layout) -> _Layout:
+    """A convolution reads its input's channel group on weight axis 1 and writes a new group
+    of ``out_channels`` (weight axis 0, bias) on axis 1; a depthwise one keeps its input's."""
+    name = str(node.target)
+    if not walk.fixed(lay) and (lay.dim != 1 or lay.block != 1):
+        raise _refuse(node, f"convolution {name!r} needs its channels on axis 1 unflattened")
+    if mod.groups == 1:
+        walk.add_axis(lay.group, f"{name}.weight", 1)
+        g = walk.uf.new(mod.out_channels)
+    elif mod.groups == mod.in_channels == mod.out_channels:
+        g = lay.group  # depthwise: channel c reads only channel c
+    else:
+        raise _refuse(
+            node,
+            f"grouped convolution {name!r} (groups={mod.groups}) ties channels to groups; only groups=1 or depthwise are supported",
+        )
+    walk.add_axis(g, f"{name}.weight", 0)
+    if mod.bias is not None:
+        walk.add_axis(g, f"{name}.bias", 0)
+    walk.producers.append((g, name))
+    walk.stat_candidates.append((name, "affine", g, node))
+    return _Layout(g, 1)
+
+
+def _layernorm_layout(walk: _UnitWalk, node: fx.Node, mod: nn.LayerNorm, lay: _Layout, in_shape) -> _Layout:
+    name = str(node.target)
+    if len(mod.normalized_shape) != 1:
+        raise _refuse(
+            node,
+            f"LayerNorm {name!r} over {len(mod.normalized_shape)} axes mixes the unit axis with others; only the last axis is supported",
+        )
+    if not walk.fixed(lay) and lay.dim == len(in_shape) - 1:
+        if lay.block != 1:
+            raise _refuse(node, f"LayerNorm {name!r} over a flattened axis is not supported")
+        for p in ("weight", "bias"):
+            if getattr(mod, p, None) is not None:
+                walk.add_axis(lay.group, f"{name}.{p}", 0)
+    # else the units lie on another axis: each unit is normalised on its own, and the affine
+    # parameters (indexed by the last axis) stay where they are
+    return _Layout(lay.group, lay.dim, lay.block)
+
+
+def _groupnorm_layout(walk: _UnitWalk, node: fx.Node, mod: nn.GroupNorm, lay: _Layout) -> _Layout:
+    name = str(node.target)
+    if not walk.fixed(lay) and (lay.dim != 1 or lay.block != 1):
+        raise _refuse(node, f"GroupNorm {name!r} needs its channels on axis 1 unflattened")
+    if mod.num_groups not in (1, mod.num_channels):
+        raise _refuse(
+            node,
+            f"GroupNorm {name!r} with {mod.num_groups} groups of {mod.num_channels} channels: a permutation would have to keep channels in their groups (only 1 or C groups are supported)",
+        )
+    if mod.affine:
+        for p in ("weight", "bias"):
+            walk.add_axis(lay.group, f"{name}.{p}", 0)
+    return _Layout(lay.group, 1)
+
+
+def _function_layout(walk: _UnitWalk, node: fx.Node, shape: tuple[int, ...]) -> _Layout:
+    """A function or tensor method: the layout of its output units."""
+    target = node.target
+    tensor_args = [
+        a
+        for a in list(node.args) + list(node.kwargs.values())
+        if isinstance(a, fx.Node) and walk.layouts.get(a) is not None
+    ]
+    first = node.args[0] if node.args else None
+    lay = walk.layout_of(first, node) if isinstance(first, fx.Node) else None
+    is_fn = node.op == "call_function"
+    if (is_fn and target in _ELEMENTWISE_FUNCTIONS) or (not is_fn and target in _ELEMENTWISE_METHODS):
+        if lay is None or len(tensor_args) != 1:
+            raise _refuse(node, f"{_target_name(node)} must take one tensor")
+        return _Layout(lay.group, lay.dim, lay.block)
+    if is_fn and target in _POOL_FUNCTIONS:
+        if lay is None or (not walk.fixed(lay) and (lay.dim != 1 or lay.block != 1)):
+            raise _refuse(node, f"{_target_name(node)} needs channels on axis 1 unflattened")
+        return _Layout(lay.group, 1)
+    if (is_fn and target in _BINARY_FUNCTIONS) or (not is_fn and target in _BINARY_METHODS):
+        return _binary_layout(walk, node, shape, tensor_args)
+    if (is_fn and target is torch.flatten) or (not is_fn and target == "flatten"):
+        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+        if end not in (-1, len(_shape(first)) - 1):
+            raise _refuse(node, "flatten must run to the last axis")
+        return _flatten_layout(node, lay, _shape(first), shape, start, lay is not None and walk.fixed(lay))
+    if (not is_fn and target in ("view", "reshape")) or (is_fn and target is torch.reshape):
+        return _reshape_layout(walk, node, lay, _shape(first), shape)
+    if (not is_fn and target in ("mean", "sum", "amax")) or (is_fn and target in (torch.mean, torch.sum, torch.amax)):
+        return _reduction_layout(walk, node, lay, _shape(first))
+    raise _refuse(node, f"function {_target_name(node)} is not supported (no permutation rule for it)")
+
+
+def _binary_layout(walk: _UnitWalk, node: fx.Node, shape: tuple[int, ...], tensor_args: list[fx.Node]) -> _Layout:
+    """``+``, ``-``, ``*`` (and ``/`` by a constant) of same-shape tensors: the operands'
+    groups are unioned (a residual addition), their units must lie alike."""
+    lays = [walk.layouts[a] for a in tensor_args]
+    if not lays:
+        raise _refuse(node, f"{_target_name(node)} has no tensor operand")
+    if tuple(shape) != tuple(_shape(tensor_args[0]) or ()) or any(
+        tuple(_shape(a)) != tuple(shape) for a in tensor_args
+    ):
+        raise _refuse(
+            node,
+            f"{_target_name(node)} broadcasts tensors of shapes {[list(_shape(a)) for a in tensor_args]}; only same-shape operands (a residual addition) or constants are supported",
+        )
+    if node.target in (operator.truediv,) and len(lays) > 1:
+        raise _refuse(node, "division of two tensors is not supported")
+    g = lays[0].group
+    for other in lays[1:]:
+        if (other.dim, other.block) != (lays[0].dim, lays[0].block):
+            raise _refuse(node, f"{_target_name(node)} combines tensors whose units lie differently")
+        g = walk.uf.union(g, other.group, f"model.node[{node.name}]")
+    return _Layout(g, lays[0].dim, lays[0].block)
+
+
+def _reshape_layout(walk: _UnitWalk, node: fx.Node, lay: _Layout | None, in_shape, shape) -> _Layout:
+    if lay is not None and walk.fixed(lay):
+        return _Layout(_FIXED, 1)
+    if len(shape) == 2 and len(in_shape) >= 2 and shape[0] == in_shape[0]:
+        return _flatten_layout(node, lay, in_shape, shape, 1, False)
+    if tuple(shape) == tuple(in_shape):
+        return _Layout(lay.group, lay.dim, lay.block)
+    raise _refuse(
+        node,
+        f"reshape from {list(in_shape)} to {list(shape)} mixes axes; only flattening (N, C, ...) to (N, C·...) is supported",
+    )
+
+
+def _reduction_layout(walk: _UnitWalk, node: fx.Node, lay: _Layout | None, in_shape) -> _Layout:
+    """A mean/sum/max over axes after the units' axis keeps every unit apart."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = (dims,) if isinstance(dims, int) else dims
+    if lay is None or dims is None:
+        raise _refuse(node, f"{_target_name(node)} over all axes mixes the units")
+    if walk.fixed(lay):
+        return _Layout(_FIXED, 1)
+    dims = tuple(d % len(in_shape) for d in dims)
+    if lay.dim in dims or any(d < lay.dim for d in dims) or lay.block != 1:
+        raise _refuse(node, f"{_target_name(node)} over axes {list(dims)} mixes the units on axis {lay.dim}")
+    return _Layout(lay.group, lay.dim)
+
+
+def _merge_shared_axes(walk: _UnitWalk) -> None:
+    """Weight sharing: an axis claimed by two groups merges them (read with one layout)."""
     owner: dict[tuple[str, int], tuple[int, int]] = {}
-    for g, ref in axes:
+    for g, ref in walk.axes:
         key = (ref.param, ref.axis)
         if key in owner:
             if owner[key][1] != ref.block:
                 raise Unsupported(f"model.{ref.param}", f"axis {ref.axis} is read with two different layouts")
-            uf.union(owner[key][0], g, f"model.{ref.param}")
+            walk.uf.union(owner[key][0], g, f"model.{ref.param}")
         else:
             owner[key] = (g, ref.block)
 
-    params = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in module.state_dict().items()}
-    missing = {ref.param for _, ref in axes} - set(params)
+
+def _check_axes_in_state_dict(walk: _UnitWalk, params: Mapping[str, tuple[int, ...]]) -> None:
+    missing = {ref.param for _, ref in walk.axes} - set(params)
     if missing:
         raise Unsupported("model", f"permuted parameters {sorted(missing)} are not in the module's state dict")
 
+
+def _ordered_groups(walk: _UnitWalk) -> tuple[dict[int, str], tuple[PermutationGroup, ...]]:
+    """The groups not merged into the fixed units, in the order their first axis was met, each
+    with its axes (once each) and producers. A group is named by its first producer (``group<id>``
+    with none; ``#<id>`` appended if taken). Returns (final group id → name, groups)."""
+    uf = walk.uf
     roots: dict[int, list[AxisRef]] = {}
     order: list[int] = []
-    for g, ref in axes:
+    for g, ref in walk.axes:
         r = uf.find(g)
         if r == _FIXED:
             continue
@@ -752,21 +841,27 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
             roots[r].append(ref)
     names: dict[int, str] = {}
     for r in order:
-        prod = [n for g, n in producers if uf.find(g) == r]
+        prod = [n for g, n in walk.producers if uf.find(g) == r]
         base = prod[0] if prod else f"group{r}"
         names[r] = base if base not in names.values() else f"{base}#{r}"
     groups = tuple(
         PermutationGroup(
-            names[r], uf.size[r], tuple(roots[r]), tuple(dict.fromkeys(n for g, n in producers if uf.find(g) == r))
+            names[r],
+            uf.size[r],
+            tuple(roots[r]),
+            tuple(dict.fromkeys(n for g, n in walk.producers if uf.find(g) == r)),
         )
         for r in order
     )
+    return names, groups
 
-    # Statistic points: a Linear/Conv whose output goes straight into a BatchNorm has its
-    # statistics set by that BatchNorm; every other Linear/Conv producing a group is rescaled.
+
+def _stat_points(walk: _UnitWalk, names: Mapping[int, str]) -> tuple[StatPoint, ...]:
+    """Statistic points: a Linear/Conv whose output goes straight into a BatchNorm has its
+    statistics set by that BatchNorm; every other Linear/Conv producing a group is rescaled."""
     stats = []
-    for name, kind, g, node in stat_candidates:
-        r = uf.find(g)
+    for name, kind, g, node in walk.stat_candidates:
+        r = walk.uf.find(g)
         if r == _FIXED:
             continue
         if kind == "affine":
@@ -774,11 +869,11 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
             if (
                 len(users) == 1
                 and users[0].op == "call_module"
-                and isinstance(modules[users[0].target], (nn.BatchNorm1d, nn.BatchNorm2d))
+                and isinstance(walk.modules[users[0].target], (nn.BatchNorm1d, nn.BatchNorm2d))
             ):
                 continue
         stats.append(StatPoint(name, kind, names[r]))
-    return PermutationStructure(input_shape, groups, params, tuple(stats), dtypes)
+    return tuple(stats)
 
 
 def _flatten_layout(
