@@ -480,13 +480,13 @@ def derive_structure(module: nn.Module, input_shape: Sequence[int]) -> Permutati
     """The permutation groups of ``module`` (not yet proven: see :func:`import_structure`).
     A module with aliased state-dict keys is refused first (:func:`check_no_aliases`).
 
-    The steps, in order: check the input shape and the state dict's keys, trace the module
-    (:func:`trace_module`), walk its graph giving every tensor the layout of its units and
-    every weight axis the group it acts on (:func:`_walk_units`; residual additions and
-    unit-by-unit layers union groups as they go), union the groups that share a weight axis
-    (:func:`_merge_shared_axes`), check every permuted axis is a state-dict key, collect the
-    groups in the order their first axis was met and name them (:func:`_ordered_groups`), and
-    list where their statistics are set (:func:`_stat_points`)."""
+    The steps, in order: check the input shape, refuse aliased state-dict keys, trace the
+    module (:func:`trace_module`), walk its graph giving every tensor the layout of its units
+    and every weight axis the group it acts on (:func:`_walk_units`; a residual addition
+    unions its operands' groups, the outputs' groups are fixed), union the groups that share
+    a weight axis (:func:`_merge_shared_axes`), check every permuted axis is a state-dict key,
+    collect the groups in the order their first axis was met and name them
+    (:func:`_ordered_groups`), and list where their statistics are set (:func:`_stat_points`)."""
     input_shape = _checked_input_shape(input_shape)
     check_no_aliases(module)
     walk = _walk_units(trace_module(module, input_shape))
