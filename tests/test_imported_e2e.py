@@ -153,7 +153,20 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
     root = tmp_path / "sites"
     parallel(
         *[
-            ("site", "new", "--name", s, "--dir", str(root / s), "--listen", "127.0.0.1:0", "--address", "127.0.0.1")
+            (
+                "site",
+                "new",
+                "--name",
+                s,
+                "--dir",
+                str(root / s),
+                "--listen",
+                "127.0.0.1:0",
+                "--address",
+                "127.0.0.1",
+                "--adjacency",
+                "replace-one",
+            )
             for s in SITES
         ]
     )
@@ -166,8 +179,9 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
         save_file({"x": splits.x_val[:128].astype(np.float32)}, str(root / s / "probe.safetensors"))
         toml = (root / s / "site.toml").read_text()
         # these small pools spend more than the defaults allow: raise the data-level budget and cap
+        assert "epsilon = 4.0                     # all data-level" in toml and "merge = 4.0 " in toml
         toml = toml.replace(
-            "epsilon = 4.0                     # all merges", "epsilon = 40.0                    # all merges"
+            "epsilon = 4.0                     # all data-level", "epsilon = 40.0                    # all data-level"
         )
         toml = toml.replace("merge = 4.0 ", "merge = 20.0")
         (root / s / "site.toml").write_text(toml)

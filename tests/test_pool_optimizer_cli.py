@@ -98,6 +98,7 @@ def test_pool_train_from_an_own_network_with_adam(tmp_path, capsys):
     (code_dir / "tiny.py").write_text(TINY_PY)
     site = tmp_path / "site"
     argv = ["site", "new", "--name", "st-anne", "--dir", str(site), "--listen", "127.0.0.1:0", "--address", "127.0.0.1"]
+    argv += ["--adjacency", "replace-one"]  # the unit of the pools this file checks
     assert main(argv) == 0
     module = {}
     exec(compile(TINY_PY, "tiny.py", "exec"), module)

@@ -141,7 +141,7 @@ def digits(tmp_path_factory) -> dict:
     site = root / "site"
     from peer.cli.app import main
 
-    assert main(["site", "new", "--name", "st-anne", "--dir", str(site), "--listen", "127.0.0.1:0", "--address", "127.0.0.1"]) == 0  # fmt: skip
+    assert main(["site", "new", "--name", "st-anne", "--dir", str(site), "--listen", "127.0.0.1:0", "--address", "127.0.0.1", "--adjacency", "replace-one"]) == 0  # fmt: skip
     import_network(site, "tab", code / "tabular_net.py", [64])
     import_network(site, "cnn", code / "digits_cnn.py", [1, 8, 8])
     return {

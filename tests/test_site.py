@@ -29,9 +29,9 @@ def cli(*args, check=True):
     return r
 
 
-def new(tmp_path, name="hospital-a", listen="127.0.0.1:0") -> SiteFiles:
+def new(tmp_path, name="hospital-a", listen="127.0.0.1:0", adjacency="add-remove") -> SiteFiles:
     d = tmp_path / name
-    cfg = new_site(name, d, listen, ["127.0.0.1", "localhost"])
+    cfg = new_site(name, d, listen, ["127.0.0.1", "localhost"], adjacency=adjacency)
     return SiteFiles(name, d, cfg, d / "identity")
 
 
@@ -66,7 +66,8 @@ def test_site_new_makes_a_servable_site_with_commented_conservative_budgets(tmp_
         (d / "ledger.sqlite").resolve(),
     )
     policy = Policy.from_toml(d / "site.toml")
-    assert (policy.data.unit, policy.data.epsilon, policy.data.delta) == ("record:replace-one", 4.0, 1e-5)
+    # the unit iterate runs and `pool train --site` use by default (tests/test_config_traps.py)
+    assert (policy.data.unit, policy.data.epsilon, policy.data.delta) == ("record:add-remove", 4.0, 1e-5)
     assert policy.model.total.epsilon == 24.0 and policy.model.per_counterparty.epsilon == 12.0
     assert "round" not in data  # a round needs a roster and a model: commented out until then
     # every budget number is explained where it stands, with its unit of privacy
@@ -162,8 +163,9 @@ def test_the_default_budgets_admit_the_documented_number_of_rounds(tmp_path):
     per-neuron parameters (features ε = 1 + 1, weights (2, 1e-5)): three per counterparty, seven
     in total; RS merges at about (2, 1e-5) of this test's pool (cheaper than their target), each
     at a new target: two against the data level's ε = 4 (the template's figures for the default
-    pool: ``test_the_data_budget_comment_states_what_the_ledger_admits``)."""
-    site = new(tmp_path)
+    pool: ``test_the_data_budget_comment_states_what_the_ledger_admits``). The site is made with
+    ``--adjacency replace-one``, the unit of this test's pool."""
+    site = new(tmp_path, adjacency="replace-one")
     save_model(site.root / "models", "mlp", ARCH, model_arrays())
     # a fixed seed: RS's π (and so its charge) follows the models' validation accuracy, so the
     # count below is for these models; served by a --simulation daemon only
@@ -202,13 +204,28 @@ def test_the_default_budgets_admit_the_documented_number_of_rounds(tmp_path):
     assert merges == 2
 
 
-def test_the_data_budget_comment_states_what_the_ledger_admits(tmp_path):
+#: What each unit's template says about pool train's default pool: a merge at a round's default
+#: target that mixes FIRST into SECOND is charged SPENT (ledger show: LEFT left), and how many fit
+DATA_COMMENTS = {
+    "replace-one": (
+        r"dpsgd-b into dpsgd-c is charged (\d\.\d\d) \(ledger show: (\d\.\d\d) left\), yet a second fits "
+        r"\((\d\.\d\d) after two\) and a third does not; one mixing dpsgd-a into dpsgd-c is charged (\d\.\d\d): refused"
+    ),
+    "add-remove": (
+        r"mixing dpsgd-a into dpsgd-b is charged (\d\.\d\d) \(ledger show: (\d\.\d\d) left\) and a second is refused"
+    ),
+}
+
+
+@pytest.mark.parametrize("adjacency", ["add-remove", "replace-one"])
+def test_the_data_budget_comment_states_what_the_ledger_admits(tmp_path, adjacency):
     """Issue 20, item 8: after one (2, 1e-5) merge ``ledger show`` said 3.046 spent and 0.9545
     remaining of 4 while the template said "two such merges fit" (with no word on why the
     filter charges more than 2). The figures the comment now states are recomputed here, for
-    ``privfusion pool train``'s default pool (its own parser defaults and DEFAULT_MODELS), by
-    charging RS merges saturating (2, 1e-5) to a ledger under the template's own policy until
-    it refuses: the filter's ε after each, and how many fit."""
+    ``privfusion pool train``'s default pool (its own parser defaults and DEFAULT_MODELS) in the
+    site's unit (``site new --adjacency``; ``pool train --site`` trains in it), by charging RS
+    merges saturating (2, 1e-5) to a ledger under the template's own policy until it refuses:
+    the filter's ε after each, and how many fit."""
     import re
 
     from scipy.optimize import brentq
@@ -216,32 +233,34 @@ def test_the_data_budget_comment_states_what_the_ledger_admits(tmp_path):
     from peer.base.errors import BudgetExhausted
     from peer.budget.ledger import Ledger
     from peer.cli.app import build_parser
-    from peer.cli.pool import DEFAULT_MODELS, _specs
+    from peer.cli.pool import DEFAULT_MODELS, _specs, pool_adjacency
     from peer.dp.accounting.release_accounting import rs_merge_record
 
-    site = new(tmp_path)
+    site = new(tmp_path, adjacency=adjacency)
     comment = " ".join(line.partition("#")[2].strip() for line in site.config.read_text().splitlines())
     policy = Policy.from_toml(site.config)
-    args = build_parser().parse_args(["pool", "train", "--out", str(tmp_path / "p")])
+    args = build_parser().parse_args(["pool", "train", "--site", str(site.root), "--out", str(tmp_path / "p")])
     assert args.model is None  # the defaults: DEFAULT_MODELS
+    args.adjacency = pool_adjacency(args)  # what `pool train` does first
+    assert args.adjacency == adjacency
     names, trainings = _specs(args)
     assert names == [spec.split(",")[0].removeprefix("name=") for spec in DEFAULT_MODELS]
 
-    def saturating_merge(into_c: str):
-        """The RS merge of ``into_c`` and dpsgd-c whose PLD ε at 1e-5 is the target 2."""
+    def saturating_merge(first: str, second: str):
+        """The RS merge of ``first`` and ``second`` whose PLD ε at 1e-5 is the target 2."""
 
         def record(p):
             pi = [0.0] * len(names)
-            pi[names.index(into_c)], pi[names.index("dpsgd-c")] = p, 1 - p
+            pi[names.index(first)], pi[names.index(second)] = p, 1 - p
             return rs_merge_record(trainings, pi, 1e-5, names=[f"pool/{n}" for n in names], subject="pool")
 
-        return record(brentq(lambda p: record(p).epsilon - 2.0, 1e-9, 0.5, xtol=1e-14))
+        return record(brentq(lambda p: record(p).epsilon - 2.0, 1e-9, 0.999, xtol=1e-14))
 
-    def charged_until_refused(into_c: str) -> tuple[list[float], float]:
+    def charged_until_refused(first: str, second: str) -> tuple[list[float], float]:
         """The filter's ε after each admitted merge, and the refused one's own ε (as the refusal
         states it: at the δ each order holds in the filter)."""
-        merge, spent = saturating_merge(into_c), []
-        with Ledger(tmp_path / f"{into_c}.sqlite", policy) as led:
+        merge, spent = saturating_merge(first, second), []
+        with Ledger(tmp_path / f"{first}-{second}.sqlite", policy) as led:
             while True:
                 try:
                     led.charge(merge, "hospital-b", kind="merge")
@@ -250,17 +269,18 @@ def test_the_data_budget_comment_states_what_the_ledger_admits(tmp_path):
                 spent.append(led.budget_states()[0].spent_epsilon)
                 merge = merge.with_(release_id=f"{merge.release_id}-{len(spent)}")
 
-    b_into_c, _ = charged_until_refused("dpsgd-b")
-    a_into_c, a_alone = charged_until_refused("dpsgd-a")
-    stated = re.search(
-        r"dpsgd-b into dpsgd-c is charged (\d\.\d\d) \(ledger show: (\d\.\d\d) left\), yet a second fits "
-        r"\((\d\.\d\d) after two\) and a third does not; one mixing dpsgd-a into dpsgd-c is charged (\d\.\d\d): refused",
-        comment,
-    )
+    stated = re.search(DATA_COMMENTS[adjacency], comment)
     assert stated, comment
-    assert len(b_into_c) == 2 and a_into_c == []  # "a second fits ... a third does not"; "refused"
-    assert float(stated[1]) == round(b_into_c[0], 2) and float(stated[2]) == round(4.0 - b_into_c[0], 2)
-    assert float(stated[3]) == round(b_into_c[1], 2) and float(stated[4]) == round(a_alone, 2)
+    if adjacency == "replace-one":
+        b_into_c, _ = charged_until_refused("dpsgd-b", "dpsgd-c")
+        a_into_c, a_alone = charged_until_refused("dpsgd-a", "dpsgd-c")
+        assert len(b_into_c) == 2 and a_into_c == []  # "a second fits ... a third does not"; "refused"
+        assert float(stated[1]) == round(b_into_c[0], 2) and float(stated[2]) == round(4.0 - b_into_c[0], 2)
+        assert float(stated[3]) == round(b_into_c[1], 2) and float(stated[4]) == round(a_alone, 2)
+    else:
+        a_into_b, _ = charged_until_refused("dpsgd-a", "dpsgd-b")
+        assert len(a_into_b) == 1  # "a second is refused"
+        assert float(stated[1]) == round(a_into_b[0], 2) and float(stated[2]) == round(4.0 - a_into_b[0], 2)
 
 
 # ------------------------------------------------------------------------------ metrics, export

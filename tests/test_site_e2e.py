@@ -100,7 +100,20 @@ def test_own_csv_to_a_round_an_adopted_fused_model_and_its_scores(tmp_path):
     root = tmp_path / "sites"
     parallel(
         *[
-            ("site", "new", "--name", s, "--dir", str(root / s), "--listen", "127.0.0.1:0", "--address", "127.0.0.1")
+            (
+                "site",
+                "new",
+                "--name",
+                s,
+                "--dir",
+                str(root / s),
+                "--listen",
+                "127.0.0.1:0",
+                "--address",
+                "127.0.0.1",
+                "--adjacency",
+                "replace-one",
+            )
             for s in SITES
         ]
     )

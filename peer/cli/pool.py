@@ -11,9 +11,11 @@ records DP-SGD sees (the unit of privacy is one of them) and a held-out part tha
 accuracy here. The preprocessing must not depend on the protected records (the guarantee is
 for one record given the preprocessing): it is fitted on public records (``--public FILE``) or
 given (``--preprocessing JSON``), and stored with every model of the pool. The dataset size n
-of DP-SGD — the public constant of the update's denominator — is, under replace-one (the
-default), the number of training records (public in that neighbourhood); it is printed and
-recorded. Under add-remove that number is private (neighbouring datasets differ in it), so n
+of DP-SGD — the public constant of the update's denominator — is, under replace-one, the
+number of training records (public in that neighbourhood); it is printed and recorded. The
+adjacency is ``--adjacency``, else the unit of ``--site``'s ``[policy.data]`` budget (a site
+made by ``privfusion site new``: add-remove), else replace-one (:func:`pool_adjacency`). Under
+add-remove that number is private (neighbouring datasets differ in it), so n
 is the count the operator declares (``--declared-records N``, else ``[site] declared_records``
 of the site's site.toml; refused when neither is given), and no output, record or metadata
 of the pool states the true count (:func:`_public_description`). With
@@ -98,6 +100,22 @@ def _architecture(text: str, splits) -> dict:
     return arch
 
 
+def pool_adjacency(args: argparse.Namespace) -> str:
+    """The pool's adjacency: ``--adjacency``, else the unit of the data budget of ``--site DIR``'s
+    site.toml (``[policy.data] unit``: the only unit that site's ledger charges its merges to, so
+    a pool trained in another would never be served), else replace-one."""
+    if args.adjacency is not None:
+        return args.adjacency
+    config = Path(args.site) / "site.toml" if getattr(args, "site", None) is not None else None
+    if config is not None and config.is_file():
+        from peer.budget.policy import Policy
+
+        data = Policy.from_toml(config).data
+        if data is not None:
+            return data.unit.removeprefix("record:")
+    return "replace-one"
+
+
 def declared_records(args: argparse.Namespace) -> int | None:
     """The pool's declared n: ``--declared-records``, else (add-remove only) ``[site]
     declared_records`` of ``--site DIR``'s site.toml; None under replace-one without a flag (the
@@ -144,6 +162,7 @@ def _size_text(n: int, declared: int | None, adjacency: str) -> str:
 def train(args: argparse.Namespace) -> int:
     from peer.nn.architectures import torch_threads
 
+    args.adjacency = pool_adjacency(args)
     if args.from_model is not None:
         if args.site is None:
             raise InvalidArgument("--from-model", "needs --site DIR, whose own_models/ holds the imported network")
@@ -745,7 +764,12 @@ def register(subparsers) -> None:
         "the record names it): sgd (default), momentum (heavy ball, momentum=0.9) or adam (beta1=0.9, "
         "beta2=0.999, eps=1e-8; give a much smaller lr than sgd's, e.g. 0.01); constants per model in --model",
     )
-    t.add_argument("--adjacency", default="replace-one", choices=("replace-one", "add-remove"))
+    t.add_argument(
+        "--adjacency",
+        default=None,
+        choices=("replace-one", "add-remove"),
+        help="the unit of privacy (default: the unit of --site's [policy.data] budget, else replace-one)",
+    )
     t.add_argument(
         "--declared-records",
         type=int,

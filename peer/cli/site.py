@@ -1,6 +1,7 @@
 """``privfusion site new``: a new site's directory, ready to serve.
 
     privfusion site new --name hospital-a --dir site --listen 0.0.0.0:50051 [--address a.example.org ...]
+                        [--adjacency add-remove|replace-one]
     privfusion site check --site site [--json]    # what the daemon would not serve, and why
 
 Makes, in DIR (which must not exist or be empty):
@@ -21,15 +22,22 @@ Makes, in DIR (which must not exist or be empty):
 The default budgets (``site.toml`` says the same beside each number):
 
 - **data level** (central DP on the site's training records; unit: one training record,
-  replace-one — the unit ``privfusion pool train`` trains in by default): ε = 4 at δ = 1e-5
-  over *every* merge of the pool this site ever releases, all peers together, by the ledger's
-  filter (RDP, δ split over its orders). A merge's target ε is its PLD ε; the filter charges
-  an RS merge more, because its RDP bound of a mixture is looser than the mixture's PLD. With
-  ``privfusion pool train``'s default pool, a merge at a round's default target (ε = 2,
-  δ = 1e-5) that mixes dpsgd-b into dpsgd-c is charged ε ≈ 3.05 (``ledger show``: 0.95
-  remaining), yet a second such merge fits (3.68 after two: RDP composes sublinearly) and a
-  third does not; one that mixes dpsgd-a into dpsgd-c is charged ε ≈ 6.97 and refused at once.
-  (``tests/test_site.py`` checks these figures against the ledger.) Raise it only with a reason.
+  add-remove by default — ``--adjacency replace-one`` for the other): ε = 4 at δ = 1e-5 over
+  *every* data-level release this site ever makes (merges of its pool, segments of iterate
+  runs), all peers together, by the ledger's filter (RDP, δ split over its orders). The unit is
+  the one the site's own templates use: iterate runs default to add-remove, and ``privfusion
+  pool train --site`` trains in the site's unit (``peer.cli.pool.pool_adjacency``), dividing by
+  the public ``[site] declared_records`` (1000 in the template), never by the true count. A
+  pool or run in the other unit is refused by the ledger, never mixed. A merge's target ε is
+  its PLD ε; the filter charges an RS merge more, because its RDP bound of a mixture is looser
+  than the mixture's PLD. With ``privfusion pool train``'s default pool in add-remove, a merge
+  at a round's default target (ε = 2, δ = 1e-5) mixing dpsgd-a into dpsgd-b is charged
+  ε ≈ 3.61 (``ledger show``: 0.39 remaining) and a second is refused; an iterate run at its
+  default (4, 1e-5) has its noise calibrated to the whole budget. Under replace-one the default
+  pool's models are twice as sensitive: the b-into-c merge is charged 3.05, a second fits (3.68),
+  a third does not. (``tests/test_site.py`` checks these figures against the ledger,
+  ``tests/test_config_traps.py`` the documented pool, merge and iterate run end to end.) Raise
+  it only with a reason.
 - **model level** (local DP on one model's neurons; unit: one neuron — its activation row on a
   probe set and its incoming weights with bias): per model, ε = 24 at δ = 1e-5 in total and
   ε = 12 at δ = 1e-5 per counterparty. A round at the default per-neuron parameters (features
@@ -83,16 +91,14 @@ validation = "validation.npz"     # PUBLIC labelled x/y that judges merge candid
 show_remaining = "own"            # a peer may see what is left of its own budgets
 
 [policy.data]                     # DATA LEVEL: central DP on this site's training records.
-unit = "record:replace-one"       # unit of privacy: one training record (replaced by another);
-                                  # must be the unit the pool was trained in (pool train --adjacency)
-epsilon = 4.0                     # all merges of the pool ever released, all peers together,
-delta = 1e-5                      # compose within (4, 1e-5)-DP per record, by the ledger's filter
-                                  # (RDP, delta split over its orders), which charges an RS merge
-                                  # more than its target (PLD) epsilon. With pool train's default
-                                  # pool, a merge at a round's default target (2, 1e-5) mixing
-                                  # dpsgd-b into dpsgd-c is charged 3.05 (ledger show: 0.95 left),
-                                  # yet a second fits (3.68 after two) and a third does not; one
-                                  # mixing dpsgd-a into dpsgd-c is charged 6.97: refused.
+unit = "record:{adjacency}"{unit_pad}# unit of privacy: one training record, {unit_words}
+                                  # pool train --site trains in this unit by default; a pool or
+                                  # iterate run in the other unit is refused here, never mixed
+epsilon = 4.0                     # all data-level releases ever (merges of the pool, iterate
+delta = 1e-5                      # segments), all peers together, compose within (4, 1e-5)-DP per
+                                  # record, by the ledger's filter (RDP, delta split over its
+                                  # orders), which charges an RS merge more than its target (PLD)
+{data_note}
 
 [policy.model]                    # MODEL LEVEL: local DP on one model's neurons (each model has
                                   # its own). Unit of privacy: one neuron (its activations on the
@@ -108,7 +114,7 @@ weights = 4.0                     # per neuron
 merge = 4.0                       # per training record
 
 [policy.peers."*"]                # every PINNED peer (privfusion peer trust add); others cannot connect
-allow = ["features", "weights", "merge", "ledger"]
+allow = ["features", "weights", "merge", "ledger", "segment"]  # segment: iterate runs' segments
 # [policy.peers."hospital-b"]     # a peer with its own rule
 # allow = ["features", "weights", "merge", "fuse", "ledger"]
 
@@ -129,7 +135,37 @@ allow = ["features", "weights", "merge", "ledger"]
 # method = "rs"
 # epsilon = 2.0
 # delta = 1e-5
+# method = "iterate" with [round.iterate]: multi-round DP training (docs/deployment.md, 3.1);
+# its segments are charged to [policy.data] above, in its unit{iterate_note}
 """
+
+#: What site.toml says about the data budget, per unit: the figures of ``privfusion pool
+#: train``'s default pool trained in that unit (``tests/test_site.py`` recomputes them).
+DATA_NOTES = {
+    "add-remove": (
+        "added or removed (the true\n"
+        "                                  # record count is private: DP-SGD divides by declared_records);",
+        """\
+                                  # epsilon. With pool train's default pool (add-remove, n =
+                                  # declared_records), a merge at a round's default target (2, 1e-5)
+                                  # mixing dpsgd-a into dpsgd-b is charged 3.61 (ledger show: 0.39
+                                  # left) and a second is refused; an iterate run at its default
+                                  # (4, 1e-5) takes the whole budget (its noise is calibrated to it).""",
+        "",
+    ),
+    "replace-one": (
+        "replaced by another (the\n"
+        "                                  # record count is public here: DP-SGD divides by it);",
+        """\
+                                  # epsilon. With pool train's default pool, a merge at a round's
+                                  # default target (2, 1e-5) mixing dpsgd-b into dpsgd-c is charged
+                                  # 3.05 (ledger show: 0.95 left), yet a second fits (3.68 after two)
+                                  # and a third does not; one mixing dpsgd-a into dpsgd-c is charged
+                                  # 6.97: refused.""",
+        ': give it adjacency = "replace-one" (its default is add-remove)',
+    ),
+}
+ADJACENCIES = tuple(DATA_NOTES)
 
 
 def default_addresses(listen: str) -> list[str]:
@@ -139,9 +175,16 @@ def default_addresses(listen: str) -> list[str]:
 
 
 def new_site(
-    name: str, directory: str | Path, listen: str, addresses: list[str] | None = None, days: int = 730
+    name: str,
+    directory: str | Path,
+    listen: str,
+    addresses: list[str] | None = None,
+    days: int = 730,
+    adjacency: str = "add-remove",
 ) -> Path:
-    """Make a site directory (see the module docstring); the path of its site.toml."""
+    """Make a site directory (see the module docstring); the path of its site.toml. ``adjacency``
+    is the unit of its data budget (``--adjacency``), which ``pool train --site`` and iterate runs
+    then train in."""
     from peer.net.identity import check_site_name, init_identity
     from peer.net.site import check_listen
 
@@ -150,6 +193,8 @@ def new_site(
     d = Path(directory)
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise FailedPrecondition(f"--dir: {d} exists and is not an empty directory; a new site needs its own")
+    if adjacency not in ADJACENCIES:
+        raise InvalidArgument("--adjacency", f"must be one of {list(ADJACENCIES)}, got {adjacency!r}")
     if '"' in listen or "\\" in listen:
         raise InvalidArgument("--listen", f"must be HOST:PORT, got {listen!r}")
     d.mkdir(parents=True, exist_ok=True)
@@ -159,7 +204,14 @@ def new_site(
     path = d / "site.toml"
     path.write_text(
         SITE_TOML.format(
-            name=name, name_line=f'name = "{name}"'.ljust(34), listen_line=f'listen = "{listen}"'.ljust(34)
+            name=name,
+            name_line=f'name = "{name}"'.ljust(34),
+            listen_line=f'listen = "{listen}"'.ljust(34),
+            adjacency=adjacency,
+            unit_pad=" " * (34 - len(f'unit = "record:{adjacency}"')),
+            unit_words=DATA_NOTES[adjacency][0],
+            data_note=DATA_NOTES[adjacency][1],
+            iterate_note=DATA_NOTES[adjacency][2],
         ),
         encoding="utf-8",
     )
@@ -169,7 +221,7 @@ def new_site(
 def _new(args) -> int:
     from peer.net.identity import CERT_FILE, format_fingerprint, load_identity
 
-    path = new_site(args.name, args.dir, args.listen, args.address, days=args.days)
+    path = new_site(args.name, args.dir, args.listen, args.address, days=args.days, adjacency=args.adjacency)
     d = Path(args.dir)
     ident = load_identity(d / "identity")
     print(f"site {args.name!r} in {d}: identity/ (key mode 600), models/ (empty), pool/ (empty), {path.name}")
@@ -229,6 +281,13 @@ def register(subparsers) -> None:
         help="a host or IP peers dial this site by (repeatable; default: the host of --listen unless a wildcard)",
     )
     p.add_argument("--days", type=int, default=730, help="certificate validity in days (default 730)")
+    p.add_argument(
+        "--adjacency",
+        choices=ADJACENCIES,
+        default="add-remove",
+        help="the unit of the data budget: one training record added or removed (default; DP-SGD then divides by "
+        "the public [site] declared_records) or replaced; pool train --site and iterate runs train in it",
+    )
     p.set_defaults(func=_new)
     p = sub.add_parser("check", help="what the site's daemon would not serve (files in models/ or pools), and why")
     p.add_argument("--site", required=True, metavar="DIR", help="the site directory (its site.toml)")
