@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from peer_harness import SiteFiles, cli, client, make_site, pin_each_other, running
 
 from coordinator_free.roster import write_roster
@@ -101,3 +106,168 @@ def test_a_replace_one_site_trains_replace_one_pools(tmp_path):
         "--steps", "3")  # fmt: skip
     record = json.loads((d / "pool" / "dpsgd-a.json").read_text())["metadata"]["record"]
     assert record["unit"] == "record:replace-one" and record["parameters"]["dataset_size_source"] == "count"
+
+
+# ------------------------------------------------------------------------------ 2. budgets edited in site.toml
+
+
+def charge_merge(site_toml: Path, noise: float, release_id: str) -> None:
+    """What the daemon does for one RS merge of a one-model pool (add-remove, declared n):
+    charge its record to the site's ledger under the site's policy."""
+    from peer.budget.ledger import Ledger
+    from peer.budget.policy import Policy
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.accounting.release_accounting import rs_merge_record
+    from peer.net.site import SiteConfig
+
+    training = TrainingRecord.constant("add-remove", 10, 1.0, 1.0, noise, 1.0)
+    record = rs_merge_record([training], [1.0], 1e-5, names=["pool/m"], subject="pool").with_(release_id=release_id)
+    with Ledger(SiteConfig.load(site_toml).ledger, Policy.from_toml(site_toml)) as ledger:
+        ledger.charge(record, "hospital-b", kind="merge")
+
+
+def set_data_epsilon(site_toml: Path, epsilon: float) -> None:
+    text = site_toml.read_text()
+    edited = re.sub(r"(?m)^epsilon = [0-9.]+( +# all data-level)", f"epsilon = {epsilon}\\1", text)
+    assert edited != text
+    site_toml.write_text(edited)
+
+
+def test_a_budget_edited_in_site_toml_is_applied_and_said_at_start_and_by_site_check(tmp_path):
+    """Before: raising [policy.data] epsilon after charges changed what the next charge admitted
+    without a word anywhere (``ledger show`` went on showing the old limit). Now ``site check``
+    and the daemon's start say, for the budget, the recorded and the new limits; the next charge
+    is admitted under the new limit and records it in the ledger; a limit lowered to or below
+    what is spent makes the budget exhausted (every further release refused), and says so."""
+    from peer.base.errors import BudgetExhausted
+
+    d = new_site(tmp_path)
+    toml = d / "site.toml"
+    charge_merge(toml, 5.0, "first")  # ε ≈ 3.2 by the filter's figure: within the template's 4
+    with pytest.raises(BudgetExhausted):
+        charge_merge(toml, 5.0, "second")  # a second does not fit 4
+    checked = cli("site", "check", "--site", str(d))
+    assert "budget: " not in checked.stdout  # nothing changed yet
+
+    set_data_epsilon(toml, 8.0)
+    checked = cli("site", "check", "--site", str(d))
+    said = [line for line in checked.stdout.splitlines() if line.startswith("budget: ")]
+    assert len(said) == 1 and "data/record:add-remove" in said[0], checked.stdout
+    assert "from (ε=4, δ=1e-05)" in said[0] and "to (ε=8, δ=1e-05)" in said[0] and "next charge" in said[0]
+    # the daemon says it too, as it starts (its log: one JSON object per line on stderr)
+    log = serve_until_ready(d)
+    changed = [e for e in log if e.get("event") == "budget-limits-changed"]
+    assert len(changed) == 1 and changed[0]["level"] == "warning" and "to (ε=8" in changed[0]["detail"]
+    # applied: the second merge now fits, and the ledger records the new limit with it
+    charge_merge(toml, 5.0, "second")
+    shown = json.loads(cli("ledger", "show", "--db", str(d / "ledger.sqlite"), "--json", "--no-pld").stdout)
+    assert [b["epsilon_limit"] for b in shown["budgets"]] == [8.0]
+    assert "budget: " not in cli("site", "check", "--site", str(d)).stdout  # recorded now: no change left
+
+    set_data_epsilon(toml, 1.0)  # below the ε already spent
+    checked = cli("site", "check", "--site", str(d))
+    assert "is exhausted, every further release to it is refused" in checked.stdout, checked.stdout
+    with pytest.raises(BudgetExhausted):
+        charge_merge(toml, 1000.0, "third")  # even a nearly free release
+
+
+def serve_until_ready(d: Path) -> list[dict]:
+    """``privfusion peer serve`` of site ``d`` until it is ready, then SIGTERM: its log lines."""
+    ready = d / "ready.json"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "peer.cli",
+            "peer",
+            "serve",
+            "--config",
+            str(d / "site.toml"),
+            "--ready-file",
+            str(ready),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), proc.stderr.read() if proc.poll() is not None else "not ready in 120 s"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    lines = []
+    for line in err.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            lines.append({"text": line})
+    return lines
+
+
+# ------------------------------------------------------------------------------ 3. site check = peer serve's checks
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one error line of a refused command (after ``privfusion COMMAND: error: ``)."""
+    lines = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert len(lines) == 1, proc.stderr
+    return lines[0].partition(": error: ")[2]
+
+
+def test_site_check_refuses_what_peer_serve_refuses_with_the_same_words(tmp_path):
+    """Before: ``site check`` read only the file lists and exited 0 on a typo in site.toml, a
+    corrupt model or a missing key, all of which ``peer serve`` refuses (or leaves out). Now it
+    runs the daemon's own start-up checks: exit 2 with ``peer serve``'s very refusal where the
+    daemon would not start, 1 where it would start but leave out a file that exists, 0 (saying
+    what it checked) for a fresh site, whose empty pool and missing probe set are "not yet"."""
+    d = new_site(tmp_path)
+    toml = d / "site.toml"
+    fresh = cli("site", "check", "--site", str(d))
+    assert "checked, as privfusion peer serve does" in fresh.stdout and "not yet: pool" in fresh.stdout
+    assert not (d / "ledger.sqlite").exists() and not (d / "ledger.sqlite.anchor").exists()  # writes nothing
+
+    def refused_alike() -> str:
+        checked = cli("site", "check", "--site", str(d), check=False)
+        served = cli("peer", "serve", "--config", str(toml), check=False)
+        assert (checked.returncode, served.returncode) == (2, 2), (checked.stderr, served.stderr)
+        assert error_line(checked) == error_line(served)
+        return error_line(checked)
+
+    original = toml.read_text()
+    toml.write_text(original.replace('models = "models" ', 'modles = "models" ', 1))  # a typo in [site]
+    line = original.splitlines().index(next(x for x in original.splitlines() if x.startswith('models = "models"'))) + 1
+    assert f"site.modles ({toml}, line {line}): unknown key" in refused_alike()
+    toml.write_text(original.replace("show_remaining = ", "show_remainig = ", 1))  # a typo in [policy]
+    assert "policy.show_remainig" in refused_alike() and "unknown key" in refused_alike()
+    toml.write_text(original)
+
+    (d / "identity" / "site.key").rename(d / "site.key.away")  # a missing identity file
+    assert "has no site.key/site.crt" in refused_alike()
+    (d / "site.key.away").rename(d / "identity" / "site.key")
+
+    (d / "ledger.sqlite").write_bytes(b"not a ledger" * 100)  # a corrupt ledger
+    assert "is not a PrivFusion ledger" in refused_alike()
+    (d / "ledger.sqlite").unlink()
+
+    (d / "models" / "bent.json").write_text("{not json")  # a corrupt model: served without it
+    (d / "models" / "bent.safetensors").write_bytes(b"")
+    checked = cli("site", "check", "--site", str(d), check=False)
+    assert checked.returncode == 1 and "not served: models/bent.json: does not load" in checked.stdout
+    as_json = cli("site", "check", "--site", str(d), "--json", check=False)
+    assert as_json.returncode == 1 and "models/bent.json" in [e["path"] for e in json.loads(as_json.stdout)]
+
+
+# ------------------------------------------------------------------------------ 4. the daemon says what it does
+
+
+def test_the_daemon_logs_each_step_of_its_start(tmp_path):
+    """Before: ``peer serve`` said nothing between its start and "serving" (two silent minutes
+    under load, while it loaded pools and verified the ledger). Now each step is a log line, in
+    order, each with its duration once done."""
+    d = new_site(tmp_path)
+    events = [e["event"] for e in serve_until_ready(d) if "event" in e]
+    steps = ["starting", "loading-models", "models-loaded", "opening-ledger", "ledger-verified", "site-loaded"]
+    steps += ["binding", "serving"]
+    assert [e for e in events if e in steps] == steps, events

@@ -230,7 +230,11 @@ class Ledger:
             except sqlite3.OperationalError as e:
                 raise FailedPrecondition(f"cannot open ledger {self.path}: {e}") from None
             con.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
-            mode = con.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            try:
+                mode = con.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            except sqlite3.DatabaseError as e:  # not an SQLite file at all
+                con.close()
+                raise FailedPrecondition(f"{self.path} is not a PrivFusion ledger: {e}") from None
             if mode.lower() != "wal":
                 raise FailedPrecondition(f"ledger {self.path}: SQLite refused WAL mode (got {mode!r})")
             con.execute("PRAGMA synchronous = FULL")

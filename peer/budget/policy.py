@@ -294,3 +294,67 @@ def _model_budgets(m: Section, orders: tuple[float, ...], fallback: ModelBudgets
     total = _filter(m.section("total"), orders) if "total" in m else fallback.total
     per = _filter(m.section("per_counterparty"), orders) if "per_counterparty" in m else fallback.per_counterparty
     return ModelBudgets(total, per)
+
+
+# ---- a policy's limits against the limits a ledger recorded ----------------------------------
+
+
+@dataclass(frozen=True)
+class LimitChange:
+    """One budget whose limits in the policy differ from those its ledger recorded with its last
+    charge. The ledger charges by the policy's limits, and records them with every charge (in
+    its hash chain), so a change takes effect from the next charge on: this says so, loudly.
+
+    ``recorded`` / ``limit``: (ε, δ) at the budget's last charge and in the policy now (None:
+    the policy sets no such budget any more, so every release to it is refused); ``spent``: the
+    filter's ε of what the budget already holds, at the policy's δ."""
+
+    budget: str
+    recorded: tuple[float, float]
+    limit: tuple[float, float] | None
+    spent: float
+
+    @property
+    def exhausted(self) -> bool:
+        """The policy's limit is at or below what is already spent: nothing more fits."""
+        return self.limit is None or self.spent >= self.limit[0]
+
+    def describe(self) -> str:
+        was = f"(ε={self.recorded[0]:g}, δ={self.recorded[1]:g})"
+        if self.limit is None:
+            return (
+                f"budget {self.budget}: the ledger recorded limits {was} with its last charge; the policy sets no "
+                "such budget now, so every further release to it is refused"
+            )
+        now = f"(ε={self.limit[0]:g}, δ={self.limit[1]:g})"
+        verb = "raised" if self.limit[0] >= self.recorded[0] and self.limit[1] >= self.recorded[1] else "changed"
+        if self.exhausted:
+            return (
+                f"budget {self.budget}: the policy lowers its limits from {was} (recorded with its last charge) to "
+                f"{now}, at or below the ε={self.spent:.4g} already spent: the budget is exhausted, every further "
+                "release to it is refused (spent budget is never given back)"
+            )
+        return (
+            f"budget {self.budget}: the policy {verb} its limits from {was} (recorded with its last charge) to "
+            f"{now}; applied from the next charge on, which records the new limits in the ledger "
+            f"(ε={self.spent:.4g} spent, {self.limit[0] - self.spent:.4g} left)"
+        )
+
+
+def limit_changes(recorded: Sequence[Any], current: Sequence[Any]) -> list[LimitChange]:
+    """The budgets whose limits differ between ``recorded`` (a ledger's budget states read
+    without a policy: each budget's limits as recorded with its last charge) and ``current``
+    (the same ledger's states under the policy). Both are ``peer.budget.ledger.BudgetState``
+    lists; budgets with no charge yet have no recorded limits and are not a change."""
+    now = {s.key.name: s for s in current}
+    out = []
+    for r in recorded:
+        if r.count == 0 or r.epsilon_limit != r.epsilon_limit:  # no charge, or no limit recorded (NaN)
+            continue
+        c = now.get(r.key.name)
+        limit = None if c is None or c.epsilon_limit != c.epsilon_limit else (c.epsilon_limit, c.delta_limit)
+        if limit == (r.epsilon_limit, r.delta_limit):
+            continue
+        spent = c.spent_epsilon if limit is not None else r.spent_epsilon
+        out.append(LimitChange(r.key.name, (r.epsilon_limit, r.delta_limit), limit, spent))
+    return out

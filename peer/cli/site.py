@@ -50,6 +50,7 @@ The default budgets (``site.toml`` says the same beside each number):
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -243,24 +244,37 @@ def _new(args) -> int:
 
 def check_site(site: str | Path) -> list[tuple[str, str]]:
     """What the daemon of this site would not serve, and why (as it logs and ``GetPeerInfo``
-    lists it), without starting it: ``peer.nn.store.site_unusable_files`` of its site.toml."""
-    from peer.net.site import SiteConfig
-    from peer.nn.store import load_store, site_unusable_files
+    lists it), by the daemon's own checks (``peer.net.daemon.check_site``); raises what
+    ``peer serve`` would refuse to start with."""
+    from peer.net.daemon import check_site as daemon_check
 
-    config = SiteConfig.load(Path(site) / "site.toml")
-    _, failed = load_store(config.models)
-    return site_unusable_files(config.models, config.pools, config.probe, config.path.resolve().parent, failed)
+    found = daemon_check(Path(site) / "site.toml")
+    return [*found.broken, *found.pending]
 
 
 def _check(args) -> int:
-    found = check_site(args.site)
+    """Exit 0: the daemon would start and serve every file there is; 1: it would start but
+    leave out files that exist (a model that does not load, a stray file); 2 (through
+    ``peer.cli.app``): it would refuse to start, and why."""
+    from peer.net.daemon import check_site as daemon_check
+
+    found = daemon_check(Path(args.site) / "site.toml")
     if args.json:
-        print(json.dumps([{"path": p, "reason": why} for p, why in found], indent=2))
-        return 0
-    for p, why in found:
-        print(f"{p}: {why}")
-    if not found:
-        print("every file in the model store and the pools is served")
+        print(json.dumps([{"path": p, "reason": why} for p, why in (*found.broken, *found.pending)], indent=2))
+        return 1 if found.broken else 0
+    print("checked, as privfusion peer serve does before it listens:")
+    for what in found.checked:
+        print(f"  {what}")
+    for p, why in found.broken:
+        print(f"not served: {p}: {why}")
+    for p, why in found.pending:
+        print(f"not yet: {p}: {why}")
+    for change in found.changes:
+        print(f"budget: {change.describe()}")
+    if found.broken:
+        print(f"the daemon would start, leaving out {len(found.broken)} file(s) above", file=sys.stderr)
+        return 1
+    print("the daemon would start and serve every model and pool file there is")
     return 0
 
 
@@ -289,7 +303,11 @@ def register(subparsers) -> None:
         "the public [site] declared_records) or replaced; pool train --site and iterate runs train in it",
     )
     p.set_defaults(func=_new)
-    p = sub.add_parser("check", help="what the site's daemon would not serve (files in models/ or pools), and why")
+    p = sub.add_parser(
+        "check",
+        help="everything peer serve checks before it listens: exit 2 if it would refuse to start, 1 if it "
+        "would leave out files that exist (and why)",
+    )
     p.add_argument("--site", required=True, metavar="DIR", help="the site directory (its site.toml)")
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=_check)

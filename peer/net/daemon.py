@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import faulthandler
 import json
@@ -37,6 +38,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -48,9 +50,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from peer.base.errors import FailedPrecondition, InvalidArgument
+from peer.base.errors import FailedPrecondition, InvalidArgument, PrivFusionError
 from peer.base.records import FIXED_SEED_WARNING
-from peer.budget.policy import Policy
+from peer.budget.policy import LimitChange, Policy, limit_changes
 from peer.net import wire
 from peer.net.identity import fingerprint
 from peer.net.limits import LimitsInterceptor
@@ -201,6 +203,7 @@ class Daemon:
 
     def start(self) -> int:
         listen = self.site.config.listen
+        log_event("binding", listen=listen, tls=not self.site.insecure)
         try:
             if self.site.insecure:
                 self.port = self.server.add_insecure_port(listen)
@@ -287,16 +290,147 @@ def _why_not_listening(listen: str) -> str:
     return "gRPC refused the address"
 
 
-def open_site(config_path: str | os.PathLike, insecure: bool = False, simulation: bool | None = None) -> Site:
+def open_site(
+    config_path: str | os.PathLike,
+    insecure: bool = False,
+    simulation: bool | None = None,
+    *,
+    ledger: str | os.PathLike | None = None,
+) -> Site:
     """The site of ``config_path``, checked for what it would serve before anything is opened
     (:func:`check_servable`). ``simulation`` None: a site with a fixed seed of its own is a
     simulation (``peer serve`` refuses such a seed without ``--simulation``,
-    :func:`check_seed_allowed`)."""
+    :func:`check_seed_allowed`). ``ledger``: open this ledger file instead of site.ledger
+    (``privfusion site check`` opens a snapshot of it, :func:`check_site`).
+
+    Logs each step as it starts (loading models and pools, opening and verifying the ledger):
+    a daemon with large pools or a long ledger takes a while, and says what it is doing. A
+    budget whose limits in ``[policy]`` differ from those its ledger recorded with its last
+    charge is applied from the next charge on and logged as a warning naming both
+    (:func:`peer.budget.policy.limit_changes`); one lowered to or below what it already spent is
+    exhausted."""
+    started = time.monotonic()
     config = SiteConfig.load(config_path)
     simulation = config.seed is not None if simulation is None else bool(simulation)
+    log_event("starting", site=config.name, config=str(config_path))
     check_servable(config, simulation)
     policy = Policy.from_toml(config_path)
-    return Site(config, policy, insecure=insecure, simulation=simulation)
+    if ledger is not None:
+        config = dataclasses.replace(config, ledger=Path(ledger))
+    site = Site(config, policy, insecure=insecure, simulation=simulation)
+    try:
+        for change in budget_limit_changes(site.ledger):
+            log.warning(
+                json.dumps({"event": "budget-limits-changed", "budget": change.budget, "detail": change.describe()})
+            )
+    except BaseException:
+        site.close()
+        raise
+    log_event("site-loaded", site=config.name, seconds=round(time.monotonic() - started, 3))
+    return site
+
+
+def budget_limit_changes(ledger) -> list[LimitChange]:
+    """The budgets of ``ledger`` (opened with the site's policy) whose limits in the policy
+    differ from those recorded with their last charge (read from the same file without a
+    policy, after the verified open)."""
+    from peer.budget.ledger import Ledger
+
+    recorded = Ledger(ledger.path, verify=False)
+    try:
+        return limit_changes(recorded.budget_states(), ledger.budget_states())
+    finally:
+        recorded.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteCheck:
+    """What ``peer serve`` would do with a site (:func:`check_site`): it would start (else
+    :func:`check_site` raised its refusal), leaving out ``broken`` (files that exist and do not
+    load, or do not belong) and ``pending`` (a pool with no model yet, a probe set not made yet),
+    with these budget ``changes`` applied; ``checked`` says what was looked at."""
+
+    checked: tuple[str, ...]
+    broken: tuple[tuple[str, str], ...]
+    pending: tuple[tuple[str, str], ...]
+    changes: tuple[LimitChange, ...]
+
+
+def check_site(config_path: str | os.PathLike, simulation: bool = False) -> SiteCheck:
+    """Everything ``privfusion peer serve --config CONFIG_PATH`` checks before it binds, by the
+    same code: :func:`check_seed_allowed`, then :func:`open_site` (site.toml's ``[site]`` and
+    ``[policy]`` with every key and value, what :func:`check_servable` refuses, the identity
+    and its name, the model store, the pools, the probe set, the site's own networks, the
+    ledger's hash chain, totals and anchor, and each budget's limits against those its ledger
+    recorded) — on a snapshot of the ledger and its anchor in a temporary directory, so the
+    check writes nothing beside the site (no ledger is created, no anchor appended) and runs
+    while the daemon serves. Raises the refusal ``peer serve`` would raise."""
+    config = SiteConfig.load(config_path)
+    check_seed_allowed(config, simulation)
+    with tempfile.TemporaryDirectory(prefix="privfusion-check-") as tmp:
+        snapshot = _snapshot_ledger(config.ledger, Path(tmp))
+        try:
+            site = open_site(config_path, simulation=simulation, ledger=snapshot)
+        except PrivFusionError as e:  # the refusal peer serve would give: about the site's own files
+            here, there = str(snapshot.parent) + os.sep, str(config.ledger.parent) + os.sep
+            e.args = tuple(a.replace(here, there) if isinstance(a, str) else a for a in e.args)
+            raise
+        try:
+            changes = tuple(budget_limit_changes(site.ledger))
+            entries = len(site.ledger.entries())
+        finally:
+            site.close()
+    base = config.path.resolve().parent if config.path else config.models.parent
+    broken, pending = [], []
+    for shown, why in site.unusable:
+        p = Path(shown) if Path(shown).is_absolute() else base / shown
+        not_yet = not p.exists() or (p.is_dir() and not any(p.iterdir()))
+        (pending if not_yet else broken).append((shown, why))
+    ledger_words = (
+        f"ledger {config.ledger} ({entries} charges: hash chain, totals and anchor verified on a snapshot)"
+        if config.ledger.exists()
+        else f"ledger {config.ledger}: none yet (the daemon creates it at its first start)"
+    )
+    checked = (
+        f"{config.path or config_path}: [site] and [policy] (every key and value)",
+        f"identity {config.identity} (key, certificate, name {config.name!r})",
+        f"model store {config.models} ({len(site.models)} models load)",
+        *(f"pool {name!r} ({len(pool)} models load)" for name, pool in sorted(site.pools.items())),
+        ledger_words,
+        "budget limits in [policy] against those the ledger recorded",
+    )
+    return SiteCheck(checked, tuple(broken), tuple(pending), changes)
+
+
+def _snapshot_ledger(ledger: Path, directory: Path) -> Path:
+    """A consistent copy of ``ledger`` and its anchor under ``directory`` (same file names: the
+    anchor names its ledger), the anchor first so that the copy is never behind it; the path
+    of the copy (not created when there is no ledger). A file SQLite cannot read is copied as
+    bytes, for the ledger's own refusal to name what is wrong with it."""
+    import shutil
+    import sqlite3
+
+    from peer.budget.anchor import anchor_path
+
+    copy = directory / ledger.name
+    if anchor_path(ledger).exists():
+        shutil.copyfile(anchor_path(ledger), anchor_path(copy))
+    if not ledger.exists():
+        return copy
+    try:
+        src = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+        try:
+            dst = sqlite3.connect(copy)
+            try:
+                src.backup(dst)
+            finally:
+                dst.close()
+        finally:
+            src.close()
+    except sqlite3.Error:
+        copy.unlink(missing_ok=True)
+        shutil.copyfile(ledger, copy)
+    return copy
 
 
 def check_servable(config: SiteConfig, simulation: bool) -> None:

@@ -60,6 +60,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,6 +385,8 @@ class Site:
         # what the daemon will not serve, and why (a warning each; GetPeerInfo lists them): a
         # model that does not load, a pool with no model yet or a probe set not made yet is
         # left out rather than fatal
+        t0 = time.monotonic()
+        log_event("loading-models", models=str(config.models))
         self.models, failed = load_store(config.models)
         self.unusable = site_unusable_files(
             config.models,
@@ -398,7 +401,10 @@ class Site:
         self.pools: dict[str, list] = {}
         self._validation: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._rs_utilities: dict[str, list[float]] = {}
+        log_event("models-loaded", models=len(self.models), seconds=round(time.monotonic() - t0, 3))
         if pools:
+            t0 = time.monotonic()
+            log_event("loading-pools", pools=sorted(pools))
             # lazy: peer.dp loads dp_accounting (slow to import), needed only by a site with pools
             from peer.dp.merging import check_pool
             from peer.dp.pools import load_pool, load_validation_file, pool_validation, rs_utilities, warm_pool_profiles
@@ -426,13 +432,17 @@ class Site:
                 # a pool RS cannot account (mixed adjacencies) is skipped here: each request says why
                 with contextlib.suppress(InvalidArgument):
                     warm_pool_profiles(pool, pools[name])
+            log_event("pools-loaded", pools=sorted(self.pools), seconds=round(time.monotonic() - t0, 3))
         probe = read_probe(config.probe, "site.probe") if config.probe and config.probe.exists() else None
         self.probe = probe.x if probe is not None else None
         # the input the probe set was made for (peer.nn.probes; None for a file of the previous version)
         self.probe_signature = probe.signature if probe is not None else None
         self.imported = self._load_imported(config)
         self.policy = policy
+        t0 = time.monotonic()
+        log_event("opening-ledger", ledger=str(config.ledger), checks="hash chain, totals and anchor")
         self.ledger = Ledger(config.ledger, policy)
+        log_event("ledger-verified", ledger=str(config.ledger), seconds=round(time.monotonic() - t0, 3))
         self._master = make_randomness(config.seed) if config.seed is not None else None
         self._master_lock = threading.Lock()
 
