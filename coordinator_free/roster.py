@@ -32,7 +32,6 @@ from peer.base.config import Section, load_toml
 from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.net.identity import certificate_name, check_site_name, fingerprint, load_certificate
 from peer.net.trust import PinnedPeer, TrustStore
-from peer.nn.store import check_name
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,8 @@ class Roster:
             for key, value in (("model", model), ("pool", pool)):
                 if value is not None:
                     try:
+                        from peer.nn.store import check_name  # here: the store imports torch
+
                         check_name(value)
                     except InvalidArgument as e:
                         s.fail(key, e.rule)

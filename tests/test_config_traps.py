@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -271,3 +272,109 @@ def test_the_daemon_logs_each_step_of_its_start(tmp_path):
     steps = ["starting", "loading-models", "models-loaded", "opening-ledger", "ledger-verified", "site-loaded"]
     steps += ["binding", "serving"]
     assert [e for e in events if e in steps] == steps, events
+
+
+# ------------------------------------------------------------------------------ 5. no torch where none is needed
+
+#: ``python -c NO_TORCH ARGS`` runs ``privfusion ARGS`` with torch unimportable (a finder first
+#: on sys.meta_path refuses it), as on a machine or in a container without it
+NO_TORCH = """
+import runpy, sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is unimportable in this test")
+
+sys.meta_path.insert(0, NoTorch())
+sys.argv = ["privfusion", *sys.argv[1:]]
+runpy.run_module("peer.cli", run_name="__main__")
+"""
+
+
+def without_torch(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_commands_that_need_no_torch_run_without_it(tmp_path):
+    """Before: ``site new`` and ``roster pin`` imported torch (through ``peer.net.site`` and
+    ``peer.nn.store``), a second or more of start-up each and a failure where torch is not
+    installed. Now they, ``ledger show`` and ``peer info`` / ``peer health`` against a running
+    daemon work with torch unimportable."""
+    without_torch("--help")
+    a, b = tmp_path / "hospital-a", tmp_path / "hospital-b"
+    with socket.socket() as s:  # a free port: `peer health` dials the listen address of site.toml
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for d in (a, b):
+        without_torch("site", "new", "--name", d.name, "--dir", str(d), "--listen", f"127.0.0.1:{port}")
+    write_roster(tmp_path / "roster.toml", [(d.name, "127.0.0.1:1", f"{d.name}/identity/site.crt") for d in (a, b)])
+    for d in (a, b):
+        without_torch("roster", "pin", "--roster", str(tmp_path / "roster.toml"), "--dir", str(d / "identity"))
+    with serving(a):
+        info = without_torch(
+            "peer", "info", "--via", f"127.0.0.1:{port}", "--identity", str(b / "identity"), "--peer", "hospital-a"
+        )
+        assert "hospital-a" in info.stdout
+        without_torch("peer", "health", "--config", str(a / "site.toml"))
+    shown = without_torch("ledger", "show", "--db", str(a / "ledger.sqlite"))
+    assert "0 entries" in shown.stdout
+
+
+class serving:
+    """``privfusion peer serve`` of site ``d`` in a subprocess while the block runs; its port."""
+
+    def __init__(self, d: Path):
+        self.d, self.ready = d, d / "ready.json"
+
+    def __enter__(self) -> int:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "peer.cli", "peer", "serve", "--config", str(self.d / "site.toml"), "--ready-file",
+             str(self.ready)],
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not self.ready.exists() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not self.ready.exists():
+            self.__exit__()
+            raise AssertionError(f"peer serve did not start (exit {self.proc.returncode})")
+        return json.loads(self.ready.read_text())["port"]
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------------------ 6. output into a closed pipe
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--help",), ("ledger", "show", "--db", "{ledger}"), ("ledger", "show", "--db", "{ledger}", "--json"),
+     ("roster", "check", "--roster", "{roster}", "--dir", "{identity}"), ("site", "check", "--site", "{site}")],
+    ids=["help", "ledger-show", "ledger-show-json", "roster-check", "site-check"],
+)  # fmt: skip
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, args):
+    """``privfusion ... | head -1``: the reader is gone before the command writes; the command
+    ends without a traceback (exit 0 when nothing was written yet, 141 = 128 + SIGPIPE, as a
+    Unix tool ended by a closed pipe, otherwise)."""
+    d = new_site(tmp_path)
+    from peer.budget.ledger import Ledger
+    from peer.budget.policy import Policy
+
+    Ledger(d / "ledger.sqlite", Policy.from_toml(d / "site.toml")).close()
+    write_roster(tmp_path / "roster.toml", [("hospital-a", "127.0.0.1:1", "hospital-a/identity/site.crt")])
+    where = {"ledger": d / "ledger.sqlite", "roster": tmp_path / "roster.toml", "identity": d / "identity", "site": d}
+    argv = [a.format(**where) for a in args]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "peer.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.stdout.close()  # what `| head -1` does once it has its line, here before the first one
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) in (0, 141), err
+    assert "Traceback" not in err and "Exception ignored" not in err and "BrokenPipe" not in err, err

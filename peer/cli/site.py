@@ -186,8 +186,8 @@ def new_site(
     """Make a site directory (see the module docstring); the path of its site.toml. ``adjacency``
     is the unit of its data budget (``--adjacency``), which ``pool train --site`` and iterate runs
     then train in."""
+    from peer.net.address import check_listen
     from peer.net.identity import check_site_name, init_identity
-    from peer.net.site import check_listen
 
     check_site_name(name, "--name")
     check_listen(listen, "--listen")

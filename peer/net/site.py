@@ -77,6 +77,7 @@ from peer.base.rng import Randomness, make_randomness
 from peer.budget.ledger import Ledger
 from peer.budget.policy import Policy
 from peer.ldp.mechanisms import composite_record, perturb_graph, perturb_model_weights
+from peer.net.address import check_listen
 from peer.net.client import PeerClient, PeerError
 from peer.net.identity import CERT_FILE, KEY_FILE, Identity, check_site_name, load_identity
 from peer.net.limits import Limits
@@ -239,18 +240,6 @@ class SiteConfig:
         return Limits(
             self.workers, self.reserve_workers, self.max_calls_per_peer, self.stream_idle_s, self.stream_deadline_s
         )
-
-
-def check_listen(listen: str, field: str = "site.listen") -> str:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6; port 0 = any free port), else a clear error."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise InvalidArgument(
-            field, f'must be HOST:PORT with a port in 0..65535 (e.g. "0.0.0.0:50051"), got {listen!r}'
-        )
-    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
-        raise InvalidArgument(field, f'an IPv6 host is written in brackets, e.g. "[::]:50051"; got {listen!r}')
-    return listen
 
 
 class SiteLock:
