@@ -258,7 +258,7 @@ def _check(args) -> int:
     ``peer.cli.app``): it would refuse to start, and why."""
     from peer.net.daemon import check_site as daemon_check
 
-    found = daemon_check(Path(args.site) / "site.toml")
+    found = daemon_check(Path(args.site) / "site.toml", simulation=args.simulation)
     if args.json:
         print(json.dumps([{"path": p, "reason": why} for p, why in (*found.broken, *found.pending)], indent=2))
         return 1 if found.broken else 0
@@ -310,6 +310,11 @@ def register(subparsers) -> None:
     )
     p.add_argument("--site", required=True, metavar="DIR", help="the site directory (its site.toml)")
     p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.add_argument(
+        "--simulation",
+        action="store_true",
+        help="check as peer serve --simulation starts (fixed seeds allowed: tests and simulations only)",
+    )
     p.set_defaults(func=_check)
 
 
