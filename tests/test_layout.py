@@ -3,11 +3,12 @@
 Read from the source with ``ast`` (imports inside functions count too), so a lazy import cannot
 hide a dependency. The layers, from the bottom:
 
-    peer.base → peer.nn → peer.ldp, peer.dp → peer.budget → peer.net → peer.cli
+    peer.base → peer.nn → peer.ldp, peer.dp → peer.budget → peer.desk → peer.net → peer.cli
     coordinator_free (may use peer) → scenarios (may use both)
 
 ``peer`` never imports ``coordinator_free`` or ``scenarios``; the core (base, nn, ldp, dp,
-budget) imports no gRPC and no protobuf.
+budget) and the release desk (``peer.desk``) import no gRPC and no protobuf; the desk is the
+only caller of ``Ledger.charge``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ LAYERS = [
     "peer.ldp",
     "peer.dp",
     "peer.budget",
+    "peer.desk",
     "peer.net",
     "peer.experiments",
     "peer.cli",
@@ -39,23 +41,37 @@ ALLOWED = {
     "peer.ldp": {"peer.base", "peer.nn"},
     "peer.dp": {"peer.base", "peer.nn"},
     "peer.budget": {"peer.base", "peer.dp"},
-    "peer.net": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget"},
+    # the release desk: policy → make → record → charge → sign, over a site's state (no wire)
+    "peer.desk": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget"},
+    "peer.net": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.desk"},
     "peer.experiments": {"peer.base", "peer.nn", "peer.ldp", "peer.dp"},
-    "peer.cli": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net", "peer.experiments"},
+    "peer.cli": {
+        "peer.base",
+        "peer.nn",
+        "peer.ldp",
+        "peer.dp",
+        "peer.budget",
+        "peer.desk",
+        "peer.net",
+        "peer.experiments",
+    },
     # nothing outside peer/cli imports peer.cli: the command line is the top of the peer, and the
     # layers above reach it only through the entry-point group privfusion.commands
-    "coordinator_free": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.net"},
+    "coordinator_free": {"peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget", "peer.desk", "peer.net"},
     "scenarios": {
         "peer.base",
         "peer.nn",
         "peer.ldp",
         "peer.dp",
         "peer.budget",
+        "peer.desk",
         "peer.net",
         "coordinator_free",
     },
 }
 CORE = ("peer.base", "peer.nn", "peer.ldp", "peer.dp", "peer.budget")
+# what imports no gRPC and no protobuf: the core, and the release desk (it does the ledger's I/O)
+NO_WIRE = (*CORE, "peer.desk")
 # Pure modules that live in the shell's package because they need the site identity (peer.net.identity):
 # like the core, no gRPC, no protobuf, and nothing of the shell that does I/O or holds state.
 PURE_SHELL_MODULES = {
@@ -135,11 +151,11 @@ def test_peer_never_imports_coordinator_free_or_scenarios():
     assert not bad, bad
 
 
-def test_the_core_imports_no_grpc_and_no_protobuf():
+def test_the_core_and_the_desk_import_no_grpc_and_no_protobuf():
     bad = [
         f"{m} imports {n}"
         for m, p in modules().items()
-        if layer_of(m) in CORE
+        if layer_of(m) in NO_WIRE
         for n in imports_of(p, m)
         if any(n == s or n.startswith(s + ".") for s in SHELL_ONLY)
     ]
@@ -213,6 +229,50 @@ def test_the_site_holds_no_protobuf_types():
     site = ROOT / "peer" / "net" / "site.py"
     names = imports_of(site, "peer.net.site")
     assert not [n for n in names if n.startswith(("privfusion", "grpc", "google"))]
+
+
+#: The one module that may charge a ledger: the release desk (policy → make → record → charge → sign).
+CHARGER = "peer.desk.desk"
+
+
+def charge_calls(path: Path) -> list[int]:
+    """Lines of ``path`` that call a method named ``charge`` (``x.charge(...)``, however ``x``
+    is spelled) or take it as a value (``getattr(x, "charge")``, ``f = ledger.charge``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    lines = []
+    for node in ast.walk(tree):
+        named = (isinstance(node, ast.Attribute) and node.attr == "charge") or (
+            isinstance(node, ast.Constant) and node.value == "charge"
+        )
+        if named:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_release_desk_is_the_only_caller_of_ledger_charge():
+    """Every release takes the desk's one path; a second caller of ``Ledger.charge`` is how a
+    release gets out uncharged, or charged by other rules, on one path."""
+    bad = [
+        f"{m}:{line}"
+        for m, p in modules().items()
+        if m not in (CHARGER, "peer.budget.ledger")
+        for line in charge_calls(p)
+    ]
+    assert not bad, f"only {CHARGER} may charge a ledger: {bad}"
+    assert charge_calls(modules()[CHARGER]), f"{CHARGER} no longer charges: the check above checks nothing"
+
+
+def test_the_charge_check_sees_every_spelling(tmp_path):
+    """Guard for the check above: a charge by any spelling is seen."""
+    spelled = tmp_path / "m.py"
+    spelled.write_text(
+        "def f(site, led):\n"
+        "    site.ledger.charge(r, 'b')\n"
+        "    c = led.charge\n"
+        "    getattr(led, 'charge')(r, 'b')\n"
+        "    led.charged(r)\n"
+    )
+    assert charge_calls(spelled) == [2, 3, 4]
 
 
 def test_no_import_cycle_between_modules():

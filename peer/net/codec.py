@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from peer.base.errors import InvalidArgument
+from peer.desk.make import GroupFeaturesRelease
 from peer.net.messages import peer_info_message
-from peer.net.site import GroupFeaturesRelease
 from peer.nn.architectures import validate_architecture, weight_layers
 from peer.nn.graph import HiddenLayer, NetworkGraph
 

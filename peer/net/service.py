@@ -6,12 +6,12 @@ Every RPC does, in this order:
    site's pinned trust store and must equal ``header.sender`` (OpenFL's habit; :func:`bind_caller`);
 2. **validate** the request (every field, before any work) and ask the site's policy whether
    this caller may have this kind of release at these parameters;
-3. ask the site for the release (``peer.net.site``: the core's math with the site's public
-   defaults, noise drawn from a fresh CSPRNG stream; the relay Fuse is ``peer.net.fuse``) and
-   turn it into named tensors (``peer.net.codec``);
-4. **charge** the release record to the ledger (atomic check-and-charge; BudgetExhausted →
-   RESOURCE_EXHAUSTED and nothing leaves);
-5. stream the signed receipt, then the manifest, then the tensors, then the end frame.
+3. call the release desk (``peer.desk.desk.ReleaseDesk``) with a typed request: policy →
+   make (the core's math with the site's public defaults, noise from a fresh CSPRNG stream) →
+   record → **charge** (atomic check-and-charge; BudgetExhausted → RESOURCE_EXHAUSTED and
+   nothing leaves), or serve an identical data-level release again, or — the relay Fuse,
+   ``peer.net.fuse`` — cancel when the partner exchange fails → sign the receipt;
+4. stream the signed receipt, then the manifest, then the tensors, then the end frame.
 
 Domain errors (``peer.base.errors``) become gRPC status codes in exactly one place:
 :class:`ErrorInterceptor` (via :func:`status_of`). Nothing private is logged: log lines carry
@@ -20,6 +20,7 @@ method names, site names, record ids and public parameters only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -36,14 +37,15 @@ from grpc_status import rpc_status
 
 from peer.base import checks
 from peer.base.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
-from peer.base.records import ReleaseRecord
+from peer.desk.desk import ReleaseDesk
+from peer.desk.requests import FeaturesRequest, FuseRequest, MergeRequest, SegmentRequest, WeightsRequest
 from peer.net import wire
-from peer.net.codec import features_tensors, group_features_tensors, peer_info_message
+from peer.net.codec import peer_info_message
 from peer.net.fuse import fuse_with_partner
 from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
 from peer.net.limits import paced, wrap_handler
-from peer.net.receipts import sign_receipt
-from peer.net.site import GroupFeaturesRelease, Site, log_event, stamp
+from peer.net.signing import wire_transport
+from peer.net.site import Site, log_event
 from peer.nn.architectures import validate_architecture
 from peer.nn.probes import check_probe_input, model_input
 from privfusion.v1 import peer_pb2 as pb
@@ -291,6 +293,7 @@ class PeerService(pb_grpc.PeerServicer):
     def __init__(self, site: Site):
         self.site = site
         self.releases = InFlight()  # releases being streamed
+        self.desk = ReleaseDesk(site, wire_transport(site), gate=self)  # this service admits its releases
         self._draining = False
         self._drain_lock = threading.Lock()
 
@@ -342,115 +345,41 @@ class PeerService(pb_grpc.PeerServicer):
 
     # ------------------------------------------------------------------ releases
 
-    def _release(
-        self,
-        method: str,
-        caller: str,
-        record: ReleaseRecord,
-        kind: str,
-        model: str,
-        architecture: Mapping | None,
-        metadata: Mapping,
-        tensors: list[tuple[str, np.ndarray]],
-        upstream=(),
-        policy_kind: str | tuple[str, ...] | None = None,
-        on_behalf_of: str | None = None,
-        charged_entry: str | None = None,
-        served_again: str | None = None,
-    ) -> Iterator[pb.ReleaseFrame]:
-        """Charge, then stream receipt → manifest → tensors → end. The charge is never undone.
-
-        ``policy_kind`` is the request kind the policy's per-request cap is checked for (in
-        the budget's unit, by the ledger, inside the charge; a tuple names the parts of a
-        sequential composite). ``on_behalf_of``: the site a relayed release is finally for
-        (charged too). ``charged_entry``: the release was charged (and admitted past the
-        drain check) by the caller of this function already — Fuse charges before it calls
-        its partner (ReleaseMerged: the site charged it). ``served_again``: the ledger's
-        served-again row when ``charged_entry`` is an earlier charge whose identical bytes are
-        served again to ``caller`` (signed as such; no charge).
-        """
-        digests = [(name, wire.digest(a)) for name, a in tensors]
-        with self._drain_lock:
-            if self._draining and charged_entry is None:
-                raise FailedPrecondition(
-                    f"{self.site.name!r} is shutting down; nothing was charged", reason="SHUTTING_DOWN"
-                )
-            self.releases.enter()
-        entry_id = None
-        finished = False
+    def _stream(self, issued) -> Iterator[pb.ReleaseFrame]:
+        """Stream a release the desk issued (charged or served again, and signed): receipt →
+        manifest → tensors → end; then tell the desk how it ended (the charge stands either way)."""
         started = time.perf_counter()
+        finished = False
         try:
-            entry_id = (
-                charged_entry
-                if charged_entry is not None
-                else self.site.charge(record, caller, policy_kind or kind, on_behalf_of)
+            yield from wire.release_frames(
+                issued.receipt,
+                issued.kind,
+                issued.subject,
+                issued.architecture,
+                issued.metadata,
+                issued.tensors,
+                issued.upstream,
             )
-            log_event(
-                "served-again" if served_again else "charged",
-                method=method,
-                caller=caller,
-                entry=entry_id,
-                release=record.release_id,
-                mechanism=record.mechanism,
-                privacy_level=record.level,
-                unit=record.unit,
-                epsilon=record.epsilon,
-                delta=record.delta,
-                model=model,
-            )
-            # the ledger's position after this charge travels, signed, with the bytes: the
-            # counterparty's evidence of how far the ledger reached (docs/wire.md 6.3)
-            ledger_seq, ledger_head = self.site.ledger_position(entry_id, served_again)
-            receipt = sign_receipt(
-                self.site.identity,
-                entry_id,
-                record,
-                wire.release_manifest(kind, model, architecture, metadata, tensors, upstream, digests),
-                served_again or "",
-                caller if served_again else "",
-                ledger_seq,
-                ledger_head,
-            )
-            yield from wire.release_frames(receipt, kind, model, architecture, metadata, tensors, upstream)
             finished = True
-            self.site.release_event(
-                record, "sent", f"served again ({served_again}) to {caller}" if served_again else ""
-            )
-            log_event(
-                "released",
-                method=method,
-                caller=caller,
-                entry=entry_id,
-                release=record.release_id,
-                bytes=sum(a.nbytes for _, a in tensors),
-                seconds=round(time.perf_counter() - started, 3),
-            )
         finally:
-            if entry_id is not None and not finished:
-                # the client went away or the server is stopping: the charge stands (bytes may have left)
-                log_event(
-                    "aborted-after-charge", method=method, caller=caller, entry=entry_id, release=record.release_id
-                )
-                try:
-                    self.site.release_event(record, "send-failed", "stream ended before ReleaseEnd")
-                except Exception as e:
-                    log_event("event-not-recorded", entry=entry_id, error_type=type(e).__name__)
-            self.releases.exit()
+            self.desk.finish(issued, sent=finished, started=started)
 
     def drain(self) -> None:
         """From now on refuse new releases before they are charged (graceful shutdown)."""
         with self._drain_lock:
             self._draining = True
 
-    def _admit(self) -> None:
-        """Count a release charged outside :meth:`_release` (Fuse) as in flight, unless draining
-        (FailedPrecondition: nothing charged); the caller ``releases.exit()``s it."""
+    def admit(self, what: str) -> None:
+        """The desk's gate: count a release as in flight before it is charged or served, unless
+        draining (FailedPrecondition SHUTTING_DOWN, ``what`` says what did not happen)."""
         with self._drain_lock:
             if self._draining:
-                raise FailedPrecondition(
-                    f"{self.site.name!r} is shutting down; nothing was charged", reason="SHUTTING_DOWN"
-                )
+                raise FailedPrecondition(f"{self.site.name!r} is shutting down; {what}", reason="SHUTTING_DOWN")
             self.releases.enter()
+
+    def leave(self) -> None:
+        """The desk's gate: a release admitted by :meth:`admit` has ended."""
+        self.releases.exit()
 
     def _on_behalf_of(self, header: pb.RequestHeader, caller: str, method: str) -> str | None:
         """The site a relayed request is finally for (``header.on_behalf_of``), or None.
@@ -475,14 +404,6 @@ class PeerService(pb_grpc.PeerServicer):
         if final == self.site.name:
             raise InvalidArgument("header.on_behalf_of", f"must not name this site ({self.site.name!r})")
         return final
-
-    def _policy_allows(self, caller: str, on_behalf_of: str | None, *kinds: str) -> None:
-        """PermissionDenied unless the policy lets the caller (and the site it relays for) ask
-        for every kind."""
-        for who in (caller, on_behalf_of):
-            if who is not None:
-                for kind in kinds:
-                    self.site.policy_allows(who, kind)
 
     # ------------------------------------------------------------------ RPCs
 
@@ -521,12 +442,14 @@ class PeerService(pb_grpc.PeerServicer):
                 "weights_delta" if p.HasField("weights_epsilon") else "weights_epsilon",
                 "give both weights_epsilon and weights_delta (features with weights), or neither",
             )
-        with_weights = p.HasField("weights_epsilon")
-        if with_weights:
-            weights_eps = check_epsilon(p.weights_epsilon, "weights_epsilon")
-            weights_dlt = check_delta(p.weights_delta, "weights_delta")
-        kinds = ("features", "weights") if with_weights else ("features",)
-        self._policy_allows(caller, final, *kinds)
+        weights = None
+        if p.HasField("weights_epsilon"):
+            weights = (
+                check_epsilon(p.weights_epsilon, "weights_epsilon"),
+                check_delta(p.weights_delta, "weights_delta"),
+            )
+        request = FeaturesRequest(caller, p.model, eps_x, eps_w, clip, bound, unit, weights, final)
+        self.desk.policy(request)  # before the probe set is uploaded
 
         header = next(messages, None)
         if header is None or header.WhichOneof("part") != "probe":
@@ -541,66 +464,24 @@ class PeerService(pb_grpc.PeerServicer):
                 )
             receiver.add(m.chunk)
         probe = probe_input(architecture, receiver.finish())
-
-        release = self.site.features(
-            stored,
-            probe,
-            activation_epsilon=eps_x,
-            weight_epsilon=eps_w,
-            activation_clip=clip,
-            weight_bounds=bound,
-            unit=unit,
-            weights=(weights_eps, weights_dlt) if with_weights else None,
-        )
-        if isinstance(release, GroupFeaturesRelease):  # a site's own network: per group element
-            tensors, meta = group_features_tensors(release, int(probe.shape[0]))
-        else:
-            tensors, meta = features_tensors(release.graph, release.weights)
-        kind = "features+weights" if with_weights else "features"
-        relayed = {"on_behalf_of": final} if final else {}
-        record = stamp(release.record, caller, p.model, probe_rows=int(probe.shape[0]), **relayed)
-        yield from self._release(
-            "ReleaseFeatures",
-            caller,
-            record,
-            kind,
-            p.model,
-            architecture,
-            meta,
-            tensors,
-            policy_kind=kinds if with_weights else "features",
-            on_behalf_of=final,
-        )
+        yield from self._stream(self.desk.issue(dataclasses.replace(request, probe=probe)))
 
     def ReleaseWeights(self, request: pb.WeightsRequest, context) -> Iterator[pb.ReleaseFrame]:
         caller = self.bind_caller(context, request.header)
         final = self._on_behalf_of(request.header, caller, "ReleaseWeights")
-        stored = self.site.model(request.model, "model", own=True)
+        self.site.model(request.model, "model", own=True)  # an unknown model is NOT_FOUND first
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
-        self._policy_allows(caller, final, "weights")
-        arrays, record = self.site.weights(stored, eps, dlt, caller, on_behalf_of=final)
-        tensors = [(k, arrays.pop(k)) for k in sorted(arrays)]
-        yield from self._release(
-            "ReleaseWeights",
-            caller,
-            record,
-            "weights",
-            request.model,
-            self.site.architecture_of(stored),
-            {"permuted": False},  # docs/wire.md §5.2: weights always leave unpermuted
-            tensors,
-            on_behalf_of=final,
-        )
+        yield from self._stream(self.desk.issue(WeightsRequest(caller, request.model, eps, dlt, final)))
 
     def Fuse(self, request: pb.FuseRequest, context) -> Iterator[pb.ReleaseFrame]:
         """Relay: fuse our model with the partner's, for the caller (see the .proto).
 
         Here: bind, validate every field, check that the policy allows the caller "fuse" and
         that we have a probe set (refusals here touch no ledger); then
-        ``peer.net.fuse.fuse_with_partner`` charges our contribution before its one call to the
-        partner and withdraws the charge if anything fails before a byte is sent; we stream
-        the fused model under that charge.
+        ``peer.net.fuse.fuse_with_partner`` has the desk charge our contribution before its one
+        call to the partner and withdraw the charge if anything fails before a byte is sent; we
+        stream the fused model under that charge.
         """
         caller = self.bind_caller(context, request.header)
         self._on_behalf_of(request.header, caller, "Fuse")
@@ -622,11 +503,20 @@ class PeerService(pb_grpc.PeerServicer):
         alpha = request.alpha
         if not math.isfinite(alpha) or not 0 <= alpha <= 1:
             raise InvalidArgument("alpha", f"must be in [0, 1], got {alpha!r}")
-        eps_x = check_epsilon(request.activation_epsilon, "activation_epsilon")
-        eps_w = check_epsilon(request.weight_epsilon, "weight_epsilon")
-        eps = check_epsilon(request.weights_epsilon, "weights_epsilon")
-        dlt = check_delta(request.weights_delta, "weights_delta")
-        self.site.policy_allows(caller, "fuse")
+        fuse = FuseRequest(
+            caller,
+            request.model,
+            partner,
+            request.partner_model,
+            alpha,
+            check_epsilon(request.activation_epsilon, "activation_epsilon"),
+            check_epsilon(request.weight_epsilon, "weight_epsilon"),
+            check_epsilon(request.weights_epsilon, "weights_epsilon"),
+            check_delta(request.weights_delta, "weights_delta"),
+            self.site.activation_clip(),
+            caller_active=context.is_active,
+        )
+        self.desk.policy(fuse)
         probe = self.site.probe
         if probe is None:
             raise FailedPrecondition(
@@ -641,54 +531,8 @@ class PeerService(pb_grpc.PeerServicer):
                 reason="PROBE_NOT_FOR_MODEL",
                 metadata={"model": request.model},
             ) from None
-        probe = probe_input(stored.architecture, probe)
-
-        admitted = False  # counted among the releases in flight (graceful shutdown waits for it)
-
-        def admit() -> None:
-            nonlocal admitted
-            self._admit()
-            admitted = True
-
-        try:
-            fused = fuse_with_partner(
-                self.site,
-                caller,
-                stored,
-                probe,
-                partner=partner,
-                partner_model=request.partner_model,
-                alpha=alpha,
-                activation_epsilon=eps_x,
-                weight_epsilon=eps_w,
-                weights_epsilon=eps,
-                weights_delta=dlt,
-                admit=admit,
-                caller_active=context.is_active,
-            )
-            # the caller's release, under the charge fuse_with_partner made
-            tensors = [(k, fused.arrays.pop(k)) for k in sorted(fused.arrays)]
-            yield from self._release(
-                "Fuse",
-                caller,
-                fused.record,
-                "fused",
-                request.model,
-                stored.architecture,
-                {
-                    "alpha": alpha,
-                    "partner": partner,
-                    "partner_model": request.partner_model,
-                    "upstream": [fused.upstream.ledger_entry_id],
-                    "match_objective": fused.objective,
-                },
-                tensors,
-                upstream=(fused.upstream,),
-                charged_entry=fused.entry_id,
-            )
-        finally:
-            if admitted:
-                self.releases.exit()
+        fuse = dataclasses.replace(fuse, probe=probe_input(stored.architecture, probe))
+        yield from self._stream(fuse_with_partner(self.desk, self.site, fuse))
 
     def ReleaseMerged(self, request: pb.MergeRequest, context) -> Iterator[pb.ReleaseFrame]:
         caller = self.bind_caller(context, request.header)
@@ -700,27 +544,8 @@ class PeerService(pb_grpc.PeerServicer):
             )
         eps = check_epsilon(request.epsilon, "epsilon")
         dlt = check_delta(request.delta, "delta")
-        self.site.policy_allows(caller, "merge")
-        with self._drain_lock:
-            if self._draining:
-                raise FailedPrecondition(
-                    f"{self.site.name!r} is shutting down; nothing was charged", reason="SHUTTING_DOWN"
-                )
-        # the site decides: serve its stored release again (no charge) or make, store and charge one
-        merged = self.site.merge_release(request.pool, request.method, eps, dlt, caller)
-        yield from self._release(
-            "ReleaseMerged",
-            caller,
-            merged.record,
-            "merged",
-            request.pool,
-            merged.architecture,
-            merged.metadata,
-            merged.tensors,
-            policy_kind="merge",
-            charged_entry=merged.entry_id,
-            served_again=merged.served_again,
-        )
+        # the desk decides: serve its stored release again (no charge) or make, store and charge one
+        yield from self._stream(self.desk.issue(MergeRequest(caller, request.pool, request.method, eps, dlt)))
 
     def ReleaseSegment(self, request: pb.SegmentRequest, context) -> Iterator[pb.ReleaseFrame]:
         caller = self.bind_caller(context, request.header)
@@ -731,27 +556,9 @@ class PeerService(pb_grpc.PeerServicer):
             raise InvalidArgument(
                 "max_round", f"must be 0 (no limit) or >= min_round ({request.min_round}), got {request.max_round}"
             )
-        self.site.policy_allows(caller, "segment")
-        with self._drain_lock:
-            if self._draining:
-                raise FailedPrecondition(
-                    f"{self.site.name!r} is shutting down; nothing was served", reason="SHUTTING_DOWN"
-                )
         # served again from the store (charged once by the site's own run when it was published)
-        segment = self.site.segment_release(request.run, request.min_round, caller, request.max_round or None)
-        yield from self._release(
-            "ReleaseSegment",
-            caller,
-            segment.record,
-            "segment",
-            request.run,
-            segment.architecture,
-            segment.metadata,
-            segment.tensors,
-            policy_kind="segment",
-            charged_entry=segment.entry_id,
-            served_again=segment.served_again,
-        )
+        segment = SegmentRequest(caller, request.run, request.min_round, request.max_round or None)
+        yield from self._stream(self.desk.issue(segment))
 
     def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:
         caller = self.bind_caller(context, request.header)

@@ -76,7 +76,13 @@ from peer.base.records import FIXED_SEED_WARNING, ReleaseRecord
 from peer.base.rng import Randomness, make_randomness
 from peer.budget.ledger import Ledger
 from peer.budget.policy import Policy
-from peer.ldp.mechanisms import composite_record, perturb_graph, perturb_model_weights
+from peer.desk import make
+from peer.desk.desk import ReleaseDesk
+from peer.desk.events import log_event
+from peer.desk.kinds import IssuedMerge, IssuedSegment
+from peer.desk.make import FeaturesRelease, GroupFeaturesRelease, stamp
+from peer.desk.requests import MergeRequest, SegmentRequest
+from peer.desk.store import ReleaseStore
 from peer.net.address import check_listen
 from peer.net.client import PeerClient, PeerError
 from peer.net.identity import CERT_FILE, KEY_FILE, Identity, check_site_name, load_identity
@@ -84,21 +90,13 @@ from peer.net.limits import Limits
 from peer.net.peer_info import BudgetInfo, LayerInfo, ModelInfo, PoolInfo, SiteInfo
 from peer.net.trust import PinnedPeer, TrustStore
 from peer.nn.architectures import hidden_sizes, weight_layers
-from peer.nn.graph import NetworkGraph, extract_graph
 from peer.nn.probes import read_probe
 from peer.nn.store import StoredModel, list_models, load_store, site_unusable_files
-
-__all__ = ["GroupFeaturesRelease", "Site", "SiteConfig", "check_listen", "load_probe", "log_event", "stamp"]
 
 log = logging.getLogger("privfusion.peer")
 
 #: The mechanisms a site releases under (PeerInfo.mechanisms, with where its noise comes from).
 MECHANISMS = ("laplace", "multibit", "gaussian", "rs-merge", "lc-merge")
-
-
-def log_event(event: str, **fields: Any) -> None:
-    """One structured log line (JSON): public facts only, never tensors, keys or raw values."""
-    log.info(json.dumps({"event": event, **fields}, sort_keys=True, default=str))
 
 
 # ------------------------------------------------------------------------ configuration
@@ -291,53 +289,7 @@ def load_probe(path: Path) -> np.ndarray:
     return x
 
 
-def stamp(record: ReleaseRecord, caller: str, subject: str, **parameters: Any) -> ReleaseRecord:
-    """``record`` as released to ``caller``: its counterparty, its subject (model or pool) and
-    the request's public parameters added to the mechanism's."""
-    params = dict(record.parameters)
-    params.update(parameters)
-    return record.with_(counterparty=caller, subject=subject, parameters=params)
-
-
-# ------------------------------------------------------------------------ releases as the site makes them
 # (what a site says about itself, SiteInfo and its parts, is in peer.net.peer_info)
-
-
-@dataclass(frozen=True)
-class FeaturesRelease:
-    """Noisy graph features of a model on a probe set and, when asked for, its perturbed
-    unpermuted weights; ``record`` covers both (a sequential composite), not yet stamped."""
-
-    graph: NetworkGraph
-    weights: dict[str, np.ndarray] | None
-    record: ReleaseRecord
-
-
-@dataclass(frozen=True)
-class GroupFeaturesRelease:
-    """Noisy features of a site's own network (``peer.nn.imported``) over its permutation
-    groups: each group's activation rows (Laplace), every parameter's multi-bit weight features
-    (the site's key names and shapes) and, when asked for, its PFA weights; ``record`` covers
-    all (a sequential composite; one unit = one group element), not yet stamped."""
-
-    architecture: Mapping[str, Any]
-    activations: dict[str, np.ndarray]
-    features: dict[str, np.ndarray]
-    weights: dict[str, np.ndarray] | None
-    record: ReleaseRecord
-
-
-@dataclass(frozen=True)
-class MergeRelease:
-    """A merge ready to stream, already charged (``entry_id``) or, with ``served_again`` (the
-    ledger's served-again row), the identical bytes of the earlier charge ``entry_id``."""
-
-    architecture: Mapping[str, Any]
-    tensors: list[tuple[str, np.ndarray]]
-    record: ReleaseRecord
-    metadata: Mapping[str, Any]
-    entry_id: str
-    served_again: str | None
 
 
 # ------------------------------------------------------------------------ the site
@@ -633,295 +585,56 @@ class Site:
                 "a daemon started without --simulation does not serve it"
             )
 
-    # ---- releases (computed, not yet charged) -------------------------------------------------
+    # ---- releases: the desk's (peer.desk), kept here as thin entry points -------------------
 
-    def perturbed_weights(
-        self, stored: StoredModel, epsilon: float, delta: float, randomness: Randomness | None = None
-    ):
-        """PFA-perturbed, unpermuted weights of ``stored`` ((ε, δ) per neuron, the site's
-        Gaussian calibration) and their record. A site's own network: per group element
-        (``peer.ldp.mechanisms.groups.perturb_group_weights``), under the site's key names."""
-        from peer.nn.imported import ImportedModel
+    @property
+    def desk(self):
+        """A release desk over this site (no transport: its releases are not signed; the
+        service and ``privfusion merge`` make their own with one)."""
+        desk = self.__dict__.get("_desk")
+        if desk is None:
+            desk = self.__dict__.setdefault("_desk", ReleaseDesk(self))
+        return desk
 
-        if isinstance(stored, ImportedModel):
-            from peer.ldp.mechanisms.groups import perturb_group_weights
+    def perturbed_weights(self, stored, epsilon: float, delta: float, randomness: Randomness | None = None):
+        """``peer.desk.make.perturbed_weights`` with this site's defaults (not charged)."""
+        return make.perturbed_weights(self, stored, epsilon, delta, randomness)
 
-            # the structure alone cannot show that two keys name one tensor (a model stored
-            # before imports refused that): the site's own module is built to check it
-            self.own_module(stored)
-            return perturb_group_weights(
-                stored.structure,
-                stored.arrays,
-                epsilon=epsilon,
-                delta=delta,
-                calibration=self.config.calibration,
-                randomness=randomness or self.randomness(),
-            )
-        return perturb_model_weights(
-            stored.architecture,
-            stored.arrays,
-            epsilon=epsilon,
-            delta=delta,
-            calibration=self.config.calibration,
-            randomness=randomness or self.randomness(),
-        )
+    def features(self, stored, probe: np.ndarray, **options: Any):
+        """``peer.desk.make.features`` with this site's defaults (not charged)."""
+        return make.features(self, stored, probe, **options)
 
-    def features(
-        self,
-        stored: StoredModel,
-        probe: np.ndarray,
-        *,
-        activation_epsilon: float,
-        weight_epsilon: float,
-        activation_clip: tuple[float, float] | None,
-        weight_bounds: tuple[float, float] | None = None,
-        unit: str = "neuron",
-        weights: tuple[float, float] | None = None,
-        release: str = "features+weights",
-    ) -> FeaturesRelease | GroupFeaturesRelease:
-        """Noisy graph features of ``stored`` on ``probe`` (Laplace on activations clipped to
-        ``activation_clip``, multi-bit on weight features, per ``unit``) and, with ``weights`` =
-        (ε, δ), its perturbed weights from the same randomness stream. Both parts touch every
-        neuron, so they compose sequentially into one record (``parameters.release`` =
-        ``release``): one release, one charge, and a refusal of either leaves nothing charged.
+    def group_features(self, own, probe: np.ndarray, **options: Any):
+        """``peer.desk.make.group_features`` with this site's defaults (not charged)."""
+        return make.group_features(self, own, probe, **options)
 
-        A site's own network (``ImportedModel``) is released per permutation-group element
-        instead (:meth:`group_features`)."""
-        from peer.nn.imported import ImportedModel
-
-        if isinstance(stored, ImportedModel):
-            if unit != "neuron":
-                raise InvalidArgument("unit", "a site's own network is released per group element only ('neuron')")
-            if weight_bounds is not None:
-                raise InvalidArgument(
-                    "weight_bound",
-                    "a site's own network's weight features use each parameter's public scale; leave it unset",
-                )
-            return self.group_features(
-                stored,
-                probe,
-                activation_epsilon=activation_epsilon,
-                weight_epsilon=weight_epsilon,
-                activation_clip=activation_clip,
-                weights=weights,
-            )
-        graph = extract_graph(stored.architecture, stored.module(), probe)
-        rnd = self.randomness()
-        noisy, record = perturb_graph(
-            graph,
-            epsilon_x=activation_epsilon,
-            epsilon_w=weight_epsilon,
-            activation_clip=activation_clip,
-            weight_bounds=weight_bounds,
-            unit=unit,
-            randomness=rnd,
-        )
-        arrays = None
-        if weights is not None:
-            arrays, weights_record = self.perturbed_weights(stored, *weights, randomness=rnd)
-            record = composite_record(
-                [record, weights_record], "sequential", randomness=rnd, parameters={"release": release}
-            )
-        return FeaturesRelease(noisy, arrays, record)
-
-    def group_features(
-        self,
-        own,
-        probe: np.ndarray,
-        *,
-        activation_epsilon: float,
-        weight_epsilon: float,
-        activation_clip: tuple[float, float] | None,
-        weights: tuple[float, float] | None = None,
-    ) -> GroupFeaturesRelease:
-        """Noisy features of a site's own network on ``probe`` (rows of its input), one unit =
-        one group element (``peer.ldp.mechanisms.groups``): Laplace on each group element's
-        activation rows (its P·m responses at the group's m member modules, clipped to
-        ``activation_clip``: Δ₁ = P·m·(hi − lo)), the multi-bit mechanism on its weight-feature
-        row (its slices of every parameter it owns, over their public scales) and, with
-        ``weights`` = (ε, δ), the PFA on the same rows — all from one randomness stream. Every
-        part touches every group element, so they compose sequentially into one record: one
-        release, one charge."""
-        from peer.ldp.group_matching import group_activations
-        from peer.ldp.mechanisms.groups import perturb_group_activations, perturb_group_weight_features
-        from peer.nn.imported import imported_architecture, input_batch
-
-        if activation_clip is None:
-            raise InvalidArgument(
-                "activation_clip",
-                "is required for a site's own network (its group members are unbounded pre-activations): "
-                "give a public range, or set [site.mechanisms] activation_clip",
-            )
-        acts = group_activations(self.own_module(own), own.structure, input_batch(own.structure, probe))
-        rnd = self.randomness()
-        noisy_acts, r_act = perturb_group_activations(
-            acts, epsilon=activation_epsilon, clip=activation_clip, randomness=rnd
-        )
-        features, r_w = perturb_group_weight_features(own.structure, own.arrays, epsilon=weight_epsilon, randomness=rnd)
-        parts = [r_act, r_w]
-        arrays = None
-        if weights is not None:
-            arrays, r_pfa = self.perturbed_weights(own, *weights, randomness=rnd)
-            parts.append(r_pfa)
-        record = composite_record(
-            parts,
-            "sequential",
-            randomness=rnd,
-            parameters={
-                "release": "group_features" if weights is None else "group_features+weights",
-                "unit_is": "one group element",
-            },
-        )
-        return GroupFeaturesRelease(imported_architecture(own.structure), noisy_acts, features, arrays, record)
-
-    def weights(
-        self, stored: StoredModel, epsilon: float, delta: float, caller: str, on_behalf_of: str | None = None
-    ) -> tuple[dict[str, np.ndarray], ReleaseRecord]:
-        """Perturbed weights for ``caller``, always unpermuted: a requester aligns them itself,
-        so its match never leaves it. The record is stamped. A site's own network: the PFA per
-        group element (:meth:`perturbed_weights`), under the site's key names."""
-        arrays, record = self.perturbed_weights(stored, epsilon, delta)
-        return arrays, stamp(record, caller, stored.name, **({"on_behalf_of": on_behalf_of} if on_behalf_of else {}))
+    def weights(self, stored, epsilon: float, delta: float, caller: str, on_behalf_of: str | None = None):
+        """``peer.desk.make.weights`` with this site's defaults (not charged)."""
+        return make.weights(self, stored, epsilon, delta, caller, on_behalf_of)
 
     def merge(self, pool: str, method: str, epsilon: float, delta: float, caller: str):
-        """An RS or LC merge of ``pool`` at (ε, δ) for ``caller`` (``peer.dp.pools.merge_pool``:
-        π / λ from public information, or — for a pool with selection = "utility" — from
-        candidates scored on the pool's validation split and charged as such), its record
-        stamped. Not stored, not charged: :meth:`merge_release` is what the service serves."""
-        # lazy: peer.dp loads dp_accounting (slow to import); the site has pools, so it is loaded
-        from peer.dp.pools import merge_pool
-
-        members = self.pool(pool)
-        scored = self.pool_selection(pool) == "utility"
-        return merge_pool(
-            members,
-            method,
-            epsilon,
-            delta,
-            selection=self.pool_selection(pool),
-            validation=self.pool_validation(pool) if scored else None,
-            utilities=self.rs_utilities(pool) if scored and method == "rs" else None,
-            randomness=self.randomness(),
-            subject=pool,
-            counterparty=caller,
-        )
+        """``peer.desk.make.merge`` of this site's pool (not stored, not charged)."""
+        return make.merge(self, pool, method, epsilon, delta, caller)
 
     @property
     def releases(self):
         """The store of this site's data-level releases (``LEDGER_STEM.releases/`` beside the ledger)."""
         store = self.__dict__.get("_releases")
         if store is None:
-            from peer.net.releases import ReleaseStore
-
             ledger = self.config.ledger
             store = self.__dict__.setdefault("_releases", ReleaseStore(ledger.with_name(ledger.stem + ".releases")))
         return store
 
-    def _serve_again(self, stored, caller: str, what: str, detail: str, **log_fields: Any) -> MergeRelease | None:
-        """``stored`` served again to ``caller`` at no charge (``Ledger.serve_again`` records it,
-        naming the original charge), or None when its charge is missing or cancelled (its bytes
-        never left, or must not: the caller makes anew or skips it). A stored record that differs
-        from the charged one is refused (FailedPrecondition), never served."""
-        charge = self.ledger.charge_of(stored.record.release_id)
-        if charge is None or charge[1]:
-            return None
-        entry, _ = charge
-        if entry.record.canonical_json() != stored.record.canonical_json():
-            raise FailedPrecondition(
-                f"release store: the record of {what} differs from the one ledger entry {entry.entry_id} "
-                "charged; it is not served"
-            )
-        self.check_randomness(stored.record, what)
-        served = self.ledger.serve_again(stored.record.release_id, caller, detail)
-        log_event(
-            "served-again",
-            caller=caller,
-            entry=entry.entry_id,
-            served_again=served["id"],
-            release=stored.record.release_id,
-            **log_fields,
-        )
-        return MergeRelease(
-            stored.architecture, stored.tensors, stored.record, stored.metadata, str(entry.entry_id), str(served["id"])
-        )
+    def merge_release(self, pool: str, method: str, epsilon: float, delta: float, caller: str) -> IssuedMerge:
+        """The merge served or charged by the desk (``ReleaseDesk.merged``), unsigned."""
+        return self.desk.merged(MergeRequest(caller, pool, method, epsilon, delta))
 
-    def merge_release(self, pool: str, method: str, epsilon: float, delta: float, caller: str) -> MergeRelease:
-        """The merge of ``pool`` at (ε, δ) for ``caller``, charged once however often it is asked for.
+    def segment_release(self, run: str, min_round: int, caller: str, max_round: int | None = None) -> IssuedSegment:
+        """The segment served again by the desk (``ReleaseDesk.segment``), unsigned."""
+        return self.desk.segment(SegmentRequest(caller, run, min_round, max_round))
 
-        A merge is a DP output of the pool's training records (data level), so the identical
-        bytes may be served again at no cost (post-processing). With one lock per request key:
-        an entry of the release store (``peer.net.releases``) whose charge stands in the ledger
-        is served again — ``Ledger.serve_again`` records it, naming the original charge, and no
-        budget changes; otherwise a new merge is made, its record binds its bytes
-        (``parameters.release_sha256``), it is stored atomically, *then* charged to ``caller``.
-        A stored entry whose charge is missing (a crash between store and charge: its bytes never
-        left) or cancelled is discarded and replaced; a tampered one is refused
-        (FailedPrecondition), never served. BudgetExhausted from the charge leaves the new entry
-        uncharged (discarded by the next request)."""
-        from peer.net.releases import StoredRelease, pool_fingerprint, release_key, release_sha256
-
-        members = self.pool(pool)
-        prints = self.__dict__.setdefault("_pool_fingerprints", {})
-        if pool not in prints:  # pools are fixed while the daemon runs
-            prints[pool] = pool_fingerprint(members)
-        key = release_key(pool, method, epsilon, delta, prints[pool])
-        with self.releases.lock(key):
-            stored = self.releases.get(key)
-            if stored is not None:
-                again = self._serve_again(
-                    stored, caller, f"entry {key}", f"ReleaseMerged {pool} {method} to {caller}", pool=pool
-                )
-                if again is not None:
-                    return again
-                self.releases.remove(key)  # never left the site (no charge) or withdrawn: make anew
-            merged = self.merge(pool, method, epsilon, delta, caller)
-            self.check_randomness(merged.record, f"a merge of pool {pool!r}")  # before it is stored or charged
-            tensors = [(k, merged.arrays.pop(k)) for k in sorted(merged.arrays)]
-            from peer.net import wire
-
-            digest = release_sha256([(n, wire.digest(a)) for n, a in tensors])
-            record = merged.record.with_(parameters={**merged.record.parameters, "release_sha256": digest})
-            # public: the method, π or λ, the ε each accountant reports, the selection and its utility
-            metadata = {"choice": merged.choice.to_dict()}
-            parameters = {"pool": pool, "method": method, "epsilon": epsilon, "delta": delta}
-            self.releases.put(key, parameters, StoredRelease(key, record, merged.architecture, metadata, tensors))
-            entry_id = self.charge(record, caller, "merge")
-            return MergeRelease(merged.architecture, tensors, record, metadata, entry_id, None)
-
-    def segment_release(self, run: str, min_round: int, caller: str, max_round: int | None = None) -> MergeRelease:
-        """This site's newest published segment of ``run`` with ``min_round`` ≤ round ≤
-        ``max_round`` (None: no upper limit), served
-        again to ``caller`` (no charge: ``coordinator_free.iterate`` charged it once when it
-        published it, ``peer.net.releases.publish_segment``). Never trains and never charges.
-
-        Only an entry whose charge stands in the ledger (not cancelled, same record byte for
-        byte) is served; one without (its publisher died between store and charge, or was
-        refused by the budget) is skipped. NotFound when no segment qualifies yet."""
-        from peer.net.releases import check_run_name, segment_rounds
-
-        check_run_name(run)
-        for number, key in segment_rounds(self.releases, run):
-            if max_round is not None and number > max_round:
-                continue
-            if number < min_round:
-                break
-            stored = self.releases.get(key)
-            if stored is None:
-                continue
-            again = self._serve_again(
-                stored,
-                caller,
-                f"segment {run!r} round {number}",
-                f"ReleaseSegment {run} round {number} to {caller}",
-                run=run,
-                round=number,
-            )
-            if again is not None:
-                return again
-        upto = "" if max_round is None else f" and ≤ {max_round}"
-        raise NotFound(
-            f"segment: {self.name!r} has published no segment of run {run!r} at round ≥ {min_round}{upto} yet"
-        )
+    def _serve_again(self, stored, caller: str, what: str, detail: str, **log_fields: Any) -> IssuedMerge | None:
+        return self.desk.serve_again(stored, caller, what, detail, IssuedMerge, **log_fields)
 
     # ---- policy and ledger --------------------------------------------------------------------
 
@@ -932,27 +645,6 @@ class Site:
             return  # every pinned peer may see who we are
         if not self.policy.allows(caller, kind):
             raise PermissionDenied(f"{self.name!r}'s policy does not let {caller!r} ask for {kind}")
-
-    def charge(
-        self, record: ReleaseRecord, caller: str, kind: str | tuple[str, ...], on_behalf_of: str | None = None
-    ) -> str:
-        """Charge ``record`` to ``caller`` (and, for a relayed release, also to the site it is
-        finally for); the entry id."""
-        also = (on_behalf_of,) if on_behalf_of else ()
-        return str(self.ledger.charge(record, caller, kind=kind, also_counterparties=also).entry_id)
-
-    def ledger_position(self, entry_id: str, served_again: str | None = None) -> tuple[int, bytes]:
-        """The ledger's charge chain position (sequence number, 32-byte head) right after charge
-        ``entry_id`` — or when it was served again (``served_again``) — for its receipt."""
-        seq, head = self.ledger.chain_position(entry_id, served_again)
-        return seq, bytes.fromhex(head)
-
-    def cancel(self, record: ReleaseRecord, reason: str) -> None:
-        """Withdraw the charge of a release none of whose bytes went to the transport."""
-        self.ledger.cancel(record.release_id, reason)
-
-    def release_event(self, record: ReleaseRecord, event: str, detail: str = "") -> None:
-        self.ledger.record_event(record.release_id, event, detail)
 
     def ledger_entries(self, caller: str):
         for e in self.ledger.entries(counterparty=caller):
@@ -1074,3 +766,28 @@ class PartnerClient:
                 ) from None
 
         return call
+
+
+#: Before the release desk, a segment was served as a ``MergeRelease``; kept for code that names it.
+MergeRelease = IssuedMerge
+
+__all__ = [
+    "MECHANISMS",
+    "SITE_KEYS",
+    "BudgetInfo",
+    "FeaturesRelease",
+    "GroupFeaturesRelease",
+    "LayerInfo",
+    "MergeRelease",
+    "ModelInfo",
+    "PartnerClient",
+    "PoolInfo",
+    "Site",
+    "SiteConfig",
+    "SiteInfo",
+    "SiteLock",
+    "check_listen",
+    "load_probe",
+    "log_event",
+    "stamp",
+]

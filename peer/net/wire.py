@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from peer.base.errors import InvalidArgument
+from peer.desk.store import digest, raw_bytes  # the wire bytes a digest binds: one definition
 from peer.net.receipts import Manifest, SignedReceipt, TensorEntry, check_manifest, receipt_digest
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import tensor_pb2 as tpb
@@ -76,19 +77,6 @@ def dtype_code(dtype: np.dtype) -> int:
             "dtype", f"{np.dtype(dtype)} cannot travel; use one of {[str(d) for d in DTYPES.values()]}"
         )
     return code
-
-
-def raw_bytes(array: np.ndarray) -> memoryview:
-    """The array's raw little-endian C-order bytes, without a copy when it already is."""
-    a = np.asarray(array)
-    le = a.dtype.newbyteorder("<")
-    a = np.ascontiguousarray(a.astype(le, copy=False))
-    return memoryview(a.reshape(-1).view(np.uint8))
-
-
-def digest(array: np.ndarray) -> bytes:
-    """SHA-256 of the tensor's wire bytes."""
-    return hashlib.sha256(raw_bytes(array)).digest()
 
 
 def tensor_messages(
