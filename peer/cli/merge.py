@@ -12,6 +12,19 @@ as the composition of that subset (``peer.dp.merging``).
 Writes FILE (safetensors weights; the manifest beside it holds the release record) and
 FILE-stem.record.json (the release record alone), and prints what was achieved. The request is
 built from the arguments by ``merge_request``; ``obtain_merge`` serves it from a local pool.
+A merge of a bare pool directory is made outside any site's ledger: nothing records it in a
+budget. The command says so loudly on stderr, and the output says ``"charged": false`` (the
+JSON printed and the model's metadata); whoever holds it must account for it.
+
+    privfusion merge --site DIR --pool NAME --for SITE --target-epsilon E --delta D --method rs|lc
+                     --out FILE [--json]
+
+releases through the site's release desk instead (``peer.desk``), as its daemon would for SITE:
+the site's policy, its pool NAME's selection (site.toml), CSPRNG noise, its ledger (charged to
+SITE's budgets, or served again when the identical release was made before) and a receipt
+signed with the site's key; FILE and FILE-stem.json are written as ``--via`` writes them
+(``privfusion release verify`` checks them). The site's daemon must not be running (one ledger,
+one writer: the site's lock refuses), else ask it with ``--via``.
 
     privfusion merge --via HOST:PORT --identity DIR [--peer NAME] --pool NAME --target-epsilon E
                      --delta D --method rs|lc --out FILE [--json]
@@ -114,6 +127,100 @@ def run_via(request: MergeRequest, args: argparse.Namespace) -> int:
     return 0
 
 
+#: What a merge of a bare pool directory prints on stderr: it is in no budget.
+UNCHARGED_WARNING = (
+    "WARNING: this merge was made outside any site's ledger and is UNCHARGED: no budget records "
+    "it, so releasing it spends privacy nobody accounts for. Account for it yourself, or release "
+    "through a site with --site DIR --for SITE (charged to its ledger, with a signed receipt)"
+)
+
+
+def run_site(request: MergeRequest, args: argparse.Namespace) -> int:
+    """Release a merge of the site ``args.site``'s pool ``args.pool`` for ``args.counterparty``
+    through the site's release desk (policy, make, store, charge or serve again, sign), then
+    write it as a received release (``peer.net.client.save_release``)."""
+    from pathlib import Path
+
+    from peer.desk.desk import ReleaseDesk
+    from peer.desk.requests import MergeRequest as DeskMergeRequest
+    from peer.net import wire
+    from peer.net.client import save_release
+    from peer.net.daemon import open_site
+    from peer.net.identity import check_site_name
+    from peer.net.signing import wire_transport
+
+    if not args.counterparty:
+        raise InvalidArgument("--for", "is required with --site: the site the merge is for (its budgets are charged)")
+    check_site_name(args.counterparty, "--for")
+    if (
+        args.validation != "pool"
+        or args.seed is not None
+        or args.selection != "public-prior"
+        or args.accountant != "pld"
+    ):
+        raise InvalidArgument(
+            "--site",
+            "the site merges with its own selection (site.toml), validation split, accountant and CSPRNG; "
+            "--selection, --validation, --accountant and --seed are options of a bare pool directory",
+        )
+    site = open_site(Path(args.site) / "site.toml")
+    try:
+        desk = ReleaseDesk(site, wire_transport(site))
+        issued = desk.issue(
+            DeskMergeRequest(args.counterparty, args.pool, request.method, request.target_epsilon, request.delta)
+        )
+        written = False
+        try:
+            manifest = wire.release_manifest(
+                issued.kind, issued.subject, issued.architecture, issued.metadata, issued.tensors, issued.upstream
+            )
+            release = wire.Release(
+                issued.receipt,
+                issued.kind,
+                issued.subject,
+                dict(issued.architecture),
+                dict(issued.metadata),
+                dict(issued.tensors),
+                total_bytes=manifest.total_bytes,
+                manifest=manifest,
+            )
+            weights_path, doc_path = save_release(release, args.out)
+            written = True
+        finally:
+            desk.finish(issued, sent=written)
+    finally:
+        site.close()
+    record, receipt = issued.record, issued.receipt
+    choice = issued.metadata.get("choice", {})
+    out = {
+        **choice,
+        "weights_name": "pi" if request.method == "rs" else "lam",
+        "record": record.to_dict(),
+        "charged": True,
+        "signer": receipt.signer,
+        "ledger_entry_id": receipt.ledger_entry_id,
+        "served_again": issued.served_again,
+        "files": {"weights": str(weights_path), "release": str(doc_path)},
+    }
+    if args.json:
+        json.dump(out, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        weights = ", ".join(f"{w:.4f}" for w in choice.get("weights", []))
+        how = (
+            f"served again at no charge (the identical release of ledger entry {receipt.ledger_entry_id})"
+            if issued.served_again
+            else f"charged to {receipt.signer}'s ledger as entry {receipt.ledger_entry_id}"
+        )
+        print(
+            f"{request.method.upper()} merge of {receipt.signer}:{args.pool} for {args.counterparty}: "
+            f"{out['weights_name']} = [{weights}] -> {record.mechanism}, epsilon {record.epsilon:.4f} (PLD) at "
+            f"delta {record.delta:g}; {how}; receipt signed"
+        )
+        print(f"wrote {weights_path} and {doc_path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from peer.nn.architectures import torch_threads
 
@@ -125,15 +232,23 @@ def _run(args: argparse.Namespace) -> int:
     from peer.dp.pools import load_pool, save_merged
 
     request = merge_request(args)
+    if args.via and args.site:
+        raise InvalidArgument("--site", "asks this machine's site; --via asks a peer's daemon: give one of them")
     if args.via:
         return run_via(request, args)
+    if args.site:
+        return run_site(request, args)
+    if args.counterparty:
+        raise InvalidArgument("--for", "names the site a merge is charged for, which only --site does")
     pool = load_pool(args.pool)
     merged = obtain_merge(request, args, pool)
-    weights_path, record_path = save_merged(args.out, merged, pool)
+    weights_path, record_path = save_merged(args.out, merged, pool, charged=False)
+    print(f"privfusion merge: {UNCHARGED_WARNING}", file=sys.stderr, flush=True)
     out = {
         **merged.choice.to_dict(),
         "weights_name": "pi" if request.method == "rs" else "lam",
         "record": merged.record.to_dict(),
+        "charged": False,
         "files": {"weights": str(weights_path), "record": str(record_path)},
     }
     if args.json:
@@ -152,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
             how = f"chosen by the public prior ({selection.get('prior', 'epsilon')}; no model scored)"
         print(
             f"{request.method.upper()} merge: {out['weights_name']} = [{weights}] -> epsilon {eps.pld:.4f} (PLD), "
-            f"{eps.rdp:.4f} (RDP) at delta {request.delta:g}, this release; {how}"
+            f"{eps.rdp:.4f} (RDP) at delta {request.delta:g}, this release; {how}; UNCHARGED (no ledger)"
         )
         print(f"wrote {weights_path} and {record_path}")
     return 0
@@ -161,7 +276,10 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("merge", help="release an RS or LC merge of a DP-SGD pool at a target (epsilon, delta)")
     p.add_argument(
-        "--pool", required=True, help="pool directory (privfusion pool train); with --via, the peer's pool name"
+        "--pool",
+        required=True,
+        help="pool directory (privfusion pool train: the merge is UNCHARGED, no ledger records it); with --site "
+        "or --via, the name of the site's pool",
     )
     p.add_argument("--target-epsilon", type=float, required=True)
     p.add_argument("--delta", type=float, required=True)
@@ -196,6 +314,11 @@ def register(subparsers) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="fixed seed for the RS draw (tests only; default: CSPRNG)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    site = p.add_argument_group("releasing through this machine's site (charged to its ledger, signed receipt)")
+    site.add_argument("--site", metavar="DIR", help="the site directory (its site.toml); its daemon must not run")
+    site.add_argument(
+        "--for", dest="counterparty", metavar="SITE", help="the site the merge is for (with --site; charged to it)"
+    )
     remote = p.add_argument_group("asking a peer instead (the peer merges its own pool and charges its ledger)")
     remote.add_argument("--via", metavar="HOST:PORT", help="the peer to ask")
     remote.add_argument("--identity", metavar="DIR", help="this site's identity directory (with --via)")

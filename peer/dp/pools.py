@@ -462,18 +462,25 @@ def merge_pool(
     )
 
 
-def save_merged(path: str | os.PathLike, merged: MergedModel, pool: Sequence[PoolModel] = ()) -> tuple[Path, Path]:
+def save_merged(
+    path: str | os.PathLike, merged: MergedModel, pool: Sequence[PoolModel] = (), charged: bool | None = None
+) -> tuple[Path, Path]:
     """Write a merge as a stored model named after ``path``'s stem (PATH_DIR/STEM.safetensors and
     STEM.json, whose metadata holds the release record and the weight choice) and its release
     record alone beside it (STEM.record.json). Returns (weights path, record path).
 
     A merge of a pool of a site's own network is written as an imported model (its structure
     and the factory of the ``pool`` it came from, which then must be given), under the site's
-    key names: ``privfusion model export`` and ``peer.nn.imported.load_imported`` read it."""
+    key names: ``privfusion model export`` and ``peer.nn.imported.load_imported`` read it.
+
+    ``charged`` (when given) is written to the metadata: False for a merge made outside any
+    site's ledger (``privfusion merge --pool DIR``), which no budget records."""
     p = Path(path)
     name = p.name[: -len(".safetensors")] if p.name.endswith(".safetensors") else p.name
     directory = p.parent
     metadata = {"record": merged.record.to_dict(), "choice": merged.choice.to_dict()}
+    if charged is not None:
+        metadata["charged"] = bool(charged)
     if is_imported_architecture(merged.architecture):
         factories = {m.metadata.get(IMPORTED_FACTORY) for m in pool} - {None}
         if len(factories) != 1:
