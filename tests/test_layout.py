@@ -225,9 +225,10 @@ def test_nothing_outside_peer_cli_imports_peer_cli():
     assert not bad, bad
 
 
-def test_the_site_holds_no_protobuf_types():
-    site = ROOT / "peer" / "net" / "site.py"
-    names = imports_of(site, "peer.net.site")
+@pytest.mark.parametrize("module", ["site", "site_config", "site_lock", "site_identity", "site_offer", "peer_info"])
+def test_the_site_holds_no_protobuf_types(module):
+    site = ROOT / "peer" / "net" / f"{module}.py"
+    names = imports_of(site, f"peer.net.{module}")
     assert not [n for n in names if n.startswith(("privfusion", "grpc", "google"))]
 
 

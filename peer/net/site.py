@@ -15,7 +15,6 @@
     stream_idle_s = 30               # an upload (ReleaseFeatures' probe) sending nothing this long is cut
     stream_deadline_s = 600          # and one not finished after this long
     shutdown_grace_s = 20            # SIGTERM: in-flight releases get this long to finish
-    # metrics_listen = "127.0.0.1:9464"  # opt-in Prometheus endpoint (peer.net.metrics); absent: none
     # seed = 7                       # simulations only (`peer serve --simulation`): fixed-seed
     #                                # noise, "fixed seed: not private" in logs, info and every record
     declared_records = 1000          # PUBLIC record count DP-SGD divides by under add-remove
@@ -41,38 +40,36 @@
     [policy]                         # budgets, caps and who may ask for what: peer.budget.policy
     ...
 
-:class:`SiteConfig` reads the ``[site]`` table with the project's one TOML reader
-(``peer.base.config``): a bad value is refused naming the file, the line and the key.
+:class:`Site` holds what a daemon serves from: who we are and whom we trust, the models, pools
+and probe set on offer, where noise comes from, the policy and the ledger. It holds plain values
+only — no protobuf, no gRPC — so the service converts at its edge (``peer.net.codec``) and the
+site can be driven without a server. Its releases are the release desk's (``peer.desk``: policy
+→ make → record → charge → sign); the methods here that make or serve one are thin entry points.
+One concept per file:
 
-:class:`Site` is what the gRPC service asks: who we are and whom we trust, the models, pools
-and probe set on offer, where noise comes from, the policy and the ledger, and the releases
-themselves (:meth:`Site.features`, :meth:`Site.weights`, :meth:`Site.merge`: the core's math
-with this site's public defaults). It holds plain values only — no protobuf, no gRPC — so the
-service converts at its edge (``peer.net.codec``) and the site can be driven without a server.
+- ``peer.net.site_config`` — :class:`SiteConfig`, the ``[site]`` table, read with the project's
+  one TOML reader (a bad value is refused naming the file, the line and the key);
+- ``peer.net.site_lock`` — :class:`SiteLock`, one daemon per ledger;
+- ``peer.net.site_identity`` — the site's key and certificate and its pinned peers, refreshed;
+- ``peer.net.partners`` — clients of the partners it dials (Fuse);
+- ``peer.net.site_offer`` — its models, pools, probe set and randomness;
+- ``peer.net.peer_info`` — what it says about itself (GetPeerInfo).
+
+Every name those define that was importable from here still is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
 
-from peer.base.config import Section, load_toml
-from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unsupported
-from peer.base.records import FIXED_SEED_WARNING, ReleaseRecord
+from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from peer.base.rng import Randomness, make_randomness
 from peer.budget.ledger import Ledger
 from peer.budget.policy import Policy
@@ -83,11 +80,13 @@ from peer.desk.kinds import IssuedMerge, IssuedSegment
 from peer.desk.make import FeaturesRelease, GroupFeaturesRelease, stamp
 from peer.desk.requests import MergeRequest, SegmentRequest
 from peer.desk.store import ReleaseStore
-from peer.net.address import check_listen
-from peer.net.client import PeerClient, PeerError
-from peer.net.identity import CERT_FILE, KEY_FILE, Identity, check_site_name, load_identity
-from peer.net.limits import Limits
+from peer.net.identity import Identity, load_identity
+from peer.net.partners import PartnerClient, SitePartners
 from peer.net.peer_info import BudgetInfo, LayerInfo, ModelInfo, PoolInfo, SiteInfo
+from peer.net.site_config import SITE_KEYS, SiteConfig, check_listen
+from peer.net.site_identity import SiteIdentity
+from peer.net.site_lock import SiteLock
+from peer.net.site_offer import SiteOffer, load_probe
 from peer.net.trust import PinnedPeer, TrustStore
 from peer.nn.architectures import hidden_sizes, weight_layers
 from peer.nn.probes import read_probe
@@ -99,203 +98,10 @@ log = logging.getLogger("privfusion.peer")
 MECHANISMS = ("laplace", "multibit", "gaussian", "rs-merge", "lc-merge")
 
 
-# ------------------------------------------------------------------------ configuration
-
-#: The keys of ``[site]``.
-SITE_KEYS = (
-    "name",
-    "listen",
-    "identity",
-    "models",
-    "ledger",
-    "probe",
-    "workers",
-    "reserve_workers",
-    "max_calls_per_peer",
-    "stream_idle_s",
-    "stream_deadline_s",
-    "shutdown_grace_s",
-    "seed",
-    "declared_records",
-    "metrics_listen",
-    "mechanisms",
-    "pools",
-    "peers",
-    "own_models",
-)
-
-
-@dataclass(frozen=True)
-class SiteConfig:
-    """The ``[site]`` table of site.toml, paths resolved against the file's directory."""
-
-    name: str
-    listen: str
-    identity: Path
-    models: Path
-    ledger: Path
-    probe: Path | None = None
-    workers: int = 32
-    shutdown_grace_s: float = 20.0
-    reserve_workers: int = 8
-    max_calls_per_peer: int = 8
-    stream_idle_s: float = 30.0
-    stream_deadline_s: float = 600.0
-    seed: int | None = None
-    # the public record count DP-SGD divides by under add-remove (pool train, iterate runs)
-    declared_records: int | None = None
-    activation_clip: tuple[float, float] | None = None
-    calibration: str = "analytic"
-    pools: Mapping[str, Path] = field(default_factory=dict)
-    peers: Mapping[str, str] = field(default_factory=dict)
-    path: Path | None = None
-    pool_validation: Mapping[str, Path] = field(default_factory=dict)
-    # how each pool's merges choose pi / lambda (peer.dp.merging): "public-prior" unless set
-    pool_selection: Mapping[str, str] = field(default_factory=dict)
-    # the site's own networks (``privfusion model import``; default DIR/own_models when it exists)
-    own_models: Path | None = None
-    # where the opt-in Prometheus endpoint listens (peer.net.metrics); None: no endpoint
-    metrics_listen: str | None = None
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> SiteConfig:
-        p = Path(path)
-        data, text = load_toml(p, "site config")
-        return cls.from_section(Section(data, (), text, str(p)), p.resolve().parent, p)
-
-    @classmethod
-    def from_section(cls, root: Section, base: Path, path: Path | None = None) -> SiteConfig:
-        """The ``[site]`` table of a parsed file (``root``: the whole file); every error names
-        the file, the line and the key."""
-        site = root.section("site", required=True)
-        site.known(SITE_KEYS)
-
-        def rel(s: Section, key: str, default: Any = ...) -> Path | None:
-            v = s.path(key, base, default)
-            return None if v is None else v.resolve()
-
-        def checked(s: Section, key: str, check: Callable[[str, str], str]) -> str:
-            """A string that ``check(value, field)`` accepts; its refusal names the file and line."""
-            value = s.string(key)
-            try:
-                return check(value, f"site.{key}")
-            except InvalidArgument as e:
-                s.fail(key, e.rule)
-
-        mechanisms = site.section("mechanisms")
-        mechanisms.known(("activation_clip", "calibration"))
-        clip = mechanisms.interval("activation_clip", None)
-        calibration = mechanisms.string("calibration", "analytic", choices=("analytic", "classical"))
-        pools, pool_validation, pool_selection = {}, {}, {}
-        for name, t in site.sections("pools").items():
-            t.known(("models", "validation", "selection"))
-            pools[name] = rel(t, "models")
-            if "validation" in t:
-                pool_validation[name] = rel(t, "validation")
-            pool_selection[name] = t.string("selection", "public-prior", choices=("public-prior", "utility"))
-        peers = {}
-        for name, t in site.sections("peers").items():
-            try:
-                check_site_name(name, f"site.peers.{name}")
-            except InvalidArgument as e:
-                t.fail((), e.rule)
-            t.known(("address",))
-            peers[name] = t.string("address")
-        deadline = site.number("stream_deadline_s", 600.0, exclusive_minimum=0.0)
-        idle = site.number("stream_idle_s", 30.0, exclusive_minimum=0.0)
-        if idle > deadline:
-            site.fail("stream_idle_s", f"must be at most site.stream_deadline_s ({deadline:g}), got {idle:g}")
-        return cls(
-            name=checked(site, "name", check_site_name),
-            listen=checked(site, "listen", check_listen),
-            identity=rel(site, "identity"),
-            models=rel(site, "models"),
-            ledger=rel(site, "ledger"),
-            probe=rel(site, "probe", None),
-            workers=site.integer("workers", 32, minimum=1),
-            reserve_workers=site.integer("reserve_workers", 8, minimum=1),
-            max_calls_per_peer=site.integer("max_calls_per_peer", 8, minimum=1),
-            stream_idle_s=idle,
-            stream_deadline_s=deadline,
-            shutdown_grace_s=site.number("shutdown_grace_s", 20.0, minimum=0.0),
-            seed=site.integer("seed", None),
-            declared_records=site.integer("declared_records", None, minimum=1),
-            activation_clip=clip,
-            calibration=calibration,
-            pools=pools,
-            peers=peers,
-            path=path,
-            pool_validation=pool_validation,
-            pool_selection=pool_selection,
-            own_models=rel(site, "own_models", None)
-            if "own_models" in site
-            else ((base / "own_models").resolve() if (base / "own_models").is_dir() else None),
-            metrics_listen=checked(site, "metrics_listen", check_listen) if "metrics_listen" in site else None,
-        )
-
-    @property
-    def limits(self) -> Limits:
-        return Limits(
-            self.workers, self.reserve_workers, self.max_calls_per_peer, self.stream_idle_s, self.stream_deadline_s
-        )
-
-
-class SiteLock:
-    """An exclusive ``flock`` on ``LEDGER.lock``, held while a daemon serves from the ledger.
-
-    The kernel drops it when the process dies (even by SIGKILL), so a crash never leaves a
-    stale lock; the file holds the owner's pid for the error message only.
-    """
-
-    def __init__(self, ledger: Path):
-        self.path = ledger.with_name(ledger.name + ".lock")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            try:
-                owner = os.pread(self._fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            finally:
-                os.close(self._fd)
-                self._fd = None
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise FailedPrecondition(f"site.ledger: cannot lock {self.path}: {e.strerror}") from None
-            raise FailedPrecondition(
-                f"site.ledger: {ledger} is in use by another daemon (pid {owner}, lock "
-                f"{self.path}); two daemons must never share one ledger"
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-def load_probe(path: Path) -> np.ndarray:
-    """A site's public probe set: the tensor ``x`` of a safetensors file, finite values only."""
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise InvalidArgument("site.probe", f"{path} is not a readable safetensors file: {e}") from None
-    if "x" not in tensors:
-        raise InvalidArgument("site.probe", f"{path} must hold the probe inputs as tensor 'x'")
-    x = tensors["x"]
-    if not np.all(np.isfinite(x)):
-        raise InvalidArgument("site.probe", "contains NaN or infinite values")
-    return x
-
-
-# (what a site says about itself, SiteInfo and its parts, is in peer.net.peer_info)
-
-
 # ------------------------------------------------------------------------ the site
 
 
-class Site:
+class Site(SiteIdentity, SitePartners, SiteOffer):
     """Everything one site serves from, loaded once at start (what the service asks about)."""
 
     def __init__(self, config: SiteConfig, policy: Policy, insecure: bool = False, simulation: bool | None = None):
@@ -409,181 +215,6 @@ class Site:
             self.ledger.close()
         finally:
             self.lock.release()
-
-    # ---- identity -----------------------------------------------------------------------------
-
-    def _identity_files(self) -> tuple:
-        """(inode, mtime, size) of the key and the certificate file (None where missing)."""
-        out = []
-        for name in (KEY_FILE, CERT_FILE):
-            try:
-                st = (Path(self.config.identity) / name).stat()
-                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-            except OSError:
-                out.append(None)
-        return tuple(out)
-
-    def refresh_identity(self) -> str | None:
-        """Put this site's key and certificate back in step with its identity files (after
-        ``privfusion peer rotate --activate``, no restart needed): the new pair's fingerprint
-        when it is now in use, else None. Two stats when nothing changed (the daemon asks at
-        every TLS handshake). A pair that does not load — caught mid-rotation, a key others can
-        read, a certificate of another site — leaves the current one in use and is logged;
-        the next change of the files is tried again. Calls on connections opened before keep
-        the certificate of their handshake; receipts are signed with the key in use, so during
-        the rotation's overlap (peers pin both) either verifies."""
-        version = self._identity_files()
-        with self._identity_lock:
-            if version == self._identity_version:
-                return None
-            self._identity_version = version
-            try:
-                new = load_identity(self.config.identity)
-                if new.name != self.name:
-                    raise FailedPrecondition(f"its certificate names {new.name!r}, this site is {self.name!r}")
-            except (NotFound, FailedPrecondition, InvalidArgument, PermissionDenied) as e:
-                log.warning(
-                    "identity files changed but do not load (%s); still serving as %s", e, self.identity.fingerprint
-                )
-                return None
-            if new.fingerprint == self.identity.fingerprint:
-                return None
-            self.identity = new
-            return new.fingerprint
-
-    def _current_pins(self) -> tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]]:
-        version = self.trust.version()
-        with self._pins_lock:
-            if version != self._pins[0]:
-                self._pins = (version, self.trust.peers(), self.trust.pins())
-            return self._pins
-
-    def pinned(self) -> dict[str, PinnedPeer]:
-        return self._current_pins()[1]
-
-    def pinned_by_fingerprint(self, fp: str) -> PinnedPeer | None:
-        """The pin with this fingerprint: a site's certificate, or the next one it rotates to."""
-        for p in self._current_pins()[2]:
-            if p.fingerprint == fp:
-                return p
-        return None
-
-    def client_for(self, partner: str) -> PartnerClient:
-        """A client of a pinned partner this site knows the address of (site.toml [site.peers])."""
-        address = self.config.peers.get(partner)
-        if address is None:
-            raise FailedPrecondition(
-                f"partner: {self.name!r} does not know where {partner!r} listens (site.toml [site.peers.{partner}])",
-                reason="PARTNER_UNKNOWN",
-                metadata={"partner": partner},
-            )
-        if partner not in self.pinned():
-            raise FailedPrecondition(
-                f"partner: {partner!r} is not pinned at {self.name!r}",
-                reason="PARTNER_NOT_PINNED",
-                metadata={"partner": partner},
-            )
-        return PartnerClient(PeerClient(self.identity, address, peer=partner, insecure=self.insecure, trust=self.trust))
-
-    # ---- what is offered ----------------------------------------------------------------------
-
-    def model(self, name: str, field_name: str = "model", own: bool = False):
-        """The model ``name`` on offer: a built-in ``StoredModel`` or, with ``own`` (the
-        releases that work per permutation group: ReleaseFeatures, ReleaseWeights), a site's
-        own network (``peer.nn.imported.ImportedModel``)."""
-        if not name:
-            raise InvalidArgument(field_name, "is required")
-        m = self.models.get(name)
-        if m is None:
-            if name in self.imported:
-                if own:
-                    return self.imported[name]
-                raise FailedPrecondition(
-                    f"{field_name}: {name!r} is a site's own network: it is released by ReleaseFeatures and "
-                    "ReleaseWeights (method ldp) or through its DP pools (method merged), not by this call",
-                    reason="MODEL_KIND_UNSUPPORTED",
-                    metadata={"field": field_name},
-                )
-            raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
-        return m
-
-    @staticmethod
-    def architecture_of(model) -> Mapping[str, Any]:
-        """The public architecture a release of ``model`` carries (an own network's: its traced
-        structure and digest, never its code): the model store's ``release_architecture``."""
-        return model.release_architecture
-
-    def own_module(self, own):
-        """A fresh instance of a site's own network holding its stored state (built by the
-        site's factory: site code, run here only; fresh per release, as a release hooks it)."""
-        from peer.nn.imported import load_factory, module_from_arrays
-
-        factories = self.__dict__.setdefault("_own_factories", {})
-        if own.factory not in factories:
-            base = self.config.path.resolve().parent if self.config.path else self.config.models.parent
-            try:
-                factories[own.factory] = load_factory(own.factory, [base])
-            except InvalidArgument as e:
-                raise FailedPrecondition(
-                    f"model: {own.name!r}'s factory cannot be loaded at this site: {e}; nothing was charged",
-                    reason="MODEL_FACTORY_UNAVAILABLE",
-                ) from None
-        try:
-            return module_from_arrays(factories[own.factory], own.structure, own.arrays)
-        except Unsupported as e:  # the site's module itself (aliased keys): not the caller's fault
-            raise FailedPrecondition(f"model: {own.name!r} cannot be released: {e}; nothing was charged") from None
-
-    def pool(self, name: str):
-        """The pool's models (``peer.dp.merging.PoolModel``)."""
-        if not name:
-            raise InvalidArgument("pool", "is required")
-        p = self.pools.get(name)
-        if p is None:
-            raise NotFound(f"pool: {self.name!r} has no pool {name!r}")
-        return p
-
-    def pool_validation(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        return self._validation[name]
-
-    def rs_utilities(self, name: str) -> list[float]:
-        return self._rs_utilities[name]
-
-    def pool_selection(self, name: str) -> str:
-        """How merges of pool ``name`` choose π / λ: "public-prior" (default) or "utility"."""
-        return self.config.pool_selection.get(name, "public-prior")
-
-    def activation_clip(self, requested: tuple[float, float] | None = None) -> tuple[float, float] | None:
-        """The public activation range: the caller's (checked by the service), else the site's
-        default (None: the mechanism's own default, which exists only for bounded activations)."""
-        return requested if requested is not None else self.config.activation_clip
-
-    def randomness_mechanism(self) -> str:
-        """Where this site's noise comes from, as listed in PeerInfo.mechanisms (no proto field
-        needed): ``"randomness:csprng"`` or ``"randomness:fixed-seed (fixed seed: not private)"``."""
-        if self._master is None:
-            return "randomness:csprng"
-        return f"randomness:fixed-seed ({FIXED_SEED_WARNING})"
-
-    def randomness(self) -> Randomness | None:
-        """Fresh CSPRNG noise per release; with a configured seed, the next child stream of it."""
-        if self._master is None:
-            return make_randomness()
-        with self._master_lock:
-            return self._master.spawn()
-
-    def check_randomness(self, record: ReleaseRecord, what: str) -> None:
-        """Refuse (FailedPrecondition, nothing charged) a data-level release whose record says
-        it was trained or drawn with a fixed seed — a pool model of ``pool train --seed``, a
-        segment of a simulation — unless this site is a simulation (``peer serve --simulation``):
-        anyone who knows the seed reproduces the noise."""
-        if self.simulation:
-            return
-        fixed = [r for r in (record, *record.components) if r.randomness == "fixed-seed"]
-        if fixed:
-            raise FailedPrecondition(
-                f"{what} was trained or drawn with a fixed noise seed (seed {fixed[0].seed}: {FIXED_SEED_WARNING}); "
-                "a daemon started without --simulation does not serve it"
-            )
 
     # ---- releases: the desk's (peer.desk), kept here as thin entry points -------------------
 
@@ -735,40 +366,8 @@ class Site:
         )
 
 
-class PartnerClient:
-    """A client of a partner site whose failures become this site's FAILED_PRECONDITION /
-    UNAVAILABLE (the caller's budget here is not what ran out when the partner refuses)."""
-
-    def __init__(self, client: PeerClient):
-        self._client = client
-
-    def __getattr__(self, name):
-        method = getattr(self._client, name)
-        if not callable(method):
-            return method
-
-        def call(*args, **kwargs):
-            try:
-                return method(*args, **kwargs)
-            except PeerError as e:
-                status = "UNAVAILABLE" if e.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "FAILED_PRECONDITION"
-                # the partner's own reason travels in the metadata: this refusal is the partner's
-                raise PeerError(
-                    status,
-                    f"partner {self._client.peer_name!r} refused or failed ({e.status}): {e}",
-                    e.details,
-                    reason="PARTNER_UNAVAILABLE" if status == "UNAVAILABLE" else "PARTNER_REFUSED",
-                    metadata={
-                        "partner": self._client.peer_name,
-                        "partner_status": e.status,
-                        **({"partner_reason": e.reason} if e.reason else {}),
-                    },
-                ) from None
-
-        return call
-
-
-#: Before the release desk, a segment was served as a ``MergeRelease``; kept for code that names it.
+#: What a merge release was called before the release desk (``peer.desk.kinds``: an ``IssuedMerge``;
+#: a segment, which was one too, is an ``IssuedSegment``); kept for code that names it.
 MergeRelease = IssuedMerge
 
 __all__ = [
