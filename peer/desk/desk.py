@@ -294,17 +294,17 @@ class ReleaseDesk:
             except BaseException as e:
                 self._cancel(record, entry_id, req, e)
                 raise
+            tensors = [(k, arrays.pop(k)) for k in sorted(arrays)]
+            metadata = {
+                "alpha": req.alpha,
+                "partner": req.partner,
+                "partner_model": req.partner_model,
+                "upstream": [upstream.ledger_entry_id],
+                "match_objective": objective,
+            }
         except BaseException:
             self.gate.leave()
             raise
-        tensors = [(k, arrays.pop(k)) for k in sorted(arrays)]
-        metadata = {
-            "alpha": req.alpha,
-            "partner": req.partner,
-            "partner_model": req.partner_model,
-            "upstream": [upstream.ledger_entry_id],
-            "match_objective": objective,
-        }
         return IssuedFusion(
             "fused",
             req.model,
