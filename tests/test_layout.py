@@ -243,7 +243,10 @@ def charge_calls(path: Path) -> list[int]:
     lines = []
     for node in ast.walk(tree):
         named = (isinstance(node, ast.Attribute) and node.attr == "charge") or (
-            isinstance(node, ast.Constant) and node.value == "charge"
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "methodcaller")
+            and any(isinstance(a, ast.Constant) and a.value == "charge" for a in node.args)
         )
         if named:
             lines.append(node.lineno)
@@ -272,6 +275,7 @@ def test_the_charge_check_sees_every_spelling(tmp_path):
         "    c = led.charge\n"
         "    getattr(led, 'charge')(r, 'b')\n"
         "    led.charged(r)\n"
+        "    words = {'charges': 'charge'}\n"
     )
     assert charge_calls(spelled) == [2, 3, 4]
 
