@@ -152,16 +152,11 @@ def run_site(request: MergeRequest, args: argparse.Namespace) -> int:
     if not args.counterparty:
         raise InvalidArgument("--for", "is required with --site: the site the merge is for (its budgets are charged)")
     check_site_name(args.counterparty, "--for")
-    if (
-        args.validation != "pool"
-        or args.seed is not None
-        or args.selection != "public-prior"
-        or args.accountant != "pld"
-    ):
+    if args.validation != "pool" or args.seed is not None or args.selection != "public-prior" or args.figure != "pld":
         raise InvalidArgument(
             "--site",
-            "the site merges with its own selection (site.toml), validation split, accountant and CSPRNG; "
-            "--selection, --validation, --accountant and --seed are options of a bare pool directory",
+            "the site merges with its own selection (site.toml), validation split, figure and CSPRNG; "
+            "--selection, --validation, --figure and --seed are options of a bare pool directory",
         )
     site = open_site(Path(args.site) / "site.toml")
     try:
