@@ -107,13 +107,24 @@ def pool_adjacency(args: argparse.Namespace) -> str:
     if args.adjacency is not None:
         return args.adjacency
     config = Path(args.site) / "site.toml" if getattr(args, "site", None) is not None else None
-    if config is not None and config.is_file():
+    if config is not None and config.is_file() and _has_policy(config):
         from peer.budget.policy import Policy
 
         data = Policy.from_toml(config).data
         if data is not None:
             return data.unit.removeprefix("record:")
     return "replace-one"
+
+
+def _has_policy(config: Path) -> bool:
+    """Whether site.toml has a ``[policy]`` table (a site made by hand may have none: its pools
+    then default to replace-one, as before budgets were read here)."""
+    import tomllib
+
+    try:
+        return "policy" in tomllib.loads(config.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return True  # let the policy reader report the file's own error, with its line
 
 
 def declared_records(args: argparse.Namespace) -> int | None:
