@@ -21,12 +21,31 @@ steps follow, each configured in the round file and recorded in the round report
    R's own records, from the repaired (else fused) model; deterministic given the reported seed.
 
 Privacy: R's records never leave R and nothing is released, so no ledger is touched and no
-budget spent; the peers' releases are only post-processed. The report holds settings, counts
-and public-data accuracies only — no statistic of R's records.
+budget spent; the peers' releases are only post-processed. The report stays at R (it is written
+to the round's OUT directory and copied into an adopted model's provenance, never sent); it
+holds settings, counts, public-data accuracies and, when R's held-out records are the selection
+data, accuracies on them (like the own model's validation accuracy its store already keeps;
+not differentially private, so the report goes only where R's records may go).
 
-Which model to adopt: the last stage run (fine-tuned, else repaired, else fused), unless the
-public validation set (when given) scores an earlier stage — or R's own model — higher; the
-report's ``adopt`` says which, and why.
+Which model to adopt (:func:`recommend`): the best-scoring of R's own model and every stage run
+(own_bn_reset, fused, selected, repaired, fine-tuned) on the **selection data**: the public
+validation set when one is configured, else R's own held-out records — the rows its stored
+model's training split held out, recovered exactly when the round's raw ``[round.records]`` file
+is the file the model was trained on (same SHA-256; the split is re-drawn with the stored
+public ``validation_fraction`` and ``split_seed``). Those held-out rows are then kept out of
+REPAIR and fine-tuning, which read only the training rows, so no stage has seen them. Ranking:
+accuracy, ties broken by log-loss; a stage must beat the own model strictly (ties go to own),
+so the recommendation never scores below own on the selection data. Without selection data the
+own model is recommended, and the report says why. The report's ``adopt`` names the stage,
+``adopt_reason`` the scores it rests on.
+
+Whether the peers changed anything (:func:`fused_vs_own`): the fused model's row-centred logits
+are compared with the own model's on the selection data (else the public probe set). When both
+make the same prediction on every row and the cosine of the two row-centred logit matrices is
+at least ``SAME_AS_OWN_COSINE`` (the fused logits are, up to a per-row shift that softmax
+ignores, within a relative residual of sqrt(1 − 0.999²) ≈ 4.5 % of a positive multiple of the
+own model's), the report's ``fused_vs_own.same_as_own`` is true: the peers' releases carried no
+usable signal at this ε.
 
 Two kinds of model run these steps through one adapter (:class:`ModelKind`): a built-in
 architecture (``peer.nn.architectures``, :class:`BuiltIn`) and a site's own imported network
@@ -56,6 +75,10 @@ from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.ldp.fusion import average_arrays
 from peer.nn.architectures import build_model, input_tensor, model_from_arrays, predict_proba, state_arrays
 from peer.nn.store import StoredModel
+
+#: the cosine of row-centred logits at or above which (with identical predictions on every row)
+#: the fused model counts as a positive scaling of the own model (see the module docstring)
+SAME_AS_OWN_COSINE = 0.999
 
 #: up to this many contributions every subset is a candidate (2^k − 1 of them); beyond it,
 #: greedy forward selection (at most k(k+1)/2 candidates per α)
@@ -91,6 +114,18 @@ class LocalData:
     probe: np.ndarray
     validation: tuple[np.ndarray, np.ndarray] | None = None
     validation_source: str | None = None
+    #: R's own held-out records (the split its stored model kept out of training), when known
+    heldout: tuple[np.ndarray, np.ndarray] | None = None
+    heldout_source: str | None = None
+
+    def selection(self) -> tuple[str, tuple[np.ndarray, np.ndarray], str | None] | None:
+        """(kind, (x, y), source) of the data the stages are compared on: the public validation
+        set, else R's own held-out records; None when neither exists."""
+        if self.validation is not None:
+            return "public validation", self.validation, self.validation_source
+        if self.heldout is not None:
+            return "own held-out records", self.heldout, self.heldout_source
+        return None
 
 
 @dataclass
@@ -126,6 +161,10 @@ class ModelKind:
         raise NotImplementedError
 
     def predict_proba(self, module, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def logits(self, module, x: np.ndarray) -> np.ndarray:
+        """The network's outputs (before softmax) on the rows ``x``."""
         raise NotImplementedError
 
     def check_rows(self, x: np.ndarray, y: np.ndarray, key: str, path: Path, preprocessing=None) -> None:
@@ -164,6 +203,12 @@ class BuiltIn(ModelKind):
 
     def predict_proba(self, module, x):
         return predict_proba(self.arch, module, x)
+
+    def logits(self, module, x):
+        import torch
+
+        with torch.no_grad():
+            return module.eval()(input_tensor(self.arch, x)).numpy()
 
 
 @dataclass(frozen=True)
@@ -211,6 +256,12 @@ class OwnNetworkKind(ModelKind):
 
         with torch.no_grad():
             return torch.softmax(module.eval()(self.inputs(x)), dim=1).numpy()
+
+    def logits(self, module, x):
+        import torch
+
+        with torch.no_grad():
+            return module.eval()(self.inputs(x)).numpy()
 
     def classes(self) -> int:
         """The width of the network's output (its number of classes), from the factory's own
@@ -275,7 +326,7 @@ def load_local_data(
     model's inputs and, for a site's own network, that the labels are its outputs."""
     from peer.dp.pools import load_validation_file
 
-    records = source = None
+    records = source = heldout = hsource = None
     if config.records is not None:
         path = Path(config.records)
         if config.records_prepared:
@@ -291,10 +342,17 @@ def load_local_data(
                     f"{str(path)!r} cannot be prepared; give prepared x/y arrays with prepared = true"
                 )
             try:
-                x, y = prep.transform(prep.read(path))
+                table = prep.read(path)
+                trained_on = _training_split(model, table)
+                if trained_on is None:
+                    records = prep.transform(table)
+                else:
+                    rest, held = trained_on
+                    records = prep.transform(rest)
+                    heldout = prep.transform(held)
+                    hsource = f"{path.name} (the {len(held)} rows the training split of {model.name!r} held out)"
             except InvalidArgument as e:
                 raise InvalidArgument("round.records.path", f"{e.field}: {e.rule}") from None
-            records = (x, y)
         if len(records[1]) == 0:
             raise InvalidArgument("round.records.path", f"{str(path)!r} holds no records")
         if kind is not None:
@@ -310,7 +368,21 @@ def load_local_data(
         if kind is not None:
             kind.check_rows(validation[0], validation[1], "round.select.validation", Path(config.select_validation))
         vsource = Path(config.select_validation).name
-    return LocalData(records, source, np.asarray(probe), validation, vsource)
+    return LocalData(records, source, np.asarray(probe), validation, vsource, heldout, hsource)
+
+
+def _training_split(model: StoredModel, table):
+    """(training rows, held-out rows) of ``table`` when it is the very file ``model`` was trained
+    on (``privfusion model train`` stores the file's SHA-256 and the public split parameters in
+    the model's ``data``): the split re-drawn exactly as training drew it. None otherwise."""
+    data = (model.metadata or {}).get("data")
+    if not isinstance(data, Mapping):
+        return None
+    if data.get("sha256") != getattr(table, "digest", None) or "validation_fraction" not in data:
+        return None
+    if data.get("rows") != len(table):
+        return None
+    return table.split(float(data["validation_fraction"]), seed=int(data.get("split_seed", 0)))
 
 
 def _arrays(module) -> dict[str, np.ndarray]:
@@ -379,13 +451,17 @@ def after_fusion(
             )
         return kind.arrays(repaired), weights
 
-    def score(arrays) -> tuple[float, float]:
-        """(accuracy, mean log-loss) on the public validation set."""
-        x, y = data.validation
+    def score_on(arrays, xy) -> tuple[float, float]:
+        """(accuracy, mean log-loss) on the labelled rows ``xy``."""
+        x, y = xy
         with torch.no_grad():
             p = kind.predict_proba(kind.module(arrays), x)
         acc = float(np.mean(p.argmax(axis=1) == y))
         return acc, float(-np.mean(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
+
+    def score(arrays) -> tuple[float, float]:
+        """(accuracy, mean log-loss) on the public validation set."""
+        return score_on(arrays, data.validation)
 
     def rank(scores: tuple[float, float]) -> tuple[float, float]:
         # accuracy first; with a few dozen public examples it ties often, so the log-loss
@@ -482,12 +558,25 @@ def after_fusion(
         rep["records"] = {"file": data.records_source, "count": len(data.records[1])}
     if own_bn_reset is not None:
         out.stages["own_bn_reset"] = own_bn_reset
-    scored = _stage_scores(out.stages, fused, own, score) if data.validation is not None else None
-    if scored is not None:
-        # before / after each stage, on the PUBLIC validation set
-        rep["validation_accuracy"] = {k: v[0] for k, v in scored.items()}
-        rep["validation_log_loss"] = {k: v[1] for k, v in scored.items()}
-    rep["adopt"], rep["adopt_reason"] = _adopt(out.stages, scored, rank)
+    if data.heldout is not None:
+        rep.setdefault("records", {})["held_out"] = {"file": data.heldout_source, "count": len(data.heldout[1])}
+    selection = data.selection()
+    scored = None
+    if selection is not None:
+        what, xy, source = selection
+        scored = _stage_scores(out.stages, fused, own, lambda a: score_on(a, xy))
+        rep["selection"] = {"data": what, "source": source, "examples": len(xy[1])}
+        # before / after each stage, on the selection data
+        rep["selection_accuracy"] = {k: v[0] for k, v in scored.items()}
+        rep["selection_log_loss"] = {k: v[1] for k, v in scored.items()}
+        if data.validation is not None:  # the names earlier reports used for the public set
+            rep["validation_accuracy"] = rep["selection_accuracy"]
+            rep["validation_log_loss"] = rep["selection_log_loss"]
+    rep["adopt"], rep["adopt_reason"] = recommend(scored, selection[0] if selection else None)
+    x_compare = selection[1][0] if selection is not None else data.probe
+    rep["fused_vs_own"] = fused_vs_own(
+        kind, own, fused, x_compare, selection[0] if selection is not None else "public probe set"
+    )
     rep["wall_s"] = time.monotonic() - started
     out.report = rep
     return out
@@ -504,14 +593,73 @@ def _stage_scores(stages, fused, own, score) -> dict[str, tuple[float, float]]:
     return {"own": score(own), **{s: score(stages.get(s, fused)) for s in order}}
 
 
-def _adopt(stages, scored: dict[str, tuple[float, float]] | None, rank) -> tuple[str, str]:
-    """The stage a site should adopt (see the module docstring)."""
-    if scored is None:
-        last = next((s for s in ("finetuned", "repaired", "selected") if s in stages), "fused")
-        return last, "the last stage run (no public validation set to compare stages on)"
-    best = max(rank(v) for v in scored.values())
-    # the latest stage among equals: later stages use more of what the site may use
-    pick = next(s for s in reversed(list(scored)) if rank(scored[s]) == best)
-    return pick, "best public-validation accuracy (then log-loss): " + ", ".join(
+def recommend(scored: Mapping[str, tuple[float, float]] | None, data: str | None) -> tuple[str, str]:
+    """The stage a site should adopt and why (see the module docstring): of the own model and
+    every stage scored (name → (accuracy, log-loss) on the selection data ``data``), the best by
+    accuracy then lower log-loss; a stage must beat the own model strictly, so ties go to own
+    and the pick never scores below own. Without scores: the own model."""
+    if not scored:
+        return "own", (
+            "the own model: no public validation set and no held-out records of the own model "
+            "(give [round.select] validation, or [round.records] the file the model was trained on) "
+            "to show that a fused stage is better"
+        )
+
+    def rank(v: tuple[float, float]) -> tuple[float, float]:
+        return v[0], -v[1]
+
+    pick = "own"
+    for name, v in scored.items():
+        # among stages that beat own, the latest of equals (later stages use more of what
+        # the site may use)
+        if name != "own" and (rank(v) > rank(scored[pick]) or (pick != "own" and rank(v) == rank(scored[pick]))):
+            pick = name
+    why = "no stage beats the own model" if pick == "own" else f"{pick} beats the own model"
+    return pick, f"{why} on the {data} (accuracy, then log-loss): " + ", ".join(
         f"{k} {v[0]:.3f} ({v[1]:.3f})" for k, v in scored.items()
+    )
+
+
+def fused_vs_own(
+    kind: ModelKind, own: Mapping[str, np.ndarray], fused: Mapping[str, np.ndarray], x: np.ndarray, data: str
+) -> dict[str, Any]:
+    """Whether the fused model is the own model up to a positive scaling of its logits, on the
+    rows ``x`` (see the module docstring). Row-centred logits A (own) and B (fused): softmax
+    ignores a per-row shift, so B = c·A with c > 0 means the same class probabilities ranking.
+    ``cosine`` = <A, B>/(‖A‖‖B‖), ``scale`` = <A, B>/‖A‖² (the least-squares c),
+    ``same_predictions`` counts rows whose arg-max agrees; ``same_as_own`` when every row agrees
+    and the cosine is at least ``SAME_AS_OWN_COSINE``."""
+    n = int(np.shape(x)[0])
+    if n == 0:
+        return {"data": data, "examples": 0, "same_as_own": False}
+    a = np.asarray(kind.logits(kind.module(own), x), dtype=np.float64)
+    b = np.asarray(kind.logits(kind.module(fused), x), dtype=np.float64)
+    same = int(np.sum(a.argmax(axis=1) == b.argmax(axis=1)))
+    a = a - a.mean(axis=1, keepdims=True)
+    b = b - b.mean(axis=1, keepdims=True)
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    inner = float(np.sum(a * b))
+    cosine = inner / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+    scale = inner / na**2 if na > 0 else 0.0
+    return {
+        "data": data,
+        "examples": n,
+        "same_predictions": same,
+        "cosine": cosine,
+        "scale": scale,
+        "threshold": SAME_AS_OWN_COSINE,
+        "same_as_own": bool(same == n and cosine >= SAME_AS_OWN_COSINE and scale > 0),
+    }
+
+
+def same_as_own_line(check: Mapping[str, Any]) -> str | None:
+    """The plain sentence a report and the console print when the fused model is the own model
+    (up to a positive scaling of its logits); None otherwise."""
+    if not check.get("same_as_own"):
+        return None
+    return (
+        f"fused model makes the same predictions as the own model on {check['examples']} {check['data']} rows "
+        f"(its logits are {check['scale']:.3g} × the own model's, cosine {check['cosine']:.4f}): "
+        "the peers' releases changed nothing usable (at this ε they carried no usable signal, or their models "
+        "agree with this one)"
     )

@@ -124,6 +124,11 @@ def _round(args) -> int:
                     + (f"; adopt {result.report['adopt_model']}" if result.report.get("adopt_model") else "")
                     + f"; report {result.report_path}"
                 )
+                af = result.report.get("after_fusion") or {}
+                if af.get("adopt_reason"):
+                    print(f"  recommended: {af['adopt']} — {af['adopt_reason']}")
+                if result.report.get("fused_vs_own_note"):
+                    print(f"  note: {result.report['fused_vs_own_note']}")
             if result.status != "fused":
                 status = 3
             if stop.is_set():  # interrupted after the round had finished: start no other

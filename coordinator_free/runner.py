@@ -787,8 +787,10 @@ def _fuse_contributions(
                 )
                 state.event("after-fusion", step="fuse", stages=list(after.stages), adopt=after.report["adopt"])
             except Exception as e:  # local steps only: the fused model (already paid for) is kept
-                after = after_fusion.AfterFusion(report={"error": f"{type(e).__name__}: {e}", "adopt": "fused"})
-                state.event("after-fusion", step="fuse", stages=[], adopt="fused", error=after.report["error"])
+                error = f"{type(e).__name__}: {e}"
+                reason = "the own model: the local steps after fusion failed, so no stage was scored against it"
+                after = after_fusion.AfterFusion(report={"error": error, "adopt": "own", "adopt_reason": reason})
+                state.event("after-fusion", step="fuse", stages=[], adopt="own", error=error)
     elif state.interrupted():
         state.event("interrupted", step="fuse", reason=state.aborted)
     else:
@@ -828,7 +830,24 @@ def _round_report(
     }
     if after is not None:
         report["after_fusion"] = after.report
+    if fused is not None:
+        check = (after.report.get("fused_vs_own") if after is not None else None) or _fused_vs_own_on_probe(r, fused)
+        report["fused_vs_own"] = check
+        line = after_fusion.same_as_own_line(check)
+        if line is not None:
+            report["fused_vs_own_note"] = line
     return report
+
+
+def _fused_vs_own_on_probe(r: _Round, fused: dict[str, np.ndarray]) -> dict:
+    """``coordinator_free.after_fusion.fused_vs_own`` on the public probe set, for a round whose
+    local steps did not run (or failed)."""
+    kind = r.kind if r.kind is not None else after_fusion.BuiltIn(r.arch)
+    own = r.own.state() if r.own is not None else r.local.model.arrays
+    try:
+        return after_fusion.fused_vs_own(kind, own, fused, r.probe, "public probe set")
+    except Exception as e:  # a report note only: the fused model (already paid for) is kept
+        return {"error": f"{type(e).__name__}: {e}", "same_as_own": False}
 
 
 def run_round(

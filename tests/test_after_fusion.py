@@ -147,7 +147,9 @@ def test_repair_sets_the_fusion_weighted_statistics_of_every_endpoint(three_mode
         "alpha": 0.5,
     }
     assert rep["records"] == {"file": "own.npz", "count": 300}
-    assert rep["adopt"] == "repaired" and "finetune" not in rep
+    # no public validation set and prepared records (no held-out split known): nothing shows a
+    # stage beats the own model, so the own model is recommended, and the reason says so
+    assert rep["adopt"] == "own" and "no public validation set" in rep["adopt_reason"] and "finetune" not in rep
     # on the probe set instead: the statistics of the data used, not of the records
     probe = after_fusion.after_fusion(ARCH, own_arrays, {"b": b, "c": c}, fused, _config(repair="probe"), data, seed=1)
     assert probe.report["repair"]["data"] == "probe" and probe.report["repair"]["examples"] == 50
@@ -199,7 +201,8 @@ def test_selection_and_fine_tuning(three_models):
     losses = after.report["validation_log_loss"]
     ranked = {k: (scores[k], -losses[k]) for k in scores}
     assert after.report["adopt"] in scores and ranked[after.report["adopt"]] == max(ranked.values())
-    assert "public-validation" in after.report["adopt_reason"]
+    assert "public validation" in after.report["adopt_reason"]
+    assert after.report["selection"] == {"data": "public validation", "source": "validation.npz", "examples": 200}
 
 
 def test_a_round_repairs_and_fine_tunes_without_charging_anything_more(tmp_path, trained):  # noqa: F811
@@ -228,7 +231,7 @@ def test_a_round_repairs_and_fine_tunes_without_charging_anything_more(tmp_path,
     assert af["records"] == {"file": "own.npz", "count": 200}
     assert af["repair"]["data"] == "own" and af["repair"]["examples"] == 200 and af["repair"]["endpoints"] == 3
     assert af["finetune"]["epochs"] == 1 and af["finetune"]["records"] == 200 and af["finetune"]["from"] == "repaired"
-    assert af["adopt"] == "finetuned" and r["adopt_model"] == r["finetuned_model"]
+    assert af["adopt"] == "own" and r["adopt_model"] == r["model"]  # nothing to score stages on
     out = tmp_path / "out" / "models"
     fused = load_model(out, r["fused_model"]).arrays
     repaired = load_model(out, r["repaired_model"])

@@ -297,7 +297,8 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
         assert [(c["peer"], c["step"], c["level"]) for c in report["charges"]] == [("riverside", "merged", "data")]
         # no [round.repair] in the round file: an own network is REPAIRed on the probe set
         after = report["after_fusion"]
-        assert after["repair"]["data"] == "probe" and after["adopt"] == "repaired"
+        # nothing to score the stages on (no validation set, no held-out records): own recommended
+        assert after["repair"]["data"] == "probe" and after["adopt"] == "own"
         assert after["own_bn_reset"]["batchnorm_reset"] == after["repair"]["batchnorm_reset"]
         assert after["repair"]["batchnorm_reset"] == [
             "entry_norm",
@@ -306,8 +307,8 @@ def test_own_resnets_imported_pooled_served_fused_and_exported(tmp_path):
             "res2.norm_a",
             "res2.norm_b",
         ]
-        fused_name = report["adopt_model"]
-        assert fused_name == report["repaired_model"]
+        assert report["adopt_model"] == report["model"]
+        fused_name = report["repaired_model"]
         for stage in ("fused", "repaired", "own_bn_reset"):
             assert (root / "st-anne" / "own_models" / f"{report[f'{stage}_model']}.json").is_file()
 

@@ -108,8 +108,10 @@ def test_an_ldp_round_over_own_networks_fuses_charges_once_per_release_and_refus
         assert {e.record.subject for e in entries} == {"rmlp"}
 
         # the fused model is stored in St Anne's own store under its key names, and beside it the
-        # REPAIRed one (the stage to adopt: no validation set to compare on)
-        assert result.report["adopt_model"] == result.report["repaired_model"]
+        # REPAIRed one; the recommendation is the own model (no validation set or held-out
+        # records to show that a stage beats it)
+        assert result.report["adopt_model"] == result.report["model"]
+        assert result.report["after_fusion"]["adopt"] == "own"
         plain = load_imported(a.root / "own_models", result.model_name)
         assert plain.metadata["round"]["contributors"] == ["riverside"]
         fused = load_imported(a.root / "own_models", result.report["repaired_model"])

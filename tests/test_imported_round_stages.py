@@ -184,7 +184,7 @@ def test_an_own_network_round_runs_every_stage_after_fusion_and_charges_nothing_
     on_probe = probe.stages["own_bn_reset"]["stem_bn.running_mean"]
     np.testing.assert_allclose(on_probe, _stem_means(own_state, local.probe), atol=1e-5)
     assert not np.allclose(on_probe, reset["stem_bn.running_mean"], atol=1e-3)  # other data, other statistics
-    assert probe.report["adopt"] == "repaired"  # no validation set: the last stage run
+    assert probe.report["adopt"] == "own"  # no validation set, no held-out records: the own model
 
 
 def test_own_network_records_are_checked_naming_the_round_key_file_and_row(tmp_path):

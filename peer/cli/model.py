@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peer.base.errors import InvalidArgument
+from peer.base.errors import FailedPrecondition, InvalidArgument
 
 # --------------------------------------------------------------------------------------------
 # Shared by the commands that read a site's records
@@ -388,12 +388,95 @@ def register(subparsers) -> None:
 # adopt and export (the work is in peer.cli.site)
 
 
+def _round_report_file(source: str) -> dict | None:
+    """The round report ``source`` names (``rounds/round-ID.json``), or None when it names a model."""
+    p = Path(source)
+    if not (p.name.startswith("round-") and p.suffix == ".json" and p.is_file()):
+        return None
+    try:
+        report = json.loads(p.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise InvalidArgument("--from", f"{source} is not a round report (not JSON: {e})") from None
+    if not isinstance(report, dict) or "round_id" not in report or "status" not in report:
+        raise InvalidArgument("--from", f"{source} is not a round report (no round_id/status)")
+    return report
+
+
+def _stage_scores(report: dict) -> tuple[dict, dict, str | None]:
+    """(stage → accuracy, stage → log-loss, what they were measured on) from a round report's
+    steps after fusion (``coordinator_free.after_fusion``); empty when nothing was scored."""
+    af = report.get("after_fusion") or {}
+    acc = af.get("selection_accuracy") or af.get("validation_accuracy") or {}
+    loss = af.get("selection_log_loss") or af.get("validation_log_loss") or {}
+    data = (af.get("selection") or {}).get("data") or ("public validation" if acc else None)
+    return acc, loss, data
+
+
+def _scores_text(acc: dict, loss: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" + (f" (log-loss {loss[k]:.3f})" if k in loss else "") for k, v in acc.items())
+
+
+def _stage_of(report: dict, stem: str) -> str | None:
+    """The stage (fused, repaired, ...) of the round's model file ``stem``."""
+    if report.get("fused_model") == stem:
+        return "fused"
+    return next((k[: -len("_model")] for k, v in report.items() if k.endswith("_model") and v == stem), None)
+
+
 def _adopt(args: argparse.Namespace) -> int:
+    """``model adopt``: ``--from rounds/round-ID.json`` follows the round's recommendation (the
+    best-scoring stage, never below the own model: ``coordinator_free.after_fusion.recommend``)
+    and prints the scores it rests on; ``--from rounds/models/NAME`` adopts that stage, with a
+    warning (both scores) when it scored below the own model on the round's selection data."""
+    from peer.cli.evaluate import release_pair
     from peer.cli.site import adopt_model
 
-    path, adopted = adopt_model(args.site, getattr(args, "from"), args.name, preprocessing_from=args.preprocessing_from)
+    source = getattr(args, "from")
+    report = _round_report_file(source)
+    notes: dict = {}
+    if report is not None:
+        if report.get("status") != "fused":
+            raise FailedPrecondition(f"--from: round {report['round_id']} was not fused ({report.get('status')})")
+        af = report.get("after_fusion") or {}
+        stage = af.get("adopt") or "own"
+        reason = af.get("adopt_reason") or (
+            "the own model: the round ran no local steps after fusion, so nothing scored its fused "
+            "model against the own model (adopt the fused model explicitly with --from rounds/models/NAME)"
+        )
+        acc, loss, data = _stage_scores(report)
+        notes = {"recommended": stage, "reason": reason, "scores": acc, "scored_on": data}
+        if not args.json:
+            print(f"round {report['round_id'][:12]} recommends {stage}: {reason}")
+        if stage == "own":
+            notes["adopted"] = False
+            if args.json:
+                print(json.dumps({"model": None, **notes}, indent=2, sort_keys=True, default=str))
+            else:
+                print(f"nothing adopted: the site's own model {report.get('model')!r} stays what it uses")
+            return 0
+        store = Path(report.get("fused_store") or Path(source).parent / "models")
+        source = str(store / report[f"{stage}_model"])
+    path, adopted = adopt_model(args.site, source, args.name, preprocessing_from=args.preprocessing_from)
+    if adopted["kind"] == "round" and report is None:
+        report = json.loads(Path(adopted["report"]).read_text(encoding="utf-8"))
+        stage = _stage_of(report, release_pair(source)[1])
+        acc, loss, data = _stage_scores(report)
+        if stage in acc and "own" in acc:
+            below = (acc[stage], -loss.get(stage, 0.0)) < (acc["own"], -loss.get("own", 0.0))
+            if below:
+                notes["warning"] = (
+                    f"{stage} scored {acc[stage]:.3f} on the {data} against the own model's {acc['own']:.3f}: "
+                    f"adopting it makes the site worse there (the round recommended {report['after_fusion'].get('adopt')})"
+                )
+                print(f"warning: {notes['warning']}", file=sys.stderr)
+        if acc:
+            notes["scores"], notes["scored_on"] = acc, data
     if args.json:
-        print(json.dumps({"model": args.name, "manifest": str(path), **adopted}, indent=2, sort_keys=True, default=str))
+        print(
+            json.dumps(
+                {"model": args.name, "manifest": str(path), **adopted, **notes}, indent=2, sort_keys=True, default=str
+            )
+        )
         return 0
     where = (
         f"round {adopted['round_id'][:12]} of {adopted['site']} (contributors {', '.join(adopted['contributors'])})"
@@ -402,6 +485,8 @@ def _adopt(args: argparse.Namespace) -> int:
         f"{adopted['level']} level, ε={adopted['epsilon']:g}, δ={adopted['delta']:g} per {adopted['unit']}; signature verified)"
     )
     print(f"adopted {args.name!r} into {path.parent}: from {where}")
+    if notes.get("scores"):
+        print(f"scores on the {notes['scored_on']}: {_scores_text(notes['scores'], _stage_scores(report)[1])}")
     print(
         f"preprocessing: {adopted['preprocessing_from']}; provenance: {path.parent / (args.name + '.provenance.json')}"
     )
@@ -466,7 +551,8 @@ def register_adopt_export(sub) -> None:
         required=True,
         metavar="MODEL",
         dest="from",
-        help="rounds/models/NAME (a round's fused model) or a release OUT(.safetensors + .json)",
+        help="rounds/round-ID.json (the round's recommended stage, never below the own model), rounds/models/NAME "
+        "(that stage of a round; warns when it scored below the own model) or a release OUT(.safetensors + .json)",
     )
     a.add_argument("--name", required=True, help="the model's name in the site's store")
     a.add_argument(
