@@ -28,7 +28,6 @@ from peer.nn.store import load_model, save_model
 from peer.nn.tables import prepare_records
 
 LOGREG = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
-SAME_AS_OWN_COSINE = after_fusion.SAME_AS_OWN_COSINE
 
 FRACTION, SPLIT_SEED = 0.25, 3
 
@@ -210,5 +209,5 @@ def test_a_fused_model_that_is_the_own_model_scaled_is_flagged(trained):  # noqa
     assert "same predictions as the own model" in after_fusion.same_as_own_line(check)
     mixed = average_arrays([mlp, other], fusion_weights(0.5, 1))
     check = after_fusion.fused_vs_own(after_fusion.BuiltIn(ARCH), mlp, mixed, ds.x_test[:200], "held-out")
-    assert check["same_as_own"] is False and check["cosine"] < SAME_AS_OWN_COSINE
+    assert check["same_as_own"] is False and check["cosine"] < after_fusion.SAME_AS_OWN_COSINE
     assert after_fusion.same_as_own_line(check) is None
