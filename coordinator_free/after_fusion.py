@@ -380,7 +380,7 @@ def _training_split(model: StoredModel, table):
         return None
     if data.get("sha256") != getattr(table, "digest", None) or "validation_fraction" not in data:
         return None
-    if data.get("rows") != len(table):
+    if data.get("rows") != len(table) or not hasattr(table, "split"):
         return None
     return table.split(float(data["validation_fraction"]), seed=int(data.get("split_seed", 0)))
 
