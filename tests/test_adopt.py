@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 from peer_harness import cli, make_site, pin_each_other, running
-from test_rounds import ARCH, CLIP, config, policy, roster_for, trained  # noqa: F401
+from test_rounds import ARCH, CLIP, policy, roster_for, trained  # noqa: F401
 
 from coordinator_free import after_fusion
 from coordinator_free.rounds import RoundConfig, fusion_weights
-from coordinator_free.runner import load_local_site, run_round
+from peer.cli import main
 from peer.ldp.fusion import average_arrays, permute_arrays
 from peer.nn.architectures import state_arrays, train_classifier
 from peer.nn.store import load_model, save_model
@@ -80,7 +80,7 @@ def test_the_own_models_held_out_split_is_recovered_from_its_training_file(tmp_p
     assert data.heldout is None and data.selection() is None and len(data.records[1]) == 599
 
 
-def test_a_stage_worse_than_own_is_not_recommended_nor_adopted_by_default(tmp_path, site_csv):
+def test_a_stage_worse_than_own_is_not_recommended_nor_adopted_by_default(tmp_path, site_csv, capsys):
     """A real round at a low weights ε (the peers' weights drown in noise) with REPAIR on the
     site's own records: fused and repaired both score below the own model on its held-out
     records, so the round recommends the own model, ``model adopt --from round-ID.json`` adopts
@@ -107,13 +107,36 @@ def test_a_stage_worse_than_own_is_not_recommended_nor_adopted_by_default(tmp_pa
         sites.append(site)
     pin_each_other(*sites)
     a = sites[0]
-    cfg = config(tmp_path, records=path, repair="own", alpha=0.25, weights_epsilon=0.5)
+    round_file = tmp_path / "round.toml"
+    round_file.write_text(
+        f"""[round]
+roster = "{tmp_path / "roster.toml"}"
+model = "mlp"
+out = "{tmp_path / "out"}"
+alpha = 0.25
+[round.features]
+activation_epsilon = 500.0
+weight_epsilon = 500.0
+[round.weights]
+epsilon = 0.5
+[round.records]
+path = "{path}"
+[round.repair]
+data = "own"
+"""
+    )
     with contextlib.ExitStack() as stack:
         addresses = {s.name: stack.enter_context(running(s))[1] for s in sites}
-        roster = roster_for(tmp_path, sites, addresses)
-        result = run_round(load_local_site(a.config, "mlp"), roster, cfg)
-    r = result.report
-    assert result.status == "fused", result.reason
+        roster_for(tmp_path, sites, addresses)
+        code = main(["round", "--config", str(a.config), "--round", str(round_file)])
+    console = capsys.readouterr()
+    assert code == 0, console.err
+    (report_path,) = (tmp_path / "out").glob("round-*.json")
+    r = json.loads(report_path.read_text())
+    assert r["status"] == "fused", r["reason"]
+    # the console names the recommendation and the scores it rests on
+    assert "recommended: own — no stage beats the own model on the own held-out records" in console.out
+    assert "note:" not in console.out
     af = r["after_fusion"]
     assert af["selection"]["data"] == "own held-out records" and af["selection"]["examples"] == len(records.y_val)
     assert af["records"]["count"] == len(records.y_train) and af["records"]["held_out"]["count"] == 150
@@ -125,7 +148,7 @@ def test_a_stage_worse_than_own_is_not_recommended_nor_adopted_by_default(tmp_pa
     assert r["fused_vs_own"]["same_as_own"] is False and "fused_vs_own_note" not in r
 
     store = a.root / "models"
-    by_default = cli("model", "adopt", "--site", str(a.root), "--from", str(result.report_path), "--name", "mlp-v2")
+    by_default = cli("model", "adopt", "--site", str(a.root), "--from", str(report_path), "--name", "mlp-v2")
     assert "recommends own" in by_default.stdout and "nothing adopted" in by_default.stdout
     assert f"own {acc['own']:.3f}" in by_default.stdout and not (store / "mlp-v2.json").exists()
 
