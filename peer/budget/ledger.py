@@ -144,6 +144,10 @@ class Ledger(LedgerStorage):
     figures use (default: the project's); the ledger interprets every record at its filter's
     orders (``self.accountant`` = ``accountant.with_orders(self.orders)``). Safe to share between threads (one SQLite connection per thread) and
     to open from several processes at once.
+
+    The storage is ``peer.budget.storage.LedgerStorage``; each method below calls the function
+    of the same name in the module of its concept (``charging``, ``corrections``,
+    ``verification``, ``reading``), whose docstring states what it does and refuses.
     """
 
     def __init__(
