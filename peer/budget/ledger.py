@@ -101,9 +101,10 @@ pool share the pool's models, so that needs care:
 Model-level releases of a pool model also reveal data-level information about its training
 data; as the design keeps the two budgets apart, they are charged to model-level budgets only.
 
-Files: this module holds the storage (SQLite connections, transactions, the schema's creation,
-anchor sync) and the ``Ledger``, whose other methods are thin entry points to one module per
-concept, each a set of functions over the ledger (its connection, policy, accountant, anchor):
+Files: ``peer.budget.storage`` holds the storage (SQLite connections, transactions, the schema's
+creation, the filter's orders); this module the ``Ledger`` (anchor sync at open), whose other
+methods are thin entry points to one module per concept, each a set of functions over the
+ledger's storage (its connection, policy, accountant, anchor):
 ``peer.budget.charging`` (interpreting a record, charging and refusing it, delivery events),
 ``peer.budget.corrections`` (cancelling a charge, serving a release again: their own chains),
 ``peer.budget.verification`` (the chains, the totals cache and the anchor checked at open) and
