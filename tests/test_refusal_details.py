@@ -16,6 +16,7 @@ from test_rounds import add_pool, build, config, roster_for, trained  # noqa: F4
 from peer.budget.ledger import Ledger
 from peer.net import wire
 from peer.net.client import PeerError
+from peer.net.trust import TrustStore
 from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 
@@ -100,7 +101,8 @@ def test_a_bad_field_is_named_in_a_bad_request_violation(sites):
         )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         violations, info = details_of(err)
-        assert [f for f, _ in violations] == ["method"] and "'rs'" in violations[0][1] and info == {}
+        assert [f for f, _ in violations] == ["method"] and "'rs'" in violations[0][1]
+        assert info == {"reason": "INVALID_FIELD", "domain": "privfusion.v1", "metadata": {}}
         method_rule = violations[0][1]
         err = plain_call(
             b,
@@ -114,7 +116,7 @@ def test_a_bad_field_is_named_in_a_bad_request_violation(sites):
         with client(b, address) as c, pytest.raises(PeerError) as e:
             c.merged("digits", method="avg", epsilon=1.0, delta=1e-5)
     assert e.value.status == "INVALID_ARGUMENT" and e.value.field == "method"
-    assert e.value.violations == (("method", method_rule),) and e.value.reason == ""
+    assert e.value.violations == (("method", method_rule),) and e.value.reason == "INVALID_FIELD"
 
 
 def test_a_refused_merge_carries_the_pools_reachable_range(sites):
@@ -197,3 +199,46 @@ def test_the_round_report_and_its_cli_line_carry_the_reachable_range(tmp_path, t
     assert (
         "TARGET_UNREACHABLE" in line and f"reachable_epsilon_min={details['metadata']['reachable_epsilon_min']}" in line
     )
+
+
+def test_refusals_of_the_caller_and_of_the_request_name_their_reason(sites):
+    """A sender that is not its certificate's pinned name, an unknown model, an unknown pool and
+    a client unpinned while its connection stays open are each refused with their own reason
+    (docs/wire.md 7.3), read with plain grpcio and through PeerError; the message stays the
+    sentence it was."""
+    a, b = sites
+    with running(a) as (_, address):
+        err = plain_call(
+            b,
+            a,
+            address,
+            "ReleaseWeights",
+            pb.WeightsRequest(
+                header=pb.RequestHeader(sender="site-c", receiver="site-a"), model="mlp", epsilon=1.0, delta=1e-6
+            ),
+        )
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "header.sender: claims 'site-c'" in err.details()
+        assert details_of(err)[1] == {
+            "reason": "SENDER_MISMATCH",
+            "domain": "privfusion.v1",
+            "metadata": {"field": "header.sender", "pinned_as": "site-b"},
+        }
+
+        err = plain_call(
+            b, a, address, "ReleaseWeights", pb.WeightsRequest(header=header(), model="nope", epsilon=1.0, delta=1e-6)
+        )
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "offers no model 'nope'" in err.details()
+        info = {"reason": "MODEL_NOT_FOUND", "domain": "privfusion.v1", "metadata": {"field": "model"}}
+        assert details_of(err) == ([], info)
+
+        with client(b, address) as c:
+            with pytest.raises(PeerError) as e:
+                c.merged("no-such-pool", method="rs", epsilon=1.0, delta=1e-5)
+            assert e.value.status == "NOT_FOUND" and e.value.reason == "POOL_NOT_FOUND"
+            assert e.value.metadata == {"field": "pool"}
+            assert c.info().name == "site-a"
+            TrustStore(a.identity_dir / "trusted").remove("site-b")
+            with pytest.raises(PeerError) as e:
+                c.info()  # the same TLS connection: refused at the call (a new one fails its handshake)
+    assert e.value.status == "UNAUTHENTICATED" and "is not pinned at 'site-a'" in str(e.value)
+    assert e.value.reason == "CLIENT_NOT_PINNED" and e.value.metadata == {}

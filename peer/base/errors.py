@@ -60,9 +60,14 @@ class PrivFusionError(Exception):
 
 
 class InvalidArgument(PrivFusionError, ValueError):
-    """A value breaks a rule: ``field`` names it, ``rule`` says what was expected."""
+    """A value breaks a rule: ``field`` names it, ``rule`` says what was expected.
+
+    Its reason is ``INVALID_FIELD`` unless a raise names a more specific one (e.g.
+    ``TARGET_UNREACHABLE``): every refusal then carries an ErrorInfo a client can switch on,
+    and the field at fault travels, machine-readable, in the BadRequest."""
 
     status = "INVALID_ARGUMENT"
+    reason = "INVALID_FIELD"
 
     def __init__(self, field: str, rule: str, *, reason: str | None = None, metadata: Mapping[str, Any] | None = None):
         self.field = field

@@ -53,12 +53,18 @@ def budgets_for(
     policy = ledger.policy
     if charged.level == "data":
         if policy.data is None:
-            raise FailedPrecondition("the site's policy sets no data-level budget: data-level releases are refused")
+            raise FailedPrecondition(
+                "the site's policy sets no data-level budget: data-level releases are refused",
+                reason="NO_BUDGET",
+                metadata={"level": "data"},
+            )
         if charged.unit != policy.data.unit:
             raise FailedPrecondition(
                 f"release {charged.release_id} is private per {charged.unit!r}, the site's data budget per "
                 f"{policy.data.unit!r}; the two adjacencies do not convert into each other without loss, "
-                "so the ledger refuses to mix them"
+                "so the ledger refuses to mix them",
+                reason="UNIT_MISMATCH",
+                metadata={"unit": charged.unit, "budget_unit": policy.data.unit},
             )
         return ((BudgetKey("data", charged.unit), policy.data_filter()),)
     if not charged.subject:
@@ -70,7 +76,11 @@ def budgets_for(
     if mb.per_counterparty is not None:
         out.append((BudgetKey("model", "neuron", charged.subject, counterparty), mb.per_counterparty))
     if not out:
-        raise FailedPrecondition(f"the site's policy sets no model-level budget for {charged.subject!r}: refused")
+        raise FailedPrecondition(
+            f"the site's policy sets no model-level budget for {charged.subject!r}: refused",
+            reason="NO_BUDGET",
+            metadata={"level": "model", "model": charged.subject},
+        )
     return tuple(out)
 
 
@@ -112,7 +122,9 @@ def interpret(
     per-counterparty budgets of ``also_counterparties``) would cost, and to which budgets
     (no I/O)."""
     if ledger.policy is None:
-        raise FailedPrecondition(f"ledger {ledger.path} was opened without a policy: it cannot charge")
+        raise FailedPrecondition(
+            f"ledger {ledger.path} was opened without a policy: it cannot charge", reason="LEDGER_WITHOUT_POLICY"
+        )
     if not isinstance(record, ReleaseRecord):
         raise InvalidArgument("record", f"must be a ReleaseRecord, got {type(record).__name__}")
     if not isinstance(counterparty, str) or not counterparty:
@@ -180,7 +192,8 @@ def charge(
         ).fetchone()
         if row is not None and corrections.is_cancelled(con, row[0]):
             raise FailedPrecondition(
-                f"release {record.release_id} was cancelled; a cancelled release is never charged again"
+                f"release {record.release_id} was cancelled; a cancelled release is never charged again",
+                reason="RELEASE_CANCELLED",
             )
         if row is not None:
             if row[1] == record_json and row[2] == counterparty:
@@ -259,7 +272,8 @@ def charge(
         # from what was hashed fails this charge now (rolled back), not the next open.
         if verification.stored_hash(con, seq, prev_hash) != h:
             raise FailedPrecondition(
-                f"ledger {ledger.path}: charge {seq} does not read back as hashed; nothing was charged"
+                f"ledger {ledger.path}: charge {seq} does not read back as hashed; nothing was charged",
+                reason="LEDGER_READ_BACK_MISMATCH",
             )
         entry = reading.entry(con, seq)
     # committed; anchored (fsync'd outside the file) before the caller may send a byte
@@ -390,9 +404,11 @@ def record_event(ledger: LedgerStorage, release_id: str, kind: str, detail: str 
     with ledger._write() as con:
         row = con.execute("SELECT seq FROM charges WHERE release_id = ?", (release_id,)).fetchone()
         if row is None:
-            raise NotFound(f"no charge for release {release_id}")
+            raise NotFound(f"no charge for release {release_id}", reason="CHARGE_NOT_FOUND")
         if kind != "note" and corrections.is_cancelled(con, row[0]):
-            raise FailedPrecondition(f"release {release_id} was cancelled: it may not be sent")
+            raise FailedPrecondition(
+                f"release {release_id} was cancelled: it may not be sent", reason="RELEASE_CANCELLED"
+            )
         last = con.execute("SELECT id, hash FROM events ORDER BY id DESC LIMIT 1").fetchone()
         event = ((last[0] if last else 0) + 1, release_id, now_rfc3339(), kind, str(detail))
         prev_hash = last[1] if last else GENESIS

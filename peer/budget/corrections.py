@@ -34,7 +34,9 @@ def cancel(ledger: LedgerStorage, release_id: str, reason: str) -> dict:
     handed to the transport. Returns the cancellation as :meth:`Ledger.cancellations` lists it.
     """
     if ledger.policy is None:
-        raise FailedPrecondition(f"ledger {ledger.path} was opened without a policy: it cannot cancel")
+        raise FailedPrecondition(
+            f"ledger {ledger.path} was opened without a policy: it cannot cancel", reason="LEDGER_WITHOUT_POLICY"
+        )
     if not isinstance(reason, str) or not reason.strip():
         raise InvalidArgument("reason", "must say why the charge is cancelled")
     with ledger._write() as con:
@@ -42,10 +44,10 @@ def cancel(ledger: LedgerStorage, release_id: str, reason: str) -> dict:
             "SELECT seq, hash, budgets, counterparty FROM charges WHERE release_id = ?", (release_id,)
         ).fetchone()
         if row is None:
-            raise NotFound(f"no charge for release {release_id}")
+            raise NotFound(f"no charge for release {release_id}", reason="CHARGE_NOT_FOUND")
         seq, charge_hash, budgets, counterparty = row
         if is_cancelled(con, seq):
-            raise FailedPrecondition(f"release {release_id} is already cancelled")
+            raise FailedPrecondition(f"release {release_id} is already cancelled", reason="RELEASE_CANCELLED")
         sent = con.execute(
             "SELECT kind FROM events WHERE release_id = ? AND kind IN ('sent', 'send-failed') LIMIT 1",
             (release_id,),
@@ -53,13 +55,16 @@ def cancel(ledger: LedgerStorage, release_id: str, reason: str) -> dict:
         if sent is not None:
             raise FailedPrecondition(
                 f"release {release_id} has a {sent[0]!r} event: its bytes may have left, "
-                "and a charge is never refunded once they may have"
+                "and a charge is never refunded once they may have",
+                reason="CHARGE_NOT_CANCELLABLE",
             )
         if (
             has_served_again(con)
             and con.execute("SELECT 1 FROM served_again WHERE release_id = ? LIMIT 1", (release_id,)).fetchone()
         ):
-            raise FailedPrecondition(f"release {release_id} was served again: its bytes have left")
+            raise FailedPrecondition(
+                f"release {release_id} was served again: its bytes have left", reason="CHARGE_NOT_CANCELLABLE"
+            )
         head = con.execute("SELECT hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()[0]
         last = con.execute("SELECT hash FROM cancellations ORDER BY id DESC LIMIT 1").fetchone()
         prev = last[0] if last else GENESIS
@@ -131,13 +136,16 @@ def serve_again(ledger: LedgerStorage, release_id: str, counterparty: str, detai
     with ledger._write() as con:
         row = con.execute("SELECT seq, hash, level FROM charges WHERE release_id = ?", (release_id,)).fetchone()
         if row is None:
-            raise NotFound(f"no charge for release {release_id}")
+            raise NotFound(f"no charge for release {release_id}", reason="CHARGE_NOT_FOUND")
         seq, charge_hash, level = row
         if is_cancelled(con, seq):
-            raise FailedPrecondition(f"release {release_id} was cancelled: it may not be served")
+            raise FailedPrecondition(
+                f"release {release_id} was cancelled: it may not be served", reason="RELEASE_CANCELLED"
+            )
         if level != "data":
             raise FailedPrecondition(
-                f"release {release_id} is {level}-level: only data-level releases are served again"
+                f"release {release_id} is {level}-level: only data-level releases are served again",
+                reason="NOT_SERVABLE_AGAIN",
             )
         head = con.execute("SELECT hash FROM charges ORDER BY seq DESC LIMIT 1").fetchone()[0]
         last = con.execute("SELECT id, hash FROM served_again ORDER BY id DESC LIMIT 1").fetchone()

@@ -241,7 +241,11 @@ class Policy:
         if kind not in KINDS:
             raise InvalidArgument("kind", f"must be one of {list(KINDS)}, got {kind!r}")
         if not self.allows(peer, kind):
-            raise PermissionDenied(f"the site's policy does not let peer {peer!r} ask for {kind}")
+            raise PermissionDenied(
+                f"the site's policy does not let peer {peer!r} ask for {kind}",
+                reason="KIND_NOT_ALLOWED",
+                metadata={"kind": kind},
+            )
         cap = self.caps.get(kind)
         if cap is not None and not epsilon <= cap:
             raise InvalidArgument("epsilon", f"{epsilon:g} exceeds the site's per-request cap {cap:g} for {kind}")
@@ -255,7 +259,11 @@ class Policy:
             if kind not in KINDS:
                 raise InvalidArgument("kind", f"must be one of {list(KINDS)}, got {kind!r}")
             if not self.allows(peer, kind):
-                raise PermissionDenied(f"the site's policy does not let peer {peer!r} ask for {kind}")
+                raise PermissionDenied(
+                    f"the site's policy does not let peer {peer!r} ask for {kind}",
+                    reason="KIND_NOT_ALLOWED",
+                    metadata={"kind": kind},
+                )
         for kind, epsilon in parts:
             self.check_request(peer, kind, epsilon)
 

@@ -100,7 +100,7 @@ class LedgerStorage:
         try:
             con.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as e:
-            raise Unavailable(f"ledger {self.path} is busy: {e}") from None
+            raise Unavailable(f"ledger {self.path} is busy: {e}", reason="LEDGER_BUSY") from None
         try:
             yield con
             con.execute("COMMIT")

@@ -408,7 +408,8 @@ class ReleaseDesk:
                 return again
         upto = "" if req.max_round is None else f" and ≤ {req.max_round}"
         raise NotFound(
-            f"segment: {site.name!r} has published no segment of run {run!r} at round ≥ {req.min_round}{upto} yet"
+            f"segment: {site.name!r} has published no segment of run {run!r} at round ≥ {req.min_round}{upto} yet",
+            reason="SEGMENT_NOT_PUBLISHED",
         )
 
     def serve_again(self, stored: StoredRelease, caller: str, what: str, detail: str, kind=IssuedMerge, **log_fields):
@@ -424,7 +425,8 @@ class ReleaseDesk:
         if entry.record.canonical_json() != stored.record.canonical_json():
             raise FailedPrecondition(
                 f"release store: the record of {what} differs from the one ledger entry {entry.entry_id} "
-                "charged; it is not served"
+                "charged; it is not served",
+                reason="STORED_RELEASE_MISMATCH",
             )
         site.check_randomness(stored.record, what)
         served = site.ledger.serve_again(stored.record.release_id, caller, detail)

@@ -185,16 +185,19 @@ class ReleaseStore:
         except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
             raise FailedPrecondition(
                 f"release store: entry {js} does not read back ({type(e).__name__}); it is not served "
-                "(delete it and its .safetensors to make and charge the release anew)"
+                "(delete it and its .safetensors to make and charge the release anew)",
+                reason="STORED_RELEASE_UNREADABLE",
             ) from None
         if set(arrays) != {n for n, _ in listed} or any(digest(arrays[n]) != d for n, d in listed):
             raise FailedPrecondition(
                 f"release store: the tensors of {st} differ from the digests stored with them (the file was "
-                "changed); it is not served (delete the entry to make and charge the release anew)"
+                "changed); it is not served (delete the entry to make and charge the release anew)",
+                reason="STORED_RELEASE_MISMATCH",
             )
         if record.parameters.get("release_sha256") != release_sha256(listed):
             raise FailedPrecondition(
-                f"release store: {js} lists tensors other than the ones its record binds; it is not served"
+                f"release store: {js} lists tensors other than the ones its record binds; it is not served",
+                reason="STORED_RELEASE_MISMATCH",
             )
         return StoredRelease(key, record, doc["architecture"], doc["metadata"], [(n, arrays[n]) for n, _ in listed])
 

@@ -236,7 +236,7 @@ def check_declared_counts(pool: Sequence[PoolModel], pool_name: str) -> None:
     model of :func:`true_count_models`: nothing made from it is served or merged."""
     names = true_count_models(pool)
     if names:
-        raise FailedPrecondition(true_count_refusal(pool_name, names))
+        raise FailedPrecondition(true_count_refusal(pool_name, names), reason="POOL_TRUE_COUNT")
 
 
 def true_count_refusal(pool_name: str, names: Sequence[str]) -> str:

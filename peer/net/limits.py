@@ -315,7 +315,8 @@ def paced(requests: Iterable, idle_s: float, deadline_s: float, what: str = "the
         while True:
             left = deadline_s - (time.monotonic() - started)
             late = StreamTimeout(
-                f"{what} did not finish within {deadline_s:g} s (site.stream_deadline_s); nothing was charged"
+                f"{what} did not finish within {deadline_s:g} s (site.stream_deadline_s); nothing was charged",
+                reason="STREAM_DEADLINE",
             )
             if left <= 0:
                 raise late
@@ -326,7 +327,8 @@ def paced(requests: Iterable, idle_s: float, deadline_s: float, what: str = "the
                 if wait < idle_s:
                     raise late from None
                 raise StreamTimeout(
-                    f"{what} sent nothing for {idle_s:g} s (site.stream_idle_s); nothing was charged"
+                    f"{what} sent nothing for {idle_s:g} s (site.stream_idle_s); nothing was charged",
+                    reason="STREAM_STALLED",
                 ) from None
             if error is not None:
                 raise error

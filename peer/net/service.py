@@ -323,20 +323,23 @@ class PeerService(pb_grpc.PeerServicer):
         else:
             pems = context.auth_context().get("x509_pem_cert") or []
             if not pems:
-                raise Unauthenticated("the call carries no client certificate")
+                raise Unauthenticated("the call carries no client certificate", reason="CLIENT_CERT_MISSING")
             pinned = self.site.pinned_by_fingerprint(fingerprint(pems[0]))
             if pinned is None:
                 raise Unauthenticated(
-                    f"the client certificate (SHA-256 {fingerprint(pems[0])}) is not pinned at {self.site.name!r}"
+                    f"the client certificate (SHA-256 {fingerprint(pems[0])}) is not pinned at {self.site.name!r}",
+                    reason="CLIENT_NOT_PINNED",
                 )
             try:
                 # TLS checked validity at the handshake only; a connection outlives the certificate
                 check_validity(load_certificate(pems[0]), f"the client certificate of {pinned.name!r}")
             except FailedPrecondition as e:
-                raise Unauthenticated(f"{e}; nothing was charged") from None
+                raise Unauthenticated(f"{e}; nothing was charged", reason="CLIENT_CERT_NOT_VALID") from None
             if sender != pinned.name:
                 raise PermissionDenied(
-                    f"header.sender: claims {sender!r}, but the TLS certificate is pinned as {pinned.name!r}"
+                    f"header.sender: claims {sender!r}, but the TLS certificate is pinned as {pinned.name!r}",
+                    reason="SENDER_MISMATCH",
+                    metadata={"field": "header.sender", "pinned_as": pinned.name},
                 )
             caller = pinned.name
         if header.receiver != self.site.name:

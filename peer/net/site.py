@@ -113,7 +113,8 @@ class Site(SiteIdentity, SitePartners, SiteOffer):
         self.identity: Identity = load_identity(config.identity)
         if self.identity.name != config.name:
             raise FailedPrecondition(
-                f"site.name is {config.name!r} but the identity in {config.identity} is {self.identity.name!r}"
+                f"site.name is {config.name!r} but the identity in {config.identity} is {self.identity.name!r}",
+                reason="SITE_IDENTITY_MISMATCH",
             )
         self.name = config.name
         self.lock = SiteLock(config.ledger)  # before anything opens the ledger
@@ -275,7 +276,11 @@ class Site(SiteIdentity, SitePartners, SiteOffer):
         if kind == "info":
             return  # every pinned peer may see who we are
         if not self.policy.allows(caller, kind):
-            raise PermissionDenied(f"{self.name!r}'s policy does not let {caller!r} ask for {kind}")
+            raise PermissionDenied(
+                f"{self.name!r}'s policy does not let {caller!r} ask for {kind}",
+                reason="KIND_NOT_ALLOWED",
+                metadata={"kind": kind},
+            )
 
     def ledger_entries(self, caller: str):
         for e in self.ledger.entries(counterparty=caller):

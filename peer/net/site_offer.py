@@ -54,7 +54,11 @@ class SiteOffer:
                     reason="MODEL_KIND_UNSUPPORTED",
                     metadata={"field": field_name},
                 )
-            raise NotFound(f"{field_name}: {self.name!r} offers no model {name!r}")
+            raise NotFound(
+                f"{field_name}: {self.name!r} offers no model {name!r}",
+                reason="MODEL_NOT_FOUND",
+                metadata={"field": field_name},
+            )
         return m
 
     @staticmethod
@@ -81,7 +85,9 @@ class SiteOffer:
         try:
             return module_from_arrays(factories[own.factory], own.structure, own.arrays)
         except Unsupported as e:  # the site's module itself (aliased keys): not the caller's fault
-            raise FailedPrecondition(f"model: {own.name!r} cannot be released: {e}; nothing was charged") from None
+            raise FailedPrecondition(
+                f"model: {own.name!r} cannot be released: {e}; nothing was charged", reason="MODEL_MODULE_FAILED"
+            ) from None
 
     def pool(self, name: str):
         """The pool's models (``peer.dp.merging.PoolModel``)."""
@@ -89,7 +95,9 @@ class SiteOffer:
             raise InvalidArgument("pool", "is required")
         p = self.pools.get(name)
         if p is None:
-            raise NotFound(f"pool: {self.name!r} has no pool {name!r}")
+            raise NotFound(
+                f"pool: {self.name!r} has no pool {name!r}", reason="POOL_NOT_FOUND", metadata={"field": "pool"}
+            )
         return p
 
     def pool_validation(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -132,5 +140,6 @@ class SiteOffer:
         if fixed:
             raise FailedPrecondition(
                 f"{what} was trained or drawn with a fixed noise seed (seed {fixed[0].seed}: {FIXED_SEED_WARNING}); "
-                "a daemon started without --simulation does not serve it"
+                "a daemon started without --simulation does not serve it",
+                reason="FIXED_SEED_NOT_SERVED",
             )

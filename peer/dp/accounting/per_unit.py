@@ -57,7 +57,8 @@ def per_neuron_record(record: ReleaseRecord) -> ReleaseRecord:
     if convert is None:
         raise FailedPrecondition(
             f"release {record.release_id}: a per-entry {record.mechanism!r} release has no sound per-neuron "
-            "conversion in the ledger; release it per neuron instead"
+            "conversion in the ledger; release it per neuron instead",
+            reason="PER_ENTRY_NO_CONVERSION",
         )
     return convert(record)
 
