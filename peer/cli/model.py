@@ -167,7 +167,6 @@ def records_from_args(args: argparse.Namespace):
     """The records of ``--data``, split and prepared: a table (``peer.nn.tables.prepare_records``)
     or images, a folder by class or a manifest (``peer.nn.images.prepare_image_records``)."""
     from peer.nn.images import is_image_source, prepare_image_records
-    from peer.nn.tables import prepare_records
 
     if args.preprocessing and args.public:
         raise InvalidArgument("--public", "give --preprocessing or --public (a file to fit one on), not both")
@@ -187,23 +186,14 @@ def records_from_args(args: argparse.Namespace):
             preprocessing=given,
             public=args.public,
         )
+    from peer.cli.model_import import table_records
+
     if args.label is None:
         raise InvalidArgument("--label", f"is required: the label column of {args.data}")
     for flag, value in (("--image-size", args.image_size), ("--channels", args.channels)):
         if value is not None:
             raise InvalidArgument(flag, f"applies to images; {args.data} is a table")
-    return prepare_records(
-        args.data,
-        label=args.label,
-        features=args.features,
-        categorical=args.categorical,
-        missing="impute" if args.impute else "refuse",
-        unseen="zeros" if args.allow_unseen else "refuse",
-        validation_fraction=args.validation_fraction,
-        split_seed=args.split_seed,
-        preprocessing=given,
-        public=args.public,
-    )
+    return table_records(args, given)
 
 
 @contextmanager

@@ -181,6 +181,30 @@ def _preprocessing(args, shape: list[int]):
     return ImagePreprocessing.fit(images, channels=shape[0], size=(shape[1], shape[2]))
 
 
+def table_records(args: argparse.Namespace, preprocessing=None):
+    """The table ``--data`` prepared from the table flags (``--label``, ``--features``,
+    ``--categorical``, ``--impute``, ``--allow-unseen``, ``--validation-fraction``,
+    ``--split-seed``, ``--public``) by ``peer.nn.tables.prepare_records``, with ``preprocessing``
+    (a stored one) when given: the one reading of those flags, for ``model train`` and
+    ``model import``."""
+    from peer.nn.tables import prepare_records
+
+    if args.label is None:
+        raise InvalidArgument("--label", f"is required: the label column of {args.data}")
+    return prepare_records(
+        args.data,
+        label=args.label,
+        features=args.features,
+        categorical=args.categorical,
+        missing="impute" if args.impute else "refuse",
+        unseen="zeros" if args.allow_unseen else "refuse",
+        validation_fraction=args.validation_fraction,
+        split_seed=args.split_seed,
+        preprocessing=preprocessing,
+        public=args.public,
+    )
+
+
 def _table_preprocessing(args, shape: list[int]):
     """The preprocessing ``model train`` would store for the table ``--data``: its feature
     columns in order (``--features``, default every column but the label), standardisation and
@@ -190,21 +214,8 @@ def _table_preprocessing(args, shape: list[int]):
     from types import SimpleNamespace
 
     from peer.nn.imported import records_fit_network
-    from peer.nn.tables import prepare_records
 
-    if args.label is None:
-        raise InvalidArgument("--label", f"is required: the label column of {args.data}")
-    records = prepare_records(
-        args.data,
-        label=args.label,
-        features=args.features,
-        categorical=args.categorical,
-        missing="impute" if args.impute else "refuse",
-        unseen="zeros" if args.allow_unseen else "refuse",
-        validation_fraction=args.validation_fraction,
-        split_seed=args.split_seed,
-        public=args.public,
-    )
+    records = table_records(args)
     records_fit_network(SimpleNamespace(input_shape=tuple(shape)), records.preprocessing, args.data, args.name)
     args.held_out = records
     return records.preprocessing
