@@ -100,12 +100,15 @@ def _round(args) -> int:
     status = 0
     try:
         # the same rounds the simulator runs in its own process (scenarios.processes.RoundThread)
-        for cfg, result in run_rounds(args.config, args.round, on_event, stop, simulation=args.simulation):
+        rounds = run_rounds(args.config, args.round, on_event, stop, simulation=args.simulation, resume=args.resume)
+        for cfg, result in rounds:
             if isinstance(cfg, IterateConfig):
                 if not args.events:
                     print(f"iterate run {cfg.run}: {result.status} ({result.reason}); report {result.report_path}")
                 if result.status == "interrupted":
                     return 128 + caught[0] if caught else 3
+                if result.status == "alone":
+                    return 3
                 continue
             if result.status == "interrupted":
                 unsure = {n: c for n, c in result.report["may_have_charged"].items() if c != "no"}
@@ -200,6 +203,12 @@ def register(subparsers) -> None:
         help="a file with a [round] table (repeatable: rounds run in sequence); default: site.toml's [round]",
     )
     p.add_argument("--events", action="store_true", help="print round events as JSON lines on stdout")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an iterate run that stopped (killed, rebooted, its daemon gone) from its report: the rounds "
+        "it completed are kept, segments already charged are reused, never charged again; the noise is fresh",
+    )
     p.add_argument(
         "--simulation",
         action="store_true",

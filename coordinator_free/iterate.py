@@ -130,6 +130,7 @@ class IterateConfig:
     staleness_decay: float = 0.5
     wait_s: float = 30.0
     call_timeout_s: float = 60.0
+    health_timeout_s: float = 2.0
 
     @classmethod
     def from_section(cls, r: Section, base: Path) -> IterateConfig:
@@ -139,7 +140,13 @@ class IterateConfig:
         if r.string("method") != "iterate":
             r.fail("method", "must be 'iterate' here")
         it = r.section("iterate", required=True)
-        it.known(tuple(f for f in cls.__dataclass_fields__ if f not in ("roster", "model", "out", "call_timeout_s")))
+        it.known(
+            tuple(
+                f
+                for f in cls.__dataclass_fields__
+                if f not in ("roster", "model", "out", "call_timeout_s", "health_timeout_s")
+            )
+        )
         run = it.string("run", "iterate")
         try:
             check_run_name(run, "round.iterate.run")
@@ -167,6 +174,7 @@ class IterateConfig:
             staleness_decay=it.number("staleness_decay", 0.5, minimum=0.0, maximum=1.0),
             wait_s=it.number("wait_s", 30.0, minimum=0.0, maximum=3600.0),
             call_timeout_s=r.number("call_timeout_s", 60.0, exclusive_minimum=0.0, maximum=3600.0),
+            health_timeout_s=r.number("health_timeout_s", 2.0, exclusive_minimum=0.0, maximum=600.0),
         )
 
 
@@ -260,7 +268,7 @@ def segment_training(cfg: IterateConfig, noise_multiplier: float):
 
 @dataclass
 class IterateResult:
-    status: str  # "finished" | "budget" (the ledger refused a segment) | "interrupted"
+    status: str  # "finished" | "budget" (the ledger refused a segment) | "alone" | "interrupted"
     reason: str
     rounds_done: int
     report: dict
@@ -271,8 +279,9 @@ class IterateResult:
 @dataclass
 class _Run:
     """One iterate run in progress at this site: what every round reads (the plan, the site's
-    model, records and ledger, one client per peer) and what the rounds carry forward (``theta``
-    — the fused model of the previous round —, the peers found gone, the report)."""
+    model, records and ledger, one client per peer, how to reach its own daemon) and what the
+    rounds carry forward (``theta`` — the fused model of the previous round —, the peers found
+    gone, each peer's last state, the report)."""
 
     cfg: IterateConfig
     me: str
@@ -293,13 +302,20 @@ class _Run:
     report: dict[str, Any]
     emit: Callable[[dict], None]
     stop: threading.Event
+    identity: Any = None
+    own_address: str | None = None
+    lock: Any = None
+    first_round: int = 1
     gone: set[str] = field(default_factory=set)
+    states: dict[str, str] = field(default_factory=dict)
     models: list[str] = field(default_factory=list)
 
     def close(self) -> None:
         for c in self.clients.values():
             c.close()
         self.ledger.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _open_run(
@@ -308,11 +324,13 @@ def _open_run(
     on_event: Callable[[dict], None] | None,
     stop: threading.Event | None,
     simulation: bool,
+    resume: bool = False,
 ) -> _Run:
-    """The run before round 1: the site's checks (identity, a data budget per record of the
-    run's adjacency, no fixed seed outside a simulation), its model, records and ledger, the
+    """The run before its first round: the site's checks (identity, a data budget per record of
+    the run's adjacency, no fixed seed outside a simulation), its model, records and ledger, the
     noise multiplier that meets the target over every step, one client per peer, round 1's
-    start θ_0 = build_model(architecture, init_seed), and the report's plan."""
+    start θ_0 = build_model(architecture, init_seed), and the report's plan — or, for a run
+    started before (:func:`_previous_run`), its report, θ and next round, with ``resume``."""
     import torch
 
     from peer.base.rng import make_randomness
@@ -324,6 +342,7 @@ def _open_run(
     from peer.net.identity import load_identity
     from peer.net.releases import ReleaseStore
     from peer.net.site import SiteConfig
+    from peer.net.site_lock import SiteLock
     from peer.nn.architectures import build_model, input_tensor
     from peer.nn.store import load_model
 
@@ -348,25 +367,41 @@ def _open_run(
     arch = dict(stored.architecture)
     x, y = load_records(cfg.records, stored)
     n, n_source = segment_size(cfg, site.declared_records, len(y))
-    ledger = Ledger(site.ledger, policy)
-    store = ReleaseStore(site.ledger.with_name(site.ledger.stem + ".releases"))
-    total_steps = cfg.rounds * cfg.local_steps
-    sigma = noise_multiplier_for(
-        cfg.epsilon, cfg.delta, total_steps, adjacency=cfg.adjacency, figure="filter", orders=ledger.orders
-    )
-    # Noise: fresh CSPRNG streams; a simulation's fixed site seed (reported; refused above
-    # without `simulation`) is moved off the daemon's own stream so that the two never draw
-    # the same numbers.
-    rnd_master = make_randomness(None if site.seed is None else site.seed + 2**31)
     roster = Roster.load(cfg.roster)
     peers = [p for p in roster.peers_of(me)]
+    if peers and me not in roster.sites:
+        raise FailedPrecondition(
+            f"{cfg.roster}: the roster does not list this site ({me!r}): its peers fetch our segments at the "
+            "address the roster gives, and the run checks our own daemon there before every charge"
+        )
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    # one process per run: a second `privfusion round` of the same run would charge its segments again
+    lock = SiteLock(_report_path(cfg), field=f"round.iterate.run ({cfg.run!r})", holder="process running this run")
+    ledger = Ledger(site.ledger, policy)
+    try:
+        store = ReleaseStore(site.ledger.with_name(site.ledger.stem + ".releases"))
+        total_steps = cfg.rounds * cfg.local_steps
+        sigma = noise_multiplier_for(
+            cfg.epsilon, cfg.delta, total_steps, adjacency=cfg.adjacency, figure="filter", orders=ledger.orders
+        )
+        previous = _previous_run(cfg, ledger, resume, n, sigma)
+    except BaseException:
+        ledger.close()
+        lock.release()
+        raise
+    sessions = previous.get("sessions", []) if previous else []
+    # Noise: fresh CSPRNG streams; a simulation's fixed site seed (reported; refused above
+    # without `simulation`) is moved off the daemon's own stream so that the two never draw
+    # the same numbers, and off every earlier session's of this run (a resumed run never
+    # replays the noise of the rounds it already ran).
+    rnd_master = make_randomness(None if site.seed is None else site.seed + 2**31 + 2**32 * len(sessions))
     clients = {p.name: PeerClient(identity, p.address, peer=p.name) for p in peers}
     module = build_model(arch, seed=cfg.init_seed)
     loss = classifier_loss(module)
     xt = input_tensor(arch, x)
     yt = torch.as_tensor(y, dtype=torch.long)
     theta = {k: v.detach().numpy().astype(np.float32) for k, v in module.named_parameters()}
-    report: dict[str, Any] = {
+    report: dict[str, Any] = previous or {
         "site": me,
         "run": cfg.run,
         "method": "iterate",
@@ -393,10 +428,133 @@ def _open_run(
         },
         "rounds": [],
     }
-    return _Run(
+    done = len(report["rounds"])
+    if done:  # θ_k: the fused model of the last round the report has (its rounds are 1..k)
+        try:
+            last = load_model(cfg.out / "models", f"{cfg.run}-r{done}")
+        except BaseException:
+            ledger.close()
+            lock.release()
+            raise
+        theta = {k: np.asarray(v, dtype=np.float32) for k, v in last.arrays.items()}
+    report["status"], report["reason"] = "running", f"round {done + 1} of {cfg.rounds} next"
+    report["sessions"] = [
+        *sessions,
+        {"started_at": now_rfc3339(), "first_round": done + 1, "randomness": rnd_master.record_fields()},
+    ]
+    own = roster.sites[me].address if me in roster.sites else None
+    run = _Run(
         cfg, me, arch, stored, n, n_source, ledger, store, sigma, rnd_master, peers, clients, loss, xt, yt, theta,
-        report, on_event or (lambda e: None), stop or threading.Event(),
+        report, on_event or (lambda e: None), stop or threading.Event(), identity, own, lock, done + 1,
     )  # fmt: skip
+    _write_report(run)
+    return run
+
+
+#: What a resumed run must share with the run it continues: the plan's keys that fix σ, the
+#: accounting of every segment and the path of θ (a change would make the run another run).
+RESUME_KEYS = (
+    "rounds",
+    "local_steps",
+    "learning_rate",
+    "clip_norm",
+    "noise_multiplier",
+    "adjacency",
+    "epsilon",
+    "delta",
+    "init_seed",
+)
+
+
+def _report_path(cfg: IterateConfig) -> Path:
+    return cfg.out / f"{cfg.run}.json"
+
+
+def _charged_rounds(ledger, run: str) -> list[int]:
+    """The rounds of ``run``'s segments whose charge stands in ``ledger``, ascending."""
+    rounds = []
+    for e in ledger.entries(level="data", subject=run):
+        segment = e.record.parameters.get("segment") if e.mechanism == "dpsgd" else None
+        if isinstance(segment, dict) and segment.get("run") == run:
+            rounds.append(int(segment["round"]))
+    return sorted(rounds)
+
+
+def _previous_run(cfg: IterateConfig, ledger, resume: bool, n: int, sigma: float) -> dict | None:
+    """The report of an earlier, unfinished start of this run (to continue, with ``resume``), or
+    None for a run never started. A run name is used once per site: a finished run, a run
+    started before without ``resume``, a resumed run whose plan differs, and a run whose ledger
+    holds charged segments but no report are refused (FailedPrecondition naming the report):
+    each would charge segments of the same run again."""
+    path = _report_path(cfg)
+    charged = _charged_rounds(ledger, cfg.run)
+    how = f"give the new run another name ([round.iterate] run in {cfg.run!r}'s round file)"
+    if not path.exists():
+        if charged:
+            raise FailedPrecondition(
+                f"run {cfg.run!r}: the ledger holds {len(charged)} charged segments of this run (rounds "
+                f"{charged[0]}..{charged[-1]}) but there is no report {path} to continue it from; {how}"
+            )
+        return None
+    try:
+        previous = json.loads(path.read_text())
+        status, rounds, plan = previous["status"], previous["rounds"], previous["plan"]
+        done = [int(x["round"]) for x in rounds]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FailedPrecondition(
+            f"run {cfg.run!r}: its report {path} does not read ({type(e).__name__}); {how}"
+        ) from None
+    if done != list(range(1, len(done) + 1)):
+        raise FailedPrecondition(f"run {cfg.run!r}: the rounds of {path} are not 1..k ({done}); {how}")
+    summary = f"{len(done)} of {plan.get('rounds')} rounds done, {len(charged)} segments charged; report {path}"
+    if status == "finished":
+        raise FailedPrecondition(
+            f"run {cfg.run!r} has finished ({summary}): running it again would charge every segment again; {how}"
+        )
+    if not resume:
+        raise FailedPrecondition(
+            f"run {cfg.run!r} was started before and stopped ({status}: {previous.get('reason')}; {summary}): "
+            f"continue it with `privfusion round --config SITE --round FILE --resume` (nothing charged is bought "
+            f"again), or {how}"
+        )
+    ours = {**_plan_keys(cfg), "noise_multiplier": sigma}
+    for key in RESUME_KEYS:
+        if plan.get(key) != ours[key]:
+            raise FailedPrecondition(
+                f"run {cfg.run!r}: --resume continues the run of {path}, planned with {key} = {plan.get(key)!r}; "
+                f"this round file gives {ours[key]!r} (a resumed run keeps its plan; {how} to change it)"
+            )
+    if previous.get("dataset_size") != n:
+        raise FailedPrecondition(
+            f"run {cfg.run!r}: --resume continues a run whose segments divide by n = {previous.get('dataset_size')}; "
+            f"this site now gives n = {n} (declared_records must stay the same)"
+        )
+    return previous
+
+
+def _plan_keys(cfg: IterateConfig) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in RESUME_KEYS if k != "noise_multiplier"}
+
+
+def _write_report(run: _Run) -> None:
+    """OUT/RUN.json, atomically: written when the run opens, after every round and when it
+    ends, so that a run stopped at any point (SIGKILL, reboot) leaves the rounds it completed —
+    what ``resume`` continues from."""
+    path = _report_path(run.cfg)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(run.report, indent=1, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def _own_daemon_gone(run: _Run) -> str | None:
+    """Why our own daemon does not serve (None: it does), asked over the site's own identity at
+    the address the roster gives our peers (``peer.net.client.own_daemon_health``). A run with
+    no peers serves nobody and needs no daemon: None."""
+    from peer.net.client import own_daemon_health
+
+    if not run.peers:
+        return None
+    return own_daemon_health(run.identity, run.own_address, run.cfg.health_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -411,16 +569,46 @@ class _Segment:
     spent: float
     spent_run: float
     eps_pld: float
+    reused: bool = False
+
+
+class _Alone(Exception):
+    """Our own daemon does not serve: a segment charged now could reach no peer."""
+
+
+def _spent(run: _Run, r: int) -> tuple[float, float, float]:
+    from peer.budget.dpsgd_noise import run_epsilon
+
+    cfg = run.cfg
+    eps_pld = run_epsilon(run.sigma, r * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld")
+    return _data_spent(run.ledger), _data_spent(run.ledger, run=cfg.run), eps_pld
+
+
+def _reused_segment(run: _Run, r: int) -> _Segment | None:
+    """Round ``r``'s segment as an earlier session of this run published it, when its charge
+    stands (it was charged, and may have been served: the same bytes are used and served again,
+    never trained or charged anew); None when there is none (or it was stored but never
+    charged — then nothing of it left, and the round trains a fresh one)."""
+    from peer.net.releases import segment_key
+
+    stored = run.store.get(segment_key(run.cfg.run, r))
+    if stored is None:
+        return None
+    charge = run.ledger.charge_of(stored.record.release_id)
+    if charge is None or charge[1]:
+        return None
+    own = {k: np.asarray(a, dtype=np.float32) for k, a in stored.tensors}
+    return _Segment(own, list(stored.tensors), stored.record, str(charge[0].entry_id), *_spent(run, r), reused=True)
 
 
 def _train_and_publish_segment(run: _Run, r: int) -> _Segment:
     """Round ``r``'s segment: local DP-GD from θ_{r−1} on our records, its record (the digest of
     its tensors, its place in the run), charged and published (``publish_segment``: the ledger
     first, then the store that serves it to every peer). BudgetExhausted when the ledger refuses:
-    then nothing is released."""
+    then nothing is released. :class:`_Alone`, before the charge, when our own daemon does not
+    serve (nobody could fetch the segment)."""
     import torch
 
-    from peer.budget.dpsgd_noise import run_epsilon
     from peer.dp.training import dpsgd_release_record, run_dpsgd
     from peer.net import wire
     from peer.net.releases import StoredRelease, publish_segment, release_sha256, segment_key
@@ -451,12 +639,13 @@ def _train_and_publish_segment(run: _Run, r: int) -> _Segment:
     )
     key = segment_key(cfg.run, r)
     metadata = {"run": cfg.run, "round": r, "records": run.n}
+    gone = _own_daemon_gone(run)
+    if gone is not None:
+        raise _Alone(gone)
     entry_id = publish_segment(
         run.store, run.ledger, cfg.run, r, StoredRelease(key, record, run.arch, metadata, tensors)
     )
-    spent, spent_run = _data_spent(run.ledger), _data_spent(run.ledger, run=cfg.run)
-    eps_pld = run_epsilon(run.sigma, r * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld")
-    return _Segment(own, tensors, record, entry_id, spent, spent_run, eps_pld)
+    return _Segment(own, tensors, record, entry_id, *_spent(run, r))
 
 
 def _fetch_peer_segments(run: _Run, r: int) -> dict[str, dict]:
@@ -476,6 +665,13 @@ def _fetch_peer_segments(run: _Run, r: int) -> dict[str, dict]:
             run.gone.add(name)
         elif name in run.gone and g["state"] in ("fresh", "stale"):
             run.gone.discard(name)
+        before = run.states.get(name)
+        if g["state"] != before and (before is not None or g["state"] != "fresh"):
+            run.emit(
+                {"event": "iterate-peer", "site": run.me, "round": r, "peer": name, "state": g["state"],
+                 "was": before, "staleness": g.get("staleness"), "reason": g.get("reason")}
+            )  # fmt: skip
+        run.states[name] = g["state"]
     return got
 
 
@@ -517,16 +713,24 @@ def _fuse_segments(run: _Run, r: int, segment: _Segment, got: dict[str, dict]) -
 
 
 def _run_one_round(run: _Run, r: int) -> tuple[str, str] | None:
-    """Round ``r``: publish our segment, fetch the peers', fuse, report. ("budget", why) when
-    the ledger refuses our segment (nothing released), else None."""
+    """Round ``r``: publish our segment (or reuse the one an earlier session of the run charged),
+    fetch the peers', fuse, report (written at once). ("budget", why) when the ledger refuses our
+    segment, ("alone", why) when our own daemon does not serve — both before anything is
+    charged or released —, else None."""
     t0 = time.monotonic()
     try:
-        segment = _train_and_publish_segment(run, r)
+        segment = _reused_segment(run, r) or _train_and_publish_segment(run, r)
     except BudgetExhausted as e:
         run.emit({"event": "iterate-budget", "site": run.me, "round": r, "reason": str(e)})
         return "budget", f"round {r}: the ledger refused the segment (nothing released): {e}"
+    except _Alone as e:
+        run.emit({"event": "iterate-alone", "site": run.me, "round": r, "address": run.own_address, "reason": str(e)})
+        return "alone", (
+            f"round {r}: stopped before charging its segment: our own daemon at {run.own_address} does not serve "
+            f"({e}), so no peer could fetch it; start the daemon and continue with --resume"
+        )
     run.emit(
-        {"event": "segment", "site": run.me, "round": r, "entry_id": segment.entry_id,
+        {"event": "segment", "site": run.me, "round": r, "entry_id": segment.entry_id, "reused": segment.reused,
          "epsilon_filter": segment.spent, "epsilon_filter_run": segment.spent_run, "epsilon_pld": segment.eps_pld}
     )  # fmt: skip
     got = _fetch_peer_segments(run, r)
@@ -538,6 +742,7 @@ def _run_one_round(run: _Run, r: int) -> tuple[str, str] | None:
                 "entry_id": segment.entry_id,
                 "release_id": segment.record.release_id,
                 "bytes": _nbytes(segment.tensors),
+                "reused": segment.reused,
             },
             "epsilon_filter": segment.spent,
             "epsilon_filter_run": segment.spent_run,
@@ -550,6 +755,8 @@ def _run_one_round(run: _Run, r: int) -> tuple[str, str] | None:
             "seconds": round(time.monotonic() - t0, 3),
         }
     )
+    run.report["reason"] = f"round {r} of {run.cfg.rounds} done"
+    _write_report(run)
     run.emit(
         {"event": "iterate-fused", "site": run.me, "round": r, "contributors": contributors,
          "stale": {c: got[c]["staleness"] for c in contributors if got[c]["staleness"]}}
@@ -584,13 +791,12 @@ def _finish_run(run: _Run, status: str, reason: str) -> IterateResult:
     )
     report["bytes_sent"] = int(sum(x["bytes_sent"] for x in report["rounds"]))
     report["bytes_received"] = int(sum(x["bytes_received"] for x in report["rounds"]))
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    path = cfg.out / f"{cfg.run}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    report["sessions"][-1].update(
+        ended_at=report["finished_at"], status=status, rounds_done=len(report["rounds"]) - run.first_round + 1
+    )
+    _write_report(run)
     run.emit({"event": "iterate-finished", "site": run.me, "status": status, "rounds": len(report["rounds"])})
-    return IterateResult(status, reason, len(report["rounds"]), report, path, run.models)
+    return IterateResult(status, reason, len(report["rounds"]), report, _report_path(cfg), run.models)
 
 
 def run_iterate(
@@ -600,22 +806,28 @@ def run_iterate(
     on_event: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
     simulation: bool = False,
+    resume: bool = False,
 ) -> IterateResult:
     """Run the loop of the module docstring for the site of ``site_config`` (its identity,
     model store, ledger and policy: the ledger is opened with the site's policy, as its daemon
     does; SQLite makes the two processes' writes safe). A ``seed`` in site.toml is refused
     unless ``simulation`` (``peer.net.daemon.check_seed_allowed``, the daemon's rule).
 
+    A run name is used once per site: ``resume`` continues a run that stopped (SIGKILL, a
+    reboot, its daemon gone, an interrupt) from its report — the rounds it completed, θ from its
+    last fused model, segments already charged reused as stored — with fresh noise; without
+    ``resume`` a run started before is refused, and a finished one always (:func:`_previous_run`).
+
     The steps: :func:`_open_run`, then per round :func:`_run_one_round` (publish our segment,
     fetch the peers', fuse), then :func:`_finish_run` (linger, count, write the report)."""
-    run = _open_run(site_config, cfg, on_event, stop, simulation)
+    run = _open_run(site_config, cfg, on_event, stop, simulation, resume)
     try:
         run.emit(
             {"event": "iterate-started", "site": run.me, "run": cfg.run, "peers": [p.name for p in run.peers],
-             "sigma": run.sigma}
+             "sigma": run.sigma, "first_round": run.first_round, "rounds": cfg.rounds}
         )  # fmt: skip
         status, reason = "finished", f"all {cfg.rounds} rounds done"
-        for r in range(1, cfg.rounds + 1):
+        for r in range(run.first_round, cfg.rounds + 1):
             if run.stop.is_set():
                 status, reason = "interrupted", f"stopped before round {r}"
                 break
@@ -626,6 +838,20 @@ def run_iterate(
         return _finish_run(run, status, reason)
     finally:
         run.close()
+
+
+def _describe_peer(who: str, e: dict) -> str:
+    """A peer's change of state between rounds: gone, back, behind, caught up."""
+    peer, state, was, r = e["peer"], e["state"], e["was"], e["round"]
+    if state == "gone":
+        return f"{who} round {r}: {peer} is gone ({e['reason']}); asked again each round without waiting"
+    if state == "skipped":
+        return f"{who} round {r}: {peer} has published no segment of this run yet; skipped"
+    back = "is back" if was == "gone" else ""
+    if state == "stale":
+        behind = f"is behind: its newest segment is {e['staleness']} round(s) old (weighed down)"
+        return f"{who} round {r}: {peer} {back + ', ' if back else ''}{behind}"
+    return f"{who} round {r}: {peer} {back or 'is fresh again'}: its segment of this round came in time"
 
 
 def _nbytes(tensors) -> int:
@@ -723,9 +949,19 @@ def describe(e: dict) -> str | None:
     who = f"[{e['site']}]"
     ev = e["event"]
     if ev == "iterate-started":
-        return f"{who} iterate run {e['run']!r} started: peers {', '.join(e['peers'])}, σ = {e['sigma']:.4g}"
+        how = "started" if e.get("first_round", 1) == 1 else f"resumed at round {e['first_round']} of {e['rounds']}"
+        return f"{who} iterate run {e['run']!r} {how}: peers {', '.join(e['peers'])}, σ = {e['sigma']:.4g}"
     if ev == "iterate-budget":
         return f"{who} round {e['round']}: the ledger refused the segment; the run stops at the budget"
+    if ev == "iterate-alone":
+        return (
+            f"{who} round {e['round']}: our own daemon at {e['address']} does not serve ({e['reason']}): no peer "
+            "could fetch our segment, so it is not charged; the run stops (start the daemon, then --resume)"
+        )
+    if ev == "segment" and e.get("reused"):
+        return f"{who} round {e['round']}: our segment charged before (ledger entry {e['entry_id']}) is reused"
+    if ev == "iterate-peer":
+        return _describe_peer(who, e)
     if ev == "iterate-finished":
         return f"{who} iterate run {e['status']} after {e['rounds']} rounds"
     if ev == "iterate-fused" and e["round"] % 5 == 0:

@@ -938,6 +938,7 @@ def run_rounds(
     on_event: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
     simulation: bool = False,
+    resume: bool = False,
 ) -> Iterator[tuple[RoundConfig, RoundResult]]:
     """The rounds of ``privfusion round``: each file's ``[round]`` table (default: site.toml's),
     run in sequence with this site's identity, trust store, model and probe set; yields each
@@ -946,7 +947,8 @@ def run_rounds(
     aborted or interrupted round means for the rest (the command stops after an interrupted
     one); ``stop`` interrupts the round in progress (see :func:`run_round`). ``simulation``
     lets an iterate run draw its noise from site.toml's fixed ``seed`` (refused otherwise:
-    ``coordinator_free.iterate.run_iterate``)."""
+    ``coordinator_free.iterate.run_iterate``); ``resume`` lets an iterate run that stopped
+    continue where it stopped (``run_iterate``'s ``resume``)."""
     from coordinator_free.iterate import IterateConfig, is_iterate_file, load_iterate_config, run_iterate
 
     site = SiteConfig.load(site_config)
@@ -956,7 +958,7 @@ def run_rounds(
     ]
     for cfg in configs:
         if isinstance(cfg, IterateConfig):  # a multi-round peer-to-peer run (coordinator_free.iterate)
-            yield cfg, run_iterate(site_config, cfg, on_event=on_event, stop=stop, simulation=simulation)
+            yield cfg, run_iterate(site_config, cfg, on_event=on_event, stop=stop, simulation=simulation, resume=resume)
             continue
         result = run_round(load_local_site(site_config, cfg.model), Roster.load(cfg.roster), cfg, on_event, stop=stop)
         yield cfg, result

@@ -38,7 +38,15 @@ from privfusion.v1 import peer_pb2 as pb
 from privfusion.v1 import peer_pb2_grpc as pb_grpc
 from privfusion.v1 import tensor_pb2 as tpb
 
-__all__ = ["HEALTH_SERVICE", "PeerClient", "PeerError", "save_release", "verify_saved_release", "verify_upstream"]
+__all__ = [
+    "HEALTH_SERVICE",
+    "PeerClient",
+    "PeerError",
+    "own_daemon_health",
+    "save_release",
+    "verify_saved_release",
+    "verify_upstream",
+]
 
 log = logging.getLogger("privfusion.client")
 
@@ -46,6 +54,37 @@ RELEASE_TIMEOUT_S = 1800.0
 INFO_TIMEOUT_S = 30.0
 #: the service whose health a peer reports (the standard gRPC health protocol)
 HEALTH_SERVICE = "privfusion.v1.Peer"
+
+
+def own_daemon_health(identity: Identity, address: str, timeout: float, insecure: bool = False) -> str | None:
+    """Whether this site's own daemon at ``address`` serves: None when it answers the standard
+    gRPC health check of :data:`HEALTH_SERVICE` with SERVING, else why not (one line: not
+    listening, not SERVING, another key answering). The call is made over mutual TLS with the
+    site's own key and trusts only the site's own certificate: the daemon accepts its own
+    certificate at the handshake (it is never pinned, so every Peer call made with it is
+    refused; only Health answers), and a daemon holding another key fails the handshake."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if insecure:
+        channel = grpc.insecure_channel(address)
+    else:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=identity.cert_pem, private_key=identity.key_pem, certificate_chain=identity.cert_pem
+        )
+        channel = grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", identity.name)])
+    try:
+        with channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=timeout
+            )
+    except grpc.RpcError as e:
+        code = e.code().name if e.code() else "UNKNOWN"
+        if code == "DEADLINE_EXCEEDED":
+            return f"{code}: no answer within {timeout:g} s (not listening there, or not with this site's key)"
+        return f"{code}: {e.details() or 'no details'}"
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"{HEALTH_SERVICE} is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+    return None
 
 
 class PeerError(PrivFusionError):

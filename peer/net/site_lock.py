@@ -17,7 +17,9 @@ class SiteLock:
     stale lock; the file holds the owner's pid for the error message only.
     """
 
-    def __init__(self, ledger: Path):
+    def __init__(self, ledger: Path, field: str = "site.ledger", holder: str = "daemon"):
+        """``field`` and ``holder`` name the file and what holds it in the refusal (another use
+        of the same lock: one ``iterate`` run process per run, ``coordinator_free.iterate``)."""
         self.path = ledger.with_name(ledger.name + ".lock")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -30,10 +32,10 @@ class SiteLock:
                 os.close(self._fd)
                 self._fd = None
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise FailedPrecondition(f"site.ledger: cannot lock {self.path}: {e.strerror}") from None
+                raise FailedPrecondition(f"{field}: cannot lock {self.path}: {e.strerror}") from None
+            rule = "two daemons must never share one ledger" if holder == "daemon" else f"one {holder} at a time"
             raise FailedPrecondition(
-                f"site.ledger: {ledger} is in use by another daemon (pid {owner}, lock "
-                f"{self.path}); two daemons must never share one ledger"
+                f"{field}: {ledger} is in use by another {holder} (pid {owner}, lock {self.path}); {rule}"
             ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
