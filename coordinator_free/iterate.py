@@ -91,7 +91,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -475,7 +475,7 @@ def _charged_rounds(ledger, run: str) -> list[int]:
     rounds = []
     for e in ledger.entries(level="data", subject=run):
         segment = e.record.parameters.get("segment") if e.mechanism == "dpsgd" else None
-        if isinstance(segment, dict) and segment.get("run") == run:
+        if isinstance(segment, Mapping) and segment.get("run") == run:
             rounds.append(int(segment["round"]))
     return sorted(rounds)
 
@@ -512,8 +512,13 @@ def _previous_run(cfg: IterateConfig, ledger, resume: bool, n: int, sigma: float
             f"run {cfg.run!r} has finished ({summary}): running it again would charge every segment again; {how}"
         )
     if not resume:
+        how_it_ended = (
+            "its process ended without finishing: killed or crashed"
+            if status == "running"
+            else f"{status}: {previous.get('reason')}"
+        )
         raise FailedPrecondition(
-            f"run {cfg.run!r} was started before and stopped ({status}: {previous.get('reason')}; {summary}): "
+            f"run {cfg.run!r} was started before and stopped ({how_it_ended}; {summary}): "
             f"continue it with `privfusion round --config SITE --round FILE --resume` (nothing charged is bought "
             f"again), or {how}"
         )
