@@ -43,7 +43,9 @@ records, each charged once to its ledger and published, fused with the peers' se
 after round, with no coordinator (``coordinator_free.iterate``; its report is OUT/RUN.json).
 
 Progress goes to stderr (``--events``: JSON lines on stdout instead); each round's report is
-written to OUT/round-ID.json. Exit status 0 when every round fused, 3 when one aborted.
+written to OUT/round-ID.json. Exit status 0 when every round fused, 3 when one aborted (or an
+iterate run stopped because its own daemon does not serve). ``--resume`` continues an iterate
+run that stopped (``coordinator_free.iterate``); without it a run name already used is refused.
 
 SIGINT (Ctrl-C) or SIGTERM interrupts: nothing more is requested, the releases in flight are
 waited for, and the report (status ``interrupted``) lists every receipt received and, per

@@ -57,6 +57,16 @@ and the PLD of the run's steps so far), bytes received and sent (segment bytes �
 again), and which peers contributed, with their staleness. Nothing private is logged: names,
 rounds, ledger ids, public ε and byte counts only.
 
+**Stopping and resuming.** The report is written when the run opens, after every round and at
+the end, so a run stopped at any point leaves the rounds it completed. A run name is used once
+per site (:func:`_previous_run`): rerunning a finished run is refused, a stopped one continues
+only with ``resume`` (``privfusion round --resume``) from the report's last round k — θ_k from
+``RUN-rk``, a segment already charged reused as stored (never trained or charged again: the
+charge of the bytes that may have left stands once), fresh noise, the report appended to (each
+start listed in ``sessions``). Before every charge the run asks its own daemon, over the site's
+own identity at the address the roster gives its peers, whether it serves; when it does not,
+the run stops before charging (status ``alone``): no peer could fetch the segment.
+
 Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate]``)::
 
     [round]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from peer.base.errors import FailedPrecondition
 
+__all__ = ["SiteLock"]
+
 
 class SiteLock:
     """An exclusive ``flock`` on ``LEDGER.lock``, held while a daemon serves from the ledger.
