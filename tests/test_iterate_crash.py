@@ -3,7 +3,7 @@ multi-round iterate; one site's round process is SIGKILLed right after it charge
 restarted with ``--resume`` and run to the end. Every ledger shows each segment charged once,
 the resumed site's ε is the one an uninterrupted run of the same plan spends (the accountant's
 figure, and the one its uninterrupted twin run measured), its accuracy is the twin's within
-noise, and its peers' consoles say it fell behind and came back."""
+noise, and its peers' consoles say so when it fell behind and came back."""
 
 from __future__ import annotations
 
@@ -132,11 +132,12 @@ def test_a_site_killed_mid_run_resumes_and_ends_as_an_uninterrupted_run(tmp_path
     assert report["epsilon_filter_run"] == pytest.approx(twin["epsilon_filter_run"], rel=1e-9)
     assert report["epsilon_pld"] == pytest.approx(twin["epsilon_pld"], rel=1e-12)
 
-    # its peers saw it fall behind and come back, on their consoles
+    # its peers' consoles name it when they saw it behind (whether they did depends on how fast
+    # it came back: within wait_s it is never behind); the lines are tested in test_iterate_resume
     for n in ("site-a", "site-c"):
         stderr = consoles[n][1]
-        behind, fresh = stderr.find("site-b is behind"), stderr.find("site-b is fresh again")
-        assert 0 <= behind < fresh, stderr[-3000:]
+        behind = stderr.find("site-b is behind")
+        assert behind < 0 or stderr.find("site-b is fresh again") > behind, stderr[-3000:]
 
     # accuracy: the same within noise. 3000 test records: the standard error of one accuracy is
     # ≤ sqrt(0.25 / 3000) ≈ 0.009; the two runs differ by their DP noise (fresh in each) and
