@@ -10,28 +10,33 @@ Every site runs this loop on its own, against its peers' daemons; nobody schedul
         fetch every peer's segment of round r (wait up to wait_s), else its newest older one
         θ_r = Σ_j w_j θ_r^j / Σ_j w_j                        # fusion (weighted average)
 
-**The segment** is full-batch DP-GD (``peer.dp.training.run_dpsgd``): per step
-θ ← θ − η·(Σ_i clip_C(∇ℓ(θ; x_i, y_i)) + σ·C·z)/n with z ~ N(0, I) from the site's noise
+**The segment** is DP-SGD (``peer.dp.training.run_dpsgd``): per step
+θ ← θ − η·(Σ_{i∈B} clip_C(∇ℓ(θ; x_i, y_i)) + σ·C·z)/(q·n) with z ~ N(0, I) from the site's noise
 (CSPRNG-seeded; a fixed seed, reported, only in simulations: a site.toml ``seed`` is refused
 unless the run is started with ``simulation``, ``privfusion round --simulation``, as
-``peer serve`` refuses it). Unit of privacy: one of the site's training records, under
+``peer serve`` refuses it). B is every record when ``sample_rate`` q = 1 (the default: full-batch
+DP-GD, denominator n), else a Poisson batch: each record independently with probability q, drawn
+afresh every step; the denominator is then the *expected* batch q·n, a public constant (never the
+realised |B|, which depends on the data). Unit of privacy: one of the site's training records, under
 ``adjacency``. **n is public**: under add-remove it is the count the operator declares
 (``declared_records`` of ``[round.iterate]``, else ``[site] declared_records`` of site.toml;
 refused when neither is set), never the true count, which differs between neighbours D and
 D + {x}; under replace-one it is ``declared_records`` when given, else the number of records
-(the same for both neighbours there). Its record (``"dpsgd"``, steps, σ, C, q = 1, n and its
-source, adjacency) is charged to the site's ledger *before* the bytes can leave: the daemon serves a
+(the same for both neighbours there). Its record (``"dpsgd"``, steps, σ, C, q, n and its
+source, adjacency; with q < 1 each step is accounted as the Poisson-subsampled Gaussian, so
+amplification by sampling counts) is charged to the site's ledger *before* the bytes can leave: the daemon serves a
 segment only when its charge stands (``peer.net.releases.publish_segment``,
 ``Site.segment_release``). A segment starts from θ_{r−1}, which is post-processing of what the
 site and its peers already released, so the segments compose *adaptively*: the ledger's RDP
 filter sums them order by order, and refuses the segment that would exceed the data budget —
 the loop then stops (nothing of that segment left the site). All segments together are
-``R·local_steps`` Gaussian steps: the PLD figure (tight; for full batch the composition is the
-Gaussian with μ = √(R·steps)/σ, add-remove) is reported beside the filter's.
+``R·local_steps`` Gaussian steps (subsampled at rate q): the PLD figure (tight; for full batch
+the composition is the Gaussian with μ = √(R·steps)/σ, add-remove; for q < 1 dp-accounting's
+PLD of the subsampled Gaussian, self-composed) is reported beside the filter's.
 
 **Noise.** σ is the smallest one with which the whole planned run fits (ε, δ) *by the filter
 of this site's ledger* (``peer.budget.dpsgd_noise.noise_multiplier_for(figure="filter",
-orders=the ledger's orders)``): what the ledger will admit. A ledger created for this run with
+orders=the ledger's orders, sample_rate=q)``): what the ledger will admit. A ledger created for this run with
 the one order that suits it (``calibration.planned_orders``, a site's ``[policy] orders``)
 carries the whole δ at that order; the default 20 orders split δ twenty ways (σ ≈ 8.24 instead
 of 7.32 for 40 steps at (4, 1e-5), add-remove).
@@ -83,6 +88,8 @@ Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate
     local_steps = 2
     learning_rate = 0.5
     clip_norm = 1.0
+    sample_rate = 1.0        # Poisson rate q of every step's batch (1: full batch; q < 1: each
+                             # record with probability q, accounted with amplification)
     epsilon = 4.0            # the whole run's per-record budget (σ is calibrated to it) ...
     delta = 1e-5             # ... at this δ; the ledger's own data budget is the hard stop
     adjacency = "add-remove"
@@ -131,6 +138,7 @@ class IterateConfig:
     local_steps: int = 2
     learning_rate: float = 0.5
     clip_norm: float = 1.0
+    sample_rate: float = 1.0
     epsilon: float = 4.0
     delta: float = 1e-5
     adjacency: str = "add-remove"
@@ -175,6 +183,7 @@ class IterateConfig:
             local_steps=it.integer("local_steps", 2, minimum=1, maximum=100_000),
             learning_rate=it.number("learning_rate", 0.5, exclusive_minimum=0.0, maximum=100.0),
             clip_norm=it.number("clip_norm", 1.0, exclusive_minimum=0.0),
+            sample_rate=it.number("sample_rate", 1.0, exclusive_minimum=0.0, maximum=1.0),
             epsilon=it.number("epsilon", 4.0, exclusive_minimum=0.0, maximum=1000.0),
             delta=it.number("delta", 1e-5, exclusive_minimum=0.0, maximum=0.1),
             adjacency=it.string("adjacency", "add-remove", choices=("add-remove", "replace-one")),
@@ -265,11 +274,12 @@ def segment_size(cfg: IterateConfig, site_declared: int | None, records: int) ->
 
 
 def segment_training(cfg: IterateConfig, noise_multiplier: float):
-    """The accountant's TrainingRecord of one segment: local_steps full-batch Gaussian steps."""
+    """The accountant's TrainingRecord of one segment: local_steps Gaussian steps, each on a
+    Poisson batch of rate ``sample_rate`` (1: full batch)."""
     from peer.dp.accounting import TrainingRecord
 
     return TrainingRecord.constant(
-        cfg.adjacency, cfg.local_steps, cfg.learning_rate, cfg.clip_norm, noise_multiplier, 1.0
+        cfg.adjacency, cfg.local_steps, cfg.learning_rate, cfg.clip_norm, noise_multiplier, cfg.sample_rate
     )
 
 
@@ -392,7 +402,13 @@ def _open_run(
         store = ReleaseStore(site.ledger.with_name(site.ledger.stem + ".releases"))
         total_steps = cfg.rounds * cfg.local_steps
         sigma = noise_multiplier_for(
-            cfg.epsilon, cfg.delta, total_steps, adjacency=cfg.adjacency, figure="filter", orders=ledger.orders
+            cfg.epsilon,
+            cfg.delta,
+            total_steps,
+            sample_rate=cfg.sample_rate,
+            adjacency=cfg.adjacency,
+            figure="filter",
+            orders=ledger.orders,
         )
         previous = _previous_run(cfg, ledger, resume, n, sigma)
     except BaseException:
@@ -424,7 +440,7 @@ def _open_run(
             "learning_rate": cfg.learning_rate,
             "clip_norm": cfg.clip_norm,
             "noise_multiplier": sigma,
-            "sample_rate": 1.0,
+            "sample_rate": cfg.sample_rate,
             "adjacency": cfg.adjacency,
             "epsilon": cfg.epsilon,
             "delta": cfg.delta,
@@ -595,7 +611,9 @@ def _spent(run: _Run, r: int) -> tuple[float, float, float]:
     from peer.budget.dpsgd_noise import run_epsilon
 
     cfg = run.cfg
-    eps_pld = run_epsilon(run.sigma, r * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld")
+    eps_pld = run_epsilon(
+        run.sigma, r * cfg.local_steps, cfg.delta, sample_rate=cfg.sample_rate, adjacency=cfg.adjacency, figure="pld"
+    )
     return _data_spent(run.ledger), _data_spent(run.ledger, run=cfg.run), eps_pld
 
 
@@ -799,7 +817,12 @@ def _finish_run(run: _Run, status: str, reason: str) -> IterateResult:
     report["epsilon_scopes"] = EPSILON_SCOPES
     report["epsilon_pld"] = (
         run_epsilon(
-            run.sigma, len(report["rounds"]) * cfg.local_steps, cfg.delta, adjacency=cfg.adjacency, figure="pld"
+            run.sigma,
+            len(report["rounds"]) * cfg.local_steps,
+            cfg.delta,
+            sample_rate=cfg.sample_rate,
+            adjacency=cfg.adjacency,
+            figure="pld",
         )
         if report["rounds"]
         else 0.0

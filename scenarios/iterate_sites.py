@@ -35,7 +35,9 @@ def iterate_orders(sc: Scenario) -> tuple[float, ...]:
     if it.ledger_orders == "default":
         return FILTER_ORDERS
     if it.ledger_orders == "planned":
-        return planned_orders(it.epsilon, it.delta, it.rounds * it.local_steps, adjacency=it.adjacency)
+        return planned_orders(
+            it.epsilon, it.delta, it.rounds * it.local_steps, sample_rate=it.sample_rate, adjacency=it.adjacency
+        )
     return tuple(it.ledger_orders)
 
 
@@ -88,6 +90,7 @@ def iterate_round_toml(sc: Scenario, roster: Path) -> str:
         f"local_steps = {it.local_steps}",
         f"learning_rate = {it.learning_rate!r}",
         f"clip_norm = {it.clip_norm!r}",
+        *([f"sample_rate = {it.sample_rate!r}"] if it.sample_rate != 1.0 else []),
         f"epsilon = {it.epsilon!r}",
         f"delta = {it.delta!r}",
         f'adjacency = "{it.adjacency}"',

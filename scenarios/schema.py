@@ -82,9 +82,10 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     [iterate]                   # optional: multi-round peer-to-peer DP training (and the DP-FedAvg
                                 # baseline the simulator computes with the same numbers)
     rounds = 20                 # rounds of local DP-SGD + release + fusion at every site
-    local_steps = 2             # full-batch DP-GD steps per round on a site's own records
+    local_steps = 2             # DP-SGD steps per round on a site's own records
     learning_rate = 0.5
     clip_norm = 1.0             # per-record gradient clip C
+    sample_rate = 1.0           # Poisson rate q of each step's batch (1: full batch) [default: 1.0]
     epsilon = 4.0               # per-record budget of the whole run at every site ...
     delta = 1e-5                # ... at this δ (noise calibrated to it: peer.budget.dpsgd_noise)
     adjacency = "add-remove"
@@ -97,6 +98,14 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
                                 # (the one order that suits the planned run, chosen from its public
                                 # plan: peer.budget.dpsgd_noise.planned_orders), or a list of orders
                                 # [default: "default"]
+
+    [central_dpsgd]             # optional, with [iterate]: the central DP-SGD baseline (a trusted
+                                # curator on every site's records pooled, at [iterate]'s ε, δ,
+                                # adjacency, init_seed and baseline_seeds; N = sites × declared_records)
+    steps = 200                 # DP-SGD steps [default: [iterate] rounds × local_steps]
+    sample_rate = 0.1           # Poisson rate q [default: [iterate] sample_rate]
+    learning_rate = 2.0         # [default: [iterate] learning_rate]
+    clip_norm = 1.0             # [default: [iterate] clip_norm]
 
     [failure]                   # optional: kill one site mid-round
     site = "hospital-c"
@@ -204,6 +213,7 @@ class IterateSpec:
     local_steps: int = 2
     learning_rate: float = 0.5
     clip_norm: float = 1.0
+    sample_rate: float = 1.0
     epsilon: float = 4.0
     delta: float = 1e-5
     adjacency: str = "add-remove"
@@ -211,6 +221,16 @@ class IterateSpec:
     init_seed: int = 11
     baseline_seeds: tuple[int, ...] = (0, 1, 2)
     ledger_orders: str | tuple[float, ...] = "default"
+
+
+@dataclass(frozen=True)
+class CentralSpec:
+    """``[central_dpsgd]``: the central DP-SGD baseline's own plan (the rest from ``[iterate]``)."""
+
+    steps: int
+    sample_rate: float
+    learning_rate: float
+    clip_norm: float
 
 
 @dataclass(frozen=True)
@@ -238,6 +258,7 @@ class Scenario:
     sites: tuple[SiteSpec, ...]
     failure: FailureSpec | None = None
     iterate: IterateSpec | None = None
+    central_dpsgd: CentralSpec | None = None
     source: str = ""
     text: str = field(default="", repr=False)
 
@@ -325,7 +346,7 @@ def _ledger_orders(it: Section) -> str | tuple[float, ...]:
 
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     root = Section(parse_toml(text, source, "scenario"), (), text, source)
-    root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure", "iterate"])
+    root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure", "iterate", "central_dpsgd"])
 
     s = root.section("scenario")
     s.known(["name", "description", "seed"])
@@ -488,6 +509,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             local_steps=it.integer("local_steps", IterateSpec.local_steps, minimum=1, maximum=100_000),
             learning_rate=it.number("learning_rate", IterateSpec.learning_rate, exclusive_minimum=0.0, maximum=100.0),
             clip_norm=it.number("clip_norm", IterateSpec.clip_norm, exclusive_minimum=0.0),
+            sample_rate=it.number("sample_rate", IterateSpec.sample_rate, exclusive_minimum=0.0, maximum=1.0),
             epsilon=it.number("epsilon", IterateSpec.epsilon, exclusive_minimum=0.0, maximum=1000.0),
             delta=it.number("delta", IterateSpec.delta, exclusive_minimum=0.0, maximum=0.1),
             adjacency=it.string("adjacency", IterateSpec.adjacency, choices=("add-remove", "replace-one")),
@@ -497,6 +519,19 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             ledger_orders=_ledger_orders(it),
         )
 
+    central = None
+    if iterate is not None:
+        c = root.section("central_dpsgd")
+        c.known([f.name for f in CentralSpec.__dataclass_fields__.values()])
+        central = CentralSpec(
+            steps=c.integer("steps", iterate.rounds * iterate.local_steps, minimum=1, maximum=100_000),
+            sample_rate=c.number("sample_rate", iterate.sample_rate, exclusive_minimum=0.0, maximum=1.0),
+            learning_rate=c.number("learning_rate", iterate.learning_rate, exclusive_minimum=0.0, maximum=100.0),
+            clip_norm=c.number("clip_norm", iterate.clip_norm, exclusive_minimum=0.0),
+        )
+    elif "central_dpsgd" in root:
+        root.fail("central_dpsgd", "needs an [iterate] table (its ε, δ, adjacency and seeds are the run's)")
+
     return Scenario(
-        name, description, seed, data, model, pool, policy, rnd, tuple(sites), failure, iterate, source, text
+        name, description, seed, data, model, pool, policy, rnd, tuple(sites), failure, iterate, central, source, text
     )

@@ -336,3 +336,76 @@ def test_a_fixed_site_seed_is_refused_without_simulation(tmp_path):
     assert result.status == "finished"
     record = json.loads((a.root / "rounds" / "t1.json").read_text())["plan"]["randomness"]
     assert record == {"randomness": "fixed-seed", "seed": 3 + 2**31}
+
+
+def test_a_poisson_segment_is_the_subsampled_gaussian_by_dp_accounting(tmp_path):
+    """``sample_rate`` q < 1: the segment's record states q in every step and its ε is that of
+    ``local_steps`` Poisson-subsampled Gaussian steps — dp-accounting's PLD and RDP of
+    SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), steps) — with
+    amplification: below the full-batch figure at the same σ."""
+    from dp_accounting import dp_event, rdp
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from coordinator_free.iterate import segment_training
+    from peer.base.rng import make_randomness
+    from peer.dp.training import dpsgd_release_record
+
+    a = make_site(tmp_path, "site-a", models={"mlp": (ARCH, model_arrays(ARCH))}, policy=policy(4.0))
+    roster = write_roster(tmp_path / "roster.toml", [("site-a", "127.0.0.1:1", str(a.identity_dir / "site.crt"))])
+    q, sigma = 0.2, 1.3
+    cfg = load_iterate_config(round_file(a, roster, rounds=3, extra=f"sample_rate = {q}"))
+    assert cfg.sample_rate == q
+    training = segment_training(cfg, sigma)
+    assert [s.sample_rate for s in training.steps] == [q, q]
+    record = dpsgd_release_record(
+        training, delta=1e-5, dataset_size=25, randomness=make_randomness(0), init_seed=5, architecture=ARCH
+    )
+    event = dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), 2)
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    pld.compose(event)
+    theirs_pld = pld.get_epsilon(1e-5)
+    # both discretise pessimistically, on grids of 1e-4 per step or finer
+    assert record.epsilon == pytest.approx(theirs_pld, abs=2 * 2e-4 + 1e-3 * theirs_pld)
+    acc = rdp.RdpAccountant()
+    acc.compose(event)
+    assert float(record.parameters["epsilon_rdp"]) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    full = dpsgd_release_record(
+        segment_training(load_iterate_config(round_file(a, roster, rounds=3)), sigma),
+        delta=1e-5, dataset_size=25, randomness=make_randomness(0), init_seed=5, architecture=ARCH,
+    )  # fmt: skip
+    assert record.epsilon < 0.5 * full.epsilon
+
+
+def test_a_poisson_run_is_charged_what_its_records_say(tmp_path):
+    """A real run with sample_rate 0.3: σ is the filter's for 3 × 2 subsampled steps at (4, 1e-5);
+    every ledger entry is one segment whose stored record states q, and what the ledger charged
+    (its RDP curve, hence the filter's ε) is exactly the subsampled Gaussian of those steps; the
+    report's plan and PLD figure say the same."""
+    from peer.dp.accounting.rdp import rdp_subsampled_gaussian
+
+    q = 0.3
+    a = make_site(tmp_path, "site-a", models={"mlp": (ARCH, model_arrays(ARCH))}, policy=policy(4.0))
+    roster = write_roster(tmp_path / "roster.toml", [("site-a", "127.0.0.1:1", str(a.identity_dir / "site.crt"))])
+    result = run_iterate(a.config, load_iterate_config(round_file(a, roster, rounds=3, extra=f"sample_rate = {q}")))
+    assert result.status == "finished" and result.rounds_done == 3
+    with Ledger(a.ledger) as led:
+        orders = led.orders
+        entries = led.entries()
+        spent = next(s.spent_epsilon for s in led.budget_states() if s.key.level == "data")
+    sigma = noise_multiplier_for(4.0, 1e-5, 6, sample_rate=q, orders=orders)
+    assert result.report["noise_multiplier"] == sigma and result.report["plan"]["sample_rate"] == q
+    assert sigma < noise_multiplier_for(4.0, 1e-5, 6, orders=orders)  # amplification by sampling
+    assert len(entries) == 3
+    step = rdp_subsampled_gaussian(sigma, q, orders, "add-remove")
+    store = ReleaseStore(a.root / "ledger.releases")
+    for r, e in enumerate(sorted(entries, key=lambda e: e.entry_id), start=1):
+        steps = e.record.parameters["training"]["steps"]
+        assert [(s["count"], s["sample_rate"]) for s in steps] == [(2, q)]
+        assert np.allclose(e.rdp, 2 * step, rtol=1e-12, atol=0)
+        stored = store.get(segment_key("t1", r))  # what the daemon serves with the bytes
+        assert stored.record.canonical_json() == e.record.canonical_json()
+    assert spent == pytest.approx(run_epsilon(sigma, 6, 1e-5, sample_rate=q, orders=orders), rel=1e-9)
+    assert 3.9 < spent <= 4.0
+    assert result.report["epsilon_pld"] == pytest.approx(
+        run_epsilon(sigma, 6, 1e-5, sample_rate=q, figure="pld"), rel=1e-9
+    )
