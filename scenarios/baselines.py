@@ -1,5 +1,5 @@
-"""Baselines the simulator reports beside fusion: central-server DP-FedAvg and central pooled
-training. Both are computed by the simulator itself (no daemons, no gRPC) on the scenario's own
+"""Baselines the simulator reports beside fusion: central-server DP-FedAvg, central DP-SGD on
+the pooled records (a trusted curator) and central pooled non-private training. Both are computed by the simulator itself (no daemons, no gRPC) on the scenario's own
 split: the same sites' protected records, the same test set, the same architecture.
 
 **DP-FedAvg** (McMahan et al. 2018, "Learning differentially private recurrent language models",
@@ -7,8 +7,9 @@ with local DP-SGD at every site instead of server-side user-level noise; what Fl
 deployments run). Round r = 1..R, server model θ^{r−1} (θ^0 = build_model(arch, init_seed),
 public)::
 
-    every site i, from θ^{r−1}, runs ``local_steps`` full-batch DP-GD steps on its n_i records:
-        θ ← θ − η · ( Σ_{x∈D_i} clip_C(∇ℓ(θ; x)) + σ·C·z ) / n_i,   z ~ N(0, I) fresh per step
+    every site i, from θ^{r−1}, runs ``local_steps`` DP-SGD steps on its n_i records, each on a
+    Poisson batch B of rate q (``[iterate] sample_rate``; q = 1: every record, full-batch DP-GD):
+        θ ← θ − η · ( Σ_{x∈B} clip_C(∇ℓ(θ; x)) + σ·C·z ) / (q·n_i),   z ~ N(0, I) fresh per step
     the server averages:  θ^r = Σ_i (n_i / N) θ_i^r,   N = Σ_i n_i
 
 (``peer.dp.training.run_dpsgd``, the project's DP-SGD, runs each site's steps). The unit of
@@ -17,7 +18,8 @@ adjacency``); the record counts n_i are treated as public (the server weights by
 FedAvg does). A site's records enter only its own R·local_steps Gaussian steps, each with
 sensitivity C (2C for replace-one) and noise σC; the server's averaging and the other sites'
 updates are post-processing for it. So every site spends the privacy of R·local_steps
-adaptively composed full-batch Gaussian mechanisms with noise multiplier σ, whatever n_i is.
+adaptively composed Gaussian mechanisms (Poisson-subsampled at rate q) with noise multiplier σ,
+whatever n_i is.
 
 σ is the smallest noise multiplier for which those steps fit (ε, δ) by one figure
 (``peer.budget.dpsgd_noise.noise_multiplier_for``):
@@ -30,6 +32,20 @@ adaptively composed full-batch Gaussian mechanisms with noise multiplier σ, wha
 Each run reports what every site spent by all three figures (filter, RDP, PLD — the tight one)
 after every round. Noise comes from a fixed-seed generator per (baseline seed, site): this is a
 simulation, and the report says so; a deployment's noise is CSPRNG-seeded.
+
+**Central DP-SGD** (the trusted curator: the ceiling for any DP collaboration at the same
+(ε, δ)): one curator holds every site's protected records pooled, N = Σ_i n_i of them, and runs
+``[central_dpsgd] steps`` DP-SGD steps (Abadi et al. 2016) from the same public θ^0, the same
+architecture, on Poisson batches of rate q::
+
+        θ ← θ − η · ( Σ_{x∈B} clip_C(∇ℓ(θ; x)) + σ·C·z ) / (q·N_declared)
+
+with N_declared = Σ_i declared_records (public; under add-remove never the true count) and σ
+calibrated to (ε, δ) per record by the same figure as DP-FedAvg. Each record is in one site's
+data, so the per-record guarantee is the same (ε, δ) as every other row's. A distributed-noise
+protocol whose summed noise has variance ``noise_variance_factor`` times the curator's (secure
+aggregation among k sites resisting coalitions of t: k/(k − t)) is the same run with noise
+multiplier σ·√factor; the simulator's central row has factor 1.
 
 **Central pooled**: non-private training of the same architecture, with the scenario's ``[model]``
 hyperparameters, on all sites' records pooled — the ceiling no fusion can honestly beat (no
@@ -45,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from peer.base.errors import InvalidArgument
 from peer.base.rng import Randomness, make_randomness
 from peer.budget.dpsgd_noise import FIGURES, noise_multiplier_for, run_epsilon
 from peer.dp.accounting import GaussianStep
@@ -92,9 +109,15 @@ def _accuracy(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: tor
     return float(np.mean(logits.argmax(dim=1).numpy() == y))
 
 
-def spent_epsilon(noise_multiplier: float, steps: int, delta: float, adjacency: str) -> dict[str, float]:
-    """ε at δ of ``steps`` full-batch Gaussian steps with noise multiplier σ, by every figure."""
-    return {f: run_epsilon(noise_multiplier, steps, delta, adjacency=adjacency, figure=f) for f in FIGURES}
+def spent_epsilon(
+    noise_multiplier: float, steps: int, delta: float, adjacency: str, sample_rate: float = 1.0
+) -> dict[str, float]:
+    """ε at δ of ``steps`` Gaussian steps with noise multiplier σ, Poisson rate ``sample_rate``
+    (1: full batch), by every figure."""
+    return {
+        f: run_epsilon(noise_multiplier, steps, delta, sample_rate=sample_rate, adjacency=adjacency, figure=f)
+        for f in FIGURES
+    }
 
 
 def dp_fedavg(
@@ -115,6 +138,8 @@ def dp_fedavg(
     figure: str = "rdp",
     site_names: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    sample_rate: float = 1.0,
+    per_round_epsilon: bool = True,
 ) -> dict:
     """DP-FedAvg (module docstring) calibrated by ``figure`` to (ε, δ) per record at every site,
     once per seed in ``seeds`` (the seed drives only the noise; θ^0 comes from ``init_seed``).
@@ -122,10 +147,15 @@ def dp_fedavg(
     Returns σ, what every site spent (every figure, after every round and in total), the mean ±
     sample std over seeds of the server model's test accuracy after every round (every site
     holds the server model, so this is also the mean over sites), and the final accuracy per
-    site and per seed."""
+    site and per seed. ``per_round_epsilon=False`` leaves every figure out of the rounds but the
+    last (a search's many runs need only the final one)."""
     steps_total = rounds * local_steps
-    sigma = noise_multiplier_for(epsilon, delta, steps_total, adjacency=adjacency, figure=figure)
-    step = GaussianStep(learning_rate=learning_rate, clip_norm=clip_norm, noise_multiplier=sigma)
+    sigma = noise_multiplier_for(
+        epsilon, delta, steps_total, sample_rate=sample_rate, adjacency=adjacency, figure=figure
+    )
+    step = GaussianStep(
+        learning_rate=learning_rate, clip_norm=clip_norm, noise_multiplier=sigma, sample_rate=sample_rate
+    )
     names = list(site_names) if site_names is not None else [f"site-{i}" for i in range(len(parts))]
     started = time.monotonic()
     with torch_threads(1):  # many tiny steps: one thread beats OpenMP's hand-offs
@@ -152,10 +182,11 @@ def dp_fedavg(
     per_round = []
     for r in range(1, rounds + 1):
         m, s = _mean_std(acc[:, r - 1])
-        per_round.append(
-            {"round": r, "accuracy_mean": m, "accuracy_std": s}
-            | {f"epsilon_{f}": e for f, e in spent_epsilon(sigma, r * local_steps, delta, adjacency).items()}
-        )
+        row = {"round": r, "accuracy_mean": m, "accuracy_std": s}
+        if per_round_epsilon or r == rounds:
+            spent = spent_epsilon(sigma, r * local_steps, delta, adjacency, sample_rate)
+            row |= {f"epsilon_{f}": e for f, e in spent.items()}
+        per_round.append(row)
     final_mean, final_std = _mean_std(acc[:, -1])
     n_params = sum(int(v.numel()) for v in params0.values())
     model_bytes = n_params * BYTES_PER_PARAMETER
@@ -163,9 +194,10 @@ def dp_fedavg(
         "calibration": figure,
         "noise_multiplier": sigma,
         "steps_per_site": steps_total,
+        "sample_rate": sample_rate,
         "epsilon_target": epsilon,
         "delta": delta,
-        "epsilon_spent": spent_epsilon(sigma, steps_total, delta, adjacency),
+        "epsilon_spent": {f: per_round[-1][f"epsilon_{f}"] for f in FIGURES},
         "initial_accuracy": initial,
         "per_round": per_round,
         "final_accuracy_mean": final_mean,
@@ -183,6 +215,105 @@ def dp_fedavg(
         },
         "seeds": [int(s) for s in seeds],
         "randomness": "fixed-seed (simulation: one NumPy PCG64 stream per baseline seed and site)",
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def pooled_dpsgd(
+    loss_fn: LossFn,
+    params: Mapping[str, torch.Tensor],
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    steps: Sequence[GaussianStep],
+    randomness: Randomness,
+    dataset_size: int,
+) -> dict[str, torch.Tensor]:
+    """The curator's DP-SGD run: ``steps`` on the records of every site in ``parts`` concatenated
+    (site order), denominator q·``dataset_size`` (``run_dpsgd``: noise, then the Poisson mask, from
+    ``randomness``)."""
+    x = torch.cat([p[0] for p in parts])
+    y = torch.cat([p[1] for p in parts])
+    return run_dpsgd(loss_fn, params, x, y, steps, randomness=randomness, dataset_size=dataset_size).params
+
+
+def record_bytes(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[str, int]:
+    """Bytes each site's records take as float32 inputs and int64 labels: what it uploads to a
+    curator that trains on the pooled records."""
+    return {str(i): int(np.asarray(x).size * 4 + np.asarray(y).size * 8) for i, (x, y) in enumerate(parts)}
+
+
+def central_dpsgd(
+    architecture: Mapping[str, Any],
+    parts: Sequence[tuple[np.ndarray, np.ndarray]],
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    *,
+    steps: int,
+    sample_rate: float,
+    learning_rate: float,
+    clip_norm: float,
+    epsilon: float,
+    delta: float,
+    dataset_size: int,
+    adjacency: str = "add-remove",
+    init_seed: int = 0,
+    seeds: Sequence[int] = (0,),
+    figure: str = "rdp",
+    noise_variance_factor: float = 1.0,
+    site_names: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Central DP-SGD on every site's records pooled (module docstring), once per seed (the seed
+    drives the noise and the Poisson batches; θ^0 comes from ``init_seed``). ``dataset_size`` is
+    the public N of the denominator q·N (declared under add-remove). σ is calibrated by
+    ``figure`` to (ε, δ) for ``steps`` steps at rate ``sample_rate``; the run adds noise
+    multiplier σ·√``noise_variance_factor`` (≥ 1). Returns σ, the ε spent by the noise added (every
+    figure), the mean ± sample std of test accuracy over seeds, per-seed accuracies, the bytes
+    each site sends (its records, once) and the wall time."""
+    if not noise_variance_factor >= 1.0:
+        raise InvalidArgument("noise_variance_factor", f"must be ≥ 1, got {noise_variance_factor!r}")
+    sigma = noise_multiplier_for(epsilon, delta, steps, sample_rate=sample_rate, adjacency=adjacency, figure=figure)
+    added = sigma * float(np.sqrt(noise_variance_factor))
+    step = GaussianStep(
+        learning_rate=learning_rate, clip_norm=clip_norm, noise_multiplier=added, sample_rate=sample_rate
+    )
+    names = list(site_names) if site_names is not None else [f"site-{i}" for i in range(len(parts))]
+    started = time.monotonic()
+    with torch_threads(1):
+        model = build_model(architecture, seed=init_seed)
+        params0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+        loss_fn = classifier_loss(model)
+        tensors = [(input_tensor(architecture, x), torch.as_tensor(np.asarray(y), dtype=torch.long)) for x, y in parts]
+        xt, yt = input_tensor(architecture, x_test), np.asarray(y_test)
+        accs = []
+        for seed in seeds:
+            trained = pooled_dpsgd(loss_fn, params0, tensors, [step] * steps, make_randomness(int(seed)), dataset_size)
+            accs.append(_accuracy(model, trained, xt, yt))
+            if progress is not None:
+                progress(f"central DP-SGD ({figure} calibration, σ={added:.4g}) seed {seed}: accuracy {accs[-1]:.3f}")
+    m, s = _mean_std(accs)
+    sent = record_bytes(parts)
+    return {
+        "calibration": figure,
+        "noise_multiplier": added,
+        "noise_multiplier_calibrated": sigma,
+        "noise_variance_factor": noise_variance_factor,
+        "steps": steps,
+        "sample_rate": sample_rate,
+        "learning_rate": learning_rate,
+        "clip_norm": clip_norm,
+        "dataset_size": dataset_size,
+        "epsilon_target": epsilon,
+        "delta": delta,
+        "adjacency": adjacency,
+        "epsilon_spent": spent_epsilon(added, steps, delta, adjacency, sample_rate),
+        "accuracy_mean": m,
+        "accuracy_std": s,
+        "accuracy_per_seed": {str(sd): float(a) for sd, a in zip(seeds, accs, strict=True)},
+        "seeds": [int(sd) for sd in seeds],
+        "bytes_per_site": {name: sent[str(i)] for i, name in enumerate(names)}
+        | {"rule": "each site uploads its records once (float32 inputs, int64 labels) to the curator"},
+        "randomness": "fixed-seed (simulation: one NumPy PCG64 stream per baseline seed)",
+        "label": "central DP-SGD (a trusted curator holds every site's records pooled; Poisson minibatches)",
         "wall_s": time.monotonic() - started,
     }
 
@@ -224,6 +355,17 @@ def central_pooled(
     }
 
 
+def pooled_size(sc, parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:
+    """The central DP-SGD denominator's public N: sites × ``[iterate] declared_records`` (each
+    site's public count), else (replace-one, where the count is public) the pooled count."""
+    it = sc.iterate
+    if it.declared_records is not None:
+        return int(it.declared_records) * len(parts)
+    if it.adjacency == "add-remove":
+        raise InvalidArgument("iterate.declared_records", "is required under add-remove (the true count is private)")
+    return int(sum(len(y) for _, y in parts))
+
+
 def scenario_baselines(
     sc,
     architecture: Mapping[str, Any],
@@ -234,7 +376,8 @@ def scenario_baselines(
 ) -> dict:
     """The simulator's baselines for a scenario (``scenarios.schema.Scenario``) on its split
     (``parts``: every site's protected records, in the scenario's site order): central pooled
-    always (seeds: the ``[iterate]`` baseline seeds, else one), DP-FedAvg at both calibrations
+    always (seeds: the ``[iterate]`` baseline seeds, else one); DP-FedAvg at both calibrations
+    and central DP-SGD (``[central_dpsgd]``, RDP calibration as a curator running Opacus would)
     when the scenario has ``[iterate]``.
 
     Central pooled's seed for baseline seed s is ``scenario seed × 1000 + 500 + s``: disjoint
@@ -277,12 +420,34 @@ def scenario_baselines(
             figure=figure,
             site_names=names,
             progress=progress,
+            sample_rate=it.sample_rate,
         )
         for figure in CALIBRATIONS
     }
+    c = sc.central_dpsgd
+    out["central_dpsgd"] = central_dpsgd(
+        architecture,
+        parts,
+        x_test,
+        y_test,
+        steps=c.steps,
+        sample_rate=c.sample_rate,
+        learning_rate=c.learning_rate,
+        clip_norm=c.clip_norm,
+        epsilon=it.epsilon,
+        delta=it.delta,
+        dataset_size=pooled_size(sc, parts),
+        adjacency=it.adjacency,
+        init_seed=it.init_seed,
+        seeds=it.baseline_seeds,
+        figure="rdp",
+        site_names=names,
+        progress=progress,
+    )
     out["dp_fedavg"] = {
         "rounds": it.rounds,
         "local_steps": it.local_steps,
+        "sample_rate": it.sample_rate,
         "learning_rate": it.learning_rate,
         "clip_norm": it.clip_norm,
         "epsilon": it.epsilon,
@@ -308,6 +473,14 @@ def dp_fedavg_summary(baselines: Mapping[str, Any]) -> str:
                 f"accuracy {run['final_accuracy_mean']:.3f} ± {run['final_accuracy_std']:.3f} over {len(run['seeds'])} seeds; "
                 f"ε per record spent: filter {eps['filter']:.3f}, RDP {eps['rdp']:.3f}, PLD {eps['pld']:.3f}"
             )
+    cd = baselines.get("central_dpsgd")
+    if cd:
+        eps = cd["epsilon_spent"]
+        lines.append(
+            f"central DP-SGD (trusted curator, {cd['steps']} steps at q={cd['sample_rate']:g}, σ={cd['noise_multiplier']:.4g}): "
+            f"accuracy {cd['accuracy_mean']:.3f} ± {cd['accuracy_std']:.3f} over {len(cd['seeds'])} seeds; "
+            f"ε per record spent: filter {eps['filter']:.3f}, RDP {eps['rdp']:.3f}, PLD {eps['pld']:.3f}"
+        )
     c = baselines.get("central_pooled")
     if c:
         lines.append(f"central pooled (non-private): accuracy {c['accuracy_mean']:.3f} ± {c['accuracy_std']:.3f}")
@@ -317,10 +490,14 @@ def dp_fedavg_summary(baselines: Mapping[str, Any]) -> str:
 __all__ = [
     "ACCOUNTANT",
     "CALIBRATIONS",
+    "central_dpsgd",
     "central_pooled",
     "dp_fedavg",
     "dp_fedavg_summary",
     "fedavg_round",
+    "pooled_dpsgd",
+    "pooled_size",
+    "record_bytes",
     "scenario_baselines",
     "spent_epsilon",
 ]

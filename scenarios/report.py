@@ -366,7 +366,7 @@ def comparison_rows(report: dict) -> list[dict]:
     sites = report["sites"]
     rows: list[dict] = []
 
-    def row(method, accs, std=None, eps_filter=None, eps_pld=None, rounds=None, nbytes=None, note=""):
+    def row(method, accs, std=None, eps_filter=None, eps_pld=None, rounds=None, nbytes=None, note="", wall=None):
         accs = [a for a in accs if a is not None]
         rows.append(
             {
@@ -379,6 +379,7 @@ def comparison_rows(report: dict) -> list[dict]:
                 "epsilon_pld": eps_pld,
                 "rounds": rounds,
                 "bytes_per_site": nbytes,
+                "wall_s_per_site": wall,
                 "note": note,
             }
         )
@@ -417,6 +418,7 @@ def comparison_rows(report: dict) -> list[dict]:
             eps_pld=max((it.get("epsilon_pld") or 0.0) for it in its),
             rounds=max(len(it.get("rounds", [])) for it in its),
             nbytes=_mean([_p2p_bytes(it) for it in its]),
+            wall=_mean([sum(r.get("seconds") or 0.0 for r in it.get("rounds", [])) for it in its]),
             note="ε: the largest site ledger's figures",
         )
     b = report.get("baselines") or {}
@@ -431,8 +433,23 @@ def comparison_rows(report: dict) -> list[dict]:
                 eps_pld=run["epsilon_spent"]["pld"],
                 rounds=fa["rounds"],
                 nbytes=run["bytes_per_site"]["total"],
+                wall=run["wall_s"] / (len(run["seeds"]) * len(sites)),
                 note=f"central server; RDP ε {run['epsilon_spent']['rdp']:.3g}; {len(run['seeds'])} seeds",
             )
+    cd = b.get("central_dpsgd")
+    if cd:
+        uploads = [v for k, v in cd["bytes_per_site"].items() if k != "rule"]
+        row(
+            f"central DP-SGD, trusted curator (σ={cd['noise_multiplier']:.3g})",
+            [cd["accuracy_mean"]] * len(sites),
+            std=cd["accuracy_std"],
+            eps_filter=cd["epsilon_spent"]["filter"],
+            eps_pld=cd["epsilon_spent"]["pld"],
+            nbytes=_mean(uploads),
+            wall=cd["wall_s"] / len(cd["seeds"]),
+            note=f"{cd['steps']} steps at q={cd['sample_rate']:g}; RDP ε {cd['epsilon_spent']['rdp']:.3g}; "
+            f"bytes: records uploaded; wall: the curator's; {len(cd['seeds'])} seeds",
+        )
     row(ORACLE, [s["oracle"]["accuracy"] for s in sites.values()], note="exact-feature matching, simulator only")
     c = b.get("central_pooled")
     if c:
@@ -456,6 +473,7 @@ def comparison_table(report: dict) -> str:
         "ε/record PLD",
         "rounds",
         "bytes/site",
+        "wall s/site",
         "note",
     ]
     lines = [
@@ -468,6 +486,7 @@ def comparison_table(report: dict) -> str:
             _fmt(r["epsilon_pld"], ".3g"),
             _fmt(r["rounds"], "d"),
             _fmt(r["bytes_per_site"], ",.0f"),
+            _fmt(r["wall_s_per_site"], ".1f"),
             r["note"],
         ]
         for r in comparison_rows(report)
@@ -499,7 +518,7 @@ def baselines_markdown(report: dict) -> list[str]:
     if fa:
         lines.append(
             f"- **DP-FedAvg** (simulated by the simulator, central server): {fa['rounds']} rounds; in each, every site "
-            f"runs {fa['local_steps']} full-batch DP-GD steps (clip {fa['clip_norm']:g}, lr {fa['learning_rate']:g}, "
+            f"runs {fa['local_steps']} DP-SGD steps at Poisson rate q = {fa.get('sample_rate', 1.0):g} (1: full batch; clip {fa['clip_norm']:g}, lr {fa['learning_rate']:g}, "
             f"{fa['adjacency']}) from the server model, which averages the results weighted by record counts. Every "
             f"site spends ε = {fa['epsilon']:g} per record at δ = {fa['delta']:g} by the calibration's figure; σ is "
             f"calibrated by RDP (what an Opacus / dp-accounting user reports) and by the ledger's RDP filter (what a "
@@ -518,6 +537,18 @@ def baselines_markdown(report: dict) -> list[str]:
                 f"{run['final_accuracy_mean']:.3f} ± {run['final_accuracy_std']:.3f} | {seeds} | "
                 f"{run['bytes_per_site']['total']:,} ({run['bytes_per_site']['rule']}) |"
             )
+    cd = b.get("central_dpsgd")
+    if cd:
+        e = cd["epsilon_spent"]
+        lines.append(
+            f"- **central DP-SGD** (a trusted curator, simulated): {cd['steps']} DP-SGD steps on every site's records "
+            f"pooled, Poisson rate q = {cd['sample_rate']:g}, clip {cd['clip_norm']:g}, lr {cd['learning_rate']:g}, "
+            f"denominator q·N with N = {cd['dataset_size']} (public: the sites' declared counts), σ = "
+            f"{cd['noise_multiplier']:.4g} by RDP at ε = {cd['epsilon_target']:g} per record, δ = {cd['delta']:g} "
+            f"(spent: filter {e['filter']:.3f}, RDP {e['rdp']:.3f}, PLD {e['pld']:.3f}): "
+            f"{cd['accuracy_mean']:.3f} ± {cd['accuracy_std']:.3f} over seeds {cd['seeds']} — the ceiling for any DP "
+            "collaboration at this ε."
+        )
     if any(s.get("iterate") for s in report["sites"].values()):
         lines += [
             "",
@@ -596,6 +627,8 @@ def plot_baselines(report: dict, path: Path) -> None:
         right.plot([e for e, _ in pts], [a for _, a in pts], color="C1", ls=":", label="peer-to-peer, ε PLD")
     levels = [("mean own model", _mean([s["own_accuracy"] for s in sites.values()]), "k", "--")]
     levels.append((f"mean {ORACLE}", _mean([s["oracle"]["accuracy"] for s in sites.values()]), "C3", ":"))
+    if b.get("central_dpsgd"):
+        levels.append(("central DP-SGD (trusted curator)", b["central_dpsgd"]["accuracy_mean"], "C5", "--"))
     if b.get("central_pooled"):
         levels.append(("central pooled (non-private)", b["central_pooled"]["accuracy_mean"], "C4", "-."))
     for label, y, col, ls in levels:

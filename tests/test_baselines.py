@@ -12,12 +12,20 @@ import pytest
 import torch
 from dp_accounting import dp_event, rdp
 
+from peer.base.errors import InvalidArgument
 from peer.base.rng import make_randomness
 from peer.budget.dpsgd_noise import FIGURES, noise_multiplier_for, run_epsilon
 from peer.dp.accounting import GaussianStep
 from peer.dp.training import classifier_loss
 from peer.nn.architectures import accuracy, build_model, train_classifier
-from scenarios.baselines import central_pooled, dp_fedavg, fedavg_round, scenario_baselines
+from scenarios.baselines import (
+    central_dpsgd,
+    central_pooled,
+    dp_fedavg,
+    fedavg_round,
+    pooled_dpsgd,
+    scenario_baselines,
+)
 from scenarios.schema import parse_scenario
 
 ARCH = {"kind": "mlp", "input_dim": 3, "hidden": [4], "output_dim": 2, "activation": "tanh"}
@@ -192,6 +200,62 @@ baseline_seeds = [0, 1]
 """
 
 
+# ------------------------------------------------------------------------------ central DP-SGD
+
+
+def test_a_curator_step_is_the_hand_computation():
+    """One Poisson step on the pooled records: noise z first, then the mask (one uniform per
+    pooled record, in site order) from the same seeded stream; every sampled record's gradient
+    clipped to C; the sum plus σ·C·z divided by q·N with N declared (not the true count)."""
+    lr, clip, sigma, q, declared = 0.4, 0.8, 0.9, 0.5, 10
+    model = build_model(ARCH, seed=2)
+    params0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    parts = [(torch.as_tensor(x), torch.as_tensor(y)) for x, y in _parts((4, 6), seed=1)]
+    step = GaussianStep(learning_rate=lr, clip_norm=clip, noise_multiplier=sigma, sample_rate=q)
+    got = pooled_dpsgd(classifier_loss(model), params0, parts, [step], make_randomness(9), declared)
+
+    gen = np.random.default_rng(9)
+    noise = {k: torch.from_numpy(gen.standard_normal(tuple(v.shape))).float() for k, v in params0.items()}
+    x = torch.cat([p[0] for p in parts])
+    y = torch.cat([p[1] for p in parts])
+    sampled = gen.random(len(y)) < q
+    assert 0 < sampled.sum() < len(y)  # a real subsample: neither empty nor everything
+    summed = {k: torch.zeros_like(v) for k, v in params0.items()}
+    for i in np.flatnonzero(sampled):
+        p = {k: v.clone().requires_grad_(True) for k, v in params0.items()}
+        logits = torch.func.functional_call(model, p, (x[i : i + 1],))
+        g = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, y[i : i + 1]), list(p.values()))
+        norm = math.sqrt(sum(float((gi.double() ** 2).sum()) for gi in g))
+        for k, gi in zip(p, g, strict=True):
+            summed[k] += min(1.0, clip / norm) * gi
+    for k, v in params0.items():
+        expected = v - lr * (summed[k] + sigma * clip * noise[k]) / (q * declared)
+        torch.testing.assert_close(got[k], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_central_dpsgd_noise_is_the_poisson_calibration_by_dp_accounting():
+    """σ is the RDP calibration of T Poisson-subsampled Gaussian steps: dp-accounting's RDP
+    accountant on the same events gives the target ε; a noise variance factor k/(k − t) (secure
+    aggregation's sum) multiplies the added σ by its square root and lowers the ε spent."""
+    parts = _parts((20, 30))
+    x_test, y_test = parts[0]
+    kw = dict(steps=50, sample_rate=0.2, learning_rate=0.5, clip_norm=1.0, epsilon=2.0, delta=1e-5, dataset_size=50)
+    got = central_dpsgd(ARCH, parts, x_test, y_test, seeds=(0, 1), **kw)
+    sigma = got["noise_multiplier"]
+    assert sigma == noise_multiplier_for(2.0, 1e-5, 50, sample_rate=0.2, figure="rdp")
+    acc = rdp.RdpAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(0.2, dp_event.GaussianDpEvent(sigma)), 50)
+    assert acc.get_epsilon(1e-5) == pytest.approx(2.0, abs=1e-4)
+    assert got["epsilon_spent"]["rdp"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    assert got["epsilon_spent"]["pld"] < got["epsilon_spent"]["rdp"] < got["epsilon_spent"]["filter"]
+    assert got["bytes_per_site"]["site-0"] == 20 * 3 * 4 + 20 * 8
+    shared = central_dpsgd(ARCH, parts, x_test, y_test, seeds=(0,), noise_variance_factor=4 / 3, **kw)
+    assert shared["noise_multiplier"] == pytest.approx(sigma * math.sqrt(4 / 3), rel=1e-12)
+    assert shared["epsilon_spent"]["rdp"] < 2.0
+    with pytest.raises(InvalidArgument, match="noise_variance_factor"):
+        central_dpsgd(ARCH, parts, x_test, y_test, noise_variance_factor=0.5, **kw)
+
+
 def test_central_pooled_is_plain_training_on_the_pooled_records():
     from scenarios.simulate import split_data
 
@@ -291,6 +355,12 @@ def test_the_comparison_and_plots(tmp_path, with_iterate):
         assert p2p["bytes_per_site"] == 3 * 4000
     table = comparison_table(report)
     assert "central pooled (non-private)" in table and "DP-FedAvg, σ by rdp" in table
+    cd = report["baselines"]["central_dpsgd"]
+    curator = by_method[f"central DP-SGD, trusted curator (σ={cd['noise_multiplier']:.3g})"]
+    assert curator["accuracy"] == pytest.approx(cd["accuracy_mean"]) and curator["wall_s_per_site"] > 0
+    # each site uploads its records once: 30 float32 features and an int64 label per record
+    uploads = [s["records"] * (30 * 4 + 8) for s in report["sites"].values()]
+    assert curator["bytes_per_site"] == pytest.approx(np.mean(uploads))
     plot_baselines(report, tmp_path / "baselines.png")
     assert (tmp_path / "baselines.png").stat().st_size > 10_000
     report["plots"] = ["baselines.png"]
@@ -315,8 +385,29 @@ def test_the_command_prints_the_baselines_as_json(tmp_path, capsys):
     f.write_text(TINY)
     assert main(["simulate", str(f), "--baselines-only", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"dp_fedavg", "central_pooled"}
+    assert set(out) == {"dp_fedavg", "central_dpsgd", "central_pooled"}
+    # no [central_dpsgd] table: the [iterate] plan on the pooled records, N = 3 sites × 60 declared
+    cd = out["central_dpsgd"]
+    assert (cd["steps"], cd["sample_rate"], cd["learning_rate"], cd["dataset_size"]) == (6, 1.0, 0.5, 180)
+    assert cd["epsilon_spent"]["rdp"] <= 4.0
     assert out["dp_fedavg"]["calibrations"]["rdp"]["epsilon_spent"]["rdp"] <= 4.0
     assert main(["simulate", str(f), "--json", "--out", str(tmp_path / "o")]) == 2
     assert main(["simulate", str(f)]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_the_central_dpsgd_table():
+    """``[central_dpsgd]`` overrides the [iterate] plan key by key; it needs [iterate]; a bad
+    value names the key."""
+    from peer.base.config import ConfigError
+
+    sc = parse_scenario(
+        TINY.replace("[sites.site-a]", "[central_dpsgd]\nsteps = 30\nsample_rate = 0.1\n\n[sites.site-a]")
+    )
+    c = sc.central_dpsgd
+    assert (c.steps, c.sample_rate, c.learning_rate, c.clip_norm) == (30, 0.1, 0.5, 1.0)
+    no_iterate = TINY[: TINY.index("[iterate]")] + "[central_dpsgd]\nsteps = 3\n" + TINY[TINY.index("[sites.site-a]") :]
+    with pytest.raises(ConfigError, match="central_dpsgd"):
+        parse_scenario(no_iterate)
+    with pytest.raises(ConfigError, match="sample_rate"):
+        parse_scenario(TINY.replace("[sites.site-a]", "[central_dpsgd]\nsample_rate = 1.5\n\n[sites.site-a]"))
