@@ -7,7 +7,10 @@ split by a Dirichlet label skew). ``--scenario NAME`` picks another bundled one 
 (report.md, report.json, plots) and every site's files (identity, models, ledger, logs) to DIR.
 ``privfusion demo site`` writes one scenario site's files, to run it elsewhere (docker compose).
 ``privfusion simulate --baselines-only [--json]`` computes only the baselines on the scenario's
-split (central pooled training; DP-FedAvg when the scenario has ``[iterate]``) and prints them.
+split (central pooled training; DP-FedAvg and central DP-SGD when the scenario has ``[iterate]``)
+and prints them. ``privfusion simulate --tune [--rows local,central] [--smallest] [--json]``
+runs the hyperparameter search of ``scenarios.tuning`` on a validation split of the protected
+records and prints every configuration's score and the chosen settings as scenario tables.
 
 The commands reach ``privfusion`` (``peer.cli.app``) through the entry-point group
 ``privfusion.commands`` (``simulate`` → :func:`register`, ``demo`` → :func:`register_demo`), so
@@ -29,8 +32,14 @@ def _simulate(args) -> int:
         raise InvalidArgument("--scenario", "give a scenario file or a bundled scenario's name, not both")
     path = args.scenario_file or (bundled_path(args.scenario) if args.scenario else None)
     scenario = load_scenario(path)
+    if args.baselines_only and args.tune:
+        from peer.base.errors import InvalidArgument
+
+        raise InvalidArgument("--tune", "runs the search only; leave out --baselines-only")
     if args.baselines_only:
         return _baselines(scenario, args)
+    if args.tune:
+        return _tune(scenario, args)
     if args.json:
         from peer.base.errors import InvalidArgument
 
@@ -71,6 +80,37 @@ def _baselines(scenario, args) -> int:
     data = split_data(scenario)
     out = scenario_baselines(scenario, data.architecture, data.parts, data.x_test, data.y_test, progress)
     print(json.dumps(out, indent=2, sort_keys=True) if args.json else dp_fedavg_summary(out))
+    return 0
+
+
+def _tune(scenario, args) -> int:
+    """The hyperparameter search (``scenarios.tuning``) on the scenario's split: no daemons, no files."""
+    import json
+
+    from peer.base.errors import InvalidArgument
+    from scenarios.tuning import CENTRAL, LOCAL, chosen_toml, markdown, secure_aggregation, tune
+    from scenarios.world import Progress, split_data
+
+    if args.out is not None:
+        raise InvalidArgument("--out", "writes a simulation's report; --tune writes nothing (use --json)")
+    models = []
+    for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
+        if name == "local":
+            models.append(LOCAL)
+        elif name == "central":
+            models.append(CENTRAL)
+        elif name == "secure-aggregation":
+            if args.coalition is None:
+                raise InvalidArgument(
+                    "--coalition", "is required with the secure-aggregation row (t, the coalition size)"
+                )
+            models.append(secure_aggregation(len(scenario.sites), args.coalition))
+        else:
+            raise InvalidArgument("--rows", f"each must be one of local, central, secure-aggregation; got {name!r}")
+    if not models:
+        raise InvalidArgument("--rows", "names no row")
+    result = tune(scenario, split_data(scenario), models, smallest=args.smallest, progress=Progress())
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else markdown(result) + "\n" + chosen_toml(result))
     return 0
 
 
@@ -131,10 +171,25 @@ def register(subparsers) -> None:
     p.add_argument(
         "--baselines-only",
         action="store_true",
-        help="compute only the baselines on the scenario's split (central pooled; DP-FedAvg with [iterate]) "
+        help="compute only the baselines on the scenario's split (central pooled; DP-FedAvg and central DP-SGD "
+        "with [iterate]) "
         "and print them: no daemons, no files",
     )
-    p.add_argument("--json", action="store_true", help="with --baselines-only: print the baselines as JSON")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="search the DP rows' hyperparameters on a validation split of the protected records (never the "
+        "test set) and print every configuration's score and the chosen settings: no daemons, no files",
+    )
+    p.add_argument(
+        "--rows",
+        default="local,central",
+        help="with --tune: the rows to search, comma-separated: local (DP-FedAvg / P2P local noise), central "
+        "(DP-SGD on the pooled records), secure-aggregation (needs --coalition) [default: local,central]",
+    )
+    p.add_argument("--coalition", type=int, help="with --tune and the secure-aggregation row: the coalition size t")
+    p.add_argument("--smallest", action="store_true", help="with --tune: two configurations per row, one seed (tests)")
+    p.add_argument("--json", action="store_true", help="with --baselines-only or --tune: print the result as JSON")
     p.set_defaults(func=_simulate)
 
 
