@@ -274,9 +274,14 @@ def test_default_simulation_from_the_command_line(tmp_path):
         assert it["bytes_sent"] > 0 and it["bytes_received"] > 0
     # on time everywhere: every site fused the same average (DP-FedAvg's) in the last round
     assert len({s["iterate"]["final_accuracy"] for s in report["sites"].values()}) == 1
-    # the baselines beside it: central pooled and DP-FedAvg at both calibrations, same rounds
+    # the baselines beside it: central pooled, DP-FedAvg at both calibrations (same rounds) and
+    # central DP-SGD on the pooled records at the same ε with the scenario's [central_dpsgd] plan
     b = report["baselines"]
-    assert set(b) == {"dp_fedavg", "central_pooled"}
+    assert set(b) == {"dp_fedavg", "central_dpsgd", "central_pooled"}
+    cd, c = b["central_dpsgd"], sc.central_dpsgd
+    assert (cd["steps"], cd["sample_rate"], cd["learning_rate"]) == (c.steps, c.sample_rate, c.learning_rate)
+    assert cd["epsilon_spent"]["rdp"] <= sc.iterate.epsilon and cd["seeds"] == list(sc.iterate.baseline_seeds)
+    assert "central DP-SGD, trusted curator" in proc.stdout
     assert set(b["dp_fedavg"]["calibrations"]) == {"rdp", "filter"}
     for run in b["dp_fedavg"]["calibrations"].values():
         assert len(run["per_round"]) == rounds and run["seeds"] == list(sc.iterate.baseline_seeds)
