@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-EXPERIMENT_MODULES: tuple[str, ...] = ("experiment_fusion", "experiment_merging")
+EXPERIMENT_MODULES: tuple[str, ...] = ("experiment_fusion", "experiment_merging", "experiment_paper")
 
 
 def register(subparsers) -> None:
