@@ -14,11 +14,11 @@ from peer_harness import ARCH, SiteFiles, client, make_pool, make_site, model_ar
 
 from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.budget.policy import Policy
-from peer.cli.evaluate import classification_metrics
 from peer.cli.site import export_model, new_site
 from peer.net.client import PeerError
 from peer.net.peer_info import PeerInfo
 from peer.net.site import SiteConfig
+from peer.nn.metrics import classification_metrics
 from peer.nn.store import load_model, save_model, site_unusable_files, unusable_files, write_sidecar
 
 
@@ -296,7 +296,7 @@ def test_metrics_match_a_hand_computed_example():
     assert m["accuracy"] == pytest.approx(4 / 6)
     assert m["confusion_matrix"] == [[2, 1], [1, 2]]
     # each class: precision = recall = f1 = 2/3
-    for k in ("macro_f1", "weighted_f1", "macro_recall", "macro_precision"):
+    for k in ("macro_f1", "weighted_f1", "macro_recall", "weighted_recall", "macro_precision", "weighted_precision"):
         assert m[k] == pytest.approx(2 / 3)
     # AUROC: of the 9 (positive, negative) pairs, the positive scores higher in 8 (0.4 < 0.7 only)
     assert m["auroc"] == pytest.approx(8 / 9)
@@ -304,6 +304,9 @@ def test_metrics_match_a_hand_computed_example():
     assert "auroc" not in three and three["macro_recall"] == pytest.approx((1 + 0 + 1) / 3)
     assert three["macro_precision"] == pytest.approx((1 + 0 + 2 / 3) / 3)  # zero_division=0 for class 2
     assert three["weighted_f1"] == pytest.approx((1 * 1 + 0 * 1 + 0.8 * 2) / 4)
+    # weighted by support (1, 1, 2): recall (1, 0, 1), precision (1, 0, 2/3)
+    assert three["weighted_recall"] == pytest.approx((1 + 0 + 2 * 1) / 4)
+    assert three["weighted_precision"] == pytest.approx((1 + 0 + 2 * 2 / 3) / 4)
     with pytest.raises(InvalidArgument, match="outputs"):
         classification_metrics(y, np.ones((6, 3)) / 3, ["no", "yes"])
 

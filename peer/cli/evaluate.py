@@ -17,9 +17,10 @@ carries no preprocessing: it then comes from ``--preprocessing-from NAME`` (a mo
 default — the preprocessing every model of the site's store that has one shares — and the
 output says which.
 
-Metrics (scikit-learn, on the predicted class = argmax of the softmax; per-class scores with
-``zero_division=0``): ``accuracy``; ``macro_f1``, ``macro_recall``, ``macro_precision`` (the
-unweighted mean over the model's classes) and ``weighted_f1`` (weighted by each class's support
+Metrics (``peer.nn.metrics.classification_metrics``; scikit-learn, on the predicted class =
+argmax of the softmax; per-class scores with ``zero_division=0``): ``accuracy``; ``macro_f1``,
+``macro_recall``, ``macro_precision`` (the unweighted mean over the model's classes) and
+``weighted_f1``, ``weighted_recall``, ``weighted_precision`` (weighted by each class's support
 in the file) — the metrics of the PrivFusion paper's Table IV; for a binary label ``auroc``
 (the score is the predicted probability of class index 1, i.e. the second entry of the class
 list; null when the file holds one class only); and ``confusion_matrix`` (rows: true class,
@@ -32,52 +33,15 @@ not differentially private (do not publish them as such).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
+from peer.nn.metrics import classification_metrics
 
 #: Release kinds that hold a whole model (a "features" release holds graph features only).
 MODEL_RELEASE_KINDS = ("weights", "merged", "fused")
-
-
-# ------------------------------------------------------------------------------ metrics
-
-
-def classification_metrics(y_true: np.ndarray, proba: np.ndarray, classes: Sequence[Any]) -> dict:
-    """The scores of predicted class probabilities ``proba`` (m, K) against labels ``y_true``
-    (class indices 0..K−1); see the module docstring for the definitions."""
-    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_score, recall_score, roc_auc_score
-
-    y_true = np.asarray(y_true, dtype=np.int64)
-    proba = np.asarray(proba, dtype=np.float64)
-    k = len(classes)
-    if proba.ndim != 2 or proba.shape != (len(y_true), k):
-        raise InvalidArgument(
-            "model",
-            f"gives {proba.shape[1] if proba.ndim == 2 else '?'} outputs per record but the "
-            f"preprocessing has {k} classes: they do not belong together",
-        )
-    if len(y_true) == 0:
-        raise InvalidArgument("--data", "holds no records")
-    y_pred = proba.argmax(axis=1)
-    labels = list(range(k))
-    out = {
-        "records": len(y_true),
-        "classes": [c if isinstance(c, (int, str)) else str(c) for c in classes],
-        "accuracy": float(accuracy_score(y_true, y_pred)),
-        "macro_f1": float(f1_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)),
-        "weighted_f1": float(f1_score(y_true, y_pred, labels=labels, average="weighted", zero_division=0)),
-        "macro_recall": float(recall_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)),
-        "macro_precision": float(precision_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)),
-        "confusion_matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist(),
-    }
-    if k == 2:
-        out["auroc"] = float(roc_auc_score(y_true, proba[:, 1])) if len(np.unique(y_true)) == 2 else None
-    return out
 
 
 # ------------------------------------------------------------------------------ what to score
@@ -293,7 +257,16 @@ def _evaluate(args) -> int:
         f"{result['kind']} {result['model']} on {result['data']} ({result['records']} records, label {result['label']!r})"
     )
     print(f"preprocessing: {result['preprocessing']}")
-    for key in ("accuracy", "macro_f1", "weighted_f1", "macro_recall", "macro_precision", "auroc"):
+    for key in (
+        "accuracy",
+        "macro_f1",
+        "weighted_f1",
+        "macro_recall",
+        "weighted_recall",
+        "macro_precision",
+        "weighted_precision",
+        "auroc",
+    ):
         if key in result:
             v = result[key]
             print(f"  {key:16s} {'n/a (one class in the file)' if v is None else f'{v:.4f}'}")

@@ -1,10 +1,11 @@
-"""``privfusion experiment paper``: the fusion paper's Fig. 3, Table II and Table III on digits,
-each under the per-entry and the per-neuron unit, with the paper's claims and verdicts.
+"""``privfusion experiment paper``: the fusion paper's Fig. 3, Table II and Table III on digits
+and Table IV with Fig. 5 on breast-cancer, each under the per-entry and the per-neuron unit,
+with the paper's claims and verdicts.
 
     privfusion experiment paper --out DIR [--json] [--quick] [--seeds 0,1,2]
 
 Writes DIR/paper.json, DIR/paper.md (the tables, claims and verdicts), DIR/fig3.png,
-DIR/table2.png and DIR/table3.png; with --json the same JSON goes to stdout.
+DIR/table2.png, DIR/table3.png and DIR/fig5.png; with --json the same JSON goes to stdout.
 """
 
 from __future__ import annotations
@@ -40,19 +41,19 @@ def run_paper(args: argparse.Namespace) -> int:
 
     with torch_threads(1):
         result = run(cfg, progress)
-    files = write(result, args.out)
+    files = write(result, cfg, args.out)
     if args.json:
         json.dump(result, sys.stdout, indent=1, sort_keys=True, allow_nan=False)
         print()
     else:
         for table, verdict in result["verdicts"].items():
-            if table == "count":
+            if table in ("count", "of"):
                 continue
             for unit, v in verdict.items():
                 word = "reproduced" if v["reproduced"] else "not reproduced"
                 print(f"{table} per {unit}: {word} — {v['why']}")
-        count = result["verdicts"]["count"]
-        print("claims reproduced: " + ", ".join(f"per {u} {n} of 3" for u, n in count.items()))
+        count, of = result["verdicts"]["count"], result["verdicts"]["of"]
+        print("claims reproduced: " + ", ".join(f"per {u} {n} of {of}" for u, n in count.items()))
         print(f"wrote {', '.join(files.values())}")
     return 0
 
@@ -60,7 +61,7 @@ def run_paper(args: argparse.Namespace) -> int:
 def register_experiment(sub) -> None:
     p = sub.add_parser(
         "paper",
-        help="the fusion paper's Fig. 3, Table II and Table III on digits, per entry and per neuron, with verdicts",
+        help="the fusion paper's Fig. 3 and Tables II-IV (digits, breast-cancer), per entry and per neuron, with verdicts",
     )
     p.add_argument("--out", required=True, help="directory for the JSON, Markdown tables and PNG figures")
     p.add_argument("--json", action="store_true", help="also print the JSON result on stdout")

@@ -384,21 +384,26 @@ def run_split(cfg: FusionConfig, split: str, progress: Callable[[str], None] = l
     return res
 
 
-def _repairer(arch, a, x_own, x_test, y_test) -> Callable[[dict, float], float]:
-    """Test accuracy of α·A + (1 − α)·B_aligned after REPAIR on A's own records ``x_own``."""
+def repaired_fusion(arch, a, x_own) -> Callable[[dict, float], nn.Module]:
+    """The model α·A + (1 − α)·B_aligned after REPAIR on A's own records ``x_own``."""
     model_a = model_from_arrays(arch, a)
     points = derive_structure(model_a, input_tensor(arch, x_own[:1]).shape[1:]).stat_points
     x = input_tensor(arch, x_own)
 
-    def repaired(b_aligned: dict, alpha: float) -> float:
+    def repaired(b_aligned: dict, alpha: float) -> nn.Module:
+        fused = model_from_arrays(arch, fuse_arrays(a, b_aligned, alpha))
         if alpha in (0.0, 1.0):
             # an endpoint is its own interpolation: REPAIR would be the identity up to rounding
-            return accuracy(arch, model_from_arrays(arch, fuse_arrays(a, b_aligned, alpha)), x_test, y_test)
-        fused = model_from_arrays(arch, fuse_arrays(a, b_aligned, alpha))
-        out = repair_fusion(fused, model_a, model_from_arrays(arch, b_aligned), points, alpha, x)
-        return accuracy(arch, out, x_test, y_test)
+            return fused
+        return repair_fusion(fused, model_a, model_from_arrays(arch, b_aligned), points, alpha, x)
 
     return repaired
+
+
+def _repairer(arch, a, x_own, x_test, y_test) -> Callable[[dict, float], float]:
+    """Test accuracy of α·A + (1 − α)·B_aligned after REPAIR on A's own records ``x_own``."""
+    repaired = repaired_fusion(arch, a, x_own)
+    return lambda b_aligned, alpha: accuracy(arch, repaired(b_aligned, alpha), x_test, y_test)
 
 
 def _noise_seed(cfg: FusionConfig, unit_index: int, epsilon_index: int) -> int:
