@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from peer.cli import main
@@ -60,6 +61,50 @@ def test_quick_experiment_end_to_end(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     # 2,000 replicas: 5 standard errors, a false-failure rate below 1e-6 per model
     _check(result, tmp_path, 5)
+
+
+def test_quick_pretrained_experiment(tmp_path, capsys):
+    assert main(["experiment", "merging", "--quick", "--pretrained", "--json", "--out", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    _check(result, tmp_path, 5)
+    b = result["digits"]
+    pre = b["pretraining"]
+    # the public records are taken out of the protected ones: DP-SGD never sees them
+    assert pre["public_records"] + pre["protected_records"] == 1077 and b["sizes"]["protected_train"] == 754
+    assert "public" in pre["initialisation"]
+    ag = b["findings"]["against_every_input"]
+    best = max(m["test_accuracy"] for m in b["models"])
+    assert ag["best_input_test_accuracy"] == best and ag["pretrained_test_accuracy"] == pre["test_accuracy"]
+    for method in ("rs", "lc_composition", "rs_utility", "lc_utility"):
+        rows = ag[method]["rows"]
+        assert rows
+        for r in rows:
+            assert r["beats_every_input"] == (r["test_accuracy"] > best + 1e-12)
+            assert r["minus_best_input"] == pytest.approx(r["test_accuracy"] - best)
+        if method.startswith("rs"):
+            # RS's expected accuracy is a mixture of the inputs': never above the best one
+            assert not any(r["beats_every_input"] for r in rows)
+    assert "Against every input model" in (tmp_path / "merging.md").read_text()
+
+
+def test_a_given_initialisation_must_say_what_it_is():
+    from peer.base.errors import InvalidArgument
+    from peer.base.rng import make_randomness
+    from peer.dp.accounting import TrainingRecord
+    from peer.dp.training import train_dpsgd_classifier
+    from peer.nn.architectures import build_model, state_arrays
+
+    arch = {"kind": "mlp", "input_dim": 4, "hidden": [], "output_dim": 2}
+    x, y = np.zeros((8, 4), dtype=np.float32), np.array([0, 1] * 4)
+    training = TrainingRecord.constant("replace-one", 2, 0.1, 1.0, 2.0)
+    init = state_arrays(build_model(arch, seed=3))
+    with pytest.raises(InvalidArgument) as e:
+        train_dpsgd_classifier(arch, x, y, training, init_seed=0, randomness=make_randomness(0), delta=1e-5, init=init)
+    assert e.value.field == "init_description"
+    m = train_dpsgd_classifier(
+        arch, x, y, training, init_seed=0, randomness=make_randomness(0), delta=1e-5, init=init, init_description="t"
+    )
+    assert m.record.parameters["initialisation"] == "t"
 
 
 @pytest.mark.slow

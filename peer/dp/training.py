@@ -69,7 +69,7 @@ from peer.dp.accounting import Optimizer, TrainingRecord
 from peer.dp.accounting.profiles import check_accountable
 from peer.dp.accounting.release_accounting import dpsgd_record
 from peer.dp.accounting.training_records import SGD
-from peer.nn.architectures import build_model, input_tensor, validate_architecture
+from peer.nn.architectures import build_model, input_tensor, model_from_arrays, validate_architecture
 
 __all__ = [
     "ADD_REMOVE_NEEDS_DECLARED",
@@ -477,14 +477,21 @@ def train_dpsgd_classifier(
     dataset_size: int | None = None,
     subject: str = "",
     progress: Callable[[], None] | None = None,
+    init: Mapping[str, np.ndarray] | None = None,
+    init_description: str = "",
 ) -> TrainedModel:
     """Train ``architecture`` (peer.nn.architectures) on (x, y) with cross-entropy by DP-SGD, running
-    exactly ``training.steps`` (taken with ``training.optimizer``) from the public initialisation build_model(arch, seed=init_seed).
+    exactly ``training.steps`` (taken with ``training.optimizer``) from the public initialisation build_model(arch, seed=init_seed),
+    or from the arrays ``init`` where given. ``init`` must be public — a model trained on public
+    records only, say: it is not charged; ``init_description`` (required with it) says what it is
+    and goes into the record as ``initialisation``.
     The unit of privacy is one record of (x, y) under ``training.adjacency``."""
     arch = validate_architecture(architecture)
     check_accountable(training)  # before any training: a record the accountant cannot cost is refused now
     n, source = declared_size(training, x, dataset_size)  # before any training, too
-    model = build_model(arch, seed=init_seed)
+    if init is not None and not init_description:
+        raise InvalidArgument("init_description", "a given initialisation must say what public data it comes from")
+    model = build_model(arch, seed=init_seed) if init is None else model_from_arrays(arch, init)
     xt = input_tensor(arch, x)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
     params0 = {k: v.detach() for k, v in model.named_parameters()}
@@ -510,6 +517,8 @@ def train_dpsgd_classifier(
         subject=subject,
         source=source,
     )
+    if init is not None:
+        record = record.with_(parameters={**record.parameters, "initialisation": init_description})
     return TrainedModel(arch, arrays, training, record, int(n), int(init_seed))
 
 
@@ -524,8 +533,11 @@ def train_pool(
     delta: float,
     dataset_size: int | None = None,
     progress: Callable[[], None] | None = None,
+    init: Mapping[str, np.ndarray] | None = None,
+    init_description: str = "",
 ) -> list[TrainedModel]:
-    """Several DP-SGD models on the same data from the same public initialisation, each with its
+    """Several DP-SGD models on the same data from the same public initialisation (``init_seed``,
+    or the public arrays ``init``: :func:`train_dpsgd_classifier`), each with its
     own independent noise stream (``randomness.spawn()``): the independence LC relies on.
     ``dataset_size`` is the declared n (required under add-remove: :func:`declared_size`)."""
     if not trainings:
@@ -545,6 +557,8 @@ def train_pool(
             delta=delta,
             dataset_size=dataset_size,
             progress=progress,
+            init=init,
+            init_description=init_description,
         )
         for t in trainings
     ]

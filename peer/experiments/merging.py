@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from peer.base.errors import InvalidArgument
 from peer.base.extras import pyplot, require
 from peer.base.rng import make_randomness
 from peer.dp.accounting import TrainingRecord, UnreachableTarget, choose_pi, privacy_profiles, rdp_to_epsilon
@@ -76,7 +77,7 @@ from peer.dp.accounting.targets import (
 from peer.dp.merging import PoolModel, combine, merge_lc, merge_rs
 from peer.dp.pools import load_splits
 from peer.dp.training import run_dpsgd, train_pool
-from peer.nn.architectures import accuracy, model_from_arrays
+from peer.nn.architectures import accuracy, model_from_arrays, state_arrays, train_classifier
 
 INTERVAL = 1e-3
 #: the accountant every figure of the experiment is stated by (default orders, PLD grid INTERVAL)
@@ -108,6 +109,12 @@ class Settings:
     digits_targets: int = 10
     lc_candidates: int = 256
     joint_grid: int = 10
+    #: (b) from a model pretrained on public data (``--pretrained``): the pool's models start from
+    #: a non-private logistic regression trained on ``public_fraction`` of the training split,
+    #: declared public (it never enters DP-SGD), for ``pretrain_epochs`` epochs of Adam
+    pretrained: bool = False
+    public_fraction: float = 0.3
+    pretrain_epochs: int = 30
 
     @classmethod
     def quick(cls) -> Settings:
@@ -362,6 +369,20 @@ def _digits_findings(curves: dict, trainings, delta: float) -> dict:
 # ------------------------------------------------------------------------------------ (b)
 
 
+def _public_pretraining(s: Settings, arch: dict, x: np.ndarray, y: np.ndarray):
+    """Split the training records into a public part (``s.public_fraction``, a seeded draw,
+    declared public) and the protected rest, and pretrain ``arch`` on the public part without
+    privacy: free, since it touches no protected record. Returns (init arrays, protected x, y,
+    public x, y)."""
+    if not 0 < s.public_fraction < 1:
+        raise InvalidArgument("public_fraction", f"must be in (0, 1), got {s.public_fraction!r}")
+    order = np.random.default_rng(s.seed + 17).permutation(len(y))
+    k = round(s.public_fraction * len(y))
+    pub, prot = np.sort(order[:k]), np.sort(order[k:])
+    model = train_classifier(arch, x[pub], y[pub], seed=s.seed, epochs=s.pretrain_epochs)
+    return state_arrays(model), x[prot], y[prot], x[pub], y[pub]
+
+
 def digits_logreg(s: Settings) -> dict:
     splits = load_splits("digits", split_seed=s.seed)
     arch = {"kind": "mlp", "input_dim": 64, "hidden": [], "output_dim": 10}
@@ -369,19 +390,40 @@ def digits_logreg(s: Settings) -> dict:
         TrainingRecord.constant("replace-one", s.digits_steps, s.digits_learning_rate, c, sigma)
         for c, sigma in s.digits_models
     ]
+    x_protected, y_protected, init, pretraining = splits.x_train, splits.y_train, None, None
+    if s.pretrained:
+        init, x_protected, y_protected, x_pub, y_pub = _public_pretraining(s, arch, splits.x_train, splits.y_train)
     trained = train_pool(
         arch,
-        splits.x_train,
-        splits.y_train,
+        x_protected,
+        y_protected,
         trainings,
         init_seed=s.seed,
         randomness=make_randomness(s.seed),
         delta=s.delta,
+        init=init,
+        init_description=(
+            f"non-private logistic regression pretrained on {len(splits.y_train) - len(y_protected)} "
+            "public digits records (Adam)"
+            if s.pretrained
+            else ""
+        ),
     )
     arrays = [m.arrays for m in trained]
 
     def acc_of(weights, x, yy):
         return accuracy(arch, model_from_arrays(arch, weights), x, yy)
+
+    if s.pretrained:
+        pretraining = {
+            "public_records": len(splits.y_train) - len(y_protected),
+            "protected_records": len(y_protected),
+            "epochs": s.pretrain_epochs,
+            "public_train_accuracy": acc_of(init, x_pub, y_pub),
+            "validation_accuracy": acc_of(init, splits.x_val, splits.y_val),
+            "test_accuracy": acc_of(init, splits.x_test, splits.y_test),
+            "initialisation": trained[0].record.parameters["initialisation"],
+        }
 
     val = [acc_of(a, splits.x_val, splits.y_val) for a in arrays]
     test = [acc_of(a, splits.x_test, splits.y_test) for a in arrays]
@@ -420,11 +462,11 @@ def digits_logreg(s: Settings) -> dict:
     example_target = float(np.sqrt(lo * max(e.pld for e in singles)))
     rs_release = merge_rs(pool, example_target, s.delta, randomness=make_randomness(s.seed))
     lc_release = merge_lc(pool, example_target, s.delta, candidates=s.lc_candidates)
-    return {
+    out = {
         "dataset": "digits",
         "architecture": arch,
         "split": splits.description,
-        "sizes": {"protected_train": len(splits.x_train), "validation": len(splits.x_val), "test": len(splits.x_test)},
+        "sizes": {"protected_train": len(y_protected), "validation": len(splits.x_val), "test": len(splits.x_test)},
         "models": [
             {
                 "clip_norm": c,
@@ -454,6 +496,36 @@ def digits_logreg(s: Settings) -> dict:
             },
         },
     }
+    if pretraining is not None:
+        out["pretraining"] = pretraining
+        out["findings"]["against_every_input"] = _against_inputs(curves, test, pretraining["test_accuracy"])
+    return out
+
+
+def _against_inputs(curves: dict, test: Sequence[float], pretrained: float) -> dict:
+    """(b) pretrained: every merge of the public-prior and utility curves (PLD and RDP) against
+    every input model's test accuracy and the pretrained model's (free: it may be released at
+    ε = 0). RS's expected accuracy Σ π_i acc_i can never exceed the best input's; LC's can."""
+    best = max(test)
+    out: dict[str, Any] = {"best_input_test_accuracy": best, "pretrained_test_accuracy": pretrained}
+    for method in METHODS:
+        rows = [
+            {
+                "figure": figure,
+                "target_epsilon": r["target_epsilon"],
+                "test_accuracy": r["test_accuracy"],
+                "minus_best_input": r["test_accuracy"] - best,
+                "beats_every_input": r["test_accuracy"] > best + 1e-12,
+                "beats_pretrained": r["test_accuracy"] > pretrained + 1e-12,
+            }
+            for figure in FIGURES
+            for r in curves[method][figure]
+        ]
+        out[method] = {
+            "rows": rows,
+            "beats_every_input_at": [r["target_epsilon"] for r in rows if r["beats_every_input"]],
+        }
+    return out
 
 
 def _joint_releases(profiles, arrays, val_of, test_of, s: Settings) -> list[dict]:
@@ -700,6 +772,17 @@ def markdown(result: dict) -> str:
         "",
         "## (b) digits, logistic regression (gradients depend on the weights: LC is charged by composition)",
         "",
+    ]
+    pre = b.get("pretraining")
+    if pre is not None:
+        lines += [
+            f"Pretrained (`--pretrained`): every model starts from a non-private logistic regression trained on "
+            f"{pre['public_records']} training records declared public ({pre['epochs']} epochs of Adam; free: it "
+            f"touches no protected record); DP-SGD then runs on the other {pre['protected_records']}. The pretrained "
+            f"model alone: validation {pre['validation_accuracy']:.3f}, test {pre['test_accuracy']:.3f}.",
+            "",
+        ]
+    lines += [
         "| C | σ | ε (PLD) | ε (RDP) | validation acc. | test acc. |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -738,6 +821,24 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {r['target_epsilon']:.3f} | {', '.join(f'{w:.2f}' for w in r['weights'])} | {r['surrogate_epsilon']:.3f} | {r['proven_epsilon']:.3f} |"
         )
+    if "against_every_input" in fb:
+        ag = fb["against_every_input"]
+        lines += [
+            "",
+            f"Against every input model (best input test accuracy {ag['best_input_test_accuracy']:.3f}; the "
+            f"pretrained model alone {ag['pretrained_test_accuracy']:.3f}). RS's expected accuracy can never exceed the "
+            "best input's; LC's can:",
+            "",
+            "| method | releases (PLD and RDP curves) | beat every input | beat the pretrained model | best − best input |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for method in METHODS:
+            rows = ag[method]["rows"]
+            if rows:
+                lines.append(
+                    f"| {method} | {len(rows)} | {sum(r['beats_every_input'] for r in rows)} | "
+                    f"{sum(r['beats_pretrained'] for r in rows)} | {max(r['minus_best_input'] for r in rows):+.3f} |"
+                )
     lines += [
         "",
         "Joint release of a subset (composition), best post-processing chosen on validation:",
