@@ -300,7 +300,9 @@ def test_per_entry_graph_neuron_converted_per_neuron_is_not_undercut():
 # ------------------------------------------------------------------------------- add/remove: no count
 
 
-def _without_noise(value, noisy=("release_id", "created_at", "release_sha256", "started_at", "finished_at", "seconds")):
+def _without_noise(
+    value, noisy=("release_id", "created_at", "release_sha256", "started_at", "finished_at", "ended_at", "seconds")
+):
     """``value`` (JSON-like) without the fields that depend on the draw or the clock: ids,
     times and the digest of the noisy tensors."""
     if isinstance(value, dict):
