@@ -24,8 +24,11 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     public_size = 80            # training examples held out as PUBLIC data: the sites' probe
                                 # sets and the merges' validation set come from it
     probe_size = 60             # rows of each site's probe set (drawn from the public data)
-    split = "dirichlet"         # "dirichlet" (label skew) | "iid"
+    split = "dirichlet"         # "dirichlet" (label skew) | "iid" | "region" (by a covariate)
     concentration = 0.5         # Dirichlet concentration (smaller = more skewed)
+    # region_feature = "mean texture"  # split = "region": the protected records sorted by this
+    #                           # feature column (numeric; a bundled set's scikit-learn name) and
+    #                           # cut into one contiguous region per site, lowest values first
     min_per_site = 20
 
     [model]                     # every site's own model (plain training on its records)
@@ -76,6 +79,9 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
 
     [sites.hospital-a]          # one table per site (at least two); optional keys:
     alpha = 0.6                 #   this site's own α
+    epochs = 10                 #   its own model's epochs (default: [model] epochs)
+    remove_class = 0            #   drop remove_fraction of this class from the site's records
+    remove_fraction = 0.8       #   (after the split; dropped records go to no site)
     [sites.hospital-b]
     ...
 
@@ -127,7 +133,17 @@ from peer.net.identity import check_site_name
 from peer.nn.data import DATASETS
 
 DEFAULT_SCENARIO = "hospitals.toml"
-BUNDLED = ("hospitals.toml", "digits.toml", "hospitals-failure.toml", "hospitals-12.toml")
+BUNDLED = (
+    "hospitals.toml",
+    "digits.toml",
+    "hospitals-failure.toml",
+    "hospitals-12.toml",
+    "underfit.toml",
+    "unbalanced.toml",
+    "regions.toml",
+)
+#: classes of the bundled datasets (``remove_class`` is checked against them when parsed)
+BUNDLED_CLASSES = {"breast_cancer": 2, "digits": 10}
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,7 @@ class DataSpec:
     split: str = "dirichlet"
     concentration: float = 0.5
     min_per_site: int = 20
+    region_feature: str | None = None  # split = "region": the covariate that makes the regions
     path: str | None = None  # the scenario's own records, resolved against the scenario file
     label: str | None = None
     features: tuple[str, ...] | None = None
@@ -237,6 +254,9 @@ class CentralSpec:
 class SiteSpec:
     name: str
     alpha: float | None = None
+    epochs: int | None = None  # its own model's epochs (None: [model] epochs)
+    remove_class: int | None = None  # class of which remove_fraction is dropped from its records
+    remove_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -344,6 +364,39 @@ def _ledger_orders(it: Section) -> str | tuple[float, ...]:
         it.fail("ledger_orders", f'must be "default", "planned" or a list of orders: {e.rule}')
 
 
+def _region_feature(d: Section, records: dict[str, Any]) -> str | None:
+    """``[data] region_feature``: required with ``split = "region"``, refused without it; a
+    feature of the bundled set (checked here) or of the scenario's own records (checked when
+    they are read: ``scenarios.world.split_data``)."""
+    split = d.string("split", DataSpec.split)
+    if split != "region":
+        if "region_feature" in d:
+            d.fail("region_feature", f'belongs with split = "region", not split = {split!r}')
+        return None
+    name = d.string("region_feature")
+    if not records:
+        from peer.nn.data import feature_names
+
+        names = feature_names(d.string("dataset", DataSpec.dataset))
+        if name not in names:
+            d.fail("region_feature", f"must be a feature of the dataset, one of {list(names)}, got {name!r}")
+    elif records["features"] is not None and name not in records["features"]:
+        d.fail("region_feature", f"must be one of the scenario's features {list(records['features'])}, got {name!r}")
+    return name
+
+
+def _removal(t: Section, data: DataSpec) -> tuple[int | None, float]:
+    """``remove_class`` and ``remove_fraction`` of one ``[sites.NAME]`` table: both or neither."""
+    if ("remove_class" in t) != ("remove_fraction" in t):
+        missing = "remove_fraction" if "remove_class" in t else "remove_class"
+        t.fail(missing, "is required with " + ("remove_class" if missing == "remove_fraction" else "remove_fraction"))
+    if "remove_class" not in t:
+        return None, 0.0
+    classes = BUNDLED_CLASSES.get(data.dataset) if data.path is None else None
+    label = t.integer("remove_class", minimum=0, maximum=None if classes is None else classes - 1)
+    return label, t.number("remove_fraction", exclusive_minimum=0.0, maximum=1.0)
+
+
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     root = Section(parse_toml(text, source, "scenario"), (), text, source)
     root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure", "iterate", "central_dpsgd"])
@@ -362,9 +415,10 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         test_fraction=d.number("test_fraction", DataSpec.test_fraction, exclusive_minimum=0.0, exclusive_maximum=1.0),
         public_size=d.integer("public_size", DataSpec.public_size, minimum=2),
         probe_size=d.integer("probe_size", DataSpec.probe_size, minimum=1),
-        split=d.string("split", DataSpec.split, choices=("dirichlet", "iid")),
+        split=d.string("split", DataSpec.split, choices=("dirichlet", "iid", "region")),
         concentration=d.number("concentration", DataSpec.concentration, exclusive_minimum=0.0),
         min_per_site=d.integer("min_per_site", DataSpec.min_per_site, minimum=1),
+        region_feature=_region_feature(d, records),
         **{k: v for k, v in records.items() if k != "dataset"},
     )
     if data.probe_size > data.public_size:
@@ -477,8 +531,15 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             check_site_name(site_name)
         except InvalidArgument as e:
             t.fail((), e.rule)
-        t.known(["alpha"])
-        sites.append(SiteSpec(site_name, t.number("alpha", None, minimum=0.0, maximum=1.0)))
+        t.known(["alpha", "epochs", "remove_class", "remove_fraction"])
+        sites.append(
+            SiteSpec(
+                site_name,
+                t.number("alpha", None, minimum=0.0, maximum=1.0),
+                t.integer("epochs", None, minimum=1, maximum=10_000),
+                *_removal(t, data),
+            )
+        )
     if len(sites) < 2:
         root.fail("sites", f"needs at least two [sites.NAME] tables, got {len(sites)}")
     if rnd.quorum > len(sites):

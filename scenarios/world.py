@@ -227,14 +227,23 @@ def _public_order(sc: Scenario, n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def split_data(sc: Scenario) -> ScenarioData:
-    from peer.nn.data import Dataset, load_dataset, split_dirichlet, split_homogeneous
+    """Test set, public set and every site's protected records of scenario ``sc``: the split
+    (``[data] split``: Dirichlet label skew, IID, or regions of a covariate), then each site's
+    class removal (``[sites.NAME] remove_class`` / ``remove_fraction``), drawn from the
+    scenario's seed and the site's place in the file."""
+    from peer.nn.data import Dataset, load_dataset, split_by_feature, split_dirichlet, split_homogeneous
 
     d = sc.data
     rng = np.random.default_rng(sc.seed)
     prep = None
+    region = None  # the covariate of split = "region", for every training example
     if d.path is None:
         ds = load_dataset(d.dataset, test_fraction=d.test_fraction, seed=sc.seed)
         order = _public_order(sc, len(ds.y_train), rng)
+        if d.region_feature is not None:
+            from peer.nn.data import feature_names
+
+            region = ds.x_train[:, feature_names(d.dataset).index(d.region_feature)]
     else:
         from peer.nn.tables import Preprocessing, read_table
 
@@ -247,6 +256,8 @@ def split_data(sc: Scenario) -> ScenarioData:
         )
         rest, test = table.split(d.test_fraction, seed=sc.seed)
         order = _public_order(sc, len(rest), rng)
+        if d.region_feature is not None:
+            region = _region_column(rest, d.region_feature)
         # Fitted on the public set only: the sites' DP-SGD pools are private for one record
         # given their preprocessing, so it must not depend on the protected records.
         prep = Preprocessing.fit(rest.take(np.sort(order[: d.public_size])), unseen=d.unseen, split="public")
@@ -258,8 +269,11 @@ def split_data(sc: Scenario) -> ScenarioData:
         idx = split_dirichlet(
             y_prot, len(sc.sites), concentration=d.concentration, seed=sc.seed, min_per_site=d.min_per_site
         )
+    elif d.split == "region":
+        idx = split_by_feature(region[protected], len(sc.sites))
     else:
         idx = split_homogeneous(y_prot, len(sc.sites), seed=sc.seed)
+    idx = _remove_classes(sc, idx, y_prot, ds.num_classes)
     arch = {
         "kind": "mlp",
         "input_dim": ds.input_dim,
@@ -277,6 +291,46 @@ def split_data(sc: Scenario) -> ScenarioData:
         ds.num_classes,
         prep,
     )
+
+
+def _region_column(table, name: str) -> np.ndarray:
+    """The raw values of the scenario's own records' column ``name`` (before preprocessing:
+    regions are cut on the covariate as recorded)."""
+    if name not in table.features:
+        raise InvalidArgument(
+            "data.region_feature", f"must be one of the records' features {list(table.features)}, got {name!r}"
+        )
+    col = table.columns[name]
+    if col.kind != "numeric" or np.isnan(col.numbers).any():
+        raise InvalidArgument(
+            "data.region_feature", f"column {name!r} must be numeric with no missing cell to cut regions on"
+        )
+    return col.numbers
+
+
+def _remove_classes(sc: Scenario, idx: list[np.ndarray], y: np.ndarray, num_classes: int) -> list[np.ndarray]:
+    """Each site's part without its ``remove_fraction`` of class ``remove_class`` (the field
+    study's class imbalance). The draw is seeded by the scenario's seed and the site's index."""
+    from peer.nn.data import remove_class
+
+    out = []
+    for i, (spec, part) in enumerate(zip(sc.sites, idx, strict=True)):
+        if spec.remove_class is None:
+            out.append(part)
+            continue
+        key = f"sites.{spec.name}"
+        if spec.remove_class >= num_classes:
+            raise InvalidArgument(
+                f"{key}.remove_class", f"must be a class of the records (0..{num_classes - 1}), got {spec.remove_class}"
+            )
+        kept = remove_class(part, y, spec.remove_class, spec.remove_fraction, np.random.default_rng([sc.seed, 101, i]))
+        if len(kept) < sc.data.min_per_site:
+            raise InvalidArgument(
+                f"{key}.remove_fraction",
+                f"{spec.remove_fraction:g} of class {spec.remove_class} leaves {len(kept)} records, fewer than data.min_per_site ({sc.data.min_per_site})",
+            )
+        out.append(kept)
+    return out
 
 
 def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path, fixed_seed: bool = True) -> SiteWorld:
@@ -308,7 +362,7 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path, fixed_
             x,
             y,
             seed=seed,
-            epochs=sc.model.epochs,
+            epochs=sc.model.epochs if spec.epochs is None else spec.epochs,
             batch_size=sc.model.batch_size,
             learning_rate=sc.model.learning_rate,
         )
@@ -358,7 +412,11 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
         own = accuracy(s.architecture, model_from_arrays(s.architecture, s.arrays), data.x_test, data.y_test)
         counts = np.bincount(s.y, minlength=data.num_classes).tolist()
         pool = (", pool " + ", ".join(f"ε={m['epsilon']:.3g}: {m['accuracy']:.3f}" for m in s.pool)) if s.pool else ""
-        progress(f"{spec.name}: {len(s.y)} records (labels {counts}), own model test accuracy {own:.3f}{pool}")
+        epochs = sc.model.epochs if spec.epochs is None else spec.epochs
+        progress(
+            f"{spec.name}: {len(s.y)} records (labels {counts}), own model ({epochs} epochs) "
+            f"test accuracy {own:.3f}{pool}"
+        )
     for s in world.sites.values():
         store = TrustStore(s.identity / "trusted")
         for o in world.sites.values():

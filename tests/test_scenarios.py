@@ -4,6 +4,7 @@ ledger files, release by release."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -347,3 +348,137 @@ def test_twelve_site_scenario_lays_out_its_sites(tmp_path):
         assert (s.root / "models").is_dir() and (s.root / "probe.safetensors").is_file()
         pinned = {p.name for p in TrustStore(s.identity / "trusted").peers().values()}
         assert pinned == set(names) - {name}
+
+
+# ------------------------------------------------------------------- the field study's settings
+
+
+def _without(text: str, *fragments: str) -> str:
+    """``text`` without the lines that contain any of ``fragments``."""
+    return "\n".join(line for line in text.splitlines() if not any(f in line for f in fragments)) + "\n"
+
+
+def test_the_field_study_scenarios_build_their_settings():
+    """underfit.toml, unbalanced.toml and regions.toml (Table IV's settings) are hospitals.toml
+    but for the setting: the per-site epochs, the class removal (exactly round(f · m) of the m
+    records of the class, nothing else), and four contiguous regions of mean texture."""
+    import numpy as np
+
+    from peer.nn.data import feature_names
+    from scenarios.world import split_data
+
+    under = load_scenario(bundled_path("underfit.toml"))
+    assert [s.epochs for s in under.sites] == [10, 10, None, None] and under.model.epochs == 50
+    assert under.data.split == "iid"
+
+    path = bundled_path("unbalanced.toml")
+    unbalanced = load_scenario(path)
+    removed = {s.name: (s.remove_class, s.remove_fraction) for s in unbalanced.sites if s.remove_class is not None}
+    assert removed == {"hospital-a": (0, 0.8), "hospital-b": (1, 0.7)}
+    whole = parse_scenario(_without(path.read_text(), "remove_class", "remove_fraction"), str(path))
+    got, before = split_data(unbalanced).parts, split_data(whole).parts
+    for spec, (x, y), (x0, y0) in zip(unbalanced.sites, got, before, strict=True):
+        kept = {tuple(r) for r in x.round(6)}
+        assert kept <= {tuple(r) for r in x0.round(6)}, spec.name  # records dropped, none added
+        counts, counts0 = np.bincount(y, minlength=2), np.bincount(y0, minlength=2)
+        if spec.remove_class is None:
+            assert np.array_equal(counts, counts0), spec.name
+            continue
+        c = spec.remove_class
+        assert counts[c] == counts0[c] - round(spec.remove_fraction * counts0[c]), spec.name
+        assert counts[1 - c] == counts0[1 - c], spec.name
+
+    regions = load_scenario(bundled_path("regions.toml"))
+    assert regions.data.split == "region" and regions.data.region_feature == "mean texture"
+    column = feature_names("breast_cancer").index("mean texture")
+    parts = split_data(regions).parts
+    sizes = [len(y) for _, y in parts]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == sum(len(y) for _, y in split_data(whole).parts)
+    for (lo, _), (hi, _) in itertools.pairwise(parts):
+        assert lo[:, column].max() <= hi[:, column].min()  # region i below region i + 1
+    # regions by a covariate are not IID in the label: the lowest and highest quarters differ
+    shares = [float(np.mean(y == 0)) for _, y in parts]
+    assert shares[-1] - shares[0] > 0.3, shares
+
+
+def test_split_by_feature_and_remove_class():
+    import numpy as np
+
+    from peer.base.errors import InvalidArgument
+    from peer.nn.data import remove_class, split_by_feature
+
+    values = np.array([5.0, 1.0, 3.0, 3.0, 0.0, 9.0, 2.0])
+    parts = split_by_feature(values, 3)
+    # sorted: 4, 1, 6, 2, 3, 0, 5; cut after records 7·1//3 = 2 and 7·2//3 = 4 (ties keep their order)
+    assert [p.tolist() for p in parts] == [[1, 4], [2, 6], [0, 3, 5]]
+    with pytest.raises(InvalidArgument, match="at least as many records"):
+        split_by_feature(values, 8)
+    y = np.array([0, 0, 0, 0, 1, 1, 1])
+    kept = remove_class(np.arange(7), y, 0, 0.5, np.random.default_rng(0))
+    assert len(kept) == 5 and set(np.arange(4, 7)) <= set(kept.tolist())
+
+
+@pytest.mark.parametrize(
+    "old,new,key,fragment",
+    [
+        ('split = "dirichlet"', 'split = "region"', "data.region_feature", "[data]"),
+        (
+            "concentration = 1.0",
+            'concentration = 1.0\nregion_feature = "mean texture"',
+            "data.region_feature",
+            "region_feature",
+        ),
+        (
+            'split = "dirichlet"',
+            'split = "region"\nregion_feature = "texture"',
+            "data.region_feature",
+            "region_feature",
+        ),
+        ("alpha = 0.7", "alpha = 0.7\nremove_class = 0", "sites.site-b.remove_fraction", "[sites.site-b]"),
+        (
+            "alpha = 0.7",
+            "alpha = 0.7\nremove_class = 2\nremove_fraction = 0.5",
+            "sites.site-b.remove_class",
+            "remove_class",
+        ),
+        (
+            "alpha = 0.7",
+            "alpha = 0.7\nremove_class = 1\nremove_fraction = 1.5",
+            "sites.site-b.remove_fraction",
+            "remove_fraction",
+        ),
+        ("alpha = 0.7", "alpha = 0.7\nepochs = 0", "sites.site-b.epochs", "epochs = 0"),
+    ],
+)
+def test_a_bad_field_study_key_is_refused_with_its_line(old, new, key, fragment):
+    text = _replace(old, new)
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(text, "bad.toml")
+    assert e.value.key == key
+    assert e.value.line == _line_of(text, fragment)
+
+
+def test_a_removal_that_leaves_too_few_records_names_its_key():
+    from peer.base.errors import InvalidArgument
+    from scenarios.world import split_data
+
+    sc = parse_scenario(_replace("alpha = 0.7", "alpha = 0.7\nremove_class = 1\nremove_fraction = 1.0"), "tiny.toml")
+    with pytest.raises(InvalidArgument) as e:
+        split_data(sc)
+    assert e.value.field == "sites.site-b.remove_fraction" and "fewer than data.min_per_site" in str(e.value)
+
+
+@pytest.mark.slow
+def test_underfit_scenario_end_to_end(tmp_path):
+    """underfit.toml through real daemons (about a minute on 2 cores): the two underfit sites
+    train 10 epochs, every site fuses, and the report is its ledgers'."""
+    from scenarios.simulate import Progress, simulate
+
+    lines = []
+    out = tmp_path / "underfit"
+    report = simulate(load_scenario(bundled_path("underfit.toml")), out, Progress(lines.append))
+    for name, epochs in (("hospital-a", 10), ("hospital-b", 10), ("hospital-c", 50), ("hospital-d", 50)):
+        assert any(f"{name}: " in line and f"own model ({epochs} epochs)" in line for line in lines), name
+    for s in report["sites"].values():
+        assert s["rounds"]["ldp"]["status"] == "fused" and s["rounds"]["merged"]["status"] == "fused"
+    check_report_against_ledgers(out, report)

@@ -40,7 +40,7 @@ from peer.experiments.private_rows import HYBRID_PFA, PARTS, UNITS, Endpoints, p
 from peer.ldp.fusion import fuse_arrays, permute_arrays
 from peer.ldp.matching import match_graphs
 from peer.nn.architectures import model_from_arrays, predict_proba, state_arrays, train_classifier
-from peer.nn.data import load_dataset, split_homogeneous
+from peer.nn.data import feature_names, load_dataset, remove_class, split_by_feature, split_homogeneous
 from peer.nn.graph import extract_graph
 from peer.nn.metrics import classification_metrics
 
@@ -81,9 +81,7 @@ class FieldConfig:
 
 
 def _region_column() -> int:
-    from sklearn.datasets import load_breast_cancer
-
-    return list(load_breast_cancer().feature_names).index(REGION_FEATURE)
+    return feature_names("breast_cancer").index(REGION_FEATURE)
 
 
 def site_parts(cfg: FieldConfig, setting: str, x: np.ndarray, y: np.ndarray, seed: int) -> list[np.ndarray]:
@@ -91,19 +89,15 @@ def site_parts(cfg: FieldConfig, setting: str, x: np.ndarray, y: np.ndarray, see
     if setting not in SETTINGS:
         raise InvalidArgument("setting", f"must be one of {SETTINGS}, got {setting!r}")
     if setting == "regions":
-        order = np.argsort(x[:, _region_column()], kind="stable")
-        half = len(order) // 2
-        return [np.sort(order[:half]), np.sort(order[half:])]
+        return split_by_feature(x[:, _region_column()], 2)
     parts = split_homogeneous(y, 2, seed=seed)
     if setting != "unbalanced":
         return parts
     rng = np.random.default_rng(seed + 101)
-    out = []
-    for part, cls, frac in ((parts[0], 0, cfg.remove_a), (parts[1], 1, cfg.remove_b)):
-        of_class = part[y[part] == cls]
-        dropped = rng.choice(of_class, size=round(frac * len(of_class)), replace=False)
-        out.append(np.setdiff1d(part, dropped))
-    return out
+    return [
+        remove_class(part, y, label, fraction, rng)
+        for part, label, fraction in ((parts[0], 0, cfg.remove_a), (parts[1], 1, cfg.remove_b))
+    ]
 
 
 def _data(seed: int, probe_size: int):

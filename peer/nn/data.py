@@ -13,7 +13,17 @@ import numpy as np
 
 from peer.base.errors import InvalidArgument
 
-__all__ = ["DATASETS", "Dataset", "load_dataset", "split_dirichlet", "split_homogeneous", "split_label_skew"]
+__all__ = [
+    "DATASETS",
+    "Dataset",
+    "feature_names",
+    "load_dataset",
+    "remove_class",
+    "split_by_feature",
+    "split_dirichlet",
+    "split_homogeneous",
+    "split_label_skew",
+]
 
 DATASETS = ("digits", "breast_cancer")
 
@@ -112,6 +122,45 @@ def split_dirichlet(
         if min(len(p) for p in parts) >= min_per_site:
             return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
     raise InvalidArgument("concentration", f"{concentration} is too skewed to give every site {min_per_site} examples")
+
+
+def split_by_feature(values: np.ndarray, n_sites: int) -> list[np.ndarray]:
+    """Non-IID split by a covariate (the field study's regions): the records sorted by
+    ``values`` (one feature, not the label; ties keep their order) and cut into ``n_sites``
+    contiguous parts of near-equal size (part i ends at record ⌊n·(i+1)/n_sites⌋ of the
+    order), the lowest values at the first site."""
+    _check_sites(n_sites)
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 1 or not np.isfinite(values).all():
+        raise InvalidArgument("values", f"must be a finite 1-D array, got shape {values.shape}")
+    if len(values) < n_sites:
+        raise InvalidArgument("n_sites", f"{n_sites} regions need at least as many records, got {len(values)}")
+    order = np.argsort(values, kind="stable")
+    cuts = [len(order) * i // n_sites for i in range(1, n_sites)]
+    return [np.sort(part).astype(np.int64) for part in np.split(order, cuts)]
+
+
+def remove_class(index: np.ndarray, y: np.ndarray, label: int, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """``index`` without ``round(fraction · m)`` of its m records of class ``label``, drawn
+    uniformly without replacement (the field study's class imbalance); sorted."""
+    if not 0.0 <= fraction <= 1.0:
+        raise InvalidArgument("fraction", f"must be in [0, 1], got {fraction!r}")
+    index = np.asarray(index, dtype=np.int64)
+    of_class = index[y[index] == label]
+    dropped = rng.choice(of_class, size=round(fraction * len(of_class)), replace=False)
+    return np.setdiff1d(index, dropped)
+
+
+def feature_names(name: str) -> tuple[str, ...]:
+    """The feature columns of a bundled dataset, in the order of ``load_dataset``'s x
+    (scikit-learn's names: ``mean texture``, ``pixel_0_0``, ...)."""
+    from sklearn import datasets
+
+    if name == "digits":
+        return tuple(datasets.load_digits().feature_names)
+    if name == "breast_cancer":
+        return tuple(datasets.load_breast_cancer().feature_names)
+    raise InvalidArgument("dataset", f"must be one of {DATASETS}, got {name!r}")
 
 
 def _check_sites(n_sites: int) -> None:
