@@ -7,7 +7,8 @@ Everything a real deployment does happens for real, on loopback:
    shared by every site), split into a global test set (every
    accuracy is measured on it), a PUBLIC set (probe sets and the merges' validation data come
    from it), and the protected records, divided among the sites by a Dirichlet label skew
-   (``peer.nn.data.split_dirichlet``) or IID;
+   (``peer.nn.data.split_dirichlet``), IID, or into regions of a covariate
+   (``peer.nn.data.split_by_feature``), then thinned per site by any class removal;
 2. **sites** — each site trains its own model on its records (plain training) and, when the
    scenario has a ``[pool]``, a small DP-SGD pool (``peer.dp.training.train_pool``); it gets its
    own identity (``peer init``: key + self-signed certificate), pins every other site, and a
