@@ -450,6 +450,26 @@ call_timeout_s = 30.0
 """
 
 
+def test_a_scenario_of_own_records_splits_into_regions_of_a_raw_column(tmp_path):
+    """``split = "region"`` on the scenario's own records: the regions are cut on the column's
+    raw values (age; standardising by the public set keeps their order), lowest first; a
+    column that holds categories is refused, naming the key."""
+    from scenarios.schema import load_scenario
+    from scenarios.simulate import split_data
+
+    write_csv(tmp_path / "recs.csv", records(200, seed=5), COLUMNS)
+    region = SCENARIO.format(csv="recs.csv").replace('split = "iid"', 'split = "region"\nregion_feature = "{col}"')
+    (tmp_path / "s.toml").write_text(region.replace("{col}", "age"))
+    data = split_data(load_scenario(tmp_path / "s.toml"))
+    (a, _), (b, _) = data.parts
+    assert data.preprocessing.columns[0].name == "age" and abs(len(a) - len(b)) <= 1
+    assert a[:, 0].max() <= b[:, 0].min()
+    (tmp_path / "ward.toml").write_text(region.replace("{col}", "ward"))
+    with pytest.raises(InvalidArgument) as e:
+        split_data(load_scenario(tmp_path / "ward.toml"))
+    assert e.value.field == "data.region_feature" and "numeric" in e.value.rule
+
+
 def test_scenario_data_from_a_csv_is_split_and_prepared(tmp_path):
     from scenarios.schema import load_scenario
     from scenarios.simulate import split_data
