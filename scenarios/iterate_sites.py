@@ -183,6 +183,7 @@ def evaluate_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[str, dic
                     "epsilon_pld": r["epsilon_pld"],
                     "bytes_sent": r["bytes_sent"],
                     "bytes_received": r["bytes_received"],
+                    "seconds": r["seconds"],
                     "contributors": r["contributors"],
                     "staleness": {p: v["staleness"] for p, v in r["peers"].items() if v.get("staleness") is not None},
                 }

@@ -291,6 +291,12 @@ def test_default_simulation_from_the_command_line(tmp_path):
     md = (out / "report.md").read_text()
     assert "## Baselines and comparison" in md and "Multi-round" in md
     assert "multi-round peer-to-peer" in proc.stdout and "DP-FedAvg" in proc.stdout
+    # every row that measured its run carries its wall time per site (the iterate row once showed 0.0)
+    from scenarios.report import comparison_rows
+
+    measured = [r for r in comparison_rows(report) if r["wall_s_per_site"] is not None]
+    assert any(r["method"] == "multi-round peer-to-peer" for r in measured)
+    assert all(r["wall_s_per_site"] > 0 for r in measured), measured
     print(f"default simulation: {elapsed:.1f}s wall ({report['timings']})")
 
 
