@@ -37,7 +37,39 @@ def pytest_configure(config):
         os.environ.setdefault(name, str(cores))
 
 
+# The files that take longest (seconds of one CI run on 2 cores, the durations that
+# ``scripts/test.sh`` prints at the end of every run), longest first. With ``--dist loadfile`` the
+# workers take files in collection order, so a long file collected last is a tail that one worker
+# runs while the other idles (a CI run ended with the 145 s end-to-end test alone): these run first
+# (longest-processing-time-first), the rest in their usual order. Out of date numbers only cost
+# balance, never a result.
+LONGEST_FILES = (
+    "test_site_e2e.py",
+    "test_imported_e2e.py",
+    "test_images.py",
+    "test_iterate_crash.py",
+    "test_config_traps.py",
+    "test_scenarios.py",
+    "test_peer_limits.py",
+    "test_records_cli.py",
+    "test_netns.py",
+    "test_docs.py",
+    "test_docker.py",
+    "test_experiment_fusion.py",
+    "test_experiment_merging.py",
+    "test_peer_lifecycle.py",
+    "test_peer_transfer.py",
+    "test_layout.py",
+)
+
+
+def _longest_first(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_first(items)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow end-to-end test: run with --run-slow (scripts/test.sh does)")
