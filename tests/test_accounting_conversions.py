@@ -240,3 +240,20 @@ def test_pmf_deltas_on_the_tail_only_are_the_whole_grid_computation():
         losses = (lower + np.arange(n)) * h
         for e in [*rng.uniform(losses[0] - 1, losses[-1] + 1, 500), *losses[:: max(1, n // 200)]]:
             assert _first_above(lower, h, n, float(e)) == int(np.searchsorted(losses, e, side="right"))
+
+
+def test_default_orders_are_dp_accountings_and_reading_them_imports_nothing_slow():
+    """DEFAULT_ORDERS is written out (so that opening a ledger does not import dp-accounting,
+    ~1.1 s of CPU a process): it must be dp-accounting's own list, in its order. And a process
+    that opens a site and reads the orders has not imported dp-accounting (nor scipy.signal)."""
+    import subprocess
+    import sys
+
+    assert tuple(float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS) == DEFAULT_ORDERS
+    code = (
+        "import sys, peer.net.site, peer.budget.ledger\n"
+        "from peer.dp.accounting import DEFAULT_ORDERS\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('dp_accounting', 'scipy.signal'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300).stdout
+    assert out.strip() == "[]", out

@@ -19,7 +19,7 @@ from types import ModuleType
 
 from peer.base.errors import FailedPrecondition
 
-__all__ = ["pyplot", "require"]
+__all__ = ["LazyModule", "pyplot", "require"]
 
 
 class MissingExtra(FailedPrecondition):
@@ -43,6 +43,29 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
         if e.name is not None and (e.name == top or e.name.startswith(top + ".")):
             raise MissingExtra(module, extra, purpose) from None
         raise
+
+
+class LazyModule:
+    """A module imported at its first attribute access, for a dependency that is slow to import
+    and needed by few commands. dp-accounting's package (which imports scipy.signal) costs about
+    1.1 s of CPU in every process that imports it, and every command that opens a site used to
+    (the ledger imports the accountant): ``privfusion evaluate``, ``model train`` and a daemon
+    without pools never compute a PLD. ``LazyModule("dp_accounting.pld.pld_pmf").DensePLDPmf``
+    imports the module there, once; the name stays usable as a module would be."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):  # copy/pickle/inspect probes: not a reason to import
+            raise AttributeError(attribute)
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attribute)
+
+    def __repr__(self) -> str:
+        return f"LazyModule({self._name!r}, {'imported' if self._module is not None else 'not imported yet'})"
 
 
 def pyplot(purpose: str = "plotting"):

@@ -22,14 +22,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special
 
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
+from peer.base.extras import LazyModule
 
-# dp-accounting's default orders: 1.1 … 10.9 by 0.1, 11 … 63, 128, 256, 512, 1024.
-DEFAULT_ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+# imported at the first conversion (its package import costs ~1.1 s of CPU: peer.base.extras)
+rdp_privacy_accountant = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
+
+# dp-accounting's default orders (its DEFAULT_RDP_ORDERS, written out so that reading them imports
+# nothing; tests/test_accounting_conversions.py checks they are the same): 1.1 … 10.9 by 0.1,
+# 11 … 63, 128, 256, 512, 1024.
+DEFAULT_ORDERS: tuple[float, ...] = tuple(
+    float(a) for a in [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+)
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from dp_accounting.pld import common as pld_common
-from dp_accounting.pld import pld_pmf, privacy_loss_mechanism
-from dp_accounting.pld import privacy_loss_distribution as pldlib
-from dp_accounting.privacy_accountant import NeighboringRelation
 
 from peer.base.errors import InvalidArgument
+from peer.base.extras import LazyModule
 from peer.dp.accounting.training_records import check_adjacency
 
-PLD = pldlib.PrivacyLossDistribution
+if TYPE_CHECKING:
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution as PLD
+    from dp_accounting.privacy_accountant import NeighboringRelation
+
+# dp-accounting is imported where a PLD is first built (peer.base.extras.LazyModule: its import
+# costs every process that opens a ledger about 1.1 s of CPU, and most never build a PLD)
+pld_common = LazyModule("dp_accounting.pld.common")
+pld_pmf = LazyModule("dp_accounting.pld.pld_pmf")
+privacy_loss_mechanism = LazyModule("dp_accounting.pld.privacy_loss_mechanism")
+pldlib = LazyModule("dp_accounting.pld.privacy_loss_distribution")
+_accountant = LazyModule("dp_accounting.privacy_accountant")
+
+
+def __getattr__(name: str):
+    """``pld.PLD`` and ``pld.NeighboringRelation``: dp-accounting's classes, imported on first use."""
+    if name == "PLD":
+        return pldlib.PrivacyLossDistribution
+    if name == "NeighboringRelation":
+        return _accountant.NeighboringRelation
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: the default PLD value discretisation interval (the default ``Accountant``'s)
 DEFAULT_INTERVAL = 1e-4
 
@@ -52,7 +71,7 @@ def identity_pld(value_discretization_interval: float) -> PLD:
 
 def non_private_pld(value_discretization_interval: float) -> PLD:
     """The PLD of a release without any guarantee: all mass at +∞, δ(ε) = 1."""
-    return PLD.create_from_rounded_probability({0: 0.0}, 1.0, value_discretization_interval)
+    return pldlib.PrivacyLossDistribution.create_from_rounded_probability({0: 0.0}, 1.0, value_discretization_interval)
 
 
 def directions(pld: PLD):
@@ -197,12 +216,14 @@ def fast_gaussian_pld(
     sensitivity: float,
     value_discretization_interval: float,
     sampling_prob: float = 1.0,
-    neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
+    neighboring_relation: NeighboringRelation | None = None,
 ) -> PLD:
     """Same PLD as dp-accounting's ``from_gaussian_mechanism`` (pessimistic, connect-the-dots,
-    default log-mass truncation −50), built with ``_fast_gaussian_pmf``."""
-
-    return PLD(
+    default log-mass truncation −50), built with ``_fast_gaussian_pmf``; the relation defaults
+    to add-or-remove-one, as there."""
+    if neighboring_relation is None:
+        neighboring_relation = _accountant.NeighboringRelation.ADD_OR_REMOVE_ONE
+    return pldlib.PrivacyLossDistribution(
         *(
             _fast_gaussian_pmf(loss, value_discretization_interval)
             for loss in _gaussian_losses(standard_deviation, sensitivity, sampling_prob, neighboring_relation)
@@ -217,7 +238,7 @@ def _gaussian_losses(
     replace-one one REPLACE loss; add-remove REMOVE, and ADD too when subsampled (at q = 1 the
     two directions are the same Gaussian pair)."""
     kinds = privacy_loss_mechanism.AdjacencyType
-    if neighboring_relation == NeighboringRelation.REPLACE_ONE:
+    if neighboring_relation == _accountant.NeighboringRelation.REPLACE_ONE:
         chosen = (kinds.REPLACE,)
     elif sampling_prob == 1.0:
         chosen = (kinds.REMOVE,)
@@ -244,10 +265,12 @@ def gaussian_pmf_bins(
     sensitivity: float,
     value_discretization_interval: float,
     sampling_prob: float = 1.0,
-    neighboring_relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
+    neighboring_relation: NeighboringRelation | None = None,
 ) -> tuple[int, float, float]:
     """(bins, lowest loss, highest loss) of the widest PMF that :func:`fast_gaussian_pld` (same
     arguments) builds, from dp-accounting's own connect-the-dots bounds, without building it."""
+    if neighboring_relation is None:
+        neighboring_relation = _accountant.NeighboringRelation.ADD_OR_REMOVE_ONE
     widest = (0, 0.0, 0.0)
     for loss in _gaussian_losses(standard_deviation, sensitivity, sampling_prob, neighboring_relation):
         b = loss.connect_dots_bounds()
@@ -293,7 +316,8 @@ def subsampled_gaussian_pld(
     sigma, q = float(noise_multiplier), float(sample_rate)
     if sigma == 0:
         return non_private_pld(value_discretization_interval)
-    relation = NeighboringRelation.REPLACE_ONE if adjacency == "replace-one" else NeighboringRelation.ADD_OR_REMOVE_ONE
+    relations = _accountant.NeighboringRelation
+    relation = relations.REPLACE_ONE if adjacency == "replace-one" else relations.ADD_OR_REMOVE_ONE
     return fast_gaussian_pld(sigma, 1.0, value_discretization_interval, sampling_prob=q, neighboring_relation=relation)
 
 

@@ -66,13 +66,15 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
-from dp_accounting.pld import pld_pmf
 
+from peer.base.extras import LazyModule
 from peer.dp.accounting import pld as pldm
 from peer.dp.accounting import profiles
 from peer.dp.accounting.accountant import DEFAULT_ACCOUNTANT, Accountant
 from peer.dp.accounting.conversions import gdp_delta, gdp_epsilon
 from peer.dp.accounting.training_records import ApproxDP, TrainingRecord, check_adjacency
+
+pld_pmf = LazyModule("dp_accounting.pld.pld_pmf")  # imported where a profile is rebuilt (slow to import)
 
 FORMAT = "privfusion-pld-cache/1"
 # the fixed ε at which an entry's δ (each direction) is recorded at build time and checked at load

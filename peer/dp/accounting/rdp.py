@@ -40,13 +40,16 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import special
 
 from peer.base.errors import InvalidArgument
+from peer.base.extras import LazyModule
 from peer.dp.accounting.conversions import check_orders
 from peer.dp.accounting.training_records import ADJACENCIES, check_adjacency
+
+# imported at the first subsampled-Gaussian curve (peer.base.extras: slow to import)
+dp_event = LazyModule("dp_accounting.dp_event")
+rdp_privacy_accountant = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
 
 
 def rdp_gaussian(mu: float, orders: Sequence[float]) -> np.ndarray:
