@@ -68,16 +68,19 @@ def _round(args) -> int:
     from coordinator_free.iterate import IterateConfig
     from coordinator_free.iterate import describe as describe_iterate
     from coordinator_free.runner import run_rounds
+    from peer.base.progress import Bars
+
+    bars = RoundBars(Bars(quiet=args.events))
 
     def on_event(e: dict) -> None:
         if args.events:
             print(json.dumps(e, sort_keys=True, default=str), flush=True)
-        elif e["event"].startswith("iterate-") or e["event"] == "segment":
+            return
+        if e["event"].startswith("iterate-") or e["event"] == "segment":
             line = describe_iterate(e)
-            if line:
-                print(line, file=sys.stderr, flush=True)
-        elif e["event"] not in QUIET:
-            print(describe(e), file=sys.stderr, flush=True)
+        else:
+            line = None if e["event"] in QUIET else describe(e)
+        bars.show(e, line)
 
     stop = threading.Event()
     caught: list[int] = []
@@ -88,11 +91,9 @@ def _round(args) -> int:
             raise KeyboardInterrupt
         caught.append(signum)
         stop.set()
-        print(
+        bars.write(
             f"privfusion round: {signal.Signals(signum).name}: stopping — nothing more will be requested; "
-            "waiting for the releases in flight to write the report (signal again to quit at once)",
-            file=sys.stderr,
-            flush=True,
+            "waiting for the releases in flight to write the report (signal again to quit at once)"
         )
 
     # signal handlers can only be set from the main thread (the command line's); elsewhere the
@@ -144,9 +145,58 @@ def _round(args) -> int:
                 )
                 return 128 + caught[0]
     finally:
+        bars.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return status
+
+
+class RoundBars:
+    """The progress bar of ``privfusion round`` (``peer.base.progress``), driven by the round's
+    events: a one-shot round counts the peers that have answered (contributed, dropped, not
+    alive, not asked) out of the roster's; an iterate run counts its rounds (a resumed run starts
+    at the rounds it had done). The releases themselves are made in the peers' daemons; what is
+    counted is what this process waits for. Only counts and the round's name or label are shown."""
+
+    PEER_DONE = ("contributed", "dropped", "not-alive", "not-asked")
+    ROUND_DONE = ("fused", "aborted", "interrupted")
+
+    def __init__(self, bars):
+        self.bars = bars
+        self._answered: set[str] = set()
+
+    def on_event(self, e: dict) -> None:
+        ev = e["event"]
+        if ev == "started":
+            self._answered = set()
+            self.bars.start(len(e["peers"]), f"round {e.get('label') or e['round'][:8]}", "peers")
+        elif ev in self.PEER_DONE and e.get("peer") not in self._answered:
+            self._answered.add(e.get("peer"))
+            self.bars.advance()
+        elif ev in self.ROUND_DONE or ev == "iterate-finished":
+            self.bars.close()
+        elif ev == "iterate-started":
+            self.bars.start(e["rounds"], f"iterate {e['run']}", "rounds", initial=e.get("first_round", 1) - 1)
+        elif ev == "iterate-fused":
+            self.bars.advance()
+
+    def show(self, e: dict, line: str | None) -> None:
+        """Event ``e`` on the bar, and its ``line`` (if any) above it: the line that starts a bar
+        before it, the one that ends a bar after it is cleared."""
+        if e["event"] in ("started", "iterate-started"):
+            if line:
+                self.write(line)
+            self.on_event(e)
+        else:
+            self.on_event(e)
+            if line:
+                self.write(line)
+
+    def write(self, line: str) -> None:
+        self.bars.write(line)
+
+    def close(self) -> None:
+        self.bars.close()
 
 
 def _fused_path(cfg, result):

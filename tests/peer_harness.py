@@ -286,3 +286,54 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
+
+
+@dataclass
+class TerminalRun:
+    returncode: int
+    stdout: str
+    terminal: str  # everything written to stderr, a terminal, as the bytes arrived (\r included)
+
+
+def cli_on_terminal(*args: str, columns: int = 120, env: dict | None = None) -> TerminalRun:
+    """``privfusion ARGS`` as a subprocess whose stderr is a terminal (a pseudo-terminal of
+    ``columns`` columns) and whose stdout is a pipe: what a user sees of the progress bars.
+    ``TQDM_MININTERVAL=0`` draws every update (tqdm's default redraws at most every 0.1 s, so
+    that a short run might show only its first and last frame)."""
+    import fcntl
+    import struct
+    import termios
+    import threading
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "peer.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env={**os.environ, "TQDM_MININTERVAL": "0", **(env or {})},
+    )
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the last writer closed the terminal
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:
+        stdout, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=10)
+        os.close(master)
+    return TerminalRun(proc.returncode, stdout.decode(), b"".join(chunks).decode(errors="replace"))

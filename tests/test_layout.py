@@ -225,6 +225,21 @@ def test_nothing_outside_peer_cli_imports_peer_cli():
     assert not bad, bad
 
 
+def test_only_the_command_lines_draw_progress_bars():
+    """``peer.base.progress`` (tqdm) is imported by command-line modules only: the core and the
+    rounds report progress through a callback they are given (``progress=``, ``on_event``)."""
+    command_lines = ("peer.cli", "coordinator_free.cli", "scenarios.cli")
+    users = {
+        m
+        for m, p in modules().items()
+        for n in imports_of(p, m)
+        if n == "peer.base.progress" or n.startswith("peer.base.progress.") or n == "tqdm" or n.startswith("tqdm.")
+    } - {"peer.base.progress"}
+    assert users, "nothing draws a progress bar"
+    bad = sorted(m for m in users if not any(m == c or m.startswith(c + ".") for c in command_lines))
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("module", ["site", "site_config", "site_lock", "site_identity", "site_offer", "peer_info"])
 def test_the_site_holds_no_protobuf_types(module):
     site = ROOT / "peer" / "net" / f"{module}.py"

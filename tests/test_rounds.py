@@ -471,6 +471,46 @@ epsilon = 20.0
     assert len(ledger_entries(b, "hospital-a")) == 2
 
 
+def test_the_round_command_on_a_terminal_counts_the_peers_that_answered(tmp_path, trained):
+    """``privfusion round`` with stderr on a terminal: a bar of the roster's peers that have
+    answered (contributed, dropped, ...), with the time left, the event lines above it; the
+    releases are made in the peers' daemons, the bar is this process's waiting for them."""
+    import re
+
+    from peer_harness import cli_on_terminal
+
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
+    a, b, c = sites
+    with contextlib.ExitStack() as stack:
+        addresses = {s.name: stack.enter_context(running(s))[1] for s in sites}
+        roster_for(tmp_path, sites, addresses)
+        a.config.write_text(
+            a.config.read_text()
+            + f"""
+[round]
+roster = "{tmp_path / "roster.toml"}"
+model = "mlp"
+label = "shown"
+out = "rounds"
+[round.features]
+activation_epsilon = 50.0
+weight_epsilon = 50.0
+[round.weights]
+epsilon = 20.0
+"""
+        )
+        run = cli_on_terminal("round", "--config", str(a.config))
+    assert run.returncode == 0, run.terminal
+    frame = r"round shown: +\d+%\|[^|]*\| (\d)/2 peers \[\d\d:\d\d elapsed, (?:\d\d:\d\d|\?) left\]"
+    counts = [int(n) for n in re.findall(frame, run.terminal)]  # the bar is redrawn under every line
+    assert counts == sorted(counts) and set(counts) == {0, 1, 2}, run.terminal
+    # each event line whole, after the bar is cleared and before it is drawn again
+    assert re.search(r"\r {20,}\r\[hospital-a\] hospital-b: features released [^\r]*\r\n", run.terminal), run.terminal
+    assert "round shown" not in run.stdout and "fused" in run.stdout
+    for peer in (b, c):
+        assert len(ledger_entries(peer, "hospital-a")) == 2
+
+
 # ---------------------------------------------------------------------------------- merges
 
 

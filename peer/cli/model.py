@@ -12,7 +12,7 @@ with it reveals nothing of the training records), and the model goes into the si
 ``DIR/site.toml``, else ``DIR/models``) together with that preprocessing.
 
 This module also holds what the record-reading commands share (``pool train --data``,
-``probe make``): where a site keeps its files, the record options, a progress bar.
+``probe make``): where a site keeps its files, the record options.
 
     privfusion model adopt --site DIR --from rounds/models/NAME|RELEASE --name NAME [--preprocessing-from NAME]
     privfusion model export --site DIR --model NAME --format safetensors|pt --out FILE
@@ -27,8 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,15 +195,6 @@ def records_from_args(args: argparse.Namespace):
     return table_records(args, given)
 
 
-@contextmanager
-def progress_bar(total: int, description: str, unit: str) -> Iterator[Callable[[], None]]:
-    """A tqdm bar on stderr (shown on a terminal only); yields the function that advances it."""
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc=description, unit=unit, file=sys.stderr, disable=None, leave=False) as bar:
-        yield lambda: bar.update(1)
-
-
 def architecture_arg(text: str | None, preset: str | None, preprocessing, hidden) -> dict:
     """``--arch`` (JSON text or a .json file) or ``--preset``, sized by the preprocessing."""
     from peer.nn.tables import architecture_for
@@ -247,6 +237,7 @@ def train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from peer.base.progress import progress_bar
     from peer.nn.architectures import accuracy, state_arrays, train_classifier
     from peer.nn.store import check_name, save_model
 
@@ -261,7 +252,7 @@ def _train(args: argparse.Namespace) -> int:
     records = records_from_args(args)
     prep = records.preprocessing
     arch = architecture_arg(args.arch, args.preset, prep, args.hidden)
-    with progress_bar(args.epochs, f"training {args.name}", "epoch") as step:
+    with progress_bar(args.epochs, f"training {args.name}", "epochs", quiet=args.json) as step:
         model = train_classifier(
             arch,
             records.x_train,

@@ -244,13 +244,9 @@ def _optimizer(values: dict, index: int):
 
 
 def _train_records(args: argparse.Namespace) -> int:
+    from peer.base.progress import progress_bar
     from peer.base.rng import make_randomness
-    from peer.cli.model import (
-        architecture_arg,
-        progress_bar,
-        records_from_args,
-        site_paths,
-    )
+    from peer.cli.model import architecture_arg, records_from_args, site_paths
     from peer.dp.pools import save_trained
     from peer.dp.training import train_pool
     from peer.nn.architectures import accuracy, model_from_arrays
@@ -314,7 +310,9 @@ def _train_records(args: argparse.Namespace) -> int:
             args, own, records, names, trainings, pool_name, directory, declared, description
         )
     randomness = make_randomness(args.seed)
-    with progress_bar(sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "step") as step:
+    with progress_bar(
+        sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "steps", quiet=args.json
+    ) as step:
         models = train_pool(
             arch,
             records.x_train,
@@ -357,6 +355,7 @@ def _train_records(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from peer.base.progress import progress_bar
     from peer.base.rng import make_randomness
     from peer.dp.pools import load_splits, save_trained
     from peer.dp.training import train_pool
@@ -369,16 +368,20 @@ def _train(args: argparse.Namespace) -> int:
     names, trainings = _specs(args)
     declared = declared_records(args)
     randomness = make_randomness(args.seed)
-    models = train_pool(
-        arch,
-        splits.x_train,
-        splits.y_train,
-        trainings,
-        init_seed=args.init_seed,
-        randomness=randomness,
-        delta=args.delta,
-        dataset_size=declared,
-    )
+    with progress_bar(
+        sum(len(t.steps) for t in trainings), f"DP-SGD pool {args.out}", "steps", quiet=args.json
+    ) as step:
+        models = train_pool(
+            arch,
+            splits.x_train,
+            splits.y_train,
+            trainings,
+            init_seed=args.init_seed,
+            randomness=randomness,
+            delta=args.delta,
+            dataset_size=declared,
+            progress=step,
+        )
     summary = []
     for name, model in zip(names, models, strict=True):
         module = model_from_arrays(model.architecture, model.arrays)
@@ -407,6 +410,7 @@ def _train_imported(args: argparse.Namespace, splits) -> int:
     weights (they were trained outside any guarantee); in eval mode, BatchNorm normalising by
     statistics of the public validation split (``peer.dp.training.check_private_training`` and
     ``train_dpsgd_module`` say why)."""
+    from peer.base.progress import progress_bar
     from peer.base.rng import make_randomness
     from peer.cli.model_import import OWN_MODELS
     from peer.dp.pools import save_trained
@@ -429,28 +433,32 @@ def _train_imported(args: argparse.Namespace, splits) -> int:
     randomness = make_randomness(args.seed)
     models = []
     summary = []
-    for name, training in zip(names, trainings, strict=True):
-        model = train_dpsgd_module(
-            factory,
-            arch,
-            own.structure.input_shape,
-            splits.x_train,
-            splits.y_train,
-            training,
-            init_seed=args.init_seed,
-            randomness=randomness.spawn(),
-            delta=args.delta,
-            dataset_size=declared,
-            # the held-out validation split is public here (it judges merges): BatchNorm
-            # normalises by its statistics, measured before every step
-            public_x=splits.x_val,
-        )
-        models.append(model)
-        module = module_from_arrays(factory, own.structure, model.arrays)
-        val = module_accuracy(module, own.structure, splits.x_val, splits.y_val)
-        test = module_accuracy(module, own.structure, splits.x_test, splits.y_test)
-        save_trained(args.out, name, model, accuracy=val, data=splits.description, factory=own.factory)
-        summary.append({**_trained_summary(name, model, val), "test_accuracy": test})
+    with progress_bar(
+        sum(len(t.steps) for t in trainings), f"DP-SGD pool {args.out}", "steps", quiet=args.json
+    ) as step:
+        for name, training in zip(names, trainings, strict=True):
+            model = train_dpsgd_module(
+                factory,
+                arch,
+                own.structure.input_shape,
+                splits.x_train,
+                splits.y_train,
+                training,
+                init_seed=args.init_seed,
+                randomness=randomness.spawn(),
+                delta=args.delta,
+                dataset_size=declared,
+                progress=step,
+                # the held-out validation split is public here (it judges merges): BatchNorm
+                # normalises by its statistics, measured before every step
+                public_x=splits.x_val,
+            )
+            models.append(model)
+            module = module_from_arrays(factory, own.structure, model.arrays)
+            val = module_accuracy(module, own.structure, splits.x_val, splits.y_val)
+            test = module_accuracy(module, own.structure, splits.x_test, splits.y_test)
+            save_trained(args.out, name, model, accuracy=val, data=splits.description, factory=own.factory)
+            summary.append({**_trained_summary(name, model, val), "test_accuracy": test})
     out = {
         "pool": str(args.out),
         "dataset": args.dataset,
@@ -476,8 +484,8 @@ def _train_imported_records(args, own, records, names, trainings, pool_name, dir
     their initial values (the record says which)."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
+    from peer.base.progress import progress_bar
     from peer.base.rng import make_randomness
-    from peer.cli.model import progress_bar
     from peer.dp.pools import save_trained
     from peer.dp.training import train_dpsgd_module
     from peer.nn.imported import imported_architecture, load_factory, module_accuracy, module_from_arrays
@@ -497,7 +505,9 @@ def _train_imported_records(args, own, records, names, trainings, pool_name, dir
         )
     randomness = make_randomness(args.seed)
     models = []
-    with progress_bar(sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "step") as step:
+    with progress_bar(
+        sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "steps", quiet=args.json
+    ) as step:
         for training in trainings:
             models.append(
                 train_dpsgd_module(
