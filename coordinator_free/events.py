@@ -20,11 +20,21 @@ def describe(e: dict) -> str:
     peer = e.get("peer")
     ev = e["event"]
     if ev == "started":
-        return f"{who} round {e['round'][:8]} {e.get('label') or ''} started: peers {', '.join(e['peers'])}, quorum {e['quorum']}, method {e['method']}"
+        again = (
+            f"; a rerun after attempts {', '.join(a[:8] for a in e['attempts_before'])}: what they received is reused"
+            if e.get("attempts_before")
+            else ""
+        )
+        return f"{who} round {e['round'][:8]} {e.get('label') or ''} started: peers {', '.join(e['peers'])}, quorum {e['quorum']}, method {e['method']}{again}"
     if ev == "charged":
         return (
             f"{who} {peer}: {e['step']} released (its ledger entry {e['entry_id']}: {e['level']} level, "
             f"this release alone by its record: ε={e['epsilon']:g}, δ={e['delta']:g} per {e['unit']})"
+        )
+    if ev == "reused":
+        return (
+            f"{who} {peer}: {e['step']} reused from attempt {e['reused_from'][:8]} of this round (its ledger entry "
+            f"{e['entry_id']}): not asked again, nothing charged"
         )
     if ev == "dropped":
         why = details_line(e.get("details"))

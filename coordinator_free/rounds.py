@@ -51,7 +51,9 @@ before charging or could not be reached, "unknown" when the connection broke bef
 the peer charges before it sends, so it may have). A charged call is **never retried** (a
 retry would be a second release, charged again); nothing else is retried either. Before each
 charged request R checks that the quorum is still reachable and stops asking otherwise, so a
-doomed round spends no more of anyone's budget.
+doomed round spends no more of anyone's budget. A named round that did not fuse is run again
+under the same label without buying again what it was charged for
+(``coordinator_free.round_journal``).
 
 This module holds the pure parts (configuration, bookkeeping, weights, clipping to public
 bounds); ``coordinator_free.runner`` does the I/O.
@@ -327,6 +329,9 @@ class Charge:
     # the peer's "served again" ledger row when it served the identical bytes of an earlier
     # charge (``entry_id``, maybe another requester's) at no new charge; "" for a release made
     served_again: str = ""
+    # the earlier attempt of this named round (its round id) whose release this is, reused
+    # without asking the peer again (coordinator_free.round_journal); "" for one received now
+    reused_from: str = ""
 
 
 @dataclass
@@ -448,8 +453,9 @@ class RoundState:
 
     # ---- outcomes ------------------------------------------------------------------------------
 
-    def charged(self, peer: str, receipt) -> Charge:
-        """Record a verified receipt (called as it arrives, before any tensor byte)."""
+    def charged(self, peer: str, receipt, reused_from: str = "") -> Charge:
+        """Record a verified receipt (called as it arrives, before any tensor byte; or, with
+        ``reused_from``, the receipt of a release an earlier attempt of the round received)."""
         r = receipt.record
         with self._lock:
             c = Charge(
@@ -465,12 +471,14 @@ class RoundState:
                 now_rfc3339(),
                 receipt.to_json(),
                 served_again=receipt.served_again,
+                reused_from=reused_from,
             )
             self.peers[peer].charges.append(c)
         self.event(
-            "served-again" if c.served_again else "charged",
+            "reused" if reused_from else ("served-again" if c.served_again else "charged"),
             peer,
             c.step,
+            **({"reused_from": reused_from} if reused_from else {}),
             entry_id=c.entry_id,
             mechanism=c.mechanism,
             level=c.level,
@@ -544,8 +552,12 @@ class RoundState:
         """Releases received this round: ``made`` (charged for this request) and ``served_again``
         (a data-level release the peer had made before, served again with no new charge)."""
         charges = self.charges()
-        again = sum(1 for c in charges if c.served_again)
-        return {"made": len(charges) - again, "served_again": again}
+        reused = sum(1 for c in charges if c.reused_from)
+        again = sum(1 for c in charges if c.served_again and not c.reused_from)
+        counts = {"made": len(charges) - again - reused, "served_again": again}
+        if reused:  # a rerun of a named round: releases an earlier attempt received, not asked again
+            counts["reused"] = reused
+        return counts
 
     def may_have_charged(self) -> dict[str, str]:
         """Per peer: "yes" (a signed receipt arrived), "unknown" (a call broke off before its

@@ -27,6 +27,7 @@ import numpy as np
 
 from coordinator_free import after_fusion
 from coordinator_free.roster import Roster, RosterSite
+from coordinator_free.round_journal import MODEL_LEVEL_STEPS, RoundJournal, round_plan
 from coordinator_free.rounds import (
     CHARGED_STEPS,
     RoundConfig,
@@ -411,15 +412,47 @@ class _Round:
     #: the site's own data for those steps (None when none is configured)
     local_data: Any
     clients: dict[str, PeerClient] = field(default_factory=dict)
+    #: the journal of a named round (``coordinator_free.round_journal``; None: unnamed)
+    journal: RoundJournal | None = None
 
     # ------------------------------------------------------------------ one call to a peer
 
-    def ask(self, name: str, step: str, call: Callable[[], Any]):
+    def ask(self, name: str, step: str, call: Callable[[], Any], subject: str = ""):
         """``call()`` as step ``step`` of peer ``name``: its result, a :class:`_Failure` (the
         status, the reason, whether it may have charged), or ``_STOP`` once the quorum is out
-        of reach or the round is stopping (then nothing is asked)."""
+        of reach or the round is stopping (then nothing is asked).
+
+        In a rerun of a named round (``coordinator_free.round_journal``), what an earlier
+        attempt got from this peer at this step for ``subject`` is reused instead: the release
+        it received whole (not asked for again), or — charged, its bytes lost — a model-level
+        release is not bought again (a failure that charged nothing) while a merge is asked for
+        again (the peer serves the identical bytes again at no charge)."""
+        journal = self.journal
+        earlier = journal.earlier(name, step, subject) if journal is not None else None
+        if earlier is not None and earlier.release is not None:
+            if not self.state.begin(name, step):
+                return _STOP
+            self.state.charged(name, earlier.release.receipt, reused_from=earlier.round_id)
+            self.state.delivered(name, step)
+            return earlier.release
+        if earlier is not None and step in MODEL_LEVEL_STEPS:
+            if not self.state.begin(name, step):
+                return _STOP
+            if earlier.receipt is not None:
+                status, what = "CHARGED_BEFORE", f"was charged (its ledger entry {earlier.receipt['ledger_entry_id']})"
+            else:
+                status, what = "MAYBE_CHARGED_BEFORE", "was asked for (and may have been charged: no receipt arrived)"
+            return _Failure(
+                status,
+                f"{step} of {subject!r} {what} by {name!r} for attempt {earlier.round_id} of this round, but its "
+                "bytes never arrived; a model-level release is not bought twice for one round, so this peer "
+                "sits this attempt out",
+                "no",
+            )
         if not self.state.begin(name, step):
             return _STOP
+        if journal is not None and step in CHARGED_STEPS:
+            journal.asking(name, step, subject)  # before the call: the peer may charge from here on
         try:
             result = call()
         except PeerError as e:
@@ -433,6 +466,8 @@ class _Round:
             )
         except InvalidArgument as e:  # the release failed our checks (signature, checksums, order)
             return _Failure("INVALID_RELEASE", str(e), "yes" if self.state.receipt_seen(name, step) else "unknown")
+        if self.journal is not None:
+            self.journal.received(name, step, result)
         self.state.delivered(name, step)
         return result
 
@@ -461,6 +496,7 @@ class _Round:
             lambda: c.weights(
                 model, epsilon=config.weights_epsilon, delta=config.weights_delta, timeout=config.call_timeout_s
             ),
+            model,
         )
         if w is _STOP:
             return None
@@ -486,6 +522,7 @@ class _Round:
                 timeout=config.call_timeout_s,
                 **kw,
             ),
+            model,
         )
         if f is _STOP:
             return None
@@ -564,6 +601,7 @@ class _Round:
                 delta=config.merge_delta,
                 timeout=config.call_timeout_s,
             ),
+            pool,
         )
         if r is _STOP or isinstance(r, _Failure):
             return r
@@ -684,6 +722,10 @@ def _open_round(
     state = RoundState(round_id, me, [(p.name, p.address) for p in peers], config.quorum, on_event, stop=stop)
     probe = np.asarray(local.probe)
     clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
+    # before anything is asked or computed: a rerun whose plan differs is refused here
+    journal = RoundJournal.open(
+        config.out, config.label, round_id, round_plan(config, [p.name for p in peers], probe), local.trust
+    )
     own = _OwnNetwork.of(local, probe) if local.own is not None else None
     kind = None
     if own is not None:
@@ -706,15 +748,23 @@ def _open_round(
         quorum=config.quorum,
         method=config.method,
         alpha=config.alpha,
+        **({"attempts_before": journal.attempts} if journal is not None and journal.attempts else {}),
     )
     r = _Round(local, config, state, peers, arch, probe, clip, own, own_graph, own_public, kind, local_data)
+    r.journal = journal
+
+    def on_receipt(receipt, name: str) -> None:
+        if journal is not None:  # on disk first: a charge the peer made is never forgotten
+            journal.receipt(name, state.current_step(name) or "?", receipt)
+        state.charged(name, receipt)
+
     for p in peers:
         r.clients[p.name] = PeerClient(
             local.identity,
             p.address,
             peer=p.name,
             trust=local.trust,
-            on_receipt=lambda receipt, name=p.name: state.charged(name, receipt),
+            on_receipt=lambda receipt, name=p.name: on_receipt(receipt, name),
         )
     return r
 
@@ -828,6 +878,10 @@ def _round_report(
         "releases": state.release_counts(),
         "events": state.events,
     }
+    if r.journal is not None:
+        report["attempts_before"] = r.journal.attempts
+        if fused is None:
+            report["journal"] = str(r.journal.directory)
     if after is not None:
         report["after_fusion"] = after.report
     if fused is not None:
@@ -880,6 +934,8 @@ def run_round(
         result.stages = after.stages
     if write:
         write_round(result, r.config.out, r.arch, own=local if r.own is not None else None)
+    if r.journal is not None and fused is not None:
+        r.journal.close()  # fused: the report holds every receipt, reused ones too
     return result
 
 

@@ -721,3 +721,148 @@ epsilon = 20.0
     expected = "yes" if charges_of(report, "hospital-c") else "no"
     assert report["may_have_charged"]["hospital-c"] == expected
     assert report["peers"]["hospital-c"]["state"] in ("not-asked", "pending")
+
+
+# ---------------------------------------------------------------------------------- a named round, killed and rerun
+
+
+def test_a_journal_refuses_a_rerun_whose_plan_differs_naming_each_change(tmp_path):
+    from coordinator_free.round_journal import RoundJournal, round_plan
+    from peer.net.trust import TrustStore
+
+    trust = TrustStore(tmp_path / "trusted")
+    probe = np.zeros((3, 4))
+    cfg = config(tmp_path)
+    plan = round_plan(cfg, ["hospital-b", "hospital-c"], probe)
+    assert RoundJournal.open(tmp_path, "", "r0", plan, trust) is None  # an unnamed round keeps none
+    first = RoundJournal.open(tmp_path, "monday", "r1", plan, trust)
+    assert first.attempts == []
+    again = RoundJournal.open(tmp_path, "monday", "r2", plan, trust)
+    assert again.attempts == ["r1"] and again.directory == first.directory
+    changed = round_plan(
+        config(tmp_path, method="merged", weights_epsilon=10.0, model="other"), ["hospital-b"], probe + 1
+    )
+    with pytest.raises(FailedPrecondition) as e:
+        RoundJournal.open(tmp_path, "monday", "r3", changed, trust)
+    text = str(e.value)
+    for what in (
+        "method: 'ldp' then, 'merged' now",
+        "weights.epsilon: 200.0 then, 10.0 now",
+        "model: 'mlp' then, 'other' now",
+        "peers: ['hospital-b', 'hospital-c'] then, ['hospital-b'] now",
+        "probe_sha256",
+        "another label",
+    ):
+        assert what in text, text
+    # refused: the journal still holds the two attempts with the first plan
+    assert RoundJournal.open(tmp_path, "monday", "r4", plan, trust).attempts == ["r1", "r2"]
+    RoundJournal.open(tmp_path, "tuesday", "r5", changed, trust).close()
+    assert RoundJournal.open(tmp_path, "tuesday", "r6", plan, trust).attempts == []  # closed: a new round
+
+
+def test_a_killed_named_round_rerun_reuses_what_was_charged_and_charges_nothing_twice(tmp_path, trained):
+    """SIGKILL of ``privfusion round`` once hospital-b has contributed (both its releases
+    charged and received) and hospital-c, its features received, is frozen as its weights are
+    asked for. A rerun with another plan under the same label is refused before anything is
+    asked, naming the change. The rerun with the same plan fuses: every release the killed
+    attempt received whole is reused (checked again against the signers' pins, not asked for),
+    hospital-c's weights — asked for, maybe charged (the peer may finish the call after the
+    requester died), their bytes lost — are not bought a second time, and every peer's ledger
+    holds each release charged once."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
+    a, b, c = sites
+    daemons = {s.name: DaemonProcess(s) for s in (b, c)}
+    try:
+        addresses = {n: d.wait_ready() for n, d in daemons.items()}
+        roster_for(tmp_path, sites, {"hospital-a": "127.0.0.1:1", **addresses})
+        round_file = tmp_path / "monday.toml"
+        plan = f"""
+[round]
+roster = "{tmp_path / "roster.toml"}"
+model = "mlp"
+label = "monday"
+quorum = 2
+out = "{a.root / "rounds"}"
+call_timeout_s = 120.0
+[round.features]
+activation_epsilon = 50.0
+weight_epsilon = 50.0
+[round.weights]
+epsilon = 20.0
+"""
+        round_file.write_text(plan)
+        command = [sys.executable, "-m", "peer.cli", "round", "--config", str(a.config), "--round", str(round_file)]
+        proc = subprocess.Popen(
+            [*command, "--events"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        frozen = False
+        seen = set()
+        try:
+            for line in proc.stdout:
+                e = json.loads(line)
+                seen.add((e["event"], e.get("peer"), e.get("step")))
+                if ("step", "hospital-c", "weights") in seen and not frozen:
+                    os.kill(daemons["hospital-c"].proc.pid, signal.SIGSTOP)  # hospital-c hangs in its weights
+                    frozen = True
+                if frozen and ("contributed", "hospital-b", None) in seen:
+                    break
+            time.sleep(0.5)  # the journal's "asked" mark is written right after the step event
+            proc.kill()  # SIGKILL: no report, nothing cleaned up
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            os.kill(daemons["hospital-c"].proc.pid, signal.SIGCONT)
+        assert frozen and proc.returncode == -signal.SIGKILL
+        assert not list((a.root / "rounds").glob("round-*.json"))  # killed: no report
+        time.sleep(2.0)  # hospital-c may finish (and charge) the weights call it was frozen in
+        charged_before = {s.name: sorted(e.release_id for e in ledger_entries(s, "hospital-a")) for s in (b, c)}
+        assert len(charged_before["hospital-b"]) == 2 and len(charged_before["hospital-c"]) in (1, 2)
+
+        # another plan under the same label: refused before anything is asked, naming the change
+        round_file.write_text(plan.replace("epsilon = 20.0", "epsilon = 10.0"))
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+        assert refused.returncode != 0, refused.stderr
+        assert "round 'monday'" in refused.stderr and "weights.epsilon: 20.0 then, 10.0 now" in refused.stderr
+        assert {s.name: sorted(e.release_id for e in ledger_entries(s, "hospital-a")) for s in (b, c)} == (
+            charged_before
+        )
+
+        # the same plan: the rerun fuses, reusing what the killed attempt received
+        round_file.write_text(plan)
+        rerun = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+        assert rerun.returncode == 0, rerun.stderr
+        assert "a rerun after attempts" in rerun.stderr and "reused from attempt" in rerun.stderr, rerun.stderr
+        [path] = list((a.root / "rounds").glob("round-*.json"))
+        report = json.loads(path.read_text())
+    finally:
+        for d in daemons.values():
+            d.close()
+    assert report["status"] == "fused" and len(report["attempts_before"]) == 1
+    first = report["attempts_before"][0]
+    assert report["round_id"] != first  # a report of its own
+    by_step = {(ch["peer"], ch["step"]): ch for ch in report["charges"]}
+    for key in (("hospital-b", "features"), ("hospital-b", "weights"), ("hospital-c", "features")):
+        assert by_step[key]["reused_from"] == first, key
+    drop = report["peers"]["hospital-c"]["drop"]
+    assert drop["step"] == "weights" and drop["charged"] == "no", drop
+    assert drop["status"] in ("CHARGED_BEFORE", "MAYBE_CHARGED_BEFORE") and "not bought twice" in drop["reason"]
+    assert report["contributors"] == ["hospital-b"]
+    assert report["releases"] == {"made": 0, "served_again": 0, "reused": 3}
+    # nothing more was charged anywhere: each release once, in the killed attempt
+    for peer in (b, c):
+        entries = ledger_entries(peer, "hospital-a")
+        assert sorted(e.release_id for e in entries) == charged_before[peer.name]
+        assert len({e.release_id for e in entries}) == len(entries)
+    assert not any((a.root / "rounds" / "journal").iterdir())  # fused: the journal is removed

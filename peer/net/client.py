@@ -42,6 +42,7 @@ __all__ = [
     "HEALTH_SERVICE",
     "PeerClient",
     "PeerError",
+    "load_saved_release",
     "own_daemon_health",
     "save_release",
     "verify_saved_release",
@@ -658,6 +659,30 @@ def save_release(
         os.fsync(f.fileno())
     os.replace(tmp_doc, doc_path)
     return tensors_path, doc_path
+
+
+def load_saved_release(path: str | os.PathLike, trust: TrustStore) -> wire.Release:
+    """A release written by :func:`save_release`, checked as :func:`verify_saved_release` checks
+    it (signature against the signer's pin, manifest, every tensor's bytes) and read back as it
+    was received: what a requester reuses instead of asking the peer for it again."""
+    from safetensors.numpy import load_file
+
+    verify_saved_release(path, trust)
+    tensors_path, doc_path = release_paths(path)
+    meta = json.loads(doc_path.read_text(encoding="utf-8"))["metadata"]
+    manifest = Manifest.from_dict(meta["manifest"])
+    arrays = load_file(str(tensors_path))
+    return wire.Release(
+        receipt=SignedReceipt.from_json(meta["receipt"]),
+        kind=manifest.kind,
+        model=manifest.model,
+        architecture=json.loads(manifest.architecture_json) if manifest.architecture_json else None,
+        metadata=json.loads(manifest.metadata_json or "{}"),
+        arrays={t.name: arrays[t.name] for t in manifest.tensors},
+        upstream=tuple(SignedReceipt.from_json(u) for u in meta.get("upstream", [])),
+        total_bytes=manifest.total_bytes,
+        manifest=manifest,
+    )
 
 
 # ---------------------------------------------------------------------- checking saved releases
