@@ -853,13 +853,22 @@ epsilon = 20.0
     first = report["attempts_before"][0]
     assert report["round_id"] != first  # a report of its own
     by_step = {(ch["peer"], ch["step"]): ch for ch in report["charges"]}
-    for key in (("hospital-b", "features"), ("hospital-b", "weights"), ("hospital-c", "features")):
-        assert by_step[key]["reused_from"] == first, key
-    drop = report["peers"]["hospital-c"]["drop"]
-    assert drop["step"] == "weights" and drop["charged"] == "no", drop
-    assert drop["status"] in ("CHARGED_BEFORE", "MAYBE_CHARGED_BEFORE") and "not bought twice" in drop["reason"]
-    assert report["contributors"] == ["hospital-b"]
-    assert report["releases"] == {"made": 0, "served_again": 0, "reused": 3}
+    if ("contributed", "hospital-c", None) in seen:
+        # hospital-c's weights reached the requester in the moment before SIGSTOP landed (a
+        # scheduling race on a loaded machine): they were received whole, so they are reused too
+        for key in (("hospital-b", "features"), ("hospital-b", "weights"), ("hospital-c", "features")):
+            assert by_step[key]["reused_from"] == first, key
+        assert by_step[("hospital-c", "weights")]["reused_from"] == first
+        assert sorted(report["contributors"]) == ["hospital-b", "hospital-c"]
+        assert report["releases"] == {"made": 0, "served_again": 0, "reused": 4}
+    else:
+        for key in (("hospital-b", "features"), ("hospital-b", "weights"), ("hospital-c", "features")):
+            assert by_step[key]["reused_from"] == first, key
+        drop = report["peers"]["hospital-c"]["drop"]
+        assert drop["step"] == "weights" and drop["charged"] == "no", drop
+        assert drop["status"] in ("CHARGED_BEFORE", "MAYBE_CHARGED_BEFORE") and "not bought twice" in drop["reason"]
+        assert report["contributors"] == ["hospital-b"]
+        assert report["releases"] == {"made": 0, "served_again": 0, "reused": 3}
     # nothing more was charged anywhere: each release once, in the killed attempt
     for peer in (b, c):
         entries = ledger_entries(peer, "hospital-a")
