@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from peer.base.errors import InvalidArgument
+from peer.base.extras import LazyModule
 from peer.nn.architectures import WeightLayer, hidden_sizes, model_from_arrays, predict_proba, weight_layers
+
+_optimize = LazyModule("scipy.optimize")  # imported at the first assignment (~0.8 s of CPU to import)
 
 __all__ = [
     "average_arrays",
@@ -208,7 +210,7 @@ def weight_matching(
         changed = False
         for ell in rng.permutation(len(sizes)):
             s = score(ell)
-            _, col = linear_sum_assignment(s, maximize=True)
+            _, col = _optimize.linear_sum_assignment(s, maximize=True)
             if not np.array_equal(col, perms[ell]):
                 gain = s[np.arange(len(col)), col].sum() - s[np.arange(len(col)), perms[ell]].sum()
                 if gain > 1e-12:

@@ -43,12 +43,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from peer.base.errors import InvalidArgument
+from peer.base.extras import LazyModule
 from peer.nn.graph import extract_group_graph, group_members
 from peer.nn.tracing import PermutationStructure, permute_state
+
+_optimize = LazyModule("scipy.optimize")  # imported at the first assignment (~0.8 s of CPU to import)
 
 __all__ = ["fuse_state", "group_activations", "group_correlations", "match_correlations", "match_groups"]
 
@@ -204,7 +206,7 @@ def match_correlations(
         c = np.asarray(correlations.get(g.name)) if g.name in correlations else None
         if c is None or c.shape != (g.size, g.size) or not np.all(np.isfinite(c)):
             raise InvalidArgument(f"correlations[{g.name}]", f"must be a finite ({g.size}, {g.size}) array")
-        out[g.name] = linear_sum_assignment(-c)[1]
+        out[g.name] = _optimize.linear_sum_assignment(-c)[1]
     return out
 
 
@@ -243,7 +245,7 @@ def match_groups(
             act[g.name] = _correlation(fa, fb)
         else:
             act[g.name] = np.zeros((g.size, g.size))
-    perms = {g.name: linear_sum_assignment(-act[g.name])[1] for g in structure.groups}
+    perms = {g.name: _optimize.linear_sum_assignment(-act[g.name])[1] for g in structure.groups}
     rng = np.random.default_rng(seed)
     for _ in range(sweeps):
         changed = False
@@ -259,7 +261,7 @@ def match_groups(
                 scale = np.abs(term).max()
                 if scale > 0:
                     score += term / scale
-            new = linear_sum_assignment(-score)[1]
+            new = _optimize.linear_sum_assignment(-score)[1]
             if not np.array_equal(new, perms[g.name]):
                 perms[g.name] = new
                 changed = True

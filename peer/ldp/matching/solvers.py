@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
+from peer.base.extras import LazyModule
 from peer.ldp.matching.affinity import Affinity
 from peer.ldp.matching.checks import _check_graphs
 from peer.ldp.matching.dense import power_iteration_dense
@@ -22,6 +22,8 @@ from peer.ldp.matching.operators import _Cost
 from peer.ldp.matching.options import AUTO_SINGLE_THREAD_MAX_WIDTH, MatchOptions, MatchResult
 from peer.nn.architectures import torch_threads
 from peer.nn.graph import NetworkGraph
+
+_optimize = LazyModule("scipy.optimize")  # imported at the first assignment (~0.8 s of CPU to import)
 
 
 def _discretise(layers: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -38,7 +40,7 @@ def _discretise(layers: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
         y = np.array(x, dtype=np.float64)
         y -= y.mean(axis=1, keepdims=True)
         y -= y.mean(axis=0, keepdims=True)
-        rows, cols = linear_sum_assignment(y, maximize=True)
+        rows, cols = _optimize.linear_sum_assignment(y, maximize=True)
         perm = np.empty(x.shape[0], dtype=np.int64)
         perm[rows] = cols
         perms.append(perm)
