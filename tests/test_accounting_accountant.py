@@ -18,13 +18,14 @@ from peer.budget.filter import FILTER_ORDERS
 from peer.budget.ledger import Ledger, per_neuron_record
 from peer.budget.policy import Policy
 from peer.dp.accounting import TrainingRecord
-from peer.dp.accounting.accountant import _PLD, _RDP, Accountant
+from peer.dp.accounting.accountant import _NO_PLD, _PLD, _RDP, Accountant
 from peer.dp.accounting.conversions import DEFAULT_ORDERS
 from peer.dp.accounting.events import (
     EVENT_CLASSES,
     EVENT_TYPES,
     READERS,
     Composition,
+    DistributedSkellamSteps,
     DpSgdTraining,
     GaussianRelease,
     LaplaceRelease,
@@ -149,8 +150,19 @@ def test_supports_says_yes_for_every_kind_and_no_for_what_is_not_an_event():
 
 
 def test_every_record_kind_reads_into_an_event_the_accountant_interprets():
-    assert set(_RDP) == set(_PLD) == set(EVENT_TYPES)
-    assert set(READERS) == {"laplace", "gaussian", "multibit", "composite", "dpsgd", "rs-merge", "lc-merge"}
+    # every kind has an RDP interpreter, and a PLD one or a stated reason why none is offered
+    assert set(_RDP) == set(_PLD) | set(_NO_PLD) == set(EVENT_TYPES) and not set(_PLD) & set(_NO_PLD)
+    assert set(_NO_PLD) == {DistributedSkellamSteps}
+    assert set(READERS) == {
+        "laplace",
+        "gaussian",
+        "multibit",
+        "composite",
+        "dpsgd",
+        "rs-merge",
+        "lc-merge",
+        "distributed-skellam",
+    }
     assert set(EVENT_CLASSES) == set(READERS) and set(EVENT_CLASSES.values()) == set(EVENT_TYPES)
 
 

@@ -4,15 +4,17 @@ the gate that counts releases in flight (the daemon's graceful shutdown)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from peer_harness import ARCH, OPEN_POLICY, make_site
 
-from peer.base.errors import BudgetExhausted, FailedPrecondition
+from peer.base.errors import BudgetExhausted, FailedPrecondition, InvalidArgument, PermissionDenied
 from peer.budget.ledger import Ledger
 from peer.desk.desk import Gate, ReleaseDesk, publish_segment
-from peer.desk.kinds import IssuedFusion, IssuedMerge, IssuedSegment, IssuedWeights
-from peer.desk.requests import FuseRequest, SegmentRequest, WeightsRequest
+from peer.desk.kinds import IssuedFusion, IssuedMerge, IssuedSecureShare, IssuedSegment, IssuedWeights
+from peer.desk.requests import FuseRequest, SecureShareRequest, SegmentRequest, WeightsRequest
 from peer.desk.store import StoredRelease, digest, release_sha256, segment_key
 from peer.net.daemon import open_site
 from peer.net.receipts import verify_receipt
@@ -148,3 +150,67 @@ def test_a_segment_is_published_once_and_served_again_as_a_segment(opened):
     assert issued.receipt.served_again == issued.served_again and issued.receipt.served_to == "site-b"
     desk.finish(issued, sent=True)
     assert gate.inside == 0
+
+
+# ---- a secure-sum share (peer.desk.requests.SecureShareRequest) ------------------------------
+
+SECURE_POLICY = (
+    OPEN_POLICY.replace('unit = "record:replace-one"', 'unit = "record:add-remove"')
+    .replace("epsilon = 1000.0\ndelta = 1e-3\n\n[policy.model]", "epsilon = 4.0\ndelta = 1e-5\n\n[policy.model]")
+    .replace('"ledger"]', '"ledger", "secure-sum"]')
+)
+SECURE_PEERS = ("site-b", "site-c", "site-d")
+
+
+def secure_share(share_variance: float, step: int = 0, peers=SECURE_PEERS, **changes) -> SecureShareRequest:
+    from peer.dp.distributed.encoding import Encoding
+    from peer.dp.distributed.skellam import step_record
+
+    encoding = Encoding(dim=8, clip_norm=1.0, scale=64.0, bits=20, beta=0.0)
+    context = {"run": "run-1", "step": step, "attempt": 0, "peers": sorted(peers), **changes}
+    record = step_record(encoding, share_variance, len(peers) + 1, 1, 1.0, 1e-5, **context)
+    masked = np.arange(8, dtype=np.uint64)
+    return SecureShareRequest("run-1", step, 0, tuple(peers), record, masked)
+
+
+def test_a_secure_share_is_charged_once_for_every_peer_before_it_may_leave(opened):
+    site, desk, gate = opened(SECURE_POLICY)
+    issued = desk.issue(secure_share(1e6))
+    assert isinstance(issued, IssuedSecureShare) and issued.kind == "secure-share" and issued.caller == "*"
+    assert issued.metadata == {"run": "run-1", "step": 0, "attempt": 0, "peers": list(SECURE_PEERS)}
+    [(name, sent)] = issued.tensors
+    assert name == "masked" and sent.dtype == np.int64 and np.array_equal(sent.view(np.uint64), np.arange(8))
+    [entry] = site.ledger.entries()
+    assert entry.record.mechanism == "distributed-skellam" and entry.counterparty == "*"
+    assert str(entry.entry_id) == issued.entry_id
+    verify_receipt(issued.receipt, site.identity.cert_pem, "site-0")
+    desk.finish(issued, sent=True)
+    assert gate.inside == 0 and [e["kind"] for e in site.ledger.events(entry.release_id)] == ["sent"]
+    # the ledger's data budget holds the RDP figure; its PLD figure says why there is none
+    [state] = [s for s in site.ledger.budget_states(pld=True) if s.key.level == "data"]
+    assert 0 < state.spent_epsilon <= 4.0 and state.pld_epsilon is None
+    assert "PLD not offered" in state.pld_note and "RDP figure charged" in state.pld_note
+
+
+def test_a_secure_share_that_would_overspend_is_refused_before_anything_is_charged(opened):
+    site, desk, gate = opened(SECURE_POLICY)
+    with pytest.raises(BudgetExhausted):
+        desk.issue(secure_share(1.0))  # far too little noise for ε = 4
+    assert gate.inside == 0 and site.ledger.entries() == []
+
+
+def test_a_secure_share_needs_every_peer_allowed_and_a_record_of_this_step(opened):
+    site, desk, gate = opened(SECURE_POLICY.replace(', "secure-sum"]', "]"))
+    with pytest.raises(PermissionDenied, match="secure-sum"):
+        desk.issue(secure_share(1e6))
+    site, desk, gate = opened(SECURE_POLICY)
+    request = secure_share(1e6, step=1)
+    wrong = dataclasses.replace(request, step=2)
+    with pytest.raises(InvalidArgument) as e:
+        desk.issue(wrong)
+    assert e.value.field == "record.parameters.step"
+    fewer = dataclasses.replace(request, peers=("site-b", "site-c"))
+    with pytest.raises(InvalidArgument) as e:
+        desk.issue(fewer)
+    assert e.value.field == "record.parameters.peers"
+    assert site.ledger.entries() == [] and gate.inside == 0

@@ -65,7 +65,7 @@ from peer.budget.filter import FILTER_ORDERS, FilterBudget, validate_orders
 
 __all__ = ["Policy", "PolicyError"]
 
-KINDS = ("features", "weights", "merge", "fuse", "ledger", "segment")
+KINDS = ("features", "weights", "merge", "fuse", "ledger", "segment", "secure-sum")
 CAPPED_KINDS = ("features", "weights", "merge", "fuse")
 SHOW = ("none", "own", "all")
 DATA_UNITS = ("record:add-remove", "record:replace-one")

@@ -176,6 +176,10 @@ def pld_epsilon(
     note = "PLD composition of the charged releases as one fixed sequence; not the adaptive guarantee"
     if not records:
         return 0.0, note
+    for r in records:  # a kind interpreted by RDP alone: say so (the filter's RDP figure is the charge)
+        support = ledger.accountant.supports(per_neuron_record(r))
+        if support and not support.pld:
+            return None, support.reason
     try:
         composed, fallbacks = None, 0
         for r in records:

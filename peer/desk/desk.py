@@ -38,12 +38,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from peer.base.errors import FailedPrecondition, InvalidArgument, NotFound
 from peer.base.records import ReleaseRecord
 from peer.desk import make
 from peer.desk.events import log_event
-from peer.desk.kinds import Issued, IssuedFeatures, IssuedFusion, IssuedMerge, IssuedSegment, IssuedWeights
-from peer.desk.requests import FeaturesRequest, FuseRequest, MergeRequest, Request, SegmentRequest, WeightsRequest
+from peer.desk.kinds import (
+    Issued,
+    IssuedFeatures,
+    IssuedFusion,
+    IssuedMerge,
+    IssuedSecureShare,
+    IssuedSegment,
+    IssuedWeights,
+)
+from peer.desk.requests import (
+    FeaturesRequest,
+    FuseRequest,
+    MergeRequest,
+    Request,
+    SecureShareRequest,
+    SegmentRequest,
+    WeightsRequest,
+)
 from peer.desk.store import (
     SEGMENT_AUDIENCE,
     StoredRelease,
@@ -97,8 +115,10 @@ class ReleaseDesk:
 
     def policy(self, request: Request) -> None:
         """PermissionDenied unless the policy lets the caller (and the site it relays for) ask
-        for every kind of ``request``; checked before any work."""
-        for who in (request.caller, request.on_behalf_of):
+        for every kind of ``request``; checked before any work. A secure-sum share goes to
+        every peer of its attempt: each of them must be allowed."""
+        askers = request.peers if isinstance(request, SecureShareRequest) else (request.caller, request.on_behalf_of)
+        for who in askers:
             if who is not None:
                 for kind in request.kinds:
                     self.site.policy_allows(who, kind)
@@ -122,6 +142,8 @@ class ReleaseDesk:
         if isinstance(request, SegmentRequest):
             self.gate.admit("nothing was served")
             return self._after_charge(self._admitted(self.segment, request))
+        if isinstance(request, SecureShareRequest):
+            return self._after_charge(self._secure_share(request))
         raise InvalidArgument("request", f"is not a release request: {type(request).__name__}")
 
     def _admitted(self, step: Callable[[Request], Issued], request: Request) -> Issued:
@@ -318,6 +340,36 @@ class ReleaseDesk:
             objective=objective,
         )
 
+    def _secure_share(self, req: SecureShareRequest) -> IssuedSecureShare:
+        """A masked share of one secure-sum step, charged once (counterparty "*", every peer
+        of the attempt) before its bytes may leave. The record must be a distributed-Skellam
+        step of this run, step and attempt naming exactly ``req.peers``; BudgetExhausted (the
+        step would overspend the data budget) leaves nothing charged and nothing sent — the
+        caller must not send the vector."""
+        record = req.record
+        if not isinstance(record, ReleaseRecord) or record.mechanism != "distributed-skellam":
+            raise InvalidArgument("record", "a secure-sum share is charged as a 'distributed-skellam' record")
+        params = record.parameters
+        want = {"run": req.run, "step": req.step, "attempt": req.attempt, "peers": tuple(sorted(req.peers))}
+        for name, value in want.items():
+            if params.get(name) != value:
+                raise InvalidArgument(
+                    f"record.parameters.{name}", f"must be {value!r} (the request's), got {params.get(name)!r}"
+                )
+        if params.get("sites") != len(req.peers) + 1:
+            raise InvalidArgument(
+                "record.parameters.sites", f"must be the {len(req.peers) + 1} sites of the attempt (us and the peers)"
+            )
+        masked = req.masked
+        if getattr(masked, "ndim", None) != 1 or str(getattr(masked, "dtype", "")) != "uint64":
+            raise InvalidArgument("masked", "must be a 1-D uint64 vector of residues")
+        self.site.check_randomness(record, f"a secure-sum share of run {req.run!r} step {req.step}")
+        entry_id = self._charged(record, req, None)
+        metadata = {"run": req.run, "step": req.step, "attempt": req.attempt, "peers": list(want["peers"])}
+        # residues travel as the same 8 bytes read as int64 (the wire's dtypes: docs/wire.md)
+        tensors = [("masked", masked.view(np.int64))]
+        return IssuedSecureShare(req.release_kind, req.run, req.caller, record, None, metadata, tensors, entry_id)
+
     def _cancel(self, record: ReleaseRecord, entry_id: str, req: FuseRequest, error: BaseException) -> None:
         """Withdraw the charge of a Fuse contribution none of whose bytes went anywhere."""
         reason = f"Fuse with partner {req.partner!r} failed before any byte was sent ({type(error).__name__})"
@@ -459,6 +511,7 @@ _METHODS = {
     "fused": "Fuse",
     "merged": "ReleaseMerged",
     "segment": "ReleaseSegment",
+    "secure-share": "SecureShare",
 }
 
 

@@ -57,6 +57,14 @@ class IssuedSegment(Issued):
 
 
 @dataclass(frozen=True)
+class IssuedSecureShare(Issued):
+    """This site's masked share of one secure-sum step, charged once for every peer of the
+    attempt (``caller`` "*"); ``tensors`` holds the one masked vector (its uint64 residues
+    viewed as int64, the same bytes), ``metadata`` the run,
+    step, attempt and peers."""
+
+
+@dataclass(frozen=True)
 class IssuedFusion(Issued):
     """The relay Fuse's fused model, under the charge of this site's contribution."""
 

@@ -124,4 +124,36 @@ class FuseRequest:
     on_behalf_of: None = None
 
 
-Request = FeaturesRequest | WeightsRequest | MergeRequest | SegmentRequest | FuseRequest
+@dataclass(frozen=True)
+class SecureShareRequest:
+    """This site's masked share of one secure-sum step (``run``, ``step``, ``attempt``) of a
+    multi-round run, to go to every one of ``peers`` (the other sites of the attempt): the
+    vector ``masked`` (uint64 residues, already masked: it reveals nothing alone) and its
+    ``record`` (``peer.dp.distributed.skellam.step_record``: the distributed Skellam mechanism,
+    data level), which is charged ONCE — a completed sum is a release — before any byte of
+    ``masked`` may leave. Every peer must be one the policy lets take part (kind
+    "secure-sum")."""
+
+    method: ClassVar[str] = "SecureShare"
+    kinds: ClassVar[tuple[str, ...]] = ("secure-sum",)
+    release_kind: ClassVar[str] = "secure-share"
+
+    run: str
+    step: int
+    attempt: int
+    peers: tuple[str, ...]
+    record: Any
+    masked: np.ndarray
+    on_behalf_of: None = None
+
+    @property
+    def caller(self) -> str:
+        """The ledger counterparty of the charge: every peer of the attempt (they are named in
+        the record's ``parameters.peers``)."""
+        return SECURE_SUM_AUDIENCE
+
+
+#: The ledger counterparty of a secure-sum share: it goes to every peer of the attempt at once.
+SECURE_SUM_AUDIENCE = "*"
+
+Request = FeaturesRequest | WeightsRequest | MergeRequest | SegmentRequest | FuseRequest | SecureShareRequest

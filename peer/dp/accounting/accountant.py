@@ -35,6 +35,14 @@ on the event's class through two registries (``_RDP``, ``_PLD``), one function p
   gradients. A merge whose weights were chosen by measured utility (``scored`` set) is
   post-processing of releasing every scored model: it is interpreted as their composition (RDP
   summed, PLDs composed).
+- :class:`DistributedSkellamSteps`: RDP only — Agarwal, Kairouz & Liu's Skellam bound at the
+  honest shares' variance (k − t)·v, Poisson-subsampled by Zhu & Wang's bound, times the steps
+  (``skellam.rdp_skellam_steps``; registered by ``skellam``). No PLD is offered for it (a
+  dominating pair for the subsampled multi-dimensional Skellam is not implemented):
+  :meth:`Accountant.supports` says so (``pld`` False, with the reason) and the ledger charges the
+  RDP figure, which is the filter's figure anyway; :meth:`Accountant.pld` refuses it
+  (FailedPrecondition, reason PLD_NOT_OFFERED) and :meth:`Accountant.epsilon` gives None for the
+  PLD figure.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from peer.base.checks import check_delta
-from peer.base.errors import InvalidArgument
+from peer.base.errors import FailedPrecondition, InvalidArgument
 from peer.base.records import ReleaseRecord
 from peer.dp.accounting import pld as pldm
 from peer.dp.accounting.conversions import DEFAULT_ORDERS, check_orders, pld_epsilon, rdp_to_epsilon
@@ -63,10 +71,14 @@ from peer.dp.accounting.rdp import rdp_gaussian, rdp_laplace, rdp_pure
 
 @dataclass(frozen=True)
 class Support:
-    """Whether an accountant can interpret a release, and if not why (the field and the rule)."""
+    """Whether an accountant can interpret a release (charge it: its RDP), and if not why (the
+    field and the rule). ``pld`` says whether a PLD is offered too; when it is not (a mechanism
+    registered with :func:`pld_not_offered`), ``reason`` says so and that the RDP figure is
+    what is charged."""
 
     supported: bool
     reason: str = ""
+    pld: bool = True
 
     def __bool__(self) -> bool:
         return self.supported
@@ -74,6 +86,8 @@ class Support:
 
 _RDP: dict[type, Callable[[Accountant, Event], np.ndarray]] = {}
 _PLD: dict[type, Callable[[Accountant, Event], pldm.PLD]] = {}
+#: kinds interpreted by RDP alone, with the reason no PLD is offered
+_NO_PLD: dict[type, str] = {}
 
 
 def rdp_of(kind: type):
@@ -94,6 +108,11 @@ def pld_of(kind: type):
         return fn
 
     return register
+
+
+def pld_not_offered(kind: type, reason: str) -> None:
+    """Declare that ``kind`` is interpreted by RDP alone (no PLD), and why."""
+    _NO_PLD[kind] = reason
 
 
 class Accountant:
@@ -150,14 +169,27 @@ class Accountant:
         return release
 
     def supports(self, release: ReleaseRecord | Event) -> Support:
-        """Whether :meth:`rdp` and :meth:`pld` can interpret ``release``; if not, why."""
+        """Whether :meth:`rdp` and :meth:`pld` can interpret ``release``; if not, why. A release
+        with a part of a kind that offers no PLD (:func:`pld_not_offered`) is supported with
+        ``pld`` False: its RDP figure is charged."""
         try:
             event = self.event(release)
         except InvalidArgument as e:
             return Support(False, f"{e.field}: {e.rule}")
-        missing = [type(e).__name__ for e in _walk(event) if type(e) not in _RDP or type(e) not in _PLD]
+        parts = list(_walk(event))
+        missing = [
+            type(e).__name__ for e in parts if type(e) not in _RDP or (type(e) not in _PLD and type(e) not in _NO_PLD)
+        ]
         if missing:
             return Support(False, f"no accountant for {sorted(set(missing))}")
+        if any(type(e) not in _PLD for e in parts):
+            why = "; ".join(
+                f"{n}: {_NO_PLD[k]}"
+                for n, k in sorted(
+                    {(type(e).__name__, type(e)) for e in parts if type(e) not in _PLD}, key=lambda x: x[0]
+                )
+            )
+            return Support(True, f"PLD not offered for this mechanism ({why}); RDP figure charged", pld=False)
         return Support(True)
 
     def rdp(self, release: ReleaseRecord | Event) -> np.ndarray:
@@ -166,15 +198,26 @@ class Accountant:
         return _RDP[type(event)](self, event)
 
     def pld(self, release: ReleaseRecord | Event) -> pldm.PLD:
-        """A dp-accounting PrivacyLossDistribution (pessimistic) of the release."""
+        """A dp-accounting PrivacyLossDistribution (pessimistic) of the release; refused
+        (FailedPrecondition, reason PLD_NOT_OFFERED) for a kind interpreted by RDP alone."""
         event = self.event(release)
+        if type(event) in _NO_PLD:
+            raise FailedPrecondition(
+                f"PLD not offered for this mechanism ({type(event).__name__}: {_NO_PLD[type(event)]}); RDP figure charged",
+                reason="PLD_NOT_OFFERED",
+                metadata={"event": type(event).__name__},
+            )
         return _PLD[type(event)](self, event)
 
-    def epsilon(self, release: ReleaseRecord | Event, delta: float) -> tuple[float, float]:
-        """(ε by PLD, ε by RDP) at ``delta``."""
+    def epsilon(self, release: ReleaseRecord | Event, delta: float) -> tuple[float | None, float]:
+        """(ε by PLD, ε by RDP) at ``delta``; the PLD figure is None when no PLD is offered
+        for some part of the release (:meth:`supports` says which)."""
         delta = check_delta(delta)
         event = self.event(release)
-        return pld_epsilon(self.pld(event), delta), rdp_to_epsilon(self.orders, self.rdp(event), delta)
+        rdp_eps = rdp_to_epsilon(self.orders, self.rdp(event), delta)
+        if not self.supports(event).pld:
+            return None, rdp_eps
+        return pld_epsilon(self.pld(event), delta), rdp_eps
 
     def pld_fallbacks(self, release: ReleaseRecord | Event) -> int:
         """How many parallel compositions in the release get the conservative PLD of
@@ -338,4 +381,4 @@ def _dominant(events: Sequence[Event]) -> Event | None:
 #: ``accountant`` uses it when given none.
 DEFAULT_ACCOUNTANT = Accountant()
 
-__all__ = ["DEFAULT_ACCOUNTANT", "Accountant", "Support", "pld_of", "rdp_of"]
+__all__ = ["DEFAULT_ACCOUNTANT", "Accountant", "Support", "pld_not_offered", "pld_of", "rdp_of"]

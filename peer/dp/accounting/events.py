@@ -22,6 +22,11 @@ Kinds (``ReleaseRecord.mechanism`` → event):
   ``lc-merge`` → :class:`LinearCombinationMerge` (``parameters.models``, ``parameters.lam``).
   ``scored`` is the models a utility selection read (``parameters.selection``), or None when
   the weights are a function of public information (or the record predates the field).
+- ``distributed-skellam`` → :class:`DistributedSkellamSteps` (one secure-sum step, or a segment
+  of steps, of the distributed Skellam mechanism: ``parameters.share_variance``, ``sites``,
+  ``coalition``, ``modulus_bits``, ``scale``, ``l1_sensitivity``, ``l2_sensitivity`` (integer
+  units, after rounding; the record's L2 ``sensitivity`` is the same number), ``sample_rate``,
+  ``steps``; unit ``record:add-remove`` only, the adjacency its subsampling bound covers).
 
 Data-level events carry the adjacency of the record's unit ("record:replace-one" →
 "replace-one", "record:add-remove" → "add-remove").
@@ -115,6 +120,37 @@ class LinearCombinationMerge:
     scored: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class DistributedSkellamSteps:
+    """``steps`` secure-sum steps of the distributed Skellam mechanism (``peer.dp.distributed``),
+    each Poisson-subsampled at ``sample_rate`` at this site, under add/remove of one record of
+    this site (``adjacency``).
+
+    Each of the ``sites`` (k) sites adds a symmetric Skellam share of variance
+    ``share_variance`` (v) per coordinate to its integer-encoded clipped gradient sum (scale
+    ``scale``, residues mod 2^``modulus_bits``: post-processing, it never changes privacy); a
+    coalition of ``coalition`` (t) sites can subtract its own shares, so what is charged is the
+    Skellam mechanism with the honest shares' variance (k − t)·v (:attr:`honest_variance`) and
+    integer sensitivities ``l1_sensitivity`` Δ₁, ``l2_sensitivity`` Δ₂ of the encoding.
+    """
+
+    share_variance: float
+    sites: int
+    coalition: int
+    modulus_bits: int
+    scale: float
+    l1_sensitivity: float
+    l2_sensitivity: float
+    sample_rate: float
+    steps: int
+    adjacency: str = "add-remove"
+
+    @property
+    def honest_variance(self) -> float:
+        """(k − t)·v: the noise variance per coordinate that a coalition of t sites still faces."""
+        return (self.sites - self.coalition) * self.share_variance
+
+
 Event = (
     LaplaceRelease
     | GaussianRelease
@@ -123,6 +159,7 @@ Event = (
     | DpSgdTraining
     | RandomSelectionMerge
     | LinearCombinationMerge
+    | DistributedSkellamSteps
 )
 EVENT_TYPES = (
     LaplaceRelease,
@@ -132,6 +169,7 @@ EVENT_TYPES = (
     DpSgdTraining,
     RandomSelectionMerge,
     LinearCombinationMerge,
+    DistributedSkellamSteps,
 )
 
 
@@ -259,6 +297,53 @@ def _lc(record: ReleaseRecord) -> LinearCombinationMerge:
     return LinearCombinationMerge(*_merge(record, "lam"))
 
 
+def _integer_param(record: ReleaseRecord, name: str, low: int, high: int | None = None) -> int:
+    value = _param(record, name)
+    field_name = f"parameters.{name}"
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidArgument(field_name, f"must be an integer {bounds}, got {value!r}")
+    return int(value)
+
+
+def _distributed_skellam(record: ReleaseRecord) -> DistributedSkellamSteps:
+    adjacency = _data_adjacency(record)
+    if adjacency != "add-remove":
+        raise InvalidArgument(
+            "unit",
+            f"a distributed-skellam record is accounted under add/remove of one record (the subsampling "
+            f"bound's adjacency), got {record.unit!r}",
+        )
+    l2 = _sensitivity(record, "l2")
+    share = _positive(_param(record, "share_variance"), "parameters.share_variance")
+    coalition = _integer_param(record, "coalition", 0)
+    sites = _integer_param(record, "sites", coalition + 2)
+    bits = _integer_param(record, "modulus_bits", 2, 64)
+    scale = _positive(_param(record, "scale"), "parameters.scale")
+    l1 = _positive(_param(record, "l1_sensitivity"), "parameters.l1_sensitivity")
+    l2_param = _positive(_param(record, "l2_sensitivity"), "parameters.l2_sensitivity")
+    if not math.isclose(l2_param, l2, rel_tol=1e-12):
+        raise InvalidArgument(
+            "parameters.l2_sensitivity", f"must equal the record's sensitivity {l2!r}, got {l2_param!r}"
+        )
+    if l2 > l1 * (1 + 1e-12):
+        raise InvalidArgument("sensitivity", f"the L2 sensitivity {l2!r} cannot exceed the L1 sensitivity {l1!r}")
+    q = _positive(_param(record, "sample_rate"), "parameters.sample_rate")
+    if q > 1:
+        raise InvalidArgument("parameters.sample_rate", f"must be in (0, 1], got {q!r}")
+    steps = _integer_param(record, "steps", 1)
+    event = DistributedSkellamSteps(share, sites, coalition, bits, scale, l1, l2, q, steps, adjacency)
+    total = record.parameters.get("total_variance")
+    if total is not None and not math.isclose(
+        _positive(total, "parameters.total_variance"), event.honest_variance, rel_tol=1e-9
+    ):
+        raise InvalidArgument(
+            "parameters.total_variance",
+            f"must be (sites − coalition)·share_variance = {event.honest_variance!r}, got {total!r}",
+        )
+    return event
+
+
 #: How each record mechanism is read (one entry per kind; the accountant dispatches on the event's class).
 READERS = {
     "laplace": _laplace,
@@ -268,6 +353,7 @@ READERS = {
     "dpsgd": _dpsgd,
     "rs-merge": _rs,
     "lc-merge": _lc,
+    "distributed-skellam": _distributed_skellam,
 }
 
 
@@ -280,6 +366,7 @@ EVENT_CLASSES: dict[str, type] = {
     "dpsgd": DpSgdTraining,
     "rs-merge": RandomSelectionMerge,
     "lc-merge": LinearCombinationMerge,
+    "distributed-skellam": DistributedSkellamSteps,
 }
 
 
@@ -306,6 +393,7 @@ __all__ = [
     "EVENT_CLASSES",
     "EVENT_TYPES",
     "Composition",
+    "DistributedSkellamSteps",
     "DpSgdTraining",
     "Event",
     "GaussianRelease",

@@ -49,7 +49,9 @@ import numpy as np
 from scipy import special
 
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting.accountant import Accountant, pld_not_offered, rdp_of
 from peer.dp.accounting.conversions import check_orders
+from peer.dp.accounting.events import DistributedSkellamSteps
 
 
 def check_sensitivities(l1_sensitivity: float, l2_sensitivity: float) -> tuple[float, float]:
@@ -161,6 +163,18 @@ def rdp_skellam_steps(
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise InvalidArgument("steps", f"must be an integer >= 1, got {steps!r}")
     return int(steps) * rdp_subsampled_skellam(l1_sensitivity, l2_sensitivity, variance, sample_rate, orders)
+
+
+@rdp_of(DistributedSkellamSteps)
+def _distributed_skellam_rdp(acc: Accountant, e: DistributedSkellamSteps) -> np.ndarray:
+    """The charge of ``e``: what a coalition of t sites faces, the honest shares' (k − t)·v."""
+    return rdp_skellam_steps(e.l1_sensitivity, e.l2_sensitivity, e.honest_variance, e.sample_rate, e.steps, acc.orders)
+
+
+pld_not_offered(
+    DistributedSkellamSteps,
+    "no dominating pair of the subsampled multi-dimensional Skellam is implemented",
+)
 
 
 __all__ = [

@@ -29,6 +29,7 @@ import numpy as np
 
 from peer.base.checks import check_delta, check_epsilon
 from peer.base.errors import InvalidArgument
+from peer.base.records import ReleaseRecord
 from peer.dp.accounting.conversions import DEFAULT_ORDERS, rdp_to_epsilon
 from peer.dp.accounting.skellam import check_sensitivities, check_variance, rdp_skellam_steps
 
@@ -169,6 +170,59 @@ def step_parameters(encoding, calibration: SkellamCalibration) -> dict:
     return {**encoding.record_fields(), **calibration.record_fields()}
 
 
+def step_record(
+    encoding,
+    share_variance: float,
+    sites: int,
+    coalition: int,
+    sample_rate: float,
+    delta: float,
+    *,
+    steps: int = 1,
+    subject: str = "",
+    randomness: str = "csprng",
+    seed: int | None = None,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+    **context,
+) -> ReleaseRecord:
+    """The release record of ``steps`` secure-sum steps at one site (``docs/secure_aggregation.md``,
+    "What the record of a step must hold"): data level, unit ``record:add-remove`` (one record of
+    this site), L2 ``sensitivity`` Δ₂ of ``encoding`` (integer units; Δ₁ in the parameters),
+    every public parameter of the encoding and the noise, and ``context`` (run, step, attempt,
+    peers: public). ε is the record's own guarantee at ``delta`` against the honest shares'
+    variance (k − t)·v — what the accountant charges (``events.DistributedSkellamSteps``)."""
+    k, t = check_sites(sites, coalition)
+    v = check_variance(share_variance, "share_variance")
+    d1, d2 = encoding.l1_sensitivity, encoding.l2_sensitivity
+    delta = check_delta(delta)
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+        raise InvalidArgument("sample_rate", f"must be in (0, 1], got {sample_rate!r}")
+    rdp = rdp_skellam_steps(d1, d2, (k - t) * v, float(sample_rate), steps, orders)
+    parameters = {
+        **encoding.record_fields(),
+        "share_variance": v,
+        "total_variance": (k - t) * v,
+        "sites": k,
+        "coalition": t,
+        "sample_rate": float(sample_rate),
+        "steps": int(steps),
+        **context,
+    }
+    return ReleaseRecord(
+        mechanism=MECHANISM,
+        level="data",
+        unit="record:add-remove",
+        epsilon=rdp_to_epsilon(orders, rdp, delta),
+        delta=delta,
+        sensitivity=d2,
+        sensitivity_norm="l2",
+        parameters=parameters,
+        randomness=randomness,
+        seed=seed,
+        subject=subject,
+    )
+
+
 def skellam_share(share_variance: float, size: int, generator: np.random.Generator) -> np.ndarray:
     """One site's noise share: ``size`` i.i.d. symmetric Skellam of variance v, int64."""
     v = check_variance(share_variance, "share_variance")
@@ -180,4 +234,12 @@ def skellam_share(share_variance: float, size: int, generator: np.random.Generat
     )
 
 
-__all__ = ["MECHANISM", "SkellamCalibration", "calibrate_share", "check_sites", "skellam_share", "step_parameters"]
+__all__ = [
+    "MECHANISM",
+    "SkellamCalibration",
+    "calibrate_share",
+    "check_sites",
+    "skellam_share",
+    "step_parameters",
+    "step_record",
+]
