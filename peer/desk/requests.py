@@ -157,3 +157,14 @@ class SecureShareRequest:
 SECURE_SUM_AUDIENCE = "*"
 
 Request = FeaturesRequest | WeightsRequest | MergeRequest | SegmentRequest | FuseRequest | SecureShareRequest
+
+__all__ = [
+    "SECURE_SUM_AUDIENCE",
+    "FeaturesRequest",
+    "FuseRequest",
+    "MergeRequest",
+    "Request",
+    "SecureShareRequest",
+    "SegmentRequest",
+    "WeightsRequest",
+]

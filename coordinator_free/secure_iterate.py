@@ -1,0 +1,343 @@
+"""One secure-sum step of multi-round DP-SGD among k sites, with no coordinator.
+
+Every site of a run runs :func:`secure_sum` for each step on its own; nobody schedules anyone.
+For attempt a of step s among the sorted sites S (``docs/secure_aggregation.md``, "Protocol of
+one step"; the masks are ``peer.net.secagg``, the noise and encoding ``peer.dp.distributed``)::
+
+    context  = MaskContext(run, s, a, S, bits)
+    publish  our ephemeral X25519 key, signed by our pinned identity
+    collect  every peer's signed key; verify each against its pin (refuse: unpinned, wrong
+             context, bad signature); derive the pairwise seeds
+    x        = encode(clip(g_i) for i in a fresh Poisson sample of our records)
+               + Skellam share of variance v = V/(|S| − t)            (mod 2^bits)
+    y        = x + masks;  digest = our signature over y
+    CHARGE   the step's record to our ledger through the desk (BudgetExhausted: stop here,
+             nothing left the site)
+    publish  the same y and digest to every peer
+    collect  every peer's y and digest; verify each digest
+    publish  the digests we got;  collect every peer's; refuse two digests signed by one site
+             (equivocation)
+    Σ y mod 2^bits = Σ x (the masks cancel);  decode → the noisy sum of every site's clipped
+             gradients, the same at every site
+
+**Dropouts.** When a peer's message does not come within ``wait_s`` the attempt is abandoned
+and the step is run again, attempt a + 1, among the sites that did answer, with fresh keys,
+masks, sample and noise; every attempt this site reached the charge of is charged (a masked
+vector alone reveals nothing, a completed sum is a release, and we cannot know whether a peer
+completed it). The share is recomputed for the smaller set, v = V/(|S′| − t), so the honest
+shares still add up to V; with |S′| < t + 2 the step stops (too few sites for the coalition
+bound: the local-noise iterate is the fallback). Every survivor misses the same site (it did
+not publish), so they agree on S′; a set that disagrees shows up as a wrong-context refusal.
+
+**Unit and charge.** One record of this site, add/remove; per attempt the distributed Skellam
+mechanism with the encoding's integer sensitivities, the site's sample rate and the honest
+shares' variance (``events.DistributedSkellamSteps``). V is the planned total variance
+(``calibrate_share`` for the run's target and steps); the ledger's filter admits each step or
+refuses it (BudgetExhausted before the vector leaves).
+
+**Transport.** :class:`StepTransport` is all the protocol needs of the wire: ``publish`` a
+value of one kind ("key", "masked", "digests") for (context, sender), to each recipient, and
+``collect`` the values of some senders for a receiver, or raise :class:`SitesDropped` naming
+the ones that did not come. :class:`InProcessBoard` implements it in memory (tests and
+benchmarks, with the real crypto); the daemons' RPCs implement it over mTLS.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from peer.base.errors import FailedPrecondition, InvalidArgument, Unavailable
+from peer.desk.requests import SecureShareRequest
+from peer.dp.distributed.encoding import Encoding, decode_sum, encode_records, encode_sum, to_modular
+from peer.dp.distributed.skellam import check_sites, skellam_share, step_record
+from peer.net.secagg import (
+    MaskContext,
+    SignedDigest,
+    SignedKey,
+    aggregate,
+    check_no_equivocation,
+    make_ephemeral,
+    masked_vector,
+    pairwise_seeds,
+    pinned_certificates,
+    sign_masked,
+    verify_masked,
+    verify_signed_key,
+)
+
+KINDS = ("key", "masked", "digests")
+
+
+class SitesDropped(Unavailable):
+    """Some peers' messages of an attempt did not come: ``sites`` (sorted) dropped."""
+
+    reason = "SECAGG_SITES_DROPPED"
+
+    def __init__(self, context: MaskContext, kind: str, sites: Sequence[str]):
+        self.sites = tuple(sorted(sites))
+        super().__init__(
+            f"run {context.run_id!r} step {context.step} attempt {context.attempt}: no {kind} from "
+            f"{', '.join(self.sites)}; the attempt is abandoned",
+            metadata={"sites": ",".join(self.sites), "kind": kind},
+        )
+
+
+class StepTransport(Protocol):
+    """What one step needs of the wire (module docstring)."""
+
+    def publish(self, context: MaskContext, kind: str, sender: str, values: Mapping[str, Any]) -> None:
+        """Make ``values[recipient]`` available to each recipient (an honest site gives every
+        recipient the same value)."""
+
+    def collect(self, context: MaskContext, kind: str, receiver: str, senders: Sequence[str]) -> dict[str, Any]:
+        """The value each of ``senders`` published for ``receiver``; SitesDropped naming those
+        whose value did not come in time."""
+
+
+class InProcessBoard:
+    """:class:`StepTransport` in memory, for sites running in threads of one process (the
+    protocol's real crypto, no sockets). ``wait_s``: how long ``collect`` waits for a sender."""
+
+    def __init__(self, wait_s: float = 5.0):
+        self.wait_s = float(wait_s)
+        self._values: dict[tuple, Any] = {}
+        self._changed = threading.Condition()
+
+    @staticmethod
+    def _key(context: MaskContext, kind: str, sender: str, recipient: str) -> tuple:
+        return (context.canonical(), kind, sender, recipient)
+
+    def publish(self, context: MaskContext, kind: str, sender: str, values: Mapping[str, Any]) -> None:
+        if kind not in KINDS:
+            raise InvalidArgument("kind", f"must be one of {KINDS}, got {kind!r}")
+        with self._changed:
+            for recipient, value in values.items():
+                self._values[self._key(context, kind, sender, recipient)] = value
+            self._changed.notify_all()
+
+    def published(self, context: MaskContext, kind: str, sender: str) -> dict[str, Any]:
+        """What ``sender`` published of ``kind`` in ``context``, by recipient (for checks)."""
+        with self._changed:
+            return {k[3]: v for k, v in self._values.items() if k[:3] == (context.canonical(), kind, sender)}
+
+    def collect(self, context: MaskContext, kind: str, receiver: str, senders: Sequence[str]) -> dict[str, Any]:
+        deadline = time.monotonic() + self.wait_s
+        with self._changed:
+            while True:
+                got = {s: self._values.get(self._key(context, kind, s, receiver)) for s in senders}
+                missing = [s for s, v in got.items() if v is None]
+                if not missing:
+                    return got
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SitesDropped(context, kind, missing)
+                self._changed.wait(left)
+
+
+@dataclass(frozen=True)
+class SecureSumPlan:
+    """The public parameters of a run's secure sums, the same at every site.
+
+    ``encoding``: the integer encoding (clip norm, scale, bits, rounding, rotation);
+    ``coalition``: t; ``total_variance``: V, the Skellam variance per coordinate the honest
+    shares of every attempt add up to (``calibrate_share(...).total_variance``);
+    ``sample_rate``: each site's Poisson rate q; ``delta``: the δ a step's record states its ε
+    at; ``max_attempts``: attempts per step before the step gives up.
+    """
+
+    run: str
+    encoding: Encoding
+    coalition: int
+    total_variance: float
+    sample_rate: float = 1.0
+    delta: float = 1e-5
+    max_attempts: int = 3
+
+    def share_variance(self, sites: int) -> float:
+        """v = V/(k − t) for k sites (refused below t + 2)."""
+        k, t = check_sites(sites, self.coalition)
+        return self.total_variance / (k - t)
+
+
+@dataclass(frozen=True)
+class SecureSum:
+    """What one site holds after a step: ``noisy_sum`` (decoded, length ``encoding.dim``, the
+    same at every site of the completed attempt), the residues ``total`` it was decoded from,
+    the completed ``context``, this site's ledger ``entries`` (one per attempt it charged, in
+    order) and ``own_input``: this site's unmasked residues x of the completed attempt (never
+    sent; kept for the site's own checks)."""
+
+    noisy_sum: np.ndarray
+    total: np.ndarray
+    context: MaskContext
+    entries: tuple[str, ...]
+    own_input: np.ndarray = field(repr=False)
+
+
+def poisson_sample(n: int, sample_rate: float, generator: np.random.Generator) -> np.ndarray:
+    """Indices of a Poisson sample: each of ``n`` records independently with probability q."""
+    if sample_rate >= 1.0:
+        return np.arange(n)
+    return np.flatnonzero(generator.random(n) < sample_rate)
+
+
+class SecureParty:
+    """One site's side of the protocol: its site (identity, trust store, randomness) and its
+    release desk (the only way its share is charged). A subclass may override :meth:`send`
+    only to model a peer that misbehaves (tests)."""
+
+    def __init__(self, site, desk):
+        self.site = site
+        self.desk = desk
+
+    @property
+    def name(self) -> str:
+        return self.site.identity.name
+
+    def send(self, transport: StepTransport, context: MaskContext, y: np.ndarray, signed: SignedDigest) -> None:
+        """The same masked vector and signed digest to every peer of the attempt."""
+        peers = [s for s in context.sites if s != self.name]
+        transport.publish(context, "masked", self.name, {p: (y, signed) for p in peers})
+
+    def attempt(
+        self,
+        transport: StepTransport,
+        plan: SecureSumPlan,
+        step: int,
+        attempt: int,
+        sites: Sequence[str],
+        gradients: Callable[[np.ndarray], np.ndarray],
+        records: int,
+        entries: list[str],
+    ) -> SecureSum:
+        """One attempt (module docstring); appends the ledger entry of its charge to ``entries``."""
+        enc = plan.encoding
+        context = MaskContext(plan.run, step, attempt, tuple(sites), enc.bits)
+        me = self.name
+        peers = [s for s in context.sites if s != me]
+        share_variance = plan.share_variance(len(context.sites))
+        pins = pinned_certificates(self.site.trust, peers)
+
+        own_key = make_ephemeral(self.site.identity, context)
+        transport.publish(context, "key", me, {p: own_key.signed for p in peers})
+        keys: dict[str, SignedKey] = transport.collect(context, "key", me, peers)
+        verified = {p: verify_signed_key(keys[p], context, pins) for p in peers}
+        seeds = pairwise_seeds(context, me, own_key, verified)
+
+        randomness = self.site.randomness()
+        gen = randomness.generator
+        sample = poisson_sample(records, plan.sample_rate, gen)
+        rows = np.asarray(gradients(sample), dtype=np.float64).reshape(len(sample), enc.dim)
+        encoded = encode_sum(rows, enc, gen) if enc.beta == 0 else encode_records(rows, enc, gen)
+        x = to_modular(encoded + skellam_share(share_variance, enc.padded_dim, gen), enc.bits)
+        y = masked_vector(x, context, me, seeds)
+        signed = sign_masked(self.site.identity, context, y)
+
+        record = step_record(
+            enc,
+            share_variance,
+            len(context.sites),
+            plan.coalition,
+            plan.sample_rate,
+            plan.delta,
+            subject=plan.run,
+            run=plan.run,
+            step=step,
+            attempt=attempt,
+            peers=sorted(peers),
+            **randomness.record_fields(),
+        )
+        issued = self.desk.issue(SecureShareRequest(plan.run, step, attempt, tuple(peers), record, y))
+        entries.append(issued.entry_id)
+        try:
+            self.send(transport, context, y, signed)
+        except BaseException:
+            self.desk.finish(issued, sent=False)
+            raise
+        self.desk.finish(issued, sent=True)
+
+        got = transport.collect(context, "masked", me, peers)
+        pinned = pinned_certificates(self.site.trust, peers)
+        for p in peers:
+            y_p, d_p = got[p]
+            if d_p.site != p:
+                raise FailedPrecondition(
+                    f"the digest {p!r} sent is signed as {d_p.site!r}", reason="SECAGG_WRONG_SENDER"
+                )
+            verify_masked(y_p, d_p, context, pinned)
+        transport.publish(context, "digests", me, {p: tuple(d for _, d in got.values()) for p in peers})
+        forwarded = transport.collect(context, "digests", me, peers)
+        reports = [signed, *(d for _, d in got.values())]
+        for p in peers:
+            reports.extend(forwarded[p])
+        check_no_equivocation(reports, context, {**pinned, me: [self.site.identity.cert_pem]})
+
+        total = aggregate({me: y, **{p: got[p][0] for p in peers}}, context)
+        return SecureSum(decode_sum(total, enc), total, context, tuple(entries), x)
+
+
+def secure_sum(
+    party: SecureParty,
+    transport: StepTransport,
+    plan: SecureSumPlan,
+    step: int,
+    sites: Sequence[str],
+    gradients: Callable[[np.ndarray], np.ndarray],
+    records: int,
+) -> SecureSum:
+    """Step ``step`` among ``sites`` (this site among them): attempts until one completes (a
+    dropout re-runs it among the rest, module docstring). ``gradients(indices)`` gives the
+    per-record gradients (rows, ``encoding.dim`` wide) of the records at those indices (the
+    encoder clips them); ``records``: how many records the site holds (the sample is drawn
+    here, afresh per attempt). Refusals (an unpinned or forged key, equivocation, the budget)
+    are raised as they are: they are not dropouts."""
+    if party.name not in sites:
+        raise InvalidArgument("sites", f"must include this site {party.name!r}")
+    current = sorted(set(sites))
+    entries: list[str] = []
+    last: SitesDropped | None = None
+    for attempt in range(plan.max_attempts):
+        try:
+            return party.attempt(transport, plan, step, attempt, current, gradients, records, entries)
+        except SitesDropped as e:
+            last = e
+            current = [s for s in current if s not in e.sites]
+            try:
+                check_sites(len(current), plan.coalition)
+            except InvalidArgument as small:
+                raise FailedPrecondition(
+                    f"run {plan.run!r} step {step}: {small.rule} after {', '.join(e.sites)} dropped",
+                    reason="SECAGG_TOO_FEW_SITES",
+                ) from e
+    raise FailedPrecondition(
+        f"run {plan.run!r} step {step}: no attempt completed in {plan.max_attempts} ({last})",
+        reason="SECAGG_ATTEMPTS_EXHAUSTED",
+    )
+
+
+def apply_update(theta: np.ndarray, noisy_sum: np.ndarray, learning_rate: float, denominator: float) -> np.ndarray:
+    """θ − η·(noisy sum of clipped gradients)/denominator; ``denominator`` public (the expected
+    batch over all sites, q·Σ declared n_j). The same at every site given the same sum."""
+    if not denominator > 0:
+        raise InvalidArgument("denominator", f"must be > 0, got {denominator!r}")
+    return np.asarray(theta, dtype=np.float64) - learning_rate * np.asarray(noisy_sum) / denominator
+
+
+__all__ = [
+    "KINDS",
+    "InProcessBoard",
+    "SecureParty",
+    "SecureSum",
+    "SecureSumPlan",
+    "SitesDropped",
+    "StepTransport",
+    "apply_update",
+    "poisson_sample",
+    "secure_sum",
+]
