@@ -52,13 +52,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from peer.base.errors import FailedPrecondition, InvalidArgument, Unavailable
+from peer.base.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from peer.base.rng import make_randomness
+from peer.budget.ledger import Ledger
+from peer.budget.policy import Policy
 from peer.desk.requests import SecureShareRequest
 from peer.dp.distributed.encoding import Encoding, decode_sum, encode_records, encode_sum, to_modular
 from peer.dp.distributed.skellam import check_sites, skellam_share, step_record
+from peer.net.client import PeerClient, PeerError
+from peer.net.identity import load_identity
 from peer.net.secagg import (
     MaskContext,
-    SignedDigest,
+    MaskedShare,
     SignedKey,
     aggregate,
     check_no_equivocation,
@@ -70,6 +75,8 @@ from peer.net.secagg import (
     verify_masked,
     verify_signed_key,
 )
+from peer.net.site import Site, SiteConfig
+from peer.net.trust import TrustStore
 
 KINDS = ("key", "masked", "digests")
 
@@ -140,6 +147,71 @@ class InProcessBoard:
                 self._changed.wait(left)
 
 
+class DaemonTransport:
+    """:class:`StepTransport` over the daemons (``PublishSecAgg`` / ``FetchSecAgg``, mTLS):
+    this site's run publishes on its own daemon (``own_address``, with its own identity) and
+    fetches from each peer's daemon (``addresses``: site → HOST:PORT, pinned peers), polling
+    every ``poll_s`` while a message is not yet published (NOT_FOUND) or a daemon does not
+    answer (UNAVAILABLE), up to ``wait_s``; then that sender has dropped. Any other refusal is
+    raised as it came."""
+
+    def __init__(
+        self,
+        identity,
+        own_address: str,
+        addresses: Mapping[str, str],
+        wait_s: float = 30.0,
+        poll_s: float = 0.05,
+        insecure: bool = False,
+    ):
+        self.identity = identity
+        self.wait_s = float(wait_s)
+        self.poll_s = float(poll_s)
+        self._own = PeerClient(identity, own_address, peer=identity.name, insecure=insecure)
+        self._peers = {
+            name: PeerClient(identity, address, peer=name, insecure=insecure)
+            for name, address in addresses.items()
+            if name != identity.name
+        }
+
+    def close(self) -> None:
+        for c in (self._own, *self._peers.values()):
+            c.close()
+
+    def publish(self, context: MaskContext, kind: str, sender: str, values: Mapping[str, Any]) -> None:
+        if sender != self.identity.name:
+            raise InvalidArgument("sender", f"this transport publishes for {self.identity.name!r} only")
+        groups: dict[int, tuple[Any, list[str]]] = {}
+        for recipient, value in values.items():  # one call per distinct value (honest: one call)
+            groups.setdefault(id(value), (value, []))[1].append(recipient)
+        for value, recipients in groups.values():
+            self._own.publish_secagg(context, kind, value, recipients)
+
+    def collect(self, context: MaskContext, kind: str, receiver: str, senders: Sequence[str]) -> dict[str, Any]:
+        if receiver != self.identity.name:
+            raise InvalidArgument("receiver", f"this transport collects for {self.identity.name!r} only")
+        unknown = sorted(set(senders) - set(self._peers))
+        if unknown:
+            raise InvalidArgument("senders", f"no address for {unknown}")
+        deadline = time.monotonic() + self.wait_s
+        got: dict[str, Any] = {}
+        while True:
+            for s in senders:
+                if s in got:
+                    continue
+                try:
+                    got[s] = self._peers[s].fetch_secagg(context, kind, timeout=max(1.0, self.wait_s))
+                except PeerError as e:
+                    if e.status not in ("NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                        raise
+            missing = [s for s in senders if s not in got]
+            if not missing:
+                return got
+            if time.monotonic() >= deadline:
+                raise SitesDropped(context, kind, missing)
+            time.sleep(self.poll_s)
+
+
 @dataclass(frozen=True)
 class SecureSumPlan:
     """The public parameters of a run's secure sums, the same at every site.
@@ -180,6 +252,39 @@ class SecureSum:
     own_input: np.ndarray = field(repr=False)
 
 
+class RunSite:
+    """The site as a run process holds it (the daemon holds the site's lock, so a run opens the
+    parts it needs, as ``iterate`` does): identity, trust store, ledger and policy, and the
+    site's own rules for randomness and permissions (the same functions as ``Site``'s). What
+    :class:`SecureParty` and the release desk need of a site."""
+
+    policy_allows = Site.policy_allows
+    randomness = Site.randomness
+    check_randomness = Site.check_randomness
+
+    def __init__(self, site_config, simulation: bool = False):
+        config = SiteConfig.load(site_config)
+        if config.seed is not None and not simulation:
+            raise FailedPrecondition(
+                f"site.seed in {site_config}: a fixed noise seed is not private; remove it, or run as a simulation"
+            )
+        self.identity = load_identity(config.identity)
+        if self.identity.name != config.name:
+            raise FailedPrecondition(
+                f"site.name is {config.name!r} but the identity in {config.identity} is {self.identity.name!r}"
+            )
+        self.name = config.name
+        self.simulation = bool(simulation)
+        self.policy = Policy.from_toml(site_config)
+        self.trust = TrustStore(self.identity.trust_dir)
+        self.ledger = Ledger(config.ledger, self.policy)
+        self._master = make_randomness(config.seed) if config.seed is not None else None
+        self._master_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.ledger.close()
+
+
 def poisson_sample(n: int, sample_rate: float, generator: np.random.Generator) -> np.ndarray:
     """Indices of a Poisson sample: each of ``n`` records independently with probability q."""
     if sample_rate >= 1.0:
@@ -200,10 +305,10 @@ class SecureParty:
     def name(self) -> str:
         return self.site.identity.name
 
-    def send(self, transport: StepTransport, context: MaskContext, y: np.ndarray, signed: SignedDigest) -> None:
+    def send(self, transport: StepTransport, context: MaskContext, share: MaskedShare) -> None:
         """The same masked vector and signed digest to every peer of the attempt."""
         peers = [s for s in context.sites if s != self.name]
-        transport.publish(context, "masked", self.name, {p: (y, signed) for p in peers})
+        transport.publish(context, "masked", self.name, {p: share for p in peers})
 
     def attempt(
         self,
@@ -256,7 +361,7 @@ class SecureParty:
         issued = self.desk.issue(SecureShareRequest(plan.run, step, attempt, tuple(peers), record, y))
         entries.append(issued.entry_id)
         try:
-            self.send(transport, context, y, signed)
+            self.send(transport, context, MaskedShare(y, signed, record.release_id))
         except BaseException:
             self.desk.finish(issued, sent=False)
             raise
@@ -265,20 +370,22 @@ class SecureParty:
         got = transport.collect(context, "masked", me, peers)
         pinned = pinned_certificates(self.site.trust, peers)
         for p in peers:
-            y_p, d_p = got[p]
-            if d_p.site != p:
-                raise FailedPrecondition(
-                    f"the digest {p!r} sent is signed as {d_p.site!r}", reason="SECAGG_WRONG_SENDER"
+            if got[p].signed.site != p:
+                raise PermissionDenied(
+                    f"masked vector: what {p!r} sent is signed as {got[p].signed.site!r}",
+                    reason="SECAGG_WRONG_SENDER",
+                    metadata={"site": p},
                 )
-            verify_masked(y_p, d_p, context, pinned)
-        transport.publish(context, "digests", me, {p: tuple(d for _, d in got.values()) for p in peers})
+            verify_masked(got[p].y, got[p].signed, context, pinned)
+        received = tuple(got[p].signed for p in peers)
+        transport.publish(context, "digests", me, {p: received for p in peers})
         forwarded = transport.collect(context, "digests", me, peers)
-        reports = [signed, *(d for _, d in got.values())]
+        reports = [signed, *received]
         for p in peers:
             reports.extend(forwarded[p])
         check_no_equivocation(reports, context, {**pinned, me: [self.site.identity.cert_pem]})
 
-        total = aggregate({me: y, **{p: got[p][0] for p in peers}}, context)
+        total = aggregate({me: y, **{p: got[p].y for p in peers}}, context)
         return SecureSum(decode_sum(total, enc), total, context, tuple(entries), x)
 
 
@@ -331,7 +438,9 @@ def apply_update(theta: np.ndarray, noisy_sum: np.ndarray, learning_rate: float,
 
 __all__ = [
     "KINDS",
+    "DaemonTransport",
     "InProcessBoard",
+    "RunSite",
     "SecureParty",
     "SecureSum",
     "SecureSumPlan",

@@ -25,7 +25,7 @@ from peer.dp.accounting.conversions import DEFAULT_ORDERS
 from peer.dp.distributed.encoding import Encoding
 from peer.dp.distributed.skellam import calibrate_share
 from peer.net.daemon import open_site
-from peer.net.secagg import MaskContext, sign_masked
+from peer.net.secagg import MaskContext, MaskedShare, sign_masked
 from peer.net.signing import wire_transport
 
 DIM = 24
@@ -138,12 +138,12 @@ class Equivocator(SecureParty):
     """A peer that sends one vector to its first peer and another to the rest, each correctly
     signed: every receiver's own check passes; only comparing digests catches it."""
 
-    def send(self, transport, context, y, signed):
+    def send(self, transport, context, share):
         peers = [s for s in context.sites if s != self.name]
-        other = y.copy()
+        other = share.y.copy()
         other[0] ^= np.uint64(1)
-        values = {p: (y, signed) for p in peers}
-        values[peers[0]] = (other, sign_masked(self.site.identity, context, other))
+        values = {p: share for p in peers}
+        values[peers[0]] = MaskedShare(other, sign_masked(self.site.identity, context, other), share.release_id)
         transport.publish(context, "masked", self.name, values)
 
 
@@ -179,7 +179,7 @@ class Killed(Exception):
 
 
 class DiesMidStep(SecureParty):
-    def send(self, transport, context, y, signed):
+    def send(self, transport, context, share):
         raise Killed()
 
 

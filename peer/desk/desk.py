@@ -370,6 +370,29 @@ class ReleaseDesk:
         tensors = [("masked", masked.view(np.int64))]
         return IssuedSecureShare(req.release_kind, req.run, req.caller, record, None, metadata, tensors, entry_id)
 
+    def secure_share_charged(self, release_id: str, run: str, step: int, attempt: int, peers) -> str:
+        """The ledger entry id of the standing charge ``release_id`` of a secure-sum share of
+        exactly (``run``, ``step``, ``attempt``) to ``peers``; FailedPrecondition
+        (SECAGG_NOT_CHARGED) otherwise. What the daemon asks before it serves a masked vector
+        its own run published: the bytes leave only after their charge."""
+        charge = self.site.ledger.charge_of(release_id)
+        if charge is None or charge[1]:
+            raise FailedPrecondition(
+                f"secure-sum share {release_id!r}: no standing charge in this site's ledger; it is not served",
+                reason="SECAGG_NOT_CHARGED",
+            )
+        entry, _ = charge
+        record = entry.record
+        params = record.parameters
+        want = {"run": run, "step": step, "attempt": attempt, "peers": tuple(sorted(peers))}
+        if record.mechanism != "distributed-skellam" or any(params.get(k) != v for k, v in want.items()):
+            raise FailedPrecondition(
+                f"secure-sum share {release_id!r}: the charge is of another release, not run {run!r} step "
+                f"{step} attempt {attempt} to {list(want['peers'])}; it is not served",
+                reason="SECAGG_NOT_CHARGED",
+            )
+        return str(entry.entry_id)
+
     def _cancel(self, record: ReleaseRecord, entry_id: str, req: FuseRequest, error: BaseException) -> None:
         """Withdraw the charge of a Fuse contribution none of whose bytes went anywhere."""
         reason = f"Fuse with partner {req.partner!r} failed before any byte was sent ({type(error).__name__})"

@@ -28,8 +28,8 @@ import grpc
 import numpy as np
 
 from peer.base.errors import InvalidArgument, NotFound, PrivFusionError
-from peer.net import wire
-from peer.net.identity import Identity
+from peer.net import secagg_wire, wire
+from peer.net.identity import Identity, fingerprint
 from peer.net.messages import ledger_entry_from_message, peer_info_from_message
 from peer.net.peer_info import LedgerEntry, PeerInfo
 from peer.net.receipts import Manifest, SignedReceipt, receipt_digest, verify_receipt
@@ -282,11 +282,18 @@ class PeerClient:
             self.peer_cert = pinned.cert_pem if pinned else None
             self.channel = grpc.insecure_channel(address, options=wire.grpc_options())
         else:
-            pinned = resolve_peer(self.trust, address, peer)
+            if peer is not None and peer == identity.name:
+                # our own daemon (our run publishing to it): trust only our own certificate
+                pinned = PinnedPeer(
+                    identity.name, fingerprint(identity.cert_pem), identity.cert_pem, identity.trust_dir
+                )
+                self._next_certs = []
+            else:
+                pinned = resolve_peer(self.trust, address, peer)
+                # while the peer rotates its certificate both pins are accepted (TLS and receipts)
+                self._next_certs = [p.cert_pem for p in self.trust.pins_of(pinned.name)[1:]]
             self.peer_name = pinned.name
             self.peer_cert = pinned.cert_pem
-            # while the peer rotates its certificate both pins are accepted (TLS and receipts)
-            self._next_certs = [p.cert_pem for p in self.trust.pins_of(pinned.name)[1:]]
             creds = grpc.ssl_channel_credentials(
                 root_certificates=b"".join([pinned.cert_pem, *self._next_certs]),
                 private_key=identity.key_pem,
@@ -513,6 +520,26 @@ class PeerClient:
         NOT_FOUND while there is none."""
         req = pb.SegmentRequest(header=self.header(), run=run, min_round=int(min_round), max_round=int(max_round or 0))
         return self._read(self._release["ReleaseSegment"](req, timeout=timeout), "segment", run, out)
+
+    def publish_secagg(self, context, kind: str, value, recipients, timeout: float = INFO_TIMEOUT_S) -> int:
+        """Publish our own run's secure-aggregation ``value`` of ``kind`` in ``context`` (a
+        ``peer.net.secagg.MaskContext``) for ``recipients`` on our own daemon (this client is
+        connected to it with our own identity: ``peer`` = our name); how many recipients."""
+        request = pb.SecAggPublishRequest(
+            header=self.header(),
+            context=secagg_wire.context_message(context),
+            message=secagg_wire.message_of_value(kind, self.identity.name, value, context),
+            recipients=sorted(recipients),
+        )
+        return int(self._unary(self.stub.PublishSecAgg, request, timeout).recipients)
+
+    def fetch_secagg(self, context, kind: str, timeout: float = INFO_TIMEOUT_S):
+        """What the peer published for us of ``kind`` in ``context``, read and checked
+        (``secagg_wire.value_of_message``; signatures are the protocol's to verify); PeerError
+        NOT_FOUND (SECAGG_NOT_PUBLISHED) while it has not yet."""
+        request = pb.SecAggFetchRequest(header=self.header(), context=secagg_wire.context_message(context), kind=kind)
+        message = self._unary(self.stub.FetchSecAgg, request, timeout)
+        return secagg_wire.value_of_message(message, context, kind, self.peer_name)
 
     def fuse(
         self,

@@ -315,6 +315,16 @@ class SignedDigest:
         return digest_payload(self.site, self.context, self.digest)
 
 
+@dataclass(frozen=True)
+class MaskedShare:
+    """What a site sends every peer in one context: its masked vector ``y``, its ``signed``
+    digest, and ``release_id``, the ledger charge of this step at the sender (public)."""
+
+    y: np.ndarray
+    signed: SignedDigest
+    release_id: str
+
+
 def digest_payload(site: str, context: MaskContext, digest: bytes) -> bytes:
     return b"%s|vector|%s|%s|" % (DOMAIN.encode(), context.canonical(), site.encode()) + digest
 
@@ -425,6 +435,7 @@ __all__ = [
     "DOMAIN",
     "Ephemeral",
     "MaskContext",
+    "MaskedShare",
     "SignedDigest",
     "SignedKey",
     "aggregate",

@@ -39,7 +39,7 @@ from peer.base import checks
 from peer.base.errors import FailedPrecondition, InvalidArgument, PermissionDenied, PrivFusionError, Unauthenticated
 from peer.desk.desk import ReleaseDesk
 from peer.desk.requests import FeaturesRequest, FuseRequest, MergeRequest, SegmentRequest, WeightsRequest
-from peer.net import wire
+from peer.net import secagg_wire, wire
 from peer.net.codec import peer_info_message
 from peer.net.fuse import fuse_with_partner
 from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
@@ -562,6 +562,50 @@ class PeerService(pb_grpc.PeerServicer):
         # served again from the store (charged once by the site's own run when it was published)
         segment = SegmentRequest(caller, request.run, request.min_round, request.max_round or None)
         yield from self._stream(self.desk.issue(segment))
+
+    def PublishSecAgg(self, request: pb.SecAggPublishRequest, context) -> pb.SecAggPublishReply:
+        """Our own run's message of one secure-aggregation context, kept for the recipients
+        (only from this site's own identity; a masked vector only under a standing charge)."""
+        caller = self.bind_own(context, request.header)
+        self._on_behalf_of(request.header, caller, "PublishSecAgg")
+        ctx = secagg_wire.context_of(request.context)
+        ctx.check_member(caller, "header.sender")
+        message = request.message
+        secagg_wire.value_of_message(message, ctx, message.kind, caller)  # every field checked
+        recipients = secagg_wire.check_recipients(request.recipients, ctx, caller)
+        if message.kind == "masked":
+            others = [s for s in ctx.sites if s != caller]
+            self.desk.secure_share_charged(message.release_id, ctx.run_id, ctx.step, ctx.attempt, others)
+        self.site.secagg.publish(ctx, message, recipients)
+        return pb.SecAggPublishReply(recipients=len(recipients))
+
+    def FetchSecAgg(self, request: pb.SecAggFetchRequest, context) -> pb.SecAggMessage:
+        """What our run published for the caller in one context (NOT_FOUND until it has)."""
+        caller = self.bind_caller(context, request.header)
+        self._on_behalf_of(request.header, caller, "FetchSecAgg")
+        ctx = secagg_wire.context_of(request.context)
+        ctx.check_member(caller, "header.sender")
+        ctx.check_member(self.site.name, "context.sites")
+        self.site.policy_allows(caller, "secure-sum")
+        return self.site.secagg.fetch(ctx, secagg_wire.check_kind(request.kind), caller)
+
+    def bind_own(self, context: grpc.ServicerContext, header: pb.RequestHeader) -> str:
+        """This site's own name, when the call comes from its own identity (its run): the TLS
+        client certificate is the site's own and ``header.sender`` names it."""
+        if header.sender != self.site.name or header.receiver != self.site.name:
+            raise PermissionDenied(
+                "only this site's own run may publish its secure-aggregation messages "
+                f"(header.sender and header.receiver must be {self.site.name!r})",
+                reason="SECAGG_NOT_OWN",
+            )
+        if not self.site.insecure:
+            pems = context.auth_context().get("x509_pem_cert") or []
+            if not pems or fingerprint(pems[0]) != fingerprint(self.site.identity.cert_pem):
+                raise PermissionDenied(
+                    "only this site's own identity may publish its secure-aggregation messages",
+                    reason="SECAGG_NOT_OWN",
+                )
+        return self.site.name
 
     def ListLedger(self, request: pb.LedgerRequest, context) -> Iterator[pb.LedgerEntry]:
         caller = self.bind_caller(context, request.header)

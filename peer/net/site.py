@@ -83,6 +83,7 @@ from peer.desk.store import ReleaseStore
 from peer.net.identity import Identity, load_identity
 from peer.net.partners import PartnerClient, SitePartners
 from peer.net.peer_info import BudgetInfo, LayerInfo, ModelInfo, PoolInfo, SiteInfo
+from peer.net.secagg_wire import SecAggBoard
 from peer.net.site_config import SITE_KEYS, SiteConfig, check_listen
 from peer.net.site_identity import SiteIdentity
 from peer.net.site_lock import SiteLock
@@ -128,6 +129,8 @@ class Site(SiteIdentity, SitePartners, SiteOffer):
         self._identity_lock = threading.Lock()
         self._identity_version = self._identity_files()
         self.trust = TrustStore(self.identity.trust_dir)
+        # the secure-aggregation messages this site's own run published, served to its peers
+        self.secagg = SecAggBoard()
         self._pins: tuple[tuple, dict[str, PinnedPeer], list[PinnedPeer]] = ((), {}, [])
         self._pins_lock = threading.Lock()
         # what the daemon will not serve, and why (a warning each; GetPeerInfo lists them): a

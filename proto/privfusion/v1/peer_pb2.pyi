@@ -294,3 +294,75 @@ class LedgerEntry(_message.Message):
     counterparty: str
     created_at: str
     def __init__(self, entry_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., counterparty: _Optional[str] = ..., created_at: _Optional[str] = ...) -> None: ...
+
+class SecAggContext(_message.Message):
+    __slots__ = ("run", "step", "attempt", "sites", "bits")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    step: int
+    attempt: int
+    sites: _containers.RepeatedScalarFieldContainer[str]
+    bits: int
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., sites: _Optional[_Iterable[str]] = ..., bits: _Optional[int] = ...) -> None: ...
+
+class SecAggDigest(_message.Message):
+    __slots__ = ("site", "digest", "signature")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    digest: bytes
+    signature: bytes
+    def __init__(self, site: _Optional[str] = ..., digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SecAggMessage(_message.Message):
+    __slots__ = ("kind", "sender", "public_key", "key_signature", "masked", "digest", "release_id", "digests")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    sender: str
+    public_key: bytes
+    key_signature: bytes
+    masked: bytes
+    digest: SecAggDigest
+    release_id: str
+    digests: _containers.RepeatedCompositeFieldContainer[SecAggDigest]
+    def __init__(self, kind: _Optional[str] = ..., sender: _Optional[str] = ..., public_key: _Optional[bytes] = ..., key_signature: _Optional[bytes] = ..., masked: _Optional[bytes] = ..., digest: _Optional[_Union[SecAggDigest, _Mapping]] = ..., release_id: _Optional[str] = ..., digests: _Optional[_Iterable[_Union[SecAggDigest, _Mapping]]] = ...) -> None: ...
+
+class SecAggPublishRequest(_message.Message):
+    __slots__ = ("header", "context", "message", "recipients")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    context: SecAggContext
+    message: SecAggMessage
+    recipients: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., context: _Optional[_Union[SecAggContext, _Mapping]] = ..., message: _Optional[_Union[SecAggMessage, _Mapping]] = ..., recipients: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecAggPublishReply(_message.Message):
+    __slots__ = ("recipients",)
+    RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
+    recipients: int
+    def __init__(self, recipients: _Optional[int] = ...) -> None: ...
+
+class SecAggFetchRequest(_message.Message):
+    __slots__ = ("header", "context", "kind")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    context: SecAggContext
+    kind: str
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., context: _Optional[_Union[SecAggContext, _Mapping]] = ..., kind: _Optional[str] = ...) -> None: ...

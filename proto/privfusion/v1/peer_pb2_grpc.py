@@ -69,6 +69,16 @@ class PeerStub:
                 request_serializer=privfusion_dot_v1_dot_peer__pb2.SegmentRequest.SerializeToString,
                 response_deserializer=privfusion_dot_v1_dot_peer__pb2.ReleaseFrame.FromString,
                 _registered_method=True)
+        self.PublishSecAgg = channel.unary_unary(
+                '/privfusion.v1.Peer/PublishSecAgg',
+                request_serializer=privfusion_dot_v1_dot_peer__pb2.SecAggPublishRequest.SerializeToString,
+                response_deserializer=privfusion_dot_v1_dot_peer__pb2.SecAggPublishReply.FromString,
+                _registered_method=True)
+        self.FetchSecAgg = channel.unary_unary(
+                '/privfusion.v1.Peer/FetchSecAgg',
+                request_serializer=privfusion_dot_v1_dot_peer__pb2.SecAggFetchRequest.SerializeToString,
+                response_deserializer=privfusion_dot_v1_dot_peer__pb2.SecAggMessage.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -148,6 +158,27 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishSecAgg(self, request, context):
+        """Secure aggregation of one (run, step, attempt) of a multi-round run (docs/secure_aggregation.md).
+        Only the server's own site may publish (header.sender = the server: its own run, over its
+        own identity): its signed ephemeral key, its masked vector with its signed digest, or the
+        digests it received, each for named recipients. A masked vector is accepted only when the
+        server's ledger holds a standing charge of exactly that step (release_id): it was charged
+        before any byte can leave. Nothing here is a release by itself; nothing is charged here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchSecAgg(self, request, context):
+        """What the server's site published for the caller (a site of the context the policy allows
+        "secure-sum") of one kind in one context. NOT_FOUND (SECAGG_NOT_PUBLISHED) while it has
+        not published it yet: poll.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +216,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ReleaseSegment,
                     request_deserializer=privfusion_dot_v1_dot_peer__pb2.SegmentRequest.FromString,
                     response_serializer=privfusion_dot_v1_dot_peer__pb2.ReleaseFrame.SerializeToString,
+            ),
+            'PublishSecAgg': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishSecAgg,
+                    request_deserializer=privfusion_dot_v1_dot_peer__pb2.SecAggPublishRequest.FromString,
+                    response_serializer=privfusion_dot_v1_dot_peer__pb2.SecAggPublishReply.SerializeToString,
+            ),
+            'FetchSecAgg': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchSecAgg,
+                    request_deserializer=privfusion_dot_v1_dot_peer__pb2.SecAggFetchRequest.FromString,
+                    response_serializer=privfusion_dot_v1_dot_peer__pb2.SecAggMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -376,6 +417,60 @@ class Peer:
             '/privfusion.v1.Peer/ReleaseSegment',
             privfusion_dot_v1_dot_peer__pb2.SegmentRequest.SerializeToString,
             privfusion_dot_v1_dot_peer__pb2.ReleaseFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishSecAgg(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/privfusion.v1.Peer/PublishSecAgg',
+            privfusion_dot_v1_dot_peer__pb2.SecAggPublishRequest.SerializeToString,
+            privfusion_dot_v1_dot_peer__pb2.SecAggPublishReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSecAgg(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/privfusion.v1.Peer/FetchSecAgg',
+            privfusion_dot_v1_dot_peer__pb2.SecAggFetchRequest.SerializeToString,
+            privfusion_dot_v1_dot_peer__pb2.SecAggMessage.FromString,
             options,
             channel_credentials,
             insecure,
