@@ -99,6 +99,12 @@ Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate
     # alpha = 0.5            # our own weight (default: by record counts, as FedAvg)
     staleness_decay = 0.5    # weight factor per round a peer's segment is behind
     wait_s = 30.0            # how long to wait for a peer's segment of our round
+    # secure = true          # one secure sum per step instead of local noise
+    #                        # (coordinator_free.secure_iterate; add-remove, declared_records
+    #                        # the same at every site; needs coalition + 2 sites in the roster)
+    # coalition = 1          # t: the largest coalition of curious peers the noise covers
+    # secure_scale = 1024.0  # γ, integer units per unit of gradient
+    # modulus_bits = 32      # b: masks and sums mod 2^b
 """
 
 from __future__ import annotations
@@ -149,6 +155,12 @@ class IterateConfig:
     wait_s: float = 30.0
     call_timeout_s: float = 60.0
     health_timeout_s: float = 2.0
+    # secure aggregation (coordinator_free.secure_iterate): one secure sum per step instead of
+    # local noise, when the roster has at least coalition + 2 sites
+    secure: bool = False
+    coalition: int = 1
+    secure_scale: float = 1024.0
+    modulus_bits: int = 32
 
     @classmethod
     def from_section(cls, r: Section, base: Path) -> IterateConfig:
@@ -173,6 +185,15 @@ class IterateConfig:
         records = it.path("records", base)
         if not records.is_file():
             it.fail("records", f"{str(records)!r} is not a file (paths are relative to the round file)")
+        secure = it.boolean("secure", False)
+        if secure and it.string("adjacency", "add-remove") != "add-remove":
+            it.fail("adjacency", "secure aggregation is accounted under add-remove only")
+        if secure and it.integer("declared_records", None, minimum=1) is None:
+            it.fail(
+                "declared_records",
+                "is required with secure = true: every site of the run declares the same public n, the "
+                "denominator q·k·n of each step's update",
+            )
         return cls(
             roster=r.path("roster", base).resolve(),
             model=r.string("model"),
@@ -194,6 +215,10 @@ class IterateConfig:
             wait_s=it.number("wait_s", 30.0, minimum=0.0, maximum=3600.0),
             call_timeout_s=r.number("call_timeout_s", 60.0, exclusive_minimum=0.0, maximum=3600.0),
             health_timeout_s=r.number("health_timeout_s", 2.0, exclusive_minimum=0.0, maximum=600.0),
+            secure=secure,
+            coalition=it.integer("coalition", 1, minimum=0, maximum=1000),
+            secure_scale=it.number("secure_scale", 1024.0, exclusive_minimum=0.0, maximum=2.0**40),
+            modulus_bits=it.integer("modulus_bits", 32, minimum=2, maximum=64),
         )
 
 

@@ -988,6 +988,12 @@ def write_round(result: RoundResult, out: Path, arch: Mapping[str, Any], own: Lo
     result.report_path = path
 
 
+def _secure_possible(cfg) -> bool:
+    """Whether a ``secure = true`` iterate run has the sites it needs (coalition + 2): fewer
+    run the local-noise iterate, the fallback."""
+    return len(Roster.load(cfg.roster).sites) >= cfg.coalition + 2
+
+
 def run_rounds(
     site_config: str | os.PathLike,
     round_files: list[str | os.PathLike] | None = None,
@@ -1013,6 +1019,14 @@ def run_rounds(
         for f in round_files or [site_config]
     ]
     for cfg in configs:
+        if isinstance(cfg, IterateConfig) and cfg.secure and _secure_possible(cfg):
+            # DP-SGD over every site's records with one secure sum per step (secure_iterate)
+            from coordinator_free.secure_iterate import run_secure_iterate
+
+            if resume:
+                raise InvalidArgument("resume", "a secure iterate run does not resume (each step is one secure sum)")
+            yield cfg, run_secure_iterate(site_config, cfg, on_event=on_event, stop=stop, simulation=simulation)
+            continue
         if isinstance(cfg, IterateConfig):  # a multi-round peer-to-peer run (coordinator_free.iterate)
             yield cfg, run_iterate(site_config, cfg, on_event=on_event, stop=stop, simulation=simulation, resume=resume)
             continue

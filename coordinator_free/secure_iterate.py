@@ -44,6 +44,7 @@ benchmarks, with the real crypto); the daemons' RPCs implement it over mTLS.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -436,6 +437,160 @@ def apply_update(theta: np.ndarray, noisy_sum: np.ndarray, learning_rate: float,
     return np.asarray(theta, dtype=np.float64) - learning_rate * np.asarray(noisy_sum) / denominator
 
 
+def run_secure_iterate(
+    site_config,
+    cfg,
+    *,
+    on_event: Callable[[dict], None] | None = None,
+    stop: threading.Event | None = None,
+    simulation: bool = False,
+) -> Any:
+    """``method = "iterate"`` with ``secure = true`` (``coordinator_free.runner`` dispatches
+    here when the roster has at least coalition + 2 sites; fewer: the local-noise iterate).
+
+    DP-SGD over the union of every site's records: θ_0 = build_model(architecture, init_seed)
+    (public), then for each of the T = rounds·local_steps steps a :func:`secure_sum` of the
+    clipped per-record gradients at θ of a fresh Poisson sample (rate q) at every site, and
+    θ ← θ − η·(noisy sum)/(q·k·n), n the ``declared_records`` every site's round file states
+    (public), k the sites of the step's completed attempt: every site applies the same update.
+    The total variance V is calibrated so that T steps of the honest shares' noise meet
+    (ε, δ/|orders|) at the ledger's orders (the filter splits δ across them); each attempt is
+    charged before its vector leaves, and the ledger's filter is the hard stop (status
+    "budget"). Writes OUT/RUN.json and the final model ``RUN-final`` in OUT/models. Returns an
+    ``iterate.IterateResult``."""
+    import torch
+
+    from coordinator_free.iterate import IterateResult, load_records
+    from coordinator_free.roster import Roster
+    from peer.base.errors import BudgetExhausted
+    from peer.base.records import now_rfc3339
+    from peer.desk.desk import ReleaseDesk
+    from peer.dp.distributed.skellam import calibrate_share
+    from peer.dp.training import classifier_loss, per_example_gradients
+    from peer.net.signing import wire_transport
+    from peer.nn.architectures import build_model, input_tensor
+    from peer.nn.store import load_model, save_model
+
+    emit = on_event or (lambda e: None)
+    stop = stop or threading.Event()
+    site = RunSite(site_config, simulation=simulation)
+    transport = None
+    try:
+        config = SiteConfig.load(site_config)
+        if site.policy.data is None or site.policy.data.unit != "record:add-remove":
+            raise FailedPrecondition(
+                f"{site_config}: a secure run's steps are data-level releases per record:add-remove; the "
+                "site's policy needs a [policy.data] budget in that unit"
+            )
+        stored = load_model(config.models, cfg.model)
+        arch = dict(stored.architecture)
+        x, y = load_records(cfg.records, stored)
+        roster = Roster.load(cfg.roster)
+        if site.name not in roster.sites:
+            raise FailedPrecondition(f"{cfg.roster}: the roster does not list this site ({site.name!r})")
+        names = sorted(roster.sites)
+        check_sites(len(names), cfg.coalition)
+        module = build_model(arch, seed=cfg.init_seed)
+        loss = classifier_loss(module)
+        params = {k: v.detach().clone() for k, v in module.named_parameters()}
+        order = sorted(params)
+        shapes = {k: tuple(params[k].shape) for k in order}
+        dim = int(sum(int(np.prod(shapes[k])) for k in order))
+        encoding = Encoding(dim=dim, clip_norm=cfg.clip_norm, scale=cfg.secure_scale, bits=cfg.modulus_bits, beta=0.0)
+        steps = cfg.rounds * cfg.local_steps
+        orders = site.ledger.orders
+        cal = calibrate_share(
+            cfg.epsilon,
+            cfg.delta / len(orders),
+            len(names),
+            cfg.coalition,
+            encoding.l1_sensitivity,
+            encoding.l2_sensitivity,
+            cfg.sample_rate,
+            steps,
+            orders,
+        )
+        plan = SecureSumPlan(cfg.run, encoding, cfg.coalition, cal.total_variance, cfg.sample_rate, cfg.delta)
+        transport = DaemonTransport(
+            site.identity, roster.sites[site.name].address, {n: roster.sites[n].address for n in names}, cfg.wait_s
+        )
+        party = SecureParty(site, ReleaseDesk(site, wire_transport(site)))
+        xt = input_tensor(arch, x)
+        yt = torch.as_tensor(y, dtype=torch.long)
+        report: dict[str, Any] = {
+            "site": site.name,
+            "run": cfg.run,
+            "method": "iterate",
+            "secure": True,
+            "started_at": now_rfc3339(),
+            "dataset_size": cfg.declared_records,
+            "dataset_size_source": "declared",
+            "plan": {
+                "steps": steps,
+                "learning_rate": cfg.learning_rate,
+                "sample_rate": cfg.sample_rate,
+                "epsilon": cfg.epsilon,
+                "delta": cfg.delta,
+                "coalition": cfg.coalition,
+                "total_variance": cal.total_variance,
+                "calibration_delta": cfg.delta / len(orders),
+                "ledger_orders": list(orders),
+                **encoding.record_fields(),
+            },
+            "steps": [],
+        }
+        emit({"event": "iterate-started", "site": site.name, "run": cfg.run, "secure": True, "steps": steps})
+        status, reason = "finished", f"all {steps} steps done"
+        current = names
+        for step in range(steps):
+            if stop.is_set():
+                status, reason = "interrupted", f"stopped before step {step}"
+                break
+            grads = per_example_gradients(loss, params, xt, yt)
+            flat = np.concatenate([grads[k].detach().double().reshape(len(y), -1).numpy() for k in order], axis=1)
+
+            def rows(idx: np.ndarray, flat: np.ndarray = flat) -> np.ndarray:
+                return flat[idx]
+
+            try:
+                result = secure_sum(party, transport, plan, step, current, rows, len(y))
+            except BudgetExhausted as e:
+                status, reason = "budget", f"step {step}: {e}"
+                break
+            current = list(result.context.sites)
+            denominator = cfg.sample_rate * len(current) * cfg.declared_records
+            update = apply_update(np.zeros(dim), result.noisy_sum, cfg.learning_rate, denominator)
+            at = 0
+            for k in order:
+                size = int(np.prod(shapes[k]))
+                params[k] = params[k] + torch.as_tensor(
+                    update[at : at + size].reshape(shapes[k]), dtype=params[k].dtype
+                )
+                at += size
+            report["steps"].append(
+                {"step": step, "attempt": result.context.attempt, "sites": current, "entries": list(result.entries)}
+            )
+        arrays = {k: v.detach().numpy().astype(np.float32) for k, v in params.items()}
+        model_name = f"{cfg.run}-final"
+        save_model(cfg.out / "models", model_name, arch, arrays)
+        spent = [s for s in site.ledger.budget_states() if s.key.level == "data"]
+        report.update(
+            status=status,
+            reason=reason,
+            finished_at=now_rfc3339(),
+            epsilon_filter=spent[0].spent_epsilon if spent else None,
+        )
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        path = cfg.out / f"{cfg.run}.json"
+        path.write_text(json.dumps(report, indent=2, sort_keys=True, default=str), encoding="utf-8")
+        emit({"event": "iterate-finished", "site": site.name, "status": status, "steps": len(report["steps"])})
+        return IterateResult(status, reason, len(report["steps"]), report, path, [model_name])
+    finally:
+        if transport is not None:
+            transport.close()
+        site.close()
+
+
 __all__ = [
     "KINDS",
     "DaemonTransport",
@@ -448,5 +603,6 @@ __all__ = [
     "StepTransport",
     "apply_update",
     "poisson_sample",
+    "run_secure_iterate",
     "secure_sum",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from coordinator_free.secure_iterate import (
     apply_update,
     secure_sum,
 )
+from peer.base.errors import InvalidArgument
 from peer.desk.desk import ReleaseDesk
 from peer.dp.accounting.conversions import DEFAULT_ORDERS
 from peer.dp.distributed.encoding import Encoding
@@ -163,3 +165,94 @@ def test_a_daemon_serves_only_charged_vectors_of_its_own_run_to_the_sites_of_the
     assert e.value.status == "PERMISSION_DENIED" and e.value.reason == "SECAGG_NOT_OWN"
     for c in (own, from_peer, outsider):
         c.close()
+
+
+def test_round_with_secure_true_trains_over_daemons_and_every_site_ends_with_the_same_model(tmp_path):
+    """``privfusion round``'s runner with ``method = "iterate"``, ``secure = true``: three sites
+    (coalition 1) on loopback, 2 rounds × 2 local steps, one secure sum per step."""
+    from peer_harness import model_arrays
+    from test_iterate import ARCH, policy, round_file
+
+    from coordinator_free.roster import write_roster
+    from coordinator_free.runner import run_rounds
+    from peer.budget.ledger import Ledger
+    from peer.nn.store import load_model
+
+    allow = '"segment", "ledger", "secure-sum"'
+    sites = [
+        make_site(tmp_path, n, models={"mlp": (ARCH, model_arrays(ARCH))}, policy=policy(8.0, allow=allow))
+        for n in ("site-a", "site-b", "site-c")
+    ]
+    pin_each_other(*sites)
+    with contextlib.ExitStack() as stack:
+        addresses = [stack.enter_context(running(s))[1] for s in sites]
+        roster = write_roster(
+            tmp_path / "roster.toml",
+            [(s.name, a, str(s.identity_dir / "site.crt")) for s, a in zip(sites, addresses, strict=True)],
+        )
+        extra = "secure = true\ncoalition = 1\nsecure_scale = 256.0\n"
+        files = {s.name: round_file(s, roster, rounds=2, wait_s=20.0, extra=extra) for s in sites}
+        for s in sites:  # one public n at every site: the denominator q·k·n
+            path = Path(files[s.name])
+            path.write_text(path.read_text().replace("declared_records = 50", "declared_records = 25"))
+        results = {}
+
+        def run(site):
+            [(_, result)] = list(run_rounds(site.config, [files[site.name]]))
+            results[site.name] = result
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in sites]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert set(results) == {"site-a", "site-b", "site-c"}
+    for r in results.values():
+        assert r.status == "finished", r.reason
+        assert r.report["secure"] and len(r.report["steps"]) == 4
+    models = [load_model(s.root / "rounds" / "models", "t1-final").arrays for s in sites]
+    for m in models[1:]:
+        assert {k: v.tobytes() for k, v in m.items()} == {k: v.tobytes() for k, v in models[0].items()}
+    init = model_arrays(ARCH)
+    assert any(not np.array_equal(models[0][k], init[k]) for k in init)  # it moved
+    for s in sites:
+        with Ledger(s.ledger) as led:
+            entries = led.entries()
+            spent = next(b for b in led.budget_states() if b.key.level == "data").spent_epsilon
+        assert [e.record.parameters["step"] for e in entries] == [0, 1, 2, 3]
+        assert all(e.record.mechanism == "distributed-skellam" and e.record.parameters["sites"] == 3 for e in entries)
+        assert 0 < spent <= 4.0  # calibrated for the run's ε = 4 against the ledger's filter
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ('secure = true\nadjacency = "replace-one"', "round.iterate.adjacency"),
+        ("secure = 1", "round.iterate.secure"),
+        ("secure = true\nmodulus_bits = 65", "round.iterate.modulus_bits"),
+    ],
+)
+def test_a_bad_secure_iterate_table_names_the_key(tmp_path, extra, field):
+    from peer_harness import model_arrays
+    from test_iterate import ARCH, policy, round_file
+
+    from coordinator_free.iterate import load_iterate_config
+
+    a = make_site(tmp_path, "site-a", models={"mlp": (ARCH, model_arrays(ARCH))}, policy=policy(4.0))
+    with pytest.raises(InvalidArgument) as e:
+        load_iterate_config(round_file(a, tmp_path / "roster.toml", rounds=1, extra=extra))
+    assert e.value.field.split(" (")[0] == field  # the key, then the file and line
+
+
+def test_secure_needs_coalition_plus_two_sites_else_the_local_noise_iterate_runs(tmp_path):
+    from coordinator_free.iterate import IterateConfig
+    from coordinator_free.roster import write_roster
+    from coordinator_free.runner import _secure_possible
+
+    files = [make_site(tmp_path, n) for n in ("site-a", "site-b", "site-c")]
+    roster = write_roster(
+        tmp_path / "r.toml", [(f.name, "127.0.0.1:9", str(f.identity_dir / "site.crt")) for f in files]
+    )
+    cfg = IterateConfig(roster, "mlp", tmp_path / "x.npz", tmp_path, secure=True, coalition=1)
+    assert _secure_possible(cfg)
+    assert not _secure_possible(IterateConfig(roster, "mlp", tmp_path / "x.npz", tmp_path, secure=True, coalition=2))

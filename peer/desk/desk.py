@@ -557,3 +557,6 @@ def publish_segment(store, ledger, run: str, round_number: int, release: StoredR
         except Exception:
             store.remove(key)  # uncharged: never served; a charge that did commit stands (conservative)
             raise
+
+
+__all__ = ["Gate", "ReleaseDesk", "Transport", "publish_segment"]

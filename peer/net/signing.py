@@ -40,3 +40,6 @@ def wire_transport(site) -> Transport:
         )
 
     return Transport(tensors_of_features, sign)
+
+
+__all__ = ["tensors_of_features", "wire_transport"]
