@@ -29,6 +29,12 @@ shares still add up to V; with |S′| < t + 2 the step stops (too few sites for 
 bound: the local-noise iterate is the fallback). Every survivor misses the same site (it did
 not publish), so they agree on S′; a set that disagrees shows up as a wrong-context refusal.
 
+A site that completes an attempt and then goes away before its peers have fetched its forwarded
+digests makes them abandon the attempt it completed: they re-run the step without it and their
+models part from its own (both sums were charged; nothing is lost to privacy). A daemon outlives
+its run, so a site that ends keeps serving its last messages; one that must stop should wait
+until its peers have started the next step.
+
 **Unit and charge.** One record of this site, add/remove; per attempt the distributed Skellam
 mechanism with the encoding's integer sensitivities, the site's sample rate and the honest
 shares' variance (``events.DistributedSkellamSteps``). V is the planned total variance
@@ -153,7 +159,7 @@ class DaemonTransport:
     this site's run publishes on its own daemon (``own_address``, with its own identity) and
     fetches from each peer's daemon (``addresses``: site → HOST:PORT, pinned peers), polling
     every ``poll_s`` while a message is not yet published (NOT_FOUND) or a daemon does not
-    answer (UNAVAILABLE), up to ``wait_s``; then that sender has dropped. Any other refusal is
+    answer (UNAVAILABLE, or a call cut short as it stops: CANCELLED), up to ``wait_s``; then that sender has dropped. Any other refusal is
     raised as it came."""
 
     def __init__(
@@ -203,7 +209,7 @@ class DaemonTransport:
                 try:
                     got[s] = self._peers[s].fetch_secagg(context, kind, timeout=max(1.0, self.wait_s))
                 except PeerError as e:
-                    if e.status not in ("NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                    if e.status not in ("NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"):
                         raise
             missing = [s for s in senders if s not in got]
             if not missing:

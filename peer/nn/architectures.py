@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -205,6 +206,16 @@ def build_model(arch: Mapping[str, Any], seed: int | None = None) -> nn.Sequenti
     a = validate_architecture(arch)
     act = ACTIVATIONS[a["activation"]]
     layers: list[nn.Module] = []
+    with _BUILD:
+        return _build_layers(a, act, layers, seed)
+
+
+#: torch's initialisation draws from its one global generator: a seeded build must not have
+#: another build's draws interleaved with its own (sites of a simulation in threads of one process)
+_BUILD = threading.Lock()
+
+
+def _build_layers(a: Mapping[str, Any], act, layers: list, seed: int | None) -> nn.Sequential:
     if seed is not None:
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
