@@ -337,3 +337,17 @@ def cli_on_terminal(*args: str, columns: int = 120, env: dict | None = None) -> 
         reader.join(timeout=10)
         os.close(master)
     return TerminalRun(proc.returncode, stdout.decode(), b"".join(chunks).decode(errors="replace"))
+
+
+#: the label column of the small tables that write_records writes
+LABEL = "outcome"
+
+
+def write_records(path: Path, rows: int, seed: int) -> Path:
+    """A small table: three numeric columns and a binary label that depends on them."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 3))
+    y = (x @ np.array([1.0, -0.5, 0.25]) + 0.3 * rng.normal(size=rows) > 0).astype(int)
+    lines = [f"a,b,c,{LABEL}"] + [f"{r[0]:.5f},{r[1]:.5f},{r[2]:.5f},{v}" for r, v in zip(x, y, strict=True)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

@@ -15,23 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from peer_harness import SiteFiles, cli, client, make_site, pin_each_other, running
+from peer_harness import LABEL, SiteFiles, cli, client, make_site, pin_each_other, running, write_records
 
 from coordinator_free.roster import write_roster
-
-LABEL = "outcome"
-
-
-def write_records(path: Path, rows: int, seed: int) -> Path:
-    """A small table: three numeric columns and a binary label that depends on them."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 3))
-    y = (x @ np.array([1.0, -0.5, 0.25]) + 0.3 * rng.normal(size=rows) > 0).astype(int)
-    lines = [f"a,b,c,{LABEL}"] + [f"{r[0]:.5f},{r[1]:.5f},{r[2]:.5f},{v}" for r, v in zip(x, y, strict=True)]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def new_site(root: Path, name: str = "hospital-a", *extra: str) -> Path:

@@ -11,24 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-from peer_harness import cli, cli_on_terminal
+from peer_harness import LABEL, cli, cli_on_terminal, write_records
 
 from coordinator_free.roster import write_roster
 
-LABEL = "outcome"
 # tqdm's frame as peer.base.progress.BAR_FORMAT draws it: "DESC: 40%|███   | 8/20 epochs [00:01 elapsed, 00:02 left]"
 FRAME = r"{desc}: +\d+%\|[^|]*\| (\d+)/{total} {unit} \[\d\d:\d\d elapsed, (\d\d:\d\d|\?) left\]"
-
-
-def write_records(path: Path, rows: int, seed: int) -> Path:
-    """A small table: three numeric columns and a binary label that depends on them."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 3))
-    y = (x @ np.array([1.0, -0.5, 0.25]) + 0.3 * rng.normal(size=rows) > 0).astype(int)
-    lines = [f"a,b,c,{LABEL}"] + [f"{r[0]:.5f},{r[1]:.5f},{r[2]:.5f},{v}" for r, v in zip(x, y, strict=True)]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def a_site(tmp_path: Path) -> tuple[Path, Path]:

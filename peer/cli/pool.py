@@ -244,11 +244,9 @@ def _optimizer(values: dict, index: int):
 
 
 def _train_records(args: argparse.Namespace) -> int:
-    from peer.base.progress import progress_bar
     from peer.base.rng import make_randomness
     from peer.cli.model import architecture_arg, records_from_args, site_paths
     from peer.dp.pools import save_trained
-    from peer.dp.training import train_pool
     from peer.nn.architectures import accuracy, model_from_arrays
 
     if args.out is None:
@@ -310,20 +308,9 @@ def _train_records(args: argparse.Namespace) -> int:
             args, own, records, names, trainings, pool_name, directory, declared, description
         )
     randomness = make_randomness(args.seed)
-    with progress_bar(
-        sum(len(t.steps) for t in trainings), f"DP-SGD pool {pool_name}", "steps", quiet=args.json
-    ) as step:
-        models = train_pool(
-            arch,
-            records.x_train,
-            records.y_train,
-            trainings,
-            init_seed=args.init_seed,
-            randomness=randomness,
-            delta=args.delta,
-            dataset_size=declared,
-            progress=step,
-        )
+    models = _train_pool_with_progress(
+        args, arch, records.x_train, records.y_train, trainings, randomness, declared, pool_name
+    )
     summary = []
     for name, model in zip(names, models, strict=True):
         module = model_from_arrays(model.architecture, model.arrays)
@@ -354,11 +341,29 @@ def _train_records(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train_pool_with_progress(args, arch, x_train, y_train, trainings, randomness, declared, name) -> list:
+    """``train_pool`` on the command's records, with a bar counting every model's DP-SGD steps
+    (none with ``--json`` or off a terminal: ``peer.base.progress``)."""
     from peer.base.progress import progress_bar
+    from peer.dp.training import train_pool
+
+    with progress_bar(sum(len(t.steps) for t in trainings), f"DP-SGD pool {name}", "steps", quiet=args.json) as step:
+        return train_pool(
+            arch,
+            x_train,
+            y_train,
+            trainings,
+            init_seed=args.init_seed,
+            randomness=randomness,
+            delta=args.delta,
+            dataset_size=declared,
+            progress=step,
+        )
+
+
+def _train(args: argparse.Namespace) -> int:
     from peer.base.rng import make_randomness
     from peer.dp.pools import load_splits, save_trained
-    from peer.dp.training import train_pool
     from peer.nn.architectures import accuracy, model_from_arrays
 
     splits = load_splits(args.dataset, split_seed=args.split_seed, validation_fraction=args.validation_fraction)
@@ -368,20 +373,9 @@ def _train(args: argparse.Namespace) -> int:
     names, trainings = _specs(args)
     declared = declared_records(args)
     randomness = make_randomness(args.seed)
-    with progress_bar(
-        sum(len(t.steps) for t in trainings), f"DP-SGD pool {args.out}", "steps", quiet=args.json
-    ) as step:
-        models = train_pool(
-            arch,
-            splits.x_train,
-            splits.y_train,
-            trainings,
-            init_seed=args.init_seed,
-            randomness=randomness,
-            delta=args.delta,
-            dataset_size=declared,
-            progress=step,
-        )
+    models = _train_pool_with_progress(
+        args, arch, splits.x_train, splits.y_train, trainings, randomness, declared, args.out
+    )
     summary = []
     for name, model in zip(names, models, strict=True):
         module = model_from_arrays(model.architecture, model.arrays)
