@@ -81,8 +81,10 @@ Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate
     out = "rounds"
     call_timeout_s = 60.0
     [round.iterate]
-    records = "records.npz"  # our training records: .npz (x, y) prepared, or a table the
-                             # model's stored preprocessing reads (CSV/TSV/Parquet); never leave
+    records = "records.npz"  # our training records: .npz (x, y) prepared, a table the model's
+                             # stored preprocessing reads (CSV/TSV/Parquet), or images (a folder
+                             # by class, DIR/<class>/*.png, or a manifest with a path column)
+                             # that its stored image preprocessing reads; they never leave
     run = "iterate"          # the run's name, the same at every site
     rounds = 20
     local_steps = 2
@@ -183,8 +185,12 @@ class IterateConfig:
         except InvalidArgument as e:
             it.fail("run", e.rule)
         records = it.path("records", base)
-        if not records.is_file():
-            it.fail("records", f"{str(records)!r} is not a file (paths are relative to the round file)")
+        if not (records.is_file() or records.is_dir()):
+            it.fail(
+                "records",
+                f"{str(records)!r} is neither a file nor a folder of images by class (paths are relative to "
+                "the round file)",
+            )
         secure = it.boolean("secure", False)
         if secure and it.string("adjacency", "add-remove") != "add-remove":
             it.fail("adjacency", "secure aggregation is accounted under add-remove only")
@@ -258,25 +264,45 @@ def fusion_weights_by_records(
 
 def load_records(path: Path, stored) -> tuple[np.ndarray, np.ndarray]:
     """The site's own training records, prepared as its model expects: an ``.npz`` with
-    ``x`` (already prepared inputs) and ``y`` (integer labels), or a table file read and
-    prepared by the model's stored preprocessing (``peer.nn.tables``)."""
+    ``x`` (already prepared inputs) and ``y`` (integer labels), a table file (CSV/TSV/Parquet)
+    read by the model's stored preprocessing (``peer.nn.tables``), or image records — a folder
+    by class or a manifest (``peer.nn.images.is_image_source``) — decoded and normalised by
+    the model's stored image preprocessing (its channels, size and per-channel statistics, as
+    fitted when the model was trained: never re-fitted on these records). Every image file is
+    checked before any step runs; a bad one is refused naming ``round.iterate.records`` and its
+    path."""
+    from peer.nn.images import ImagePreprocessing, is_image_source
+
+    field_name = "round.iterate.records"
     if path.suffix == ".npz":
         with np.load(path, allow_pickle=False) as z:
             if "x" not in z or "y" not in z:
-                raise InvalidArgument("round.iterate.records", f"{path} must hold arrays 'x' and 'y'")
+                raise InvalidArgument(field_name, f"{path} must hold arrays 'x' and 'y'")
             x, y = np.asarray(z["x"]), np.asarray(z["y"])
     else:
-        if stored.preprocessing is None:
+        prep = stored.preprocessing
+        images = is_image_source(path)
+        what = "a folder of images by class" if path.is_dir() else "an image manifest" if images else "a table"
+        if prep is None:
             raise InvalidArgument(
-                "round.iterate.records",
-                f"{path.name} is a table, but model {stored.name!r} has no stored preprocessing to read it with "
+                field_name,
+                f"{path} is {what}, but model {stored.name!r} has no stored preprocessing to read it with "
                 "(give an .npz of prepared x, y)",
             )
-        x, y = stored.preprocessing.transform(stored.preprocessing.read(path))
+        if images != isinstance(prep, ImagePreprocessing):
+            raise InvalidArgument(
+                field_name,
+                f"{path} is {what}, but model {stored.name!r}'s stored preprocessing reads "
+                f"{'images' if isinstance(prep, ImagePreprocessing) else 'tables'}",
+            )
+        try:
+            x, y = prep.transform(prep.read(path))
+        except InvalidArgument as e:
+            raise InvalidArgument(field_name, f"{e.field}: {e.rule}") from None
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
-        raise InvalidArgument("round.iterate.records", f"{path.name}: need x (n, …) and y (n,), n ≥ 1")
+        raise InvalidArgument(field_name, f"{path.name}: need x (n, …) and y (n,), n ≥ 1")
     if not np.all(np.isfinite(x)):
-        raise InvalidArgument("round.iterate.records", f"{path.name}: x holds NaN or infinite values")
+        raise InvalidArgument(field_name, f"{path.name}: x holds NaN or infinite values")
     return x.astype(np.float32), y.astype(np.int64)
 
 

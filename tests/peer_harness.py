@@ -351,3 +351,52 @@ def write_records(path: Path, rows: int, seed: int) -> Path:
     lines = [f"a,b,c,{LABEL}"] + [f"{r[0]:.5f},{r[1]:.5f},{r[2]:.5f},{v}" for r, v in zip(x, y, strict=True)]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def cli_parallel(*commands: tuple[str, ...], timeout: float = 300) -> list[str]:
+    """Several ``privfusion`` commands at once, as different sites run them (each on its own
+    machine, in real life); each must exit 0. Their standard outputs, in order."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "peer.cli", *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for c in commands
+    ]
+    outs = []
+    for c, p in zip(commands, procs, strict=True):
+        out, err = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise AssertionError(f"privfusion {' '.join(c)} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}")
+        outs.append(out)
+    return outs
+
+
+# ------------------------------------------------------------------------------ image records
+
+
+def digits_images(n: int, seed: int, classes: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` of scikit-learn's 8x8 digits (classes 0 .. ``classes`` - 1), as uint8 images scaled
+    to 0..255, drawn without replacement by ``seed``."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    keep = np.flatnonzero(d.target < classes)
+    pick = np.random.default_rng(seed).choice(keep, size=n, replace=False)
+    return (d.images[pick] * (255 / 16)).round().astype(np.uint8), d.target[pick]
+
+
+def write_folder(root: Path, images: np.ndarray, labels: np.ndarray, *, rgb: bool = False, jpeg_every: int = 0) -> Path:
+    """DIR/<label>/<i>.png (every ``jpeg_every``-th as .jpg), grayscale or RGB: a folder by class."""
+    from PIL import Image
+
+    for i, (a, y) in enumerate(zip(images, labels, strict=True)):
+        d = root / str(int(y))
+        d.mkdir(parents=True, exist_ok=True)
+        im = Image.fromarray(a, mode="L")
+        if rgb:
+            im = im.convert("RGB")
+        if jpeg_every and i % jpeg_every == 0:
+            im.save(d / f"{i:04d}.jpg", quality=95)
+        else:
+            im.save(d / f"{i:04d}.png")
+    return root

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peer_harness import cli
+from peer_harness import cli, digits_images, write_folder
 from PIL import Image
 
 from peer.base.errors import InvalidArgument
@@ -33,31 +33,6 @@ from peer.nn.tables import Preprocessing
 
 # pixel values the corrupt-file messages must never show (every value a test image holds is in
 # 0..255; the messages are checked for none of the records' distinctive values)
-
-
-def digits_images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` of scikit-learn's 8x8 digits (classes 0, 1, 2), as uint8 images scaled to 0..255."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    keep = np.flatnonzero(d.target < 3)
-    pick = np.random.default_rng(seed).choice(keep, size=n, replace=False)
-    return (d.images[pick] * (255 / 16)).round().astype(np.uint8), d.target[pick]
-
-
-def write_folder(root: Path, images: np.ndarray, labels: np.ndarray, *, rgb: bool = False, jpeg_every: int = 0) -> Path:
-    """DIR/<label>/<i>.png (every ``jpeg_every``-th as .jpg), grayscale or RGB."""
-    for i, (a, y) in enumerate(zip(images, labels, strict=True)):
-        d = root / str(int(y))
-        d.mkdir(parents=True, exist_ok=True)
-        im = Image.fromarray(a, mode="L")
-        if rgb:
-            im = im.convert("RGB")
-        if jpeg_every and i % jpeg_every == 0:
-            im.save(d / f"{i:04d}.jpg", quality=95)
-        else:
-            im.save(d / f"{i:04d}.png")
-    return root
 
 
 def write_dicom(path: Path, pixels: np.ndarray, *, frames: int = 1) -> Path:
