@@ -73,7 +73,10 @@ def iterate_site_toml(sc: Scenario, s: SiteWorld) -> str:
     return "\n".join(lines) + "\n"
 
 
-def iterate_round_toml(sc: Scenario, roster: Path) -> str:
+def iterate_round_toml(sc: Scenario, roster: Path, images: Path | None = None) -> str:
+    """The iterate round file of a site: its records are ``records.npz`` in its iterate
+    directory (prepared arrays), or its folder of images by class (``images``: read with its
+    model's stored image preprocessing, as a hospital's own image folder would be)."""
     it = sc.iterate
     lines = [
         "[round]",
@@ -84,7 +87,7 @@ def iterate_round_toml(sc: Scenario, roster: Path) -> str:
         f"call_timeout_s = {sc.round.call_timeout_s!r}",
         "",
         "[round.iterate]",
-        'records = "records.npz"',
+        f'records = "{"records.npz" if images is None else images.resolve()}"',
         'run = "iterate"',
         f"rounds = {it.rounds}",
         f"local_steps = {it.local_steps}",
@@ -112,7 +115,8 @@ def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
     sites = {n: dataclasses.replace(s, root=s.root / "iterate") for n, s in world.sites.items()}
     for s in sites.values():
         s.root.mkdir(parents=True, exist_ok=True)
-        np.savez(s.root / "records.npz", x=s.x, y=s.y)  # the site's own records, in its own directory
+        if s.images is None:
+            np.savez(s.root / "records.npz", x=s.x, y=s.y)  # the site's own records, in its own directory
         s.config.write_text(iterate_site_toml(sc, s), encoding="utf-8")
     daemons: dict[str, Daemon] = {}
     loops: dict[str, RoundThread] = {}
@@ -135,7 +139,7 @@ def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
 
         for s in sites.values():
             f = s.root / "round-iterate.toml"
-            f.write_text(iterate_round_toml(sc, roster.resolve()), encoding="utf-8")
+            f.write_text(iterate_round_toml(sc, roster.resolve(), s.images), encoding="utf-8")
             loops[s.name] = RoundThread(s, [f], on_event)
         it = sc.iterate
         progress(

@@ -30,8 +30,18 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     #                           # feature column (numeric; a bundled set's scikit-learn name) and
     #                           # cut into one contiguous region per site, lowest values first
     min_per_site = 20
+    # image_size = 28           # dataset = "digits" only: the 8x8 digits rendered at run time to
+    #                           # PNG files of image_size x image_size (Pillow's bilinear upscaling)
+    #                           # in class folders (DIR/<class>/<i>.png), one folder per site plus
+    #                           # the public and test sets, and read back by peer.nn.images with a
+    #                           # preprocessing fitted on the public folder; iterate reads each
+    #                           # site's folder (scenarios/images.toml)
 
     [model]                     # every site's own model (plain training on its records)
+    kind = "mlp"                # "mlp" | "cnn" (the built-in CNN: image records only)
+    # channels = [8, 16]        # cnn: conv widths, one 3x3 (kernel_size) conv + activation each,
+    # kernel_size = 3           #      then max-pooling by its factor in pool (1: none)
+    # pool = [2, 2]
     hidden = [32]
     activation = "relu"
     epochs = 60
@@ -141,6 +151,7 @@ BUNDLED = (
     "underfit.toml",
     "unbalanced.toml",
     "regions.toml",
+    "images.toml",
 )
 #: classes of the bundled datasets (``remove_class`` is checked against them when parsed)
 BUNDLED_CLASSES = {"breast_cancer": 2, "digits": 10}
@@ -162,10 +173,15 @@ class DataSpec:
     categorical: tuple[str, ...] = ()
     impute: bool = False
     unseen: str = "refuse"
+    image_size: int | None = None  # digits rendered to PNG files of this size (None: arrays)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    kind: str = "mlp"
+    channels: tuple[int, ...] = ()  # cnn only
+    kernel_size: int = 3
+    pool: tuple[int, ...] = ()
     hidden: tuple[int, ...] = (32,)
     activation: str = "relu"
     epochs: int = 60
@@ -397,6 +413,53 @@ def _removal(t: Section, data: DataSpec) -> tuple[int | None, float]:
     return label, t.number("remove_fraction", exclusive_minimum=0.0, maximum=1.0)
 
 
+def _image_size(d: Section, records: dict[str, Any]) -> int | None:
+    """``[data] image_size``: the bundled digits rendered to PNG files of that size (8..256)."""
+    if "image_size" not in d:
+        return None
+    if records or d.string("dataset", DataSpec.dataset) != "digits":
+        d.fail("image_size", 'renders the bundled digits to image files: it needs dataset = "digits"')
+    return d.integer("image_size", minimum=8, maximum=256)
+
+
+def _widths(m: Section, key: str, default: list[int], maximum: int) -> tuple[int, ...]:
+    v = m.raw(key, default)
+    if (
+        not isinstance(v, list)
+        or not v
+        or not all(isinstance(h, int) and not isinstance(h, bool) and 1 <= h <= maximum for h in v)
+    ):
+        m.fail(key, f"must be a non-empty array of integers 1..{maximum}, got {v!r}")
+    return tuple(v)
+
+
+def _cnn_keys(m: Section, kind: str, data: DataSpec) -> dict[str, Any]:
+    """``[model] channels / kernel_size / pool`` of ``kind = "cnn"`` (refused for an MLP): the
+    built-in CNN (``peer.nn.architectures``) takes image records, bundled digits or rendered
+    ones; every pool factor must divide the image side left by the blocks before it."""
+    keys = ("channels", "kernel_size", "pool")
+    if kind != "cnn":
+        for key in keys:
+            if key in m:
+                m.fail(key, 'belongs with kind = "cnn"')
+        return {}
+    if data.path is not None or data.dataset != "digits":
+        m.fail("kind", 'a cnn takes images: dataset = "digits" (8x8, or rendered at [data] image_size)')
+    channels = _widths(m, "channels", [8, 16], 1024)
+    k = m.integer("kernel_size", 3, minimum=1, maximum=15)
+    if k % 2 == 0:
+        m.fail("kernel_size", f"must be odd (same-size convolutions), got {k}")
+    pool = _widths(m, "pool", [1] * len(channels), 16)
+    if len(pool) != len(channels):
+        m.fail("pool", f"must give one factor per conv block ({len(channels)}), got {len(pool)}")
+    side = data.image_size or 8
+    for i, p in enumerate(pool):
+        if side % p:
+            m.fail("pool", f"factor {p} at block {i} does not divide the image side {side} left there")
+        side //= p
+    return {"channels": channels, "kernel_size": k, "pool": pool}
+
+
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     root = Section(parse_toml(text, source, "scenario"), (), text, source)
     root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure", "iterate", "central_dpsgd"])
@@ -419,6 +482,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         concentration=d.number("concentration", DataSpec.concentration, exclusive_minimum=0.0),
         min_per_site=d.integer("min_per_site", DataSpec.min_per_site, minimum=1),
         region_feature=_region_feature(d, records),
+        image_size=_image_size(d, records),
         **{k: v for k, v in records.items() if k != "dataset"},
     )
     if data.probe_size > data.public_size:
@@ -437,7 +501,10 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         or not all(isinstance(h, int) and not isinstance(h, bool) and 1 <= h <= 4096 for h in hidden)
     ):
         m.fail("hidden", f"must be a non-empty array of layer widths (integers 1..4096), got {hidden!r}")
+    kind = m.string("kind", ModelSpec.kind, choices=("mlp", "cnn"))
     model = ModelSpec(
+        kind=kind,
+        **_cnn_keys(m, kind, data),
         hidden=tuple(hidden),
         activation=m.string("activation", ModelSpec.activation, choices=tuple(ACTIVATIONS)),
         epochs=m.integer("epochs", ModelSpec.epochs, minimum=1, maximum=10_000),

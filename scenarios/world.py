@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,9 @@ class SiteWorld:
     architecture: dict
     arrays: dict[str, np.ndarray]
     pool: list[dict] = field(default_factory=list)
+    #: the site's own records as image files (``[data] image_size``): its folder by class, which
+    #: its iterate run reads with the model's stored image preprocessing; None: arrays only
+    images: Path | None = None
 
     @property
     def config(self) -> Path:
@@ -214,6 +217,9 @@ class ScenarioData:
     architecture: dict
     num_classes: int
     preprocessing: Any = None  # peer.nn.tables.Preprocessing of the scenario's own records
+    #: ``[data] image_size``: the folders by class the records were read back from ("public",
+    #: "test" and each site's name); None when the images were rendered to a temporary folder
+    folders: dict[str, Path] | None = None
 
 
 def _public_order(sc: Scenario, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -226,11 +232,13 @@ def _public_order(sc: Scenario, n: int, rng: np.random.Generator) -> np.ndarray:
     return rng.permutation(n)
 
 
-def split_data(sc: Scenario) -> ScenarioData:
+def split_data(sc: Scenario, images: Path | None = None) -> ScenarioData:
     """Test set, public set and every site's protected records of scenario ``sc``: the split
     (``[data] split``: Dirichlet label skew, IID, or regions of a covariate), then each site's
     class removal (``[sites.NAME] remove_class`` / ``remove_fraction``), drawn from the
-    scenario's seed and the site's place in the file."""
+    scenario's seed and the site's place in the file. With ``[data] image_size`` every part is
+    rendered to PNG files in folders by class under ``images`` (a temporary folder when None)
+    and read back as image records (:func:`render_parts`)."""
     from peer.nn.data import Dataset, load_dataset, split_by_feature, split_dirichlet, split_homogeneous
 
     d = sc.data
@@ -274,23 +282,90 @@ def split_data(sc: Scenario) -> ScenarioData:
     else:
         idx = split_homogeneous(y_prot, len(sc.sites), seed=sc.seed)
     idx = _remove_classes(sc, idx, y_prot, ds.num_classes)
-    arch = {
-        "kind": "mlp",
-        "input_dim": ds.input_dim,
-        "hidden": list(sc.model.hidden),
-        "output_dim": ds.num_classes,
-        "activation": sc.model.activation,
-    }
-    return ScenarioData(
+    data = ScenarioData(
         ds.x_test,
         ds.y_test,
         ds.x_train[public],
         ds.y_train[public],
         tuple((x_prot[i], y_prot[i]) for i in idx),
-        arch,
+        architecture(sc, ds.input_dim, ds.num_classes),
         ds.num_classes,
         prep,
     )
+    if d.image_size is None:
+        return data
+    if images is not None:
+        return render_parts(sc, data, images)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="privfusion-images-") as tmp:
+        return replace(render_parts(sc, data, Path(tmp)), folders=None)
+
+
+def architecture(sc: Scenario, input_dim: int, num_classes: int) -> dict:
+    """Every site's architecture (``[model]``): the MLP, or the built-in CNN on images of one
+    channel, ``[data] image_size`` pixels square (8: the bundled digits as they are)."""
+    m = sc.model
+    if m.kind == "mlp":
+        width = input_dim if sc.data.image_size is None else sc.data.image_size**2
+        return {
+            "kind": "mlp",
+            "input_dim": width,
+            "hidden": list(m.hidden),
+            "output_dim": num_classes,
+            "activation": m.activation,
+        }
+    side = sc.data.image_size or 8
+    return {
+        "kind": "cnn",
+        "input_shape": [1, side, side],
+        "channels": list(m.channels),
+        "kernel_size": m.kernel_size,
+        "pool": list(m.pool),
+        "hidden": list(m.hidden),
+        "output_dim": num_classes,
+        "activation": m.activation,
+    }
+
+
+def render_digits(folder: Path, x: np.ndarray, y: np.ndarray, size: int) -> Path:
+    """Digits (rows of 64 values in [0, 1], as ``peer.nn.data.load_dataset`` gives them) as
+    8-bit grayscale PNG files ``folder/<label>/<i>.png`` of ``size`` x ``size`` pixels: each
+    8x8 image scaled to 0..255, rounded, and upscaled by Pillow's bilinear filter (no new
+    detail: the same 64 numbers, interpolated)."""
+    from PIL import Image
+
+    for i, (row, label) in enumerate(zip(x, y, strict=True)):
+        a = (np.clip(np.asarray(row, dtype=np.float64).reshape(8, 8), 0.0, 1.0) * 255).round().astype(np.uint8)
+        d = folder / str(int(label))
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(a, mode="L").resize((size, size), Image.Resampling.BILINEAR).save(d / f"{i:05d}.png")
+    return folder
+
+
+def render_parts(sc: Scenario, data: ScenarioData, root: Path) -> ScenarioData:
+    """``data`` rendered to folders by class under ``root`` (``public``, ``test`` and one per
+    site: :func:`render_digits`) and read back through ``peer.nn.images``, as a hospital's
+    image records are: every file checked, the preprocessing (per-channel mean and std) fitted
+    on the PUBLIC folder only and shared by every site, each part prepared with it."""
+    from peer.nn.images import ImagePreprocessing, read_images
+
+    size = sc.data.image_size
+    folders = {"public": root / "public", "test": root / "test"}
+    folders.update({spec.name: root / spec.name for spec in sc.sites})
+    render_digits(folders["public"], data.x_public, data.y_public, size)
+    render_digits(folders["test"], data.x_test, data.y_test, size)
+    for spec, (x, y) in zip(sc.sites, data.parts, strict=True):
+        render_digits(folders[spec.name], x, y, size)
+    prep = ImagePreprocessing.fit(read_images(folders["public"]), split="public")
+
+    def read(name: str) -> tuple[np.ndarray, np.ndarray]:
+        return prep.transform(read_images(folders[name]))
+
+    (x_pub, y_pub), (x_test, y_test) = read("public"), read("test")
+    parts = tuple(read(spec.name) for spec in sc.sites)
+    return replace(data, x_test=x_test, y_test=y_test, x_public=x_pub, y_public=y_pub, parts=parts,
+                   preprocessing=prep, folders=folders)  # fmt: skip
 
 
 def _region_column(table, name: str) -> np.ndarray:
@@ -376,6 +451,7 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path, fixed_
             np.ascontiguousarray(probe, dtype=np.float32),
             data.architecture,
             state_arrays(model),
+            images=None if data.folders is None else data.folders[name],
         )
         save_model(
             root / "models",
@@ -403,7 +479,7 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
     from peer.net.identity import init_identity
     from peer.net.trust import TrustStore
 
-    data = split_data(sc)
+    data = split_data(sc, out / "images")
     world = World(sc, out, {}, data.x_test, data.y_test, data.x_public, data.y_public, round_plan(sc))
     for spec in sc.sites:
         s = prepare_site(sc, data, spec.name, out / "sites" / spec.name)

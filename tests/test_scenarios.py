@@ -488,3 +488,79 @@ def test_underfit_scenario_end_to_end(tmp_path):
     for s in report["sites"].values():
         assert s["rounds"]["ldp"]["status"] == "fused" and s["rounds"]["merged"]["status"] == "fused"
     check_report_against_ledgers(out, report)
+
+
+# ---------------------------------------------------------------------------------- image records
+
+#: TINY on digits rendered to 12x12 PNG folders, with the built-in CNN
+IMAGES = _replace('dataset = "breast_cancer"', 'dataset = "digits"\nimage_size = 12').replace(
+    "hidden = [8]", 'kind = "cnn"\nchannels = [4]\npool = [2]\nhidden = [8]', 1
+)
+
+
+@pytest.mark.parametrize(
+    "text,key,fragment",
+    [
+        (_replace("min_per_site = 20", "min_per_site = 20\nimage_size = 28"), "data.image_size", "image_size = 28"),
+        (_replace("hidden = [8]", 'hidden = [8]\nkind = "cnn"'), "model.kind", 'kind = "cnn"'),
+        (_replace("hidden = [8]", "hidden = [8]\nchannels = [4]"), "model.channels", "channels = [4]"),
+        (IMAGES.replace("image_size = 12", "image_size = 4"), "data.image_size", "image_size = 4"),
+        (IMAGES.replace("pool = [2]", "pool = [5]"), "model.pool", "pool = [5]"),
+        (IMAGES.replace("pool = [2]", "pool = [2, 2]"), "model.pool", "pool = [2, 2]"),
+        (IMAGES.replace("[model]", "[model]\nkernel_size = 4"), "model.kernel_size", "kernel_size = 4"),
+    ],
+)
+def test_a_bad_image_key_is_refused_with_its_line(text, key, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(text, "bad.toml")
+    assert e.value.key == key
+    assert e.value.line == _line_of(text, fragment)
+
+
+def test_the_image_scenario_renders_folders_by_class_and_reads_them_back(tmp_path):
+    """Every part of the split becomes a folder of 12x12 PNG files by class; read back through
+    peer.nn.images with the preprocessing fitted on the public folder, the parts hold the same
+    labels as the split of the arrays, and the pixels are the 8x8 digits upscaled."""
+    import numpy as np
+    from PIL import Image
+
+    from peer.nn.images import ImagePreprocessing, read_images
+    from scenarios.world import split_data
+
+    sc = parse_scenario(IMAGES, "images.toml")
+    arrays = split_data(parse_scenario(TINY.replace('dataset = "breast_cancer"', 'dataset = "digits"'), "d.toml"))
+    data = split_data(sc, tmp_path)
+    assert data.architecture["kind"] == "cnn" and data.architecture["input_shape"] == [1, 12, 12]
+    prep = data.preprocessing
+    assert isinstance(prep, ImagePreprocessing) and prep.fitted_on["split"] == "public" and prep.size == (12, 12)
+    assert set(data.folders) == {"public", "test", "site-a", "site-b", "site-c"}
+    for (x, y), (_, y_arrays), name in zip(data.parts, arrays.parts, ("site-a", "site-b", "site-c"), strict=True):
+        assert x.shape == (len(y), 144)
+        assert np.array_equal(np.bincount(y, minlength=10), np.bincount(y_arrays, minlength=10)), name
+        files = read_images(data.folders[name])
+        assert len(files) == len(y) and all(
+            p.parent.name == str(label) for p, label in zip(files.paths, y, strict=True)
+        )
+        with Image.open(files.paths[0]) as im:
+            assert (im.mode, im.size) == ("L", (12, 12))
+    # the pixels: each record's mean intensity is its 8x8 digit's (bilinear upscaling keeps it
+    # to within the rounding of 8-bit pixels and the filter's edge handling)
+    (x_pub, y_pub) = (data.x_public, data.y_public)
+    raw = x_pub.reshape(-1, 144) * prep.std[0] + prep.mean[0]
+    ref = np.sort(arrays.x_public.mean(axis=1))
+    assert np.sort(raw.mean(axis=1)) == pytest.approx(ref, abs=0.03)
+    assert np.array_equal(np.bincount(y_pub, minlength=10), np.bincount(arrays.y_public, minlength=10))
+    # without a folder the images go to a temporary one: the same records, no folders kept
+    again = split_data(sc)
+    assert again.folders is None and np.array_equal(np.sort(again.x_test, axis=0), np.sort(data.x_test, axis=0))
+
+
+def test_an_image_sites_iterate_reads_its_folder():
+    from pathlib import Path as P
+
+    from scenarios.iterate_sites import iterate_round_toml
+
+    sc = load_scenario(bundled_path("images.toml"))
+    text = iterate_round_toml(sc, P("/r/roster.toml"), P("/out/images/clinic-a"))
+    assert 'records = "/out/images/clinic-a"' in text
+    assert 'records = "records.npz"' in iterate_round_toml(sc, P("/r/roster.toml"))
