@@ -44,6 +44,7 @@ def pytest_configure(config):
 # (longest-processing-time-first), the rest in their usual order. Out of date numbers only cost
 # balance, never a result.
 LONGEST_FILES = (
+    "test_images_rounds.py",
     "test_site_e2e.py",
     "test_imported_e2e.py",
     "test_images.py",
@@ -60,6 +61,8 @@ LONGEST_FILES = (
     "test_peer_lifecycle.py",
     "test_peer_transfer.py",
     "test_layout.py",
+    "test_progress.py",
+    "test_rounds.py",
 )
 
 
