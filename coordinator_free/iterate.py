@@ -1037,6 +1037,10 @@ def describe(e: dict) -> str | None:
     """One human line for an iterate event (None: routine)."""
     who = f"[{e['site']}]"
     ev = e["event"]
+    if ev == "iterate-started" and e.get("secure"):  # coordinator_free.secure_iterate's run
+        return f"{who} secure iterate run {e['run']!r} started: {e['steps']} steps, one secure sum each"
+    if ev == "iterate-finished" and "steps" in e:
+        return f"{who} secure iterate run {e['status']} after {e['steps']} steps"
     if ev == "iterate-started":
         how = "started" if e.get("first_round", 1) == 1 else f"resumed at round {e['first_round']} of {e['rounds']}"
         return f"{who} iterate run {e['run']!r} {how}: peers {', '.join(e['peers'])}, σ = {e['sigma']:.4g}"

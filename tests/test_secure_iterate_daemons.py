@@ -199,10 +199,10 @@ def test_round_with_secure_true_trains_over_daemons_and_every_site_ends_with_the
         for s in sites:  # one public n at every site: the denominator q·k·n
             path = Path(files[s.name])
             path.write_text(path.read_text().replace("declared_records = 50", "declared_records = 25"))
-        results = {}
+        results, events = {}, []
 
         def run(site):
-            [(_, result)] = list(run_rounds(site.config, [files[site.name]]))
+            [(_, result)] = list(run_rounds(site.config, [files[site.name]], events.append))
             results[site.name] = result
 
         threads = [threading.Thread(target=run, args=(s,)) for s in sites]
@@ -214,6 +214,12 @@ def test_round_with_secure_true_trains_over_daemons_and_every_site_ends_with_the
     for r in results.values():
         assert r.status == "finished", r.reason
         assert r.report["secure"] and len(r.report["steps"]) == 4
+    # its events read as lines (the simulator and `privfusion round` print them with describe)
+    from coordinator_free.iterate import describe
+
+    lines = [describe(e) for e in events if e["event"].startswith("iterate-")]
+    assert sum("secure iterate run 't1' started: 4 steps" in (x or "") for x in lines) == 3, lines
+    assert sum("secure iterate run finished after 4 steps" in (x or "") for x in lines) == 3, lines
     steps = {n: [(x["step"], x["attempt"], tuple(x["sites"])) for x in r.report["steps"]] for n, r in results.items()}
     assert len(set(map(tuple, steps.values()))) == 1, steps
     models = [load_model(s.root / "rounds" / "models", "t1-final").arrays for s in sites]
