@@ -41,10 +41,12 @@ def iterate_orders(sc: Scenario) -> tuple[float, ...]:
     return tuple(it.ledger_orders)
 
 
-def iterate_site_toml(sc: Scenario, s: SiteWorld) -> str:
-    """site.toml of a site's iterate deployment (``SITE/iterate/``): the site's identity, models
-    and probe set, a fresh ledger with the run's data budget, segments allowed to every peer."""
+def iterate_site_toml(sc: Scenario, s: SiteWorld, *, secure: bool = False) -> str:
+    """site.toml of a site's iterate deployment (``SITE/iterate/``, or ``SITE/iterate-secure/``
+    for the secure-aggregation run): the site's identity, models and probe set, a fresh ledger
+    with the run's data budget, segments (secure: secure sums) allowed to every peer."""
     it = sc.iterate
+    allow = '"segment", "ledger", "secure-sum"' if secure else '"segment", "ledger"'
     orders = ", ".join(repr(float(o)) for o in iterate_orders(sc))
     lines = [
         "[site]",
@@ -68,15 +70,17 @@ def iterate_site_toml(sc: Scenario, s: SiteWorld) -> str:
         f"delta = {it.delta!r}",
         "",
         '[policy.peers."*"]',
-        'allow = ["segment", "ledger"]',
+        f"allow = [{allow}]",
     ]
     return "\n".join(lines) + "\n"
 
 
-def iterate_round_toml(sc: Scenario, roster: Path, images: Path | None = None) -> str:
-    """The iterate round file of a site: its records are ``records.npz`` in its iterate
-    directory (prepared arrays), or its folder of images by class (``images``: read with its
-    model's stored image preprocessing, as a hospital's own image folder would be)."""
+def iterate_round_toml(sc: Scenario, roster: Path, images: Path | None = None, *, secure: bool = False) -> str:
+    """The iterate round file of a site: ``[iterate]``'s plan; its records are ``records.npz`` in
+    its iterate directory (prepared arrays), or its folder of images by class (``images``: read
+    with its model's stored image preprocessing, as a hospital's own image folder would be); with
+    ``secure``, the same plan with one secure sum per step (``[round.iterate] secure = true``,
+    ``coalition``)."""
     it = sc.iterate
     lines = [
         "[round]",
@@ -88,7 +92,7 @@ def iterate_round_toml(sc: Scenario, roster: Path, images: Path | None = None) -
         "",
         "[round.iterate]",
         f'records = "{"records.npz" if images is None else images.resolve()}"',
-        'run = "iterate"',
+        f'run = "{"secure" if secure else "iterate"}"',
         f"rounds = {it.rounds}",
         f"local_steps = {it.local_steps}",
         f"learning_rate = {it.learning_rate!r}",
@@ -100,24 +104,28 @@ def iterate_round_toml(sc: Scenario, roster: Path, images: Path | None = None) -
         *([f"declared_records = {it.declared_records}"] if it.declared_records is not None else []),
         f"init_seed = {it.init_seed}",
         "wait_s = 30.0",
+        *(["secure = true", f"coalition = {it.coalition}"] if secure else []),
     ]
     return "\n".join(lines) + "\n"
 
 
-def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
+def run_iterate_sites(world: World, progress: Progress, *, secure: bool = False) -> dict[str, SiteWorld]:
     """Every site's iterate daemon (a process of its own) and loop (a thread of this process, as
-    the rounds: ``RoundThread``), all at once; the sites' iterate worlds (``SITE/iterate/``)."""
+    the rounds: ``RoundThread``), all at once; the sites' iterate worlds (``SITE/iterate/``;
+    with ``secure``, the secure-aggregation run's in ``SITE/iterate-secure/``, with daemons,
+    ledgers and a roster of their own)."""
     import dataclasses
 
     from coordinator_free.iterate import describe as describe_iterate
 
     sc = world.scenario
-    sites = {n: dataclasses.replace(s, root=s.root / "iterate") for n, s in world.sites.items()}
+    kind = "iterate-secure" if secure else "iterate"
+    sites = {n: dataclasses.replace(s, root=s.root / kind) for n, s in world.sites.items()}
     for s in sites.values():
         s.root.mkdir(parents=True, exist_ok=True)
         if s.images is None:
             np.savez(s.root / "records.npz", x=s.x, y=s.y)  # the site's own records, in its own directory
-        s.config.write_text(iterate_site_toml(sc, s), encoding="utf-8")
+        s.config.write_text(iterate_site_toml(sc, s, secure=secure), encoding="utf-8")
     daemons: dict[str, Daemon] = {}
     loops: dict[str, RoundThread] = {}
     try:
@@ -126,7 +134,7 @@ def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
             daemons[s.name] = Daemon(s)
         for d in daemons.values():
             d.wait_ready()
-        roster = world.out / "roster-iterate.toml"
+        roster = world.out / f"roster-{kind}.toml"
         write_roster(
             roster,
             [(n, d.address, str((world.sites[n].identity / "site.crt").resolve())) for n, d in daemons.items()],
@@ -138,17 +146,18 @@ def run_iterate_sites(world: World, progress: Progress) -> dict[str, SiteWorld]:
                 progress(line)
 
         for s in sites.values():
-            f = s.root / "round-iterate.toml"
-            f.write_text(iterate_round_toml(sc, roster.resolve(), s.images), encoding="utf-8")
+            f = s.root / f"round-{kind}.toml"
+            f.write_text(iterate_round_toml(sc, roster.resolve(), s.images, secure=secure), encoding="utf-8")
             loops[s.name] = RoundThread(s, [f], on_event)
         it = sc.iterate
+        how = f"secure sums (coalition {it.coalition})" if secure else "DP-GD steps"
         progress(
-            f"iterate: every site runs {it.rounds} rounds × {it.local_steps} DP-GD steps at ε = {it.epsilon:g} "
+            f"{kind}: every site runs {it.rounds} rounds × {it.local_steps} {how} at ε = {it.epsilon:g} "
             f"(δ = {it.delta:g}) per record, ledger orders {list(iterate_orders(sc))}"
         )
         for n, r in loops.items():
             sites[n].exit_code = r.wait()
-        world.timings["iterate_s"] = time.monotonic() - t0
+        world.timings[f"{kind.replace('-', '_')}_s"] = time.monotonic() - t0
     finally:
         _shut_down(loops.values(), daemons.values())
     return sites
@@ -218,6 +227,59 @@ def evaluate_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[str, dic
                 "epsilon_limit": data[0].epsilon_limit if data else None,
                 "epsilon_filter": data[0].spent_epsilon if data else None,
                 "epsilon_pld": data[0].pld_epsilon if data else None,
+            },
+        }
+    return out
+
+
+def evaluate_secure_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[str, dict]:
+    """Per site, the secure-aggregation run (``coordinator_free.secure_iterate``): its final
+    model on the test set, steps done and attempts, ε spent by its ledger's filter (the
+    distributed Skellam steps have RDP only: no PLD figure), the total noise variance V it was
+    calibrated to, and its wall time (the run's own start to end). Bytes are not measured by
+    the secure run: ``None``."""
+    from datetime import datetime
+
+    from peer.budget.ledger import Ledger
+    from peer.nn.store import load_model
+
+    out = {}
+    for name, s in sites.items():
+        path = s.root / "rounds" / "secure.json"
+        if not path.exists():
+            out[name] = {
+                "status": "missing",
+                "reason": f"no report (exit code {getattr(s, 'exit_code', None)}; see {s.root / 'rounds.log'})",
+                "final_accuracy": None,
+                "epsilon_filter": None,
+            }
+            continue
+        rep = json.loads(path.read_text())
+        m = load_model(s.root / "rounds" / "models", "secure-final")
+        acc = accuracy(s.architecture, model_from_arrays(s.architecture, m.arrays), world.x_test, world.y_test)
+        ledger = Ledger(s.ledger)  # read-only, verified at open
+        try:
+            data = [b for b in ledger.budget_states() if b.key.level == "data"]
+            charges = len(ledger.entries())
+        finally:
+            ledger.close()
+        wall = (datetime.fromisoformat(rep["finished_at"]) - datetime.fromisoformat(rep["started_at"])).total_seconds()
+        out[name] = {
+            "status": rep["status"],
+            "reason": rep["reason"],
+            "steps_done": len(rep["steps"]),
+            "steps_rerun": sum(1 for st in rep["steps"] if st["attempt"] > 0),  # after a dropout
+            "final_accuracy": acc,
+            "epsilon_filter": rep["epsilon_filter"],
+            "total_variance": rep["plan"]["total_variance"],
+            "coalition": rep["plan"]["coalition"],
+            "ledger_orders": rep["plan"]["ledger_orders"],
+            "wall_s": wall,
+            "exit_code": getattr(s, "exit_code", None),
+            "ledger": {
+                "charges": charges,
+                "epsilon_limit": data[0].epsilon_limit if data else None,
+                "epsilon_filter": data[0].spent_epsilon if data else None,
             },
         }
     return out

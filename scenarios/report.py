@@ -15,6 +15,7 @@ from typing import Any
 from peer.base.extras import pyplot
 
 ORACLE = "oracle (non-private)"
+SECURE_ROW = "P2P with secure aggregation (iterate, secure = true)"
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
@@ -421,6 +422,19 @@ def comparison_rows(report: dict) -> list[dict]:
             wall=_mean([sum(r.get("seconds") or 0.0 for r in it.get("rounds", [])) for it in its]),
             note="ε: the largest site ledger's figures",
         )
+    secure = [s["secure_iterate"] for s in sites.values() if s.get("secure_iterate")]
+    if secure:
+        row(
+            SECURE_ROW,
+            [it.get("final_accuracy") for it in secure],
+            eps_filter=max(
+                (it["epsilon_filter"] for it in secure if it.get("epsilon_filter") is not None), default=None
+            ),
+            rounds=report["scenario"]["iterate"]["rounds"],
+            wall=_mean([it.get("wall_s") for it in secure]),
+            note=f"one secure sum per step, Skellam shares (coalition {secure[0].get('coalition')}); "
+            "ε: the largest site ledger's filter (RDP only); bytes not measured",
+        )
     b = report.get("baselines") or {}
     fa = b.get("dp_fedavg")
     if fa:
@@ -564,6 +578,24 @@ def baselines_markdown(report: dict) -> list[str]:
                 f"| {name} | {len(rs)} | {_fmt(it.get('final_accuracy'))} | {_fmt(it.get('epsilon_filter'), '.3f')} | "
                 f"{_fmt(it.get('epsilon_pld'), '.3f')} | {sum(r.get('bytes_sent') or 0 for r in rs):,} | "
                 f"{sum(r.get('bytes_received') or 0 for r in rs):,} |"
+            )
+    if any(s.get("secure_iterate") for s in report["sites"].values()):
+        lines += [
+            "",
+            "| site | secure P2P status | steps | steps re-run | final accuracy | ε filter (ledger) | ε limit | "
+            "charges | total noise variance V | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, s in report["sites"].items():
+            it = s.get("secure_iterate")
+            if not it:
+                continue
+            led = it.get("ledger") or {}
+            lines.append(
+                f"| {name} | {it['status']} | {_fmt(it.get('steps_done'), 'd')} | {_fmt(it.get('steps_rerun'), 'd')} | "
+                f"{_fmt(it.get('final_accuracy'))} | {_fmt(led.get('epsilon_filter'), '.3f')} | "
+                f"{_fmt(led.get('epsilon_limit'), '.3g')} | {_fmt(led.get('charges'), 'd')} | "
+                f"{_fmt(it.get('total_variance'), '.4g')} | {_fmt(it.get('wall_s'), '.1f')} |"
             )
     if "baselines.png" in report.get("plots", []):
         lines += ["", "![baselines](baselines.png)"]

@@ -114,6 +114,12 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
                                 # (the one order that suits the planned run, chosen from its public
                                 # plan: peer.budget.dpsgd_noise.planned_orders), or a list of orders
                                 # [default: "default"]
+    secure = true               # also run it with secure aggregation (coordinator_free.secure_iterate:
+                                # one secure sum of every site's clipped gradients plus a Skellam
+                                # share per step, the same plan and budget; add-remove only; every
+                                # site's policy allows `secure-sum`) [default: false]
+    coalition = 1               # t: the largest coalition of curious peers the noise covers; needs
+                                # at least t + 2 sites [default: 1]
 
     [central_dpsgd]             # optional, with [iterate]: the central DP-SGD baseline (a trusted
                                 # curator on every site's records pooled, at [iterate]'s ε, δ,
@@ -254,6 +260,8 @@ class IterateSpec:
     init_seed: int = 11
     baseline_seeds: tuple[int, ...] = (0, 1, 2)
     ledger_orders: str | tuple[float, ...] = "default"
+    secure: bool = False  # also the secure-aggregation run (coordinator_free.secure_iterate)
+    coalition: int = 1  # t of that run: its noise covers coalitions of up to t curious peers
 
 
 @dataclass(frozen=True)
@@ -378,6 +386,20 @@ def _ledger_orders(it: Section) -> str | tuple[float, ...]:
         return validate_orders(v if isinstance(v, list) else [v], "iterate.ledger_orders")
     except InvalidArgument as e:
         it.fail("ledger_orders", f'must be "default", "planned" or a list of orders: {e.rule}')
+
+
+def _secure(it: Section, sites: int) -> dict[str, Any]:
+    """``[iterate] secure`` and ``coalition``: the secure-aggregation run is accounted under
+    add-remove only, and needs coalition + 2 sites (``coordinator_free.runner``)."""
+    if "coalition" in it and not it.boolean("secure", False):
+        it.fail("coalition", "belongs with secure = true")
+    secure = it.boolean("secure", IterateSpec.secure)
+    coalition = it.integer("coalition", IterateSpec.coalition, minimum=0, maximum=1000)
+    if secure and it.string("adjacency", IterateSpec.adjacency) != "add-remove":
+        it.fail("adjacency", "secure aggregation is accounted under add-remove only")
+    if secure and sites < coalition + 2:
+        it.fail("coalition", f"is {coalition}: secure aggregation needs coalition + 2 sites, the scenario has {sites}")
+    return {"secure": secure, "coalition": coalition}
 
 
 def _region_feature(d: Section, records: dict[str, Any]) -> str | None:
@@ -645,6 +667,7 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             init_seed=it.integer("init_seed", IterateSpec.init_seed, minimum=0),
             baseline_seeds=tuple(seeds),
             ledger_orders=_ledger_orders(it),
+            **_secure(it, len(sites)),
         )
 
     central = None

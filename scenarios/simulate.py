@@ -55,6 +55,7 @@ from scenarios.evaluation import (
 )
 from scenarios.iterate_sites import (
     evaluate_iterate,
+    evaluate_secure_iterate,
     iterate_orders,
     iterate_round_toml,
     iterate_site_toml,
@@ -91,6 +92,7 @@ __all__ = [
     "after_fusion_accuracies",
     "evaluate",
     "evaluate_iterate",
+    "evaluate_secure_iterate",
     "iterate_orders",
     "iterate_round_toml",
     "iterate_site_toml",
@@ -150,6 +152,8 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
 
         pool = ThreadPoolExecutor(max_workers=1)
         iterate = pool.submit(run_iterate_sites, world, progress)
+        # then the same plan with secure aggregation ([iterate] secure), its own daemons and ledgers
+        secure = pool.submit(run_iterate_sites, world, progress, secure=True) if sc.iterate.secure else None
         pool.shutdown(wait=False)
     t0 = time.monotonic()
     progress("evaluating models and the non-private oracle; reading every ledger")
@@ -160,6 +164,9 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     if iterate is not None:
         for name, it in evaluate_iterate(world, iterate.result()).items():
             evaluation[name]["iterate"] = it
+        if secure is not None:
+            for name, it in evaluate_secure_iterate(world, secure.result()).items():
+                evaluation[name]["secure_iterate"] = it
     world.timings["total_s"] = time.monotonic() - started
     report = {
         "scenario": sc.to_dict(),

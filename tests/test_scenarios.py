@@ -16,6 +16,7 @@ import pytest
 
 from peer.base.config import ConfigError
 from peer.budget.ledger import Ledger
+from scenarios.report import SECURE_ROW
 from scenarios.schema import BUNDLED, bundled_path, load_scenario, parse_scenario
 from scenarios.simulate import read_ledger
 
@@ -108,6 +109,19 @@ def _line_of(text: str, fragment: str) -> int:
         (_replace("frontier = []", "frontier = [100.0]"), "round.frontier", "frontier = [100.0]"),
         (_replace("frontier = []", 'frontier = []\nrepair = "all"'), "round.repair", 'repair = "all"'),
         (_replace("frontier = []", "frontier = []\nfinetune_epochs = -2"), "round.finetune_epochs", "finetune_epochs"),
+        # secure aggregation: t + 2 sites (TINY has 3), add-remove only, coalition only with secure
+        (
+            TINY + "\n[iterate]\ndeclared_records = 40\nsecure = true\ncoalition = 2\n",
+            "iterate.coalition",
+            "coalition = 2",
+        ),
+        (
+            TINY + '\n[iterate]\nadjacency = "replace-one"\nsecure = true\n',
+            "iterate.adjacency",
+            'adjacency = "replace-one"',
+        ),
+        (TINY + "\n[iterate]\ndeclared_records = 40\ncoalition = 1\n", "iterate.coalition", "coalition = 1"),
+        (TINY + "\n[iterate]\ndeclared_records = 40\nsecure = 1\n", "iterate.secure", "secure = 1"),
     ],
 )
 def test_a_bad_value_is_refused_with_its_key_and_line(text, key, fragment):
@@ -116,6 +130,14 @@ def test_a_bad_value_is_refused_with_its_key_and_line(text, key, fragment):
     assert e.value.key == key
     assert e.value.line == _line_of(text, fragment)
     assert f"line {e.value.line}" in str(e.value) and "bad.toml" in str(e.value)
+
+
+def test_iterate_secure_is_off_unless_asked_and_takes_its_coalition():
+    plain = parse_scenario(TINY + "\n[iterate]\ndeclared_records = 40\n", "t.toml").iterate
+    assert (plain.secure, plain.coalition) == (False, 1)
+    sc = parse_scenario(TINY + "\n[iterate]\ndeclared_records = 40\nsecure = true\ncoalition = 1\n", "t.toml")
+    assert (sc.iterate.secure, sc.iterate.coalition) == (True, 1)
+    assert sc.to_dict()["iterate"]["secure"] is True  # and into the report's scenario
 
 
 def test_a_syntax_error_names_its_line():
@@ -275,6 +297,19 @@ def test_default_simulation_from_the_command_line(tmp_path):
         assert it["bytes_sent"] > 0 and it["bytes_received"] > 0
     # on time everywhere: every site fused the same average (DP-FedAvg's) in the last round
     assert len({s["iterate"]["final_accuracy"] for s in report["sites"].values()}) == 1
+    # the same plan with secure aggregation ([iterate] secure = true): DP-SGD over every site's
+    # records, one secure sum per step, each attempt charged to the site's own run ledger
+    assert sc.iterate.secure
+    steps = rounds * sc.iterate.local_steps
+    for s in report["sites"].values():
+        sec = s["secure_iterate"]
+        assert sec["status"] == "finished" and sec["steps_done"] == steps, sec
+        assert sec["epsilon_filter"] <= sc.iterate.epsilon and sec["ledger"]["epsilon_limit"] == sc.iterate.epsilon
+        assert sec["ledger"]["epsilon_filter"] == pytest.approx(sec["epsilon_filter"])
+        assert sec["ledger"]["charges"] >= steps and sec["wall_s"] > 0
+    # every site applied the same update at every step: one model, one accuracy
+    assert len({s["secure_iterate"]["final_accuracy"] for s in report["sites"].values()}) == 1
+    assert SECURE_ROW in proc.stdout
     # the baselines beside it: central pooled, DP-FedAvg at both calibrations (same rounds) and
     # central DP-SGD on the pooled records at the same ε with the scenario's [central_dpsgd] plan
     b = report["baselines"]
@@ -296,6 +331,7 @@ def test_default_simulation_from_the_command_line(tmp_path):
 
     measured = [r for r in comparison_rows(report) if r["wall_s_per_site"] is not None]
     assert any(r["method"] == "multi-round peer-to-peer" for r in measured)
+    assert any(r["method"] == SECURE_ROW for r in measured)
     assert all(r["wall_s_per_site"] > 0 for r in measured), measured
     print(f"default simulation: {elapsed:.1f}s wall ({report['timings']})")
 
