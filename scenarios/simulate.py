@@ -32,7 +32,9 @@ Everything a real deployment does happens for real, on loopback:
    and budgets go into the report as they are; the rounds' receipts are reconciled with them.
 
 Each concept is a file: steps 1–2 are ``scenarios.world``, 3–4 ``scenarios.processes``, 5–6
-``scenarios.evaluation``, the ``[iterate]`` run ``scenarios.iterate_sites``, the baselines
+``scenarios.evaluation``, the ``[iterate]`` run ``scenarios.iterate_sites`` (with ``[iterate]
+secure = true``, then the same plan again with secure aggregation,
+``coordinator_free.secure_iterate``, on daemons and ledgers of its own), the baselines
 ``scenarios.baselines`` and the report ``scenarios.report``. This module runs them in order
 (:func:`simulate`) and keeps every public name of theirs importable from here.
 """
