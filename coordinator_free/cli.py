@@ -175,7 +175,7 @@ class RoundBars:
             self.bars.advance()
         elif ev in self.ROUND_DONE or ev == "iterate-finished":
             self.bars.close()
-        elif ev == "iterate-started":
+        elif ev == "iterate-started" and not e.get("secure"):  # a secure run's events count no rounds
             self.bars.start(e["rounds"], f"iterate {e['run']}", "rounds", initial=e.get("first_round", 1) - 1)
         elif ev == "iterate-fused":
             self.bars.advance()
