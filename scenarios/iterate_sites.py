@@ -82,6 +82,14 @@ def iterate_round_toml(sc: Scenario, roster: Path, images: Path | None = None, *
     ``secure``, the same plan with one secure sum per step (``[round.iterate] secure = true``,
     ``coalition``)."""
     it = sc.iterate
+    # the secure run's own plan ([secure_iterate]: one secure sum a step, rounds = steps), else [iterate]'s
+    plan = sc.secure_iterate if secure else None
+    rounds, local_steps = (plan.steps, 1) if plan is not None else (it.rounds, it.local_steps)
+    learning_rate, clip_norm, sample_rate = (
+        (plan.learning_rate, plan.clip_norm, plan.sample_rate)
+        if plan is not None
+        else (it.learning_rate, it.clip_norm, it.sample_rate)
+    )
     lines = [
         "[round]",
         f'roster = "{roster}"',
@@ -93,11 +101,11 @@ def iterate_round_toml(sc: Scenario, roster: Path, images: Path | None = None, *
         "[round.iterate]",
         f'records = "{"records.npz" if images is None else images.resolve()}"',
         f'run = "{"secure" if secure else "iterate"}"',
-        f"rounds = {it.rounds}",
-        f"local_steps = {it.local_steps}",
-        f"learning_rate = {it.learning_rate!r}",
-        f"clip_norm = {it.clip_norm!r}",
-        *([f"sample_rate = {it.sample_rate!r}"] if it.sample_rate != 1.0 else []),
+        f"rounds = {rounds}",
+        f"local_steps = {local_steps}",
+        f"learning_rate = {learning_rate!r}",
+        f"clip_norm = {clip_norm!r}",
+        *([f"sample_rate = {sample_rate!r}"] if sample_rate != 1.0 else []),
         f"epsilon = {it.epsilon!r}",
         f"delta = {it.delta!r}",
         f'adjacency = "{it.adjacency}"',
@@ -151,8 +159,14 @@ def run_iterate_sites(world: World, progress: Progress, *, secure: bool = False)
             loops[s.name] = RoundThread(s, [f], on_event)
         it = sc.iterate
         how = f"secure sums (coalition {it.coalition})" if secure else "DP-GD steps"
+        plan = sc.secure_iterate if secure else None
+        shape = (
+            f"{plan.steps} steps (q = {plan.sample_rate:g})"
+            if plan is not None
+            else f"{it.rounds} rounds × {it.local_steps}"
+        )
         progress(
-            f"{kind}: every site runs {it.rounds} rounds × {it.local_steps} {how} at ε = {it.epsilon:g} "
+            f"{kind}: every site runs {shape} {how} at ε = {it.epsilon:g} "
             f"(δ = {it.delta:g}) per record, ledger orders {list(iterate_orders(sc))}"
         )
         for n, r in loops.items():

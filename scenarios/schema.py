@@ -129,6 +129,15 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
     learning_rate = 2.0         # [default: [iterate] learning_rate]
     clip_norm = 1.0             # [default: [iterate] clip_norm]
 
+    [secure_iterate]            # optional, with [iterate] secure = true: the secure run's own plan
+                                # (its ε, δ, declared_records, init_seed and coalition are
+                                # [iterate]'s); chosen by the same search on validation
+                                # (privfusion simulate --tune --rows secure-aggregation)
+    steps = 100                 # secure sums (DP-SGD steps) [default: [iterate] rounds × local_steps]
+    sample_rate = 0.2           # Poisson rate q at every site [default: [iterate] sample_rate]
+    learning_rate = 1.0         # [default: [iterate] learning_rate]
+    clip_norm = 0.5             # [default: [iterate] clip_norm]
+
     [failure]                   # optional: kill one site mid-round
     site = "hospital-c"
     after_releases = 2          # SIGKILL its daemon (and its own round) as soon as its ledger
@@ -266,7 +275,8 @@ class IterateSpec:
 
 @dataclass(frozen=True)
 class CentralSpec:
-    """``[central_dpsgd]``: the central DP-SGD baseline's own plan (the rest from ``[iterate]``)."""
+    """``[central_dpsgd]`` / ``[secure_iterate]``: the central DP-SGD baseline's or the secure
+    run's own plan (the rest from ``[iterate]``)."""
 
     steps: int
     sample_rate: float
@@ -303,6 +313,7 @@ class Scenario:
     failure: FailureSpec | None = None
     iterate: IterateSpec | None = None
     central_dpsgd: CentralSpec | None = None
+    secure_iterate: CentralSpec | None = None  # the secure run's plan (None: [iterate]'s)
     source: str = ""
     text: str = field(default="", repr=False)
 
@@ -484,7 +495,21 @@ def _cnn_keys(m: Section, kind: str, data: DataSpec) -> dict[str, Any]:
 
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     root = Section(parse_toml(text, source, "scenario"), (), text, source)
-    root.known(["scenario", "data", "model", "pool", "policy", "round", "sites", "failure", "iterate", "central_dpsgd"])
+    root.known(
+        [
+            "scenario",
+            "data",
+            "model",
+            "pool",
+            "policy",
+            "round",
+            "sites",
+            "failure",
+            "iterate",
+            "central_dpsgd",
+            "secure_iterate",
+        ]
+    )
 
     s = root.section("scenario")
     s.known(["name", "description", "seed"])
@@ -672,17 +697,42 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
 
     central = None
     if iterate is not None:
-        c = root.section("central_dpsgd")
-        c.known([f.name for f in CentralSpec.__dataclass_fields__.values()])
-        central = CentralSpec(
-            steps=c.integer("steps", iterate.rounds * iterate.local_steps, minimum=1, maximum=100_000),
-            sample_rate=c.number("sample_rate", iterate.sample_rate, exclusive_minimum=0.0, maximum=1.0),
-            learning_rate=c.number("learning_rate", iterate.learning_rate, exclusive_minimum=0.0, maximum=100.0),
-            clip_norm=c.number("clip_norm", iterate.clip_norm, exclusive_minimum=0.0),
-        )
+        central = _plan(root.section("central_dpsgd"), iterate)
     elif "central_dpsgd" in root:
         root.fail("central_dpsgd", "needs an [iterate] table (its ε, δ, adjacency and seeds are the run's)")
 
+    secure_plan = None
+    if "secure_iterate" in root:
+        if iterate is None or not iterate.secure:
+            root.fail("secure_iterate", "needs [iterate] with secure = true (its ε, δ and coalition are the run's)")
+        secure_plan = _plan(root.section("secure_iterate"), iterate)
+
     return Scenario(
-        name, description, seed, data, model, pool, policy, rnd, tuple(sites), failure, iterate, central, source, text
+        name,
+        description,
+        seed,
+        data,
+        model,
+        pool,
+        policy,
+        rnd,
+        tuple(sites),
+        failure,
+        iterate,
+        central,
+        secure_plan,
+        source,
+        text,
+    )
+
+
+def _plan(c: Section, iterate: IterateSpec) -> CentralSpec:
+    """``[central_dpsgd]`` or ``[secure_iterate]``: a DP-SGD plan of its own, each key defaulting
+    to ``[iterate]``'s (steps: its rounds × local_steps)."""
+    c.known([f.name for f in CentralSpec.__dataclass_fields__.values()])
+    return CentralSpec(
+        steps=c.integer("steps", iterate.rounds * iterate.local_steps, minimum=1, maximum=100_000),
+        sample_rate=c.number("sample_rate", iterate.sample_rate, exclusive_minimum=0.0, maximum=1.0),
+        learning_rate=c.number("learning_rate", iterate.learning_rate, exclusive_minimum=0.0, maximum=100.0),
+        clip_norm=c.number("clip_norm", iterate.clip_norm, exclusive_minimum=0.0),
     )

@@ -122,6 +122,22 @@ def _line_of(text: str, fragment: str) -> int:
         ),
         (TINY + "\n[iterate]\ndeclared_records = 40\ncoalition = 1\n", "iterate.coalition", "coalition = 1"),
         (TINY + "\n[iterate]\ndeclared_records = 40\nsecure = 1\n", "iterate.secure", "secure = 1"),
+        # the secure run's own plan: only beside a secure run, and checked like [central_dpsgd]'s
+        (
+            TINY + "\n[iterate]\ndeclared_records = 40\n[secure_iterate]\nsteps = 9\n",
+            "secure_iterate",
+            "[secure_iterate]",
+        ),
+        (
+            TINY + "\n[iterate]\ndeclared_records = 40\nsecure = true\n[secure_iterate]\nsample_rate = 1.5\n",
+            "secure_iterate.sample_rate",
+            "sample_rate = 1.5",
+        ),
+        (
+            TINY + "\n[iterate]\ndeclared_records = 40\nsecure = true\n[secure_iterate]\nrounds = 3\n",
+            "secure_iterate.rounds",
+            "rounds = 3",
+        ),
     ],
 )
 def test_a_bad_value_is_refused_with_its_key_and_line(text, key, fragment):
@@ -138,6 +154,24 @@ def test_iterate_secure_is_off_unless_asked_and_takes_its_coalition():
     sc = parse_scenario(TINY + "\n[iterate]\ndeclared_records = 40\nsecure = true\ncoalition = 1\n", "t.toml")
     assert (sc.iterate.secure, sc.iterate.coalition) == (True, 1)
     assert sc.to_dict()["iterate"]["secure"] is True  # and into the report's scenario
+    assert sc.secure_iterate is None  # no plan of its own: [iterate]'s
+    own = parse_scenario(
+        TINY + "\n[iterate]\ndeclared_records = 40\nsecure = true\n[secure_iterate]\nsteps = 9\nsample_rate = 0.5\n",
+        "t.toml",
+    )
+    p = own.secure_iterate
+    assert (p.steps, p.sample_rate, p.learning_rate, p.clip_norm) == (
+        9,
+        0.5,
+        own.iterate.learning_rate,
+        own.iterate.clip_norm,
+    )
+    from scenarios.iterate_sites import iterate_round_toml
+
+    text = iterate_round_toml(own, Path("roster.toml"), secure=True)
+    assert "rounds = 9\nlocal_steps = 1\n" in text and "sample_rate = 0.5" in text and "secure = true" in text
+    plain = iterate_round_toml(own, Path("roster.toml"))
+    assert f"rounds = {own.iterate.rounds}\n" in plain and "secure" not in plain.split("run =")[1]
 
 
 def test_a_syntax_error_names_its_line():
@@ -300,7 +334,8 @@ def test_default_simulation_from_the_command_line(tmp_path):
     # the same plan with secure aggregation ([iterate] secure = true): DP-SGD over every site's
     # records, one secure sum per step, each attempt charged to the site's own run ledger
     assert sc.iterate.secure
-    steps = rounds * sc.iterate.local_steps
+    # its own plan ([secure_iterate], chosen by the secure row's search on validation), or [iterate]'s
+    steps = sc.secure_iterate.steps if sc.secure_iterate is not None else rounds * sc.iterate.local_steps
     for s in report["sites"].values():
         sec = s["secure_iterate"]
         assert sec["status"] == "finished" and sec["steps_done"] == steps, sec
