@@ -49,7 +49,14 @@ def _simulate(args) -> int:
 
         raise InvalidArgument("--out", "is required (a new directory for the report), unless --baselines-only")
     require("matplotlib", "plots", "privfusion simulate (the report's plots)")  # before the run, not after it
-    report = simulate(scenario, args.out)
+    from peer.base.progress import Bars
+    from scenarios.world import Progress
+
+    bars = Bars()  # drawn on a terminal only (peer.base.progress)
+    try:
+        report = simulate(scenario, args.out, Progress(bars.write, bars))
+    finally:
+        bars.close()
     print(summary_table(report))
     if report.get("baselines"):
         from scenarios.report import comparison_table

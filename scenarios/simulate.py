@@ -142,10 +142,15 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     progress(f"scenario {sc.name!r}: {len(sc.sites)} sites, {sc.data.dataset}, split {sc.data.split}; output in {out}")
+    # stages of the bar (a terminal only): prepare, the sites' rounds, evaluation, baselines, and
+    # each iterate run when it is waited for
+    progress.begin(4 + (sc.iterate is not None) + bool(sc.iterate and sc.iterate.secure), f"simulate {sc.name}")
     t0 = time.monotonic()
     world = prepare(sc, out, progress)
     world.timings["prepare_s"] = time.monotonic() - t0
+    progress.advance()
     processes = run_sites(world, progress)
+    progress.advance()
     # the iterate run's daemons and loops are processes of their own: they run while the
     # rounds above are evaluated here
     iterate = None
@@ -162,13 +167,18 @@ def simulate(sc: Scenario, out: str | os.PathLike, progress: Progress | None = N
     evaluation = evaluate(world)
     ledgers = read_ledgers(world)
     world.timings["evaluate_s"] = time.monotonic() - t0
+    progress.advance()
     baselines = run_baselines(world, progress)
+    progress.advance()
     if iterate is not None:
         for name, it in evaluate_iterate(world, iterate.result()).items():
             evaluation[name]["iterate"] = it
+        progress.advance()
         if secure is not None:
             for name, it in evaluate_secure_iterate(world, secure.result()).items():
                 evaluation[name]["secure_iterate"] = it
+            progress.advance()
+    progress.close()
     world.timings["total_s"] = time.monotonic() - started
     report = {
         "scenario": sc.to_dict(),

@@ -74,16 +74,34 @@ class World:
 
 
 class Progress:
-    """Progress lines on stderr (or wherever ``write`` sends them), with the elapsed time."""
+    """Progress lines on stderr (or wherever ``write`` sends them), with the elapsed time; and,
+    when the command line gives it ``bars`` (``peer.base.progress.Bars``: a terminal only), a bar
+    counting the simulation's stages (``begin`` / ``advance`` / ``close``: no-ops without one)."""
 
-    def __init__(self, write: Callable[[str], None] | None = None):
+    def __init__(self, write: Callable[[str], None] | None = None, bars=None):
         self._write = write or (lambda s: print(s, file=sys.stderr, flush=True))
+        self._bars = bars
         self._start = time.monotonic()
         self._lock = threading.Lock()
 
     def __call__(self, text: str) -> None:
         with self._lock:
             self._write(f"[{time.monotonic() - self._start:6.1f}s] {text}")
+
+    def begin(self, total: int, description: str) -> None:
+        if self._bars is not None:
+            with self._lock:
+                self._bars.start(total, description, "stages")
+
+    def advance(self) -> None:
+        if self._bars is not None:
+            with self._lock:
+                self._bars.advance()
+
+    def close(self) -> None:
+        if self._bars is not None:
+            with self._lock:
+                self._bars.close()
 
 
 # ------------------------------------------------------------------------------------- plan

@@ -113,3 +113,20 @@ def test_an_iterate_run_on_a_terminal_counts_its_rounds_and_events_draw_none(tmp
     assert "left]" not in events.terminal and "%|" not in events.terminal, events.terminal
     kinds = [json.loads(line)["event"] for line in events.stdout.splitlines()]
     assert kinds[0] == "iterate-started" and kinds[-1] == "iterate-finished", kinds
+
+
+def test_simulate_on_a_terminal_counts_its_stages(tmp_path):
+    """``privfusion simulate`` (the tiny scenario of tests/test_scenarios.py: three sites, one
+    round, no iterate): a bar of its 4 stages on the terminal, the progress lines above it whole,
+    the tables on stdout without a bar."""
+    from test_scenarios import TINY
+
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(TINY, encoding="utf-8")
+    run = cli_on_terminal("simulate", str(scenario), "--out", str(tmp_path / "out"))
+    assert run.returncode == 0, run.terminal
+    seen = frames(run.terminal, "simulate tiny", 4, "stages")
+    counts = [n for n, _ in seen]  # a frame is redrawn under every line written above it
+    assert counts == sorted(counts) and set(counts) == {0, 1, 2, 3, 4}, run.terminal
+    assert "evaluating models and the non-private oracle" in run.terminal
+    assert "left]" not in run.stdout and "oracle (non-private)" in run.stdout

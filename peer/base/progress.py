@@ -1,8 +1,8 @@
 """Progress bars of the long commands (``model train``, ``pool train``, ``round``, an iterate
-run): tqdm on stderr, with the time elapsed and the time remaining.
+run, ``simulate``): tqdm on stderr, with the time elapsed and the time remaining.
 
 The only module that draws bars, imported by the command lines only (``peer.cli``,
-``coordinator_free.cli``; tests/test_layout.py checks it): the core reports progress through a
+``coordinator_free.cli``, ``scenarios.cli``; tests/test_layout.py checks it): the core reports progress through a
 callback it is given (``progress=`` of the training functions, the ``on_event`` of a round) and
 the command lines turn those calls into a bar. It lives in ``peer.base`` because the layers
 above the peer (``coordinator_free``) may not import ``peer.cli``.
