@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from peer_harness import DaemonProcess, SiteFiles
+from peer_harness import DaemonProcess, SiteFiles, cli_parallel
 from safetensors.numpy import save_file
 
 pytestmark = pytest.mark.slow
@@ -77,19 +77,8 @@ def privfusion(*args: str, timeout: float = 300) -> str:
 
 
 def parallel(*commands: tuple[str, ...], timeout: float = 600) -> list[str]:
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "peer.cli", *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for c in commands
-    ]
-    outs = []
-    for c, p in zip(commands, procs, strict=True):
-        out, err = p.communicate(timeout=timeout)
-        if p.returncode != 0:
-            raise AssertionError(f"privfusion {' '.join(c)} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}")
-        outs.append(out)
-    return outs
+    """Commands of different sites at once (each site's own machine, in real life)."""
+    return cli_parallel(*commands, timeout=timeout)
 
 
 def site_class(path: Path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peer_harness import DaemonProcess, SiteFiles
+from peer_harness import DaemonProcess, SiteFiles, cli_parallel
 
 pytestmark = pytest.mark.slow
 
@@ -70,19 +70,7 @@ def phase(name: str, t0: list) -> None:
 
 def parallel(*commands: tuple[str, ...], timeout: float = 180) -> list[str]:
     """Commands of different sites at once (each site's own machine, in real life)."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "peer.cli", *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for c in commands
-    ]
-    outs = []
-    for c, p in zip(commands, procs, strict=True):
-        out, err = p.communicate(timeout=timeout)
-        if p.returncode != 0:
-            raise AssertionError(f"privfusion {' '.join(c)} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}")
-        outs.append(out)
-    return outs
+    return cli_parallel(*commands, timeout=timeout)
 
 
 def test_own_csv_to_a_round_an_adopted_fused_model_and_its_scores(tmp_path):
