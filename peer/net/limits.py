@@ -337,3 +337,23 @@ def paced(requests: Iterable, idle_s: float, deadline_s: float, what: str = "the
             yield message
     finally:
         stop.set()
+
+
+#: How long a request stream that ended early waits to learn whether its caller cancelled.
+CANCEL_SETTLE_S = 2.0
+
+
+def caller_left(context, settle_s: float = CANCEL_SETTLE_S) -> bool:
+    """Whether the caller of a call whose request stream ended early has gone away.
+
+    A caller that cancels mid-upload ends the server's request iterator exactly as a
+    half-close would, and gRPC learns of the cancellation itself a moment later (the two
+    arrive as separate events). A stream that ended early is therefore given ``settle_s``
+    for the cancellation to land before it is answered as a truncated upload: a caller
+    that cancelled is then seen as gone (its call ends CANCELLED, not as a refusal no one
+    reads), and a caller that really half-closed a short upload gets its error that much later.
+    """
+    ended = threading.Event()
+    if not context.add_callback(ended.set):
+        return True  # the call has already ended
+    return ended.wait(settle_s) or not context.is_active()

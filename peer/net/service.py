@@ -43,7 +43,7 @@ from peer.net import secagg_wire, wire
 from peer.net.codec import peer_info_message
 from peer.net.fuse import fuse_with_partner
 from peer.net.identity import check_site_name, check_validity, fingerprint, load_certificate
-from peer.net.limits import paced, wrap_handler
+from peer.net.limits import caller_left, paced, wrap_handler
 from peer.net.signing import wire_transport
 from peer.net.site import Site, log_event
 from peer.nn.architectures import validate_architecture
@@ -455,7 +455,10 @@ class PeerService(pb_grpc.PeerServicer):
         self.desk.policy(request)  # before the probe set is uploaded
 
         header = next(messages, None)
-        if header is None or header.WhichOneof("part") != "probe":
+        if header is None:
+            caller_left(context)  # a cancelled upload ends its stream just before gRPC says so
+            raise InvalidArgument("probe", "FeaturesParams must be followed by the probe tensor's header")
+        if header.WhichOneof("part") != "probe":
             raise InvalidArgument("probe", "FeaturesParams must be followed by the probe tensor's header")
         receiver = wire.TensorReceiver(
             header.probe, "probe", allowed=(tpb.DTYPE_FLOAT32, tpb.DTYPE_FLOAT64), max_bytes=MAX_PROBE_BYTES
@@ -466,6 +469,8 @@ class PeerService(pb_grpc.PeerServicer):
                     "chunk", f"only probe chunks may follow the probe header, got {m.WhichOneof('part')!r}"
                 )
             receiver.add(m.chunk)
+        if not receiver.complete:
+            caller_left(context)  # as above: the status then is CANCELLED if the caller went away
         probe = probe_input(architecture, receiver.finish())
         yield from self._stream(self.desk.issue(dataclasses.replace(request, probe=probe)))
 
