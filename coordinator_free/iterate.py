@@ -84,7 +84,10 @@ Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate
     records = "records.npz"  # our training records: .npz (x, y) prepared, a table the model's
                              # stored preprocessing reads (CSV/TSV/Parquet), or images (a folder
                              # by class, DIR/<class>/*.png, or a manifest with a path column)
-                             # that its stored image preprocessing reads; they never leave
+                             # that its stored image preprocessing reads; they never leave.
+                             # That preprocessing must not be fitted on these records (its
+                             # statistics would change with one of them, outside DP-SGD's
+                             # guarantee): fitted on public records, or given; else refused
     run = "iterate"          # the run's name, the same at every site
     rounds = 20
     local_steps = 2
@@ -272,6 +275,7 @@ def load_records(path: Path, stored) -> tuple[np.ndarray, np.ndarray]:
     checked before any step runs; a bad one is refused naming ``round.iterate.records`` and its
     path."""
     from peer.nn.images import ImagePreprocessing, is_image_source
+    from peer.nn.tables import refuse_preprocessing_of
 
     field_name = "round.iterate.records"
     if path.suffix == ".npz":
@@ -296,7 +300,19 @@ def load_records(path: Path, stored) -> tuple[np.ndarray, np.ndarray]:
                 f"{'images' if isinstance(prep, ImagePreprocessing) else 'tables'}",
             )
         try:
-            x, y = prep.transform(prep.read(path))
+            records = prep.read(path)
+        except InvalidArgument as e:
+            raise InvalidArgument(field_name, f"{e.field}: {e.rule}") from None
+        refuse_preprocessing_of(
+            prep,
+            records.digest,
+            path.name,
+            field_name,
+            f"train model {stored.name!r} with its preprocessing fitted on public records "
+            "(privfusion model train --public FILE), or give an .npz of inputs prepared without them",
+        )
+        try:
+            x, y = prep.transform(records)
         except InvalidArgument as e:
             raise InvalidArgument(field_name, f"{e.field}: {e.rule}") from None
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:

@@ -233,7 +233,7 @@ def test_pool_train_on_images_with_public_preprocessing(tmp_path, data):
         "--preprocessing", str(site / "models" / "own.json"), "--model", "noise=4,clip=1,steps=2", "--force",
         check=False,
     )  # fmt: skip
-    assert proc.returncode == 2 and "pool's own protected records" in proc.stderr
+    assert proc.returncode == 2 and "the protected records DP-SGD would train on" in proc.stderr
     # the pool's merge-validation set from public images, labelled by their class folders
     cli("probe", "make", "--site", str(site), "--data", str(data["public"]), "--pool", "pool", "--label", FOLDER_LABEL)
     with np.load(site / "validation.npz") as v:

@@ -85,7 +85,9 @@ def lone_iterate_site(tmp_path: Path, rounds: int) -> Path:
     """A fresh site with a model and the documented iterate round file (docs/deployment.md,
     section 3.1), alone in its roster."""
     d, records = a_site(tmp_path)
-    cli("model", "train", "--site", str(d), "--data", str(records), "--label", LABEL, "--name", "mlp", "--epochs", "3")
+    public = write_records(tmp_path / "public.csv", 60, 2)  # iterate refuses a preprocessing fitted on its records
+    cli("model", "train", "--site", str(d), "--data", str(records), "--label", LABEL, "--public", str(public),
+        "--name", "mlp", "--epochs", "3")  # fmt: skip
     write_roster(d / "roster.toml", [("hospital-a", "127.0.0.1:1", "identity/site.crt")])
     docs = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text(encoding="utf-8")
     block = re.search(r"```toml\n(# iterate\.toml.*?)```", docs, re.S)

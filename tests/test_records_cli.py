@@ -370,8 +370,33 @@ def test_pool_train_prints_n_and_refuses_what_it_cannot_do(site, files, capsys):
         "--preprocessing",
         str(site["root"] / "models" / "own.json"),
     )
-    assert code == 2 and "fitted on the training split of private.csv, the pool's own protected records" in err
+    assert (
+        code == 2 and "fitted on the training split of private.csv, the protected records DP-SGD would train on" in err
+    )
     assert not (files["dir"] / "p4").exists()
+
+
+def test_iterate_refuses_records_its_preprocessing_was_fitted_on(site, files, tmp_path):
+    """An ``iterate`` run trains with DP-SGD on the records it reads through the model's stored
+    preprocessing: one fitted on those very records is refused before any step (its statistics
+    would change with one record), naming the key and the rule; one fitted on public records reads
+    the same file; other records than the fitted ones pass (the refusal is not by the file's kind)."""
+    from coordinator_free.iterate import load_records
+    from peer.nn.store import load_model
+
+    own = load_model(site["root"] / "models", "own")
+    with pytest.raises(InvalidArgument) as e:
+        load_records(files["private"], own)
+    assert e.value.field == "round.iterate.records"
+    assert "fitted on the training split of private.csv" in e.value.rule and "--public" in e.value.rule
+    x, y = load_records(files["public"], own)  # not the records it was fitted on
+    assert len(x) == len(y) == 60
+
+    root = tmp_path / "site"
+    cli("model", "train", "--site", str(root), "--data", str(files["private"]), "--label", "outcome",
+        "--public", str(files["public"]), "--name", "pub", "--epochs", "2", "--hidden", "8")  # fmt: skip
+    x, y = load_records(files["private"], load_model(root / "models", "pub"))
+    assert len(x) == len(y) == 240 and np.all(np.isfinite(x))
 
 
 def test_probe_make_writes_public_files_the_daemon_reads(site, files, capsys):

@@ -275,12 +275,15 @@ def _train_records(args: argparse.Namespace) -> int:
         own = load_imported(Path(args.site) / OWN_MODELS, args.from_model)
     records = records_from_args(args)
     prep = records.preprocessing
-    if prep.fitted_on.get("split") == "training" and prep.fitted_on.get("sha256") == records.description["sha256"]:
-        raise InvalidArgument(
-            "--preprocessing",
-            f"was fitted on the training split of {records.description['file']}, the "
-            "pool's own protected records; fit one on public records (--public FILE)",
-        )
+    from peer.nn.tables import refuse_preprocessing_of
+
+    refuse_preprocessing_of(
+        prep,
+        records.description["sha256"],
+        records.description["file"],
+        "--preprocessing",
+        "fit one on public records (--public FILE)",
+    )
     if own is not None:
         from peer.nn.imported import records_fit_network
 

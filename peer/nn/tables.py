@@ -869,6 +869,23 @@ class Preprocessing:
         return cls(label, tuple(classes), tuple(columns), unseen, shape, dict(fitted_on))
 
 
+def refuse_preprocessing_of(preprocessing, records_digest: str, records_name: str, field: str, fix: str) -> None:
+    """Refuse ``preprocessing`` (a table's or images') for DP-SGD on the records whose sha256 is
+    ``records_digest`` when it was fitted on their own training split: its statistics are then
+    functions of every protected record, so one record would change how every other record is
+    prepared, and DP-SGD's guarantee (for one record given its preparation) would not hold.
+    Fitted on public records (``split="public"``) or on other records (an agreed preparation),
+    it passes. ``fix`` says, in the caller's words, what to do instead."""
+    fitted = preprocessing.fitted_on
+    if fitted.get("split") == "training" and fitted.get("sha256") == records_digest:
+        raise InvalidArgument(
+            field,
+            f"the preprocessing was fitted on the training split of {records_name}, the protected "
+            f"records DP-SGD would train on (its statistics would change with one record, outside "
+            f"the guarantee); {fix}",
+        )
+
+
 def _shape_of(value: Any) -> str:
     """What a malformed value is, without its contents (a preprocessing's categories and
     classes are values of records): its type, its length, and for a list the element types."""
