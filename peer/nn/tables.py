@@ -98,6 +98,7 @@ __all__ = [
     "input_size",
     "prepare_records",
     "read_table",
+    "refuse_preprocessing_of",
     "split_indices",
 ]
 
