@@ -457,8 +457,7 @@ class PeerService(pb_grpc.PeerServicer):
         header = next(messages, None)
         if header is None:
             caller_left(context)  # a cancelled upload ends its stream just before gRPC says so
-            raise InvalidArgument("probe", "FeaturesParams must be followed by the probe tensor's header")
-        if header.WhichOneof("part") != "probe":
+        if header is None or header.WhichOneof("part") != "probe":
             raise InvalidArgument("probe", "FeaturesParams must be followed by the probe tensor's header")
         receiver = wire.TensorReceiver(
             header.probe, "probe", allowed=(tpb.DTYPE_FLOAT32, tpb.DTYPE_FLOAT64), max_bytes=MAX_PROBE_BYTES
