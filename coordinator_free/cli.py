@@ -19,7 +19,8 @@ A round needs this site's daemon config (identity, model store, public probe set
     model = "mlp"            # our model to improve
     alpha = 0.5              # our weight; the peers share 1 - alpha
     quorum = 2               # fewest sites (us included) a fused model may come from
-    method = "ldp"           # "ldp" (features + PFA weights) | "merged" (RS/LC merges) | "auto"
+    method = "auto"          # "auto" (a merge where a peer offers a pool, else ldp where it carries
+                             # signal) | "ldp" (features + PFA weights) | "merged" (RS/LC merges)
     out = "rounds"           # fused models (a model store in OUT/models; a site's own network's go
                              # to its own store, own_models) and round reports
     health_timeout_s = 2.0

@@ -33,8 +33,12 @@ ledger serialises the charges). A round of requester R over the live peers P_1..
      b. **align** — the merged model is a DP release, so R may compute its exact graph on the
         probe set (post-processing) and match it against its own exact graph.
 
-   With ``auto``, R asks for a merge where the peer offers a pool of R's architecture and
-   falls back to *ldp* only when the merge was refused *before anything was charged*.
+   With ``auto`` (the default), R asks for a merge where the peer offers a pool of R's
+   architecture and falls back to *ldp* only when the merge was refused *before anything was
+   charged* — and only where the ldp weights release can carry signal at the round's (ε, δ)
+   (``peer.ldp.mechanisms.signal``; else the peer is dropped, nothing charged, unless
+   ``[round.weights] go_on_without_signal``). An explicit ``ldp`` round whose weights release
+   is predicted constant is refused before anything is asked.
 
 4. **fuse** — at R: θ = α·θ_R + Σ_j (1 − α)/k · P_j(θ_j) over the k peers that contributed
    (α-fusion generalised to k models: R keeps weight α, the others share 1 − α equally).
@@ -111,7 +115,7 @@ class RoundConfig:
     model: str
     alpha: float = 0.5
     quorum: int = 2
-    method: str = "ldp"
+    method: str = "auto"
     activation_epsilon: float = 1.0
     weight_epsilon: float = 1.0
     unit: str = "neuron"
@@ -119,6 +123,9 @@ class RoundConfig:
     weight_bound: float | None = None
     weights_epsilon: float = 2.0
     weights_delta: float = 1e-5
+    # ``[round.weights] go_on_without_signal``: run an ldp exchange whose weights release is
+    # predicted constant (``peer.ldp.mechanisms.signal``) instead of refusing it before any request
+    go_on_without_signal: bool = False
     merge_method: str = "rs"
     merge_epsilon: float = 2.0
     merge_delta: float = 1e-5
@@ -164,7 +171,7 @@ class RoundConfig:
         s.known(cls.KEYS)
         f, w, m = s.section("features"), s.section("weights"), s.section("merge")
         f.known(["activation_epsilon", "weight_epsilon", "unit", "activation_clip", "weight_bound"])
-        w.known(["epsilon", "delta"])
+        w.known(["epsilon", "delta", "go_on_without_signal"])
         m.known(["method", "epsilon", "delta"])
         positive = {"exclusive_minimum": 0.0, "maximum": 1000.0}
         delta = {"exclusive_minimum": 0.0, "maximum": 0.1}
@@ -175,7 +182,7 @@ class RoundConfig:
             model=s.string("model"),
             alpha=s.number("alpha", 0.5, minimum=0.0, maximum=1.0),
             quorum=s.integer("quorum", 2, minimum=1),
-            method=s.string("method", "ldp", choices=METHODS),
+            method=s.string("method", "auto", choices=METHODS),
             activation_epsilon=f.number("activation_epsilon", 1.0, **positive),
             weight_epsilon=f.number("weight_epsilon", 1.0, **positive),
             unit=f.string("unit", "neuron", choices=("neuron", "entry")),
@@ -183,6 +190,7 @@ class RoundConfig:
             weight_bound=f.number("weight_bound", None, exclusive_minimum=0.0),
             weights_epsilon=w.number("epsilon", 2.0, **positive),
             weights_delta=w.number("delta", 1e-5, **delta),
+            go_on_without_signal=w.boolean("go_on_without_signal", False),
             merge_method=m.string("method", "rs", choices=MERGE_METHODS),
             merge_epsilon=m.number("epsilon", 2.0, **positive),
             merge_delta=m.number("delta", 1e-5, **delta),

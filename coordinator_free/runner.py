@@ -414,6 +414,8 @@ class _Round:
     clients: dict[str, PeerClient] = field(default_factory=dict)
     #: the journal of a named round (``coordinator_free.round_journal``; None: unnamed)
     journal: RoundJournal | None = None
+    #: :func:`weights_signal` of the round (None: the ldp weights release carries signal)
+    no_signal: dict | None = None
 
     # ------------------------------------------------------------------ one call to a peer
 
@@ -672,6 +674,10 @@ class _Round:
                 "n/a",
             )
             return None
+        if self.no_signal is not None and not config.go_on_without_signal:
+            # method auto falling back to ldp: refused before anything is asked (nothing charged)
+            state.drop(p.name, "features", "FAILED_PRECONDITION", f"not asked: {self.no_signal['message']}", "n/a")
+            return None
         if own is not None:
             if model is None:  # refused before anything is asked: nothing is charged
                 state.drop(p.name, "info", "FAILED_PRECONDITION", own.model_mismatch(info, p.model), "n/a")
@@ -705,6 +711,41 @@ class _Round:
             return None
 
 
+def weights_signal(config: RoundConfig, arch: Mapping[str, Any], structure: Any = None) -> dict | None:
+    """Whether the ldp exchange's weights release at the round's (ε, δ) carries signal, from the
+    public parameters alone (``peer.ldp.mechanisms.signal``; ``structure``: a site's own
+    network's, else the built-in ``arch``): None when every weight tensor can, else what the
+    report and the refusal say — the tensors predicted constant, σ there, and the smallest ε
+    at which none is (None: some tensor never clears the filter's margin)."""
+    from peer.ldp.mechanisms.signal import architecture_parts, parts_without_signal, signal_epsilon, structure_parts
+
+    parts = structure_parts(structure) if structure is not None else architecture_parts(arch)
+    silent = parts_without_signal(parts, config.weights_epsilon, config.weights_delta)
+    if not silent:
+        return None
+    need = signal_epsilon(parts, config.weights_delta)
+    sigmas = sorted(
+        {round(p.noise_std(config.weights_epsilon, config.weights_delta) / p.spread_bound, 3) for p in silent}
+    )
+    names = [p.name for p in silent]
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    where = (
+        f"every weight tensor can carry signal from ε ≈ {need:.3g} per neuron"
+        if need is not None
+        else "some weight tensor has too few entries to clear the filter's margin at any ε"
+    )
+    message = (
+        f"the ldp weights release at ε={config.weights_epsilon:g}, δ={config.weights_delta:g} per neuron "
+        f"would come back constant for {shown}: there the noise is {sigmas[0]:g}–{sigmas[-1]:g} times "
+        "the largest spread the public bounds allow, which the PFA's smoothing filter cannot tell from "
+        "noise, so the fused model would be this site's own model rescaled while every peer is "
+        f'charged ({where}; docs/mechanisms.md, "When a weights release carries no signal"). '
+        'Use method = "merged" (the peers\' DP-SGD pools), or set [round.weights] '
+        "go_on_without_signal = true to run it anyway"
+    )
+    return {"constant": names, "epsilon_needed": need, "message": message}
+
+
 def _open_round(
     local: LocalSite,
     roster: Roster,
@@ -722,6 +763,13 @@ def _open_round(
     state = RoundState(round_id, me, [(p.name, p.address) for p in peers], config.quorum, on_event, stop=stop)
     probe = np.asarray(local.probe)
     clip = config.activation_clip if config.activation_clip is not None else local.activation_clip
+    no_signal = None
+    if config.method in ("ldp", "auto"):
+        no_signal = weights_signal(
+            config, local.model.architecture, local.own.structure if local.own is not None else None
+        )
+        if no_signal is not None and config.method == "ldp" and not config.go_on_without_signal:
+            raise InvalidArgument("round.weights.epsilon", f"nothing was requested: {no_signal['message']}")
     # before anything is asked or computed: a rerun whose plan differs is refused here
     journal = RoundJournal.open(
         config.out, config.label, round_id, round_plan(config, [p.name for p in peers], probe), local.trust
@@ -752,6 +800,9 @@ def _open_round(
     )
     r = _Round(local, config, state, peers, arch, probe, clip, own, own_graph, own_public, kind, local_data)
     r.journal = journal
+    r.no_signal = no_signal
+    if no_signal is not None and config.go_on_without_signal:
+        state.event("warning", message=f"asked to go on: {no_signal['message']}")
 
     def on_receipt(receipt, name: str) -> None:
         if journal is not None:  # on disk first: a charge the peer made is never forgotten
@@ -878,6 +929,8 @@ def _round_report(
         "releases": state.release_counts(),
         "events": state.events,
     }
+    if r.no_signal is not None:
+        report["weights_signal"] = {**r.no_signal, "went_on": r.config.go_on_without_signal}
     if r.journal is not None:
         report["attempts_before"] = r.journal.attempts
         if fused is None:

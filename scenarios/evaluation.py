@@ -107,6 +107,7 @@ def evaluate(world: World) -> dict[str, dict]:
                 "finished_at": r["finished_at"],
                 "released_epsilon_per_peer": released_epsilon(world.scenario, scale) if method == "ldp" else None,
                 "methods": {p: v["method"] for p, v in r["peers"].items() if v["state"] == "contributed"},
+                "weights_signal": r.get("weights_signal"),
                 **after_fusion_accuracies(world, s, r),
             }
         main = next((rounds[label] for label, m, sc in world.plan if m == "ldp" and sc == 1.0), None)

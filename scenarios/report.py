@@ -683,6 +683,25 @@ def plot_baselines(report: dict, path: Path) -> None:
 # ------------------------------------------------------------------------------------- markdown
 
 
+def _signal_note(report: dict) -> str:
+    """What the ldp row's rounds predicted, from public parameters alone, about their weights
+    release (the round report's ``weights_signal``; coordinator_free.runner.weights_signal)."""
+    plan = report["plan"]
+    main = next((p["label"] for p in plan if p["method"] == "ldp" and p["scale"] == 1.0), None)
+    signals = [s["rounds"][main].get("weights_signal") for s in report["sites"].values() if main in s["rounds"]]
+    signal = next((x for x in signals if x), None)
+    if signal is None:
+        return ""
+    need = signal.get("epsilon_needed")
+    where = f"every weight tensor clears from ε ≈ {need:.3g} per neuron" if need else "some tensor never clears"
+    return (
+        f" Predicted from the public parameters, that weights release is constant for "
+        f'{", ".join(signal["constant"])} ({where}; docs/mechanisms.md, "When a weights release carries no '
+        "signal\"): the row measures what the exchange delivers at the ε it asks for — a user's ldp round there is "
+        "refused before anything is charged unless asked to go on."
+    )
+
+
 def markdown(report: dict) -> str:
     sc = report["scenario"]
     r = sc["round"]
@@ -710,7 +729,7 @@ def markdown(report: dict) -> str:
         f"- **fused (LDP)**: the site's round `{next((p['label'] for p in report['plan'] if p['method'] == 'ldp' and p['scale'] == 1.0), '—')}`: "
         f"noisy graph features (ε_act={r['activation_epsilon']:g}, ε_w={r['weight_epsilon']:g} per neuron) and PFA weights "
         f"(ε={r['weights_epsilon']:g}, δ={r['weights_delta']:g} per neuron) from every live peer, aligned by graph matching, "
-        f"fused with α={r['alpha']:g} (own) and (1−α)/k for each of the k peers.",
+        f"fused with α={r['alpha']:g} (own) and (1−α)/k for each of the k peers." + _signal_note(report),
         f"- **fused (merge)**: peers answered with an {r['merge_method'].upper()} merge of their DP-SGD pool at "
         f"(ε′={r['merge_epsilon']:g}, δ′={r['merge_delta']:g}) per training record; aligned locally and fused the same way.",
         "- **+repair**, **+FT**: the same round after its local steps at the requester (nothing charged, nothing "

@@ -199,6 +199,10 @@ def round_toml(sc: Scenario, s: SiteWorld, label: str, method: str, scale: float
         "[round.weights]",
         f"epsilon = {r.weights_epsilon * scale!r}",
         f"delta = {r.weights_delta!r}",
+        # the experiment measures the ldp exchange at the ε it asks for, also where its weights
+        # release is predicted constant (a user's round is refused there): the round report's
+        # weights_signal, and the simulate report, say so
+        *(["go_on_without_signal = true"] if method == "ldp" else []),
         "",
         "[round.merge]",
         f'method = "{r.merge_method}"',

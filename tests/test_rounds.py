@@ -291,6 +291,7 @@ def test_three_site_round_aligns_fuses_and_charges_each_release_once(tmp_path, t
     assert first.status == "fused", first.reason
     assert sorted(r["contributors"]) == ["hospital-b", "hospital-c"]
     assert r["weights"] == {"hospital-a": 0.5, "hospital-b": 0.25, "hospital-c": 0.25}
+    assert "weights_signal" not in r  # at ε 200 per neuron every weight tensor can carry signal
     # alignment: the recovered permutation is the one the peer's model was built with
     # (perm[i] = j: our node i is their node j; their node j is the base model's node truth[j]).
     # Chance agreement is 1/16; the peers' noise is seeded, so this is deterministic.
@@ -875,3 +876,29 @@ epsilon = 20.0
         assert sorted(e.release_id for e in entries) == charged_before[peer.name]
         assert len({e.release_id for e in entries}) == len(entries)
     assert not any((a.root / "rounds" / "journal").iterdir())  # fused: the journal is removed
+
+
+def test_an_ldp_round_without_signal_is_refused_before_anything_is_asked(tmp_path, trained):
+    """At ε 2 per neuron the 64-16-10 MLP's weights release is predicted constant
+    (peer.ldp.mechanisms.signal): the round refuses before asking, and no ledger holds a charge;
+    asked to go on, it runs and its report says what it was told."""
+    from peer.base.errors import InvalidArgument
+
+    sites, _ = build(tmp_path, trained, ["hospital-a", "hospital-b", "hospital-c"])
+    a, b, c = sites
+    low = dict(activation_epsilon=2.0, weight_epsilon=2.0, weights_epsilon=2.0)
+    with contextlib.ExitStack() as stack:
+        addresses = {s.name: stack.enter_context(running(s))[1] for s in sites}
+        roster = roster_for(tmp_path, sites, addresses)
+        local = load_local_site(a.config, "mlp")
+        with pytest.raises(InvalidArgument) as refused:
+            run_round(local, roster, config(tmp_path, **low))
+        assert refused.value.field == "round.weights.epsilon"
+        message = str(refused.value)
+        assert "nothing was requested" in message and "0.weight" in message and "go_on_without_signal" in message
+        assert all(ledger_entries(s) == [] for s in sites)  # nothing asked of anyone: nothing charged
+        went = run_round(local, roster, config(tmp_path, label="anyway", go_on_without_signal=True, **low))
+    assert went.status == "fused", went.reason
+    signal = went.report["weights_signal"]
+    assert signal["went_on"] is True and "0.weight" in signal["constant"] and signal["epsilon_needed"] > 2.0
+    assert len(ledger_entries(b, "hospital-a")) == 2 and len(ledger_entries(c, "hospital-a")) == 2
