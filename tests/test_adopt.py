@@ -119,6 +119,7 @@ activation_epsilon = 500.0
 weight_epsilon = 500.0
 [round.weights]
 epsilon = 0.5
+go_on_without_signal = true
 [round.records]
 path = "{path}"
 [round.repair]

@@ -203,4 +203,6 @@ def test_the_readme_example_runs_as_written(tmp_path):
     fused = list((tmp_path / "a" / "rounds" / "models").glob("mlp-fused-*.safetensors"))
     assert len(fused) == 1, out[-4000:]
     assert out.count("  accuracy ") == 2, out[-4000:]
-    assert "ledger b/ledger.sqlite: 2 entries" in out and "model/mlp/peer/hospital-a" in out, out[-4000:]
+    assert "ledger b/ledger.sqlite: 1 entries" in out and "rs-merge" in out, out[-4000:]
+    assert "method merged" in out, out[-4000:]
+    assert " recommends " in out, out[-4000:]  # model adopt read the round's recommendation

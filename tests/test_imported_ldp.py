@@ -178,7 +178,14 @@ def test_an_ldp_round_refuses_a_peer_whose_network_differs_before_anything_is_ch
     import_model(b.root / "own_models", "rmlp", ResidualMLP(width=24).eval(), [64], factory=f"{wide}:make")
     with running(a) as (_, addr_a), running(b) as (_, addr_b):
         roster = roster_of(tmp_path / "roster.toml", {"st-anne": addr_a, "riverside": addr_b}, a, b)
-        cfg = RoundConfig(roster=tmp_path / "roster.toml", model="rmlp", method="ldp", out=tmp_path / "out", quorum=2)
+        cfg = RoundConfig(  # go on: ε 2 carries no signal, and the refusal tested is the network's
+            roster=tmp_path / "roster.toml",
+            model="rmlp",
+            method="ldp",
+            out=tmp_path / "out",
+            quorum=2,
+            go_on_without_signal=True,
+        )
         result = run_round(load_local_site(a.config, "rmlp"), roster, cfg, write=False)
         assert result.status == "aborted"
         (drop,) = [e for e in result.report["events"] if e["event"] == "dropped"]

@@ -222,8 +222,13 @@ def test_a_round_refuses_a_peer_whose_network_differs_before_anything_is_charged
             ("merged", "first difference at structure.groups[0].size: ours 8, theirs 10"),
             ("ldp", "'riverside' offers no model of this network"),
         ):
-            cfg = RoundConfig(
-                roster=tmp_path / "roster.toml", model="resnet", method=method, out=tmp_path / "out", quorum=2
+            cfg = RoundConfig(  # go on: ε 2 carries no signal, and the refusal tested is the network's
+                roster=tmp_path / "roster.toml",
+                model="resnet",
+                method=method,
+                out=tmp_path / "out",
+                quorum=2,
+                go_on_without_signal=True,
             )
             result = run_round(local, roster, cfg, write=False)
             assert result.status == "aborted"

@@ -461,6 +461,7 @@ activation_epsilon = 50.0
 weight_epsilon = 50.0
 [round.weights]
 epsilon = 20.0
+go_on_without_signal = true
 """
         )
         assert load_round_config(a.config).activation_clip is None  # the site's default applies at run time
@@ -498,6 +499,7 @@ activation_epsilon = 50.0
 weight_epsilon = 50.0
 [round.weights]
 epsilon = 20.0
+go_on_without_signal = true
 """
         )
         run = cli_on_terminal("round", "--config", str(a.config))
@@ -677,6 +679,7 @@ activation_epsilon = 50.0
 weight_epsilon = 50.0
 [round.weights]
 epsilon = 20.0
+go_on_without_signal = true
 """
         )
         proc = subprocess.Popen(
@@ -747,7 +750,7 @@ def test_a_journal_refuses_a_rerun_whose_plan_differs_naming_each_change(tmp_pat
         RoundJournal.open(tmp_path, "monday", "r3", changed, trust)
     text = str(e.value)
     for what in (
-        "method: 'ldp' then, 'merged' now",
+        "method: 'auto' then, 'merged' now",
         "weights.epsilon: 200.0 then, 10.0 now",
         "model: 'mlp' then, 'other' now",
         "peers: ['hospital-b', 'hospital-c'] then, ['hospital-b'] now",
@@ -797,6 +800,7 @@ activation_epsilon = 50.0
 weight_epsilon = 50.0
 [round.weights]
 epsilon = 20.0
+go_on_without_signal = true
 """
         round_file.write_text(plan)
         command = [sys.executable, "-m", "peer.cli", "round", "--config", str(a.config), "--round", str(round_file)]
@@ -892,12 +896,18 @@ def test_an_ldp_round_without_signal_is_refused_before_anything_is_asked(tmp_pat
         roster = roster_for(tmp_path, sites, addresses)
         local = load_local_site(a.config, "mlp")
         with pytest.raises(InvalidArgument) as refused:
-            run_round(local, roster, config(tmp_path, **low))
+            run_round(local, roster, config(tmp_path, method="ldp", **low))
         assert refused.value.field == "round.weights.epsilon"
         message = str(refused.value)
         assert "nothing was requested" in message and "0.weight" in message and "go_on_without_signal" in message
         assert all(ledger_entries(s) == [] for s in sites)  # nothing asked of anyone: nothing charged
-        went = run_round(local, roster, config(tmp_path, label="anyway", go_on_without_signal=True, **low))
+        auto = run_round(local, roster, config(tmp_path, label="auto", **low))  # the default method
+        assert auto.status == "aborted"  # neither peer offers a pool: both dropped, nothing asked
+        assert {p["drop"]["status"] for p in auto.report["peers"].values()} == {"FAILED_PRECONDITION"}
+        assert all(ledger_entries(s) == [] for s in sites)
+        went = run_round(
+            local, roster, config(tmp_path, method="ldp", label="anyway", go_on_without_signal=True, **low)
+        )
     assert went.status == "fused", went.reason
     signal = went.report["weights_signal"]
     assert signal["went_on"] is True and "0.weight" in signal["constant"] and signal["epsilon_needed"] > 2.0
