@@ -80,10 +80,13 @@ __all__ = [
     "clipped_sum",
     "dpsgd_release_record",
     "dpsgd_step",
+    "draw_step",
+    "module_loss",
     "optimizer_update",
     "per_example_gradients",
     "privatised_gradient",
     "run_dpsgd",
+    "take_step",
     "train_dpsgd_classifier",
     "train_dpsgd_module",
     "train_pool",
@@ -238,6 +241,68 @@ def _check_steps(steps: Sequence, dataset_size: int) -> None:
             raise InvalidArgument(f"training.steps[{t}].sample_rate", f"must be in (0, 1], got {s.sample_rate!r}")
 
 
+def draw_step(
+    generator: np.random.Generator,
+    params: Mapping[str, torch.Tensor],
+    n_records: int,
+    sample_rate: float,
+    lead: tuple[int, ...] = (),
+) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
+    """One step's randomness (z_t, B_t), drawn from ``generator`` in this order: the noise z_t
+    ~ N(0, I), parameter by parameter in ``params``' order (float64, cast to each parameter's
+    dtype), then, when q = ``sample_rate`` < 1, the Poisson mask over all ``n_records`` records
+    (True: record i is in B_t, independently with probability q; None for a full batch).
+    ``lead`` prefixes a replica axis to the mask (the parameters already carry it). Every DP-SGD
+    step of this package draws through here (:func:`run_dpsgd`, ``peer.dp.own_loop.DPStep``),
+    so the same generator gives the same (z_t, B_t) whoever runs the loop."""
+    noise = {k: torch.from_numpy(generator.standard_normal(tuple(v.shape))).to(v.dtype) for k, v in params.items()}
+    q = float(sample_rate)
+    sampled = generator.random((*lead, n_records)) < q if q < 1.0 else None
+    return noise, sampled
+
+
+def take_step(
+    loss_fn: LossFn,
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    step,
+    *,
+    dataset_size: int,
+    noise: Mapping[str, torch.Tensor],
+    sampled: np.ndarray | None,
+    optimizer: Optimizer = SGD,
+    state: dict[str, dict[str, torch.Tensor]] | None = None,
+    t: int = 1,
+    inputs: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """θ_{t+1} of one step (no replica axis) from the draw (z_t, B_t) of :func:`draw_step`:
+    the batch's rows x[B_t] only (``sampled`` None: every row; :func:`dpsgd_step` says why this
+    equals the masked sum), denominator q_t·``dataset_size``, then plain SGD
+    (:func:`dpsgd_step`) or ``optimizer``'s update of the privatised gradient
+    (:func:`privatised_gradient`, :func:`optimizer_update`; ``state`` its buffers, ``t`` the step
+    counted from 1). ``step`` has ``learning_rate``, ``clip_norm``, ``noise_multiplier``,
+    ``sample_rate`` (a GaussianStep). ``inputs`` (None: the rows as they are) maps the batch's
+    rows x[B_t] to the inputs their gradients are taken at; it must treat every row on its own
+    (``peer.dp.own_loop`` applies a site's augmentation record by record), so that each clipped
+    gradient still depends on one record alone. The one place per-example clipping and noise meet the
+    parameters in a single run: the built-in loop and a site's own loop both step through it."""
+    q = float(step.sample_rate)
+    step_x, step_y = x, y
+    if sampled is not None:
+        rows = torch.from_numpy(np.flatnonzero(sampled))
+        step_x, step_y = x[rows], y[rows]
+    if inputs is not None:
+        step_x = inputs(step_x)
+    lr, c, sigma = float(step.learning_rate), float(step.clip_norm), float(step.noise_multiplier)
+    kw = {"clip_norm": c, "noise_multiplier": sigma, "denominator": q * dataset_size, "noise": noise}
+    with torch.no_grad():
+        if optimizer.name == "sgd":
+            return dpsgd_step(loss_fn, params, step_x, step_y, learning_rate=lr, **kw)
+        g_hat = privatised_gradient(loss_fn, params, step_x, step_y, **kw)
+        return optimizer_update(optimizer, params, g_hat, {} if state is None else state, t, lr)
+
+
 def run_dpsgd(
     loss_fn: LossFn,
     params0: Mapping[str, torch.Tensor],
@@ -311,70 +376,46 @@ def run_dpsgd(
     for t, s in enumerate(steps, start=1):
         if before_step is not None:
             before_step(params)
-        noise = {k: torch.from_numpy(gen.standard_normal(tuple(v.shape))).to(v.dtype) for k, v in params.items()}
-        q = float(s.sample_rate)
-        denominator = q * n
         lead = () if replicas is None else (replicas,)
-        step_x, step_y = x, y
-        if q < 1.0:
-            sampled = gen.random((*lead, n_records)) < q
+        noise, sampled = draw_step(gen, params, n_records, float(s.sample_rate), lead)
+        if sampled is not None:
             batch_sizes = batch_sizes if batch_sizes is not None else []
             batch_sizes.extend(int(v) for v in sampled.sum(axis=-1).reshape(-1).tolist())
-            if replicas is None:
-                # the batch's rows only: the unsampled rows' terms are exactly 0 (dpsgd_step)
-                rows = torch.from_numpy(np.flatnonzero(sampled))
-                step_x, step_y, mask = x[rows], y[rows], None
-            else:
-                mask = torch.from_numpy(sampled).to(x.dtype)
+        if replicas is None:
+            params = take_step(loss_fn, params, x, y, s, dataset_size=n, noise=noise, sampled=sampled,
+                               optimizer=optimizer, state=state, t=t)  # fmt: skip
         else:
-            mask = None if replicas is None else torch.ones(*lead, n_records, dtype=x.dtype)
-        lr, c, sigma = float(s.learning_rate), float(s.clip_norm), float(s.noise_multiplier)
-        with torch.no_grad():
-            if not plain:
-                # the same Gaussian release as dpsgd_step's, handed to the optimiser
-                if replicas is None:
-                    g_hat = privatised_gradient(
-                        loss_fn,
-                        params,
-                        step_x,
-                        step_y,
-                        clip_norm=c,
-                        noise_multiplier=sigma,
-                        denominator=denominator,
-                        noise=noise,
-                        mask=mask,
-                    )
-                else:
-                    g_hat = gradient_fn(params, noise, mask, c, sigma, denominator)
-                params = optimizer_update(optimizer, params, g_hat, state, t, lr)
-            elif replicas is None:
-                params = dpsgd_step(
-                    loss_fn,
-                    params,
-                    step_x,
-                    step_y,
-                    learning_rate=lr,
-                    clip_norm=c,
-                    noise_multiplier=sigma,
-                    denominator=denominator,
-                    noise=noise,
-                    mask=mask,
-                )
+            q = float(s.sample_rate)
+            denominator = q * n
+            if sampled is not None:
+                mask = torch.from_numpy(sampled).to(x.dtype)
             else:
-                params = step_fn(params, noise, mask, lr, c, sigma, denominator)
+                mask = torch.ones(*lead, n_records, dtype=x.dtype)
+            lr, c, sigma = float(s.learning_rate), float(s.clip_norm), float(s.noise_multiplier)
+            with torch.no_grad():
+                if not plain:
+                    g_hat = gradient_fn(params, noise, mask, c, sigma, denominator)
+                    params = optimizer_update(optimizer, params, g_hat, state, t, lr)
+                else:
+                    params = step_fn(params, noise, mask, lr, c, sigma, denominator)
         if progress is not None:
             progress()
     return DPSGDRun({k: v.detach() for k, v in params.items()}, None if batch_sizes is None else tuple(batch_sizes))
 
 
+def module_loss(model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> LossFn:
+    """ℓ(θ; x_i, y_i) = ``loss``(model_θ(x_i[None]), y_i[None]): ``model`` called functionally with
+    the given parameters on a batch of one example, ``loss`` of (outputs, labels) on it."""
+
+    def per_example(params: dict[str, torch.Tensor], x_i: torch.Tensor, y_i: torch.Tensor) -> torch.Tensor:
+        return loss(functional_call(model, params, (x_i.unsqueeze(0),)), y_i.unsqueeze(0))
+
+    return per_example
+
+
 def classifier_loss(model: torch.nn.Module) -> LossFn:
     """Cross-entropy of ``model`` (called functionally with the given parameters) on one example."""
-
-    def loss(params: dict[str, torch.Tensor], x_i: torch.Tensor, y_i: torch.Tensor) -> torch.Tensor:
-        logits = functional_call(model, params, (x_i.unsqueeze(0),))
-        return torch.nn.functional.cross_entropy(logits, y_i.unsqueeze(0))
-
-    return loss
+    return module_loss(model, torch.nn.functional.cross_entropy)
 
 
 # --------------------------------------------------------------------------------------------
