@@ -34,6 +34,17 @@ the loop then stops (nothing of that segment left the site). All segments togeth
 the composition is the Gaussian with μ = √(R·steps)/σ, add-remove; for q < 1 dp-accounting's
 PLD of the subsampled Gaussian, self-composed) is reported beside the filter's.
 
+**The site's own loop.** With ``train = "MODULE:FUNCTION"`` the segment is taken by the site's
+function, ``FUNCTION(model, records, step)``, around our DP step object
+(``peer.dp.own_loop``): each ``step(transform, loss, learning_rate)`` is one step of the update
+above through the same code (``peer.dp.training.take_step``), with the batch, the clipping and
+the noise ours (drawn from the segment's generator in the built-in loop's order) and the site's
+per-record augmentation, per-example loss and learning rate. Exactly ``local_steps`` steps must
+be taken, and the module's parameters must be the step object's when the function returns;
+anything else — and a function that cannot be loaded (refused when the run opens) — is refused
+naming ``round.iterate.train`` before anything is charged. Its record is the built-in loop's
+(the plan's σ, C, q and count, so the same charge) with each step's learning rate as taken.
+
 **Noise.** σ is the smallest one with which the whole planned run fits (ε, δ) *by the filter
 of this site's ledger* (``peer.budget.dpsgd_noise.noise_multiplier_for(figure="filter",
 orders=the ledger's orders, sample_rate=q)``): what the ledger will admit. A ledger created for this run with
@@ -104,6 +115,10 @@ Config (a ``[round]`` table with ``method = "iterate"`` and its ``[round.iterate
     # alpha = 0.5            # our own weight (default: by record counts, as FedAvg)
     staleness_decay = 0.5    # weight factor per round a peer's segment is behind
     wait_s = 30.0            # how long to wait for a peer's segment of our round
+    # train = "site_training:train"  # the site's own loop, FUNCTION(model, records, step): its
+    #                        # augmentation, loss and learning-rate schedule around our DP step
+    #                        # (peer.dp.own_loop); MODULE from the site's folder, or FILE.py
+    #                        # (relative to this file); code that stays at the site
     # secure = true          # one secure sum per step instead of local noise
     #                        # (coordinator_free.secure_iterate; add-remove, declared_records
     #                        # the same at every site; needs coalition + 2 sites in the roster)
@@ -166,10 +181,14 @@ class IterateConfig:
     coalition: int = 1
     secure_scale: float = 1024.0
     modulus_bits: int = 32
+    # the site's own training function (peer.dp.own_loop), MODULE:FUNCTION or FILE.py:FUNCTION
+    # (FILE made absolute against the round file's folder); None: the built-in loop
+    train: str | None = None
 
     @classmethod
     def from_section(cls, r: Section, base: Path) -> IterateConfig:
         from peer.net.releases import check_run_name
+        from peer.nn.imported import resolve_factory
 
         r.known(("roster", "model", "method", "out", "label", "call_timeout_s", "health_timeout_s", "iterate"))
         if r.string("method") != "iterate":
@@ -203,6 +222,21 @@ class IterateConfig:
                 "is required with secure = true: every site of the run declares the same public n, the "
                 "denominator q·k·n of each step's update",
             )
+        train = it.string("train", None)
+        if train is not None:
+            if train.count(":") != 1 or not all(train.split(":")):
+                it.fail(
+                    "train",
+                    f"must be MODULE:FUNCTION or FILE.py:FUNCTION (the site's own training function, called as "
+                    f"FUNCTION(model, records, step)), got {train!r}",
+                )
+            if secure:
+                it.fail(
+                    "train",
+                    "takes no own loop with secure = true: each step there is one secure sum of every site's "
+                    "clipped gradients, taken by coordinator_free.secure_iterate",
+                )
+            train = resolve_factory(train, base)
         return cls(
             roster=r.path("roster", base).resolve(),
             model=r.string("model"),
@@ -228,6 +262,7 @@ class IterateConfig:
             coalition=it.integer("coalition", 1, minimum=0, maximum=1000),
             secure_scale=it.number("secure_scale", 1024.0, exclusive_minimum=0.0, maximum=2.0**40),
             modulus_bits=it.integer("modulus_bits", 32, minimum=2, maximum=64),
+            train=train,
         )
 
 
@@ -396,6 +431,8 @@ class _Run:
     gone: set[str] = field(default_factory=set)
     states: dict[str, str] = field(default_factory=dict)
     models: list[str] = field(default_factory=list)
+    #: the site's own training function (``[round.iterate] train``), None: the built-in loop
+    train: Callable | None = None
 
     def close(self) -> None:
         for c in self.clients.values():
@@ -431,6 +468,7 @@ def _open_run(
     from peer.net.site import SiteConfig
     from peer.net.site_lock import SiteLock
     from peer.nn.architectures import build_model, input_tensor
+    from peer.nn.imported import load_factory
     from peer.nn.store import load_model
 
     site = SiteConfig.load(site_config)
@@ -450,6 +488,11 @@ def _open_run(
             f"{site_config}: the run's segments are data-level releases per record:{cfg.adjacency}; the site's "
             f"policy needs a [policy.data] budget in that unit"
         )
+    # the site's own loop, loaded (its code run) before anything is opened or charged
+    train = None
+    if cfg.train is not None:
+        site_dir = Path(site.path or site_config).resolve().parent
+        train = load_factory(cfg.train, [site_dir], field="round.iterate.train")
     stored = load_model(site.models, cfg.model)
     arch = dict(stored.architecture)
     x, y = load_records(cfg.records, stored)
@@ -512,6 +555,7 @@ def _open_run(
             "epsilon": cfg.epsilon,
             "delta": cfg.delta,
             "init_seed": cfg.init_seed,
+            "train": cfg.train,
             "ledger_orders": list(ledger.orders),
             "alpha": cfg.alpha,
             "staleness_decay": cfg.staleness_decay,
@@ -539,6 +583,7 @@ def _open_run(
     run = _Run(
         cfg, me, arch, stored, n, n_source, ledger, store, sigma, rnd_master, peers, clients, loss, xt, yt, theta,
         report, on_event or (lambda e: None), stop or threading.Event(), identity, own, lock, done + 1,
+        train=train,
     )  # fmt: skip
     _write_report(run)
     return run
@@ -556,6 +601,7 @@ RESUME_KEYS = (
     "epsilon",
     "delta",
     "init_seed",
+    "train",
 )
 
 
@@ -670,6 +716,14 @@ class _Segment:
     reused: bool = False
 
 
+#: What a segment's record says of a site's own loop (its code and its name stay at the site).
+OWN_LOOP = (
+    "the site's own training function around this package's DP step (peer.dp.own_loop): the site chose "
+    "the per-record augmentation, the per-example loss and each step's learning rate (listed in training); "
+    "the batches, clipping, noise and step count are the plan's"
+)
+
+
 class _Alone(Exception):
     """Our own daemon does not serve: a segment charged now could reach no peer."""
 
@@ -716,9 +770,19 @@ def _train_and_publish_segment(run: _Run, r: int) -> _Segment:
     cfg = run.cfg
     training = segment_training(cfg, run.sigma)
     rnd = run.rnd_master.spawn()
-    params0 = {k: torch.from_numpy(np.array(v)) for k, v in run.theta.items()}
-    trained = run_dpsgd(run.loss, params0, run.xt, run.yt, training.steps, randomness=rnd, dataset_size=run.n)
-    own = {k: v.numpy().astype(np.float32) for k, v in trained.params.items()}
+    if run.train is None:
+        params0 = {k: torch.from_numpy(np.array(v)) for k, v in run.theta.items()}
+        params = run_dpsgd(run.loss, params0, run.xt, run.yt, training.steps, randomness=rnd, dataset_size=run.n).params
+    else:  # the site's own loop around the same DP step; refused here, before any charge
+        from peer.dp.own_loop import run_own_loop
+        from peer.nn.architectures import model_from_arrays
+
+        own_run = run_own_loop(
+            run.train, model_from_arrays(run.arch, run.theta), run.xt, run.yt, training, randomness=rnd,
+            dataset_size=run.n, field="round.iterate.train", name=cfg.train,
+        )  # fmt: skip
+        params, training = own_run.params, own_run.training  # its record: the plan's steps, the η_t taken
+    own = {k: v.numpy().astype(np.float32) for k, v in params.items()}
     tensors = [(k, own[k]) for k in sorted(own)]
     record = dpsgd_release_record(
         training, delta=cfg.delta, dataset_size=run.n, randomness=rnd, init_seed=cfg.init_seed,
@@ -735,6 +799,7 @@ def _train_and_publish_segment(run: _Run, r: int) -> _Segment:
                 "start": "the site's fused model of the previous round (post-processing of released "
                 "segments); round 1 starts from build_model(architecture, init_seed)",
             },
+            **({"loop": OWN_LOOP} if run.train is not None else {}),
         }
     )
     key = segment_key(cfg.run, r)

@@ -177,7 +177,7 @@ class DPStep:
         t = len(self._taken)
         if t >= len(self._plan):
             raise self._refuse(
-                f"step() was called a {t + 1}th time, but the segment has exactly {len(self._plan)} steps "
+                f"step() was called for step {t + 1}, but the segment has exactly {len(self._plan)} steps "
                 "(round.iterate.local_steps): the extra step is refused, and nothing of this segment is charged "
                 "or released"
             )

@@ -93,17 +93,21 @@ class ImportedModel:
         return imported_architecture(self.structure)
 
 
-def load_factory(spec: str, search_path: Sequence[str | os.PathLike] = ()) -> Callable[[], nn.Module]:
+def load_factory(
+    spec: str, search_path: Sequence[str | os.PathLike] = (), field: str = "factory"
+) -> Callable[[], nn.Module]:
     """``MODULE:FUNCTION`` (a dotted module importable from ``search_path`` or ``sys.path``) or
-    ``path/to/file.py:FUNCTION``. This runs the site's code: only at the site that owns it."""
+    ``path/to/file.py:FUNCTION``: the callable it names. This runs the site's code: only at the
+    site that owns it. Every refusal names ``field`` (the option or config key the spec came
+    from: ``factory``, ``round.iterate.train``)."""
     if not isinstance(spec, str) or spec.count(":") != 1:
-        raise InvalidArgument("factory", f"must be MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}")
+        raise InvalidArgument(field, f"must be MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}")
     mod_name, fn_name = spec.split(":")
     try:
         if mod_name.endswith(".py"):
             path = Path(mod_name)
             if not path.is_file():
-                raise InvalidArgument("factory", f"file {mod_name!r} does not exist")
+                raise InvalidArgument(field, f"file {mod_name!r} does not exist")
             s = importlib.util.spec_from_file_location(f"_privfusion_site_factory_{path.stem}", path)
             module = importlib.util.module_from_spec(s)
             s.loader.exec_module(module)
@@ -118,10 +122,10 @@ def load_factory(spec: str, search_path: Sequence[str | os.PathLike] = ()) -> Ca
     except InvalidArgument:
         raise
     except Exception as e:  # the site's code failed: say how
-        raise InvalidArgument("factory", f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+        raise InvalidArgument(field, f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise InvalidArgument("factory", f"{mod_name!r} has no callable {fn_name!r}")
+        raise InvalidArgument(field, f"{mod_name!r} has no callable {fn_name!r}")
     return fn
 
 
