@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -337,3 +338,19 @@ def test_a_bad_train_entry_is_refused_when_the_config_is_read(tmp_path, line, ru
     with pytest.raises(ConfigError) as e:
         load_iterate_config(path)
     assert e.value.key == FIELD and rule_part in e.value.rule
+
+
+def test_the_documented_own_loop_runs_as_written(tmp_path):
+    """docs/deployment.md's example module, taken from the page, is a working own loop."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
+    section = page[page.index("**Your own training loop**") :]
+    code = section[
+        section.index("```python\n") + len("```python\n") : section.index("\n```", section.index("```python"))
+    ]
+    site, path = site_with_round(tmp_path, "s", train="site_training:train")
+    (site.root / "site_training.py").write_text(code + "\n")
+    assert run_iterate(site.config, load_iterate_config(path), simulation=True).status == "finished"
+    entries = ledger_entries(site)
+    assert len(entries) == ROUNDS
+    steps = TrainingRecord.from_dict(entries[0].record.parameters["training"]).steps
+    assert [s.learning_rate for s in steps] == pytest.approx([0.5 / (1 + t) for t in range(LOCAL_STEPS)], rel=1e-15)
