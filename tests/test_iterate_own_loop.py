@@ -354,3 +354,35 @@ def test_the_documented_own_loop_runs_as_written(tmp_path):
     assert len(entries) == ROUNDS
     steps = TrainingRecord.from_dict(entries[0].record.parameters["training"]).steps
     assert [s.learning_rate for s in steps] == pytest.approx([0.5 / (1 + t) for t in range(LOCAL_STEPS)], rel=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("call", "rule_part"),
+    [
+        (lambda step: step(learning_rate=-0.1), "step 1: learning_rate must be > 0"),
+        (lambda step: step(learning_rate=float("nan")), "step 1: learning_rate must be finite"),
+        (lambda step: step(transform=lambda x: x[:3]), "must return one record's input as a tensor of shape (6,)"),
+        (lambda step: step(transform=lambda x: x.numpy()), "got ndarray"),
+        (lambda step: step(loss=lambda out, lab: out.sum(dim=0)), "must return one number"),
+        (lambda step: step(transform=lambda x: 1 / 0), "the transform raised ZeroDivisionError"),
+        (lambda step: [][1], "raised IndexError"),
+    ],
+)
+def test_the_step_object_refuses_what_breaks_its_rules_naming_the_field(call, rule_part):
+    """In the core (peer.dp.own_loop): a bad learning rate, an augmentation that is not per
+    record, a loss that is not one number per record, and the site's code failing are each
+    refused with the field named and nothing returned to release."""
+    rng = np.random.default_rng(1)
+    x = torch.tensor(rng.normal(size=(12, 6)), dtype=torch.float32)
+    y = torch.tensor(rng.integers(0, 3, 12))
+    plan = TrainingRecord.constant("add-remove", 2, 0.5, 1.0, 1.1, 1.0)
+
+    def train(model, recs, step):
+        call(step)
+        step()
+
+    with pytest.raises(InvalidArgument) as e:
+        run_own_loop(
+            train, build_model(ARCH, seed=3), x, y, plan, randomness=make_randomness(2), dataset_size=12, field=FIELD
+        )
+    assert e.value.field == FIELD and rule_part in e.value.rule, e.value.rule
