@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from privfusion.v1 import tensor_pb2 as tpb
 
 __all__ = [
     "HEALTH_SERVICE",
+    "CallBytes",
     "PeerClient",
     "PeerError",
     "load_saved_release",
@@ -246,8 +248,46 @@ def resolve_peer(trust: TrustStore, address: str, peer: str | None) -> PinnedPee
     return matches[0]
 
 
+#: statuses of a call the peer may never have answered (its request may not have reached it)
+UNANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+
+class CallBytes:
+    """The payload bytes of a client's unary calls, by method: ``sent``, the request messages'
+    ``ByteSize()`` of every call the peer answered (with a reply or a refusal of its own), and
+    ``received``, the reply messages' ``ByteSize()`` — the protobuf payload, not TLS or HTTP/2
+    framing, as the server's metrics interceptor (``peer.net.metrics``) counts its side; a call
+    with no answer (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) is counted in ``unanswered``
+    only. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._methods: dict[str, dict[str, int]] = {}
+
+    def add(self, method: str, sent: int, received: int, answered: bool = True) -> None:
+        with self._lock:
+            m = self._methods.setdefault(method, {"calls": 0, "unanswered": 0, "sent": 0, "received": 0})
+            m["calls" if answered else "unanswered"] += 1
+            m["sent"] += int(sent)
+            m["received"] += int(received)
+
+    def by_method(self) -> dict[str, dict[str, int]]:
+        """method → {calls, unanswered, sent, received} (a copy)."""
+        with self._lock:
+            return {k: dict(v) for k, v in self._methods.items()}
+
+    def totals(self) -> dict[str, int]:
+        """{calls, unanswered, sent, received} over every method."""
+        out = {"calls": 0, "unanswered": 0, "sent": 0, "received": 0}
+        for m in self.by_method().values():
+            for k in out:
+                out[k] += m[k]
+        return out
+
+
 class PeerClient:
-    """A mutually authenticated connection to one pinned peer."""
+    """A mutually authenticated connection to one pinned peer. ``traffic`` counts the payload
+    bytes of its unary calls (:class:`CallBytes`)."""
 
     def __init__(
         self,
@@ -267,6 +307,7 @@ class PeerClient:
         self.trust = trust or TrustStore(identity.trust_dir)
         self.insecure = insecure
         self.max_release_bytes = max_release_bytes
+        self.traffic = CallBytes()
         if insecure:
             if not peer:
                 raise InvalidArgument(
@@ -398,17 +439,22 @@ class PeerClient:
             )
         return release
 
-    def _unary(self, method, request, timeout):
+    def _unary(self, method: str, request, timeout):
+        """The unary call ``method`` of the stub, its bytes counted in ``traffic``."""
         try:
-            return method(request, timeout=timeout)
+            reply = getattr(self.stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:
+            answered = e.code() not in UNANSWERED
+            self.traffic.add(method, request.ByteSize() if answered else 0, 0, answered=answered)
             raise explain(e, self.peer_name, self.address) from None
+        self.traffic.add(method, request.ByteSize(), reply.ByteSize())
+        return reply
 
     # ------------------------------------------------------------------ calls
 
     def info(self, timeout: float = INFO_TIMEOUT_S) -> PeerInfo:
         """Who the peer is and what it offers (``GetPeerInfo``, uncharged)."""
-        message = self._unary(self.stub.GetPeerInfo, pb.GetPeerInfoRequest(header=self.header()), timeout)
+        message = self._unary("GetPeerInfo", pb.GetPeerInfoRequest(header=self.header()), timeout)
         return peer_info_from_message(message)
 
     def health(self, service: str = HEALTH_SERVICE, timeout: float = INFO_TIMEOUT_S) -> str:
@@ -531,14 +577,14 @@ class PeerClient:
             message=secagg_wire.message_of_value(kind, self.identity.name, value, context),
             recipients=sorted(recipients),
         )
-        return int(self._unary(self.stub.PublishSecAgg, request, timeout).recipients)
+        return int(self._unary("PublishSecAgg", request, timeout).recipients)
 
     def fetch_secagg(self, context, kind: str, timeout: float = INFO_TIMEOUT_S):
         """What the peer published for us of ``kind`` in ``context``, read and checked
         (``secagg_wire.value_of_message``; signatures are the protocol's to verify); PeerError
         NOT_FOUND (SECAGG_NOT_PUBLISHED) while it has not yet."""
         request = pb.SecAggFetchRequest(header=self.header(), context=secagg_wire.context_message(context), kind=kind)
-        message = self._unary(self.stub.FetchSecAgg, request, timeout)
+        message = self._unary("FetchSecAgg", request, timeout)
         return secagg_wire.value_of_message(message, context, kind, self.peer_name)
 
     def fuse(
