@@ -86,6 +86,8 @@ from peer.net.site import Site, SiteConfig
 from peer.net.trust import TrustStore
 
 KINDS = ("key", "masked", "digests")
+#: the byte counts of :meth:`DaemonTransport.traffic` a secure run reports per step and in all
+BYTE_FIELDS = ("bytes_sent", "bytes_received", "bytes_published")
 
 
 class SitesDropped(Unavailable):
@@ -184,6 +186,25 @@ class DaemonTransport:
     def close(self) -> None:
         for c in (self._own, *self._peers.values()):
             c.close()
+
+    def traffic(self) -> dict[str, Any]:
+        """The payload bytes this site's run moved so far, counted at its gRPC clients
+        (``PeerClient.traffic``: protobuf ``ByteSize()`` of every request a daemon answered and
+        of every reply, polls included): ``bytes_sent``, the FetchSecAgg requests to the peers'
+        daemons; ``bytes_received``, their replies (the peers' keys, masked vectors and
+        forwarded digests); ``bytes_published``, the PublishSecAgg requests (and replies) to
+        its own daemon, each of its messages once, which the daemon then serves to every
+        recipient that fetches it (what a peer fetches from us is in *that* peer's
+        ``bytes_received`` ``by_peer``); ``by_peer``: site → {calls, unanswered, sent,
+        received}."""
+        own = self._own.traffic.totals()
+        by_peer = {n: c.traffic.totals() for n, c in sorted(self._peers.items())}
+        return {
+            "bytes_sent": sum(t["sent"] for t in by_peer.values()),
+            "bytes_received": sum(t["received"] for t in by_peer.values()),
+            "bytes_published": own["sent"] + own["received"],
+            "by_peer": by_peer,
+        }
 
     def publish(self, context: MaskContext, kind: str, sender: str, values: Mapping[str, Any]) -> None:
         if sender != self.identity.name:
@@ -462,7 +483,8 @@ def run_secure_iterate(
     The total variance V is calibrated so that T steps of the honest shares' noise meet
     (ε, δ/|orders|) at the ledger's orders (the filter splits δ across them); each attempt is
     charged before its vector leaves, and the ledger's filter is the hard stop (status
-    "budget"). Writes OUT/RUN.json and the final model ``RUN-final`` in OUT/models. Returns an
+    "budget"). Writes OUT/RUN.json (with the payload bytes the run moved, per step and in all:
+    :meth:`DaemonTransport.traffic`) and the final model ``RUN-final`` in OUT/models. Returns an
     ``iterate.IterateResult``."""
     import torch
 
@@ -548,6 +570,7 @@ def run_secure_iterate(
         emit({"event": "iterate-started", "site": site.name, "run": cfg.run, "secure": True, "steps": steps})
         status, reason = "finished", f"all {steps} steps done"
         current = names
+        before = transport.traffic()
         for step in range(steps):
             if stop.is_set():
                 status, reason = "interrupted", f"stopped before step {step}"
@@ -564,6 +587,7 @@ def run_secure_iterate(
                 status, reason = "budget", f"step {step}: {e}"
                 break
             current = list(result.context.sites)
+            moved = transport.traffic()
             denominator = cfg.sample_rate * len(current) * cfg.declared_records
             update = apply_update(np.zeros(dim), result.noisy_sum, cfg.learning_rate, denominator)
             at = 0
@@ -574,8 +598,16 @@ def run_secure_iterate(
                 )
                 at += size
             report["steps"].append(
-                {"step": step, "attempt": result.context.attempt, "sites": current, "entries": list(result.entries)}
+                {
+                    "step": step,
+                    "attempt": result.context.attempt,
+                    "sites": current,
+                    "entries": list(result.entries),
+                    # this step's payload bytes at the transport (its attempts, polls included)
+                    **{k: moved[k] - before[k] for k in BYTE_FIELDS},
+                }
             )
+            before = moved
         arrays = {k: v.detach().numpy().astype(np.float32) for k, v in params.items()}
         model_name = f"{cfg.run}-final"
         save_model(cfg.out / "models", model_name, arch, arrays)
@@ -585,6 +617,7 @@ def run_secure_iterate(
             reason=reason,
             finished_at=now_rfc3339(),
             epsilon_filter=spent[0].spent_epsilon if spent else None,
+            **transport.traffic(),
         )
         cfg.out.mkdir(parents=True, exist_ok=True)
         path = cfg.out / f"{cfg.run}.json"
@@ -598,6 +631,7 @@ def run_secure_iterate(
 
 
 __all__ = [
+    "BYTE_FIELDS",
     "KINDS",
     "DaemonTransport",
     "InProcessBoard",
