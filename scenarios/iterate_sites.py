@@ -250,17 +250,21 @@ def evaluate_secure_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[s
     """Per site, the secure-aggregation run (``coordinator_free.secure_iterate``): its final
     model on the test set, steps done and attempts, ε spent by its ledger's filter (the
     distributed Skellam steps have RDP only: no PLD figure), the total noise variance V it was
-    calibrated to, and its wall time (the run's own start to end). Bytes are not measured by
-    the secure run: ``None``."""
+    calibrated to, its wall time (the run's own start to end) and its bytes
+    (:func:`secure_bytes`)."""
     from datetime import datetime
 
     from peer.budget.ledger import Ledger
     from peer.nn.store import load_model
 
+    reports = {
+        name: json.loads(path.read_text())
+        for name, s in sites.items()
+        if (path := s.root / "rounds" / "secure.json").exists()
+    }
     out = {}
     for name, s in sites.items():
-        path = s.root / "rounds" / "secure.json"
-        if not path.exists():
+        if name not in reports:
             out[name] = {
                 "status": "missing",
                 "reason": f"no report (exit code {getattr(s, 'exit_code', None)}; see {s.root / 'rounds.log'})",
@@ -268,7 +272,7 @@ def evaluate_secure_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[s
                 "epsilon_filter": None,
             }
             continue
-        rep = json.loads(path.read_text())
+        rep = reports[name]
         m = load_model(s.root / "rounds" / "models", "secure-final")
         acc = accuracy(s.architecture, model_from_arrays(s.architecture, m.arrays), world.x_test, world.y_test)
         ledger = Ledger(s.ledger)  # read-only, verified at open
@@ -289,6 +293,7 @@ def evaluate_secure_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[s
             "coalition": rep["plan"]["coalition"],
             "ledger_orders": rep["plan"]["ledger_orders"],
             "wall_s": wall,
+            **secure_bytes(name, reports),
             "exit_code": getattr(s, "exit_code", None),
             "ledger": {
                 "charges": charges,
@@ -297,3 +302,29 @@ def evaluate_secure_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[s
             },
         }
     return out
+
+
+def secure_bytes(name: str, reports: dict[str, dict]) -> dict:
+    """The payload bytes that crossed site ``name``'s boundary in the secure run, both ways,
+    from the sites' run reports (``reports``: site → its ``secure.json``; each counts at its own
+    gRPC clients, ``DaemonTransport.traffic``). What a site's daemon serves is counted by the
+    peer that fetched it, so: ``bytes_sent`` = its FetchSecAgg requests to the peers + the
+    replies its daemon served them (their ``by_peer[name].received``: its keys, masked vectors
+    and forwarded digests, once per peer); ``bytes_received`` = the peers' replies it fetched +
+    the peers' requests its daemon answered. The hop from its run to its own daemon
+    (``bytes_published``) stays inside the site and is reported beside, not added."""
+    own = reports[name]
+    peers = [r["by_peer"][name] for n, r in reports.items() if n != name and name in r.get("by_peer", {})]
+    served = sum(p["received"] for p in peers)
+    answered = sum(p["sent"] for p in peers)
+    return {
+        "bytes_sent": own["bytes_sent"] + served,
+        "bytes_received": own["bytes_received"] + answered,
+        "bytes_published": own["bytes_published"],
+        "bytes_wire": {
+            "requests_sent": own["bytes_sent"],
+            "replies_received": own["bytes_received"],
+            "replies_served": served,
+            "requests_answered": answered,
+        },
+    }

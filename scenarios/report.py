@@ -431,9 +431,11 @@ def comparison_rows(report: dict) -> list[dict]:
                 (it["epsilon_filter"] for it in secure if it.get("epsilon_filter") is not None), default=None
             ),
             rounds=report["scenario"]["iterate"]["rounds"],
+            nbytes=_mean([(it.get("bytes_sent") or 0) + (it.get("bytes_received") or 0) for it in secure]),
             wall=_mean([it.get("wall_s") for it in secure]),
             note=f"one secure sum per step, Skellam shares (coalition {secure[0].get('coalition')}); "
-            "ε: the largest site ledger's filter (RDP only); bytes not measured",
+            "ε: the largest site ledger's filter (RDP only); bytes: protobuf payload across each site's "
+            "boundary, both ways",
         )
     b = report.get("baselines") or {}
     fa = b.get("dp_fedavg")
@@ -583,8 +585,8 @@ def baselines_markdown(report: dict) -> list[str]:
         lines += [
             "",
             "| site | secure P2P status | steps | steps re-run | final accuracy | ε filter (ledger) | ε limit | "
-            "charges | total noise variance V | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "charges | total noise variance V | wall s | bytes sent | bytes received |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, s in report["sites"].items():
             it = s.get("secure_iterate")
@@ -595,7 +597,8 @@ def baselines_markdown(report: dict) -> list[str]:
                 f"| {name} | {it['status']} | {_fmt(it.get('steps_done'), 'd')} | {_fmt(it.get('steps_rerun'), 'd')} | "
                 f"{_fmt(it.get('final_accuracy'))} | {_fmt(led.get('epsilon_filter'), '.3f')} | "
                 f"{_fmt(led.get('epsilon_limit'), '.3g')} | {_fmt(led.get('charges'), 'd')} | "
-                f"{_fmt(it.get('total_variance'), '.4g')} | {_fmt(it.get('wall_s'), '.1f')} |"
+                f"{_fmt(it.get('total_variance'), '.4g')} | {_fmt(it.get('wall_s'), '.1f')} | "
+                f"{_fmt(it.get('bytes_sent'), ',d')} | {_fmt(it.get('bytes_received'), ',d')} |"
             )
     if "baselines.png" in report.get("plots", []):
         lines += ["", "![baselines](baselines.png)"]
