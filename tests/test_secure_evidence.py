@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import json
 import math
+import socket
 import threading
 from pathlib import Path
 
@@ -42,7 +43,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from peer_harness import make_site, model_arrays, pin_each_other, running
+from peer_harness import client, make_site, model_arrays, pin_each_other, running
 from scipy import stats
 from secagg_helpers import identities
 from test_iterate import ARCH, policy, round_file
@@ -55,6 +56,7 @@ from peer.desk.desk import ReleaseDesk
 from peer.dp.accounting.conversions import DEFAULT_ORDERS
 from peer.dp.distributed.encoding import Encoding, encode_sum, to_modular
 from peer.dp.distributed.skellam import calibrate_share, check_sites, skellam_share
+from peer.net.client import PeerError
 from peer.net.daemon import open_site
 from peer.net.secagg import Ephemeral, MaskContext, SignedKey, aggregate, masked_vector, pair_seed, prg_mask
 from peer.net.signing import wire_transport
@@ -386,3 +388,16 @@ def test_a_secure_runs_bytes_are_the_messages_the_daemons_served_and_go_into_the
     [row] = [r for r in comparison_rows(report) if r["method"] == SECURE_ROW]
     mean = sum(rows[n]["bytes_sent"] + rows[n]["bytes_received"] for n in names) / len(names)
     assert row["bytes_per_site"] == pytest.approx(mean) and mean > 0
+
+
+def test_a_call_nobody_answered_is_counted_apart_with_no_bytes(tmp_path):
+    """A call that reached no daemon (UNAVAILABLE: nothing listens) is not payload that moved."""
+    site = make_site(tmp_path, "site-a")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with client(site, f"127.0.0.1:{port}", peer="site-a") as c:
+        with pytest.raises(PeerError) as e:
+            c.info(timeout=5)
+        assert e.value.status == "UNAVAILABLE"
+        assert c.traffic.by_method() == {"GetPeerInfo": {"calls": 0, "unanswered": 1, "sent": 0, "received": 0}}
