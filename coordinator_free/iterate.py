@@ -163,6 +163,9 @@ class IterateConfig:
     rounds: int = 20
     local_steps: int = 2
     learning_rate: float = 0.5
+    # η_1..η_T of every segment (T = local_steps), declared: public, like every step's (σ, C, q);
+    # None: learning_rate at every step. A site's own loop (train) may only take these.
+    learning_rate_schedule: tuple[float, ...] | None = None
     clip_norm: float = 1.0
     sample_rate: float = 1.0
     epsilon: float = 4.0
@@ -237,6 +240,12 @@ class IterateConfig:
                     "clipped gradients, taken by coordinator_free.secure_iterate",
                 )
             train = resolve_factory(train, base)
+        local_steps = it.integer("local_steps", 2, minimum=1, maximum=100_000)
+        schedule = it.numbers("learning_rate_schedule", None, length=local_steps, exclusive_minimum=0.0, maximum=100.0)
+        if schedule is not None and secure:
+            it.fail(
+                "learning_rate_schedule", "takes no schedule with secure = true: every step there uses learning_rate"
+            )
         return cls(
             roster=r.path("roster", base).resolve(),
             model=r.string("model"),
@@ -244,8 +253,9 @@ class IterateConfig:
             out=r.path("out", base, base / "rounds").resolve(),
             run=run,
             rounds=it.integer("rounds", 20, minimum=1, maximum=10_000),
-            local_steps=it.integer("local_steps", 2, minimum=1, maximum=100_000),
+            local_steps=local_steps,
             learning_rate=it.number("learning_rate", 0.5, exclusive_minimum=0.0, maximum=100.0),
+            learning_rate_schedule=None if schedule is None else tuple(schedule),
             clip_norm=it.number("clip_norm", 1.0, exclusive_minimum=0.0),
             sample_rate=it.number("sample_rate", 1.0, exclusive_minimum=0.0, maximum=1.0),
             epsilon=it.number("epsilon", 4.0, exclusive_minimum=0.0, maximum=1000.0),
@@ -377,9 +387,14 @@ def segment_size(cfg: IterateConfig, site_declared: int | None, records: int) ->
 
 def segment_training(cfg: IterateConfig, noise_multiplier: float):
     """The accountant's TrainingRecord of one segment: local_steps Gaussian steps, each on a
-    Poisson batch of rate ``sample_rate`` (1: full batch)."""
-    from peer.dp.accounting import TrainingRecord
+    Poisson batch of rate ``sample_rate`` (1: full batch), at the declared learning rates."""
+    from peer.dp.accounting import GaussianStep, TrainingRecord
 
+    if cfg.learning_rate_schedule is not None:
+        steps = tuple(
+            GaussianStep(lr, cfg.clip_norm, noise_multiplier, cfg.sample_rate) for lr in cfg.learning_rate_schedule
+        )
+        return TrainingRecord(cfg.adjacency, steps)
     return TrainingRecord.constant(
         cfg.adjacency, cfg.local_steps, cfg.learning_rate, cfg.clip_norm, noise_multiplier, cfg.sample_rate
     )
@@ -548,6 +563,11 @@ def _open_run(
             "rounds": cfg.rounds,
             "local_steps": cfg.local_steps,
             "learning_rate": cfg.learning_rate,
+            **(
+                {"learning_rate_schedule": list(cfg.learning_rate_schedule)}
+                if cfg.learning_rate_schedule is not None
+                else {}
+            ),
             "clip_norm": cfg.clip_norm,
             "noise_multiplier": sigma,
             "sample_rate": cfg.sample_rate,
@@ -595,6 +615,7 @@ RESUME_KEYS = (
     "rounds",
     "local_steps",
     "learning_rate",
+    "learning_rate_schedule",
     "clip_norm",
     "noise_multiplier",
     "adjacency",

@@ -116,7 +116,19 @@ def records(path, n: int = 30, seed: int = 1) -> None:
     np.savez(path, x=x, y=y)
 
 
-def site_with_round(tmp_path, where: str, *, train: str | None = None, module: str = "", sample_rate: float = 0.5):
+#: the decaying learning rate OWN_LOOP's train takes, declared in its round file
+SCHEDULE = [0.5 / (1 + t) for t in range(LOCAL_STEPS)]
+
+
+def site_with_round(
+    tmp_path,
+    where: str,
+    *,
+    train: str | None = None,
+    module: str = "",
+    sample_rate: float = 0.5,
+    schedule: list[float] | None = None,
+):
     """A site alone in ``tmp_path/where`` (fixed seed 7), its records, the user's module
     ``MODULE.py`` in its folder when ``module`` is given, and a round file whose
     ``[round.iterate]`` names ``train``."""
@@ -126,6 +138,8 @@ def site_with_round(tmp_path, where: str, *, train: str | None = None, module: s
     roster = write_roster(site.root / "roster.toml", [("site-a", "127.0.0.1:1", str(site.identity_dir / "site.crt"))])
     records(site.root / "records.npz")
     train_line = "" if train is None else f'train = "{train}"'
+    if schedule is not None:
+        train_line += f"\nlearning_rate_schedule = [{', '.join(map(repr, schedule))}]"
     path = site.root / "iterate.toml"
     path.write_text(
         f"""
@@ -190,13 +204,15 @@ def test_own_loop_with_augmentation_and_label_smoothing_is_charged_like_the_buil
     step with the same (σ, C, q) and count — and the own loop's record lists the site's learning
     rates; the released parameters are the own loop's (they differ from the built-in loop's)."""
     builtin, builtin_path = site_with_round(tmp_path, "builtin")
-    own, own_path = site_with_round(tmp_path, "own", train="clinic_loop_a:train", module="clinic_loop_a")
+    own, own_path = site_with_round(
+        tmp_path, "own", train="clinic_loop_a:train", module="clinic_loop_a", schedule=SCHEDULE
+    )
     a = run_iterate(builtin.config, load_iterate_config(builtin_path), simulation=True)
     b = run_iterate(own.config, load_iterate_config(own_path), simulation=True)
     assert a.status == b.status == "finished" and a.rounds_done == b.rounds_done == ROUNDS
     ea, eb = ledger_entries(builtin), ledger_entries(own)
     assert len(ea) == len(eb) == ROUNDS
-    schedule = [0.5 / (1 + t) for t in range(LOCAL_STEPS)]
+    schedule = SCHEDULE
     for x, y in zip(ea, eb, strict=True):
         assert (x.mechanism, x.level, x.unit, x.counterparty, x.subject) == (
             y.mechanism,
@@ -330,6 +346,9 @@ def test_a_file_path_function_loads_relative_to_the_round_file(tmp_path):
         ('train = "no_colon"', "must be MODULE:FUNCTION or FILE.py:FUNCTION"),
         ('train = "a:b:c"', "must be MODULE:FUNCTION or FILE.py:FUNCTION"),
         ('train = "m:f"\nsecure = true\ncoalition = 0', "takes no own loop with secure = true"),
+        ("learning_rate_schedule = [0.5, 0.25]", "must be an array of 3 numbers"),
+        ("learning_rate_schedule = [0.5, 0.25, -1.0]", "must be > 0"),
+        ("learning_rate_schedule = [0.5, 0.25, 0.1]\nsecure = true\ncoalition = 0", "takes no schedule"),
     ],
 )
 def test_a_bad_train_entry_is_refused_when_the_config_is_read(tmp_path, line, rule_part):
@@ -337,7 +356,16 @@ def test_a_bad_train_entry_is_refused_when_the_config_is_read(tmp_path, line, ru
     path.write_text(path.read_text() + line + "\n")
     with pytest.raises(ConfigError) as e:
         load_iterate_config(path)
-    assert e.value.key == FIELD and rule_part in e.value.rule
+    key = "round.iterate." + line.split("=")[0].strip()  # the first line's key is the one at fault
+    assert str(e.value.key).startswith(key) and rule_part in e.value.rule, (e.value.key, e.value.rule)
+
+
+def test_an_undeclared_learning_rate_is_refused_with_nothing_charged(tmp_path):
+    """The site's loop takes a decaying η the round file does not declare: the first step that
+    differs from the plan is refused (a rate the site's code chose could depend on its records),
+    before anything is charged or released."""
+    site, path = site_with_round(tmp_path, "s", train="clinic_loop_e:train", module="clinic_loop_e")
+    refused_with_nothing_charged(site, path, "step 2: learning_rate 0.25 is not the declared 0.5")
 
 
 def test_the_documented_own_loop_runs_as_written(tmp_path):
@@ -347,7 +375,7 @@ def test_the_documented_own_loop_runs_as_written(tmp_path):
     code = section[
         section.index("```python\n") + len("```python\n") : section.index("\n```", section.index("```python"))
     ]
-    site, path = site_with_round(tmp_path, "s", train="site_training:train")
+    site, path = site_with_round(tmp_path, "s", train="site_training:train", schedule=SCHEDULE)
     (site.root / "site_training.py").write_text(code + "\n")
     assert run_iterate(site.config, load_iterate_config(path), simulation=True).status == "finished"
     entries = ledger_entries(site)
@@ -359,8 +387,9 @@ def test_the_documented_own_loop_runs_as_written(tmp_path):
 @pytest.mark.parametrize(
     ("call", "rule_part"),
     [
-        (lambda step: step(learning_rate=-0.1), "step 1: learning_rate must be > 0"),
-        (lambda step: step(learning_rate=float("nan")), "step 1: learning_rate must be finite"),
+        (lambda step: step(learning_rate=-0.1), "step 1: learning_rate -0.1 is not the declared 0.5"),
+        (lambda step: step(learning_rate=float("nan")), "step 1: learning_rate nan is not the declared 0.5"),
+        (lambda step: step(learning_rate=0.25), "η shapes what is released"),
         (lambda step: step(transform=lambda x: x[:3]), "must return one record's input as a tensor of shape (6,)"),
         (lambda step: step(transform=lambda x: x.numpy()), "got ndarray"),
         (lambda step: step(loss=lambda out, lab: out.sum(dim=0)), "must return one number"),

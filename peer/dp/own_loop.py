@@ -17,8 +17,9 @@ called once per segment as ``FUNCTION(model, records, step)``:
   The site chooses ``transform`` (its augmentation, applied record by record to the batch's
   inputs: each call sees one record's input and returns one input of the same shape),
   ``loss`` (its own loss of (outputs, labels) for one record: e.g. cross-entropy with label
-  smoothing; default cross-entropy) and ``learning_rate`` η_t (its schedule; default the
-  config's ``learning_rate``). We choose B_t (full batch, or Poisson at rate q), the clip norm C,
+  smoothing; default cross-entropy); ``learning_rate`` η_t is the plan's, declared in the
+  round file (``learning_rate`` or ``learning_rate_schedule``; ``step.learning_rate`` reads it,
+  and a different value is refused). We choose B_t (full batch, or Poisson at rate q), the clip norm C,
   σ and z_t, all drawn from the segment's generator (CSPRNG-seeded) in the built-in loop's
   order, so with the identity transform, cross-entropy and the config's η the own loop computes
   the built-in loop's θ bit for bit from the same generator.
@@ -27,8 +28,9 @@ called once per segment as ``FUNCTION(model, records, step)``:
 gradient depends on record i alone. ``transform`` and ``loss`` are therefore evaluated one
 record at a time (an augmentation across the batch — mixup, batch statistics — would let one
 record move another's gradient). The learning rate scales noise and sensitivity alike, so ε
-does not depend on it, but it shapes the release: it must be a public choice (a schedule of the
-step number, not of the records); the record lists each step's η_t.
+does not depend on it, but it shapes the release: a rate chosen by the site's code could depend
+on the records, outside the guarantee. So it is declared with the plan (public, like σ, C, q),
+the step object refuses any other, and the record lists each step's η_t.
 
 **What is released and charged.** Exactly the configured steps must be taken: a call beyond
 them is refused by the step object, fewer are refused when the function returns. The released
@@ -42,7 +44,7 @@ loop's. The unit of privacy is one of the site's training records under the plan
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -123,6 +125,16 @@ def _scalar_loss(loss: Loss, field: str) -> Loss:
     return checked
 
 
+def _same_rate(given: object, declared: float) -> bool:
+    """``given`` is the declared η (to 1e-12 relative: a schedule recomputed in the site's code
+    may round differently)."""
+    try:
+        value = float(given)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(value) and abs(value - declared) <= 1e-12 * abs(declared)
+
+
 class DPStep:
     """The DP step object a site's training function calls (module docstring): ``step(transform,
     loss, learning_rate)`` takes the next of the plan's ``steps`` steps; ``taken`` counts them.
@@ -163,6 +175,12 @@ class DPStep:
     def taken(self) -> int:
         return len(self._taken)
 
+    @property
+    def learning_rate(self) -> float | None:
+        """η of the next step, as the plan declares it (None once every step is taken)."""
+        t = len(self._taken)
+        return self._plan[t].learning_rate if t < len(self._plan) else None
+
     def parameters(self) -> dict[str, torch.Tensor]:
         """A copy of the current iterate θ_t (the step object's own)."""
         return {k: v.clone() for k, v in self._params.items()}
@@ -181,11 +199,13 @@ class DPStep:
                 "(round.iterate.local_steps): the extra step is refused, and nothing of this segment is charged "
                 "or released"
             )
-        planned = self._plan[t]
-        try:
-            s = planned if learning_rate is None else dataclasses.replace(planned, learning_rate=learning_rate)
-        except InvalidArgument as e:
-            raise self._refuse(f"step {t + 1}: learning_rate {e.rule}") from None
+        s = self._plan[t]
+        if learning_rate is not None and not _same_rate(learning_rate, s.learning_rate):
+            raise self._refuse(
+                f"step {t + 1}: learning_rate {learning_rate!r} is not the declared {s.learning_rate!r}: η shapes "
+                "what is released, so it is public and declared with the plan (round.iterate.learning_rate, or "
+                "round.iterate.learning_rate_schedule for one per step); read it as step.learning_rate"
+            )
         inputs = None if transform is None else _per_record(transform, self._field)
         per_example = torch.nn.functional.cross_entropy if loss is None else _scalar_loss(loss, self._field)
         noise, sampled = draw_step(self._generator, self._params, int(self._x.shape[0]), s.sample_rate)
