@@ -43,7 +43,10 @@ stage is reported as a multiple of the round's floor (forward + bytes) and, wher
 of its own (transfer: the bytes; alignment, fusion, REPAIR: the forward pass).
 
 Memory: the peak resident set (VmHWM from /proc/PID/status, Linux) of each daemon over its whole
-life, read after the round, and of every command's process (from os.wait4's ru_maxrss).
+life, read after the round, and of every command's process (from os.wait4's ru_maxrss). The
+round process is also sampled every 0.05 s (VmRSS, VmHWM), so each stage shows the largest
+resident set seen in it and the high-water mark at its end: the stage where the mark jumps is
+the one that set the process's peak.
 
 Targets (issue: ResNet scale): the round under 60 s and every process of the round (the round
 process and both daemons) under 4 GB, on a 2-core machine; each is reported met or missed, with
@@ -163,11 +166,22 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path.rstrip(os.pathsep), PYTHONUNBUFFERED="1")
 
 
-def wait_with_peak(proc: subprocess.Popen) -> int:
-    """Wait for ``proc``; its peak resident set in bytes (ru_maxrss of wait4, KiB on Linux)."""
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return usage.ru_maxrss * 1024
+def wait_with_peak(proc: subprocess.Popen, samples: list | None = None, every: float = 0.05) -> int:
+    """Wait for ``proc``; its peak resident set in bytes (ru_maxrss of wait4, KiB on Linux).
+    With ``samples``, (epoch seconds, VmRSS, VmHWM) of the process are appended every ``every``
+    seconds while it runs."""
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG if samples is not None else 0)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_maxrss * 1024
+        try:
+            m = vm(proc.pid)
+        except OSError:  # exiting: its status is gone a moment before wait4 can reap it
+            m = None
+        if m:
+            samples.append((time.time(), m["VmRSS"], m["VmHWM"]))
+        time.sleep(every)
 
 
 def privfusion(*commands: tuple[str, ...], log: Path) -> list[dict]:
@@ -410,9 +424,10 @@ def at(event: dict) -> float:
     return datetime.fromisoformat(event["at"].replace("Z", "+00:00")).timestamp()
 
 
-def stage_seconds(events: list[dict], started: float, ended: float) -> dict[str, float]:
-    """Each stage's seconds from the round's events (``started``/``ended``: the process's start
-    and exit, epoch seconds); a stage whose closing event is missing is a failed measurement."""
+def stage_windows(events: list[dict], started: float, ended: float) -> list[tuple[str, float, float]]:
+    """Each stage's (name, start, end) in epoch seconds from the round's events (``started`` /
+    ``ended``: the process's start and exit); a stage whose closing event is missing is a failed
+    measurement."""
 
     def find(spec: str) -> float:
         name, _, step = spec.partition(" ")
@@ -421,12 +436,32 @@ def stage_seconds(events: list[dict], started: float, ended: float) -> dict[str,
             raise SystemExit(f"the round's events have no {spec!r}: {[e['event'] for e in events]}")
         return at(hits[-1])
 
-    out, t = {}, started
+    out, t = [], started
     for name, closing in STAGES:
         end = find(closing) if closing is not None else ended
-        out[name] = end - t
+        out.append((name, t, end))
         t = end
     return out
+
+
+def stage_rows(windows: list[tuple[str, float, float]], samples: list) -> list[dict]:
+    """One row per stage, in the round's order: its seconds and, from the round process's
+    samples, the largest VmRSS sampled in it (a spike shorter than the sampling interval can be
+    missed) and VmHWM at its last sample, so the stage that raised the process's peak is the one
+    whose high-water mark jumps."""
+    rows = []
+    for name, start, end in windows:
+        inside = [s for s in samples if start <= s[0] <= end]
+        rows.append(
+            {
+                "stage": name,
+                "seconds": end - start,
+                "rss_max_sampled": max((s[1] for s in inside), default=0),
+                "hwm_at_end": inside[-1][2] if inside else 0,
+                "samples": len(inside),
+            }
+        )
+    return rows
 
 
 def run_round(root: Path) -> dict:
@@ -450,7 +485,8 @@ def run_round(root: Path) -> dict:
                  str(a / "round.toml"), "--events"],
                 stdout=out, stderr=err, env=child_env(),
             )  # fmt: skip
-            peak = wait_with_peak(proc)
+            samples: list = []
+            peak = wait_with_peak(proc, samples)
             ended = time.time()
         if proc.returncode != 0:
             raise SystemExit(f"privfusion round exited {proc.returncode}:\n{(root / 'round.log').read_text()[-4000:]}")
@@ -462,13 +498,14 @@ def run_round(root: Path) -> dict:
         for d in daemons.values():
             d.stop()
     events = [json.loads(line) for line in events_file.read_text().splitlines() if line.startswith("{")]
+    windows = stage_windows(events, started, ended)
     (report_path,) = sorted((a / "rounds").glob("round-*.json"))
     report = json.loads(report_path.read_text())
     if report["status"] != "fused" or report["contributors"] != [SITES[1]]:
         raise SystemExit(f"the round did not fuse with {SITES[1]}: {report['status']}, {report.get('events')}")
     return {
         "seconds": ended - started,
-        "stages": stage_seconds(events, started, ended),
+        "stages": stage_rows(windows, samples),
         "round_peak_rss": peak,
         "daemons": daemon_memory,
         "status": report["status"],
@@ -489,13 +526,22 @@ def table(result: dict) -> str:
         f"ResNet-18 shape, widths {'-'.join(map(str, result['widths']))}, {result['parameters'] / 1e6:.2f}M parameters "
         f"({result['model_bytes'] / MIB:.1f} MiB float32), probe {result['probe_rows']} x 3x32x32",
         "DP-SGD: 2 full-batch steps on synthetic records: the round's cost is measured, not accuracy",
+        "RSS: the round process's largest VmRSS sampled in the stage (every 0.05 s); HWM: its VmHWM at the stage's end",
         "",
-        f"{'stage':<34}{'seconds':>9}{'x round floor':>15}{'x own floor':>13}",
+        f"{'stage':<34}{'seconds':>9}{'x round floor':>15}{'x own floor':>20}{'RSS MiB':>9}{'HWM MiB':>9}",
     ]
-    for name, seconds in r["stages"].items():
+    for row in r["stages"]:
+        name, seconds = row["stage"], row["seconds"]
         mine = OWN_FLOOR.get(name)
-        ratio = f"{seconds / own[mine]:9.1f} ({mine})" if mine else ""
-        lines.append(f"{name:<34}{seconds:9.2f}{seconds / base:15.1f}{ratio:>13}")
+        ratio = f"{seconds / own[mine]:.1f} ({mine})" if mine else ""
+        lines.append(
+            f"{name:<34}{seconds:9.2f}{seconds / base:15.1f}{ratio:>20}"
+            + (
+                f"{row['rss_max_sampled'] / MIB:9.0f}{row['hwm_at_end'] / MIB:9.0f}"
+                if row["samples"]
+                else f"{'-':>9}{'-':>9}"
+            )
+        )
     lines.append(f"{'round (process start to exit)':<34}{r['seconds']:9.2f}{r['seconds'] / base:15.1f}")
     lines += [
         f"{'floor: forward pass of the probe set':<34}{floor['forward_s']:9.3f}",
