@@ -29,9 +29,10 @@ temporary directory, or --work DIR, kept):
   merge, charge and signed receipt: `step merged` to `charged`); transfer (receipt to
   `received`: the model's bytes over gRPC); alignment (group matching on the probe set,
   `received` to `contributed`); fusion (to `fused`); REPAIR (to `after-fusion`: the own
-  model's BatchNorm reset, the reference a round scores, then REPAIR of the fused model; each
-  resets its 20 BatchNorms one after the other, one forward pass of the probe set per
-  BatchNorm, so at least 40 passes); write-out (storing the models and the report, to the
+  model's BatchNorm reset, the reference a round scores, then REPAIR of the fused model: the
+  endpoints' statistics in one pass each, and the fused model's 20 BatchNorm resets in one
+  pass of the probe set when it is one batch, each reset by a hook as the pass reaches it);
+  write-out (storing the models and the report, to the
   process's exit).
 
 The floor, measured in this process during the same run: one forward pass of the probe set

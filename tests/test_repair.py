@@ -12,10 +12,12 @@ from peer.ldp.repair import (
     fine_tune,
     interpolated_statistics,
     repair,
+    repair_fused,
     repair_fusion,
     unit_statistics,
 )
 from peer.nn.tracing import (
+    StatPoint,
     derive_structure,
     import_structure,
     permute_state,
@@ -205,3 +207,61 @@ def test_fine_tune_never_hands_batchnorm_a_single_row():
     # without BatchNorm a single record is fine-tuned as before
     plain = nn.Sequential(nn.Linear(4, 2))
     assert not torch.equal(fine_tune(plain, x[:1], y[:1], seed=0, epochs=1)[0].weight, plain[0].weight)
+
+
+def _states_equal(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_repair_in_one_pass_is_the_per_point_repair_bit_for_bit(monkeypatch):
+    """Data of one batch is repaired in one forward pass (each point by a hook as the pass
+    reaches it); the result is the per-point repair's (one pass per point) exactly, BatchNorm
+    resets and affine rescales alike; the per-point path is forced by switching the one-pass
+    one off."""
+    import peer.ldp.repair as repair_module
+
+    torch.manual_seed(0)
+    endpoints = [randomise(networks.SmallResNet()).eval() for _ in range(3)]
+    structure = import_structure(endpoints[0], (1, 8, 8))
+    kinds = {p.kind for p in structure.stat_points}
+    assert kinds == {"affine", "batchnorm"}
+    x = np.random.default_rng(0).normal(size=(120, 1, 8, 8)).astype(np.float32)
+    fused = randomise(networks.SmallResNet()).eval()
+    passes = []
+    hook = fused.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
+    one = repair_fused(fused, endpoints, [0.5, 0.25, 0.25], structure.stat_points, x)
+    hook.remove()
+    assert passes == [120]  # the repaired copy (it carries the hook) ran once, on all the data
+    monkeypatch.setattr(repair_module, "_repair_in_one_pass", lambda *a: None)
+    per_point = repair_fused(fused, endpoints, [0.5, 0.25, 0.25], structure.stat_points, x)
+    assert _states_equal(one, per_point)
+    assert not _states_equal(one, fused)  # it did repair something
+
+
+class _TwiceHidden(nn.Module):
+    """A hidden Linear applied twice in one pass (weights shared by two uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.a(torch.relu(self.a(x)))))
+
+
+def test_a_module_run_twice_in_a_pass_is_repaired_point_by_point(monkeypatch):
+    """The one-pass repair cannot tell a module's second run from its first: it gives way to
+    the per-point repair, whose result it then is."""
+    import peer.ldp.repair as repair_module
+
+    torch.manual_seed(1)
+    fused, a, b = (_TwiceHidden().eval() for _ in range(3))
+    points = [StatPoint("a", "affine", "g0")]
+    x = np.random.default_rng(1).normal(size=(50, 4)).astype(np.float32)
+    targets = interpolated_statistics(unit_statistics(a, points, x), unit_statistics(b, points, x), 0.5)
+    assert repair_module._repair_in_one_pass(fused, points, targets, x, 512) is None
+    got = repair(fused, points, targets, x)
+    monkeypatch.setattr(repair_module, "_repair_in_one_pass", lambda *a: None)
+    assert _states_equal(got, repair(fused, points, targets, x))

@@ -120,19 +120,45 @@ def group_correlations(
     xt = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x, dtype=np.float32))
     if xt.dim() == 0 or xt.shape[0] == 0:
         raise InvalidArgument("x", "no records to correlate activations on")
+    # A's tensors are kept (a copy, in their own dtype: a later in-place op must not change
+    # them) until B's pass reaches the same point, where the pair's sums are taken and A's copy
+    # freed: at most one network's hooked tensors are held at a time, never both in float64
     sums: dict[tuple[str, str, str], list] = {}
-    seen: dict[tuple[str, str, str, str], torch.Tensor] = {}
+    held: dict[tuple[str, str, str], torch.Tensor] = {}
+    done: set[tuple[str, str, str]] = set()
     handles = []
+
+    def keep_a(t, key):
+        held[key] = t.detach().clone()
+
+    def pair_b(t, key, linear, size, block):
+        if key in done or key not in held:
+            raise InvalidArgument(
+                "structure",
+                f"module {key[1]!r} does not run exactly once per pass in both networks (its units cannot be "
+                "paired call for call)",
+            )
+        ra, rb = _unit_rows(held.pop(key), linear, size, block), _unit_rows(t, linear, size, block)
+        done.add(key)
+        acc = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0, 0])
+        acc[0] = acc[0] + ra.sum(0)
+        acc[1] = acc[1] + rb.sum(0)
+        acc[2] = acc[2] + (ra * ra).sum(0)
+        acc[3] = acc[3] + (rb * rb).sum(0)
+        acc[4] = acc[4] + ra.T @ rb
+        acc[5] += ra.shape[0]
+
     for tag, model in (("a", model_a), ("b", model_b)):
         mods = dict(model.named_modules())
         for gname, name, block, linear, kind in hooks_at:
             if name not in mods:
                 raise InvalidArgument("structure", f"the model has no module {name!r}")
             size = structure.group(gname).size
-
-            def record(t, key=(tag, gname, name, kind), linear=linear, size=size, block=block):
-                seen[key] = _unit_rows(t, linear, size, block)
-
+            key = (gname, name, kind)
+            if tag == "a":
+                record = lambda t, key=key: keep_a(t, key)  # noqa: E731
+            else:
+                record = lambda t, key=key, li=linear, size=size, block=block: pair_b(t, key, li, size, block)  # noqa: E731
             if kind == "read":
                 handles.append(mods[name].register_forward_pre_hook(lambda m, args, rec=record: rec(args[0])))
             else:
@@ -142,20 +168,17 @@ def group_correlations(
     model_b.eval()
     try:
         for i in range(0, xt.shape[0], batch_size):
+            done.clear()
             model_a(xt[i : i + batch_size])
             model_b(xt[i : i + batch_size])
-            for gname, name, _, _, kind in hooks_at:
-                ra, rb = seen[("a", gname, name, kind)], seen[("b", gname, name, kind)]
-                acc = sums.setdefault((gname, name, kind), [0.0, 0.0, 0.0, 0.0, 0.0, 0])
-                acc[0] = acc[0] + ra.sum(0)
-                acc[1] = acc[1] + rb.sum(0)
-                acc[2] = acc[2] + (ra * ra).sum(0)
-                acc[3] = acc[3] + (rb * rb).sum(0)
-                acc[4] = acc[4] + ra.T @ rb
-                acc[5] += ra.shape[0]
+            if held or len(done) != len({(g, n, k) for g, n, _, _, k in hooks_at}):
+                raise InvalidArgument(
+                    "structure", "the two networks did not run the same hooked modules on the same records"
+                )
     except RuntimeError as e:
         raise InvalidArgument("x", f"does not fit the models' input: {e}") from None
     finally:
+        held.clear()
         for h in handles:
             h.remove()
         model_a.train(modes[0])

@@ -113,18 +113,51 @@ def _measure(model: nn.Module, module_name: str, x, *, inputs: bool, batch_size:
     finally:
         handle.remove()
         model.train(was_training)
+    return _statistics(acc)
+
+
+@torch.no_grad()
+def unit_statistics(
+    model: nn.Module, stat_points: Sequence[StatPoint], x, *, batch_size: int = 512
+) -> dict[str, UnitStatistics]:
+    """Each statistic point's per-unit mean and std of its output, on data ``x``: every point
+    in the same passes over ``x`` (the model is not changed, so each point's figures are those
+    a pass of its own would give)."""
+    modules = dict(model.named_modules())
+    acc: dict[str, list] = {}
+    handles = []
+    for p in stat_points:
+        mod = modules.get(p.module)
+        if mod is None:
+            raise InvalidArgument("stat_points", f"the model has no module {p.module!r}")
+        acc[p.module] = [0.0, 0.0, 0]
+
+        def record(m, a, out, name=p.module) -> None:
+            s, s2, n = _moments(out, _unit_axis(m))
+            acc[name][0] = acc[name][0] + s
+            acc[name][1] = acc[name][1] + s2
+            acc[name][2] += n
+
+        handles.append(mod.register_forward_hook(record))
+    was_training = model.training
+    model.eval()
+    try:
+        for xb in _batches(x, batch_size):
+            model(xb)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return {name: _statistics(a) for name, a in acc.items()}
+
+
+def _statistics(acc: list) -> UnitStatistics:
+    """Mean and std from accumulated (sum, sum of squares, count)."""
     if acc[2] == 0:
         raise InvalidArgument("x", "no data to measure statistics on")
     mean = (acc[0] / acc[2]).numpy()
     var = np.maximum((acc[1] / acc[2]).numpy() - mean * mean, 0.0)
     return UnitStatistics(mean, np.sqrt(var))
-
-
-def unit_statistics(
-    model: nn.Module, stat_points: Sequence[StatPoint], x, *, batch_size: int = 512
-) -> dict[str, UnitStatistics]:
-    """Each statistic point's per-unit mean and std of its output, on data ``x``."""
-    return {p.module: _measure(model, p.module, x, inputs=False, batch_size=batch_size) for p in stat_points}
 
 
 def interpolated_statistics(
@@ -172,38 +205,104 @@ def repair(
 ) -> nn.Module:
     """A copy of ``fused`` whose units at every statistic point have the ``targets``' moments
     on data ``x`` (affine points), or whose BatchNorms carry the fused network's actual
-    statistics on ``x`` (batchnorm points). See the module docstring for the formulas."""
-    model = copy.deepcopy(fused)
-    modules = dict(model.named_modules())
+    statistics on ``x`` (batchnorm points). See the module docstring for the formulas.
+
+    Each point is measured after the earlier ones are repaired. When ``x`` is one batch this
+    takes one forward pass: each point is repaired by a hook as the pass reaches it, and its
+    output recomputed with the repaired layer (so every later point sees exactly what a pass of
+    its own would); otherwise, or when a module runs more than once in a pass, one pass per
+    point."""
+    modules = dict(fused.named_modules())
     for p in stat_points:
         mod = modules.get(p.module)
         if mod is None:
             raise InvalidArgument("stat_points", f"the model has no module {p.module!r}")
-        if p.kind == "batchnorm":
-            if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or mod.running_mean is None:
-                raise InvalidArgument("stat_points", f"{p.module!r} is not a BatchNorm with running statistics")
-            st = _measure(model, p.module, x, inputs=True, batch_size=batch_size)
-            mod.running_mean.copy_(torch.as_tensor(st.mean, dtype=mod.running_mean.dtype))
-            mod.running_var.copy_(torch.as_tensor(st.std**2, dtype=mod.running_var.dtype))
-            continue
-        if p.module not in targets:
+        if p.kind == "batchnorm" and (not isinstance(mod, nn.modules.batchnorm._BatchNorm) or mod.running_mean is None):
+            raise InvalidArgument("stat_points", f"{p.module!r} is not a BatchNorm with running statistics")
+        if p.kind != "batchnorm" and p.module not in targets:
             raise InvalidArgument("targets", f"no target statistics for {p.module!r}")
-        tgt = targets[p.module]
-        cur = _measure(model, p.module, x, inputs=False, batch_size=batch_size)
-        if cur.mean.shape != tgt.mean.shape:
-            raise InvalidArgument(
-                f"targets[{p.module}]", f"has {tgt.mean.shape[0]} units, the module {cur.mean.shape[0]}"
-            )
-        ok = cur.std > MIN_STD_RATIO * np.maximum(tgt.std, 1e-12)
-        scale = np.where(ok, tgt.std / np.where(ok, cur.std, 1.0), 1.0)
-        w = mod.weight
-        shape = (-1,) + (1,) * (w.dim() - 1)
-        w.mul_(torch.as_tensor(scale, dtype=w.dtype).reshape(shape))
-        if mod.bias is not None:
-            b = mod.bias.detach().double().numpy()
-            mod.bias.copy_(torch.as_tensor(scale * (b - cur.mean) + tgt.mean, dtype=mod.bias.dtype))
-        # without a bias only the scale can be set (the mean follows the scale)
+    rows = (x if isinstance(x, torch.Tensor) else np.asarray(x)).shape[0]
+    if 0 < rows <= batch_size:
+        model = _repair_in_one_pass(fused, stat_points, targets, x, batch_size)
+        if model is not None:
+            return model
+    model = copy.deepcopy(fused)
+    modules = dict(model.named_modules())
+    for p in stat_points:
+        cur = _measure(model, p.module, x, inputs=p.kind == "batchnorm", batch_size=batch_size)
+        _repair_point(modules[p.module], p, cur, targets)
     return model
+
+
+class _RanTwice(Exception):
+    """A statistic point's module ran a second time in one pass (weights shared by two uses)."""
+
+
+@torch.no_grad()
+def _repair_in_one_pass(fused, stat_points, targets, x, batch_size) -> nn.Module | None:
+    """:func:`repair` in one pass over ``x`` (one batch), or None when a point's module does
+    not run exactly once in it (then :func:`repair` takes one pass per point)."""
+    model = copy.deepcopy(fused)
+    modules = dict(model.named_modules())
+    done: set[str] = set()
+    handles = []
+
+    def once(name: str) -> None:
+        if name in done:
+            raise _RanTwice(name)
+        done.add(name)
+
+    for p in stat_points:
+        mod = modules[p.module]
+        if p.kind == "batchnorm":
+
+            def reset(m, args, point=p) -> None:
+                once(point.module)
+                _repair_point(m, point, _statistics(list(_moments(args[0], 1))), targets)
+
+            handles.append(mod.register_forward_pre_hook(reset))
+        else:
+
+            def rescale(m, args, out, point=p):
+                once(point.module)
+                _repair_point(m, point, _statistics(list(_moments(out, _unit_axis(m)))), targets)
+                return m.forward(*args)  # the repaired layer's output, as a pass of its own computes it
+
+            handles.append(mod.register_forward_hook(rescale))
+    model.eval()
+    try:
+        for xb in _batches(x, batch_size):
+            model(xb)
+    except _RanTwice:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    if done != {p.module for p in stat_points}:
+        return None
+    model.train(fused.training)
+    return model
+
+
+def _repair_point(mod: nn.Module, p: StatPoint, cur: UnitStatistics, targets: Mapping[str, UnitStatistics]) -> None:
+    """Repair one statistic point given the fused network's current moments there (its input's
+    per channel for a BatchNorm, its output's per unit otherwise)."""
+    if p.kind == "batchnorm":
+        mod.running_mean.copy_(torch.as_tensor(cur.mean, dtype=mod.running_mean.dtype))
+        mod.running_var.copy_(torch.as_tensor(cur.std**2, dtype=mod.running_var.dtype))
+        return
+    tgt = targets[p.module]
+    if cur.mean.shape != tgt.mean.shape:
+        raise InvalidArgument(f"targets[{p.module}]", f"has {tgt.mean.shape[0]} units, the module {cur.mean.shape[0]}")
+    ok = cur.std > MIN_STD_RATIO * np.maximum(tgt.std, 1e-12)
+    scale = np.where(ok, tgt.std / np.where(ok, cur.std, 1.0), 1.0)
+    w = mod.weight
+    shape = (-1,) + (1,) * (w.dim() - 1)
+    w.mul_(torch.as_tensor(scale, dtype=w.dtype).reshape(shape))
+    if mod.bias is not None:
+        b = mod.bias.detach().double().numpy()
+        mod.bias.copy_(torch.as_tensor(scale * (b - cur.mean) + tgt.mean, dtype=mod.bias.dtype))
+    # without a bias only the scale can be set (the mean follows the scale)
 
 
 def repair_fusion(
