@@ -85,69 +85,56 @@ def _batches(x: np.ndarray | torch.Tensor, batch_size: int):
         yield t[i : i + batch_size]
 
 
-@torch.no_grad()
 def _measure(model: nn.Module, module_name: str, x, *, inputs: bool, batch_size: int) -> UnitStatistics:
     """Moments of ``module_name``'s output (or its input, ``inputs=True``) per unit over ``x``."""
-    mod = dict(model.named_modules()).get(module_name)
-    if mod is None:
-        raise InvalidArgument("stat_points", f"the model has no module {module_name!r}")
-    axis = _unit_axis(mod) if not inputs else 1
-    acc: list = [0.0, 0.0, 0]
-
-    def record(t: torch.Tensor) -> None:
-        s, s2, n = _moments(t, axis)
-        acc[0] = acc[0] + s
-        acc[1] = acc[1] + s2
-        acc[2] += n
-
-    handle = (
-        mod.register_forward_pre_hook(lambda m, a: record(a[0]))
-        if inputs
-        else mod.register_forward_hook(lambda m, a, out: record(out))
-    )
-    was_training = model.training
-    model.eval()
-    try:
-        for xb in _batches(x, batch_size):
-            model(xb)
-    finally:
-        handle.remove()
-        model.train(was_training)
-    return _statistics(acc)
+    return _moments_at(model, [(module_name, inputs)], x, batch_size)[module_name]
 
 
-@torch.no_grad()
 def unit_statistics(
     model: nn.Module, stat_points: Sequence[StatPoint], x, *, batch_size: int = 512
 ) -> dict[str, UnitStatistics]:
     """Each statistic point's per-unit mean and std of its output, on data ``x``: every point
     in the same passes over ``x`` (the model is not changed, so each point's figures are those
     a pass of its own would give)."""
+    return _moments_at(model, [(p.module, False) for p in stat_points], x, batch_size)
+
+
+@torch.no_grad()
+def _moments_at(model: nn.Module, points: Sequence[tuple[str, bool]], x, batch_size: int) -> dict[str, UnitStatistics]:
+    """Per-unit moments over ``x`` at each (module, inputs) point — the module's output, or its
+    input when ``inputs`` (per channel) — all in the same passes, the model in eval mode."""
     modules = dict(model.named_modules())
     acc: dict[str, list] = {}
     handles = []
-    for p in stat_points:
-        mod = modules.get(p.module)
-        if mod is None:
-            raise InvalidArgument("stat_points", f"the model has no module {p.module!r}")
-        acc[p.module] = [0.0, 0.0, 0]
-
-        def record(m, a, out, name=p.module) -> None:
-            s, s2, n = _moments(out, _unit_axis(m))
-            acc[name][0] = acc[name][0] + s
-            acc[name][1] = acc[name][1] + s2
-            acc[name][2] += n
-
-        handles.append(mod.register_forward_hook(record))
-    was_training = model.training
-    model.eval()
     try:
-        for xb in _batches(x, batch_size):
-            model(xb)
+        for name, inputs in points:
+            mod = modules.get(name)
+            if mod is None:
+                raise InvalidArgument("stat_points", f"the model has no module {name!r}")
+            acc[name] = [0.0, 0.0, 0]
+            axis = 1 if inputs else _unit_axis(mod)
+
+            def record(t: torch.Tensor, name=name, axis=axis) -> None:
+                s, s2, n = _moments(t, axis)
+                acc[name][0] = acc[name][0] + s
+                acc[name][1] = acc[name][1] + s2
+                acc[name][2] += n
+
+            handles.append(
+                mod.register_forward_pre_hook(lambda m, a, rec=record: rec(a[0]))
+                if inputs
+                else mod.register_forward_hook(lambda m, a, out, rec=record: rec(out))
+            )
+        was_training = model.training
+        model.eval()
+        try:
+            for xb in _batches(x, batch_size):
+                model(xb)
+        finally:
+            model.train(was_training)
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
     return {name: _statistics(a) for name, a in acc.items()}
 
 
