@@ -76,6 +76,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.transfer import vm  # noqa: E402  (VmRSS and VmHWM of a process, in bytes)
+
 MIB = 1 << 20
 GB = 10**9
 SITES = ("st-anne", "riverside")
@@ -150,16 +152,6 @@ def make_model():
 
 
 # ------------------------------------------------------------------------------ processes
-
-
-def vm(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of a live process, in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def child_env() -> dict[str, str]:
