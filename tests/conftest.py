@@ -43,26 +43,30 @@ def pytest_configure(config):
 # runs while the other idles (a CI run ended with the 145 s end-to-end test alone): these run first
 # (longest-processing-time-first), the rest in their usual order. Out of date numbers only cost
 # balance, never a result.
-LONGEST_FILES = (
-    "test_images_rounds.py",
-    "test_site_e2e.py",
-    "test_imported_e2e.py",
-    "test_images.py",
-    "test_iterate_crash.py",
-    "test_config_traps.py",
+LONGEST_FILES = (  # by each file's total in a full run of 2026-12-04 (2 workers, 2 cores)
     "test_scenarios.py",
-    "test_peer_limits.py",
-    "test_records_cli.py",
-    "test_netns.py",
+    "test_images_rounds.py",
+    "test_config_traps.py",
     "test_docs.py",
-    "test_docker.py",
-    "test_experiment_fusion.py",
     "test_experiment_merging.py",
-    "test_peer_lifecycle.py",
-    "test_peer_transfer.py",
-    "test_layout.py",
+    "test_site_e2e.py",
     "test_progress.py",
+    "test_images.py",
+    "test_records_cli.py",
+    "test_round_scale_benchmark.py",
+    "test_iterate_crash.py",
+    "test_imported_e2e.py",
+    "test_pool_own_network_records.py",
     "test_rounds.py",
+    "test_peer_lifecycle.py",
+    "test_ledger.py",
+    "test_docker.py",
+    "test_peer_limits.py",
+    "test_experiment_fusion.py",
+    "test_netns.py",
+    "test_peer_transfer.py",
+    "test_privacy_audit.py",
+    "test_layout.py",
 )
 
 
