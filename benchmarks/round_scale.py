@@ -483,8 +483,15 @@ def run_round(root: Path) -> dict:
             ended = time.time()
         if proc.returncode != 0:
             raise SystemExit(f"privfusion round exited {proc.returncode}:\n{(root / 'round.log').read_text()[-4000:]}")
+        # the kernel moves VmHWM up lazily (at unmaps, with per-thread RSS counters folded in
+        # late), so it can read below an RSS sampled earlier: a daemon's peak is the larger
+        # (a fresh-clone CI run saw VmHWM at the end under the VmRSS at ready)
         daemon_memory = {
-            s: {"idle_rss": d.idle_rss, "peak_rss": vm(d.proc.pid)["VmHWM"], "ready_seconds": d.ready_seconds}
+            s: {
+                "idle_rss": d.idle_rss,
+                "peak_rss": max(vm(d.proc.pid)["VmHWM"], d.idle_rss),
+                "ready_seconds": d.ready_seconds,
+            }
             for s, d in daemons.items()
         }
     finally:
