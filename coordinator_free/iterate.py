@@ -740,8 +740,8 @@ class _Segment:
 #: What a segment's record says of a site's own loop (its code and its name stay at the site).
 OWN_LOOP = (
     "the site's own training function around this package's DP step (peer.dp.own_loop): the site chose "
-    "the per-record augmentation, the per-example loss and each step's learning rate (listed in training); "
-    "the batches, clipping, noise and step count are the plan's"
+    "the per-record augmentation and the per-example loss; the batches, clipping, noise, step count and "
+    "each step's learning rate (declared, listed in training) are the plan's"
 )
 
 
@@ -802,7 +802,7 @@ def _train_and_publish_segment(run: _Run, r: int) -> _Segment:
             run.train, model_from_arrays(run.arch, run.theta), run.xt, run.yt, training, randomness=rnd,
             dataset_size=run.n, field="round.iterate.train", name=cfg.train,
         )  # fmt: skip
-        params, training = own_run.params, own_run.training  # its record: the plan's steps, the η_t taken
+        params, training = own_run.params, own_run.training  # its record: the plan's steps as taken
     own = {k: v.numpy().astype(np.float32) for k, v in params.items()}
     tensors = [(k, own[k]) for k in sorted(own)]
     record = dpsgd_release_record(
