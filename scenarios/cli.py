@@ -111,7 +111,21 @@ def _tune(scenario, args) -> int:
                 raise InvalidArgument(
                     "--coalition", "is required with the secure-aggregation row (t, the coalition size)"
                 )
-            models.append(secure_aggregation(len(scenario.sites), args.coalition))
+            from coordinator_free.iterate import IterateConfig
+            from scenarios.iterate_sites import iterate_orders
+
+            # charged as the secure run will be: its ledgers' orders (planned per plan, or the
+            # scenario's), its scale γ and the round's bits
+            it = scenario.iterate
+            models.append(
+                secure_aggregation(
+                    len(scenario.sites),
+                    args.coalition,
+                    orders=None if it is None or it.ledger_orders == "planned" else iterate_orders(scenario),
+                    scale=IterateConfig.secure_scale if it is None else it.secure_scale,
+                    bits=IterateConfig.modulus_bits,
+                )
+            )
         else:
             raise InvalidArgument("--rows", f"each must be one of local, central, secure-aggregation; got {name!r}")
     if not models:

@@ -41,13 +41,50 @@ def iterate_orders(sc: Scenario) -> tuple[float, ...]:
     return tuple(it.ledger_orders)
 
 
+def secure_plan(sc: Scenario) -> tuple[int, float, float, float]:
+    """The secure run's plan (steps, sample rate, learning rate, clip norm): ``[secure_iterate]``
+    (one secure sum a step), else ``[iterate]``'s rounds × local_steps."""
+    it, plan = sc.iterate, sc.secure_iterate
+    if plan is not None:
+        return plan.steps, plan.sample_rate, plan.learning_rate, plan.clip_norm
+    return it.rounds * it.local_steps, it.sample_rate, it.learning_rate, it.clip_norm
+
+
+def secure_orders(sc: Scenario, dim: int) -> tuple[float, ...]:
+    """The Rényi orders of the secure run's ledgers: with ``ledger_orders = "planned"`` the one
+    integer order at which the secure plan needs the least Skellam noise
+    (``peer.dp.distributed.skellam.planned_order``, on the encoding of a ``dim``-entry model at
+    ``[iterate] secure_scale``; public numbers only), else :func:`iterate_orders`."""
+    from coordinator_free.iterate import IterateConfig
+    from peer.dp.distributed.encoding import Encoding
+    from peer.dp.distributed.skellam import planned_order
+
+    it = sc.iterate
+    if it.ledger_orders != "planned":
+        return iterate_orders(sc)
+    steps, q, _, clip = secure_plan(sc)
+    enc = Encoding(dim=dim, clip_norm=clip, scale=it.secure_scale, bits=IterateConfig.modulus_bits, beta=0.0)
+    n = len(sc.sites)
+    return (
+        float(planned_order(it.epsilon, it.delta, n, it.coalition, enc.l1_sensitivity, enc.l2_sensitivity, q, steps)),
+    )
+
+
+def model_dim(architecture: dict) -> int:
+    """Entries of the architecture's parameters (what a secure sum adds up)."""
+    from peer.nn.architectures import build_model
+
+    return sum(int(p.numel()) for p in build_model(architecture, seed=0).parameters())
+
+
 def iterate_site_toml(sc: Scenario, s: SiteWorld, *, secure: bool = False) -> str:
     """site.toml of a site's iterate deployment (``SITE/iterate/``, or ``SITE/iterate-secure/``
     for the secure-aggregation run): the site's identity, models and probe set, a fresh ledger
     with the run's data budget, segments (secure: secure sums) allowed to every peer."""
     it = sc.iterate
     allow = '"segment", "ledger", "secure-sum"' if secure else '"segment", "ledger"'
-    orders = ", ".join(repr(float(o)) for o in iterate_orders(sc))
+    chosen = secure_orders(sc, model_dim(s.architecture)) if secure else iterate_orders(sc)
+    orders = ", ".join(repr(float(o)) for o in chosen)
     lines = [
         "[site]",
         f'name = "{s.name}"',
@@ -112,7 +149,7 @@ def iterate_round_toml(sc: Scenario, roster: Path, images: Path | None = None, *
         *([f"declared_records = {it.declared_records}"] if it.declared_records is not None else []),
         f"init_seed = {it.init_seed}",
         "wait_s = 30.0",
-        *(["secure = true", f"coalition = {it.coalition}"] if secure else []),
+        *(["secure = true", f"coalition = {it.coalition}", f"secure_scale = {it.secure_scale!r}"] if secure else []),
     ]
     return "\n".join(lines) + "\n"
 
@@ -159,6 +196,8 @@ def run_iterate_sites(world: World, progress: Progress, *, secure: bool = False)
             loops[s.name] = RoundThread(s, [f], on_event)
         it = sc.iterate
         how = f"secure sums (coalition {it.coalition})" if secure else "DP-GD steps"
+        some = next(iter(sites.values()))
+        orders = secure_orders(sc, model_dim(some.architecture)) if secure else iterate_orders(sc)
         plan = sc.secure_iterate if secure else None
         shape = (
             f"{plan.steps} steps (q = {plan.sample_rate:g})"
@@ -167,7 +206,7 @@ def run_iterate_sites(world: World, progress: Progress, *, secure: bool = False)
         )
         progress(
             f"{kind}: every site runs {shape} {how} at ε = {it.epsilon:g} "
-            f"(δ = {it.delta:g}) per record, ledger orders {list(iterate_orders(sc))}"
+            f"(δ = {it.delta:g}) per record, ledger orders {list(orders)}"
         )
         for n, r in loops.items():
             sites[n].exit_code = r.wait()

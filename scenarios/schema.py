@@ -120,6 +120,9 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
                                 # site's policy allows `secure-sum`) [default: false]
     coalition = 1               # t: the largest coalition of curious peers the noise covers; needs
                                 # at least t + 2 sites [default: 1]
+    secure_scale = 65536.0      # γ: integer units per unit of gradient of the secure run's encoding
+                                # ([round.iterate] secure_scale); rounding adds up to √d to a
+                                # record's integer norm γC, so a small γ costs noise [default: 1024]
 
     [central_dpsgd]             # optional, with [iterate]: the central DP-SGD baseline (a trusted
                                 # curator on every site's records pooled, at [iterate]'s ε, δ,
@@ -271,6 +274,7 @@ class IterateSpec:
     ledger_orders: str | tuple[float, ...] = "default"
     secure: bool = False  # also the secure-aggregation run (coordinator_free.secure_iterate)
     coalition: int = 1  # t of that run: its noise covers coalitions of up to t curious peers
+    secure_scale: float = 1024.0  # γ of that run (the round's [round.iterate] secure_scale default)
 
 
 @dataclass(frozen=True)
@@ -402,15 +406,17 @@ def _ledger_orders(it: Section) -> str | tuple[float, ...]:
 def _secure(it: Section, sites: int) -> dict[str, Any]:
     """``[iterate] secure`` and ``coalition``: the secure-aggregation run is accounted under
     add-remove only, and needs coalition + 2 sites (``coordinator_free.runner``)."""
-    if "coalition" in it and not it.boolean("secure", False):
-        it.fail("coalition", "belongs with secure = true")
+    for key in ("coalition", "secure_scale"):
+        if key in it and not it.boolean("secure", False):
+            it.fail(key, "belongs with secure = true")
     secure = it.boolean("secure", IterateSpec.secure)
     coalition = it.integer("coalition", IterateSpec.coalition, minimum=0, maximum=1000)
+    scale = it.number("secure_scale", IterateSpec.secure_scale, exclusive_minimum=0.0, maximum=2.0**40)
     if secure and it.string("adjacency", IterateSpec.adjacency) != "add-remove":
         it.fail("adjacency", "secure aggregation is accounted under add-remove only")
     if secure and sites < coalition + 2:
         it.fail("coalition", f"is {coalition}: secure aggregation needs coalition + 2 sites, the scenario has {sites}")
-    return {"secure": secure, "coalition": coalition}
+    return {"secure": secure, "coalition": coalition, "secure_scale": scale}
 
 
 def _region_feature(d: Section, records: dict[str, Any]) -> str | None:

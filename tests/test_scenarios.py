@@ -172,6 +172,45 @@ def test_iterate_secure_is_off_unless_asked_and_takes_its_coalition():
     assert "rounds = 9\nlocal_steps = 1\n" in text and "sample_rate = 0.5" in text and "secure = true" in text
     plain = iterate_round_toml(own, Path("roster.toml"))
     assert f"rounds = {own.iterate.rounds}\n" in plain and "secure" not in plain.split("run =")[1]
+    # γ of the secure run's encoding travels into its round file (default: the round's own)
+    assert "secure_scale = 1024.0" in text
+    scaled = parse_scenario(
+        TINY + '\n[iterate]\ndeclared_records = 40\nledger_orders = "planned"\nsecure = true\nsecure_scale = 65536.0\n',
+        "t.toml",
+    )
+    assert "secure_scale = 65536.0" in iterate_round_toml(scaled, Path("roster.toml"), secure=True)
+
+
+def test_a_secure_runs_ledgers_hold_the_one_integer_order_planned_for_its_skellam_steps():
+    """With ledger_orders = "planned" the secure run's ledgers hold the integer order at which its
+    own plan needs the least Skellam noise (the bound is stated at integer orders: at 6.1 the
+    ledger would pay for order 7), a function of the public plan and encoding only."""
+    from peer.dp.distributed.encoding import Encoding
+    from peer.dp.distributed.skellam import PLANNED_ORDERS, calibrate_share
+    from scenarios.iterate_sites import iterate_orders, secure_orders
+
+    sc = parse_scenario(
+        TINY + '\n[iterate]\ndeclared_records = 40\nledger_orders = "planned"\nsecure = true\nsecure_scale = 65536.0\n'
+        "[secure_iterate]\nsteps = 40\nsample_rate = 1.0\nclip_norm = 0.5\n",
+        "t.toml",
+    )
+    (order,) = secure_orders(sc, 1058)
+    assert float(order).is_integer() and order in PLANNED_ORDERS
+    enc = Encoding(dim=1058, clip_norm=0.5, scale=65536.0, bits=32, beta=0.0)
+
+    def variance(o):
+        it = sc.iterate
+        return calibrate_share(
+            it.epsilon, it.delta, 3, 1, enc.l1_sensitivity, enc.l2_sensitivity, 1.0, 40, (float(o),)
+        ).total_variance
+
+    assert all(variance(order) <= variance(o) for o in (order - 1, order + 1, 6.1, 12))
+    assert variance(order) < variance(iterate_orders(sc)[0]) or iterate_orders(sc)[0] == order
+    default = parse_scenario(TINY + "\n[iterate]\ndeclared_records = 40\nsecure = true\n", "t.toml")
+    assert secure_orders(default, 1058) == iterate_orders(default)  # not planned: the scenario's own
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(TINY + "\n[iterate]\ndeclared_records = 40\nsecure_scale = 2.0\n", "bad.toml")
+    assert e.value.key == "iterate.secure_scale"
 
 
 def test_a_syntax_error_names_its_line():

@@ -12,6 +12,9 @@ import pytest
 from dp_accounting import dp_event, rdp
 
 from peer.base.errors import InvalidArgument
+from peer.dp.accounting.conversions import DEFAULT_ORDERS
+from peer.dp.distributed.encoding import Encoding
+from peer.dp.distributed.skellam import calibrate_share, planned_order
 from scenarios.schema import parse_scenario
 from scenarios.tuning import (
     CENTRAL,
@@ -23,6 +26,7 @@ from scenarios.tuning import (
     pooled_grid,
     score,
     secure_aggregation,
+    secure_grid,
     tune,
     validation_split,
 )
@@ -88,7 +92,11 @@ def test_the_validation_split_is_carved_from_each_sites_records():
 
 
 def test_grids_are_a_few_dozen_at_most_and_cheaper_plans_first():
-    assert len(local_grid()) == 24 and len(pooled_grid()) == 24
+    assert len(local_grid()) == 24 and len(pooled_grid()) == 24 and len(secure_grid()) == 28
+    assert len(secure_grid(smallest=True)) == 2
+    assert [c.steps for c in secure_grid() if c.sample_rate == 1.0] == sorted(
+        c.steps for c in secure_grid() if c.sample_rate == 1.0
+    )
     assert len(local_grid(smallest=True)) == 2 and len(pooled_grid(smallest=True)) == 2
     steps = [c.rounds * c.local_steps for c in local_grid()]
     assert steps == sorted(steps)
@@ -107,8 +115,29 @@ def test_every_configuration_spends_the_target_by_dp_accounting_and_noise_models
     acc = rdp.RdpAccountant()
     acc.compose(dp_event.PoissonSampledDpEvent(0.3, dp_event.GaussianDpEvent(c["noise_multiplier"])), 20)
     assert acc.get_epsilon(1e-5) == pytest.approx(2.0, abs=1e-4)
-    s = score(secure_aggregation(4, 1), pooled, ARCH, parts, xv, yv, **kw)
-    assert s["noise_multiplier"] == pytest.approx(c["noise_multiplier"] * math.sqrt(4 / 3), rel=1e-12)
+    full = PooledConfig(steps=20, learning_rate=1.0, sample_rate=1.0, clip_norm=1.0)
+    cf = score(CENTRAL, full, ARCH, parts, xv, yv, **kw)
+    dim = 3 * 4 + 4 + 4 * 2 + 2
+    for orders, scale in ((DEFAULT_ORDERS, 1024.0), (None, 65536.0)):
+        secure = secure_aggregation(4, 1, orders=orders, scale=scale)
+        sf = score(secure, full, ARCH, parts, xv, yv, **kw)
+        # the secure row is charged as the run is: the Skellam sum of 4 shares, each V/(k − t),
+        # V calibrated on the encoding's integer sensitivities (δ split over the ledger's
+        # orders; None: the one integer order planned for the plan); in units of C on the sum
+        enc = Encoding(dim=dim, clip_norm=1.0, scale=scale, bits=32, beta=0.0)
+        d1, d2 = enc.l1_sensitivity, enc.l2_sensitivity
+        used = orders if orders is not None else (float(planned_order(2.0, 1e-5, 4, 1, d1, d2, 1.0, 20)),)
+        cal = calibrate_share(2.0, 1e-5 / len(used), 4, 1, d1, d2, 1.0, 20, used)
+        assert sf["noise_multiplier"] == pytest.approx(math.sqrt(4 * cal.total_variance / 3) / scale, rel=1e-12)
+    # full batch at one integer order and γC = 65536: the Skellam sum needs no more noise than
+    # the Gaussian stand-in √(k/(k − t)) × the curator's σ (by dp-accounting's RDP at its own,
+    # fractional orders), to within the discreteness term and the order grid
+    assert len(used) == 1 and float(used[0]).is_integer()
+    ratio = sf["noise_multiplier"] / (cf["noise_multiplier"] * math.sqrt(4 / 3))
+    assert 1.0 - 1e-3 < ratio < 1.01
+    # subsampled: the general Poisson bound the run is charged by asks for far more noise
+    s = score(secure, pooled, ARCH, parts, xv, yv, **kw)
+    assert s["noise_multiplier"] > 1.5 * c["noise_multiplier"] * math.sqrt(4 / 3)
     local = LocalConfig(rounds=2, local_steps=3, learning_rate=1.0, sample_rate=1.0, clip_norm=1.0)
     lo = score(LOCAL, local, ARCH, parts, xv, yv, **kw)
     acc = rdp.RdpAccountant()
@@ -117,7 +146,9 @@ def test_every_configuration_spends_the_target_by_dp_accounting_and_noise_models
     with pytest.raises(InvalidArgument, match="config"):
         score(LOCAL, pooled, ARCH, parts, xv, yv, **kw)
     with pytest.raises(InvalidArgument, match="coalition"):
-        secure_aggregation(4, 3)
+        secure_aggregation(4, 3, orders=DEFAULT_ORDERS)
+    with pytest.raises(InvalidArgument, match="adjacency"):
+        score(secure, full, ARCH, parts, xv, yv, **{**kw, "adjacency": "replace-one"})
 
 
 def test_the_search_chooses_the_best_validation_score_and_never_reads_the_test_set():
