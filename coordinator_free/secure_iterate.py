@@ -64,7 +64,14 @@ from peer.base.rng import make_randomness
 from peer.budget.ledger import Ledger
 from peer.budget.policy import Policy
 from peer.desk.requests import SecureShareRequest
-from peer.dp.distributed.encoding import Encoding, decode_sum, encode_records, encode_sum, to_modular
+from peer.dp.distributed.encoding import (
+    Encoding,
+    decode_sum,
+    encode_records,
+    encode_sum,
+    modular_overflow_probability,
+    to_modular,
+)
 from peer.dp.distributed.skellam import check_sites, skellam_share, step_record
 from peer.net.client import PeerClient, PeerError
 from peer.net.identity import load_identity
@@ -539,6 +546,11 @@ def run_secure_iterate(
             orders,
         )
         plan = SecureSumPlan(cfg.run, encoding, cfg.coalition, cal.total_variance, cfg.sample_rate, cfg.delta)
+        # utility only (the modulus is post-processing of the noisy sum): the chance that some
+        # coordinate of a step's sum wraps, at the public count k·n of records and the k shares
+        overflow = modular_overflow_probability(
+            encoding, len(names) * cfg.declared_records, len(names) * cal.share_variance
+        )
         transport = DaemonTransport(
             site.identity, roster.sites[site.name].address, {n: roster.sites[n].address for n in names}, cfg.wait_s
         )
@@ -562,6 +574,7 @@ def run_secure_iterate(
                 "coalition": cfg.coalition,
                 "total_variance": cal.total_variance,
                 "calibration_delta": cfg.delta / len(orders),
+                "overflow_probability_at_declared": overflow,
                 "ledger_orders": list(orders),
                 **encoding.record_fields(),
             },

@@ -25,7 +25,7 @@ from coordinator_free.secure_iterate import (
 from peer.base.errors import InvalidArgument
 from peer.desk.desk import ReleaseDesk
 from peer.dp.accounting.conversions import DEFAULT_ORDERS
-from peer.dp.distributed.encoding import Encoding
+from peer.dp.distributed.encoding import Encoding, modular_overflow_probability
 from peer.dp.distributed.skellam import calibrate_share
 from peer.net.client import PeerClient, PeerError
 from peer.net.secagg import MaskContext, MaskedShare, make_ephemeral, sign_masked
@@ -214,6 +214,16 @@ def test_round_with_secure_true_trains_over_daemons_and_every_site_ends_with_the
     for r in results.values():
         assert r.status == "finished", r.reason
         assert r.report["secure"] and len(r.report["steps"]) == 4
+        # the chance that a step's sum wraps mod 2^b, at the public count k·n (utility only):
+        # the round's own bound on its own encoding and the k shares' variance
+        plan = r.report["plan"]
+        enc = Encoding(
+            dim=plan["dim"], clip_norm=plan["clip_norm"], scale=plan["scale"], bits=plan["modulus_bits"], beta=0.0
+        )
+        assert plan["overflow_probability_at_declared"] == modular_overflow_probability(
+            enc, 3 * 25, 3 * plan["total_variance"] / 2
+        )
+        assert 0.0 <= plan["overflow_probability_at_declared"] < 1e-9
     # its events read as lines (the simulator and `privfusion round` print them with describe)
     from coordinator_free.iterate import describe
 
