@@ -1,0 +1,542 @@
+"""A step of peer-to-peer DP training, secure aggregation against plain P2P, over real daemons.
+
+    .venv/bin/python benchmarks/secure_step.py                # 998,070-parameter MLP, k = 4 and 12, 3 steps
+    .venv/bin/python benchmarks/secure_step.py --sites 4 --steps 4 --records 32
+    .venv/bin/python benchmarks/secure_step.py --quick        # a 4,810-parameter MLP, k = 4, 2 steps
+
+What runs, for each k of --sites (every site a directory in a temporary folder, or --work DIR):
+
+- k sites, each with its own identity (``init_identity``: an ECDSA key and a certificate for
+  127.0.0.1), every site's certificate pinned in every other's trust store, a model store holding
+  the MLP 64 → [1024, 900] → 10 (998,070 parameters; --quick: 64 → [64] → 10, 4,810), its own
+  records (``records.npz``: --records rows of 64 features drawn around ten class means), a fresh
+  ledger (data budget per record, add-remove) and a site.toml that allows its peers segments,
+  ledger and secure sums.
+- k daemons: ``privfusion peer serve`` of each site, a process of its own on 127.0.0.1 (mutual
+  TLS, pinned certificates; ``benchmarks.round_scale.Daemon``), and a roster of their addresses.
+- **plain**: every site's loop runs ``method = "iterate"`` (local noise: each round one DP-SGD
+  segment of 1 full-batch step on its records, charged, published on its daemon, the k − 1 peers'
+  segments fetched and averaged), --steps rounds × 1 local step.
+- **secure**: the same plan with ``secure = true``, coalition t = 1
+  (``coordinator_free.secure_iterate``: per step the clipped per-record gradients of every
+  record at θ, float64, clipped, summed, scaled by γ = 1024, rounded (no rotation: the run's
+  encoding has none), plus the site's Skellam share, masked by k − 1 pairwise ChaCha20 streams
+  mod 2^32, signed, exchanged, digests forwarded, summed and
+  decoded), --steps steps. The secure run takes the full batch too (sample_rate 1): it computes
+  every record's gradient each step whatever q is, so a smaller q would not shorten its step.
+  Both runs: η = 0.5, C = 1, ε = 8 at δ = 1e-5 over the run, declared_records = --records,
+  wait_s = call_timeout_s = 300 (12 sites on 2 cores are slow, and a late peer must not become a
+  dropout).
+- The loops are the real ``privfusion round`` code (``coordinator_free.runner.run_rounds``), each
+  site's on a thread of this process (``scenarios.processes.RoundThread``, as ``privfusion
+  simulate`` runs them: twelve processes would each hold torch again), every call a mutual-TLS
+  call to a peer's daemon.
+
+**Time per step**, from the sites' own ledgers: the interval between a site's consecutive charges
+of the run (each round's segment; each step's masked vector, charged before it leaves), so one
+full period of the synchronised loop — the rest of step s, then the gradients, keys and encoding
+of step s + 1. The median over every site and every interval (k × (steps − 1) of them); the first
+step, which warms up, is in none as a whole. Beside it, the plain run's own report (``seconds`` of
+each round: segment to fused model) and each run's wall time (the first site's start to the last
+one's end).
+
+**Bytes per site per step**, from the real counters: plain, the report's segment bytes fetched
+and served (``bytes_received``, ``bytes_sent``: the float32 arrays, k − 1 copies each way); secure,
+each site's boundary put together from every site's report (``DaemonTransport.traffic``,
+protobuf ``ByteSize()`` at the gRPC clients, polls included: ``scenarios.iterate_sites
+.secure_bytes``), divided by the steps; the masked vector itself is d residues of 4 bytes,
+the size of the float32 segment.
+
+**Memory**: this process's resident set (the loops of every site: its VmHWM, reset before each
+run, and its VmRSS sampled every 0.1 s) and each daemon's peak (VmHWM at the end, or its RSS at
+ready if larger).
+
+**Floors**, measured in this process in the same run: one float32 matmul of n × n (--matmul, n
+= 2048: about 17 GFLOP), one forward + backward pass of the model on one site's batch (the mean
+loss), the per-example gradients of that batch as DP-SGD takes them (``per_example_gradients``,
+vmap), the model's float32 bytes over loopback TCP (``benchmarks.transfer.raw_round``), and
+secure aggregation's core for one site at the run's encoding (``benchmarks.secagg.one_round``:
+encode, noise share, keys, masks, digest, sum, decode; no wire).
+
+Results: a table on stdout and benchmarks/results/secure_step.json (secure_step_quick.json for
+--quick), with the machine's facts (cores, load average, Python and torch versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "proto"))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.round_scale import Daemon  # noqa: E402  (`privfusion peer serve` of one site)
+from benchmarks.transfer import raw_round, reset_hwm, vm  # noqa: E402
+
+MIB = 1 << 20
+TARGET_RATIO = 1.30  # issue 22: secure aggregation adds under 30% to a step's wall time at 4 sites
+FULL = {"hidden": [1024, 900], "records": 32, "steps": 3, "matmul": 2048}
+QUICK = {"hidden": [64], "records": 16, "steps": 2, "matmul": 512}
+EPSILON, DELTA = 8.0, 1e-5
+WAIT_S = 300.0
+
+POLICY = """
+[policy]
+show_remaining = "own"
+
+[policy.data]
+unit = "record:add-remove"
+epsilon = 1000.0
+delta = 1e-3
+
+[policy.peers."*"]
+allow = ["segment", "ledger", "secure-sum"]
+"""
+
+
+def architecture(hidden: list[int]) -> dict:
+    return {"kind": "mlp", "input_dim": 64, "hidden": list(hidden), "output_dim": 10, "activation": "relu"}
+
+
+def parameters(arch: dict) -> int:
+    widths = [arch["input_dim"], *arch["hidden"], arch["output_dim"]]
+    return sum(a * b + b for a, b in itertools.pairwise(widths))
+
+
+@dataclass
+class BenchSite:
+    """What ``scenarios.processes.RoundThread`` needs of a site: its name and directory."""
+
+    name: str
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "site.toml"
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger.sqlite"
+
+
+def records(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` rows of 64 features around ten public class means, and their labels."""
+    means = np.random.default_rng(0).normal(size=(10, 64))
+    rng = np.random.default_rng(seed)
+    y = rng.permutation(np.arange(n) % 10).astype(np.int64)
+    return (means[y] + rng.normal(size=(n, 64))).astype(np.float32), y
+
+
+def make_sites(root: Path, k: int, arch: dict, n: int) -> list[BenchSite]:
+    """k sites on disk (identity, model store, records, ledger-to-be, site.toml), pinned to each other."""
+    from peer.net.identity import init_identity
+    from peer.net.trust import TrustStore
+    from peer.nn.architectures import build_model
+    from peer.nn.store import save_model
+
+    arrays = {k_: v.detach().numpy() for k_, v in build_model(arch, seed=0).state_dict().items()}
+    sites, certs = [], {}
+    for i in range(k):
+        s = BenchSite(f"site-{i:02d}", root / f"site-{i:02d}")
+        s.root.mkdir(parents=True)
+        certs[s.name] = init_identity(s.root / "identity", s.name, ["127.0.0.1"]).cert_pem
+        save_model(s.root / "models", "mlp", arch, arrays)
+        x, y = records(n, 100 + i)
+        np.savez(s.root / "records.npz", x=x, y=y)
+        s.config.write_text(
+            "\n".join(
+                [
+                    "[site]",
+                    f'name = "{s.name}"',
+                    'listen = "127.0.0.1:0"',
+                    'identity = "identity"',
+                    'models = "models"',
+                    'ledger = "ledger.sqlite"',
+                    "workers = 16",
+                    "shutdown_grace_s = 5",
+                ]
+            )
+            + "\n"
+            + POLICY
+        )
+        sites.append(s)
+    for s in sites:
+        store = TrustStore(s.root / "identity" / "trusted")
+        for o, pem in certs.items():
+            if o != s.name:
+                store.add(pem)
+    return sites
+
+
+def round_toml(roster: Path, run: str, steps: int, n: int, secure: bool) -> str:
+    lines = [
+        "[round]",
+        f'roster = "{roster}"',
+        'model = "mlp"',
+        'method = "iterate"',
+        'out = "rounds"',
+        f"call_timeout_s = {WAIT_S}",
+        "health_timeout_s = 30.0",
+        "",
+        "[round.iterate]",
+        'records = "records.npz"',
+        f'run = "{run}"',
+        f"rounds = {steps}",
+        "local_steps = 1",
+        "learning_rate = 0.5",
+        "clip_norm = 1.0",
+        f"epsilon = {EPSILON}",
+        f"delta = {DELTA}",
+        'adjacency = "add-remove"',
+        f"declared_records = {n}",
+        "init_seed = 11",
+        f"wait_s = {WAIT_S}",
+        *(["secure = true", "coalition = 1"] if secure else []),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class Sampler:
+    """This process's VmRSS every ``every`` seconds while it runs (the largest seen)."""
+
+    def __init__(self, every: float = 0.1):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+
+    def _run(self, every: float) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, vm()["VmRSS"])
+            time.sleep(every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def at(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def charge_times(ledger: Path, run: str) -> list[float]:
+    """Epoch seconds of every data-level charge of ``run`` in a site's ledger, in order."""
+    from peer.budget.ledger import Ledger
+
+    led = Ledger(ledger)
+    try:
+        return sorted(at(e.charged_at) for e in led.entries(level="data", subject=run))
+    finally:
+        led.close()
+
+
+def run_mode(sites: list[BenchSite], roster: Path, mode: str, k: int, steps: int, n: int) -> dict:
+    """Every site's loop of one run (plain or secure), all at once, on threads of this process."""
+    from scenarios.processes import RoundThread
+
+    run = f"{mode}-k{k}"
+    secure = mode == "secure"
+    files = {}
+    for s in sites:
+        f = s.root / f"{run}.toml"
+        f.write_text(round_toml(roster, run, steps, n, secure))
+        files[s.name] = f
+    reset_hwm()
+    t0 = time.time()
+    with Sampler() as sampler:
+        loops = {s.name: RoundThread(s, [files[s.name]], lambda e: None) for s in sites}
+        codes = {name: loop.wait() for name, loop in loops.items()}
+    wall = time.time() - t0
+    own = vm()
+    bad = {name: c for name, c in codes.items() if c != 0}
+    if bad:
+        logs = {s.name: (s.root / "rounds.log").read_text()[-2000:] for s in sites if (s.root / "rounds.log").exists()}
+        raise SystemExit(f"{run}: loops exited {bad}: {logs}")
+    reports = {s.name: json.loads((s.root / "rounds" / f"{run}.json").read_text()) for s in sites}
+    for name, rep in reports.items():
+        if rep["status"] != "finished":
+            raise SystemExit(f"{run} at {name}: {rep['status']}: {rep['reason']}")
+    return {
+        "run": run,
+        "wall_s": wall,
+        "reports": reports,
+        "loops_peak_rss": max(own["VmHWM"], sampler.peak),
+        "loops_rss_sampled": sampler.peak,
+    }
+
+
+def summarise(mode: str, k: int, steps: int, measured: dict, charges: dict[str, list[float]]) -> dict:
+    """Per-step figures of one run from its reports and the sites' charge times."""
+    from scenarios.iterate_sites import secure_bytes
+
+    reports = measured["reports"]
+    intervals = [b - a for times in charges.values() for a, b in itertools.pairwise(times)]
+    counts = {name: len(t) for name, t in charges.items()}
+    if any(c != steps for c in counts.values()):
+        raise SystemExit(f"{measured['run']}: expected {steps} charges per site, the ledgers hold {counts}")
+    out = {
+        "mode": mode,
+        "sites": k,
+        "steps": steps,
+        "step_s": statistics.median(intervals) if intervals else None,
+        "step_intervals_s": intervals,
+        "wall_s": measured["wall_s"],
+        "loops_peak_rss": measured["loops_peak_rss"],
+        "loops_rss_sampled": measured["loops_rss_sampled"],
+    }
+    if mode == "plain":
+        rounds = [r for rep in reports.values() for r in rep["rounds"]]
+        out["report_round_s"] = statistics.median(r["seconds"] for r in rounds)
+        out["report_round_s_after_first"] = (
+            statistics.median(r["seconds"] for r in rounds if r["round"] > 1) if steps > 1 else None
+        )
+        out["bytes_sent_per_step"] = statistics.mean(rep["bytes_sent"] / steps for rep in reports.values())
+        out["bytes_received_per_step"] = statistics.mean(rep["bytes_received"] / steps for rep in reports.values())
+        out["segment_bytes"] = rounds[0]["segment"]["bytes"]
+        out["fresh"] = all(p["state"] == "fresh" for r in rounds for p in r["peers"].values())
+    else:
+        per_site = {name: secure_bytes(name, reports) for name in reports}
+        out["bytes_sent_per_step"] = statistics.mean(b["bytes_sent"] / steps for b in per_site.values())
+        out["bytes_received_per_step"] = statistics.mean(b["bytes_received"] / steps for b in per_site.values())
+        out["bytes_published_per_step"] = statistics.mean(b["bytes_published"] / steps for b in per_site.values())
+        out["padded_dim"] = next(iter(reports.values()))["plan"]["padded_dim"]
+        out["bits"] = next(iter(reports.values()))["plan"]["modulus_bits"]
+        out["attempts_rerun"] = sum(1 for rep in reports.values() for st in rep["steps"] if st["attempt"] > 0)
+        out["report_run_s"] = statistics.median(
+            at(rep["finished_at"]) - at(rep["started_at"]) for rep in reports.values()
+        )
+    return out
+
+
+def bench_sites(work: Path, k: int, arch: dict, n: int, steps: int) -> dict:
+    root = work / f"k{k}"
+    sites = make_sites(root, k, arch, n)
+    daemons = {s.name: Daemon(s.root) for s in sites}
+    try:
+        addresses = {name: d.wait_ready() for name, d in daemons.items()}
+        from coordinator_free.roster import write_roster
+
+        roster = write_roster(
+            root / "roster.toml",
+            [(s.name, addresses[s.name], str((s.root / "identity" / "site.crt").resolve())) for s in sites],
+        )
+        measured = {}
+        for mode in ("plain", "secure"):
+            print(f"k = {k}: {mode} run of {steps} steps", file=sys.stderr, flush=True)
+            measured[mode] = run_mode(sites, Path(roster).resolve(), mode, k, steps, n)
+        daemon_memory = {
+            name: {"idle_rss": d.idle_rss, "peak_rss": max(vm(d.proc.pid)["VmHWM"], d.idle_rss)}
+            for name, d in daemons.items()
+        }
+    finally:
+        for d in daemons.values():
+            d.stop()
+    out = {"sites": k, "daemons_peak_rss": max(m["peak_rss"] for m in daemon_memory.values()), "daemons": daemon_memory}
+    for mode, m in measured.items():
+        charges = {s.name: charge_times(s.ledger, m["run"]) for s in sites}
+        out[mode] = summarise(mode, k, steps, m, charges)
+    p, s = out["plain"], out["secure"]
+    out["ratio_step"] = s["step_s"] / p["step_s"] if p["step_s"] and s["step_s"] else None
+    out["ratio_wall"] = s["wall_s"] / p["wall_s"]
+    out["ratio_bytes_received"] = s["bytes_received_per_step"] / p["bytes_received_per_step"]
+    return out
+
+
+# ------------------------------------------------------------------------------ floors
+
+
+def median_time(fn, repeats: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def floors(arch: dict, n: int, matmul: int, sites: list[int]) -> dict:
+    import torch
+
+    from benchmarks.secagg import identity, one_round
+    from peer.dp.distributed.encoding import Encoding
+    from peer.dp.distributed.skellam import calibrate_share
+    from peer.dp.training import classifier_loss, per_example_gradients
+    from peer.nn.architectures import build_model
+
+    a = torch.randn(matmul, matmul)
+    b = torch.randn(matmul, matmul)
+    out = {"matmul_n": matmul, "matmul_s": median_time(lambda: a @ b)}
+    out["matmul_gflops"] = 2 * matmul**3 / out["matmul_s"] / 1e9
+    model = build_model(arch, seed=0)
+    x, y = records(n, 1)
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+
+    def fwd_bwd():
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(xt), yt).backward()
+
+    out["forward_backward_s"] = median_time(fwd_bwd)
+    loss = classifier_loss(model)
+    params = {k_: v.detach() for k_, v in model.named_parameters()}
+    out["per_example_gradients_s"] = median_time(lambda: per_example_gradients(loss, params, xt, yt))
+    nbytes = parameters(arch) * 4
+    out["model_bytes"] = nbytes
+    out["loopback_s"] = statistics.median(raw_round(nbytes) for _ in range(3))
+    out["loopback_bytes_per_s"] = nbytes / out["loopback_s"]
+    # secure aggregation's core for one site at the run's encoding (summed, γ = 1024, b = 32)
+    dim = parameters(arch)
+    enc = Encoding(dim=dim, clip_norm=1.0, scale=1024.0, bits=32, beta=0.0)
+    rng = np.random.default_rng(2)
+    out["secagg_core"] = {}
+    for k in sites:
+        cal = calibrate_share(EPSILON, DELTA, k, 1, enc.l1_sensitivity, enc.l2_sensitivity, 1.0, 10)
+        ids = [identity(f"site-{i:02d}") for i in range(k)]
+        runs = [one_round(dim, k, enc, cal.share_variance, rng, ids, n) for _ in range(2)]
+        out["secagg_core"][str(k)] = {
+            key: statistics.median(r["seconds"][key] for r in runs) for key in runs[0]["seconds"]
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def table(result: dict) -> str:
+    f = result["floors"]
+    mb = 1e6
+    lines = [
+        f"MLP 64 → {result['architecture']['hidden']} → 10: {result['parameters']:,} parameters "
+        f"({result['parameters'] * 4 / mb:.2f} MB float32); {result['records_per_site']} records per site, "
+        f"full batch, {result['steps']} steps per run",
+        "step: the median interval between a site's consecutive charges (all sites, all intervals); "
+        "bytes: per site per step",
+        "",
+        "| k | mode | step s | wall s (run) | MB sent | MB received | loops' peak RSS MiB | daemon peak RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["sites"].values():
+        for mode in ("plain", "secure"):
+            m = r[mode]
+            step = f"{m['step_s']:.2f}" if m["step_s"] is not None else "-"
+            lines.append(
+                f"| {r['sites']} | {mode} | {step} | {m['wall_s']:.1f} | {m['bytes_sent_per_step'] / mb:.2f} | "
+                f"{m['bytes_received_per_step'] / mb:.2f} | {m['loops_peak_rss'] / MIB:.0f} | "
+                f"{r['daemons_peak_rss'] / MIB:.0f} |"
+            )
+        ratio = f"{r['ratio_step']:.2f}" if r["ratio_step"] is not None else "-"
+        lines.append(
+            f"| {r['sites']} | secure / plain | {ratio} | {r['ratio_wall']:.2f} | | {r['ratio_bytes_received']:.3f} | | |"
+        )
+    lines += [
+        "",
+        f"floor: float32 matmul {f['matmul_n']}×{f['matmul_n']}: {f['matmul_s'] * 1e3:.0f} ms "
+        f"({f['matmul_gflops']:.0f} GFLOP/s); forward+backward of one site's batch: "
+        f"{f['forward_backward_s'] * 1e3:.0f} ms; its per-example gradients (vmap): "
+        f"{f['per_example_gradients_s'] * 1e3:.0f} ms; the model's {f['model_bytes'] / mb:.2f} MB over loopback "
+        f"TCP: {f['loopback_s'] * 1e3:.1f} ms ({f['loopback_bytes_per_s'] / MIB:.0f} MiB/s)",
+    ]
+    for k, core in f["secagg_core"].items():
+        parts = ", ".join(f"{key} {v * 1e3:.0f}" for key, v in core.items())
+        lines.append(f"floor: secure aggregation's core for one site at k = {k} (ms, no wire): {parts}")
+    t = result.get("target")
+    if t:
+        lines.append(
+            f"target: secure adds under 30% to a step at 4 sites: ratio {t['ratio']:.2f}, "
+            f"{'met' if t['met'] else 'MISSED'}"
+        )
+    m = result["machine"]
+    lines.append(
+        f"machine: {m['cpus']} cores, load average {', '.join(f'{v:.2f}' for v in m['load_avg_before'])} before, "
+        f"{', '.join(f'{v:.2f}' for v in m['load_avg_after'])} after; python {m['python']}, torch {m['torch']} "
+        f"({m['torch_threads']} threads)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 4,810-parameter MLP, k = 4, 2 steps: a short check")
+    parser.add_argument("--sites", type=int, nargs="+", help="site counts (default 4 12; --quick: 4)")
+    parser.add_argument("--steps", type=int, help="steps per run (rounds × 1 local step; default 3, --quick 2)")
+    parser.add_argument("--records", type=int, help="records per site (default 32, --quick 16)")
+    parser.add_argument("--work", type=Path, help="work directory (kept; default: a temporary one)")
+    parser.add_argument("--out", type=Path, help="JSON results (default benchmarks/results/secure_step[_quick].json)")
+    args = parser.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    ks = args.sites or ([4] if args.quick else [4, 12])
+    steps = args.steps or size["steps"]
+    n = args.records or size["records"]
+    if min(ks) < 3:
+        raise SystemExit("--sites: a secure run with coalition 1 needs at least 3 sites")
+    arch = architecture(size["hidden"])
+    out = args.out or ROOT / "benchmarks" / "results" / ("secure_step_quick.json" if args.quick else "secure_step.json")
+    import torch
+
+    load_before = os.getloadavg()
+    print(f"{parameters(arch):,} parameters; floors first", file=sys.stderr, flush=True)
+    fl = floors(arch, n, size["matmul"], ks)
+    result = {
+        "quick": args.quick,
+        "architecture": arch,
+        "parameters": parameters(arch),
+        "records_per_site": n,
+        "steps": steps,
+        "plan": {
+            "epsilon": EPSILON,
+            "delta": DELTA,
+            "learning_rate": 0.5,
+            "clip_norm": 1.0,
+            "sample_rate": 1.0,
+            "coalition": 1,
+            "wait_s": WAIT_S,
+            "local_steps": 1,
+        },
+        "step_measure": "median over sites and steps of the interval between a site's consecutive charges of the run "
+        "(its ledger's charged_at)",
+        "floors": fl,
+        "sites": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="secure-step-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for k in ks:
+            result["sites"][str(k)] = bench_sites(work, k, arch, n, steps)
+    if "4" in result["sites"] and result["sites"]["4"]["ratio_step"] is not None:
+        ratio = result["sites"]["4"]["ratio_step"]
+        result["target"] = {"ratio_limit": TARGET_RATIO, "ratio": ratio, "met": ratio < TARGET_RATIO}
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True))
+    print(table(result))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
