@@ -89,7 +89,7 @@ from benchmarks.transfer import raw_round, reset_hwm, vm  # noqa: E402
 
 MIB = 1 << 20
 TARGET_RATIO = 1.30  # issue 22: secure aggregation adds under 30% to a step's wall time at 4 sites
-FULL = {"hidden": [1024, 900], "records": 32, "steps": 3, "matmul": 2048}
+FULL = {"hidden": [1024, 900], "records": 16, "steps": 4, "matmul": 2048}
 QUICK = {"hidden": [64], "records": 16, "steps": 2, "matmul": 512}
 EPSILON, DELTA = 8.0, 1e-5
 WAIT_S = 300.0
@@ -376,9 +376,11 @@ def floors(arch: dict, n: int, matmul: int, sites: list[int]) -> dict:
     import torch
 
     from benchmarks.secagg import identity, one_round
+    from peer.base.rng import make_randomness
+    from peer.dp.accounting import TrainingRecord
     from peer.dp.distributed.encoding import Encoding
     from peer.dp.distributed.skellam import calibrate_share
-    from peer.dp.training import classifier_loss, per_example_gradients
+    from peer.dp.training import classifier_loss, per_example_gradients, run_dpsgd
     from peer.nn.architectures import build_model
 
     a = torch.randn(matmul, matmul)
@@ -401,7 +403,30 @@ def floors(arch: dict, n: int, matmul: int, sites: list[int]) -> dict:
     out["model_bytes"] = nbytes
     out["loopback_s"] = statistics.median(raw_round(nbytes) for _ in range(3))
     out["loopback_bytes_per_s"] = nbytes / out["loopback_s"]
-    # secure aggregation's core for one site at the run's encoding (summed, γ = 1024, b = 32)
+    # one site's local work of a step, alone on the machine, the runs' own calls in their order.
+    # plain: the segment (run_dpsgd: per-example gradients, clip, sum, Gaussian noise, update).
+    training = TrainingRecord.constant("add-remove", 1, 0.5, 1.0, 1.0)
+    out["plain_segment_s"] = median_time(
+        lambda: run_dpsgd(loss, params, xt, yt, training.steps, randomness=make_randomness(None), dataset_size=n)
+    )
+    # secure, before the core: the gradients as secure_iterate takes them (per-example, then
+    # float64 and flattened, then the sampled rows: every row at q = 1)
+    order = sorted(params)
+    timings: dict[str, list[float]] = {"gradients": [], "float64_flatten": [], "rows": []}
+    for _ in range(3):
+        t0 = time.perf_counter()
+        grads = per_example_gradients(loss, params, xt, yt)
+        t1 = time.perf_counter()
+        flat = np.concatenate([grads[k_].detach().double().reshape(n, -1).numpy() for k_ in order], axis=1)
+        t2 = time.perf_counter()
+        rows = np.asarray(flat[np.arange(n)], dtype=np.float64).reshape(n, -1)
+        t3 = time.perf_counter()
+        for key, v in zip(timings, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            timings[key].append(v)
+        del grads, flat, rows
+    out["secure_gradients_s"] = {key: statistics.median(v) for key, v in timings.items()}
+    # then secure aggregation's core for one site at the run's encoding (summed, γ = 1024,
+    # b = 32, no rotation): encode, noise share, keys, masks, digest, sum, decode
     dim = parameters(arch)
     enc = Encoding(dim=dim, clip_norm=1.0, scale=1024.0, bits=32, beta=0.0)
     rng = np.random.default_rng(2)
@@ -410,9 +435,8 @@ def floors(arch: dict, n: int, matmul: int, sites: list[int]) -> dict:
         cal = calibrate_share(EPSILON, DELTA, k, 1, enc.l1_sensitivity, enc.l2_sensitivity, 1.0, 10)
         ids = [identity(f"site-{i:02d}") for i in range(k)]
         runs = [one_round(dim, k, enc, cal.share_variance, rng, ids, n) for _ in range(2)]
-        out["secagg_core"][str(k)] = {
-            key: statistics.median(r["seconds"][key] for r in runs) for key in runs[0]["seconds"]
-        }
+        core = {key: statistics.median(r["seconds"][key] for r in runs) for key in runs[0]["seconds"]}
+        out["secagg_core"][str(k)] = core
     return out
 
 
@@ -453,9 +477,16 @@ def table(result: dict) -> str:
         f"{f['per_example_gradients_s'] * 1e3:.0f} ms; the model's {f['model_bytes'] / mb:.2f} MB over loopback "
         f"TCP: {f['loopback_s'] * 1e3:.1f} ms ({f['loopback_bytes_per_s'] / MIB:.0f} MiB/s)",
     ]
+    g = f["secure_gradients_s"]
+    lines.append(
+        f"one site's local work of a step, alone (ms): plain segment (run_dpsgd) {f['plain_segment_s'] * 1e3:.0f}; "
+        f"secure: per-example gradients {g['gradients'] * 1e3:.0f}, to float64 and flattened "
+        f"{g['float64_flatten'] * 1e3:.0f}, rows {g['rows'] * 1e3:.0f}, then the core:"
+    )
     for k, core in f["secagg_core"].items():
         parts = ", ".join(f"{key} {v * 1e3:.0f}" for key, v in core.items())
-        lines.append(f"floor: secure aggregation's core for one site at k = {k} (ms, no wire): {parts}")
+        local = core["total"] + sum(g.values())
+        lines.append(f"  k = {k} (no wire): {parts}; secure local work in all {local * 1e3:.0f}")
     t = result.get("target")
     if t:
         lines.append(
