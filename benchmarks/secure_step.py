@@ -1,8 +1,8 @@
 """A step of peer-to-peer DP training, secure aggregation against plain P2P, over real daemons.
 
-    .venv/bin/python benchmarks/secure_step.py                # 998,070-parameter MLP, k = 4 and 12, 3 steps
-    .venv/bin/python benchmarks/secure_step.py --sites 4 --steps 4 --records 32
-    .venv/bin/python benchmarks/secure_step.py --quick        # a 4,810-parameter MLP, k = 4, 2 steps
+    .venv/bin/python benchmarks/secure_step.py                # 998,070-parameter MLP, k = 4 and 12, 5 steps
+    .venv/bin/python benchmarks/secure_step.py --sites 4 --loops processes --records 32
+    .venv/bin/python benchmarks/secure_step.py --quick        # a 4,810-parameter MLP, k = 4, 3 steps
 
 What runs, for each k of --sites (every site a directory in a temporary folder, or --work DIR):
 
@@ -18,27 +18,29 @@ What runs, for each k of --sites (every site a directory in a temporary folder, 
   segment of 1 full-batch step on its records, charged, published on its daemon, the k − 1 peers'
   segments fetched and averaged), --steps rounds × 1 local step.
 - **secure**: the same plan with ``secure = true``, coalition t = 1
-  (``coordinator_free.secure_iterate``: per step the clipped per-record gradients of every
-  record at θ, float64, clipped, summed, scaled by γ = 1024, rounded (no rotation: the run's
-  encoding has none), plus the site's Skellam share, masked by k − 1 pairwise ChaCha20 streams
-  mod 2^32, signed, exchanged, digests forwarded, summed and
-  decoded), --steps steps. The secure run takes the full batch too (sample_rate 1): it computes
+  (``coordinator_free.secure_iterate``: per step the per-record gradients of every record at θ,
+  in float64, clipped, summed, scaled by γ = 1024 and rounded (no rotation: the run's encoding
+  has none), plus the site's Skellam share, masked by k − 1 pairwise ChaCha20 streams mod 2^32,
+  signed, exchanged, digests forwarded, summed and decoded), --steps steps. The secure run takes the full batch too (sample_rate 1): it computes
   every record's gradient each step whatever q is, so a smaller q would not shorten its step.
   Both runs: η = 0.5, C = 1, ε = 8 at δ = 1e-5 over the run, declared_records = --records,
   wait_s = call_timeout_s = 300 (12 sites on 2 cores are slow, and a late peer must not become a
   dropout).
 - The loops are the real ``privfusion round`` code (``coordinator_free.runner.run_rounds``), each
-  site's on a thread of this process (``scenarios.processes.RoundThread``, as ``privfusion
-  simulate`` runs them: twelve processes would each hold torch again), every call a mutual-TLS
-  call to a peer's daemon.
+  site's on a thread of this process (default, ``--loops threads``: ``scenarios.processes
+  .RoundThread``, as ``privfusion simulate`` runs them) or in a ``privfusion round`` process of its
+  own (``--loops processes``: ``RoundProcess``, one torch thread each, as a site runs it; each
+  process holds torch again, about 0.5 GB more per site); every call a mutual-TLS call to a peer's
+  daemon either way.
 
 **Time per step**, from the sites' own ledgers: the interval between a site's consecutive charges
 of the run (each round's segment; each step's masked vector, charged before it leaves), so one
 full period of the synchronised loop — the rest of step s, then the gradients, keys and encoding
-of step s + 1. The median over every site and every interval (k × (steps − 1) of them); the first
-step, which warms up, is in none as a whole. Beside it, the plain run's own report (``seconds`` of
-each round: segment to fused model) and each run's wall time (the first site's start to the last
-one's end).
+of step s + 1. From each site's second charge on (its first comes before it waits for anyone: a
+plain site charges round 1 as soon as it has started, whoever else has), so --steps S gives
+k × (S − 2) intervals; the step is their median. Beside it, the plain run's own report
+(``seconds`` of each round: segment to fused model), the secure run's (its start to its end,
+start-up included) and each run's wall time (the first loop's start to the last one's end).
 
 **Bytes per site per step**, from the real counters: plain, the report's segment bytes fetched
 and served (``bytes_received``, ``bytes_sent``: the float32 arrays, k − 1 copies each way); secure,
@@ -47,16 +49,23 @@ protobuf ``ByteSize()`` at the gRPC clients, polls included: ``scenarios.iterate
 .secure_bytes``), divided by the steps; the masked vector itself is d residues of 4 bytes,
 the size of the float32 segment.
 
-**Memory**: this process's resident set (the loops of every site: its VmHWM, reset before each
-run, and its VmRSS sampled every 0.1 s) and each daemon's peak (VmHWM at the end, or its RSS at
-ready if larger).
+**Memory**: the loops' resident sets, sampled every 0.1 s (threads: this process's VmHWM, reset
+before each run; processes: each one's VmHWM, summed, and the largest), the most they held at once
+(the largest sampled sum of VmRSS), and each daemon's peak (VmHWM at the end, or its RSS at ready
+if larger). A secure site holds its records' per-example gradients in float32 and then in float64
+(and a copy of the sampled rows): about 3 × 8 bytes × records × d, so records per site are few
+(--records, default 16) — a few hundred would need gigabytes per site at d = 10⁶.
 
-**Floors**, measured in this process in the same run: one float32 matmul of n × n (--matmul, n
-= 2048: about 17 GFLOP), one forward + backward pass of the model on one site's batch (the mean
-loss), the per-example gradients of that batch as DP-SGD takes them (``per_example_gradients``,
-vmap), the model's float32 bytes over loopback TCP (``benchmarks.transfer.raw_round``), and
-secure aggregation's core for one site at the run's encoding (``benchmarks.secagg.one_round``:
-encode, noise share, keys, masks, digest, sum, decode; no wire).
+**Floors**, measured in this process in the same run, before the daemons start: one float32
+matmul of n × n (n = 2048, about 17 GFLOP; --quick 512), one forward + backward pass of the model
+on one site's batch (the mean loss), the per-example gradients of that batch as DP-SGD takes them
+(``per_example_gradients``, vmap), and the model's float32 bytes over loopback TCP
+(``benchmarks.transfer.raw_round``). And one site's local work of a step, alone, through the
+runs' own calls: plain, its segment (``run_dpsgd``, one step); secure, the gradients as
+``secure_iterate`` takes them (per-example, to float64 and flattened, the sampled rows) and then
+secure aggregation's core at the run's encoding for k sites (``benchmarks.secagg.one_round``:
+encode, noise share, keys, masks, digest, sum, decode; no wire) — what the step of each mode
+costs one site before any waiting, so which part of the difference is computation.
 
 Results: a table on stdout and benchmarks/results/secure_step.json (secure_step_quick.json for
 --quick), with the machine's facts (cores, load average, Python and torch versions).
@@ -89,8 +98,8 @@ from benchmarks.transfer import raw_round, reset_hwm, vm  # noqa: E402
 
 MIB = 1 << 20
 TARGET_RATIO = 1.30  # issue 22: secure aggregation adds under 30% to a step's wall time at 4 sites
-FULL = {"hidden": [1024, 900], "records": 16, "steps": 4, "matmul": 2048}
-QUICK = {"hidden": [64], "records": 16, "steps": 2, "matmul": 512}
+FULL = {"hidden": [1024, 900], "records": 16, "steps": 5, "matmul": 2048}
+QUICK = {"hidden": [64], "records": 16, "steps": 3, "matmul": 512}
 EPSILON, DELTA = 8.0, 1e-5
 WAIT_S = 300.0
 
@@ -211,16 +220,32 @@ def round_toml(roster: Path, run: str, steps: int, n: int, secure: bool) -> str:
 
 
 class Sampler:
-    """This process's VmRSS every ``every`` seconds while it runs (the largest seen)."""
+    """Resident memory of the loops while they run, every ``every`` seconds: ``pids()`` gives the
+    processes that hold them (this one for threads); per process the largest VmHWM and VmRSS
+    read, and the largest sum of their VmRSS at one sampling (what they held at once)."""
 
-    def __init__(self, every: float = 0.1):
-        self.peak = 0
+    def __init__(self, pids, every: float = 0.1):
+        self.pids = pids
+        self.hwm: dict = {}
+        self.rss: dict = {}
+        self.together = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
 
     def _run(self, every: float) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, vm()["VmRSS"])
+            total = 0
+            for pid in self.pids():
+                try:
+                    m = vm(pid)
+                except OSError:  # exiting
+                    continue
+                if not m:
+                    continue
+                self.hwm[pid] = max(self.hwm.get(pid, 0), m["VmHWM"])
+                self.rss[pid] = max(self.rss.get(pid, 0), m["VmRSS"])
+                total += m["VmRSS"]
+            self.together = max(self.together, total)
             time.sleep(every)
 
     def __enter__(self):
@@ -247,9 +272,11 @@ def charge_times(ledger: Path, run: str) -> list[float]:
         led.close()
 
 
-def run_mode(sites: list[BenchSite], roster: Path, mode: str, k: int, steps: int, n: int) -> dict:
-    """Every site's loop of one run (plain or secure), all at once, on threads of this process."""
-    from scenarios.processes import RoundThread
+def run_mode(sites: list[BenchSite], roster: Path, mode: str, k: int, steps: int, n: int, loops: str) -> dict:
+    """Every site's loop of one run (plain or secure), all at once: each a thread of this process
+    (``loops = "threads"``: ``scenarios.processes.RoundThread``, as ``privfusion simulate``) or a
+    ``privfusion round`` process (``"processes"``: ``RoundProcess``, one torch thread each)."""
+    from scenarios.processes import RoundProcess, RoundThread
 
     run = f"{mode}-k{k}"
     secure = mode == "secure"
@@ -258,13 +285,27 @@ def run_mode(sites: list[BenchSite], roster: Path, mode: str, k: int, steps: int
         f = s.root / f"{run}.toml"
         f.write_text(round_toml(roster, run, steps, n, secure))
         files[s.name] = f
-    reset_hwm()
+    if loops == "threads":
+        reset_hwm()
+    started: dict = {}
+
+    def pids():
+        if loops == "threads":
+            return [os.getpid()]
+        return [r.proc.pid for r in started.values()]
+
     t0 = time.time()
-    with Sampler() as sampler:
-        loops = {s.name: RoundThread(s, [files[s.name]], lambda e: None) for s in sites}
-        codes = {name: loop.wait() for name, loop in loops.items()}
+    with Sampler(pids) as sampler:
+        kind = RoundThread if loops == "threads" else RoundProcess
+        for s in sites:
+            started[s.name] = kind(s, [files[s.name]], lambda e: None)
+        codes = {name: loop.wait() for name, loop in started.items()}
     wall = time.time() - t0
-    own = vm()
+    if loops == "threads":
+        own = vm()
+        peaks = [max(own["VmHWM"], sampler.hwm.get(os.getpid(), 0))]
+    else:
+        peaks = list(sampler.hwm.values())
     bad = {name: c for name, c in codes.items() if c != 0}
     if bad:
         logs = {s.name: (s.root / "rounds.log").read_text()[-2000:] for s in sites if (s.root / "rounds.log").exists()}
@@ -277,8 +318,11 @@ def run_mode(sites: list[BenchSite], roster: Path, mode: str, k: int, steps: int
         "run": run,
         "wall_s": wall,
         "reports": reports,
-        "loops_peak_rss": max(own["VmHWM"], sampler.peak),
-        "loops_rss_sampled": sampler.peak,
+        # the sum of every loop process's peak (threads: the one process's), and the most they
+        # held at once by the samples
+        "loops_peak_rss": sum(peaks),
+        "loop_process_peak_rss": max(peaks),
+        "loops_rss_sampled": sampler.together,
     }
 
 
@@ -287,7 +331,9 @@ def summarise(mode: str, k: int, steps: int, measured: dict, charges: dict[str, 
     from scenarios.iterate_sites import secure_bytes
 
     reports = measured["reports"]
-    intervals = [b - a for times in charges.values() for a, b in itertools.pairwise(times)]
+    # from each site's second charge on: its first comes before any wait for a peer (plain: the
+    # segment of round 1 is charged as soon as the site has started, before the others have)
+    intervals = [b - a for times in charges.values() for a, b in itertools.pairwise(times[1:])]
     counts = {name: len(t) for name, t in charges.items()}
     if any(c != steps for c in counts.values()):
         raise SystemExit(f"{measured['run']}: expected {steps} charges per site, the ledgers hold {counts}")
@@ -299,6 +345,7 @@ def summarise(mode: str, k: int, steps: int, measured: dict, charges: dict[str, 
         "step_intervals_s": intervals,
         "wall_s": measured["wall_s"],
         "loops_peak_rss": measured["loops_peak_rss"],
+        "loop_process_peak_rss": measured["loop_process_peak_rss"],
         "loops_rss_sampled": measured["loops_rss_sampled"],
     }
     if mode == "plain":
@@ -325,7 +372,7 @@ def summarise(mode: str, k: int, steps: int, measured: dict, charges: dict[str, 
     return out
 
 
-def bench_sites(work: Path, k: int, arch: dict, n: int, steps: int) -> dict:
+def bench_sites(work: Path, k: int, arch: dict, n: int, steps: int, loops: str) -> dict:
     root = work / f"k{k}"
     sites = make_sites(root, k, arch, n)
     daemons = {s.name: Daemon(s.root) for s in sites}
@@ -340,7 +387,7 @@ def bench_sites(work: Path, k: int, arch: dict, n: int, steps: int) -> dict:
         measured = {}
         for mode in ("plain", "secure"):
             print(f"k = {k}: {mode} run of {steps} steps", file=sys.stderr, flush=True)
-            measured[mode] = run_mode(sites, Path(roster).resolve(), mode, k, steps, n)
+            measured[mode] = run_mode(sites, Path(roster).resolve(), mode, k, steps, n, loops)
         daemon_memory = {
             name: {"idle_rss": d.idle_rss, "peak_rss": max(vm(d.proc.pid)["VmHWM"], d.idle_rss)}
             for name, d in daemons.items()
@@ -449,11 +496,13 @@ def table(result: dict) -> str:
     lines = [
         f"MLP 64 → {result['architecture']['hidden']} → 10: {result['parameters']:,} parameters "
         f"({result['parameters'] * 4 / mb:.2f} MB float32); {result['records_per_site']} records per site, "
-        f"full batch, {result['steps']} steps per run",
+        f"full batch, {result['steps']} steps per run; each site's loop a {result['loops'][:-2]} "
+        f"({'privfusion round' if result['loops'] == 'processes' else 'of this process'})",
         "step: the median interval between a site's consecutive charges (all sites, all intervals); "
         "bytes: per site per step",
         "",
-        "| k | mode | step s | wall s (run) | MB sent | MB received | loops' peak RSS MiB | daemon peak RSS MiB |",
+        "| k | mode | step s | wall s (run) | MB sent | MB received | loops' RSS MiB: peaks summed (largest) "
+        "| daemon peak RSS MiB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["sites"].values():
@@ -462,7 +511,8 @@ def table(result: dict) -> str:
             step = f"{m['step_s']:.2f}" if m["step_s"] is not None else "-"
             lines.append(
                 f"| {r['sites']} | {mode} | {step} | {m['wall_s']:.1f} | {m['bytes_sent_per_step'] / mb:.2f} | "
-                f"{m['bytes_received_per_step'] / mb:.2f} | {m['loops_peak_rss'] / MIB:.0f} | "
+                f"{m['bytes_received_per_step'] / mb:.2f} | {m['loops_peak_rss'] / MIB:.0f} "
+                f"({m['loop_process_peak_rss'] / MIB:.0f}) | "
                 f"{r['daemons_peak_rss'] / MIB:.0f} |"
             )
         ratio = f"{r['ratio_step']:.2f}" if r["ratio_step"] is not None else "-"
@@ -504,10 +554,18 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 4,810-parameter MLP, k = 4, 2 steps: a short check")
+    parser.add_argument("--quick", action="store_true", help="a 4,810-parameter MLP, k = 4, 3 steps: a short check")
     parser.add_argument("--sites", type=int, nargs="+", help="site counts (default 4 12; --quick: 4)")
-    parser.add_argument("--steps", type=int, help="steps per run (rounds × 1 local step; default 3, --quick 2)")
+    parser.add_argument(
+        "--steps", type=int, help="steps per run (rounds × 1 local step; default 5, --quick 3; at least 3)"
+    )
     parser.add_argument("--records", type=int, help="records per site (default 32, --quick 16)")
+    parser.add_argument(
+        "--loops",
+        choices=("processes", "threads"),
+        default="threads",
+        help="each site's loop a thread of this process (default) or a `privfusion round` process of its own",
+    )
     parser.add_argument("--work", type=Path, help="work directory (kept; default: a temporary one)")
     parser.add_argument("--out", type=Path, help="JSON results (default benchmarks/results/secure_step[_quick].json)")
     args = parser.parse_args(argv)
@@ -515,9 +573,15 @@ def main(argv: list[str] | None = None) -> int:
     ks = args.sites or ([4] if args.quick else [4, 12])
     steps = args.steps or size["steps"]
     n = args.records or size["records"]
+    if steps < 3:
+        raise SystemExit("--steps: at least 3 (the step time is the interval between charges from the second on)")
     if min(ks) < 3:
         raise SystemExit("--sites: a secure run with coalition 1 needs at least 3 sites")
     arch = architecture(size["hidden"])
+    # the loop processes import this checkout (the daemons' env sets the same)
+    from benchmarks.round_scale import child_env
+
+    os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]
     out = args.out or ROOT / "benchmarks" / "results" / ("secure_step_quick.json" if args.quick else "secure_step.json")
     import torch
 
@@ -530,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": parameters(arch),
         "records_per_site": n,
         "steps": steps,
+        "loops": args.loops,
         "plan": {
             "epsilon": EPSILON,
             "delta": DELTA,
@@ -541,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             "local_steps": 1,
         },
         "step_measure": "median over sites and steps of the interval between a site's consecutive charges of the run "
-        "(its ledger's charged_at)",
+        "(its ledger's charged_at), from each site's second charge on",
         "floors": fl,
         "sites": {},
     }
@@ -549,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for k in ks:
-            result["sites"][str(k)] = bench_sites(work, k, arch, n, steps)
+            result["sites"][str(k)] = bench_sites(work, k, arch, n, steps, args.loops)
     if "4" in result["sites"] and result["sites"]["4"]["ratio_step"] is not None:
         ratio = result["sites"]["4"]["ratio_step"]
         result["target"] = {"ratio_limit": TARGET_RATIO, "ratio": ratio, "met": ratio < TARGET_RATIO}

@@ -38,21 +38,22 @@ def test_quick_secure_step_measures_both_runs_their_bytes_and_the_floor(tmp_path
     print(proc.stdout)
     r = json.loads(out.read_text())
 
-    assert r["quick"] is True and list(r["sites"]) == ["4"]
+    assert r["quick"] is True and list(r["sites"]) == ["4"] and r["loops"] == "threads"
     arch = r["architecture"]
     assert r["parameters"] == mlp_parameters([arch["input_dim"], *arch["hidden"], arch["output_dim"]]) == 4810
     steps, k, d = r["steps"], 4, r["parameters"]
-    assert steps >= 2
+    assert steps >= 3
     s = r["sites"]["4"]
     plain, secure = s["plain"], s["secure"]
     for m in (plain, secure):
         assert m["sites"] == k and m["steps"] == steps
-        # one interval between consecutive charges per site and step after the first
-        assert len(m["step_intervals_s"]) == k * (steps - 1)
+        # one interval between consecutive charges per site, from its second charge on
+        assert len(m["step_intervals_s"]) == k * (steps - 2)
         assert all(v > 0 for v in m["step_intervals_s"])
         assert min(m["step_intervals_s"]) <= m["step_s"] <= max(m["step_intervals_s"])
         assert max(m["step_intervals_s"]) < m["wall_s"]  # the run holds its steps
         assert m["loops_peak_rss"] >= m["loops_rss_sampled"] > 50 * 2**20
+        assert m["loops_peak_rss"] >= m["loop_process_peak_rss"] > 50 * 2**20
 
     # plain: every peer's segment of every round came fresh, k − 1 float32 copies each way
     assert plain["fresh"] is True
