@@ -496,8 +496,8 @@ def table(result: dict) -> str:
     lines = [
         f"MLP 64 → {result['architecture']['hidden']} → 10: {result['parameters']:,} parameters "
         f"({result['parameters'] * 4 / mb:.2f} MB float32); {result['records_per_site']} records per site, "
-        f"full batch, {result['steps']} steps per run; each site's loop a {result['loops'][:-2]} "
-        f"({'privfusion round' if result['loops'] == 'processes' else 'of this process'})",
+        f"full batch, {result['steps']} steps per run; each site's loop "
+        f"{'a privfusion round process' if result['loops'] == 'processes' else 'a thread of this process'}",
         "step: the median interval between a site's consecutive charges (all sites, all intervals); "
         "bytes: per site per step",
         "",
