@@ -363,6 +363,10 @@ def summarise(mode: str, k: int, steps: int, measured: dict, charges: dict[str, 
         out["bytes_sent_per_step"] = statistics.mean(b["bytes_sent"] / steps for b in per_site.values())
         out["bytes_received_per_step"] = statistics.mean(b["bytes_received"] / steps for b in per_site.values())
         out["bytes_published_per_step"] = statistics.mean(b["bytes_published"] / steps for b in per_site.values())
+        # the peers' replies alone (keys, masked vectors, forwarded digests): no polls in them
+        out["bytes_replies_received_per_step"] = statistics.mean(
+            b["bytes_wire"]["replies_received"] / steps for b in per_site.values()
+        )
         out["padded_dim"] = next(iter(reports.values()))["plan"]["padded_dim"]
         out["bits"] = next(iter(reports.values()))["plan"]["modulus_bits"]
         out["attempts_rerun"] = sum(1 for rep in reports.values() for st in rep["steps"] if st["attempt"] > 0)
