@@ -624,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         result["target"] = {"ratio_limit": TARGET_RATIO, "ratio": ratio, "met": ratio < TARGET_RATIO}
     result["machine"] = {
         "cpus": os.cpu_count(),
+        "nproc": len(os.sched_getaffinity(0)),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
