@@ -52,9 +52,10 @@ the size of the float32 segment.
 **Memory**: the loops' resident sets, sampled every 0.1 s (threads: this process's VmHWM, reset
 before each run; processes: each one's VmHWM, summed, and the largest), the most they held at once
 (the largest sampled sum of VmRSS), and each daemon's peak (VmHWM at the end, or its RSS at ready
-if larger). A secure site holds its records' per-example gradients in float32 and then in float64
-(and a copy of the sampled rows): about 3 × 8 bytes × records × d, so records per site are few
-(--records, default 16) — a few hundred would need gigabytes per site at d = 10⁶.
+if larger). A secure site holds its records' per-example gradients in float32, then flattened into
+one float32 matrix (the sampled rows are that matrix at q = 1, a copy otherwise): about
+2 × 4 bytes × records × d, so records per site are few (--records, default 16) — a few hundred
+would need gigabytes per site at d = 10⁶.
 
 **Floors**, measured in this process in the same run, before the daemons start: one float32
 matmul of n × n (n = 2048, about 17 GFLOP; --quick 512), one forward + backward pass of the model
@@ -62,7 +63,7 @@ on one site's batch (the mean loss), the per-example gradients of that batch as 
 (``per_example_gradients``, vmap), and the model's float32 bytes over loopback TCP
 (``benchmarks.transfer.raw_round``). And one site's local work of a step, alone, through the
 runs' own calls: plain, its segment (``run_dpsgd``, one step); secure, the gradients as
-``secure_iterate`` takes them (per-example, to float64 and flattened, the sampled rows) and then
+``secure_iterate`` takes them (per-example, flattened into float32, the sampled rows) and then
 secure aggregation's core at the run's encoding for k sites (``benchmarks.secagg.one_round``:
 encode, noise share, keys, masks, digest, sum, decode; no wire) — what the step of each mode
 costs one site before any waiting, so which part of the difference is computation.
@@ -427,6 +428,7 @@ def floors(arch: dict, n: int, matmul: int, sites: list[int]) -> dict:
     import torch
 
     from benchmarks.secagg import identity, one_round
+    from coordinator_free.secure_iterate import flat_gradients, sampled_rows
     from peer.base.rng import make_randomness
     from peer.dp.accounting import TrainingRecord
     from peer.dp.distributed.encoding import Encoding
@@ -461,16 +463,16 @@ def floors(arch: dict, n: int, matmul: int, sites: list[int]) -> dict:
         lambda: run_dpsgd(loss, params, xt, yt, training.steps, randomness=make_randomness(None), dataset_size=n)
     )
     # secure, before the core: the gradients as secure_iterate takes them (per-example, then
-    # float64 and flattened, then the sampled rows: every row at q = 1)
+    # flattened into one float32 matrix, then the sampled rows: every row at q = 1, no copy)
     order = sorted(params)
-    timings: dict[str, list[float]] = {"gradients": [], "float64_flatten": [], "rows": []}
+    timings: dict[str, list[float]] = {"gradients": [], "flatten": [], "rows": []}
     for _ in range(3):
         t0 = time.perf_counter()
         grads = per_example_gradients(loss, params, xt, yt)
         t1 = time.perf_counter()
-        flat = np.concatenate([grads[k_].detach().double().reshape(n, -1).numpy() for k_ in order], axis=1)
+        flat = flat_gradients(grads, order, n)
         t2 = time.perf_counter()
-        rows = np.asarray(flat[np.arange(n)], dtype=np.float64).reshape(n, -1)
+        rows = sampled_rows(flat, np.arange(n))
         t3 = time.perf_counter()
         for key, v in zip(timings, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             timings[key].append(v)
@@ -534,8 +536,8 @@ def table(result: dict) -> str:
     g = f["secure_gradients_s"]
     lines.append(
         f"one site's local work of a step, alone (ms): plain segment (run_dpsgd) {f['plain_segment_s'] * 1e3:.0f}; "
-        f"secure: per-example gradients {g['gradients'] * 1e3:.0f}, to float64 and flattened "
-        f"{g['float64_flatten'] * 1e3:.0f}, rows {g['rows'] * 1e3:.0f}, then the core:"
+        f"secure: per-example gradients {g['gradients'] * 1e3:.0f}, flattened (float32) "
+        f"{g['flatten'] * 1e3:.0f}, rows {g['rows'] * 1e3:.0f}, then the core:"
     )
     for k, core in f["secagg_core"].items():
         parts = ", ".join(f"{key} {v * 1e3:.0f}" for key, v in core.items())

@@ -163,11 +163,15 @@ class InProcessBoard:
                 self._changed.wait(left)
 
 
+#: The first pause of a collect that found a sender not yet published (doubling up to ``poll_s``).
+FIRST_POLL_S = 0.005
+
+
 class DaemonTransport:
     """:class:`StepTransport` over the daemons (``PublishSecAgg`` / ``FetchSecAgg``, mTLS):
     this site's run publishes on its own daemon (``own_address``, with its own identity) and
     fetches from each peer's daemon (``addresses``: site → HOST:PORT, pinned peers), polling
-    every ``poll_s`` while a message is not yet published (NOT_FOUND) or a daemon does not
+    (after 5 ms, then twice as long each time, up to every ``poll_s``) while a message is not yet published (NOT_FOUND) or a daemon does not
     answer (UNAVAILABLE, or a call cut short as it stops: CANCELLED), up to ``wait_s``; then that sender has dropped. Any other refusal is
     raised as it came."""
 
@@ -230,6 +234,7 @@ class DaemonTransport:
             raise InvalidArgument("senders", f"no address for {unknown}")
         deadline = time.monotonic() + self.wait_s
         got: dict[str, Any] = {}
+        pause = min(FIRST_POLL_S, self.poll_s)  # a barrier about to open is seen within ms
         while True:
             for s in senders:
                 if s in got:
@@ -244,7 +249,8 @@ class DaemonTransport:
                 return got
             if time.monotonic() >= deadline:
                 raise SitesDropped(context, kind, missing)
-            time.sleep(self.poll_s)
+            time.sleep(pause)
+            pause = min(2.0 * pause, self.poll_s)
 
 
 @dataclass(frozen=True)
@@ -327,6 +333,24 @@ def poisson_sample(n: int, sample_rate: float, generator: np.random.Generator) -
     return np.flatnonzero(generator.random(n) < sample_rate)
 
 
+def flat_gradients(grads: Mapping[str, Any], order: Sequence[str], records: int) -> np.ndarray:
+    """Per-record gradients (``per_example_gradients``: name → (records, *shape)) as one
+    (records, d) float32 matrix, the parameters in ``order``. Float32 on purpose: the encoder
+    converts each chunk to float64 exactly, so the encoded sum is the one a float64 copy would
+    give, bit for bit, at half the memory and without the copy."""
+    import torch
+
+    return torch.cat([grads[k].detach().reshape(records, -1) for k in order], dim=1).numpy()
+
+
+def sampled_rows(flat: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The rows of the sampled records: ``flat`` itself when the sample is every record in order
+    (a full batch), else a copy of those rows."""
+    if len(idx) == len(flat) and np.array_equal(idx, np.arange(len(flat))):
+        return flat
+    return flat[idx]
+
+
 class SecureParty:
     """One site's side of the protocol: its site (identity, trust store, randomness) and its
     release desk (the only way its share is charged). A subclass may override :meth:`send`
@@ -373,7 +397,10 @@ class SecureParty:
         randomness = self.site.randomness()
         gen = randomness.generator
         sample = poisson_sample(records, plan.sample_rate, gen)
-        rows = np.asarray(gradients(sample), dtype=np.float64).reshape(len(sample), enc.dim)
+        rows = np.asarray(gradients(sample))
+        if rows.dtype not in (np.float32, np.float64):  # the encoder reads float32 rows chunk by chunk as float64
+            rows = rows.astype(np.float64)
+        rows = rows.reshape(len(sample), enc.dim)
         encoded = encode_sum(rows, enc, gen) if enc.beta == 0 else encode_records(rows, enc, gen)
         x = to_modular(encoded + skellam_share(share_variance, enc.padded_dim, gen), enc.bits)
         y = masked_vector(x, context, me, seeds)
@@ -588,11 +615,10 @@ def run_secure_iterate(
             if stop.is_set():
                 status, reason = "interrupted", f"stopped before step {step}"
                 break
-            grads = per_example_gradients(loss, params, xt, yt)
-            flat = np.concatenate([grads[k].detach().double().reshape(len(y), -1).numpy() for k in order], axis=1)
+            flat = flat_gradients(per_example_gradients(loss, params, xt, yt), order, len(y))
 
             def rows(idx: np.ndarray, flat: np.ndarray = flat) -> np.ndarray:
-                return flat[idx]
+                return sampled_rows(flat, idx)
 
             try:
                 result = secure_sum(party, transport, plan, step, current, rows, len(y))
@@ -655,7 +681,9 @@ __all__ = [
     "SitesDropped",
     "StepTransport",
     "apply_update",
+    "flat_gradients",
     "poisson_sample",
     "run_secure_iterate",
+    "sampled_rows",
     "secure_sum",
 ]
