@@ -229,3 +229,36 @@ def test_too_few_sites_after_a_dropout_stops_the_step(sites):
     for n in ("site-00", "site-01"):
         e = out[n]
         assert isinstance(e, FailedPrecondition) and e.reason == "SECAGG_TOO_FEW_SITES", e
+
+
+def test_the_float32_gradient_matrix_encodes_bit_for_bit_as_a_float64_copy():
+    """``flat_gradients`` keeps the per-record gradients in float32 and ``sampled_rows`` hands a
+    full batch over uncopied: the encoder converts each chunk to float64 exactly, so the encoded
+    sums (summed and per-record rounding) equal those of the float64 copy the run used to make."""
+    import torch
+
+    from coordinator_free.secure_iterate import flat_gradients, sampled_rows
+    from peer.dp.distributed.encoding import encode_records, encode_sum
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"0.weight": (7, 5), "0.bias": (7,), "2.weight": (3, 7), "2.bias": (3,)}
+    n = 9
+    grads = {k: torch.randn(n, *s, generator=gen) * 3 for k, s in shapes.items()}
+    order = sorted(grads)
+    flat = flat_gradients(grads, order, n)
+    old = np.concatenate([grads[k].detach().double().reshape(n, -1).numpy() for k in order], axis=1)
+    assert flat.dtype == np.float32 and np.array_equal(flat.astype(np.float64), old)
+    everyone = np.arange(n)
+    assert sampled_rows(flat, everyone) is flat  # a full batch: no copy
+    some = np.array([0, 4, 5])
+    assert np.array_equal(sampled_rows(flat, some), flat[some]) and sampled_rows(flat, some) is not flat
+    d = flat.shape[1]
+    summed = Encoding(dim=d, clip_norm=1.0, scale=512.0, bits=32, beta=0.0)
+    per_record = Encoding(dim=d, clip_norm=1.0, scale=512.0, bits=32, beta=float(np.exp(-0.5)))
+    for rows, ref in ((flat, old), (sampled_rows(flat, some), old[some])):
+        a = encode_sum(rows, summed, np.random.default_rng(11))
+        b = encode_sum(ref, summed, np.random.default_rng(11))
+        assert np.array_equal(a, b)
+        a = encode_records(rows, per_record, np.random.default_rng(12))
+        b = encode_records(ref, per_record, np.random.default_rng(12))
+        assert np.array_equal(a, b)
