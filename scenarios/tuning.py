@@ -32,7 +32,7 @@ a parameter):
   RDP, Zhu–Wang's general Poisson-subsampling bound when q < 1, the run's ledger orders and δ
   split, the encoding's integer sensitivities at the run's scale γ). The search trains with
   Gaussian noise of that sum's variance k·V/(k − t), in gradient units (÷ γ): the rounding
-  (at most 1/4 per coordinate and record, against V ≈ 10⁷) and the modular wrap (impossible
+  (at most 1/4 per coordinate and record, against V ≈ 10⁷–10¹¹) and the modular wrap (impossible
   at the run's bits and norm bound) are left out. Grid (:func:`secure_grid`): full-batch plans
   and the curator's subsampled ones, so that the search sees what this accounting rewards.
   (An earlier version modelled the row as the curator's Gaussian × k/(k − t) with *tight*
