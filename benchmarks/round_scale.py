@@ -61,7 +61,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -76,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.transfer import vm  # noqa: E402  (VmRSS and VmHWM of a process, in bytes)
+from benchmarks.transfer import machine_facts, vm  # noqa: E402  (VmRSS and VmHWM: bytes)
 
 MIB = 1 << 20
 GB = 10**9
@@ -615,14 +614,7 @@ def main(argv: list[str] | None = None) -> int:
             "largest_process_peak_rss": max(peaks),
             "process_memory_met": max(peaks) < TARGET_PROCESS_BYTES,
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "load_avg": os.getloadavg(),
-        },
+        "machine": {**machine_facts(), "load_avg": os.getloadavg()},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, sort_keys=True))

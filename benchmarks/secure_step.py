@@ -78,7 +78,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -95,7 +94,7 @@ sys.path.insert(0, str(ROOT / "proto"))
 import numpy as np  # noqa: E402
 
 from benchmarks.round_scale import Daemon  # noqa: E402  (`privfusion peer serve` of one site)
-from benchmarks.transfer import raw_round, reset_hwm, vm  # noqa: E402
+from benchmarks.transfer import machine_facts, raw_round, reset_hwm, vm  # noqa: E402
 
 MIB = 1 << 20
 TARGET_RATIO = 1.30  # issue 22: secure aggregation adds under 30% to a step's wall time at 4 sites
@@ -589,7 +588,6 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]
     out = args.out or ROOT / "benchmarks" / "results" / ("secure_step_quick.json" if args.quick else "secure_step.json")
-    import torch
 
     load_before = os.getloadavg()
     print(f"{parameters(arch):,} parameters; floors first", file=sys.stderr, flush=True)
@@ -624,16 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     if "4" in result["sites"] and result["sites"]["4"]["ratio_step"] is not None:
         ratio = result["sites"]["4"]["ratio_step"]
         result["target"] = {"ratio_limit": TARGET_RATIO, "ratio": ratio, "met": ratio < TARGET_RATIO}
-    result["machine"] = {
-        "cpus": os.cpu_count(),
-        "nproc": len(os.sched_getaffinity(0)),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
-    }
+    result["machine"] = {**machine_facts(), "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, sort_keys=True))
     print(table(result))

@@ -70,6 +70,22 @@ def vm(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+def machine_facts() -> dict:
+    """What a benchmark's JSON says of the machine it ran on (the caller adds the load average
+    at the moments it reads it): cores, the cores this process may use, platform, Python, and
+    torch's version and thread count."""
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "nproc": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
 def reset_hwm(pid: int | str = "self") -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux)
 
