@@ -10,6 +10,19 @@ Every site runs this loop on its own, against its peers' daemons; nobody schedul
         fetch every peer's segment of round r (wait up to wait_s), else its newest older one
         θ_r = Σ_j w_j θ_r^j / Σ_j w_j                        # fusion (weighted average)
 
+**Every network.** ``model`` names a built-in model of the site's store, or the site's own
+network (``privfusion model import``: ``own_models/NAME.json`` exists, as for one-shot rounds):
+then θ_0 is its factory's module built under ``torch.manual_seed(init_seed)`` (public, the same
+at every site; never the site's imported weights, trained outside any guarantee), trained in eval
+mode as a pool's (``peer.dp.training.train_dpsgd_module``: BatchNorm's running statistics are
+constants, only parameters are trained and released; what ``check_private_training`` refuses is
+refused before anything is charged), its inputs shaped by ``input_batch``, its segments released
+with its public architecture (traced structure and digest, never its code) and charged exactly
+as a built-in one's. Every peer segment is checked against our network before it is averaged
+(:meth:`SiteNetwork.check_segment`: an own network's structure digest for digest; for every
+network our parameters' names and shapes, finite floats): one that does not fit is *dropped*
+for that round with the reason.
+
 **The segment** is DP-SGD (``peer.dp.training.run_dpsgd``): per step
 θ ← θ − η·(Σ_{i∈B} clip_C(∇ℓ(θ; x_i, y_i)) + σ·C·z)/(q·n) with z ~ N(0, I) from the site's noise
 (CSPRNG-seeded; a fixed seed, reported, only in simulations: a site.toml ``seed`` is refused
@@ -65,7 +78,9 @@ With declared n_j (add-remove) one local step of it is exactly θ − η·(Σ of
 gradients and noise)/Σ_j n_j: DP-FedAvg's step with the declared total in place of the true one.
 No alignment is needed: every model descends from the same public θ_0.
 
-**Outputs** (``out``): each round's fused model in the model store ``OUT/models`` as
+**Outputs** (``out``): each round's fused model in the model store ``OUT/models`` (an own
+network's: in the site's own-model store, under its key names with its preprocessing and θ_0's
+buffers, where ``privfusion evaluate`` and ``model adopt`` read it) as
 ``RUN-r{k}`` (metadata: the round, its contributors and weights) and the JSON report
 ``OUT/RUN.json``: the n of the segments and its source (``dataset_size``,
 ``dataset_size_source``; never the true count under add-remove), per round the segment's ledger entry, σ, ε spent (the ledger's filter figure
@@ -400,6 +415,173 @@ def segment_training(cfg: IterateConfig, noise_multiplier: float):
     )
 
 
+# ------------------------------------------------------------------------------ the site's network
+
+
+@dataclass
+class SiteNetwork:
+    """The network a run trains: a built-in architecture of the site's model store (``stored``
+    a ``peer.nn.store.StoredModel``), or the site's own network (``own`` a
+    ``peer.nn.imported.ImportedModel`` of its own-model store ``own_store``, rebuilt by its
+    ``factory``), as ``coordinator_free.runner.load_local_site`` decides: ``own_models/NAME.json``
+    exists. ``arch`` is the public architecture every release of the run carries (an own
+    network's traced structure and digest, never its code); ``stored`` reads the records (its
+    ``preprocessing`` and ``name``). Only parameters are trained and released; an own network's
+    buffers (BatchNorm's running statistics) are the constants of θ_0 (``buffers``), put back
+    into every model the run saves."""
+
+    arch: dict[str, Any]
+    stored: Any
+    own: Any = None
+    factory: Callable | None = None
+    own_store: Path | None = None
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def of_site(cls, site, model: str) -> SiteNetwork:
+        from peer.nn.store import load_model
+
+        if site.own_models is not None and (site.own_models / f"{model}.json").is_file():
+            from peer.nn.imported import load_factory, load_imported
+
+            own = load_imported(site.own_models, model)
+            site_dir = site.path.resolve().parent if site.path else site.own_models.parent
+            factory = load_factory(own.factory, [site_dir])
+            return cls(dict(own.release_architecture), own, own, factory, site.own_models)
+        stored = load_model(site.models, model)
+        return cls(dict(stored.architecture), stored)
+
+    @property
+    def start_text(self) -> str:
+        """Where round 1 starts, as the segment's record says."""
+        if self.own is None:
+            return "build_model(architecture, init_seed)"
+        return "the site's factory's module built under torch.manual_seed(init_seed) (never its imported weights)"
+
+    def initial_module(self, init_seed: int):
+        """θ_0's module (public): ``build_model(arch, seed=init_seed)``; an own network's factory
+        module built under ``torch.manual_seed(init_seed)`` — never the site's imported weights,
+        trained outside any guarantee — checked against the stored structure and by
+        ``check_private_training`` (refused before anything is charged), in eval mode as
+        ``peer.dp.training.train_dpsgd_module`` trains it (BatchNorm's running statistics are
+        constants; only parameters are trained). Its buffers are kept (``buffers``)."""
+        if self.own is None:
+            from peer.nn.architectures import build_model
+
+            return build_model(self.arch, seed=init_seed)
+        import torch
+
+        from peer.dp.training import check_private_training
+        from peer.nn.imported import build_module
+
+        state = torch.random.get_rng_state()
+        torch.manual_seed(init_seed)
+        try:
+            module = build_module(self.factory, self.own.factory)
+        finally:
+            torch.random.set_rng_state(state)
+        self.own.structure.check_arrays(
+            {k: v.detach().numpy() for k, v in module.state_dict().items()}, "factory state dict"
+        )
+        check_private_training(module)
+        module = module.float().eval()
+        params = dict(module.named_parameters())
+        self.buffers = {
+            k: np.array(v.detach().numpy(), copy=True) for k, v in module.state_dict().items() if k not in params
+        }
+        return module
+
+    def inputs(self, x: np.ndarray):
+        if self.own is None:
+            from peer.nn.architectures import input_tensor
+
+            return input_tensor(self.arch, x)
+        from peer.nn.imported import input_batch
+
+        return input_batch(self.own.structure, x)
+
+    def module_holding(self, theta: Mapping[str, np.ndarray]):
+        """A module holding θ (its parameters; an own network's buffers are θ_0's), for a site's
+        own loop."""
+        if self.own is None:
+            from peer.nn.architectures import model_from_arrays
+
+            return model_from_arrays(self.arch, theta)
+        from peer.nn.imported import module_from_arrays
+
+        return module_from_arrays(self.factory, self.own.structure, self.state(theta))
+
+    def state(self, theta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The full state dict of an own network holding parameters θ, in the site's key order."""
+        full = {**self.buffers, **theta}
+        return {k: full[k] for k in self.own.structure.parameters}
+
+    def save(self, out: Path, name: str, theta: Mapping[str, np.ndarray], metadata: Mapping[str, Any]) -> None:
+        """A fused model: in ``out/models`` (built-in), or in the site's own-model store under its
+        key names with its preprocessing (an own network: ``privfusion evaluate`` and ``model
+        adopt`` read it there, as they read a round's own-network stages)."""
+        if self.own is None:
+            from peer.nn.store import save_model
+
+            save_model(out / "models", name, self.arch, theta, metadata, self.stored.preprocessing)
+            return
+        from peer.nn.imported import save_imported
+
+        save_imported(
+            self.own_store, name, self.own.factory, self.own.structure, self.state(theta), metadata,
+            self.own.preprocessing,
+        )  # fmt: skip
+
+    def refuse_overwrite(self, names: list[str]) -> None:
+        """An own network's fused models go into the site's own-model store: refuse
+        (FailedPrecondition, before anything is charged) a new run whose models would replace one
+        there (the network itself, or another run's of the same name)."""
+        if self.own is None:
+            return
+        taken = [m for m in names if m == self.own.name or (self.own_store / f"{m}.json").exists()]
+        if taken:
+            raise FailedPrecondition(
+                f"round.iterate.run: this run's fused models go into the own-model store {self.own_store}, which "
+                f"already holds {taken[0]!r}; give the run another name"
+            )
+
+    def load(self, out: Path, name: str, theta0: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """θ of a model :meth:`save` wrote (its parameters only, those of ``theta0``)."""
+        if self.own is None:
+            from peer.nn.store import load_model
+
+            last = load_model(out / "models", name)
+            return {k: np.asarray(v, dtype=np.float32) for k, v in last.arrays.items()}
+        from peer.nn.imported import load_imported
+
+        last = load_imported(self.own_store, name)
+        return {k: np.asarray(last.arrays[k], dtype=np.float32) for k in theta0}
+
+    def check_segment(self, architecture: Any, arrays: Mapping[str, Any], theta: Mapping[str, np.ndarray], who: str):
+        """Why a peer's segment cannot be averaged with ours (None: it can): an own network's
+        architecture must be ours digest for digest; for every network the tensors must be our
+        parameters' names and shapes, floating point and finite."""
+        if self.own is not None:
+            from peer.nn.imported import check_same_structure
+
+            try:
+                check_same_structure(self.own.structure, architecture, who)
+            except FailedPrecondition as e:
+                return str(e)
+        missing, extra = sorted(set(theta) - set(arrays)), sorted(set(arrays) - set(theta))
+        if missing or extra:
+            return f"its tensors are not our parameters: missing {missing[:5]}, unexpected {extra[:5]}"
+        for k, ours in theta.items():
+            a = arrays[k]
+            if tuple(np.shape(a)) != tuple(np.shape(ours)):
+                return f"tensor {k!r} has shape {list(np.shape(a))}, ours {list(np.shape(ours))}"
+            if not np.issubdtype(np.asarray(a).dtype, np.floating):
+                return f"tensor {k!r} is {np.asarray(a).dtype}, not floating point"
+            if not np.all(np.isfinite(a)):
+                return f"tensor {k!r} holds NaN or infinite values"
+        return None
+
+
 # ------------------------------------------------------------------------------ the loop
 
 
@@ -448,6 +630,8 @@ class _Run:
     models: list[str] = field(default_factory=list)
     #: the site's own training function (``[round.iterate] train``), None: the built-in loop
     train: Callable | None = None
+    #: the network trained (built-in or the site's own): θ_0, inputs, checks, saved models
+    net: SiteNetwork | None = None
 
     def close(self) -> None:
         for c in self.clients.values():
@@ -482,9 +666,7 @@ def _open_run(
     from peer.net.releases import ReleaseStore
     from peer.net.site import SiteConfig
     from peer.net.site_lock import SiteLock
-    from peer.nn.architectures import build_model, input_tensor
     from peer.nn.imported import load_factory
-    from peer.nn.store import load_model
 
     site = SiteConfig.load(site_config)
     if site.seed is not None and not simulation:
@@ -508,8 +690,11 @@ def _open_run(
     if cfg.train is not None:
         site_dir = Path(site.path or site_config).resolve().parent
         train = load_factory(cfg.train, [site_dir], field="round.iterate.train")
-    stored = load_model(site.models, cfg.model)
-    arch = dict(stored.architecture)
+    # the network: built-in, or the site's own (θ_0 from its factory; refused here, before
+    # anything is opened or charged, when DP-SGD cannot train it)
+    net = SiteNetwork.of_site(site, cfg.model)
+    stored, arch = net.stored, net.arch
+    module = net.initial_module(cfg.init_seed)
     x, y = load_records(cfg.records, stored)
     n, n_source = segment_size(cfg, site.declared_records, len(y))
     roster = Roster.load(cfg.roster)
@@ -536,6 +721,8 @@ def _open_run(
             orders=ledger.orders,
         )
         previous = _previous_run(cfg, ledger, resume, n, sigma)
+        if previous is None:
+            net.refuse_overwrite([f"{cfg.run}-r{k}" for k in range(1, cfg.rounds + 1)])
     except BaseException:
         ledger.close()
         lock.release()
@@ -547,9 +734,8 @@ def _open_run(
     # replays the noise of the rounds it already ran).
     rnd_master = make_randomness(None if site.seed is None else site.seed + 2**31 + 2**32 * len(sessions))
     clients = {p.name: PeerClient(identity, p.address, peer=p.name) for p in peers}
-    module = build_model(arch, seed=cfg.init_seed)
     loss = classifier_loss(module)
-    xt = input_tensor(arch, x)
+    xt = net.inputs(x)
     yt = torch.as_tensor(y, dtype=torch.long)
     theta = {k: v.detach().numpy().astype(np.float32) for k, v in module.named_parameters()}
     report: dict[str, Any] = previous or {
@@ -588,12 +774,11 @@ def _open_run(
     done = len(report["rounds"])
     if done:  # θ_k: the fused model of the last round the report has (its rounds are 1..k)
         try:
-            last = load_model(cfg.out / "models", f"{cfg.run}-r{done}")
+            theta = net.load(cfg.out, f"{cfg.run}-r{done}", theta)
         except BaseException:
             ledger.close()
             lock.release()
             raise
-        theta = {k: np.asarray(v, dtype=np.float32) for k, v in last.arrays.items()}
     report["status"], report["reason"] = "running", f"round {done + 1} of {cfg.rounds} next"
     report["sessions"] = [
         *sessions,
@@ -603,7 +788,7 @@ def _open_run(
     run = _Run(
         cfg, me, arch, stored, n, n_source, ledger, store, sigma, rnd_master, peers, clients, loss, xt, yt, theta,
         report, on_event or (lambda e: None), stop or threading.Event(), identity, own, lock, done + 1,
-        train=train,
+        train=train, net=net,
     )  # fmt: skip
     _write_report(run)
     return run
@@ -745,6 +930,10 @@ OWN_LOOP = (
 )
 
 
+#: What a segment's record says of an own network's norm layers (``train_dpsgd_module``'s rule).
+OWN_NORM_LAYERS = "eval mode: running statistics frozen at their initial values (only parameters trained)"
+
+
 class _Alone(Exception):
     """Our own daemon does not serve: a segment charged now could reach no peer."""
 
@@ -796,10 +985,9 @@ def _train_and_publish_segment(run: _Run, r: int) -> _Segment:
         params = run_dpsgd(run.loss, params0, run.xt, run.yt, training.steps, randomness=rnd, dataset_size=run.n).params
     else:  # the site's own loop around the same DP step; refused here, before any charge
         from peer.dp.own_loop import run_own_loop
-        from peer.nn.architectures import model_from_arrays
 
         own_run = run_own_loop(
-            run.train, model_from_arrays(run.arch, run.theta), run.xt, run.yt, training, randomness=rnd,
+            run.train, run.net.module_holding(run.theta), run.xt, run.yt, training, randomness=rnd,
             dataset_size=run.n, field="round.iterate.train", name=cfg.train,
         )  # fmt: skip
         params, training = own_run.params, own_run.training  # its record: the plan's steps as taken
@@ -818,9 +1006,10 @@ def _train_and_publish_segment(run: _Run, r: int) -> _Segment:
                 "run": cfg.run,
                 "round": r,
                 "start": "the site's fused model of the previous round (post-processing of released "
-                "segments); round 1 starts from build_model(architecture, init_seed)",
+                f"segments); round 1 starts from {run.net.start_text}",
             },
             **({"loop": OWN_LOOP} if run.train is not None else {}),
+            **({"norm_layers": OWN_NORM_LAYERS} if run.net.own is not None else {}),
         }
     )
     key = segment_key(cfg.run, r)
@@ -842,7 +1031,9 @@ def _fetch_peer_segments(run: _Run, r: int) -> dict[str, dict]:
     names = [p.name for p in run.peers]
 
     def fetch(name: str) -> dict:
-        return _fetch_segment(run.clients[name], name, run.cfg, r, name in run.gone, run.stop, PeerError)
+        return _fetch_segment(
+            run.clients[name], name, run.cfg, r, name in run.gone, run.stop, PeerError, run.net, run.theta
+        )
 
     with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
         got = dict(zip(names, pool.map(fetch, names), strict=True))
@@ -867,7 +1058,6 @@ def _fuse_segments(run: _Run, r: int, segment: _Segment, got: dict[str, dict]) -
     the contributors and the weights (ours first). The fetched arrays leave ``got`` (it goes
     into the report)."""
     from peer.ldp.fusion import average_arrays
-    from peer.nn.store import save_model
 
     cfg = run.cfg
     arrays, counts, stale, contributors = [segment.own], [run.n], [0], []
@@ -884,13 +1074,11 @@ def _fuse_segments(run: _Run, r: int, segment: _Segment, got: dict[str, dict]) -
     theta = average_arrays(arrays, weights)
     run.theta = {k: np.asarray(v, dtype=np.float32) for k, v in theta.items()}
     name = f"{cfg.run}-r{r}"
-    save_model(
-        cfg.out / "models",
+    run.net.save(
+        cfg.out,
         name,
-        run.arch,
         run.theta,
         {"run": cfg.run, "round": r, "contributors": [run.me, *contributors], "weights": weights},
-        run.stored.preprocessing,
     )
     run.models.append(name)
     for c, w in zip(contributors, weights[1:], strict=True):
@@ -1038,6 +1226,8 @@ def _describe_peer(who: str, e: dict) -> str:
         return f"{who} round {r}: {peer} is gone ({e['reason']}); asked again each round without waiting"
     if state == "skipped":
         return f"{who} round {r}: {peer} has published no segment of this run yet; skipped"
+    if state == "dropped":
+        return f"{who} round {r}: {peer} is dropped this round: {e['reason']}"
     back = "is back" if was == "gone" else ""
     if state == "stale":
         behind = f"is behind: its newest segment is {e['staleness']} round(s) old (weighed down)"
@@ -1075,11 +1265,15 @@ def _data_spent(ledger, run: str | None = None) -> float:
     return float(ledger.policy.data_filter().spent_epsilon(rdp, math.inf)[0])
 
 
-def _fetch_segment(client, name: str, cfg: IterateConfig, r: int, was_gone: bool, stop, PeerError) -> dict:
+def _fetch_segment(
+    client, name: str, cfg: IterateConfig, r: int, was_gone: bool, stop, PeerError, net=None, theta=None
+) -> dict:
     """Peer ``name``'s segment for our round ``r``: exactly round r if it comes within wait_s
     (polling while the peer answers NOT_FOUND), else its newest older one; ``state`` is
-    "fresh", "stale" (with ``staleness`` = r − its round), "skipped" (nothing yet) or "gone"
-    (unreachable or refusing). A peer found gone before is asked once, without waiting."""
+    "fresh", "stale" (with ``staleness`` = r − its round), "skipped" (nothing yet), "gone"
+    (unreachable or refusing) or "dropped" (its segment does not fit our network:
+    :meth:`SiteNetwork.check_segment` against our θ, with the reason; asked again next round).
+    A peer found gone before is asked once, without waiting."""
     deadline = time.monotonic() + (0.0 if was_gone else cfg.wait_s)
     t0 = time.monotonic()
     while True:
@@ -1101,6 +1295,11 @@ def _fetch_segment(client, name: str, cfg: IterateConfig, r: int, was_gone: bool
     records = int(rel.receipt.record.parameters.get("dataset_size", 0))
     if records <= 0:
         return {"state": "gone", "reason": "its segment's record declares no dataset_size", "staleness": None}
+    if net is not None and theta is not None:
+        why = net.check_segment(rel.architecture, rel.arrays, theta, name)
+        if why is not None:
+            return {"state": "dropped", "reason": f"its segment of round {their} does not fit our network: {why}",
+                    "staleness": None, "arrays": None}  # fmt: skip
     return {
         "state": "fresh" if their == r else "stale",
         "round": their,
@@ -1167,6 +1366,7 @@ def describe(e: dict) -> str | None:
 __all__ = [
     "IterateConfig",
     "IterateResult",
+    "SiteNetwork",
     "fusion_weights_by_records",
     "is_iterate_file",
     "load_iterate_config",

@@ -510,7 +510,8 @@ def run_secure_iterate(
     here when the roster has at least coalition + 2 sites; fewer: the local-noise iterate).
 
     DP-SGD over the union of every site's records: θ_0 = build_model(architecture, init_seed)
-    (public), then for each of the T = rounds·local_steps steps a :func:`secure_sum` of the
+    (public; for a site's own network the factory's module under torch.manual_seed(init_seed),
+    in eval mode: ``iterate.SiteNetwork``), then for each of the T = rounds·local_steps steps a :func:`secure_sum` of the
     clipped per-record gradients at θ of a fresh Poisson sample (rate q) at every site, and
     θ ← θ − η·(noisy sum)/(q·k·n), n the ``declared_records`` every site's round file states
     (public), k the sites of the step's completed attempt: every site applies the same update.
@@ -518,11 +519,12 @@ def run_secure_iterate(
     (ε, δ/|orders|) at the ledger's orders (the filter splits δ across them); each attempt is
     charged before its vector leaves, and the ledger's filter is the hard stop (status
     "budget"). Writes OUT/RUN.json (with the payload bytes the run moved, per step and in all:
-    :meth:`DaemonTransport.traffic`) and the final model ``RUN-final`` in OUT/models. Returns an
+    :meth:`DaemonTransport.traffic`) and the final model ``RUN-final`` in OUT/models (an own
+    network's: in the site's own-model store). Returns an
     ``iterate.IterateResult``."""
     import torch
 
-    from coordinator_free.iterate import IterateResult, load_records
+    from coordinator_free.iterate import IterateResult, SiteNetwork, load_records
     from coordinator_free.roster import Roster
     from peer.base.errors import BudgetExhausted
     from peer.base.records import now_rfc3339
@@ -530,8 +532,6 @@ def run_secure_iterate(
     from peer.dp.distributed.skellam import calibrate_share
     from peer.dp.training import classifier_loss, per_example_gradients
     from peer.net.signing import wire_transport
-    from peer.nn.architectures import build_model, input_tensor
-    from peer.nn.store import load_model, save_model
 
     emit = on_event or (lambda e: None)
     stop = stop or threading.Event()
@@ -544,15 +544,17 @@ def run_secure_iterate(
                 f"{site_config}: a secure run's steps are data-level releases per record:add-remove; the "
                 "site's policy needs a [policy.data] budget in that unit"
             )
-        stored = load_model(config.models, cfg.model)
-        arch = dict(stored.architecture)
-        x, y = load_records(cfg.records, stored)
+        # built-in, or the site's own network (θ_0 from its factory under init_seed, eval mode;
+        # refused here, before anything is charged, when DP-SGD cannot train it)
+        net = SiteNetwork.of_site(config, cfg.model)
+        module = net.initial_module(cfg.init_seed)
+        x, y = load_records(cfg.records, net.stored)
         roster = Roster.load(cfg.roster)
         if site.name not in roster.sites:
             raise FailedPrecondition(f"{cfg.roster}: the roster does not list this site ({site.name!r})")
         names = sorted(roster.sites)
         check_sites(len(names), cfg.coalition)
-        module = build_model(arch, seed=cfg.init_seed)
+        net.refuse_overwrite([f"{cfg.run}-final"])  # an own network's final model: the site's own store
         loss = classifier_loss(module)
         params = {k: v.detach().clone() for k, v in module.named_parameters()}
         order = sorted(params)
@@ -582,7 +584,7 @@ def run_secure_iterate(
             site.identity, roster.sites[site.name].address, {n: roster.sites[n].address for n in names}, cfg.wait_s
         )
         party = SecureParty(site, ReleaseDesk(site, wire_transport(site)))
-        xt = input_tensor(arch, x)
+        xt = net.inputs(x)
         yt = torch.as_tensor(y, dtype=torch.long)
         report: dict[str, Any] = {
             "site": site.name,
@@ -649,7 +651,12 @@ def run_secure_iterate(
             before = moved
         arrays = {k: v.detach().numpy().astype(np.float32) for k, v in params.items()}
         model_name = f"{cfg.run}-final"
-        save_model(cfg.out / "models", model_name, arch, arrays)
+        if net.own is None:
+            from peer.nn.store import save_model
+
+            save_model(cfg.out / "models", model_name, net.arch, arrays)
+        else:  # the site's own network: into its own-model store, under its key names
+            net.save(cfg.out, model_name, arrays, {"run": cfg.run, "secure": True})
         spent = [s for s in site.ledger.budget_states() if s.key.level == "data"]
         report.update(
             status=status,
