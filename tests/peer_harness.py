@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -400,3 +401,20 @@ def write_folder(root: Path, images: np.ndarray, labels: np.ndarray, *, rgb: boo
         else:
             im.save(d / f"{i:04d}.png")
     return root
+
+
+def holds_count(value, counts) -> bool:
+    """Whether a JSON value holds one of ``counts`` as a number (int, or a float equal to it) or
+    as a whole word of a string, at any depth."""
+    if isinstance(value, dict):
+        return any(holds_count(k, counts) or holds_count(v, counts) for k, v in value.items())
+    if isinstance(value, list):
+        return any(holds_count(v, counts) for v in value)
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return value in counts
+    if isinstance(value, str):
+        # a whole word: not digits inside another number or a hex digest ("…0c24051e…")
+        return any(re.search(rf"(?<![0-9A-Za-z.]){c}(?![0-9A-Za-z.])", value) for c in counts)
+    return False

@@ -16,7 +16,17 @@ import time
 from pathlib import Path
 
 import pytest
-from peer_harness import LABEL, SiteFiles, cli, client, make_site, pin_each_other, running, write_records
+from peer_harness import (
+    LABEL,
+    SiteFiles,
+    cli,
+    client,
+    holds_count,
+    make_site,
+    pin_each_other,
+    running,
+    write_records,
+)
 
 from coordinator_free.roster import write_roster
 
@@ -25,23 +35,6 @@ def new_site(root: Path, name: str = "hospital-a", *extra: str) -> Path:
     d = root / name
     cli("site", "new", "--name", name, "--dir", str(d), "--listen", "127.0.0.1:0", "--address", "127.0.0.1", *extra)
     return d
-
-
-def _holds_count(value, counts) -> bool:
-    """Whether a JSON value holds one of ``counts`` as a number (int, or a float equal to it) or
-    as a whole word of a string, at any depth."""
-    if isinstance(value, dict):
-        return any(_holds_count(k, counts) or _holds_count(v, counts) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_holds_count(v, counts) for v in value)
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, (int, float)):
-        return value in counts
-    if isinstance(value, str):
-        # a whole word: not digits inside another number or a hex digest ("…0c24051e…")
-        return any(re.search(rf"(?<![0-9A-Za-z.]){c}(?![0-9A-Za-z.])", value) for c in counts)
-    return False
 
 
 def documented_iterate(text: str) -> str:
@@ -77,7 +70,7 @@ def test_a_fresh_site_admits_its_documented_pool_merges_and_iterate_run(tmp_path
         # a number or a word — not as digits inside another number or a digest (a SHA-256 with
         # "…0c24051e…" failed the substring test once: the pool's noise is fresh from the CSPRNG,
         # so such digits come and go between runs)
-        assert not _holds_count(json.loads(manifest.read_text()), (240, 192)), manifest.name
+        assert not holds_count(json.loads(manifest.read_text()), (240, 192)), manifest.name
 
     # a peer asks for an RS merge at a round's default target: admitted and charged to the data budget
     site = SiteFiles("hospital-a", d, d / "site.toml", d / "identity")
