@@ -66,7 +66,8 @@ from peer.base.rng import Randomness, make_randomness
 from peer.budget.dpsgd_noise import FIGURES, noise_multiplier_for, run_epsilon
 from peer.dp.accounting import GaussianStep
 from peer.dp.training import LossFn, classifier_loss, run_dpsgd
-from peer.nn.architectures import build_model, input_tensor, torch_threads, train_classifier
+from peer.nn.architectures import torch_threads
+from scenarios.network import Network, as_network
 
 CALIBRATIONS = ("rdp", "filter")
 ACCOUNTANT = (
@@ -121,7 +122,7 @@ def spent_epsilon(
 
 
 def dp_fedavg(
-    architecture: Mapping[str, Any],
+    architecture: Mapping[str, Any] | Network,
     parts: Sequence[tuple[np.ndarray, np.ndarray]],
     x_test: np.ndarray,
     y_test: np.ndarray,
@@ -159,11 +160,12 @@ def dp_fedavg(
     names = list(site_names) if site_names is not None else [f"site-{i}" for i in range(len(parts))]
     started = time.monotonic()
     with torch_threads(1):  # many tiny steps: one thread beats OpenMP's hand-offs
-        model = build_model(architecture, seed=init_seed)
+        net = as_network(architecture)
+        model = net.build(init_seed)
         params0 = {k: v.detach().clone() for k, v in model.named_parameters()}
         loss_fn = classifier_loss(model)
-        tensors = [(input_tensor(architecture, x), torch.as_tensor(np.asarray(y), dtype=torch.long)) for x, y in parts]
-        xt = input_tensor(architecture, x_test)
+        tensors = [(net.inputs(x), torch.as_tensor(np.asarray(y), dtype=torch.long)) for x, y in parts]
+        xt = net.inputs(x_test)
         yt = np.asarray(y_test)
         initial = _accuracy(model, params0, xt, yt)
         curves = []
@@ -242,7 +244,7 @@ def record_bytes(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[str, in
 
 
 def central_dpsgd(
-    architecture: Mapping[str, Any],
+    architecture: Mapping[str, Any] | Network,
     parts: Sequence[tuple[np.ndarray, np.ndarray]],
     x_test: np.ndarray,
     y_test: np.ndarray,
@@ -279,11 +281,12 @@ def central_dpsgd(
     names = list(site_names) if site_names is not None else [f"site-{i}" for i in range(len(parts))]
     started = time.monotonic()
     with torch_threads(1):
-        model = build_model(architecture, seed=init_seed)
+        net = as_network(architecture)
+        model = net.build(init_seed)
         params0 = {k: v.detach().clone() for k, v in model.named_parameters()}
         loss_fn = classifier_loss(model)
-        tensors = [(input_tensor(architecture, x), torch.as_tensor(np.asarray(y), dtype=torch.long)) for x, y in parts]
-        xt, yt = input_tensor(architecture, x_test), np.asarray(y_test)
+        tensors = [(net.inputs(x), torch.as_tensor(np.asarray(y), dtype=torch.long)) for x, y in parts]
+        xt, yt = net.inputs(x_test), np.asarray(y_test)
         accs = []
         for seed in seeds:
             trained = pooled_dpsgd(loss_fn, params0, tensors, [step] * steps, make_randomness(int(seed)), dataset_size)
@@ -319,7 +322,7 @@ def central_dpsgd(
 
 
 def central_pooled(
-    architecture: Mapping[str, Any],
+    architecture: Mapping[str, Any] | Network,
     parts: Sequence[tuple[np.ndarray, np.ndarray]],
     x_test: np.ndarray,
     y_test: np.ndarray,
@@ -331,17 +334,14 @@ def central_pooled(
 ) -> dict:
     """NON-PRIVATE: the architecture trained (``train_classifier``: Adam, cross-entropy) on every
     site's records pooled, once per seed (initialisation and batch order); test accuracy."""
-    from peer.nn.architectures import accuracy
-
+    net = as_network(architecture)
     started = time.monotonic()
     x = np.concatenate([p[0] for p in parts])
     y = np.concatenate([p[1] for p in parts])
     accs = []
     for seed in seeds:
-        model = train_classifier(
-            architecture, x, y, seed=int(seed), epochs=epochs, batch_size=batch_size, learning_rate=learning_rate
-        )
-        accs.append(accuracy(architecture, model, x_test, y_test))
+        model = net.train(x, y, seed=int(seed), epochs=epochs, batch_size=batch_size, learning_rate=learning_rate)
+        accs.append(net.accuracy_of(model, x_test, y_test))
     m, s = _mean_std(accs)
     return {
         "records": len(y),
@@ -368,7 +368,7 @@ def pooled_size(sc, parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:
 
 def scenario_baselines(
     sc,
-    architecture: Mapping[str, Any],
+    architecture: Mapping[str, Any] | Network,
     parts: Sequence[tuple[np.ndarray, np.ndarray]],
     x_test: np.ndarray,
     y_test: np.ndarray,

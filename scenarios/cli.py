@@ -85,7 +85,7 @@ def _baselines(scenario, args) -> int:
     if scenario.iterate is None:
         progress("the scenario has no [iterate] table: central pooled training only (DP-FedAvg needs [iterate])")
     data = split_data(scenario)
-    out = scenario_baselines(scenario, data.architecture, data.parts, data.x_test, data.y_test, progress)
+    out = scenario_baselines(scenario, data.network, data.parts, data.x_test, data.y_test, progress)
     print(json.dumps(out, indent=2, sort_keys=True) if args.json else dp_fedavg_summary(out))
     return 0
 

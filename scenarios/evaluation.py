@@ -10,10 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from coordinator_free.rounds import fusion_weights
-from peer.ldp.fusion import average_arrays
-from peer.ldp.pipeline import align
-from peer.nn.architectures import accuracy, model_from_arrays
-from peer.nn.graph import extract_graph
 from scenarios.world import SiteWorld, World, released_epsilon
 
 # ------------------------------------------------------------------------------------- evaluation
@@ -30,29 +26,23 @@ def round_reports(site: SiteWorld) -> dict[str, dict]:
 
 def oracle_accuracy(world: World, site: SiteWorld, contributors: list[str]) -> float:
     """NON-PRIVATE baseline: the same α-fusion, aligned by graph matching on every model's EXACT
-    features on the site's probe set (the simulator holds every exact model; no site could)."""
-    arch = site.architecture
-    own = extract_graph(arch, model_from_arrays(arch, site.arrays), site.probe)
-    aligned = []
-    for name in contributors:
-        other = world.sites[name]
-        g = extract_graph(arch, model_from_arrays(arch, other.arrays), site.probe)
-        aligned.append(align(arch, own, g, other.arrays)[0])
-    fused = average_arrays([site.arrays, *aligned], fusion_weights(site.alpha, len(aligned)))
-    return accuracy(arch, model_from_arrays(arch, fused), world.x_test, world.y_test)
+    features on the site's probe set (the simulator holds every exact model; no site could); an
+    own network's units matched group by group on the same features (``align_groups``)."""
+    net = site.network
+    others = [world.sites[name].arrays for name in contributors]
+    fused = net.oracle_fuse(site.arrays, others, site.probe, fusion_weights(site.alpha, len(others)))
+    return net.accuracy(fused, world.x_test, world.y_test)
 
 
 def after_fusion_accuracies(world: World, site: SiteWorld, r: dict) -> dict:
     """Test accuracy of each local stage after fusion the round saved (``selected``,
     ``repaired``, ``finetuned``) and what the round did (kept peers, α, adopted stage)."""
-    from peer.nn.store import load_model
-
+    net = site.network
     out: dict[str, Any] = {}
     for stage in ("selected", "repaired", "finetuned"):
         name = r.get(f"{stage}_model")
-        m = load_model(site.root / "rounds" / "models", name) if name else None
         out[f"accuracy_{stage}"] = (
-            None if m is None else accuracy(site.architecture, m.module(), world.x_test, world.y_test)
+            None if not name else net.accuracy(net.load(site.root, name), world.x_test, world.y_test)
         )
     a = r.get("after_fusion") or {}
     sel = a.get("select") or {}
@@ -69,12 +59,9 @@ def after_fusion_accuracies(world: World, site: SiteWorld, r: dict) -> dict:
 
 
 def evaluate(world: World) -> dict[str, dict]:
-    from peer.nn.architectures import accuracy, model_from_arrays
-    from peer.nn.store import load_model
-
     out = {}
     for name, s in world.sites.items():
-        arch = s.architecture
+        net = s.network
         reports = round_reports(s)
         rounds = {}
         for label, method, scale in world.plan:
@@ -90,8 +77,7 @@ def evaluate(world: World) -> dict[str, dict]:
                 continue
             acc = None
             if r["status"] == "fused":
-                m = load_model(s.root / "rounds" / "models", r["fused_model"])
-                acc = accuracy(arch, model_from_arrays(arch, m.arrays), world.x_test, world.y_test)
+                acc = net.accuracy(net.load(s.root, r["fused_model"]), world.x_test, world.y_test)
             drops = [p["drop"] for p in r["peers"].values() if p["drop"] is not None]
             rounds[label] = {
                 "status": r["status"],
@@ -117,7 +103,7 @@ def evaluate(world: World) -> dict[str, dict]:
         out[name] = {
             "records": len(s.y),
             "alpha": s.alpha,
-            "own_accuracy": accuracy(arch, model_from_arrays(arch, s.arrays), world.x_test, world.y_test),
+            "own_accuracy": net.accuracy(s.arrays, world.x_test, world.y_test),
             "rounds": rounds,
             "oracle": {
                 "accuracy": oracle_accuracy(world, s, contributors),

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator_free.roster import write_roster
-from peer.nn.architectures import accuracy, model_from_arrays
+from scenarios.network import OWN_MODELS
 from scenarios.processes import Daemon, RoundThread, _shut_down
 from scenarios.schema import Scenario
 from scenarios.world import MODEL, Progress, SiteWorld, World
@@ -70,11 +70,12 @@ def secure_orders(sc: Scenario, dim: int) -> tuple[float, ...]:
     )
 
 
-def model_dim(architecture: dict) -> int:
-    """Entries of the architecture's parameters (what a secure sum adds up)."""
-    from peer.nn.architectures import build_model
+def model_dim(architecture) -> int:
+    """Entries of the architecture's parameters (what a secure sum adds up): a built-in
+    architecture's or a ``scenarios.network.Network``'s."""
+    from scenarios.network import as_network
 
-    return sum(int(p.numel()) for p in build_model(architecture, seed=0).parameters())
+    return as_network(architecture).parameters
 
 
 def iterate_site_toml(sc: Scenario, s: SiteWorld, *, secure: bool = False) -> str:
@@ -83,7 +84,7 @@ def iterate_site_toml(sc: Scenario, s: SiteWorld, *, secure: bool = False) -> st
     with the run's data budget, segments (secure: secure sums) allowed to every peer."""
     it = sc.iterate
     allow = '"segment", "ledger", "secure-sum"' if secure else '"segment", "ledger"'
-    chosen = secure_orders(sc, model_dim(s.architecture)) if secure else iterate_orders(sc)
+    chosen = secure_orders(sc, model_dim(s.network)) if secure else iterate_orders(sc)
     orders = ", ".join(repr(float(o)) for o in chosen)
     lines = [
         "[site]",
@@ -170,6 +171,16 @@ def run_iterate_sites(world: World, progress: Progress, *, secure: bool = False)
         s.root.mkdir(parents=True, exist_ok=True)
         if s.images is None:
             np.savez(s.root / "records.npz", x=s.x, y=s.y)  # the site's own records, in its own directory
+        if s.network.is_own:
+            # the site's own network into this run's own-model store (SITE/KIND/own_models, which
+            # its daemon and loop read by default): the run's fused models go there, apart from
+            # the one-shot rounds' (SITE/own_models)
+            import shutil
+
+            store = s.root / OWN_MODELS
+            store.mkdir(exist_ok=True)
+            for suffix in (".json", ".safetensors"):
+                shutil.copyfile(world.sites[s.name].root / OWN_MODELS / f"{MODEL}{suffix}", store / f"{MODEL}{suffix}")
         s.config.write_text(iterate_site_toml(sc, s, secure=secure), encoding="utf-8")
     daemons: dict[str, Daemon] = {}
     loops: dict[str, RoundThread] = {}
@@ -197,7 +208,7 @@ def run_iterate_sites(world: World, progress: Progress, *, secure: bool = False)
         it = sc.iterate
         how = f"secure sums (coalition {it.coalition})" if secure else "DP-GD steps"
         some = next(iter(sites.values()))
-        orders = secure_orders(sc, model_dim(some.architecture)) if secure else iterate_orders(sc)
+        orders = secure_orders(sc, model_dim(some.network)) if secure else iterate_orders(sc)
         plan = sc.secure_iterate if secure else None
         shape = (
             f"{plan.steps} steps (q = {plan.sample_rate:g})"
@@ -221,7 +232,6 @@ def evaluate_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[str, dic
     filter and the PLD of the steps so far), bytes, contributors; and the ledger's own figures
     read back from the file after the run (filter and PLD of every charged segment)."""
     from peer.budget.ledger import Ledger
-    from peer.nn.store import load_model
 
     out = {}
     for name, s in sites.items():
@@ -239,8 +249,7 @@ def evaluate_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[str, dic
         rep = json.loads(path.read_text())
         rounds = []
         for r in rep["rounds"]:
-            m = load_model(s.root / "rounds" / "models", r["model"])
-            acc = accuracy(s.architecture, model_from_arrays(s.architecture, m.arrays), world.x_test, world.y_test)
+            acc = s.network.accuracy(s.network.load(s.root, r["model"]), world.x_test, world.y_test)
             rounds.append(
                 {
                     "round": r["round"],
@@ -294,7 +303,6 @@ def evaluate_secure_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[s
     from datetime import datetime
 
     from peer.budget.ledger import Ledger
-    from peer.nn.store import load_model
 
     reports = {
         name: json.loads(path.read_text())
@@ -312,8 +320,7 @@ def evaluate_secure_iterate(world: World, sites: dict[str, SiteWorld]) -> dict[s
             }
             continue
         rep = reports[name]
-        m = load_model(s.root / "rounds" / "models", "secure-final")
-        acc = accuracy(s.architecture, model_from_arrays(s.architecture, m.arrays), world.x_test, world.y_test)
+        acc = s.network.accuracy(s.network.load(s.root, "secure-final"), world.x_test, world.y_test)
         ledger = Ledger(s.ledger)  # read-only, verified at open
         try:
             data = [b for b in ledger.budget_states() if b.key.level == "data"]

@@ -289,10 +289,11 @@ def run_sites(world: World, progress: Progress) -> dict:
 
         t0 = time.monotonic()
         victim = sc.failure.site if sc.failure is not None else None
-        if sc.round.repair != "off":
+        if sc.round.repair != "off" and not next(iter(world.sites.values())).network.is_own:
             # REPAIR's statistic points come from a torch.fx trace, which hijacks nn.Module.__call__
             # process-wide while it runs: trace the one architecture now, before the round threads
-            # run forward passes (coordinator_free.after_fusion.stat_points_of remembers it)
+            # run forward passes (coordinator_free.after_fusion.stat_points_of remembers it); an
+            # own network's statistic points were traced when it was stored (its structure)
             from coordinator_free.after_fusion import stat_points_of
             from peer.nn.architectures import input_tensor
 

@@ -39,6 +39,10 @@ the bundled ``hospitals.toml``. A bad value is refused with the file, the line a
 
     [model]                     # every site's own model (plain training on its records)
     kind = "mlp"                # "mlp" | "cnn" (the built-in CNN: image records only)
+    # factory = "scenarios.networks:residual_gn_cnn"  # instead of kind, hidden, activation and
+    #                           # the cnn keys: a site's own network (MODULE:FUNCTION, no
+    #                           # arguments, taking 1 x S x S digit images, S = image_size or 8),
+    #                           # traced and stored as `privfusion model import` stores it
     # channels = [8, 16]        # cnn: conv widths, one 3x3 (kernel_size) conv + activation each,
     # kernel_size = 3           #      then max-pooling by its factor in pool (1: none)
     # pool = [2, 2]
@@ -197,6 +201,9 @@ class DataSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     kind: str = "mlp"
+    #: a site's own network for every site, ``MODULE:FUNCTION`` (e.g.
+    #: ``scenarios.networks:residual_gn_cnn``): replaces kind/hidden/activation/channels/...
+    factory: str | None = None
     channels: tuple[int, ...] = ()  # cnn only
     kernel_size: int = 3
     pool: tuple[int, ...] = ()
@@ -499,6 +506,45 @@ def _cnn_keys(m: Section, kind: str, data: DataSpec) -> dict[str, Any]:
     return {"channels": channels, "kernel_size": k, "pool": pool}
 
 
+#: the keys a ``[model] factory`` replaces (its network is the model)
+_BUILTIN_MODEL_KEYS = ("kind", "hidden", "activation", "channels", "kernel_size", "pool")
+
+
+def _factory(m: Section, data: DataSpec) -> str | None:
+    """``[model] factory = "MODULE:FUNCTION"``: every site's own network, refused with any key of
+    a built-in architecture, for records that are not digit images, or when the factory's
+    network does not trace (``peer.nn.tracing.import_structure``) at the images' shape
+    [1, S, S] or does not give one logit per digit class there."""
+    if "factory" not in m:
+        return None
+    spec = m.string("factory", "")
+    for key in _BUILTIN_MODEL_KEYS:
+        if key in m:
+            m.fail(key, "does not go with factory (the factory's network is every site's model)")
+    if data.path is not None or data.dataset != "digits":
+        m.fail("factory", 'a factory network takes images: dataset = "digits" (8x8, or rendered at [data] image_size)')
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        m.fail("factory", f"must be MODULE:FUNCTION, got {spec!r}")
+    import torch
+
+    from scenarios.network import Network
+
+    side = data.image_size or 8
+    try:
+        net = Network.own(spec, (1, side, side), field="factory")
+        with torch.no_grad():
+            out = net.build(0)(torch.zeros(2, 1, side, side))
+    except InvalidArgument as e:
+        m.fail("factory", e.rule)
+    except Exception as e:  # the factory's own forward pass failed at the images' shape
+        m.fail("factory", f"{spec} fails on [1, {side}, {side}] images: {type(e).__name__}: {e}")
+    if tuple(out.shape) != (2, 10):
+        m.fail(
+            "factory", f"{spec} must give 10 logits (the digit classes) per image, gives shape {list(out.shape[1:])}"
+        )
+    return spec
+
+
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     root = Section(parse_toml(text, source, "scenario"), (), text, source)
     root.known(
@@ -554,9 +600,11 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         or not all(isinstance(h, int) and not isinstance(h, bool) and 1 <= h <= 4096 for h in hidden)
     ):
         m.fail("hidden", f"must be a non-empty array of layer widths (integers 1..4096), got {hidden!r}")
+    factory = _factory(m, data)
     kind = m.string("kind", ModelSpec.kind, choices=("mlp", "cnn"))
     model = ModelSpec(
         kind=kind,
+        factory=factory,
         **_cnn_keys(m, kind, data),
         hidden=tuple(hidden),
         activation=m.string("activation", ModelSpec.activation, choices=tuple(ACTIVATIONS)),

@@ -125,7 +125,7 @@ def run_baselines(world: World, progress: Progress) -> dict:
     t0 = time.monotonic()
     sites = [world.sites[s.name] for s in world.scenario.sites]
     out = scenario_baselines(
-        world.scenario, sites[0].architecture, [(s.x, s.y) for s in sites], world.x_test, world.y_test, progress
+        world.scenario, sites[0].network, [(s.x, s.y) for s in sites], world.x_test, world.y_test, progress
     )
     world.timings["baselines_s"] = time.monotonic() - t0
     return out

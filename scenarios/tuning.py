@@ -66,8 +66,9 @@ from peer.base.rng import make_randomness
 from peer.budget.dpsgd_noise import noise_multiplier_for
 from peer.dp.accounting import GaussianStep
 from peer.dp.training import classifier_loss
-from peer.nn.architectures import build_model, input_tensor, torch_threads
+from peer.nn.architectures import torch_threads
 from scenarios.baselines import fedavg_round, pooled_dpsgd
+from scenarios.network import Network, as_network
 
 #: Share of each site's protected records held out for validation.
 VALIDATION_FRACTION = 0.2
@@ -246,7 +247,7 @@ def _calibrated(epsilon: float, delta: float, steps: int, sample_rate: float, ad
 def score(
     noise: NoiseModel,
     config: LocalConfig | PooledConfig,
-    architecture: Mapping[str, Any],
+    architecture: Mapping[str, Any] | Network,
     parts: Sequence[tuple[np.ndarray, np.ndarray]],
     x_val: np.ndarray,
     y_val: np.ndarray,
@@ -265,7 +266,8 @@ def score(
         raise InvalidArgument("config", f"a {noise.name} row takes a {'Pooled' if noise.pooled else 'Local'}Config")
     steps = config.steps if noise.pooled else config.rounds * config.local_steps
     with torch_threads(1):
-        model = build_model(architecture, seed=init_seed)
+        net = as_network(architecture)
+        model = net.build(init_seed)
         if noise.skellam is not None:
             if adjacency != "add-remove":
                 raise InvalidArgument("adjacency", f"a secure run is accounted under add-remove, got {adjacency!r}")
@@ -277,8 +279,8 @@ def score(
         step = GaussianStep(config.learning_rate, config.clip_norm, added, config.sample_rate)
         params0 = {k: v.detach().clone() for k, v in model.named_parameters()}
         loss_fn = classifier_loss(model)
-        tensors = [(input_tensor(architecture, x), torch.as_tensor(np.asarray(y), dtype=torch.long)) for x, y in parts]
-        xv, yv = input_tensor(architecture, x_val), np.asarray(y_val)
+        tensors = [(net.inputs(x), torch.as_tensor(np.asarray(y), dtype=torch.long)) for x, y in parts]
+        xv, yv = net.inputs(x_val), np.asarray(y_val)
         accs = []
         for seed in seeds:
             if noise.pooled:
@@ -335,7 +337,7 @@ def tune(
         results = []
         for i, config in enumerate(grid, start=1):
             r = score(
-                noise, config, data.architecture, train, x_val, y_val, epsilon=it.epsilon, delta=it.delta,
+                noise, config, data.network, train, x_val, y_val, epsilon=it.epsilon, delta=it.delta,
                 adjacency=it.adjacency, init_seed=it.init_seed, dataset_size=pooled_n, seeds=seeds,
             )  # fmt: skip
             results.append(r)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from peer.base.errors import InvalidArgument
-from peer.nn.architectures import accuracy, model_from_arrays
+from scenarios.network import Network
 from scenarios.schema import Scenario
 
 MODEL = "mlp"
@@ -46,6 +46,14 @@ class SiteWorld:
     #: the site's own records as image files (``[data] image_size``): its folder by class, which
     #: its iterate run reads with the model's stored image preprocessing; None: arrays only
     images: Path | None = None
+    #: ``[model] factory``: the site's own network (its own model in ``own_models``); None: the
+    #: built-in ``architecture``
+    own_network: Network | None = None
+
+    @property
+    def network(self) -> Network:
+        """The site's network behind one adapter (``scenarios.network``)."""
+        return self.own_network if self.own_network is not None else Network.builtin(self.architecture)
 
     @property
     def config(self) -> Path:
@@ -242,6 +250,12 @@ class ScenarioData:
     #: ``[data] image_size``: the folders by class the records were read back from ("public",
     #: "test" and each site's name); None when the images were rendered to a temporary folder
     folders: dict[str, Path] | None = None
+    #: ``[model] factory``: every site's own network (None: the built-in ``architecture``)
+    own_network: Network | None = None
+
+    @property
+    def network(self) -> Network:
+        return self.own_network if self.own_network is not None else Network.builtin(self.architecture)
 
 
 def _public_order(sc: Scenario, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -304,15 +318,20 @@ def split_data(sc: Scenario, images: Path | None = None) -> ScenarioData:
     else:
         idx = split_homogeneous(y_prot, len(sc.sites), seed=sc.seed)
     idx = _remove_classes(sc, idx, y_prot, ds.num_classes)
+    own = None
+    if sc.model.factory is not None:
+        side = sc.data.image_size or 8
+        own = Network.own(sc.model.factory, (1, side, side))
     data = ScenarioData(
         ds.x_test,
         ds.y_test,
         ds.x_train[public],
         ds.y_train[public],
         tuple((x_prot[i], y_prot[i]) for i in idx),
-        architecture(sc, ds.input_dim, ds.num_classes),
+        architecture(sc, ds.input_dim, ds.num_classes) if own is None else own.architecture,
         ds.num_classes,
         prep,
+        own_network=own,
     )
     if d.image_size is None:
         return data
@@ -440,9 +459,6 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path, fixed_
     import torch
     from safetensors.numpy import save_file
 
-    from peer.nn.architectures import state_arrays, train_classifier
-    from peer.nn.store import save_model
-
     index = [s.name for s in sc.sites].index(name)
     spec = sc.sites[index]
     seed = sc.seed * 1000 + index + 1
@@ -454,8 +470,8 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path, fixed_
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small models: thread hand-offs cost more than they save
     try:
-        model = train_classifier(
-            data.architecture,
+        net = data.network
+        model = net.train(
             x,
             y,
             seed=seed,
@@ -472,17 +488,13 @@ def prepare_site(sc: Scenario, data: ScenarioData, name: str, root: Path, fixed_
             y,
             np.ascontiguousarray(probe, dtype=np.float32),
             data.architecture,
-            state_arrays(model),
+            net.arrays(model),
             images=None if data.folders is None else data.folders[name],
+            own_network=data.own_network,
         )
-        save_model(
-            root / "models",
-            MODEL,
-            data.architecture,
-            s.arrays,
-            {"trained_on": len(y), "seed": seed},
-            data.preprocessing,
-        )
+        # an own network: into the own-model store (own_models/mlp), as `privfusion model import`
+        # stores it, with the records' stored preprocessing; its rounds take it from there
+        net.save_own(root, MODEL, s.arrays, {"trained_on": len(y), "seed": seed}, data.preprocessing)
         save_file({"x": s.probe}, str(root / "probe.safetensors"))
         # the site's own prepared records, for its rounds' REPAIR and fine-tuning (never sent)
         np.savez(root / "records.npz", x=x, y=y)
@@ -507,7 +519,7 @@ def prepare(sc: Scenario, out: Path, progress: Progress) -> World:
         s = prepare_site(sc, data, spec.name, out / "sites" / spec.name)
         init_identity(s.identity, spec.name, ["127.0.0.1", "localhost"])
         world.sites[spec.name] = s
-        own = accuracy(s.architecture, model_from_arrays(s.architecture, s.arrays), data.x_test, data.y_test)
+        own = s.network.accuracy(s.arrays, data.x_test, data.y_test)
         counts = np.bincount(s.y, minlength=data.num_classes).tolist()
         pool = (", pool " + ", ".join(f"ε={m['epsilon']:.3g}: {m['accuracy']:.3f}" for m in s.pool)) if s.pool else ""
         epochs = sc.model.epochs if spec.epochs is None else spec.epochs
@@ -530,7 +542,6 @@ def _train_pool(
     from peer.base.rng import make_randomness
     from peer.dp.accounting import Optimizer, TrainingRecord
     from peer.dp.pools import load_pool, save_trained, warm_pool_profiles
-    from peer.dp.training import train_pool
 
     p = sc.pool
     trainings = [
@@ -539,8 +550,8 @@ def _train_pool(
         )
         for nm in p.noise_multipliers
     ]
-    models = train_pool(
-        s.architecture,
+    net = s.network
+    models = net.train_pool(
         s.x,
         s.y,
         trainings,
@@ -549,17 +560,21 @@ def _train_pool(
         delta=p.delta,
         # the scenario's public count (required under add-remove), never len(s.y) there
         dataset_size=p.declared_records,
+        # an own network (eval mode): BatchNorm would normalise by the PUBLIC validation set's
+        # statistics, as `pool train --from-model` does with its public split
+        public_x=x_val,
     )
     out = []
     for nm, m in zip(p.noise_multipliers, models, strict=True):
         name = f"dpsgd-sigma{nm:g}"
-        module = model_from_arrays(s.architecture, m.arrays)
+        module = net.module(m.arrays)
         save_trained(
             s.root / "pool",
             name,
             m,
-            accuracy=accuracy(s.architecture, module, x_val, y_val),
+            accuracy=net.accuracy_of(module, x_val, y_val),
             preprocessing=preprocessing,
+            **({"factory": net.factory} if net.is_own else {}),
         )
         out.append(
             {
@@ -567,7 +582,7 @@ def _train_pool(
                 "noise_multiplier": nm,
                 "epsilon": m.record.epsilon,
                 "delta": m.record.delta,
-                "accuracy": accuracy(s.architecture, module, x_test, y_test),
+                "accuracy": net.accuracy_of(module, x_test, y_test),
             }
         )
     # The pool's privacy profiles (T-step PLD and RDP compositions) into the pool's profile
