@@ -271,6 +271,15 @@ class _OwnNetwork:
                 return str(e)
         return None
 
+    def _own_module(self):
+        """A copy of our module for one peer's alignment: the round aligns its peers at once
+        (one worker thread each), and the activation hooks each alignment puts on the module
+        would otherwise fire in every other peer's pass through the shared one (its pairing
+        then fails: "did not run the same hooked modules")."""
+        import copy
+
+        return copy.deepcopy(self.module)
+
     def features_alignment(self, release, clip) -> tuple[dict[str, np.ndarray], dict]:
         """A peer's group features release (``ReleaseFeatures`` of its own network) aligned to
         ours: its structure digest checked against ours (FailedPrecondition naming the first
@@ -285,7 +294,7 @@ class _OwnNetwork:
         theirs, features = group_features_from_release(
             self.structure, release.metadata, release.arrays, int(self.probe_x.shape[0])
         )
-        ours = group_activations(self.module, self.structure, self.probe_x)
+        ours = group_activations(self._own_module(), self.structure, self.probe_x)
         if clip is not None:
             ours = {g: np.clip(a, clip[0], clip[1]) for g, a in ours.items()}
         own_state = {k: v.detach().numpy().copy() for k, v in self.module.state_dict().items()}
@@ -316,7 +325,7 @@ class _OwnNetwork:
 
         check_same_structure(self.structure, architecture, f"{who}'s merged model")
         theirs = module_from_arrays(self.local.factory, self.structure, arrays)
-        alignment = align_groups(self.structure, self.module, theirs, self.probe_x)
+        alignment = align_groups(self.structure, self._own_module(), theirs, self.probe_x)
         state = {k: v.detach().numpy().copy() for k, v in theirs.state_dict().items()}
         aligned = alignment.apply(self.structure, state)
         # the permutations stay in the requester's own report
