@@ -674,3 +674,145 @@ def test_an_image_sites_iterate_reads_its_folder():
     text = iterate_round_toml(sc, P("/r/roster.toml"), P("/out/images/clinic-a"))
     assert 'records = "/out/images/clinic-a"' in text
     assert 'records = "records.npz"' in iterate_round_toml(sc, P("/r/roster.toml"))
+
+
+# ---------------------------------------------------------------------------------- own network
+
+FACTORY = "scenarios.networks:residual_gn_cnn"
+#: IMAGES with every site's own network (the bundled residual GroupNorm CNN) instead of the
+#: built-in CNN, a `merged` round of DP-SGD pools and a short iterate run
+OWN = (
+    IMAGES.replace('kind = "cnn"\nchannels = [4]\npool = [2]\nhidden = [8]', f'factory = "{FACTORY}"', 1)
+    .replace("image_size = 12", "image_size = 28", 1)
+    .replace("epochs = 20", "epochs = 3", 1)
+    .replace(
+        'methods = ["ldp"]', 'methods = ["merged"]\nmerge_method = "rs"\nmerge_epsilon = 4.0\nmerge_delta = 1e-5', 1
+    )
+    .replace("call_timeout_s = 30.0", "call_timeout_s = 60.0\nselect_alphas = [0.5]\nfinetune_epochs = 1", 1)
+    + """
+[pool]
+noise_multipliers = [4.0, 8.0]
+steps = 3
+learning_rate = 2.0
+clip_norm = 0.5
+declared_records = 300
+delta = 1e-5
+
+[policy]
+model_epsilon = 5000.0
+model_epsilon_per_peer = 1700.0
+model_delta = 1e-3
+data_epsilon = 20.0
+data_delta = 1e-4
+
+[iterate]
+rounds = 2
+local_steps = 1
+learning_rate = 2.0
+clip_norm = 0.5
+epsilon = 4.0
+delta = 1e-5
+declared_records = 300
+init_seed = 3
+baseline_seeds = [0]
+
+[central_dpsgd]
+steps = 5
+sample_rate = 1.0
+learning_rate = 1.0
+clip_norm = 1.0
+"""
+)
+
+
+def test_a_factory_network_is_traced_at_the_images_shape():
+    from scenarios.networks import residual_gn_cnn
+    from scenarios.world import split_data
+
+    sc = parse_scenario(OWN, "own.toml")
+    assert sc.model.factory == FACTORY
+    data = split_data(sc)
+    net = data.network
+    assert net.is_own and data.architecture == net.architecture and data.architecture["kind"] == "imported"
+    assert list(net.structure.input_shape) == [1, 28, 28]
+    assert net.parameters == sum(p.numel() for p in residual_gn_cnn().parameters())
+    # same seed, same module; the adapter's built-in side is the built-in architecture's
+    a, b = net.build(5).state_dict(), net.build(5).state_dict()
+    assert all((a[k] == b[k]).all() for k in a)
+    builtin = split_data(parse_scenario(IMAGES, "images.toml")).network
+    assert not builtin.is_own and builtin.architecture["kind"] == "cnn"
+
+
+@pytest.mark.parametrize(
+    "text,key,fragment",
+    [
+        # the factory's network replaces every key of a built-in architecture
+        (OWN.replace(f'factory = "{FACTORY}"', f'factory = "{FACTORY}"\nkind = "cnn"'), "model.kind", 'kind = "cnn"'),
+        (OWN.replace(f'factory = "{FACTORY}"', f'factory = "{FACTORY}"\nhidden = [8]'), "model.hidden", "hidden"),
+        (OWN.replace(f'factory = "{FACTORY}"', f'factory = "{FACTORY}"\npool = [2]'), "model.pool", "pool = [2]"),
+        # images only
+        (
+            _replace("hidden = [8]", f'factory = "{FACTORY}"'),
+            "model.factory",
+            "factory =",
+        ),
+        (OWN.replace(FACTORY, "scenarios.networks"), "model.factory", "factory ="),
+        (OWN.replace(FACTORY, "scenarios.networks:nothing"), "model.factory", "factory ="),
+        (OWN.replace(FACTORY, "no_such_module_here:f"), "model.factory", "factory ="),
+        # its input shape is not the images' (the bundled network takes 28x28)
+        (OWN.replace("image_size = 28", "image_size = 12"), "model.factory", "factory ="),
+        # not one logit per digit class / not traceable
+        (OWN.replace(FACTORY, "torch.nn:Flatten"), "model.factory", "factory ="),
+        (OWN.replace(f'factory = "{FACTORY}"', "factory = 3"), "model.factory", "factory ="),
+    ],
+)
+def test_a_bad_factory_is_refused_with_its_key_and_line(text, key, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_scenario(text, "bad.toml")
+    assert e.value.key == key
+    assert e.value.line == _line_of(text, fragment)
+
+
+@pytest.mark.slow
+def test_own_network_simulation_end_to_end(tmp_path):
+    """Every row on the sites' own network: own models in their own-model stores (as `model
+    import` stores them, with the images' preprocessing), a `merged` round fused through the
+    own-network path, iterate finished with every segment charged, and the baselines."""
+    from peer.nn.imported import load_imported
+    from scenarios.report import summary_table
+    from scenarios.simulate import Progress, simulate
+
+    out = tmp_path / "run"
+    report = simulate(parse_scenario(OWN, "own.toml"), out, Progress(lambda _: None))
+    assert report["round_exit_codes"] == {n: 0 for n in report["sites"]}
+    for name, s in report["sites"].items():
+        site = out / "sites" / name
+        own = load_imported(site / "own_models", "mlp")
+        assert own.factory == FACTORY and list(own.structure.input_shape) == [1, 28, 28]
+        assert own.preprocessing is not None and own.preprocessing.to_dict()["kind"] == "images"
+        assert not any((site / "models").iterdir())  # no built-in model at all
+        pool = json.loads((site / "pool" / "dpsgd-sigma4.json").read_text())
+        assert pool["imported"]["factory"] == FACTORY
+        r = s["rounds"]["merged"]
+        assert r["status"] == "fused", r
+        assert sorted(r["contributors"]) == sorted(n for n in report["sites"] if n != name)
+        assert set(r["methods"].values()) == {"merged"}
+        fused = [p.stem for p in (site / "own_models").glob("mlp-fused-*.json")]
+        assert len(fused) == 1 and load_imported(site / "own_models", fused[0]).factory == FACTORY
+        assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= s["own_accuracy"] <= 1.0
+        assert 0.0 <= s["oracle"]["accuracy"] <= 1.0
+        it = s["iterate"]
+        assert it["status"] == "finished" and it["rounds_done"] == 2
+        assert it["ledger"]["charges"] == 2  # every segment charged, one a round
+        assert it["epsilon_filter"] <= 4.0 + 1e-9
+        assert sorted(p.stem for p in (site / "iterate" / "own_models").glob("iterate-r*.json")) == [
+            "iterate-r1",
+            "iterate-r2",
+        ]
+    check_report_against_ledgers(out, report)
+    b = report["baselines"]
+    assert set(b) == {"central_pooled", "central_dpsgd", "dp_fedavg"}
+    assert set(b["dp_fedavg"]["calibrations"]) == {"filter", "rdp"}
+    assert 0.0 <= b["central_pooled"]["accuracy_mean"] <= 1.0
+    assert "central pooled" in summary_table(report)
+    assert "multi-round peer-to-peer" in (out / "report.md").read_text()
