@@ -469,17 +469,13 @@ class SiteNetwork:
             from peer.nn.architectures import build_model
 
             return build_model(self.arch, seed=init_seed)
-        import torch
 
         from peer.dp.training import check_private_training
+        from peer.nn.architectures import seeded_initialisation
         from peer.nn.imported import build_module
 
-        state = torch.random.get_rng_state()
-        torch.manual_seed(init_seed)
-        try:
+        with seeded_initialisation(init_seed):  # sites in threads of one process draw one by one
             module = build_module(self.factory, self.own.factory)
-        finally:
-            torch.random.set_rng_state(state)
         self.own.structure.check_arrays(
             {k: v.detach().numpy() for k, v in module.state_dict().items()}, "factory state dict"
         )

@@ -64,14 +64,11 @@ class Network:
             from peer.nn.architectures import build_model
 
             return build_model(self.architecture, seed=seed)
+        from peer.nn.architectures import seeded_initialisation
         from peer.nn.imported import build_module
 
-        state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
-        try:
+        with seeded_initialisation(seed):
             module = build_module(self._factory(), self.factory)
-        finally:
-            torch.random.set_rng_state(state)
         return module.float().eval()
 
     def module(self, arrays: Mapping[str, Any]) -> torch.nn.Module:

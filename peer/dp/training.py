@@ -690,12 +690,10 @@ def train_dpsgd_module(
     one record of (x, y) under ``training.adjacency``."""
     check_accountable(training)  # before any training (see train_dpsgd_classifier)
     n, source = declared_size(training, x, dataset_size)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(init_seed)
-    try:
+    from peer.nn.architectures import seeded_initialisation
+
+    with seeded_initialisation(init_seed):
         module = factory()
-    finally:
-        torch.random.set_rng_state(state)
     check_private_training(module)
     module = module.float().eval()
     xt = torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(len(x), *input_shape)

@@ -58,6 +58,7 @@ __all__ = [
     "input_tensor",
     "model_from_arrays",
     "predict_proba",
+    "seeded_initialisation",
     "state_arrays",
     "torch_threads",
     "train_classifier",
@@ -212,7 +213,23 @@ def build_model(arch: Mapping[str, Any], seed: int | None = None) -> nn.Sequenti
 
 #: torch's initialisation draws from its one global generator: a seeded build must not have
 #: another build's draws interleaved with its own (sites of a simulation in threads of one process)
-_BUILD = threading.Lock()
+_BUILD = threading.RLock()
+
+
+@contextmanager
+def seeded_initialisation(seed: int) -> Iterator[None]:
+    """torch's global generator seeded with ``seed`` while a module is built in the block (a site's
+    own factory: ``with seeded_initialisation(init_seed): module = factory()``), and restored after;
+    no other seeded build of this process draws in between (the lock ``build_model`` takes: sites
+    of a simulation or a test are threads of one process, and an interleaved draw gives each a
+    different θ_0)."""
+    with _BUILD:
+        state = torch.random.get_rng_state()
+        torch.manual_seed(int(seed))
+        try:
+            yield
+        finally:
+            torch.random.set_rng_state(state)
 
 
 def _build_layers(a: Mapping[str, Any], act, layers: list, seed: int | None) -> nn.Sequential:
