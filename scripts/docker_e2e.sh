@@ -187,7 +187,11 @@ elif [ "${OFFLINE:-0}" != 1 ] && timeout "$PULL_TIMEOUT_S" docker pull -q "$OFFI
     BASE="$OFFICIAL_BASE"
     say "base: $BASE (pulled)"
 else
-    say "base: $OFFICIAL_BASE cannot be pulled (within ${PULL_TIMEOUT_S} s); making $LOCAL_BASE by debootstrap from $DEBIAN_MIRROR"
+    if [ "${OFFLINE:-0}" = 1 ]; then
+        say "base: OFFLINE=1, $OFFICIAL_BASE not pulled; making $LOCAL_BASE by debootstrap from $DEBIAN_MIRROR"
+    else
+        say "base: $OFFICIAL_BASE cannot be pulled (within ${PULL_TIMEOUT_S} s); making $LOCAL_BASE by debootstrap from $DEBIAN_MIRROR"
+    fi
     rootfs=$(mktemp -d /var/tmp/privfusion-rootfs.XXXXXX)
     timeout 1200 debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
         bookworm "$rootfs" "$DEBIAN_MIRROR" > "$CACHE_DIR/debootstrap.log" 2>&1 || {
