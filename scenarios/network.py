@@ -124,7 +124,7 @@ class Network:
         built-in one's ``train_classifier``; an own network by the same loop (one torch thread,
         θ_0 from :meth:`build`, batches in the order of a generator seeded by ``seed``)."""
         from peer.base.errors import InvalidArgument
-        from peer.nn.architectures import torch_threads, train_classifier
+        from peer.nn.architectures import fit_classifier, torch_threads, train_classifier
 
         if not self.is_own:
             return train_classifier(
@@ -134,20 +134,10 @@ class Network:
             raise InvalidArgument("x", "training set is empty")
         with torch_threads(1):
             model = self.build(seed)
-            g = torch.Generator().manual_seed(seed)
-            xt = self.inputs(x)
             yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
-            opt = torch.optim.Adam(model.parameters(), lr=learning_rate)
-            loss_fn = torch.nn.CrossEntropyLoss()
-            model.train()
-            for _ in range(epochs):
-                perm = torch.randperm(len(xt), generator=g)
-                for start in range(0, len(xt), batch_size):
-                    idx = perm[start : start + batch_size]
-                    opt.zero_grad()
-                    loss_fn(model(xt[idx]), yt[idx]).backward()
-                    opt.step()
-            return model.eval()
+            return fit_classifier(
+                model, self.inputs(x), yt, seed=seed, epochs=epochs, batch_size=batch_size, learning_rate=learning_rate
+            )
 
     def train_pool(self, x, y, trainings, *, init_seed: int, randomness, delta: float, dataset_size, public_x=None):
         """DP-SGD pool models: a built-in one's ``train_pool``; an own network's one

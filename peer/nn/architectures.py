@@ -54,6 +54,7 @@ __all__ = [
     "WeightLayer",
     "accuracy",
     "build_model",
+    "fit_classifier",
     "hidden_sizes",
     "input_tensor",
     "model_from_arrays",
@@ -455,9 +456,31 @@ def train_classifier(
 
 def _train(arch, x, y, *, seed, epochs, batch_size, learning_rate, weight_decay, init, progress=None) -> nn.Sequential:
     model = copy.deepcopy(init) if init is not None else build_model(arch, seed=seed)
-    g = torch.Generator().manual_seed(seed)
     xt = input_tensor(arch, x)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.long)
+    return fit_classifier(
+        model, xt, yt, seed=seed, epochs=epochs, batch_size=batch_size, learning_rate=learning_rate,
+        weight_decay=weight_decay, progress=progress,
+    )  # fmt: skip
+
+
+def fit_classifier(
+    model: nn.Module,
+    xt: torch.Tensor,
+    yt: torch.Tensor,
+    *,
+    seed: int,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    weight_decay: float = 0.0,
+    progress=None,
+) -> nn.Module:
+    """Plain (non-private) training of any classifier module in place, returned in eval mode:
+    Adam, cross-entropy, minibatches in the order of a generator seeded by ``seed``
+    (``progress()`` after each epoch). What :func:`train_classifier` runs on a built-in
+    architecture, and the simulator on a site's own network."""
+    g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     model.train()
