@@ -174,6 +174,33 @@ def fused(site, name: str = "t1-r2") -> dict[str, np.ndarray]:
     return dict(load_imported(site.root / "own_models", name).arrays)
 
 
+def run_everywhere(tmp_path, sites: dict, run) -> dict:
+    """Every site's daemon on loopback (pinned to each other, one roster), then ``run(site,
+    roster)`` at every site at once, one thread each; every site's result (no site's exception
+    is lost: the test fails naming them all)."""
+    pin_each_other(*sites.values())
+    results, errors = {}, {}
+    with contextlib.ExitStack() as stack:
+        addr = {n: stack.enter_context(running(s))[1] for n, s in sites.items()}
+        roster = write_roster(
+            tmp_path / "roster.toml", [(n, addr[n], str(s.identity_dir / "site.crt")) for n, s in sites.items()]
+        )
+
+        def one(site):
+            try:
+                results[site.name] = run(site, roster)
+            except BaseException as e:  # the test reads every site's outcome
+                errors[site.name] = e
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in sites.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    assert not errors, errors
+    return results
+
+
 @pytest.mark.slow
 def test_three_own_networks_over_daemons_agree_and_a_fourth_network_is_dropped(tmp_path):
     """a, b, c bring the same own network (their own weights differ), d another width. Every
@@ -181,26 +208,9 @@ def test_three_own_networks_over_daemons_agree_and_a_fourth_network_is_dropped(t
     average; d's segments are dropped with the reason, and d drops theirs; nothing crashes."""
     sites = {n: own_site(tmp_path, n) for n in ("site-a", "site-b", "site-c")}
     sites["site-d"] = own_site(tmp_path, "site-d", module="other_net", width=6)
-    pin_each_other(*sites.values())
-    with contextlib.ExitStack() as stack:
-        addr = {n: stack.enter_context(running(s))[1] for n, s in sites.items()}
-        roster = write_roster(
-            tmp_path / "roster.toml", [(n, addr[n], str(s.identity_dir / "site.crt")) for n, s in sites.items()]
-        )
-        results, errors = {}, {}
-
-        def run(site):
-            try:
-                results[site.name] = run_iterate(site.config, load_iterate_config(round_file(site, roster)))
-            except BaseException as e:  # the test reads every site's outcome
-                errors[site.name] = e
-
-        threads = [threading.Thread(target=run, args=(s,)) for s in sites.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-    assert not errors, errors
+    results = run_everywhere(
+        tmp_path, sites, lambda site, roster: run_iterate(site.config, load_iterate_config(round_file(site, roster)))
+    )
     # the same plan with the built-in mlp, at a site alone: the reference charges
     ref = make_site(tmp_path, "ref-a", models={"mlp": (ARCH, model_arrays(ARCH))}, policy=policy(4.0))
     run_iterate(ref.config, load_iterate_config(round_file(ref, alone(tmp_path, ref), model="mlp")))
@@ -346,29 +356,12 @@ def test_secure_iterate_over_daemons_with_own_networks_ends_with_one_model(tmp_p
     from coordinator_free.secure_iterate import run_secure_iterate
 
     sites = {n: own_site(tmp_path, n, policy=SECURE_POLICY) for n in ("site-a", "site-b", "site-c")}
-    pin_each_other(*sites.values())
-    with contextlib.ExitStack() as stack:
-        addr = {n: stack.enter_context(running(s))[1] for n, s in sites.items()}
-        roster = write_roster(
-            tmp_path / "roster.toml", [(n, addr[n], str(s.identity_dir / "site.crt")) for n, s in sites.items()]
-        )
-        results, errors = {}, {}
 
-        def run(site):
-            try:
-                cfg = load_iterate_config(
-                    round_file(site, roster, rounds=1, wait_s=30.0, extra="secure = true\ncoalition = 1")
-                )
-                results[site.name] = run_secure_iterate(site.config, cfg)
-            except BaseException as e:  # the test reads every site's outcome
-                errors[site.name] = e
+    def run(site, roster):
+        cfg = load_iterate_config(round_file(site, roster, rounds=1, wait_s=30.0, extra="secure = true\ncoalition = 1"))
+        return run_secure_iterate(site.config, cfg)
 
-        threads = [threading.Thread(target=run, args=(s,)) for s in sites.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-    assert not errors, errors
+    results = run_everywhere(tmp_path, sites, run)
     for r in results.values():
         assert r.status == "finished", r.reason
         assert r.models == ["t1-final"] and r.rounds_done == 2  # two steps, one secure sum each
